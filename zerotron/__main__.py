@@ -1,0 +1,6 @@
+"""``python -m zerotron`` == the ``zerotron`` command."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,142 @@
+"""Pictures and the ``zerotron schedule`` command for pipeline schedules.
+
+Draws a :class:`zerotron.parallel.schedules.SimResult` as a timeline (one row per pipeline rank,
+the usual figure of GPipe, Huang et al. 2019, and Megatron-LM, Narayanan et al. 2021) and prints the
+simulated vs theoretical bubble (formulas documented in ``zerotron.parallel.schedules``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from zerotron.parallel.schedules import KINDS, SimResult, build_schedule, bubble_theory, simulate
+
+
+def _label(action) -> str:
+    return str(action.microbatch) if action.chunk == 0 else f"{action.microbatch}.{action.chunk}"
+
+
+def draw_schedule(sim: SimResult, pp: int, out_png: str, title: str) -> str:
+    """Write a PNG timeline of ``sim`` to ``out_png`` and return the path.
+
+    One row per rank (rank 0 on top), x = simulated time (units of f_cost/b_cost). F blocks are
+    coloured by micro-batch; B blocks use a darker shade of the same colour with hatching; idle time
+    is left blank. Blocks carry the micro-batch number ("mb.chunk" for chunks > 0 when interleaved).
+    Uses matplotlib's Agg canvas directly, so no global backend is changed. Raises ValueError if
+    ``sim`` does not have ``pp`` rank rows; OSError if the file cannot be written.
+    """
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    if len(sim.intervals) != pp:
+        raise ValueError(f"sim has {len(sim.intervals)} rank rows, expected pp={pp}")
+    fig = Figure(figsize=(max(6.0, min(24.0, 0.35 * sim.makespan + 2)), 0.6 * pp + 1.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    cmap = colormaps["tab20"]
+    for rank, rows in enumerate(sim.intervals):
+        for start, end, action in rows:
+            rgb = cmap((action.microbatch % 10) * 2 / 20)[:3]  # tab20: even indices = strong hues
+            backward = action.kind == "B"
+            color = tuple(0.6 * c for c in rgb) if backward else rgb
+            ax.barh(rank, end - start, left=start, height=0.8, color=color, edgecolor="black",
+                    linewidth=0.5, hatch="//" if backward else None)
+            ax.text((start + end) / 2, rank, _label(action), ha="center", va="center",
+                    fontsize=7, color="white" if backward else "black")
+    ax.set_yticks(range(pp))
+    ax.set_yticklabels([f"rank {r}" for r in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(sim.makespan, 1e-9))
+    ax.set_xlabel("time (units of f_cost / b_cost; F = one forward of a micro-batch)")
+    ax.set_ylabel("pipeline rank")
+    ax.set_title(f"{title}  (bubble {sim.bubble_fraction:.3f})")
+    ax.legend(handles=[Patch(facecolor="lightgray", edgecolor="black", label="forward F"),
+                       Patch(facecolor="dimgray", edgecolor="black", hatch="//",
+                             label="backward B"),
+                       Patch(facecolor="white", edgecolor="black", label="idle (bubble)")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120, bbox_inches="tight")
+    return out_png
+
+
+def ascii_timeline(sim: SimResult, max_width: int = 160) -> str:
+    """A text timeline: one line per rank; F cells are lower-case letters, B cells upper-case
+    (a/A = micro-batch 0, wrapping after 26), '.' is idle. One cell is the shortest compute, widened
+    so the line fits ``max_width`` characters (then short blocks may round away)."""
+    durations = [e - s for rows in sim.intervals for s, e, _ in rows if e > s]
+    if not durations:
+        return "\n".join(f"rank {r} |" for r in range(len(sim.intervals)))
+    cell = max(min(durations), sim.makespan / max_width)
+    width = round(sim.makespan / cell)
+    lines = []
+    for rank, rows in enumerate(sim.intervals):
+        line = ["."] * width
+        for start, end, action in rows:
+            ch = chr((ord("a") if action.kind == "F" else ord("A")) + action.microbatch % 26)
+            for x in range(round(start / cell), min(width, round(end / cell))):
+                line[x] = ch
+        lines.append(f"rank {rank} |{''.join(line)}|")
+    return "\n".join(lines)
+
+
+def schedule_main(argv: list) -> int:
+    """``zerotron schedule --pp P --microbatches M --kind K [--virtual V] [--f-cost F] [--b-cost B]
+    [--out F.png] [--json]``: build, simulate and report a pipeline schedule (simulated vs theory
+    bubble, peak in-flight micro-batches per rank, ASCII timeline; ``--out`` writes a PNG). With
+    ``--json`` prints an object with ``bubble_simulated``, ``bubble_theory``, ``makespan``,
+    ``peak_in_flight``, ``actions`` (per rank) and ``intervals``. Returns 0, or 2 on a usage/value
+    error (message on stderr)."""
+    parser = argparse.ArgumentParser(prog="zerotron schedule",
+                                     description="Simulate and draw a pipeline schedule.")
+    parser.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
+    parser.add_argument("--microbatches", type=int, required=True)
+    parser.add_argument("--kind", required=True, choices=KINDS)
+    parser.add_argument("--virtual", type=int, default=None,
+                        help="chunks per rank (interleaved only; default 2 there, else 1)")
+    parser.add_argument("--f-cost", type=float, default=1.0, help="forward time per micro-batch")
+    parser.add_argument("--b-cost", type=float, default=2.0, help="backward time per micro-batch")
+    parser.add_argument("--out", help="write a PNG timeline here")
+    parser.add_argument("--json", action="store_true")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return 0 if exc.code in (0, None) else 2
+    v = args.virtual if args.virtual is not None else (2 if args.kind == "interleaved" else 1)
+    try:
+        if args.f_cost <= 0 or args.b_cost <= 0:
+            raise ValueError("--f-cost and --b-cost must be > 0")
+        schedule = build_schedule(args.pp, args.microbatches, args.kind, v)
+        sim = simulate(schedule, args.pp, v, args.f_cost, args.b_cost)
+        theory = bubble_theory(args.pp, args.microbatches, v)
+        title = f"{args.kind} pp={args.pp} m={args.microbatches}" + (f" v={v}" if v > 1 else "")
+        if args.out:
+            draw_schedule(sim, args.pp, args.out, title)
+    except (ValueError, OSError) as exc:
+        print(f"zerotron schedule: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({
+            "kind": args.kind, "pp": args.pp, "microbatches": args.microbatches,
+            "virtual_stages": v, "f_cost": args.f_cost, "b_cost": args.b_cost,
+            "bubble_simulated": sim.bubble_fraction, "bubble_theory": theory,
+            "makespan": sim.makespan, "peak_in_flight": sim.peak_in_flight, "png": args.out,
+            "actions": [[asdict(a) for a in rank] for rank in schedule],
+            "intervals": [[[s, e, a.kind, a.microbatch, a.chunk] for s, e, a in rank]
+                          for rank in sim.intervals],
+        }))
+        return 0
+    print(f"{title}  (F={args.f_cost:g}, B={args.b_cost:g} per micro-batch)")
+    print(f"bubble simulated {sim.bubble_fraction:.4f}   theory {theory:.4f}   "
+          f"makespan {sim.makespan:g}")
+    print(f"peak in-flight micro-batches per rank: {sim.peak_in_flight}")
+    print(ascii_timeline(sim))
+    print("(lower case = forward, upper case = backward, a = micro-batch 0, '.' = idle)")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0

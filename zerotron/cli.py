@@ -1,0 +1,178 @@
+"""Command line: ``zerotron train | generate | memory | schedule | bench``.
+
+Every user error (config, file, checkpoint, shape) ends in one line ``zerotron: error: ...`` on
+stderr and exit code 2; nothing already on disk is modified by a run that fails validation.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+USAGE = """usage: zerotron <command> [options]
+
+commands:
+  train      train a GPT (zerotron train --config configs/default.toml --nproc 2)
+  generate   sample text from a checkpoint (zerotron generate --checkpoint runs/X --prompt "ROMEO:")
+  memory     ZeRO model-state memory per rank (zerotron memory --model gpt2 --dp 8)
+  schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
+  bench      benchmarks: 'bench comm' (collectives) and 'bench train' (DDP implementations)
+
+Run 'zerotron <command> --help' for the options of one command.
+"""
+
+
+def _fail(msg: str) -> int:
+    print(f"zerotron: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _user_errors():
+    from .config import ConfigError
+    from .data import DataError
+    from .train.checkpoint import CheckpointError
+
+    return (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError)
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zerotron train", description="Train a GPT. Any config field can be "
+                                "overridden as --section.field VALUE (e.g. --train.steps 50).")
+    p.add_argument("--config", help="TOML config file (see configs/)")
+    p.add_argument("--nproc", type=int, default=0, help="start N local worker processes (torch elastic launcher)")
+    p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    return p
+
+
+def cmd_train(argv: list[str]) -> int:
+    from .config import ConfigError, load_config, parse_overrides, validate
+    from .launch import in_worker, launch
+
+    args, rest = train_parser().parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, parse_overrides(rest))
+        world = int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc)
+        validate(cfg, world)
+        if args.resume and not args.run_dir:
+            raise ConfigError("--resume needs --run-dir (the run to continue)")
+        run_dir = Path(args.run_dir or f"runs/{Path(args.config or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+        from .train.trainer import check_run_dir
+
+        check_run_dir(run_dir, args.resume)
+        if args.nproc > 1 and not in_worker():
+            from .data import prepare_data  # build the token cache once, report data errors once
+
+            d = cfg.data
+            prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
+                         d.tokenizer or None)
+            worker_argv = ["train", *_strip_nproc(argv)]
+            if not args.run_dir:
+                worker_argv += ["--run-dir", str(run_dir)]
+            print(f"zerotron: launching {args.nproc} workers, run directory {run_dir}", file=sys.stderr)
+            return launch(args.nproc, worker_argv)
+        from .train.trainer import Trainer
+
+        trainer = Trainer(cfg, run_dir, resume=args.resume)
+        summary = trainer.fit()
+        if trainer.rank == 0:
+            _print_summary(summary, run_dir)
+        return 0
+    except _user_errors() as e:
+        return _fail(str(e))
+
+
+def _print_summary(s: dict, run_dir: Path) -> None:
+    def f(v):
+        return "n/a" if v is None else f"{v:.4f}"
+
+    print(f"\nrun directory: {run_dir}")
+    print(f"steps {s['steps']}  final train loss {f(s['final_loss'])}  validation loss "
+          f"{f(s['first_val_loss'])} -> {f(s['final_val_loss'])}  median tokens/s "
+          f"{s['median_tokens_per_s'] or 0:.0f}")
+    if s.get("sample"):
+        print("sample:\n" + s["sample"])
+
+
+def cmd_generate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="zerotron generate", description="Generate text from a checkpoint.")
+    p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompts-file", help="one prompt per line; spread over data-parallel ranks with --nproc")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nproc", type=int, default=0, help="data-parallel inference over N local processes")
+    args = p.parse_args(argv)
+    from .generate import generate_main
+    from .launch import in_worker, launch
+
+    try:
+        if args.nproc > 1 and not in_worker():
+            from .generate import resolve_checkpoint
+
+            resolve_checkpoint(args.checkpoint)  # fail early, once
+            return launch(args.nproc, ["generate", *_strip_nproc(argv)])
+        return generate_main(args)
+    except _user_errors() as e:
+        return _fail(str(e))
+    except ValueError as e:
+        return _fail(str(e))
+
+
+def cmd_bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("comm", "train"):
+        return _fail("usage: zerotron bench comm|train [options] (see 'zerotron bench comm --help')")
+    if argv[0] == "comm":
+        from .bench.comm import main as comm_main
+
+        return comm_main(argv[1:])
+    from .bench.train import main as train_bench_main
+
+    return train_bench_main(argv[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return cmd_train(rest)
+    if cmd == "generate":
+        return cmd_generate(rest)
+    if cmd == "memory":
+        from .analysis.memory import memory_main
+
+        return memory_main(rest)
+    if cmd == "schedule":
+        from .analysis.schedule_plot import schedule_main
+
+        return schedule_main(rest)
+    if cmd == "bench":
+        return cmd_bench(rest)
+    return _fail(f"unknown command {cmd!r}; commands: train, generate, memory, schedule, bench")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

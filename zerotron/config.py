@@ -1,0 +1,308 @@
+"""Configuration: dataclass sections, TOML files, ``--section.field value`` overrides, validation.
+
+Every problem raises :class:`ConfigError` with one message that names the field and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad configuration value, file or combination; the message names the field and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """GPT shape. ``preset`` (e.g. "tiny", "gpt2") fills the sizes; non-zero fields override it
+    (0 = take the preset's value, or the built-in default n_layer 4, n_head 4, n_embd 128,
+    block_size 128 without a preset). ``vocab_size = 0`` takes the tokenizer's vocabulary size.
+    ``block_size`` is also the training sequence length."""
+
+    preset: str = ""
+    n_layer: int = 0
+    n_head: int = 0
+    n_embd: int = 0
+    block_size: int = 0
+    vocab_size: int = 0
+    dropout: float = 0.0
+    bias: bool = True
+    init_from: str = ""  # path to a HF GPT-2 safetensors dir/file to start from
+
+
+@dataclass
+class DataConfig:
+    """Corpus and tokenizer. ``corpus``: shakespeare | files | hf. ``path``: file/dir or HF dataset
+    name. ``tokenizer``: "" trains a byte-level BPE of ``vocab_size`` tokens; else a tokenizer.json."""
+
+    corpus: str = "shakespeare"
+    path: str = ""
+    text_field: str = "text"
+    tokenizer: str = ""
+    vocab_size: int = 8192
+    val_fraction: float = 0.05
+    cache_dir: str = ".cache/zerotron"
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation. ``global_batch`` sequences per optimizer step; ``micro_batch`` sequences per
+    forward per dp rank; gradient accumulation = global_batch / (micro_batch * dp)."""
+
+    steps: int = 100
+    seed: int = 1337
+    global_batch: int = 16
+    micro_batch: int = 8
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: str = "fp32"
+    device: str = "auto"
+    eval_every: int = 50
+    eval_batches: int = 4
+
+
+@dataclass
+class ParallelConfig:
+    """Layout. ``dp = 0`` derives world_size / (tp * pp). ``dp_impl``: native | torch.
+    ``bucket_mb``: gradient bucket size in MiB. ``timeout_s``: collective timeout in seconds."""
+
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    dp_impl: str = "native"
+    bucket_mb: float = 25.0
+    backend: str = "auto"
+    timeout_s: float = 300.0
+
+
+@dataclass
+class CheckpointConfig:
+    """``every``: save every N optimizer steps (0 = only at the end); ``keep``: newest N kept (0 = all)."""
+
+    every: int = 0
+    keep: int = 2
+    save_final: bool = True
+
+
+@dataclass
+class LogConfig:
+    """``every``: print/log cadence in steps; ``progress``: tqdm bar on rank 0; ``sample_tokens``:
+    length of the sample generated at the end (0 = none)."""
+
+    every: int = 1
+    progress: bool = True
+    sample_tokens: int = 64
+    sample_prompt: str = "ROMEO:"
+    plot: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_cls(name: str):
+    return {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "parallel": ParallelConfig,
+            "checkpoint": CheckpointConfig, "log": LogConfig}[name]
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _coerce(section: str, name: str, typ, value):
+    """Convert ``value`` (TOML value or CLI string) to ``typ`` or raise ConfigError."""
+    key = f"{section}.{name}"
+    typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
+    if isinstance(value, str) and typ is not str:
+        s = value.strip()
+        if typ is bool:
+            if s.lower() in ("true", "1", "yes", "on"):
+                return True
+            if s.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        try:
+            if typ is int and not s.lstrip("+-").isdigit() and float(s).is_integer():
+                return int(float(s))  # "1e3" -> 1000
+            return typ(s)
+        except ValueError:
+            raise ConfigError(f"{key} must be {typ.__name__}, got {value!r}") from None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {typ.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _field_types(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def apply(cfg: Config, section: str, name: str, value) -> None:
+    """Set ``cfg.<section>.<name> = value`` with type checking; ConfigError for unknown keys."""
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown config section {section!r}{_suggest(section, SECTIONS)}; "
+                          f"valid sections: {', '.join(SECTIONS)}")
+    types = _field_types(_section_cls(section))
+    if name not in types:
+        raise ConfigError(f"unknown config key {section}.{name}{_suggest(name, types)}; "
+                          f"valid keys in [{section}]: {', '.join(types)}")
+    setattr(getattr(cfg, section), name, _coerce(section, name, types[name], value))
+
+
+def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
+    """Build a Config from defaults, then a TOML file, then ``(dotted_key, value)`` overrides.
+
+    Raises ConfigError for a missing/unparsable file, unknown sections/keys, wrong types."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found; pass an existing TOML file to --config "
+                              "(see configs/ for examples)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config file {str(p)!r}: top-level key {section!r} must be a [section] table; "
+                                  f"valid sections: {', '.join(SECTIONS)}")
+            for name, value in values.items():
+                apply(cfg, section, name, value)
+    for key, value in overrides or []:
+        if key.count(".") != 1:
+            raise ConfigError(f"override --{key} must look like --section.field (e.g. --train.steps 10)")
+        section, name = key.split(".")
+        apply(cfg, section, name, value)
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """Turn ``["--train.steps", "10", "--log.progress=false"]`` into ``[("train.steps", "10"), ...]``.
+
+    Raises ConfigError for an argument that is not ``--section.field`` or lacks a value."""
+    out, i = [], 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {a!r}; config overrides look like --section.field VALUE")
+        if "=" in a:
+            k, v = a[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {a} needs a value (e.g. {a} 10)")
+            k, v = a[2:], args[i + 1]
+            i += 2
+        out.append((k, v))
+    return out
+
+
+DEFAULT_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
+
+
+def model_shape(m: ModelConfig) -> dict:
+    """Resolve the model sizes: preset (or DEFAULT_SHAPE) values, overridden by non-zero fields.
+
+    Returns ``{"n_layer", "n_head", "n_embd", "block_size"}`` (+ ``vocab_size`` if the preset fixes
+    one). Raises ValueError for an unknown preset, naming the valid ones."""
+    shape = dict(DEFAULT_SHAPE)
+    if m.preset:
+        from .models.gpt import PRESETS
+
+        if m.preset not in PRESETS:
+            raise ValueError(f"model.preset {m.preset!r} is unknown; valid presets: {', '.join(PRESETS)}")
+        shape.update({k: v for k, v in PRESETS[m.preset].items() if k != "dropout"})
+    for key in DEFAULT_SHAPE:
+        if getattr(m, key):
+            shape[key] = getattr(m, key)
+    return shape
+
+
+DTYPES = ("fp32", "bf16")
+DP_IMPLS = ("native", "torch")
+CORPORA = ("shakespeare", "files", "hf")
+
+
+def validate(cfg: Config, world_size: int) -> dict:
+    """Check values and combinations for a run on ``world_size`` processes.
+
+    Returns the derived layout ``{"dp", "tp", "pp", "grad_accum"}``. Raises ConfigError naming the
+    field and the fix (e.g. global_batch not divisible by micro_batch * dp)."""
+    t, p, m, d = cfg.train, cfg.parallel, cfg.model, cfg.data
+
+    def need(cond, msg):
+        if not cond:
+            raise ConfigError(msg)
+
+    for key in ("steps", "global_batch", "micro_batch"):
+        need(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
+    need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    need(0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    need(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    need(t.dtype in DTYPES, f"train.dtype must be one of {DTYPES}, got {t.dtype!r}")
+    need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and train.eval_batches >= 1")
+    need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
+    need(d.corpus in CORPORA, f"data.corpus must be one of {CORPORA}, got {d.corpus!r}")
+    need(d.corpus == "shakespeare" or d.path, f"data.corpus = {d.corpus!r} needs data.path (a file, directory "
+                                              "or dataset name)")
+    need(0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
+    need(d.vocab_size >= 260 or d.tokenizer, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
+    need(p.dp_impl in DP_IMPLS, f"parallel.dp_impl must be one of {DP_IMPLS}, got {p.dp_impl!r}")
+    need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
+    need(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+    need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        need(getattr(m, key) >= 0, f"model.{key} must be >= 1 (or 0 = from the preset/tokenizer), got {getattr(m, key)}")
+    try:
+        shape = model_shape(m)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    need(shape["n_embd"] % shape["n_head"] == 0,
+         f"model.n_embd ({shape['n_embd']}) must be divisible by model.n_head ({shape['n_head']}); change one of them")
+    need(shape["block_size"] >= 2, f"model.block_size must be >= 2, got {shape['block_size']}")
+    from .distributed.mesh import ParallelDims
+
+    try:
+        dims = ParallelDims(world_size, p.dp, p.tp, p.pp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    need(dims.tp == 1 and dims.pp == 1,
+         "parallel.tp and parallel.pp > 1 are not implemented yet in this version; set them to 1")
+    per_step = t.micro_batch * dims.dp
+    need(t.global_batch % per_step == 0,
+         f"train.global_batch ({t.global_batch}) must be divisible by train.micro_batch * dp "
+         f"({t.micro_batch} * {dims.dp} = {per_step}); gradient accumulation steps must be an integer")
+    return {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "grad_accum": t.global_batch // per_step}

@@ -1,0 +1,282 @@
+"""Token caches and training windows.
+
+:func:`prepare_data` turns a corpus into two flat token files (``train.bin``,
+``val.bin``: documents each followed by the EOT id) plus ``tokenizer.json`` and
+``meta.json``, under ``cache_dir/<key>/``. The key hashes everything the files
+depend on, so a changed input builds a new cache and an unchanged one is reused.
+A cache directory appears atomically (built in a temporary sibling, then renamed),
+so readers never see a half-written one and racing builders are harmless.
+
+A split of N tokens holds ``num_windows(N, S) = (N - 1) // S`` windows; window i is
+tokens ``[i*S, i*S + S + 1)``, whose first S tokens are the inputs and last S the
+targets.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from .corpus import DataError, check_val_fraction, corpus_fingerprint, load_corpus, split_documents
+from .tokenizer import EOT, check_vocab_size, load_tokenizer, train_bpe
+
+FORMAT_VERSION = 1
+ENCODE_CHUNK_CHARS = 8_000_000  # documents are encoded in batches of about this many characters
+
+
+@dataclass
+class TokenData:
+    """An opened token cache.
+
+    Attributes:
+        train: 1-D read-only ``np.memmap`` of token ids (uint16 if vocab_size < 65536,
+            else uint32); documents each followed by ``eot_id``.
+        val: the same for the validation split.
+        tokenizer: the ``tokenizers.Tokenizer`` that produced the ids.
+        tokenizer_path: its ``tokenizer.json`` inside the cache.
+        vocab_size: number of token ids (may be below the requested size on tiny corpora).
+        eot_id: id of ``<|endoftext|>``.
+        cache_dir: the cache's own directory, ``<cache_dir>/<key>``.
+        meta: the parsed ``meta.json`` (token/document counts, key inputs, ...).
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer
+    tokenizer_path: Path
+    vocab_size: int
+    eot_id: int
+    cache_dir: Path
+    meta: dict = field(default_factory=dict, repr=False)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``np.uint16`` if vocab_size < 65536 else ``np.uint32``."""
+    return np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
+
+
+def _file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
+              text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
+              tokenizer_path: str | Path | None = None) -> tuple[str, dict]:
+    """Compute the cache key of :func:`prepare_data`'s arguments without reading text.
+
+    Returns:
+        ``(key, inputs)``: a 16-hex-digit key and the JSON-able dict it hashes
+        (format version, corpus fingerprint with file sizes/mtimes, vocab_size or
+        None when a tokenizer file is given, val_fraction, tokenizer file SHA-256).
+    Raises:
+        DataError: bad corpus/path, val_fraction, vocab_size or tokenizer_path.
+    """
+    val_fraction = check_val_fraction(val_fraction)
+    tok_hash = None
+    if tokenizer_path is None:
+        check_vocab_size(vocab_size)
+    else:
+        load_tokenizer(tokenizer_path)  # validates the file
+        tok_hash = _file_sha256(Path(tokenizer_path).expanduser())
+    inputs = {
+        "format_version": FORMAT_VERSION,
+        "source": corpus_fingerprint(corpus, path, text_field),
+        "vocab_size": vocab_size if tokenizer_path is None else None,
+        "val_fraction": val_fraction,
+        "tokenizer_sha256": tok_hash,
+    }
+    blob = json.dumps(inputs, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16], inputs
+
+
+def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
+                 text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
+                 cache_dir: str | Path = ".cache/zerotron",
+                 tokenizer_path: str | Path | None = None) -> TokenData:
+    """Build (or reuse) the token cache of a corpus and open it.
+
+    Steps: load the corpus, split each document (tail to validation), train a BPE
+    tokenizer on the train split only (or load ``tokenizer_path``; vocab_size is
+    then ignored), encode both splits, write ``cache_dir/<key>/``. An existing
+    complete cache with the same key is opened without any work. Not coordinated
+    across processes: in a distributed job let one rank build it first, then the
+    others open it (a race is still safe, only wasteful).
+
+    Args:
+        corpus, path, text_field: see :func:`zerotron.data.load_corpus`.
+        vocab_size: BPE vocabulary size (int >= 257).
+        val_fraction: share of each document's characters for validation, (0, 0.5].
+        cache_dir: root directory of token caches.
+        tokenizer_path: optional existing tokenizer JSON to use instead of training.
+    Returns:
+        :class:`TokenData` with memory-mapped splits.
+    Raises:
+        DataError: any bad input (see load_corpus, split_documents, train_bpe,
+            load_tokenizer) or a corrupt existing cache.
+    """
+    key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path)
+    root = Path(cache_dir).expanduser()
+    final = root / key
+    if final.exists():
+        return load_token_data(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp: Path | None = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    try:
+        _build(tmp, key, inputs, corpus, path, text_field, vocab_size, val_fraction,
+               tokenizer_path)
+        os.chmod(tmp, 0o755)
+        try:
+            os.replace(tmp, final)
+            tmp = None
+        except OSError:
+            if not (final / "meta.json").is_file():
+                raise
+            # another process finished the same cache first: keep theirs, drop ours
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return load_token_data(final)
+
+
+def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str,
+           vocab_size: int, val_fraction: float, tokenizer_path) -> None:
+    """Write tokenizer.json, train.bin, val.bin and finally meta.json into ``out``."""
+    start = time.perf_counter()
+    docs = load_corpus(corpus, path, text_field)
+    train_docs, val_docs = split_documents(docs, val_fraction)
+    if tokenizer_path is None:
+        tok = train_bpe(train_docs, vocab_size, out / "tokenizer.json")
+    else:
+        shutil.copyfile(Path(tokenizer_path).expanduser(), out / "tokenizer.json")
+        tok = load_tokenizer(out / "tokenizer.json")
+    vocab, eot = tok.get_vocab_size(), tok.token_to_id(EOT)
+    dtype = token_dtype(vocab)
+    counts = {name: _encode_to_file(tok, split, eot, dtype, out / f"{name}.bin")
+              for name, split in (("train", train_docs), ("val", val_docs))}
+    meta = {
+        "format_version": FORMAT_VERSION, "key": key, "inputs": inputs,
+        "vocab_size": vocab, "eot_id": eot, "dtype": dtype.name,
+        "train_tokens": counts["train"], "val_tokens": counts["val"],
+        "documents": len(docs), "train_documents": len(train_docs),
+        "val_documents": len(val_docs),
+        "train_chars": sum(map(len, train_docs)), "val_chars": sum(map(len, val_docs)),
+        "build_seconds": round(time.perf_counter() - start, 3),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _encode_to_file(tok: Tokenizer, docs: list[str], eot: int, dtype: np.dtype,
+                    out: Path) -> int:
+    """Encode docs in batches, each followed by ``eot``; write raw ids; return count."""
+    total = 0
+    with open(out, "wb") as f:
+        i = 0
+        while i < len(docs):
+            j, chars = i, 0
+            while j < len(docs) and (j == i or chars + len(docs[j]) <= ENCODE_CHUNK_CHARS):
+                chars += len(docs[j])
+                j += 1
+            parts = []
+            for enc in tok.encode_batch(docs[i:j]):
+                parts.append(np.asarray(enc.ids, dtype=dtype))
+                parts.append(np.array([eot], dtype=dtype))
+            ids = np.concatenate(parts)
+            ids.tofile(f)
+            total += ids.size
+            i = j
+    return total
+
+
+def _open_tokens(file: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    """Memory-map ``count`` ids of ``dtype`` read-only; DataError if the size is off."""
+    if not file.is_file() or file.stat().st_size != count * dtype.itemsize:
+        raise DataError(f"{file} is missing or not {count} tokens of {dtype.name} as meta.json "
+                        "says; delete the cache directory and run prepare_data again")
+    if count == 0:  # numpy cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(file, dtype=dtype, mode="r", shape=(count,))
+
+
+def load_token_data(path: str | Path) -> TokenData:
+    """Open an existing cache directory ``<cache_dir>/<key>``.
+
+    Returns:
+        :class:`TokenData` (splits are read-only memmaps).
+    Raises:
+        DataError: not a complete cache (no meta.json, wrong format version,
+            missing/truncated files, bad tokenizer).
+    """
+    path = Path(path).expanduser()
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise DataError(f"{path} is not a complete zerotron token cache (no meta.json); "
+                        "delete it and run prepare_data again")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError:
+        raise DataError(f"{meta_file} is not valid JSON; delete {path} and run prepare_data "
+                        "again") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path} has cache format {meta.get('format_version')!r}, this version "
+                        f"reads {FORMAT_VERSION}; delete it and run prepare_data again")
+    tok = load_tokenizer(path / "tokenizer.json")
+    dtype = np.dtype(meta["dtype"])
+    return TokenData(
+        train=_open_tokens(path / "train.bin", dtype, meta["train_tokens"]),
+        val=_open_tokens(path / "val.bin", dtype, meta["val_tokens"]),
+        tokenizer=tok, tokenizer_path=path / "tokenizer.json",
+        vocab_size=meta["vocab_size"], eot_id=meta["eot_id"], cache_dir=path, meta=meta,
+    )
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """Number of training windows, ``max((num_tokens - 1) // seq_len, 0)``.
+
+    Raises:
+        DataError: seq_len is not a positive int.
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise DataError(f"seq_len must be a positive integer, got {seq_len!r}")
+    return max((int(num_tokens) - 1) // int(seq_len), 0)
+
+
+def batch_from_indices(tokens: np.ndarray, indices, seq_len: int,
+                       split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather windows of a token split into an input/target batch.
+
+    Args:
+        tokens: 1-D token ids (e.g. ``TokenData.train``, any integer dtype).
+        indices: 1-D window indices (B,), each in ``[0, num_windows(len(tokens), seq_len))``.
+        seq_len: S, tokens per window input.
+        split: split name used in error messages.
+    Returns:
+        ``(x, y)``: contiguous ``torch.int64`` tensors of shape (B, S) with
+        ``x[b] = tokens[i*S : i*S+S]`` and ``y[b] = tokens[i*S+1 : i*S+S+1]``, i = indices[b].
+    Raises:
+        DataError: the split is too small for one window, indices are not 1-D, or
+            an index is out of range.
+    """
+    n = num_windows(len(tokens), seq_len)
+    if n == 0:
+        raise DataError(f"the {split} split has {len(tokens)} tokens but one window of seq_len "
+                        f"{seq_len} needs {seq_len + 1}; lower seq_len or use more data "
+                        "(for val: a larger val_fraction)")
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.ndim != 1:
+        raise DataError(f"indices must be 1-D, got shape {idx.shape}")
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise DataError(f"window index out of range [0, {n}) for the {split} split "
+                        f"(min {idx.min()}, max {idx.max()}); use the sampler's indices")
+    rows = tokens[idx[:, None] * seq_len + np.arange(seq_len + 1)]
+    windows = torch.from_numpy(np.array(rows, dtype=np.int64))
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()

@@ -1,0 +1,220 @@
+"""The only place zerotron calls torch.distributed collectives.
+
+Every wrapper here
+  * refuses non-contiguous tensors (gloo silently reduces the wrong memory for strided views),
+  * counts calls and bytes per (op, group) in a process-wide :class:`CommStats`,
+  * supports synchronous use (returns ``None``) and asynchronous use (``async_op=True`` returns the
+    ``torch.distributed.Work`` handle; call ``.wait()`` before reading the result).
+
+Byte accounting follows the nccl-tests convention for the "size" of a collective:
+  * all_reduce, broadcast, reduce: the tensor's bytes;
+  * all_gather (into tensor): the *output* bytes (world_size x input);
+  * reduce_scatter (tensor): the *input* bytes (world_size x output);
+  * all_to_all: the input bytes; send/recv: the tensor's bytes.
+Bus bandwidth factors for these sizes live in :func:`busbw_factor`.
+
+A ``tag`` (e.g. ``"grad"``, ``"loss_norm"``) can be attached to any call so that tests and metrics
+can tell gradient traffic from bookkeeping traffic; stats are keyed by ``(op, group_name, tag)``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+@dataclass(frozen=True)
+class NamedGroup:
+    """A ProcessGroup with the name of the mesh dimension it spans (``"dp"``, ``"tp"``, ``"pp"``).
+
+    Two mesh dimensions may share one underlying ProcessGroup object (e.g. when a degree is 1), so
+    the name travels with the handle rather than being looked up from the group."""
+
+    pg: object
+    name: str
+
+    def size(self) -> int:
+        return dist.get_world_size(self.pg)
+
+    def rank(self) -> int:
+        return dist.get_rank(self.pg)
+
+
+def _pg(group):
+    return group.pg if isinstance(group, NamedGroup) else group
+
+
+def group_name(group) -> str:
+    """Accounting name of ``group``: its NamedGroup name, ``"world"`` for ``None``."""
+    if isinstance(group, NamedGroup):
+        return group.name
+    return "world" if group is None or group is dist.GroupMember.WORLD else "group"
+
+
+@dataclass
+class CommStats:
+    """Counts of collective calls and bytes, keyed by ``(op, group_name, tag)``.
+
+    ``calls[key]`` is an int; ``bytes[key]`` is an int (bytes, nccl-tests size convention).
+    """
+
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    bytes: dict = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, op: str, group, tensor_bytes: int, tag: str = "") -> None:
+        key = (op, group_name(group), tag)
+        self.calls[key] += 1
+        self.bytes[key] += int(tensor_bytes)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def total_bytes(self, op: str | None = None, group: str | None = None, tag: str | None = None) -> int:
+        """Sum of bytes over keys matching the given filters (``None`` matches anything)."""
+        return sum(v for k, v in self.bytes.items() if _match(k, op, group, tag))
+
+    def total_calls(self, op: str | None = None, group: str | None = None, tag: str | None = None) -> int:
+        """Sum of call counts over keys matching the given filters."""
+        return sum(v for k, v in self.calls.items() if _match(k, op, group, tag))
+
+    def snapshot(self) -> dict:
+        """A JSON-friendly copy: ``{"op/group/tag": {"calls": n, "bytes": b}}``."""
+        return {"/".join(k): {"calls": self.calls[k], "bytes": self.bytes[k]} for k in sorted(self.calls)}
+
+
+def _match(key, op, group, tag) -> bool:
+    return (op is None or key[0] == op) and (group is None or key[1] == group) and (tag is None or key[2] == tag)
+
+
+STATS = CommStats()
+
+
+def _check(t: torch.Tensor, what: str) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{what}: tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous() first "
+            "(gloo silently reduces the wrong elements of strided views)"
+        )
+    return t.numel() * t.element_size()
+
+
+def _world(group) -> int:
+    return dist.get_world_size(_pg(group))
+
+
+def all_reduce(t: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, tag: str = ""):
+    """In-place all-reduce of ``t`` (any shape) over ``group``. Returns a Work handle if ``async_op``."""
+    STATS.record("all_reduce", group, _check(t, "all_reduce"), tag)
+    return dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False, tag: str = ""):
+    """In-place broadcast of ``t`` from global rank ``src``."""
+    STATS.record("broadcast", group, _check(t, "broadcast"), tag)
+    return dist.broadcast(t, src=src, group=_pg(group), async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
+    """Gather equal-size flat shards: ``output`` is 1-D with ``world_size * inp.numel()`` elements.
+
+    Raises ValueError if ``output`` is not 1-D of the right size (gloo rejects 2-D outputs)."""
+    n = _world(group)
+    _check(inp, "all_gather input")
+    nbytes = _check(output, "all_gather output")
+    if output.dim() != 1 or output.numel() != n * inp.numel():
+        raise ValueError(f"all_gather: output must be 1-D with {n}x{inp.numel()} elements, got {tuple(output.shape)}")
+    STATS.record("all_gather", group, nbytes, tag)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, inp.reshape(-1), group=_pg(group), async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
+                   tag: str = ""):
+    """Reduce the flat ``inp`` (``world_size * output.numel()`` elements) and scatter equal shards.
+
+    Rank r receives the reduced elements ``[r*k, (r+1)*k)`` where ``k = output.numel()``."""
+    n = _world(group)
+    _check(output, "reduce_scatter output")
+    nbytes = _check(inp, "reduce_scatter input")
+    if inp.numel() != n * output.numel():
+        raise ValueError(f"reduce_scatter: input must have {n}x{output.numel()} elements, got {inp.numel()}")
+    STATS.record("reduce_scatter", group, nbytes, tag)
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output.reshape(-1), inp.reshape(-1), op=op, group=_pg(group), async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
+    """Equal-split all-to-all of flat tensors (``inp.numel()`` divisible by world size)."""
+    nbytes = _check(inp, "all_to_all input")
+    _check(output, "all_to_all output")
+    STATS.record("all_to_all", group, nbytes, tag)
+    return dist.all_to_all_single(output, inp, group=_pg(group), async_op=async_op)
+
+
+def send(t: torch.Tensor, dst: int, group=None, tag: str = "") -> None:
+    """Blocking point-to-point send to global rank ``dst``."""
+    STATS.record("send", group, _check(t, "send"), tag)
+    dist.send(t, dst=dst, group=_pg(group))
+
+
+def recv(t: torch.Tensor, src: int, group=None, tag: str = "") -> None:
+    """Blocking point-to-point receive into ``t`` from global rank ``src``."""
+    STATS.record("recv", group, _check(t, "recv"), tag)
+    dist.recv(t, src=src, group=_pg(group))
+
+
+def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group=None, tag: str = "") -> list:
+    """Post a batch of point-to-point ops; ``ops`` is a list of ``("send"|"recv", tensor, peer_rank)``.
+
+    Returns the list of Work handles (wait on all of them before using received tensors)."""
+    p2p = []
+    for kind, t, peer in ops:
+        STATS.record(kind, group, _check(t, kind), tag)
+        fn = dist.isend if kind == "send" else dist.irecv
+        p2p.append(dist.P2POp(fn, t, peer, group=_pg(group)))
+    return dist.batch_isend_irecv(p2p) if p2p else []
+
+
+def barrier(group=None) -> None:
+    """Synchronise all ranks of ``group`` (not counted as traffic)."""
+    dist.barrier(group=_pg(group))
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Gather any picklable object from every rank of ``group`` (control plane; counted as 0 bytes)."""
+    out = [None] * _world(group)
+    STATS.record("all_gather_object", group, 0)
+    dist.all_gather_object(out, obj, group=_pg(group))
+    return out
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
+    box = [obj]
+    STATS.record("broadcast_object", group, 0)
+    dist.broadcast_object_list(box, src=src, group=_pg(group))
+    return box[0]
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """Bus-bandwidth factor of the nccl-tests convention (busbw = algbw x factor) for ``n`` ranks.
+
+    all_reduce 2(n-1)/n; all_gather, reduce_scatter and all_to_all (n-1)/n; broadcast, reduce,
+    send/recv 1. Source: NVIDIA nccl-tests, doc/PERFORMANCE.md.
+    Raises ValueError for an unknown op."""
+    if n < 1:
+        raise ValueError(f"busbw_factor: n must be >= 1, got {n}")
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "send", "recv", "p2p"):
+        return 1.0
+    raise ValueError(f"busbw_factor: unknown op {op!r}")

@@ -1,0 +1,132 @@
+"""Process-group set-up: ``ParallelDims`` -> one DeviceMesh over ("pp", "dp", "tp").
+
+The mesh is built once and is the single source of truth for who talks to whom. tp is the innermost
+(fastest-varying) dimension so tensor-parallel peers are neighbouring ranks (same node, fastest
+links), as in Megatron-LM and picotron; pp is outermost.
+
+Global rank of coordinates (p, d, t) = (p * dp + d) * tp + t.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallel dimension; ``dp * tp * pp`` must equal ``world_size``.
+
+    ``dp = 0`` means "derive": world_size // (tp * pp). Raises ValueError (naming the fix) when the
+    product does not match the world size or a degree is < 1."""
+
+    world_size: int
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp < 0:
+            raise ValueError(f"parallel.dp must be >= 1 (or 0 = derive from world size), got {self.dp}")
+        if self.dp == 0:
+            if self.world_size % (self.tp * self.pp):
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}; "
+                    "change --nproc or parallel.tp / parallel.pp")
+            object.__setattr__(self, "dp", self.world_size // (self.tp * self.pp))
+        if self.dp * self.tp * self.pp != self.world_size:
+            raise ValueError(
+                f"parallel.dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
+                f"does not equal the world size {self.world_size}; set parallel.dp = 0 to derive it "
+                "or change --nproc")
+
+    def coords(self, rank: int) -> dict:
+        """(pp, dp, tp) coordinates of a global rank as a dict."""
+        t = rank % self.tp
+        d = (rank // self.tp) % self.dp
+        p = rank // (self.tp * self.dp)
+        return {"pp": p, "dp": d, "tp": t}
+
+
+def default_device() -> torch.device:
+    """The device this process should use: ``cuda:<LOCAL_RANK>`` when CUDA is present, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 1800.0, device: torch.device | None = None):
+    """Initialise the default process group once and return ``(rank, world_size, device)``.
+
+    Under torchrun / the elastic launcher the env vars RANK, WORLD_SIZE, MASTER_ADDR/PORT are used.
+    Without them a single-process group (world size 1) is created in memory so that every code
+    path is the same for one process. ``backend="auto"``: NCCL on CUDA, gloo on CPU.
+    ``timeout_s`` bounds every collective: if a peer dies the others raise within it instead of
+    hanging."""
+    device = device or default_device()
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+class Mesh:
+    """The ("pp", "dp", "tp") DeviceMesh plus handy per-dimension accessors.
+
+    Attributes: ``dims`` (ParallelDims), ``mesh`` (torch DeviceMesh), ``rank``, ``coords``
+    ({"pp","dp","tp"} -> int), ``device``. ``group(name)`` returns the ProcessGroup of a dimension,
+    ``size(name)``/``local_rank(name)`` its degree and this rank's index in it."""
+
+    def __init__(self, dims: ParallelDims, device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.dims = dims
+        self.device = device
+        self.rank = dist.get_rank()
+        self.coords = dims.coords(self.rank)
+        self.mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self._groups = {name: comm.NamedGroup(self.mesh.get_group(name), name) for name in ("pp", "dp", "tp")}
+
+    def group(self, name: str) -> comm.NamedGroup:
+        """Named process group of dimension ``name`` in {"pp", "dp", "tp"} (pass it to comm.*)."""
+        return self._groups[name]
+
+    def pg(self, name: str):
+        """Raw torch ProcessGroup of dimension ``name`` (for torch's own DDP/FSDP2)."""
+        return self._groups[name].pg
+
+    def size(self, name: str) -> int:
+        return getattr(self.dims, name)
+
+    def local_rank(self, name: str) -> int:
+        return self.coords[name]
+
+    def global_rank(self, pp: int, dp: int, tp: int) -> int:
+        """Global rank at coordinates (pp, dp, tp)."""
+        return (pp * self.dims.dp + dp) * self.dims.tp + tp
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """True on global rank 0 (writes metrics, prints)."""
+        return self.rank == 0
+
+
+def destroy() -> None:
+    """Tear down the default process group if one exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,41 @@
+"""``--nproc N``: start N local workers through torch's elastic launcher (what ``torchrun`` runs).
+
+The parent process validates everything it can first (so a bad config gives one clean error, not N),
+then re-runs ``python -m zerotron <argv>`` in N workers with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*
+set. If one worker fails, the elastic agent stops the others and this returns non-zero.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def in_worker() -> bool:
+    """True when this process was started by torchrun / the elastic launcher (RANK is set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(nproc: int, argv: list[str], module: str = "zerotron") -> int:
+    """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
+
+    ``argv`` must not contain ``--nproc`` (the workers would launch again). Uses
+    ``torch.distributed.run`` with ``--standalone`` (a free local rendezvous port) and
+    ``--max-restarts 0``. Raises ValueError if ``nproc < 1``."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    args = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", module, *argv])
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failures = getattr(e, "failures", {}) or {}
+        ranks = sorted(f.global_rank for f in failures.values()) if failures else "?"
+        print(f"zerotron: worker(s) {ranks} failed (exit codes "
+              f"{sorted({f.exitcode for f in failures.values()})}); the other workers were stopped. "
+              "See the traceback above.", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,232 @@
+"""Hugging Face GPT-2 checkpoints (config.json + safetensors) <-> zerotron ``GPT``.
+
+HF ``GPT2LMHeadModel`` uses the same module names as ``zerotron.models.gpt.GPT``, with two
+differences handled here: its ``Conv1D`` layers (c_attn, c_proj, c_fc) store weights as
+(in_features, out_features), the transpose of ``nn.Linear``; and its files may carry the
+non-parameter buffers ``h.N.attn.bias`` / ``h.N.attn.masked_bias`` (old causal masks) and omit the
+tied ``lm_head.weight``. Only safetensors files are read (no pickle). ``transformers`` is not
+needed by this module.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from zerotron.models.gpt import GPT, GPTConfig
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_MASK_BUFFER = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
+
+
+def hf_config_to_gpt(config: dict) -> GPTConfig:
+    """Map a HF GPT2Config dict (config.json contents) to a validated GPTConfig.
+
+    block_size comes from ``n_positions`` (or the older ``n_ctx``); dropout from ``resid_pdrop``
+    (HF also has embd_pdrop/attn_pdrop, equal by default; they only matter in training).
+    Missing fields take the GPT2Config defaults (the 124M model).
+    Raises ValueError for settings this architecture does not implement: model_type other than
+    gpt2, activation_function other than gelu_new/gelu_pytorch_tanh, n_inner != 4*n_embd,
+    scale_attn_weights false, scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn true,
+    add_cross_attention true, or untied word embeddings; or for invalid sizes.
+    """
+    c = dict(config)
+    problems = []
+    if c.get("model_type", "gpt2") != "gpt2":
+        problems.append(f"model_type={c['model_type']!r} (only 'gpt2')")
+    if c.get("activation_function", "gelu_new") not in _GELU_TANH:
+        problems.append(f"activation_function={c['activation_function']!r} "
+                        f"(supported: {', '.join(_GELU_TANH)})")
+    n_embd = c.get("n_embd", 768)
+    if c.get("n_inner") not in (None, 4 * n_embd):
+        problems.append(f"n_inner={c['n_inner']} (only 4*n_embd={4 * n_embd})")
+    if not c.get("scale_attn_weights", True):
+        problems.append("scale_attn_weights=false")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                 "add_cross_attention"):
+        if c.get(flag, False):
+            problems.append(f"{flag}=true")
+    if not c.get("tie_word_embeddings", True):
+        problems.append("tie_word_embeddings=false (lm_head must share the wte weight)")
+    if problems:
+        raise ValueError("unsupported GPT-2 config setting(s): " + "; ".join(problems))
+    return GPTConfig(
+        vocab_size=c.get("vocab_size", 50257),
+        block_size=c.get("n_positions", c.get("n_ctx", 1024)),
+        n_layer=c.get("n_layer", 12), n_head=c.get("n_head", 12), n_embd=n_embd,
+        dropout=float(c.get("resid_pdrop", 0.1)), bias=True,
+        layer_norm_eps=float(c.get("layer_norm_epsilon", 1e-5)),
+    ).validate()
+
+
+def gpt_to_hf_config(cfg: GPTConfig) -> dict:
+    """A config.json dict for ``transformers.GPT2LMHeadModel.from_pretrained``.
+
+    bos/eos ids are 50256 (GPT-2's <|endoftext|>) when vocab_size >= 50257, else vocab_size-1.
+    Raises ValueError if cfg has bias=False (HF GPT-2 always has biases) or is invalid.
+    """
+    cfg.validate()
+    if not cfg.bias:
+        raise ValueError("HF GPT-2 always has Linear/LayerNorm biases; cannot export bias=False")
+    eos = 50256 if cfg.vocab_size >= 50257 else cfg.vocab_size - 1
+    return {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_eps,
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "initializer_range": 0.02, "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "use_cache": True, "bos_token_id": eos, "eos_token_id": eos,
+        "tie_word_embeddings": True,
+    }
+
+
+def _expected_shapes(cfg: GPTConfig) -> dict[str, torch.Size]:
+    """Our state-dict key -> shape, from a GPT built on the meta device (no memory used)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def _check_keys(got: dict, expected: dict, what: str) -> None:
+    """Raise ValueError listing missing/unexpected keys and shape mismatches (first few each)."""
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    wrong = [f"{k}: got {tuple(got[k].shape)}, expected {tuple(expected[k])}"
+             for k in expected if k in got and got[k].shape != expected[k]]
+    if missing or unexpected or wrong:
+        parts = [f"{name} ({len(items)}): {items[:5]}" for name, items in
+                 (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+                 if items]
+        raise ValueError(f"{what} does not match the GPT config: " + "; ".join(parts)
+                         + ". Check that config.json belongs to these weights.")
+
+
+def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """HF GPT-2 tensors -> a state dict for ``GPT(cfg).load_state_dict``.
+
+    Keys may have the ``transformer.`` prefix (GPT2LMHeadModel) or not (GPT2Model). Conv1D
+    weights (in, out) are transposed to Linear (out, in). Mask buffers are dropped. A missing
+    ``lm_head.weight`` is filled with wte (tied); a present one must equal wte.
+    Raises ValueError on missing/unexpected keys, wrong shapes, or untied lm_head.
+    """
+    out = {}
+    for key, t in hf_sd.items():
+        if _MASK_BUFFER.search(key):
+            continue
+        name = key.removeprefix("transformer.")
+        if name != "lm_head.weight":
+            name = "transformer." + name
+        if name.endswith(_CONV1D) and t.dim() == 2:
+            t = t.t()
+        out[name] = t.contiguous()
+    wte = out.get("transformer.wte.weight")
+    if "lm_head.weight" in out and wte is not None:
+        if out["lm_head.weight"].shape != wte.shape or not torch.equal(out["lm_head.weight"], wte):
+            raise ValueError("lm_head.weight differs from transformer.wte.weight; only tied "
+                             "GPT-2 checkpoints are supported")
+    if wte is not None:
+        out["lm_head.weight"] = wte
+    _check_keys(out, _expected_shapes(cfg), "HF GPT-2 state dict")
+    return out
+
+
+def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """Our GPT state dict -> HF GPT2LMHeadModel tensors (``transformer.*`` keys).
+
+    Linear weights of c_attn/c_proj/c_fc are transposed to Conv1D (in, out); the tied
+    ``lm_head.weight`` is left out. Every tensor is a detached, contiguous CPU copy that shares
+    no storage (safetensors refuses shared tensors). Raises ValueError on key/shape mismatch.
+    """
+    _check_keys(sd, _expected_shapes(cfg), "GPT state dict")
+    out = {}
+    for name, t in sd.items():
+        if name == "lm_head.weight":
+            continue
+        t = t.detach().cpu()
+        if name.endswith(_CONV1D):
+            t = t.t()
+        out[name] = t.contiguous().clone()
+    return out
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Load model.safetensors, or the shards listed by model.safetensors.index.json beside it."""
+    if path.is_file():
+        return load_file(str(path))
+    index = path.with_name(path.name + ".index.json")
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        sd = {}
+        for shard in shards:
+            sd.update(load_file(str(path.with_name(shard))))
+        return sd
+    hint = (" Only safetensors is read: convert pytorch_model.bin with "
+            "transformers' save_pretrained(..., safe_serialization=True).")
+    raise FileNotFoundError(f"weights file {path} not found.{hint}")
+
+
+def load_hf_gpt2(path: str | Path) -> GPT:
+    """Build a GPT from a HF GPT-2 checkpoint.
+
+    ``path``: a directory holding config.json and model.safetensors (or a sharded
+    model.safetensors.index.json), or a .safetensors file with config.json beside it.
+    Returns the model in eval mode, float dtype as stored (cast to our fp32 params).
+    Raises FileNotFoundError naming a missing path/file, ValueError for an unsupported config or
+    weights that do not match it.
+    """
+    path = Path(path)
+    if path.is_dir():
+        weights = path / "model.safetensors"
+    elif path.suffix == ".safetensors" and path.is_file():
+        weights = path
+    else:
+        raise FileNotFoundError(f"{path} is neither a checkpoint directory nor a .safetensors "
+                                "file; pass the folder written by save_pretrained")
+    config_path = weights.parent / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} not found: a HF GPT-2 checkpoint needs its "
+                                "config.json next to the weights")
+    cfg = hf_config_to_gpt(json.loads(config_path.read_text()))
+    try:
+        sd = state_dict_from_hf(_read_safetensors(weights), cfg)
+    except ValueError as e:
+        raise ValueError(f"{weights}: {e}") from None
+    model = GPT(cfg)
+    model.load_state_dict(sd)
+    return model.eval()
+
+
+def export_hf_gpt2(model_or_state_dict: GPT | dict, cfg: GPTConfig | None, out_dir: str | Path,
+                   *, overwrite: bool = False) -> Path:
+    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` readable by
+    ``transformers.GPT2LMHeadModel.from_pretrained(out_dir)``; return out_dir.
+
+    ``cfg`` may be None when a GPT is passed (its ``.config`` is used). Tensors keep their dtype.
+    Raises FileExistsError if out_dir is a file or a non-empty directory and not ``overwrite``;
+    ValueError if cfg is missing or does not match the weights, or has bias=False.
+    """
+    if isinstance(model_or_state_dict, GPT):
+        cfg = cfg or model_or_state_dict.config
+        sd = model_or_state_dict.state_dict()
+    else:
+        sd = model_or_state_dict
+    if cfg is None:
+        raise ValueError("export_hf_gpt2 needs cfg when given a state dict")
+    hf_config = gpt_to_hf_config(cfg)
+    tensors = state_dict_to_hf(sd, cfg)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory; choose another out_dir")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} is not empty; choose a new directory or pass "
+                              "overwrite=True to replace config.json and model.safetensors")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    return out_dir

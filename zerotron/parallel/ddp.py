@@ -1,0 +1,189 @@
+"""Data parallelism: bucketed gradient all-reduce overlapped with backward.
+
+Native implementation (``parallel.dp_impl = "native"``):
+  * parameters are grouped into buckets of ~``bucket_mb`` MiB in *reverse registration order*
+    (roughly the order backward produces their gradients, as in PyTorch DDP, Li et al. 2020);
+  * each bucket owns one flat gradient buffer and every ``param.grad`` is a view into it
+    (no copies: autograd accumulates straight into the buffer);
+  * a post-accumulate-grad hook counts ready parameters; as soon as a bucket is complete its
+    all-reduce is launched asynchronously, so communication overlaps the rest of backward.
+    Buckets are launched strictly in index order so every rank issues collectives in the same order;
+  * inside ``no_sync()`` (non-final micro-batches of an accumulation window) nothing is
+    communicated: gradients just accumulate in the buffers;
+  * ``finish_grads()`` launches any bucket whose parameters got no gradient in this step (their
+    gradient is zero on this rank; all ranks still take part, so replicas never diverge) and waits.
+
+Reduction is a SUM: the trainer divides the loss by the number of target tokens of the *whole global
+batch*, so summing per-rank gradients gives exactly the single-process gradient (no 1/world_size).
+
+``parallel.dp_impl = "torch"`` wraps ``torch.nn.parallel.DistributedDataParallel`` with a SUM comm
+hook (routed through ``comm.all_reduce`` so its traffic is counted too), for comparison.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from ..distributed import comm
+
+
+def unique_params(module: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters of ``module`` in registration order, each once (tied weights deduplicated)."""
+    seen, out = set(), []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], device, dtype):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(self.numel, device=device, dtype=dtype)
+        self.ready: set[int] = set()
+        self.work = None
+        off = 0
+        for p in params:
+            p.grad = self.buffer[off:off + p.numel()].view_as(p)
+            off += p.numel()
+
+
+class DataParallel:
+    """Native bucketed DDP over the ``dp`` group.
+
+    Args:
+        module: the model (replicated on every dp rank).
+        group: ``comm.NamedGroup`` of the dp dimension.
+        bucket_mb: bucket capacity in MiB (a parameter larger than that gets a bucket of its own).
+        src_rank: global rank whose parameters are broadcast to the others at start.
+    Attributes: ``module``, ``buckets``.
+    Raises ValueError if the module has no trainable parameters."""
+
+    def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0, src_rank: int = 0):
+        self.module, self.group = module, group
+        params = unique_params(module)
+        if not params:
+            raise ValueError("DataParallel: the module has no trainable parameters")
+        with torch.no_grad():
+            for p in params:  # identical start on all replicas (init is already seeded; this enforces it)
+                comm.broadcast(p.data, src=src_rank, group=group, tag="init")
+        cap = int(bucket_mb * 2**20)
+        self.buckets: list[_Bucket] = []
+        current, size = [], 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > cap:
+                self.buckets.append(_Bucket(current, p.device, p.dtype))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        self.buckets.append(_Bucket(current, current[0].device, current[0].dtype))
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._next = 0
+        self._sync = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def parameters(self):
+        return unique_params(self.module)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally without communicating (non-final micro-batches)."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        b = self.buckets[self._bucket_of[id(p)]]
+        b.ready.add(id(p))
+        self._launch_ready()
+
+    def _launch(self, b: _Bucket) -> None:
+        b.work = comm.all_reduce(b.buffer, group=self.group, async_op=True, tag="grad")
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if len(b.ready) < len(b.params):
+                return
+            self._launch(b)
+            self._next += 1
+
+    def finish_grads(self) -> None:
+        """Launch the buckets not yet launched (in order) and wait for all reductions.
+
+        Call once per optimizer step after the last backward; afterwards every ``p.grad`` holds the
+        sum over dp ranks."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.work = None
+            b.ready.clear()
+        self._next = 0
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient buffers (grads stay views into them)."""
+        for b in self.buckets:
+            b.buffer.zero_()
+            off = 0
+            for p in b.params:  # re-attach views if someone set p.grad = None
+                if p.grad is None or p.grad.data_ptr() != b.buffer[off:].data_ptr():
+                    p.grad = b.buffer[off:off + p.numel()].view_as(p)
+                off += p.numel()
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage (sum of bucket buffers)."""
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+
+
+class TorchDDP:
+    """``torch.nn.parallel.DistributedDataParallel`` with the same interface as :class:`DataParallel`.
+
+    A comm hook replaces DDP's averaging by a SUM all-reduce through ``comm.all_reduce`` (the trainer
+    normalises the loss by the global token count)."""
+
+    def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.module, self.group = module, group
+        dev = next(module.parameters()).device
+        self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,
+                       device_ids=[dev] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
+
+        def sum_hook(state, bucket):
+            buf = bucket.buffer()
+            work = comm.all_reduce(buf, group=group, async_op=True, tag="grad")
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        self.ddp.register_comm_hook(None, sum_hook)
+
+    def __call__(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def parameters(self):
+        return unique_params(self.module)
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def finish_grads(self) -> None:
+        """Nothing to do: torch DDP's backward already waited for its reductions."""
+
+    def zero_grad(self) -> None:
+        for p in unique_params(self.module):
+            if p.grad is not None:
+                p.grad.zero_()

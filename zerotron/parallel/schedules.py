@@ -1,0 +1,288 @@
+"""Pipeline schedules as data: per-rank action lists, a checker, an event simulator, bubble theory.
+
+Pure functions, no process groups. Model stage of (rank r, chunk c) is ``c*pp + r`` (Megatron-LM
+interleaving, Narayanan et al. 2021); with ``virtual_stages == 1`` chunk is always 0 and stage == r.
+
+Kinds: "naive" (one batch, no micro-batching), "gpipe" (Huang et al. 2019: all forwards, then all
+backwards), "1f1b" (PipeDream-Flush, Narayanan et al. 2021: warm-up forwards, steady one-forward-
+one-backward, cool-down backwards), "interleaved" (Megatron-LM interleaved 1F1B, Narayanan et al.
+2021 "Efficient Large-Scale Language Model Training on GPU Clusters", v chunks per rank).
+
+Communication convention (what an executor may assume):
+
+* Computes come in *groups*: a single F or B, except in the interleaved steady state where a group
+  is an F-B pair (Megatron-LM's send_forward_backward_recv_forward_backward step). Between two
+  groups, and before the first / after the last, there is exactly one *comm run* (a maximal run of
+  consecutive SEND/RECV actions): first the SENDs of every cross-rank output of the previous group,
+  then the RECVs of every cross-rank input of the next group, each in compute order. So a RECV is
+  posted before the compute that needs it (at most one other compute in between, of the same
+  group) and a SEND right after the group that produced it. For naive, GPipe and 1F1B every group
+  is one compute, i.e. RECV immediately before its compute and SEND immediately after.
+* The executor posts each comm run as ONE batch (``batch_isend_irecv``, ops in list order) and
+  waits for every op of it before the next compute. This cannot deadlock even if a send completes
+  only once its receiver has posted the matching recv (rendezvous, as inside an NCCL group):
+  ``simulate`` models exactly that and raises on deadlock; waiting only for the RECVs is then also
+  safe. Executing the ops of one run one at a time with blocking calls is NOT safe (e.g. 1F1B pairs
+  SEND_F with RECV_B on the same neighbour, like Megatron-LM's send_forward_recv_backward).
+* Messages between an ordered pair of ranks are posted in the same order by sender and receiver
+  (FIFO, over both directions F and B), so order-based matching (NCCL, gloo without tags) is right.
+  Received tensors are kept by (direction, microbatch, chunk) until their compute.
+* ``chunk`` of a SEND/RECV is the local chunk of the compute that produces/consumes the tensor.
+  A hand-off between stages on the same rank (only when pp == 1) is local: no SEND/RECV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("naive", "gpipe", "1f1b", "interleaved")
+COMPUTE = ("F", "B")
+COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule: a compute ("F", "B") or a p2p op ("SEND_F", "RECV_F",
+    "SEND_B", "RECV_B"; F = activations downstream, B = gradients upstream) for ``microbatch`` on the
+    rank's local ``chunk``; ``peer`` is the other rank of a SEND/RECV (None for computes)."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+    peer: int | None = None
+
+
+def _compute_groups(pp: int, m: int, kind: str, v: int, rank: int) -> list[list[tuple]]:
+    """Computes (kind, microbatch, chunk) of ``rank`` in execution order, grouped: comm runs sit
+    only between groups. A group is one compute, or an F-B pair in the interleaved steady state."""
+    if kind in ("naive", "gpipe"):
+        # Clock-cycle view (GPipe): at clock k micro-batch i is on stage k-i going forward, and on
+        # stage (pp-1)-(k-i) going backward; per stage that is F0..F(m-1) then B0..B(m-1).
+        return [[("F", i, 0)] for i in range(m)] + [[("B", i, 0)] for i in range(m)]
+    if kind == "1f1b":  # PipeDream-Flush: warm-up min(pp-r-1, m) forwards, 1F1B, cool-down
+        warm = min(pp - rank - 1, m)
+        groups = [[("F", i, 0)] for i in range(warm)]
+        for i in range(m - warm):
+            groups += [[("F", warm + i, 0)], [("B", i, 0)]]
+        return groups + [[("B", i, 0)] for i in range(m - warm, m)]
+    # Megatron-LM interleaved 1F1B: "virtual micro-batch" k in 0..m*v-1 walks groups of pp
+    # micro-batches through chunk 0, then the same group through chunk 1, ...; backwards visit the
+    # chunks in reverse. Warm-up (Narayanan et al. 2021 / Megatron-LM): 2*(pp-r-1) + (v-1)*pp.
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple:
+        group, within = divmod(k, pp * v)
+        chunk = within // pp
+        return ("F" if forward else "B", group * pp + k % pp, chunk if forward else v - 1 - chunk)
+
+    warm = min(2 * (pp - rank - 1) + (v - 1) * pp, total)
+    groups = [[unit(k, True)] for k in range(warm)]
+    groups += [[unit(warm + k, True), unit(k, False)] for k in range(total - warm)]
+    return groups + [[unit(k, False)] for k in range(total - warm, total)]
+
+
+def _with_comm(groups, rank: int, pp: int, v: int) -> list[Action]:
+    """Before each group one comm run: SENDs of the previous group's cross-rank outputs, then
+    RECVs of this group's cross-rank inputs (each in compute order); the last group's SENDs close."""
+    last = pp * v - 1
+
+    def peer(kind: str, chunk: int, out: bool) -> int | None:
+        stage = chunk * pp + rank
+        other = stage + (1 if (kind == "F") == out else -1)
+        return other % pp if 0 <= other <= last and other % pp != rank else None
+
+    actions: list[Action] = []
+    for prev, group in zip([[]] + groups, groups + [[]]):
+        for kind, mb, chunk in prev:
+            if (q := peer(kind, chunk, True)) is not None:
+                actions.append(Action("SEND_" + kind, mb, chunk, q))
+        for kind, mb, chunk in group:
+            if (q := peer(kind, chunk, False)) is not None:
+                actions.append(Action("RECV_" + kind, mb, chunk, q))
+        actions += [Action(kind, mb, chunk) for kind, mb, chunk in group]
+    return actions
+
+
+def build_schedule(pp: int, microbatches: int, kind: str,
+                   virtual_stages: int = 1) -> list[list[Action]]:
+    """Per-rank action lists (index = pipeline rank), in execution order, for ``kind`` in
+    "naive" | "gpipe" | "1f1b" | "interleaved" (sources in the module docstring).
+
+    Raises ValueError for pp < 1 or microbatches < 1; "naive" with microbatches != 1; a kind other
+    than "interleaved" with virtual_stages != 1; "interleaved" with virtual_stages < 2 or
+    microbatches % pp != 0 (Megatron's requirement); an unknown kind (listing the valid ones).
+    """
+    for name, value in (("pp", pp), ("microbatches", microbatches),
+                        ("virtual_stages", virtual_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown schedule kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+    if kind == "interleaved":
+        if virtual_stages < 2:
+            raise ValueError(f"interleaved needs virtual_stages >= 2, got {virtual_stages}")
+        if microbatches % pp:
+            raise ValueError(f"interleaved needs microbatches % pp == 0, got "
+                             f"microbatches={microbatches}, pp={pp}")
+    elif virtual_stages != 1:
+        raise ValueError(f"virtual_stages must be 1 for kind {kind!r} (only 'interleaved' uses it)")
+    if kind == "naive" and microbatches != 1:
+        raise ValueError(f"naive runs one batch without micro-batching: microbatches must be 1, "
+                         f"got {microbatches} (use 'gpipe' or '1f1b')")
+    return [_with_comm(_compute_groups(pp, microbatches, kind, virtual_stages, r), r, pp,
+                       virtual_stages) for r in range(pp)]
+
+
+def message_key(action: Action, rank: int, pp: int) -> tuple[str, int, int]:
+    """Identity of the tensor a SEND/RECV carries: (direction "F"/"B", microbatch, producer stage).
+    A SEND and a RECV match iff their keys are equal. Raises ValueError for a compute action."""
+    if action.kind not in COMM:
+        raise ValueError(f"{action.kind!r} is not a communication action")
+    direction = action.kind[-1]
+    stage = action.chunk * pp + rank
+    if action.kind.startswith("RECV"):
+        stage += -1 if direction == "F" else 1
+    return direction, action.microbatch, stage
+
+
+def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
+                   virtual_stages: int = 1) -> None:
+    """Raise ValueError unless ``schedule`` is well formed: one list per rank; each rank runs F and
+    B exactly once per (microbatch, chunk), F first; every SEND has exactly one matching RECV on its
+    peer (see :func:`message_key`) with the right peer fields; each cross-rank input is received
+    before its compute and each output sent after it; messages per ordered rank pair are FIFO."""
+    v = virtual_stages
+    if len(schedule) != pp:
+        raise ValueError(f"expected {pp} rank lists, got {len(schedule)}")
+    sends: dict = {}
+    recvs: dict = {}
+    for r, actions in enumerate(schedule):
+        seen: set = set()
+        for a in actions:
+            if a.kind not in COMPUTE + COMM or not 0 <= a.chunk < v:
+                raise ValueError(f"rank {r}: bad action {a}")
+            if a.kind in COMPUTE:
+                if (a.kind, a.microbatch, a.chunk) in seen:
+                    raise ValueError(f"rank {r}: duplicate {a}")
+                if a.kind == "B" and ("F", a.microbatch, a.chunk) not in seen:
+                    raise ValueError(f"rank {r}: {a} before its forward")
+                seen.add((a.kind, a.microbatch, a.chunk))
+                continue
+            key = message_key(a, r, pp)
+            book = sends if a.kind.startswith("SEND") else recvs
+            if key in book:
+                raise ValueError(f"rank {r}: duplicate {a}")
+            other = key[2] + (1 if key[0] == "F" else -1) if book is sends else key[2]
+            if a.peer != other % pp:
+                raise ValueError(f"rank {r}: {a} has the wrong peer (expected {other % pp})")
+            produced = (key[0], a.microbatch, a.chunk) in seen
+            if produced != (book is sends):  # SEND after its compute, RECV before its compute
+                raise ValueError(f"rank {r}: {a} is on the wrong side of its compute")
+            book[key] = (r, a.peer, len(book))
+        want = {(k, i, c) for k in COMPUTE for i in range(microbatches) for c in range(v)}
+        if seen != want:
+            raise ValueError(f"rank {r}: computes missing: {sorted(want - seen)[:4]}")
+    if set(sends) != set(recvs):
+        raise ValueError(f"unmatched SEND/RECV: {sorted(set(sends) ^ set(recvs))[:4]}")
+    for src, dst in {(s, d) for s, d, _ in sends.values()}:
+        out = sorted((n, k) for k, (s, d, n) in sends.items() if (s, d) == (src, dst))
+        inn = sorted((n, k) for k, (d, s, n) in recvs.items() if (s, d) == (src, dst))
+        if [k for _, k in out] != [k for _, k in inn]:
+            raise ValueError(f"messages {src}->{dst} are received in a different order than sent")
+
+
+@dataclass
+class SimResult:
+    """Outcome of :func:`simulate`. ``intervals[r]``: (start, end, action) of each compute on rank r
+    (time units of f_cost/b_cost); ``makespan``: end of the last compute; ``bubble_fraction``:
+    idle / (pp * makespan); ``peak_in_flight[r]``: max count of (microbatch, chunk) pairs whose F is
+    done and B not yet done on rank r (activations held)."""
+
+    intervals: list
+    makespan: float
+    bubble_fraction: float
+    peak_in_flight: list
+
+
+def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
+             f_cost: float = 1.0, b_cost: float = 2.0) -> SimResult:
+    """Event simulation of ``schedule`` (one list per rank, walked in order, one compute at a time).
+
+    Dependencies: F of stage s for micro-batch i after F of stage s-1 for i; B of stage s after B of
+    stage s+1 and after its own F. A chunk's F costs f_cost/v and B costs b_cost/v (v =
+    virtual_stages); communication costs 0 but follows the executor contract of the module
+    docstring: a comm run is posted at once and left only when every op in it has its counterpart
+    posted (rendezvous), so no deadlock here means none under NCCL-like batches either. Times are in
+    the units of f_cost/b_cost (e.g. seconds). Raises RuntimeError("deadlock ...") if no rank can
+    progress, ValueError for a wrong number of rank lists or v < 1.
+    """
+    if len(schedule) != pp or virtual_stages < 1:
+        raise ValueError(f"expected {pp} rank lists and virtual_stages >= 1, got "
+                         f"{len(schedule)} lists, virtual_stages={virtual_stages}")
+    v, last = virtual_stages, pp * virtual_stages - 1
+    cost = {"F": f_cost / v, "B": b_cost / v}
+    pos, clock = [0] * pp, [0.0] * pp
+    done: dict = {}    # (kind, microbatch, stage) -> end time
+    posted: dict = {}  # (message key, is_send) -> post time
+    intervals: list = [[] for _ in range(pp)]
+    while any(pos[r] < len(schedule[r]) for r in range(pp)):
+        progress = False
+        for r in range(pp):
+            acts = schedule[r]
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if a.kind in COMPUTE:
+                    s, i = a.chunk * pp + r, a.microbatch
+                    if a.kind == "F":
+                        deps = [("F", i, s - 1)] if s > 0 else []
+                    else:
+                        deps = [("F", i, s)] + ([("B", i, s + 1)] if s < last else [])
+                    if any(d not in done for d in deps):
+                        break
+                    start = max([clock[r]] + [done[d] for d in deps])
+                    clock[r] = done[(a.kind, i, s)] = start + cost[a.kind]
+                    intervals[r].append((start, clock[r], a))
+                    pos[r] += 1
+                    progress = True
+                    continue
+                end = pos[r]
+                while end < len(acts) and acts[end].kind in COMM:
+                    end += 1
+                mine = [(message_key(x, r, pp), x.kind.startswith("SEND")) for x in acts[pos[r]:end]]
+                for k in mine:
+                    if k not in posted:
+                        posted[k] = clock[r]
+                        progress = True
+                theirs = [(key, not is_send) for key, is_send in mine]
+                if any(k not in posted for k in theirs):
+                    break
+                clock[r] = max([clock[r]] + [posted[k] for k in theirs])
+                pos[r] = end
+        if not progress:
+            stuck = {r: schedule[r][pos[r]] for r in range(pp) if pos[r] < len(schedule[r])}
+            raise RuntimeError(f"deadlock: no rank can progress; next actions {stuck}")
+    makespan = max((iv[-1][1] for iv in intervals if iv), default=0.0)
+    busy = sum(e - s for iv in intervals for s, e, _ in iv)
+    bubble = (pp * makespan - busy) / (pp * makespan) if makespan > 0 else 0.0
+    peaks = []
+    for iv in intervals:
+        live = peak = 0
+        for _, _, a in iv:
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+        peaks.append(peak)
+    return SimResult(intervals, makespan, bubble, peaks)
+
+
+def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of the pipeline, idle / (pp * makespan), for uniform stage costs.
+
+    v == 1 (naive, GPipe, 1F1B): (p-1)/(m+p-1) (GPipe, Huang et al. 2019; same bubble for
+    PipeDream-Flush, Narayanan et al. 2021). Interleaved with v chunks per rank:
+    (p-1)/(v*m + p - 1). Megatron-LM (Narayanan et al. 2021) reports instead the ratio
+    bubble time / ideal time = (1/v)*(p-1)/m; the two agree: with ideal time m*(tf+tb) and bubble
+    (p-1)*(tf+tb)/v, idle fraction = ratio / (1 + ratio). Raises ValueError for sizes < 1.
+    """
+    if min(pp, microbatches, virtual_stages) < 1:
+        raise ValueError("pp, microbatches and virtual_stages must be >= 1")
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)

@@ -1,0 +1,136 @@
+"""Checkpoints: ``<run-dir>/checkpoints/step_<N>/`` written atomically with torch.distributed.checkpoint.
+
+Layout of one checkpoint directory:
+    *.distcp, .metadata   model + optimizer (DCP; FQN-keyed, layout-independent)
+    trainer.pt            LR-scheduler state, step (rank 0)
+    rng/rank_<r>.pt       RNG states of every rank (torch CPU/CUDA, numpy, python)
+    meta.json             step, tokens seen, the full config, world size / layout (rank 0)
+    tokenizer.json        copy of the tokenizer used
+
+Everything is written into ``.tmp_step_<N>`` first; after a barrier rank 0 renames it to
+``step_<N>``. A crash (even ``kill -9``) mid-save therefore leaves earlier checkpoints intact and no
+directory named ``step_*`` that is incomplete. Multi-node runs need a shared filesystem.
+DCP's own plan exchange uses torch.distributed directly (it is checkpoint I/O, not training traffic).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or incompatible; the message names the fix."""
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, sorted by step: ``[(step, path), ...]``."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()]
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """Path of the newest complete checkpoint of ``run_dir`` or None."""
+    cks = list_checkpoints(run_dir)
+    return cks[-1][1] if cks else None
+
+
+def rng_state() -> dict:
+    """RNG states of this process (torch CPU, CUDA if present, numpy, python)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, meta: dict,
+                    tokenizer_path: str | Path | None = None, keep: int = 0) -> Path:
+    """Collectively save a checkpoint of optimizer step ``step`` (all ranks must call).
+
+    ``model``: the plain module (not a wrapper); ``meta``: JSON-able dict (config, tokens...).
+    Keeps the newest ``keep`` checkpoints (0 = all). Returns the final directory."""
+    rank = dist.get_rank()
+    root = Path(run_dir) / "checkpoints"
+    tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    dist.barrier()
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
+        if tokenizer_path:
+            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+    dist.barrier()
+    if rank == 0:
+        if final.exists():  # re-saving the same step (e.g. after resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep > 0:
+            for _, old in list_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def read_meta(ckpt: str | Path) -> dict:
+    """meta.json of a checkpoint directory. Raises CheckpointError if it is not a checkpoint."""
+    f = Path(ckpt) / "meta.json"
+    if not f.is_file():
+        raise CheckpointError(f"{str(ckpt)!r} is not a zerotron checkpoint (no meta.json); pass a "
+                              "<run-dir>/checkpoints/step_<N> directory or a run directory")
+    return json.loads(f.read_text())
+
+
+def load_checkpoint(ckpt: str | Path, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
+    """Collectively load model (and optimizer, scheduler, this rank's RNG) state from ``ckpt``.
+
+    Works at any world size (DCP reshards). Returns the checkpoint's meta dict.
+    Raises CheckpointError for a missing/incomplete checkpoint or mismatched shapes."""
+    ckpt = Path(ckpt)
+    meta = read_meta(ckpt)
+    try:
+        if optimizer is not None:
+            msd, osd = get_state_dict(model, optimizer)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=str(ckpt))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            msd = get_state_dict(model, [], options=StateDictOptions())[0]
+            state = {"model": msd}
+            dcp.load(state, checkpoint_id=str(ckpt))
+            model.load_state_dict(state["model"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot load checkpoint {str(ckpt)!r} into this model: {e}. "
+                              "Is the model config the same as when it was saved?") from e
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=False)["scheduler"])
+    rng_file = ckpt / "rng" / f"rank_{dist.get_rank() if dist.is_initialized() else 0}.pt"
+    if restore_rng and rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    return meta

@@ -1,0 +1,83 @@
+"""Metrics: peak FLOP/s measurement, MFU, the metrics.jsonl writer and the loss plot."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def measure_peak_flops(device: torch.device, n: int = 1024, iters: int = 5, dtype=torch.float32) -> float:
+    """Measured matmul peak of this process in FLOP/s: best of ``iters`` (n x n) @ (n x n) products,
+    each 2 n^3 FLOPs. On CPU this is the denominator of MFU (no datasheet peak is assumed)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(iters + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        (a @ b).sum().item()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_total: float) -> float:
+    """Model FLOPs utilisation = tokens/s x training FLOPs per token / peak FLOP/s of all devices.
+    FLOPs per token ~ 6N + 12 L C S (PaLM, Chowdhery et al. 2022, appendix B)."""
+    return tokens_per_s * flops_per_token / peak_flops_total if peak_flops_total > 0 else 0.0
+
+
+class MetricsWriter:
+    """Append one JSON object per optimizer step to ``<run-dir>/metrics.jsonl`` (rank 0 only).
+
+    Floats are written with full precision (``json`` uses repr). On resume from step ``k`` the
+    lines with ``step > k`` (written after that checkpoint by a run that then died) are dropped."""
+
+    def __init__(self, path: str | Path, resume_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()
+        self._f = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a metrics.jsonl file."""
+    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+
+
+def plot_losses(metrics_path: str | Path, out_png: str | Path) -> None:
+    """Train loss (per step) and validation loss (evaluation steps) vs step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label="train", lw=1)
+    val = [r for r in recs if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)

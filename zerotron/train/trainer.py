@@ -1,0 +1,189 @@
+"""The training run: set-up (process group, mesh, data, model, strategy, optimizer), the step loop,
+evaluation, checkpoints, metrics, and the end-of-run summary, plot and sample."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import Config, ConfigError, model_shape, validate
+from ..data import GlobalBatchSampler, batch_from_indices, num_windows, prepare_data
+from ..distributed import comm
+from ..distributed.mesh import Mesh, ParallelDims, init_distributed
+from ..models.gpt import GPT, GPTConfig
+from ..parallel import parallelize
+from . import checkpoint as ckpt
+from .metrics import MetricsWriter, measure_peak_flops, mfu, plot_losses
+from .optim import build_optimizer, build_scheduler, decay_mask
+from .step import evaluate, train_step
+
+
+def gpt_config(cfg: Config, tokenizer_vocab: int) -> GPTConfig:
+    """GPTConfig from the model section; vocab = model.vocab_size or the tokenizer's size.
+    Raises ConfigError if model.vocab_size is smaller than the tokenizer's vocabulary."""
+    shape = model_shape(cfg.model)
+    vocab = cfg.model.vocab_size or tokenizer_vocab
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab}); set model.vocab_size = 0 to use the tokenizer's size")
+    return GPTConfig(vocab_size=vocab, block_size=shape["block_size"], n_layer=shape["n_layer"],
+                     n_head=shape["n_head"], n_embd=shape["n_embd"], dropout=cfg.model.dropout,
+                     bias=cfg.model.bias)
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse to start a fresh run over an existing one (nothing on disk is overwritten), and
+    refuse ``--resume`` without a checkpoint. Raises ConfigError naming the fix."""
+    has_run = (run_dir / "metrics.jsonl").exists() or ckpt.list_checkpoints(run_dir)
+    if not resume and has_run:
+        raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; pass --resume to continue "
+                          "it, or choose a new --run-dir")
+    if resume and not ckpt.list_checkpoints(run_dir):
+        raise ConfigError(f"--resume: no checkpoint under {str(run_dir / 'checkpoints')!r}; "
+                          "start without --resume")
+
+
+def load_data(cfg: Config, local_rank: int):
+    """Build/open the token cache: local rank 0 builds it first, the others then open it."""
+    d = cfg.data
+    kwargs = dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
+                  val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None)
+    if local_rank == 0:
+        data = prepare_data(**kwargs)
+    torch.distributed.barrier()
+    if local_rank != 0:
+        data = prepare_data(**kwargs)
+    return data
+
+
+class Trainer:
+    """Owns one run. ``Trainer(cfg, run_dir, resume).fit()`` trains ``train.steps`` optimizer steps.
+
+    Must run inside every worker process (torchrun/``--nproc``) or alone (world size 1)."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False):
+        self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
+        device = torch.device("cpu") if cfg.train.device == "cpu" else None
+        rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, device)
+        self.layout = validate(cfg, world)
+        self.mesh = Mesh(ParallelDims(world, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp), device)
+        self.device, self.rank, self.world = device, rank, world
+        self.dp_rank, self.dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        self.data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+        self.model_cfg = gpt_config(cfg, self.data.vocab_size)
+        self.seq_len = self.model_cfg.block_size
+        torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
+        self.model = GPT(self.model_cfg).to(device)
+        self.strategy = parallelize(self.model, cfg, self.mesh)
+        self.optimizer = build_optimizer(self.strategy.parameters(), decay_mask(self.model), cfg.train)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train)
+        self.sampler = GlobalBatchSampler(num_windows(len(self.data.train), self.seq_len),
+                                          cfg.train.global_batch, cfg.train.seed)
+        n_val = num_windows(len(self.data.val), self.seq_len)
+        val_idx = GlobalBatchSampler.val_indices(n_val, cfg.train.eval_batches * cfg.train.global_batch)
+        self.val_batches = self._chunks(np.array_split(val_idx, self.dp)[self.dp_rank], self.data.val)
+        self.start_step = 0
+        torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
+        if resume:
+            meta = ckpt.load_checkpoint(ckpt.latest_checkpoint(self.run_dir), self.model, self.optimizer,
+                                        self.scheduler)
+            self.start_step = meta["step"]
+        from ..analysis.flops import training_flops_per_token
+
+        self.flops_per_token = training_flops_per_token(self.model.num_params(), self.model_cfg.n_layer,
+                                                        self.model_cfg.n_embd, self.seq_len)
+        peak = torch.tensor([measure_peak_flops(device)], dtype=torch.float64)
+        comm.all_reduce(peak, tag="setup")
+        self.peak_flops_total = float(peak)
+
+    def _chunks(self, indices, tokens):
+        mb = self.cfg.train.micro_batch
+        return [batch_from_indices(tokens, indices[i:i + mb], self.seq_len) for i in range(0, len(indices), mb)]
+
+    def micro_batches(self, step: int):
+        """This rank's micro-batches of optimizer step ``step``: list of (x, y), each (micro_batch, T)."""
+        return self._chunks(self.sampler.local_indices(step, self.dp_rank, self.dp), self.data.train)
+
+    def meta(self, step: int) -> dict:
+        return {"config": self.cfg.to_dict(), "world_size": self.world, "layout": self.layout,
+                "tokens_seen": step * self.cfg.train.global_batch * self.seq_len,
+                "model_config": dataclasses.asdict(self.model_cfg)}
+
+    def save(self, step: int) -> None:
+        ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.meta(step),
+                             self.data.tokenizer_path, keep=self.cfg.checkpoint.keep)
+
+    def fit(self) -> dict:
+        """Train from ``start_step`` to ``train.steps``; returns a summary dict (rank 0 meaningful)."""
+        cfg, t = self.cfg, self.cfg.train
+        lead = self.rank == 0
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl", self.start_step if self.resume else None) if lead else None
+        if lead:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        bar = None
+        if lead and cfg.log.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=t.steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
+        die_at = int(os.environ.get("ZEROTRON_FAULT_KILL_AT_STEP", "-1"))  # fault injection for tests
+        tok_per_step = t.global_batch * self.seq_len
+        first_val = last_val = None
+        rates, losses = [], []
+        self.model.train()
+        for step in range(self.start_step, t.steps):
+            batches = self.micro_batches(step)
+            bytes_before = comm.STATS.total_bytes()
+            t0 = time.perf_counter()
+            out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
+                             t.grad_clip, t.dtype, self.device)
+            dt = time.perf_counter() - t0
+            rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                   "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
+                   "mfu": mfu(tok_per_step / dt, self.flops_per_token, self.peak_flops_total),
+                   "comm_bytes": comm.STATS.total_bytes() - bytes_before,
+                   "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1)}
+            rates.append(rec["tokens_per_s"])
+            losses.append(out["loss"])
+            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps or step == 0):
+                rec["val_loss"] = evaluate(self.model, self.val_batches, self.mesh.group("dp"), t.dtype, self.device)
+                first_val = rec["val_loss"] if first_val is None else first_val
+                last_val = rec["val_loss"]
+            if writer:
+                writer.write(rec)
+            if bar:
+                bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                bar.update(1)
+            ck_every = cfg.checkpoint.every
+            if (ck_every and (step + 1) % ck_every == 0) or (step + 1 == t.steps and cfg.checkpoint.save_final):
+                self.save(step + 1)
+            if step + 1 == die_at and self.rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+        if bar:
+            bar.close()
+        summary = {"steps": t.steps, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
+                   "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None}
+        if lead and writer:
+            writer.close()
+            if cfg.log.plot:
+                plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+            if cfg.log.sample_tokens:
+                summary["sample"] = self.sample(cfg.log.sample_prompt, cfg.log.sample_tokens)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        return summary
+
+    def sample(self, prompt: str, n: int) -> str:
+        """Decode ``n`` tokens after ``prompt`` (temperature 0.8, top-k 50, fixed seed)."""
+        ids = self.data.tokenizer.encode(prompt).ids or [self.data.eot_id]
+        idx = torch.tensor([ids], device=self.device)
+        self.model.eval()
+        gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
+        out = self.model.generate(idx, n, temperature=0.8, top_k=50, generator=gen)
+        self.model.train()
+        return self.data.tokenizer.decode(out[0].tolist())
