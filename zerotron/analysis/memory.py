@@ -88,8 +88,8 @@ def zero_table(num_params: int, dp: int, dtype: str = "fp32", optimizer: str = "
 
 
 def format_table(rows: list) -> str:
-    """Render :func:`zero_table` rows as a fixed-width text table in decimal GB (1e9 bytes) per rank,
-    4 significant digits. Raises KeyError if a row lacks one of the byte keys."""
+    """Render :func:`zero_table` rows as a fixed-width text table in decimal GB (1e9 bytes) per
+    rank, 4 significant digits. Raises KeyError if a row lacks one of the byte keys."""
     cols = [("stage", "ZeRO stage"), ("params_bytes", "params GB"), ("grads_bytes", "grads GB"),
             ("optimizer_bytes", "optimizer GB"), ("total_bytes", "total GB")]
     lines = ["  ".join(f"{title:>12}" for _, title in cols)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,6 +32,8 @@ from .tokenizer import EOT, check_vocab_size, load_tokenizer, train_bpe
 
 FORMAT_VERSION = 1
 ENCODE_CHUNK_CHARS = 8_000_000  # documents are encoded in batches of about this many characters
+PIECE_CHARS = 4096  # long documents are encoded in pieces of about this many characters
+_BOUNDARY = re.compile(r"\s(?=\S)")  # a non-space followed by whitespace
 
 
 @dataclass
@@ -175,25 +178,55 @@ def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def _pieces(doc: str, size: int) -> list[str]:
+    """Cut ``doc`` into pieces of about ``size`` chars, each cut between a non-space and
+    a whitespace character. The GPT-2 pre-tokenizer never joins such a pair into one
+    pre-token, so encoding the pieces gives exactly the ids of the whole document, and
+    HF tokenizers encodes many short strings much faster than one long one."""
+    out, start = [], 0
+    while len(doc) - start > size:
+        m = _BOUNDARY.search(doc, start + size - 1)
+        if m is None:
+            break
+        out.append(doc[start:m.start() + 1])
+        start = m.start() + 1
+    out.append(doc[start:])
+    return out
+
+
+def _splittable(tok: Tokenizer) -> bool:
+    """True if ``tok`` is plain GPT-2-style byte-level (safe for :func:`_pieces`)."""
+    spec = json.loads(tok.to_str())
+    pre, post = spec.get("pre_tokenizer") or {}, spec.get("post_processor") or {}
+    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
+            and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
+            and post.get("type", "ByteLevel") == "ByteLevel")
+
+
 def _encode_to_file(tok: Tokenizer, docs: list[str], eot: int, dtype: np.dtype,
                     out: Path) -> int:
-    """Encode docs in batches, each followed by ``eot``; write raw ids; return count."""
+    """Encode docs (``encode_batch``), each followed by ``eot``; write raw ids; return count."""
+    split = _splittable(tok)
     total = 0
     with open(out, "wb") as f:
-        i = 0
-        while i < len(docs):
-            j, chars = i, 0
-            while j < len(docs) and (j == i or chars + len(docs[j]) <= ENCODE_CHUNK_CHARS):
-                chars += len(docs[j])
-                j += 1
-            parts = []
-            for enc in tok.encode_batch(docs[i:j]):
-                parts.append(np.asarray(enc.ids, dtype=dtype))
-                parts.append(np.array([eot], dtype=dtype))
-            ids = np.concatenate(parts)
-            ids.tofile(f)
-            total += ids.size
-            i = j
+        batch: list[str] = []
+        ends: list[bool] = []  # True where a piece is the last of its document
+        chars = 0
+        for k, doc in enumerate(docs):
+            pieces = _pieces(doc, PIECE_CHARS) if split else [doc]
+            batch += pieces
+            ends += [False] * (len(pieces) - 1) + [True]
+            chars += len(doc)
+            if k == len(docs) - 1 or chars >= ENCODE_CHUNK_CHARS:
+                parts = []
+                for enc, end in zip(tok.encode_batch(batch, add_special_tokens=False), ends):
+                    parts.append(np.asarray(enc.ids, dtype=dtype))
+                    if end:
+                        parts.append(np.array([eot], dtype=dtype))
+                ids = np.concatenate(parts)
+                ids.tofile(f)
+                total += ids.size
+                batch, ends, chars = [], [], 0
     return total
 
 

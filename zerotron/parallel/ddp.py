@@ -161,7 +161,7 @@ class TorchDDP:
 
         self.module, self.group = module, group
         dev = next(module.parameters()).device
-        self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,
+        self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # no buffers in GPT
                        device_ids=[dev] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
 
         def sum_hook(state, bucket):

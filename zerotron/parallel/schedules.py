@@ -43,8 +43,8 @@ COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 @dataclass(frozen=True)
 class Action:
     """One step of a rank's schedule: a compute ("F", "B") or a p2p op ("SEND_F", "RECV_F",
-    "SEND_B", "RECV_B"; F = activations downstream, B = gradients upstream) for ``microbatch`` on the
-    rank's local ``chunk``; ``peer`` is the other rank of a SEND/RECV (None for computes)."""
+    "SEND_B", "RECV_B"; F = activations downstream, B = gradients upstream) for ``microbatch``
+    on the rank's local ``chunk``; ``peer`` is the other rank of a SEND/RECV (None for computes)."""
 
     kind: str
     microbatch: int
@@ -83,7 +83,8 @@ def _compute_groups(pp: int, m: int, kind: str, v: int, rank: int) -> list[list[
 
 def _with_comm(groups, rank: int, pp: int, v: int) -> list[Action]:
     """Before each group one comm run: SENDs of the previous group's cross-rank outputs, then
-    RECVs of this group's cross-rank inputs (each in compute order); the last group's SENDs close."""
+    RECVs of this group's cross-rank inputs (each in compute order); the last group's SENDs
+    close the list."""
     last = pp * v - 1
 
     def peer(kind: str, chunk: int, out: bool) -> int | None:
@@ -248,7 +249,8 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                 end = pos[r]
                 while end < len(acts) and acts[end].kind in COMM:
                     end += 1
-                mine = [(message_key(x, r, pp), x.kind.startswith("SEND")) for x in acts[pos[r]:end]]
+                run = acts[pos[r]:end]
+                mine = [(message_key(x, r, pp), x.kind.startswith("SEND")) for x in run]
                 for k in mine:
                     if k not in posted:
                         posted[k] = clock[r]

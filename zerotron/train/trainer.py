@@ -120,8 +120,11 @@ class Trainer:
         ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.meta(step),
                              self.data.tokenizer_path, keep=self.cfg.checkpoint.keep)
 
-    def fit(self) -> dict:
-        """Train from ``start_step`` to ``train.steps``; returns a summary dict (rank 0 meaningful)."""
+    def fit(self, callback=None) -> dict:
+        """Train from ``start_step`` to ``train.steps``; returns a summary dict (rank 0 meaningful).
+
+        ``callback(trainer, record)`` is called on every rank after each optimizer step (tests use it
+        to check that replicas stay identical)."""
         cfg, t = self.cfg, self.cfg.train
         lead = self.rank == 0
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", self.start_step if self.resume else None) if lead else None
@@ -157,6 +160,8 @@ class Trainer:
                 last_val = rec["val_loss"]
             if writer:
                 writer.write(rec)
+            if callback:
+                callback(self, rec)
             if bar:
                 bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                 bar.update(1)

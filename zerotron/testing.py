@@ -1,0 +1,81 @@
+"""Test helpers: run a function on N local ranks (gloo) and build small configs.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo process
+group with a short timeout in each, calls ``fn(*args)`` and returns the list of per-rank results
+(index = rank). Any rank's exception is re-raised in the caller with its traceback. ``fn`` must be
+importable (module level).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, timeout_s, fn, args, queue):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from .distributed.mesh import destroy, init_distributed
+
+        init_distributed("gloo", timeout_s=timeout_s)
+        result = fn(*args)
+        queue.put((rank, "ok", result))
+        destroy()
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_s: float = 600.0) -> list:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return ``[result_rank0, ...]``.
+
+    ``timeout_s`` is the collective timeout inside the ranks; ``join_timeout_s`` bounds the whole run.
+    Raises RuntimeError with the failing ranks' tracebacks, or on timeout."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, fn, args, queue), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=join_timeout_s)
+            (results if status == "ok" else errors)[rank] = payload
+            if errors:
+                break
+    except Exception as e:  # queue.Empty
+        errors[-1] = f"timed out after {join_timeout_s}s waiting for ranks: {e!r}"
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [results[r] for r in range(world_size)]
+
+
+def tiny_config(overrides: dict | None = None, path: str | Path = ROOT / "configs" / "tiny.toml"):
+    """``configs/tiny.toml`` with ``{"section.field": value}`` overrides applied (no progress bar, no
+    plot, no sample)."""
+    from .config import load_config
+
+    base = {"log.progress": "false", "log.plot": "false", "log.sample_tokens": "0"}
+    base.update({k: str(v) for k, v in (overrides or {}).items()})
+    return load_config(path, list(base.items()))
