@@ -311,6 +311,23 @@ def test_given_tokenizer_is_used(corpus_dir, tmp_path):
     assert np.array_equal(a.train, b.train) and np.array_equal(a.val, b.val)
 
 
+def test_foreign_tokenizer_encodes_whole_documents(corpus_dir, tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())  # prefix-space byte-level: cutting documents would change ids
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(load_corpus("files", corpus_dir), trainers.BpeTrainer(
+        vocab_size=280, special_tokens=[EOT], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "prefix.json"))
+    monkeypatch.setattr(dataset_mod, "PIECE_CHARS", 64)
+    data = prepare_data("files", corpus_dir, cache_dir=tmp_path / "c",
+                        tokenizer_path=tmp_path / "prefix.json")
+    train_docs, _ = split_documents(load_corpus("files", corpus_dir), 0.05)
+    expect = [i for d in train_docs for i in tok.encode(d).ids + [data.eot_id]]
+    assert data.train.tolist() == expect
+
+
 def test_crash_leaves_no_cache(corpus_dir, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("killed mid-build")
@@ -351,3 +368,13 @@ def test_shakespeare_cache(tmp_path):
     assert 1_500_000 < m["train_tokens"] < 3_500_000 and m["val_tokens"] > 50_000
     assert data.tokenizer.decode(data.train[:16].tolist()).startswith("ALL'S WELL")
     assert seconds < 60, f"building the shakespeare cache took {seconds:.1f}s"
+
+
+def test_stale_temp_dirs_removed(corpus_dir, tmp_path):
+    cache = tmp_path / "c"
+    old, fresh = cache / ".tmp-dead-1", cache / ".tmp-live-2"
+    old.mkdir(parents=True)
+    fresh.mkdir()
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    data = prepare_data("files", corpus_dir, vocab_size=300, cache_dir=cache)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([".tmp-live-2", data.cache_dir.name])

@@ -128,7 +128,7 @@ def _uneven_worker():
     from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.models.gpt import GPT, GPTConfig
     from zerotron.parallel import parallelize
-    from zerotron.train.optim import build_optimizer, build_scheduler, decay_mask
+    from zerotron.train.optim import build_scheduler, decay_mask
     from zerotron.train.step import IGNORE_INDEX, train_step
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,7 +148,7 @@ def _uneven_worker():
     torch.nn.functional.cross_entropy(logits.reshape(-1, 50), y.reshape(-1), ignore_index=IGNORE_INDEX).backward()
     cfg = Config()
     strategy = parallelize(model, cfg, mesh)
-    opt = build_optimizer(strategy.parameters(), decay_mask(model), cfg.train)
+    opt = strategy.build_optimizer(cfg.train, decay_mask(model))
     sched = build_scheduler(opt, cfg.train)
     per = 8 // world
     mine_x, mine_y = x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]

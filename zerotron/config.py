@@ -74,18 +74,34 @@ class TrainConfig:
     device: str = "auto"
     eval_every: int = 50
     eval_batches: int = 4
+    activation_checkpointing: str = "none"
 
 
 @dataclass
 class ParallelConfig:
     """Layout. ``dp = 0`` derives world_size / (tp * pp). ``dp_impl``: native | torch.
-    ``bucket_mb``: gradient bucket size in MiB. ``timeout_s``: collective timeout in seconds."""
+    ``bucket_mb``: gradient bucket size in MiB. ``timeout_s``: collective timeout in seconds.
+    ``zero_stage`` 0-3 over dp (``zero_impl`` native | fsdp2; ``reduce_dtype`` fp32 | bf16).
+    ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
+    ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved)/``microbatches`` (per pipeline flush;
+    0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (comma-separated
+    layer counts per stage, "" = balanced)/``pp_impl`` (native | torch): pipeline parallelism."""
 
     dp: int = 0
     tp: int = 1
     pp: int = 1
     dp_impl: str = "native"
     bucket_mb: float = 25.0
+    zero_stage: int = 0
+    zero_impl: str = "native"
+    reduce_dtype: str = "fp32"
+    sequence_parallel: bool = False
+    tp_impl: str = "native"
+    pp_schedule: str = "1f1b"
+    microbatches: int = 0
+    virtual_stages: int = 1
+    pp_split: str = ""
+    pp_impl: str = "native"
     backend: str = "auto"
     timeout_s: float = 300.0
 

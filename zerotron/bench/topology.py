@@ -62,6 +62,17 @@ def nvidia_smi_topo(timeout_s: float = 10.0) -> str | None:
     return _ANSI.sub("", p.stdout)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
 def _local_record(device: torch.device) -> dict:
     rec = {
         "rank": dist.get_rank() if dist.is_initialized() else 0,
@@ -70,7 +81,7 @@ def _local_record(device: torch.device) -> dict:
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         "pid": os.getpid(),
         "device": str(device),
-        "device_name": platform.processor() or platform.machine() or "cpu",
+        "device_name": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }

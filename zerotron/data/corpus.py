@@ -182,7 +182,8 @@ def _load_hf(name: str, text_field: str) -> list[str]:
         raise DataError(
             f"cannot load Hugging Face dataset {name!r} (split 'train'): {type(e).__name__}: {e}. "
             "This machine may be offline or the name may be wrong; check the name, connect to "
-            "the network once to fill the HF cache, or use corpus='files'"
+            "the network once to fill the HF cache (then set HF_HUB_OFFLINE=1), or use "
+            "corpus='files'"
         ) from None
     where = f"dataset {name!r}"
     _check_column(list(ds.column_names), text_field, where)

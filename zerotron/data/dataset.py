@@ -32,8 +32,9 @@ from .tokenizer import EOT, check_vocab_size, load_tokenizer, train_bpe
 
 FORMAT_VERSION = 1
 ENCODE_CHUNK_CHARS = 8_000_000  # documents are encoded in batches of about this many characters
+STALE_TMP_SECONDS = 24 * 3600  # unfinished build directories older than this are removed
 PIECE_CHARS = 4096  # long documents are encoded in pieces of about this many characters
-_BOUNDARY = re.compile(r"\s(?=\S)")  # a non-space followed by whitespace
+_BOUNDARY = re.compile(r"\S(?=\s)")  # a non-space followed by whitespace
 
 
 @dataclass
@@ -81,6 +82,8 @@ def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
         ``(key, inputs)``: a 16-hex-digit key and the JSON-able dict it hashes
         (format version, corpus fingerprint with file sizes/mtimes, vocab_size or
         None when a tokenizer file is given, val_fraction, tokenizer file SHA-256).
+        An ``"hf"`` corpus is keyed by its name only: a changed hub dataset reuses
+        the old cache until you delete it.
     Raises:
         DataError: bad corpus/path, val_fraction, vocab_size or tokenizer_path.
     """
@@ -111,7 +114,8 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
     Steps: load the corpus, split each document (tail to validation), train a BPE
     tokenizer on the train split only (or load ``tokenizer_path``; vocab_size is
     then ignored), encode both splits, write ``cache_dir/<key>/``. An existing
-    complete cache with the same key is opened without any work. Not coordinated
+    complete cache with the same key is opened without any work; a ``.tmp-*`` build
+    directory left by a killed build is removed after a day. Not coordinated
     across processes: in a distributed job let one rank build it first, then the
     others open it (a race is still safe, only wasteful).
 
@@ -130,9 +134,13 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
     key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path)
     root = Path(cache_dir).expanduser()
     final = root / key
-    if final.exists():
-        return load_token_data(final)
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by builds killed over a day ago
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_TMP_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:  # another process removed it first
+            pass
     tmp: Path | None = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         _build(tmp, key, inputs, corpus, path, text_field, vocab_size, val_fraction,

@@ -5,20 +5,14 @@
     3. activation checkpointing              -- not yet implemented
     4. data parallel over "dp": native bucketed DDP or torch DDP
 
-The returned *strategy* object is what the trainer drives. Its interface:
-    strategy(idx) -> logits            forward
-    strategy.module                    the underlying (plain) model
-    strategy.parameters()              unique trainable parameters of this rank
-    strategy.no_sync()                 context: accumulate without communicating
-    strategy.finish_grads()            complete gradient reduction (after the last backward)
-    strategy.zero_grad()
-and the module-level :func:`clip_grad_norm` works on it.
+The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
+over micro-batches, finish_grads, clip_grad_norm, build_optimizer/optimizer_step, reduce_loss,
+model_state_bytes.
 """
 from __future__ import annotations
 
-import torch
-
-from .ddp import DataParallel, TorchDDP, unique_params
+from .base import Strategy, autocast_ctx, token_loss_sum, unique_params
+from .ddp import DataParallel, TorchDDP
 
 
 def parallelize(model, cfg, mesh):
@@ -34,17 +28,4 @@ def parallelize(model, cfg, mesh):
     raise ValueError(f"parallel.dp_impl must be 'native' or 'torch', got {p.dp_impl!r}")
 
 
-def clip_grad_norm(strategy, max_norm: float) -> float:
-    """Global L2 norm of all gradients (after reduction), clipping in place if ``max_norm > 0``.
-
-    Replicated data parallelism: every rank holds the full reduced gradient, so the local norm *is*
-    the global norm and is identical on every rank. Returns the norm before clipping (float)."""
-    params = [q for q in strategy.parameters() if q.grad is not None]
-    if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad) for q in params]))
-    return float(norm)
-
-
-__all__ = ["parallelize", "clip_grad_norm", "DataParallel", "TorchDDP", "unique_params"]
+__all__ = ["parallelize", "Strategy", "DataParallel", "TorchDDP", "unique_params", "autocast_ctx", "token_loss_sum"]

@@ -27,16 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..distributed import comm
-
-
-def unique_params(module: nn.Module) -> list[nn.Parameter]:
-    """Trainable parameters of ``module`` in registration order, each once (tied weights deduplicated)."""
-    seen, out = set(), []
-    for p in module.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+from .base import Strategy, unique_params
 
 
 class _Bucket:
@@ -52,7 +43,7 @@ class _Bucket:
             off += p.numel()
 
 
-class DataParallel:
+class DataParallel(Strategy):
     """Native bucketed DDP over the ``dp`` group.
 
     Args:
@@ -64,7 +55,7 @@ class DataParallel:
     Raises ValueError if the module has no trainable parameters."""
 
     def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0, src_rank: int = 0):
-        self.module, self.group = module, group
+        self.module, self.group, self.loss_groups = module, group, [group]
         params = unique_params(module)
         if not params:
             raise ValueError("DataParallel: the module has no trainable parameters")
@@ -86,12 +77,6 @@ class DataParallel:
         self._next = 0
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def parameters(self):
-        return unique_params(self.module)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -150,7 +135,7 @@ class DataParallel:
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
 
 
-class TorchDDP:
+class TorchDDP(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` with the same interface as :class:`DataParallel`.
 
     A comm hook replaces DDP's averaging by a SUM all-reduce through ``comm.all_reduce`` (the trainer
@@ -159,7 +144,7 @@ class TorchDDP:
     def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        self.module, self.group = module, group
+        self.module, self.group, self.loss_groups = module, group, [group]
         dev = next(module.parameters()).device
         self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # no buffers in GPT
                        device_ids=[dev] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
@@ -173,9 +158,6 @@ class TorchDDP:
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
-
-    def parameters(self):
-        return unique_params(self.module)
 
     def no_sync(self):
         return self.ddp.no_sync()

@@ -21,7 +21,7 @@ from ..models.gpt import GPT, GPTConfig
 from ..parallel import parallelize
 from . import checkpoint as ckpt
 from .metrics import MetricsWriter, measure_peak_flops, mfu, plot_losses
-from .optim import build_optimizer, build_scheduler, decay_mask
+from .optim import build_scheduler, decay_mask
 from .step import evaluate, train_step
 
 
@@ -82,7 +82,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
         self.model = GPT(self.model_cfg).to(device)
         self.strategy = parallelize(self.model, cfg, self.mesh)
-        self.optimizer = build_optimizer(self.strategy.parameters(), decay_mask(self.model), cfg.train)
+        self.optimizer = self.strategy.build_optimizer(cfg.train, decay_mask(self.model))
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.sampler = GlobalBatchSampler(num_windows(len(self.data.train), self.seq_len),
                                           cfg.train.global_batch, cfg.train.seed)
@@ -155,7 +155,7 @@ class Trainer:
             rates.append(rec["tokens_per_s"])
             losses.append(out["loss"])
             if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps or step == 0):
-                rec["val_loss"] = evaluate(self.model, self.val_batches, self.mesh.group("dp"), t.dtype, self.device)
+                rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
                 first_val = rec["val_loss"] if first_val is None else first_val
                 last_val = rec["val_loss"]
             if writer:

@@ -1,0 +1,137 @@
+"""The interface every parallel strategy offers the trainer, with the non-pipelined defaults.
+
+A strategy owns this rank's part of the model and knows how to run one optimizer step's
+forward/backward over its micro-batches, synchronise gradients, clip, and step the optimizer.
+
+Loss normalisation (world-size invariance): each micro-batch contributes
+    (sum of its token cross-entropies) / N_global
+where N_global is the number of valid targets in the *whole global batch*; gradients are SUMMED over
+data-parallel ranks. The result equals the single-process mean over all valid tokens.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed import comm
+
+IGNORE_INDEX = -100
+
+
+def autocast_ctx(dtype: str, device: torch.device):
+    """``torch.autocast`` to bfloat16 for ``dtype == "bf16"``, else a null context (fp32)."""
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over valid targets: logits (B, T, V), targets (B, T) int64 -> fp32 scalar."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def unique_params(module: torch.nn.Module) -> list:
+    """Trainable parameters of ``module`` in registration order, each once (tied weights deduplicated)."""
+    seen, out = set(), []
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+class Strategy:
+    """Base strategy: replicated model, plain micro-batch loop. Subclasses override what they change.
+
+    Attributes: ``module`` (the plain model holding this rank's parameters), ``loss_groups`` (groups
+    over which per-rank loss sums are all-reduced into the global loss sum)."""
+
+    module: torch.nn.Module
+    loss_groups: list = []
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def parameters(self) -> list:
+        """Unique trainable parameters held by this rank."""
+        return unique_params(self.module)
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def finish_grads(self) -> None:
+        """Complete gradient reduction after the last backward of the step."""
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of one micro-batch (overridden by vocab-parallel strategies)."""
+        return token_loss_sum(logits, targets)
+
+    def forward_backward(self, micro_batches, n_global: int, dtype: str, device: torch.device) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches ``[(x, y), ...]`` (each (b, T) int64),
+        each loss divided by ``n_global``; gradient sync only on the last micro-batch.
+        Returns this rank's loss sum (float64 scalar, CPU, not yet reduced)."""
+        total = torch.zeros((), dtype=torch.float64)
+        last = len(micro_batches) - 1
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with self.no_sync() if i < last else contextlib.nullcontext():
+                with autocast_ctx(dtype, device):
+                    logits = self(x)
+                loss = self.loss_sum(logits, y)
+                (loss / n_global).backward()
+            total += loss.detach().double().cpu()
+        return total
+
+    @torch.no_grad()
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor, dtype: str, device: torch.device):
+        """Forward only: ``(loss_sum, valid_token_count)`` of one batch as float64 CPU scalars.
+        Both are summed over ``loss_groups`` by the caller (pipeline stages other than the last
+        return zeros)."""
+        x, y = x.to(device), y.to(device)
+        with autocast_ctx(dtype, device):
+            logits = self(x)
+        return (self.loss_sum(logits, y).double().cpu(),
+                torch.tensor(float((y != IGNORE_INDEX).sum()), dtype=torch.float64))
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 gradient norm (before clipping), clipping in place when ``max_norm > 0``.
+
+        Default (replicated gradients after reduction): the local norm is the global norm and is
+        identical on every rank."""
+        params = [q for q in self.parameters() if q.grad is not None]
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad) for q in params])))
+
+    def build_optimizer(self, tcfg, mask: dict):
+        """AdamW over this rank's parameters (see ``train.optim.build_optimizer``)."""
+        from ..train.optim import build_optimizer
+
+        return build_optimizer(self.parameters(), mask, tcfg)
+
+    def optimizer_step(self, optimizer) -> None:
+        optimizer.step()
+
+    def model_state_bytes(self, optimizer) -> dict:
+        """Bytes this rank holds for parameters, gradients and optimizer state (storage sizes)."""
+        params = self.parameters()
+        p_bytes = sum(p.numel() * p.element_size() for p in params)
+        g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        o_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes,
+                "total_bytes": p_bytes + g_bytes + o_bytes}
+
+    def reduce_loss(self, loss_sum: torch.Tensor) -> float:
+        """Global loss sum: this rank's sum all-reduced over ``loss_groups``."""
+        t = loss_sum.clone()
+        for g in self.loss_groups:
+            comm.all_reduce(t, group=g, tag="metrics")
+        return float(t)
