@@ -1,6 +1,7 @@
 """Tests for zerotron.data: corpora, split, tokenizer, token cache, windows, sampler."""
 import json
 import os
+import re
 import sys
 import time
 
@@ -190,7 +191,8 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("call,message", BAD_INPUTS)
+@pytest.mark.parametrize("call,message", BAD_INPUTS,
+                         ids=[re.sub(r"\W+", "_", m)[:40] for _, m in BAD_INPUTS])
 def test_bad_inputs(tmp_path, call, message):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": oops}\n')
     (tmp_path / "nofield.jsonl").write_text('{"body": "x"}\n')
@@ -346,7 +348,7 @@ def test_race_loser_uses_winner(corpus_dir, tmp_path, monkeypatch):
 
     def train_while_another_process_finishes(*args, **kwargs):
         if not winner:  # the "other process" completes the same cache meanwhile
-            winner["data"] = None
+            winner["data"] = None  # mark first, so the nested build does not recurse
             winner["data"] = prepare_data("files", corpus_dir, **kw)
         return real_train(*args, **kwargs)
     monkeypatch.setattr(dataset_mod, "train_bpe", train_while_another_process_finishes)

@@ -153,11 +153,12 @@ def _suggest(word: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _coerce(section: str, name: str, typ, value):
-    """Convert ``value`` (TOML value or CLI string) to ``typ`` or raise ConfigError."""
+def _coerce(section: str, name: str, typ, value, from_cli: bool = False):
+    """Convert ``value`` to ``typ`` or raise ConfigError. CLI strings are parsed; TOML values must
+    already have the right type (an int is accepted for a float)."""
     key = f"{section}.{name}"
     typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
-    if isinstance(value, str) and typ is not str:
+    if from_cli and isinstance(value, str) and typ is not str:
         s = value.strip()
         if typ is bool:
             if s.lower() in ("true", "1", "yes", "on"):
@@ -183,7 +184,7 @@ def _field_types(cls) -> dict:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def apply(cfg: Config, section: str, name: str, value) -> None:
+def apply(cfg: Config, section: str, name: str, value, from_cli: bool = False) -> None:
     """Set ``cfg.<section>.<name> = value`` with type checking; ConfigError for unknown keys."""
     if section not in SECTIONS:
         raise ConfigError(f"unknown config section {section!r}{_suggest(section, SECTIONS)}; "
@@ -192,7 +193,7 @@ def apply(cfg: Config, section: str, name: str, value) -> None:
     if name not in types:
         raise ConfigError(f"unknown config key {section}.{name}{_suggest(name, types)}; "
                           f"valid keys in [{section}]: {', '.join(types)}")
-    setattr(getattr(cfg, section), name, _coerce(section, name, types[name], value))
+    setattr(getattr(cfg, section), name, _coerce(section, name, types[name], value, from_cli))
 
 
 def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
@@ -219,7 +220,7 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
         if key.count(".") != 1:
             raise ConfigError(f"override --{key} must look like --section.field (e.g. --train.steps 10)")
         section, name = key.split(".")
-        apply(cfg, section, name, value)
+        apply(cfg, section, name, value, from_cli=isinstance(value, str))
     return cfg
 
 

@@ -2,8 +2,9 @@
 
 ``topology_report()`` gathers one record per rank with ``all_gather_object`` (control plane, no
 tensor traffic) and, on CUDA, attaches the output of ``nvidia-smi topo -m`` (run once per host, by
-local rank 0, with a timeout) plus a one-word summary of the links it shows. On CPU/gloo the
-"interconnect" is the loopback device and shared memory of one machine.
+local rank 0, with a timeout) plus a one-word summary of the links it shows. On CPU the label is
+``CPU_INTERCONNECT``; note that gloo's transport is TCP (over the loopback device when all ranks
+share a host), not a shared-memory segment.
 
 The legend of ``nvidia-smi topo -m``: ``NV#`` = a bonded set of # NVLinks (NVSwitch systems show
 the same ``NV#`` between every pair); ``PIX``/``PXB``/``PHB``/``NODE``/``SYS`` = paths over PCIe

@@ -134,6 +134,8 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
     key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path)
     root = Path(cache_dir).expanduser()
     final = root / key
+    if final.exists():
+        return load_token_data(final)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # left by builds killed over a day ago
         try:

@@ -107,6 +107,27 @@ def read_meta(ckpt: str | Path) -> dict:
     return json.loads(f.read_text())
 
 
+@torch.no_grad()
+def init_optimizer_state(optimizer) -> None:
+    """Create the optimizer's per-parameter state (e.g. Adam's step, exp_avg, exp_avg_sq) with a
+    zero-gradient step at lr = 0, so a checkpoint can be loaded into it. Parameters are unchanged.
+    (torch's own helper skips this when gradients already exist, as they do when gradients are
+    views into DDP's flat buffers.)"""
+    if optimizer.state:
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+
+
 def load_checkpoint(ckpt: str | Path, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
     """Collectively load model (and optimizer, scheduler, this rank's RNG) state from ``ckpt``.
 
@@ -114,8 +135,12 @@ def load_checkpoint(ckpt: str | Path, model, optimizer=None, scheduler=None, res
     Raises CheckpointError for a missing/incomplete checkpoint or mismatched shapes."""
     ckpt = Path(ckpt)
     meta = read_meta(ckpt)
+    if not (ckpt / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} is incomplete (no .metadata from "
+                              "torch.distributed.checkpoint); use another checkpoints/step_<N> directory")
     try:
         if optimizer is not None:
+            init_optimizer_state(optimizer)
             msd, osd = get_state_dict(model, optimizer)
             state = {"model": msd, "optim": osd}
             dcp.load(state, checkpoint_id=str(ckpt))
@@ -125,7 +150,7 @@ def load_checkpoint(ckpt: str | Path, model, optimizer=None, scheduler=None, res
             state = {"model": msd}
             dcp.load(state, checkpoint_id=str(ckpt))
             model.load_state_dict(state["model"])
-    except (RuntimeError, ValueError, KeyError) as e:
+    except Exception as e:  # DCP wraps per-rank failures in its own exception types
         raise CheckpointError(f"cannot load checkpoint {str(ckpt)!r} into this model: {e}. "
                               "Is the model config the same as when it was saved?") from e
     if scheduler is not None:

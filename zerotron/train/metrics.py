@@ -11,8 +11,9 @@ import torch
 def measure_peak_flops(device: torch.device, n: int = 1024, iters: int = 5, dtype=torch.float32) -> float:
     """Measured matmul peak of this process in FLOP/s: best of ``iters`` (n x n) @ (n x n) products,
     each 2 n^3 FLOPs. On CPU this is the denominator of MFU (no datasheet peak is assumed)."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(0)  # never touch the training RNG streams
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     best = float("inf")
     for _ in range(iters + 1):
         if device.type == "cuda":

@@ -1,0 +1,281 @@
+"""Pipeline parallelism over the mesh's "pp" dimension: stage split, schedules, tied weights.
+
+``PipelineStrategy(model, mesh, cfg)`` splits a fully initialised ``GPT`` (identical on every rank)
+into ``pp * v`` model stages (v = ``parallel.virtual_stages`` for "interleaved", else 1); pipeline
+rank r holds the stages ``c*pp + r`` for its chunks c (Megatron-LM interleaving). Layers are
+balanced (earlier stages take the remainder) or follow ``parallel.pp_split``; model stage 0 also
+holds the embeddings, the last one ``ln_f`` and the tied output projection.
+
+Schedules (``parallel.pp_schedule``, built by ``schedules.build_schedule`` and walked by
+``pipeline_exec.PipelineExecutor``): "naive" (model parallel: each flush's micro-batches
+concatenated into one batch, one stage busy at a time), "gpipe" (Huang et al. 2019), "1f1b"
+(PipeDream-Flush, Narayanan et al. 2021), "interleaved" (Megatron-LM, Narayanan et al. 2021).
+
+Step structure: the trainer hands this rank its M micro-batches; ``m = parallel.microbatches or M``
+per pipeline flush, M/m flushes (outer gradient accumulation, no rescaling). Gradients are summed
+over dp by an inner ``DataParallel`` whose hooks fire inside the pipeline backward, only in the last
+flush (and only on each chunk's last backward); ``finish_grads`` waits for it and then sums the tied
+embedding/head gradients between the first and last pipeline rank.
+
+Tied weights: the first stage owns ``transformer.wte.weight``; the last stage holds a copy that it
+registers like the dense GPT does, as both ``transformer.wte.weight`` and ``lm_head.weight``. Their
+gradients are summed before every optimizer step and both are excluded/counted once in the norm, so
+the copies stay bitwise equal. Optimizer-state key choice: the dense model's AdamW state for the
+tied weight is keyed ``transformer.wte.weight`` (``named_parameters`` de-duplicates to the first
+name); both pipeline copies use that same key, so DCP checkpoints reshard between pp=1 and pp>1.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import comm
+from .base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
+from .ddp import DataParallel
+from .pipeline_exec import PipelineExecutor, StageModel, forward_only_actions
+from .schedules import KINDS, build_schedule
+
+
+def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "") -> list[int]:
+    """Layers per model stage: ``pp_split`` ("3,5": comma-separated counts, one per model stage =
+    pp*v) or balanced, the first ``n_layer % n_stages`` stages taking one extra layer.
+    Raises ValueError if pp_split is malformed, has the wrong length, a count < 1, or does not sum
+    to n_layer; or (balanced) if n_layer < n_stages."""
+    if pp_split.strip():
+        try:
+            counts = [int(c) for c in pp_split.split(",")]
+        except ValueError:
+            raise ValueError(f"parallel.pp_split must be comma-separated ints, got {pp_split!r}") from None
+        if len(counts) != n_stages or min(counts) < 1 or sum(counts) != n_layer:
+            raise ValueError(f"parallel.pp_split {pp_split!r} must list {n_stages} layer counts "
+                             f"(pp * virtual_stages), each >= 1, summing to n_layer = {n_layer}")
+        return counts
+    if n_layer < n_stages:
+        raise ValueError(f"n_layer = {n_layer} < {n_stages} model stages (pp * virtual_stages): "
+                         "every stage needs at least one layer; lower pp/virtual_stages")
+    base, extra = divmod(n_layer, n_stages)
+    return [base + (s < extra) for s in range(n_stages)]
+
+
+def stage_layer_ranges(counts: list[int]) -> list[range]:
+    """Global layer-index range of each model stage from per-stage counts."""
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+class PipelineStrategy(Strategy):
+    """Pipeline (x data) parallel strategy; see the module docstring.
+
+    Args: ``model`` (a fully initialised GPT, identical on all ranks; afterwards use ``.module`` —
+    the GPT's modules of other ranks' stages are left untouched and unused), ``mesh``, ``cfg``
+    (``cfg.parallel``: pp_schedule, microbatches, virtual_stages, pp_split, bucket_mb).
+    Attributes: ``module`` (this rank's ``StageModel``), ``ddp`` (inner DataParallel over dp),
+    ``loss_groups`` = [pp group, dp group]. Raises ValueError for an unknown schedule, a bad
+    virtual_stages/pp_split, or ``microbatches`` < 0."""
+
+    def __init__(self, model, mesh, cfg):
+        p = cfg.parallel
+        if p.pp_schedule not in KINDS:
+            raise ValueError(f"parallel.pp_schedule must be one of {KINDS}, got {p.pp_schedule!r}")
+        if p.microbatches < 0:
+            raise ValueError(f"parallel.microbatches must be >= 0 (0 = all), got {p.microbatches}")
+        self.kind, self.microbatches = p.pp_schedule, p.microbatches
+        self.v = p.virtual_stages if self.kind == "interleaved" else 1
+        if self.kind == "interleaved" and self.v < 2:
+            raise ValueError(f"interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
+        self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
+        n_stages = self.pp * self.v
+        ranges = stage_layer_ranges(stage_layer_counts(model.config.n_layer, n_stages, p.pp_split))
+        self.module = StageModel(model, [c * self.pp + self.rank for c in range(self.v)], ranges)
+        d, t = mesh.coords["dp"], mesh.coords["tp"]
+        self._peer = lambda q: mesh.global_rank(q, d, t)  # pp index -> global rank (same dp, tp)
+        self._schedules: dict = {}
+        self.pp_group, self.dp_group = mesh.group("pp"), mesh.group("dp")
+        self.loss_groups = [self.pp_group, self.dp_group]
+        self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb,
+                                src_rank=mesh.global_rank(self.rank, 0, t))
+        self.first, self.last = self.module.holds(0), self.module.holds(n_stages - 1)
+        self.tied = self.module.transformer["wte"].weight if (self.first or self.last) else None
+        self.tied_group = None
+        if self.pp > 1:  # one {pp-first, pp-last} group per (dp, tp) coordinate, created everywhere
+            for dd in range(mesh.size("dp")):
+                for tt in range(mesh.size("tp")):
+                    ranks = [mesh.global_rank(0, dd, tt), mesh.global_rank(self.pp - 1, dd, tt)]
+                    pg = dist.new_group(ranks)
+                    if (dd, tt) == (d, t) and (self.first or self.last):
+                        self.tied_group = comm.NamedGroup(pg, "pp_tied")
+        act_dtype = next(iter(self.module.parameters())).dtype
+        self.executor = PipelineExecutor(self.module, self.pp_group, self.pp, self.rank, self._peer, act_dtype)
+        self._timing = {"busy_s": 0.0, "idle_s": 0.0, "bubble_fraction": 0.0}
+
+    # ---- structure ---------------------------------------------------------------------------
+    def stage_modules(self) -> dict[int, list[str]]:
+        """{model stage: names of the top-level modules it runs} for this rank's stages, e.g.
+        {0: ["transformer.wte", "transformer.wpe", "transformer.h.0", ...]}."""
+        out = {}
+        for s in self.module.stages:
+            names = ["transformer.wte", "transformer.wpe", "transformer.drop"] if s == 0 else []
+            names += [f"transformer.h.{i}" for i in self.module.layer_ranges[s]]
+            if s == self.module.last_stage:
+                names += ["transformer.ln_f", "lm_head"]
+            out[s] = names
+        return out
+
+    def _actions(self, m: int) -> list:
+        """This rank's action list for a flush of ``m`` micro-batches (cached)."""
+        if m not in self._schedules:
+            self._schedules[m] = build_schedule(self.pp, m, self.kind, self.v)[self.rank]
+        return self._schedules[m]
+
+    # ---- training ----------------------------------------------------------------------------
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad()
+
+    def forward_backward(self, micro_batches, n_global: int, dtype: str, device: torch.device) -> torch.Tensor:
+        """Pipelined forward/backward over this rank's micro-batches ``[(x, y), ...]`` (each (b, T)
+        int64, the same on every pp rank of a dp coordinate) in M/m flushes; each micro-batch's
+        token-CE sum is divided by ``n_global``. Returns this rank's loss sum (float64 scalar, CPU;
+        zero except on the last stage). Raises ValueError if M % m != 0 (m =
+        parallel.microbatches or M) or the schedule rejects m (interleaved: m % pp != 0)."""
+        M = len(micro_batches)
+        m = self.microbatches or M
+        if M % m:
+            raise ValueError(f"this rank has {M} micro-batches per step, not divisible by "
+                             f"parallel.microbatches = {m}; choose a divisor of {M} (or 0 = all)")
+        total = torch.zeros((), dtype=torch.float64)
+        ex = self.executor
+        ex.busy_s = ex.idle_s = 0.0
+        n_flush = M // m
+        for f in range(n_flush):
+            mbs = [(x.to(device), y.to(device)) for x, y in micro_batches[f * m:(f + 1) * m]]
+            if self.kind == "naive":
+                mbs = [(torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs]))]
+            sums = []
+
+            def on_output(mb, logits):
+                loss = self.loss_sum(logits, mbs[mb][1])
+                sums.append(loss.detach())
+                return loss / n_global
+
+            final, k = f == n_flush - 1, len(mbs)
+            # sync only in the final flush, on each chunk's last backward; if this rank holds the
+            # first and the last stage (pp == 1, interleaved) the tied weight's last gradient comes
+            # from chunk 0, so the last chunk's final backward must not mark it ready.
+            late = self.first and self.last and self.v > 1
+
+            def b_context(mb, chunk):
+                sync = final and mb == k - 1 and not (late and chunk == self.v - 1)
+                return contextlib.nullcontext() if sync else self.ddp.no_sync()
+
+            ex.run(self._actions(k), [x for x, _ in mbs], on_output,
+                   lambda: autocast_ctx(dtype, device), b_context)
+            for s in sums:
+                total += s.double().cpu()
+        wall = ex.busy_s + ex.idle_s
+        self._timing = {"busy_s": ex.busy_s, "idle_s": ex.idle_s,
+                        "bubble_fraction": ex.idle_s / wall if wall > 0 else 0.0}
+        return total
+
+    def last_step_timing(self) -> dict:
+        """This rank's pipeline timing of the last ``forward_backward``: ``busy_s`` (compute),
+        ``idle_s`` (posting and waiting p2p runs, i.e. bubble + transfer), ``bubble_fraction`` =
+        idle / (busy + idle). Compare with ``schedules.bubble_theory``."""
+        return dict(self._timing)
+
+    def finish_grads(self) -> None:
+        """Wait for the dp gradient reduction, then sum the tied embedding/head gradients between
+        the first and last pipeline rank (pp > 1), so both copies get the same update."""
+        self.ddp.finish_grads()
+        if self.tied_group is not None:
+            comm.all_reduce(self.tied.grad, group=self.tied_group, tag="pp_tied")
+
+    def _norm_params(self) -> list:
+        """This rank's parameters for the global norm, the tied copy of the last stage left out
+        when the first stage (on another rank) counts it."""
+        return [q for q in unique_params(self.module)
+                if q.grad is not None and not (q is self.tied and self.last and not self.first)]
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global gradient L2 norm: sqrt of the pp all-reduced sum of squares (tied weight counted
+        once); identical on every rank. Clips in place (torch's formula, coef = max_norm /
+        (norm + 1e-6) capped at 1) when ``max_norm > 0``. Returns the norm before clipping."""
+        grads = [q.grad for q in self._norm_params()]
+        sq = torch.zeros(1, dtype=torch.float64, device=next(self.module.parameters()).device)
+        if grads:
+            sq += torch.stack([torch.linalg.vector_norm(g).double() ** 2 for g in grads]).sum()
+        comm.all_reduce(sq, group=self.pp_group, tag="grad_norm")
+        norm = sq.sqrt().float()
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for q in unique_params(self.module):  # includes the tied copy: same coef everywhere
+                if q.grad is not None:
+                    q.grad.mul_(coef.to(q.grad.dtype))
+        return float(norm)
+
+    def build_optimizer(self, tcfg, mask: dict):
+        """AdamW over this rank's parameters; ``mask`` (decay by ``id(param)``) may come from the
+        dense GPT or from ``self.module``; the tied copy is never decayed (an embedding)."""
+        from ..train.optim import build_optimizer
+
+        mask = dict(mask)
+        if self.tied is not None:
+            mask[id(self.tied)] = False
+        return build_optimizer(self.parameters(), mask, tcfg)
+
+    # ---- forward only ------------------------------------------------------------------------
+    def _forward_only(self, x: torch.Tensor, on_output, dtype: str, device: torch.device) -> None:
+        acts = forward_only_actions(self.pp, self.v, self.rank)
+        self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))
+
+    @torch.no_grad()
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor, dtype: str, device: torch.device):
+        """Forward-only pipeline of one batch x, y (b, T): ``(loss_sum, valid_count)`` float64 CPU
+        scalars on the last stage, zeros elsewhere (the caller sums over ``loss_groups``)."""
+        x, y = x.to(device), y.to(device)
+        out = [torch.zeros((), dtype=torch.float64)] * 2
+
+        def on_output(mb, logits):
+            out[0] = self.loss_sum(logits, y).double().cpu()
+            out[1] = torch.tensor(float((y != IGNORE_INDEX).sum()), dtype=torch.float64)
+
+        self._forward_only(x, on_output, dtype, device)
+        return out[0], out[1]
+
+
+@torch.no_grad()
+def pipeline_generate(strategy: PipelineStrategy, idx: torch.Tensor, max_new_tokens: int,
+                      dtype: str = "fp32") -> torch.Tensor:
+    """Pipelined greedy decoding: idx (B, T0) int64 (the same on every pp rank of a dp coordinate)
+    -> (B, T0 + max_new_tokens) on every pp rank. No KV cache: each token recomputes the last
+    ``block_size`` positions through the stages; the last stage takes the argmax and broadcasts it
+    over the pp group. Equals ``GPT.generate(idx, n, temperature=0)`` of the dense model.
+    Raises ValueError for an empty prompt or max_new_tokens < 0."""
+    if idx.dim() != 2 or idx.size(1) == 0 or max_new_tokens < 0:
+        raise ValueError(f"need idx (B, T0) with T0 >= 1 and max_new_tokens >= 0, got "
+                         f"{tuple(idx.shape)}, {max_new_tokens}")
+    mod = strategy.module
+    was_training = mod.training
+    mod.eval()
+    device = idx.device
+    src = strategy._peer(strategy.pp - 1)  # last model stage is on pp rank pp-1
+    for _ in range(max_new_tokens):
+        ctx = idx[:, -mod.config.block_size:]
+        nxt = torch.empty(idx.size(0), 1, dtype=torch.long, device=device)
+
+        def on_output(mb, logits):
+            nxt.copy_(logits[:, -1, :].float().argmax(dim=-1, keepdim=True))
+
+        strategy._forward_only(ctx, on_output, dtype, device)
+        if strategy.pp > 1:
+            comm.broadcast(nxt, src=src, group=strategy.pp_group, tag="generate")
+        idx = torch.cat([idx, nxt], dim=1)
+    mod.train(was_training)
+    return idx

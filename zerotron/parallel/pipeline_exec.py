@@ -1,0 +1,198 @@
+"""Pipeline execution: a rank's stage model and the walker of its schedule action list.
+
+``StageModel`` keeps this rank's part of a GPT under the ORIGINAL fully-qualified names
+(``transformer.wte``, ``transformer.h.<i>`` in an ``nn.ModuleDict`` keyed by the global layer index,
+``transformer.ln_f``, ``lm_head``), so ``torch.distributed.checkpoint`` state dicts are independent of
+the pipeline layout.
+
+``PipelineExecutor.run`` walks one rank's actions (``parallel.schedules.Action``) as the schedules
+module docstring prescribes: every maximal run of consecutive SEND/RECV actions is posted as ONE
+``comm.batch_isend_irecv`` and fully waited before the next compute. Activation shapes are known
+ahead, (b, T, C) of the micro-batch, so there are no shape handshakes. Backward of a stage is
+``torch.autograd.backward(output, grad_of_output)``; the input's ``.grad`` goes upstream. A
+micro-batch's saved activations are dropped right after its backward. When pp == 1 (interleaving on
+one rank) neighbouring stages hand tensors over locally (the schedule has no SEND/RECV then).
+
+Sources: GPipe (Huang et al. 2019); PipeDream-Flush / 1F1B and the Megatron-LM interleaved schedule
+(Narayanan et al. 2021).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn as nn
+
+from ..distributed import comm
+from .schedules import COMM, Action
+
+
+class StageModel(nn.Module):
+    """The modules of the model stages ``stages`` (one per local chunk, in chunk order) of ``model``.
+
+    ``layer_ranges[s]`` is the range of global layer indices of model stage s; ``n_stages`` = pp*v.
+    Model stage 0 holds ``transformer.wte/wpe/drop``, the last one ``transformer.ln_f`` and
+    ``lm_head``. If the last stage is here but stage 0 is not, the tied output weight is a separate
+    Parameter, a copy of ``wte.weight``, registered (like in the dense GPT) both as
+    ``transformer.wte.weight`` and ``lm_head.weight`` (same Parameter): state-dict and optimizer-
+    state keys are then exactly the dense model's (``named_parameters`` names it
+    ``transformer.wte.weight``). The layer, embedding and norm modules are the ones of ``model``
+    (shared Parameters; no copies, no RNG use)."""
+
+    def __init__(self, model: nn.Module, stages: list[int], layer_ranges: list[range]):
+        super().__init__()
+        self.config = model.config
+        self.stages, self.layer_ranges = list(stages), list(layer_ranges)
+        self.last_stage = len(layer_ranges) - 1
+        src = model.transformer
+        t = nn.ModuleDict()
+        if 0 in self.stages:
+            t["wte"], t["wpe"], t["drop"] = src.wte, src.wpe, src.drop
+        elif self.last_stage in self.stages:  # tied copy, named as in the dense model
+            w = nn.Parameter(src.wte.weight.detach().clone())
+            t["wte"] = nn.Embedding(w.shape[0], w.shape[1], _weight=w)
+        t["h"] = nn.ModuleDict({str(i): src.h[i] for s in self.stages for i in self.layer_ranges[s]})
+        if self.last_stage in self.stages:
+            t["ln_f"] = src.ln_f
+        self.transformer = t
+        if self.last_stage in self.stages:
+            if 0 in self.stages:
+                self.lm_head = model.lm_head  # still the same Parameter as wte.weight
+            else:
+                self.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+                self.lm_head.weight = t["wte"].weight
+
+    def holds(self, stage: int) -> bool:
+        return stage in self.stages
+
+    def run_chunk(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """Forward of local chunk ``chunk``: tokens (b, T) int64 for model stage 0, else activations
+        (b, T, C); returns logits (b, T, V) on the last model stage, else activations (b, T, C)."""
+        s = self.stages[chunk]
+        t = self.transformer
+        if s == 0:
+            pos = torch.arange(x.size(1), dtype=torch.long, device=x.device)
+            x = t["drop"](t["wte"](x) + t["wpe"](pos))
+        for i in self.layer_ranges[s]:
+            x = t["h"][str(i)](x)
+        if s == self.last_stage:
+            x = self.lm_head(t["ln_f"](x))
+        return x
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) -> logits (B, T, V), only when this rank holds every stage (pp == 1).
+        Raises RuntimeError otherwise (drive a pipeline through PipelineStrategy)."""
+        if sorted(self.stages) != list(range(self.last_stage + 1)):
+            raise RuntimeError("this rank holds only some pipeline stages; use PipelineStrategy."
+                               "forward_backward / eval_loss_sum / pipeline_generate")
+        x = idx
+        for c in sorted(range(len(self.stages)), key=lambda c: self.stages[c]):
+            x = self.run_chunk(c, x)
+        return x
+
+
+def forward_only_actions(pp: int, v: int, rank: int) -> list[Action]:
+    """Forward-only action list of one batch (eval, generation): per local chunk in order, RECV_F
+    (if the stage has a cross-rank input), F, SEND_F (if the output goes to another rank). A chain
+    through the stages, so the executor's one-batch-per-comm-run rule cannot deadlock."""
+    last, acts = pp * v - 1, []
+    for c in range(v):
+        s = c * pp + rank
+        if s > 0 and pp > 1:
+            acts.append(Action("RECV_F", 0, c, (rank - 1) % pp))
+        acts.append(Action("F", 0, c))
+        if s < last and pp > 1:
+            acts.append(Action("SEND_F", 0, c, (rank + 1) % pp))
+    return acts
+
+
+class PipelineExecutor:
+    """Runs action lists of one rank. ``peer_rank(pp_index) -> global rank`` maps a pipeline peer to
+    the global rank at this rank's (dp, tp) coordinates; ``group``: the pp ``comm.NamedGroup``.
+    ``busy_s``/``idle_s`` accumulate compute time and time spent posting+waiting comm runs."""
+
+    def __init__(self, stage: StageModel, group, pp: int, rank: int, peer_rank, act_dtype: torch.dtype):
+        self.stage, self.group, self.pp, self.rank = stage, group, pp, rank
+        self.peer_rank, self.act_dtype = peer_rank, act_dtype
+        self.n_embd = stage.config.n_embd
+        self.busy_s = self.idle_s = 0.0
+
+    def run(self, actions: list[Action], tokens: list[torch.Tensor], on_output, autocast,
+            b_context=None) -> None:
+        """Walk ``actions`` over micro-batches ``tokens[i]`` ((b_i, T_i) int64, known on every rank).
+
+        ``on_output(mb, logits)`` is called with the last stage's logits (b, T, V) and returns the
+        scalar to back-propagate (or None in forward-only runs). ``autocast()`` gives the context
+        of every forward; ``b_context(mb, chunk)`` the context of each backward (e.g. DDP no_sync).
+        Raises RuntimeError if a stage output has an unexpected shape/dtype or the walk ends with
+        undelivered tensors (a malformed schedule)."""
+        acts_in, grads_in, saved, send_f, send_b = {}, {}, {}, {}, {}
+        st, last = self.stage, self.stage.last_stage
+        i, n = 0, len(actions)
+        while i < n:
+            if actions[i].kind in COMM:
+                j, ops = i, []
+                t0 = time.perf_counter()
+                while j < n and actions[j].kind in COMM:
+                    a = actions[j]
+                    key, peer = (a.microbatch, a.chunk), self.peer_rank(a.peer)
+                    if a.kind == "SEND_F":
+                        ops.append(("send", send_f.pop(key), peer))
+                    elif a.kind == "SEND_B":
+                        ops.append(("send", send_b.pop(key), peer))
+                    else:
+                        b, T = tokens[a.microbatch].shape
+                        buf = torch.empty(b, T, self.n_embd, dtype=self.act_dtype, device=tokens[0].device)
+                        (acts_in if a.kind == "RECV_F" else grads_in)[key] = buf
+                        ops.append(("recv", buf, peer))
+                    j += 1
+                for w in comm.batch_isend_irecv(ops, group=self.group, tag="pp"):
+                    w.wait()
+                self.idle_s += time.perf_counter() - t0
+                i = j
+                continue
+            a = actions[i]
+            key, s = (a.microbatch, a.chunk), st.stages[a.chunk]
+            t0 = time.perf_counter()
+            if a.kind == "F":
+                inp = None
+                if s > 0:
+                    inp = acts_in.pop(key)
+                    if torch.is_grad_enabled():
+                        inp.requires_grad_()
+                with autocast():
+                    out = st.run_chunk(a.chunk, tokens[a.microbatch] if s == 0 else inp)
+                if s == last:
+                    out = on_output(a.microbatch, out)
+                else:
+                    self._check(out, tokens[a.microbatch])
+                    if self.pp == 1:  # local hand-off to the next chunk (stage s + 1)
+                        acts_in[(a.microbatch, a.chunk + 1)] = out.detach()
+                    else:
+                        send_f[key] = out.detach()
+                if torch.is_grad_enabled() and out is not None:
+                    saved[key] = (inp, out)
+            else:  # "B"
+                inp, out = saved.pop(key)
+                with b_context(*key) if b_context else contextlib.nullcontext():
+                    if s == last:
+                        torch.autograd.backward(out)
+                    else:
+                        torch.autograd.backward(out, grads_in.pop(key))
+                if s > 0:
+                    if self.pp == 1:
+                        grads_in[(a.microbatch, a.chunk - 1)] = inp.grad
+                    else:
+                        send_b[key] = inp.grad
+                del inp, out  # free this micro-batch's activations now
+            self.busy_s += time.perf_counter() - t0
+            i += 1
+        if acts_in or grads_in or send_f or send_b or (saved and any(a.kind == "B" for a in actions)):
+            raise RuntimeError("pipeline walk ended with undelivered tensors: malformed schedule")
+
+    def _check(self, out: torch.Tensor, tok: torch.Tensor) -> None:
+        want = (*tok.shape, self.n_embd)
+        if tuple(out.shape) != want or out.dtype != self.act_dtype:
+            raise RuntimeError(f"stage output {tuple(out.shape)} {out.dtype} differs from the "
+                               f"pre-agreed activation {want} {self.act_dtype}")

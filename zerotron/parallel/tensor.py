@@ -1,0 +1,436 @@
+"""Tensor (Megatron) and sequence parallelism: communication operators, parallel layers and the
+vocab-parallel cross-entropy. The RNG tracker and the GPT transform live in ``tp_model.py``.
+
+Sources
+  * Shoeybi et al. 2019, "Megatron-LM" (arXiv:1909.08053), sec. 3: the conjugate operators f
+    (identity forward, all-reduce backward) and g (all-reduce forward, identity backward); a
+    column-parallel linear (weight rows split, Y_t = X W_t^T) followed by a row-parallel one (input
+    columns split, Y = sum_t X_t W_t^T); attention split by heads; the vocab-parallel input
+    embedding and the parallel cross-entropy that reduces B*T scalars instead of gathering B*T*V logits.
+  * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+    (arXiv:2205.05198), sec. 4.2.2: sequence parallelism. g becomes a reduce-scatter along the
+    sequence (its conjugate: all-gather in backward) and f an all-gather along the sequence
+    (reduce-scatter in backward); LayerNorm and dropout work on a 1/tp shard of the sequence.
+
+Shapes: B batch, T sequence, C channels, V vocabulary; activations are (B, T, C), sequence dim 1.
+Every collective goes through ``zerotron.distributed.comm`` on ``tp_group`` with ``tag`` in forward
+and ``tag + "_bwd"`` in backward. With a group of size 1 every operator is the identity (no call).
+Parameter metadata (set by :func:`mark_sharded`): ``tp_sharded``, ``tp_dim``, ``tp_chunks``,
+``tp_full_size``; :func:`full_tensor` and :func:`shard_tensor` convert between dense and local.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..distributed import comm
+
+
+# ----------------------------------------------------------------------------- raw collectives
+def _all_reduce(x, group, tag, op=comm.ReduceOp.SUM):
+    if group.size() == 1:
+        return x
+    y = x.contiguous().clone()
+    comm.all_reduce(y, op=op, group=group, tag=tag)
+    return y
+
+
+def _gather_dim(x, dim, group, tag):
+    """Concatenate every rank's x along ``dim`` (rank order). Flat 1-D all-gather of the tensor
+    with ``dim`` moved to the front (each rank's block is then one contiguous piece)."""
+    n = group.size()
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty(n * moved.numel(), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, moved, group=group, tag=tag)
+    return out.view(n * moved.size(0), *moved.shape[1:]).movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_dim(x, dim, group, tag):
+    """Sum x over ranks and keep this rank's 1/n block along ``dim``."""
+    n = group.size()
+    if n == 1:
+        return x
+    if x.size(dim) % n:
+        raise ValueError(f"reduce-scatter along dim {dim}: size {x.size(dim)} is not divisible by tp={n}")
+    moved = x.movedim(dim, 0).contiguous()
+    out = torch.empty(moved.size(0) // n, *moved.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter(out, moved, group=group, tag=tag)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split_dim(x, dim, group):
+    n = group.size()
+    if n == 1:
+        return x
+    if x.size(dim) % n:
+        raise ValueError(f"split along dim {dim}: size {x.size(dim)} is not divisible by tp={n}")
+    return x.chunk(n, dim)[group.rank()].contiguous()
+
+
+# ----------------------------------------------------------------------------- autograd operators
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ctx.group, ctx.tag + "_bwd"), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        return _all_reduce(x, group, tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _GatherDim(torch.autograd.Function):
+    """All-gather along ``dim``; backward: reduce-scatter if ``reduce_grad`` (sequence parallel:
+    each rank's gradient is a partial sum) else split (the consumer is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, tag, reduce_grad):
+        ctx.dim, ctx.group, ctx.tag, ctx.reduce_grad = dim, group, tag, reduce_grad
+        return _gather_dim(x, dim, group, tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.reduce_grad:
+            return _reduce_scatter_dim(g, ctx.dim, ctx.group, ctx.tag + "_bwd"), None, None, None, None
+        return _split_dim(g, ctx.dim, ctx.group), None, None, None, None
+
+
+class _ReduceScatterDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, tag):
+        ctx.dim, ctx.group, ctx.tag = dim, group, tag
+        return _reduce_scatter_dim(x, dim, group, tag)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_dim(g, ctx.dim, ctx.group, ctx.tag + "_bwd"), None, None, None
+
+
+class _SplitDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, tag):
+        ctx.dim, ctx.group, ctx.tag = dim, group, tag
+        return _split_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_dim(g, ctx.dim, ctx.group, ctx.tag + "_bwd"), None, None, None
+
+
+def copy_to_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """Megatron's f (Shoeybi et al. 2019, sec. 3): identity forward, all-reduce of the gradient in
+    backward. Any shape; used before a column-parallel layer whose input is replicated."""
+    return x if group.size() == 1 else _CopyToTP.apply(x, group, tag)
+
+
+def reduce_from_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """Megatron's g (Shoeybi et al. 2019, sec. 3): all-reduce (sum) forward, identity backward.
+    Any shape; used after a row-parallel layer (partial sums -> replicated output)."""
+    return x if group.size() == 1 else _ReduceFromTP.apply(x, group, tag)
+
+
+def gather_from_sp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """Sequence-parallel f (Korthikanti et al. 2022, sec. 4.2.2): (B, T/tp, C) -> (B, T, C) by
+    all-gather along dim 1; backward reduce-scatters the gradient (B, T, C) -> (B, T/tp, C)."""
+    return x if group.size() == 1 else _GatherDim.apply(x, 1, group, tag, True)
+
+
+def reduce_scatter_to_sp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """Sequence-parallel g (Korthikanti et al. 2022, sec. 4.2.2): partial sums (B, T, C) ->
+    reduced shard (B, T/tp, C); backward all-gathers the gradient. Raises ValueError if T % tp."""
+    return x if group.size() == 1 else _ReduceScatterDim.apply(x, 1, group, tag)
+
+
+def scatter_to_sp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """Keep this rank's sequence shard of a replicated (B, T, C) tensor -> (B, T/tp, C) (no
+    communication); backward all-gathers the gradient (Korthikanti et al. 2022). Raises ValueError
+    if T is not divisible by tp."""
+    return x if group.size() == 1 else _SplitDim.apply(x, 1, group, tag)
+
+
+def gather_from_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """All-gather along the last dim: (..., N/tp) -> (..., N) in rank order; backward keeps this
+    rank's slice of the (replicated) gradient (Megatron's gather_output, Shoeybi et al. 2019)."""
+    return x if group.size() == 1 else _GatherDim.apply(x, x.dim() - 1, group, tag, False)
+
+
+def scatter_to_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
+    """This rank's slice of the last dim: (..., N) -> (..., N/tp); backward all-gathers."""
+    return x if group.size() == 1 else _SplitDim.apply(x, x.dim() - 1, group, tag)
+
+
+# ----------------------------------------------------------------------------- shard metadata
+def mark_sharded(p: nn.Parameter, dim: int, chunks: int = 1, full_size: int | None = None) -> nn.Parameter:
+    """Record that ``p`` holds this rank's slice along ``dim`` of a dense tensor whose ``dim`` is
+    made of ``chunks`` equal stacked parts (3 for a fused [q|k|v]), each split over tp; the dense
+    size along ``dim`` is ``full_size`` (< padded size for a padded vocabulary). Returns ``p``."""
+    p.tp_sharded, p.tp_dim, p.tp_chunks, p.tp_full_size = True, dim, chunks, full_size
+    return p
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """True if ``p`` is a tensor-parallel shard (count it on every tp rank in a norm); False if it
+    is replicated over tp (count it once)."""
+    return bool(getattr(p, "tp_sharded", False))
+
+
+def shard_tensor(full: torch.Tensor, dim: int, group, chunks: int = 1, padded_size: int | None = None):
+    """This rank's slice of a dense tensor: zero-pad ``dim`` to ``padded_size``, cut it into
+    ``chunks`` parts and take part ``rank`` of ``tp`` from each. Raises ValueError if a part's size
+    is not divisible by tp."""
+    n, r = group.size(), group.rank()
+    if padded_size is not None and padded_size > full.size(dim):
+        pad = list(full.shape)
+        pad[dim] = padded_size - full.size(dim)
+        full = torch.cat([full, full.new_zeros(pad)], dim)
+    if full.size(dim) % (chunks * n):
+        raise ValueError(f"cannot shard size {full.size(dim)} of dim {dim} into {chunks} part(s) x tp={n}")
+    pieces = [c.chunk(n, dim)[r] for c in full.chunk(chunks, dim)]
+    return torch.cat(pieces, dim).detach().clone().contiguous()
+
+
+def full_tensor(p: torch.Tensor, group, local: torch.Tensor | None = None, tag: str = "tp_export"):
+    """Dense tensor of ``local`` (default ``p`` itself, e.g. pass ``p.grad``) laid out like the
+    parameter ``p``: the inverse of :func:`shard_tensor` (all-gather, reorder chunks, drop padding).
+    Replicated parameters are returned as they are (detached)."""
+    local = (p if local is None else local).detach()
+    if not is_tp_sharded(p) or group.size() == 1:
+        full = local
+    else:
+        n, dim, chunks = group.size(), p.tp_dim, p.tp_chunks
+        flat = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
+        comm.all_gather(flat, local.contiguous(), group=group, tag=tag)
+        parts = [x.chunk(chunks, dim) for x in flat.view(n, *local.shape).unbind(0)]
+        full = torch.cat([parts[r][c] for c in range(chunks) for r in range(n)], dim)
+    if getattr(p, "tp_full_size", None) is not None:
+        full = full.narrow(p.tp_dim, 0, p.tp_full_size)
+    return full.contiguous()
+
+
+# ----------------------------------------------------------------------------- layers
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A's output rows split over tp (Shoeybi et al. 2019, sec. 3).
+
+    Input (B, T, in) replicated (through f), or (B, T/tp, in) with ``sequence_parallel`` (all-gathered
+    along T first, reduce-scattered in backward; Korthikanti et al. 2022). Output (B, T, out/tp), or
+    (B, T, out) with ``gather_output``. weight (out/tp, in), bias (out/tp). Raises ValueError if
+    tp does not divide ``out_features``. A fresh layer draws its shard N(0, 0.02) from the current
+    RNG; use :meth:`from_dense` for weights equal to a dense layer."""
+
+    def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        n = tp_group.size()
+        if out_features % n:
+            raise ValueError(f"ColumnParallelLinear: out_features {out_features} not divisible by tp={n}")
+        self.in_features, self.out_features, self.tp_group = in_features, out_features, tp_group
+        self.gather_output, self.sequence_parallel, self.comm_tag = gather_output, sequence_parallel, "tp"
+        kw = dict(device=device, dtype=dtype)
+        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features, **kw)), 0)
+        nn.init.normal_(self.weight, std=0.02)
+        self.bias = mark_sharded(nn.Parameter(torch.zeros(out_features // n, **kw)), 0) if bias else None
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, tp_group, gather_output: bool = False,
+                   sequence_parallel: bool = False, chunks: int = 1) -> "ColumnParallelLinear":
+        """This rank's rows of ``dense`` (out, in). ``chunks``: the output is ``chunks`` stacked equal
+        parts split separately (3 for attention's [q|k|v], so rank t gets q_t, k_t, v_t)."""
+        w = dense.weight
+        m = cls(dense.in_features, dense.out_features, tp_group, dense.bias is not None, gather_output,
+                sequence_parallel, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            m.weight.copy_(shard_tensor(w, 0, tp_group, chunks))
+            if m.bias is not None:
+                m.bias.copy_(shard_tensor(dense.bias, 0, tp_group, chunks))
+        for p in m.parameters():
+            p.tp_chunks = chunks
+        return m
+
+    @classmethod
+    def tied(cls, weight: nn.Parameter, tp_group, sequence_parallel: bool = False) -> "ColumnParallelLinear":
+        """A bias-free layer whose weight *is* ``weight`` (out/tp, in), e.g. the vocab-parallel
+        embedding's (weight tying, Press & Wolf 2017)."""
+        n = tp_group.size()
+        m = cls(weight.size(1), n, tp_group, bias=False, sequence_parallel=sequence_parallel,
+                device="meta", dtype=weight.dtype)
+        m.out_features, m.weight = weight.size(0) * n, weight
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, tag = self.tp_group, self.comm_tag
+        x = gather_from_sp(x, g, tag) if self.sequence_parallel else copy_to_tp(x, g, tag)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, g, tag) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_group.size()}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_t X_t A_t^T + b with A's input columns split over tp (Shoeybi et al. 2019, sec. 3).
+
+    Input (B, T, in/tp) if ``input_is_parallel`` else (B, T, in) (sliced here). The partial sums are
+    all-reduced (g) to (B, T, out), or reduce-scattered to (B, T/tp, out) with ``sequence_parallel``
+    (Korthikanti et al. 2022); the bias (out, replicated) is added once, after the reduction.
+    weight (out, in/tp). Raises ValueError if tp does not divide ``in_features`` or if
+    sequence_parallel is asked without input_is_parallel."""
+
+    def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        n = tp_group.size()
+        if in_features % n:
+            raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by tp={n}")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
+        self.in_features, self.out_features, self.tp_group = in_features, out_features, tp_group
+        self.input_is_parallel, self.sequence_parallel, self.comm_tag = input_is_parallel, sequence_parallel, "tp"
+        kw = dict(device=device, dtype=dtype)
+        self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, in_features // n, **kw)), 1)
+        nn.init.normal_(self.weight, std=0.02)
+        self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, tp_group, input_is_parallel: bool = True,
+                   sequence_parallel: bool = False) -> "RowParallelLinear":
+        """This rank's input columns of ``dense`` (out, in); the bias is copied whole."""
+        w = dense.weight
+        m = cls(dense.in_features, dense.out_features, tp_group, dense.bias is not None, input_is_parallel,
+                sequence_parallel, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            m.weight.copy_(shard_tensor(w, 1, tp_group))
+            if m.bias is not None:
+                m.bias.copy_(dense.bias)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, tag = self.tp_group, self.comm_tag
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, g, tag)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp(y, g, tag) if self.sequence_parallel else reduce_from_tp(y, g, tag)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_group.size()}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over tp (Shoeybi et al. 2019, sec. 3).
+
+    The vocabulary is zero-padded to V_pad = ceil(V/tp)*tp; rank t owns ids [vocab_start, vocab_end)
+    = [t*V_pad/tp, (t+1)*V_pad/tp), weight (V_pad/tp, C). ids (B, T) outside the range look up row 0
+    and are masked to 0, then the partial outputs are all-reduced -> (B, T, C), or reduce-scattered
+    along the sequence -> (B, T/tp, C) with ``sequence_parallel`` (Korthikanti et al. 2022)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, sequence_parallel: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        n, r = tp_group.size(), tp_group.rank()
+        self.num_embeddings, self.embedding_dim, self.tp_group = num_embeddings, embedding_dim, tp_group
+        self.padded_num_embeddings = -(-num_embeddings // n) * n
+        per = self.padded_num_embeddings // n
+        self.vocab_start, self.vocab_end = r * per, (r + 1) * per
+        self.sequence_parallel, self.comm_tag = sequence_parallel, "tp"
+        w = torch.empty(per, embedding_dim, device=device, dtype=dtype)
+        nn.init.normal_(w, std=0.02)
+        w[max(0, min(per, num_embeddings - self.vocab_start)):] = 0  # padded rows
+        self.weight = mark_sharded(nn.Parameter(w), 0, full_size=num_embeddings)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, tp_group, sequence_parallel: bool = False) -> "VocabParallelEmbedding":
+        """This rank's rows of ``dense`` (V, C), padding rows zero."""
+        w = dense.weight
+        m = cls(dense.num_embeddings, dense.embedding_dim, tp_group, sequence_parallel, w.device, w.dtype)
+        with torch.no_grad():
+            m.weight.copy_(shard_tensor(w, 0, tp_group, padded_size=m.padded_num_embeddings))
+        return m
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        g, tag = self.tp_group, self.comm_tag
+        return reduce_scatter_to_sp(y, g, tag) if self.sequence_parallel else reduce_from_tp(y, g, tag)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}), {self.embedding_dim}, "
+                f"rows [{self.vocab_start}, {self.vocab_end}), sequence_parallel={self.sequence_parallel}")
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index, eps, tag):
+        n_local = logits.size(-1)
+        nv = max(0, min(n_local, vocab_size - vocab_start))  # real (unpadded) columns held here
+        x = logits.float()[..., :nv]
+        if nv:
+            m = x.max(dim=-1).values
+        else:
+            m = torch.full(x.shape[:-1], float("-inf"), device=x.device)
+        m = _all_reduce(m, group, tag, op=comm.ReduceOp.MAX)
+        shifted = x - m.unsqueeze(-1)
+        e = shifted.exp()
+        t = targets - vocab_start
+        in_range = (t >= 0) & (t < nv)
+        t_safe = t.clamp(0, max(nv - 1, 0))
+        tgt = torch.zeros_like(m) if nv == 0 else shifted.gather(-1, t_safe.unsqueeze(-1)).squeeze(-1)
+        rows = [e.sum(-1), torch.where(in_range, tgt, 0.0)] + ([shifted.sum(-1)] if eps > 0 else [])
+        stats = _all_reduce(torch.stack(rows), group, tag)
+        lse = stats[0].log()
+        tok = (1.0 - eps) * (lse - stats[1])
+        if eps > 0:
+            tok = tok + eps * (lse - stats[2] / vocab_size)
+        valid = targets != ignore_index
+        ctx.save_for_backward(e / stats[0].unsqueeze(-1), t_safe, in_range, valid)
+        ctx.meta = (n_local, nv, eps, vocab_size, logits.dtype)
+        return torch.where(valid, tok, 0.0).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, t_safe, in_range, valid = ctx.saved_tensors
+        n_local, nv, eps, vocab_size, dtype = ctx.meta
+        g = softmax - eps / vocab_size if eps > 0 else softmax.clone()
+        if nv:
+            g.scatter_add_(-1, t_safe.unsqueeze(-1), -(1.0 - eps) * in_range.unsqueeze(-1).to(g.dtype))
+        g = g * (grad * valid).unsqueeze(-1)
+        return F.pad(g, (0, n_local - nv)).to(dtype), None, None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                 vocab_size_true: int, tp_group, ignore_index: int = -100,
+                                 label_smoothing: float = 0.0, tag: str = "tp_loss") -> torch.Tensor:
+    """SUM over valid targets of the token cross-entropy, without gathering the logits.
+
+    logits_local (B, T, V_local) holds columns [vocab_start, vocab_start + V_local) of the padded
+    vocabulary (columns >= ``vocab_size_true`` are padding and never count); targets (B, T) int64.
+    Method (Shoeybi et al. 2019, sec. 3, parallel cross-entropy): all-reduce MAX of the row maxima,
+    then one all-reduce SUM of [sum_j exp(x_j - m), x_target - m (only on the owning rank),
+    sum_j (x_j - m) if smoothing] -> 2 all-reduces of B*T(*3) floats. Per token:
+    loss = (1-eps)(lse - x_y) + eps(lse - mean_j x_j), the mean over the true V (as
+    ``F.cross_entropy(label_smoothing=eps)``). Backward is local: softmax - (1-eps) onehot - eps/V.
+    Computed in fp32; returns an fp32 scalar equal on every tp rank (0 if no valid target).
+    Raises ValueError on shape mismatch or eps outside [0, 1]."""
+    if targets.shape != logits_local.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must match logits {tuple(logits_local.shape)} "
+                         "without the vocabulary dim")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    return _VocabParallelCE.apply(logits_local, targets, vocab_start, vocab_size_true, tp_group,
+                                  ignore_index, float(label_smoothing), tag)
