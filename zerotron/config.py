@@ -298,6 +298,11 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
     need(d.vocab_size >= 260 or d.tokenizer, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
     need(p.dp_impl in DP_IMPLS, f"parallel.dp_impl must be one of {DP_IMPLS}, got {p.dp_impl!r}")
+    need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
+    need(p.zero_impl in ("native", "fsdp2"), f"parallel.zero_impl must be native or fsdp2, got {p.zero_impl!r}")
+    need(p.reduce_dtype in DTYPES, f"parallel.reduce_dtype must be one of {DTYPES}, got {p.reduce_dtype!r}")
+    need(not (p.zero_impl == "fsdp2" and p.zero_stage == 1),
+         "parallel.zero_impl = fsdp2 supports zero_stage 2 (reshard_after_forward=False) or 3; use native for stage 1")
     need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
     need(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
     need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")

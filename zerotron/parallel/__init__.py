@@ -21,6 +21,16 @@ def parallelize(model, cfg, mesh):
     p = cfg.parallel
     group = mesh.group("dp")
     src = mesh.global_rank(mesh.coords["pp"], 0, mesh.coords["tp"])
+    if p.zero_stage:
+        if p.zero_impl == "native":
+            from .zero import ZeroStrategy
+
+            return ZeroStrategy(model, group, p.zero_stage, cfg.train.dtype, p.reduce_dtype)
+        if p.zero_impl == "fsdp2":
+            from .fsdp import FSDP2Strategy
+
+            return FSDP2Strategy(model, mesh, p.zero_stage, cfg.train.dtype, p.reduce_dtype)
+        raise ValueError(f"parallel.zero_impl must be 'native' or 'fsdp2', got {p.zero_impl!r}")
     if p.dp_impl == "native":
         return DataParallel(model, group, bucket_mb=p.bucket_mb, src_rank=src)
     if p.dp_impl == "torch":

@@ -52,6 +52,11 @@ class Strategy:
     module: torch.nn.Module
     loss_groups: list = []
 
+    def __init__(self, module: torch.nn.Module | None = None):
+        """A bare strategy around a plain module (single process, no gradient sync)."""
+        if module is not None:
+            self.module = module
+
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
@@ -128,6 +133,30 @@ class Strategy:
                       if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes,
                 "total_bytes": p_bytes + g_bytes + o_bytes}
+
+    def full_params(self):
+        """Context in which ``self.module`` holds every parameter in full (evaluation, generation,
+        export); a no-op for replicated strategies."""
+        return contextlib.nullcontext(self.module)
+
+    def state_dict(self, optimizer=None):
+        """``(model_state, optimizer_state)`` in the canonical layout-independent format: FQN-keyed
+        full tensors as produced by ``torch.distributed.checkpoint.state_dict.get_state_dict`` for
+        the plain model (optimizer state ``{"state": {fqn: {...}}, "param_groups": [...]}``)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if optimizer is None:
+            return get_state_dict(self.module, [])[0], None
+        return get_state_dict(self.module, optimizer)
+
+    def load_state_dict(self, msd, osd, optimizer=None) -> None:
+        """Load a canonical state (from :meth:`state_dict` of any layout) into this rank."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        if optimizer is None:
+            self.module.load_state_dict(msd)
+        else:
+            set_state_dict(self.module, optimizer, model_state_dict=msd, optim_state_dict=osd)
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         """Global loss sum: this rank's sum all-reduced over ``loss_groups``."""

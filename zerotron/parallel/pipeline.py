@@ -91,6 +91,7 @@ class PipelineStrategy(Strategy):
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
         n_stages = self.pp * self.v
         ranges = stage_layer_ranges(stage_layer_counts(model.config.n_layer, n_stages, p.pp_split))
+        self.dense = model
         self.module = StageModel(model, [c * self.pp + self.rank for c in range(self.v)], ranges)
         d, t = mesh.coords["dp"], mesh.coords["tp"]
         self._peer = lambda q: mesh.global_rank(q, d, t)  # pp index -> global rank (same dp, tp)
@@ -229,6 +230,40 @@ class PipelineStrategy(Strategy):
         if self.tied is not None:
             mask[id(self.tied)] = False
         return build_optimizer(self.parameters(), mask, tcfg)
+
+    # ---- checkpoints and full parameters ---------------------------------------------------------
+    def state_dict(self, optimizer=None):
+        """Canonical ``(model_state, optimizer_state)`` of this rank's stages (FQN-keyed, as
+        ``get_state_dict`` gives for the dense GPT). The optimizer's ``param_groups`` (a non-tensor
+        entry that DCP stores from ONE rank) are made identical on every rank: each group lists the
+        FQNs of the whole model (union over the pp group, tied weight once as
+        ``transformer.wte.weight``), exactly like the dense model's. Collective over pp."""
+        msd, osd = super().state_dict(optimizer)
+        if osd is not None:
+            everyone = comm.all_gather_object([g["params"] for g in osd["param_groups"]], group=self.pp_group)
+            for i, g in enumerate(osd["param_groups"]):
+                names = [n for lists in everyone for n in lists[i]]
+                g["params"] = list(dict.fromkeys(names))
+        return msd, osd
+
+    @contextlib.contextmanager
+    def full_params(self):
+        """Collective over the pp group (every pp rank must enter): broadcast each model stage's
+        parameters from the pp rank that owns it into the dense ``GPT`` given at construction and
+        yield that GPT (evaluation, generation, export). Its stage parameters are this rank's own
+        Parameters, so use it read-only."""
+        if self.pp > 1:
+            t = self.dense.transformer
+            with torch.no_grad():
+                for s, layers in enumerate(self.module.layer_ranges):
+                    mods = [t.h[i] for i in layers]
+                    mods += [t.wte, t.wpe] if s == 0 else []
+                    mods += [t.ln_f] if s == self.module.last_stage else []
+                    for mod in mods:
+                        for q in mod.parameters():
+                            comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
+                                           tag="full_params")
+        yield self.dense
 
     # ---- forward only ------------------------------------------------------------------------
     def _forward_only(self, x: torch.Tensor, on_output, dtype: str, device: torch.device) -> None:

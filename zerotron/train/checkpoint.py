@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -65,11 +64,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, meta: dict,
+def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, scheduler, meta: dict,
                     tokenizer_path: str | Path | None = None, keep: int = 0) -> Path:
     """Collectively save a checkpoint of optimizer step ``step`` (all ranks must call).
 
-    ``model``: the plain module (not a wrapper); ``meta``: JSON-able dict (config, tokens...).
+    ``strategy``: a ``parallel.base.Strategy`` (its ``state_dict`` gives the canonical FQN-keyed
+    model/optimizer state, so any layout can load the checkpoint); ``meta``: JSON-able dict.
     Keeps the newest ``keep`` checkpoints (0 = all). Returns the final directory."""
     rank = dist.get_rank()
     root = Path(run_dir) / "checkpoints"
@@ -78,7 +78,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = strategy.state_dict(optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
@@ -128,8 +128,10 @@ def init_optimizer_state(optimizer) -> None:
         g["lr"] = lr
 
 
-def load_checkpoint(ckpt: str | Path, model, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
+def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
     """Collectively load model (and optimizer, scheduler, this rank's RNG) state from ``ckpt``.
+
+    ``strategy``: a ``parallel.base.Strategy`` (or a plain ``nn.Module``, wrapped in one).
 
     Works at any world size (DCP reshards). Returns the checkpoint's meta dict.
     Raises CheckpointError for a missing/incomplete checkpoint or mismatched shapes."""
@@ -138,18 +140,17 @@ def load_checkpoint(ckpt: str | Path, model, optimizer=None, scheduler=None, res
     if not (ckpt / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {str(ckpt)!r} is incomplete (no .metadata from "
                               "torch.distributed.checkpoint); use another checkpoints/step_<N> directory")
+    if isinstance(strategy, torch.nn.Module):
+        from ..parallel.base import Strategy
+
+        strategy = Strategy(strategy)
     try:
         if optimizer is not None:
             init_optimizer_state(optimizer)
-            msd, osd = get_state_dict(model, optimizer)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=str(ckpt))
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            msd = get_state_dict(model, [], options=StateDictOptions())[0]
-            state = {"model": msd}
-            dcp.load(state, checkpoint_id=str(ckpt))
-            model.load_state_dict(state["model"])
+        msd, osd = strategy.state_dict(optimizer)
+        state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(ckpt))
+        strategy.load_state_dict(state["model"], state.get("optim"), optimizer)
     except Exception as e:  # DCP wraps per-rank failures in its own exception types
         raise CheckpointError(f"cannot load checkpoint {str(ckpt)!r} into this model: {e}. "
                               "Is the model config the same as when it was saved?") from e

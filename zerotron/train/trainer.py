@@ -92,7 +92,7 @@ class Trainer:
         self.start_step = 0
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
         if resume:
-            meta = ckpt.load_checkpoint(ckpt.latest_checkpoint(self.run_dir), self.model, self.optimizer,
+            meta = ckpt.load_checkpoint(ckpt.latest_checkpoint(self.run_dir), self.strategy, self.optimizer,
                                         self.scheduler)
             self.start_step = meta["step"]
         from ..analysis.flops import training_flops_per_token
@@ -117,7 +117,7 @@ class Trainer:
                 "model_config": dataclasses.asdict(self.model_cfg)}
 
     def save(self, step: int) -> None:
-        ckpt.save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.meta(step),
+        ckpt.save_checkpoint(self.run_dir, step, self.strategy, self.optimizer, self.scheduler, self.meta(step),
                              self.data.tokenizer_path, keep=self.cfg.checkpoint.keep)
 
     def fit(self, callback=None) -> dict:
@@ -174,12 +174,12 @@ class Trainer:
             bar.close()
         summary = {"steps": t.steps, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
                    "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None}
+        if cfg.log.sample_tokens:  # every rank decodes: sharded strategies gather collectively
+            summary["sample"] = self.sample(cfg.log.sample_prompt, cfg.log.sample_tokens)
         if lead and writer:
             writer.close()
             if cfg.log.plot:
                 plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
-            if cfg.log.sample_tokens:
-                summary["sample"] = self.sample(cfg.log.sample_prompt, cfg.log.sample_tokens)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
@@ -189,6 +189,7 @@ class Trainer:
         idx = torch.tensor([ids], device=self.device)
         self.model.eval()
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
-        out = self.model.generate(idx, n, temperature=0.8, top_k=50, generator=gen)
+        with self.strategy.full_params() as model:
+            out = model.generate(idx, n, temperature=0.8, top_k=50, generator=gen)
         self.model.train()
         return self.data.tokenizer.decode(out[0].tolist())

@@ -1,0 +1,439 @@
+"""ZeRO stages 1, 2 and 3 over the dp dimension, built from reduce-scatter and all-gather.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models".
+
+Storage. Parameters are grouped into *units* -- the root (token/position embeddings, the tied LM
+head, the final LayerNorm) and each transformer block -- and, inside a unit, by weight-decay flag, so
+every flat buffer holds parameters with one AdamW setting (the decay mask of each original parameter
+is kept although storage is flat). Each flat buffer of ``n`` elements is padded to
+``ceil(n / dp) * dp``; dp rank r owns the shard ``[r*k, (r+1)*k)``, ``k = padded / dp``. The optimizer
+(torch AdamW) sees one fp32 *master* shard per flat buffer, so Adam's math and step counters are the
+same as for the unsharded parameters.
+
+  stage 1  optimizer state sharded. Full gradients accumulate locally (views into a flat buffer);
+           after the last micro-batch each flat buffer is reduce-scattered (launched from gradient
+           hooks as soon as its unit is complete, overlapping the rest of backward); each rank
+           updates its shard; updated parameters are all-gathered.
+  stage 2  gradients sharded too: every micro-batch's gradients are reduce-scattered unit by unit
+           during backward and accumulated into the fp32 shard; full gradients are freed as soon
+           as they are reduced.
+  stage 3  parameters sharded at rest: a block's flat parameters are all-gathered just before its
+           forward and again before its backward and freed (storage resized to 0) right after; the
+           next block's all-gather is prefetched asynchronously (forward: i+1, backward: i-1) so
+           communication overlaps compute. The root unit is gathered once per step and kept until
+           the step's gradients are reduced (it is used at both ends of the model).
+
+Communication per step, in nccl-tests "size" bytes (per-rank traffic = size x (n-1)/n), with
+Psi = padded parameter count and e = bytes per element:
+  stage 1: reduce-scatter Psi*e + all-gather Psi*e            (= 2 Psi, like an all-reduce)
+  stage 2: reduce-scatter A*Psi*e + all-gather Psi*e          (A = micro-batches per step)
+  stage 3: all-gather (2A*Psi_blocks + Psi_root)*e + reduce-scatter A*Psi*e   (~3 Psi when A = 1)
+
+Mixed precision (``train.dtype = "bf16"``): module parameters (compute copies) are bf16, master
+shards and Adam state fp32; gradients are reduced in ``parallel.reduce_dtype`` (fp32 by default).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from ..distributed import comm
+from .base import Strategy
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().size() != nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+class FlatShard:
+    """Parameters of one unit sharing a weight-decay flag, stored as one padded flat buffer.
+
+    Attributes: ``names`` (FQNs), ``params``, ``offsets``, ``numel`` (unpadded), ``padded``, ``k``
+    (shard size), ``full`` (padded flat compute copy; module params are views into it),
+    ``master`` (fp32 shard, an ``nn.Parameter`` given to the optimizer)."""
+
+    def __init__(self, names, params, decay: bool, stage: int, group, compute_dtype, reduce_dtype):
+        self.names, self.params, self.decay, self.stage, self.group = names, params, decay, stage, group
+        self.dp, self.rank = group.size(), group.rank()
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.k = -(-self.numel // self.dp)
+        self.padded = self.k * self.dp
+        dev = params[0].device
+        self.full = torch.zeros(self.padded, dtype=compute_dtype, device=dev)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels):
+                self.full[off:off + n].copy_(p.detach().reshape(-1))
+                p.data = self.full[off:off + n].view_as(p)
+        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
+        self.aliased = compute_dtype == torch.float32 and stage < 3  # master is a view of `full`
+        shard = self.full[lo:hi] if self.aliased else self.full[lo:hi].float().clone()
+        self.master = nn.Parameter(shard)
+        self.grad_full = None
+        if stage == 1:  # full gradients accumulate in place (param.grad views)
+            self.grad_full = torch.zeros(self.padded, dtype=compute_dtype, device=dev)
+            self.attach_grad_views()
+        self.shard_grad = torch.zeros(self.k, dtype=torch.float32, device=dev)
+        if self.aliased and stage == 1 and compute_dtype == torch.float32:
+            self.shard_grad = self.grad_full[lo:hi]
+        self.pending = None  # (work, input, output) of an in-flight reduce-scatter
+        self.gather_work = None
+        if stage == 3:
+            _free(self.full)
+
+    def attach_grad_views(self) -> None:
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            p.grad = self.grad_full[off:off + n].view_as(p)
+
+    # ---- gradients -------------------------------------------------------------------------
+    def launch_reduce(self) -> None:
+        """Reduce-scatter this buffer's gradient (async); stage 2/3 free the full gradients."""
+        if self.stage == 1:
+            inp = self.grad_full if self.grad_full.dtype == self.reduce_dtype else self.grad_full.to(self.reduce_dtype)
+        else:
+            inp = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.full.device)
+            for p, off, n in zip(self.params, self.offsets, self.numels):
+                if p.grad is not None:
+                    inp[off:off + n].copy_(p.grad.reshape(-1))
+                    p.grad = None
+        out = torch.empty(self.k, dtype=self.reduce_dtype, device=inp.device)
+        work = comm.reduce_scatter(out, inp, group=self.group, async_op=True, tag="grad")
+        self.pending = (work, inp, out)
+
+    def wait_reduce(self) -> None:
+        """Finish the in-flight reduce-scatter and accumulate into the fp32 shard gradient."""
+        if self.pending is None:
+            return
+        work, _, out = self.pending
+        work.wait()
+        if self.stage == 1:
+            self.shard_grad.copy_(out)
+        else:
+            self.shard_grad.add_(out.float())
+        self.pending = None
+
+    # ---- parameters ------------------------------------------------------------------------
+    def launch_gather(self) -> None:
+        """All-gather the master shards into ``full`` (async). Stage 3: re-allocates ``full``."""
+        if self.gather_work is not None:
+            return
+        if self.stage == 3 and self.full.untyped_storage().size() > 0:
+            return  # already gathered
+        _alloc(self.full)
+        src = self.master.detach() if self.master.dtype == self.compute_dtype else self.master.detach().to(self.compute_dtype)
+        if self.aliased:
+            src = src.clone()  # input must not alias the output buffer
+        self.gather_work = (comm.all_gather(self.full, src, group=self.group, async_op=True, tag="param"), src)
+
+    def wait_gather(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work[0].wait()
+            self.gather_work = None
+
+    def free(self) -> None:
+        _free(self.full)
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward first runs ``unit_hook`` (stage 3: gather the block's parameters
+    before its backward and prefetch the previous block)."""
+
+    @staticmethod
+    def forward(ctx, hook, x):
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook()
+        return None, grad
+
+
+class ZeroStrategy(Strategy):
+    """Native ZeRO stage 1/2/3 over the dp group for a GPT (``model.transformer.h`` blocks).
+
+    Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup), ``stage``
+    (1, 2 or 3), ``dtype`` ("fp32" | "bf16": compute copies), ``reduce_dtype`` ("fp32" | "bf16").
+    Raises ValueError for a bad stage or dtype."""
+
+    def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "fp32", mask=None):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for ZeroStrategy, got {stage}")
+        if dtype not in DTYPES or reduce_dtype not in DTYPES:
+            raise ValueError(f"dtype and parallel.reduce_dtype must be fp32 or bf16, got {dtype}, {reduce_dtype}")
+        from ..train.optim import decay_mask
+
+        self.module, self.group, self.loss_groups, self.stage = model, group, [group], stage
+        mask = mask or decay_mask(model)
+        blocks = list(model.transformer.h)
+        in_block = {id(p) for b in blocks for p in b.parameters()}
+        names = {}
+        for n, p in model.named_parameters():  # first FQN of each (tied) parameter
+            names.setdefault(id(p), n)
+        root = [p for p in model.parameters() if id(p) not in in_block]
+        self.units = [root] + [list(b.parameters()) for b in blocks]
+        self.flats: list[list[FlatShard]] = []
+        with torch.no_grad():
+            for params in self.units:
+                flats = []
+                for decay in (True, False):
+                    ps = [p for p in params if mask.get(id(p), False) == decay]
+                    if ps:
+                        flats.append(FlatShard([names[id(p)] for p in ps], ps, decay, stage, group,
+                                               DTYPES[dtype], DTYPES[reduce_dtype]))
+                self.flats.append(flats)
+        self.all_flats = [f for fl in self.flats for f in fl]
+        self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
+        self._ready = [set() for _ in self.flats]
+        self._order = list(range(len(self.flats) - 1, 0, -1)) + [0]  # reduce order: last block .. root
+        self._next = 0
+        self._sync = True
+        self._in_step = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fl in self.flats for f in fl
+                       for p in f.params]
+        if stage == 3:
+            for i, b in enumerate(blocks, start=1):
+                b.register_forward_pre_hook(self._make_pre_forward(i))
+                b.register_forward_hook(self._make_post_forward(i))
+
+    # ---- interface -------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if self.stage != 3 or self._in_step:
+            return self.module(*args, **kwargs)
+        with self.full_params(blocks=False):
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def full_params(self, blocks: bool = True):
+        """Stage 3: gather the root unit (and all blocks when ``blocks``) for use outside a
+        training step (evaluation, generation, export); freed on exit."""
+        units = range(len(self.flats)) if blocks else [0]
+        if self.stage == 3:
+            for u in units:
+                self._gather_unit(u)
+        try:
+            yield self.module
+        finally:
+            if self.stage == 3:
+                for u in units:
+                    for f in self.flats[u]:
+                        f.free()
+
+    def parameters(self) -> list:
+        return [f.master for f in self.all_flats]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stage 1: accumulate full gradients locally without communicating."""
+        prev, self._sync = self._sync, self.stage != 1
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def zero_grad(self) -> None:
+        for f in self.all_flats:
+            f.shard_grad.zero_()
+            f.master.grad = None
+            if f.stage == 1:
+                f.grad_full.zero_()
+                f.attach_grad_views()
+            else:
+                for p in f.params:
+                    p.grad = None
+
+    def forward_backward(self, micro_batches, n_global, dtype, device):
+        if self.stage == 3:
+            self._gather_unit(0)
+        self._in_step = True
+        try:
+            total = torch.zeros((), dtype=torch.float64)
+            for i, mb in enumerate(micro_batches):
+                with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    total += super().forward_backward([mb], n_global, dtype, device)
+                    if self._sync:
+                        self._flush()
+        finally:
+            self._in_step = False
+            if self.stage == 3:
+                for f in self.flats[0]:
+                    f.free()
+        return total
+
+    def _flush(self) -> None:
+        """Launch whatever was not launched (units without gradients) and wait for all."""
+        while self._next < len(self._order):
+            self._launch_unit(self._order[self._next])
+            self._next += 1
+        for f in self.all_flats:
+            f.wait_reduce()
+        self._next = 0
+        for s in self._ready:
+            s.clear()
+
+    def finish_grads(self) -> None:
+        for f in self.all_flats:
+            f.master.grad = f.shard_grad
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global norm from the shards: every element counted once (padding is zero), squared sums
+        all-reduced over dp; identical on every rank. Clips the shard gradients in place."""
+        sq = torch.zeros(1, dtype=torch.float64)
+        for f in self.all_flats:
+            sq += f.shard_grad.double().pow(2).sum().cpu()
+        comm.all_reduce(sq, group=self.group, tag="grad_norm")
+        norm = float(sq.sqrt())
+        if max_norm > 0:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1:
+                for f in self.all_flats:
+                    f.shard_grad.mul_(coef)
+        return norm
+
+    def build_optimizer(self, tcfg, mask: dict):
+        from ..train.optim import build_optimizer
+
+        return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
+
+    def optimizer_step(self, optimizer) -> None:
+        optimizer.step()
+        if self.stage < 3:
+            with torch.no_grad():
+                for f in self.all_flats:
+                    f.launch_gather()
+                for f in self.all_flats:
+                    f.wait_gather()
+
+    def model_state_bytes(self, optimizer) -> dict:
+        """Bytes held now: parameters (compute copies; the fp32 master too when it is the parameter
+        itself), gradients (full buffers of stage 1 or fp32 shards), optimizer (Adam state + fp32
+        master shards of mixed precision)."""
+        p = g = o = 0
+        for f in self.all_flats:
+            p += f.full.untyped_storage().size()
+            master = f.master.numel() * 4
+            if f.stage == 3 and f.compute_dtype == torch.float32:
+                p += master
+            elif not f.aliased:
+                o += master
+            if f.grad_full is not None:
+                g += f.grad_full.numel() * f.grad_full.element_size()
+            if not (f.stage == 1 and f.aliased):
+                g += f.shard_grad.numel() * 4
+            for t in optimizer.state.get(f.master, {}).values():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    o += t.numel() * t.element_size()
+        return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _on_grad(self, p) -> None:
+        if not self._sync:
+            return
+        u = self._unit_of[id(p)]
+        self._ready[u].add(id(p))
+        while self._next < len(self._order):
+            unit = self._order[self._next]
+            if len(self._ready[unit]) < sum(len(f.params) for f in self.flats[unit]):
+                return
+            self._launch_unit(unit)
+            self._next += 1
+
+    def _launch_unit(self, u: int) -> None:
+        for f in self.flats[u]:
+            f.launch_reduce()
+            if self.stage == 3 and u > 0:
+                f.free()
+
+    def _gather_unit(self, u: int, wait: bool = True) -> None:
+        for f in self.flats[u]:
+            f.launch_gather()
+        if wait:
+            for f in self.flats[u]:
+                f.wait_gather()
+
+    def _make_pre_forward(self, u: int):
+        def hook(module, args):
+            self._gather_unit(u)
+            if u + 1 < len(self.flats):
+                self._gather_unit(u + 1, wait=False)  # prefetch the next block
+        return hook
+
+    def _make_post_forward(self, u: int):
+        def hook(module, args, output):
+            for f in self.flats[u]:
+                f.free()
+            if torch.is_grad_enabled() and output.requires_grad:
+                def pre_backward():
+                    self._gather_unit(u)
+                    if u - 1 >= 1:
+                        self._gather_unit(u - 1, wait=False)  # prefetch the previous block
+                return _PreBackward.apply(pre_backward, output)
+            return output
+        return hook
+
+    # ---- checkpoints (canonical per-parameter format, see train.checkpoint) -----------------
+    def state_dict(self, optimizer):
+        """Full, unsharded state in the format of ``get_state_dict(plain_model, AdamW)``, gathered
+        from the shards (transiently materialises the full model and optimizer state)."""
+        msd, osd_state = {}, {}
+        for f in self.all_flats:
+            full = {"param": self._gather_full(f.master.detach())}
+            st = optimizer.state.get(f.master, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    full[key] = self._gather_full(st[key])
+            for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels):
+                msd[name] = full["param"][off:off + n].view(p.shape).clone()
+                if st:
+                    osd_state[name] = {"step": st["step"].clone(), **{k: full[k][off:off + n].view(p.shape).clone()
+                                                                        for k in ("exp_avg", "exp_avg_sq")}}
+        if "transformer.wte.weight" in msd:
+            msd["lm_head.weight"] = msd["transformer.wte.weight"]
+        groups = []
+        for g in optimizer.param_groups:
+            names = [n for f in self.all_flats if any(f.master is q for q in g["params"]) for n in f.names]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return msd, {"state": osd_state, "param_groups": groups}
+
+    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(shard.numel() * self.group.size(), dtype=torch.float32, device=shard.device)
+        comm.all_gather(out, shard.float().contiguous(), group=self.group, tag="checkpoint")
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, msd, osd, optimizer) -> None:
+        """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
+        for f in self.all_flats:
+            flat = torch.zeros(f.padded, dtype=torch.float32)
+            st = {k: torch.zeros(f.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+            step = None
+            for name, off, n in zip(f.names, f.offsets, f.numels):
+                flat[off:off + n] = msd[name].reshape(-1).float()
+                if name in osd["state"]:
+                    for k in st:
+                        st[k][off:off + n] = osd["state"][name][k].reshape(-1).float()
+                    step = osd["state"][name]["step"]
+            lo, hi = f.rank * f.k, (f.rank + 1) * f.k
+            f.master.copy_(flat[lo:hi])
+            if step is not None:
+                state = optimizer.state[f.master]
+                state["step"] = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+                for k in st:
+                    state[k] = st[k][lo:hi].clone().to(f.master.device)
+            if f.stage < 3:
+                f.launch_gather()
+                f.wait_gather()
+        for g, saved in zip(optimizer.param_groups, osd.get("param_groups", [])):
+            g["lr"] = saved.get("lr", g["lr"])
