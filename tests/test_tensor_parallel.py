@@ -293,3 +293,22 @@ def test_rng_tracker_fork_leaves_default_stream_alone():
     with pytest.raises(KeyError):
         with tracker.fork("nope"):
             pass
+
+
+def test_tp1_is_the_dense_model(single_process):
+    """A tp group of one rank: no collectives, logits bitwise equal to the dense model's."""
+    import torch.distributed as dist
+
+    from zerotron.distributed import comm
+    from zerotron.parallel.tp_model import apply_tensor_parallel, tp_loss_sum, tp_state_dict_full
+    g = comm.NamedGroup(dist.group.WORLD, "tp")
+    dense, tp = _models(g, True)
+    idx, tgt = _batch(torch.Generator().manual_seed(0))
+    comm.STATS.reset()
+    logits = tp(idx)
+    assert torch.equal(logits, dense(idx))
+    loss = tp_loss_sum(tp, logits, tgt)
+    _close(loss, F.cross_entropy(dense(idx).view(-1, CFG["vocab_size"]), tgt.view(-1), reduction="sum"), "loss")
+    assert comm.STATS.total_calls() == 0
+    assert all(torch.equal(v, dense.state_dict()[k]) for k, v in tp_state_dict_full(tp).items())
+    assert isinstance(apply_tensor_parallel(GPT(GPTConfig(**CFG)), g), GPT)

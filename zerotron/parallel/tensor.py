@@ -144,7 +144,8 @@ def reduce_from_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
 
 def gather_from_sp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """Sequence-parallel f (Korthikanti et al. 2022, sec. 4.2.2): (B, T/tp, C) -> (B, T, C) by
-    all-gather along dim 1; backward reduce-scatters the gradient (B, T, C) -> (B, T/tp, C)."""
+    all-gather along dim 1; backward reduce-scatters the gradient (B, T, C) -> (B, T/tp, C).
+    Every rank must hold the same T/tp."""
     return x if group.size() == 1 else _GatherDim.apply(x, 1, group, tag, True)
 
 
@@ -163,12 +164,15 @@ def scatter_to_sp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
 
 def gather_from_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """All-gather along the last dim: (..., N/tp) -> (..., N) in rank order; backward keeps this
-    rank's slice of the (replicated) gradient (Megatron's gather_output, Shoeybi et al. 2019)."""
+    rank's slice of the (replicated) gradient (Megatron's gather_output, Shoeybi et al. 2019).
+    Every rank must hold the same N/tp (gloo cannot gather uneven sizes)."""
     return x if group.size() == 1 else _GatherDim.apply(x, x.dim() - 1, group, tag, False)
 
 
 def scatter_to_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
-    """This rank's slice of the last dim: (..., N) -> (..., N/tp); backward all-gathers."""
+    """This rank's slice of the last dim: (..., N) -> (..., N/tp); backward all-gathers (Megatron's
+    scatter for a row-parallel layer whose input is replicated). Raises ValueError if tp does not
+    divide N."""
     return x if group.size() == 1 else _SplitDim.apply(x, x.dim() - 1, group, tag)
 
 
@@ -205,7 +209,8 @@ def shard_tensor(full: torch.Tensor, dim: int, group, chunks: int = 1, padded_si
 def full_tensor(p: torch.Tensor, group, local: torch.Tensor | None = None, tag: str = "tp_export"):
     """Dense tensor of ``local`` (default ``p`` itself, e.g. pass ``p.grad``) laid out like the
     parameter ``p``: the inverse of :func:`shard_tensor` (all-gather, reorder chunks, drop padding).
-    Replicated parameters are returned as they are (detached)."""
+    Replicated parameters are returned as they are (detached). Collective for sharded ones: every
+    tp rank must call it, in the same order (tag ``tag``)."""
     local = (p if local is None else local).detach()
     if not is_tp_sharded(p) or group.size() == 1:
         full = local

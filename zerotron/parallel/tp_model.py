@@ -40,7 +40,8 @@ _TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
 class RNGStatesTracker:
-    """Named generator states swapped in and out of the default generator of ``device``.
+    """Named generator states swapped in and out of the default generator of ``device`` (the idea of
+    Megatron-LM's CUDA RNG states tracker, Shoeybi et al. 2019, code: tensor_parallel/random.py).
 
     ``add(name, seed)`` creates a state (ValueError if the name exists); ``with fork(name):`` runs
     the block on that state and saves its advance, leaving the default generator exactly as it was
@@ -238,11 +239,15 @@ def clip_grad_norm_tp(parameters, max_norm: float, tp_group) -> float:
     """Global L2 gradient norm over tp: sqrt(all_reduce_tp(sum over sharded ||g||^2) + sum over
     replicated ||g||^2) (sharded counted on every rank, replicated once); clips in place with
     torch's rule g *= min(1, max_norm / (norm + 1e-6)) if max_norm > 0. Returns the norm before
-    clipping, equal on every tp rank (with pp, the caller must also sum over pp)."""
+    clipping, equal on every tp rank (as Megatron's clip_grads, which reduces the squared norm over
+    the model-parallel group). With pp, or ZeRO-2/3 gradient shards over dp, the caller must also
+    sum the squares over those groups. Collective over tp (tag "tp_norm")."""
     params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return 0.0
-    sq = lambda ps: sum((p.grad.detach().float().square().sum() for p in ps), torch.zeros((), device=params[0].grad.device))
+    device = params[0].grad.device if params else torch.device("cpu")
+
+    def sq(ps):  # fp32 sum of squares
+        return sum((p.grad.detach().float().square().sum() for p in ps), torch.zeros((), device=device))
+
     sharded = sq([p for p in params if is_tp_sharded(p)]).reshape(1)
     if tp_group.size() > 1:
         comm.all_reduce(sharded, group=tp_group, tag="tp_norm")
@@ -272,8 +277,9 @@ def tp_loss_sum(model: TensorParallelGPT, logits_local: torch.Tensor, targets: t
 
 def tp_state_dict_full(model: TensorParallelGPT) -> dict:
     """Dense state dict (same keys, shapes and tied entries as the dense GPT's, padding removed) on
-    every tp rank; one all-gather per sharded tensor ["tp_export"]. Replicated entries share
-    storage with the parameters, as in ``state_dict()``."""
+    every tp rank; one all-gather per sharded tensor ["tp_export"], so every tp rank must call it.
+    Replicated entries share storage with the parameters, as in ``state_dict()``. For optimizer
+    states use ``full_tensor(param, tp_group, local=state_tensor)``."""
     out, seen = {}, {}
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) not in seen:

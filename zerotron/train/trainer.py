@@ -63,6 +63,16 @@ def load_data(cfg: Config, local_rank: int):
     return data
 
 
+def _bytes_by_op(before: dict) -> dict:
+    """Bytes per "op/group" moved since the snapshot ``before`` of ``comm.STATS.bytes``."""
+    out = {}
+    for (op, group, _tag), b in comm.STATS.bytes.items():
+        d = b - before.get((op, group, _tag), 0)
+        if d:
+            out[f"{op}/{group}"] = out.get(f"{op}/{group}", 0) + d
+    return out
+
+
 class Trainer:
     """Owns one run. ``Trainer(cfg, run_dir, resume).fit()`` trains ``train.steps`` optimizer steps.
 
@@ -142,7 +152,7 @@ class Trainer:
         self.model.train()
         for step in range(self.start_step, t.steps):
             batches = self.micro_batches(step)
-            bytes_before = comm.STATS.total_bytes()
+            before = dict(comm.STATS.bytes)
             t0 = time.perf_counter()
             out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
                              t.grad_clip, t.dtype, self.device)
@@ -150,8 +160,12 @@ class Trainer:
             rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                    "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
                    "mfu": mfu(tok_per_step / dt, self.flops_per_token, self.peak_flops_total),
-                   "comm_bytes": comm.STATS.total_bytes() - bytes_before,
+                   "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
+                   "comm_bytes_by_op": _bytes_by_op(before),
                    "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1)}
+            states = self.strategy.model_state_bytes(self.optimizer)
+            rec["model_state_bytes"] = states["total_bytes"]
+            rec["model_state_breakdown"] = states
             rates.append(rec["tokens_per_s"])
             losses.append(out["loss"])
             if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps or step == 0):

@@ -1,0 +1,90 @@
+"""PyTorch FSDP2 (``fully_shard``) as a comparison backend for ZeRO (``parallel.zero_impl = "fsdp2"``).
+
+``fully_shard`` is applied to every transformer block, then to the root module (embeddings, tied
+LM head, final LayerNorm), over the dp sub-mesh. Stage 3 = ``reshard_after_forward=True``; stage 2
+semantics = ``reshard_after_forward=False`` (parameters stay gathered between forward and backward).
+FSDP2 averages gradients over dp (gloo has no PREMUL_SUM for a custom divide factor), so the loss is
+divided by ``N_global / dp`` instead of ``N_global``: the average of dp-scaled gradients is the sum
+zerotron's loss normalisation needs. Its collectives are torch's own, so they are not in ``comm.STATS``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..distributed import comm
+from .base import Strategy
+
+
+class FSDP2Strategy(Strategy):
+    """torch FSDP2 over the dp dimension of ``mesh``.
+
+    Args: ``model`` (identically initialised GPT), ``mesh`` (zerotron Mesh), ``stage`` (2 or 3),
+    ``dtype`` ("fp32" | "bf16": bf16 compute with fp32 sharded parameters), ``reduce_dtype``.
+    Raises ValueError for stage 1 (FSDP2 has no optimizer-only sharding)."""
+
+    def __init__(self, model, mesh, stage: int, dtype: str = "fp32", reduce_dtype: str = "fp32"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if stage not in (2, 3):
+            raise ValueError("parallel.zero_impl = fsdp2 supports zero_stage 2 or 3")
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        mp = MixedPrecisionPolicy(param_dtype=dt[dtype] if dtype == "bf16" else None,
+                                  reduce_dtype=dt[reduce_dtype])
+        dp_mesh = mesh.mesh["dp"]
+        reshard = stage == 3
+        for block in model.transformer.h:
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        self.module, self.group, self.loss_groups, self.stage = model, mesh.group("dp"), [mesh.group("dp")], stage
+
+    def forward_backward(self, micro_batches, n_global, dtype, device):
+        return super().forward_backward(micro_batches, n_global / self.group.size(), dtype, device)
+
+    def eval_loss_sum(self, x, y, dtype, device):
+        """Forward only; afterwards every FSDP module is resharded (with reshard_after_forward=False a
+        gradient-free forward would otherwise leave stale unsharded parameters for the next step)."""
+        out = super().eval_loss_sum(x, y, dtype, device)
+        self._reshard()
+        return out
+
+    def _reshard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = [p for p in self.parameters() if p.grad is not None]
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def model_state_bytes(self, optimizer) -> dict:
+        """Bytes of the local shards (DTensor ``to_local``) of parameters, gradients, Adam state."""
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        params = self.parameters()
+        p = sum(local(q).numel() * q.element_size() for q in params)
+        g = sum(local(q.grad).numel() * q.grad.element_size() for q in params if q.grad is not None)
+        o = sum(local(t).numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
+
+    def reduce_loss(self, loss_sum: torch.Tensor) -> float:
+        t = loss_sum.clone()
+        comm.all_reduce(t, group=self.group, tag="metrics")
+        return float(t)
