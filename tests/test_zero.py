@@ -160,3 +160,16 @@ def test_checkpoint_reshard_across_dp_and_stage(data_cache, single_process, tmp_
         for k, v in full["params"].items():
             if not k.endswith("attn.c_attn.bias"):
                 _norm_close(out["params"][k], v, 1e-5, f"{name} {k}")
+    # a consolidated HF export from the ZeRO-3 checkpoint loads in transformers with equal logits
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    from zerotron.cli import main
+    from zerotron.generate import load_model
+
+    assert main(["export", "--checkpoint", str(tmp_path / "z3dp4"), "--out", str(tmp_path / "hf")]) == 0
+    ours, _, _ = load_model(tmp_path / "z3dp4", torch.device("cpu"))
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, ours.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(idx).logits - ours(idx)).abs().max() <= 1e-5

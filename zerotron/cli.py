@@ -16,6 +16,7 @@ USAGE = """usage: zerotron <command> [options]
 commands:
   train      train a GPT (zerotron train --config configs/default.toml --nproc 2)
   generate   sample text from a checkpoint (zerotron generate --checkpoint runs/X --prompt "ROMEO:")
+  export     checkpoint (any layout) -> Hugging Face GPT-2 safetensors (zerotron export --checkpoint runs/X --out hf/)
   memory     ZeRO model-state memory per rank (zerotron memory --model gpt2 --dp 8)
   schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
   bench      benchmarks: 'bench comm' (collectives) and 'bench train' (DDP implementations)
@@ -139,6 +140,32 @@ def cmd_generate(argv: list[str]) -> int:
         return _fail(str(e))
 
 
+def cmd_export(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="zerotron export", description="Export a checkpoint of any layout as a "
+                                "Hugging Face GPT-2 directory (config.json + model.safetensors).")
+    p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
+    p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument("--overwrite", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        import torch
+
+        from .distributed.mesh import init_distributed
+        from .generate import load_model
+        from .models.hf import export_hf_gpt2
+
+        init_distributed(timeout_s=600, device=torch.device("cpu"))
+        model, tok, _ = load_model(args.checkpoint, torch.device("cpu"))
+        out = export_hf_gpt2(model, None, args.out, overwrite=args.overwrite)
+        tok.save(str(Path(out) / "tokenizer.json"))
+        print(f"wrote {out}")
+        return 0
+    except _user_errors() as e:
+        return _fail(str(e))
+    except ValueError as e:
+        return _fail(str(e))
+
+
 def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] not in ("comm", "train"):
         return _fail("usage: zerotron bench comm|train [options] (see 'zerotron bench comm --help')")
@@ -171,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         return schedule_main(rest)
     if cmd == "bench":
         return cmd_bench(rest)
-    return _fail(f"unknown command {cmd!r}; commands: train, generate, memory, schedule, bench")
+    if cmd == "export":
+        return cmd_export(rest)
+    return _fail(f"unknown command {cmd!r}; commands: train, generate, export, memory, schedule, bench")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ class ModelConfig:
     vocab_size: int = 0
     dropout: float = 0.0
     bias: bool = True
-    init_from: str = ""  # path to a HF GPT-2 safetensors dir/file to start from
 
 
 @dataclass

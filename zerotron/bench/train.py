@@ -22,6 +22,8 @@ process-lifetime ru_maxrss); CUDA, ``max_memory_allocated``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import json
 import os
@@ -130,7 +132,8 @@ def format_table(rows: list[dict]) -> str:
         out.append("| " + " | ".join([
             r["layout"], r["impl"], str(r["world_size"]), _f(r["tokens_per_s"]), f"{min(tps):,.0f}-{max(tps):,.0f}",
             _f(r["step_time_s"] * 1e3, ".1f"), *[_f(r.get(f"ratio_vs_{b}"), ".3f") for b in bases],
-            _f(r["comm_bytes_per_step"], ","), _f(r["model_state_bytes"], ","), _f(r["peak_mem_bytes"] / 2**20)]) + " |")
+            _f(r["comm_bytes_per_step"], ","), _f(r["model_state_bytes"], ","),
+            _f(r["peak_mem_bytes"] / 2**20)]) + " |")
     return "\n".join(out)
 
 
@@ -153,29 +156,18 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
-def _reset_peak(dev) -> str:
-    gc.collect()
+def _peak_mem(dev, reset: bool = False) -> int:
+    """Peak memory (bytes) since the last ``reset=True`` call: CUDA ``max_memory_allocated``; CPU the
+    peak RSS (VmHWM; reset through /proc/self/clear_refs, Linux >= 4.0, after returning freed heap)."""
     if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-        return "cuda_max_allocated"
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # return freed heap first, so the reset starts low
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux >= 4.0)
-        return "rss"
-    except OSError:
-        return "rss_lifetime"
-
-
-def _peak_bytes(dev, kind: str) -> int:
-    if kind == "cuda_max_allocated":
-        return int(torch.cuda.max_memory_allocated(dev))
-    if kind == "rss":
-        return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return torch.cuda.reset_peak_memory_stats(dev) if reset else int(torch.cuda.max_memory_allocated(dev))
+    if reset:
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):  # else VmHWM stays the lifetime peak
+            ctypes.CDLL(None).malloc_trim(0)
+            Path("/proc/self/clear_refs").write_text("5")
+        return 0
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 class _SubMesh(Mesh):
@@ -232,7 +224,8 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
     Returns the same record on every rank (seconds, tokens/s, bytes) or a skipped record."""
     from zerotron.train.step import train_step
 
-    rec, kind, err, built, local = {"layout": layout.name, "world_size": w}, _reset_peak(dev), None, None, None
+    rec, err, built, local = {"layout": layout.name, "world_size": w}, None, None, None
+    _peak_mem(dev, reset=True)
     if mesh is not None:
         try:
             built = _build(cfg, mesh, data, layout, warmup + steps)
@@ -243,7 +236,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
         return {**rec, "skipped": True, "error": errs[0]}
     if built:
         strat, opt, sched, batches, n_params, seq_len = built
-        t, prev = cfg.train, torch.get_num_threads()
+        t, prev, times = cfg.train, torch.get_num_threads(), []
         torch.set_num_threads(threads)
 
         def step(s):
@@ -252,32 +245,32 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
                 torch.cuda.synchronize(dev)
         for s in range(warmup):
             step(s)
-    comm.barrier()
+    comm.barrier()  # the clock starts together on every rank
     if built:
-        before, times, t0 = dict(comm.STATS.bytes), [], time.perf_counter()
+        before, t0 = dict(comm.STATS.bytes), time.perf_counter()
         for s in range(warmup, warmup + steps):
             t1 = time.perf_counter()
             step(s)
             times.append(time.perf_counter() - t1)
         elapsed, by_tag = time.perf_counter() - t0, {}
-        for k, v in comm.STATS.bytes.items():
-            if v > before.get(k, 0):
-                by_tag[k[2] or "-"] = by_tag.get(k[2] or "-", 0) + v - before.get(k, 0)
-        by_tag = {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items()}  # bytes per step
-        local = {"elapsed": elapsed, "times": times, "by_tag": by_tag, "state": strat.model_state_bytes(opt),
-                 "peak": _peak_bytes(dev, kind), "impl": type(strat).__name__, "params": n_params,
-                 "tokens": t.global_batch * seq_len}
+        for (op, g, tag), v in comm.STATS.bytes.items():
+            by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0)
+        local = {"elapsed": elapsed, "times": times, "state": strat.model_state_bytes(opt), "peak": _peak_mem(dev),
+                 "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
+                 "impl": type(strat).__name__, "params": n_params, "tokens": t.global_batch * seq_len}
         torch.set_num_threads(prev)
         del built, strat, opt, sched, batches, step
     got = [x for x in comm.all_gather_object(local) if x]
     times = [max(ts) for ts in zip(*(g["times"] for g in got))]
-    state = max((g["state"] for g in got), key=lambda s: s["total_bytes"])
-    return {**rec, "skipped": False, "impl": got[0]["impl"], "steps": steps, "warmup": warmup, "threads": threads, "num_params": got[0]["params"],
-            "tokens_per_step": got[0]["tokens"], "tokens_per_s": got[0]["tokens"] * steps / max(g["elapsed"] for g in got),
+    state, g0 = max((g["state"] for g in got), key=lambda s: s["total_bytes"]), got[0]
+    return {**rec, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
+            "num_params": g0["params"], "tokens_per_step": g0["tokens"],
+            "tokens_per_s": g0["tokens"] * steps / max(g["elapsed"] for g in got),
             "step_time_s": statistics.median(times), "step_times_s": times,
-            "comm_bytes_per_step": max(sum(g["by_tag"].values()) for g in got), "comm_bytes_by_tag": got[0]["by_tag"],
+            "comm_bytes_per_step": max(sum(g["by_tag"].values()) for g in got), "comm_bytes_by_tag": g0["by_tag"],
             "model_state_bytes": state["total_bytes"], "model_state": state,
-            "peak_mem_bytes": max(g["peak"] for g in got), "peak_mem_kind": kind}
+            "peak_mem_bytes": max(g["peak"] for g in got),
+            "peak_mem_kind": "cuda max_memory_allocated" if dev.type == "cuda" else "peak RSS (VmHWM)"}
 
 
 def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, rounds: int, dev, data) -> list[dict]:
@@ -294,7 +287,8 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
                 try:  # deterministic, so every rank takes the same branch
                     if w > n:
                         raise ValueError(f"layout {name!r} needs {w} ranks, the run has {n}")
-                    cfg = load_config(path, [*overrides, *((k, str(v).format(world=n)) for k, v in layout.overrides.items())])
+                    own = [(k, str(v).format(world=n)) for k, v in layout.overrides.items()]
+                    cfg = load_config(path, [*overrides, *own])
                     validate(cfg, w)
                     mesh = _mesh(cache, ParallelDims(w, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp), n, dev)
                 except ValueError as e:  # ConfigError is a ValueError
@@ -313,7 +307,7 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         f"# Training throughput: {', '.join(r['layout'] for r in rows)}", "", f"Command: `{command}`", "",
         f"Machine: {machine}", "", f"Model: {_f(r0.get('num_params'), ',')} parameters, "
         f"{_f(r0.get('tokens_per_step'), ',')} tokens per optimizer step; {r0.get('rounds', 0)} rounds of "
-        f"{r0.get('warmup', 0)} untimed + {r0.get('steps', 0)} timed steps per layout, layout order rotated each round.", "",
+        f"{r0.get('warmup', 0)} untimed + {r0.get('steps', 0)} timed steps per layout, order rotated each round.", "",
         format_table(rows), "", "tokens/s: median over rounds (min-max over rounds beside it). `vs X`: median over "
         "rounds of the paired per-round ratio tokens/s(layout) / tokens/s(X). comm bytes/step: counted by "
         "zerotron.distributed.comm (nccl-tests size; on 1 rank the all-reduces move nothing). peak mem: "

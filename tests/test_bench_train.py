@@ -1,0 +1,148 @@
+"""Tests for zerotron.bench.train (training-throughput benchmark).
+
+Pure helpers on known inputs; one in-process world-size-1 run (skipped layouts do not crash the
+run); one 2-process end-to-end run through the CLI (~20 s) whose communication and model-state
+bytes are checked against the exact formulas for the tiny model."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerotron.analysis.flops import gpt_num_params
+from zerotron.bench import train as bt
+from zerotron.config import load_config
+from zerotron.testing import tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def test_parse_layouts():
+    assert bt.parse_layouts(bt.DEFAULT_LAYOUTS) == ["dp", "dp-torch", "single"]
+    assert bt.parse_layouts(" single, dp ,single,") == ["single", "dp"]
+    for bad in ("dp,bogus", "", " , "):
+        with pytest.raises(ValueError, match="valid layouts: dp, dp-torch, single"):
+            bt.parse_layouts(bad)
+
+
+@pytest.mark.parametrize("name", list(bt.LAYOUTS))
+def test_every_layout_names_real_config_fields(name):
+    """A layout's overrides must be config fields of the right type (a typo would silently skip it)."""
+    lay = bt.LAYOUTS[name]
+    cfg = load_config(TINY, [(k, str(v).format(world=4)) for k, v in lay.overrides.items()])
+    for key, value in lay.overrides.items():
+        section, fld = key.split(".")
+        assert str(getattr(getattr(cfg, section), fld)).lower() == str(value).format(world=4).lower()
+
+
+def test_paired_ratio():
+    assert bt.paired_ratio([2.0, 4.0, 9.0], [1.0, 2.0, 3.0]) == 2.0  # per-round ratios 2, 2, 3
+    assert bt.paired_ratio([10.0, 1.0], [5.0, 1.0]) == 1.5  # median of 2 and 1, not 11/6
+    assert bt.paired_ratio([1.0], [1.0, 2.0]) is None
+    assert bt.paired_ratio([], []) is None
+    assert bt.paired_ratio([1.0, 2.0], [0.0, 1.0]) is None
+
+
+def _rec(layout, r, tps, world=2, impl="DataParallel"):
+    return {"layout": layout, "round": r, "world_size": world, "skipped": False, "impl": impl, "tokens_per_s": tps,
+            "step_time_s": 1000.0 / tps, "step_times_s": [1000.0 / tps], "comm_bytes_per_step": 100 + r,
+            "model_state_bytes": 1600, "peak_mem_bytes": (r + 1) * 2**20, "num_params": 100, "tokens_per_step": 1000,
+            "steps": 1, "warmup": 0}
+
+
+def test_summarize_and_format_table():
+    recs = [_rec("dp", 0, 300.0), _rec("dp-torch", 0, 200.0, impl="TorchDDP"), _rec("single", 0, 150.0, world=1),
+            _rec("dp", 1, 100.0), _rec("dp-torch", 1, 100.0, impl="TorchDDP"), _rec("single", 1, 100.0, world=1),
+            _rec("dp", 2, 330.0), _rec("dp-torch", 2, 300.0, impl="TorchDDP"), _rec("single", 2, 110.0, world=1)]
+    skip = {"layout": "tp", "world_size": 2, "skipped": True, "error": "ConfigError: tp | not yet"}
+    rows = bt.summarize(recs + [{**skip, "round": r} for r in range(3)])
+    by = {r["layout"]: r for r in rows}
+    assert [r["layout"] for r in rows] == ["dp", "dp-torch", "single", "tp"]
+    dp = by["dp"]
+    assert dp["tokens_per_s"] == 300.0 and dp["tokens_per_s_rounds"] == [300.0, 100.0, 330.0]
+    assert dp["step_time_s"] == pytest.approx(1000 / 300)
+    assert dp["ratio_vs_dp-torch"] == pytest.approx(1.1)  # per round 1.5, 1.0, 1.1
+    assert dp["ratio_vs_single"] == pytest.approx(2.0)  # per round 2.0, 1.0, 3.0
+    assert by["dp-torch"]["ratio_vs_dp-torch"] == 1.0 and by["single"]["ratio_vs_single"] == 1.0
+    assert dp["comm_bytes_per_step"] == 102 and dp["peak_mem_bytes"] == 3 * 2**20 and dp["rounds"] == 3
+    assert by["tp"] == skip
+    table = bt.format_table(rows).splitlines()
+    assert table[0].startswith("| layout | impl | world | tokens/s median") and "vs dp-torch | vs single" in table[0]
+    assert len(table) == 2 + 4 and all(line.count("|") == table[0].count("|") for line in table)
+    assert table[2] == ("| dp | DataParallel | 2 | 300 | 100-330 | 3333.3 | 1.100 | 2.000 | 102 | 1,600 | 3 |")
+    assert "skipped: ConfigError: tp / not yet" in table[5]
+
+
+def test_bad_arguments_exit_2(capsys):
+    from zerotron.cli import main as cli_main
+
+    assert cli_main(["bench", "train", "--layouts", "dp,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "valid layouts: dp, dp-torch, single" in err
+    assert bt.main(["--steps", "0"]) == 2
+    assert bt.main(["--config", str(TINY), "--train.no_such_field", "1"]) == 2
+    assert "no_such_field" in capsys.readouterr().err
+    assert bt.main(["--config", str(TINY), "--nproc", "3"]) == 2  # global_batch 8 not divisible by 4 * 3
+    assert bt.main(["--bogus-flag"]) == 2
+
+
+def test_in_process_skips_unbuildable_layouts(monkeypatch, data_cache, single_process):
+    """World size 1: 'single' runs; a config refused by validate() and a strategy parallelize() does
+    not provide are reported as skipped (with the error), and the run goes on."""
+    from zerotron.data import prepare_data
+
+    extra = {"bad-batch": bt.Layout("bad-batch", {"train.global_batch": 6}),
+             "fake-zero": bt.Layout("fake-zero", {"parallel.dp_impl": "torch"}, new_strategy=True)}
+    monkeypatch.setattr(bt, "LAYOUTS", {**bt.LAYOUTS, **extra})
+    cfg = tiny_config({"data.cache_dir": data_cache})
+    d = cfg.data
+    data = prepare_data(d.corpus, None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir)
+    import torch
+
+    over = [("data.cache_dir", data_cache)]
+    recs = bt.run_benchmark(TINY, over, ["bad-batch", "single", "fake-zero"], 1, 0, 2, torch.device("cpu"), data)
+    assert [(r["round"], r["layout"]) for r in recs] == [
+        (0, "bad-batch"), (0, "single"), (0, "fake-zero"), (1, "single"), (1, "fake-zero"), (1, "bad-batch")]
+    rows = {r["layout"]: r for r in bt.summarize(recs)}
+    assert rows["bad-batch"]["skipped"] and "global_batch (6)" in rows["bad-batch"]["error"]
+    assert rows["fake-zero"]["skipped"] and "NotImplementedError" in rows["fake-zero"]["error"]
+    assert "TorchDDP" in rows["fake-zero"]["error"]
+    single = rows["single"]
+    assert not single["skipped"] and single["world_size"] == 1 and single["tokens_per_s"] > 0
+    assert single["tokens_per_step"] == 8 * 64 and single["steps"] == 1 and single["rounds"] == 2
+
+
+def test_two_process_end_to_end(tmp_path, data_cache):
+    js, png, md = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "t.md"
+    cmd = [sys.executable, "-m", "zerotron", "bench", "train", "--nproc", "2", "--config", str(TINY), "--steps", "2",
+           "--warmup", "1", "--rounds", "1", "--json", str(js), "--plot", str(png), "--markdown", str(md),
+           "--log.progress", "false", "--data.cache_dir", data_cache]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ})
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["layout"]: r for r in json.loads(js.read_text())}
+    assert list(rows) == ["dp", "dp-torch", "single"]
+    n_params = gpt_num_params(n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=64)  # tiny.toml
+    # per step: one fp32 gradient all-reduce of every (unique) parameter, plus two float64 scalars:
+    # the global target-token count (tag loss_norm) and the loss sum (tag metrics)
+    want_tags = {"grad": 4 * n_params, "loss_norm": 8, "metrics": 8}
+    for name, world, impl in (("dp", 2, "DataParallel"), ("dp-torch", 2, "TorchDDP"), ("single", 1, "DataParallel")):
+        r = rows[name]
+        assert not r["skipped"] and r["world_size"] == world and r["impl"] == impl, r
+        assert r["num_params"] == n_params and r["tokens_per_step"] == 8 * 64
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and len(r["step_times_s"]) == 2
+        # tokens/s is global tokens over wall time: within [1, 2] x tokens_per_step / median step time (2 steps)
+        assert 0.95 <= r["tokens_per_s"] * r["step_time_s"] / r["tokens_per_step"] <= 2.05
+        assert r["comm_bytes_by_tag"] == want_tags  # single: all-reduces over a 1-rank group, counted alike
+        assert r["comm_bytes_per_step"] == 4 * n_params + 16
+        assert r["model_state_bytes"] == 16 * n_params  # fp32 params + grads + Adam exp_avg, exp_avg_sq
+        assert r["peak_mem_bytes"] > 50 * 2**20
+    assert rows["dp-torch"]["ratio_vs_dp-torch"] == 1.0 and rows["single"]["ratio_vs_single"] == 1.0
+    assert rows["dp"]["ratio_vs_dp-torch"] == pytest.approx(rows["dp"]["tokens_per_s"] / rows["dp-torch"]["tokens_per_s"])
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = md.read_text()
+    assert "zerotron bench train --nproc 2 --config" in text and "| dp | DataParallel | 2 |" in text
+    assert "| single | DataParallel | 1 |" in text and "gloo, 2 rank(s)" in text
+    assert "| dp-torch | TorchDDP | 2 |" in p.stdout and "dp / dp-torch tokens/s:" in p.stdout
