@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from zerotron.distributed import comm
 
-CPU_INTERCONNECT = "loopback / shared memory (gloo)"
+CPU_INTERCONNECT = "loopback TCP (gloo; no shared-memory transport)"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PCIE = {"PIX", "PXB", "PHB", "NODE", "SYS", "SOC"}
 

@@ -102,7 +102,7 @@ def summarize(records: list[dict]) -> list[dict]:
         row.update(tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
                    tokens_per_s_rounds=[r["tokens_per_s"] for r in rs],
                    step_time_s=statistics.median(r["step_time_s"] for r in rs),
-                   step_time_s_rounds=[r["step_time_s"] for r in rs],
+                   step_time_s_rounds=[r["step_time_s"] for r in rs], step_times_s_rounds=[r["step_times_s"] for r in rs],
                    comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in rs),
                    peak_mem_bytes=max(r["peak_mem_bytes"] for r in rs), rounds=len(rs))
         rows.append(row)
