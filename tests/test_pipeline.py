@@ -61,7 +61,7 @@ def _mesh(pp, dp):
     return _MESHES[(pp, dp)]
 
 
-def _train(lay: dict, tmp: str) -> dict:
+def _train(lay: dict) -> dict:
     """Train one layout (in every rank): ``lay`` keys pp, dp, kind, m, v, split, mb, clip, load
     (checkpoint dir to resume from at SAVE_AT), save (run dir to checkpoint at SAVE_AT), gen."""
     from zerotron.models.gpt import GPT, GPTConfig
@@ -124,8 +124,8 @@ def _train(lay: dict, tmp: str) -> dict:
     return out
 
 
-def _run(tmp, layouts):
-    return [_train(lay, f"{tmp}/r{i}") for i, lay in enumerate(layouts)]
+def _run(layouts):
+    return [_train(lay) for lay in layouts]
 
 
 def _close_normwise(a, b, rtol, what):
@@ -191,8 +191,8 @@ def _check(ref, runs, layouts, start=0):
 @pytest.fixture(scope="module")
 def refs(single_process, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
-    clipped = _train({"dense": True, "save": str(tmp / "dense")}, str(tmp))
-    unclipped = _train({"dense": True, "clip": 0.0}, str(tmp))
+    clipped = _train({"dense": True, "save": str(tmp / "dense")})
+    unclipped = _train({"dense": True, "clip": 0.0})
     return {"clip": clipped, "noclip": unclipped, "ckpt": str(tmp / "dense" / "checkpoints" / f"step_{SAVE_AT}")}
 
 
@@ -224,7 +224,7 @@ def pp2(refs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp2")
     save = str(tmp / "save")
     layouts = pp2_layouts(refs["ckpt"], save)
-    runs = run_ranks(_run, 2, str(tmp), layouts)
+    runs = run_ranks(_run, 2, layouts)
     return {"layouts": layouts, "runs": runs, "ckpt": f"{save}/checkpoints/step_{SAVE_AT}"}
 
 
@@ -266,13 +266,13 @@ def test_pp2_generation_equals_dense(pp2):
         assert piped == dense and len(piped[0]) == 5 + 14
 
 
-def test_pp1_in_process_and_checkpoint_pp2_to_pp1(refs, pp2, tmp_path):
+def test_pp1_in_process_and_checkpoint_pp2_to_pp1(refs, pp2):
     """pp == 1: interleaving on one rank (local hand-offs), 1f1b; the pp=2 checkpoint loaded into
     the dense model continues exactly like the uninterrupted run."""
     layouts = [{"kind": "interleaved", "v": 2, "mb": 2, "m": 2},
                {"kind": "1f1b", "mb": 4, "m": 1},
                {"dense": True, "load": pp2["ckpt"]}]
-    runs = _run(str(tmp_path), layouts)
+    runs = _run(layouts)
     for i, lay in enumerate(layouts):
         _check(refs["clip"], [[runs[i]]], [lay], start=SAVE_AT if lay.get("load") else 0)
 
@@ -318,9 +318,9 @@ def pp4_layouts(pp2_ckpt):
     ]
 
 
-def test_pp4_and_pp2xdp2(refs, pp2, tmp_path):
+def test_pp4_and_pp2xdp2(refs, pp2):
     layouts = pp4_layouts(pp2["ckpt"])
-    runs = run_ranks(_run, 4, str(tmp_path), layouts)
+    runs = run_ranks(_run, 4, layouts)
     for i, lay in enumerate(layouts):
         _check(_ref_for(refs, lay), [r[i:i + 1] for r in runs], [lay],
                start=SAVE_AT if lay.get("load") else 0)

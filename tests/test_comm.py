@@ -1,0 +1,89 @@
+"""comm.py: every collective sync and async, values, byte/call accounting, contiguity guard, and
+a dead rank producing an error instead of a hang."""
+import pytest
+import torch
+
+from zerotron.testing import run_ranks
+
+
+def _collectives():
+    import torch.distributed as dist
+
+    from zerotron.distributed import comm
+    from zerotron.distributed.mesh import Mesh, ParallelDims
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    mesh = Mesh(ParallelDims(n), torch.device("cpu"))
+    g = mesh.group("dp")
+    comm.STATS.reset()
+    out = {}
+    for async_op in (False, True):
+        x = torch.full((4,), float(r + 1))
+        w = comm.all_reduce(x, group=g, async_op=async_op)
+        if async_op:
+            w.wait()
+        out[f"all_reduce{async_op}"] = x.tolist()
+        gathered = torch.empty(3 * n)
+        w = comm.all_gather(gathered, torch.full((3,), float(r)), group=g, async_op=async_op)
+        if async_op:
+            w.wait()
+        out[f"all_gather{async_op}"] = gathered.tolist()
+        shard = torch.empty(2)
+        w = comm.reduce_scatter(shard, torch.arange(2.0 * n) + r, group=g, async_op=async_op)
+        if async_op:
+            w.wait()
+        out[f"reduce_scatter{async_op}"] = shard.tolist()
+        b = torch.full((2,), float(r))
+        w = comm.broadcast(b, src=0, group=g, async_op=async_op)
+        if async_op:
+            w.wait()
+        out[f"broadcast{async_op}"] = b.tolist()
+    recv = torch.empty(2)
+    for w in comm.batch_isend_irecv([("send", torch.full((2,), float(r)), (r + 1) % n),
+                                     ("recv", recv, (r - 1) % n)], group=g):
+        w.wait()
+    out["ring"] = recv.tolist()
+    with pytest.raises(ValueError, match="not contiguous"):
+        comm.all_reduce(torch.ones(4, 4).t()[0], group=g)
+    with pytest.raises(ValueError, match="output must be 1-D"):
+        comm.all_gather(torch.empty(n, 3), torch.ones(3), group=g)
+    out["calls"] = comm.STATS.total_calls("all_reduce", "dp")
+    out["ar_bytes"] = comm.STATS.total_bytes("all_reduce", "dp")
+    out["ag_bytes"] = comm.STATS.total_bytes("all_gather", "dp")
+    out["rs_bytes"] = comm.STATS.total_bytes("reduce_scatter", "dp")
+    return out
+
+
+def test_collectives_sync_async_and_accounting():
+    n = 2
+    res = run_ranks(_collectives, n)
+    for r, out in enumerate(res):
+        for a in (False, True):
+            assert out[f"all_reduce{a}"] == [3.0] * 4
+            assert out[f"all_gather{a}"] == [0.0] * 3 + [1.0] * 3
+            # input rank q: arange(4)+q; sum over q in {0,1}: [1,3,5,7]; rank r gets [2r, 2r+2)
+            assert out[f"reduce_scatter{a}"] == [[1.0, 3.0], [5.0, 7.0]][r]
+            assert out[f"broadcast{a}"] == [0.0, 0.0]
+        assert out["ring"] == [float((r - 1) % n)] * 2
+        assert out["calls"] == 2                 # the refused call was not counted
+        assert out["ar_bytes"] == 2 * 16          # 4 floats, twice
+        assert out["ag_bytes"] == 2 * 4 * 3 * n   # output bytes, twice
+        assert out["rs_bytes"] == 2 * 4 * 2 * n   # input bytes, twice
+
+
+def _dies():
+    import os
+
+    import torch.distributed as dist
+
+    from zerotron.distributed import comm
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    comm.all_reduce(torch.ones(1))  # peer gone: must raise within the timeout, not hang
+    return "unreachable"
+
+
+def test_dead_rank_raises_not_hangs():
+    with pytest.raises(RuntimeError):
+        run_ranks(_dies, 2, timeout_s=10, join_timeout_s=60)
