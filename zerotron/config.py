@@ -320,8 +320,14 @@ def validate(cfg: Config, world_size: int) -> dict:
         dims = ParallelDims(world_size, p.dp, p.tp, p.pp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    need(dims.tp == 1 and dims.pp == 1,
-         "parallel.tp and parallel.pp > 1 are not implemented yet in this version; set them to 1")
+    need(dims.pp == 1, "parallel.pp > 1 is not implemented yet in this version; set it to 1")
+    need(shape["n_head"] % dims.tp == 0,
+         f"parallel.tp ({dims.tp}) must divide model.n_head ({shape['n_head']}): each tp rank holds whole heads")
+    need(not p.sequence_parallel or shape["block_size"] % dims.tp == 0,
+         f"parallel.sequence_parallel needs model.block_size ({shape['block_size']}) divisible by tp ({dims.tp})")
+    need(dims.tp == 1 or p.zero_impl == "native" or p.zero_stage == 0,
+         "parallel.zero_impl = fsdp2 is not combined with tp > 1; use the native ZeRO implementation")
+    need(p.tp_impl == "native", f"parallel.tp_impl must be native (the dtensor backend is not available), got {p.tp_impl!r}")
     per_step = t.micro_batch * dims.dp
     need(t.global_batch % per_step == 0,
          f"train.global_batch ({t.global_batch}) must be divisible by train.micro_batch * dp "

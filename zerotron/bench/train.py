@@ -255,7 +255,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
             times.append(time.perf_counter() - t1)
         elapsed, by_tag = time.perf_counter() - t0, {}
         for (op, g, tag), v in comm.STATS.bytes.items():
-            by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0) * 0
+            by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0)
         local = {"elapsed": elapsed, "times": times, "state": strat.model_state_bytes(opt), "peak": _peak_mem(dev),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
                  "impl": type(strat).__name__, "params": n_params, "tokens": t.global_batch * seq_len}

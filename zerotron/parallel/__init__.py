@@ -1,9 +1,9 @@
 """Parallelism transforms. ``parallelize(model, cfg, mesh)`` applies them in one fixed order:
 
-    1. pipeline split (parallel.pp)          -- not yet implemented
-    2. tensor / sequence parallel (tp)       -- not yet implemented
+    1. pipeline split (parallel.pp)
+    2. tensor / sequence parallel (tp): apply_tensor_parallel on the dense, seeded model
     3. activation checkpointing              -- not yet implemented
-    4. data parallel over "dp": native bucketed DDP or torch DDP
+    4. data parallel over "dp": native bucketed DDP, torch DDP, native ZeRO-1/2/3 or FSDP2
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
 over micro-batches, finish_grads, clip_grad_norm, build_optimizer/optimizer_step, reduce_loss,
@@ -18,6 +18,24 @@ from .ddp import DataParallel, TorchDDP
 def parallelize(model, cfg, mesh):
     """Wrap ``model`` (already on ``mesh.device``, identically initialised on every rank) for the
     layout in ``cfg.parallel``. Raises ValueError for an unknown ``dp_impl``."""
+    from ..train.optim import decay_mask_by_name
+
+    p = cfg.parallel
+    names_mask = decay_mask_by_name(model)  # from the dense model, before any transform
+    tp_group = None
+    if mesh.size("tp") > 1:
+        from .tp_model import apply_tensor_parallel
+
+        tp_group = mesh.group("tp")
+        model = apply_tensor_parallel(model, tp_group, p.sequence_parallel, seed=cfg.train.seed)
+    mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
+    strategy = _data_parallel(model, cfg, mesh, mask)
+    strategy.tp_group = tp_group
+    strategy.decay_mask = mask
+    return strategy
+
+
+def _data_parallel(model, cfg, mesh, mask):
     p = cfg.parallel
     group = mesh.group("dp")
     src = mesh.global_rank(mesh.coords["pp"], 0, mesh.coords["tp"])
@@ -25,7 +43,9 @@ def parallelize(model, cfg, mesh):
         if p.zero_impl == "native":
             from .zero import ZeroStrategy
 
-            return ZeroStrategy(model, group, p.zero_stage, cfg.train.dtype, p.reduce_dtype)
+            return ZeroStrategy(model, group, p.zero_stage, cfg.train.dtype, p.reduce_dtype, mask,
+                                tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,
+                                sequence_parallel=p.sequence_parallel)
         if p.zero_impl == "fsdp2":
             from .fsdp import FSDP2Strategy
 

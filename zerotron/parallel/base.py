@@ -51,6 +51,7 @@ class Strategy:
 
     module: torch.nn.Module
     loss_groups: list = []
+    tp_group = None  # comm.NamedGroup of the tp dimension when the module is tensor-parallel
 
     def __init__(self, module: torch.nn.Module | None = None):
         """A bare strategy around a plain module (single process, no gradient sync)."""
@@ -75,8 +76,20 @@ class Strategy:
             p.grad = None
 
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of one micro-batch (overridden by vocab-parallel strategies)."""
+        """Summed token loss of one micro-batch; vocab-parallel cross-entropy when the module is
+        tensor-parallel (logits are then vocab shards, never gathered)."""
+        if self.tp_group is not None:
+            from .tp_model import tp_loss_sum
+
+            return tp_loss_sum(self.module, logits, targets)
         return token_loss_sum(logits, targets)
+
+    def sync_tp_replicated(self) -> None:
+        """Sequence parallel: sum over tp the gradients of tp-replicated parameters."""
+        if self.tp_group is not None:
+            from .tp_model import sync_replicated_grads
+
+            sync_replicated_grads(self.module)
 
     def forward_backward(self, micro_batches, n_global: int, dtype: str, device: torch.device) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches ``[(x, y), ...]`` (each (b, T) int64),
@@ -111,6 +124,10 @@ class Strategy:
         Default (replicated gradients after reduction): the local norm is the global norm and is
         identical on every rank."""
         params = [q for q in self.parameters() if q.grad is not None]
+        if self.tp_group is not None:
+            from .tp_model import clip_grad_norm_tp
+
+            return clip_grad_norm_tp(params, max_norm, self.tp_group)
         if max_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad) for q in params])))
@@ -145,14 +162,49 @@ class Strategy:
         the plain model (optimizer state ``{"state": {fqn: {...}}, "param_groups": [...]}``)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if self.tp_group is not None:
+            return self._tp_state_dict(optimizer)
         if optimizer is None:
             return get_state_dict(self.module, [])[0], None
         return get_state_dict(self.module, optimizer)
 
+    def _tp_state_dict(self, optimizer):
+        """Tensor parallel: gather every shard to its dense tensor (collective over tp)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        from .tensor import full_tensor
+        from .tp_model import tp_state_dict_full
+
+        msd = tp_state_dict_full(self.module)
+        if optimizer is None:
+            return msd, None
+        osd = get_optimizer_state_dict(self.module, optimizer)
+        params = dict(self.module.named_parameters())
+        for fqn, st in osd["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    st[k] = full_tensor(params[fqn], self.tp_group, local=v)
+        return msd, osd
+
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """Load a canonical state (from :meth:`state_dict` of any layout) into this rank."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
+        if self.tp_group is not None:
+            from .tensor import is_tp_sharded, shard_tensor
+            from .tp_model import load_dense_into_tp
+
+            load_dense_into_tp(self.module, msd)
+            if optimizer is not None:
+                params = dict(self.module.named_parameters())
+                for fqn, st in osd["state"].items():
+                    p = params[fqn]
+                    for k, v in st.items():
+                        if is_tp_sharded(p) and isinstance(v, torch.Tensor) and v.dim() > 0:
+                            st[k] = shard_tensor(v, p.tp_dim, self.tp_group, p.tp_chunks,
+                                                 p.size(p.tp_dim) * self.tp_group.size())
+                set_optimizer_state_dict(self.module, optimizer, osd)
+            return
         if optimizer is None:
             self.module.load_state_dict(msd)
         else:

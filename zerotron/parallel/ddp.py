@@ -119,6 +119,7 @@ class DataParallel(Strategy):
             b.work = None
             b.ready.clear()
         self._next = 0
+        self.sync_tp_replicated()
 
     def zero_grad(self) -> None:
         """Zero the flat gradient buffers (grads stay views into them)."""
@@ -163,7 +164,9 @@ class TorchDDP(Strategy):
         return self.ddp.no_sync()
 
     def finish_grads(self) -> None:
-        """Nothing to do: torch DDP's backward already waited for its reductions."""
+        """torch DDP's backward already waited for its reductions; only the sequence-parallel
+        replicated-gradient sum over tp remains."""
+        self.sync_tp_replicated()
 
     def zero_grad(self) -> None:
         for p in unique_params(self.module):

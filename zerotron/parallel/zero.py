@@ -168,14 +168,18 @@ class ZeroStrategy(Strategy):
     (1, 2 or 3), ``dtype`` ("fp32" | "bf16": compute copies), ``reduce_dtype`` ("fp32" | "bf16").
     Raises ValueError for a bad stage or dtype."""
 
-    def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "fp32", mask=None):
+    def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "fp32", mask=None,
+                 tp_group=None, sequence_parallel: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for ZeroStrategy, got {stage}")
         if dtype not in DTYPES or reduce_dtype not in DTYPES:
             raise ValueError(f"dtype and parallel.reduce_dtype must be fp32 or bf16, got {dtype}, {reduce_dtype}")
         from ..train.optim import decay_mask
 
+        from .tensor import is_tp_sharded
+
         self.module, self.group, self.loss_groups, self.stage = model, group, [group], stage
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         mask = mask or decay_mask(model)
         blocks = list(model.transformer.h)
         in_block = {id(p) for b in blocks for p in b.parameters()}
@@ -189,10 +193,13 @@ class ZeroStrategy(Strategy):
             for params in self.units:
                 flats = []
                 for decay in (True, False):
-                    ps = [p for p in params if mask.get(id(p), False) == decay]
-                    if ps:
-                        flats.append(FlatShard([names[id(p)] for p in ps], ps, decay, stage, group,
-                                               DTYPES[dtype], DTYPES[reduce_dtype]))
+                    for sharded in (True, False):  # tp-sharded and tp-replicated kept apart
+                        ps = [p for p in params if mask.get(id(p), False) == decay and is_tp_sharded(p) == sharded]
+                        if ps:
+                            f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, group,
+                                          DTYPES[dtype], DTYPES[reduce_dtype])
+                            f.tp_sharded = sharded
+                            flats.append(f)
                 self.flats.append(flats)
         self.all_flats = [f for fl in self.flats for f in fl]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
@@ -284,6 +291,12 @@ class ZeroStrategy(Strategy):
             s.clear()
 
     def finish_grads(self) -> None:
+        if self.tp_group is not None and self.sequence_parallel:
+            # replicated parameters saw only this rank's sequence shard: sum their (dp-reduced)
+            # gradient shards over tp (Korthikanti et al. 2022); the flat layouts match across tp
+            for f in self.all_flats:
+                if not f.tp_sharded:
+                    comm.all_reduce(f.shard_grad, group=self.tp_group, tag="tp_grad")
         for f in self.all_flats:
             f.master.grad = f.shard_grad
 
@@ -291,9 +304,13 @@ class ZeroStrategy(Strategy):
         """Global norm from the shards: every element counted once (padding is zero), squared sums
         all-reduced over dp; identical on every rank. Clips the shard gradients in place."""
         sq = torch.zeros(1, dtype=torch.float64)
+        first_tp = self.tp_group is None or self.tp_group.rank() == 0
         for f in self.all_flats:
-            sq += f.shard_grad.double().pow(2).sum().cpu()
+            if f.tp_sharded or first_tp:  # tp-replicated elements counted once
+                sq += f.shard_grad.double().pow(2).sum().cpu()
         comm.all_reduce(sq, group=self.group, tag="grad_norm")
+        if self.tp_group is not None:
+            comm.all_reduce(sq, group=self.tp_group, tag="grad_norm")
         norm = float(sq.sqrt())
         if max_norm > 0:
             coef = max_norm / (norm + 1e-6)
@@ -399,6 +416,15 @@ class ZeroStrategy(Strategy):
                 if st:
                     osd_state[name] = {"step": st["step"].clone(), **{k: full[k][off:off + n].view(p.shape).clone()
                                                                         for k in ("exp_avg", "exp_avg_sq")}}
+        if self.tp_group is not None:  # tensor-parallel shards -> dense tensors (collective over tp)
+            from .tensor import full_tensor
+
+            params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
+            for name in sorted(msd):
+                msd[name] = full_tensor(params[name], self.tp_group, local=msd[name])
+                for k, v in osd_state.get(name, {}).items():
+                    if v.dim() > 0:
+                        osd_state[name][k] = full_tensor(params[name], self.tp_group, local=v)
         if "transformer.wte.weight" in msd:
             msd["lm_head.weight"] = msd["transformer.wte.weight"]
         groups = []
@@ -415,6 +441,18 @@ class ZeroStrategy(Strategy):
     @torch.no_grad()
     def load_state_dict(self, msd, osd, optimizer) -> None:
         """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
+        if self.tp_group is not None:  # dense -> this rank's tensor-parallel slices
+            from .tensor import is_tp_sharded, shard_tensor
+
+            def local(p, t):
+                if not is_tp_sharded(p):
+                    return t
+                return shard_tensor(t, p.tp_dim, self.tp_group, p.tp_chunks, p.size(p.tp_dim) * self.tp_group.size())
+
+            params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
+            msd = {n: local(params[n], t) for n, t in msd.items() if n in params}
+            osd = {**osd, "state": {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
+                                    for n, st in osd["state"].items() if n in params}}
         for f in self.all_flats:
             flat = torch.zeros(f.padded, dtype=torch.float32)
             st = {k: torch.zeros(f.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}

@@ -23,6 +23,13 @@ def decay_mask(module: nn.Module) -> dict[int, bool]:
     return mask
 
 
+def decay_mask_by_name(module: nn.Module) -> dict[str, bool]:
+    """:func:`decay_mask` keyed by parameter FQN (every name of a tied parameter), so it survives
+    transforms that replace parameter objects (tensor parallelism slices them)."""
+    mask = decay_mask(module)
+    return {n: mask[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
+
+
 def build_optimizer(params: list[nn.Parameter], mask: dict[int, bool], tcfg) -> torch.optim.AdamW:
     """AdamW over ``params`` with two groups: decayed (``mask[id(p)]``) and not decayed.
 

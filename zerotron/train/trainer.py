@@ -21,7 +21,7 @@ from ..models.gpt import GPT, GPTConfig
 from ..parallel import parallelize
 from . import checkpoint as ckpt
 from .metrics import MetricsWriter, measure_peak_flops, mfu, plot_losses
-from .optim import build_scheduler, decay_mask
+from .optim import build_scheduler
 from .step import evaluate, train_step
 
 
@@ -91,8 +91,9 @@ class Trainer:
         self.seq_len = self.model_cfg.block_size
         torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
         self.model = GPT(self.model_cfg).to(device)
+        self.num_params = self.model.num_params()  # dense count, before any sharding
         self.strategy = parallelize(self.model, cfg, self.mesh)
-        self.optimizer = self.strategy.build_optimizer(cfg.train, decay_mask(self.model))
+        self.optimizer = self.strategy.build_optimizer(cfg.train, self.strategy.decay_mask)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.sampler = GlobalBatchSampler(num_windows(len(self.data.train), self.seq_len),
                                           cfg.train.global_batch, cfg.train.seed)
@@ -107,7 +108,7 @@ class Trainer:
             self.start_step = meta["step"]
         from ..analysis.flops import training_flops_per_token
 
-        self.flops_per_token = training_flops_per_token(self.model.num_params(), self.model_cfg.n_layer,
+        self.flops_per_token = training_flops_per_token(self.num_params, self.model_cfg.n_layer,
                                                         self.model_cfg.n_embd, self.seq_len)
         peak = torch.tensor([measure_peak_flops(device)], dtype=torch.float64)
         comm.all_reduce(peak, tag="setup")
