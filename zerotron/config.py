@@ -320,7 +320,30 @@ def validate(cfg: Config, world_size: int) -> dict:
         dims = ParallelDims(world_size, p.dp, p.tp, p.pp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    need(dims.pp == 1, "parallel.pp > 1 is not implemented yet in this version; set it to 1")
+    kinds = ("naive", "gpipe", "1f1b", "interleaved")
+    need(p.pp_schedule in kinds, f"parallel.pp_schedule must be one of {kinds}, got {p.pp_schedule!r}")
+    need(p.microbatches >= 0, f"parallel.microbatches must be >= 0 (0 = all micro-batches of the step), got {p.microbatches}")
+    interleaved = p.pp_schedule == "interleaved"
+    need(p.virtual_stages >= 2 if interleaved else p.virtual_stages == 1,
+         f"parallel.virtual_stages must be >= 2 for the interleaved schedule and 1 otherwise, got {p.virtual_stages}")
+    need(p.pp_impl == "native", f"parallel.pp_impl must be native (the torch pipelining backend is not available), got {p.pp_impl!r}")
+    if dims.pp > 1 or interleaved:
+        need(dims.tp == 1 and p.zero_stage == 0 and p.dp_impl == "native",
+             "pipeline parallelism composes with native data parallelism only in this version: set parallel.tp = 1, "
+             "parallel.zero_stage = 0 and parallel.dp_impl = native")
+        n_acc = t.global_batch // (t.micro_batch * dims.dp) if t.global_batch % (t.micro_batch * dims.dp) == 0 else 0
+        m_flush = p.microbatches or n_acc
+        need(n_acc == 0 or n_acc % m_flush == 0,
+             f"parallel.microbatches ({p.microbatches}) must divide the micro-batches per step per dp rank "
+             f"(train.global_batch / (train.micro_batch * dp) = {n_acc})")
+        need(not interleaved or n_acc == 0 or m_flush % dims.pp == 0,
+             f"the interleaved schedule needs micro-batches per flush ({m_flush}) divisible by pp ({dims.pp})")
+        from .parallel.pipeline_exec import stage_layer_counts
+
+        try:
+            stage_layer_counts(shape["n_layer"], dims.pp * (p.virtual_stages if interleaved else 1), p.pp_split)
+        except ValueError as e:
+            raise ConfigError(f"parallel.pp_split / model.n_layer: {e}") from None
     need(shape["n_head"] % dims.tp == 0,
          f"parallel.tp ({dims.tp}) must divide model.n_head ({shape['n_head']}): each tp rank holds whole heads")
     need(not p.sequence_parallel or shape["block_size"] % dims.tp == 0,

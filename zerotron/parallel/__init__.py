@@ -22,6 +22,12 @@ def parallelize(model, cfg, mesh):
 
     p = cfg.parallel
     names_mask = decay_mask_by_name(model)  # from the dense model, before any transform
+    if mesh.size("pp") > 1 or p.pp_schedule == "interleaved":
+        from .pipeline import PipelineStrategy
+
+        strategy = PipelineStrategy(model, mesh, cfg)
+        strategy.decay_mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
+        return strategy
     tp_group = None
     if mesh.size("tp") > 1:
         from .tp_model import apply_tensor_parallel

@@ -164,6 +164,8 @@ class Trainer:
                    "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
                    "comm_bytes_by_op": _bytes_by_op(before),
                    "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1)}
+            if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
+                rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
             states = self.strategy.model_state_bytes(self.optimizer)
             rec["model_state_bytes"] = states["total_bytes"]
             rec["model_state_breakdown"] = states
