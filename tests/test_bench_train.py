@@ -48,7 +48,7 @@ def test_paired_ratio():
 
 def _rec(layout, r, tps, world=2, impl="DataParallel"):
     return {"layout": layout, "round": r, "world_size": world, "skipped": False, "impl": impl, "tokens_per_s": tps,
-            "step_time_s": 1000.0 / tps, "step_times_s": [1000.0 / tps], "comm_bytes_per_step": 100 + r,
+            "step_time_s": 1000.0 / tps, "step_times_s": [1000.0 / tps], "cpu_s_per_step": 0.5 + r, "comm_bytes_per_step": 100 + r,
             "model_state_bytes": 1600, "peak_mem_bytes": (r + 1) * 2**20, "num_params": 100, "tokens_per_step": 1000,
             "steps": 1, "warmup": 0}
 
@@ -72,7 +72,8 @@ def test_summarize_and_format_table():
     table = bt.format_table(rows).splitlines()
     assert table[0].startswith("| layout | impl | world | tokens/s median") and "vs dp-torch | vs single" in table[0]
     assert len(table) == 2 + 4 and all(line.count("|") == table[0].count("|") for line in table)
-    assert table[2] == ("| dp | DataParallel | 2 | 300 | 100-330 | 3333.3 | 1.100 | 2.000 | 102 | 1,600 | 3 |")
+    assert dp["cpu_s_per_step"] == 1.5
+    assert table[2] == "| dp | DataParallel | 2 | 300 | 100-330 | 3333.3 | 1.100 | 2.000 | 1.500 | 102 | 1,600 | 3 |"
     assert "skipped: ConfigError: tp / not yet" in table[5]
 
 
@@ -134,6 +135,7 @@ def test_two_process_end_to_end(tmp_path, data_cache):
         assert r["num_params"] == n_params and r["tokens_per_step"] == 8 * 64
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and len(r["step_times_s_rounds"][0]) == 2
         # tokens/s is global tokens over wall time: within [1, 2] x tokens_per_step / median step time (2 steps)
+        assert 0 < r["cpu_s_per_step"] < 60
         assert 0.95 <= r["tokens_per_s"] * r["step_time_s"] / r["tokens_per_step"] <= 2.05
         assert r["comm_bytes_by_tag"] == want_tags  # single: all-reduces over a 1-rank group, counted alike
         assert r["comm_bytes_per_step"] == 4 * n_params + 16

@@ -122,7 +122,9 @@ def cmd_generate(argv: list[str]) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nproc", type=int, default=0, help="data-parallel inference over N local processes")
+    p.add_argument("--nproc", type=int, default=0, help="N local processes (data parallel over prompts, x tp x pp)")
+    p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree (greedy only)")
     args = p.parse_args(argv)
     from .generate import generate_main
     from .launch import in_worker, launch

@@ -14,7 +14,8 @@ and initial weights; data from the token cache): ``warmup`` untimed then ``steps
 the clock. Per round: tokens/s = steps x global_batch x seq_len / (max over ranks of the elapsed
 seconds); step time (s) = median over steps of the max over ranks. Reported: medians over rounds;
 ratios ``vs X`` = median over rounds of the paired ratio tokens/s(layout) / tokens/s(X) of the same
-round. comm bytes/step: ``comm.STATS`` bytes (nccl-tests size) of the timed steps / steps, max over
+round. CPU s/step: process CPU seconds (all threads) of the timed steps / steps, summed over ranks
+(robust to other jobs taking the cores). comm bytes/step: ``comm.STATS`` bytes (nccl-tests size) of the timed steps / steps, max over
 ranks. model-state bytes: ``Strategy.model_state_bytes`` total, max over ranks. Peak memory (bytes):
 CPU, peak RSS (VmHWM) of the layout after a reset through /proc/self/clear_refs (else the
 process-lifetime ru_maxrss); CUDA, ``max_memory_allocated``.
@@ -102,6 +103,7 @@ def summarize(records: list[dict]) -> list[dict]:
         row.update(tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
                    tokens_per_s_rounds=[r["tokens_per_s"] for r in rs],
                    step_time_s=statistics.median(r["step_time_s"] for r in rs),
+                   cpu_s_per_step=statistics.median(r["cpu_s_per_step"] for r in rs),
                    step_time_s_rounds=[r["step_time_s"] for r in rs],
                    step_times_s_rounds=[r["step_times_s"] for r in rs],
                    comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in rs),
@@ -123,7 +125,7 @@ def format_table(rows: list[dict]) -> str:
     """Markdown table, one line per layout; skipped layouts show their error."""
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
     head = ["layout", "impl", "world", "tokens/s median", "min-max", "step ms median", *[f"vs {b}" for b in bases],
-            "comm bytes/step", "model-state bytes/rank", "peak mem MiB"]
+            "CPU s/step", "comm bytes/step", "model-state bytes/rank", "peak mem MiB"]
     out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for r in rows:
         if r["skipped"]:
@@ -133,6 +135,7 @@ def format_table(rows: list[dict]) -> str:
         out.append("| " + " | ".join([
             r["layout"], r["impl"], str(r["world_size"]), _f(r["tokens_per_s"]), f"{min(tps):,.0f}-{max(tps):,.0f}",
             _f(r["step_time_s"] * 1e3, ".1f"), *[_f(r.get(f"ratio_vs_{b}"), ".3f") for b in bases],
+            _f(r["cpu_s_per_step"], ".3f"),
             _f(r["comm_bytes_per_step"], ","), _f(r["model_state_bytes"], ","),
             _f(r["peak_mem_bytes"] / 2**20)]) + " |")
     return "\n".join(out)
@@ -248,15 +251,15 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
             step(s)
     comm.barrier()  # the clock starts together on every rank
     if built:
-        before, t0 = dict(comm.STATS.bytes), time.perf_counter()
+        before, t0, c0 = dict(comm.STATS.bytes), time.perf_counter(), time.process_time()
         for s in range(warmup, warmup + steps):
             t1 = time.perf_counter()
             step(s)
             times.append(time.perf_counter() - t1)
-        elapsed, by_tag = time.perf_counter() - t0, {}
+        elapsed, cpu, by_tag = time.perf_counter() - t0, time.process_time() - c0, {}
         for (op, g, tag), v in comm.STATS.bytes.items():
             by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0)
-        local = {"elapsed": elapsed, "times": times, "state": strat.model_state_bytes(opt), "peak": _peak_mem(dev),
+        local = {"elapsed": elapsed, "cpu": cpu, "times": times, "state": strat.model_state_bytes(opt), "peak": _peak_mem(dev),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
                  "impl": type(strat).__name__, "params": n_params, "tokens": t.global_batch * seq_len}
         torch.set_num_threads(prev)
@@ -268,6 +271,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
             "num_params": g0["params"], "tokens_per_step": g0["tokens"],
             "tokens_per_s": g0["tokens"] * steps / max(g["elapsed"] for g in got),
             "step_time_s": statistics.median(times), "step_times_s": times,
+            "cpu_s_per_step": sum(g["cpu"] for g in got) / steps,
             "comm_bytes_per_step": max(sum(g["by_tag"].values()) for g in got), "comm_bytes_by_tag": g0["by_tag"],
             "model_state_bytes": state["total_bytes"], "model_state": state,
             "peak_mem_bytes": max(g["peak"] for g in got),
@@ -310,7 +314,8 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         f"{_f(r0.get('tokens_per_step'), ',')} tokens per optimizer step; {r0.get('rounds', 0)} rounds of "
         f"{r0.get('warmup', 0)} untimed + {r0.get('steps', 0)} timed steps per layout, order rotated each round.", "",
         format_table(rows), "", "tokens/s: median over rounds (min-max over rounds beside it). `vs X`: median over "
-        "rounds of the paired per-round ratio tokens/s(layout) / tokens/s(X). comm bytes/step: counted by "
+        "rounds of the paired per-round ratio tokens/s(layout) / tokens/s(X). CPU s/step: process CPU seconds per "
+        "step summed over ranks (median over rounds). comm bytes/step: counted by "
         "zerotron.distributed.comm (nccl-tests size; on 1 rank the all-reduces move nothing). peak mem: "
         f"{r0.get('peak_mem_kind', '-')} per rank, max over ranks. Method: zerotron/bench/train.py.", ""])
 
@@ -324,7 +329,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list from: {', '.join(LAYOUTS)}")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
-    p.add_argument("--rounds", type=int, default=6, help="rounds; the layout order rotates every round")
+    p.add_argument("--rounds", type=int, default=8, help="rounds; the layout order rotates every round")
     for k in ("json", "plot", "markdown"):
         p.add_argument(f"--{k}", help=f"write the {k} output here (rank 0)")
     return p
