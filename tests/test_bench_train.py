@@ -48,7 +48,8 @@ def test_paired_ratio():
 
 def _rec(layout, r, tps, world=2, impl="DataParallel"):
     return {"layout": layout, "round": r, "world_size": world, "skipped": False, "impl": impl, "tokens_per_s": tps,
-            "step_time_s": 1000.0 / tps, "step_times_s": [1000.0 / tps], "cpu_s_per_step": 0.5 + r, "comm_bytes_per_step": 100 + r,
+            "step_time_s": 1000.0 / tps, "step_times_s": [1000.0 / tps], "cpu_s_per_step": 0.5 + r,
+            "comm_bytes_per_step": 100 + r,
             "model_state_bytes": 1600, "peak_mem_bytes": (r + 1) * 2**20, "num_params": 100, "tokens_per_step": 1000,
             "steps": 1, "warmup": 0}
 

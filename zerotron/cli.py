@@ -1,4 +1,4 @@
-"""Command line: ``zerotron train | generate | memory | schedule | bench``.
+"""Command line: ``zerotron train | generate | export | memory | plan | schedule | bench``.
 
 Every user error (config, file, checkpoint, shape) ends in one line ``zerotron: error: ...`` on
 stderr and exit code 2; nothing already on disk is modified by a run that fails validation.
@@ -18,6 +18,7 @@ commands:
   generate   sample text from a checkpoint (zerotron generate --checkpoint runs/X --prompt "ROMEO:")
   export     checkpoint (any layout) -> Hugging Face GPT-2 safetensors (zerotron export --checkpoint runs/X --out hf/)
   memory     ZeRO model-state memory per rank (zerotron memory --model gpt2 --dp 8)
+  plan       rank parallel layouts for a cluster (zerotron plan --model gpt2 --gpus 8 --gpus-per-node 8 --gpu-mem 80GB --global-batch 256 --seq 1024)
   schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
   bench      benchmarks: 'bench comm' (collectives) and 'bench train' (DDP implementations)
 
@@ -202,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(rest)
     if cmd == "export":
         return cmd_export(rest)
-    return _fail(f"unknown command {cmd!r}; commands: train, generate, export, memory, schedule, bench")
+    if cmd == "plan":
+        from .analysis.planner import plan_main
+
+        return plan_main(rest)
+    return _fail(f"unknown command {cmd!r}; commands: train, generate, export, memory, plan, schedule, bench")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from zerotron.analysis.flops import gpt_num_params
@@ -111,6 +112,17 @@ def _count(text: str) -> int:
     return int(value)
 
 
+def parse_memory(text: str) -> int:
+    """Bytes in "80GB", "80 GiB", "512MB", "1.5TB" (decimal GB/MB/TB, binary GiB/MiB/TiB).
+    Raises ValueError for anything else or a non-positive size."""
+    units = {"b": 1, "mb": 10**6, "gb": 10**9, "tb": 10**12, "mib": 2**20, "gib": 2**30,
+             "tib": 2**40}
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", str(text))
+    if not m or m.group(2).lower() not in units or float(m.group(1)) <= 0:
+        raise ValueError(f"bad memory size {text!r}: use e.g. 80GB or 80GiB")
+    return int(float(m.group(1)) * units[m.group(2).lower()])
+
+
 def preset_num_params(name: str) -> int:
     """Parameter count of model preset ``name`` computed from its config with
     :func:`zerotron.analysis.flops.gpt_num_params` (nothing is allocated). Raises ValueError for an
@@ -122,10 +134,95 @@ def preset_num_params(name: str) -> int:
                           bias=cfg.bias)
 
 
+def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> list[int]:
+    """Parameters (a count) held by one tensor-parallel rank of each pipeline rank 0..pp-1 of GPT
+    ``cfg`` (a ``GPTConfig``), with ``virtual_stages`` model stages per rank (interleaved).
+
+    Megatron-style split (Shoeybi et al. 2019): per block the qkv and fc1 weights/biases
+    (column-parallel) and the proj/fc2 weights (row-parallel) are divided by tp, the two row-parallel
+    biases and the LayerNorms are replicated; the token embedding is vocab-parallel (ceil(V/tp) rows),
+    the position embedding replicated on stage 0; the last stage holds ln_f and, when it is not on
+    the first stage's rank, a tied copy of the token embedding (as ``parallel.pipeline_exec`` does).
+    Layers per stage as :func:`zerotron.analysis.activations.stage_layer_counts`. With tp = pp = 1
+    the sum equals :func:`gpt_num_params`. Raises ValueError if tp does not divide n_head or
+    pp*virtual_stages > n_layer."""
+    from zerotron.analysis.activations import stage_layer_counts
+
+    h, t, v = cfg.n_embd, tp, virtual_stages
+    if tp < 1 or cfg.n_head % tp:
+        raise ValueError(f"tp ({tp}) must be >= 1 and divide n_head ({cfg.n_head})")
+    counts = stage_layer_counts(cfg.n_layer, pp * v)
+    block = 12 * h * h // t + (7 * h // t + 6 * h if cfg.bias else 2 * h)
+    wte = -(-cfg.vocab_size // t) * h
+    out = []
+    for r in range(pp):
+        n = sum(counts[c * pp + r] for c in range(v)) * block
+        if r == 0:
+            n += wte + cfg.block_size * h
+        if r == pp - 1:
+            n += (2 * h if cfg.bias else h) + (wte if pp > 1 else 0)
+        out.append(n)
+    return out
+
+
+def _add_activation_args(parser: argparse.ArgumentParser) -> None:
+    from zerotron.analysis.activations import ATTENTION, RECOMPUTE, SCHEDULES
+
+    g = parser.add_argument_group("activations (Korthikanti et al. 2022; need --model and --seq)")
+    g.add_argument("--seq", type=int, help="sequence length S (tokens)")
+    g.add_argument("--micro-batch", type=int, default=1, help="micro-batch size b (sequences)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    g.add_argument("--microbatches", type=int, help="micro-batches per pipeline flush (default pp)")
+    g.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
+    g.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    g.add_argument("--attention", default="math", choices=ATTENTION,
+                   help="math: the paper's s^2 softmax term; flash: none")
+
+
+def _activation_report(args, num_params: int) -> tuple[dict, list]:
+    """(activations object, rows with model states of the largest pipeline rank + activations)."""
+    from zerotron.analysis.activations import activation_bytes
+    from zerotron.models.gpt import preset_config
+
+    cfg = preset_config(args.model)
+    kind = args.schedule
+    v = args.virtual_stages if kind == "interleaved" else 1
+    m = args.microbatches or args.pp
+    act = activation_bytes(cfg, args.micro_batch, args.seq, tp=args.tp, sp=args.sp, pp=args.pp,
+                           schedule=kind, microbatches=m, virtual_stages=v,
+                           recompute=args.recompute, dtype="fp32" if args.dtype == "fp32" else "bf16",
+                           attention=args.attention)
+    params = stage_num_params(cfg, args.tp, args.pp, v)
+    rows = []
+    for stage in STAGES:
+        per_rank = [model_state_bytes(p, args.dp, stage, args.dtype, args.optimizer)["total_bytes"]
+                    for p in params]
+        totals = [s + a for s, a in zip(per_rank, act["per_rank_bytes"])]
+        r = max(range(len(totals)), key=lambda i: (totals[i], -i))
+        rows.append({"stage": stage, "rank": r, "model_state_bytes": per_rank[r],
+                     "activation_bytes": act["per_rank_bytes"][r], "total_bytes": totals[r]})
+    inputs = {"seq": args.seq, "micro_batch": args.micro_batch, "tp": args.tp, "sp": args.sp,
+              "pp": args.pp, "schedule": kind, "microbatches": m, "virtual_stages": v,
+              "recompute": args.recompute, "attention": args.attention,
+              "params_per_rank": params}
+    return {**inputs, **act, "totals": rows}, rows
+
+
 def memory_main(argv: list) -> int:
     """``zerotron memory [--model PRESET | --params N] --dp N [--dtype fp32|bf16-mixed]
     [--optimizer adam|sgd] [--json]``: print the ZeRO stage 0..3 model-state table (GB per rank)
     or, with ``--json``, ``{"num_params", "dp", "dtype", "optimizer", "stages": [rows in bytes]}``.
+
+    Activation options (need ``--model``): ``--seq S [--micro-batch B] [--tp T] [--pp P] [--sp]
+    [--schedule K] [--microbatches M] [--virtual-stages V] [--recompute none|selective|full]
+    [--attention math|flash]`` add the activation bytes per pipeline rank
+    (:func:`zerotron.analysis.activations.activation_bytes`, activations in fp32 for ``--dtype fp32``,
+    bf16 for bf16-mixed) and per ZeRO stage a total = model states + activations of the worst
+    pipeline rank; ``--json`` adds an ``"activations"`` object. With tp or pp > 1 the model-state
+    rows are for the largest rank's parameters (:func:`stage_num_params`).
     Returns 0 on success, 2 on a usage or value error (message on stderr)."""
     parser = argparse.ArgumentParser(prog="zerotron memory",
                                      description="ZeRO model-state bytes per data-parallel rank.")
@@ -136,21 +233,47 @@ def memory_main(argv: list) -> int:
     parser.add_argument("--dtype", default="fp32", choices=DTYPES)
     parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    _add_activation_args(parser)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse already printed usage/error on stderr
         return 0 if exc.code in (0, None) else 2
     try:
+        if (args.seq is not None or args.tp != 1 or args.pp != 1) and not args.model:
+            raise ValueError("--seq, --tp and --pp need a model shape: use --model PRESET")
         num_params = preset_num_params(args.model) if args.model else args.params
-        rows = zero_table(num_params, args.dp, args.dtype, args.optimizer)
+        rank_params = num_params
+        if args.model and (args.tp != 1 or args.pp != 1):
+            from zerotron.models.gpt import preset_config
+
+            v = args.virtual_stages if args.schedule == "interleaved" else 1
+            rank_params = max(stage_num_params(preset_config(args.model), args.tp, args.pp, v))
+        rows = zero_table(rank_params, args.dp, args.dtype, args.optimizer)
+        act, act_rows = _activation_report(args, num_params) if args.seq is not None else (None, [])
     except (ValueError, ImportError) as exc:
         print(f"zerotron memory: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"num_params": num_params, "dp": args.dp, "dtype": args.dtype,
-                          "optimizer": args.optimizer, "stages": rows}))
-    else:
-        print(f"{num_params:,} parameters, dp={args.dp}, {args.dtype}, {args.optimizer}: "
-              f"model states per rank (ZeRO, Rajbhandari et al. 2020)")
-        print(format_table(rows))
+        out = {"num_params": num_params, "dp": args.dp, "dtype": args.dtype,
+               "optimizer": args.optimizer, "stages": rows}
+        if act is not None:
+            out["activations"] = act
+        print(json.dumps(out))
+        return 0
+    print(f"{num_params:,} parameters, dp={args.dp}, {args.dtype}, {args.optimizer}: "
+          f"model states per rank (ZeRO, Rajbhandari et al. 2020)")
+    if rank_params != num_params:
+        print(f"largest model-parallel rank (tp={args.tp}, pp={args.pp}): {rank_params:,} parameters")
+    print(format_table(rows))
+    if act is not None:
+        print(f"activations (Korthikanti et al. 2022), seq {args.seq}, micro-batch "
+              f"{args.micro_batch}, tp {args.tp}{' +sp' if args.sp else ''}, pp {args.pp} "
+              f"{act['schedule']} m={act['microbatches']}, recompute {args.recompute}, attention "
+              f"{args.attention}: {act['per_layer_bytes'] / GB:.4g} GB per layer; per pipeline rank "
+              + ", ".join(f"{b / GB:.4g}" for b in act["per_rank_bytes"]) + " GB")
+        print(f"{'ZeRO stage':>12}  {'rank':>12}  {'states GB':>12}  {'activ. GB':>12}  "
+              f"{'total GB':>12}")
+        for r in act_rows:
+            print(f"{r['stage']:>12}  {r['rank']:>12}  {r['model_state_bytes'] / GB:>12.4g}  "
+                  f"{r['activation_bytes'] / GB:>12.4g}  {r['total_bytes'] / GB:>12.4g}")
     return 0

@@ -15,10 +15,10 @@ the clock. Per round: tokens/s = steps x global_batch x seq_len / (max over rank
 seconds); step time (s) = median over steps of the max over ranks. Reported: medians over rounds;
 ratios ``vs X`` = median over rounds of the paired ratio tokens/s(layout) / tokens/s(X) of the same
 round. CPU s/step: process CPU seconds (all threads) of the timed steps / steps, summed over ranks
-(robust to other jobs taking the cores). comm bytes/step: ``comm.STATS`` bytes (nccl-tests size) of the timed steps / steps, max over
-ranks. model-state bytes: ``Strategy.model_state_bytes`` total, max over ranks. Peak memory (bytes):
-CPU, peak RSS (VmHWM) of the layout after a reset through /proc/self/clear_refs (else the
-process-lifetime ru_maxrss); CUDA, ``max_memory_allocated``.
+(robust to other jobs taking the cores). comm bytes/step: ``comm.STATS`` bytes (nccl-tests size) of
+the timed steps / steps, max over ranks. model-state bytes: ``Strategy.model_state_bytes`` total,
+max over ranks. Peak memory (bytes): CPU, peak RSS (VmHWM) of the layout after a reset through
+/proc/self/clear_refs (else the process-lifetime peak); CUDA, ``max_memory_allocated``.
 """
 from __future__ import annotations
 
@@ -150,9 +150,8 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     err = [[m - min(r["tokens_per_s_rounds"]) for m, r in zip(med, rows)],
            [max(r["tokens_per_s_rounds"]) - m for m, r in zip(med, rows)]]
     ax = (fig := Figure(figsize=(1.5 * len(rows) + 2.5, 4))).add_subplot()
-    bars = ax.bar([f"{r['layout']}\n{r['world_size']} rank(s)" for r in rows], med, yerr=err, capsize=4,
-                  color=[f"C{i % 10}" for i in range(len(rows))])
-    ax.bar_label(bars, labels=[f"{m:,.0f}" for m in med], label_type="center", color="white")
+    ax.bar([f"{r['layout']}\n{r['world_size']} rank(s)\n{m:,.0f} tok/s" for r, m in zip(rows, med)], med, yerr=err,
+           capsize=4, color=[f"C{i % 10}" for i in range(len(rows))])
     ax.set_ylabel("tokens/s (median over rounds; whiskers min-max)")
     ax.set_title(title, fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
@@ -259,7 +258,8 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
         elapsed, cpu, by_tag = time.perf_counter() - t0, time.process_time() - c0, {}
         for (op, g, tag), v in comm.STATS.bytes.items():
             by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0)
-        local = {"elapsed": elapsed, "cpu": cpu, "times": times, "state": strat.model_state_bytes(opt), "peak": _peak_mem(dev),
+        local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev),
+                 "state": strat.model_state_bytes(opt),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
                  "impl": type(strat).__name__, "params": n_params, "tokens": t.global_batch * seq_len}
         torch.set_num_threads(prev)

@@ -1,0 +1,157 @@
+"""Tensor (and sequence) parallel training through the real Trainer: parity with one process for
+tp 2 and 4 and dp2 x tp2 (DDP and every ZeRO stage over dp), replicated parameters bitwise equal
+across tp ranks after every step, checkpoints resharded across tp degrees, TP generation."""
+import hashlib
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from zerotron.testing import run_ranks, tiny_config
+
+STEPS = 10
+BASE = {"train.steps": STEPS, "train.global_batch": 8, "train.eval_every": 0, "checkpoint.save_final": "false",
+        "train.grad_clip": 0.1}
+
+
+def _norm_close(a, b, rtol, what):
+    err = np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
+
+
+def _train(overrides, run_dir, resume=False):
+    from zerotron.parallel.tensor import is_tp_sharded
+    from zerotron.train.trainer import Trainer
+
+    cfg = tiny_config({**BASE, **overrides})
+    tr = Trainer(cfg, run_dir, resume=resume)
+    losses, norms, digests = [], [], []
+
+    def cb(t, rec):
+        losses.append(rec["loss"])
+        norms.append(rec["grad_norm"])
+        h = hashlib.sha256()
+        with t.strategy.full_params() as model:  # ZeRO-3 frees parameters at rest: gather them
+            for p in model.parameters():
+                if not is_tp_sharded(p):
+                    h.update(p.detach().float().clone().numpy().tobytes())  # clone: numpy pins storage
+        digests.append(h.hexdigest())
+
+    tr.fit(callback=cb)
+    with tr.strategy.full_params():
+        msd, _ = tr.strategy.state_dict(tr.optimizer)
+    return {"losses": losses, "norms": norms, "digests": digests, "coords": tr.mesh.coords,
+            "params": {k: v.detach().float().numpy().copy() for k, v in msd.items()}}
+
+
+def _many(tmp, cache, layouts):
+    return [_train({**o, "data.cache_dir": cache}, f"{tmp}/run{i}") for i, o in enumerate(layouts)]
+
+
+@pytest.fixture(scope="module")
+def reference(data_cache, single_process, tmp_path_factory):
+    return _train({"train.micro_batch": 8, "data.cache_dir": data_cache}, str(tmp_path_factory.mktemp("tpref")))
+
+
+def _check(ref, runs, layouts):
+    for i, lay in enumerate(layouts):
+        out = runs[0][i]
+        np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5, err_msg=str(lay))
+        np.testing.assert_allclose(out["norms"], ref["norms"], rtol=1e-5, err_msg=str(lay))
+        for k, v in ref["params"].items():
+            if k.endswith("attn.c_attn.bias"):  # key bias: zero true gradient (see test_ddp)
+                C = v.shape[0] // 3
+                v, a = np.concatenate([v[:C], v[2 * C:]]), np.concatenate([out["params"][k][:C], out["params"][k][2 * C:]])
+            else:
+                a = out["params"][k]
+            assert a.shape == v.shape, (lay, k)
+            # 3e-5 norm-wise: TP/SP split every matmul and the sequence reduction, and 10 Adam steps
+            # amplify those fp32 rounding differences most on small bias vectors (losses: 1e-5)
+            _norm_close(a, v, 3e-5, f"{lay} {k}")
+        for r in range(1, len(runs)):  # tp-replicated parameters identical across tp ranks
+            if runs[r][i]["coords"]["dp"] == out["coords"]["dp"]:
+                assert runs[r][i]["digests"] == out["digests"], f"rank {r} replicated params drifted in {lay}"
+            assert runs[r][i]["norms"] == out["norms"], (lay, r)
+
+
+LAYOUTS_2 = [
+    {"parallel.tp": 2, "train.micro_batch": 4},
+    {"parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 2},
+    {"parallel.tp": 2, "parallel.dp_impl": "torch", "train.micro_batch": 8},
+]
+LAYOUTS_4 = [
+    {"parallel.tp": 4, "train.micro_batch": 8},
+    {"parallel.tp": 4, "parallel.sequence_parallel": "true", "train.micro_batch": 4},
+    {"parallel.tp": 2, "train.micro_batch": 4},                                         # dp2 x tp2
+    {"parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 2},   # dp2 x tp2 + SP
+    {"parallel.tp": 2, "parallel.zero_stage": 1, "train.micro_batch": 4},
+    {"parallel.tp": 2, "parallel.zero_stage": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 2},
+    {"parallel.tp": 2, "parallel.zero_stage": 3, "train.micro_batch": 4},
+]
+
+
+def test_tp2_parity(reference, data_cache, tmp_path):
+    _check(reference, run_ranks(_many, 2, str(tmp_path), data_cache, LAYOUTS_2), LAYOUTS_2)
+
+
+def test_tp4_and_dp2_tp2_parity(reference, data_cache, tmp_path):
+    _check(reference, run_ranks(_many, 4, str(tmp_path), data_cache, LAYOUTS_4, join_timeout_s=900), LAYOUTS_4)
+
+
+def test_dropout_replicated_params_stay_equal(data_cache, tmp_path):
+    lay = [{"parallel.tp": 2, "model.dropout": 0.2, "train.micro_batch": 4},
+           {"parallel.tp": 2, "model.dropout": 0.2, "parallel.sequence_parallel": "true", "train.micro_batch": 4}]
+    runs = run_ranks(_many, 2, str(tmp_path), data_cache, lay)
+    for i in range(len(lay)):
+        assert runs[0][i]["digests"] == runs[1][i]["digests"]
+        assert runs[0][i]["losses"][-1] < runs[0][i]["losses"][0]
+
+
+# ---- checkpoints across tp degrees -------------------------------------------------------------
+
+CK = {"checkpoint.every": 5, "checkpoint.keep": 0, "train.micro_batch": 8}
+
+
+def _copy_until(src, dst, step):
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != f"step_{step}"])
+
+
+def _save(tmp, cache, tp):
+    return _train({**CK, "parallel.tp": tp, "data.cache_dir": cache}, f"{tmp}/tp{tp}")
+
+
+def _resume(dst, overrides, cache):
+    return _train({**CK, **overrides, "data.cache_dir": cache}, dst, resume=True)
+
+
+def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp_path):
+    run_ranks(_save, 2, str(tmp_path), data_cache, 2)      # tp=2 saves steps 5 and 10
+    run_ranks(_save, 4, str(tmp_path), data_cache, 4)      # tp=4 saves steps 5 and 10
+    for src, dst in (("tp2", "to_tp4"), ("tp2", "to_tp1"), ("tp4", "to_tp2")):
+        _copy_until(tmp_path / src, tmp_path / dst, 5)
+    outs = {"tp2 -> tp4": run_ranks(_resume, 4, str(tmp_path / "to_tp4"), {"parallel.tp": 4}, data_cache)[0],
+            "tp4 -> tp2": run_ranks(_resume, 2, str(tmp_path / "to_tp2"), {"parallel.tp": 2}, data_cache)[0],
+            "tp2 -> tp1": _resume(str(tmp_path / "to_tp1"), {}, data_cache)}
+    for name, out in outs.items():
+        np.testing.assert_allclose(out["losses"], reference["losses"][5:], rtol=1e-5, err_msg=name)
+        for k, v in reference["params"].items():
+            if not k.endswith("attn.c_attn.bias"):
+                _norm_close(out["params"][k], v, 3e-5, f"{name} {k}")
+
+    # TP and pipelined generation through the CLI equal single-process greedy decoding
+    import subprocess
+    import sys
+
+    def gen(*extra):
+        r = subprocess.run([sys.executable, "-m", "zerotron", "generate", "--checkpoint", str(tmp_path / "tp2"),
+                            "--prompt", "ROMEO:", "--max-new-tokens", "16", *extra],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    single = gen()
+    assert single.startswith("ROMEO:")
+    assert gen("--nproc", "2", "--parallel.tp", "2") == single
+    assert gen("--nproc", "2", "--parallel.pp", "2") == single
+    assert torch.__version__  # keep torch imported for the spawned helpers

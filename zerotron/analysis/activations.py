@@ -1,0 +1,268 @@
+"""Activation memory of GPT training: closed-form estimate per layer / per pipeline rank, and a
+measurement of what autograd actually saves.
+
+Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(section 4 and Table 2). s sequence length, b micro-batch, h hidden size, a heads, t tensor-parallel
+degree, all sizes in elements; results in bytes. Their per-layer count (16-bit activations,
+dropout on, 1-byte dropout masks, attention as explicit matmuls + softmax):
+
+    attention: QKV input 2sbh, Q and K 4sbh, softmax output 2as^2b, softmax dropout mask as^2b,
+               dropout output 2as^2b, V 2sbh, projection input 2sbh, dropout mask sbh
+               = 11sbh + 5as^2b
+    MLP:       input 2sbh, GeLU input 8sbh, second linear input 8sbh, dropout mask sbh = 19sbh
+    LayerNorm: 2 x input 2sbh = 4sbh
+    total:     sbh(34 + 5as/h)
+    tensor parallel, no SP:   sbh(10 + 24/t + 5as/(ht))  (LN inputs, 2 masks and the inputs of the
+                              two column-parallel linears (10sbh) stay replicated)
+    tensor + sequence par.:   sbh(34/t + 5as/(ht))
+    selective recomputation:  the attention term (5as/h) is dropped (recomputed in backward)
+    full recomputation:       only the layer input, 2sbh (2sbh/t with SP)
+
+Generalisation used here, with e bytes per activation element (bf16/fp16: 2, fp32: 4), mask
+bytes mu (1 for a bool/uint8 mask) and dr = 1 if dropout is on, else 0 (then no mask is saved and
+the dropout output *is* its input):
+
+    replicated = (4e + 2*dr*mu) sbh;  split = 12e sbh;  attention = (e + dr*(e + mu)) as^2b
+    e = 2, mu = 1, dr = 1 gives 10, 24 and 5 (the paper); fp32 with 1-byte masks: 18, 48, 9,
+    i.e. sbh(66 + 9as/h); fp32 without dropout: sbh(64 + 4as/h).
+
+Measured on this machine (torch 2.13 CPU, ``measure_*`` below, tests/test_activations.py):
+* dropout = 0: ``F.scaled_dot_product_attention`` runs the flash-attention CPU kernel: it saves
+  q, k, v (views of the one qkv buffer), its output (written in (b, s, a, d) layout, so it is the
+  same storage as the c_proj input) and a logsumexp of b*a*s fp32 values; no s^2 term.
+  ``attention="flash"`` models that: the paper's count without the attention term (also flash
+  attention on GPUs, which regenerates its dropout mask from the RNG instead of storing it).
+  ``attention="math"`` is the paper's kernel, and what torch's math backend saves (scaled q and k
+  copies, v, the softmax output). Caveat: with micro_batch 1 the math backend saves v as a view of
+  the fused qkv output, which keeps all 3sbh alive (+2e*sbh over the estimate, about +10 % here).
+* dropout > 0: SDPA falls back to the math kernel, and CPU dropout saves its mask in the
+  activation dtype (4 bytes in fp32), not 1 byte: pass ``mask_bytes=4`` to match. CUDA's fused
+  dropout keeps a 1-byte bool mask (the default, as in the paper).
+* Not counted (small): LayerNorm mean/rstd (2 fp32 values per token per LN: 16*b*s bytes per
+  layer), the flash logsumexp (4*b*a*s), token/position ids; together < 1 % for the tiny model.
+
+Outside the layers (Korthikanti section 4.3): the first stage holds the embedding-dropout mask
+dr*mu*sbh, the last stage the final LN input and output-layer input 2e*sbh plus the fp32
+log-softmax of the cross-entropy, 4*s*b*V/t bytes (vocab-parallel loss; our trainer runs the loss
+in fp32, so 4 bytes also for bf16 models). With SP the sbh terms are divided by t.
+
+Pipeline (Korthikanti section 4.2, Narayanan et al. 2021): a rank holds the activations of every
+micro-batch whose forward is done and backward is not. The peak comes from the schedule's action
+lists and ``simulate(...).peak_in_flight`` (``zerotron.parallel.schedules``), each (micro-batch,
+chunk) weighted by its stage's layers; 1F1B/interleaved are simulated with at most a few x pp
+micro-batches (the occupancy repeats after the warm-up), GPipe is exact in closed form (m).
+1F1B's first rank holds pp micro-batches of L/pp layers, i.e. L layers' worth; GPipe holds all m.
+With recomputation one layer is re-materialised during its backward: that working set
+(layer bytes without recomputation minus with) is added to each rank's peak.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("math", "flash")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "naive")
+LOSS_BYTES = 4  # fp32 log-softmax output saved by the cross-entropy
+
+
+def _check(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def _positive(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                           sp: bool = False, recompute: str = "none", dtype: str = "bf16",
+                           dropout: bool = True, attention: str = "math",
+                           mask_bytes: int = 1) -> int:
+    """Bytes of activations one transformer layer keeps for backward, per micro-batch, on one
+    tensor-parallel rank (formulas in the module docstring; Korthikanti et al. 2022).
+
+    ``dtype``: "bf16" | "fp16" | "fp32" (activation element size); ``recompute``: "none" |
+    "selective" | "full"; ``attention``: "math" (explicit softmax, the paper) | "flash" (no s^2
+    term); ``dropout``: whether dropout masks are saved; ``mask_bytes``: bytes per mask element
+    (1 on CUDA, the activation size for CPU dropout). Exact integer arithmetic. Raises ValueError for a non-positive size, an
+    unknown option, hidden % heads != 0, heads % tp != 0, or sp with seq_len % tp != 0.
+    """
+    _positive(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp,
+              mask_bytes=mask_bytes)
+    _check("recompute", recompute, RECOMPUTE)
+    _check("dtype", dtype, DTYPE_BYTES)
+    _check("attention", attention, ATTENTION)
+    if hidden % heads or heads % tp:
+        raise ValueError(f"need heads | hidden and tp | heads, got hidden={hidden}, heads={heads}, "
+                         f"tp={tp}")
+    if sp and seq_len % tp:
+        raise ValueError(f"sequence parallel needs tp ({tp}) to divide seq_len ({seq_len})")
+    e, s, b, h, a, t = DTYPE_BYTES[dtype], seq_len, micro_batch, hidden, heads, tp
+    dr, mu = int(bool(dropout)), mask_bytes
+    sbh = s * b * h
+    if recompute == "full":  # only the layer input is checkpointed
+        return e * sbh // t if sp else e * sbh
+    replicated = (4 * e + 2 * dr * mu) * sbh
+    split = 12 * e * sbh
+    attn = (e + dr * (e + mu)) * a * s * s * b if attention == "math" and recompute == "none" else 0
+    if sp:
+        return (replicated + split + attn) // t
+    return replicated + (split + attn) // t
+
+
+def stage_layer_counts(n_layer: int, n_stages: int) -> list[int]:
+    """Balanced layers per model stage, the first ``n_layer % n_stages`` stages one extra (as
+    ``zerotron.parallel.pipeline_exec.stage_layer_counts`` without pp_split). Raises ValueError if
+    n_stages < 1 or n_stages > n_layer."""
+    _positive(n_layer=n_layer, n_stages=n_stages)
+    if n_stages > n_layer:
+        raise ValueError(f"cannot split {n_layer} layers into {n_stages} pipeline stages "
+                         f"(pp * virtual_stages must be <= n_layer)")
+    q, r = divmod(n_layer, n_stages)
+    return [q + (i < r) for i in range(n_stages)]
+
+
+@lru_cache(maxsize=512)
+def _in_flight_states(pp: int, microbatches: int, kind: str, v: int) -> tuple:
+    """(peak_in_flight per rank from ``simulate``, per rank the set of per-chunk live counts seen
+    right after each forward): the schedule's activation occupancy, cached per shape."""
+    from zerotron.parallel.schedules import build_schedule, simulate
+
+    sched = build_schedule(pp, microbatches, kind, v)
+    peaks = tuple(simulate(sched, pp, v).peak_in_flight)
+    states = []
+    for actions in sched:
+        live, seen = [0] * v, set()
+        for a in actions:
+            if a.kind in ("F", "B"):
+                live[a.chunk] += 1 if a.kind == "F" else -1
+                if a.kind == "F":
+                    seen.add(tuple(live))
+        states.append(frozenset(seen))
+    return peaks, tuple(states)
+
+
+def _cap(pp: int, m: int, kind: str, v: int) -> int:
+    """Micro-batches enough to reach the steady-state occupancy (1F1B warm-up <= pp - 1 forwards,
+    interleaved <= (v + 1) pp; a multiple of pp for interleaved); checked against uncapped runs in
+    tests/test_activations.py."""
+    if kind == "interleaved" and m % pp == 0:
+        return min(m, pp * (v + 2))
+    return min(m, 2 * pp) if kind == "1f1b" else m
+
+
+def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,
+                     pp: int = 1, schedule: str = "1f1b", microbatches: int = 1,
+                     virtual_stages: int = 1, recompute: str = "none", dtype: str = "bf16",
+                     attention: str = "math", dropout: bool | None = None,
+                     mask_bytes: int = 1) -> dict:
+    """Activation bytes per pipeline rank of GPT ``cfg`` (a ``GPTConfig``: n_layer, n_head,
+    n_embd, vocab_size, dropout) for one training step.
+
+    ``microbatches`` per pipeline flush; ``schedule`` "1f1b" | "gpipe" | "interleaved" (with
+    ``virtual_stages`` >= 2) | "naive"; with pp == 1 and a non-interleaved schedule the micro-batches
+    run forward+backward one after the other (1 in flight). ``dropout`` None = ``cfg.dropout > 0``.
+    Other options as in :func:`layer_activation_bytes`.
+
+    Returns ``{"per_layer_bytes", "layers_per_stage", "embedding_bytes" (stage 0, per micro-batch),
+    "output_bytes" (last stage, per micro-batch, incl. the loss), "recompute_workspace_bytes",
+    "peak_in_flight" (micro-batch x chunk units per rank), "per_rank_bytes", "max_bytes",
+    "worst_rank"}``, bytes on one tensor-parallel rank. Raises ValueError for bad sizes/options,
+    seq_len > block_size, pp*v > n_layer or a schedule that ``build_schedule`` rejects.
+    """
+    _positive(pp=pp, microbatches=microbatches, virtual_stages=virtual_stages)
+    _check("schedule", schedule, SCHEDULES)
+    if seq_len > getattr(cfg, "block_size", seq_len):
+        raise ValueError(f"seq_len ({seq_len}) exceeds the model's block_size ({cfg.block_size})")
+    dropout = cfg.dropout > 0 if dropout is None else dropout
+    args = dict(tp=tp, sp=sp, dtype=dtype, dropout=dropout, attention=attention,
+                mask_bytes=mask_bytes)
+    h, t, e = cfg.n_embd, tp, DTYPE_BYTES.get(dtype, 0)
+    per_layer = layer_activation_bytes(seq_len, micro_batch, h, cfg.n_head, recompute=recompute,
+                                       **args)
+    workspace = layer_activation_bytes(seq_len, micro_batch, h, cfg.n_head, **args) - per_layer
+    v = virtual_stages if schedule == "interleaved" else 1
+    counts = stage_layer_counts(cfg.n_layer, pp * v)
+    sbh = seq_len * micro_batch * h
+    div = t if sp else 1
+    emb = int(dropout) * mask_bytes * sbh // div
+    out = 2 * e * sbh // div + LOSS_BYTES * seq_len * micro_batch * -(-cfg.vocab_size // t)
+    unit = [c * per_layer + (emb if s == 0 else 0) + (out if s == len(counts) - 1 else 0)
+            for s, c in enumerate(counts)]
+    if pp == 1 and v == 1:  # plain gradient accumulation: forward+backward per micro-batch
+        peaks, states = (1,), (frozenset({(1,)}),)
+    elif schedule == "gpipe":  # all forwards, then all backwards: every rank holds m
+        peaks, states = (microbatches,) * pp, (frozenset({(microbatches,)}),) * pp
+    else:  # occupancy repeats after the warm-up: simulate at most _cap micro-batches
+        peaks, states = _in_flight_states(pp, _cap(pp, microbatches, schedule, v), schedule, v)
+    per_rank = [max(sum(n * unit[c * pp + r] for c, n in enumerate(st)) for st in states[r])
+                + workspace for r in range(pp)]
+    worst = max(range(pp), key=lambda r: (per_rank[r], -r))
+    return {"per_layer_bytes": per_layer, "layers_per_stage": counts, "embedding_bytes": emb,
+            "output_bytes": out, "recompute_workspace_bytes": workspace,
+            "peak_in_flight": list(peaks), "per_rank_bytes": per_rank,
+            "max_bytes": per_rank[worst], "worst_rank": worst}
+
+
+def _measure(model, idx, targets=None) -> dict:
+    import torch
+
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    param_storages |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    blocks = list(model.transformer.h)
+    where = {"layer": None}
+    seen: set = set()
+    layer_bytes = [0] * len(blocks)
+    other = [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in seen and key not in param_storages:
+            seen.add(key)
+            if where["layer"] is None:
+                other[0] += storage.nbytes()
+            else:
+                layer_bytes[where["layer"]] += storage.nbytes()
+        return t
+
+    def enter(i):
+        return lambda module, inputs: where.__setitem__("layer", i)
+
+    handles = [blk.register_forward_pre_hook(enter(i)) for i, blk in enumerate(blocks)]
+    handles += [blk.register_forward_hook(lambda m, i, o: where.__setitem__("layer", None))
+                for blk in blocks]
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(idx)
+            if targets is not None:
+                from zerotron.parallel.base import token_loss_sum
+
+                out = token_loss_sum(out, targets)
+            total = sum(layer_bytes) + other[0]  # measured while the graph (and storages) live
+    finally:
+        for hd in handles:
+            hd.remove()
+    del out
+    return {"total_bytes": total, "layer_bytes": layer_bytes, "other_bytes": other[0]}
+
+
+def measure_activation_bytes(model, idx, targets=None) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward of a plain ``GPT`` ``model``
+    on token ids ``idx`` (B, T) (plus the cross-entropy of ``zerotron.parallel.base.token_loss_sum``
+    when ``targets`` is given), counted through ``torch.autograd.graph.saved_tensors_hooks``.
+
+    Each storage counts once (q, k, v are views of one qkv buffer; a saved op output and its views
+    share storage); parameters, buffers and views of them are not activations and are excluded. The
+    model's train/eval mode is used as is (dropout masks only in train mode). Raises what the
+    model's forward raises for a bad ``idx``."""
+    return _measure(model, idx, targets)["total_bytes"]
+
+
+def measure_layer_activation_bytes(model, idx) -> list[int]:
+    """Like :func:`measure_activation_bytes`, split per transformer block: entry i is the bytes of
+    storages first saved while block i ran forward (its input included; embedding and head excluded)."""
+    return _measure(model, idx)["layer_bytes"]
