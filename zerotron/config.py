@@ -297,6 +297,14 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
     need(d.vocab_size >= 260 or d.tokenizer, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
     need(p.dp_impl in DP_IMPLS, f"parallel.dp_impl must be one of {DP_IMPLS}, got {p.dp_impl!r}")
+    need(t.activation_checkpointing in ("none", "selective", "full"),
+         f"train.activation_checkpointing must be none, selective or full, got {t.activation_checkpointing!r}")
+    need(not (t.activation_checkpointing == "full" and p.zero_stage == 3),
+         "train.activation_checkpointing = full is not combined with parallel.zero_stage = 3 (block parameters "
+         "are freed after the forward the recomputation repeats); use selective, or zero_stage <= 2")
+    need(not (t.activation_checkpointing != "none" and m.dropout > 0 and p.tp > 1),
+         "activation checkpointing with dropout > 0 and tp > 1 is not supported (the tensor-parallel RNG "
+         "tracker is not replayed); set model.dropout = 0 or train.activation_checkpointing = none")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
     need(p.zero_impl in ("native", "fsdp2"), f"parallel.zero_impl must be native or fsdp2, got {p.zero_impl!r}")
     need(p.reduce_dtype in DTYPES, f"parallel.reduce_dtype must be one of {DTYPES}, got {p.reduce_dtype!r}")

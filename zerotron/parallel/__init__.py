@@ -2,7 +2,7 @@
 
     1. pipeline split (parallel.pp)
     2. tensor / sequence parallel (tp): apply_tensor_parallel on the dense, seeded model
-    3. activation checkpointing              -- not yet implemented
+    3. activation checkpointing (train.activation_checkpointing: none | selective | full)
     4. data parallel over "dp": native bucketed DDP, torch DDP, native ZeRO-1/2/3 or FSDP2
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
@@ -22,6 +22,9 @@ def parallelize(model, cfg, mesh):
 
     p = cfg.parallel
     names_mask = decay_mask_by_name(model)  # from the dense model, before any transform
+    from .checkpointing import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # block forwards only
     if mesh.size("pp") > 1 or p.pp_schedule == "interleaved":
         from .pipeline import PipelineStrategy
 

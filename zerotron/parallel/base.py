@@ -178,13 +178,12 @@ class Strategy:
         msd = tp_state_dict_full(self.module)
         if optimizer is None:
             return msd, None
-        osd = get_optimizer_state_dict(self.module, optimizer)
+        osd = get_optimizer_state_dict(self.module, optimizer)  # references the live state: copy
         params = dict(self.module.named_parameters())
-        for fqn, st in osd["state"].items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    st[k] = full_tensor(params[fqn], self.tp_group, local=v)
-        return msd, osd
+        state = {fqn: {k: full_tensor(params[fqn], self.tp_group, local=v)
+                       if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in st.items()}
+                 for fqn, st in osd["state"].items()}
+        return msd, {**osd, "state": state}
 
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """Load a canonical state (from :meth:`state_dict` of any layout) into this rank."""
@@ -197,13 +196,13 @@ class Strategy:
             load_dense_into_tp(self.module, msd)
             if optimizer is not None:
                 params = dict(self.module.named_parameters())
-                for fqn, st in osd["state"].items():
-                    p = params[fqn]
-                    for k, v in st.items():
-                        if is_tp_sharded(p) and isinstance(v, torch.Tensor) and v.dim() > 0:
-                            st[k] = shard_tensor(v, p.tp_dim, self.tp_group, p.tp_chunks,
-                                                 p.size(p.tp_dim) * self.tp_group.size())
-                set_optimizer_state_dict(self.module, optimizer, osd)
+
+                def local(p, v):
+                    if is_tp_sharded(p) and isinstance(v, torch.Tensor) and v.dim() > 0:
+                        return shard_tensor(v, p.tp_dim, self.tp_group, p.tp_chunks, p.size(p.tp_dim) * self.tp_group.size())
+                    return v
+                state = {fqn: {k: local(params[fqn], v) for k, v in st.items()} for fqn, st in osd["state"].items()}
+                set_optimizer_state_dict(self.module, optimizer, {**osd, "state": state})
             return
         if optimizer is None:
             self.module.load_state_dict(msd)
