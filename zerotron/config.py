@@ -26,7 +26,9 @@ class ModelConfig:
     """GPT shape. ``preset`` (e.g. "tiny", "gpt2") fills the sizes; non-zero fields override it
     (0 = take the preset's value, or the built-in default n_layer 4, n_head 4, n_embd 128,
     block_size 128 without a preset). ``vocab_size = 0`` takes the tokenizer's vocabulary size.
-    ``block_size`` is also the training sequence length."""
+    ``block_size`` is also the training sequence length. ``init_from``: a Hugging Face GPT-2
+    directory (config.json + model.safetensors) whose shape and weights the run starts from (use its
+    tokenizer.json as data.tokenizer); every layout slices these dense weights per rank."""
 
     preset: str = ""
     n_layer: int = 0
@@ -36,6 +38,7 @@ class ModelConfig:
     vocab_size: int = 0
     dropout: float = 0.0
     bias: bool = True
+    init_from: str = ""
 
 
 @dataclass
@@ -291,6 +294,9 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
     need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and train.eval_batches >= 1")
     need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
+    need(not m.init_from or Path(m.init_from).exists(),
+         f"model.init_from {m.init_from!r} does not exist; give a Hugging Face GPT-2 directory (config.json + "
+         "model.safetensors)")
     need(d.corpus in CORPORA, f"data.corpus must be one of {CORPORA}, got {d.corpus!r}")
     need(d.corpus == "shakespeare" or d.path, f"data.corpus = {d.corpus!r} needs data.path (a file, directory "
                                               "or dataset name)")
@@ -336,9 +342,17 @@ def validate(cfg: Config, world_size: int) -> dict:
          f"parallel.virtual_stages must be >= 2 for the interleaved schedule and 1 otherwise, got {p.virtual_stages}")
     need(p.pp_impl == "native", f"parallel.pp_impl must be native (the torch pipelining backend is not available), got {p.pp_impl!r}")
     if dims.pp > 1 or interleaved:
-        need(dims.tp == 1 and p.zero_stage == 0 and p.dp_impl == "native",
-             "pipeline parallelism composes with native data parallelism only in this version: set parallel.tp = 1, "
-             "parallel.zero_stage = 0 and parallel.dp_impl = native")
+        # implemented: pp x dp (native DDP or native ZeRO-1) x tp (without sequence parallel)
+        need(p.zero_stage in (0, 1),
+             f"parallel.zero_stage = {p.zero_stage} is not combined with pipeline parallelism (only ZeRO-1 "
+             "shards the optimizer state per stage); set parallel.zero_stage = 1 or 0")
+        need(p.zero_stage == 0 or p.zero_impl == "native",
+             "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism; set parallel.zero_impl = native")
+        need(p.zero_stage == 1 or p.dp_impl == "native",
+             f"parallel.dp_impl = {p.dp_impl} is not combined with pipeline parallelism; set parallel.dp_impl = native")
+        need(dims.tp == 1 or not p.sequence_parallel,
+             "parallel.sequence_parallel is not combined with pipeline parallelism (stage activations are "
+             "full (B, T, C)); set parallel.sequence_parallel = false")
         n_acc = t.global_batch // (t.micro_batch * dims.dp) if t.global_batch % (t.micro_batch * dims.dp) == 0 else 0
         m_flush = p.microbatches or n_acc
         need(n_acc == 0 or n_acc % m_flush == 0,

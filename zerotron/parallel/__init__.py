@@ -26,10 +26,23 @@ def parallelize(model, cfg, mesh):
 
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # block forwards only
     if mesh.size("pp") > 1 or p.pp_schedule == "interleaved":
+        # pipeline (x tp x dp/ZeRO-1): tensor-parallel transform of the dense model first (no
+        # sequence parallel), then the stage split of the TP model; see parallel.pipeline
         from .pipeline import PipelineStrategy
 
-        strategy = PipelineStrategy(model, mesh, cfg)
-        strategy.decay_mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
+        pp_tp = None
+        if mesh.size("tp") > 1:
+            from .tp_model import apply_tensor_parallel
+
+            if p.sequence_parallel:
+                raise ValueError("parallel.sequence_parallel is not combined with pipeline parallelism; "
+                                 "set parallel.sequence_parallel = false")
+            pp_tp = mesh.group("tp")
+            model = apply_tensor_parallel(model, pp_tp, False, seed=cfg.train.seed)
+        mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
+        strategy = PipelineStrategy(model, mesh, cfg, mask)
+        strategy.tp_group = pp_tp
+        strategy.decay_mask = mask
         return strategy
     tp_group = None
     if mesh.size("tp") > 1:

@@ -26,8 +26,26 @@ de-duplicates to the first name); both pipeline copies use that same key (identi
 stores it once), and ``state_dict`` lists the whole model's FQNs in every ``param_groups`` entry, so
 checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
 
+3-D layouts (pp x dp x tp):
+  * tensor parallel: ``parallelize`` applies ``tp_model.apply_tensor_parallel`` (no sequence
+    parallel) to the dense model first and splits the TP model; every tp rank of a pipeline stage
+    runs its shards, the p2p activations (b, T, C) are full and identical across the tp ranks, and
+    each tp rank talks to the same tp rank of the neighbouring stage (the peer map keeps dp, tp).
+    The last stage's loss is the vocab-parallel cross-entropy (``tp_model.tp_loss_sum``); the tied
+    gradient sum runs per (dp, tp) coordinate (both copies are the same vocabulary shard); the
+    norm sums squares of tp-sharded gradients over tp, counts tp-replicated ones once, and sums
+    over pp; checkpoints are gathered to the dense canonical format (``full_tensor``, collective
+    over tp in the fixed state-dict order) and sliced again on load (``shard_tensor``).
+  * ZeRO-1 over dp (``parallel.zero_stage = 1``): the inner DataParallel is replaced by
+    :class:`StageZero1` -- the stage's parameters in ``zero.FlatShard`` flat buffers (units: the
+    tied weight alone, the other non-block parameters, each block), full gradients accumulated
+    locally over all flushes, the tied gradient summed between the first and last stage, then one
+    reduce-scatter per flat buffer, AdamW on the fp32 master shards, one all-gather of the updated
+    parameters. ZeRO-2/3 and sequence parallelism are not combined with pp (config.validate).
+
 Also: ``last_step_timing()`` (measured busy/idle per rank), ``full_params()`` (the dense GPT with
-every stage's weights broadcast in; collective over pp), ``pipeline_generate`` (greedy decoding).
+every stage's weights broadcast in; collective over pp -- and over tp, which yields a separate
+dense ``GPT`` rebuilt from the gathered shards), ``pipeline_generate`` (greedy decoding).
 """
 from __future__ import annotations
 
@@ -39,24 +57,149 @@ import torch.distributed as dist
 from ..distributed import comm
 from .base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
 from .ddp import DataParallel
+from .tensor import is_tp_sharded
 from .pipeline_exec import (PipelineExecutor, StageModel, forward_only_actions, stage_layer_counts,
                             stage_layer_ranges)
 from .schedules import KINDS, build_schedule
 
-__all__ = ["PipelineStrategy", "StageModel", "pipeline_generate", "stage_layer_counts", "stage_layer_ranges"]
+__all__ = ["PipelineStrategy", "StageModel", "StageZero1", "pipeline_generate", "stage_layer_counts",
+           "stage_layer_ranges"]
+
+
+class StageZero1:
+    """ZeRO stage 1 over the dp group for the parameters of one pipeline rank's stages
+    (Rajbhandari et al. 2020), built from ``zero.FlatShard``.
+
+    Units: the tied embedding/head weight alone (so the first and the last stage hold it in flat
+    buffers of the same layout and reduce it with the same arithmetic: the copies stay bitwise
+    equal), the other non-block parameters (wpe, ln_f), then each block; inside a unit one flat
+    buffer per (weight decay, tp-sharded) pair. Gradients accumulate in full locally (``param.grad``
+    are views into each flat's ``grad_full``) over every micro-batch and flush; ``finish_grads``
+    sums the tied gradient over ``tied_group`` and reduce-scatters every flat buffer over dp;
+    AdamW steps the fp32 master shards; ``gather_params`` all-gathers the updated parameters.
+
+    Args: ``module`` (a StageModel), ``group`` (dp NamedGroup), ``mask`` (decay flag by
+    ``id(param)``), ``tied`` (this rank's tied Parameter or None), ``dtype``/``reduce_dtype``
+    ("fp32" | "bf16"). Attributes: ``all_flats`` (list of FlatShard; each has ``tp_sharded`` and
+    ``is_tied``), ``group``."""
+
+    def __init__(self, module, group, mask: dict, tied=None, dtype: str = "fp32", reduce_dtype: str = "fp32"):
+        from .zero import DTYPES, FlatShard
+
+        self.group, self.tied = group, tied
+        names = {}
+        for n, q in module.named_parameters():  # first FQN of each (tied) parameter
+            names.setdefault(id(q), n)
+        blocks = list(module.transformer["h"].values())
+        in_block = {id(q) for b in blocks for q in b.parameters()}
+        root = [q for q in unique_params(module) if id(q) not in in_block and q is not tied]
+        units = ([[tied]] if tied is not None else []) + [root] + [unique_params(b) for b in blocks]
+        self.all_flats = []
+        with torch.no_grad():
+            for params in units:
+                for decay in (True, False):
+                    for sharded in (True, False):  # tp-sharded and tp-replicated kept apart
+                        ps = [q for q in params if mask.get(id(q), False) == decay and is_tp_sharded(q) == sharded]
+                        if ps:
+                            f = FlatShard([names[id(q)] for q in ps], ps, decay, 1, group, DTYPES[dtype],
+                                          DTYPES[reduce_dtype])
+                            f.tp_sharded, f.is_tied = sharded, ps[0] is tied
+                            self.all_flats.append(f)
+
+    def no_sync(self):
+        """Nothing is communicated during backward: every micro-batch only accumulates."""
+        return contextlib.nullcontext()
+
+    def zero_grad(self) -> None:
+        for f in self.all_flats:
+            f.grad_full.zero_()
+            f.shard_grad.zero_()
+            f.master.grad = None
+            f.attach_grad_views()
+
+    def finish_grads(self, tied_group=None) -> None:
+        """Sum the tied gradient over ``tied_group`` (first and last pipeline rank of this (dp, tp)
+        coordinate; before the dp reduction, the sums commute), then reduce-scatter every flat
+        gradient over dp and expose the fp32 shard gradients as ``master.grad``."""
+        if tied_group is not None:
+            comm.all_reduce(self.tied.grad, group=tied_group, tag="pp_tied")
+        for f in self.all_flats:
+            f.launch_reduce()
+        for f in self.all_flats:
+            f.wait_reduce()
+            f.master.grad = f.shard_grad
+
+    def gather_params(self) -> None:
+        """All-gather the updated master shards into the full compute parameters (after step)."""
+        with torch.no_grad():
+            for f in self.all_flats:
+                f.launch_gather()
+            for f in self.all_flats:
+                f.wait_gather()
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(shard.numel() * self.group.size(), dtype=torch.float32, device=shard.device)
+        comm.all_gather(out, shard.detach().float().contiguous(), group=self.group, tag="checkpoint")
+        return out
+
+    def full_state(self, optimizer) -> tuple[dict, dict]:
+        """``({id(param): tensor}, {fqn: adam state})`` of this rank's parameters, unsharded over dp
+        (still tp shards). Collective over dp, flat buffers in a fixed order."""
+        vals, ostate = {}, {}
+        for f in self.all_flats:
+            full = {"param": self._gather(f.master)}
+            st = optimizer.state.get(f.master, {})
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    full[k] = self._gather(st[k])
+            for name, q, off, n in zip(f.names, f.params, f.offsets, f.numels):
+                vals[id(q)] = full["param"][off:off + n].view(q.shape).clone()
+                if "exp_avg" in full:
+                    ostate[name] = {"step": st["step"].clone(),
+                                    **{k: full[k][off:off + n].view(q.shape).clone() for k in ("exp_avg", "exp_avg_sq")}}
+        return vals, ostate
+
+    @torch.no_grad()
+    def load_full_state(self, params: dict, ostate: dict, optimizer) -> None:
+        """Inverse of :meth:`full_state`: ``params`` {fqn: tensor in this rank's tp layout} (every
+        flat name needed), ``ostate`` {fqn: {"step", "exp_avg", "exp_avg_sq"}} (may be empty).
+        Takes this rank's dp shard of each flat buffer, then all-gathers the parameters."""
+        for f in self.all_flats:
+            flat = torch.zeros(f.padded, dtype=torch.float32)
+            st = {k: torch.zeros(f.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+            step = None
+            for name, off, n in zip(f.names, f.offsets, f.numels):
+                flat[off:off + n] = params[name].reshape(-1).float().cpu()
+                if name in ostate:
+                    for k in st:
+                        st[k][off:off + n] = ostate[name][k].reshape(-1).float().cpu()
+                    step = ostate[name]["step"]
+            lo, hi = f.rank * f.k, (f.rank + 1) * f.k
+            f.master.copy_(flat[lo:hi])
+            if step is not None:
+                state = optimizer.state[f.master]
+                state["step"] = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+                for k in st:
+                    state[k] = st[k][lo:hi].clone().to(f.master.device)
+        self.gather_params()
 
 
 class PipelineStrategy(Strategy):
     """Pipeline (x data) parallel strategy; see the module docstring.
 
-    Args: ``model`` (a fully initialised GPT, identical on all ranks; afterwards use ``.module`` —
-    the GPT's modules of other ranks' stages are left untouched and unused), ``mesh``, ``cfg``
-    (``cfg.parallel``: pp_schedule, microbatches, virtual_stages, pp_split, bucket_mb).
-    Attributes: ``module`` (this rank's ``StageModel``), ``ddp`` (inner DataParallel over dp),
-    ``loss_groups`` = [pp group, dp group]. Raises ValueError for an unknown schedule, a bad
-    virtual_stages/pp_split, or ``microbatches`` < 0."""
+    Args: ``model`` (a fully initialised GPT, identical on all ranks, or the TensorParallelGPT
+    made from it; afterwards use ``.module`` — the GPT's modules of other ranks' stages are left
+    untouched and unused), ``mesh``, ``cfg`` (``cfg.parallel``: pp_schedule, microbatches,
+    virtual_stages, pp_split, bucket_mb, zero_stage, reduce_dtype; ``cfg.train.dtype``),
+    ``mask`` (weight-decay flag by ``id(param)`` of ``model``; default ``optim.decay_mask(model)``,
+    only used by ZeRO-1, which fixes the flag per flat buffer at construction).
+    Attributes: ``module`` (this rank's ``StageModel``), ``ddp`` (inner DataParallel over dp, or
+    None with ZeRO-1), ``zero`` (:class:`StageZero1` or None), ``tp_group`` (the tp NamedGroup when
+    ``model`` is tensor-parallel, else None), ``loss_groups`` = [pp group, dp group]. Raises
+    ValueError for an unknown schedule, a bad virtual_stages/pp_split, ``microbatches`` < 0, or a
+    zero_stage other than 0/1."""
 
-    def __init__(self, model, mesh, cfg):
+    def __init__(self, model, mesh, cfg, mask: dict | None = None):
         p = cfg.parallel
         if p.pp_schedule not in KINDS:
             raise ValueError(f"parallel.pp_schedule must be one of {KINDS}, got {p.pp_schedule!r}")
@@ -69,17 +212,33 @@ class PipelineStrategy(Strategy):
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
         n_stages = self.pp * self.v
         ranges = stage_layer_ranges(stage_layer_counts(model.config.n_layer, n_stages, p.pp_split))
+        if p.zero_stage not in (0, 1):
+            raise ValueError(f"pipeline parallelism supports parallel.zero_stage 0 or 1, got {p.zero_stage}")
         self.dense = model
+        self._dense_copy = None  # dense GPT rebuilt by full_params() for tensor-parallel models
         self.module = StageModel(model, [c * self.pp + self.rank for c in range(self.v)], ranges)
+        self.tp_group = self.module.tp_group
         d, t = mesh.coords["dp"], mesh.coords["tp"]
         self._peer = lambda q: mesh.global_rank(q, d, t)  # pp index -> global rank (same dp, tp)
         self._schedules: dict = {}
         self.pp_group, self.dp_group = mesh.group("pp"), mesh.group("dp")
         self.loss_groups = [self.pp_group, self.dp_group]
-        self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb,
-                                src_rank=mesh.global_rank(self.rank, 0, t))
         self.first, self.last = self.module.holds(0), self.module.holds(n_stages - 1)
         self.tied = self.module.transformer["wte"].weight if (self.first or self.last) else None
+        self.ddp = self.zero = None
+        if p.zero_stage == 1:
+            if mask is None:
+                from ..train.optim import decay_mask
+
+                mask = decay_mask(model)
+            mask = dict(mask)
+            if self.tied is not None:
+                mask[id(self.tied)] = False  # an embedding: never decayed
+            self.zero = StageZero1(self.module, self.dp_group, mask, self.tied, cfg.train.dtype, p.reduce_dtype)
+        else:
+            self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb,
+                                    src_rank=mesh.global_rank(self.rank, 0, t))
+        self.inner = self.zero or self.ddp
         self.tied_group = None
         if self.pp > 1:  # one {pp-first, pp-last} group per (dp, tp) coordinate, created everywhere
             for dd in range(mesh.size("dp")):
@@ -112,11 +271,17 @@ class PipelineStrategy(Strategy):
         return self._schedules[m]
 
     # ---- training ----------------------------------------------------------------------------
+    def parameters(self) -> list:
+        """The optimizer's parameters: this rank's stage parameters, or ZeRO-1's fp32 master shards."""
+        if self.zero is not None:
+            return [f.master for f in self.zero.all_flats]
+        return unique_params(self.module)
+
     def no_sync(self):
-        return self.ddp.no_sync()
+        return self.inner.no_sync()
 
     def zero_grad(self) -> None:
-        self.ddp.zero_grad()
+        self.inner.zero_grad()
 
     def forward_backward(self, micro_batches, n_global: int, dtype: str, device: torch.device) -> torch.Tensor:
         """Pipelined forward/backward over this rank's micro-batches ``[(x, y), ...]`` (each (b, T)
@@ -152,7 +317,7 @@ class PipelineStrategy(Strategy):
 
             def b_context(mb, chunk):
                 sync = final and mb == k - 1 and not (late and chunk == self.v - 1)
-                return contextlib.nullcontext() if sync else self.ddp.no_sync()
+                return contextlib.nullcontext() if sync else self.inner.no_sync()
 
             ex.run(self._actions(k), [x for x, _ in mbs], on_output,
                    lambda: autocast_ctx(dtype, device), b_context)
@@ -171,7 +336,11 @@ class PipelineStrategy(Strategy):
 
     def finish_grads(self) -> None:
         """Wait for the dp gradient reduction, then sum the tied embedding/head gradients between
-        the first and last pipeline rank (pp > 1), so both copies get the same update."""
+        the first and last pipeline rank (pp > 1), so both copies get the same update. ZeRO-1:
+        the tied sum first, then the reduce-scatter over dp (see :class:`StageZero1`)."""
+        if self.zero is not None:
+            self.zero.finish_grads(self.tied_group)
+            return
         self.ddp.finish_grads()
         if self.tied_group is not None:
             comm.all_reduce(self.tied.grad, group=self.tied_group, tag="pp_tied")
@@ -183,20 +352,37 @@ class PipelineStrategy(Strategy):
                 if q.grad is not None and not (q is self.tied and self.last and not self.first)]
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global gradient L2 norm: sqrt of the pp all-reduced sum of squares (tied weight counted
-        once); identical on every rank. Clips in place (torch's formula, coef = max_norm /
-        (norm + 1e-6) capped at 1) when ``max_norm > 0``. Returns the norm before clipping."""
-        grads = [q.grad for q in self._norm_params()]
-        sq = torch.zeros(1, dtype=torch.float64, device=next(self.module.parameters()).device)
-        if grads:
-            sq += torch.stack([torch.linalg.vector_norm(g).double() ** 2 for g in grads]).sum()
+        """Global gradient L2 norm: sqrt of the sum of squares over the whole model (tied weight
+        counted once); tensor parallel: squares of tp-sharded gradients all-reduced over tp,
+        tp-replicated ones (equal on every tp rank) counted once; then all-reduced over pp.
+        Identical on every rank. Clips in place (torch's formula, coef = max_norm / (norm + 1e-6)
+        capped at 1) when ``max_norm > 0``. Returns the norm before clipping. ZeRO-1: computed
+        from the dp shards of the flat gradients (each element counted once, squares all-reduced
+        over dp as well)."""
+        dev = next(self.module.parameters()).device
+        sharded = torch.zeros(1, dtype=torch.float64, device=dev)
+        replicated = torch.zeros(1, dtype=torch.float64, device=dev)
+        if self.zero is not None:
+            skip_tied = self.last and not self.first
+            for f in self.zero.all_flats:
+                if not (f.is_tied and skip_tied):
+                    (sharded if f.tp_sharded else replicated).add_(f.shard_grad.double().pow(2).sum())
+            comm.all_reduce(sharded, group=self.dp_group, tag="grad_norm")
+            comm.all_reduce(replicated, group=self.dp_group, tag="grad_norm")
+        else:
+            for q in self._norm_params():
+                (sharded if is_tp_sharded(q) else replicated).add_(torch.linalg.vector_norm(q.grad).double() ** 2)
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            comm.all_reduce(sharded, group=self.tp_group, tag="grad_norm")
+        sq = sharded + replicated
         comm.all_reduce(sq, group=self.pp_group, tag="grad_norm")
         norm = sq.sqrt().float()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for q in unique_params(self.module):  # includes the tied copy: same coef everywhere
-                if q.grad is not None:
-                    q.grad.mul_(coef.to(q.grad.dtype))
+            grads = ([f.shard_grad for f in self.zero.all_flats] if self.zero is not None else
+                     [q.grad for q in unique_params(self.module) if q.grad is not None])
+            for g in grads:  # includes the tied copy: same coef everywhere
+                g.mul_(coef.to(g.dtype))
         return float(norm)
 
     def build_optimizer(self, tcfg, mask: dict):
@@ -204,10 +390,26 @@ class PipelineStrategy(Strategy):
         dense GPT or from ``self.module``; the tied copy is never decayed (an embedding)."""
         from ..train.optim import build_optimizer
 
+        if self.zero is not None:  # decay flags were fixed per flat buffer at construction
+            return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.zero.all_flats}, tcfg)
         mask = dict(mask)
         if self.tied is not None:
             mask[id(self.tied)] = False
         return build_optimizer(self.parameters(), mask, tcfg)
+
+    def optimizer_step(self, optimizer) -> None:
+        optimizer.step()
+        if self.zero is not None:
+            self.zero.gather_params()
+
+    def model_state_bytes(self, optimizer) -> dict:
+        """Bytes this rank holds (see ``Strategy.model_state_bytes``; ZeRO-1: flat compute buffers,
+        full gradient buffers, Adam state of the master shards, as ``ZeroStrategy`` counts them)."""
+        if self.zero is not None:
+            from .zero import ZeroStrategy
+
+            return ZeroStrategy.model_state_bytes(self.zero, optimizer)
+        return super().model_state_bytes(optimizer)
 
     # ---- checkpoints and full parameters ---------------------------------------------------------
     def state_dict(self, optimizer=None):
@@ -215,8 +417,12 @@ class PipelineStrategy(Strategy):
         ``get_state_dict`` gives for the dense GPT). The optimizer's ``param_groups`` (a non-tensor
         entry that DCP stores from ONE rank) are made identical on every rank: each group lists the
         FQNs of the whole model (union over the pp group, tied weight once as
-        ``transformer.wte.weight``), exactly like the dense model's. Collective over pp."""
-        msd, osd = super().state_dict(optimizer)
+        ``transformer.wte.weight``), exactly like the dense model's. Collective over pp; over tp
+        (tensor parallel: shards gathered to dense tensors) and dp (ZeRO-1: shards gathered)."""
+        if self.zero is not None:
+            msd, osd = self._zero_state_dict(optimizer)
+        else:
+            msd, osd = super().state_dict(optimizer)
         if osd is not None:
             everyone = comm.all_gather_object([g["params"] for g in osd["param_groups"]], group=self.pp_group)
             for i, g in enumerate(osd["param_groups"]):
@@ -224,12 +430,63 @@ class PipelineStrategy(Strategy):
                 g["params"] = list(dict.fromkeys(names))
         return msd, osd
 
+    def _zero_state_dict(self, optimizer):
+        """ZeRO-1: canonical (dense) state from the flat shards: all-gather over dp, then (tensor
+        parallel) ``full_tensor`` over tp for every sharded tensor, in the fixed flat order."""
+        from .tensor import full_tensor
+
+        vals, ostate = self.zero.full_state(optimizer) if optimizer is not None else (None, {})
+        if vals is None:  # parameters only: the compute copies are full over dp at rest
+            vals = {id(q): q.detach().float() for q in unique_params(self.module)}
+        if self.tp_group is not None:
+            for f in self.zero.all_flats:
+                for name, q in zip(f.names, f.params):
+                    vals[id(q)] = full_tensor(q, self.tp_group, local=vals[id(q)])
+                    for k, v in ostate.get(name, {}).items():
+                        if v.dim() > 0:
+                            ostate[name][k] = full_tensor(q, self.tp_group, local=v)
+        msd = {key: vals[id(t)] if id(t) in vals else t.detach()
+               for key, t in self.module.state_dict(keep_vars=True).items()}
+        if optimizer is None:
+            return msd, None
+        groups = []
+        for g in optimizer.param_groups:
+            names = [n for f in self.zero.all_flats if any(f.master is q for q in g["params"]) for n in f.names]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return msd, {"state": ostate, "param_groups": groups}
+
+    def load_state_dict(self, msd, osd, optimizer=None) -> None:
+        """Load a canonical state (from ``state_dict`` of any layout: pp, tp, dp, ZeRO) into this
+        rank's stages: dense tensors sliced to tp shards (``shard_tensor``), ZeRO-1 dp shards taken
+        out of the flat buffers."""
+        if self.zero is None:
+            return super().load_state_dict(msd, osd, optimizer)
+        from .tensor import shard_tensor
+
+        def local(q, t):
+            if self.tp_group is None or not is_tp_sharded(q):
+                return t
+            return shard_tensor(t, q.tp_dim, self.tp_group, q.tp_chunks, q.size(q.tp_dim) * self.tp_group.size())
+
+        params = {n: q for f in self.zero.all_flats for n, q in zip(f.names, f.params)}
+        dense = {n: local(q, msd[n]) for n, q in params.items()}
+        ostate = {}
+        if optimizer is not None and osd is not None:
+            ostate = {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
+                      for n, st in osd["state"].items() if n in params}
+        self.zero.load_full_state(dense, ostate, optimizer)
+        if optimizer is not None and osd is not None:
+            for g, saved in zip(optimizer.param_groups, osd.get("param_groups", [])):
+                g["lr"] = saved.get("lr", g["lr"])
+
     @contextlib.contextmanager
     def full_params(self):
         """Collective over the pp group (every pp rank must enter): broadcast each model stage's
-        parameters from the pp rank that owns it into the dense ``GPT`` given at construction and
-        yield that GPT (evaluation, generation, export). Its stage parameters are this rank's own
-        Parameters, so use it read-only."""
+        parameters from the pp rank that owns it into the ``GPT`` given at construction and yield
+        that GPT (evaluation, generation, export). Its stage parameters are this rank's own
+        Parameters, so use it read-only. Tensor parallel: also collective over tp -- the gathered
+        TP model's shards are assembled (``tp_state_dict_full``) into a dense ``GPT`` (built once,
+        kept, refreshed on every call), which is yielded instead."""
         if self.pp > 1:
             t = self.dense.transformer
             with torch.no_grad():
@@ -241,7 +498,23 @@ class PipelineStrategy(Strategy):
                         for q in mod.parameters():
                             comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
                                            tag="full_params")
-        yield self.dense
+        if self.tp_group is None:
+            yield self.dense
+            return
+        from ..models.gpt import GPT
+        from .tp_model import tp_state_dict_full
+
+        sd = tp_state_dict_full(self.dense)  # collective over tp, fixed key order
+        if self._dense_copy is None:
+            with torch.device("meta"):  # no RNG draw, no init cost
+                g = GPT(self.dense.config)
+            g = g.to_empty(device=self.dense.transformer.wpe.weight.device)
+            g.lm_head.weight = g.transformer.wte.weight  # re-tie (to_empty makes new Parameters)
+            self._dense_copy = g
+        with torch.no_grad():
+            self._dense_copy.load_state_dict(sd)
+        self._dense_copy.train(self.dense.training)
+        yield self._dense_copy
 
     # ---- forward only ------------------------------------------------------------------------
     def _forward_only(self, x: torch.Tensor, on_output, dtype: str, device: torch.device) -> None:
@@ -284,6 +557,10 @@ def pipeline_generate(strategy: PipelineStrategy, idx: torch.Tensor, max_new_tok
         nxt = torch.empty(idx.size(0), 1, dtype=torch.long, device=device)
 
         def on_output(mb, logits):
+            if strategy.tp_group is not None:  # vocab shards -> full logits (collective over tp)
+                from .tp_model import gather_logits
+
+                logits = gather_logits(logits[:, -1:, :], mod.config.vocab_size, strategy.tp_group)
             nxt.copy_(logits[:, -1, :].float().argmax(dim=-1, keepdim=True))
 
         strategy._forward_only(ctx, on_output, dtype, device)

@@ -70,11 +70,19 @@ class StageModel(nn.Module):
     ``transformer.wte.weight`` and ``lm_head.weight`` (same Parameter): state-dict and optimizer-
     state keys are then exactly the dense model's (``named_parameters`` names it
     ``transformer.wte.weight``). The layer, embedding and norm modules are the ones of ``model``
-    (shared Parameters; no copies, no RNG use)."""
+    (shared Parameters; no copies, no RNG use).
+
+    Tensor parallel (``model`` is a ``tp_model.TensorParallelGPT``): the stages run the TP modules
+    as they are (logits of the last stage are vocab shards (b, T, V_pad/tp)); the tied copy is this
+    rank's vocabulary shard (V_pad/tp, C) with the shard metadata of ``wte.weight``, held by a
+    ``VocabParallelEmbedding`` (for ``vocab_start``) and a tied ``ColumnParallelLinear`` head.
+    ``tp_group`` (None without TP) and ``config`` mirror the TP model's, so
+    ``tp_model.tp_loss_sum`` / ``tp_state_dict_full`` accept a StageModel."""
 
     def __init__(self, model: nn.Module, stages: list[int], layer_ranges: list[range]):
         super().__init__()
         self.config = model.config
+        self.tp_group = getattr(model, "tp_group", None)
         self.stages, self.layer_ranges = list(stages), list(layer_ranges)
         self.last_stage = len(layer_ranges) - 1
         src = model.transformer
@@ -83,7 +91,18 @@ class StageModel(nn.Module):
             t["wte"], t["wpe"], t["drop"] = src.wte, src.wpe, src.drop
         elif self.last_stage in self.stages:  # tied copy, named as in the dense model
             w = nn.Parameter(src.wte.weight.detach().clone())
-            t["wte"] = nn.Embedding(w.shape[0], w.shape[1], _weight=w)
+            for attr in ("tp_sharded", "tp_dim", "tp_chunks", "tp_full_size"):  # TP shard metadata
+                if hasattr(src.wte.weight, attr):
+                    setattr(w, attr, getattr(src.wte.weight, attr))
+            if self.tp_group is not None:
+                from .tensor import VocabParallelEmbedding
+
+                emb = VocabParallelEmbedding(src.wte.num_embeddings, src.wte.embedding_dim, self.tp_group,
+                                             src.wte.sequence_parallel, device="meta", dtype=w.dtype)
+                emb.weight, emb.comm_tag = w, src.wte.comm_tag
+                t["wte"] = emb
+            else:
+                t["wte"] = nn.Embedding(w.shape[0], w.shape[1], _weight=w)
         t["h"] = nn.ModuleDict({str(i): src.h[i] for s in self.stages for i in self.layer_ranges[s]})
         if self.last_stage in self.stages:
             t["ln_f"] = src.ln_f
@@ -91,6 +110,12 @@ class StageModel(nn.Module):
         if self.last_stage in self.stages:
             if 0 in self.stages:
                 self.lm_head = model.lm_head  # still the same Parameter as wte.weight
+            elif self.tp_group is not None:
+                from .tensor import ColumnParallelLinear
+
+                self.lm_head = ColumnParallelLinear.tied(t["wte"].weight, self.tp_group,
+                                                         model.lm_head.sequence_parallel)
+                self.lm_head.comm_tag = model.lm_head.comm_tag
             else:
                 self.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
                 self.lm_head.weight = t["wte"].weight

@@ -87,10 +87,14 @@ class Trainer:
         self.device, self.rank, self.world = device, rank, world
         self.dp_rank, self.dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         self.data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
-        self.model_cfg = gpt_config(cfg, self.data.vocab_size)
-        self.seq_len = self.model_cfg.block_size
         torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
-        self.model = GPT(self.model_cfg).to(device)
+        if cfg.model.init_from:
+            self.model = self._from_hf(cfg.model.init_from).to(device)
+            self.model_cfg = self.model.config
+        else:
+            self.model_cfg = gpt_config(cfg, self.data.vocab_size)
+            self.model = GPT(self.model_cfg).to(device)
+        self.seq_len = self.model_cfg.block_size
         self.num_params = self.model.num_params()  # dense count, before any sharding
         self.strategy = parallelize(self.model, cfg, self.mesh)
         self.optimizer = self.strategy.build_optimizer(cfg.train, self.strategy.decay_mask)
@@ -113,6 +117,19 @@ class Trainer:
         peak = torch.tensor([measure_peak_flops(device)], dtype=torch.float64)
         comm.all_reduce(peak, tag="setup")
         self.peak_flops_total = float(peak)
+
+    def _from_hf(self, path) -> GPT:
+        """Dense GPT with the shape and weights of a HF GPT-2 checkpoint (dropout from the config).
+        Raises ConfigError if its vocabulary is smaller than the tokenizer's."""
+        from ..models.hf import load_hf_gpt2
+
+        hf = load_hf_gpt2(path)
+        if hf.config.vocab_size < self.data.vocab_size:
+            raise ConfigError(f"model.init_from has vocab_size {hf.config.vocab_size} < the tokenizer's "
+                              f"{self.data.vocab_size}; set data.tokenizer to the checkpoint's tokenizer.json")
+        model = GPT(dataclasses.replace(hf.config, dropout=self.cfg.model.dropout))
+        model.load_state_dict(hf.state_dict())
+        return model
 
     def _chunks(self, indices, tokens):
         mb = self.cfg.train.micro_batch

@@ -1,0 +1,206 @@
+"""3-D layouts through the real Trainer: pipeline x tensor parallel, pipeline x ZeRO-1 over dp, and
+pp2 x dp2 x tp2 on 8 processes train exactly like one process on the same global batch; the tied
+embedding/head copies of the first and last stage stay bitwise equal; checkpoints move between
+pp2 x tp2 / pp2 x dp2 ZeRO-1 and one process in both directions.
+
+Two spawns (4 and 8 processes); the dense reference and the 1-process resumes run in the pytest
+process."""
+import hashlib
+import shutil
+
+import numpy as np
+import pytest
+
+from zerotron.testing import run_ranks, tiny_config
+
+STEPS, SAVE_AT = 6, 3
+BASE = {"train.steps": STEPS, "train.global_batch": 8, "train.eval_every": 0, "checkpoint.save_final": "false",
+        "train.grad_clip": 0.1, "checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
+PP2TP2 = {"parallel.pp": 2, "parallel.tp": 2}
+ZERO = {"parallel.pp": 2, "parallel.zero_stage": 1}
+
+
+def _digest(t) -> str:
+    return hashlib.sha256(t.detach().float().clone().numpy().tobytes()).hexdigest()  # clone: numpy pins
+
+
+def _train(overrides, run_dir, resume=False):
+    """One Trainer run; returns losses/norms per step, digests of the tied copy (pipeline), the
+    canonical (dense) final state, the dense state yielded by full_params(), and ZeRO shard sizes."""
+    from zerotron.train.trainer import Trainer
+
+    cfg = tiny_config({**BASE, **overrides})
+    tr = Trainer(cfg, run_dir, resume=resume)
+    s = tr.strategy
+    out = {"losses": [], "norms": [], "tied": [], "coords": tr.mesh.coords}
+
+    def cb(t, rec):
+        out["losses"].append(rec["loss"])
+        out["norms"].append(rec["grad_norm"])
+        tied = getattr(t.strategy, "tied", None)
+        out["tied"].append(None if tied is None else _digest(tied))
+
+    tr.fit(callback=cb)
+    msd, osd = s.state_dict(tr.optimizer)
+    out["params"] = {k: v.detach().float().numpy().copy() for k, v in msd.items()}
+    out["optim_keys"] = sorted(osd["state"])
+    out["optim_groups"] = [sorted(g["params"]) for g in osd["param_groups"]]
+    with s.full_params() as dense:
+        out["full"] = {k: v.detach().float().numpy().copy() for k, v in dense.state_dict().items()}
+        out["full_type"] = type(dense).__name__
+    out["tp"] = s.tp_group is not None and s.tp_group.size() > 1
+    zero = getattr(s, "zero", None)
+    if zero is not None:
+        st = [tr.optimizer.state[f.master] for f in zero.all_flats]
+        out["zero"] = {"master": sum(f.master.numel() for f in zero.all_flats),
+                       "padded": sum(f.padded for f in zero.all_flats),
+                       "exp_avg": sum(x["exp_avg"].numel() for x in st), "dp": zero.group.size()}
+    return out
+
+
+def _many(tmp, cache, layouts):
+    outs = []
+    for i, lay in enumerate(layouts):
+        lay = dict(lay)
+        resume_from = lay.pop("resume_from", None)
+        run = f"{tmp}/{lay.pop('name', f'run{i}')}"
+        if resume_from:
+            import torch.distributed as dist
+
+            if dist.get_rank() == 0:
+                _copy_until(resume_from, run, SAVE_AT)
+            dist.barrier()
+        outs.append(_train({**lay, "data.cache_dir": cache}, run, resume=bool(resume_from)))
+    return outs
+
+
+def _copy_until(src, dst, step):
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != f"step_{step}"])
+
+
+def _norm_close(a, b, rtol, what):
+    err = np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30)
+    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
+
+
+def _check_params(params, ref, what, subset=False):
+    """Norm-wise per tensor; ``subset``: ``params`` may hold only some keys (one pipeline stage)."""
+    assert set(params) <= set(ref) if subset else set(params) == set(ref), \
+        f"{what}: keys differ {sorted(set(params) ^ set(ref))}"
+    for k, a in params.items():
+        v = ref[k]
+        assert a.shape == v.shape, (what, k)
+        if k.endswith("attn.c_attn.bias"):  # key bias: zero true gradient (see test_ddp)
+            C = v.shape[0] // 3
+            v, a = np.concatenate([v[:C], v[2 * C:]]), np.concatenate([a[:C], a[2 * C:]])
+        _norm_close(a, v, 3e-5, f"{what} {k}")
+
+
+def _check(ref, runs, layouts, pp=2):
+    """Every rank of every layout against the dense reference (from step SAVE_AT when resumed)."""
+    for i, lay in enumerate(layouts):
+        outs = [r[i] for r in runs]
+        start = SAVE_AT if lay.get("resume_from") else 0
+        for o in outs:  # every rank: the same global loss and norm, equal to one process
+            np.testing.assert_allclose(o["losses"], ref["losses"][start:], rtol=1e-5, err_msg=str(lay))
+            np.testing.assert_allclose(o["norms"], ref["norms"][start:], rtol=1e-5, err_msg=str(lay))
+            assert o["norms"] == outs[0]["norms"] and o["losses"] == outs[0]["losses"], lay
+            _check_params(o["params"], ref["params"], f"{lay} rank {o['coords']}", subset=True)
+            assert o["optim_groups"] == ref["optim_groups"], lay  # canonical whole-model groups
+            assert o["full_type"] == "GPT", lay  # full_params() yields a dense model
+        by = {(o["coords"]["pp"], o["coords"]["dp"], o["coords"]["tp"]): o for o in outs}
+        for (p, d, t), o in by.items():  # the stages' canonical states cover the dense model, and
+            merged = {}                  # full_params() holds exactly them on every rank
+            for q in range(pp):
+                merged.update(by[(q, d, t)]["params"])
+            assert set(merged) == set(ref["params"]) == set(o["full"]), lay
+            for k, v in o["full"].items():
+                np.testing.assert_array_equal(v, merged[k], err_msg=f"{lay} full_params {k}")
+            if t > 0 or d > 0:  # tp and dp peers: bitwise the same dense state
+                for k, v in o["params"].items():
+                    np.testing.assert_array_equal(v, by[(p, 0, 0)]["params"][k], err_msg=f"{lay} {(p, d, t)} {k}")
+        for (p, d, t), o in by.items():  # tied copies bitwise equal after every step
+            if p == 0:
+                last = by[(pp - 1, d, t)]
+                assert None not in o["tied"] and o["tied"] == last["tied"], (lay, (d, t))
+            if p in (0, pp - 1):  # the tied weight's optimizer state uses the dense model's key
+                assert "transformer.wte.weight" in o["optim_keys"] and "lm_head.weight" not in o["optim_keys"]
+            if "zero" in o:  # optimizer state really sharded over dp
+                z = o["zero"]
+                assert z["dp"] == 2 and z["master"] * 2 == z["padded"] and z["exp_avg"] == z["master"], (lay, z)
+        assert by[(0, 0, 0)]["tied"] != by[(0, 0, 0)]["tied"][:1] * len(by[(0, 0, 0)]["tied"])  # it trains
+
+
+@pytest.fixture(scope="module")
+def reference(data_cache, single_process, tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("ref3d") / "ref")
+    out = _train({"train.micro_batch": 8, "data.cache_dir": data_cache}, run)
+    out["run"] = run
+    assert min(out["norms"]) > BASE["train.grad_clip"]  # clipping active in every step
+    return out
+
+
+def layouts_4(ref_run):
+    return [
+        {**PP2TP2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2, "name": "pp2tp2"},  # saves
+        {**PP2TP2, "parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2, "train.micro_batch": 2},
+        {**ZERO, "parallel.dp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1,
+         "parallel.microbatches": 2, "name": "pp2zero"},                                    # 2 flushes; saves
+        {**PP2TP2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4, "resume_from": ref_run},  # dense ->
+        {**ZERO, "parallel.dp": 2, "parallel.pp_schedule": "gpipe", "train.micro_batch": 2,
+         "resume_from": ref_run},                                                             # dense -> ZeRO
+    ]
+
+
+@pytest.fixture(scope="module")
+def four(reference, data_cache, tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("pp4"))
+    layouts = layouts_4(reference["run"])
+    return {"layouts": layouts, "runs": run_ranks(_many, 4, tmp, data_cache, layouts, join_timeout_s=900),
+            "tmp": tmp}
+
+
+def test_pp2_tp2_and_pp2_dp2_zero1_parity(reference, four):
+    _check(reference, four["runs"], four["layouts"])
+
+
+def test_checkpoints_to_one_process(reference, four, data_cache, tmp_path):
+    """pp2 x tp2 and pp2 x dp2 ZeRO-1 checkpoints (step 3) resumed in one process continue exactly
+    like the uninterrupted dense run."""
+    for name in ("pp2tp2", "pp2zero"):
+        dst = str(tmp_path / name)
+        _copy_until(f"{four['tmp']}/{name}", dst, SAVE_AT)
+        out = _train({"train.micro_batch": 8, "data.cache_dir": data_cache}, dst, resume=True)
+        np.testing.assert_allclose(out["losses"], reference["losses"][SAVE_AT:], rtol=1e-5, err_msg=name)
+        _check_params(out["params"], reference["params"], f"{name} -> 1 process")
+
+
+LAYOUTS_8 = [
+    {**PP2TP2, "parallel.dp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
+    {**PP2TP2, "parallel.dp": 2, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1},
+]
+
+
+def test_pp2_dp2_tp2_eight_processes(reference, data_cache, tmp_path):
+    runs = run_ranks(_many, 8, str(tmp_path), data_cache, LAYOUTS_8, join_timeout_s=900)
+    _check(reference, runs, LAYOUTS_8)
+
+
+def test_validate_pipeline_combinations():
+    from zerotron.config import ConfigError, validate
+
+    def cfg(**kw):
+        return tiny_config({"train.global_batch": 8, "train.micro_batch": 2, "parallel.pp": 2, **kw})
+
+    assert validate(cfg(**{"parallel.tp": 2}), 4)["pp"] == 2
+    assert validate(cfg(**{"parallel.tp": 2, "parallel.dp": 2}), 8)["tp"] == 2
+    assert validate(cfg(**{"parallel.zero_stage": 1}), 4)["dp"] == 2
+    assert validate(cfg(**{"parallel.zero_stage": 1, "parallel.tp": 2}), 8)["dp"] == 2
+    for kw, msg in [({"parallel.zero_stage": 2}, "parallel.zero_stage = 2 is not combined with pipeline"),
+                    ({"parallel.zero_stage": 3}, "set parallel.zero_stage = 1 or 0"),
+                    ({"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}, "zero_stage = 3"),
+                    ({"parallel.zero_stage": 1, "parallel.zero_impl": "fsdp2"}, "zero_impl"),
+                    ({"parallel.dp_impl": "torch"}, "parallel.dp_impl = torch is not combined"),
+                    ({"parallel.tp": 2, "parallel.sequence_parallel": "true"}, "parallel.sequence_parallel")]:
+        with pytest.raises(ConfigError, match=msg):
+            validate(cfg(**kw), 4)
