@@ -68,6 +68,7 @@ LAYOUTS = {x.name: x for x in (
     *(Layout(f"zero{s}", {"parallel.zero_stage": s}, **_NEW) for s in (1, 2, 3)),
     *(Layout(f"fsdp2-zero{s}", {"parallel.zero_stage": s, "parallel.zero_impl": "fsdp2"}, **_NEW) for s in (2, 3)),
     Layout("tp", {"parallel.tp": "{world}"}, **_NEW),
+    Layout("tp-sp", {"parallel.tp": "{world}", "parallel.sequence_parallel": "true"}, **_NEW),
     *(Layout(f"pp-{k}", {"parallel.pp": "{world}", "parallel.pp_schedule": k}, **_NEW) for k in ("gpipe", "1f1b")),
     Layout("pp-interleaved", {"parallel.pp": "{world}", "parallel.pp_schedule": "interleaved",
                               "parallel.virtual_stages": 2}, **_NEW),
@@ -202,17 +203,17 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows
     from zerotron.models.gpt import GPT
     from zerotron.parallel import DataParallel, TorchDDP, parallelize
-    from zerotron.train.optim import build_scheduler, decay_mask
+    from zerotron.train.optim import build_scheduler
     from zerotron.train.trainer import gpt_config
 
     mcfg, t = gpt_config(cfg, data.vocab_size), cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank and layout
     model = GPT(mcfg).to(mesh.device)
     strategy = parallelize(model, cfg, mesh)
-    if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP):
+    if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
         raise NotImplementedError(f"parallelize() returned a plain {type(strategy).__name__} for "
                                   f"{layout.overrides}: this strategy is not implemented yet")
-    opt = strategy.build_optimizer(t, decay_mask(model))
+    opt = strategy.build_optimizer(t, strategy.decay_mask)
     sampler = GlobalBatchSampler(num_windows(len(data.train), mcfg.block_size), t.global_batch, t.seed)
     dpr, dp, mb, batches = mesh.local_rank("dp"), mesh.size("dp"), t.micro_batch, []
     for s in range(steps):
