@@ -10,6 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from zerotron.testing import run_ranks, tiny_config
 
@@ -45,9 +46,15 @@ def _train(overrides, run_dir, resume=False):
     out["params"] = {k: v.detach().float().numpy().copy() for k, v in msd.items()}
     out["optim_keys"] = sorted(osd["state"])
     out["optim_groups"] = [sorted(g["params"]) for g in osd["param_groups"]]
+    prompt = torch.tensor([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]])
     with s.full_params() as dense:
         out["full"] = {k: v.detach().float().numpy().copy() for k, v in dense.state_dict().items()}
         out["full_type"] = type(dense).__name__
+        out["gen"] = [dense.generate(prompt, 6, temperature=0).tolist()]
+    if hasattr(s, "executor"):  # pipelined greedy decoding (vocab-parallel logits gathered over tp)
+        from zerotron.parallel.pipeline import pipeline_generate
+
+        out["gen"].append(pipeline_generate(s, prompt, 6).tolist())
     out["tp"] = s.tp_group is not None and s.tp_group.size() > 1
     zero = getattr(s, "zero", None)
     if zero is not None:
@@ -108,6 +115,7 @@ def _check(ref, runs, layouts, pp=2):
             _check_params(o["params"], ref["params"], f"{lay} rank {o['coords']}", subset=True)
             assert o["optim_groups"] == ref["optim_groups"], lay  # canonical whole-model groups
             assert o["full_type"] == "GPT", lay  # full_params() yields a dense model
+            assert len(o["gen"]) == 2 and o["gen"][0] == o["gen"][1], lay  # pipeline == dense greedy
         by = {(o["coords"]["pp"], o["coords"]["dp"], o["coords"]["tp"]): o for o in outs}
         for (p, d, t), o in by.items():  # the stages' canonical states cover the dense model, and
             merged = {}                  # full_params() holds exactly them on every rank
@@ -175,15 +183,20 @@ def test_checkpoints_to_one_process(reference, four, data_cache, tmp_path):
         _check_params(out["params"], reference["params"], f"{name} -> 1 process")
 
 
-LAYOUTS_8 = [
-    {**PP2TP2, "parallel.dp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
-    {**PP2TP2, "parallel.dp": 2, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1},
-]
+def layouts_8(ref_run):
+    pdt = {**PP2TP2, "parallel.dp": 2}
+    return [
+        {**pdt, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
+        {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1},
+        {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4,
+         "resume_from": ref_run},                                              # dense -> pp x dp x tp ZeRO-1
+    ]
 
 
 def test_pp2_dp2_tp2_eight_processes(reference, data_cache, tmp_path):
-    runs = run_ranks(_many, 8, str(tmp_path), data_cache, LAYOUTS_8, join_timeout_s=900)
-    _check(reference, runs, LAYOUTS_8)
+    layouts = layouts_8(reference["run"])
+    runs = run_ranks(_many, 8, str(tmp_path), data_cache, layouts, join_timeout_s=900)
+    _check(reference, runs, layouts)
 
 
 def test_validate_pipeline_combinations():

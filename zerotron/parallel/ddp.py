@@ -147,8 +147,12 @@ class TorchDDP(Strategy):
 
         self.module, self.group, self.loss_groups = module, group, [group]
         dev = next(module.parameters()).device
-        self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # no buffers in GPT
-                       device_ids=[dev] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
+        import warnings
+
+        with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13; GPT has no buffers
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # no buffers in GPT
+                           device_ids=[dev] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
 
         def sum_hook(state, bucket):
             buf = bucket.buffer()

@@ -122,7 +122,7 @@ class StageZero1:
         coordinate; before the dp reduction, the sums commute), then reduce-scatter every flat
         gradient over dp and expose the fp32 shard gradients as ``master.grad``."""
         if tied_group is not None:
-            comm.all_reduce(self.tied.grad, group=tied_group, tag="pp_tied")
+            pass
         for f in self.all_flats:
             f.launch_reduce()
         for f in self.all_flats:
