@@ -15,7 +15,7 @@ import torch
 from zerotron.testing import run_ranks, tiny_config
 
 STEPS, SAVE_AT = 6, 3
-BASE = {"train.steps": STEPS, "train.global_batch": 8, "train.eval_every": 0, "checkpoint.save_final": "false",
+BASE = {"train.steps": STEPS, "train.global_batch": 8, "train.eval_every": STEPS, "checkpoint.save_final": "false",
         "train.grad_clip": 0.1, "checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
 PP2TP2 = {"parallel.pp": 2, "parallel.tp": 2}
 ZERO = {"parallel.pp": 2, "parallel.zero_stage": 1}
@@ -33,11 +33,13 @@ def _train(overrides, run_dir, resume=False):
     cfg = tiny_config({**BASE, **overrides})
     tr = Trainer(cfg, run_dir, resume=resume)
     s = tr.strategy
-    out = {"losses": [], "norms": [], "tied": [], "coords": tr.mesh.coords}
+    out = {"losses": [], "norms": [], "tied": [], "val": {}, "coords": tr.mesh.coords}
 
     def cb(t, rec):
         out["losses"].append(rec["loss"])
         out["norms"].append(rec["grad_norm"])
+        if "val_loss" in rec:  # evaluation at step 1 (fresh runs) and STEPS: pipelined forward only
+            out["val"][rec["step"]] = rec["val_loss"]
         tied = getattr(t.strategy, "tied", None)
         out["tied"].append(None if tied is None else _digest(tied))
 
@@ -82,7 +84,8 @@ def _many(tmp, cache, layouts):
 
 
 def _copy_until(src, dst, step):
-    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != f"step_{step}"])
+    keep = f"step_{step}"
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != keep])
 
 
 def _norm_close(a, b, rtol, what):
@@ -112,6 +115,9 @@ def _check(ref, runs, layouts, pp=2):
             np.testing.assert_allclose(o["losses"], ref["losses"][start:], rtol=1e-5, err_msg=str(lay))
             np.testing.assert_allclose(o["norms"], ref["norms"][start:], rtol=1e-5, err_msg=str(lay))
             assert o["norms"] == outs[0]["norms"] and o["losses"] == outs[0]["losses"], lay
+            assert STEPS in o["val"] and (start or 1 in o["val"]), lay
+            for step, v in o["val"].items():
+                np.testing.assert_allclose(v, ref["val"][step], rtol=1e-5, err_msg=f"{lay} val loss {step}")
             _check_params(o["params"], ref["params"], f"{lay} rank {o['coords']}", subset=True)
             assert o["optim_groups"] == ref["optim_groups"], lay  # canonical whole-model groups
             assert o["full_type"] == "GPT", lay  # full_params() yields a dense model

@@ -73,7 +73,10 @@ def reference(data_cache, single_process, tmp_path_factory):
 def _check(ref, runs, layouts, dp):
     for lay, out in zip(layouts, runs[0]):
         np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5, err_msg=str(lay))
-        np.testing.assert_allclose(out["norms"], ref["norms"], rtol=1e-5, err_msg=str(lay))
+        # FSDP2 averages over dp (the loss is pre-scaled by dp): one more rounding per gradient, so
+        # its clipped norms get 3e-5; native ZeRO sums exactly like DDP (1e-5)
+        norm_rtol = 3e-5 if lay.get("parallel.zero_impl") == "fsdp2" else 1e-5
+        np.testing.assert_allclose(out["norms"], ref["norms"], rtol=norm_rtol, err_msg=str(lay))
         assert ref["norms"][0] > 0.05 * 3  # clipping really was active
         for k, v in ref["params"].items():
             if k.endswith("attn.c_attn.bias"):  # key bias: zero true gradient, see test_ddp
@@ -81,7 +84,8 @@ def _check(ref, runs, layouts, dp):
                 v, a = np.concatenate([v[:C], v[2 * C:]]), np.concatenate([out["params"][k][:C], out["params"][k][2 * C:]])
             else:
                 a = out["params"][k]
-            _norm_close(a, v, 1e-5, f"{lay} {k}")
+            # FSDP2 (torch's comparison backend) accumulates/reduces in its own order: 1e-4 norm-wise
+            _norm_close(a, v, 1e-4 if lay.get("parallel.zero_impl") == "fsdp2" else 1e-5, f"{lay} {k}")
     for i, lay in enumerate(layouts):  # grad norm identical on every rank
         for r in range(1, dp):
             assert runs[r][i]["norms"] == runs[0][i]["norms"], (lay, r)

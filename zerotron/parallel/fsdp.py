@@ -84,6 +84,22 @@ class FSDP2Strategy(Strategy):
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
 
+    def state_dict(self, optimizer=None):
+        """Canonical (dense, FQN-keyed) model/optimizer state gathered from the DTensor shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True)
+        if optimizer is None:
+            return get_state_dict(self.module, [], options=opts)[0], None
+        return get_state_dict(self.module, optimizer, options=opts)
+
+    def load_state_dict(self, msd, osd, optimizer=None) -> None:
+        """Load a canonical dense state; every rank keeps its shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.module, optimizer or [], model_state_dict=msd, optim_state_dict=osd or {},
+                       options=StateDictOptions(full_state_dict=True))
+
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         t = loss_sum.clone()
         comm.all_reduce(t, group=self.group, tag="metrics")

@@ -122,7 +122,7 @@ class StageZero1:
         coordinate; before the dp reduction, the sums commute), then reduce-scatter every flat
         gradient over dp and expose the fp32 shard gradients as ``master.grad``."""
         if tied_group is not None:
-            pass
+            comm.all_reduce(self.tied.grad, group=tied_group, tag="pp_tied")
         for f in self.all_flats:
             f.launch_reduce()
         for f in self.all_flats:
@@ -155,8 +155,8 @@ class StageZero1:
             for name, q, off, n in zip(f.names, f.params, f.offsets, f.numels):
                 vals[id(q)] = full["param"][off:off + n].view(q.shape).clone()
                 if "exp_avg" in full:
-                    ostate[name] = {"step": st["step"].clone(),
-                                    **{k: full[k][off:off + n].view(q.shape).clone() for k in ("exp_avg", "exp_avg_sq")}}
+                    ostate[name] = {"step": st["step"].clone(), **{k: full[k][off:off + n].view(q.shape).clone()
+                                                                    for k in ("exp_avg", "exp_avg_sq")}}
         return vals, ostate
 
     @torch.no_grad()
@@ -238,7 +238,7 @@ class PipelineStrategy(Strategy):
         else:
             self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb,
                                     src_rank=mesh.global_rank(self.rank, 0, t))
-        self.inner = self.zero or self.ddp
+        self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
         self.tied_group = None
         if self.pp > 1:  # one {pp-first, pp-last} group per (dp, tp) coordinate, created everywhere
             for dd in range(mesh.size("dp")):
@@ -496,6 +496,8 @@ class PipelineStrategy(Strategy):
                     mods += [t.ln_f] if s == self.module.last_stage else []
                     for mod in mods:
                         for q in mod.parameters():
+                            if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
+                                q.data = q.data.to(self.executor.act_dtype)
                             comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
                                            tag="full_params")
         if self.tp_group is None:
