@@ -79,6 +79,7 @@ LAYOUTS_2 = [
     {"parallel.tp": 2, "train.micro_batch": 4},
     {"parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 2},
     {"parallel.tp": 2, "parallel.dp_impl": "torch", "train.micro_batch": 8},
+    {"parallel.tp": 2, "train.activation_checkpointing": "selective", "train.micro_batch": 4},
 ]
 LAYOUTS_4 = [
     {"parallel.tp": 4, "train.micro_batch": 8},
@@ -154,6 +155,7 @@ def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp
     assert single.startswith("ROMEO:")
     assert gen("--nproc", "2", "--parallel.tp", "2") == single
     assert gen("--nproc", "2", "--parallel.pp", "2") == single
+    assert gen("--nproc", "4", "--parallel.pp", "2", "--parallel.tp", "2") == single
     assert torch.__version__  # keep torch imported for the spawned helpers
 
 

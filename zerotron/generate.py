@@ -73,8 +73,6 @@ def generate_main(args) -> int:
     else:
         prompts = [args.prompt]
     tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
-    if pp > 1 and tp > 1:
-        raise ValueError("generation with both --parallel.tp and --parallel.pp > 1 is not supported yet; use one")
     if pp > 1 and args.temperature != 0:
         raise ValueError("pipelined generation (--parallel.pp > 1) is greedy only: use --temperature 0")
     rank, world, device = init_distributed(timeout_s=600)

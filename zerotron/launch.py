@@ -33,7 +33,7 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron") -> int:
         run(args)
     except ChildFailedError as e:
         failures = getattr(e, "failures", {}) or {}
-        ranks = sorted(f.global_rank for f in failures.values()) if failures else "?"
+        ranks = sorted(failures) if failures else "?"  # keyed by global rank
         print(f"zerotron: worker(s) {ranks} failed (exit codes "
               f"{sorted({f.exitcode for f in failures.values()})}); the other workers were stopped. "
               "See the traceback above.", file=sys.stderr)

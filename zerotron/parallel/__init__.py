@@ -1,8 +1,8 @@
 """Parallelism transforms. ``parallelize(model, cfg, mesh)`` applies them in one fixed order:
 
-    1. pipeline split (parallel.pp)
-    2. tensor / sequence parallel (tp): apply_tensor_parallel on the dense, seeded model
-    3. activation checkpointing (train.activation_checkpointing: none | selective | full)
+    1. tensor / sequence parallel (tp): apply_tensor_parallel on the dense, seeded model
+    2. activation checkpointing (train.activation_checkpointing: none | selective | full)
+    3. pipeline split (parallel.pp) of the (TP) model, or
     4. data parallel over "dp": native bucketed DDP, torch DDP, native ZeRO-1/2/3 or FSDP2
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
@@ -17,43 +17,35 @@ from .ddp import DataParallel, TorchDDP
 
 def parallelize(model, cfg, mesh):
     """Wrap ``model`` (already on ``mesh.device``, identically initialised on every rank) for the
-    layout in ``cfg.parallel``. Raises ValueError for an unknown ``dp_impl``."""
+    layout in ``cfg.parallel``: tensor parallel on the dense model, then activation checkpointing of
+    the (TP) blocks, then the pipeline split or data parallelism. Raises ValueError for an unknown
+    ``dp_impl``/``zero_impl`` or sequence parallelism combined with pipeline parallelism."""
     from ..train.optim import decay_mask_by_name
+    from .checkpointing import apply_activation_checkpointing
 
     p = cfg.parallel
     names_mask = decay_mask_by_name(model)  # from the dense model, before any transform
-    from .checkpointing import apply_activation_checkpointing
-
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # block forwards only
-    if mesh.size("pp") > 1 or p.pp_schedule == "interleaved":
-        # pipeline (x tp x dp/ZeRO-1): tensor-parallel transform of the dense model first (no
-        # sequence parallel), then the stage split of the TP model; see parallel.pipeline
-        from .pipeline import PipelineStrategy
-
-        pp_tp = None
-        if mesh.size("tp") > 1:
-            from .tp_model import apply_tensor_parallel
-
-            if p.sequence_parallel:
-                raise ValueError("parallel.sequence_parallel is not combined with pipeline parallelism; "
-                                 "set parallel.sequence_parallel = false")
-            pp_tp = mesh.group("tp")
-            model = apply_tensor_parallel(model, pp_tp, False, seed=cfg.train.seed)
-        mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
-        strategy = PipelineStrategy(model, mesh, cfg, mask)
-        strategy.tp_group = pp_tp
-        strategy.decay_mask = mask
-        return strategy
+    pipeline = mesh.size("pp") > 1 or p.pp_schedule == "interleaved"
     tp_group = None
     if mesh.size("tp") > 1:
         from .tp_model import apply_tensor_parallel
 
+        if pipeline and p.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel is not combined with pipeline parallelism; "
+                             "set parallel.sequence_parallel = false")
         tp_group = mesh.group("tp")
         model = apply_tensor_parallel(model, tp_group, p.sequence_parallel, seed=cfg.train.seed)
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # block forwards only
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
-    strategy = _data_parallel(model, cfg, mesh, mask)
+    if pipeline:  # (x tp x dp / ZeRO-1): stage split of the (TP) model; see parallel.pipeline
+        from .pipeline import PipelineStrategy
+
+        strategy = PipelineStrategy(model, mesh, cfg, mask)
+    else:
+        strategy = _data_parallel(model, cfg, mesh, mask)
     strategy.tp_group = tp_group
-    strategy.decay_mask = mask
+    # by name again: FSDP2 replaces parameters with DTensor parameters (new objects)
+    strategy.decay_mask = {**mask, **{id(q): names_mask[n] for n, q in strategy.module.named_parameters(remove_duplicate=False)}}
     return strategy
 
 
