@@ -78,6 +78,23 @@ def test_summarize_and_format_table():
     assert "skipped: ConfigError: tp / not yet" in table[5]
 
 
+def test_summarize_epoch_and_bubble_fields():
+    """epoch_time_s = epoch tokens / median tokens/s; bubble_measured = median over all timed steps of
+    all rounds; the extra table columns appear only when some row has them."""
+    recs = [{**_rec("pp-1f1b", r, tps, impl="PipelineStrategy"), "epoch_tokens": 6000, "bubble_theory": 1 / 3,
+             "bubble_measured": 0.0, "bubble_measured_steps": steps}
+            for r, tps, steps in ((0, 100.0, [0.2, 0.4]), (1, 300.0, [0.3]), (2, 200.0, [0.5, 0.6]))]
+    recs += [{**_rec("dp", r, 200.0), "epoch_tokens": 6000} for r in range(3)]
+    rows = {r["layout"]: r for r in bt.summarize(recs)}
+    pp, dp = rows["pp-1f1b"], rows["dp"]
+    assert pp["epoch_time_s"] == pytest.approx(6000 / 200) and dp["epoch_time_s"] == pytest.approx(30.0)
+    assert pp["bubble_measured"] == pytest.approx(0.4) and pp["bubble_theory"] == pytest.approx(1 / 3)
+    assert "bubble_measured_steps" not in pp and "bubble_measured" not in dp
+    table = bt.format_table(list(rows.values())).splitlines()
+    assert table[0].endswith("| peak mem MiB | epoch s | bubble measured | bubble theory |")
+    assert table[2].endswith("| 30.0 | 0.400 | 0.333 |") and table[3].endswith("| 30.0 | - | - |")
+
+
 def test_bad_arguments_exit_2(capsys):
     from zerotron.cli import main as cli_main
 
@@ -120,12 +137,13 @@ def test_in_process_skips_unbuildable_layouts(monkeypatch, data_cache, single_pr
 def test_two_process_end_to_end(tmp_path, data_cache):
     js, png, md = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "t.md"
     cmd = [sys.executable, "-m", "zerotron", "bench", "train", "--nproc", "2", "--config", str(TINY), "--steps", "2",
-           "--warmup", "1", "--rounds", "1", "--json", str(js), "--plot", str(png), "--markdown", str(md),
+           "--warmup", "1", "--rounds", "1", "--layouts", "dp,dp-torch,single,pp-1f1b", "--json", str(js),
+           "--plot", str(png), "--markdown", str(md),
            "--log.progress", "false", "--data.cache_dir", data_cache]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ})
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {r["layout"]: r for r in json.loads(js.read_text())}
-    assert list(rows) == ["dp", "dp-torch", "single"]
+    assert list(rows) == ["dp", "dp-torch", "single", "pp-1f1b"]
     n_params = gpt_num_params(n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=64)  # tiny.toml
     # per step: one fp32 gradient all-reduce of every (unique) parameter, plus two float64 scalars:
     # the global target-token count (tag loss_norm) and the loss sum (tag metrics)
@@ -143,10 +161,22 @@ def test_two_process_end_to_end(tmp_path, data_cache):
         assert r["model_state_bytes"] == 16 * n_params  # fp32 params + grads + Adam exp_avg, exp_avg_sq
         assert r["peak_mem_bytes"] > 50 * 2**20
     assert rows["dp-torch"]["ratio_vs_dp-torch"] == 1.0 and rows["single"]["ratio_vs_single"] == 1.0
+    # one epoch of the train split at the measured speed; pipeline bubble measured and in theory
+    epoch_tokens = rows["dp"]["epoch_tokens"]
+    assert epoch_tokens > 10 * 8 * 64 and epoch_tokens % 64 == 0
+    for r in rows.values():
+        assert r["epoch_tokens"] == epoch_tokens
+        assert r["epoch_time_s"] == pytest.approx(epoch_tokens / r["tokens_per_s"]) and r["epoch_time_s"] > 0
+    pp = rows["pp-1f1b"]
+    assert not pp["skipped"] and pp["impl"] == "PipelineStrategy", pp
+    assert pp["bubble_theory"] == pytest.approx(1 / 3)  # pp = 2, m = 8 / 4 = 2 micro-batches: 1/(2+1)
+    assert 0 <= pp["bubble_measured"] < 1
+    assert all("bubble_measured" not in rows[k] for k in ("dp", "dp-torch", "single"))
     dp, torch_dp = rows["dp"], rows["dp-torch"]
     assert dp["ratio_vs_dp-torch"] == pytest.approx(dp["tokens_per_s"] / torch_dp["tokens_per_s"])  # 1 round
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = md.read_text()
     assert "zerotron bench train --nproc 2 --config" in text and "| dp | DataParallel | 2 |" in text
     assert "| single | DataParallel | 1 |" in text and "gloo, 2 rank(s)" in text
+    assert "| epoch s | bubble measured | bubble theory |" in text and "| 0.333 |" in text
     assert "| dp-torch | TorchDDP | 2 |" in p.stdout and "dp / dp-torch tokens/s:" in p.stdout

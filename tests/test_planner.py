@@ -7,8 +7,8 @@ import pytest
 
 from zerotron.analysis.flops import gpt_num_params
 from zerotron.analysis.memory import GB, model_state_bytes, parse_memory, stage_num_params
-from zerotron.analysis.planner import (CostModel, calibrate, evaluate, hardware, plan,
-                                       plan_main)
+from zerotron.analysis.planner import (CostModel, calibrate, custom_hardware, evaluate, hardware,
+                                       plan, plan_main)
 from zerotron.models.gpt import preset_config
 
 LAYOUT_KEYS = {"dp", "tp", "pp", "zero_stage", "schedule", "micro_batch", "recompute",
@@ -179,6 +179,29 @@ def test_calibration_changes_intra_node_bandwidth(tmp_path, capsys):
         calibrate(hardware("h100"), {"results": []})
 
 
+def test_custom_hardware_and_fp32_communication():
+    """A measured CPU profile: custom peak, one busbw for every op (then calibrated); elem_bytes = 4
+    (fp32 training) doubles every communication term and leaves compute alone."""
+    hw = custom_hardware("cpu", 5e10, 24 * 2**30, 1e9)
+    assert (hw.name, hw.peak_flops, hw.memory) == ("cpu", 5e10, 24 * 2**30)
+    assert hw.intra == hw.inter == {op: 1e9 for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    cal = calibrate(hw, {"results": [{"op": "p2p", "bytes": 1 << 22, "busbw_GBps": 1.5}]})
+    assert cal.intra["p2p"] == 1.5e9 and cal.intra["all_reduce"] == 1e9 and cal.inter == hw.inter
+    for bad in ((0, 1, 1), (1, 0, 1), (1, 1, -1)):
+        with pytest.raises(ValueError, match="must be > 0"):
+            custom_hardware("cpu", *bad)
+    cfg = preset_config("gpt2")
+    for lay in (dict(dp=2, tp=1, pp=1, zero_stage=3), dict(dp=1, tp=2, pp=1, zero_stage=0),
+                dict(dp=1, tp=1, pp=2, zero_stage=0)):
+        lay.update(schedule="1f1b" if lay["pp"] > 1 else "none", micro_batch=2, recompute="none")
+        b2, b4 = (evaluate(cfg, lay, 256, 8, CostModel(cal, gpus_per_node=2, elem_bytes=e))
+                  ["time_breakdown_s"] for e in (2, 4))
+        assert b4["compute"] == b2["compute"]
+        for k in ("dp_comm", "tp_comm", "pp_comm"):
+            assert b4[k] == pytest.approx(2 * b2[k])
+        assert b2["dp_comm"] + b2["tp_comm"] + b2["pp_comm"] > 0
+
+
 def test_json_schema_and_config_file(capsys):
     code, out = _json(capsys, ["--config", "configs/tiny.toml", "--gpus", "4",
                                "--gpus-per-node", "4", "--top", "3", "--supported-only"])
@@ -235,3 +258,57 @@ def test_parse_memory_and_stage_params():
     assert sum(stage_num_params(cfg, pp=2)) == total + 50257 * 768
     two = stage_num_params(cfg, tp=2)[0]
     assert total / 2 < two < total / 2 + 1024 * 768 + 12 * 6 * 768 + 2 * 768  # replicated parts
+
+
+def test_validate_plan_spearman_and_layout_map():
+    from zerotron.bench import train as bt
+    from zerotron.bench.validate_plan import planner_layout, ranks, spearman
+
+    assert list(ranks([3.0, 1.0, 2.0, 1.0])) == [4.0, 1.5, 3.0, 1.5]  # ties: average rank
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9 ** 0.5)  # 4.5 / sqrt(4.5 * 5)
+    for a, b in (([1, 2], [1, 2]), ([1, 2, 3], [1, 2]), ([1, 1, 1], [1, 2, 3])):
+        with pytest.raises(ValueError):
+            spearman(a, b)
+    for name in bt.LAYOUTS:  # every bench layout has a planner counterpart on 2 ranks
+        lay, sp = planner_layout(name, 2, 8)
+        assert lay["dp"] * lay["tp"] * lay["pp"] == 2 and lay["micro_batch"] == 8 and sp == (name == "tp-sp")
+        assert lay["schedule"] == (name[3:] if name.startswith("pp-") else "none")
+    assert planner_layout("zero3", 2, 4)[0]["zero_stage"] == 3
+    assert planner_layout("fsdp2-zero2", 2, 4)[0]["zero_stage"] == 2
+    assert planner_layout("single", 1, 8)[0]["dp"] == 1 and planner_layout("bogus", 2, 8) is None
+
+
+def test_validate_plan_end_to_end(tmp_path, capsys):
+    """The recorded CPU bench (benchmarks/strategies_cpu.json) against a synthetic comm file, with a
+    given peak (nothing timed): every measured layout is predicted, the report and JSON agree."""
+    from pathlib import Path
+
+    from zerotron.bench import validate_plan as vp
+
+    root = Path(__file__).resolve().parent.parent
+    comm = tmp_path / "comm.json"
+    comm.write_text(json.dumps({"topology": {"world_size": 2}, "results": [
+        {"op": op, "mode": "blocking", "bytes": 1 << 22, "busbw_GBps": 1.0} for op in
+        ("all_reduce", "all_gather", "reduce_scatter", "p2p")]}))
+    md, js = tmp_path / "v.md", tmp_path / "v.json"
+    argv = ["--bench-train", str(root / "benchmarks" / "strategies_cpu.json"), "--bench-comm", str(comm),
+            "--peak-flops", "1e11", "--out", str(md), "--json", str(js)]
+    assert vp.main(argv) == 0
+    out = json.loads(js.read_text())
+    bench = [r for r in json.loads((root / "benchmarks" / "strategies_cpu.json").read_text()) if not r["skipped"]]
+    assert [p["layout"] for p in out["layouts"]] == [r["layout"] for r in bench]
+    assert out["hardware"]["peak_flops"] == 1e11 and out["hardware"]["busbw_GBps"]["p2p"] == 1.0
+    assert -1 <= out["spearman"] <= 1 and out["spearman"] == out["spearman_variants"]["all"]
+    assert out["spearman"] == pytest.approx(vp.spearman([p["predicted_tokens_per_s"] for p in out["layouts"]],
+                                                        [r["tokens_per_s"] for r in bench]))
+    by = {p["layout"]: p for p in out["layouts"]}
+    assert by["dp"]["predicted_tokens_per_s"] == by["dp-torch"]["predicted_tokens_per_s"]
+    assert by["dp"]["predicted_tokens_per_s"] > by["single"]["predicted_tokens_per_s"]
+    assert by["pp-interleaved"]["predicted_breakdown_s"]["bubble"] < by["pp-1f1b"]["predicted_breakdown_s"]["bubble"]
+    text = md.read_text()
+    assert "Spearman rank correlation" in text and "| zero3 | 2 | dp2 tp1 pp1 z3 none mb8 |" in text
+    assert f"{out['spearman']:.3f}" in capsys.readouterr().out
+    assert vp.main(argv[:4] + ["--config", str(root / "configs" / "tiny.toml"), "--peak-flops", "1e11"]) == 2
+    assert "does not match the bench run" in capsys.readouterr().err

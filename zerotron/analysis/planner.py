@@ -83,6 +83,16 @@ def hardware(gpu: str = "h100", comm_eff: float = 0.8) -> Hardware:
                     {op: g["network"] * comm_eff for op in OPS})
 
 
+def custom_hardware(name: str, peak_flops: float, memory: int, busbw: float) -> Hardware:
+    """:class:`Hardware` not in ``GPUS`` (e.g. "cpu": a *measured* per-process matmul peak, RAM):
+    ``peak_flops`` FLOP/s and ``memory`` bytes per device, ``busbw`` bytes/s for every op on both
+    links (refine the intra-node one with :func:`calibrate`). Raises ValueError unless all > 0."""
+    if not (peak_flops > 0 and memory > 0 and busbw > 0):
+        raise ValueError(f"peak_flops, memory and busbw must be > 0, got {peak_flops}, {memory}, {busbw}")
+    return Hardware(name, float(peak_flops), int(memory), dict.fromkeys(OPS, float(busbw)),
+                    dict.fromkeys(OPS, float(busbw)))
+
+
 def calibrate(hw: Hardware, bench: dict) -> Hardware:
     """``hw`` with the intra-node busbw of each op found in ``bench`` (a ``zerotron bench comm
     --json`` dict) replaced by the measured busbw at its largest size (blocking mode preferred),
@@ -103,7 +113,9 @@ class CostModel:
     """Options of the cost model (module docstring): hardware, ``gpus_per_node``, achieved/peak
     FLOP/s ``compute_eff``, framework ``overhead`` bytes per GPU, ``attention`` kernel ("flash":
     SDPA on GPUs, no s^2 activations; "math": Korthikanti's count), sequence parallelism ``sp``
-    whenever tp > 1, and ``launch_s`` seconds per layer and micro-batch."""
+    whenever tp > 1, ``launch_s`` seconds per layer and micro-batch, and ``elem_bytes`` per
+    communicated activation/gradient element (2: bf16; 4: fp32 training, e.g. on CPU). Memory
+    is always priced in bf16-mixed (module docstring)."""
     hw: Hardware
     gpus_per_node: int = 8
     compute_eff: float = 0.5
@@ -111,6 +123,7 @@ class CostModel:
     attention: str = "flash"
     sp: bool = False
     launch_s: float = 20e-6
+    elem_bytes: int = 2
 
 
 def _time(nbytes: float, op: str, n: int, bw: dict) -> float:
@@ -150,7 +163,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     dp_bw = hw.intra if dp * tp <= K and K % (dp * tp) == 0 else hw.inter
     pp_bw = hw.intra if dp * tp * pp <= K else hw.inter
     extra = {"none": 0, "selective": 4 * h * S, "full": 24 * h * h + 4 * h * S}[rec]
-    x = b * S * h * 2  # bytes of one bf16 (b, S, h) activation
+    x = b * S * h * cm.elem_bytes  # bytes of one (b, S, h) activation (bf16 by default)
     n_coll = 6 if rec == "full" else 4
     stage, parts = -1.0, {}
     for r in range(pp):
@@ -165,7 +178,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
         if sum(t.values()) > stage:
             stage, parts = sum(t.values()), t
     pipe = m * stage / (1 - bubble_theory(pp, m, v))
-    grad = 2 * max(params)
+    grad = cm.elem_bytes * max(params)
     ag, rs = _time(grad, "all_gather", dp, dp_bw), _time(grad, "reduce_scatter", dp, dp_bw)
     t_dp = (_time(grad, "all_reduce", dp, dp_bw) if z <= 1 else m * rs + ag if z == 2
             else m * (2 * ag + rs))

@@ -19,6 +19,11 @@ round. CPU s/step: process CPU seconds (all threads) of the timed steps / steps,
 the timed steps / steps, max over ranks. model-state bytes: ``Strategy.model_state_bytes`` total,
 max over ranks. Peak memory (bytes): CPU, peak RSS (VmHWM) of the layout after a reset through
 /proc/self/clear_refs (else the process-lifetime peak); CUDA, ``max_memory_allocated``.
+epoch_time_s: seconds for one epoch of the train split (``num_windows x seq_len`` tokens, what the
+global-batch sampler visits once) at the measured tokens/s. Pipeline layouts: ``bubble_measured`` =
+median over timed steps of the max over pp ranks of ``PipelineStrategy.last_step_timing()
+["bubble_fraction"]`` (idle / (busy + idle): bubble plus p2p transfer time); ``bubble_theory`` =
+``schedules.bubble_theory(pp, m, v)``, m = micro-batches per flush (1 for "naive").
 """
 from __future__ import annotations
 
@@ -109,6 +114,12 @@ def summarize(records: list[dict]) -> list[dict]:
                    step_times_s_rounds=[r["step_times_s"] for r in rs],
                    comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in rs),
                    peak_mem_bytes=max(r["peak_mem_bytes"] for r in rs), rounds=len(rs))
+        row.pop("bubble_measured_steps", None)
+        if "epoch_tokens" in rs[0]:
+            row["epoch_time_s"] = rs[0]["epoch_tokens"] / row["tokens_per_s"]
+        if "bubble_measured" in rs[0]:
+            row.update(bubble_measured=statistics.median(b for r in rs for b in r["bubble_measured_steps"]),
+                       bubble_theory=rs[0]["bubble_theory"])
         rows.append(row)
     by_name = {r["layout"]: r for r in rows}
     for row in rows:
@@ -123,10 +134,15 @@ def _f(v, spec: str = ",.0f") -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown table, one line per layout; skipped layouts show their error."""
+    """Markdown table, one line per layout; skipped layouts show their error. The epoch and bubble
+    columns appear only when some row has ``epoch_time_s`` / ``bubble_theory`` (pipeline layouts)."""
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
+    extra = [k for k in ("epoch_time_s", "bubble_measured", "bubble_theory") if any(k in r for r in rows)]
+    names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
+             "bubble_theory": ("bubble theory", ".3f")}
     head = ["layout", "impl", "world", "tokens/s median", "min-max", "step ms median", *[f"vs {b}" for b in bases],
-            "CPU s/step", "comm bytes/step", "model-state bytes/rank", "peak mem MiB"]
+            "CPU s/step", "comm bytes/step", "model-state bytes/rank", "peak mem MiB",
+            *[names[k][0] for k in extra]]
     out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for r in rows:
         if r["skipped"]:
@@ -138,7 +154,7 @@ def format_table(rows: list[dict]) -> str:
             _f(r["step_time_s"] * 1e3, ".1f"), *[_f(r.get(f"ratio_vs_{b}"), ".3f") for b in bases],
             _f(r["cpu_s_per_step"], ".3f"),
             _f(r["comm_bytes_per_step"], ","), _f(r["model_state_bytes"], ","),
-            _f(r["peak_mem_bytes"] / 2**20)]) + " |")
+            _f(r["peak_mem_bytes"] / 2**20), *[_f(r.get(k), names[k][1]) for k in extra]]) + " |")
     return "\n".join(out)
 
 
@@ -199,7 +215,8 @@ def _mesh(cache: dict, dims, n: int, device):
 
 
 def _build(cfg, mesh, data, layout: Layout, steps: int):
-    """``(strategy, optimizer, scheduler, micro-batches of steps 0..steps-1, n_params, seq_len)``."""
+    """``(strategy, optimizer, scheduler, micro-batches of steps 0..steps-1, n_params, seq_len,
+    tokens in one epoch of the train split)``."""
     from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows
     from zerotron.models.gpt import GPT
     from zerotron.parallel import DataParallel, TorchDDP, parallelize
@@ -220,7 +237,17 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
         idx = sampler.local_indices(s, dpr, dp)
         batches.append([batch_from_indices(data.train, idx[i:i + mb], mcfg.block_size) for i in range(0, len(idx), mb)])
     torch.manual_seed(t.seed + 1 + mesh.rank)
-    return strategy, opt, build_scheduler(opt, t), batches, model.num_params(), mcfg.block_size
+    epoch_tokens = num_windows(len(data.train), mcfg.block_size) * mcfg.block_size
+    return strategy, opt, build_scheduler(opt, t), batches, model.num_params(), mcfg.block_size, epoch_tokens
+
+
+def _bubble_theory(strat, n_micro: int) -> float:
+    """``bubble_theory(pp, m, v)`` of a PipelineStrategy whose rank gets ``n_micro`` micro-batches
+    per step (m = parallel.microbatches or all of them; 1 for the "naive" schedule)."""
+    from zerotron.parallel.schedules import bubble_theory
+
+    m = 1 if strat.kind == "naive" else (strat.microbatches or n_micro)
+    return bubble_theory(strat.pp, m, strat.v)
 
 
 def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, threads: int, w: int) -> dict:
@@ -239,8 +266,9 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
     if errs:
         return {**rec, "skipped": True, "error": errs[0]}
     if built:
-        strat, opt, sched, batches, n_params, seq_len = built
-        t, prev, times = cfg.train, torch.get_num_threads(), []
+        strat, opt, sched, batches, n_params, seq_len, epoch_tokens = built
+        t, prev, times, bubbles = cfg.train, torch.get_num_threads(), [], []
+        timing = getattr(strat, "last_step_timing", None)
         torch.set_num_threads(threads)
 
         def step(s):
@@ -256,21 +284,31 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
             t1 = time.perf_counter()
             step(s)
             times.append(time.perf_counter() - t1)
+            if timing is not None:
+                bubbles.append(timing()["bubble_fraction"])
         elapsed, cpu, by_tag = time.perf_counter() - t0, time.process_time() - c0, {}
         for (op, g, tag), v in comm.STATS.bytes.items():
             by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0)
         local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev),
                  "state": strat.model_state_bytes(opt),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
-                 "impl": type(strat).__name__, "params": n_params, "tokens": t.global_batch * seq_len}
+                 "impl": type(strat).__name__, "params": n_params, "tokens": t.global_batch * seq_len,
+                 "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
+                 "bubble_theory": _bubble_theory(strat, len(batches[0])) if timing is not None else None}
         torch.set_num_threads(prev)
         del built, strat, opt, sched, batches, step
     got = [x for x in comm.all_gather_object(local) if x]
     times = [max(ts) for ts in zip(*(g["times"] for g in got))]
     state, g0 = max((g["state"] for g in got), key=lambda s: s["total_bytes"]), got[0]
+    tps = g0["tokens"] * steps / max(g["elapsed"] for g in got)
+    pipe = {}
+    if g0["bubbles"] is not None:  # max over (pp) ranks per step, median over steps
+        pipe = {"bubble_measured": statistics.median(max(b) for b in zip(*(g["bubbles"] for g in got))),
+                "bubble_measured_steps": [max(b) for b in zip(*(g["bubbles"] for g in got))],
+                "bubble_theory": g0["bubble_theory"]}
     return {**rec, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
             "num_params": g0["params"], "tokens_per_step": g0["tokens"],
-            "tokens_per_s": g0["tokens"] * steps / max(g["elapsed"] for g in got),
+            "tokens_per_s": tps, "epoch_tokens": g0["epoch_tokens"], "epoch_time_s": g0["epoch_tokens"] / tps, **pipe,
             "step_time_s": statistics.median(times), "step_times_s": times,
             "cpu_s_per_step": sum(g["cpu"] for g in got) / steps,
             "comm_bytes_per_step": max(sum(g["by_tag"].values()) for g in got), "comm_bytes_by_tag": g0["by_tag"],
@@ -318,7 +356,10 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         "rounds of the paired per-round ratio tokens/s(layout) / tokens/s(X). CPU s/step: process CPU seconds per "
         "step summed over ranks (median over rounds). comm bytes/step: counted by "
         "zerotron.distributed.comm (nccl-tests size; on 1 rank the all-reduces move nothing). peak mem: "
-        f"{r0.get('peak_mem_kind', '-')} per rank, max over ranks. Method: zerotron/bench/train.py.", ""])
+        f"{r0.get('peak_mem_kind', '-')} per rank, max over ranks. epoch s: one epoch of the train split "
+        "(num_windows x seq_len tokens) / tokens/s. bubble measured (pipeline layouts): median over timed steps "
+        "of the max over pp ranks of idle/(busy+idle) (bubble plus p2p transfer); bubble theory: "
+        "(p-1)/(v*m+p-1). Method: zerotron/bench/train.py.", ""])
 
 
 def _parser() -> argparse.ArgumentParser:

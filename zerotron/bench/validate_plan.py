@@ -1,0 +1,250 @@
+"""Validate the planner's step-time model against a measured ``zerotron bench train`` run.
+
+Usage: ``python -m zerotron.bench.validate_plan --bench-train benchmarks/strategies_cpu.json
+--bench-comm comm.json [--config configs/default.toml] [--peak-flops F] [--threads T]
+[--compute-eff 0.5] [--out F.md] [--json F.json]``.
+
+Method. A "cpu" :class:`~zerotron.analysis.planner.Hardware` profile is built on this machine:
+peak FLOP/s = :func:`zerotron.train.metrics.measure_peak_flops` of this process with ``T``
+intra-op threads (default: the bench run's threads per rank), i.e. the peak of one rank, not
+assumed; every link's busbw = the measured busbw of the ``zerotron bench comm --json`` file
+(:func:`~zerotron.analysis.planner.calibrate`: largest size per op, blocking mode; ops it lacks
+get the all-reduce busbw); one node holds all ranks; communicated elements are fp32 (4 bytes, the
+CPU training dtype). Each measured bench layout is mapped to a planner layout on its world size
+(:func:`planner_layout`; micro-batch and global batch from ``--config``, which must match the
+bench run's parameters and tokens per step) and priced by
+:func:`~zerotron.analysis.planner.evaluate`. Reported: predicted vs measured tokens/s per layout
+and the Spearman rank correlation between them (average ranks for ties, numpy only).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from zerotron.analysis.planner import OPS, CostModel, calibrate, custom_hardware, evaluate
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
+GOAL = 0.8  # Spearman rank correlation the planner should reach
+
+
+def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool] | None:
+    """``(planner layout, sequence parallel)`` of a ``zerotron bench train`` layout run on ``world``
+    ranks, or None for a layout with no planner counterpart. dp-torch prices as dp (same all-reduce);
+    fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1."""
+    base = dict(dp=world, tp=1, pp=1, zero_stage=0, schedule="none", micro_batch=micro_batch,
+                recompute="none")
+    if name in ("dp", "dp-torch", "single", "single-mt"):
+        return base, False
+    for s in (1, 2, 3):
+        if name in (f"zero{s}", f"fsdp2-zero{s}"):
+            return {**base, "zero_stage": s}, False
+    if name in ("tp", "tp-sp"):
+        return {**base, "dp": 1, "tp": world}, name == "tp-sp"
+    if name.startswith("pp-") and name[3:] in ("gpipe", "1f1b", "interleaved"):
+        return {**base, "dp": 1, "pp": world, "schedule": name[3:]}, False
+    return None
+
+
+def ranks(x) -> np.ndarray:
+    """1-based ranks of ``x`` (ascending), ties get the average of their ranks."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="mergesort")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        tie = x == v
+        r[tie] = r[tie].mean()
+    return r
+
+
+def spearman(a, b) -> float:
+    """Spearman rank correlation: Pearson correlation of the average ranks. Raises ValueError for
+    fewer than 3 pairs, unequal lengths or a constant input."""
+    if len(a) != len(b) or len(a) < 3:
+        raise ValueError(f"need two equal-length sequences of >= 3 values, got {len(a)} and {len(b)}")
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = float(np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+    if den == 0:
+        raise ValueError("a constant sequence has no rank correlation")
+    return float((ra * rb).sum() / den)
+
+
+def cpu_hardware(comm_bench: dict, peak_flops: float, memory: int) -> tuple:
+    """("cpu" Hardware calibrated from a ``bench comm --json`` dict, world size of that run)."""
+    res = [r for r in comm_bench.get("results", []) if r.get("op") == "all_reduce" and r.get("busbw_GBps", 0) > 0]
+    if not res:
+        raise ValueError("the bench comm file has no all_reduce busbw")
+    ar = max(res, key=lambda r: (r.get("mode", "blocking") == "blocking", r["bytes"]))["busbw_GBps"] * 1e9
+    hw = calibrate(custom_hardware("cpu", peak_flops, memory, ar), comm_bench)
+    hw = replace(hw, inter=dict(hw.intra))  # one machine: no inter-node link
+    return hw, int(comm_bench.get("topology", {}).get("world_size", 0))
+
+
+def predict(rows: list[dict], cfg, global_batch: int, micro_batch: int, hw, compute_eff: float,
+            elem_bytes: int = 4) -> list[dict]:
+    """One record per measured (not skipped) bench row with a planner counterpart: layout, world,
+    the planner layout, measured and predicted tokens/s and step time, the predicted breakdown."""
+    out = []
+    world_max = max([r["world_size"] for r in rows if not r.get("skipped")], default=1)
+    for r in rows:
+        if r.get("skipped"):
+            continue
+        mapped = planner_layout(r["layout"], r["world_size"], micro_batch)
+        if mapped is None:
+            continue
+        lay, sp = mapped
+        cm = CostModel(hw, gpus_per_node=world_max, compute_eff=compute_eff, overhead=0, sp=sp,
+                       elem_bytes=elem_bytes)
+        p = evaluate(cfg, lay, cfg.block_size, global_batch, cm)
+        out.append({"layout": r["layout"], "world_size": r["world_size"],
+                    "planner_layout": {**lay, "sp": sp}, "measured_tokens_per_s": r["tokens_per_s"],
+                    "measured_step_time_s": r["step_time_s"],
+                    "measured_best_round_tokens_per_s": max(r.get("tokens_per_s_rounds") or [r["tokens_per_s"]]),
+                    "predicted_tokens_per_s": p["predicted_tokens_per_s"],
+                    "predicted_step_time_s": p["predicted_step_time_s"],
+                    "predicted_breakdown_s": p["time_breakdown_s"]})
+    return out
+
+
+def correlation(preds: list[dict], measured: str = "measured_tokens_per_s") -> float:
+    """Spearman of predicted vs ``measured`` (a key of the records) tokens/s."""
+    return spearman([p["predicted_tokens_per_s"] for p in preds], [p[measured] for p in preds])
+
+
+def correlations(preds: list[dict]) -> dict:
+    """Spearman over all layouts (``all``), over the layouts of the largest world only (``same_world``:
+    what ``plan`` ranks, a fixed device count; None under 3 layouts), and against the best round's
+    tokens/s instead of the median (``best_round``: less sensitive to other jobs on the machine)."""
+    top = max(p["world_size"] for p in preds)
+    same = [p for p in preds if p["world_size"] == top]
+    out = {"all": correlation(preds), "same_world": correlation(same) if len(same) >= 3 else None,
+           "same_world_size": top, "same_world_layouts": len(same)}
+    if all(p.get("measured_best_round_tokens_per_s") for p in preds):
+        out["best_round"] = correlation(preds, "measured_best_round_tokens_per_s")
+    return out
+
+
+def format_table(preds: list[dict]) -> str:
+    mr = ranks([-p["measured_tokens_per_s"] for p in preds])
+    pr = ranks([-p["predicted_tokens_per_s"] for p in preds])
+    out = ["| layout | world | planner layout | measured tok/s | predicted tok/s | predicted/measured | "
+           "measured rank | predicted rank | predicted compute ms | comm ms | bubble ms |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for p, a, b in zip(preds, mr, pr):
+        lay, bd = p["planner_layout"], p["predicted_breakdown_s"]
+        desc = (f"dp{lay['dp']} tp{lay['tp']}{'+sp' if lay['sp'] else ''} pp{lay['pp']} z{lay['zero_stage']} "
+                f"{lay['schedule']} mb{lay['micro_batch']}")
+        comm_s = bd["dp_comm"] + bd["tp_comm"] + bd["pp_comm"]
+        out.append(f"| {p['layout']} | {p['world_size']} | {desc} | {p['measured_tokens_per_s']:,.0f} | "
+                   f"{p['predicted_tokens_per_s']:,.0f} | "
+                   f"{p['predicted_tokens_per_s'] / p['measured_tokens_per_s']:.2f} | {a:g} | {b:g} | {(bd['compute'] + bd['overhead']) * 1e3:.1f} | {comm_s * 1e3:.1f} | "
+                   f"{bd['bubble'] * 1e3:.1f} |")
+    return "\n".join(out)
+
+
+def _f3(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zerotron.bench.validate_plan", description="Spearman rank "
+                                "correlation of the planner's predicted tokens/s vs a bench train run.")
+    p.add_argument("--bench-train", required=True, help="'zerotron bench train --json' file")
+    p.add_argument("--bench-comm", required=True, help="'zerotron bench comm --json' file (same machine)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config of the bench train run (default.toml)")
+    p.add_argument("--peak-flops", type=float, help="per-rank peak FLOP/s (default: measured now)")
+    p.add_argument("--threads", type=int, help="intra-op threads for the peak (default: the bench run's)")
+    p.add_argument("--compute-eff", type=float, default=0.5, help="achieved/peak FLOP/s (planner default 0.5)")
+    p.add_argument("--out", help="write a markdown report here")
+    p.add_argument("--json", help="write the predictions and the correlation here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns 0, or 2 on a usage or input error (message on stderr)."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        import torch
+
+        from zerotron.analysis.flops import gpt_num_params
+        from zerotron.analysis.planner import _model_from_args
+        from zerotron.config import load_config
+        from zerotron.train.metrics import measure_peak_flops
+
+        rows = json.loads(Path(args.bench_train).read_text())
+        comm_bench = json.loads(Path(args.bench_comm).read_text())
+        cfg, global_batch = _model_from_args(argparse.Namespace(model=None, config=args.config))
+        micro_batch = load_config(args.config).train.micro_batch
+        ran = [r for r in rows if not r.get("skipped")]
+        if not ran:
+            raise ValueError("the bench train file has no measured layout")
+        n_params = gpt_num_params(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.bias)
+        if ran[0]["num_params"] != n_params or ran[0]["tokens_per_step"] != global_batch * cfg.block_size:
+            raise ValueError(f"--config does not match the bench run: {n_params:,} parameters and "
+                             f"{global_batch * cfg.block_size} tokens/step vs {ran[0]['num_params']:,} and "
+                             f"{ran[0]['tokens_per_step']}")
+        threads = args.threads or int(ran[0].get("threads", 1))
+        if args.peak_flops:
+            peak, how = args.peak_flops, "given (--peak-flops)"
+        else:
+            prev = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            peak = measure_peak_flops(torch.device("cpu"), n=1024, iters=10)
+            torch.set_num_threads(prev)
+            how = f"measured now: best of 10 fp32 1024^3 matmuls, {threads} thread(s)"
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        hw, comm_world = cpu_hardware(comm_bench, peak, memory)
+        preds = predict(rows, cfg, global_batch, micro_batch, hw, args.compute_eff)
+        rhos = correlations(preds)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        print(f"validate_plan: error: {e}", file=sys.stderr)
+        return 2
+    table = format_table(preds)
+    rho = rhos["all"]
+    verdict = "met" if rho >= GOAL else "NOT met"
+    summary = (f"Spearman rank correlation (predicted vs measured median tokens/s, {len(preds)} layouts): "
+               f"{rho:.3f} (goal >= {GOAL}: {verdict})")
+    others = [f"{rhos['same_world_layouts']} layouts on {rhos['same_world_size']} ranks only: "
+              f"{_f3(rhos['same_world'])}"]
+    if "best_round" in rhos:
+        others.append(f"vs the best round's tokens/s: {rhos['best_round']:.3f}")
+    summary2 = "Also: " + "; ".join(others)
+    print(f"{table}\n{summary}\n{summary2}")
+    busbw = ", ".join(f"{op} {hw.intra[op] / 1e9:.3f}" for op in OPS)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "spearman": rho, "spearman_variants": rhos, "goal": GOAL, "layouts": preds,
+            "hardware": {"name": hw.name, "peak_flops": peak, "peak_flops_how": how, "memory": hw.memory,
+                         "busbw_GBps": {op: hw.intra[op] / 1e9 for op in OPS}, "comm_world_size": comm_world},
+            "compute_eff": args.compute_eff, "elem_bytes": 4, "global_batch": global_batch,
+            "micro_batch": micro_batch, "seq": cfg.block_size, "bench_train": args.bench_train,
+            "bench_comm": args.bench_comm}, indent=1))
+    if args.out:
+        cmd = "python -m zerotron.bench.validate_plan " + " ".join(argv if argv is not None else sys.argv[1:])
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join([
+            "# Planner validation: predicted vs measured training throughput", "", f"Command: `{cmd}`", "",
+            f"Hardware profile \"cpu\": peak {peak / 1e9:.2f} GFLOP/s per rank ({how}); busbw GB/s from "
+            f"`{args.bench_comm}` ({comm_world} ranks): {busbw}; compute_eff {args.compute_eff}; fp32 "
+            f"communication (4 bytes/element); all ranks on one node.", "",
+            f"Model: {n_params:,} parameters, global batch {global_batch} x seq {cfg.block_size}, micro-batch "
+            f"{micro_batch}; measured: `{args.bench_train}`.", "", table, "", f"**{summary}.**", "", summary2 + ".", "",
+            "Ranks: 1 = fastest (ties averaged). predicted compute ms includes the per-layer launch overhead; "
+            "comm = dp + tp + pp communication; bubble = the pipeline bubble term. Method: "
+            "zerotron/bench/validate_plan.py.", ""]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
