@@ -165,22 +165,7 @@ class StageZero1:
         flat name needed), ``ostate`` {fqn: {"step", "exp_avg", "exp_avg_sq"}} (may be empty).
         Takes this rank's dp shard of each flat buffer, then all-gathers the parameters."""
         for f in self.all_flats:
-            flat = torch.zeros(f.padded, dtype=torch.float32)
-            st = {k: torch.zeros(f.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
-            step = None
-            for name, off, n in zip(f.names, f.offsets, f.numels):
-                flat[off:off + n] = params[name].reshape(-1).float().cpu()
-                if name in ostate:
-                    for k in st:
-                        st[k][off:off + n] = ostate[name][k].reshape(-1).float().cpu()
-                    step = ostate[name]["step"]
-            lo, hi = f.rank * f.k, (f.rank + 1) * f.k
-            f.master.copy_(flat[lo:hi])
-            if step is not None:
-                state = optimizer.state[f.master]
-                state["step"] = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-                for k in st:
-                    state[k] = st[k][lo:hi].clone().to(f.master.device)
+            f.load_canonical(params, ostate, optimizer)
         self.gather_params()
 
 

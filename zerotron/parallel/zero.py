@@ -145,6 +145,28 @@ class FlatShard:
     def free(self) -> None:
         _free(self.full)
 
+    @torch.no_grad()
+    def load_canonical(self, params: dict, opt_state: dict, optimizer) -> None:
+        """Set this rank's master shard (and its AdamW state) from canonical per-parameter tensors:
+        ``params[name]`` dense values, ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"}.
+        Parameters (compute copies) are not re-gathered here."""
+        flat = torch.zeros(self.padded, dtype=torch.float32)
+        st = {k: torch.zeros(self.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+        step = None
+        for name, off, n in zip(self.names, self.offsets, self.numels):
+            flat[off:off + n] = params[name].reshape(-1).float().cpu()
+            if name in opt_state:
+                for k in st:
+                    st[k][off:off + n] = opt_state[name][k].reshape(-1).float().cpu()
+                step = opt_state[name]["step"]
+        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
+        self.master.copy_(flat[lo:hi])
+        if step is not None:
+            state = optimizer.state[self.master]
+            state["step"] = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+            for k in st:
+                state[k] = st[k][lo:hi].clone().to(self.master.device)
+
 
 class _PreBackward(torch.autograd.Function):
     """Identity whose backward first runs ``unit_hook`` (stage 3: gather the block's parameters
@@ -454,22 +476,7 @@ class ZeroStrategy(Strategy):
             osd = {**osd, "state": {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
                                     for n, st in osd["state"].items() if n in params}}
         for f in self.all_flats:
-            flat = torch.zeros(f.padded, dtype=torch.float32)
-            st = {k: torch.zeros(f.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
-            step = None
-            for name, off, n in zip(f.names, f.offsets, f.numels):
-                flat[off:off + n] = msd[name].reshape(-1).float()
-                if name in osd["state"]:
-                    for k in st:
-                        st[k][off:off + n] = osd["state"][name][k].reshape(-1).float()
-                    step = osd["state"][name]["step"]
-            lo, hi = f.rank * f.k, (f.rank + 1) * f.k
-            f.master.copy_(flat[lo:hi])
-            if step is not None:
-                state = optimizer.state[f.master]
-                state["step"] = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-                for k in st:
-                    state[k] = st[k][lo:hi].clone().to(f.master.device)
+            f.load_canonical(msd, osd["state"], optimizer)
             if f.stage < 3:
                 f.launch_gather()
                 f.wait_gather()
