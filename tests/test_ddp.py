@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from zerotron.distributed import comm
-from zerotron.testing import run_ranks, tiny_config
+from zerotron.testing import assert_close_normwise, run_ranks, tiny_config
 
 STEPS = 10
 GLOBAL = 8
@@ -45,14 +45,6 @@ def _train(overrides: dict, run_dir: str) -> dict:
             "params": {k: v.detach().cpu().numpy().copy() for k, v in tr.model.state_dict().items()},
             "grad_calls": comm.STATS.total_calls("all_reduce", "dp", "grad"),
             "grad_bytes_moved": comm.STATS.total_bytes("all_reduce", "dp", "grad")}
-
-
-def assert_close_normwise(a, b, rtol, what=""):
-    """||a - b|| <= rtol * ||b|| per tensor. Element-wise rtol is not meaningful after Adam steps:
-    Adam divides each gradient by its own RMS, so an entry whose gradient is ~0 (a rare token's row)
-    moves by +-lr on fp32 rounding noise that differs between two summation orders."""
-    err = np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30)
-    assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
 
 
 def _layouts(tmp, cache, layouts):
