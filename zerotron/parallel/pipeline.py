@@ -60,113 +60,11 @@ from .ddp import DataParallel
 from .tensor import is_tp_sharded
 from .pipeline_exec import (PipelineExecutor, StageModel, forward_only_actions, stage_layer_counts,
                             stage_layer_ranges)
+from .pipeline_zero import StageZero1
 from .schedules import KINDS, build_schedule
 
 __all__ = ["PipelineStrategy", "StageModel", "StageZero1", "pipeline_generate", "stage_layer_counts",
            "stage_layer_ranges"]
-
-
-class StageZero1:
-    """ZeRO stage 1 over the dp group for the parameters of one pipeline rank's stages
-    (Rajbhandari et al. 2020), built from ``zero.FlatShard``.
-
-    Units: the tied embedding/head weight alone (so the first and the last stage hold it in flat
-    buffers of the same layout and reduce it with the same arithmetic: the copies stay bitwise
-    equal), the other non-block parameters (wpe, ln_f), then each block; inside a unit one flat
-    buffer per (weight decay, tp-sharded) pair. Gradients accumulate in full locally (``param.grad``
-    are views into each flat's ``grad_full``) over every micro-batch and flush; ``finish_grads``
-    sums the tied gradient over ``tied_group`` and reduce-scatters every flat buffer over dp;
-    AdamW steps the fp32 master shards; ``gather_params`` all-gathers the updated parameters.
-
-    Args: ``module`` (a StageModel), ``group`` (dp NamedGroup), ``mask`` (decay flag by
-    ``id(param)``), ``tied`` (this rank's tied Parameter or None), ``dtype``/``reduce_dtype``
-    ("fp32" | "bf16"). Attributes: ``all_flats`` (list of FlatShard; each has ``tp_sharded`` and
-    ``is_tied``), ``group``."""
-
-    def __init__(self, module, group, mask: dict, tied=None, dtype: str = "fp32", reduce_dtype: str = "fp32"):
-        from .zero import DTYPES, FlatShard
-
-        self.group, self.tied = group, tied
-        names = {}
-        for n, q in module.named_parameters():  # first FQN of each (tied) parameter
-            names.setdefault(id(q), n)
-        blocks = list(module.transformer["h"].values())
-        in_block = {id(q) for b in blocks for q in b.parameters()}
-        root = [q for q in unique_params(module) if id(q) not in in_block and q is not tied]
-        units = ([[tied]] if tied is not None else []) + [root] + [unique_params(b) for b in blocks]
-        self.all_flats = []
-        with torch.no_grad():
-            for params in units:
-                for decay in (True, False):
-                    for sharded in (True, False):  # tp-sharded and tp-replicated kept apart
-                        ps = [q for q in params if mask.get(id(q), False) == decay and is_tp_sharded(q) == sharded]
-                        if ps:
-                            f = FlatShard([names[id(q)] for q in ps], ps, decay, 1, group, DTYPES[dtype],
-                                          DTYPES[reduce_dtype])
-                            f.tp_sharded, f.is_tied = sharded, ps[0] is tied
-                            self.all_flats.append(f)
-
-    def no_sync(self):
-        """Nothing is communicated during backward: every micro-batch only accumulates."""
-        return contextlib.nullcontext()
-
-    def zero_grad(self) -> None:
-        for f in self.all_flats:
-            f.grad_full.zero_()
-            f.shard_grad.zero_()
-            f.master.grad = None
-            f.attach_grad_views()
-
-    def finish_grads(self, tied_group=None) -> None:
-        """Sum the tied gradient over ``tied_group`` (first and last pipeline rank of this (dp, tp)
-        coordinate; before the dp reduction, the sums commute), then reduce-scatter every flat
-        gradient over dp and expose the fp32 shard gradients as ``master.grad``."""
-        if tied_group is not None:
-            comm.all_reduce(self.tied.grad, group=tied_group, tag="pp_tied")
-        for f in self.all_flats:
-            f.launch_reduce()
-        for f in self.all_flats:
-            f.wait_reduce()
-            f.master.grad = f.shard_grad
-
-    def gather_params(self) -> None:
-        """All-gather the updated master shards into the full compute parameters (after step)."""
-        with torch.no_grad():
-            for f in self.all_flats:
-                f.launch_gather()
-            for f in self.all_flats:
-                f.wait_gather()
-
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(shard.numel() * self.group.size(), dtype=torch.float32, device=shard.device)
-        comm.all_gather(out, shard.detach().float().contiguous(), group=self.group, tag="checkpoint")
-        return out
-
-    def full_state(self, optimizer) -> tuple[dict, dict]:
-        """``({id(param): tensor}, {fqn: adam state})`` of this rank's parameters, unsharded over dp
-        (still tp shards). Collective over dp, flat buffers in a fixed order."""
-        vals, ostate = {}, {}
-        for f in self.all_flats:
-            full = {"param": self._gather(f.master)}
-            st = optimizer.state.get(f.master, {})
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in st:
-                    full[k] = self._gather(st[k])
-            for name, q, off, n in zip(f.names, f.params, f.offsets, f.numels):
-                vals[id(q)] = full["param"][off:off + n].view(q.shape).clone()
-                if "exp_avg" in full:
-                    ostate[name] = {"step": st["step"].clone(), **{k: full[k][off:off + n].view(q.shape).clone()
-                                                                    for k in ("exp_avg", "exp_avg_sq")}}
-        return vals, ostate
-
-    @torch.no_grad()
-    def load_full_state(self, params: dict, ostate: dict, optimizer) -> None:
-        """Inverse of :meth:`full_state`: ``params`` {fqn: tensor in this rank's tp layout} (every
-        flat name needed), ``ostate`` {fqn: {"step", "exp_avg", "exp_avg_sq"}} (may be empty).
-        Takes this rank's dp shard of each flat buffer, then all-gathers the parameters."""
-        for f in self.all_flats:
-            f.load_canonical(params, ostate, optimizer)
-        self.gather_params()
 
 
 class PipelineStrategy(Strategy):
