@@ -159,19 +159,30 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str, title: str = "") -> None:
-    """Bar-chart PNG: median tokens/s per layout, whiskers = min/max over rounds (Agg, no pyplot)."""
+    """PNG with two panels (Agg, no pyplot): median tokens/s per layout (whiskers = min/max over
+    rounds) and, when measured, the time per epoch of the train split in seconds (the seed
+    article's "1 vs N processes" comparison)."""
     from matplotlib.figure import Figure
 
     rows = [r for r in rows if not r["skipped"]]
     med = [r["tokens_per_s"] for r in rows]
     err = [[m - min(r["tokens_per_s_rounds"]) for m, r in zip(med, rows)],
            [max(r["tokens_per_s_rounds"]) - m for m, r in zip(med, rows)]]
-    ax = (fig := Figure(figsize=(1.5 * len(rows) + 2.5, 4))).add_subplot()
-    ax.bar([f"{r['layout']}\n{r['world_size']} rank(s)\n{m:,.0f} tok/s" for r, m in zip(rows, med)], med, yerr=err,
-           capsize=4, color=[f"C{i % 10}" for i in range(len(rows))])
-    ax.set_ylabel("tokens/s (median over rounds; whiskers min-max)")
-    ax.set_title(title, fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
+    epochs = all(r.get("epoch_time_s") for r in rows)
+    fig = Figure(figsize=(1.5 * len(rows) + 2.5, 7.5 if epochs else 4))
+    axes = fig.subplots(2, 1) if epochs else [fig.add_subplot()]
+    labels = [f"{r['layout']}\n{r['world_size']} rank(s)" for r in rows]
+    colors = [f"C{i % 10}" for i in range(len(rows))]
+    axes[0].bar([f"{lab}\n{m:,.0f} tok/s" for lab, m in zip(labels, med)], med, yerr=err, capsize=4, color=colors)
+    axes[0].set_ylabel("tokens/s (median over rounds; whiskers min-max)")
+    axes[0].set_title(title, fontsize=8)
+    if epochs:
+        times = [r["epoch_time_s"] for r in rows]
+        axes[1].bar([f"{lab}\n{t:,.0f} s" for lab, t in zip(labels, times)], times, color=colors)
+        axes[1].set_ylabel("time per epoch (s) at the median tokens/s")
+    for ax in axes:
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
