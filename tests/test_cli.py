@@ -85,3 +85,51 @@ def test_help(capsys):
     assert main(["--help"]) == 0
     assert "commands:" in capsys.readouterr().out
     assert os.path.exists(TINY)
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory, data_cache):
+    run = tmp_path_factory.mktemp("small") / "run"
+    argv = ["train", "--config", TINY, "--run-dir", str(run), "--train.steps", "2", "--log.progress", "false",
+            "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache]
+    assert main(argv) == 0
+    return run, argv
+
+
+def test_resume_checks(small_run, tmp_path, capsys):
+    import shutil
+
+    run, argv = small_run
+    capsys.readouterr()
+    # a different model shape is refused before anything runs
+    code, err = main([*argv, "--resume", "--model.n_layer", "2"]), capsys.readouterr().err
+    assert code == 2 and "model shape differs from the checkpoint" in err and "n_layer 4 (checkpoint) vs 2" in err, err
+    # resuming a finished run changes nothing
+    before = (run / "summary.json").read_bytes()
+    assert main([*argv, "--resume"]) == 0
+    assert "already at step 2" in capsys.readouterr().out
+    assert (run / "summary.json").read_bytes() == before
+    # damaged checkpoints: one message each, nothing modified
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    ck = bad / "checkpoints" / "step_2"
+    for f in ck.glob("*.distcp"):
+        f.unlink()
+    code, err = main(["generate", "--checkpoint", str(bad), "--prompt", "x"]), capsys.readouterr().err
+    assert code == 2 and "cannot load checkpoint" in err and "A file may be missing or damaged" in err
+    (ck / "meta.json").write_text('{"step": 2, "mod')
+    code, err = main(["export", "--checkpoint", str(bad), "--out", str(tmp_path / "hf")]), capsys.readouterr().err
+    assert code == 2 and "meta.json' is corrupt" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_device_and_backend_need_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    for flag in (["--train.device", "cuda"], ["--parallel.backend", "nccl"]):
+        assert main(["train", "--config", TINY, *flag]) == 2
+        assert "need a CUDA device" in capsys.readouterr().err
+    assert main(["train", "--config", TINY, "--nproc", "-1"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err

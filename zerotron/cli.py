@@ -71,6 +71,8 @@ def cmd_train(argv: list[str]) -> int:
     args, rest = train_parser().parse_known_args(argv)
     try:
         cfg = load_config(args.config, parse_overrides(rest))
+        if args.nproc < 0:
+            raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
         world = int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc)
         validate(cfg, world)
         if args.resume and not args.run_dir:
@@ -79,6 +81,10 @@ def cmd_train(argv: list[str]) -> int:
         from .train.trainer import check_run_dir
 
         check_run_dir(run_dir, args.resume)
+        if args.resume and not in_worker():
+            from .train.trainer import check_resume
+
+            check_resume(cfg, run_dir)  # shape mismatch: one message before any worker starts
         if args.nproc > 1 and not in_worker():
             from .data import prepare_data  # build the token cache once, report data errors once
 
@@ -94,7 +100,7 @@ def cmd_train(argv: list[str]) -> int:
 
         trainer = Trainer(cfg, run_dir, resume=args.resume)
         summary = trainer.fit()
-        if trainer.rank == 0:
+        if trainer.rank == 0 and not summary.get("nothing_to_do"):
             _print_summary(summary, run_dir)
         return 0
     except _user_errors() as e:

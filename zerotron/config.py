@@ -292,6 +292,13 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
     need(t.dtype in DTYPES, f"train.dtype must be one of {DTYPES}, got {t.dtype!r}")
     need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    need(p.backend in ("auto", "gloo", "nccl"), f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
+    if t.device == "cuda" or p.backend == "nccl":
+        import torch
+
+        need(torch.cuda.is_available(), "train.device = cuda / parallel.backend = nccl need a CUDA device and a "
+                                        "CUDA build of torch, and none is available; use train.device = auto "
+                                        "(or cpu) and parallel.backend = auto (or gloo)")
     need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and train.eval_batches >= 1")
     need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
     need(not m.init_from or Path(m.init_from).exists(),

@@ -225,7 +225,7 @@ def export_hf_gpt2(model_or_state_dict: GPT | dict, cfg: GPTConfig | None, out_d
         raise FileExistsError(f"{out_dir} exists and is not a directory; choose another out_dir")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} is not empty; choose a new directory or pass "
-                              "overwrite=True to replace config.json and model.safetensors")
+                              "--overwrite (CLI) / overwrite=True (Python) to replace config.json and model.safetensors")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

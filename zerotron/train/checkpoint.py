@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -104,7 +105,11 @@ def read_meta(ckpt: str | Path) -> dict:
     if not f.is_file():
         raise CheckpointError(f"{str(ckpt)!r} is not a zerotron checkpoint (no meta.json); pass a "
                               "<run-dir>/checkpoints/step_<N> directory or a run directory")
-    return json.loads(f.read_text())
+    try:
+        return json.loads(f.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{str(f)!r} is corrupt ({e}); use another checkpoints/step_<N> directory "
+                              "(an older one) or retrain") from None
 
 
 @torch.no_grad()
@@ -151,9 +156,11 @@ def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, 
         state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(ckpt))
         strategy.load_state_dict(state["model"], state.get("optim"), optimizer)
-    except Exception as e:  # DCP wraps per-rank failures in its own exception types
-        raise CheckpointError(f"cannot load checkpoint {str(ckpt)!r} into this model: {e}. "
-                              "Is the model config the same as when it was saved?") from e
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load checkpoint {str(ckpt)!r}: {first[:300]}. A file may be missing or "
+                              "damaged, or the model config differs from the saved one; use another "
+                              "checkpoints/step_<N> directory") from None
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=False)["scheduler"])
     rng_file = ckpt / "rng" / f"rank_{dist.get_rank() if dist.is_initialized() else 0}.pt"

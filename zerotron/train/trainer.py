@@ -50,6 +50,27 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
                           "start without --resume")
 
 
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
+def check_resume(cfg: Config, run_dir: Path) -> Path:
+    """For ``--resume``: the newest checkpoint, after checking the model shape of ``cfg`` equals the
+    saved one; sets ``data.tokenizer`` to the checkpoint's tokenizer.json unless one is given (the
+    token ids must not change under the embeddings). Raises ConfigError / CheckpointError."""
+    latest = ckpt.latest_checkpoint(run_dir)
+    meta = ckpt.read_meta(latest)
+    saved = meta.get("model_config", {})
+    if not cfg.model.init_from:
+        shape = model_shape(cfg.model)
+        diff = [f"{k} {saved.get(k)} (checkpoint) vs {shape[k]} (now)" for k in SHAPE_KEYS if saved.get(k) != shape[k]]
+        if diff:
+            raise ConfigError(f"--resume: the model shape differs from the checkpoint {str(latest)!r}: "
+                              f"{'; '.join(diff)}; resume with the checkpoint's model settings")
+    if not cfg.data.tokenizer and (latest / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(latest / "tokenizer.json")
+    return latest
+
+
 def load_data(cfg: Config, local_rank: int):
     """Build/open the token cache: local rank 0 builds it first, the others then open it."""
     d = cfg.data
@@ -80,7 +101,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False):
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
-        device = torch.device("cpu") if cfg.train.device == "cpu" else None
+        if resume:
+            check_resume(cfg, self.run_dir)
+        device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}.get(
+            cfg.train.device)
         rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, device)
         self.layout = validate(cfg, world)
         self.mesh = Mesh(ParallelDims(world, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp), device)
@@ -110,6 +134,13 @@ class Trainer:
             meta = ckpt.load_checkpoint(ckpt.latest_checkpoint(self.run_dir), self.strategy, self.optimizer,
                                         self.scheduler)
             self.start_step = meta["step"]
+            if meta.get("model_config", {}).get("vocab_size", self.model_cfg.vocab_size) != self.model_cfg.vocab_size:
+                raise ConfigError("--resume: the vocabulary size differs from the checkpoint's; keep data.* and "
+                                  "model.vocab_size as they were")
+            # the LR of the next step from the *current* schedule (train.steps may have been raised)
+            sch = self.scheduler
+            for g, base, fn in zip(self.optimizer.param_groups, sch.base_lrs, sch.lr_lambdas):
+                g["lr"] = base * fn(sch.last_epoch)
         from ..analysis.flops import training_flops_per_token
 
         self.flops_per_token = training_flops_per_token(self.num_params, self.model_cfg.n_layer,
@@ -155,6 +186,12 @@ class Trainer:
         to check that replicas stay identical)."""
         cfg, t = self.cfg, self.cfg.train
         lead = self.rank == 0
+        if self.start_step >= t.steps:
+            if lead:
+                print(f"zerotron: the run is already at step {self.start_step} (train.steps = {t.steps}); "
+                      "raise --train.steps to continue it")
+            return {"steps": self.start_step, "final_loss": None, "first_val_loss": None, "final_val_loss": None,
+                    "median_tokens_per_s": None, "nothing_to_do": True}
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", self.start_step if self.resume else None) if lead else None
         if lead:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -166,6 +203,10 @@ class Trainer:
         die_at = int(os.environ.get("ZEROTRON_FAULT_KILL_AT_STEP", "-1"))  # fault injection for tests
         tok_per_step = t.global_batch * self.seq_len
         first_val = last_val = None
+        if lead and self.resume and (self.run_dir / "metrics.jsonl").exists():
+            vals = [json.loads(ln).get("val_loss") for ln in (self.run_dir / "metrics.jsonl").read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= self.start_step]
+            first_val = next((v for v in vals if v is not None), None)
         rates, losses = [], []
         self.model.train()
         for step in range(self.start_step, t.steps):
