@@ -139,8 +139,16 @@ def cmd_generate(argv: list[str]) -> int:
     try:
         if args.nproc > 1 and not in_worker():
             from .generate import resolve_checkpoint
+            from .train.checkpoint import read_meta
 
-            resolve_checkpoint(args.checkpoint)  # fail early, once
+            n_head = read_meta(resolve_checkpoint(args.checkpoint)).get("model_config", {}).get("n_head", 1)
+            if args.tp < 1 or args.pp < 1 or args.nproc % (args.tp * args.pp):
+                raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp "
+                                 f"({args.tp} x {args.pp})")
+            if n_head % args.tp:
+                raise ValueError(f"--parallel.tp {args.tp} must divide the model's n_head ({n_head})")
+            if args.pp > 1 and args.temperature != 0:
+                raise ValueError("pipelined generation (--parallel.pp > 1) is greedy only: use --temperature 0")
             return launch(args.nproc, ["generate", *_strip_nproc(argv)])
         return generate_main(args)
     except _user_errors() as e:

@@ -312,7 +312,7 @@ def batch_from_indices(tokens: np.ndarray, indices, seq_len: int,
     n = num_windows(len(tokens), seq_len)
     if n == 0:
         raise DataError(f"the {split} split has {len(tokens)} tokens but one window of seq_len "
-                        f"{seq_len} needs {seq_len + 1}; lower seq_len or use more data "
+                        f"{seq_len} needs {seq_len + 1}; lower model.block_size (the sequence length) or use more data "
                         "(for val: a larger val_fraction)")
     idx = np.asarray(indices, dtype=np.int64)
     if idx.ndim != 1:

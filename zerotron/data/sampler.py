@@ -43,7 +43,7 @@ class GlobalBatchSampler:
         if isinstance(num_windows, (int, np.integer)) and not isinstance(num_windows, bool) \
                 and num_windows < 1:
             raise DataError("the train split has no window of the chosen seq_len; "
-                            "lower seq_len or use a larger corpus")
+                            "lower model.block_size (the sequence length) or use a larger corpus")
         self.num_windows = _check_int("num_windows", num_windows, 1)
         self.global_batch = _check_int("global_batch", global_batch, 1)
         self.seed = _check_int("seed", seed, 0)
@@ -127,7 +127,7 @@ class GlobalBatchSampler:
         """
         if isinstance(num_val_windows, (int, np.integer)) and num_val_windows < 1:
             raise DataError("the validation split has no window of the chosen seq_len; "
-                            "lower seq_len or raise val_fraction")
+                            "lower model.block_size (the sequence length) or raise data.val_fraction")
         n = _check_int("num_val_windows", num_val_windows, 1)
         k = min(_check_int("count", count, 1), n)
         return (np.arange(k, dtype=np.int64) * n) // k
