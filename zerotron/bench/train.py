@@ -47,8 +47,9 @@ import torch.distributed as dist
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh
 
+from .report import BASELINES, format_table, markdown_report, paired_ratio, plot, summarize  # noqa: F401 (API)
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
-BASELINES = ("dp-torch", "single")  # ratio columns: tokens/s relative to these layouts
 
 
 @dataclass(frozen=True)
@@ -88,103 +89,6 @@ def parse_layouts(spec: str) -> list[str]:
     if bad or not names:
         raise ValueError(f"unknown layout(s) {', '.join(bad) or repr(spec)}; valid layouts: {', '.join(LAYOUTS)}")
     return names
-
-
-def paired_ratio(num: list[float], den: list[float]) -> float | None:
-    """Median over rounds of ``num[r] / den[r]``; None unless both have the same length >= 1 and no zero."""
-    if not num or len(num) != len(den) or not all(num) or not all(den):
-        return None
-    return statistics.median(a / b for a, b in zip(num, den))
-
-
-def summarize(records: list[dict]) -> list[dict]:
-    """Per-(round, layout) records -> one row per layout: medians over rounds, ``ratio_vs_<base>``."""
-    rows = []
-    for name in dict.fromkeys(r["layout"] for r in records):
-        rs = [r for r in records if r["layout"] == name]
-        if any(r["skipped"] for r in rs):
-            rows.append({k: v for k, v in next(r for r in rs if r["skipped"]).items() if k != "round"})
-            continue
-        row = {k: v for k, v in rs[0].items() if k not in ("round", "step_times_s")}
-        row.update(tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
-                   tokens_per_s_rounds=[r["tokens_per_s"] for r in rs],
-                   step_time_s=statistics.median(r["step_time_s"] for r in rs),
-                   cpu_s_per_step=statistics.median(r["cpu_s_per_step"] for r in rs),
-                   step_time_s_rounds=[r["step_time_s"] for r in rs],
-                   step_times_s_rounds=[r["step_times_s"] for r in rs],
-                   comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in rs),
-                   peak_mem_bytes=max(r["peak_mem_bytes"] for r in rs), rounds=len(rs))
-        row.pop("bubble_measured_steps", None)
-        if "epoch_tokens" in rs[0]:
-            row["epoch_time_s"] = rs[0]["epoch_tokens"] / row["tokens_per_s"]
-        if "bubble_measured" in rs[0]:
-            row.update(bubble_measured=statistics.median(b for r in rs for b in r["bubble_measured_steps"]),
-                       bubble_theory=rs[0]["bubble_theory"])
-        rows.append(row)
-    by_name = {r["layout"]: r for r in rows}
-    for row in rows:
-        for b in BASELINES:
-            if b in by_name and not row["skipped"]:
-                row[f"ratio_vs_{b}"] = paired_ratio(row["tokens_per_s_rounds"], by_name[b].get("tokens_per_s_rounds"))
-    return rows
-
-
-def _f(v, spec: str = ",.0f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def format_table(rows: list[dict]) -> str:
-    """Markdown table, one line per layout; skipped layouts show their error. The epoch and bubble
-    columns appear only when some row has ``epoch_time_s`` / ``bubble_theory`` (pipeline layouts)."""
-    bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
-    extra = [k for k in ("epoch_time_s", "bubble_measured", "bubble_theory") if any(k in r for r in rows)]
-    names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
-             "bubble_theory": ("bubble theory", ".3f")}
-    head = ["layout", "impl", "world", "tokens/s median", "min-max", "step ms median", *[f"vs {b}" for b in bases],
-            "CPU s/step", "comm bytes/step", "model-state bytes/rank", "peak mem MiB",
-            *[names[k][0] for k in extra]]
-    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
-    for r in rows:
-        if r["skipped"]:
-            out.append(f"| {r['layout']} | skipped: {r['error'][:200].replace('|', '/')} |" + " |" * (len(head) - 2))
-            continue
-        tps = r["tokens_per_s_rounds"]
-        out.append("| " + " | ".join([
-            r["layout"], r["impl"], str(r["world_size"]), _f(r["tokens_per_s"]), f"{min(tps):,.0f}-{max(tps):,.0f}",
-            _f(r["step_time_s"] * 1e3, ".1f"), *[_f(r.get(f"ratio_vs_{b}"), ".3f") for b in bases],
-            _f(r["cpu_s_per_step"], ".3f"),
-            _f(r["comm_bytes_per_step"], ","), _f(r["model_state_bytes"], ","),
-            _f(r["peak_mem_bytes"] / 2**20), *[_f(r.get(k), names[k][1]) for k in extra]]) + " |")
-    return "\n".join(out)
-
-
-def plot(rows: list[dict], path: str, title: str = "") -> None:
-    """PNG with two panels (Agg, no pyplot): median tokens/s per layout (whiskers = min/max over
-    rounds) and, when measured, the time per epoch of the train split in seconds (the seed
-    article's "1 vs N processes" comparison)."""
-    from matplotlib.figure import Figure
-
-    rows = [r for r in rows if not r["skipped"]]
-    med = [r["tokens_per_s"] for r in rows]
-    err = [[m - min(r["tokens_per_s_rounds"]) for m, r in zip(med, rows)],
-           [max(r["tokens_per_s_rounds"]) - m for m, r in zip(med, rows)]]
-    epochs = all(r.get("epoch_time_s") for r in rows)
-    fig = Figure(figsize=(1.5 * len(rows) + 2.5, 7.5 if epochs else 4))
-    axes = fig.subplots(2, 1) if epochs else [fig.add_subplot()]
-    labels = [f"{r['layout']}\n{r['world_size']} rank(s)" for r in rows]
-    colors = [f"C{i % 10}" for i in range(len(rows))]
-    axes[0].bar([f"{lab}\n{m:,.0f} tok/s" for lab, m in zip(labels, med)], med, yerr=err, capsize=4, color=colors)
-    axes[0].set_ylabel("tokens/s (median over rounds; whiskers min-max)")
-    axes[0].set_title(title, fontsize=8)
-    if epochs:
-        times = [r["epoch_time_s"] for r in rows]
-        axes[1].bar([f"{lab}\n{t:,.0f} s" for lab, t in zip(labels, times)], times, color=colors)
-        axes[1].set_ylabel("time per epoch (s) at the median tokens/s")
-    for ax in axes:
-        ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def _peak_mem(dev, reset: bool = False) -> int:
@@ -353,24 +257,6 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
             skipped.update({name: rec} if rec["skipped"] else {})
             records.append({**rec, "round": r})
     return records
-
-
-def markdown_report(rows: list[dict], command: str, machine: str) -> str:
-    """The ``--markdown`` file: command, machine, model, table, how to read it."""
-    r0 = next((r for r in rows if not r["skipped"]), {})
-    return "\n".join([
-        f"# Training throughput: {', '.join(r['layout'] for r in rows)}", "", f"Command: `{command}`", "",
-        f"Machine: {machine}", "", f"Model: {_f(r0.get('num_params'), ',')} parameters, "
-        f"{_f(r0.get('tokens_per_step'), ',')} tokens per optimizer step; {r0.get('rounds', 0)} rounds of "
-        f"{r0.get('warmup', 0)} untimed + {r0.get('steps', 0)} timed steps per layout, order rotated each round.", "",
-        format_table(rows), "", "tokens/s: median over rounds (min-max over rounds beside it). `vs X`: median over "
-        "rounds of the paired per-round ratio tokens/s(layout) / tokens/s(X). CPU s/step: process CPU seconds per "
-        "step summed over ranks (median over rounds). comm bytes/step: counted by "
-        "zerotron.distributed.comm (nccl-tests size; on 1 rank the all-reduces move nothing). peak mem: "
-        f"{r0.get('peak_mem_kind', '-')} per rank, max over ranks. epoch s: one epoch of the train split "
-        "(num_windows x seq_len tokens) / tokens/s. bubble measured (pipeline layouts): median over timed steps "
-        "of the max over pp ranks of idle/(busy+idle) (bubble plus p2p transfer); bubble theory: "
-        "(p-1)/(v*m+p-1). Method: zerotron/bench/train.py.", ""])
 
 
 def _parser() -> argparse.ArgumentParser:
