@@ -1,0 +1,125 @@
+"""Checkpoint state of a pipeline rank: the canonical dense, FQN-keyed format shared by every
+layout (tensor-parallel shards gathered, ZeRO-1 shards gathered, the tied copy keyed like the dense
+GPT), and ``full_params`` (the dense model assembled from every stage). Mixed into
+``pipeline.PipelineStrategy``."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..distributed import comm
+from .base import unique_params
+from .tensor import is_tp_sharded
+
+
+class PipelineStateMixin:
+    """``state_dict`` / ``load_state_dict`` / ``full_params`` for :class:`PipelineStrategy`."""
+
+    def state_dict(self, optimizer=None):
+        """Canonical ``(model_state, optimizer_state)`` of this rank's stages (FQN-keyed, as
+        ``get_state_dict`` gives for the dense GPT). The optimizer's ``param_groups`` (a non-tensor
+        entry that DCP stores from ONE rank) are made identical on every rank: each group lists the
+        FQNs of the whole model (union over the pp group, tied weight once as
+        ``transformer.wte.weight``), exactly like the dense model's. Collective over pp; over tp
+        (tensor parallel: shards gathered to dense tensors) and dp (ZeRO-1: shards gathered)."""
+        if self.zero is not None:
+            msd, osd = self._zero_state_dict(optimizer)
+        else:
+            msd, osd = super().state_dict(optimizer)
+        if osd is not None:
+            everyone = comm.all_gather_object([g["params"] for g in osd["param_groups"]], group=self.pp_group)
+            for i, g in enumerate(osd["param_groups"]):
+                names = [n for lists in everyone for n in lists[i]]
+                g["params"] = list(dict.fromkeys(names))
+        return msd, osd
+
+    def _zero_state_dict(self, optimizer):
+        """ZeRO-1: canonical (dense) state from the flat shards: all-gather over dp, then (tensor
+        parallel) ``full_tensor`` over tp for every sharded tensor, in the fixed flat order."""
+        from .tensor import full_tensor
+
+        vals, ostate = self.zero.full_state(optimizer) if optimizer is not None else (None, {})
+        if vals is None:  # parameters only: the compute copies are full over dp at rest
+            vals = {id(q): q.detach().float() for q in unique_params(self.module)}
+        if self.tp_group is not None:
+            for f in self.zero.all_flats:
+                for name, q in zip(f.names, f.params):
+                    vals[id(q)] = full_tensor(q, self.tp_group, local=vals[id(q)])
+                    for k, v in ostate.get(name, {}).items():
+                        if v.dim() > 0:
+                            ostate[name][k] = full_tensor(q, self.tp_group, local=v)
+        msd = {key: vals[id(t)] if id(t) in vals else t.detach()
+               for key, t in self.module.state_dict(keep_vars=True).items()}
+        if optimizer is None:
+            return msd, None
+        groups = []
+        for g in optimizer.param_groups:
+            names = [n for f in self.zero.all_flats if any(f.master is q for q in g["params"]) for n in f.names]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return msd, {"state": ostate, "param_groups": groups}
+
+    def load_state_dict(self, msd, osd, optimizer=None) -> None:
+        """Load a canonical state (from ``state_dict`` of any layout: pp, tp, dp, ZeRO) into this
+        rank's stages: dense tensors sliced to tp shards (``shard_tensor``), ZeRO-1 dp shards taken
+        out of the flat buffers."""
+        if self.zero is None:
+            return super().load_state_dict(msd, osd, optimizer)
+        from .tensor import shard_tensor
+
+        def local(q, t):
+            if self.tp_group is None or not is_tp_sharded(q):
+                return t
+            return shard_tensor(t, q.tp_dim, self.tp_group, q.tp_chunks, q.size(q.tp_dim) * self.tp_group.size())
+
+        params = {n: q for f in self.zero.all_flats for n, q in zip(f.names, f.params)}
+        dense = {n: local(q, msd[n]) for n, q in params.items()}
+        ostate = {}
+        if optimizer is not None and osd is not None:
+            ostate = {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
+                      for n, st in osd["state"].items() if n in params}
+        self.zero.load_full_state(dense, ostate, optimizer)
+        if optimizer is not None and osd is not None:
+            for g, saved in zip(optimizer.param_groups, osd.get("param_groups", [])):
+                g["lr"] = saved.get("lr", g["lr"])
+
+    @contextlib.contextmanager
+    def full_params(self):
+        """Collective over the pp group (every pp rank must enter): broadcast each model stage's
+        parameters from the pp rank that owns it into the ``GPT`` given at construction and yield
+        that GPT (evaluation, generation, export). Its stage parameters are this rank's own
+        Parameters, so use it read-only. Tensor parallel: also collective over tp -- the gathered
+        TP model's shards are assembled (``tp_state_dict_full``) into a dense ``GPT`` (built once,
+        kept, refreshed on every call), which is yielded instead."""
+        if self.pp > 1:
+            t = self.dense.transformer
+            with torch.no_grad():
+                for s, layers in enumerate(self.module.layer_ranges):
+                    mods = [t.h[i] for i in layers]
+                    mods += [t.wte, t.wpe] if s == 0 else []
+                    mods += [t.ln_f] if s == self.module.last_stage else []
+                    for mod in mods:
+                        for q in mod.parameters():
+                            if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
+                                q.data = q.data.to(self.executor.act_dtype)
+                            comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
+                                           tag="full_params")
+        if self.tp_group is None:
+            yield self.dense
+            return
+        from ..models.gpt import GPT
+        from .tp_model import tp_state_dict_full
+
+        sd = tp_state_dict_full(self.dense)  # collective over tp, fixed key order
+        if self._dense_copy is None:
+            with torch.device("meta"):  # no RNG draw, no init cost
+                g = GPT(self.dense.config)
+            g = g.to_empty(device=self.dense.transformer.wpe.weight.device)
+            g.lm_head.weight = g.transformer.wte.weight  # re-tie (to_empty makes new Parameters)
+            self._dense_copy = g
+        with torch.no_grad():
+            self._dense_copy.load_state_dict(sd)
+        self._dense_copy.train(self.dense.training)
+        yield self._dense_copy
+
+    # ---- forward only ------------------------------------------------------------------------
