@@ -117,7 +117,8 @@ def test_two_process_end_to_end(tmp_path):
     data = json.loads(js.read_text())
     sizes = [4 * KiB << i for i in range(5)]
     got = {(r["op"], r["mode"], r["bytes"]) for r in data["results"]}
-    want = {(op, "blocking", b) for op in bench.OPS for b in sizes} | {("all_reduce", "nonblocking", b) for b in sizes}
+    want = ({(op, "blocking", b) for op in bench.OPS for b in sizes}
+            | {("all_reduce", m, b) for m in ("nonblocking", "after_compute") for b in sizes})
     assert got == want and len(data["results"]) == len(want)
     for r in data["results"]:
         assert r["time_s"] > 0

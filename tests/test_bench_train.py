@@ -23,9 +23,16 @@ TINY = ROOT / "configs" / "tiny.toml"
 def test_parse_layouts():
     assert bt.parse_layouts(bt.DEFAULT_LAYOUTS) == ["dp", "dp-torch", "single"]
     assert bt.parse_layouts(" single, dp ,single,") == ["single", "dp"]
-    for bad in ("dp,bogus", "", " , "):
+    for bad in ("dp,bogus", "", " , ", "dp-mb0", "-mb4", "dp-acnone", "dp-mb4-mb2", "bogus-mb4"):
         with pytest.raises(ValueError, match="valid layouts: dp, dp-torch, single"):
             bt.parse_layouts(bad)
+    lay = bt.get_layout("zero2-mb4-acfull")
+    assert lay.name == "zero2-mb4-acfull" and lay.new_strategy and lay.world is None
+    assert lay.overrides == {"parallel.zero_stage": 2, "train.micro_batch": "4",
+                             "train.activation_checkpointing": "full"}
+    assert bt.get_layout("single-acselective").world == 1 and bt.get_layout("dp") is bt.LAYOUTS["dp"]
+    cfg = load_config(TINY, [(k, str(v).format(world=2)) for k, v in lay.overrides.items()])
+    assert (cfg.train.micro_batch, cfg.train.activation_checkpointing) == (4, "full")
 
 
 @pytest.mark.parametrize("name", list(bt.LAYOUTS))

@@ -2,14 +2,17 @@
 calibration, JSON schema and errors. Pure arithmetic (no processes)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from zerotron.analysis.flops import gpt_num_params
 from zerotron.analysis.memory import GB, model_state_bytes, parse_memory, stage_num_params
-from zerotron.analysis.planner import (CostModel, calibrate, custom_hardware, evaluate, hardware,
-                                       plan, plan_main)
+from zerotron.analysis.hardware import OPS, calibrate, custom_hardware, fit_alpha_beta, hardware
+from zerotron.analysis.plan_cli import plan_main
+from zerotron.analysis.planner import CostModel, evaluate, plan
 from zerotron.models.gpt import preset_config
+from zerotron.parallel.schedules import bubble_theory
 
 LAYOUT_KEYS = {"dp", "tp", "pp", "zero_stage", "schedule", "micro_batch", "recompute",
                "memory_bytes_per_gpu", "predicted_step_time_s", "predicted_tokens_per_s",
@@ -62,59 +65,126 @@ def test_memory_is_states_plus_activations_plus_overhead():
     assert r["memory_bytes_per_gpu"] == max(s + a for s, a in zip(states, act)) + 1_500_000_000
 
 
+def _no_latency(hw, **kw):
+    return replace(hw, latency_intra=dict.fromkeys(OPS, 0.0), latency_inter=dict.fromkeys(OPS, 0.0), **kw)
+
+
 def test_cost_model_hand_computed():
     cfg = preset_config("gpt2")
     h, L, V, S = 768, 12, 50257, 1024
-    hw = hardware("h100")  # 989e12 FLOP/s, 450e9 x 0.8 = 360e9 B/s NVLink
+    hw = _no_latency(hardware("h100"))  # 989e12 FLOP/s, 450e9 x 0.8 = 360e9 B/s NVLink
+    vr = 3.35e12 / 4  # element passes/s: HBM bytes/s over one bf16 read + write
+    assert hw.vector_rate == vr
     cm = CostModel(hw, compute_eff=0.5, launch_s=0.0)
     # pure dp = 2, ZeRO 0: compute of m = 4 micro-batches of 2 sequences, then one all-reduce
     r = evaluate(cfg, dict(dp=2, tp=1, pp=1, zero_stage=0, schedule="none", micro_batch=2,
                            recompute="none"), S, 16, cm)
     flops = 8 * S * (L * (72 * h * h + 12 * h * S) + 6 * h * V)
+    vec = 8 * S * (L * 14 * h + 2 * V)  # LN 4h + GELU 8h + residual 2h per layer; softmax 2V
     psi = gpt_num_params(L, 12, h, V, 1024)
     t_dp = 2 * psi * (2 * (2 - 1) / 2) / 360e9
-    assert r["predicted_step_time_s"] == pytest.approx(flops / (989e12 * 0.5) + t_dp, rel=1e-12)
+    assert r["time_breakdown_s"]["vector"] == pytest.approx(vec / vr, rel=1e-12)
+    assert r["predicted_step_time_s"] == pytest.approx(flops / (989e12 * 0.5) + vec / vr + t_dp,
+                                                       rel=1e-12)
     assert r["predicted_mfu"] == pytest.approx(
         (6 * psi + 12 * L * h * S) * 16 * S / (r["predicted_step_time_s"] * 2 * 989e12))
-    # tp = 2: 4 all-reduces per layer and micro-batch of b*S*h*2 bytes, factor 2(t-1)/t = 1
+    # tp = 2: per micro-batch 4 all-reduces per layer + 1 (embedding) of b*S*h*2 bytes and 3 of
+    # b*S fp32 (vocab-parallel loss); factor 2(t-1)/t = 1. GELU and the softmax split over tp.
     r2 = evaluate(cfg, dict(dp=1, tp=2, pp=1, zero_stage=0, schedule="none", micro_batch=2,
                             recompute="none"), S, 16, cm)
-    assert r2["time_breakdown_s"]["tp_comm"] == pytest.approx(8 * L * 4 * 2 * S * h * 2 / 360e9)
+    b2 = r2["time_breakdown_s"]
+    assert b2["tp_comm"] == pytest.approx(8 * ((4 * L + 1) * 2 * S * h * 2 + 3 * 2 * S * 4) / 360e9)
+    assert b2["vector"] == pytest.approx(16 * S * (L * (6 * h + 4 * h) + V) / vr)
     r2f = evaluate(cfg, dict(r2, recompute="full"), S, 16, cm)  # the recomputed forward: 6, not 4
-    assert r2f["time_breakdown_s"]["tp_comm"] == pytest.approx(r2["time_breakdown_s"]["tp_comm"]
-                                                               * 6 / 4)
-    # pp = 4, 1F1B, m = 8: the bubble adds (p-1)/m of the busy time
+    assert r2f["time_breakdown_s"]["tp_comm"] == pytest.approx(
+        8 * ((6 * L + 1) * 2 * S * h * 2 + 3 * 2 * S * 4) / 360e9)
+    sp = evaluate(cfg, dict(r2), S, 16, CostModel(hw, compute_eff=0.5, launch_s=0.0, sp=True))
+    assert sp["sp"] and sp["time_breakdown_s"]["vector"] == pytest.approx(16 * S * L * 7 * h / vr
+                                                                          + 16 * S * V / vr)
+    # pp = 4, 1F1B, m = 8: the slowest stage (the last: output layer) runs 8 micro-batches, the
+    # fill and drain pass once through each other stage
     r4 = evaluate(cfg, dict(dp=1, tp=1, pp=4, zero_stage=0, schedule="1f1b", micro_batch=2,
                             recompute="none"), S, 16, cm)
-    b = r4["time_breakdown_s"]
-    busy = b["compute"] + b["pp_comm"] + b["tp_comm"] + b["overhead"]
-    assert b["bubble"] == pytest.approx(busy * 3 / 8)
-    # interleaved (v = 2) halves that bubble; full recompute adds one forward of the layers
+    b, st = r4["time_breakdown_s"], r4["stage_time_s"]
+    busy = b["compute"] + b["vector"] + b["pp_comm"] + b["tp_comm"] + b["overhead"]
+    assert busy == pytest.approx(8 * st[3]) and st[3] == max(st) and st[0] == pytest.approx(st[1])
+    assert b["bubble"] == pytest.approx(st[0] + st[1] + st[2])
+    # interleaved (v = 2) halves that bubble
     ri = evaluate(cfg, dict(dp=1, tp=1, pp=4, zero_stage=0, schedule="interleaved", micro_batch=2,
-                            recompute="none"), S, 16, cm)["time_breakdown_s"]
-    assert ri["bubble"] == pytest.approx((ri["compute"] + ri["pp_comm"]) * 3 / 16)
+                            recompute="none"), S, 16, cm)
+    assert ri["time_breakdown_s"]["bubble"] == pytest.approx((sum(ri["stage_time_s"]) - max(ri["stage_time_s"])) / 2)
+    # equal stages (a 8-word vocabulary: no output-layer imbalance): Narayanan et al.'s fraction
+    small = preset_config("gpt2", vocab_size=8)
+    for kind, v in (("1f1b", 1), ("interleaved", 2)):
+        re = evaluate(small, dict(dp=1, tp=1, pp=4, zero_stage=0, schedule=kind, micro_batch=2,
+                                  recompute="none"), S, 16, cm)
+        assert re["time_breakdown_s"]["bubble"] / re["predicted_step_time_s"] == pytest.approx(
+            bubble_theory(4, 8, v), rel=1e-3)
+    # full recompute adds one forward of the layers
     rf = evaluate(cfg, dict(dp=2, tp=1, pp=1, zero_stage=0, schedule="none", micro_batch=2,
                             recompute="full"), S, 16, cm)
     extra = 8 * S * L * (24 * h * h + 4 * h * S) / (989e12 * 0.5)
     assert rf["time_breakdown_s"]["compute"] == pytest.approx(r["time_breakdown_s"]["compute"]
                                                               + extra)
+    assert rf["time_breakdown_s"]["vector"] == pytest.approx(vec / vr + 8 * S * L * 8 * h / vr)
     # ZeRO-3 moves 1.5x the bytes of an all-reduce per micro-batch (here m = 4)
     r3 = evaluate(cfg, dict(dp=2, tp=1, pp=1, zero_stage=3, schedule="none", micro_batch=2,
                             recompute="none"), S, 16, cm)
     assert r3["time_breakdown_s"]["dp_comm"] == pytest.approx(4 * 1.5 * t_dp)
+    # overlap: half of the dp communication hides (the backward is far longer here)
+    ro = evaluate(cfg, dict(r3), S, 16, CostModel(replace(hw, overlap=0.5), compute_eff=0.5, launch_s=0.0))
+    assert ro["time_breakdown_s"]["dp_comm"] == pytest.approx(0.5 * 4 * 1.5 * t_dp)
+
+
+def test_collective_latency_counts():
+    """With alpha = 1 ms per call and near-infinite bandwidth, every comm term counts its calls."""
+    cfg = preset_config("gpt2")
+    L, alpha = 12, 1e-3
+    hw = custom_hardware("x", 1e15, 10**12, 1e30, vector_rate=1e15, latency=alpha)
+    cm = CostModel(hw, launch_s=0.0)
+    base = dict(dp=1, tp=1, pp=1, zero_stage=0, schedule="none", micro_batch=2, recompute="none")
+    bd = evaluate(cfg, dict(base, tp=2), 1024, 16, cm)["time_breakdown_s"]  # m = 8
+    assert bd["tp_comm"] == pytest.approx(8 * (4 * L + 1 + 3) * alpha)
+    bd = evaluate(cfg, dict(base, tp=2), 1024, 16, replace(cm, sp=True))["time_breakdown_s"]
+    assert bd["tp_comm"] == pytest.approx(8 * (2 * (4 * L + 1) + 3) * alpha)  # AG + RS pairs
+    bd = evaluate(cfg, dict(base, pp=2, schedule="1f1b"), 1024, 16, cm)["time_breakdown_s"]
+    assert bd["pp_comm"] == pytest.approx(8 * 2 * alpha)
+    slow = CostModel(replace(hw, sync_penalty=alpha), launch_s=0.0)  # each call pays it on top
+    bd = evaluate(cfg, dict(base, pp=2, schedule="1f1b"), 1024, 16, slow)["time_breakdown_s"]
+    assert bd["pp_comm"] == pytest.approx(8 * 2 * 2 * alpha)
+    # dp: units = L blocks + the root; ZeRO-0: ceil(bytes / bucket) all-reduces
+    psi = gpt_num_params(L, 12, 768, 50257, 1024)
+    for z, calls in ((0, -(-2 * psi // (25 << 20))), (1, 2 * (L + 1)), (2, 4 * (L + 1) + (L + 1)),
+                     (3, 4 * 3 * (L + 1))):
+        bd = evaluate(cfg, dict(base, dp=2, zero_stage=z), 1024, 16, cm)["time_breakdown_s"]
+        assert bd["dp_comm"] == pytest.approx(calls * alpha), z
+
+
+def test_alpha_beta_fit_recovers_known_link():
+    alpha, bw = 2e-4, 3e9
+    pts = [(x, alpha + x / bw) for x in (4096, 65536, 1 << 20, 1 << 24)]
+    a, b = fit_alpha_beta(pts)
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(bw, rel=1e-9)
+    assert fit_alpha_beta([(1 << 20, 1e-3)]) == (0.0, pytest.approx((1 << 20) / 1e-3))
+    a, _ = fit_alpha_beta([(1000, 1e-6), (2000, 2.5e-6)])  # would need alpha < 0: clipped, refit
+    assert a == 0.0
+    for bad in ([], [(0, 1.0)], [(10, 1.0), (20, 0.5)]):
+        with pytest.raises(ValueError):
+            fit_alpha_beta(bad)
 
 
 def test_inter_node_links_used_when_groups_cross_nodes():
     cfg = preset_config("gpt2")
-    cm = CostModel(hardware("h100"), gpus_per_node=2, launch_s=0.0)
+    hw = _no_latency(hardware("h100"))
+    cm = CostModel(hw, gpus_per_node=2, launch_s=0.0)
     lay = dict(dp=1, tp=4, pp=1, zero_stage=0, schedule="none", micro_batch=1, recompute="none")
     cross = evaluate(cfg, lay, 1024, 4, cm)["time_breakdown_s"]["tp_comm"]
-    inside = evaluate(cfg, lay, 1024, 4, CostModel(hardware("h100"), gpus_per_node=4,
+    inside = evaluate(cfg, lay, 1024, 4, CostModel(hw, gpus_per_node=4,
                                                    launch_s=0.0))["time_breakdown_s"]["tp_comm"]
     assert cross == pytest.approx(inside * 360 / 40)  # 50 GB/s NIC vs 450 GB/s NVLink, x 0.8
     # dp ranks sit tp apart (rank order pp, dp, tp): dp=2 x tp=2 fits a 4-GPU node, not a 2-GPU one
     lay = dict(dp=2, tp=2, pp=1, zero_stage=0, schedule="none", micro_batch=1, recompute="none")
-    dp_t = [evaluate(cfg, lay, 1024, 4, CostModel(hardware("h100"), gpus_per_node=k))
+    dp_t = [evaluate(cfg, lay, 1024, 4, CostModel(hw, gpus_per_node=k))
             ["time_breakdown_s"] for k in (2, 4)]
     assert dp_t[0]["dp_comm"] == pytest.approx(dp_t[1]["dp_comm"] * 360 / 40)
     assert dp_t[0]["tp_comm"] == pytest.approx(dp_t[1]["tp_comm"])  # tp stays inside a node
@@ -165,14 +235,27 @@ def test_calibration_changes_intra_node_bandwidth(tmp_path, capsys):
         {"op": "all_gather", "bytes": 1 << 24, "time_s": 1e-2, "algbw_GBps": 6.0,
          "busbw_GBps": 3.0, "mode": "blocking"}]}
     hw = calibrate(hardware("h100"), bench)
-    assert hw.intra["all_reduce"] == 2.5e9 and hw.intra["all_gather"] == 3.0e9
+    # all_reduce: two blocking sizes -> alpha-beta through both points (busbw = algbw on 2 ranks)
+    gamma = (1e-2 - 1e-4) / ((1 << 24) - 4096)
+    assert hw.intra["all_reduce"] == pytest.approx(1 / gamma)
+    assert hw.latency_intra["all_reduce"] == pytest.approx(1e-4 - 4096 * gamma)
+    # all_gather: one size -> its busbw, the datasheet latency kept; p2p not measured: datasheet
+    assert hw.intra["all_gather"] == 3.0e9 and hw.latency_intra["all_gather"] == 10e-6
     assert hw.intra["p2p"] == 360e9 and hw.inter == hardware("h100").inter
+    assert hw.overlap == 0.0 and calibrate(hardware("h100"), {**bench, "overlap": {"hidden_fraction": 0.7}}).overlap == 0.7
+    # after_compute all-reduces: the sync penalty is the median extra time over the blocking ones
+    assert hw.sync_penalty == 0.0
+    after = [{"op": "all_reduce", "bytes": b, "time_s": t, "algbw_GBps": 1.0, "busbw_GBps": 1.0,
+              "mode": "after_compute"} for b, t in ((4096, 3e-4), (1 << 24, 1.5e-2))]
+    hs = calibrate(hardware("h100"), {**bench, "results": bench["results"] + after})
+    assert hs.sync_penalty == pytest.approx((2e-4 + 5e-3) / 2)
+    assert hs.intra["all_reduce"] == hw.intra["all_reduce"]  # after_compute rows are not fitted
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     argv = ["--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--seq", "1024"]
     _, base = _json(capsys, argv)
     _, cal = _json(capsys, argv + ["--calibrate", str(path)])
-    assert cal["assumptions"]["intra_node_busbw_GBps"]["all_reduce"] == 2.5
+    assert cal["assumptions"]["intra_node_busbw_GBps"]["all_reduce"] == pytest.approx(gamma ** -1 / 1e9)
     assert base["assumptions"]["intra_node_busbw_GBps"]["all_reduce"] == 360.0
     assert cal["layouts"][0]["predicted_step_time_s"] > base["layouts"][0]["predicted_step_time_s"]
     with pytest.raises(ValueError, match="no busbw"):
@@ -197,8 +280,9 @@ def test_custom_hardware_and_fp32_communication():
         b2, b4 = (evaluate(cfg, lay, 256, 8, CostModel(cal, gpus_per_node=2, elem_bytes=e))
                   ["time_breakdown_s"] for e in (2, 4))
         assert b4["compute"] == b2["compute"]
+        loss = 4 * 3 * 2 * 256 * 4 / 1e9 if lay["tp"] > 1 else 0.0  # fp32 loss statistics, m = 4
         for k in ("dp_comm", "tp_comm", "pp_comm"):
-            assert b4[k] == pytest.approx(2 * b2[k])
+            assert b4[k] == pytest.approx(2 * b2[k] - (loss if k == "tp_comm" else 0.0))
         assert b2["dp_comm"] + b2["tp_comm"] + b2["pp_comm"] > 0
 
 

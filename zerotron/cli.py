@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "export":
         return cmd_export(rest)
     if cmd == "plan":
-        from .analysis.planner import plan_main
+        from .analysis.plan_cli import plan_main
 
         return plan_main(rest)
     return _fail(f"unknown command {cmd!r}; commands: train, generate, export, memory, plan, schedule, bench")

@@ -7,14 +7,20 @@ local workers (:func:`zerotron.launch.launch`).
 
 Method. Every call goes through :mod:`zerotron.distributed.comm` on flat contiguous float32
 tensors. Each op is first checked once for correct values (on <= 64KiB), then every size is
-timed as the median of ``iters`` repetitions after ``warmup`` ones, with a barrier before each repetition (and
-``torch.cuda.synchronize`` around it on CUDA); the reported time is the max over ranks of the
-per-rank medians. "bytes" is the nccl-tests size: all_reduce/broadcast/p2p the tensor, all_gather
+timed nccl-tests style: ``warmup`` calls, then 3 loops of ``iters // 3`` back-to-back calls (a
+barrier before each loop, ``torch.cuda.synchronize`` around it on CUDA), time per call = loop time
+/ calls, the median over loops; the reported time is the max over ranks. Back-to-back calls
+include the per-call latency a training step pays (a barrier before every call would hide it). "bytes" is the nccl-tests size: all_reduce/broadcast/p2p the tensor, all_gather
 the output, reduce_scatter and all_to_all the input. algbw = bytes / time and busbw = algbw x
 ``busbw_factor(op, n)`` (NVIDIA nccl-tests, doc/PERFORMANCE.md), in GB/s with GB = 1e9 bytes.
 Sizes are rounded down to a multiple of 4*n bytes so every rank's shard is a whole float32 count.
 p2p is a ring: rank r sends to (r+1)%n and receives from (r-1)%n in one batch_isend_irecv.
 "nonblocking" all_reduce issues K async all-reduces then waits for all; its time is total / K.
+"after_compute" all_reduce: the time a blocking all-reduce adds when each call follows a ~1 ms
+matmul (as tensor parallelism issues them): time per (matmul, all-reduce) pair - time per matmul
+(on CPU the communication threads must first win a core back from the computing ones); clipped
+at 0.1 us.
+A ``zerotron plan --calibrate`` fit of these times gives each op's latency and busbw.
 The overlap test runs a matmul (sized to take about as long as the all-reduce), the all-reduce,
 and both together (async all-reduce, matmul, wait): hidden = (t_mm + t_ar - t_both) /
 min(t_mm, t_ar), clipped to [0, 1]. On CPU the two compete for the same cores.
@@ -105,18 +111,22 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _median_time(fn, iters: int, warmup: int, dev, barrier: bool = True) -> float:
-    """Median seconds of ``fn()`` over ``iters`` reps after ``warmup``; barrier before each rep."""
-    ts = []
-    for i in range(warmup + iters):
+def _median_time(fn, iters: int, warmup: int, dev, barrier: bool = True, loops: int = 3) -> float:
+    """Seconds per ``fn()`` call, nccl-tests style: ``warmup`` calls, then ``loops`` loops of
+    ``max(1, iters // loops)`` back-to-back calls (a barrier before each loop when ``barrier``),
+    each loop's time / its calls; the median over loops."""
+    for _ in range(warmup):
+        fn()
+    k, ts = max(1, iters // loops), []
+    for _ in range(loops):
         if barrier:
             comm.barrier()
         _sync(dev)
         t0 = time.perf_counter()
-        fn()
+        for _ in range(k):
+            fn()
         _sync(dev)
-        if i >= warmup:
-            ts.append(time.perf_counter() - t0)
+        ts.append((time.perf_counter() - t0) / k)
     return statistics.median(ts)
 
 
@@ -178,16 +188,7 @@ def _overlap(nbytes: int, iters: int, warmup: int, dev) -> dict:
     def ar():
         comm.all_reduce(buf, tag=_TAG)
     t_ar = _median_time(ar, iters, warmup, dev)
-    d = 256  # size the matmul so that t_mm ~ t_ar: two cube-root steps; rank 0's choice wins
-    for _ in range(2):
-        x = torch.randn(d, d, device=dev)
-        t_d = _median_time(lambda: x @ x, 3, 1, dev, barrier=False)
-        d = int(min(8192, max(64, d * (t_ar / max(t_d, 1e-9)) ** (1 / 3))) // 64 * 64)
-    d = comm.all_gather_object(d)[0]
-    a, b, c = (torch.randn(d, d, device=dev) for _ in range(3))
-
-    def mm():
-        torch.mm(a, b, out=c)
+    mm, d = _matmul_of(t_ar, dev)  # t_mm ~ t_ar
 
     def both():
         h = comm.all_reduce(buf, async_op=True, tag=_TAG)
@@ -199,13 +200,35 @@ def _overlap(nbytes: int, iters: int, warmup: int, dev) -> dict:
             "t_both_s": _median_time(both, iters, warmup, dev)}
 
 
+def _matmul_of(seconds: float, dev):
+    """A ``fn()`` running one (d, d) @ (d, d) matmul of about ``seconds`` on this device (d a
+    multiple of 64, rank 0's choice) and that d."""
+    d = 256
+    for _ in range(2):
+        x = torch.randn(d, d, device=dev)
+        t_d = _median_time(lambda: x @ x, 3, 1, dev, barrier=False)
+        d = int(min(8192, max(64, d * (seconds / max(t_d, 1e-9)) ** (1 / 3))) // 64 * 64)
+    d = comm.all_gather_object(d)[0]
+    a, b, c = (torch.randn(d, d, device=dev) for _ in range(3))
+    return (lambda: torch.mm(a, b, out=c)), d
+
+
+def _time_after_compute(run, mm, iters: int, warmup: int, dev) -> float:
+    """Seconds a blocking collective adds when every call follows a matmul (as in tensor
+    parallelism): time per (matmul, collective) pair minus time per matmul alone."""
+    def pair():
+        mm()
+        run()
+    return max(1e-7, _median_time(pair, iters, warmup, dev) - _median_time(mm, iters, warmup, dev))
+
+
 def run_benchmark(ops, sizes, iters: int, warmup: int, dev) -> tuple[list[dict], dict]:
     """Measure on every rank (collective); returns ``(results, overlap)`` identical on all ranks.
 
     Raises RuntimeError if an op gives wrong values (checked once per op on <= 64KiB, where float32
     holds every value exactly)."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    local = []  # (op, mode, requested, actual, local median seconds)
+    local, mm = [], None  # (op, mode, requested, actual, local median seconds); the ~1 ms matmul
     for op in ops:
         if op == "p2p" and n == 1:
             continue
@@ -220,6 +243,8 @@ def run_benchmark(ops, sizes, iters: int, warmup: int, dev) -> tuple[list[dict],
             local.append((op, "blocking", req, nb, _median_time(run, iters, warmup, dev)))
             if op == "all_reduce":
                 local.append((op, "nonblocking", req, nb, _time_nonblocking(nb, iters, dev)))
+                mm = mm or _matmul_of(1e-3, dev)[0]
+                local.append((op, "after_compute", req, nb, _time_after_compute(run, mm, iters, warmup, dev)))
     ov = _overlap(actual_bytes(sizes[-1], n), iters, warmup, dev)
     everyone = comm.all_gather_object((local, ov))
     results = []
@@ -275,7 +300,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="local worker processes (default 1)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {','.join(OPS)}")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="lo:hi (powers of two) or comma list, units B/KiB/MiB/GiB")
-    p.add_argument("--iters", type=int, default=20, help="timed repetitions per size (median)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per size, in 3 back-to-back loops (median loop)")
     p.add_argument("--warmup", type=int, default=5, help="untimed repetitions before timing")
     p.add_argument("--json", help="write results to this JSON file (rank 0)")
     p.add_argument("--plot", help="write busbw-vs-size PNG here (rank 0)")
@@ -335,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             destroy()
     if rank == 0:
         print(f"zerotron bench comm: {topo['backend']} on {n} rank(s), {dev.type}, {topo['interconnect']}; "
-              f"median of {args.iters} after {args.warmup} warmup, max over ranks; GB = 1e9 bytes")
+              f"{args.iters} back-to-back calls in 3 loops (median loop) after {args.warmup} warmup, max over ranks; GB = 1e9 bytes")
         print(format_table(results))
         if "p2p" in ops and n == 1:
             print("p2p skipped: a ring needs at least 2 ranks")

@@ -4,7 +4,8 @@ Usage: ``zerotron bench train [--nproc N] [--config F] [--layouts dp,dp-torch,si
 [--warmup W] [--rounds R] [--json F] [--plot F.png] [--markdown F.md] [--section.field V ...]``
 (or ``python -m zerotron.bench.train``). With ``--nproc > 1`` outside a worker it re-runs itself in
 N local workers. A *layout* (:data:`LAYOUTS`) is a name plus config overrides applied on top of the
-file and the CLI overrides; it runs on all N ranks or, with ``world=w``, on ranks 0..w-1 while the
+file and the CLI overrides (suffixes ``-mbN`` and ``-acselective|-acfull`` set the micro-batch and
+activation checkpointing of any layout: :func:`get_layout`); it runs on all N ranks or, with ``world=w``, on ranks 0..w-1 while the
 others wait at a barrier. A layout whose config is refused or whose strategy cannot be built is
 reported as skipped with the error (the run goes on).
 
@@ -82,12 +83,42 @@ LAYOUTS = {x.name: x for x in (
 DEFAULT_LAYOUTS = "dp,dp-torch,single"
 
 
+_SUFFIX = re.compile(r"-(mb)([1-9][0-9]*)$|-(ac)(selective|full)$")
+
+
+def get_layout(name: str) -> Layout:
+    """The :class:`Layout` of ``name``: a key of ``LAYOUTS`` followed by optional suffixes
+    ``-mbN`` (``train.micro_batch = N``) and ``-acselective`` / ``-acfull``
+    (``train.activation_checkpointing``), e.g. ``zero2-mb4-acfull``. Raises ValueError naming
+    the valid layouts and suffixes."""
+    base, extra = name, {}
+    while (m := _SUFFIX.search(base)) and base[:m.start()]:
+        key = "train.micro_batch" if m.group(1) else "train.activation_checkpointing"
+        if key in extra:
+            break
+        extra[key] = m.group(2) or m.group(4)
+        base = base[:m.start()]
+    if base not in LAYOUTS:
+        raise ValueError(f"unknown layout {name!r}; valid layouts: {', '.join(LAYOUTS)}, each optionally "
+                         "followed by -mbN (micro-batch) and -acselective|-acfull (activation checkpointing)")
+    lay = LAYOUTS[base]
+    return lay if not extra else Layout(name, {**lay.overrides, **extra}, lay.world, lay.new_strategy,
+                                        lay.all_threads)
+
+
 def parse_layouts(spec: str) -> list[str]:
-    """Layout names of a comma list, unique, in order. Raises ValueError naming the valid layouts."""
+    """Layout names of a comma list, unique, in order (:func:`get_layout` syntax). Raises
+    ValueError naming the valid layouts."""
     names = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
-    bad = [n for n in names if n not in LAYOUTS]
+    bad = []
+    for n in names:
+        try:
+            get_layout(n)
+        except ValueError:
+            bad.append(n)
     if bad or not names:
-        raise ValueError(f"unknown layout(s) {', '.join(bad) or repr(spec)}; valid layouts: {', '.join(LAYOUTS)}")
+        raise ValueError(f"unknown layout(s) {', '.join(bad) or repr(spec)}; valid layouts: {', '.join(LAYOUTS)} "
+                         "(each optionally followed by -mbN and -acselective|-acfull)")
     return names
 
 
@@ -240,7 +271,7 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
     n, threads, cache, skipped, records = dist.get_world_size(), torch.get_num_threads(), {}, {}, []
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            layout = LAYOUTS[name]
+            layout = get_layout(name)
             w = layout.world or n
             if name not in skipped:
                 try:  # deterministic, so every rank takes the same branch

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from zerotron.analysis.planner import OPS, CostModel, calibrate, custom_hardware, evaluate
+from zerotron.analysis.hardware import OPS, calibrate, custom_hardware
+from zerotron.analysis.planner import CostModel, evaluate
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 GOAL = 0.8  # Spearman rank correlation the planner should reach
@@ -36,9 +37,19 @@ GOAL = 0.8  # Spearman rank correlation the planner should reach
 def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool] | None:
     """``(planner layout, sequence parallel)`` of a ``zerotron bench train`` layout run on ``world``
     ranks, or None for a layout with no planner counterpart. dp-torch prices as dp (same all-reduce);
-    fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1."""
-    base = dict(dp=world, tp=1, pp=1, zero_stage=0, schedule="none", micro_batch=micro_batch,
-                recompute="none")
+    fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1. Suffixes ``-mbN`` / ``-ac...``
+    (:func:`zerotron.bench.train.get_layout`) set the micro-batch and recompute; ``micro_batch``
+    is the config's otherwise."""
+    from zerotron.bench.train import get_layout
+
+    try:
+        over = get_layout(name).overrides
+    except ValueError:
+        return None
+    mb = int(over.get("train.micro_batch", micro_batch))
+    base = dict(dp=world, tp=1, pp=1, zero_stage=0, schedule="none", micro_batch=mb,
+                recompute=over.get("train.activation_checkpointing", "none"))
+    name = name.split("-mb")[0].split("-ac")[0]
     if name in ("dp", "dp-torch", "single", "single-mt"):
         return base, False
     for s in (1, 2, 3):
@@ -76,19 +87,85 @@ def spearman(a, b) -> float:
     return float((ra * rb).sum() / den)
 
 
-def cpu_hardware(comm_bench: dict, peak_flops: float, memory: int) -> tuple:
-    """("cpu" Hardware calibrated from a ``bench comm --json`` dict, world size of that run)."""
+def cpu_hardware(comm_bench: dict, peak_flops: float, memory: int, vector_rate: float) -> tuple:
+    """("cpu" Hardware calibrated from a ``bench comm --json`` dict, world size of that run): every
+    op's latency and busbw from :func:`~zerotron.analysis.hardware.calibrate` (ops it lacks get
+    the all-reduce's), ``vector_rate`` element passes/s, one node (the inter-node link = the
+    intra-node one)."""
     res = [r for r in comm_bench.get("results", []) if r.get("op") == "all_reduce" and r.get("busbw_GBps", 0) > 0]
     if not res:
         raise ValueError("the bench comm file has no all_reduce busbw")
     ar = max(res, key=lambda r: (r.get("mode", "blocking") == "blocking", r["bytes"]))["busbw_GBps"] * 1e9
-    hw = calibrate(custom_hardware("cpu", peak_flops, memory, ar), comm_bench)
-    hw = replace(hw, inter=dict(hw.intra))  # one machine: no inter-node link
+    hw = calibrate(custom_hardware("cpu", peak_flops, memory, ar, vector_rate), comm_bench)
+    lat = {op: hw.latency_intra[op] if any(r.get("op") == op for r in comm_bench["results"])
+           else hw.latency_intra["all_reduce"] for op in OPS}
+    hw = replace(hw, latency_intra=lat, inter=dict(hw.intra), latency_inter=dict(lat))
     return hw, int(comm_bench.get("topology", {}).get("world_size", 0))
 
 
+def gemm_efficiency(rows: int, h: int, peak_flops: float, iters: int = 10) -> float:
+    """Measured FLOP/s of this process on the model's MLP matmul, (rows, h) @ (h, 4h) (best of
+    ``iters``), over ``peak_flops``: the planner's ``compute_eff`` for this model here."""
+    import time
+
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(rows, h, generator=gen), torch.randn(h, 4 * h, generator=gen)
+    best = float("inf")
+    for _ in range(iters + 1):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return min(1.0, 2 * rows * h * 4 * h / best / peak_flops)
+
+
+def layer_overhead_s(cfg, iters: int = 20) -> float:
+    """Fixed cost (seconds) of one transformer block's forward + backward on this process: the
+    median over ``iters`` runs on a single token (framework dispatch, not arithmetic): the
+    planner's ``launch_s``."""
+    import statistics
+    import time
+
+    import torch
+
+    from zerotron.models.gpt import Block
+
+    torch.manual_seed(0)
+    block, x = Block(cfg), torch.randn(1, 1, cfg.n_embd, requires_grad=True)
+    ts = []
+    for _ in range(iters + 2):
+        t = time.perf_counter()
+        block(x).sum().backward()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts[2:])
+
+
+def measure_profile(cfg, micro_batch: int, threads: int, peak_flops: float | None = None) -> dict:
+    """This machine's compute profile with ``threads`` intra-op threads: ``peak_flops`` (best of
+    10 fp32 1024^3 matmuls unless given), ``compute_eff`` (:func:`gemm_efficiency` at rows =
+    micro_batch x block_size), ``vector_rate``
+    (:func:`~zerotron.analysis.hardware.measure_vector_rate` at the model's sizes) and
+    ``launch_s`` (:func:`layer_overhead_s`)."""
+    import torch
+
+    from zerotron.analysis.hardware import measure_vector_rate
+    from zerotron.train.metrics import measure_peak_flops
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows = micro_batch * cfg.block_size
+        peak = peak_flops or measure_peak_flops(torch.device("cpu"), n=1024, iters=10)
+        return {"peak_flops": peak, "compute_eff": gemm_efficiency(rows, cfg.n_embd, peak),
+                "vector_rate": measure_vector_rate(rows, 4 * cfg.n_embd, cfg.vocab_size),
+                "launch_s": layer_overhead_s(cfg), "threads": threads}
+    finally:
+        torch.set_num_threads(prev)
+
+
 def predict(rows: list[dict], cfg, global_batch: int, micro_batch: int, hw, compute_eff: float,
-            elem_bytes: int = 4) -> list[dict]:
+            elem_bytes: int = 4, launch_s: float = 20e-6) -> list[dict]:
     """One record per measured (not skipped) bench row with a planner counterpart: layout, world,
     the planner layout, measured and predicted tokens/s and step time, the predicted breakdown."""
     out = []
@@ -101,7 +178,7 @@ def predict(rows: list[dict], cfg, global_batch: int, micro_batch: int, hw, comp
             continue
         lay, sp = mapped
         cm = CostModel(hw, gpus_per_node=world_max, compute_eff=compute_eff, overhead=0, sp=sp,
-                       elem_bytes=elem_bytes)
+                       elem_bytes=elem_bytes, launch_s=launch_s)
         p = evaluate(cfg, lay, cfg.block_size, global_batch, cm)
         out.append({"layout": r["layout"], "world_size": r["world_size"],
                     "planner_layout": {**lay, "sp": sp}, "measured_tokens_per_s": r["tokens_per_s"],
@@ -144,7 +221,7 @@ def format_table(preds: list[dict]) -> str:
         comm_s = bd["dp_comm"] + bd["tp_comm"] + bd["pp_comm"]
         out.append(f"| {p['layout']} | {p['world_size']} | {desc} | {p['measured_tokens_per_s']:,.0f} | "
                    f"{p['predicted_tokens_per_s']:,.0f} | "
-                   f"{p['predicted_tokens_per_s'] / p['measured_tokens_per_s']:.2f} | {a:g} | {b:g} | {(bd['compute'] + bd['overhead']) * 1e3:.1f} | {comm_s * 1e3:.1f} | "
+                   f"{p['predicted_tokens_per_s'] / p['measured_tokens_per_s']:.2f} | {a:g} | {b:g} | {(bd['compute'] + bd['vector'] + bd['overhead']) * 1e3:.1f} | {comm_s * 1e3:.1f} | "
                    f"{bd['bubble'] * 1e3:.1f} |")
     return "\n".join(out)
 
@@ -161,7 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config of the bench train run (default.toml)")
     p.add_argument("--peak-flops", type=float, help="per-rank peak FLOP/s (default: measured now)")
     p.add_argument("--threads", type=int, help="intra-op threads for the peak (default: the bench run's)")
-    p.add_argument("--compute-eff", type=float, default=0.5, help="achieved/peak FLOP/s (planner default 0.5)")
+    p.add_argument("--compute-eff", type=float, help="achieved/peak FLOP/s (default: measured on the model's MLP matmul)")
     p.add_argument("--out", help="write a markdown report here")
     p.add_argument("--json", help="write the predictions and the correlation here")
     return p
@@ -174,12 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        import torch
-
         from zerotron.analysis.flops import gpt_num_params
-        from zerotron.analysis.planner import _model_from_args
+        from zerotron.analysis.plan_cli import _model_from_args
         from zerotron.config import load_config
-        from zerotron.train.metrics import measure_peak_flops
 
         rows = json.loads(Path(args.bench_train).read_text())
         comm_bench = json.loads(Path(args.bench_comm).read_text())
@@ -194,17 +268,15 @@ def main(argv: list[str] | None = None) -> int:
                              f"{global_batch * cfg.block_size} tokens/step vs {ran[0]['num_params']:,} and "
                              f"{ran[0]['tokens_per_step']}")
         threads = args.threads or int(ran[0].get("threads", 1))
-        if args.peak_flops:
-            peak, how = args.peak_flops, "given (--peak-flops)"
-        else:
-            prev = torch.get_num_threads()
-            torch.set_num_threads(threads)
-            peak = measure_peak_flops(torch.device("cpu"), n=1024, iters=10)
-            torch.set_num_threads(prev)
-            how = f"measured now: best of 10 fp32 1024^3 matmuls, {threads} thread(s)"
+        prof = measure_profile(cfg, micro_batch, threads, args.peak_flops)
+        if args.compute_eff:
+            prof["compute_eff"] = args.compute_eff
+        peak = prof["peak_flops"]
+        how = ("given (--peak-flops)" if args.peak_flops else
+               f"measured now: best of 10 fp32 1024^3 matmuls, {threads} thread(s)")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        hw, comm_world = cpu_hardware(comm_bench, peak, memory)
-        preds = predict(rows, cfg, global_batch, micro_batch, hw, args.compute_eff)
+        hw, comm_world = cpu_hardware(comm_bench, peak, memory, prof["vector_rate"])
+        preds = predict(rows, cfg, global_batch, micro_batch, hw, prof["compute_eff"], launch_s=prof["launch_s"])
         rhos = correlations(preds)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         print(f"validate_plan: error: {e}", file=sys.stderr)
@@ -220,14 +292,16 @@ def main(argv: list[str] | None = None) -> int:
         others.append(f"vs the best round's tokens/s: {rhos['best_round']:.3f}")
     summary2 = "Also: " + "; ".join(others)
     print(f"{table}\n{summary}\n{summary2}")
-    busbw = ", ".join(f"{op} {hw.intra[op] / 1e9:.3f}" for op in OPS)
+    busbw = ", ".join(f"{op} {hw.intra[op] / 1e9:.3f} GB/s + {hw.latency_intra[op] * 1e6:.0f} us" for op in OPS)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "spearman": rho, "spearman_variants": rhos, "goal": GOAL, "layouts": preds,
             "hardware": {"name": hw.name, "peak_flops": peak, "peak_flops_how": how, "memory": hw.memory,
-                         "busbw_GBps": {op: hw.intra[op] / 1e9 for op in OPS}, "comm_world_size": comm_world},
-            "compute_eff": args.compute_eff, "elem_bytes": 4, "global_batch": global_batch,
+                         "busbw_GBps": {op: hw.intra[op] / 1e9 for op in OPS},
+                         "latency_us": {op: hw.latency_intra[op] * 1e6 for op in OPS}, "overlap": hw.overlap,
+                         "vector_rate_per_s": hw.vector_rate, "comm_world_size": comm_world},
+            "profile": prof, "compute_eff": prof["compute_eff"], "elem_bytes": 4, "global_batch": global_batch,
             "micro_batch": micro_batch, "seq": cfg.block_size, "bench_train": args.bench_train,
             "bench_comm": args.bench_comm}, indent=1))
     if args.out:
@@ -235,12 +309,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join([
             "# Planner validation: predicted vs measured training throughput", "", f"Command: `{cmd}`", "",
-            f"Hardware profile \"cpu\": peak {peak / 1e9:.2f} GFLOP/s per rank ({how}); busbw GB/s from "
-            f"`{args.bench_comm}` ({comm_world} ranks): {busbw}; compute_eff {args.compute_eff}; fp32 "
-            f"communication (4 bytes/element); all ranks on one node.", "",
+            f"Hardware profile \"cpu\", measured on this machine: peak {peak / 1e9:.2f} GFLOP/s per rank ({how}); "
+            f"compute_eff {prof['compute_eff']:.3f} (the model's MLP matmul / peak); vector rate "
+            f"{hw.vector_rate / 1e9:.3f} G element passes/s (GELU + log-softmax, forward + backward); per-layer "
+            f"overhead {prof['launch_s'] * 1e6:.0f} us (one block on one token); collectives fitted (alpha + "
+            f"bytes/busbw) to `{args.bench_comm}` ({comm_world} ranks): {busbw}; dp overlap {hw.overlap:.2f} "
+            f"(its overlap test); fp32 communication (4 bytes/element); all ranks on one node.", "",
             f"Model: {n_params:,} parameters, global batch {global_batch} x seq {cfg.block_size}, micro-batch "
             f"{micro_batch}; measured: `{args.bench_train}`.", "", table, "", f"**{summary}.**", "", summary2 + ".", "",
-            "Ranks: 1 = fastest (ties averaged). predicted compute ms includes the per-layer launch overhead; "
+            "Ranks: 1 = fastest (ties averaged). predicted compute ms = matmuls + elementwise (vector) + per-layer "
+            "overhead; "
             "comm = dp + tp + pp communication; bubble = the pipeline bubble term. Method: "
             "zerotron/bench/validate_plan.py.", ""]))
     return 0
