@@ -78,16 +78,22 @@ def _train(lay: dict) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**MODEL, **lay.get("model", {})}))
     out = {"losses": [], "norms": [], "tied": [], "digests": [], "timing": []}
+    if lay.get("gen"):  # dense reference at init, before the strategy frees other stages' weights
+        prompt = torch.randint(0, MODEL["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(7))
+        dense_gen = model.generate(prompt, 14, temperature=0).tolist()
     if lay.get("dense"):
         strategy, module = parallelize(model, cfg, mesh), model
     else:
         strategy = PipelineStrategy(model, mesh, cfg)
         module = strategy.module
         out["stage_modules"] = strategy.stage_modules()
-    if lay.get("gen"):  # at init every rank still holds the whole dense model
-        prompt = torch.randint(0, MODEL["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(7))
-        out["gen"] = (pipeline_generate(strategy, prompt, 14).tolist(),
-                      model.generate(prompt, 14, temperature=0).tolist())
+        # pp > 1: only this rank's stages keep parameter storage (tied copy counted once)
+        held = sum(q.untyped_storage().nbytes() for q in model.parameters())
+        own = sum(q.numel() * q.element_size() for q in module.parameters()
+                  if any(q is r for r in model.parameters()))
+        out["param_bytes"] = (held, own, strategy.released_bytes, sum(q.numel() * 4 for q in model.parameters()))
+    if lay.get("gen"):
+        out["gen"] = (pipeline_generate(strategy, prompt, 14).tolist(), dense_gen)
     opt = strategy.build_optimizer(cfg.train, decay_mask(model))
     sched = build_scheduler(opt, cfg.train)
     start = 0
@@ -248,6 +254,11 @@ def test_pp2_parity_all_schedules(refs, pp2):
     assert len(split[0][0]) == 3 + 3 and len(split[1][1]) == 5 + 2
     inter = [r[9]["stage_modules"] for r in pp2["runs"]]  # "1,3,2,2": stages 0,2 | 1,3
     assert list(inter[0]) == [0, 2] and inter[0][2] == ["transformer.h.4", "transformer.h.5"]
+    # parameter memory falls with pp: each rank keeps storage only for its own stages' weights
+    for r in pp2["runs"]:
+        held, own, released, total = r[0]["param_bytes"]
+        assert held == own and released == total - own and 0 < own < total, r[0]["param_bytes"]
+    assert sum(r[0]["param_bytes"][1] for r in pp2["runs"]) == pp2["runs"][0][0]["param_bytes"][3]
 
 
 def test_pp2_measured_bubble(pp2):

@@ -197,12 +197,16 @@ def correlation(preds: list[dict], measured: str = "measured_tokens_per_s") -> f
 
 def correlations(preds: list[dict]) -> dict:
     """Spearman over all layouts (``all``), over the layouts of the largest world only (``same_world``:
-    what ``plan`` ranks, a fixed device count; None under 3 layouts), and against the best round's
-    tokens/s instead of the median (``best_round``: less sensitive to other jobs on the machine)."""
+    what ``plan`` ranks, a fixed device count; None under 3 layouts), over the strategy layouts
+    without -mbN / -ac suffixes (``base_layouts``; None unless some layouts have suffixes), and
+    against the best round's tokens/s instead of the median (``best_round``: less sensitive to other
+    jobs on the machine)."""
     top = max(p["world_size"] for p in preds)
     same = [p for p in preds if p["world_size"] == top]
+    base = [p for p in preds if "-mb" not in p["layout"] and "-ac" not in p["layout"]]
     out = {"all": correlation(preds), "same_world": correlation(same) if len(same) >= 3 else None,
-           "same_world_size": top, "same_world_layouts": len(same)}
+           "same_world_size": top, "same_world_layouts": len(same),
+           "base_layouts": correlation(base) if 3 <= len(base) < len(preds) else None, "base_layouts_n": len(base)}
     if all(p.get("measured_best_round_tokens_per_s") for p in preds):
         out["best_round"] = correlation(preds, "measured_best_round_tokens_per_s")
     return out
@@ -288,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                f"{rho:.3f} (goal >= {GOAL}: {verdict})")
     others = [f"{rhos['same_world_layouts']} layouts on {rhos['same_world_size']} ranks only: "
               f"{_f3(rhos['same_world'])}"]
+    if rhos.get("base_layouts") is not None:
+        others.append(f"{rhos['base_layouts_n']} strategy layouts without -mb/-ac variants: {rhos['base_layouts']:.3f}")
     if "best_round" in rhos:
         others.append(f"vs the best round's tokens/s: {rhos['best_round']:.3f}")
     summary2 = "Also: " + "; ".join(others)
@@ -300,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             "hardware": {"name": hw.name, "peak_flops": peak, "peak_flops_how": how, "memory": hw.memory,
                          "busbw_GBps": {op: hw.intra[op] / 1e9 for op in OPS},
                          "latency_us": {op: hw.latency_intra[op] * 1e6 for op in OPS}, "overlap": hw.overlap,
+                         "sync_penalty_us": hw.sync_penalty * 1e6,
                          "vector_rate_per_s": hw.vector_rate, "comm_world_size": comm_world},
             "profile": prof, "compute_eff": prof["compute_eff"], "elem_bytes": 4, "global_batch": global_batch,
             "micro_batch": micro_batch, "seq": cfg.block_size, "bench_train": args.bench_train,
@@ -313,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             f"compute_eff {prof['compute_eff']:.3f} (the model's MLP matmul / peak); vector rate "
             f"{hw.vector_rate / 1e9:.3f} G element passes/s (GELU + log-softmax, forward + backward); per-layer "
             f"overhead {prof['launch_s'] * 1e6:.0f} us (one block on one token); collectives fitted (alpha + "
-            f"bytes/busbw) to `{args.bench_comm}` ({comm_world} ranks): {busbw}; dp overlap {hw.overlap:.2f} "
-            f"(its overlap test); fp32 communication (4 bytes/element); all ranks on one node.", "",
+            f"bytes/busbw) to `{args.bench_comm}` ({comm_world} ranks): {busbw}; + {hw.sync_penalty * 1e6:.0f} us per "
+            f"collective that follows compute (its after_compute all-reduce); dp overlap {hw.overlap:.2f} (its overlap test); fp32 communication (4 bytes/element); all ranks on one node.", "",
             f"Model: {n_params:,} parameters, global batch {global_batch} x seq {cfg.block_size}, micro-batch "
             f"{micro_batch}; measured: `{args.bench_train}`.", "", table, "", f"**{summary}.**", "", summary2 + ".", "",
             "Ranks: 1 = fastest (ties averaged). predicted compute ms = matmuls + elementwise (vector) + per-layer "

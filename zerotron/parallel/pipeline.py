@@ -72,8 +72,9 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     """Pipeline (x data) parallel strategy; see the module docstring.
 
     Args: ``model`` (a fully initialised GPT, identical on all ranks, or the TensorParallelGPT
-    made from it; afterwards use ``.module`` — the GPT's modules of other ranks' stages are left
-    untouched and unused), ``mesh``, ``cfg`` (``cfg.parallel``: pp_schedule, microbatches,
+    made from it; afterwards use ``.module``; with pp > 1 the storage of the parameters of other
+    ranks' stages is freed (``released_bytes``; shapes kept; ``full_params`` re-creates them for
+    the duration of its context), so parameter memory falls with pp), ``mesh``, ``cfg`` (``cfg.parallel``: pp_schedule, microbatches,
     virtual_stages, pp_split, bucket_mb, zero_stage, reduce_dtype; ``cfg.train.dtype``),
     ``mask`` (weight-decay flag by ``id(param)`` of ``model``; default ``optim.decay_mask(model)``,
     only used by ZeRO-1, which fixes the flag per flat buffer at construction).
@@ -134,6 +135,9 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         act_dtype = next(iter(self.module.parameters())).dtype
         self.executor = PipelineExecutor(self.module, self.pp_group, self.pp, self.rank, self._peer, act_dtype)
         self._timing = {"busy_s": 0.0, "idle_s": 0.0, "bubble_fraction": 0.0}
+        own = {id(q) for q in self.module.parameters()}  # other stages' parameters: storage freed
+        self._foreign = [q for q in model.parameters() if id(q) not in own] if self.pp > 1 else []
+        self.released_bytes = self._release_foreign()
 
     # ---- structure ---------------------------------------------------------------------------
     def stage_modules(self) -> dict[int, list[str]]:

@@ -83,43 +83,61 @@ class PipelineStateMixin:
             for g, saved in zip(optimizer.param_groups, osd.get("param_groups", [])):
                 g["lr"] = saved.get("lr", g["lr"])
 
+    def _release_foreign(self) -> int:
+        """Free the storage of every parameter of the dense model given at construction that no
+        local stage runs (shape and dtype kept; :func:`full_params` re-allocates them while it is
+        open), so a pipeline rank holds only its stages' parameters. Returns the bytes freed."""
+        freed = 0
+        for q in self._foreign:
+            freed += q.data.untyped_storage().nbytes()
+            if not q.data.untyped_storage().resizable():  # e.g. pinned by a .numpy() view
+                q.data = torch.empty_like(q.data)
+            q.data.untyped_storage().resize_(0)
+        return freed
+
     @contextlib.contextmanager
     def full_params(self):
         """Collective over the pp group (every pp rank must enter): broadcast each model stage's
         parameters from the pp rank that owns it into the ``GPT`` given at construction and yield
         that GPT (evaluation, generation, export). Its stage parameters are this rank's own
-        Parameters, so use it read-only. Tensor parallel: also collective over tp -- the gathered
-        TP model's shards are assembled (``tp_state_dict_full``) into a dense ``GPT`` (built once,
-        kept, refreshed on every call), which is yielded instead."""
-        if self.pp > 1:
-            t = self.dense.transformer
-            with torch.no_grad():
-                for s, layers in enumerate(self.module.layer_ranges):
-                    mods = [t.h[i] for i in layers]
-                    mods += [t.wte, t.wpe] if s == 0 else []
-                    mods += [t.ln_f] if s == self.module.last_stage else []
-                    for mod in mods:
-                        for q in mod.parameters():
-                            if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
-                                q.data = q.data.to(self.executor.act_dtype)
-                            comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
-                                           tag="full_params")
-        if self.tp_group is None:
-            yield self.dense
-            return
-        from ..models.gpt import GPT
-        from .tp_model import tp_state_dict_full
+        Parameters, so use it read-only; the other stages' parameters exist only while the context
+        is open (their storage is freed again on exit). Tensor parallel: also collective over tp --
+        the gathered TP model's shards are assembled (``tp_state_dict_full``) into a dense ``GPT``
+        (built once, kept, refreshed on every call), which is yielded instead."""
+        try:
+            if self.pp > 1:
+                for q in self._foreign:  # re-allocate (contents arrive by broadcast)
+                    q.data.untyped_storage().resize_(q.numel() * q.element_size())
+                t = self.dense.transformer
+                with torch.no_grad():
+                    for s, layers in enumerate(self.module.layer_ranges):
+                        mods = [t.h[i] for i in layers]
+                        mods += [t.wte, t.wpe] if s == 0 else []
+                        mods += [t.ln_f] if s == self.module.last_stage else []
+                        for mod in mods:
+                            for q in mod.parameters():
+                                if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
+                                    q.data = q.data.to(self.executor.act_dtype)
+                                comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
+                                               tag="full_params")
+            if self.tp_group is None:
+                yield self.dense
+                return
+            from ..models.gpt import GPT
+            from .tp_model import tp_state_dict_full
 
-        sd = tp_state_dict_full(self.dense)  # collective over tp, fixed key order
-        if self._dense_copy is None:
-            with torch.device("meta"):  # no RNG draw, no init cost
-                g = GPT(self.dense.config)
-            g = g.to_empty(device=self.dense.transformer.wpe.weight.device)
-            g.lm_head.weight = g.transformer.wte.weight  # re-tie (to_empty makes new Parameters)
-            self._dense_copy = g
-        with torch.no_grad():
-            self._dense_copy.load_state_dict(sd)
-        self._dense_copy.train(self.dense.training)
-        yield self._dense_copy
+            sd = tp_state_dict_full(self.dense)  # collective over tp, fixed key order
+            if self._dense_copy is None:
+                with torch.device("meta"):  # no RNG draw, no init cost
+                    g = GPT(self.dense.config)
+                g = g.to_empty(device=self.dense.transformer.wpe.weight.device)
+                g.lm_head.weight = g.transformer.wte.weight  # re-tie (to_empty makes new Parameters)
+                self._dense_copy = g
+            with torch.no_grad():
+                self._dense_copy.load_state_dict(sd)
+            self._dense_copy.train(self.dense.training)
+            yield self._dense_copy
+        finally:
+            self._release_foreign()
 
     # ---- forward only ------------------------------------------------------------------------
