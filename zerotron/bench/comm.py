@@ -281,8 +281,8 @@ def plot(results: list[dict], path: str, title: str = "") -> None:
     for key in dict.fromkeys((r["op"], r["mode"]) for r in results):
         rs = [r for r in results if (r["op"], r["mode"]) == key]
         ax.plot([r["bytes"] for r in rs], [r["busbw_GBps"] for r in rs], marker="o",
-                linestyle="--" if key[1] == "nonblocking" else "-",
-                label=key[0] + (" (nonblocking)" if key[1] == "nonblocking" else ""))
+                linestyle="-" if key[1] == "blocking" else "--" if key[1] == "nonblocking" else ":",
+                label=key[0] + ("" if key[1] == "blocking" else f" ({key[1].replace('_', ' ')})"))
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_size(int(v)) if v >= 1 else ""))
     ax.set_xlabel("size (bytes, nccl-tests convention)")
