@@ -42,6 +42,9 @@ def _train(overrides: dict, run_dir: str, resume: bool = False) -> dict:
         out["padded"] = sum(f.padded for f in s.all_flats)
         out["padded_blocks"] = sum(f.padded for fl in s.flats[1:] for f in fl)
         out["steps_run"] = len(losses)
+        ms, os_ = s.checkpoint_state(tr.optimizer)  # what this rank hands to DCP
+        out["ckpt_share"] = (sorted(ms), sorted(os_["state"]),
+                             sum(v.numel() for k, v in ms.items() if k != "lm_head.weight"))
     return out
 
 
@@ -142,15 +145,26 @@ def _copy_until(src, dst, step):
 
 
 def test_checkpoint_reshard_across_dp_and_stage(data_cache, single_process, tmp_path):
-    full = run_ranks(_save_run, 4, str(tmp_path), data_cache)[0]          # ZeRO-3 on 4 ranks, 10 steps
+    ranks = run_ranks(_save_run, 4, str(tmp_path), data_cache)            # ZeRO-3 on 4 ranks, 10 steps
+    full = ranks[0]
+    # each rank writes (and reads) only its flat buffers' keys: together exactly the full state
+    shares = [r["ckpt_share"] for r in ranks]
+    assert set().union(*(set(k) for k, _, _ in shares)) == set(full["params"])
+    assert sum(len(k) for k, _, _ in shares) == len(full["params"])  # disjoint (the alias goes with wte)
+    assert all(set(k) - {"lm_head.weight"} == set(o) for k, o, _ in shares)
+    total = sum(v.size for k, v in full["params"].items() if k != "lm_head.weight")
+    assert sum(n for _, _, n in shares) == total and max(n for _, _, n in shares) < total / 2, shares
     _copy_until(tmp_path / "z3dp4", tmp_path / "to_z1", 5)
     _copy_until(tmp_path / "z3dp4", tmp_path / "to_single", 5)
     z1 = run_ranks(_resume_run, 2, None, str(tmp_path / "to_z1"), {"parallel.zero_stage": 1}, data_cache)[0]
+    _copy_until(tmp_path / "z3dp4", tmp_path / "to_fsdp", 5)
+    fsdp = run_ranks(_resume_run, 2, None, str(tmp_path / "to_fsdp"),  # FSDP2 loads and saves DTensor shards
+                     {"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}, data_cache)[0]
     single = _resume_run(None, str(tmp_path / "to_single"), {}, data_cache)  # one process, plain
-    for name, out in (("zero1 dp2", z1), ("single", single)):
+    for name, out, tol in (("zero1 dp2", z1, 1e-5), ("single", single, 1e-5), ("fsdp2 dp2", fsdp, 3e-5)):
         assert len(out["losses"]) == 5  # steps 6..10 only: step counter restored
-        np.testing.assert_allclose(out["losses"], full["losses"][5:], rtol=1e-5, err_msg=name)
-        assert_params_close(out["params"], full["params"], 1e-5, name)
+        np.testing.assert_allclose(out["losses"], full["losses"][5:], rtol=tol, err_msg=name)
+        assert_params_close(out["params"], full["params"], tol, name)
     # a consolidated HF export from the ZeRO-3 checkpoint loads in transformers with equal logits
     import torch
     from transformers import GPT2LMHeadModel
@@ -158,6 +172,10 @@ def test_checkpoint_reshard_across_dp_and_stage(data_cache, single_process, tmp_
     from zerotron.cli import main
     from zerotron.generate import load_model
 
+    # FSDP2's sharded (DTensor) step-10 checkpoint, read by one process
+    dense, _, _ = load_model(tmp_path / "to_fsdp", torch.device("cpu"))
+    assert_params_close({k: v.detach().numpy() for k, v in dense.state_dict().items()}, fsdp["params"], 1e-6,
+                        "fsdp2 checkpoint -> dense")
     assert main(["export", "--checkpoint", str(tmp_path / "z3dp4"), "--out", str(tmp_path / "hf")]) == 0
     ours, _, _ = load_model(tmp_path / "z3dp4", torch.device("cpu"))
     hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()

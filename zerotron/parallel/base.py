@@ -209,6 +209,16 @@ class Strategy:
         else:
             set_state_dict(self.module, optimizer, model_state_dict=msd, optim_state_dict=osd)
 
+    def checkpoint_state(self, optimizer=None):
+        """``(model_state, optimizer_state)`` this rank hands to torch.distributed.checkpoint: the
+        canonical :meth:`state_dict`, or (sharded strategies) the part of it this rank owns --
+        DCP writes each key once, so the files are the same. Collective."""
+        return self.state_dict(optimizer)
+
+    def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
+        """Load what DCP filled into :meth:`checkpoint_state`'s dicts. Collective."""
+        self.load_state_dict(msd, osd, optimizer)
+
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         """Global loss sum: this rank's sum all-reduced over ``loss_groups``."""
         t = loss_sum.clone()

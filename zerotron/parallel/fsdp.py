@@ -100,6 +100,24 @@ class FSDP2Strategy(Strategy):
         set_state_dict(self.module, optimizer or [], model_state_dict=msd, optim_state_dict=osd or {},
                        options=StateDictOptions(full_state_dict=True))
 
+    def checkpoint_state(self, optimizer=None):
+        """The DTensor-sharded state (``full_state_dict=False``): each rank hands DCP only its
+        shards; DCP records them as chunks of the global FQN-keyed tensors, so any layout (and a
+        plain model) can load the files. Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=False)
+        if optimizer is None:
+            return get_state_dict(self.module, [], options=opts)[0], None
+        return get_state_dict(self.module, optimizer, options=opts)
+
+    def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
+        """Load the sharded state DCP filled into :meth:`checkpoint_state`'s dicts."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.module, optimizer or [], model_state_dict=msd, optim_state_dict=osd or {},
+                       options=StateDictOptions(full_state_dict=False))
+
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         t = loss_sum.clone()
         comm.all_reduce(t, group=self.group, tag="metrics")

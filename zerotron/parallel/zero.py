@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from ..distributed import comm
 from .base import Strategy
+from .zero_state import ZeroStateMixin
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -146,10 +147,10 @@ class FlatShard:
         _free(self.full)
 
     @torch.no_grad()
-    def load_canonical(self, params: dict, opt_state: dict, optimizer) -> None:
-        """Set this rank's master shard (and its AdamW state) from canonical per-parameter tensors:
-        ``params[name]`` dense values, ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"}.
-        Parameters (compute copies) are not re-gathered here."""
+    def canonical_to_flat(self, params: dict, opt_state: dict) -> tuple:
+        """``(flat, {"exp_avg", "exp_avg_sq"}, step or None)``: padded fp32 full vectors of this
+        buffer built from canonical per-parameter tensors (``params[name]`` dense values,
+        ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"})."""
         flat = torch.zeros(self.padded, dtype=torch.float32)
         st = {k: torch.zeros(self.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
         step = None
@@ -159,6 +160,12 @@ class FlatShard:
                 for k in st:
                     st[k][off:off + n] = opt_state[name][k].reshape(-1).float().cpu()
                 step = opt_state[name]["step"]
+        return flat, st, step
+
+    @torch.no_grad()
+    def load_flat(self, flat: torch.Tensor, st: dict, step, optimizer) -> None:
+        """Set this rank's master shard (and its AdamW state when ``step`` is not None) from padded
+        full vectors (:meth:`canonical_to_flat`). Parameters (compute copies) are not re-gathered."""
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
         self.master.copy_(flat[lo:hi])
         if step is not None:
@@ -166,6 +173,10 @@ class FlatShard:
             state["step"] = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
             for k in st:
                 state[k] = st[k][lo:hi].clone().to(self.master.device)
+
+    def load_canonical(self, params: dict, opt_state: dict, optimizer) -> None:
+        """:meth:`load_flat` of :meth:`canonical_to_flat` (every rank holds the full state)."""
+        self.load_flat(*self.canonical_to_flat(params, opt_state), optimizer)
 
 
 class _PreBackward(torch.autograd.Function):
@@ -183,7 +194,7 @@ class _PreBackward(torch.autograd.Function):
         return None, grad
 
 
-class ZeroStrategy(Strategy):
+class ZeroStrategy(ZeroStateMixin, Strategy):
     """Native ZeRO stage 1/2/3 over the dp group for a GPT (``model.transformer.h`` blocks).
 
     Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup), ``stage``
@@ -422,63 +433,3 @@ class ZeroStrategy(Strategy):
             return output
         return hook
 
-    # ---- checkpoints (canonical per-parameter format, see train.checkpoint) -----------------
-    def state_dict(self, optimizer):
-        """Full, unsharded state in the format of ``get_state_dict(plain_model, AdamW)``, gathered
-        from the shards (transiently materialises the full model and optimizer state)."""
-        msd, osd_state = {}, {}
-        for f in self.all_flats:
-            full = {"param": self._gather_full(f.master.detach())}
-            st = optimizer.state.get(f.master, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in st:
-                    full[key] = self._gather_full(st[key])
-            for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels):
-                msd[name] = full["param"][off:off + n].view(p.shape).clone()
-                if st:
-                    osd_state[name] = {"step": st["step"].clone(), **{k: full[k][off:off + n].view(p.shape).clone()
-                                                                        for k in ("exp_avg", "exp_avg_sq")}}
-        if self.tp_group is not None:  # tensor-parallel shards -> dense tensors (collective over tp)
-            from .tensor import full_tensor
-
-            params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
-            for name in sorted(msd):
-                msd[name] = full_tensor(params[name], self.tp_group, local=msd[name])
-                for k, v in osd_state.get(name, {}).items():
-                    if v.dim() > 0:
-                        osd_state[name][k] = full_tensor(params[name], self.tp_group, local=v)
-        if "transformer.wte.weight" in msd:
-            msd["lm_head.weight"] = msd["transformer.wte.weight"]
-        groups = []
-        for g in optimizer.param_groups:
-            names = [n for f in self.all_flats if any(f.master is q for q in g["params"]) for n in f.names]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
-        return msd, {"state": osd_state, "param_groups": groups}
-
-    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(shard.numel() * self.group.size(), dtype=torch.float32, device=shard.device)
-        comm.all_gather(out, shard.float().contiguous(), group=self.group, tag="checkpoint")
-        return out
-
-    @torch.no_grad()
-    def load_state_dict(self, msd, osd, optimizer) -> None:
-        """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
-        if self.tp_group is not None:  # dense -> this rank's tensor-parallel slices
-            from .tensor import is_tp_sharded, shard_tensor
-
-            def local(p, t):
-                if not is_tp_sharded(p):
-                    return t
-                return shard_tensor(t, p.tp_dim, self.tp_group, p.tp_chunks, p.size(p.tp_dim) * self.tp_group.size())
-
-            params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
-            msd = {n: local(params[n], t) for n, t in msd.items() if n in params}
-            osd = {**osd, "state": {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
-                                    for n, st in osd["state"].items() if n in params}}
-        for f in self.all_flats:
-            f.load_canonical(msd, osd["state"], optimizer)
-            if f.stage < 3:
-                f.launch_gather()
-                f.wait_gather()
-        for g, saved in zip(optimizer.param_groups, osd.get("param_groups", [])):
-            g["lr"] = saved.get("lr", g["lr"])

@@ -79,7 +79,7 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
-    msd, osd = strategy.state_dict(optimizer)
+    msd, osd = strategy.checkpoint_state(optimizer)  # ZeRO: this rank's share of the canonical keys
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
@@ -152,10 +152,10 @@ def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, 
     try:
         if optimizer is not None:
             init_optimizer_state(optimizer)
-        msd, osd = strategy.state_dict(optimizer)
+        msd, osd = strategy.checkpoint_state(optimizer)
         state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(ckpt))
-        strategy.load_state_dict(state["model"], state.get("optim"), optimizer)
+        strategy.load_checkpoint_state(state["model"], state.get("optim"), optimizer)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load checkpoint {str(ckpt)!r}: {first[:300]}. A file may be missing or "

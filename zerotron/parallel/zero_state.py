@@ -1,0 +1,142 @@
+"""Checkpoint state of :class:`zerotron.parallel.zero.ZeroStrategy` in the canonical per-parameter
+format (``train.checkpoint``): dense FQN-keyed tensors, loadable by any layout.
+
+Two ways to get it:
+
+* :meth:`ZeroStateMixin.state_dict` -- the whole state on every rank (tests, tools). Transiently
+  materialises the full model and optimizer state on each rank.
+* :meth:`ZeroStateMixin.checkpoint_state` -- what a checkpoint save/load uses. The flat buffers are
+  dealt round-robin to the dp ranks (buffer i -> dp rank i mod dp; all tp ranks of that dp
+  coordinate hold the same keys). Each rank returns only its buffers' parameters and Adam state,
+  so the bytes held per rank are about 1/dp of the full state plus one buffer in flight.
+  torch.distributed.checkpoint writes every key once, whichever rank has it, so the files are
+  the same as from :meth:`state_dict`. Loading reverses it: each rank loads its keys from disk,
+  then every buffer is broadcast from its owner over dp, one buffer at a time, and each rank keeps
+  its own shard.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import comm
+
+_ADAM = ("exp_avg", "exp_avg_sq")
+
+
+class ZeroStateMixin:
+    """``state_dict`` / ``load_state_dict`` / ``checkpoint_state`` / ``load_checkpoint_state`` for
+    ``ZeroStrategy`` (attributes used: ``all_flats``, ``group``, ``tp_group``)."""
+
+    def _owner(self, i: int) -> int:
+        """dp rank that writes and reads flat buffer ``i`` in a checkpoint."""
+        return i % self.group.size()
+
+    def _canonical(self, optimizer, owned) -> tuple[dict, dict]:
+        msd, osd_state = {}, {}
+        for i, f in enumerate(self.all_flats):
+            full = {"param": self._gather_full(f.master.detach())}  # collective: every rank gathers
+            st = optimizer.state.get(f.master, {}) if optimizer is not None else {}
+            for key in _ADAM:
+                if key in st:
+                    full[key] = self._gather_full(st[key])
+            if not owned(i):
+                continue
+            for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels):
+                msd[name] = full["param"][off:off + n].view(p.shape).clone()
+                if st:
+                    osd_state[name] = {"step": st["step"].clone(),
+                                       **{k: full[k][off:off + n].view(p.shape).clone() for k in _ADAM}}
+        if self.tp_group is not None:  # tensor-parallel shards -> dense tensors (collective over tp)
+            from .tensor import full_tensor
+
+            params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
+            for name in sorted(msd):  # same owned names on every tp rank of this dp coordinate
+                msd[name] = full_tensor(params[name], self.tp_group, local=msd[name])
+                for k, v in osd_state.get(name, {}).items():
+                    if v.dim() > 0:
+                        osd_state[name][k] = full_tensor(params[name], self.tp_group, local=v)
+        if "transformer.wte.weight" in msd:
+            msd["lm_head.weight"] = msd["transformer.wte.weight"]
+        groups = []
+        for g in optimizer.param_groups if optimizer is not None else []:
+            names = [n for f in self.all_flats if any(f.master is q for q in g["params"]) for n in f.names]
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+        return msd, {"state": osd_state, "param_groups": groups}
+
+    def state_dict(self, optimizer=None):
+        """Full, unsharded state in the format of ``get_state_dict(plain_model, AdamW)``, gathered
+        from the shards on every rank (transiently materialises the full model and optimizer
+        state). Collective over dp (and tp)."""
+        return self._canonical(optimizer, lambda i: True)
+
+    def checkpoint_state(self, optimizer=None):
+        """The canonical state of the flat buffers this dp rank owns (module docstring): keys are a
+        1/dp share of :meth:`state_dict`'s; ``param_groups`` list every name. Collective."""
+        rank = self.group.rank()
+        return self._canonical(optimizer, lambda i: self._owner(i) == rank)
+
+    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(shard.numel() * self.group.size(), dtype=torch.float32, device=shard.device)
+        comm.all_gather(out, shard.float().contiguous(), group=self.group, tag="checkpoint")
+        return out
+
+    def _tp_local(self, msd: dict, osd: dict) -> tuple[dict, dict]:
+        """Dense canonical tensors -> this rank's tensor-parallel slices (names of this model only)."""
+        if self.tp_group is None:
+            return msd, osd
+        from .tensor import is_tp_sharded, shard_tensor
+
+        def local(p, t):
+            if not is_tp_sharded(p):
+                return t
+            return shard_tensor(t, p.tp_dim, self.tp_group, p.tp_chunks, p.size(p.tp_dim) * self.tp_group.size())
+
+        params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
+        msd = {n: local(params[n], t) for n, t in msd.items() if n in params}
+        osd = {**osd, "state": {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
+                                for n, st in osd["state"].items() if n in params}}
+        return msd, osd
+
+    def _finish_load(self, f, osd, optimizer) -> None:
+        if f.stage < 3:
+            f.launch_gather()
+            f.wait_gather()
+
+    @torch.no_grad()
+    def load_state_dict(self, msd, osd, optimizer=None) -> None:
+        """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
+        osd = osd if osd is not None else {"state": {}, "param_groups": []}
+        msd, osd = self._tp_local(msd, osd)
+        for f in self.all_flats:
+            f.load_canonical(msd, osd["state"], optimizer)
+            self._finish_load(f, osd, optimizer)
+        for g, saved in zip(optimizer.param_groups if optimizer is not None else [], osd.get("param_groups", [])):
+            g["lr"] = saved.get("lr", g["lr"])
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
+        """Load what :meth:`checkpoint_state` described (each rank holds its owned buffers' keys,
+        read from disk): every buffer is broadcast from its owner over dp, one at a time, and each
+        rank keeps its shard. ``optimizer`` None loads the parameters only. Collective."""
+        osd = osd if osd is not None else {"state": {}, "param_groups": []}
+        msd, osd = self._tp_local(msd, osd)
+        rank, pg = self.group.rank(), comm._pg(self.group)
+        with_state = optimizer is not None
+        for i, f in enumerate(self.all_flats):
+            dev, owner = f.master.device, self._owner(i)
+            if owner == rank:
+                flat, st, step = f.canonical_to_flat(msd, osd["state"])
+                flat, st = flat.to(dev), {k: v.to(dev) for k, v in st.items()}
+                step_t = torch.tensor([float(step if step is not None else 0)], device=dev)
+            else:
+                flat = torch.empty(f.padded, dtype=torch.float32, device=dev)
+                st = {k: torch.empty(f.padded, dtype=torch.float32, device=dev) for k in _ADAM}
+                step_t = torch.empty(1, device=dev)
+            src = dist.get_global_rank(pg, owner) if pg is not None else owner
+            for t in [flat] + ([st[k] for k in _ADAM] + [step_t] if with_state else []):
+                comm.broadcast(t, src=src, group=self.group, tag="checkpoint")
+            f.load_flat(flat, st, step_t.reshape(()).cpu() if with_state else None, optimizer)
+            self._finish_load(f, osd, optimizer)
+        for g, saved in zip(optimizer.param_groups if with_state else [], osd.get("param_groups", [])):
+            g["lr"] = saved.get("lr", g["lr"])
