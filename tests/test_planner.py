@@ -323,10 +323,22 @@ def test_bad_calibration_content(tmp_path, capsys):
     bad.write_text("{not json")
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"results": [{"op": "all_reduce", "busbw_GBps": 0}]}))
-    for f in (bad, empty):
+    hostile = []
+    for i, content in enumerate(([1, 2], {"results": "x"}, {"results": [{"op": "all_reduce", "busbw_GBps": "abc"}]},
+                                 {"results": [{"op": "p2p", "busbw_GBps": float("nan")}]})):
+        hostile.append(tmp_path / f"hostile{i}.json")
+        hostile[-1].write_text(json.dumps(content))
+    for f in (bad, empty, *hostile):
         assert plan_main(["--model", "gpt2", "--gpus", "8", "--global-batch", "8",
                           "--calibrate", str(f)]) == 2
         assert "calibration" in capsys.readouterr().err
+    # usable rows survive junk beside them: NaN overlap ignored, decreasing times keep the busbw
+    mixed = {"results": [{"op": "all_reduce", "bytes": 4096, "time_s": 1e-3, "busbw_GBps": 1.0, "algbw_GBps": 1.0},
+                         {"op": "all_reduce", "bytes": 8192, "time_s": 5e-4, "busbw_GBps": 2.0, "algbw_GBps": 2.0},
+                         {"op": "all_gather", "bytes": "9", "time_s": None, "busbw_GBps": True}],
+             "overlap": {"hidden_fraction": float("nan")}}
+    hw = calibrate(hardware("h100"), mixed)
+    assert hw.intra["all_reduce"] == 2.0e9 and hw.overlap == 0.0 and hw.intra["all_gather"] == 360e9
 
 
 def test_parse_memory_and_stage_params():

@@ -134,14 +134,15 @@ def calibrate(hw: Hardware, bench: dict) -> Hardware:
     ``overlap.hidden_fraction`` and ``sync_penalty`` the median extra time of the "after_compute"
     all-reduces over the blocking ones, when present. Raises ValueError if ``bench`` has no usable result."""
     best, pts = {}, {}
-    for r in bench.get("results", []) if isinstance(bench, dict) else []:
-        if not (isinstance(r, dict) and r.get("op") in OPS and r.get("busbw_GBps", 0) > 0):
+    results = bench.get("results", []) if isinstance(bench, dict) else []
+    for r in results if isinstance(results, list) else []:
+        if not (isinstance(r, dict) and r.get("op") in OPS and _pos(r.get("busbw_GBps"))):
             continue
         op, blocking = r["op"], r.get("mode", "blocking") == "blocking"
-        key = (blocking, r.get("bytes", 0))
+        key = (blocking, _pos(r.get("bytes")) or 0.0)
         if op not in best or key > best[op][0]:
             best[op] = (key, r["busbw_GBps"] * 1e9)
-        if blocking and r.get("time_s", 0) > 0 and r.get("bytes", 0) > 0 and r.get("algbw_GBps", 0) > 0:
+        if blocking and all(_pos(r.get(k)) for k in ("time_s", "bytes", "algbw_GBps")):
             pts.setdefault(op, []).append((r["bytes"] * r["busbw_GBps"] / r["algbw_GBps"], r["time_s"]))
     if not best:
         raise ValueError("calibration file has no busbw results for any of " + ", ".join(OPS))
@@ -153,18 +154,29 @@ def calibrate(hw: Hardware, bench: dict) -> Hardware:
                 lat[op], bw[op] = fit_alpha_beta(pts[op])
             except ValueError:  # times that do not grow with size: keep the largest size's busbw
                 pass
-    ov = bench.get("overlap", {}).get("hidden_fraction") if isinstance(bench.get("overlap"), dict) else None
-    overlap = min(1.0, max(0.0, float(ov))) if isinstance(ov, (int, float)) and math.isfinite(ov) else hw.overlap
+    ov = bench["overlap"].get("hidden_fraction") if isinstance(bench.get("overlap"), dict) else None
+    overlap = min(1.0, max(0.0, float(ov))) if _num(ov) is not None else hw.overlap
     return replace(hw, intra=bw, latency_intra=lat, overlap=overlap, sync_penalty=_sync_penalty(bench, hw.sync_penalty))
+
+
+def _num(x) -> float | None:
+    """``x`` as a finite float (not a bool), else None."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
+
+
+def _pos(x) -> float | None:
+    """``x`` as a finite float > 0, else None."""
+    v = _num(x)
+    return v if v is not None and v > 0 else None
 
 
 def _sync_penalty(bench: dict, default: float) -> float:
     """Median over sizes of (after_compute - blocking) all-reduce seconds in a ``bench comm``
     dict, clipped at 0; ``default`` without after_compute results."""
     t = {}
-    for r in bench.get("results", []):
-        if isinstance(r, dict) and r.get("op") == "all_reduce" and r.get("time_s", 0) > 0:
-            t.setdefault(r.get("bytes"), {})[r.get("mode", "blocking")] = r["time_s"]
+    for r in bench["results"]:
+        if isinstance(r, dict) and r.get("op") == "all_reduce" and _pos(r.get("time_s")) and _pos(r.get("bytes")):
+            t.setdefault(r["bytes"], {})[r.get("mode", "blocking")] = r["time_s"]
     d = sorted(max(0.0, v["after_compute"] - v["blocking"]) for v in t.values()
                if "after_compute" in v and "blocking" in v)
     return (d[len(d) // 2] + d[(len(d) - 1) // 2]) / 2 if d else default

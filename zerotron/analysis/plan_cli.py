@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", help="usable memory per GPU, e.g. 80GB (default: the GPU's)")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, help="sequence length (default: block_size)")
-    p.add_argument("--calibrate", help="'bench comm --json' file: measured intra-node busbw")
+    p.add_argument("--calibrate", help="'bench comm --json' file: intra-node latency and busbw per op (alpha-beta fit), dp overlap and sync penalty")
     p.add_argument("--top", type=int, default=10, help="layouts to show (10)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--sp", action="store_true", help="sequence parallelism when tp > 1")
