@@ -31,6 +31,7 @@ GPUS = {
     "a100": dict(peak_flops=312e12, memory=80 * GB, hbm=2.039e12, nvlink=300e9, network=25e9),
 }
 INTRA_LATENCY_S = 10e-6
+_MAX_GBPS = 1e6  # a busbw above 1 PB/s in a calibration file is an error, not a measurement
 INTER_LATENCY_S = 20e-6
 
 
@@ -130,13 +131,15 @@ def calibrate(hw: Hardware, bench: dict) -> Hardware:
     """``hw`` with its intra-node link replaced, op by op, by what ``bench`` (a ``zerotron bench
     comm --json`` dict) measured: with blocking times at two or more sizes, (alpha, busbw) from
     :func:`fit_alpha_beta`; otherwise busbw = the measured busbw at the largest size (blocking
-    preferred) and alpha unchanged. The overlap fraction becomes the measured
+    preferred) and alpha unchanged. Ops the file lacks take the all-reduce's values when it has
+    one (else the datasheet's). The inter-node link is left as it was. The overlap fraction becomes the measured
     ``overlap.hidden_fraction`` and ``sync_penalty`` the median extra time of the "after_compute"
     all-reduces over the blocking ones, when present. Raises ValueError if ``bench`` has no usable result."""
     best, pts = {}, {}
     results = bench.get("results", []) if isinstance(bench, dict) else []
     for r in results if isinstance(results, list) else []:
-        if not (isinstance(r, dict) and r.get("op") in OPS and _pos(r.get("busbw_GBps"))):
+        if not (isinstance(r, dict) and r.get("op") in OPS and _pos(r.get("busbw_GBps"))
+                and r["busbw_GBps"] < _MAX_GBPS):
             continue
         op, blocking = r["op"], r.get("mode", "blocking") == "blocking"
         key = (blocking, _pos(r.get("bytes")) or 0.0)
@@ -154,6 +157,10 @@ def calibrate(hw: Hardware, bench: dict) -> Hardware:
                 lat[op], bw[op] = fit_alpha_beta(pts[op])
             except ValueError:  # times that do not grow with size: keep the largest size's busbw
                 pass
+    if "all_reduce" in best:  # ops the file lacks: the all-reduce's link, not the datasheet's
+        for op in OPS:
+            if op not in best:
+                bw[op], lat[op] = bw["all_reduce"], lat["all_reduce"]
     ov = bench["overlap"].get("hidden_fraction") if isinstance(bench.get("overlap"), dict) else None
     overlap = min(1.0, max(0.0, float(ov))) if _num(ov) is not None else hw.overlap
     return replace(hw, intra=bw, latency_intra=lat, overlap=overlap, sync_penalty=_sync_penalty(bench, hw.sync_penalty))

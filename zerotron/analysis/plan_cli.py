@@ -71,6 +71,9 @@ def plan_main(argv: list) -> int:
         return 0 if exc.code in (0, None) else 2
     try:
         cfg, default_batch = _model_from_args(args)
+        for name in ("seq", "global_batch"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         batch = args.global_batch or default_batch
         if not batch:
             raise ValueError("--global-batch is required with --model")
@@ -99,6 +102,7 @@ def plan_main(argv: list) -> int:
                    "intra_node_latency_us": {k: v * 1e6 for k, v in hw.latency_intra.items()},
                    "inter_node_latency_us": {k: v * 1e6 for k, v in hw.latency_inter.items()},
                    "vector_rate_per_s": hw.vector_rate, "dp_overlap": hw.overlap,
+                   "sync_penalty_us": hw.sync_penalty * 1e6,
                    "calibrated_from": args.calibrate, "seq": seq, "global_batch": batch,
                    "gpus": args.gpus, "precision": "bf16-mixed + Adam (K=12), bf16 activations",
                    "rank_order": "(pp, dp, tp), tp innermost",
@@ -120,6 +124,11 @@ def plan_main(argv: list) -> int:
             f"{r['predicted_step_time_s']:.4g}", f"{r['predicted_tokens_per_s']:.4g}",
             f"{r['predicted_mfu']:.3f}")))
     print("dropped: " + ", ".join(f"{k} {v}" for k, v in res["dropped"].items()))
+    if args.calibrate:
+        print(f"calibrated intra-node link from {args.calibrate}: " + ", ".join(
+            f"{op} {hw.latency_intra[op] * 1e6:.0f} us + {hw.intra[op] / 1e9:.3g} GB/s" for op in hw.intra)
+            + f"; sync penalty {hw.sync_penalty * 1e6:.0f} us; dp overlap {hw.overlap:.2f}; the inter-node "
+            "link keeps the datasheet values")
     if not top:
         print("zerotron plan: no layout fits: add GPUs or memory, or lower the global batch or "
               "sequence length", file=sys.stderr)

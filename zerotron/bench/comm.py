@@ -264,9 +264,9 @@ def run_benchmark(ops, sizes, iters: int, warmup: int, dev) -> tuple[list[dict],
 
 def format_table(results: list[dict]) -> str:
     """Fixed-width table: op, mode, size, time (microseconds), algbw and busbw (GB/s)."""
-    lines = [f"{'op':<15}{'mode':<12}{'size':>10}{'time us':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
+    lines = [f"{'op':<15}{'mode':<15}{'size':>10}{'time us':>12}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
     for r in results:
-        lines.append(f"{r['op']:<15}{r['mode']:<12}{format_size(r['bytes']):>10}{r['time_s'] * 1e6:>12.1f}"
+        lines.append(f"{r['op']:<15}{r['mode']:<15}{format_size(r['bytes']):>10}{r['time_s'] * 1e6:>12.1f}"
                      f"{r['algbw_GBps']:>12.3f}{r['busbw_GBps']:>12.3f}")
     return "\n".join(lines)
 

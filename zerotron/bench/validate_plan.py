@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -97,9 +98,7 @@ def cpu_hardware(comm_bench: dict, peak_flops: float, memory: int, vector_rate: 
         raise ValueError("the bench comm file has no all_reduce busbw")
     ar = max(res, key=lambda r: (r.get("mode", "blocking") == "blocking", r["bytes"]))["busbw_GBps"] * 1e9
     hw = calibrate(custom_hardware("cpu", peak_flops, memory, ar, vector_rate), comm_bench)
-    lat = {op: hw.latency_intra[op] if any(r.get("op") == op for r in comm_bench["results"])
-           else hw.latency_intra["all_reduce"] for op in OPS}
-    hw = replace(hw, latency_intra=lat, inter=dict(hw.intra), latency_inter=dict(lat))
+    hw = replace(hw, inter=dict(hw.intra), latency_inter=dict(hw.latency_intra))
     return hw, int(comm_bench.get("topology", {}).get("world_size", 0))
 
 
@@ -177,6 +176,9 @@ def predict(rows: list[dict], cfg, global_batch: int, micro_batch: int, hw, comp
         if mapped is None:
             continue
         lay, sp = mapped
+        tps = r["tokens_per_s"]
+        if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not math.isfinite(tps) or tps <= 0:
+            raise ValueError(f"layout {r['layout']!r}: tokens_per_s must be a positive finite number, got {tps!r}")
         cm = CostModel(hw, gpus_per_node=world_max, compute_eff=compute_eff, overhead=0, sp=sp,
                        elem_bytes=elem_bytes, launch_s=launch_s)
         p = evaluate(cfg, lay, cfg.block_size, global_batch, cm)
@@ -221,7 +223,8 @@ def format_table(preds: list[dict]) -> str:
     for p, a, b in zip(preds, mr, pr):
         lay, bd = p["planner_layout"], p["predicted_breakdown_s"]
         desc = (f"dp{lay['dp']} tp{lay['tp']}{'+sp' if lay['sp'] else ''} pp{lay['pp']} z{lay['zero_stage']} "
-                f"{lay['schedule']} mb{lay['micro_batch']}")
+                f"{lay['schedule']} mb{lay['micro_batch']}"
+                + (f" ac-{lay['recompute']}" if lay.get("recompute", "none") != "none" else ""))
         comm_s = bd["dp_comm"] + bd["tp_comm"] + bd["pp_comm"]
         out.append(f"| {p['layout']} | {p['world_size']} | {desc} | {p['measured_tokens_per_s']:,.0f} | "
                    f"{p['predicted_tokens_per_s']:,.0f} | "
@@ -261,6 +264,14 @@ def main(argv: list[str] | None = None) -> int:
 
         rows = json.loads(Path(args.bench_train).read_text())
         comm_bench = json.loads(Path(args.bench_comm).read_text())
+        if not (isinstance(rows, list) and all(isinstance(r, dict) for r in rows)):
+            raise ValueError(f"--bench-train {args.bench_train!r} is not a 'zerotron bench train --json' file "
+                             "(a list of layout records)")
+        if not (isinstance(comm_bench, dict) and isinstance(comm_bench.get("results"), list)
+                and all(isinstance(r, dict) for r in comm_bench["results"])
+                and isinstance(comm_bench.get("topology", {}), dict)):
+            raise ValueError(f"--bench-comm {args.bench_comm!r} is not a 'zerotron bench comm --json' file "
+                             "(an object with a list of results)")
         cfg, global_batch = _model_from_args(argparse.Namespace(model=None, config=args.config))
         micro_batch = load_config(args.config).train.micro_batch
         ran = [r for r in rows if not r.get("skipped")]
@@ -281,8 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         hw, comm_world = cpu_hardware(comm_bench, peak, memory, prof["vector_rate"])
         preds = predict(rows, cfg, global_batch, micro_batch, hw, prof["compute_eff"], launch_s=prof["launch_s"])
+        if len(preds) < 3:
+            raise ValueError(f"only {len(preds)} measured layout(s) of the bench train file have a planner "
+                             "counterpart; a rank correlation needs >= 3 (see planner_layout)")
         rhos = correlations(preds)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+    except KeyError as e:
+        print(f"validate_plan: error: field {e} missing from a record of {args.bench_train!r}; pass a file "
+              "written by 'zerotron bench train --json'", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, TypeError, json.JSONDecodeError) as e:
         print(f"validate_plan: error: {e}", file=sys.stderr)
         return 2
     table = format_table(preds)
