@@ -84,39 +84,37 @@ class FSDP2Strategy(Strategy):
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
 
-    def state_dict(self, optimizer=None):
-        """Canonical (dense, FQN-keyed) model/optimizer state gathered from the DTensor shards."""
+    def _get(self, optimizer, full: bool):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        opts = StateDictOptions(full_state_dict=True)
+        opts = StateDictOptions(full_state_dict=full)
         if optimizer is None:
             return get_state_dict(self.module, [], options=opts)[0], None
         return get_state_dict(self.module, optimizer, options=opts)
 
-    def load_state_dict(self, msd, osd, optimizer=None) -> None:
-        """Load a canonical dense state; every rank keeps its shards."""
+    def _set(self, msd, osd, optimizer, full: bool) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         set_state_dict(self.module, optimizer or [], model_state_dict=msd, optim_state_dict=osd or {},
-                       options=StateDictOptions(full_state_dict=True))
+                       options=StateDictOptions(full_state_dict=full))
+
+    def state_dict(self, optimizer=None):
+        """Canonical (dense, FQN-keyed) model/optimizer state gathered from the DTensor shards."""
+        return self._get(optimizer, full=True)
+
+    def load_state_dict(self, msd, osd, optimizer=None) -> None:
+        """Load a canonical dense state; every rank keeps its shards."""
+        self._set(msd, osd, optimizer, full=True)
 
     def checkpoint_state(self, optimizer=None):
         """The DTensor-sharded state (``full_state_dict=False``): each rank hands DCP only its
         shards; DCP records them as chunks of the global FQN-keyed tensors, so any layout (and a
         plain model) can load the files. Collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        opts = StateDictOptions(full_state_dict=False)
-        if optimizer is None:
-            return get_state_dict(self.module, [], options=opts)[0], None
-        return get_state_dict(self.module, optimizer, options=opts)
+        return self._get(optimizer, full=False)
 
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
         """Load the sharded state DCP filled into :meth:`checkpoint_state`'s dicts."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(self.module, optimizer or [], model_state_dict=msd, optim_state_dict=osd or {},
-                       options=StateDictOptions(full_state_dict=False))
+        self._set(msd, osd, optimizer, full=False)
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:
         t = loss_sum.clone()
