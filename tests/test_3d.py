@@ -1,5 +1,6 @@
-"""3-D layouts through the real Trainer: pipeline x tensor parallel, pipeline x ZeRO-1 over dp, and
-pp2 x dp2 x tp2 on 8 processes train exactly like one process on the same global batch; the tied
+"""3-D layouts through the real Trainer: pipeline x tensor parallel (with and without sequence
+parallelism), pipeline x ZeRO-1 over dp, and pp2 x dp2 x tp2 on 8 processes train exactly like one
+process on the same global batch; the tied
 embedding/head copies of the first and last stage stay bitwise equal; checkpoints move between
 pp2 x tp2 / pp2 x dp2 ZeRO-1 and one process in both directions.
 
@@ -145,6 +146,8 @@ def layouts_4(ref_run):
     return [
         {**PP2TP2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2, "name": "pp2tp2"},  # saves
         {**PP2TP2, "parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2, "train.micro_batch": 2},
+        {**PP2TP2, "parallel.sequence_parallel": "true", "parallel.pp_schedule": "1f1b",  # (b, T/tp, C) hand-offs
+         "train.micro_batch": 2},
         {**ZERO, "parallel.dp": 2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1,
          "parallel.microbatches": 2, "name": "pp2zero"},                                    # 2 flushes; saves
         {**PP2TP2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4, "resume_from": ref_run},  # dense ->
@@ -180,7 +183,8 @@ def layouts_8(ref_run):
     pdt = {**PP2TP2, "parallel.dp": 2}
     return [
         {**pdt, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
-        {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1},
+        {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1,
+         "parallel.sequence_parallel": "true"},                     # SP grads summed over tp before the RS
         {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4,
          "resume_from": ref_run},                                              # dense -> pp x dp x tp ZeRO-1
     ]
@@ -202,11 +206,11 @@ def test_validate_pipeline_combinations():
     assert validate(cfg(**{"parallel.tp": 2, "parallel.dp": 2}), 8)["tp"] == 2
     assert validate(cfg(**{"parallel.zero_stage": 1}), 4)["dp"] == 2
     assert validate(cfg(**{"parallel.zero_stage": 1, "parallel.tp": 2}), 8)["dp"] == 2
+    assert validate(cfg(**{"parallel.tp": 2, "parallel.sequence_parallel": "true"}), 4)["tp"] == 2  # pp x SP
     for kw, msg in [({"parallel.zero_stage": 2}, "parallel.zero_stage = 2 is not combined with pipeline"),
                     ({"parallel.zero_stage": 3}, "set parallel.zero_stage = 1 or 0"),
                     ({"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}, "zero_stage = 3"),
                     ({"parallel.zero_stage": 1, "parallel.zero_impl": "fsdp2"}, "zero_impl"),
-                    ({"parallel.dp_impl": "torch"}, "parallel.dp_impl = torch is not combined"),
-                    ({"parallel.tp": 2, "parallel.sequence_parallel": "true"}, "parallel.sequence_parallel")]:
+                    ({"parallel.dp_impl": "torch"}, "parallel.dp_impl = torch is not combined")]:
         with pytest.raises(ConfigError, match=msg):
             validate(cfg(**kw), 4)

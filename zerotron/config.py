@@ -357,9 +357,6 @@ def validate(cfg: Config, world_size: int) -> dict:
              "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism; set parallel.zero_impl = native")
         need(p.zero_stage == 1 or p.dp_impl == "native",
              f"parallel.dp_impl = {p.dp_impl} is not combined with pipeline parallelism; set parallel.dp_impl = native")
-        need(dims.tp == 1 or not p.sequence_parallel,
-             "parallel.sequence_parallel is not combined with pipeline parallelism (stage activations are "
-             "full (B, T, C)); set parallel.sequence_parallel = false")
         n_acc = t.global_batch // (t.micro_batch * dims.dp) if t.global_batch % (t.micro_batch * dims.dp) == 0 else 0
         m_flush = p.microbatches or n_acc
         need(n_acc == 0 or n_acc % m_flush == 0,

@@ -30,9 +30,6 @@ def parallelize(model, cfg, mesh):
     if mesh.size("tp") > 1:
         from .tp_model import apply_tensor_parallel
 
-        if pipeline and p.sequence_parallel:
-            raise ValueError("parallel.sequence_parallel is not combined with pipeline parallelism; "
-                             "set parallel.sequence_parallel = false")
         tp_group = mesh.group("tp")
         model = apply_tensor_parallel(model, tp_group, p.sequence_parallel, seed=cfg.train.seed)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # block forwards only

@@ -41,7 +41,8 @@ checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
     tied weight alone, the other non-block parameters, each block), full gradients accumulated
     locally over all flushes, the tied gradient summed between the first and last stage, then one
     reduce-scatter per flat buffer, AdamW on the fp32 master shards, one all-gather of the updated
-    parameters. ZeRO-2/3 and sequence parallelism are not combined with pp (config.validate).
+    parameters. ZeRO-2/3 are not combined with pp (config.validate). Sequence parallelism: stage
+boundaries carry (b, T/tp, C) shards, and finish_grads sums the replicated parameters' gradients over tp.
 
 Also: ``last_step_timing()`` (measured busy/idle per rank), ``full_params()`` (the dense GPT with
 every stage's weights broadcast in; collective over pp -- and over tp, which yields a separate
@@ -226,6 +227,10 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         """Wait for the dp gradient reduction, then sum the tied embedding/head gradients between
         the first and last pipeline rank (pp > 1), so both copies get the same update. ZeRO-1:
         the tied sum first, then the reduce-scatter over dp (see :class:`StageZero1`)."""
+        if self.module.sequence_parallel:  # LayerNorm/bias/wpe grads saw one sequence shard: sum over tp
+            from .tp_model import sync_replicated_grads
+
+            sync_replicated_grads(self.module)
         if self.zero is not None:
             self.zero.finish_grads(self.tied_group)
             return
@@ -331,8 +336,12 @@ def pipeline_generate(strategy: PipelineStrategy, idx: torch.Tensor, max_new_tok
         raise ValueError(f"need idx (B, T0) with T0 >= 1 and max_new_tokens >= 0, got "
                          f"{tuple(idx.shape)}, {max_new_tokens}")
     mod = strategy.module
-    was_training = mod.training
+    was_training, sp = mod.training, mod.sequence_parallel
     mod.eval()
+    if sp:  # prompt lengths need not divide by tp: decode without sequence parallelism
+        from .tp_model import set_sequence_parallel
+
+        set_sequence_parallel(mod, False)
     device = idx.device
     src = strategy._peer(strategy.pp - 1)  # last model stage is on pp rank pp-1
     for _ in range(max_new_tokens):
@@ -351,4 +360,6 @@ def pipeline_generate(strategy: PipelineStrategy, idx: torch.Tensor, max_new_tok
             comm.broadcast(nxt, src=src, group=strategy.pp_group, tag="generate")
         idx = torch.cat([idx, nxt], dim=1)
     mod.train(was_training)
+    if sp:
+        set_sequence_parallel(mod, True)
     return idx

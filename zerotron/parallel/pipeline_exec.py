@@ -10,7 +10,8 @@ the pipeline layout.
 ``PipelineExecutor.run`` walks one rank's actions (``parallel.schedules.Action``) as the schedules
 module docstring prescribes: every maximal run of consecutive SEND/RECV actions is posted as ONE
 ``comm.batch_isend_irecv`` and fully waited before the next compute. Activation shapes are known
-ahead, (b, T, C) of the micro-batch, so there are no shape handshakes. Backward of a stage is
+ahead, (b, T, C) of the micro-batch ((b, T/tp, C) with sequence parallelism), so there are no shape
+handshakes. Backward of a stage is
 ``torch.autograd.backward(output, grad_of_output)``; the input's ``.grad`` goes upstream. A
 micro-batch's saved activations are dropped right after its backward. When pp == 1 (interleaving on
 one rank) neighbouring stages hand tensors over locally (the schedule has no SEND/RECV then).
@@ -83,6 +84,7 @@ class StageModel(nn.Module):
         super().__init__()
         self.config = model.config
         self.tp_group = getattr(model, "tp_group", None)
+        self.sequence_parallel = bool(getattr(model, "sequence_parallel", False))
         self.stages, self.layer_ranges = list(stages), list(layer_ranges)
         self.last_stage = len(layer_ranges) - 1
         src = model.transformer
@@ -129,7 +131,11 @@ class StageModel(nn.Module):
         s = self.stages[chunk]
         t = self.transformer
         if s == 0:
-            pos = torch.arange(x.size(1), dtype=torch.long, device=x.device)
+            start, T = 0, x.size(1)
+            if self.sequence_parallel:  # wte reduce-scatters over the sequence: this rank's positions
+                T //= self.tp_group.size()
+                start = self.tp_group.rank() * T
+            pos = torch.arange(start, start + T, dtype=torch.long, device=x.device)
             x = t["drop"](t["wte"](x) + t["wpe"](pos))
         for i in self.layer_ranges[s]:
             x = t["h"][str(i)](x)
@@ -199,8 +205,8 @@ class PipelineExecutor:
                     elif a.kind == "SEND_B":
                         ops.append(("send", send_b.pop(key), peer))
                     else:
-                        b, T = tokens[a.microbatch].shape
-                        buf = torch.empty(b, T, self.n_embd, dtype=self.act_dtype, device=tokens[0].device)
+                        buf = torch.empty(self._act_shape(tokens[a.microbatch]), dtype=self.act_dtype,
+                                          device=tokens[0].device)
                         (acts_in if a.kind == "RECV_F" else grads_in)[key] = buf
                         ops.append(("recv", buf, peer))
                     j += 1
@@ -248,8 +254,16 @@ class PipelineExecutor:
         if acts_in or grads_in or send_f or send_b or (saved and any(a.kind == "B" for a in actions)):
             raise RuntimeError("pipeline walk ended with undelivered tensors: malformed schedule")
 
+    def _act_shape(self, tok: torch.Tensor) -> tuple:
+        """Stage-boundary activation of micro-batch ``tok`` (b, T): (b, T, C), or this rank's
+        sequence shard (b, T/tp, C) with sequence parallelism."""
+        b, T = tok.shape
+        if self.stage.sequence_parallel:
+            T //= self.stage.tp_group.size()
+        return (b, T, self.n_embd)
+
     def _check(self, out: torch.Tensor, tok: torch.Tensor) -> None:
-        want = (*tok.shape, self.n_embd)
+        want = self._act_shape(tok)
         if tuple(out.shape) != want or out.dtype != self.act_dtype:
             raise RuntimeError(f"stage output {tuple(out.shape)} {out.dtype} differs from the "
                                f"pre-agreed activation {want} {self.act_dtype}")
