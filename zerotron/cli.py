@@ -138,10 +138,13 @@ def cmd_generate(argv: list[str]) -> int:
 
     try:
         if args.nproc > 1 and not in_worker():
-            from .generate import resolve_checkpoint
+            from .data import load_tokenizer
+            from .generate import read_prompts, resolve_checkpoint
             from .train.checkpoint import read_meta
 
-            n_head = read_meta(resolve_checkpoint(args.checkpoint)).get("model_config", {}).get("n_head", 1)
+            ckpt_dir = resolve_checkpoint(args.checkpoint)
+            n_head = read_meta(ckpt_dir).get("model_config", {}).get("n_head", 1)
+            read_prompts(args, load_tokenizer(ckpt_dir / "tokenizer.json"))  # fail once, before the workers
             if args.tp < 1 or args.pp < 1 or args.nproc % (args.tp * args.pp):
                 raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp "
                                  f"({args.tp} x {args.pp})")

@@ -56,13 +56,10 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperatur
     return tokenizer.decode(out[0].tolist())
 
 
-def generate_main(args) -> int:
-    """Entry point for parsed ``zerotron generate`` args (see cli.py)."""
-    from .distributed import comm
-    from .distributed.mesh import Mesh, ParallelDims, init_distributed
-
-    if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
-        raise ValueError("need --max-new-tokens >= 0, --temperature >= 0 and --top-k >= 1")
+def read_prompts(args, tokenizer) -> list[str]:
+    """The prompts of ``--prompt`` or ``--prompts-file`` (its non-blank lines). Raises
+    FileNotFoundError for a missing file, ValueError for no prompt or one that is empty after
+    tokenization (naming its line), so a multi-process run fails once, in the parent."""
     if args.prompts_file:
         f = Path(args.prompts_file)
         if not f.is_file():
@@ -72,12 +69,27 @@ def generate_main(args) -> int:
             raise ValueError(f"--prompts-file {str(f)!r} has no non-empty line")
     else:
         prompts = [args.prompt]
+    for i, text in enumerate(prompts):
+        if not tokenizer.encode(text).ids:
+            where = f"prompt {i + 1} of --prompts-file" if args.prompts_file else "the prompt"
+            raise ValueError(f"{where} is empty after tokenization; give a non-empty --prompt")
+    return prompts
+
+
+def generate_main(args) -> int:
+    """Entry point for parsed ``zerotron generate`` args (see cli.py)."""
+    from .distributed import comm
+    from .distributed.mesh import Mesh, ParallelDims, init_distributed
+
+    if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
+        raise ValueError("need --max-new-tokens >= 0, --temperature >= 0 and --top-k >= 1")
     tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
     if pp > 1 and args.temperature != 0:
         raise ValueError("pipelined generation (--parallel.pp > 1) is greedy only: use --temperature 0")
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, tp, pp), device)
     model, tok, _ = load_model(args.checkpoint, device)
+    prompts = read_prompts(args, tok)
     if tp > 1:
         from .parallel.tp_model import apply_tensor_parallel
 
