@@ -5,7 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ZT=${ZEROTRON:-.venv/bin/zerotron}
-PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-benchmarks}
 LAYOUTS=dp,dp-torch,single,zero1,zero2,zero3,fsdp2-zero2,fsdp2-zero3,tp,tp-sp,pp-gpipe,pp-1f1b,pp-interleaved
 LAYOUTS=$LAYOUTS,dp-mb2,dp-mb4,dp-acselective,dp-acfull,zero3-mb4,tp-mb4,tp-acfull,pp-1f1b-mb4,pp-1f1b-mb2
@@ -14,5 +13,5 @@ $ZT bench comm --nproc 2 --sizes 4KiB:16MiB --iters 30 --warmup 5 \
     --json "$OUT/comm_cpu.json" --plot "$OUT/comm_cpu.png"
 $ZT bench train --nproc 2 --layouts "$LAYOUTS" --rounds 4 --steps 5 --warmup 2 \
     --json "$OUT/planner_layouts_cpu.json" --markdown "$OUT/planner_layouts_cpu.md" --plot "$OUT/planner_layouts_cpu.png"
-$PY -m zerotron.bench.validate_plan --bench-train "$OUT/planner_layouts_cpu.json" --bench-comm "$OUT/comm_cpu.json" \
+$ZT bench plan --bench-train "$OUT/planner_layouts_cpu.json" --bench-comm "$OUT/comm_cpu.json" \
     --out "$OUT/planner_validation.md" --json "$OUT/planner_validation.json"

@@ -35,7 +35,8 @@ CASES = [
     (["train", "--config", TINY, "--parallel.dp_impl", "mpi"], "parallel.dp_impl must be one of"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi"], "no checkpoint found at '/no/such/run'"),
     (["frobnicate"], "unknown command 'frobnicate'"),
-    (["bench", "nothing"], "usage: zerotron bench comm|train"),
+    (["bench", "nothing"], "usage: zerotron bench comm|train|plan"),
+    (["bench", "plan", "--bench-train", "/no/such.json", "--bench-comm", "/no/such.json"], "/no/such.json"),
     (["memory", "--params", "1e6", "--dp", "0"], "dp"),
 ]
 

@@ -20,7 +20,8 @@ commands:
   memory     ZeRO model-state memory per rank (zerotron memory --model gpt2 --dp 8)
   plan       rank parallel layouts for a cluster (zerotron plan --model gpt2 --gpus 8 --gpus-per-node 8 --gpu-mem 80GB --global-batch 256 --seq 1024)
   schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
-  bench      benchmarks: 'bench comm' (collectives) and 'bench train' (DDP implementations)
+  bench      benchmarks: 'bench comm' (collectives), 'bench train' (layouts side by side) and
+             'bench plan' (the planner's predicted ranking vs a 'bench train' run)
 
 Run 'zerotron <command> --help' for the options of one command.
 """
@@ -187,12 +188,17 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("comm", "train"):
-        return _fail("usage: zerotron bench comm|train [options] (see 'zerotron bench comm --help')")
+    if not argv or argv[0] not in ("comm", "train", "plan"):
+        return _fail("usage: zerotron bench comm|train|plan [options] (see 'zerotron bench comm --help'); "
+                     "'bench plan' checks the planner's ranking against a 'bench train' run")
     if argv[0] == "comm":
         from .bench.comm import main as comm_main
 
         return comm_main(argv[1:])
+    if argv[0] == "plan":
+        from .bench.validate_plan import main as validate_main
+
+        return validate_main(argv[1:])
     from .bench.train import main as train_bench_main
 
     return train_bench_main(argv[1:])

@@ -1,6 +1,6 @@
 """Validate the planner's step-time model against a measured ``zerotron bench train`` run.
 
-Usage: ``python -m zerotron.bench.validate_plan --bench-train benchmarks/strategies_cpu.json
+Usage: ``zerotron bench plan`` (or ``python -m zerotron.bench.validate_plan``) ``--bench-train benchmarks/strategies_cpu.json
 --bench-comm comm.json [--config configs/default.toml] [--peak-flops F] [--threads T]
 [--compute-eff 0.5] [--out F.md] [--json F.json]``.
 
@@ -238,7 +238,7 @@ def _f3(v) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerotron.bench.validate_plan", description="Spearman rank "
+    p = argparse.ArgumentParser(prog="zerotron bench plan", description="Spearman rank "
                                 "correlation of the planner's predicted tokens/s vs a bench train run.")
     p.add_argument("--bench-train", required=True, help="'zerotron bench train --json' file")
     p.add_argument("--bench-comm", required=True, help="'zerotron bench comm --json' file (same machine)")
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             "micro_batch": micro_batch, "seq": cfg.block_size, "bench_train": args.bench_train,
             "bench_comm": args.bench_comm}, indent=1))
     if args.out:
-        cmd = "python -m zerotron.bench.validate_plan " + " ".join(argv if argv is not None else sys.argv[1:])
+        cmd = "zerotron bench plan " + " ".join(argv if argv is not None else sys.argv[1:])
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join([
             "# Planner validation: predicted vs measured training throughput", "", f"Command: `{cmd}`", "",
