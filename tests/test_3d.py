@@ -61,6 +61,7 @@ def _train(overrides, run_dir, resume=False):
     out["tp"] = s.tp_group is not None and s.tp_group.size() > 1
     zero = getattr(s, "zero", None)
     if zero is not None:
+        out["ckpt_keys"] = sorted(s.checkpoint_state(tr.optimizer)[0])  # this dp rank's share
         st = [tr.optimizer.state[f.master] for f in zero.all_flats]
         out["zero"] = {"master": sum(f.master.numel() for f in zero.all_flats),
                        "padded": sum(f.padded for f in zero.all_flats),
@@ -127,6 +128,9 @@ def _check(ref, runs, layouts, pp=2):
                 assert None not in o["tied"] and o["tied"] == last["tied"], (lay, (d, t))
             if p in (0, pp - 1):  # the tied weight's optimizer state uses the dense model's key
                 assert "transformer.wte.weight" in o["optim_keys"] and "lm_head.weight" not in o["optim_keys"]
+            if "ckpt_keys" in o and d == 0:  # checkpoint shares of the dp ranks: disjoint, complete
+                shares = [set(by[(p, dd, t)]["ckpt_keys"]) for dd in range(2)]
+                assert not shares[0] & shares[1] and shares[0] | shares[1] == set(o["params"]), lay
             if "zero" in o:  # optimizer state really sharded over dp
                 z = o["zero"]
                 assert z["dp"] == 2 and z["master"] * 2 == z["padded"] and z["exp_avg"] == z["master"], (lay, z)

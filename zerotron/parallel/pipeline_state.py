@@ -23,8 +23,28 @@ class PipelineStateMixin:
         FQNs of the whole model (union over the pp group, tied weight once as
         ``transformer.wte.weight``), exactly like the dense model's. Collective over pp; over tp
         (tensor parallel: shards gathered to dense tensors) and dp (ZeRO-1: shards gathered)."""
+        return self._canonical(optimizer, None)
+
+    def checkpoint_state(self, optimizer=None):
+        """What this rank hands to DCP: :meth:`state_dict`, except that with ZeRO-1 each dp rank
+        keeps only the flat buffers it owns (buffer i -> dp rank i mod dp), so the Adam state is
+        never held in full. Collective over pp, dp (and tp)."""
+        if self.zero is None:
+            return self.state_dict(optimizer)
+        rank, n = self.zero.group.rank(), self.zero.group.size()
+        return self._canonical(optimizer, lambda i: i % n == rank)
+
+    def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
+        """Load what DCP filled into :meth:`checkpoint_state`'s dicts (ZeRO-1: broadcast from the
+        owners). Collective."""
+        if self.zero is None:
+            return self.load_state_dict(msd, osd, optimizer)
+        n = self.zero.group.size()
+        self._zero_load(msd, osd, optimizer, lambda i: i % n)
+
+    def _canonical(self, optimizer, owned):
         if self.zero is not None:
-            msd, osd = self._zero_state_dict(optimizer)
+            msd, osd = self._zero_state_dict(optimizer, owned)
         else:
             msd, osd = super().state_dict(optimizer)
         if osd is not None:
@@ -34,23 +54,28 @@ class PipelineStateMixin:
                 g["params"] = list(dict.fromkeys(names))
         return msd, osd
 
-    def _zero_state_dict(self, optimizer):
+    def _zero_state_dict(self, optimizer, owned=None):
         """ZeRO-1: canonical (dense) state from the flat shards: all-gather over dp, then (tensor
-        parallel) ``full_tensor`` over tp for every sharded tensor, in the fixed flat order."""
+        parallel) ``full_tensor`` over tp for every sharded tensor, in the fixed flat order. With
+        ``owned`` (flat index -> bool) only those buffers' parameters and state are returned."""
         from .tensor import full_tensor
 
-        vals, ostate = self.zero.full_state(optimizer) if optimizer is not None else (None, {})
+        vals, ostate = self.zero.full_state(optimizer, owned) if optimizer is not None else (None, {})
         if vals is None:  # parameters only: the compute copies are full over dp at rest
             vals = {id(q): q.detach().float() for q in unique_params(self.module)}
         if self.tp_group is not None:
             for f in self.zero.all_flats:
                 for name, q in zip(f.names, f.params):
+                    if id(q) not in vals:  # not owned here (the same on every tp peer)
+                        continue
                     vals[id(q)] = full_tensor(q, self.tp_group, local=vals[id(q)])
                     for k, v in ostate.get(name, {}).items():
                         if v.dim() > 0:
                             ostate[name][k] = full_tensor(q, self.tp_group, local=v)
+        flat_ids = {id(q) for f in self.zero.all_flats for q in f.params}
         msd = {key: vals[id(t)] if id(t) in vals else t.detach()
-               for key, t in self.module.state_dict(keep_vars=True).items()}
+               for key, t in self.module.state_dict(keep_vars=True).items()
+               if id(t) in vals or id(t) not in flat_ids}
         if optimizer is None:
             return msd, None
         groups = []
@@ -65,6 +90,11 @@ class PipelineStateMixin:
         out of the flat buffers."""
         if self.zero is None:
             return super().load_state_dict(msd, osd, optimizer)
+        self._zero_load(msd, osd, optimizer, None)
+
+    def _zero_load(self, msd, osd, optimizer, owner) -> None:
+        """ZeRO-1 load: every rank holds every name (``owner`` None) or dp rank ``owner(i)`` holds
+        flat buffer i's names and broadcasts them."""
         from .tensor import shard_tensor
 
         def local(q, t):
@@ -73,12 +103,15 @@ class PipelineStateMixin:
             return shard_tensor(t, q.tp_dim, self.tp_group, q.tp_chunks, q.size(q.tp_dim) * self.tp_group.size())
 
         params = {n: q for f in self.zero.all_flats for n, q in zip(f.names, f.params)}
-        dense = {n: local(q, msd[n]) for n, q in params.items()}
+        dense = {n: local(q, msd[n]) for n, q in params.items() if owner is None or n in msd}
         ostate = {}
         if optimizer is not None and osd is not None:
             ostate = {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
                       for n, st in osd["state"].items() if n in params}
-        self.zero.load_full_state(dense, ostate, optimizer)
+        if owner is None:
+            self.zero.load_full_state(dense, ostate, optimizer)
+        else:
+            self.zero.load_from_owners(dense, ostate, optimizer, owner)
         if optimizer is not None and osd is not None:
             for g, saved in zip(optimizer.param_groups, osd.get("param_groups", [])):
                 g["lr"] = saved.get("lr", g["lr"])

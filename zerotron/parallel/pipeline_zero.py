@@ -83,27 +83,15 @@ class StageZero1:
             for f in self.all_flats:
                 f.wait_gather()
 
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(shard.numel() * self.group.size(), dtype=torch.float32, device=shard.device)
-        comm.all_gather(out, shard.detach().float().contiguous(), group=self.group, tag="checkpoint")
-        return out
-
-    def full_state(self, optimizer) -> tuple[dict, dict]:
+    def full_state(self, optimizer, owned=None) -> tuple[dict, dict]:
         """``({id(param): tensor}, {fqn: adam state})`` of this rank's parameters, unsharded over dp
-        (still tp shards). Collective over dp, flat buffers in a fixed order."""
-        vals, ostate = {}, {}
-        for f in self.all_flats:
-            full = {"param": self._gather(f.master)}
-            st = optimizer.state.get(f.master, {})
-            for k in ("exp_avg", "exp_avg_sq"):
-                if k in st:
-                    full[k] = self._gather(st[k])
-            for name, q, off, n in zip(f.names, f.params, f.offsets, f.numels):
-                vals[id(q)] = full["param"][off:off + n].view(q.shape).clone()
-                if "exp_avg" in full:
-                    ostate[name] = {"step": st["step"].clone(), **{k: full[k][off:off + n].view(q.shape).clone()
-                                                                    for k in ("exp_avg", "exp_avg_sq")}}
-        return vals, ostate
+        (still tp shards), for the flat buffers ``i`` with ``owned(i)`` (default all). Collective
+        over dp, flat buffers in a fixed order."""
+        from .zero_state import gather_flats
+
+        by_name, ostate = gather_flats(self.all_flats, self.group, optimizer, owned or (lambda i: True))
+        ids = {n: id(q) for f in self.all_flats for n, q in zip(f.names, f.params)}
+        return {ids[n]: t for n, t in by_name.items()}, ostate
 
     @torch.no_grad()
     def load_full_state(self, params: dict, ostate: dict, optimizer) -> None:
@@ -112,4 +100,13 @@ class StageZero1:
         Takes this rank's dp shard of each flat buffer, then all-gathers the parameters."""
         for f in self.all_flats:
             f.load_canonical(params, ostate, optimizer)
+        self.gather_params()
+
+    @torch.no_grad()
+    def load_from_owners(self, params: dict, ostate: dict, optimizer, owner) -> None:
+        """Like :meth:`load_full_state`, but dp rank ``owner(i)`` alone holds flat buffer ``i``'s
+        tensors and broadcasts them (``zero_state.load_flats_from_owners``). Collective over dp."""
+        from .zero_state import load_flats_from_owners
+
+        load_flats_from_owners(self.all_flats, self.group, owner, params, ostate, optimizer)
         self.gather_params()

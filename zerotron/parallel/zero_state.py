@@ -24,6 +24,58 @@ from ..distributed import comm
 _ADAM = ("exp_avg", "exp_avg_sq")
 
 
+def gather_flats(flats: list, group, optimizer, owned) -> tuple[dict, dict]:
+    """``({fqn: full-over-dp tensor (this rank's tp layout)}, {fqn: {"step", "exp_avg",
+    "exp_avg_sq"}})`` of the flat buffers ``i`` with ``owned(i)``. Every buffer is all-gathered
+    over ``group`` (collective, fixed order); only the owned ones are kept (one buffer in flight)."""
+    vals, ostate = {}, {}
+    for i, f in enumerate(flats):
+        full = {"param": _gather_full(f.master.detach(), group)}
+        st = optimizer.state.get(f.master, {}) if optimizer is not None else {}
+        for key in _ADAM:
+            if key in st:
+                full[key] = _gather_full(st[key], group)
+        if not owned(i):
+            continue
+        for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels):
+            vals[name] = full["param"][off:off + n].view(p.shape).clone()
+            if "exp_avg" in full:
+                ostate[name] = {"step": st["step"].clone(),
+                                **{k: full[k][off:off + n].view(p.shape).clone() for k in _ADAM}}
+    return vals, ostate
+
+
+def _gather_full(shard: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty(shard.numel() * group.size(), dtype=torch.float32, device=shard.device)
+    comm.all_gather(out, shard.float().contiguous(), group=group, tag="checkpoint")
+    return out
+
+
+@torch.no_grad()
+def load_flats_from_owners(flats: list, group, owner, params: dict, ostate: dict, optimizer) -> None:
+    """Inverse of :func:`gather_flats` with a partition: the dp rank ``owner(i)`` holds the
+    canonical tensors (this rank's tp layout) of flat buffer ``i`` in ``params`` / ``ostate``;
+    it builds the padded vectors and broadcasts them over ``group``, one buffer at a time, and
+    every rank keeps its shard (``FlatShard.load_flat``). ``optimizer`` None: parameters only.
+    Parameters (compute copies) are not re-gathered. Collective."""
+    rank, pg = group.rank(), comm._pg(group)
+    with_state = optimizer is not None
+    for i, f in enumerate(flats):
+        dev, own = f.master.device, owner(i)
+        if own == rank:
+            flat, st, step = f.canonical_to_flat(params, ostate)
+            flat, st = flat.to(dev), {k: v.to(dev) for k, v in st.items()}
+            step_t = torch.tensor([float(step if step is not None else 0)], device=dev)
+        else:
+            flat = torch.empty(f.padded, dtype=torch.float32, device=dev)
+            st = {k: torch.empty(f.padded, dtype=torch.float32, device=dev) for k in _ADAM}
+            step_t = torch.empty(1, device=dev)
+        src = dist.get_global_rank(pg, own) if pg is not None else own
+        for t in [flat] + ([st[k] for k in _ADAM] + [step_t] if with_state else []):
+            comm.broadcast(t, src=src, group=group, tag="checkpoint")
+        f.load_flat(flat, st, step_t.reshape(()).cpu() if with_state else None, optimizer)
+
+
 class ZeroStateMixin:
     """``state_dict`` / ``load_state_dict`` / ``checkpoint_state`` / ``load_checkpoint_state`` for
     ``ZeroStrategy`` (attributes used: ``all_flats``, ``group``, ``tp_group``)."""
@@ -33,20 +85,7 @@ class ZeroStateMixin:
         return i % self.group.size()
 
     def _canonical(self, optimizer, owned) -> tuple[dict, dict]:
-        msd, osd_state = {}, {}
-        for i, f in enumerate(self.all_flats):
-            full = {"param": self._gather_full(f.master.detach())}  # collective: every rank gathers
-            st = optimizer.state.get(f.master, {}) if optimizer is not None else {}
-            for key in _ADAM:
-                if key in st:
-                    full[key] = self._gather_full(st[key])
-            if not owned(i):
-                continue
-            for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels):
-                msd[name] = full["param"][off:off + n].view(p.shape).clone()
-                if st:
-                    osd_state[name] = {"step": st["step"].clone(),
-                                       **{k: full[k][off:off + n].view(p.shape).clone() for k in _ADAM}}
+        msd, osd_state = gather_flats(self.all_flats, self.group, optimizer, owned)
         if self.tp_group is not None:  # tensor-parallel shards -> dense tensors (collective over tp)
             from .tensor import full_tensor
 
@@ -75,11 +114,6 @@ class ZeroStateMixin:
         1/dp share of :meth:`state_dict`'s; ``param_groups`` list every name. Collective."""
         rank = self.group.rank()
         return self._canonical(optimizer, lambda i: self._owner(i) == rank)
-
-    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(shard.numel() * self.group.size(), dtype=torch.float32, device=shard.device)
-        comm.all_gather(out, shard.float().contiguous(), group=self.group, tag="checkpoint")
-        return out
 
     def _tp_local(self, msd: dict, osd: dict) -> tuple[dict, dict]:
         """Dense canonical tensors -> this rank's tensor-parallel slices (names of this model only)."""
@@ -121,22 +155,9 @@ class ZeroStateMixin:
         rank keeps its shard. ``optimizer`` None loads the parameters only. Collective."""
         osd = osd if osd is not None else {"state": {}, "param_groups": []}
         msd, osd = self._tp_local(msd, osd)
-        rank, pg = self.group.rank(), comm._pg(self.group)
-        with_state = optimizer is not None
-        for i, f in enumerate(self.all_flats):
-            dev, owner = f.master.device, self._owner(i)
-            if owner == rank:
-                flat, st, step = f.canonical_to_flat(msd, osd["state"])
-                flat, st = flat.to(dev), {k: v.to(dev) for k, v in st.items()}
-                step_t = torch.tensor([float(step if step is not None else 0)], device=dev)
-            else:
-                flat = torch.empty(f.padded, dtype=torch.float32, device=dev)
-                st = {k: torch.empty(f.padded, dtype=torch.float32, device=dev) for k in _ADAM}
-                step_t = torch.empty(1, device=dev)
-            src = dist.get_global_rank(pg, owner) if pg is not None else owner
-            for t in [flat] + ([st[k] for k in _ADAM] + [step_t] if with_state else []):
-                comm.broadcast(t, src=src, group=self.group, tag="checkpoint")
-            f.load_flat(flat, st, step_t.reshape(()).cpu() if with_state else None, optimizer)
+        load_flats_from_owners(self.all_flats, self.group, self._owner, msd, osd["state"], optimizer)
+        for f in self.all_flats:
             self._finish_load(f, osd, optimizer)
+        with_state = optimizer is not None
         for g, saved in zip(optimizer.param_groups if with_state else [], osd.get("param_groups", [])):
             g["lr"] = saved.get("lr", g["lr"])
