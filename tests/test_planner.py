@@ -297,9 +297,15 @@ def test_json_schema_and_config_file(capsys):
         assert LAYOUT_KEYS <= set(r)
         assert isinstance(r["memory_bytes_per_gpu"], int) and 0 < r["predicted_mfu"] < 1
         assert r["predicted_tokens_per_s"] == pytest.approx(8 * 64 / r["predicted_step_time_s"])
-        assert r["pp"] == 1 or (r["tp"] == 1 and r["zero_stage"] == 0)
+        assert r["pp"] == 1 or r["zero_stage"] <= 1
     assert set(out["dropped"]) >= {"memory", "divisibility"}
     assert out["assumptions"]["global_batch"] == 8 and out["assumptions"]["seq"] == 64
+    # supported_only drops exactly pipeline x ZeRO-2/3 (pipeline x tp and x ZeRO-1 run)
+    cfg = preset_config("gpt2")
+    every, ok = (plan(cfg, 8, 10**15, 16, 1024, CostModel(hardware("h100")), only) for only in (False, True))
+    bad = [r for r in every["layouts"] if r["pp"] > 1 and r["zero_stage"] > 1]
+    assert bad and ok["dropped"]["unsupported"] == len(bad) and len(ok["layouts"]) == len(every["layouts"]) - len(bad)
+    assert any(r["pp"] > 1 and r["tp"] > 1 and r["zero_stage"] == 1 for r in ok["layouts"])
 
 
 @pytest.mark.parametrize("argv, word", [

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-eff", type=float, default=0.8, help="achieved/datasheet bw (0.8)")
     p.add_argument("--overhead", default="2GB", help="fixed framework memory per GPU (2GB)")
     p.add_argument("--supported-only", action="store_true",
-                   help="only layouts zerotron runs today (pp > 1 needs tp = 1 and ZeRO 0)")
+                   help="only layouts zerotron runs today (pipeline parallelism with ZeRO 0 or 1)")
     return p
 
 

@@ -201,8 +201,8 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     SP); micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
     interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer), "none" for pp = 1; ZeRO 0-3;
     recompute none | selective | full. Each is priced by :func:`evaluate`; those over ``gpu_mem``
-    are dropped, and with ``supported_only`` what zerotron cannot run today (pp > 1 with tp > 1 or
-    ZeRO > 0). Returns ``{"layouts": feasible ones, best (shortest step) first, ties broken by
+    are dropped, and with ``supported_only`` what zerotron cannot run today (pp > 1 with ZeRO-2/3,
+    refused like DeepSpeed's pipeline engine does). Returns ``{"layouts": feasible ones, best (shortest step) first, ties broken by
     memory then (pp, tp, zero, schedule, -micro_batch, recompute), "dropped": {reason: count}}``:
     "divisibility" and "layers" count (dp, tp, pp) meshes, the others layouts. Raises ValueError
     for non-positive sizes, gpus % gpus_per_node != 0 or seq > block_size."""
@@ -233,7 +233,7 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                     dropped["schedule"] += 12  # 4 ZeRO stages x 3 recompute modes
                     continue
                 for z, rec in product(range(4), RECOMPUTE_ORDER):
-                    if supported_only and pp > 1 and (tp > 1 or z > 0):
+                    if supported_only and pp > 1 and z > 1:  # pipeline x ZeRO-2/3: refused
                         dropped["unsupported"] += 1
                         continue
                     lay = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": z, "schedule": kind,
