@@ -122,7 +122,9 @@ def test_in_process_skips_unbuildable_layouts(monkeypatch, data_cache, single_pr
 
     extra = {"bad-batch": bt.Layout("bad-batch", {"train.global_batch": 6}),
              "fake-zero": bt.Layout("fake-zero", {"parallel.dp_impl": "torch"}, new_strategy=True)}
-    monkeypatch.setattr(bt, "LAYOUTS", {**bt.LAYOUTS, **extra})
+    from zerotron.bench import layouts
+
+    monkeypatch.setattr(layouts, "LAYOUTS", {**layouts.LAYOUTS, **extra})
     cfg = tiny_config({"data.cache_dir": data_cache})
     d = cfg.data
     data = prepare_data(d.corpus, None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir)

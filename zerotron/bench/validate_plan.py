@@ -31,6 +31,8 @@ import numpy as np
 from zerotron.analysis.hardware import OPS, calibrate, custom_hardware
 from zerotron.analysis.planner import CostModel, evaluate
 
+from .profile import measure_profile
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 GOAL = 0.8  # Spearman rank correlation the planner should reach
 
@@ -39,9 +41,9 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     """``(planner layout, sequence parallel)`` of a ``zerotron bench train`` layout run on ``world``
     ranks, or None for a layout with no planner counterpart. dp-torch prices as dp (same all-reduce);
     fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1. Suffixes ``-mbN`` / ``-ac...``
-    (:func:`zerotron.bench.train.get_layout`) set the micro-batch and recompute; ``micro_batch``
+    (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``
     is the config's otherwise."""
-    from zerotron.bench.train import get_layout
+    from zerotron.bench.layouts import get_layout
 
     try:
         over = get_layout(name).overrides
@@ -100,67 +102,6 @@ def cpu_hardware(comm_bench: dict, peak_flops: float, memory: int, vector_rate: 
     hw = calibrate(custom_hardware("cpu", peak_flops, memory, ar, vector_rate), comm_bench)
     hw = replace(hw, inter=dict(hw.intra), latency_inter=dict(hw.latency_intra))
     return hw, int(comm_bench.get("topology", {}).get("world_size", 0))
-
-
-def gemm_efficiency(rows: int, h: int, peak_flops: float, iters: int = 10) -> float:
-    """Measured FLOP/s of this process on the model's MLP matmul, (rows, h) @ (h, 4h) (best of
-    ``iters``), over ``peak_flops``: the planner's ``compute_eff`` for this model here."""
-    import time
-
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(rows, h, generator=gen), torch.randn(h, 4 * h, generator=gen)
-    best = float("inf")
-    for _ in range(iters + 1):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return min(1.0, 2 * rows * h * 4 * h / best / peak_flops)
-
-
-def layer_overhead_s(cfg, iters: int = 20) -> float:
-    """Fixed cost (seconds) of one transformer block's forward + backward on this process: the
-    median over ``iters`` runs on a single token (framework dispatch, not arithmetic): the
-    planner's ``launch_s``."""
-    import statistics
-    import time
-
-    import torch
-
-    from zerotron.models.gpt import Block
-
-    torch.manual_seed(0)
-    block, x = Block(cfg), torch.randn(1, 1, cfg.n_embd, requires_grad=True)
-    ts = []
-    for _ in range(iters + 2):
-        t = time.perf_counter()
-        block(x).sum().backward()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts[2:])
-
-
-def measure_profile(cfg, micro_batch: int, threads: int, peak_flops: float | None = None) -> dict:
-    """This machine's compute profile with ``threads`` intra-op threads: ``peak_flops`` (best of
-    10 fp32 1024^3 matmuls unless given), ``compute_eff`` (:func:`gemm_efficiency` at rows =
-    micro_batch x block_size), ``vector_rate``
-    (:func:`~zerotron.analysis.hardware.measure_vector_rate` at the model's sizes) and
-    ``launch_s`` (:func:`layer_overhead_s`)."""
-    import torch
-
-    from zerotron.analysis.hardware import measure_vector_rate
-    from zerotron.train.metrics import measure_peak_flops
-
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rows = micro_batch * cfg.block_size
-        peak = peak_flops or measure_peak_flops(torch.device("cpu"), n=1024, iters=10)
-        return {"peak_flops": peak, "compute_eff": gemm_efficiency(rows, cfg.n_embd, peak),
-                "vector_rate": measure_vector_rate(rows, 4 * cfg.n_embd, cfg.vocab_size),
-                "launch_s": layer_overhead_s(cfg), "threads": threads}
-    finally:
-        torch.set_num_threads(prev)
 
 
 def predict(rows: list[dict], cfg, global_batch: int, micro_batch: int, hw, compute_eff: float,

@@ -1,0 +1,75 @@
+"""Layouts of ``zerotron bench train``: a name plus config overrides (:data:`LAYOUTS`), with
+``-mbN`` / ``-acselective|-acfull`` suffixes (:func:`get_layout`)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``overrides``: ``{"section.field": value}``, ``"{world}"`` in a value -> N. ``world``: ranks
+    used (None = all N). ``new_strategy``: a plain DataParallel/TorchDDP from ``parallelize`` means
+    "not implemented yet" (skipped). ``all_threads``: N/world x the per-rank intra-op threads."""
+
+    name: str
+    overrides: dict = field(default_factory=dict)
+    world: int | None = None
+    new_strategy: bool = False
+    all_threads: bool = False
+
+
+_NEW = dict(new_strategy=True)
+LAYOUTS = {x.name: x for x in (
+    Layout("dp", {"parallel.dp_impl": "native"}),
+    Layout("dp-torch", {"parallel.dp_impl": "torch"}),
+    Layout("single", {"parallel.dp_impl": "native"}, world=1),
+    Layout("single-mt", {"parallel.dp_impl": "native"}, world=1, all_threads=True),
+    *(Layout(f"zero{s}", {"parallel.zero_stage": s}, **_NEW) for s in (1, 2, 3)),
+    *(Layout(f"fsdp2-zero{s}", {"parallel.zero_stage": s, "parallel.zero_impl": "fsdp2"}, **_NEW) for s in (2, 3)),
+    Layout("tp", {"parallel.tp": "{world}"}, **_NEW),
+    Layout("tp-sp", {"parallel.tp": "{world}", "parallel.sequence_parallel": "true"}, **_NEW),
+    *(Layout(f"pp-{k}", {"parallel.pp": "{world}", "parallel.pp_schedule": k}, **_NEW) for k in ("gpipe", "1f1b")),
+    Layout("pp-interleaved", {"parallel.pp": "{world}", "parallel.pp_schedule": "interleaved",
+                              "parallel.virtual_stages": 2}, **_NEW),
+)}
+DEFAULT_LAYOUTS = "dp,dp-torch,single"
+
+
+_SUFFIX = re.compile(r"-(mb)([1-9][0-9]*)$|-(ac)(selective|full)$")
+
+
+def get_layout(name: str) -> Layout:
+    """The :class:`Layout` of ``name``: a key of ``LAYOUTS`` followed by optional suffixes
+    ``-mbN`` (``train.micro_batch = N``) and ``-acselective`` / ``-acfull``
+    (``train.activation_checkpointing``), e.g. ``zero2-mb4-acfull``. Raises ValueError naming
+    the valid layouts and suffixes."""
+    base, extra = name, {}
+    while (m := _SUFFIX.search(base)) and base[:m.start()]:
+        key = "train.micro_batch" if m.group(1) else "train.activation_checkpointing"
+        if key in extra:
+            break
+        extra[key] = m.group(2) or m.group(4)
+        base = base[:m.start()]
+    if base not in LAYOUTS:
+        raise ValueError(f"unknown layout {name!r}; valid layouts: {', '.join(LAYOUTS)}, each optionally "
+                         "followed by -mbN (micro-batch) and -acselective|-acfull (activation checkpointing)")
+    lay = LAYOUTS[base]
+    return lay if not extra else Layout(name, {**lay.overrides, **extra}, lay.world, lay.new_strategy,
+                                        lay.all_threads)
+
+
+def parse_layouts(spec: str) -> list[str]:
+    """Layout names of a comma list, unique, in order (:func:`get_layout` syntax). Raises
+    ValueError naming the valid layouts."""
+    names = list(dict.fromkeys(s.strip() for s in spec.split(",") if s.strip()))
+    bad = []
+    for n in names:
+        try:
+            get_layout(n)
+        except ValueError:
+            bad.append(n)
+    if bad or not names:
+        raise ValueError(f"unknown layout(s) {', '.join(bad) or repr(spec)}; valid layouts: {', '.join(LAYOUTS)} "
+                         "(each optionally followed by -mbN and -acselective|-acfull)")
+    return names
