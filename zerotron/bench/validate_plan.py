@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         ran = [r for r in rows if not r.get("skipped")]
         if not ran:
             raise ValueError("the bench train file has no measured layout")
+        if any(str(r.get("peak_mem_kind", "")).startswith("cuda") for r in ran):
+            raise ValueError("bench plan builds its hardware profile from CPU micro-benchmarks, so it validates "
+                             "CPU (gloo) bench train runs only; for GPUs use 'zerotron plan --calibrate' and compare "
+                             "its ranking with the bench train table by hand")
         n_params = gpt_num_params(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size, cfg.bias)
         if ran[0]["num_params"] != n_params or ran[0]["tokens_per_step"] != global_batch * cfg.block_size:
             raise ValueError(f"--config does not match the bench run: {n_params:,} parameters and "
