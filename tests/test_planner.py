@@ -424,7 +424,9 @@ def test_validate_plan_end_to_end(tmp_path, capsys):
              ([{"layout": "dp", "skipped": False}], comm.read_text(), "field 'num_params' missing"),
              (bench_rows, "[1]", "not a 'zerotron bench comm --json' file"),
              (nan_rows, comm.read_text(), "'zero1': tokens_per_s must be a positive finite number"),
-             ([dict(r, layout="bogus") for r in bench_rows], comm.read_text(), "planner counterpart")]
+             ([dict(r, layout="bogus") for r in bench_rows], comm.read_text(), "planner counterpart"),
+             ([dict(r, peak_mem_kind="cuda max_memory_allocated") for r in bench_rows], comm.read_text(),
+              "validates CPU (gloo) bench train runs only")]
     for rows, comm_text, msg in cases:
         (tmp_path / "bt.json").write_text(json.dumps(rows))
         (tmp_path / "bc.json").write_text(comm_text)
