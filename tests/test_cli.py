@@ -92,7 +92,8 @@ def test_help(capsys):
 def small_run(tmp_path_factory, data_cache):
     run = tmp_path_factory.mktemp("small") / "run"
     argv = ["train", "--config", TINY, "--run-dir", str(run), "--train.steps", "2", "--log.progress", "false",
-            "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache]
+            "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache,
+            "--checkpoint.every", "1"]
     assert main(argv) == 0
     return run, argv
 
@@ -118,6 +119,9 @@ def test_resume_checks(small_run, tmp_path, capsys):
         f.unlink()
     code, err = main(["generate", "--checkpoint", str(bad), "--prompt", "x"]), capsys.readouterr().err
     assert code == 2 and "cannot load checkpoint" in err and "A file may be missing or damaged" in err
+    # --resume verifies the newest checkpoint's files first and names the one to fall back to
+    code, err = main([*argv[:4], str(bad), *argv[5:], "--resume", "--train.steps", "3"]), capsys.readouterr().err
+    assert code == 2 and "step_2' is damaged: data file" in err and "missing" in err and "resume from step_1" in err, err
     (ck / "meta.json").write_text('{"step": 2, "mod')
     code, err = main(["export", "--checkpoint", str(bad), "--out", str(tmp_path / "hf")]), capsys.readouterr().err
     assert code == 2 and "meta.json' is corrupt" in err
@@ -134,3 +138,40 @@ def test_device_and_backend_need_cuda(capsys):
         assert "need a CUDA device" in capsys.readouterr().err
     assert main(["train", "--config", TINY, "--nproc", "-1"]) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
+
+
+def test_worker_dies_with_launcher(tmp_path):
+    """kill -9 of the launcher takes its workers with it (die_with_parent: PR_SET_PDEATHSIG)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child = ("import os, time; from zerotron.launch import die_with_parent; assert die_with_parent(); "
+             f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"
+    p = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    try:
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        os.kill(p.pid, signal.SIGKILL)  # the "launcher" dies hard
+        p.wait()
+
+        def alive():
+            try:
+                state = open(f"/proc/{pid}/status").read()
+            except FileNotFoundError:
+                return False
+            return "\nState:\tZ" not in state  # a zombie waiting for init is dead
+        for _ in range(200):
+            if not alive():
+                break
+            time.sleep(0.05)
+        assert not alive(), "the worker outlived its launcher"
+    finally:
+        if p.poll() is None:
+            p.kill()

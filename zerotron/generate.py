@@ -86,6 +86,7 @@ def generate_main(args) -> int:
     tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
     if pp > 1 and args.temperature != 0:
         raise ValueError("pipelined generation (--parallel.pp > 1) is greedy only: use --temperature 0")
+    owned = not torch.distributed.is_initialized()
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, tp, pp), device)
     model, tok, _ = load_model(args.checkpoint, device)
@@ -108,6 +109,12 @@ def generate_main(args) -> int:
             if len(prompts) > 1:
                 print(f"--- [{i}] ---")
             print(results[i])
+    if owned:  # every rank done before the process group goes (no teardown race at exit)
+        from .distributed.mesh import destroy
+
+        if world > 1:
+            comm.barrier()
+        destroy()
     return 0
 
 

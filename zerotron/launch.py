@@ -2,17 +2,37 @@
 
 The parent process validates everything it can first (so a bad config gives one clean error, not N),
 then re-runs ``python -m zerotron <argv>`` in N workers with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*
-set. If one worker fails, the elastic agent stops the others and this returns non-zero.
+set. If one worker fails, the elastic agent stops the others and this returns non-zero. Workers
+ask to be signalled when the launcher dies (:func:`die_with_parent`, from ``init_distributed``).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 
 
 def in_worker() -> bool:
     """True when this process was started by torchrun / the elastic launcher (RANK is set)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Linux: have the kernel send ``sig`` to this worker when its parent (the launcher's agent)
+    dies, so ``kill -9`` of the launcher does not leave workers running (and writing checkpoints).
+    Returns False where unsupported. Sends ``sig`` at once if the parent is already gone."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        ppid = os.getppid()
+        if ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != ppid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def launch(nproc: int, argv: list[str], module: str = "zerotron") -> int:
@@ -36,6 +56,6 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron") -> int:
         ranks = sorted(failures) if failures else "?"  # keyed by global rank
         print(f"zerotron: worker(s) {ranks} failed (exit codes "
               f"{sorted({f.exitcode for f in failures.values()})}); the other workers were stopped. "
-              "See the traceback above.", file=sys.stderr)
+              "See their messages above.", file=sys.stderr)
         return 1
     return 0

@@ -79,6 +79,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0, device: t
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            from ..launch import die_with_parent
+
+            die_with_parent()  # a killed launcher takes its workers with it
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

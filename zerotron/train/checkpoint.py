@@ -49,6 +49,37 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return cks[-1][1] if cks else None
 
 
+def verify_checkpoint(ckpt: str | Path) -> None:
+    """Check that every data file torch.distributed.checkpoint's ``.metadata`` of ``ckpt`` refers to
+    exists and is long enough (no tensor is read). Raises CheckpointError naming the first missing
+    or truncated file and, for a ``step_<N>`` of a run, the previous complete checkpoint to fall
+    back to."""
+    ckpt = Path(ckpt)
+    read_meta(ckpt)
+
+    def fail(what: str):
+        m = _STEP_RE.match(ckpt.name)
+        older = [p for st, p in list_checkpoints(ckpt.parent.parent) if m and st < int(m.group(1))]
+        fix = (f"move it away (e.g. mv {ckpt} {ckpt.parent / ('damaged_' + ckpt.name)}) to resume from "
+               f"{older[-1].name}" if older else "retrain, or restore the directory from a backup")
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} is damaged: {what}; {fix}")
+    if not (ckpt / ".metadata").is_file():
+        fail("no .metadata from torch.distributed.checkpoint")
+    try:
+        md = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a damaged checkpoint
+        fail(f".metadata is unreadable ({type(e).__name__})")
+    need: dict[str, int] = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = ckpt / rel
+        if not f.is_file():
+            fail(f"data file {rel} is missing")
+        if f.stat().st_size < size:
+            fail(f"data file {rel} is truncated ({f.stat().st_size} of >= {size} bytes)")
+
+
 def rng_state() -> dict:
     """RNG states of this process (torch CPU, CUDA if present, numpy, python)."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}

@@ -58,6 +58,7 @@ def check_resume(cfg: Config, run_dir: Path) -> Path:
     saved one; sets ``data.tokenizer`` to the checkpoint's tokenizer.json unless one is given (the
     token ids must not change under the embeddings). Raises ConfigError / CheckpointError."""
     latest = ckpt.latest_checkpoint(run_dir)
+    ckpt.verify_checkpoint(latest)  # every data file present: one message, before any worker starts
     meta = ckpt.read_meta(latest)
     saved = meta.get("model_config", {})
     if not cfg.model.init_from:
@@ -131,9 +132,11 @@ class Trainer:
         self.start_step = 0
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
         if resume:
-            meta = ckpt.load_checkpoint(ckpt.latest_checkpoint(self.run_dir), self.strategy, self.optimizer,
-                                        self.scheduler)
+            latest = ckpt.latest_checkpoint(self.run_dir)
+            meta = ckpt.load_checkpoint(latest, self.strategy, self.optimizer, self.scheduler)
             self.start_step = meta["step"]
+            if rank == 0:
+                print(f"zerotron: resumed from {latest} (step {self.start_step})", flush=True)
             if meta.get("model_config", {}).get("vocab_size", self.model_cfg.vocab_size) != self.model_cfg.vocab_size:
                 raise ConfigError("--resume: the vocabulary size differs from the checkpoint's; keep data.* and "
                                   "model.vocab_size as they were")
