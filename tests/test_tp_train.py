@@ -29,7 +29,7 @@ def _train(overrides, run_dir, resume=False):
         h = hashlib.sha256()
         with t.strategy.full_params() as model:  # ZeRO-3 frees parameters at rest: gather them
             for p in model.parameters():
-                if not is_tp_sharded(p):
+                if not is_tp_sharded(p) and type(p.data).__name__ != "DTensor":  # replicated ones only
                     h.update(p.detach().float().clone().numpy().tobytes())  # clone: numpy pins storage
         digests.append(h.hexdigest())
 
@@ -68,6 +68,7 @@ LAYOUTS_2 = [
     {"parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 2},
     {"parallel.tp": 2, "parallel.dp_impl": "torch", "train.micro_batch": 8},
     {"parallel.tp": 2, "train.activation_checkpointing": "selective", "train.micro_batch": 4},
+    {"parallel.tp": 2, "parallel.tp_impl": "dtensor", "train.micro_batch": 4},   # torch's TP backend
 ]
 LAYOUTS_4 = [
     {"parallel.tp": 4, "train.micro_batch": 8},
@@ -122,6 +123,9 @@ def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp
     outs = {"tp2 -> tp4": run_ranks(_resume, 4, str(tmp_path / "to_tp4"), {"parallel.tp": 4}, data_cache)[0],
             "tp4 -> tp2": run_ranks(_resume, 2, str(tmp_path / "to_tp2"), {"parallel.tp": 2}, data_cache)[0],
             "tp2 -> tp1": _resume(str(tmp_path / "to_tp1"), {}, data_cache)}
+    _copy_until(tmp_path / "tp2", tmp_path / "to_dtensor", 5)  # native TP checkpoint -> torch's DTensor TP
+    outs["tp2 -> dtensor tp2"] = run_ranks(_resume, 2, str(tmp_path / "to_dtensor"),
+                                           {"parallel.tp": 2, "parallel.tp_impl": "dtensor"}, data_cache)[0]
     for name, out in outs.items():
         np.testing.assert_allclose(out["losses"], reference["losses"][5:], rtol=1e-5, err_msg=name)
         assert_params_close(out["params"], reference["params"], 3e-5, name)
@@ -175,3 +179,21 @@ def test_init_from_hf_sliced_per_rank(data_cache, single_process, tmp_path):
         logits = hf(x).logits
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).item()
     assert abs(single[0] - ref) <= 1e-5 * ref
+
+
+def test_validate_dtensor_backend():
+    """tp_impl = dtensor runs tensor parallelism alone; every other combination is refused by name."""
+    from zerotron.config import ConfigError, validate
+
+    def cfg(**kw):
+        return tiny_config({"train.global_batch": 8, "train.micro_batch": 2, "parallel.tp": 2,
+                            "parallel.tp_impl": "dtensor", **kw})
+    assert validate(cfg(), 2)["tp"] == 2
+    for kw, world in (({}, 4), ({"parallel.pp": 2}, 4), ({"parallel.zero_stage": 1}, 2),
+                      ({"parallel.sequence_parallel": "true"}, 2)):
+        with pytest.raises(ConfigError, match="tp_impl = dtensor .* runs tensor parallelism alone"):
+            validate(cfg(**kw), world)
+    with pytest.raises(ConfigError, match="needs model.dropout = 0"):
+        validate(cfg(**{"model.dropout": 0.1}), 2)
+    with pytest.raises(ConfigError, match="tp_impl must be native or dtensor"):
+        validate(cfg(**{"parallel.tp_impl": "megatron"}), 2)

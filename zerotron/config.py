@@ -376,7 +376,14 @@ def validate(cfg: Config, world_size: int) -> dict:
          f"parallel.sequence_parallel needs model.block_size ({shape['block_size']}) divisible by tp ({dims.tp})")
     need(dims.tp == 1 or p.zero_impl == "native" or p.zero_stage == 0,
          "parallel.zero_impl = fsdp2 is not combined with tp > 1; use the native ZeRO implementation")
-    need(p.tp_impl == "native", f"parallel.tp_impl must be native (the dtensor backend is not available), got {p.tp_impl!r}")
+    need(p.tp_impl in ("native", "dtensor"), f"parallel.tp_impl must be native or dtensor, got {p.tp_impl!r}")
+    if p.tp_impl == "dtensor" and dims.tp > 1:
+        need(dims.dp == 1 and dims.pp == 1 and p.zero_stage == 0 and not p.sequence_parallel
+             and p.pp_schedule != "interleaved",
+             "parallel.tp_impl = dtensor (the torch comparison backend) runs tensor parallelism alone: dp = pp "
+             "= 1, zero_stage = 0, sequence_parallel = false; use tp_impl = native to combine tp with the rest")
+        need(m.dropout == 0, "parallel.tp_impl = dtensor needs model.dropout = 0 (replicated-region "
+             "dropout masks would differ across tp ranks); use tp_impl = native for dropout")
     per_step = t.micro_batch * dims.dp
     need(t.global_batch % per_step == 0,
          f"train.global_batch ({t.global_batch}) must be divisible by train.micro_batch * dp "

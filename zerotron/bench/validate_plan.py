@@ -39,7 +39,8 @@ GOAL = 0.8  # Spearman rank correlation the planner should reach
 
 def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool] | None:
     """``(planner layout, sequence parallel)`` of a ``zerotron bench train`` layout run on ``world``
-    ranks, or None for a layout with no planner counterpart. dp-torch prices as dp (same all-reduce);
+    ranks, or None for a layout with no planner counterpart. dp-torch prices as dp (same all-reduce),
+    tp-dtensor as tp;
     fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1. Suffixes ``-mbN`` / ``-ac...``
     (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``
     is the config's otherwise."""
@@ -58,7 +59,7 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     for s in (1, 2, 3):
         if name in (f"zero{s}", f"fsdp2-zero{s}"):
             return {**base, "zero_stage": s}, False
-    if name in ("tp", "tp-sp"):
+    if name in ("tp", "tp-sp", "tp-dtensor"):
         return {**base, "dp": 1, "tp": world}, name == "tp-sp"
     if name.startswith("pp-") and name[3:] in ("gpipe", "1f1b", "interleaved"):
         return {**base, "dp": 1, "pp": world, "schedule": name[3:]}, False

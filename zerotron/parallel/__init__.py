@@ -27,6 +27,13 @@ def parallelize(model, cfg, mesh):
     names_mask = decay_mask_by_name(model)  # from the dense model, before any transform
     pipeline = mesh.size("pp") > 1 or p.pp_schedule == "interleaved"
     tp_group = None
+    if mesh.size("tp") > 1 and p.tp_impl == "dtensor":  # torch's TP, alone (config.validate)
+        from .dtensor_tp import DTensorTPStrategy
+
+        strategy = DTensorTPStrategy(model, mesh.mesh["tp"], mesh.group("tp"))
+        apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+        strategy.decay_mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
+        return strategy
     if mesh.size("tp") > 1:
         from .tp_model import apply_tensor_parallel
 
