@@ -24,7 +24,6 @@ import math
 import torch
 
 from ..distributed import comm
-from ..models.gpt import CausalSelfAttention, KVCache
 from .base import Strategy
 
 __all__ = ["DTensorTPStrategy", "qkv_permutation"]
@@ -40,25 +39,6 @@ def qkv_permutation(n_embd: int, tp: int) -> torch.Tensor:
     return torch.tensor([part * n_embd + r * w + j for r in range(tp) for part in range(3) for j in range(w)])
 
 
-class _LocalHeadsAttention(CausalSelfAttention):
-    """The dense attention over this rank's ``n_head_local`` heads: c_attn's local output is
-    (B, T, 3C/tp) = [q_r | k_r | v_r]; c_proj gets (B, T, C/tp)."""
-
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        qkv = self.c_attn(x)
-        B, T, _ = qkv.shape
-        H, D = self.n_head_local, self.n_embd // self.n_head
-        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        S = k.size(2)
-        mask = None
-        if S != T and T > 1:  # same masking as the dense CausalSelfAttention
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=S == T)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, H * D)))
-
-
 def _is_c_attn(name: str) -> bool:
     return ".attn.c_attn." in f".{name}"
 
@@ -70,6 +50,8 @@ class DTensorTPStrategy(Strategy):
 
     def __init__(self, model, tp_mesh, tp_group):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        from .tp_model import TPCausalSelfAttention
 
         cfg, n = model.config, tp_mesh.size()
         if cfg.n_head % n:
@@ -87,8 +69,9 @@ class DTensorTPStrategy(Strategy):
                 lin.weight.copy_(lin.weight[self.perm])
                 if lin.bias is not None:
                     lin.bias.copy_(lin.bias[self.perm])
-                block.attn.__class__ = _LocalHeadsAttention
-                block.attn.n_head_local = cfg.n_head // n
+                # the native TP attention over local heads (its dropout RNG tracker is unused: dropout 0)
+                block.attn.__class__ = TPCausalSelfAttention
+                block.attn.n_head_local, block.attn.rng_tracker = cfg.n_head // n, None
                 parallelize_module(block, tp_mesh, plan)
 
     # ---- gradients -------------------------------------------------------------------------
