@@ -18,8 +18,8 @@ from .ddp import DataParallel, TorchDDP
 def parallelize(model, cfg, mesh):
     """Wrap ``model`` (already on ``mesh.device``, identically initialised on every rank) for the
     layout in ``cfg.parallel``: tensor parallel on the dense model, then activation checkpointing of
-    the (TP) blocks, then the pipeline split or data parallelism. Raises ValueError for an unknown
-    ``dp_impl``/``zero_impl`` or sequence parallelism combined with pipeline parallelism."""
+    the (TP) blocks, then the pipeline split or data parallelism (``tp_impl = "dtensor"``: torch's
+    DTensor TP alone). Raises ValueError for an unknown ``dp_impl``/``zero_impl``."""
     from ..train.optim import decay_mask_by_name
     from .checkpointing import apply_activation_checkpointing
 

@@ -142,11 +142,15 @@ class Strategy:
         optimizer.step()
 
     def model_state_bytes(self, optimizer) -> dict:
-        """Bytes this rank holds for parameters, gradients and optimizer state (storage sizes)."""
+        """Bytes this rank holds for parameters, gradients and optimizer state (storage sizes;
+        of the local shard for DTensors, as FSDP2 and DTensor TP hold them)."""
+        def nbytes(t):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
         params = self.parameters()
-        p_bytes = sum(p.numel() * p.element_size() for p in params)
-        g_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        o_bytes = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+        p_bytes = sum(nbytes(p) for p in params)
+        g_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
+        o_bytes = sum(nbytes(t) for s in optimizer.state.values() for t in s.values()
                       if isinstance(t, torch.Tensor) and t.dim() > 0)
         return {"params_bytes": p_bytes, "grads_bytes": g_bytes, "optimizer_bytes": o_bytes,
                 "total_bytes": p_bytes + g_bytes + o_bytes}
@@ -190,18 +194,14 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
         if self.tp_group is not None:
-            from .tensor import is_tp_sharded, shard_tensor
+            from .tensor import local_shard
             from .tp_model import load_dense_into_tp
 
             load_dense_into_tp(self.module, msd)
             if optimizer is not None:
                 params = dict(self.module.named_parameters())
-
-                def local(p, v):
-                    if is_tp_sharded(p) and isinstance(v, torch.Tensor) and v.dim() > 0:
-                        return shard_tensor(v, p.tp_dim, self.tp_group, p.tp_chunks, p.size(p.tp_dim) * self.tp_group.size())
-                    return v
-                state = {fqn: {k: local(params[fqn], v) for k, v in st.items()} for fqn, st in osd["state"].items()}
+                state = {fqn: {k: local_shard(params[fqn], v, self.tp_group) for k, v in st.items()}
+                         for fqn, st in osd["state"].items()}
                 set_optimizer_state_dict(self.module, optimizer, {**osd, "state": state})
             return
         if optimizer is None:

@@ -81,19 +81,17 @@ class DTensorTPStrategy(Strategy):
         from torch.distributed.tensor import DTensor, Shard
 
         grads = [q.grad for q in self.parameters() if q.grad is not None]
-        sharded = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for g in grads:
-            if isinstance(g, DTensor) and any(isinstance(p, Shard) for p in g.placements):
-                sharded += g.to_local().double().pow(2).sum().cpu()
-            else:
-                replicated += (g.to_local() if isinstance(g, DTensor) else g).double().pow(2).sum().cpu()
-        comm.all_reduce(sharded, group=self.dt_group, tag="tp_grad_norm")
-        norm = math.sqrt(float(sharded + replicated))
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        is_sharded = [isinstance(g, DTensor) and any(isinstance(p, Shard) for p in g.placements) for g in grads]
+        sq = torch.stack([t.double().pow(2).sum() for t in local])  # one device tensor, no per-grad sync
+        mask = torch.tensor(is_sharded, device=sq.device)
+        sums = torch.stack([sq[mask].sum(), sq[~mask].sum()])
+        comm.all_reduce(sums[:1], group=self.dt_group, tag="tp_grad_norm")  # shards: summed over tp
+        norm = math.sqrt(float(sums.sum()))
         if max_norm > 0 and norm > max_norm:
             coef = max_norm / (norm + 1e-6)
-            for g in grads:
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+            for t in local:
+                t.mul_(coef)
         return norm
 
     def build_optimizer(self, tcfg, mask: dict):
@@ -103,20 +101,6 @@ class DTensorTPStrategy(Strategy):
         for g in opt.param_groups:
             g["foreach"] = False
         return opt
-
-    def model_state_bytes(self, optimizer) -> dict:
-        """Local (shard) bytes of parameters, gradients and optimizer state."""
-        from torch.distributed.tensor import DTensor
-
-        def nbytes(t):
-            t = t.to_local() if isinstance(t, DTensor) else t
-            return t.numel() * t.element_size()
-        params = self.parameters()
-        p = sum(nbytes(q) for q in params)
-        g = sum(nbytes(q.grad) for q in params if q.grad is not None)
-        o = sum(nbytes(t) for s in optimizer.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
 
     # ---- canonical state ---------------------------------------------------------------------
     @staticmethod

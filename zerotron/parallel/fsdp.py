@@ -72,18 +72,6 @@ class FSDP2Strategy(Strategy):
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def model_state_bytes(self, optimizer) -> dict:
-        """Bytes of the local shards (DTensor ``to_local``) of parameters, gradients, Adam state."""
-        def local(t):
-            return t.to_local() if hasattr(t, "to_local") else t
-
-        params = self.parameters()
-        p = sum(local(q).numel() * q.element_size() for q in params)
-        g = sum(local(q.grad).numel() * q.grad.element_size() for q in params if q.grad is not None)
-        o = sum(local(t).numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
-
     def _get(self, optimizer, full: bool):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 

@@ -10,7 +10,6 @@ import torch
 
 from ..distributed import comm
 from .base import unique_params
-from .tensor import is_tp_sharded
 
 
 class PipelineStateMixin:
@@ -95,18 +94,18 @@ class PipelineStateMixin:
     def _zero_load(self, msd, osd, optimizer, owner) -> None:
         """ZeRO-1 load: every rank holds every name (``owner`` None) or dp rank ``owner(i)`` holds
         flat buffer i's names and broadcasts them."""
-        from .tensor import shard_tensor
+        from .tensor import local_shard
+
+        tpg = self.tp_group
 
         def local(q, t):
-            if self.tp_group is None or not is_tp_sharded(q):
-                return t
-            return shard_tensor(t, q.tp_dim, self.tp_group, q.tp_chunks, q.size(q.tp_dim) * self.tp_group.size())
+            return t if tpg is None else local_shard(q, t, tpg)
 
         params = {n: q for f in self.zero.all_flats for n, q in zip(f.names, f.params)}
         dense = {n: local(q, msd[n]) for n, q in params.items() if owner is None or n in msd}
         ostate = {}
         if optimizer is not None and osd is not None:
-            ostate = {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
+            ostate = {n: {k: local(params[n], v) for k, v in st.items()}
                       for n, st in osd["state"].items() if n in params}
         if owner is None:
             self.zero.load_full_state(dense, ostate, optimizer)

@@ -207,6 +207,15 @@ def shard_tensor(full: torch.Tensor, dim: int, group, chunks: int = 1, padded_si
     return torch.cat(pieces, dim).detach().clone().contiguous()
 
 
+def local_shard(p: torch.Tensor, dense, group):
+    """Inverse of :func:`full_tensor`: this rank's slice of ``dense`` laid out like the parameter
+    ``p`` (its tp_dim, tp_chunks and padded size); ``dense`` is returned unchanged when ``p`` is
+    replicated over tp or ``dense`` is not a tensor of dim >= 1 (e.g. Adam's step). No communication."""
+    if not (is_tp_sharded(p) and isinstance(dense, torch.Tensor) and dense.dim() > 0):
+        return dense
+    return shard_tensor(dense, p.tp_dim, group, p.tp_chunks, p.size(p.tp_dim) * group.size())
+
+
 def full_tensor(p: torch.Tensor, group, local: torch.Tensor | None = None, tag: str = "tp_export"):
     """Dense tensor of ``local`` (default ``p`` itself, e.g. pass ``p.grad``) laid out like the
     parameter ``p``: the inverse of :func:`shard_tensor` (all-gather, reorder chunks, drop padding).

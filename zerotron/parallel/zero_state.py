@@ -119,45 +119,41 @@ class ZeroStateMixin:
         """Dense canonical tensors -> this rank's tensor-parallel slices (names of this model only)."""
         if self.tp_group is None:
             return msd, osd
-        from .tensor import is_tp_sharded, shard_tensor
+        from .tensor import local_shard
 
-        def local(p, t):
-            if not is_tp_sharded(p):
-                return t
-            return shard_tensor(t, p.tp_dim, self.tp_group, p.tp_chunks, p.size(p.tp_dim) * self.tp_group.size())
-
-        params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
-        msd = {n: local(params[n], t) for n, t in msd.items() if n in params}
-        osd = {**osd, "state": {n: {k: local(params[n], v) if v.dim() > 0 else v for k, v in st.items()}
+        params, g = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}, self.tp_group
+        msd = {n: local_shard(params[n], t, g) for n, t in msd.items() if n in params}
+        osd = {**osd, "state": {n: {k: local_shard(params[n], v, g) for k, v in st.items()}
                                 for n, st in osd["state"].items() if n in params}}
         return msd, osd
 
-    def _finish_load(self, f, osd, optimizer) -> None:
+    @staticmethod
+    def _regather(f) -> None:
+        """Stages 1/2 keep full compute parameters: gather the freshly loaded shards."""
         if f.stage < 3:
             f.launch_gather()
             f.wait_gather()
 
     @torch.no_grad()
-    def load_state_dict(self, msd, osd, optimizer=None) -> None:
-        """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
+    def _load(self, msd, osd, optimizer, owner) -> None:
         osd = osd if osd is not None else {"state": {}, "param_groups": []}
         msd, osd = self._tp_local(msd, osd)
+        if owner is None:
+            for f in self.all_flats:
+                f.load_canonical(msd, osd["state"], optimizer)
+        else:
+            load_flats_from_owners(self.all_flats, self.group, owner, msd, osd["state"], optimizer)
         for f in self.all_flats:
-            f.load_canonical(msd, osd["state"], optimizer)
-            self._finish_load(f, osd, optimizer)
+            self._regather(f)
         for g, saved in zip(optimizer.param_groups if optimizer is not None else [], osd.get("param_groups", [])):
             g["lr"] = saved.get("lr", g["lr"])
 
-    @torch.no_grad()
+    def load_state_dict(self, msd, osd, optimizer=None) -> None:
+        """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
+        self._load(msd, osd, optimizer, None)
+
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
         """Load what :meth:`checkpoint_state` described (each rank holds its owned buffers' keys,
         read from disk): every buffer is broadcast from its owner over dp, one at a time, and each
         rank keeps its shard. ``optimizer`` None loads the parameters only. Collective."""
-        osd = osd if osd is not None else {"state": {}, "param_groups": []}
-        msd, osd = self._tp_local(msd, osd)
-        load_flats_from_owners(self.all_flats, self.group, self._owner, msd, osd["state"], optimizer)
-        for f in self.all_flats:
-            self._finish_load(f, osd, optimizer)
-        with_state = optimizer is not None
-        for g, saved in zip(optimizer.param_groups if with_state else [], osd.get("param_groups", [])):
-            g["lr"] = saved.get("lr", g["lr"])
+        self._load(msd, osd, optimizer, self._owner)
