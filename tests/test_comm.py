@@ -87,3 +87,29 @@ def _dies():
 def test_dead_rank_raises_not_hangs():
     with pytest.raises(RuntimeError):
         run_ranks(_dies, 2, timeout_s=10, join_timeout_s=60)
+
+
+def test_in_flight_memory_is_guarded(single_process):
+    """An async collective's tensors are registered until waited: touching them (another collective,
+    or ``assert_idle`` before a plain read/write) raises at once instead of racing."""
+    import pytest
+    import torch
+
+    from zerotron.distributed import comm
+
+    buf = torch.ones(8)
+    other = torch.ones(4)
+    work = comm.all_reduce(buf, async_op=True, tag="grad")
+    assert [w.op for w in comm.in_flight()] == ["all_reduce"]
+    with pytest.raises(RuntimeError, match="in-flight async all_reduce"):
+        comm.assert_idle([buf[2:4]], "a gradient sum")
+    with pytest.raises(RuntimeError, match="in-flight"):
+        comm.all_reduce(buf[:4], tag="other")
+    comm.assert_idle([other], "unrelated memory")  # no overlap: fine
+    comm.all_reduce(other)
+    work.wait()
+    assert comm.in_flight() == []
+    comm.assert_idle([buf], "after wait")
+    fut = comm.all_reduce(buf, async_op=True).get_future()  # torch owns completion (DDP comm hooks)
+    assert comm.in_flight() == []
+    fut.wait()

@@ -58,7 +58,9 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     """Optimisation. ``global_batch`` sequences per optimizer step; ``micro_batch`` sequences per
-    forward per dp rank; gradient accumulation = global_batch / (micro_batch * dp)."""
+    forward per dp rank; gradient accumulation = global_batch / (micro_batch * dp). ``dtype``: fp32,
+    bf16 (autocast) or fp64 (parameters, optimizer state and every collective in float64: numerics
+    debugging and the parity matrix; see ``parallel.precision``)."""
 
     steps: int = 100
     seed: int = 1337
@@ -83,7 +85,8 @@ class TrainConfig:
 class ParallelConfig:
     """Layout. ``dp = 0`` derives world_size / (tp * pp). ``dp_impl``: native | torch.
     ``bucket_mb``: gradient bucket size in MiB. ``timeout_s``: collective timeout in seconds.
-    ``zero_stage`` 0-3 over dp (``zero_impl`` native | fsdp2; ``reduce_dtype`` fp32 | bf16).
+    ``zero_stage`` 0-3 over dp (``zero_impl`` native | fsdp2); ``reduce_dtype`` (auto | fp32 | bf16 |
+    fp64; auto = fp32, or fp64 with train.dtype fp64): dtype of the gradient collectives.
     ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
     ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved)/``microbatches`` (per pipeline flush;
     0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (comma-separated
@@ -96,7 +99,7 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     zero_stage: int = 0
     zero_impl: str = "native"
-    reduce_dtype: str = "fp32"
+    reduce_dtype: str = "auto"
     sequence_parallel: bool = False
     tp_impl: str = "native"
     pp_schedule: str = "1f1b"
@@ -268,7 +271,8 @@ def model_shape(m: ModelConfig) -> dict:
     return shape
 
 
-DTYPES = ("fp32", "bf16")
+DTYPES = ("fp32", "bf16", "fp64")  # = parallel.precision.TRAIN_DTYPES (no torch import here)
+REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp64")
 DP_IMPLS = ("native", "torch")
 CORPORA = ("shakespeare", "files", "hf")
 
@@ -320,7 +324,11 @@ def validate(cfg: Config, world_size: int) -> dict:
          "tracker is not replayed); set model.dropout = 0 or train.activation_checkpointing = none")
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
     need(p.zero_impl in ("native", "fsdp2"), f"parallel.zero_impl must be native or fsdp2, got {p.zero_impl!r}")
-    need(p.reduce_dtype in DTYPES, f"parallel.reduce_dtype must be one of {DTYPES}, got {p.reduce_dtype!r}")
+    need(p.reduce_dtype in REDUCE_DTYPES, f"parallel.reduce_dtype must be one of {REDUCE_DTYPES}, got {p.reduce_dtype!r}")
+    need(t.dtype != "fp64" or p.reduce_dtype in ("auto", "fp64"),
+         f"train.dtype = fp64 reduces gradients in fp64; set parallel.reduce_dtype = auto (got {p.reduce_dtype!r})")
+    need(t.dtype == "fp64" or p.reduce_dtype != "fp64",
+         "parallel.reduce_dtype = fp64 needs train.dtype = fp64; use auto, fp32 or bf16")
     need(not (p.zero_impl == "fsdp2" and p.zero_stage == 1),
          "parallel.zero_impl = fsdp2 supports zero_stage 2 (reshard_after_forward=False) or 3; use native for stage 1")
     need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
@@ -363,7 +371,8 @@ def validate(cfg: Config, world_size: int) -> dict:
              f"parallel.microbatches ({p.microbatches}) must divide the micro-batches per step per dp rank "
              f"(train.global_batch / (train.micro_batch * dp) = {n_acc})")
         need(not interleaved or n_acc == 0 or m_flush % dims.pp == 0,
-             f"the interleaved schedule needs micro-batches per flush ({m_flush}) divisible by pp ({dims.pp})")
+             f"the interleaved schedule needs micro-batches per flush ({m_flush}) divisible by pp ({dims.pp}); "
+             "lower train.micro_batch or set parallel.microbatches to a multiple of pp")
         from .parallel.pipeline_exec import stage_layer_counts
 
         try:

@@ -15,6 +15,12 @@ Bus bandwidth factors for these sizes live in :func:`busbw_factor`.
 
 A ``tag`` (e.g. ``"grad"``, ``"loss_norm"``) can be attached to any call so that tests and metrics
 can tell gradient traffic from bookkeeping traffic; stats are keyed by ``(op, group_name, tag)``.
+
+In-flight safety: every asynchronous call is registered (:func:`in_flight`) with the memory it
+reads and writes until its handle is waited (or its future handed to torch, e.g. a DDP comm hook).
+A collective whose tensors overlap an in-flight one raises at once, and code that reads or writes
+memory outside comm (a gradient sum, a free of prefetched storage) calls :func:`assert_idle` first.
+This turns a race (a result that depends on timing) into a deterministic error.
 """
 from __future__ import annotations
 
@@ -94,6 +100,68 @@ def _match(key, op, group, tag) -> bool:
 STATS = CommStats()
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) byte addresses a tensor can touch (its whole storage if not contiguous)."""
+    if t.is_contiguous():
+        start = t.data_ptr()
+        return start, start + t.numel() * t.element_size()
+    st = t.untyped_storage()
+    return st.data_ptr(), st.data_ptr() + st.nbytes()
+
+
+class TrackedWork:
+    """A ``torch.distributed.Work`` registered as in flight until :meth:`wait` (or
+    :meth:`get_future`, which hands completion to torch). Other attributes are the Work's."""
+
+    def __init__(self, work, op: str, tag: str, tensors):
+        self.work, self.op, self.tag = work, op, tag
+        self.spans = [_span(t) for t in tensors if t.numel()]
+        _IN_FLIGHT.append(self)
+
+    def _done(self) -> None:
+        if self in _IN_FLIGHT:
+            _IN_FLIGHT.remove(self)
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        self._done()
+        return out
+
+    def get_future(self):
+        self._done()
+        return self.work.get_future()
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+_IN_FLIGHT: list = []
+
+
+def in_flight() -> list:
+    """The asynchronous collectives issued through this module and not yet waited (TrackedWork)."""
+    return list(_IN_FLIGHT)
+
+
+def assert_idle(tensors, what: str) -> None:
+    """Raise RuntimeError if any of ``tensors`` overlaps the memory of an in-flight asynchronous
+    collective (``what`` names the code about to touch them). Cost: O(#tensors x #in-flight)."""
+    if not _IN_FLIGHT:
+        return
+    for t in tensors:
+        if t is None or not t.numel():
+            continue
+        a, b = _span(t)
+        for w in _IN_FLIGHT:
+            if any(a < e and s < b for s, e in w.spans):
+                raise RuntimeError(f"{what}: a tensor of shape {tuple(t.shape)} overlaps the memory of an "
+                                   f"in-flight async {w.op} (tag {w.tag!r}); wait for it first")
+
+
+def _track(work, op: str, tag: str, *tensors):
+    return TrackedWork(work, op, tag, tensors) if work is not None else None
+
+
 def _check(t: torch.Tensor, what: str) -> int:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
@@ -102,6 +170,7 @@ def _check(t: torch.Tensor, what: str) -> int:
             f"{what}: tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous() first "
             "(gloo silently reduces the wrong elements of strided views)"
         )
+    assert_idle([t], what)
     return t.numel() * t.element_size()
 
 
@@ -112,13 +181,13 @@ def _world(group) -> int:
 def all_reduce(t: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, tag: str = ""):
     """In-place all-reduce of ``t`` (any shape) over ``group``. Returns a Work handle if ``async_op``."""
     STATS.record("all_reduce", group, _check(t, "all_reduce"), tag)
-    return dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op)
+    return _track(dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op), "all_reduce", tag, t)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False, tag: str = ""):
     """In-place broadcast of ``t`` from global rank ``src``."""
     STATS.record("broadcast", group, _check(t, "broadcast"), tag)
-    return dist.broadcast(t, src=src, group=_pg(group), async_op=async_op)
+    return _track(dist.broadcast(t, src=src, group=_pg(group), async_op=async_op), "broadcast", tag, t)
 
 
 def all_gather(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
@@ -132,7 +201,7 @@ def all_gather(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bo
         raise ValueError(f"all_gather: output must be 1-D with {n}x{inp.numel()} elements, got {tuple(output.shape)}")
     STATS.record("all_gather", group, nbytes, tag)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, inp.reshape(-1), group=_pg(group), async_op=async_op)
+    return _track(fn(output, inp.reshape(-1), group=_pg(group), async_op=async_op), "all_gather", tag, output, inp)
 
 
 def reduce_scatter(output: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -147,7 +216,8 @@ def reduce_scatter(output: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, gro
         raise ValueError(f"reduce_scatter: input must have {n}x{output.numel()} elements, got {inp.numel()}")
     STATS.record("reduce_scatter", group, nbytes, tag)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output.reshape(-1), inp.reshape(-1), op=op, group=_pg(group), async_op=async_op)
+    return _track(fn(output.reshape(-1), inp.reshape(-1), op=op, group=_pg(group), async_op=async_op),
+                  "reduce_scatter", tag, output, inp)
 
 
 def all_to_all(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
@@ -155,7 +225,8 @@ def all_to_all(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bo
     nbytes = _check(inp, "all_to_all input")
     _check(output, "all_to_all output")
     STATS.record("all_to_all", group, nbytes, tag)
-    return dist.all_to_all_single(output, inp, group=_pg(group), async_op=async_op)
+    return _track(dist.all_to_all_single(output, inp, group=_pg(group), async_op=async_op), "all_to_all", tag,
+                  output, inp)
 
 
 def send(t: torch.Tensor, dst: int, group=None, tag: str = "") -> None:

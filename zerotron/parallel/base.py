@@ -16,20 +16,23 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import comm
+from .precision import upcast
 
 IGNORE_INDEX = -100
 
 
 def autocast_ctx(dtype: str, device: torch.device):
-    """``torch.autocast`` to bfloat16 for ``dtype == "bf16"``, else a null context (fp32)."""
+    """``torch.autocast`` to bfloat16 for ``dtype == "bf16"``, else a null context (fp32 / fp64:
+    the parameters' dtype)."""
     if dtype == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy over valid targets: logits (B, T, V), targets (B, T) int64 -> fp32 scalar."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+    """Sum of cross-entropy over valid targets: logits (B, T, V), targets (B, T) int64 -> scalar in
+    float32 (float64 for float64 logits)."""
+    return F.cross_entropy(upcast(logits).reshape(-1, logits.size(-1)), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 

@@ -21,17 +21,19 @@ class FSDP2Strategy(Strategy):
     """torch FSDP2 over the dp dimension of ``mesh``.
 
     Args: ``model`` (identically initialised GPT), ``mesh`` (zerotron Mesh), ``stage`` (2 or 3),
-    ``dtype`` ("fp32" | "bf16": bf16 compute with fp32 sharded parameters), ``reduce_dtype``.
+    ``dtype`` ("fp32" | "bf16": bf16 compute with fp32 sharded parameters | "fp64"), ``reduce_dtype``
+    (see ``parallel.precision``).
     Raises ValueError for stage 1 (FSDP2 has no optimizer-only sharding)."""
 
-    def __init__(self, model, mesh, stage: int, dtype: str = "fp32", reduce_dtype: str = "fp32"):
+    def __init__(self, model, mesh, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if stage not in (2, 3):
             raise ValueError("parallel.zero_impl = fsdp2 supports zero_stage 2 or 3")
-        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
-        mp = MixedPrecisionPolicy(param_dtype=dt[dtype] if dtype == "bf16" else None,
-                                  reduce_dtype=dt[reduce_dtype])
+        from . import precision
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bf16" else None,
+                                  reduce_dtype=precision.reduce_dtype(dtype, reduce_dtype))
         dp_mesh = mesh.mesh["dp"]
         reshard = stage == 3
         for block in model.transformer.h:

@@ -227,16 +227,22 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         """Wait for the dp gradient reduction, then sum the tied embedding/head gradients between
         the first and last pipeline rank (pp > 1), so both copies get the same update. ZeRO-1:
         the tied sum first, then the reduce-scatter over dp (see :class:`StageZero1`)."""
-        if self.module.sequence_parallel:  # LayerNorm/bias/wpe grads saw one sequence shard: sum over tp
+        if self.zero is not None:
+            self._sync_sp_replicated()  # ZeRO-1 only accumulates during backward: nothing in flight
+            self.zero.finish_grads(self.tied_group)
+            return
+        self.ddp.finish_grads()  # waits for every bucket all-reduce before the buffers are touched
+        self._sync_sp_replicated()
+        if self.tied_group is not None:
+            comm.all_reduce(self.tied.grad, group=self.tied_group, tag="pp_tied")
+
+    def _sync_sp_replicated(self) -> None:
+        """Sequence parallel: LayerNorm/bias/wpe gradients saw one sequence shard: sum over tp.
+        Must run on memory no collective is writing (after ``ddp.finish_grads`` waited)."""
+        if self.module.sequence_parallel:
             from .tp_model import sync_replicated_grads
 
             sync_replicated_grads(self.module)
-        if self.zero is not None:
-            self.zero.finish_grads(self.tied_group)
-            return
-        self.ddp.finish_grads()
-        if self.tied_group is not None:
-            comm.all_reduce(self.tied.grad, group=self.tied_group, tag="pp_tied")
 
     def _norm_params(self) -> list:
         """This rank's parameters for the global norm, the tied copy of the last stage left out
@@ -269,7 +275,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             comm.all_reduce(sharded, group=self.tp_group, tag="grad_norm")
         sq = sharded + replicated
         comm.all_reduce(sq, group=self.pp_group, tag="grad_norm")
-        norm = sq.sqrt().float()
+        norm = sq.sqrt() if sq.dtype == next(self.module.parameters()).dtype else sq.sqrt().float()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             grads = ([f.shard_grad for f in self.zero.all_flats] if self.zero is not None else

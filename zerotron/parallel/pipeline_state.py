@@ -10,6 +10,7 @@ import torch
 
 from ..distributed import comm
 from .base import unique_params
+from .precision import upcast
 
 
 class PipelineStateMixin:
@@ -61,7 +62,7 @@ class PipelineStateMixin:
 
         vals, ostate = self.zero.full_state(optimizer, owned) if optimizer is not None else (None, {})
         if vals is None:  # parameters only: the compute copies are full over dp at rest
-            vals = {id(q): q.detach().float() for q in unique_params(self.module)}
+            vals = {id(q): upcast(q.detach()) for q in unique_params(self.module)}
         if self.tp_group is not None:
             for f in self.zero.all_flats:
                 for name, q in zip(f.names, f.params):

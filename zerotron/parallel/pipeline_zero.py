@@ -26,11 +26,14 @@ class StageZero1:
 
     Args: ``module`` (a StageModel), ``group`` (dp NamedGroup), ``mask`` (decay flag by
     ``id(param)``), ``tied`` (this rank's tied Parameter or None), ``dtype``/``reduce_dtype``
-    ("fp32" | "bf16"). Attributes: ``all_flats`` (list of FlatShard; each has ``tp_sharded`` and
+    (see ``parallel.precision``). Attributes: ``all_flats`` (list of FlatShard; each has ``tp_sharded`` and
     ``is_tied``), ``group``."""
 
-    def __init__(self, module, group, mask: dict, tied=None, dtype: str = "fp32", reduce_dtype: str = "fp32"):
-        from .zero import DTYPES, FlatShard
+    def __init__(self, module, group, mask: dict, tied=None, dtype: str = "fp32", reduce_dtype: str = "auto"):
+        from . import precision
+        from .zero import FlatShard
+
+        compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
 
         self.group, self.tied = group, tied
         names = {}
@@ -47,8 +50,7 @@ class StageZero1:
                     for sharded in (True, False):  # tp-sharded and tp-replicated kept apart
                         ps = [q for q in params if mask.get(id(q), False) == decay and is_tp_sharded(q) == sharded]
                         if ps:
-                            f = FlatShard([names[id(q)] for q in ps], ps, decay, 1, group, DTYPES[dtype],
-                                          DTYPES[reduce_dtype])
+                            f = FlatShard([names[id(q)] for q in ps], ps, decay, 1, group, compute, reduce)
                             f.tp_sharded, f.is_tied = sharded, ps[0] is tied
                             self.all_flats.append(f)
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import comm
+from .precision import upcast
 from .tensor import _all_reduce
 
 
@@ -15,7 +16,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def forward(ctx, logits, targets, vocab_start, vocab_size, group, ignore_index, eps, tag):
         n_local = logits.size(-1)
         nv = max(0, min(n_local, vocab_size - vocab_start))  # real (unpadded) columns held here
-        x = logits.float()[..., :nv]
+        x = upcast(logits)[..., :nv]
         if nv:
             m = x.max(dim=-1).values
         else:

@@ -224,6 +224,7 @@ def sync_replicated_grads(model: TensorParallelGPT) -> int:
     if not model.sequence_parallel or group.size() == 1:
         return 0
     grads = [p.grad for p in model.parameters() if not is_tp_sharded(p) and p.grad is not None]
+    comm.assert_idle(grads, "sync_replicated_grads")  # e.g. a DDP bucket all-reduce still writing them
     total = 0
     for dtype in sorted({g.dtype for g in grads}, key=str):
         same = [g for g in grads if g.dtype == dtype]
@@ -245,8 +246,10 @@ def clip_grad_norm_tp(parameters, max_norm: float, tp_group) -> float:
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
 
-    def sq(ps):  # fp32 sum of squares
-        return sum((p.grad.detach().float().square().sum() for p in ps), torch.zeros((), device=device))
+    dt = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
+
+    def sq(ps):  # fp32 (fp64 in the fp64 mode) sum of squares
+        return sum((p.grad.detach().to(dt).square().sum() for p in ps), torch.zeros((), device=device, dtype=dt))
 
     sharded = sq([p for p in params if is_tp_sharded(p)]).reshape(1)
     if tp_group.size() > 1:

@@ -40,10 +40,9 @@ import torch
 import torch.nn as nn
 
 from ..distributed import comm
+from . import precision
 from .base import Strategy
 from .zero_state import ZeroStateMixin
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _free(t: torch.Tensor) -> None:
@@ -61,12 +60,14 @@ class FlatShard:
 
     Attributes: ``names`` (FQNs), ``params``, ``offsets``, ``numel`` (unpadded), ``padded``, ``k``
     (shard size), ``full`` (padded flat compute copy; module params are views into it),
-    ``master`` (fp32 shard, an ``nn.Parameter`` given to the optimizer)."""
+    ``master`` (shard in ``master_dtype``: float32, or float64 when the compute dtype is; an
+    ``nn.Parameter`` given to the optimizer)."""
 
     def __init__(self, names, params, decay: bool, stage: int, group, compute_dtype, reduce_dtype):
         self.names, self.params, self.decay, self.stage, self.group = names, params, decay, stage, group
         self.dp, self.rank = group.size(), group.rank()
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
@@ -79,15 +80,15 @@ class FlatShard:
                 self.full[off:off + n].copy_(p.detach().reshape(-1))
                 p.data = self.full[off:off + n].view_as(p)
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        self.aliased = compute_dtype == torch.float32 and stage < 3  # master is a view of `full`
-        shard = self.full[lo:hi] if self.aliased else self.full[lo:hi].float().clone()
+        self.aliased = compute_dtype == self.master_dtype and stage < 3  # master is a view of `full`
+        shard = self.full[lo:hi] if self.aliased else self.full[lo:hi].to(self.master_dtype).clone()
         self.master = nn.Parameter(shard)
         self.grad_full = None
         if stage == 1:  # full gradients accumulate in place (param.grad views)
             self.grad_full = torch.zeros(self.padded, dtype=compute_dtype, device=dev)
             self.attach_grad_views()
-        self.shard_grad = torch.zeros(self.k, dtype=torch.float32, device=dev)
-        if self.aliased and stage == 1 and compute_dtype == torch.float32:
+        self.shard_grad = torch.zeros(self.k, dtype=self.master_dtype, device=dev)
+        if self.aliased and stage == 1:
             self.shard_grad = self.grad_full[lo:hi]
         self.pending = None  # (work, input, output) of an in-flight reduce-scatter
         self.gather_work = None
@@ -114,7 +115,7 @@ class FlatShard:
         self.pending = (work, inp, out)
 
     def wait_reduce(self) -> None:
-        """Finish the in-flight reduce-scatter and accumulate into the fp32 shard gradient."""
+        """Finish the in-flight reduce-scatter and accumulate into the master-dtype shard gradient."""
         if self.pending is None:
             return
         work, _, out = self.pending
@@ -122,7 +123,7 @@ class FlatShard:
         if self.stage == 1:
             self.shard_grad.copy_(out)
         else:
-            self.shard_grad.add_(out.float())
+            self.shard_grad.add_(out.to(self.master_dtype))
         self.pending = None
 
     # ---- parameters ------------------------------------------------------------------------
@@ -148,17 +149,17 @@ class FlatShard:
 
     @torch.no_grad()
     def canonical_to_flat(self, params: dict, opt_state: dict) -> tuple:
-        """``(flat, {"exp_avg", "exp_avg_sq"}, step or None)``: padded fp32 full vectors of this
+        """``(flat, {"exp_avg", "exp_avg_sq"}, step or None)``: padded master-dtype full vectors of this
         buffer built from canonical per-parameter tensors (``params[name]`` dense values,
         ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"})."""
-        flat = torch.zeros(self.padded, dtype=torch.float32)
-        st = {k: torch.zeros(self.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
+        flat = torch.zeros(self.padded, dtype=self.master_dtype)
+        st = {k: torch.zeros(self.padded, dtype=self.master_dtype) for k in ("exp_avg", "exp_avg_sq")}
         step = None
         for name, off, n in zip(self.names, self.offsets, self.numels):
-            flat[off:off + n] = params[name].reshape(-1).float().cpu()
+            flat[off:off + n] = params[name].reshape(-1).to(self.master_dtype).cpu()
             if name in opt_state:
                 for k in st:
-                    st[k][off:off + n] = opt_state[name][k].reshape(-1).float().cpu()
+                    st[k][off:off + n] = opt_state[name][k].reshape(-1).to(self.master_dtype).cpu()
                 step = opt_state[name]["step"]
         return flat, st, step
 
@@ -198,15 +199,14 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     """Native ZeRO stage 1/2/3 over the dp group for a GPT (``model.transformer.h`` blocks).
 
     Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup), ``stage``
-    (1, 2 or 3), ``dtype`` ("fp32" | "bf16": compute copies), ``reduce_dtype`` ("fp32" | "bf16").
-    Raises ValueError for a bad stage or dtype."""
+    (1, 2 or 3), ``dtype`` ("fp32" | "bf16" | "fp64": compute copies; see ``parallel.precision``),
+    ``reduce_dtype`` ("auto" | "fp32" | "bf16" | "fp64"). Raises ValueError for a bad stage or dtype."""
 
-    def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "fp32", mask=None,
+    def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
                  tp_group=None, sequence_parallel: bool = False):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for ZeroStrategy, got {stage}")
-        if dtype not in DTYPES or reduce_dtype not in DTYPES:
-            raise ValueError(f"dtype and parallel.reduce_dtype must be fp32 or bf16, got {dtype}, {reduce_dtype}")
+        compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
         from ..train.optim import decay_mask
 
         from .tensor import is_tp_sharded
@@ -229,8 +229,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
                     for sharded in (True, False):  # tp-sharded and tp-replicated kept apart
                         ps = [p for p in params if mask.get(id(p), False) == decay and is_tp_sharded(p) == sharded]
                         if ps:
-                            f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, group,
-                                          DTYPES[dtype], DTYPES[reduce_dtype])
+                            f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, group, compute, reduce)
                             f.tp_sharded = sharded
                             flats.append(f)
                 self.flats.append(flats)
@@ -373,15 +372,15 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         p = g = o = 0
         for f in self.all_flats:
             p += f.full.untyped_storage().size()
-            master = f.master.numel() * 4
-            if f.stage == 3 and f.compute_dtype == torch.float32:
+            master = f.master.numel() * f.master.element_size()
+            if f.stage == 3 and f.compute_dtype == f.master_dtype:
                 p += master
             elif not f.aliased:
                 o += master
             if f.grad_full is not None:
                 g += f.grad_full.numel() * f.grad_full.element_size()
             if not (f.stage == 1 and f.aliased):
-                g += f.shard_grad.numel() * 4
+                g += f.shard_grad.numel() * f.shard_grad.element_size()
             for t in optimizer.state.get(f.master, {}).values():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
                     o += t.numel() * t.element_size()

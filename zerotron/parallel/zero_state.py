@@ -46,8 +46,9 @@ def gather_flats(flats: list, group, optimizer, owned) -> tuple[dict, dict]:
 
 
 def _gather_full(shard: torch.Tensor, group) -> torch.Tensor:
-    out = torch.empty(shard.numel() * group.size(), dtype=torch.float32, device=shard.device)
-    comm.all_gather(out, shard.float().contiguous(), group=group, tag="checkpoint")
+    dt = torch.float64 if shard.dtype == torch.float64 else torch.float32
+    out = torch.empty(shard.numel() * group.size(), dtype=dt, device=shard.device)
+    comm.all_gather(out, shard.to(dt).contiguous(), group=group, tag="checkpoint")
     return out
 
 
@@ -67,8 +68,8 @@ def load_flats_from_owners(flats: list, group, owner, params: dict, ostate: dict
             flat, st = flat.to(dev), {k: v.to(dev) for k, v in st.items()}
             step_t = torch.tensor([float(step if step is not None else 0)], device=dev)
         else:
-            flat = torch.empty(f.padded, dtype=torch.float32, device=dev)
-            st = {k: torch.empty(f.padded, dtype=torch.float32, device=dev) for k in _ADAM}
+            flat = torch.empty(f.padded, dtype=f.master_dtype, device=dev)
+            st = {k: torch.empty(f.padded, dtype=f.master_dtype, device=dev) for k in _ADAM}
             step_t = torch.empty(1, device=dev)
         src = dist.get_global_rank(pg, own) if pg is not None else own
         for t in [flat] + ([st[k] for k in _ADAM] + [step_t] if with_state else []):

@@ -19,6 +19,7 @@ from ..distributed import comm
 from ..distributed.mesh import Mesh, ParallelDims, init_distributed
 from ..models.gpt import GPT, GPTConfig
 from ..parallel import parallelize
+from ..parallel.precision import param_dtype
 from . import checkpoint as ckpt
 from .metrics import MetricsWriter, measure_peak_flops, mfu, plot_losses
 from .optim import build_scheduler
@@ -119,6 +120,7 @@ class Trainer:
         else:
             self.model_cfg = gpt_config(cfg, self.data.vocab_size)
             self.model = GPT(self.model_cfg).to(device)
+        self.model.to(dtype=param_dtype(cfg.train.dtype))  # fp64 mode: every parameter in float64
         self.seq_len = self.model_cfg.block_size
         self.num_params = self.model.num_params()  # dense count, before any sharding
         self.strategy = parallelize(self.model, cfg, self.mesh)

@@ -1,0 +1,100 @@
+"""The generated layout matrix (``zerotron.parity``): every layout config validation accepts trains
+like one process in float64 (rtol 1e-10, copies bitwise equal); every layout it refuses is refused
+for a documented reason.
+
+By default the pairwise covering array of the valid layouts runs (every pair of factor values at
+least once); ``ZEROTRON_MATRIX=full`` (``make test-matrix``) runs every valid layout, and
+``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors. One spawn per world size,
+many layouts per spawn."""
+import json
+import os
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from zerotron import parity
+from zerotron.testing import run_ranks
+
+FULL = os.environ.get("ZEROTRON_MATRIX", "") == "full"
+
+
+@pytest.fixture(scope="module")
+def split():
+    """(valid, refused {layout: message}) of the full product."""
+    valid, refused = [], {}
+    for lay in parity.all_layouts():
+        msg = parity.refusal(lay)
+        if msg is None:
+            valid.append(lay)
+        else:
+            refused[lay] = msg
+    return valid, refused
+
+
+def test_refusals_are_the_documented_ones(split):
+    valid, refused = split
+    for lay in valid:
+        assert parity.expected_refusal(lay) is None, f"{lay.name} runs but is documented as refused"
+    for lay, msg in refused.items():
+        assert parity.expected_refusal(lay) is not None, f"{lay.name} is refused unexpectedly: {msg}"
+        assert msg and "\n" not in msg and ("parallel." in msg or "train." in msg), (lay.name, msg)
+    assert len(valid) + len(refused) == len(parity.all_layouts())
+    print(f"\nparity matrix: {len(valid) + len(refused)} layouts, {len(valid)} valid, {len(refused)} refused")
+
+
+def test_covering_array_covers_every_pair(split):
+    valid, _ = split
+    cover = parity.covering_layouts(valid)
+    keys = list(parity.FACTORS)
+
+    def pairs(l):
+        v = [(k, getattr(l, k)) for k in keys]
+        return {(v[i], v[j]) for i in range(len(v)) for j in range(i + 1, len(v))}
+
+    want = set().union(*(pairs(l) for l in valid))
+    assert set().union(*(pairs(l) for l in cover)) == want
+    assert len(cover) < len(valid) / 4, (len(cover), len(valid))
+    # every value of every factor appears, including the 8-process 3-D layouts
+    for k, values in parity.FACTORS.items():
+        got = {getattr(l, k) for l in cover}
+        assert {getattr(l, k) for l in valid} <= got, k
+
+
+def test_fp64_layout_matrix(split, data_cache, single_process, tmp_path):
+    valid, refused = split
+    chosen = valid if FULL else parity.covering_layouts(valid)
+    extra = {"data.cache_dir": data_cache}
+    t0 = time.time()
+    ref = parity.reference(str(tmp_path / "reference"), extra)
+    assert ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
+    ref_path = str(tmp_path / "reference.pt")
+    torch.save(ref, ref_path)
+    ref_keys = (set(ref["params"]), set(ref["optim"]))
+    by_world = defaultdict(list)
+    for lay in chosen:
+        by_world[lay.world].append(lay.as_dict())
+    summaries = []
+    for world, lays in sorted(by_world.items()):
+        if world == 1:  # in this process (world-size-1 group)
+            per_rank = [parity.run_many(lays, ref_path, str(tmp_path / "w1"), extra)]
+        else:
+            per_rank = run_ranks(parity.run_many, world, lays, ref_path, str(tmp_path / f"w{world}"), extra,
+                                 timeout_s=120, join_timeout_s=3000)
+        for i, d in enumerate(lays):
+            records = [per_rank[r][i] for r in range(world)]
+            assert all(rec["name"] == d["name"] for rec in records)
+            summaries.append({**d, **parity.check(d["name"], records, ref_keys, parity.FP64_RTOL)})
+    worst = {k: max(s[k] for s in summaries) for k in ("loss_err", "norm_err", "val_err", "param_err", "optim_err")}
+    print(f"\nparity matrix ({'full' if FULL else 'pairwise covering array'}): {len(summaries)} of "
+          f"{len(valid)} valid layouts checked in fp64 ({len(refused)} refused), "
+          f"worst relative error {max(worst.values()):.3g} ({worst}), {time.time() - t0:.0f} s")
+    assert len(summaries) == len(chosen)
+    out = os.environ.get("ZEROTRON_MATRIX_OUT")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"mode": "full" if FULL else "covering", "valid": len(valid), "refused": len(refused),
+                       "checked": len(summaries), "worst": worst, "seconds": round(time.time() - t0, 1),
+                       "layouts": summaries,
+                       "refusals": {l.name: m for l, m in sorted(refused.items())}}, f, indent=1)

@@ -1,0 +1,313 @@
+"""The parity matrix: every layout the config space allows, generated, and trained against one process.
+
+A *layout* is one value per factor of :data:`FACTORS` -- gradient sync (native DDP, torch DDP,
+native ZeRO-1/2/3, FSDP2 stage 2/3), dp degree, tp degree, sequence parallelism, pp degree,
+pipeline schedule and gradient accumulation (micro-batches per dp rank per step). Options that
+cannot matter are canonicalised away (sequence parallelism only with tp > 1, a schedule only with
+pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
+full product; :func:`covering_layouts` picks a small set in which every pair of factor values
+that occurs in some valid layout occurs at least once (a greedy pairwise covering array).
+
+Each layout trains :data:`STEPS` optimizer steps of the same global batch (:data:`GLOBAL_BATCH`
+sequences) in float64 (``train.dtype = "fp64"``) through the real :class:`~zerotron.train.trainer.Trainer`,
+with active gradient clipping and evaluation, and is compared with the single-process run of the
+same configuration (:func:`reference`):
+
+* losses, gradient norms and validation losses: relative error per step;
+* final parameters and AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) of the canonical,
+  layout-independent state dict: norm-wise relative error per tensor,
+  ``||a - b|| / ||b||``;
+* every copy of one tensor (dp replicas, tp-replicated parameters on the tp ranks, the tied
+  embedding on the first and last pipeline stage) bitwise equal on every rank.
+
+In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
+:data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)
+moves these numbers by >= 1e-7. Config validation decides which layouts run; every refused one
+must be refused for a reason listed by :func:`expected_refusal` (and the test asserts both
+directions), never trained silently wrong.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+from dataclasses import dataclass
+
+FACTORS = {
+    "sync": ("ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp2_2", "fsdp2_3"),
+    "dp": (1, 2, 4),
+    "tp": (1, 2),
+    "sp": (False, True),
+    "pp": (1, 2, 4),
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved"),
+    "acc": (1, 4),
+}
+MAX_WORLD = 8
+STEPS = 2
+GLOBAL_BATCH = 16
+FP64_RTOL = 1e-10
+# the matrix model: 8 layers (pp 4 x 2 virtual stages), 4 heads (tp 2), 16 positions (SP over tp 2)
+MODEL = {"model.n_layer": 8, "model.n_head": 4, "model.n_embd": 32, "model.block_size": 16,
+         "model.dropout": 0.0}
+TRAIN = {"train.dtype": "fp64", "train.steps": STEPS, "train.global_batch": GLOBAL_BATCH, "train.grad_clip": 0.5,
+         "train.warmup_steps": 1, "train.eval_every": STEPS, "train.eval_batches": 1,
+         "checkpoint.save_final": "false", "parallel.timeout_s": 120}
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """One point of the matrix. ``schedule`` is None when pp == 1; ``sp`` is False when tp == 1."""
+
+    sync: str
+    dp: int
+    tp: int
+    sp: bool
+    pp: int
+    schedule: str | None
+    acc: int
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        parts = [self.sync, f"dp{self.dp}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("sp" if self.sp else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}-{self.schedule}")
+        parts.append(f"acc{self.acc}")
+        return "-".join(parts)
+
+    def overrides(self) -> dict:
+        """``{"section.field": value}`` config overrides of this layout (on top of MODEL/TRAIN)."""
+        o = {"parallel.dp": self.dp, "parallel.tp": self.tp, "parallel.pp": self.pp,
+             "parallel.sequence_parallel": str(self.sp).lower(),
+             "train.micro_batch": max(GLOBAL_BATCH // (self.dp * self.acc), 1)}
+        if self.sync == "torch_ddp":
+            o["parallel.dp_impl"] = "torch"
+        elif self.sync.startswith("zero"):
+            o["parallel.zero_stage"] = int(self.sync[-1])
+        elif self.sync.startswith("fsdp2"):
+            o.update({"parallel.zero_stage": int(self.sync[-1]), "parallel.zero_impl": "fsdp2"})
+        if self.pp > 1:
+            o["parallel.pp_schedule"] = self.schedule
+            if self.schedule == "interleaved":
+                o["parallel.virtual_stages"] = 2
+        return o
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "name": self.name, "world": self.world}
+
+
+def all_layouts(max_world: int = MAX_WORLD) -> list[Layout]:
+    """Every canonical layout of the FACTORS product on at most ``max_world`` processes, sorted."""
+    out = set()
+    f = FACTORS
+    for sync, dp, tp, sp, pp, sched, acc in itertools.product(*f.values()):
+        if dp * tp * pp > max_world:
+            continue
+        out.add(Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc))
+    return sorted(out, key=lambda l: (l.world, l.name))
+
+
+def config_for(layout: Layout, extra: dict | None = None):
+    """The full Config of ``layout`` (tiny.toml + MODEL + TRAIN + the layout's overrides + extra)."""
+    from .testing import tiny_config
+
+    return tiny_config({**MODEL, **TRAIN, **layout.overrides(), **(extra or {})})
+
+
+def refusal(layout: Layout) -> str | None:
+    """Config validation's verdict: None if the layout runs, else its one-line message."""
+    from .config import ConfigError, validate
+
+    try:
+        validate(config_for(layout), layout.world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def expected_refusal(layout: Layout) -> str | None:
+    """The documented reason a layout cannot run (None: it must run). Config validation must agree
+    (tests assert both directions), so an accidental refusal or a silently accepted unsupported
+    combination fails the matrix."""
+    if layout.pp > 1 and layout.sync in ("zero2", "zero3", "fsdp2_2", "fsdp2_3", "torch_ddp"):
+        return "pipeline x this gradient sync is not implemented"
+    if layout.sync.startswith("fsdp2") and layout.tp > 1:
+        return "FSDP2 is not combined with tensor parallelism"
+    if layout.schedule == "interleaved" and layout.acc % layout.pp:
+        return "interleaved needs micro-batches per flush divisible by pp"
+    return None
+
+
+# witnesses of fixed defects, always in the covering set: pp x dp x tp + SP with native DDP (the
+# tp-replicated gradient sum once ran on bucket memory an all-reduce was still writing)
+MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4",)
+
+
+def covering_layouts(layouts: list[Layout]) -> list[Layout]:
+    """A greedy pairwise covering array: a subset of ``layouts`` in which every pair of (factor,
+    value) assignments that occurs in ``layouts`` occurs at least once, plus the :data:`MUST`
+    witnesses. Ties go to fewer processes, then to the name, so the choice is deterministic."""
+    keys = list(FACTORS)
+
+    def pairs(l: Layout):
+        v = [(k, getattr(l, k)) for k in keys]
+        return {(a, b) for a, b in itertools.combinations(v, 2)}
+
+    todo = set().union(*(pairs(l) for l in layouts)) if layouts else set()
+    chosen = [l for l in layouts if l.name in MUST]
+    rest = sorted((l for l in layouts if l.name not in MUST), key=lambda l: (l.world, l.name))
+    for l in chosen:
+        todo -= pairs(l)
+    while todo:
+        best = max(rest, key=lambda l: (len(pairs(l) & todo), -l.world))
+        chosen.append(best)
+        todo -= pairs(best)
+        rest.remove(best)
+    return sorted(chosen, key=lambda l: (l.world, l.name))
+
+
+# ---- running ---------------------------------------------------------------------------------
+def _digest(t) -> str:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    t = t.detach()
+    if t.untyped_storage().size() == 0:  # ZeRO-3: freed between uses
+        return ""
+    return hashlib.sha256(t.cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _copies(strategy, mesh) -> dict:
+    """``{copy key: digest}`` of this rank's parameter tensors; the key names the logical tensor
+    slice, so every rank holding the same key must hold the same bits: tp-sharded tensors are keyed
+    by tp coordinate, dp-sharded ones (ZeRO-3 / FSDP2 local shards) by dp coordinate."""
+    from .parallel.tensor import is_tp_sharded
+
+    c = mesh.coords
+    dp_sharded = getattr(strategy, "stage", 0) == 3 or type(strategy).__name__ == "FSDP2Strategy"
+    out = {}
+    for name, p in strategy.module.named_parameters(remove_duplicate=False):
+        d = _digest(p)
+        if not d:
+            continue
+        key = (name, c["tp"] if is_tp_sharded(p) else None, c["dp"] if dp_sharded else None)
+        out[key] = d
+    return out
+
+
+def _rel(a, b) -> float:
+    import torch
+
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-300))
+
+
+def _state_errors(msd, osd, ref) -> dict:
+    """Max norm-wise errors of this rank's canonical (possibly partial) state against ``ref``."""
+    import torch
+
+    perr = max((_rel(v, ref["params"][k]) for k, v in msd.items()), default=0.0)
+    oerr, step_ok = 0.0, True
+    for fqn, st in osd["state"].items():
+        rs = ref["optim"][fqn]
+        for k in ("exp_avg", "exp_avg_sq"):
+            oerr = max(oerr, _rel(st[k], rs[k]))
+        step_ok &= float(torch.as_tensor(st["step"])) == float(torch.as_tensor(rs["step"]))
+    return {"param_err": perr, "optim_err": oerr, "step_ok": step_ok,
+            "param_keys": sorted(msd), "optim_keys": sorted(osd["state"]),
+            "unknown_keys": sorted((set(msd) - set(ref["params"])) | (set(osd["state"]) - set(ref["optim"])))}
+
+
+def train_layout(layout: Layout, run_dir: str, extra: dict | None = None) -> dict:
+    """Train ``layout`` in this process group (every rank calls it). Returns per-step ``losses``,
+    ``norms``, ``val`` ({step: val_loss}), the canonical ``msd``/``osd`` (this rank's part), the
+    rank's ``coords`` and ``copies`` (see :func:`_copies`). Collective."""
+    from .train.trainer import Trainer
+
+    tr = Trainer(config_for(layout, extra), run_dir)
+    out = {"losses": [], "norms": [], "val": {}}
+
+    def cb(t, rec):
+        out["losses"].append(rec["loss"])
+        out["norms"].append(rec["grad_norm"])
+        if "val_loss" in rec:
+            out["val"][rec["step"]] = rec["val_loss"]
+
+    tr.fit(callback=cb)
+    out["msd"], out["osd"] = tr.strategy.state_dict(tr.optimizer)
+    out["coords"] = dict(tr.mesh.coords)
+    out["copies"] = _copies(tr.strategy, tr.mesh)
+    return out
+
+
+def reference(run_dir: str, extra: dict | None = None) -> dict:
+    """The single-process run of the matrix configuration (world size 1, one micro-batch per step):
+    losses, norms, val, and the canonical state as ``{"params": {fqn: tensor}, "optim": {fqn:
+    {exp_avg, exp_avg_sq, step}}}`` (CPU tensors). Needs a world-size-1 process group."""
+    out = train_layout(Layout("ddp", 1, 1, False, 1, None, 1), run_dir, extra)
+    clone = lambda v: v.detach().cpu().clone() if hasattr(v, "detach") else v  # noqa: E731
+    return {"losses": out["losses"], "norms": out["norms"], "val": out["val"],
+            "params": {k: clone(v) for k, v in out["msd"].items()},
+            "optim": {k: {n: clone(x) for n, x in st.items()} for k, st in out["osd"]["state"].items()}}
+
+
+def _rel_list(a, b) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-300) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) \
+        else float("inf")
+
+
+def compare(out: dict, ref: dict) -> dict:
+    """Errors of one rank's :func:`train_layout` result against :func:`reference`."""
+    vsteps = sorted(ref["val"])
+    e = {"loss_err": _rel_list(out["losses"], ref["losses"]),
+         "norm_err": _rel_list(out["norms"], ref["norms"]),
+         "val_err": _rel_list([out["val"].get(s, float("nan")) for s in vsteps], [ref["val"][s] for s in vsteps]),
+         "coords": out["coords"], "copies": out["copies"]}
+    e.update(_state_errors(out["msd"], out["osd"], ref))
+    return e
+
+
+def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = None) -> list[dict]:
+    """Worker body (every rank of one spawn): train each layout (given as ``Layout.as_dict()``),
+    compare it with the reference saved at ``ref_path`` (``torch.save`` of :func:`reference`),
+    and return the per-rank error records (small: no tensors), one per layout. A layout that
+    raises is reported with its error message instead of stopping the others (all ranks raise
+    together on a config error; other exceptions end the spawn)."""
+    import torch
+    import torch.distributed as dist
+
+    ref = torch.load(ref_path, weights_only=False)
+    res = []
+    for d in layouts:
+        lay = Layout(**{k: d[k] for k in FACTORS})
+        run_dir = f"{tmp}/{lay.name}"
+        out = train_layout(lay, run_dir, extra)
+        res.append({"name": lay.name, **compare(out, ref)})
+        dist.barrier()
+    return res
+
+
+def check(layout_name: str, records: list[dict], ref_keys: tuple[set, set], rtol: float) -> dict:
+    """Assert one layout's per-rank records (index = rank) against ``rtol`` and bitwise copy
+    equality; return the summary ``{"name", "world", worst errors}``. Raises AssertionError
+    naming the layout, the quantity and the value."""
+    worst = {k: max(r[k] for r in records) for k in ("loss_err", "norm_err", "val_err", "param_err", "optim_err")}
+    for k, v in worst.items():
+        assert v <= rtol, f"{layout_name}: {k} {v:.3g} > {rtol:g}"
+    assert all(r["step_ok"] for r in records), f"{layout_name}: optimizer step count differs from one process"
+    for r in records:
+        assert not r["unknown_keys"], f"{layout_name}: keys not in the reference {r['unknown_keys'][:4]}"
+    pkeys = set().union(*(r["param_keys"] for r in records))
+    okeys = set().union(*(r["optim_keys"] for r in records))
+    assert pkeys == ref_keys[0], f"{layout_name}: canonical parameters missing {sorted(ref_keys[0] - pkeys)[:4]}"
+    assert okeys == ref_keys[1], f"{layout_name}: optimizer state missing {sorted(ref_keys[1] - okeys)[:4]}"
+    seen: dict = {}
+    for rank, r in enumerate(records):
+        for key, dig in r["copies"].items():
+            first = seen.setdefault(key, (rank, dig))
+            assert first[1] == dig, (f"{layout_name}: copies of {key[0]} differ between rank {first[0]} and "
+                                     f"rank {rank} (key {key})")
+    return {"name": layout_name, "world": len(records), **worst}
