@@ -8,7 +8,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train test clean
+.PHONY: install install-dev train test test-matrix clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ train: install
 
 test: install-dev
 	$(PY) -m pytest tests $(ARGS)
+
+# every valid layout of the parity matrix (fp64, ~15 min on 2 cores); results under benchmarks/
+test-matrix: install-dev
+	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
+		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache

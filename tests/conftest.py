@@ -21,3 +21,18 @@ def single_process():
 
     init_distributed("gloo", timeout_s=60)
     yield
+
+
+_SUMMARY: list[str] = []
+
+
+@pytest.fixture
+def report():
+    """``report(line)``: a line printed in pytest's terminal summary even without ``-s`` (counts
+    and worst errors that CI logs should show)."""
+    return _SUMMARY.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _SUMMARY:
+        terminalreporter.write_line(line)

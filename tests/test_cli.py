@@ -26,7 +26,7 @@ CASES = [
     (["train", "--config", TINY, "--model.preset", "gpt5"], "model.preset 'gpt5' is unknown"),
     (["train", "--config", TINY, "--data.corpus", "files"], "data.corpus = 'files' needs data.path"),
     (["train", "--config", TINY, "--data.corpus", "files", "--data.path", "/no/such/file.txt"], "/no/such/file.txt"),
-    (["train", "--config", TINY, "--train.dtype", "fp8"], "train.dtype must be one of ('fp32', 'bf16'), got 'fp8'"),
+    (["train", "--config", TINY, "--train.dtype", "fp8"], "train.dtype must be one of ('fp32', 'bf16', 'fp64'), got 'fp8'"),
     (["train", "--config", TINY, "--train.lr", "-1"], "train.lr must be > 0"),
     (["train", "--config", TINY, "--model.dropout", "1.5"], "model.dropout must be in [0, 1)"),
     (["train", "--config", TINY, "--bogus.key", "1"], "unknown config section 'bogus'"),
