@@ -171,13 +171,15 @@ def cmd_export(argv: list[str]) -> int:
     try:
         import torch
 
+        from .data.tokenizer import EOT
         from .distributed.mesh import init_distributed
         from .generate import load_model
         from .models.hf import export_hf_gpt2
 
         init_distributed(timeout_s=600, device=torch.device("cpu"))
         model, tok, _ = load_model(args.checkpoint, torch.device("cpu"))
-        out = export_hf_gpt2(model, None, args.out, overwrite=args.overwrite)
+        # the checkpoint's tokenizer.json (load_tokenizer checked it defines <|endoftext|>)
+        out = export_hf_gpt2(model, None, args.out, overwrite=args.overwrite, eos_token_id=tok.token_to_id(EOT))
         tok.save(str(Path(out) / "tokenizer.json"))
         print(f"wrote {out}")
         return 0
