@@ -4,7 +4,9 @@ Every wrapper here
   * refuses non-contiguous tensors (gloo silently reduces the wrong memory for strided views),
   * counts calls and bytes per (op, group) in a process-wide :class:`CommStats`,
   * supports synchronous use (returns ``None``) and asynchronous use (``async_op=True`` returns the
-    ``torch.distributed.Work`` handle; call ``.wait()`` before reading the result).
+    ``torch.distributed.Work`` handle; call ``.wait()`` before reading the result). Async handles
+    are remembered until they complete: :func:`pending_works` lists the unfinished ones and
+    :func:`wait_pending` (called by ``mesh.teardown`` at the end of a run) waits for them.
 
 Byte accounting follows the nccl-tests convention for the "size" of a collective:
   * all_reduce, broadcast, reduce: the tensor's bytes;
@@ -93,6 +95,35 @@ def _match(key, op, group, tag) -> bool:
 
 STATS = CommStats()
 
+_ASYNC: list = []  # Work handles of async calls made here, until seen completed
+
+
+def _track(work):
+    """Remember the Work handle(s) of an async call (None for a synchronous one); returns ``work``.
+    Handles already completed are dropped, so the list holds only what may still be running."""
+    if work is not None:
+        _ASYNC[:] = [w for w in _ASYNC if not w.is_completed()]
+        _ASYNC.extend(work if isinstance(work, list) else [work])
+    return work
+
+
+def pending_works() -> list:
+    """Work handles of async collectives issued through this module that have not completed."""
+    return [w for w in _ASYNC if not w.is_completed()]
+
+
+def wait_pending() -> int:
+    """Wait for every async collective issued through this module that is still running; returns
+    how many were waited for (0 when every handle had completed). Raises what ``Work.wait`` raises,
+    e.g. a timeout RuntimeError when a peer never joins the collective."""
+    n = 0
+    while _ASYNC:
+        w = _ASYNC.pop(0)
+        if not w.is_completed():
+            w.wait()
+            n += 1
+    return n
+
 
 def _check(t: torch.Tensor, what: str) -> int:
     if not isinstance(t, torch.Tensor):
@@ -112,13 +143,13 @@ def _world(group) -> int:
 def all_reduce(t: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, tag: str = ""):
     """In-place all-reduce of ``t`` (any shape) over ``group``. Returns a Work handle if ``async_op``."""
     STATS.record("all_reduce", group, _check(t, "all_reduce"), tag)
-    return dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op)
+    return _track(dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op))
 
 
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False, tag: str = ""):
     """In-place broadcast of ``t`` from global rank ``src``."""
     STATS.record("broadcast", group, _check(t, "broadcast"), tag)
-    return dist.broadcast(t, src=src, group=_pg(group), async_op=async_op)
+    return _track(dist.broadcast(t, src=src, group=_pg(group), async_op=async_op))
 
 
 def all_gather(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
@@ -132,7 +163,7 @@ def all_gather(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bo
         raise ValueError(f"all_gather: output must be 1-D with {n}x{inp.numel()} elements, got {tuple(output.shape)}")
     STATS.record("all_gather", group, nbytes, tag)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, inp.reshape(-1), group=_pg(group), async_op=async_op)
+    return _track(fn(output, inp.reshape(-1), group=_pg(group), async_op=async_op))
 
 
 def reduce_scatter(output: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -147,7 +178,7 @@ def reduce_scatter(output: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, gro
         raise ValueError(f"reduce_scatter: input must have {n}x{output.numel()} elements, got {inp.numel()}")
     STATS.record("reduce_scatter", group, nbytes, tag)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output.reshape(-1), inp.reshape(-1), op=op, group=_pg(group), async_op=async_op)
+    return _track(fn(output.reshape(-1), inp.reshape(-1), op=op, group=_pg(group), async_op=async_op))
 
 
 def all_to_all(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
@@ -155,7 +186,7 @@ def all_to_all(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bo
     nbytes = _check(inp, "all_to_all input")
     _check(output, "all_to_all output")
     STATS.record("all_to_all", group, nbytes, tag)
-    return dist.all_to_all_single(output, inp, group=_pg(group), async_op=async_op)
+    return _track(dist.all_to_all_single(output, inp, group=_pg(group), async_op=async_op))
 
 
 def send(t: torch.Tensor, dst: int, group=None, tag: str = "") -> None:
@@ -179,7 +210,7 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group=None, tag:
         STATS.record(kind, group, _check(t, kind), tag)
         fn = dist.isend if kind == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, t, peer, group=_pg(group)))
-    return dist.batch_isend_irecv(p2p) if p2p else []
+    return _track(dist.batch_isend_irecv(p2p) if p2p else [])
 
 
 def barrier(group=None) -> None:
