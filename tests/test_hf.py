@@ -98,7 +98,12 @@ def test_state_dict_conversion_prefix_buffers_and_transpose():
 def test_config_mapping_and_unsupported():
     cfg = GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
     hf_cfg = gpt_to_hf_config(cfg)
-    assert hf_cfg["bos_token_id"] == hf_cfg["eos_token_id"] == VOCAB - 1
+    # no tokenizer given and a vocabulary without GPT-2's id: no ordinary token is taken for eos
+    assert hf_cfg["bos_token_id"] is None and hf_cfg["eos_token_id"] is None
+    assert gpt_to_hf_config(cfg, eos_token_id=7)["eos_token_id"] == gpt_to_hf_config(cfg, 7)["bos_token_id"] == 7
+    for bad in (VOCAB, -1, True):
+        with pytest.raises(ValueError, match="eos_token_id"):
+            gpt_to_hf_config(cfg, eos_token_id=bad)
     assert hf_config_to_gpt(hf_cfg) == cfg
     assert gpt_to_hf_config(GPTConfig(vocab_size=50257))["eos_token_id"] == 50256
     legacy = {k: v for k, v in hf_cfg.items() if k != "n_positions"}
@@ -134,3 +139,47 @@ def test_load_errors(tmp_path):
     del sd["transformer.h.0.mlp.c_fc.bias"]
     with pytest.raises(ValueError, match="missing.*c_fc.bias"):
         state_dict_from_hf(sd, cfg)
+
+
+def test_export_cli_eos_is_the_tokenizers_endoftext(tmp_path, data_cache):
+    """``zerotron export`` of a trained checkpoint (vocab < 50257) writes the tokenizer's
+    <|endoftext|> id as bos/eos: transformers' greedy generate() then equals our greedy decoding
+    cut after the first end-of-text, and stops exactly there when that token comes."""
+    import copy
+
+    from zerotron.cli import main
+    from zerotron.data import load_tokenizer
+    from zerotron.data.tokenizer import EOT
+    from zerotron.generate import load_model
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    assert main(["train", "--config", "configs/tiny.toml", "--run-dir", str(run), "--train.steps", "1",
+                 "--model.n_layer", "1", "--train.eval_every", "0", "--log.progress", "false",
+                 "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache]) == 0
+    assert main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
+    ours, tok, _ = load_model(run, torch.device("cpu"))
+    eot = load_tokenizer(out / "tokenizer.json").token_to_id(EOT)
+    assert eot == tok.token_to_id(EOT) and ours.config.vocab_size < 50257
+    for name in ("config.json", "generation_config.json"):
+        ids = json.loads((out / name).read_text())
+        assert ids["bos_token_id"] == ids["eos_token_id"] == eot, (name, ids)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    assert hf.generation_config.eos_token_id == eot
+    prompt = torch.tensor([tok.encode("ROMEO:").ids])
+    n = 12
+    with torch.no_grad():
+        got = hf.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=eot)[0, prompt.size(1):].tolist()
+        ref = ours.generate(prompt, n, temperature=0.0)[0, prompt.size(1):].tolist()
+    cut = ref[:ref.index(eot) + 1] if eot in ref else ref
+    assert got == cut and len(got) > 1, (got, ref)
+    # a model whose every next token is <|endoftext|>: generate() stops after exactly that token
+    forced = copy.deepcopy(hf)
+    with torch.no_grad():
+        wte = forced.transformer.wte.weight
+        v = torch.zeros_like(wte[eot])
+        v[0] = 100 * wte.norm(dim=1).max()
+        wte[eot] = v  # tied: the lm_head row of <|endoftext|> too
+        forced.transformer.ln_f.weight.zero_()
+        forced.transformer.ln_f.bias.copy_(v)
+        stopped = forced.generate(prompt, max_new_tokens=n, do_sample=False, pad_token_id=eot)
+    assert stopped[0, prompt.size(1):].tolist() == [eot]

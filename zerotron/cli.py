@@ -97,10 +97,16 @@ def cmd_train(argv: list[str]) -> int:
                 worker_argv += ["--run-dir", str(run_dir)]
             print(f"zerotron: launching {args.nproc} workers, run directory {run_dir}", file=sys.stderr)
             return launch(args.nproc, worker_argv)
+        import torch.distributed as dist
+
+        from .distributed import mesh
         from .train.trainer import Trainer
 
+        owned = not dist.is_initialized()  # this run creates the process group (a worker, or alone)
         trainer = Trainer(cfg, run_dir, resume=args.resume)
         summary = trainer.fit()
+        if owned:
+            mesh.teardown()  # every rank done before any process group goes (no abort at exit)
         if trainer.rank == 0 and not summary.get("nothing_to_do"):
             _print_summary(summary, run_dir)
         return 0
@@ -171,14 +177,19 @@ def cmd_export(argv: list[str]) -> int:
     try:
         import torch
 
-        from .distributed.mesh import init_distributed
+        from .data.tokenizer import EOT
+        from .distributed import mesh
         from .generate import load_model
         from .models.hf import export_hf_gpt2
 
-        init_distributed(timeout_s=600, device=torch.device("cpu"))
+        owned = not torch.distributed.is_initialized()
+        mesh.init_distributed(timeout_s=600, device=torch.device("cpu"))
         model, tok, _ = load_model(args.checkpoint, torch.device("cpu"))
-        out = export_hf_gpt2(model, None, args.out, overwrite=args.overwrite)
+        # the checkpoint's tokenizer.json (load_tokenizer checked it defines <|endoftext|>)
+        out = export_hf_gpt2(model, None, args.out, overwrite=args.overwrite, eos_token_id=tok.token_to_id(EOT))
         tok.save(str(Path(out) / "tokenizer.json"))
+        if owned:
+            mesh.teardown()
         print(f"wrote {out}")
         return 0
     except _user_errors() as e:

@@ -110,11 +110,9 @@ def generate_main(args) -> int:
                 print(f"--- [{i}] ---")
             print(results[i])
     if owned:  # every rank done before the process group goes (no teardown race at exit)
-        from .distributed.mesh import destroy
+        from .distributed import mesh as _mesh
 
-        if world > 1:
-            comm.barrier()
-        destroy()
+        _mesh.teardown()
     return 0
 
 

@@ -1,9 +1,9 @@
 """Test helpers: run a function on N local ranks (gloo) and build small configs.
 
 ``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo process
-group with a short timeout in each, calls ``fn(*args)`` and returns the list of per-rank results
-(index = rank). Any rank's exception is re-raised in the caller with its traceback. ``fn`` must be
-importable (module level).
+group with a short timeout in each, calls ``fn(*args)``, ends each rank with ``mesh.teardown()`` (as
+every entry point does) and returns the list of per-rank results (index = rank). Any rank's
+exception is re-raised in the caller with its traceback. ``fn`` must be importable (module level).
 """
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ def _worker(rank, world_size, port, timeout_s, fn, args, queue):
         import torch
 
         torch.set_num_threads(1)
-        from .distributed.mesh import destroy, init_distributed
+        from .distributed import mesh
 
-        init_distributed("gloo", timeout_s=timeout_s)
+        mesh.init_distributed("gloo", timeout_s=timeout_s)
         result = fn(*args)
+        mesh.teardown()  # as every entry point ends: pending async work, barrier, then destroy
         queue.put((rank, "ok", result))
-        destroy()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
 

@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # ConfigError, DataError
         print(f"zerotron bench train: error: {e}", file=sys.stderr)
         return 2
+    from zerotron.distributed import mesh
     from zerotron.distributed.mesh import destroy, init_distributed
     from zerotron.train.trainer import load_data
 
@@ -273,9 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
         records = run_benchmark(args.config, overrides, names, args.steps, args.warmup, args.rounds, dev, data)
         backend = dist.get_backend()
-    finally:
+    except BaseException:
         if owned:
-            destroy()
+            destroy()  # after an error: no barrier (a peer may be gone)
+        raise
+    if owned:
+        mesh.teardown()  # every rank done before any process group goes (no abort at exit)
     if rank != 0:
         return 0
     rows = summarize(records)

@@ -4,7 +4,9 @@ Every wrapper here
   * refuses non-contiguous tensors (gloo silently reduces the wrong memory for strided views),
   * counts calls and bytes per (op, group) in a process-wide :class:`CommStats`,
   * supports synchronous use (returns ``None``) and asynchronous use (``async_op=True`` returns the
-    ``torch.distributed.Work`` handle; call ``.wait()`` before reading the result).
+    ``torch.distributed.Work`` handle; call ``.wait()`` before reading the result). Async handles
+    are remembered until waited: :func:`pending_works` lists the unfinished ones and
+    :func:`wait_pending` (called by ``mesh.teardown`` at the end of a run) waits for them.
 
 Byte accounting follows the nccl-tests convention for the "size" of a collective:
   * all_reduce, broadcast, reduce: the tensor's bytes;
@@ -156,6 +158,24 @@ def assert_idle(tensors, what: str) -> None:
             if any(a < e and s < b for s, e in w.spans):
                 raise RuntimeError(f"{what}: a tensor of shape {tuple(t.shape)} overlaps the memory of an "
                                    f"in-flight async {w.op} (tag {w.tag!r}); wait for it first")
+
+
+def pending_works() -> list:
+    """In-flight async collectives (not yet waited) that have not completed either."""
+    return [w for w in _IN_FLIGHT if not w.is_completed()]
+
+
+def wait_pending() -> int:
+    """Wait for every in-flight async collective issued through this module (``mesh.teardown`` at
+    the end of a run); returns how many had not completed. Raises what ``Work.wait`` raises, e.g. a
+    timeout RuntimeError when a peer never joins the collective."""
+    n = 0
+    while _IN_FLIGHT:
+        w = _IN_FLIGHT[0]
+        n += not w.is_completed()
+        w.wait()
+        w._done()
+    return n
 
 
 def _track(work, op: str, tag: str, *tensors):

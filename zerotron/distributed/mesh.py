@@ -130,6 +130,20 @@ class Mesh:
 
 
 def destroy() -> None:
-    """Tear down the default process group if one exists."""
+    """Tear down the default process group if one exists (no synchronisation: after an error)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def teardown() -> None:
+    """The orderly end of a successful run, on every rank: wait for this rank's outstanding async
+    collectives (``comm.wait_pending``), a barrier over all ranks (no rank tears its process group
+    down while a peer may still talk to it; exiting without teardown, or before the peers, can
+    abort with "terminate called without an active exception"), then :func:`destroy`. Does
+    nothing without a process group. Raises RuntimeError from the wait or the barrier (e.g. the
+    collective timeout when a peer died)."""
+    if not dist.is_initialized():
+        return
+    comm.wait_pending()
+    comm.barrier()
+    destroy()

@@ -63,16 +63,30 @@ def hf_config_to_gpt(config: dict) -> GPTConfig:
     ).validate()
 
 
-def gpt_to_hf_config(cfg: GPTConfig) -> dict:
+def _eos_id(cfg: GPTConfig, eos_token_id: int | None) -> int | None:
+    """The end-of-text id to write: ``eos_token_id`` if given (checked to be in the vocabulary),
+    else 50256 (GPT-2's <|endoftext|>) when vocab_size >= 50257, else None (unknown)."""
+    if eos_token_id is None:
+        return 50256 if cfg.vocab_size >= 50257 else None
+    if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, int) \
+            or not 0 <= eos_token_id < cfg.vocab_size:
+        raise ValueError(f"eos_token_id must be a token id in [0, {cfg.vocab_size}), got {eos_token_id!r}")
+    return eos_token_id
+
+
+def gpt_to_hf_config(cfg: GPTConfig, eos_token_id: int | None = None) -> dict:
     """A config.json dict for ``transformers.GPT2LMHeadModel.from_pretrained``.
 
-    bos/eos ids are 50256 (GPT-2's <|endoftext|>) when vocab_size >= 50257, else vocab_size-1.
-    Raises ValueError if cfg has bias=False (HF GPT-2 always has biases) or is invalid.
+    ``eos_token_id``: the tokenizer's end-of-text id (``<|endoftext|>``), written as both bos and
+    eos id (GPT-2 uses one token for both). When None: 50256 (GPT-2's) if vocab_size >= 50257,
+    else null, so that no ordinary token is taken for end-of-text (transformers then generates
+    up to the requested length). Raises ValueError if cfg has bias=False (HF GPT-2 always has
+    biases) or is invalid, or if eos_token_id is not an id of the vocabulary.
     """
     cfg.validate()
     if not cfg.bias:
         raise ValueError("HF GPT-2 always has Linear/LayerNorm biases; cannot export bias=False")
-    eos = 50256 if cfg.vocab_size >= 50257 else cfg.vocab_size - 1
+    eos = _eos_id(cfg, eos_token_id)
     return {
         "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
         "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_embd": cfg.n_embd,
@@ -203,13 +217,17 @@ def load_hf_gpt2(path: str | Path) -> GPT:
 
 
 def export_hf_gpt2(model_or_state_dict: GPT | dict, cfg: GPTConfig | None, out_dir: str | Path,
-                   *, overwrite: bool = False) -> Path:
-    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` readable by
-    ``transformers.GPT2LMHeadModel.from_pretrained(out_dir)``; return out_dir.
+                   *, overwrite: bool = False, eos_token_id: int | None = None) -> Path:
+    """Write ``out_dir/config.json``, ``out_dir/generation_config.json`` and
+    ``out_dir/model.safetensors`` readable by ``transformers.GPT2LMHeadModel.from_pretrained(out_dir)``;
+    return out_dir.
 
     ``cfg`` may be None when a GPT is passed (its ``.config`` is used). Tensors keep their dtype.
+    ``eos_token_id``: the tokenizer's ``<|endoftext|>`` id, written as bos/eos id in both JSON
+    files so that ``generate()`` stops there (see :func:`gpt_to_hf_config` for None).
     Raises FileExistsError if out_dir is a file or a non-empty directory and not ``overwrite``;
-    ValueError if cfg is missing or does not match the weights, or has bias=False.
+    ValueError if cfg is missing or does not match the weights, or has bias=False, or
+    eos_token_id is outside the vocabulary.
     """
     if isinstance(model_or_state_dict, GPT):
         cfg = cfg or model_or_state_dict.config
@@ -218,15 +236,18 @@ def export_hf_gpt2(model_or_state_dict: GPT | dict, cfg: GPTConfig | None, out_d
         sd = model_or_state_dict
     if cfg is None:
         raise ValueError("export_hf_gpt2 needs cfg when given a state dict")
-    hf_config = gpt_to_hf_config(cfg)
+    hf_config = gpt_to_hf_config(cfg, eos_token_id)
     tensors = state_dict_to_hf(sd, cfg)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory; choose another out_dir")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} is not empty; choose a new directory or pass "
-                              "--overwrite (CLI) / overwrite=True (Python) to replace config.json and model.safetensors")
+                              "--overwrite (CLI) / overwrite=True (Python) to replace config.json, "
+                              "generation_config.json and model.safetensors")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": hf_config["eos_token_id"]}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return out_dir

@@ -23,7 +23,7 @@ from ..parallel.precision import param_dtype
 from . import checkpoint as ckpt
 from .metrics import MetricsWriter, measure_peak_flops, mfu, plot_losses
 from .optim import build_scheduler
-from .step import evaluate, train_step
+from .step import IGNORE_INDEX, evaluate, train_step
 
 
 def gpt_config(cfg: Config, tokenizer_vocab: int) -> GPTConfig:
@@ -52,6 +52,36 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
+def val_rank_windows(val_idx: np.ndarray, dp_rank: int, dp: int, micro_batch: int) -> list[np.ndarray]:
+    """This dp rank's validation windows, grouped into evaluation micro-batches.
+
+    ``val_idx`` (n,) window indices is split into ``dp`` contiguous chunks (``np.array_split``:
+    disjoint, together all of ``val_idx``, sizes differ by at most one); each chunk is cut into
+    micro-batches of at most ``micro_batch`` windows. Every rank gets the *same number* of
+    micro-batches, ``ceil(ceil(n / dp) / micro_batch)``: a rank with fewer windows gets empty
+    (0,) arrays at the end, which the caller evaluates as padding batches with no target token.
+    Sharded strategies (ZeRO-3, FSDP2) all-gather parameters in every forward, so an unequal
+    number of forwards per dp rank would leave one rank's collectives without a partner.
+
+    Returns a list of int64 arrays, each of length 0..micro_batch.
+    Raises ValueError if ``dp < 1``, ``micro_batch < 1`` or ``dp_rank`` is not in ``[0, dp)``."""
+    if dp < 1 or micro_batch < 1 or not 0 <= dp_rank < dp:
+        raise ValueError(f"need dp >= 1, micro_batch >= 1 and 0 <= dp_rank < dp, got dp_rank {dp_rank}, "
+                         f"dp {dp}, micro_batch {micro_batch}")
+    chunks = np.array_split(np.asarray(val_idx, dtype=np.int64), dp)
+    n_batches = max(-(-len(c) // micro_batch) for c in chunks)
+    mine = chunks[dp_rank]
+    out = [mine[i:i + micro_batch] for i in range(0, len(mine), micro_batch)]
+    return out + [mine[:0]] * (n_batches - len(out))
+
+
+def padding_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An evaluation batch that adds nothing: x (1, seq_len) of token 0, y (1, seq_len) all
+    ``IGNORE_INDEX`` (loss sum 0 and token count 0 under every strategy's summed loss)."""
+    return (torch.zeros(1, seq_len, dtype=torch.int64),
+            torch.full((1, seq_len), IGNORE_INDEX, dtype=torch.int64))
 
 
 def check_resume(cfg: Config, run_dir: Path) -> Path:
@@ -130,7 +160,11 @@ class Trainer:
                                           cfg.train.global_batch, cfg.train.seed)
         n_val = num_windows(len(self.data.val), self.seq_len)
         val_idx = GlobalBatchSampler.val_indices(n_val, cfg.train.eval_batches * cfg.train.global_batch)
-        self.val_batches = self._chunks(np.array_split(val_idx, self.dp)[self.dp_rank], self.data.val)
+        # the same number of eval forwards on every dp rank (padding batches count no token)
+        val_groups = val_rank_windows(val_idx, self.dp_rank, self.dp, cfg.train.micro_batch)
+        self.val_windows = np.concatenate(val_groups)  # this rank's windows, each once
+        self.val_batches = [batch_from_indices(self.data.val, g, self.seq_len, "val") if len(g)
+                            else padding_batch(self.seq_len) for g in val_groups]
         self.start_step = 0
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
         if resume:
