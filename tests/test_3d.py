@@ -16,14 +16,16 @@ import torch
 from zerotron.testing import assert_params_close, run_ranks, tiny_config
 
 STEPS, SAVE_AT = 6, 3
-BASE = {"train.steps": STEPS, "train.global_batch": 8, "train.eval_every": STEPS, "checkpoint.save_final": "false",
+RTOL = 1e-10  # fp64: reassociation noise only, on any CPU
+BASE = {"train.dtype": "fp64", "train.steps": STEPS, "train.global_batch": 8, "train.eval_every": STEPS,
+        "checkpoint.save_final": "false",
         "train.grad_clip": 0.1, "checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
 PP2TP2 = {"parallel.pp": 2, "parallel.tp": 2}
 ZERO = {"parallel.pp": 2, "parallel.zero_stage": 1}
 
 
 def _digest(t) -> str:
-    return hashlib.sha256(t.detach().float().clone().numpy().tobytes()).hexdigest()  # clone: numpy pins
+    return hashlib.sha256(t.detach().double().clone().numpy().tobytes()).hexdigest()  # clone: numpy pins
 
 
 def _train(overrides, run_dir, resume=False):
@@ -46,12 +48,12 @@ def _train(overrides, run_dir, resume=False):
 
     tr.fit(callback=cb)
     msd, osd = s.state_dict(tr.optimizer)
-    out["params"] = {k: v.detach().float().numpy().copy() for k, v in msd.items()}
+    out["params"] = {k: v.detach().double().numpy().copy() for k, v in msd.items()}
     out["optim_keys"] = sorted(osd["state"])
     out["optim_groups"] = [sorted(g["params"]) for g in osd["param_groups"]]
     prompt = torch.tensor([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]])
     with s.full_params() as dense:
-        out["full"] = {k: v.detach().float().numpy().copy() for k, v in dense.state_dict().items()}
+        out["full"] = {k: v.detach().double().numpy().copy() for k, v in dense.state_dict().items()}
         out["full_type"] = type(dense).__name__
         out["gen"] = [dense.generate(prompt, 6, temperature=0).tolist()]
     if hasattr(s, "executor"):  # pipelined greedy decoding (vocab-parallel logits gathered over tp)
@@ -92,7 +94,7 @@ def _copy_until(src, dst, step):
 
 def _check_params(params, ref, what, subset=False):
     """Norm-wise per tensor; ``subset``: ``params`` may hold only some keys (one pipeline stage)."""
-    assert_params_close(params, ref, 3e-5, what, subset)
+    assert_params_close(params, ref, RTOL, what, subset)
 
 
 def _check(ref, runs, layouts, pp=2):
@@ -101,12 +103,12 @@ def _check(ref, runs, layouts, pp=2):
         outs = [r[i] for r in runs]
         start = SAVE_AT if lay.get("resume_from") else 0
         for o in outs:  # every rank: the same global loss and norm, equal to one process
-            np.testing.assert_allclose(o["losses"], ref["losses"][start:], rtol=1e-5, err_msg=str(lay))
-            np.testing.assert_allclose(o["norms"], ref["norms"][start:], rtol=1e-5, err_msg=str(lay))
+            np.testing.assert_allclose(o["losses"], ref["losses"][start:], rtol=RTOL, err_msg=str(lay))
+            np.testing.assert_allclose(o["norms"], ref["norms"][start:], rtol=RTOL, err_msg=str(lay))
             assert o["norms"] == outs[0]["norms"] and o["losses"] == outs[0]["losses"], lay
             assert STEPS in o["val"] and (start or 1 in o["val"]), lay
             for step, v in o["val"].items():
-                np.testing.assert_allclose(v, ref["val"][step], rtol=1e-5, err_msg=f"{lay} val loss {step}")
+                np.testing.assert_allclose(v, ref["val"][step], rtol=RTOL, err_msg=f"{lay} val loss {step}")
             _check_params(o["params"], ref["params"], f"{lay} rank {o['coords']}", subset=True)
             assert o["optim_groups"] == ref["optim_groups"], lay  # canonical whole-model groups
             assert o["full_type"] == "GPT", lay  # full_params() yields a dense model
@@ -179,7 +181,7 @@ def test_checkpoints_to_one_process(reference, four, data_cache, tmp_path):
         dst = str(tmp_path / name)
         _copy_until(f"{four['tmp']}/{name}", dst, SAVE_AT)
         out = _train({"train.micro_batch": 8, "data.cache_dir": data_cache}, dst, resume=True)
-        np.testing.assert_allclose(out["losses"], reference["losses"][SAVE_AT:], rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(out["losses"], reference["losses"][SAVE_AT:], rtol=RTOL, err_msg=name)
         _check_params(out["params"], reference["params"], f"{name} -> 1 process")
 
 

@@ -1,4 +1,5 @@
-"""Data-parallel parity: dp=2 and dp=4 (native and torch DDP) train exactly like one process.
+"""Data-parallel parity: dp=2 and dp=4 (native and torch DDP) train exactly like one process
+(float64: relative errors ~1e-14 on any CPU, checked at RTOL = 1e-10).
 
 Each spawn runs several layouts in sequence to pay the process start-up once."""
 import hashlib
@@ -12,6 +13,7 @@ from zerotron.testing import assert_close_normwise, run_ranks, tiny_config
 
 STEPS = 10
 GLOBAL = 8
+RTOL = 1e-10  # fp64 (train.dtype = fp64): reassociation noise ~1e-16 per op
 
 
 def _digest(model) -> str:
@@ -27,7 +29,7 @@ def _train(overrides: dict, run_dir: str) -> dict:
     from zerotron.train.trainer import Trainer
 
     cfg = tiny_config({"train.steps": STEPS, "train.global_batch": GLOBAL, "train.eval_every": 0,
-                       "checkpoint.save_final": "false", **overrides})
+                       "checkpoint.save_final": "false", "train.dtype": "fp64", **overrides})
     tr = Trainer(cfg, run_dir)
     digests, losses, norms = [], [], []
     comm.STATS.reset()
@@ -73,8 +75,8 @@ def reference(data_cache, single_process, tmp_path_factory):
 
 def _check_parity(ref, runs, layouts, world):
     for lay, out in zip(layouts, runs[0]):
-        np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5, err_msg=str(lay))
-        np.testing.assert_allclose(out["norms"], ref["norms"], rtol=1e-5, err_msg=str(lay))
+        np.testing.assert_allclose(out["losses"], ref["losses"], rtol=RTOL, err_msg=str(lay))
+        np.testing.assert_allclose(out["norms"], ref["norms"], rtol=RTOL, err_msg=str(lay))
         for k, v in ref["params"].items():
             a = out["params"][k]
             if k.endswith("attn.c_attn.bias"):
@@ -84,7 +86,7 @@ def _check_parity(ref, runs, layouts, world):
                 C = v.shape[0] // 3
                 np.testing.assert_allclose(a[C:2 * C], v[C:2 * C], atol=2e-3 * STEPS * 3e-3)
                 a, v = np.concatenate([a[:C], a[2 * C:]]), np.concatenate([v[:C], v[2 * C:]])
-            assert_close_normwise(a, v, 1e-5, f"{lay} {k}")
+            assert_close_normwise(a, v, RTOL, f"{lay} {k}")
     for i, lay in enumerate(layouts):  # replicas bitwise identical after every step
         for r in range(1, world):
             assert runs[r][i]["digests"] == runs[0][i]["digests"], f"rank {r} diverged in {lay}"

@@ -36,6 +36,7 @@ STAGES = (0, 1, 2, 3)
 _BYTES = {
     "fp32": (4, 4, {"adam": 8, "sgd": 4}),
     "bf16-mixed": (2, 2, {"adam": 12, "sgd": 8}),
+    "fp64": (8, 8, {"adam": 16, "sgd": 8}),  # train.dtype = fp64 (numerics debugging, parity tests)
 }
 DTYPES = tuple(_BYTES)
 OPTIMIZERS = ("adam", "sgd")
@@ -66,7 +67,7 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
 
     ``dtype``: "fp32" (4-byte params and grads; Adam 8 bytes/param for m and v, SGD-momentum 4) or
     "bf16-mixed" (2-byte params and grads; optimizer K = 12 bytes/param for Adam = fp32 master +
-    m + v, K = 8 for SGD-momentum = master + momentum). ``optimizer``: "adam" or "sgd".
+    m + v, K = 8 for SGD-momentum = master + momentum) or "fp64" (8-byte everything, Adam 16). ``optimizer``: "adam" or "sgd".
 
     Raises ValueError, naming the valid values, for a bad num_params, dp, stage, dtype or optimizer.
     """
