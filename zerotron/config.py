@@ -83,7 +83,8 @@ class TrainConfig:
 class ParallelConfig:
     """Layout. ``dp = 0`` derives world_size / (tp * pp). ``dp_impl``: native | torch.
     ``bucket_mb``: gradient bucket size in MiB. ``timeout_s``: collective timeout in seconds.
-    ``zero_stage`` 0-3 over dp (``zero_impl`` native | fsdp2; ``reduce_dtype`` fp32 | bf16).
+    ``zero_stage`` 0-3 over dp (``zero_impl`` native | fsdp2; ``reduce_dtype`` fp32 | bf16: the dtype of
+    every gradient collective -- dp reduction, tied and tp-replicated sums; bf16 needs zero_stage >= 1).
     ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
     ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved)/``microbatches`` (per pipeline flush;
     0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (comma-separated
@@ -321,6 +322,9 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(p.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3, got {p.zero_stage}")
     need(p.zero_impl in ("native", "fsdp2"), f"parallel.zero_impl must be native or fsdp2, got {p.zero_impl!r}")
     need(p.reduce_dtype in DTYPES, f"parallel.reduce_dtype must be one of {DTYPES}, got {p.reduce_dtype!r}")
+    need(p.zero_stage > 0 or p.reduce_dtype == "fp32",
+         f"parallel.reduce_dtype = {p.reduce_dtype} needs parallel.zero_stage >= 1 (without ZeRO, gradients are "
+         "reduced in the fp32 parameter dtype); set parallel.reduce_dtype = fp32 or parallel.zero_stage = 1")
     need(not (p.zero_impl == "fsdp2" and p.zero_stage == 1),
          "parallel.zero_impl = fsdp2 supports zero_stage 2 (reshard_after_forward=False) or 3; use native for stage 1")
     need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")

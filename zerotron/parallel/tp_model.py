@@ -286,7 +286,10 @@ def sync_replicated_grads(model: TensorParallelGPT) -> int:
     row-parallel biases, wpe): each rank only saw its sequence shard (Korthikanti et al. 2022).
     One coalesced all-reduce per dtype ["tp_grad"]. The trainer calls it once after the last
     backward of a step, before clipping/optimizer (sums over tp and dp commute, so before or after
-    the dp reduction). No-op (returns 0) without SP or with tp = 1; else returns elements reduced."""
+    the dp reduction). Reduces in the gradients' own dtype: the fp32 parameter dtype of the DDP
+    layouts that call it (``parallel.reduce_dtype`` must then be fp32, config.validate); ZeRO sums
+    its dp shards in the reduce dtype instead. No-op (returns 0) without SP or with tp = 1; else
+    returns elements reduced."""
     group = model.tp_group
     if not model.sequence_parallel or group.size() == 1:
         return 0
