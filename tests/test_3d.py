@@ -190,7 +190,7 @@ def layouts_8(ref_run):
     return [
         {**pdt, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
         {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1,
-         "parallel.sequence_parallel": "true"},                     # SP grads summed over tp before the RS
+         "parallel.sequence_parallel": "true"},                     # SP grad shards summed over tp after the RS
         {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4,
          "resume_from": ref_run},                                              # dense -> pp x dp x tp ZeRO-1
     ]

@@ -86,7 +86,8 @@ class ParallelConfig:
     """Layout. ``dp = 0`` derives world_size / (tp * pp). ``dp_impl``: native | torch.
     ``bucket_mb``: gradient bucket size in MiB. ``timeout_s``: collective timeout in seconds.
     ``zero_stage`` 0-3 over dp (``zero_impl`` native | fsdp2); ``reduce_dtype`` (auto | fp32 | bf16 |
-    fp64; auto = fp32, or fp64 with train.dtype fp64): dtype of the gradient collectives.
+    fp64; auto = fp32, or fp64 with train.dtype fp64): the dtype of every gradient collective -- dp
+    reduction, tied and tp-replicated sums; bf16 needs zero_stage >= 1.
     ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
     ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved)/``microbatches`` (per pipeline flush;
     0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (comma-separated
@@ -329,6 +330,9 @@ def validate(cfg: Config, world_size: int) -> dict:
          f"train.dtype = fp64 reduces gradients in fp64; set parallel.reduce_dtype = auto (got {p.reduce_dtype!r})")
     need(t.dtype == "fp64" or p.reduce_dtype != "fp64",
          "parallel.reduce_dtype = fp64 needs train.dtype = fp64; use auto, fp32 or bf16")
+    need(p.zero_stage > 0 or p.reduce_dtype != "bf16",
+         "parallel.reduce_dtype = bf16 needs parallel.zero_stage >= 1 (without ZeRO, gradients are reduced in "
+         "the parameter dtype); set parallel.reduce_dtype = auto or parallel.zero_stage = 1")
     need(not (p.zero_impl == "fsdp2" and p.zero_stage == 1),
          "parallel.zero_impl = fsdp2 supports zero_stage 2 (reshard_after_forward=False) or 3; use native for stage 1")
     need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")

@@ -204,6 +204,18 @@ def all_reduce(t: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = Fa
     return _track(dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op), "all_reduce", tag, t)
 
 
+def all_reduce_in(t: torch.Tensor, dtype: torch.dtype, op=ReduceOp.SUM, group=None, tag: str = "") -> None:
+    """Synchronous in-place all-reduce of ``t`` (any shape) computed in ``dtype``: directly when
+    ``t`` has that dtype, else on a cast copy whose result is cast back into ``t`` (e.g. fp32
+    gradient shards reduced in a bf16 ``parallel.reduce_dtype``, or bf16 ones in fp32)."""
+    if t.dtype == dtype:
+        all_reduce(t, op=op, group=group, tag=tag)
+        return
+    buf = t.to(dtype)
+    all_reduce(buf, op=op, group=group, tag=tag)
+    t.copy_(buf)
+
+
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False, tag: str = ""):
     """In-place broadcast of ``t`` from global rank ``src``."""
     STATS.record("broadcast", group, _check(t, "broadcast"), tag)

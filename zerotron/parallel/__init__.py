@@ -38,7 +38,8 @@ def parallelize(model, cfg, mesh):
         from .tp_model import apply_tensor_parallel
 
         tp_group = mesh.group("tp")
-        model = apply_tensor_parallel(model, tp_group, p.sequence_parallel, seed=cfg.train.seed)
+        model = apply_tensor_parallel(model, tp_group, p.sequence_parallel, seed=cfg.train.seed,
+                                      dp_rank=mesh.coords["dp"], pp_rank=mesh.coords["pp"])
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # block forwards only
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
     if pipeline:  # (x tp x dp / ZeRO-1): stage split of the (TP) model; see parallel.pipeline

@@ -39,10 +39,12 @@ checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
   * ZeRO-1 over dp (``parallel.zero_stage = 1``): the inner DataParallel is replaced by
     :class:`StageZero1` -- the stage's parameters in ``zero.FlatShard`` flat buffers (units: the
     tied weight alone, the other non-block parameters, each block), full gradients accumulated
-    locally over all flushes, the tied gradient summed between the first and last stage, then one
-    reduce-scatter per flat buffer, AdamW on the fp32 master shards, one all-gather of the updated
-    parameters. ZeRO-2/3 are not combined with pp (config.validate). Sequence parallelism: stage
-boundaries carry (b, T/tp, C) shards, and finish_grads sums the replicated parameters' gradients over tp.
+    locally over all flushes, one reduce-scatter per flat buffer, then the tied gradient shard summed
+    between the first and last stage (both in ``parallel.reduce_dtype``), AdamW on the fp32 master
+    shards, one all-gather of the updated parameters. ZeRO-2/3 are not combined with pp
+    (config.validate). Sequence parallelism: stage boundaries carry (b, T/tp, C) shards, and
+    finish_grads sums the replicated parameters' gradients over tp (ZeRO-1: their dp shards, after
+    the reduce-scatter, in ``parallel.reduce_dtype``).
 
 Also: ``last_step_timing()`` (measured busy/idle per rank), ``full_params()`` (the dense GPT with
 every stage's weights broadcast in; collective over pp -- and over tp, which yields a separate
@@ -226,10 +228,10 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def finish_grads(self) -> None:
         """Wait for the dp gradient reduction, then sum the tied embedding/head gradients between
         the first and last pipeline rank (pp > 1), so both copies get the same update. ZeRO-1:
-        the tied sum first, then the reduce-scatter over dp (see :class:`StageZero1`)."""
+        the reduce-scatter over dp first, then the tied (and sequence-parallel) sums of the fp32
+        shards in ``parallel.reduce_dtype`` (see :class:`StageZero1`)."""
         if self.zero is not None:
-            self._sync_sp_replicated()  # ZeRO-1 only accumulates during backward: nothing in flight
-            self.zero.finish_grads(self.tied_group)
+            self.zero.finish_grads(self.tied_group, self.tp_group if self.module.sequence_parallel else None)
             return
         self.ddp.finish_grads()  # waits for every bucket all-reduce before the buffers are touched
         self._sync_sp_replicated()
@@ -237,8 +239,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             comm.all_reduce(self.tied.grad, group=self.tied_group, tag="pp_tied")
 
     def _sync_sp_replicated(self) -> None:
-        """Sequence parallel: LayerNorm/bias/wpe gradients saw one sequence shard: sum over tp.
-        Must run on memory no collective is writing (after ``ddp.finish_grads`` waited)."""
+        """Sequence parallel (DDP path): LayerNorm/bias/wpe gradients saw one sequence shard: sum
+        over tp. Must run on memory no collective is writing (after ``ddp.finish_grads`` waited)."""
         if self.module.sequence_parallel:
             from .tp_model import sync_replicated_grads
 

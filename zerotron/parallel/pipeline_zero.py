@@ -21,7 +21,8 @@ class StageZero1:
     equal), the other non-block parameters (wpe, ln_f), then each block; inside a unit one flat
     buffer per (weight decay, tp-sharded) pair. Gradients accumulate in full locally (``param.grad``
     are views into each flat's ``grad_full``) over every micro-batch and flush; ``finish_grads``
-    sums the tied gradient over ``tied_group`` and reduce-scatters every flat buffer over dp;
+    reduce-scatters every flat buffer over dp, then sums the tied shard over ``tied_group`` (and,
+    with sequence parallelism, the tp-replicated shards over tp), every sum in ``reduce_dtype``;
     AdamW steps the fp32 master shards; ``gather_params`` all-gathers the updated parameters.
 
     Args: ``module`` (a StageModel), ``group`` (dp NamedGroup), ``mask`` (decay flag by
@@ -65,16 +66,27 @@ class StageZero1:
             f.master.grad = None
             f.attach_grad_views()
 
-    def finish_grads(self, tied_group=None) -> None:
-        """Sum the tied gradient over ``tied_group`` (first and last pipeline rank of this (dp, tp)
-        coordinate; before the dp reduction, the sums commute), then reduce-scatter every flat
-        gradient over dp and expose the fp32 shard gradients as ``master.grad``."""
-        if tied_group is not None:
-            comm.all_reduce(self.tied.grad, group=tied_group, tag="pp_tied")
+    def finish_grads(self, tied_group=None, tp_group=None) -> None:
+        """Reduce-scatter every flat gradient over dp (in ``reduce_dtype``), then sum the tied
+        shard over ``tied_group`` (first and last pipeline rank of this (dp, tp) coordinate: same
+        flat layout, same dp shard; the sums commute) and, when ``tp_group`` is given (sequence
+        parallel), the tp-replicated shards over tp (same layout on every tp rank). Both sums run
+        on the fp32 shard gradients in ``reduce_dtype`` (``comm.all_reduce_in``) -- summing the
+        compute-dtype (bf16) ``grad_full`` instead would ignore an fp32 reduce dtype. Exposes the
+        fp32 shard gradients as ``master.grad``."""
         for f in self.all_flats:
             f.launch_reduce()
         for f in self.all_flats:
             f.wait_reduce()
+        if tied_group is not None:
+            for f in self.all_flats:
+                if f.is_tied:
+                    comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=tied_group, tag="pp_tied")
+        if tp_group is not None:
+            for f in self.all_flats:
+                if not f.tp_sharded:
+                    comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=tp_group, tag="tp_grad")
+        for f in self.all_flats:
             f.master.grad = f.shard_grad
 
     def gather_params(self) -> None:

@@ -17,10 +17,12 @@ Collectives per training step (tp > 1; comm tags in brackets; L = n_layer):
     reduce-scatter backward; loss 2 all-reduces; sync_replicated_grads 1 all-reduce ["tp_grad"].
 
 RNG (after Megatron's CUDA RNG tracker): dropout in tensor-sharded regions (attention probabilities;
-with SP also every sequence-sharded dropout) draws from the tracker state "model-parallel", seeded
-``seed + 2718 + tp_rank``; dropout in replicated regions draws from "replicated", seeded ``seed`` on
-every tp rank. Neither uses the default generator's stream, so extra draws elsewhere cannot make
-replicated masks differ across tp ranks. Save ``model.tp_rng_tracker.get_states()`` in checkpoints.
+with SP also every sequence-sharded dropout) draws from the tracker state "model-parallel"; dropout
+in replicated regions draws from "replicated", the same stream on every tp rank of a (dp, pp)
+coordinate (seeds: :func:`tp_rng_seeds`; every dp replica and pipeline stage has its own masks).
+Neither uses the default generator's stream, so extra draws elsewhere cannot make replicated masks
+differ across tp ranks. Checkpoints save :func:`tracker_checkpoint_state` per rank and restore it
+with :func:`restore_tracker` (re-seeded, with a message, when the layout changed).
 """
 from __future__ import annotations
 
@@ -45,11 +47,14 @@ class RNGStatesTracker:
 
     ``add(name, seed)`` creates a state (ValueError if the name exists); ``with fork(name):`` runs
     the block on that state and saves its advance, leaving the default generator exactly as it was
-    (KeyError for an unknown name). ``get_states()``/``set_states()`` copy them for checkpoints."""
+    (KeyError for an unknown name). ``get_states()``/``set_states()`` copy them for checkpoints.
+    ``seed`` and ``coords`` ({"tp", "tp_rank", "dp_rank", "pp_rank"}) record what
+    :func:`apply_tensor_parallel` seeded it from (for :func:`restore_tracker`)."""
 
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
         self.states: dict[str, torch.Tensor] = {}
+        self.seed, self.coords = 0, {"tp": 1, "tp_rank": 0, "dp_rank": 0, "pp_rank": 0}
 
     def _get(self):
         return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
@@ -82,6 +87,65 @@ class RNGStatesTracker:
 
     def set_states(self, states: dict) -> None:
         self.states = {k: v.clone() for k, v in states.items()}
+
+
+_DP_SHIFT, _PP_SHIFT = 32, 48  # seed offsets of the dp and pp coordinates (tp_rank stays < 2**32 - 2718)
+
+
+def tp_rng_seeds(seed: int, tp_rank: int, dp_rank: int = 0, pp_rank: int = 0) -> dict:
+    """Seeds of the tracker states of one (pp, dp, tp) coordinate: ``{"replicated": base,
+    "model-parallel": base + 2718 + tp_rank}`` with ``base = seed + (dp_rank << 32) + (pp_rank << 48)``
+    (2718: Megatron's model-parallel offset). The replicated seed ignores tp_rank (equal masks on
+    every tp rank); dp replicas and pipeline stages get distinct streams; (dp, pp) = (0, 0) keeps
+    the seeds of a plain tp run. Raises ValueError for ranks outside 0 <= tp < 2**31,
+    0 <= dp < 2**16, 0 <= pp < 2**15 (the seeds would collide or overflow torch's 64-bit seed)."""
+    if not (0 <= tp_rank < 2**31 and 0 <= dp_rank < 2**16 and 0 <= pp_rank < 2**15):
+        raise ValueError(f"tp_rng_seeds: ranks out of range (tp {tp_rank}, dp {dp_rank}, pp {pp_rank})")
+    base = int(seed) + (dp_rank << _DP_SHIFT) + (pp_rank << _PP_SHIFT)
+    return {REPLICATED: base, MODEL_PARALLEL: base + 2718 + tp_rank}
+
+
+def seed_tracker(tracker: RNGStatesTracker, seed: int) -> None:
+    """(Re-)create ``tracker``'s "replicated" and "model-parallel" states from ``seed`` and the
+    coordinate in ``tracker.coords`` ({"tp", "tp_rank", "dp_rank", "pp_rank"}; see tp_rng_seeds)."""
+    c = tracker.coords
+    tracker.states = {}
+    for name, s in tp_rng_seeds(seed, c["tp_rank"], c["dp_rank"], c["pp_rank"]).items():
+        tracker.add(name, s)
+
+
+def find_rng_tracker(module: nn.Module) -> RNGStatesTracker | None:
+    """The tensor-parallel RNG tracker used by ``module`` (a TensorParallelGPT, or a pipeline
+    StageModel holding some of its layers), or None when it has no tensor-parallel dropout."""
+    tracker = getattr(module, "tp_rng_tracker", None)
+    if tracker is not None:
+        return tracker
+    return next((m.tracker for m in module.modules() if isinstance(m, TrackedDropout)), None)
+
+
+def tracker_checkpoint_state(tracker: RNGStatesTracker) -> dict:
+    """What a checkpoint keeps of ``tracker`` for this rank: ``{"states": {name: ByteTensor},
+    "coords": {"tp", "tp_rank", "dp_rank", "pp_rank"}}``."""
+    return {"states": tracker.get_states(), "coords": dict(tracker.coords)}
+
+
+def restore_tracker(tracker: RNGStatesTracker, saved: dict | None, step: int) -> str | None:
+    """Restore ``tracker`` from :func:`tracker_checkpoint_state` of the rank with the same index in
+    the checkpoint of optimizer step ``step``. The states only mean the same stream when that rank
+    had the same coordinate (tp degree, tp/dp/pp rank); otherwise (another layout, or a checkpoint
+    without tracker states, e.g. saved at tp 1) the tracker is re-seeded from ``seed + step``
+    (:func:`seed_tracker`) -- training continues, but its dropout masks differ from an
+    uninterrupted run's. Returns None when restored, else a one-line message saying so."""
+    if saved is not None and saved.get("coords") == tracker.coords:
+        tracker.set_states(saved["states"])
+        return None
+    seed_tracker(tracker, tracker.seed + int(step))
+
+    def where(c):
+        return f"tp {c['tp']} (tp rank {c['tp_rank']}, dp rank {c['dp_rank']}, pp rank {c['pp_rank']})"
+    was = "no tensor-parallel RNG state" if saved is None else f"was saved at {where(saved['coords'])}"
+    return (f"zerotron: this rank's checkpoint {was}, now {where(tracker.coords)}: tensor-parallel dropout "
+            f"RNG re-seeded from train.seed + step {step} (masks differ from an uninterrupted run)")
 
 
 class TrackedDropout(nn.Module):
@@ -162,12 +226,15 @@ class TensorParallelGPT(GPT):
             set_sequence_parallel(self, sp)
 
 
-def apply_tensor_parallel(model: GPT, tp_group, sequence_parallel: bool = False, seed: int = 0) -> GPT:
+def apply_tensor_parallel(model: GPT, tp_group, sequence_parallel: bool = False, seed: int = 0,
+                          dp_rank: int = 0, pp_rank: int = 0) -> GPT:
     """Shard ``model`` in place over ``tp_group`` (a comm.NamedGroup); returns it (a TensorParallelGPT).
 
     The model must be the dense, fully initialised GPT, identical on every tp rank; each rank keeps
-    its slices, so the weights equal the dense model's. Raises ValueError if tp does not divide
-    n_head (hence C and 4C) or the model is already tensor-parallel, TypeError if not a GPT."""
+    its slices, so the weights equal the dense model's. ``seed``, ``dp_rank``, ``pp_rank`` (this
+    rank's mesh coordinates) seed the dropout RNG tracker (:func:`tp_rng_seeds`). Raises ValueError
+    if tp does not divide n_head (hence C and 4C) or the model is already tensor-parallel,
+    TypeError if not a GPT."""
     if not isinstance(model, GPT):
         raise TypeError(f"apply_tensor_parallel expects a GPT, got {type(model).__name__}")
     if isinstance(model, TensorParallelGPT):
@@ -178,8 +245,8 @@ def apply_tensor_parallel(model: GPT, tp_group, sequence_parallel: bool = False,
                          f"{4 * cfg.n_embd}): each rank holds n_head/tp whole heads; choose tp among the "
                          f"divisors of {cfg.n_head}")
     tracker = RNGStatesTracker(model.transformer.wte.weight.device)
-    tracker.add(REPLICATED, seed)
-    tracker.add(MODEL_PARALLEL, seed + 2718 + rank)  # Megatron's model-parallel seed offset
+    tracker.seed, tracker.coords = int(seed), {"tp": n, "tp_rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank}
+    seed_tracker(tracker, seed)
     sp, tr = sequence_parallel, model.transformer
     tr.wte = VocabParallelEmbedding.from_dense(tr.wte, tp_group, sp)
     tr.wte.comm_tag = "tp_embed"
@@ -219,7 +286,10 @@ def sync_replicated_grads(model: TensorParallelGPT) -> int:
     row-parallel biases, wpe): each rank only saw its sequence shard (Korthikanti et al. 2022).
     One coalesced all-reduce per dtype ["tp_grad"]. The trainer calls it once after the last
     backward of a step, before clipping/optimizer (sums over tp and dp commute, so before or after
-    the dp reduction). No-op (returns 0) without SP or with tp = 1; else returns elements reduced."""
+    the dp reduction). Reduces in the gradients' own dtype: the fp32 parameter dtype of the DDP
+    layouts that call it (``parallel.reduce_dtype`` must then be fp32, config.validate); ZeRO sums
+    its dp shards in the reduce dtype instead. No-op (returns 0) without SP or with tp = 1; else
+    returns elements reduced."""
     group = model.tp_group
     if not model.sequence_parallel or group.size() == 1:
         return 0
@@ -316,5 +386,6 @@ def load_dense_into_tp(model: TensorParallelGPT, state_dict: dict) -> None:
 
 __all__ = ["apply_tensor_parallel", "set_sequence_parallel", "sync_replicated_grads", "clip_grad_norm_tp",
            "gather_logits", "tp_loss_sum", "tp_state_dict_full", "load_dense_into_tp", "is_tp_sharded",
-           "RNGStatesTracker", "TrackedDropout", "TPCausalSelfAttention", "TensorParallelGPT",
+           "RNGStatesTracker", "TrackedDropout", "tp_rng_seeds", "seed_tracker", "find_rng_tracker",
+           "tracker_checkpoint_state", "restore_tracker", "TPCausalSelfAttention", "TensorParallelGPT",
            "MODEL_PARALLEL", "REPLICATED"]

@@ -328,7 +328,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             # gradient shards over tp (Korthikanti et al. 2022); the flat layouts match across tp
             for f in self.all_flats:
                 if not f.tp_sharded:
-                    comm.all_reduce(f.shard_grad, group=self.tp_group, tag="tp_grad")
+                    comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=self.tp_group, tag="tp_grad")
         for f in self.all_flats:
             f.master.grad = f.shard_grad
 

@@ -3,7 +3,8 @@
 Layout of one checkpoint directory:
     *.distcp, .metadata   model + optimizer (DCP; FQN-keyed, layout-independent)
     trainer.pt            LR-scheduler state, step (rank 0)
-    rng/rank_<r>.pt       RNG states of every rank (torch CPU/CUDA, numpy, python)
+    rng/rank_<r>.pt       RNG states of every rank (torch CPU/CUDA, numpy, python; tensor parallel:
+                          the dropout RNG tracker's states and the rank's (tp, dp, pp) coordinate)
     meta.json             step, tokens seen, the full config, world size / layout (rank 0)
     tokenizer.json        copy of the tokenizer used
 
@@ -26,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+
+from ..parallel.tp_model import find_rng_tracker, restore_tracker, tracker_checkpoint_state
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -112,7 +115,11 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
     dist.barrier()
     msd, osd = strategy.checkpoint_state(optimizer)  # ZeRO: this rank's share of the canonical keys
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    rng = rng_state()
+    tracker = find_rng_tracker(strategy.module)
+    if tracker is not None:
+        rng["tp_rng"] = tracker_checkpoint_state(tracker)
+    torch.save(rng, tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
         torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
         (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
@@ -168,6 +175,9 @@ def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, 
     """Collectively load model (and optimizer, scheduler, this rank's RNG) state from ``ckpt``.
 
     ``strategy``: a ``parallel.base.Strategy`` (or a plain ``nn.Module``, wrapped in one).
+    ``restore_rng`` also restores the tensor-parallel dropout RNG tracker when the rank file was
+    saved at the same coordinate; at another layout the tracker is re-seeded from train.seed +
+    step and (with dropout > 0) one line per rank says so (``tp_model.restore_tracker``).
 
     Works at any world size (DCP reshards). Returns the checkpoint's meta dict.
     Raises CheckpointError for a missing/incomplete checkpoint or mismatched shapes."""
@@ -195,6 +205,13 @@ def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, 
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(ckpt / "trainer.pt", weights_only=False)["scheduler"])
     rng_file = ckpt / "rng" / f"rank_{dist.get_rank() if dist.is_initialized() else 0}.pt"
-    if restore_rng and rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+    if restore_rng:
+        saved = torch.load(rng_file, weights_only=False) if rng_file.is_file() else {}
+        if saved:
+            set_rng_state(saved)
+        tracker = find_rng_tracker(strategy.module)
+        if tracker is not None:  # tensor parallel: restored, or re-seeded when the layout changed
+            msg = restore_tracker(tracker, saved.get("tp_rng"), int(meta.get("step", 0)))
+            if msg and getattr(getattr(strategy.module, "config", None), "dropout", 0) > 0:
+                print(msg, flush=True)
     return meta
