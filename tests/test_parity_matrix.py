@@ -87,7 +87,7 @@ def test_fp64_layout_matrix(split, data_cache, single_process, tmp_path, report)
             records = [per_rank[r][i] for r in range(world)]
             assert all(rec["name"] == d["name"] for rec in records)
             summaries.append({**d, **parity.check(d["name"], records, ref_keys, parity.FP64_RTOL)})
-    worst = {k: max(s[k] for s in summaries) for k in ("loss_err", "norm_err", "val_err", "param_err", "optim_err")}
+    worst = {k: max(s[k] for s in summaries) for k in parity.ERRORS}
     report(f"parity matrix ({'full' if FULL else 'pairwise covering array'}): {len(summaries)} of "
           f"{len(valid)} valid layouts checked in fp64 ({len(refused)} refused), "
           f"worst relative error {max(worst.values()):.3g} ({worst}), {time.time() - t0:.0f} s")
@@ -123,7 +123,7 @@ def test_fp32_smoke_within_measured_noise_floor(data_cache, single_process, tmp_
     split = parity.Layout("ddp", 1, 1, False, 1, None, 4)
     floor_rec = parity.run_many([split.as_dict()], ref_path, str(tmp_path / "floor"), extra)[0]
     scal = ("loss_err", "norm_err", "val_err")
-    tens = ("param_err", "optim_err")
+    tens = ("param_err", "optim_err", "full_err")
     floor = {"scalars": max(floor_rec[k] for k in scal), "tensors": max(floor_rec[k] for k in tens)}
     assert 0 < floor["scalars"] and 0 < floor["tensors"] < 1e-4, floor  # a real, small fp32 floor
     lays = [l.as_dict() for l in parity.all_layouts() if l.name in FP32_SMOKE]

@@ -18,7 +18,9 @@ same configuration (:func:`reference`):
   layout-independent state dict: norm-wise relative error per tensor,
   ``||a - b|| / ||b||``;
 * every copy of one tensor (dp replicas, tp-replicated parameters on the tp ranks, the tied
-  embedding on the first and last pipeline stage) bitwise equal on every rank.
+  embedding on the first and last pipeline stage) bitwise equal on every rank;
+* the dense model ``strategy.full_params()`` yields (evaluation, generation, export): the same
+  bits on every rank, the training dtype, and the reference values.
 
 In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
 :data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)
@@ -240,6 +242,10 @@ def train_layout(layout: Layout, run_dir: str, extra: dict | None = None) -> dic
     out["msd"], out["osd"] = tr.strategy.state_dict(tr.optimizer)
     out["coords"] = dict(tr.mesh.coords)
     out["copies"] = _copies(tr.strategy, tr.mesh)
+    with tr.strategy.full_params() as dense:  # what evaluation, generation and export see
+        out["full"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                       for k, v in dense.state_dict().items()}  # FSDP2: DTensors, gathered (collective)
+    out["copies"].update({("full_params", k, None, None): _digest(v) for k, v in out["full"].items()})
     return out
 
 
@@ -267,6 +273,10 @@ def compare(out: dict, ref: dict) -> dict:
          "val_err": _rel_list([out["val"].get(s, float("nan")) for s in vsteps], [ref["val"][s] for s in vsteps]),
          "coords": out["coords"], "copies": out["copies"]}
     e.update(_state_errors(out["msd"], out["osd"], ref))
+    full = out["full"]
+    e["missing_full"] = sorted(set(ref["params"]) - set(full))
+    e["full_err"] = max((_rel(full[k], v) for k, v in ref["params"].items() if k in full), default=0.0)
+    e["full_dtype_ok"] = all(v.dtype == ref["params"][k].dtype for k, v in full.items() if k in ref["params"])
     return e
 
 
@@ -290,7 +300,7 @@ def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = 
     return res
 
 
-ERRORS = ("loss_err", "norm_err", "val_err", "param_err", "optim_err")
+ERRORS = ("loss_err", "norm_err", "val_err", "param_err", "optim_err", "full_err")
 
 
 def check(layout_name: str, records: list[dict], ref_keys: tuple[set, set], rtol) -> dict:
@@ -303,6 +313,8 @@ def check(layout_name: str, records: list[dict], ref_keys: tuple[set, set], rtol
         tol = rtol[k] if isinstance(rtol, dict) else rtol
         assert v <= tol, f"{layout_name}: {k} {v:.3g} > {tol:g}"
     assert all(r["step_ok"] for r in records), f"{layout_name}: optimizer step count differs from one process"
+    assert all(r["full_dtype_ok"] for r in records), f"{layout_name}: full_params() changes the parameter dtype"
+    assert not any(r["missing_full"] for r in records), f"{layout_name}: full_params() lacks parameters"
     for r in records:
         assert not r["unknown_keys"], f"{layout_name}: keys not in the reference {r['unknown_keys'][:4]}"
     pkeys = set().union(*(r["param_keys"] for r in records))
@@ -327,7 +339,8 @@ def markdown(result: dict) -> str:
              f"{result['seconds']:.0f} s on this machine.", "",
              "Worst relative error over all layouts: " + ", ".join(f"{k} {v:.2g}" for k, v in w.items())
              + f" (bound {FP64_RTOL:g}).", "",
-             "| layout | world | loss | grad norm | val loss | params | Adam state |", "|---|---:|---:|---:|---:|---:|---:|"]
+             "| layout | world | loss | grad norm | val loss | params | Adam state | full_params |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for s in result["layouts"]:
         lines.append(f"| {s['name']} | {s['world']} | " + " | ".join(f"{s[k]:.1e}" for k in ERRORS) + " |")
     reasons: dict = {}

@@ -163,7 +163,8 @@ class PipelineStateMixin:
             if self._dense_copy is None:
                 with torch.device("meta"):  # no RNG draw, no init cost
                     g = GPT(self.dense.config)
-                g = g.to_empty(device=self.dense.transformer.wpe.weight.device)
+                w = self.dense.transformer.wpe.weight
+                g = g.to_empty(device=w.device).to(w.dtype)  # the training dtype (fp64 mode: float64)
                 g.lm_head.weight = g.transformer.wte.weight  # re-tie (to_empty makes new Parameters)
                 self._dense_copy = g
             with torch.no_grad():
