@@ -20,7 +20,8 @@ same configuration (:func:`reference`):
 * every copy of one tensor (dp replicas, tp-replicated parameters on the tp ranks, the tied
   embedding on the first and last pipeline stage) bitwise equal on every rank;
 * the dense model ``strategy.full_params()`` yields (evaluation, generation, export): the same
-  bits on every rank, the training dtype, and the reference values.
+  bits on every rank, the training dtype, and the reference values (plain tensor parallelism
+  yields its TP model, which decodes on its shards, and is checked through the canonical state).
 
 In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
 :data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)
@@ -243,9 +244,11 @@ def train_layout(layout: Layout, run_dir: str, extra: dict | None = None) -> dic
     out["coords"] = dict(tr.mesh.coords)
     out["copies"] = _copies(tr.strategy, tr.mesh)
     with tr.strategy.full_params() as dense:  # what evaluation, generation and export see
-        out["full"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
-                       for k, v in dense.state_dict().items()}  # FSDP2: DTensors, gathered (collective)
-    out["copies"].update({("full_params", k, None, None): _digest(v) for k, v in out["full"].items()})
+        # plain tensor parallelism yields the TP model itself (it decodes on its shards): not dense
+        out["full"] = None if getattr(dense, "tp_group", None) is not None else {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in dense.state_dict().items()}  # FSDP2: DTensors, gathered (collective)
+    out["copies"].update({("full_params", k, None, None): _digest(v) for k, v in (out["full"] or {}).items()})
     return out
 
 
@@ -273,7 +276,7 @@ def compare(out: dict, ref: dict) -> dict:
          "val_err": _rel_list([out["val"].get(s, float("nan")) for s in vsteps], [ref["val"][s] for s in vsteps]),
          "coords": out["coords"], "copies": out["copies"]}
     e.update(_state_errors(out["msd"], out["osd"], ref))
-    full = out["full"]
+    full = out["full"] if out["full"] is not None else {k: v for k, v in ref["params"].items()}
     e["missing_full"] = sorted(set(ref["params"]) - set(full))
     e["full_err"] = max((_rel(full[k], v) for k, v in ref["params"].items() if k in full), default=0.0)
     e["full_dtype_ok"] = all(v.dtype == ref["params"][k].dtype for k, v in full.items() if k in ref["params"])
