@@ -19,9 +19,14 @@ same as for the unsharded parameters.
            as they are reduced.
   stage 3  parameters sharded at rest: a block's flat parameters are all-gathered just before its
            forward and again before its backward and freed (storage resized to 0) right after; the
-           next block's all-gather is prefetched asynchronously (forward: i+1, backward: i-1) so
-           communication overlaps compute. The root unit is gathered once per step and kept until
-           the step's gradients are reduced (it is used at both ends of the model).
+           next block's all-gather is prefetched asynchronously so communication overlaps compute:
+           forward prefetches the block that followed this one in the previous forward (i+1 the
+           first time), backward the block whose forward ran just before. Any module order is safe
+           (skipped, reordered, data-dependent blocks -- the same on every dp rank, as collectives
+           must match): a unit is always gathered and waited for before use, a prefetched unit that
+           does not run is waited for before its storage is released, and nothing gathered outlives
+           the step. The root unit is gathered once per step and kept until the step's gradients
+           are reduced (it is used at both ends of the model).
 
 Communication per step, in nccl-tests "size" bytes (per-rank traffic = size x (n-1)/n), with
 Psi = padded parameter count and e = bytes per element:
@@ -44,16 +49,6 @@ from .base import Strategy
 from .zero_state import ZeroStateMixin
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().size() != nbytes:
-        t.untyped_storage().resize_(nbytes)
 
 
 class FlatShard:
@@ -92,7 +87,19 @@ class FlatShard:
         self.pending = None  # (work, input, output) of an in-flight reduce-scatter
         self.gather_work = None
         if stage == 3:
-            _free(self.full)
+            self._set_storage(0)
+
+    def _set_storage(self, nbytes: int) -> None:
+        """Resize ``full``'s storage to ``nbytes`` (0 frees it: stage 3 parameters at rest).
+
+        Raises RuntimeError while an all-gather into ``full`` is pending: the collective would
+        write into freed or moved memory (SIGSEGV, "out of bounds for storage of size 0")."""
+        if self.gather_work is not None:
+            raise RuntimeError(f"ZeRO internal error: resizing the flat buffer of {self.names[0]} while its "
+                               "all-gather is pending")
+        storage = self.full.untyped_storage()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
 
     def attach_grad_views(self) -> None:
         for p, off, n in zip(self.params, self.offsets, self.numels):
@@ -132,7 +139,7 @@ class FlatShard:
             return
         if self.stage == 3 and self.full.untyped_storage().size() > 0:
             return  # already gathered
-        _alloc(self.full)
+        self._set_storage(self.full.numel() * self.full.element_size())
         src = self.master.detach() if self.master.dtype == self.compute_dtype else self.master.detach().to(self.compute_dtype)
         if self.aliased:
             src = src.clone()  # input must not alias the output buffer
@@ -144,7 +151,10 @@ class FlatShard:
             self.gather_work = None
 
     def free(self) -> None:
-        _free(self.full)
+        """Release ``full``'s storage (stage 3). An all-gather still writing into it (a prefetch
+        whose unit did not run) is waited for first, so no collective ever targets freed memory."""
+        self.wait_gather()
+        self._set_storage(0)
 
     @torch.no_grad()
     def canonical_to_flat(self, params: dict, opt_state: dict) -> tuple:
@@ -243,6 +253,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         self._in_step = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fl in self.flats for f in fl
                        for p in f.params]
+        self._fwd_units: list[int] = []  # stage 3: block units in the order their forward ran
+        self._fwd_next: dict[int, int] = {}  # unit -> unit whose forward followed it last time
         if stage == 3:
             for i, b in enumerate(blocks, start=1):
                 b.register_forward_pre_hook(self._make_pre_forward(i))
@@ -252,6 +264,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     def __call__(self, *args, **kwargs):
         if self.stage != 3 or self._in_step:
             return self.module(*args, **kwargs)
+        self._new_forward()
         with self.full_params(blocks=False):
             return self.module(*args, **kwargs)
 
@@ -266,10 +279,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         try:
             yield self.module
         finally:
-            if self.stage == 3:
-                for u in units:
-                    for f in self.flats[u]:
-                        f.free()
+            if self.stage == 3:  # also blocks a gradient-free forward prefetched but did not run
+                self._release_all()
 
     def parameters(self) -> list:
         return [f.master for f in self.all_flats]
@@ -301,15 +312,15 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         try:
             total = torch.zeros((), dtype=torch.float64)
             for i, mb in enumerate(micro_batches):
+                self._new_forward()
                 with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                     total += super().forward_backward([mb], n_global, dtype, device)
                     if self._sync:
                         self._flush()
         finally:
             self._in_step = False
-            if self.stage == 3:
-                for f in self.flats[0]:
-                    f.free()
+            if self.stage == 3:  # nothing gathered (or still gathering) survives the step
+                self._release_all()
         return total
 
     def _flush(self) -> None:
@@ -413,11 +424,24 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             for f in self.flats[u]:
                 f.wait_gather()
 
+    def _new_forward(self) -> None:
+        """Start recording a forward's block order; the previous forward's last block is marked
+        as followed by nothing (0: no prefetch after it)."""
+        if self._fwd_units:
+            self._fwd_next[self._fwd_units[-1]] = 0
+        self._fwd_units = []
+
     def _make_pre_forward(self, u: int):
         def hook(module, args):
             self._gather_unit(u)
-            if u + 1 < len(self.flats):
-                self._gather_unit(u + 1, wait=False)  # prefetch the next block
+            order = self._fwd_units
+            if torch.is_grad_enabled():  # learn the real module order (prefetch targets)
+                if order:
+                    self._fwd_next[order[-1]] = u
+                order.append(u)
+            nxt = self._fwd_next.get(u, u + 1)  # what ran after u last time (0: nothing); first time: u + 1
+            if 1 <= nxt < len(self.flats) and nxt != u:
+                self._gather_unit(nxt, wait=False)  # prefetch; released (after a wait) if it does not run
         return hook
 
     def _make_post_forward(self, u: int):
@@ -425,11 +449,18 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             for f in self.flats[u]:
                 f.free()
             if torch.is_grad_enabled() and output.requires_grad:
+                order = self._fwd_units
+                prev = order[-2] if len(order) >= 2 and order[-1] == u else None  # backward runs it next
+
                 def pre_backward():
                     self._gather_unit(u)
-                    if u - 1 >= 1:
-                        self._gather_unit(u - 1, wait=False)  # prefetch the previous block
+                    if prev is not None and prev != u:
+                        self._gather_unit(prev, wait=False)  # prefetch the block that ran before
                 return _PreBackward.apply(pre_backward, output)
             return output
         return hook
 
+    def _release_all(self) -> None:
+        """Stage 3: free every unit's storage, waiting first for any prefetch still in flight."""
+        for f in self.all_flats:
+            f.free()
