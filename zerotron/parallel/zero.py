@@ -28,6 +28,14 @@ same as for the unsharded parameters.
            the step. The root unit is gathered once per step and kept until the step's gradients
            are reduced (it is used at both ends of the model).
 
+Parameters without gradient. Hooks mark each parameter that got a gradient in the step; the marks
+are summed over dp in one small all-reduce per step (one float per parameter). A parameter no dp
+rank used is skipped as torch's AdamW skips a grad-None parameter on one process: a flat buffer
+nobody used is left out of the step; a buffer used in part (or whose parameters have taken
+different numbers of steps) is updated parameter by parameter, each with its own step count
+(``FlatShard.adamw_step``), so the unused elements' value, moments and step stay untouched.
+Checkpoints carry the per-parameter steps (no state for a parameter never stepped, as in torch).
+
 Communication per step, in nccl-tests "size" bytes (per-rank traffic = size x (n-1)/n), with
 Psi = padded parameter count and e = bytes per element:
   stage 1: reduce-scatter Psi*e + all-gather Psi*e            (= 2 Psi, like an all-reduce)
@@ -86,6 +94,8 @@ class FlatShard:
             self.shard_grad = self.grad_full[lo:hi]
         self.pending = None  # (work, input, output) of an in-flight reduce-scatter
         self.gather_work = None
+        self.used = [True] * len(params)  # per parameter: got a gradient on some dp rank this step
+        self.steps = None  # per-parameter AdamW steps once they differ (None: all = state["step"])
         if stage == 3:
             self._set_storage(0)
 
@@ -157,30 +167,73 @@ class FlatShard:
         self._set_storage(0)
 
     @torch.no_grad()
+    def adamw_step(self, optimizer) -> None:
+        """torch AdamW's update (decoupled decay, bias correction) on this rank's master shard,
+        parameter by parameter: only parameters with ``used[j]`` step, each with its own step
+        count, so a parameter without gradient keeps its value, moments and step exactly as torch's
+        optimizer leaves a parameter whose grad is None. Needs ``master.grad`` (the shard gradient).
+        Raises ValueError for amsgrad / maximize groups (not used by zerotron)."""
+        group = next(g for g in optimizer.param_groups if any(q is self.master for q in g["params"]))
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("ZeRO per-parameter AdamW step: amsgrad/maximize are not supported")
+        state = optimizer.state[self.master]
+        if not state:  # the state torch's AdamW creates lazily
+            state["step"] = torch.tensor(0.0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(self.master, memory_format=torch.preserve_format)
+        steps = list(self.steps) if self.steps is not None else [int(state["step"])] * len(self.params)
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lo, grad = self.rank * self.k, self.master.grad
+        for j, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            if not self.used[j]:
+                continue
+            steps[j] += 1  # counted on every rank, whether or not the parameter lies in this shard
+            a, b = max(off - lo, 0), min(off + n - lo, self.k)
+            if a >= b:
+                continue
+            p, g, m, v = self.master[a:b], grad[a:b], state["exp_avg"][a:b], state["exp_avg_sq"][a:b]
+            p.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / (1 - b2 ** steps[j]) ** 0.5).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** steps[j]))
+        self.steps = steps if len(set(steps)) > 1 else None
+        state["step"] = torch.tensor(float(max(steps)))
+
+    def param_step(self, j: int, state: dict) -> torch.Tensor:
+        """AdamW step count of parameter ``j`` (float scalar tensor), given this buffer's state."""
+        return torch.tensor(float(self.steps[j])) if self.steps is not None else state["step"].clone()
+
+    @torch.no_grad()
     def canonical_to_flat(self, params: dict, opt_state: dict) -> tuple:
-        """``(flat, {"exp_avg", "exp_avg_sq"}, step or None)``: padded fp32 full vectors of this
+        """``(flat, {"exp_avg", "exp_avg_sq"}, steps or None)``: padded fp32 full vectors of this
         buffer built from canonical per-parameter tensors (``params[name]`` dense values,
-        ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"})."""
+        ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"}); ``steps``: float tensor of the
+        per-parameter step counts (0 for a parameter without state), None if none has state."""
         flat = torch.zeros(self.padded, dtype=torch.float32)
         st = {k: torch.zeros(self.padded, dtype=torch.float32) for k in ("exp_avg", "exp_avg_sq")}
-        step = None
-        for name, off, n in zip(self.names, self.offsets, self.numels):
+        steps = torch.zeros(len(self.params))
+        for j, (name, off, n) in enumerate(zip(self.names, self.offsets, self.numels)):
             flat[off:off + n] = params[name].reshape(-1).float().cpu()
             if name in opt_state:
                 for k in st:
                     st[k][off:off + n] = opt_state[name][k].reshape(-1).float().cpu()
-                step = opt_state[name]["step"]
-        return flat, st, step
+                steps[j] = float(opt_state[name]["step"])
+        return flat, st, steps if any(name in opt_state for name in self.names) else None
 
     @torch.no_grad()
     def load_flat(self, flat: torch.Tensor, st: dict, step, optimizer) -> None:
-        """Set this rank's master shard (and its AdamW state when ``step`` is not None) from padded
-        full vectors (:meth:`canonical_to_flat`). Parameters (compute copies) are not re-gathered."""
+        """Set this rank's master shard (and its AdamW state when ``step`` is not None: one count, or
+        one per parameter) from padded full vectors (:meth:`canonical_to_flat`). Parameters
+        (compute copies) are not re-gathered."""
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
         self.master.copy_(flat[lo:hi])
         if step is not None:
             state = optimizer.state[self.master]
-            state["step"] = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+            steps = [int(x) for x in torch.as_tensor(step, dtype=torch.float64).reshape(-1).tolist()]
+            steps = steps * len(self.params) if len(steps) == 1 else steps
+            self.steps = steps if len(set(steps)) > 1 else None
+            state["step"] = torch.tensor(float(max(steps)))
             for k in st:
                 state[k] = st[k][lo:hi].clone().to(self.master.device)
 
@@ -246,6 +299,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
                 self.flats.append(flats)
         self.all_flats = [f for fl in self.flats for f in fl]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
+        self._pindex = {id(p): i for i, p in enumerate(p for f in self.all_flats for p in f.params)}
+        self._used = [False] * len(self._pindex)  # got a gradient on this rank in this step
         self._ready = [set() for _ in self.flats]
         self._order = list(range(len(self.flats) - 1, 0, -1)) + [0]  # reduce order: last block .. root
         self._next = 0
@@ -295,6 +350,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             self._sync = prev
 
     def zero_grad(self) -> None:
+        self._used = [False] * len(self._pindex)
         for f in self.all_flats:
             f.shard_grad.zero_()
             f.master.grad = None
@@ -335,6 +391,15 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             s.clear()
 
     def finish_grads(self) -> None:
+        """Sum the per-parameter "got a gradient" marks over dp (one small all-reduce per step,
+        one float per parameter) into each buffer's ``used``; sequence parallel: sum tp-replicated
+        gradient shards over tp; hand the shard gradients to the optimizer."""
+        used = torch.tensor(self._used, dtype=torch.float32, device=self.all_flats[0].master.device)
+        comm.all_reduce(used, group=self.group, tag="grad_used")
+        flags = [True] * len(self._used) if all(self._used) else (used > 0).tolist()  # no host read if all used here
+        i = 0
+        for f in self.all_flats:
+            f.used, i = flags[i:i + len(f.params)], i + len(f.params)
         if self.tp_group is not None and self.sequence_parallel:
             # replicated parameters saw only this rank's sequence shard: sum their (dp-reduced)
             # gradient shards over tp (Korthikanti et al. 2022); the flat layouts match across tp
@@ -369,6 +434,18 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
 
     def optimizer_step(self, optimizer) -> None:
+        """AdamW on the master shards, then (stages 1-2) all-gather the updated parameters.
+
+        A parameter that no dp rank used in this step is skipped exactly as torch's optimizer
+        skips a grad-None parameter on one process: a buffer nobody used is left out
+        (``master.grad = None``); a buffer used in part, or whose parameters' step counts
+        differ, is updated per parameter (:meth:`FlatShard.adamw_step`). Otherwise torch's AdamW."""
+        for f in self.all_flats:
+            if f.master.grad is None or (f.steps is None and all(f.used)):
+                continue
+            if any(f.used):
+                f.adamw_step(optimizer)
+            f.master.grad = None  # left out of optimizer.step()
         optimizer.step()
         if self.stage < 3:
             with torch.no_grad():
@@ -400,6 +477,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
 
     # ---- hooks -------------------------------------------------------------------------------
     def _on_grad(self, p) -> None:
+        self._used[self._pindex[id(p)]] = True
         if not self._sync:
             return
         u = self._unit_of[id(p)]
