@@ -91,7 +91,9 @@ class ParallelConfig:
     ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
     ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved)/``microbatches`` (per pipeline flush;
     0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (comma-separated
-    layer counts per stage, "" = balanced)/``pp_impl`` (native | torch): pipeline parallelism."""
+    layer counts per stage, "" = balanced)/``pp_impl`` (native | torch): pipeline parallelism.
+    ``find_unused_parameters``: torch DDP (``dp_impl = torch``) only: allow parameters without a
+    gradient in a step (torch's extra graph traversal); native DDP and ZeRO always handle them."""
 
     dp: int = 0
     tp: int = 1
@@ -108,6 +110,7 @@ class ParallelConfig:
     virtual_stages: int = 1
     pp_split: str = ""
     pp_impl: str = "native"
+    find_unused_parameters: bool = False
     backend: str = "auto"
     timeout_s: float = 300.0
 
@@ -336,6 +339,9 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(not (p.zero_impl == "fsdp2" and p.zero_stage == 1),
          "parallel.zero_impl = fsdp2 supports zero_stage 2 (reshard_after_forward=False) or 3; use native for stage 1")
     need(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}")
+    need(not p.find_unused_parameters or (p.dp_impl == "torch" and p.zero_stage == 0),
+         "parallel.find_unused_parameters applies to parallel.dp_impl = torch with zero_stage = 0 only (native "
+         "DDP and ZeRO always skip parameters without gradient); remove it or set parallel.dp_impl = torch")
     need(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
     need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):

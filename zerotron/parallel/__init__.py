@@ -73,7 +73,7 @@ def _data_parallel(model, cfg, mesh, mask):
     if p.dp_impl == "native":
         return DataParallel(model, group, bucket_mb=p.bucket_mb, src_rank=src)
     if p.dp_impl == "torch":
-        return TorchDDP(model, group, bucket_mb=p.bucket_mb)
+        return TorchDDP(model, group, bucket_mb=p.bucket_mb, find_unused_parameters=p.find_unused_parameters)
     raise ValueError(f"parallel.dp_impl must be 'native' or 'torch', got {p.dp_impl!r}")
 
 

@@ -12,12 +12,20 @@ Native implementation (``parallel.dp_impl = "native"``):
     communicated: gradients just accumulate in the buffers;
   * ``finish_grads()`` launches any bucket whose parameters got no gradient in this step (their
     gradient is zero on this rank; all ranks still take part, so replicas never diverge) and waits.
+  * unused parameters: hooks mark each parameter that received a gradient in this step (any
+    micro-batch); the marks are summed over dp in one small all-reduce per step (one float per
+    parameter, overlapping the bucket reductions), and a parameter no dp rank used gets
+    ``grad = None`` -- torch's optimizer then skips it (no decay, no moment update, no step),
+    exactly as on one process. A parameter used on any rank keeps its (summed) gradient.
 
 Reduction is a SUM: the trainer divides the loss by the number of target tokens of the *whole global
 batch*, so summing per-rank gradients gives exactly the single-process gradient (no 1/world_size).
 
 ``parallel.dp_impl = "torch"`` wraps ``torch.nn.parallel.DistributedDataParallel`` with a SUM comm
-hook (routed through ``comm.all_reduce`` so its traffic is counted too), for comparison.
+hook (routed through ``comm.all_reduce`` so its traffic is counted too), for comparison. A parameter
+without gradient needs ``parallel.find_unused_parameters = true`` there (torch then leaves its grad
+None, as on one process); without it torch DDP never completes that bucket and replicas silently
+diverge, so :class:`TorchDDP` refuses the step with a one-line ConfigError naming the parameter.
 """
 from __future__ import annotations
 
@@ -74,6 +82,9 @@ class DataParallel(Strategy):
             size += nbytes
         self.buckets.append(_Bucket(current, current[0].device, current[0].dtype))
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._params = [p for b in self.buckets for p in b.params]
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._used = [False] * len(self._params)  # got a gradient on this rank in this step
         self._next = 0
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -88,6 +99,7 @@ class DataParallel(Strategy):
             self._sync = prev
 
     def _on_grad(self, p: nn.Parameter) -> None:
+        self._used[self._index[id(p)]] = True
         if not self._sync:
             return
         b = self.buckets[self._bucket_of[id(p)]]
@@ -109,10 +121,12 @@ class DataParallel(Strategy):
         """Launch the buckets not yet launched (in order) and wait for all reductions.
 
         Call once per optimizer step after the last backward; afterwards every ``p.grad`` holds the
-        sum over dp ranks."""
+        sum over dp ranks, and is None for a parameter that no dp rank used in this step."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
+        used = torch.tensor(self._used, dtype=torch.float32, device=self.buckets[0].buffer.device)
+        used_work = comm.all_reduce(used, group=self.group, async_op=True, tag="grad_used")
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -120,9 +134,15 @@ class DataParallel(Strategy):
             b.ready.clear()
         self._next = 0
         self.sync_tp_replicated()
+        used_work.wait()
+        if not all(self._used):  # else every rank's count is >= 1 here: nothing to skip, no host read
+            for p, n in zip(self._params, used.tolist()):
+                if n == 0:
+                    p.grad = None  # zero on every rank; the optimizer skips it (zero_grad re-attaches)
 
     def zero_grad(self) -> None:
-        """Zero the flat gradient buffers (grads stay views into them)."""
+        """Zero the flat gradient buffers (grads stay views into them) and the used marks."""
+        self._used = [False] * len(self._params)
         for b in self.buckets:
             b.buffer.zero_()
             off = 0
@@ -140,19 +160,25 @@ class TorchDDP(Strategy):
     """``torch.nn.parallel.DistributedDataParallel`` with the same interface as :class:`DataParallel`.
 
     A comm hook replaces DDP's averaging by a SUM all-reduce through ``comm.all_reduce`` (the trainer
-    normalises the loss by the global token count)."""
+    normalises the loss by the global token count). ``find_unused_parameters``: passed to torch DDP
+    (an extra autograd-graph traversal per step); needed when some parameter may get no gradient.
+    Without it, :meth:`finish_grads` raises ConfigError (one line, naming the parameter) for a step
+    in which a parameter got no gradient on this rank, before the desynchronised update happens."""
 
-    def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0):
+    def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0,
+                 find_unused_parameters: bool = False):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.module, self.group, self.loss_groups = module, group, [group]
+        self.find_unused = find_unused_parameters
         dev = next(module.parameters()).device
         import warnings
 
         with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13; GPT has no buffers
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
             self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # no buffers in GPT
-                           device_ids=[dev] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
+                           device_ids=[dev] if dev.type == "cuda" else None, gradient_as_bucket_view=True,
+                           find_unused_parameters=find_unused_parameters)
 
         def sum_hook(state, bucket):
             buf = bucket.buffer()
@@ -169,10 +195,21 @@ class TorchDDP(Strategy):
 
     def finish_grads(self) -> None:
         """torch DDP's backward already waited for its reductions; only the sequence-parallel
-        replicated-gradient sum over tp remains."""
+        replicated-gradient sum over tp remains. Raises ConfigError if a parameter got no gradient
+        and ``find_unused_parameters`` is off (torch DDP did not reduce its bucket)."""
+        if not self.find_unused:
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            for p in unique_params(self.module):
+                if p.grad is None:
+                    from ..config import ConfigError
+
+                    raise ConfigError(f"parameter {names[id(p)]} got no gradient in this step; torch DDP would "
+                                      "desynchronise the replicas: set parallel.find_unused_parameters = true "
+                                      "(or use parallel.dp_impl = native)")
         self.sync_tp_replicated()
 
     def zero_grad(self) -> None:
+        """``grad = None`` (torch DDP re-attaches its bucket views), so a parameter without
+        gradient in a step stays None and the optimizer skips it, as on one process."""
         for p in unique_params(self.module):
-            if p.grad is not None:
-                p.grad.zero_()
+            p.grad = None

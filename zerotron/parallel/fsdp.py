@@ -6,6 +6,12 @@ semantics = ``reshard_after_forward=False`` (parameters stay gathered between fo
 FSDP2 averages gradients over dp (gloo has no PREMUL_SUM for a custom divide factor), so the loss is
 divided by ``N_global / dp`` instead of ``N_global``: the average of dp-scaled gradients is the sum
 zerotron's loss normalisation needs. Its collectives are torch's own, so they are not in ``comm.STATS``.
+
+Module order: FSDP2 prefetches only what it recorded (backward follows the reverse of the forward
+that just ran; no explicit forward prefetch is set), so skipped or reordered blocks are safe. One
+torch 2.13 gap is closed here: a block whose forward never ran has no unsharded parameter, and the
+no_sync post-backward reads it (AttributeError '_unsharded_param'), so every block is unsharded
+once at set-up. As with torch, every dp rank must run the same blocks in the same order.
 """
 from __future__ import annotations
 
@@ -39,6 +45,12 @@ class FSDP2Strategy(Strategy):
         for block in model.transformer.h:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        for block in model.transformer.h:
+            # torch 2.13's no_sync post-backward reads every block's unsharded parameter, which only
+            # exists once the block has been unsharded: a block whose forward never ran (skipped)
+            # would raise AttributeError '_unsharded_param'. One gather at set-up creates them.
+            block.unshard()
+            block.reshard()
         self.module, self.group, self.loss_groups, self.stage = model, mesh.group("dp"), [mesh.group("dp")], stage
 
     def forward_backward(self, micro_batches, n_global, dtype, device):

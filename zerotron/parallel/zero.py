@@ -19,9 +19,22 @@ same as for the unsharded parameters.
            as they are reduced.
   stage 3  parameters sharded at rest: a block's flat parameters are all-gathered just before its
            forward and again before its backward and freed (storage resized to 0) right after; the
-           next block's all-gather is prefetched asynchronously (forward: i+1, backward: i-1) so
-           communication overlaps compute. The root unit is gathered once per step and kept until
-           the step's gradients are reduced (it is used at both ends of the model).
+           next block's all-gather is prefetched asynchronously so communication overlaps compute:
+           forward prefetches the block that followed this one in the previous forward (i+1 the
+           first time), backward the block whose forward ran just before. Any module order is safe
+           (skipped, reordered, data-dependent blocks -- the same on every dp rank, as collectives
+           must match): a unit is always gathered and waited for before use, a prefetched unit that
+           does not run is waited for before its storage is released, and nothing gathered outlives
+           the step. The root unit is gathered once per step and kept until the step's gradients
+           are reduced (it is used at both ends of the model).
+
+Parameters without gradient. Hooks mark each parameter that got a gradient in the step; the marks
+are summed over dp in one small all-reduce per step (one float per parameter). A parameter no dp
+rank used is skipped as torch's AdamW skips a grad-None parameter on one process: a flat buffer
+nobody used is left out of the step; a buffer used in part (or whose parameters have taken
+different numbers of steps) is updated parameter by parameter, each with its own step count
+(``FlatShard.adamw_step``), so the unused elements' value, moments and step stay untouched.
+Checkpoints carry the per-parameter steps (no state for a parameter never stepped, as in torch).
 
 Communication per step, in nccl-tests "size" bytes (per-rank traffic = size x (n-1)/n), with
 Psi = padded parameter count and e = bytes per element:
@@ -43,16 +56,6 @@ from ..distributed import comm
 from . import precision
 from .base import Strategy
 from .zero_state import ZeroStateMixin
-
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _alloc(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().size() != nbytes:
-        t.untyped_storage().resize_(nbytes)
 
 
 class FlatShard:
@@ -92,8 +95,22 @@ class FlatShard:
             self.shard_grad = self.grad_full[lo:hi]
         self.pending = None  # (work, input, output) of an in-flight reduce-scatter
         self.gather_work = None
+        self.used = [True] * len(params)  # per parameter: got a gradient on some dp rank this step
+        self.steps = None  # per-parameter AdamW steps once they differ (None: all = state["step"])
         if stage == 3:
-            _free(self.full)
+            self._set_storage(0)
+
+    def _set_storage(self, nbytes: int) -> None:
+        """Resize ``full``'s storage to ``nbytes`` (0 frees it: stage 3 parameters at rest).
+
+        Raises RuntimeError while an all-gather into ``full`` is pending: the collective would
+        write into freed or moved memory (SIGSEGV, "out of bounds for storage of size 0")."""
+        if self.gather_work is not None:
+            raise RuntimeError(f"ZeRO internal error: resizing the flat buffer of {self.names[0]} while its "
+                               "all-gather is pending")
+        storage = self.full.untyped_storage()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
 
     def attach_grad_views(self) -> None:
         for p, off, n in zip(self.params, self.offsets, self.numels):
@@ -133,7 +150,7 @@ class FlatShard:
             return
         if self.stage == 3 and self.full.untyped_storage().size() > 0:
             return  # already gathered
-        _alloc(self.full)
+        self._set_storage(self.full.numel() * self.full.element_size())
         src = self.master.detach() if self.master.dtype == self.compute_dtype else self.master.detach().to(self.compute_dtype)
         if self.aliased:
             src = src.clone()  # input must not alias the output buffer
@@ -145,33 +162,79 @@ class FlatShard:
             self.gather_work = None
 
     def free(self) -> None:
-        _free(self.full)
+        """Release ``full``'s storage (stage 3). An all-gather still writing into it (a prefetch
+        whose unit did not run) is waited for first, so no collective ever targets freed memory."""
+        self.wait_gather()
+        self._set_storage(0)
+
+    @torch.no_grad()
+    def adamw_step(self, optimizer) -> None:
+        """torch AdamW's update (decoupled decay, bias correction) on this rank's master shard,
+        parameter by parameter: only parameters with ``used[j]`` step, each with its own step
+        count, so a parameter without gradient keeps its value, moments and step exactly as torch's
+        optimizer leaves a parameter whose grad is None. Needs ``master.grad`` (the shard gradient).
+        Raises ValueError for amsgrad / maximize groups (not used by zerotron)."""
+        group = next(g for g in optimizer.param_groups if any(q is self.master for q in g["params"]))
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("ZeRO per-parameter AdamW step: amsgrad/maximize are not supported")
+        state = optimizer.state[self.master]
+        if not state:  # the state torch's AdamW creates lazily
+            state["step"] = torch.tensor(0.0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(self.master, memory_format=torch.preserve_format)
+        steps = list(self.steps) if self.steps is not None else [int(state["step"])] * len(self.params)
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lo, grad = self.rank * self.k, self.master.grad
+        for j, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            if not self.used[j]:
+                continue
+            steps[j] += 1  # counted on every rank, whether or not the parameter lies in this shard
+            a, b = max(off - lo, 0), min(off + n - lo, self.k)
+            if a >= b:
+                continue
+            p, g, m, v = self.master[a:b], grad[a:b], state["exp_avg"][a:b], state["exp_avg_sq"][a:b]
+            p.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / (1 - b2 ** steps[j]) ** 0.5).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** steps[j]))
+        self.steps = steps if len(set(steps)) > 1 else None
+        state["step"] = torch.tensor(float(max(steps)))
+
+    def param_step(self, j: int, state: dict) -> torch.Tensor:
+        """AdamW step count of parameter ``j`` (float scalar tensor), given this buffer's state."""
+        return torch.tensor(float(self.steps[j])) if self.steps is not None else state["step"].clone()
 
     @torch.no_grad()
     def canonical_to_flat(self, params: dict, opt_state: dict) -> tuple:
-        """``(flat, {"exp_avg", "exp_avg_sq"}, step or None)``: padded master-dtype full vectors of this
+        """``(flat, {"exp_avg", "exp_avg_sq"}, steps or None)``: padded master-dtype full vectors of this
         buffer built from canonical per-parameter tensors (``params[name]`` dense values,
-        ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"})."""
+        ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"}); ``steps``: float tensor of the
+        per-parameter step counts (0 for a parameter without state), None if none has state."""
         flat = torch.zeros(self.padded, dtype=self.master_dtype)
         st = {k: torch.zeros(self.padded, dtype=self.master_dtype) for k in ("exp_avg", "exp_avg_sq")}
-        step = None
-        for name, off, n in zip(self.names, self.offsets, self.numels):
+        steps = torch.zeros(len(self.params))
+        for j, (name, off, n) in enumerate(zip(self.names, self.offsets, self.numels)):
             flat[off:off + n] = params[name].reshape(-1).to(self.master_dtype).cpu()
             if name in opt_state:
                 for k in st:
                     st[k][off:off + n] = opt_state[name][k].reshape(-1).to(self.master_dtype).cpu()
-                step = opt_state[name]["step"]
-        return flat, st, step
+                steps[j] = float(opt_state[name]["step"])
+        return flat, st, steps if any(name in opt_state for name in self.names) else None
 
     @torch.no_grad()
     def load_flat(self, flat: torch.Tensor, st: dict, step, optimizer) -> None:
-        """Set this rank's master shard (and its AdamW state when ``step`` is not None) from padded
-        full vectors (:meth:`canonical_to_flat`). Parameters (compute copies) are not re-gathered."""
+        """Set this rank's master shard (and its AdamW state when ``step`` is not None: one count, or
+        one per parameter) from padded full vectors (:meth:`canonical_to_flat`). Parameters
+        (compute copies) are not re-gathered."""
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
         self.master.copy_(flat[lo:hi])
         if step is not None:
             state = optimizer.state[self.master]
-            state["step"] = step.clone().float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+            steps = [int(x) for x in torch.as_tensor(step, dtype=torch.float64).reshape(-1).tolist()]
+            steps = steps * len(self.params) if len(steps) == 1 else steps
+            self.steps = steps if len(set(steps)) > 1 else None
+            state["step"] = torch.tensor(float(max(steps)))
             for k in st:
                 state[k] = st[k][lo:hi].clone().to(self.master.device)
 
@@ -235,6 +298,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
                 self.flats.append(flats)
         self.all_flats = [f for fl in self.flats for f in fl]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
+        self._pindex = {id(p): i for i, p in enumerate(p for f in self.all_flats for p in f.params)}
+        self._used = [False] * len(self._pindex)  # got a gradient on this rank in this step
         self._ready = [set() for _ in self.flats]
         self._order = list(range(len(self.flats) - 1, 0, -1)) + [0]  # reduce order: last block .. root
         self._next = 0
@@ -242,6 +307,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         self._in_step = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fl in self.flats for f in fl
                        for p in f.params]
+        self._fwd_units: list[int] = []  # stage 3: block units in the order their forward ran
+        self._fwd_next: dict[int, int] = {}  # unit -> unit whose forward followed it last time
         if stage == 3:
             for i, b in enumerate(blocks, start=1):
                 b.register_forward_pre_hook(self._make_pre_forward(i))
@@ -251,6 +318,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     def __call__(self, *args, **kwargs):
         if self.stage != 3 or self._in_step:
             return self.module(*args, **kwargs)
+        self._new_forward()
         with self.full_params(blocks=False):
             return self.module(*args, **kwargs)
 
@@ -265,10 +333,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         try:
             yield self.module
         finally:
-            if self.stage == 3:
-                for u in units:
-                    for f in self.flats[u]:
-                        f.free()
+            if self.stage == 3:  # also blocks a gradient-free forward prefetched but did not run
+                self._release_all()
 
     def parameters(self) -> list:
         return [f.master for f in self.all_flats]
@@ -283,6 +349,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             self._sync = prev
 
     def zero_grad(self) -> None:
+        self._used = [False] * len(self._pindex)
         for f in self.all_flats:
             f.shard_grad.zero_()
             f.master.grad = None
@@ -300,15 +367,15 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         try:
             total = torch.zeros((), dtype=torch.float64)
             for i, mb in enumerate(micro_batches):
+                self._new_forward()
                 with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                     total += super().forward_backward([mb], n_global, dtype, device)
                     if self._sync:
                         self._flush()
         finally:
             self._in_step = False
-            if self.stage == 3:
-                for f in self.flats[0]:
-                    f.free()
+            if self.stage == 3:  # nothing gathered (or still gathering) survives the step
+                self._release_all()
         return total
 
     def _flush(self) -> None:
@@ -323,6 +390,15 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             s.clear()
 
     def finish_grads(self) -> None:
+        """Sum the per-parameter "got a gradient" marks over dp (one small all-reduce per step,
+        one float per parameter) into each buffer's ``used``; sequence parallel: sum tp-replicated
+        gradient shards over tp; hand the shard gradients to the optimizer."""
+        used = torch.tensor(self._used, dtype=torch.float32, device=self.all_flats[0].master.device)
+        comm.all_reduce(used, group=self.group, tag="grad_used")
+        flags = [True] * len(self._used) if all(self._used) else (used > 0).tolist()  # no host read if all used here
+        i = 0
+        for f in self.all_flats:
+            f.used, i = flags[i:i + len(f.params)], i + len(f.params)
         if self.tp_group is not None and self.sequence_parallel:
             # replicated parameters saw only this rank's sequence shard: sum their (dp-reduced)
             # gradient shards over tp (Korthikanti et al. 2022); the flat layouts match across tp
@@ -357,6 +433,18 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
 
     def optimizer_step(self, optimizer) -> None:
+        """AdamW on the master shards, then (stages 1-2) all-gather the updated parameters.
+
+        A parameter that no dp rank used in this step is skipped exactly as torch's optimizer
+        skips a grad-None parameter on one process: a buffer nobody used is left out
+        (``master.grad = None``); a buffer used in part, or whose parameters' step counts
+        differ, is updated per parameter (:meth:`FlatShard.adamw_step`). Otherwise torch's AdamW."""
+        for f in self.all_flats:
+            if f.master.grad is None or (f.steps is None and all(f.used)):
+                continue
+            if any(f.used):
+                f.adamw_step(optimizer)
+            f.master.grad = None  # left out of optimizer.step()
         optimizer.step()
         if self.stage < 3:
             with torch.no_grad():
@@ -388,6 +476,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
 
     # ---- hooks -------------------------------------------------------------------------------
     def _on_grad(self, p) -> None:
+        self._used[self._pindex[id(p)]] = True
         if not self._sync:
             return
         u = self._unit_of[id(p)]
@@ -412,11 +501,24 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             for f in self.flats[u]:
                 f.wait_gather()
 
+    def _new_forward(self) -> None:
+        """Start recording a forward's block order; the previous forward's last block is marked
+        as followed by nothing (0: no prefetch after it)."""
+        if self._fwd_units:
+            self._fwd_next[self._fwd_units[-1]] = 0
+        self._fwd_units = []
+
     def _make_pre_forward(self, u: int):
         def hook(module, args):
             self._gather_unit(u)
-            if u + 1 < len(self.flats):
-                self._gather_unit(u + 1, wait=False)  # prefetch the next block
+            order = self._fwd_units
+            if torch.is_grad_enabled():  # learn the real module order (prefetch targets)
+                if order:
+                    self._fwd_next[order[-1]] = u
+                order.append(u)
+            nxt = self._fwd_next.get(u, u + 1)  # what ran after u last time (0: nothing); first time: u + 1
+            if 1 <= nxt < len(self.flats) and nxt != u:
+                self._gather_unit(nxt, wait=False)  # prefetch; released (after a wait) if it does not run
         return hook
 
     def _make_post_forward(self, u: int):
@@ -424,11 +526,18 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             for f in self.flats[u]:
                 f.free()
             if torch.is_grad_enabled() and output.requires_grad:
+                order = self._fwd_units
+                prev = order[-2] if len(order) >= 2 and order[-1] == u else None  # backward runs it next
+
                 def pre_backward():
                     self._gather_unit(u)
-                    if u - 1 >= 1:
-                        self._gather_unit(u - 1, wait=False)  # prefetch the previous block
+                    if prev is not None and prev != u:
+                        self._gather_unit(prev, wait=False)  # prefetch the block that ran before
                 return _PreBackward.apply(pre_backward, output)
             return output
         return hook
 
+    def _release_all(self) -> None:
+        """Stage 3: free every unit's storage, waiting first for any prefetch still in flight."""
+        for f in self.all_flats:
+            f.free()

@@ -37,10 +37,11 @@ def gather_flats(flats: list, group, optimizer, owned) -> tuple[dict, dict]:
                 full[key] = _gather_full(st[key], group)
         if not owned(i):
             continue
-        for name, p, off, n in zip(f.names, f.params, f.offsets, f.numels):
+        for j, (name, p, off, n) in enumerate(zip(f.names, f.params, f.offsets, f.numels)):
             vals[name] = full["param"][off:off + n].view(p.shape).clone()
-            if "exp_avg" in full:
-                ostate[name] = {"step": st["step"].clone(),
+            step = f.param_step(j, st) if "exp_avg" in full else None
+            if step is not None and step > 0:  # never stepped (no gradient yet): no state, as in torch
+                ostate[name] = {"step": step,
                                 **{k: full[k][off:off + n].view(p.shape).clone() for k in _ADAM}}
     return vals, ostate
 
@@ -66,15 +67,15 @@ def load_flats_from_owners(flats: list, group, owner, params: dict, ostate: dict
         if own == rank:
             flat, st, step = f.canonical_to_flat(params, ostate)
             flat, st = flat.to(dev), {k: v.to(dev) for k, v in st.items()}
-            step_t = torch.tensor([float(step if step is not None else 0)], device=dev)
+            step_t = (step if step is not None else torch.zeros(len(f.params))).float().to(dev)
         else:
             flat = torch.empty(f.padded, dtype=f.master_dtype, device=dev)
             st = {k: torch.empty(f.padded, dtype=f.master_dtype, device=dev) for k in _ADAM}
-            step_t = torch.empty(1, device=dev)
+            step_t = torch.empty(len(f.params), device=dev)
         src = dist.get_global_rank(pg, own) if pg is not None else own
         for t in [flat] + ([st[k] for k in _ADAM] + [step_t] if with_state else []):
             comm.broadcast(t, src=src, group=group, tag="checkpoint")
-        f.load_flat(flat, st, step_t.reshape(()).cpu() if with_state else None, optimizer)
+        f.load_flat(flat, st, step_t.cpu() if with_state else None, optimizer)
 
 
 class ZeroStateMixin:
