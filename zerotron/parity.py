@@ -290,7 +290,6 @@ def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = 
     raises is reported with its error message instead of stopping the others (all ranks raise
     together on a config error; other exceptions end the spawn)."""
     import torch
-    import torch.distributed as dist
 
     ref = torch.load(ref_path, weights_only=False)
     res = []
@@ -299,8 +298,21 @@ def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = 
         run_dir = f"{tmp}/{lay.name}"
         out = train_layout(lay, run_dir, extra)
         res.append({"name": lay.name, **compare(out, ref)})
-        dist.barrier()
+        del out
+        _destroy_subgroups()
     return res
+
+
+def _destroy_subgroups() -> None:
+    """Destroy every process group but the default one (each layout builds its own mesh and
+    pipeline groups; hundreds of live gloo groups slow every later layout down). Collective."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.barrier()
+    for pg in list(c10d._world.pg_map):  # private registry: the only list of live groups
+        if pg is not c10d.GroupMember.WORLD and pg is not dist.group.WORLD:
+            dist.destroy_process_group(pg)
 
 
 ERRORS = ("loss_err", "norm_err", "val_err", "param_err", "optim_err", "full_err")
