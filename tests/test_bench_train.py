@@ -156,8 +156,12 @@ def test_two_process_end_to_end(tmp_path, data_cache):
     n_params = gpt_num_params(n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=64)  # tiny.toml
     # per step: one fp32 gradient all-reduce of every (unique) parameter, plus two float64 scalars:
     # the global target-token count (tag loss_norm) and the loss sum (tag metrics)
-    want_tags = {"grad": 4 * n_params, "loss_norm": 8, "metrics": 8}
+    # native DDP: plus one fp32 "gradient used" flag per parameter tensor (wte, wpe, 12 per block,
+    # ln_f), summed over dp so a parameter no rank used is skipped like on one process
+    n_tensors = 2 + 4 * 12 + 2
     for name, world, impl in (("dp", 2, "DataParallel"), ("dp-torch", 2, "TorchDDP"), ("single", 1, "DataParallel")):
+        used = {"grad_used": 4 * n_tensors} if impl == "DataParallel" else {}
+        want_tags = {"grad": 4 * n_params, "loss_norm": 8, "metrics": 8, **used}
         r = rows[name]
         assert not r["skipped"] and r["world_size"] == world and r["impl"] == impl, r
         assert r["num_params"] == n_params and r["tokens_per_step"] == 8 * 64
@@ -166,7 +170,7 @@ def test_two_process_end_to_end(tmp_path, data_cache):
         assert 0 < r["cpu_s_per_step"] < 60
         assert 0.95 <= r["tokens_per_s"] * r["step_time_s"] / r["tokens_per_step"] <= 2.05
         assert r["comm_bytes_by_tag"] == want_tags  # single: all-reduces over a 1-rank group, counted alike
-        assert r["comm_bytes_per_step"] == 4 * n_params + 16
+        assert r["comm_bytes_per_step"] == 4 * n_params + 16 + sum(used.values())
         assert r["model_state_bytes"] == 16 * n_params  # fp32 params + grads + Adam exp_avg, exp_avg_sq
         assert r["peak_mem_bytes"] > 50 * 2**20
     assert rows["dp-torch"]["ratio_vs_dp-torch"] == 1.0 and rows["single"]["ratio_vs_single"] == 1.0
