@@ -222,12 +222,17 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotron bench train", allow_abbrev=False, description="Training "
-                                "throughput of parallel layouts, alternated round by round; --section.field VALUE "
-                                "overrides a config field for every layout.")
-    p.add_argument("--nproc", type=int, default=1, help="local worker processes (default 1)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config (default configs/default.toml)")
-    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list from: {', '.join(LAYOUTS)}")
+    from zerotron.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="zerotron bench train", allow_abbrev=False, formatter_class=HelpFormatter,
+                                description="Training throughput of parallel layouts, alternated round by round; "
+                                "--section.field VALUE overrides a config field for every layout (see 'zerotron "
+                                "train --help' for the fields).")
+    p.add_argument("--nproc", type=int, default=1, help="local worker processes")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                   help=f"comma list from: {', '.join(LAYOUTS)}; each optionally followed by -mbN (train.micro_batch "
+                   "= N) and -acselective | -acfull (train.activation_checkpointing), e.g. zero2-mb4-acfull")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     p.add_argument("--rounds", type=int, default=8, help="rounds; the layout order rotates every round")
