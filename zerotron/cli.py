@@ -113,6 +113,9 @@ def cmd_train(argv: list[str]) -> int:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
         world = int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc)
         validate(cfg, world)
+        from .train.tensorboard import tensorboard_enabled
+
+        tensorboard_enabled(cfg.log.tensorboard)  # "true" without the package: one line, before any worker
         if args.resume and not args.run_dir:
             raise ConfigError("--resume needs --run-dir (the run to continue)")
         run_dir = Path(args.run_dir or f"runs/{Path(args.config or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}")
