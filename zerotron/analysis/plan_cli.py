@@ -31,6 +31,21 @@ def _model_from_args(args):
                      bias=c.model.bias).validate(), c.train.global_batch
 
 
+def calibration_mismatch(bench: dict, gpu: str) -> str | None:
+    """A one-line warning when a ``bench comm --json`` file was measured on CPU / gloo (its
+    ``topology``) but calibrates the intra-node link of GPU ``gpu``; None when it looks like a GPU
+    (nccl, cuda) measurement or says nothing about where it ran."""
+    topo = bench.get("topology") if isinstance(bench, dict) else None
+    topo = topo if isinstance(topo, dict) else {}
+    backend, device = topo.get("backend"), topo.get("device_type")
+    if backend == "gloo" or device == "cpu":
+        where = " on ".join(str(x) for x in (backend, device) if x)
+        return (f"the calibration file was measured with {where}, but the target is {gpu} GPUs: its CPU "
+                f"link numbers replace the {gpu} intra-node (NVLink) link; calibrate with 'zerotron bench comm "
+                "--backend nccl' on the target machine")
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
     from zerotron.cli import HelpFormatter
 
@@ -85,9 +100,13 @@ def plan_main(argv: list) -> int:
         if args.calibrate:
             try:
                 with open(args.calibrate) as f:
-                    hw = calibrate(hw, json.load(f))
+                    bench = json.load(f)
+                hw = calibrate(hw, bench)
             except (OSError, json.JSONDecodeError) as e:
                 raise ValueError(f"cannot read calibration file {args.calibrate!r}: {e}") from None
+            warning = calibration_mismatch(bench, hw.name)
+            if warning:
+                print(f"zerotron plan: warning: {warning}", file=sys.stderr)
         mem = parse_memory(args.gpu_mem) if args.gpu_mem else hw.memory
         cm = CostModel(hw, args.gpus_per_node, args.compute_eff, parse_memory(args.overhead),
                        args.attention, args.sp)
