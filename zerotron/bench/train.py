@@ -48,7 +48,8 @@ from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh
 
 from .layouts import DEFAULT_LAYOUTS, LAYOUTS, Layout, get_layout, parse_layouts  # noqa: F401 (API)
-from .report import BASELINES, format_table, markdown_report, paired_ratio, plot, summarize  # noqa: F401 (API)
+from .report import (BASELINES, format_table, impl_name, markdown_report, paired_ratio, plot,  # noqa: F401 (API)
+                     summarize)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 
@@ -169,7 +170,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
         local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev),
                  "state": strat.model_state_bytes(opt),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
-                 "impl": type(strat).__name__, "params": n_params, "tokens": t.global_batch * seq_len,
+                 "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
                  "bubble_theory": _bubble_theory(strat, len(batches[0])) if timing is not None else None}
         torch.set_num_threads(prev)
