@@ -83,6 +83,24 @@ def test_summarize_and_format_table():
     assert dp["cpu_s_per_step"] == 1.5
     assert table[2] == "| dp | DataParallel | 2 | 300 | 100-330 | 3333.3 | 1.100 | 2.000 | 1.500 | 102 | 1,600 | 3 |"
     assert "skipped: ConfigError: tp / not yet" in table[5]
+    # a 1-rank layout shows no comm bytes (its all-reduces move nothing): the JSON keeps the count
+    assert table[4].startswith("| single | DataParallel | 1 |") and "| - (1 rank) |" in table[4], table[4]
+    assert by["single"]["comm_bytes_per_step"] == 102
+
+
+def test_impl_name_of_tensor_parallel_layouts():
+    class DataParallel:
+        tp_group = None
+
+    class ZeroStrategy:
+        tp_group = object()
+
+    tp = DataParallel()
+    assert bt.impl_name(tp, dp=2) == "DataParallel"
+    tp.tp_group = object()  # the tp layout: a TP model under a data-parallel wrapper over 1 dp rank
+    assert bt.impl_name(tp, dp=1) == "TensorParallel" and bt.impl_name(tp, 1, True) == "TensorParallel+SP"
+    assert bt.impl_name(tp, dp=2) == "TensorParallel x DataParallel"
+    assert bt.impl_name(ZeroStrategy(), dp=2) == "TensorParallel x ZeroStrategy"
 
 
 def test_summarize_epoch_and_bubble_fields():

@@ -73,6 +73,9 @@ def test_export_refuses_non_empty_dir(tmp_path):
         export_hf_gpt2(model, None, tmp_path)
     export_hf_gpt2(model, None, tmp_path, overwrite=True)
     assert (tmp_path / "config.json").is_file()
+    # every exported file has the mode open() gives (0644 under the usual umask), weights included
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir() if p.name != "keep.txt"}
+    assert modes["model.safetensors"] == modes["config.json"] == (tmp_path / "keep.txt").stat().st_mode & 0o777, modes
     with pytest.raises(ValueError, match="needs cfg"):
         export_hf_gpt2(model.state_dict(), None, tmp_path / "other")
 

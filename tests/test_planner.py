@@ -256,7 +256,14 @@ def test_calibration_changes_intra_node_bandwidth(tmp_path, capsys):
     path.write_text(json.dumps(bench))
     argv = ["--model", "gpt2", "--gpus", "8", "--global-batch", "64", "--seq", "1024"]
     _, base = _json(capsys, argv)
-    _, cal = _json(capsys, argv + ["--calibrate", str(path)])
+    assert plan_main(argv + ["--json", "--calibrate", str(path)]) == 0
+    out, err = capsys.readouterr()
+    cal = json.loads(out)
+    # a gloo (CPU) calibration against GPU targets: one warning line naming the fix
+    assert len(err.strip().splitlines()) == 1 and "warning: the calibration file was measured with gloo" in err
+    assert "'zerotron bench comm --backend nccl'" in err
+    path.write_text(json.dumps({**bench, "topology": {"backend": "nccl", "device_type": "cuda"}}))
+    assert plan_main(argv + ["--json", "--calibrate", str(path)]) == 0 and capsys.readouterr().err == ""
     assert cal["assumptions"]["intra_node_busbw_GBps"]["all_reduce"] == pytest.approx(gamma ** -1 / 1e9)
     assert base["assumptions"]["intra_node_busbw_GBps"]["all_reduce"] == 360.0
     assert cal["layouts"][0]["predicted_step_time_s"] > base["layouts"][0]["predicted_step_time_s"]

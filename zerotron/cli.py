@@ -23,8 +23,42 @@ commands:
   bench      benchmarks: 'bench comm' (collectives), 'bench train' (layouts side by side) and
              'bench plan' (the planner's predicted ranking vs a 'bench train' run)
 
-Run 'zerotron <command> --help' for the options of one command.
+Run 'zerotron <command> --help' for the options of one command; 'zerotron --version' for the version.
 """
+
+BENCH_USAGE = """usage: zerotron bench comm|train|plan [options]
+
+  comm    collective bandwidth (nccl-tests algbw/busbw) per op and message size
+  train   training throughput of parallel layouts side by side (zerotron bench train --layouts dp,single)
+  plan    the planner's predicted ranking vs a 'bench train' run (Spearman correlation)
+
+Run 'zerotron bench <comm|train|plan> --help' for the options of one benchmark.
+"""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help text with the default of every option that has one (" (default: X)"), and the
+    description/epilog kept as written. Flags (store_true) and options defaulting to None show none."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if ("%(default)" in h or not action.option_strings or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action.default, bool)):
+            return h
+        return h + " (default: %(default)s)"
+
+
+def version() -> str:
+    """The installed package version (``importlib.metadata``), else ``zerotron.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _v
+
+    try:
+        return _v("zerotron")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
 
 
 def _fail(msg: str) -> int:
@@ -56,10 +90,13 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 
 
 def train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotron train", description="Train a GPT. Any config field can be "
-                                "overridden as --section.field VALUE (e.g. --train.steps 50).")
+    from .config_doc import fields_help
+
+    p = argparse.ArgumentParser(prog="zerotron train", formatter_class=HelpFormatter, epilog=fields_help(),
+                                description="Train a GPT. Any config field (listed below) can be overridden as "
+                                "--section.field VALUE (e.g. --train.steps 50).")
     p.add_argument("--config", help="TOML config file (see configs/)")
-    p.add_argument("--nproc", type=int, default=0, help="start N local worker processes (torch elastic launcher)")
+    p.add_argument("--nproc", type=int, default=0, help="start N local worker processes (torch elastic launcher; 0 = this process alone)")
     p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
     return p
@@ -76,6 +113,9 @@ def cmd_train(argv: list[str]) -> int:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
         world = int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc)
         validate(cfg, world)
+        from .train.tensorboard import tensorboard_enabled
+
+        tensorboard_enabled(cfg.log.tensorboard)  # "true" without the package: one line, before any worker
         if args.resume and not args.run_dir:
             raise ConfigError("--resume needs --run-dir (the run to continue)")
         run_dir = Path(args.run_dir or f"runs/{Path(args.config or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -126,20 +166,26 @@ def _print_summary(s: dict, run_dir: Path) -> None:
         print("sample:\n" + s["sample"])
 
 
-def cmd_generate(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="zerotron generate", description="Generate text from a checkpoint.")
+def generate_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zerotron generate``."""
+    p = argparse.ArgumentParser(prog="zerotron generate", formatter_class=HelpFormatter,
+                                description="Generate text from a checkpoint.")
     p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompts-file", help="one prompt per line; spread over data-parallel ranks with --nproc")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after each prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--nproc", type=int, default=0, help="N local processes (data parallel over prompts, x tp x pp)")
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree (greedy only)")
-    args = p.parse_args(argv)
+    return p
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
     from .generate import generate_main
     from .launch import in_worker, launch
 
@@ -167,13 +213,19 @@ def cmd_generate(argv: list[str]) -> int:
         return _fail(str(e))
 
 
-def cmd_export(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="zerotron export", description="Export a checkpoint of any layout as a "
-                                "Hugging Face GPT-2 directory (config.json + model.safetensors).")
+def export_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zerotron export``."""
+    p = argparse.ArgumentParser(prog="zerotron export", formatter_class=HelpFormatter, description="Export a "
+                                "checkpoint of any layout as a Hugging Face GPT-2 directory (config.json + "
+                                "model.safetensors).")
     p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    p.add_argument("--overwrite", action="store_true")
-    args = p.parse_args(argv)
+    p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
+    return p
+
+
+def cmd_export(argv: list[str]) -> int:
+    args = export_parser().parse_args(argv)
     try:
         import torch
 
@@ -199,6 +251,9 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def cmd_bench(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(BENCH_USAGE)
+        return 0
     if not argv or argv[0] not in ("comm", "train", "plan"):
         return _fail("usage: zerotron bench comm|train|plan [options] (see 'zerotron bench comm --help'); "
                      "'bench plan' checks the planner's ranking against a 'bench train' run")
@@ -216,10 +271,32 @@ def cmd_bench(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``zerotron`` command; returns the exit code (0 ok, 2 user error, 130 after
+    Ctrl-C: one line from the launcher or the single process, nothing from the workers)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C / the agent's SIGINT: no new traceback
+        from .launch import in_worker
+
+        if in_worker():  # the launcher reports once for all workers; skip teardown (peers are going too)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        print("zerotron: interrupted (SIGINT)", file=sys.stderr)
+        return 130
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"zerotron {version()}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         return cmd_train(rest)

@@ -31,14 +31,23 @@ class ModelConfig:
     tokenizer.json as data.tokenizer); every layout slices these dense weights per rank."""
 
     preset: str = ""
+    """named shape filling the sizes below (e.g. "tiny", "gpt2"); "" = built-in default"""
     n_layer: int = 0
+    """transformer blocks (0 = from the preset, else 4)"""
     n_head: int = 0
+    """attention heads per block (0 = from the preset, else 4)"""
     n_embd: int = 0
+    """model width d_model (0 = from the preset, else 128)"""
     block_size: int = 0
+    """context length, also the training sequence length (0 = from the preset, else 128)"""
     vocab_size: int = 0
+    """embedding rows (0 = the tokenizer's vocabulary size)"""
     dropout: float = 0.0
+    """dropout probability in [0, 1)"""
     bias: bool = True
+    """biases in the linear and layer-norm layers (GPT-2 style)"""
     init_from: str = ""
+    """Hugging Face GPT-2 directory to start from (shape and weights); "" = random init"""
 
 
 @dataclass
@@ -47,12 +56,19 @@ class DataConfig:
     name. ``tokenizer``: "" trains a byte-level BPE of ``vocab_size`` tokens; else a tokenizer.json."""
 
     corpus: str = "shakespeare"
+    """shakespeare | files | hf"""
     path: str = ""
+    """file or directory (files) or dataset name (hf)"""
     text_field: str = "text"
+    """text column of an hf dataset"""
     tokenizer: str = ""
+    """tokenizer.json to use; "" = train a byte-level BPE of data.vocab_size tokens"""
     vocab_size: int = 8192
+    """size of the BPE trained when data.tokenizer is "" (>= 260)"""
     val_fraction: float = 0.05
+    """fraction of the tokens held out for validation, in (0, 0.5]"""
     cache_dir: str = ".cache/zerotron"
+    """token cache directory (built once, shared by the workers)"""
 
 
 @dataclass
@@ -63,22 +79,39 @@ class TrainConfig:
     debugging and the parity matrix; see ``parallel.precision``)."""
 
     steps: int = 100
+    """optimizer steps to run"""
     seed: int = 1337
+    """seed of the initial weights, the batch order and dropout"""
     global_batch: int = 16
+    """sequences per optimizer step (over all dp ranks)"""
     micro_batch: int = 8
+    """sequences per forward per dp rank; accumulation = global_batch / (micro_batch * dp)"""
     lr: float = 1e-3
+    """peak learning rate (after warmup)"""
     min_lr: float = 1e-4
+    """learning rate at the end of the cosine decay"""
     warmup_steps: int = 10
+    """linear warmup steps"""
     weight_decay: float = 0.1
+    """AdamW weight decay (matrices only)"""
     beta1: float = 0.9
+    """AdamW beta1"""
     beta2: float = 0.95
+    """AdamW beta2"""
     eps: float = 1e-8
+    """AdamW epsilon"""
     grad_clip: float = 1.0
+    """global gradient-norm clip (0 = off)"""
     dtype: str = "fp32"
+    """fp32 | bf16 (autocast) | fp64 (numerics debugging, parity)"""
     device: str = "auto"
+    """auto | cpu | cuda"""
     eval_every: int = 50
+    """validation every N steps, also at the first and last step (0 = never)"""
     eval_batches: int = 4
+    """validation size in global batches"""
     activation_checkpointing: str = "none"
+    """none | selective | full (recompute block activations in the backward)"""
 
 
 @dataclass
@@ -96,23 +129,41 @@ class ParallelConfig:
     gradient in a step (torch's extra graph traversal); native DDP and ZeRO always handle them."""
 
     dp: int = 0
+    """data-parallel degree (0 = world_size / (tp * pp))"""
     tp: int = 1
+    """tensor-parallel degree (divides n_head)"""
     pp: int = 1
+    """pipeline-parallel degree (stages)"""
     dp_impl: str = "native"
+    """native (bucketed all-reduce) | torch (torch DDP)"""
     bucket_mb: float = 25.0
+    """gradient bucket size in MiB"""
     zero_stage: int = 0
+    """ZeRO stage 0-3 over dp"""
     zero_impl: str = "native"
+    """native | fsdp2 (torch fully_shard)"""
     reduce_dtype: str = "auto"
+    """dtype of every gradient collective: auto | fp32 | bf16 | fp64 (auto = fp32, fp64 with train.dtype fp64)"""
     sequence_parallel: bool = False
+    """shard layer-norm/dropout activations along the sequence over tp"""
     tp_impl: str = "native"
+    """native | dtensor (torch DTensor TP, alone)"""
     pp_schedule: str = "1f1b"
+    """naive | gpipe | 1f1b | interleaved"""
     microbatches: int = 0
+    """micro-batches per pipeline flush (0 = all of the step's)"""
     virtual_stages: int = 1
+    """model chunks per pipeline rank (interleaved schedule, >= 2)"""
     pp_split: str = ""
+    """comma-separated layer counts per stage ("" = balanced)"""
     pp_impl: str = "native"
+    """native"""
     find_unused_parameters: bool = False
+    """torch DDP only: allow parameters without a gradient in a step (native DDP/ZeRO always do)"""
     backend: str = "auto"
+    """auto | gloo | nccl"""
     timeout_s: float = 300.0
+    """collective timeout in seconds"""
 
 
 @dataclass
@@ -120,20 +171,31 @@ class CheckpointConfig:
     """``every``: save every N optimizer steps (0 = only at the end); ``keep``: newest N kept (0 = all)."""
 
     every: int = 0
+    """save every N optimizer steps (0 = only at the end)"""
     keep: int = 2
+    """newest N checkpoints kept (0 = all)"""
     save_final: bool = True
+    """save a checkpoint after the last step"""
 
 
 @dataclass
 class LogConfig:
-    """``every``: print/log cadence in steps; ``progress``: tqdm bar on rank 0; ``sample_tokens``:
+    """Progress, plots, TensorBoard. ``every``: cadence of the plain progress line (stderr not a
+    terminal); ``progress``: tqdm bar on rank 0 (a terminal) or those lines; ``sample_tokens``:
     length of the sample generated at the end (0 = none)."""
 
-    every: int = 1
+    every: int = 10
+    """cadence in steps of the plain progress line when stderr is not a terminal"""
     progress: bool = True
+    """progress on rank 0: a tqdm bar on a terminal, plain lines otherwise"""
     sample_tokens: int = 64
+    """length of the sample generated at the end (0 = none)"""
     sample_prompt: str = "ROMEO:"
+    """prompt of that sample"""
     plot: bool = True
+    """write loss.png in the run directory"""
+    tensorboard: str = "auto"
+    """TensorBoard event files in the run directory: auto (when the tensorboard package is installed) | true | false"""
 
 
 @dataclass

@@ -4,10 +4,14 @@ The parent process validates everything it can first (so a bad config gives one 
 then re-runs ``python -m zerotron <argv>`` in N workers with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*
 set. If one worker fails, the elastic agent stops the others and this returns non-zero. Workers
 ask to be signalled when the launcher dies (:func:`die_with_parent`, from ``init_distributed``).
+Ctrl-C (SIGINT to the launcher and its workers) ends in one line and exit code 130: the workers exit
+quietly (``cli.main``), the agent stops them, and :func:`launch` reports the signal.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -35,14 +39,33 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def quiet_elastic_logs(level: int = logging.ERROR):
+    """Raise the level of torch elastic's loggers (each sets its own, from $LOGLEVEL) to ``level``
+    while the block runs: no "Received 2 death signal" / "Sending process N closing signal" warnings
+    on Ctrl-C. Errors (a failed worker's summary) still show."""
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+               if n.startswith("torch.distributed.elastic") or n == "torch.distributed.run"]
+    saved = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.level, level))
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, saved):
+            lg.setLevel(lv)
+
+
 def launch(nproc: int, argv: list[str], module: str = "zerotron") -> int:
     """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
 
     ``argv`` must not contain ``--nproc`` (the workers would launch again). Uses
     ``torch.distributed.run`` with ``--standalone`` (a free local rendezvous port) and
-    ``--max-restarts 0``. Raises ValueError if ``nproc < 1``."""
+    ``--max-restarts 0``. A signal to the launcher (Ctrl-C: SIGINT; SIGTERM, SIGHUP) stops the workers
+    and returns ``128 + signal`` after one line on stderr. Raises ValueError if ``nproc < 1``."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -50,7 +73,12 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron") -> int:
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", module, *argv])
     try:
-        run(args)
+        with quiet_elastic_logs():
+            run(args)
+    except SignalException as e:
+        sig = signal.Signals(e.sigval)
+        print(f"zerotron: interrupted ({sig.name}); the {nproc} workers were stopped", file=sys.stderr)
+        return 128 + int(sig)
     except ChildFailedError as e:
         failures = getattr(e, "failures", {}) or {}
         ranks = sorted(failures) if failures else "?"  # keyed by global rank

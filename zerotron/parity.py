@@ -54,7 +54,8 @@ MODEL = {"model.n_layer": 8, "model.n_head": 4, "model.n_embd": 32, "model.block
          "model.dropout": 0.0}
 TRAIN = {"train.dtype": "fp64", "train.steps": STEPS, "train.global_batch": GLOBAL_BATCH, "train.grad_clip": 0.5,
          "train.warmup_steps": 1, "train.eval_every": STEPS, "train.eval_batches": 1,
-         "checkpoint.save_final": "false", "parallel.timeout_s": 120}
+         "checkpoint.save_final": "false", "parallel.timeout_s": 120,
+         "log.tensorboard": "false"}
 
 
 @dataclass(frozen=True, order=True)

@@ -175,10 +175,10 @@ def _add_activation_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
-    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
     g.add_argument("--microbatches", type=int, help="micro-batches per pipeline flush (default pp)")
     g.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
-    g.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    g.add_argument("--recompute", default="none", choices=RECOMPUTE, help="activation checkpointing")
     g.add_argument("--attention", default="math", choices=ATTENTION,
                    help="math: the paper's s^2 softmax term; flash: none")
 
@@ -225,20 +225,32 @@ def memory_main(argv: list) -> int:
     pipeline rank; ``--json`` adds an ``"activations"`` object. With tp or pp > 1 the model-state
     rows are for the largest rank's parameters (:func:`stage_num_params`).
     Returns 0 on success, 2 on a usage or value error (message on stderr)."""
-    parser = argparse.ArgumentParser(prog="zerotron memory",
+    parser = memory_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed usage/error on stderr
+        return 0 if exc.code in (0, None) else 2
+    return _memory_run(args)
+
+
+def memory_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zerotron memory``."""
+    from zerotron.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="zerotron memory", formatter_class=HelpFormatter,
                                      description="ZeRO model-state bytes per data-parallel rank.")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model preset name (zerotron.models.gpt.PRESETS)")
     src.add_argument("--params", type=_count, help="parameter count, e.g. 7e9")
     parser.add_argument("--dp", type=int, required=True, help="data-parallel degree N")
-    parser.add_argument("--dtype", default="fp32", choices=DTYPES)
-    parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS)
+    parser.add_argument("--dtype", default="fp32", choices=DTYPES, help="training precision")
+    parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS, help="optimizer (its state bytes)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     _add_activation_args(parser)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed usage/error on stderr
-        return 0 if exc.code in (0, None) else 2
+    return parser
+
+
+def _memory_run(args) -> int:
     try:
         if (args.seq is not None or args.tp != 1 or args.pp != 1) and not args.model:
             raise ValueError("--seq, --tp and --pp need a model shape: use --model PRESET")

@@ -31,27 +31,44 @@ def _model_from_args(args):
                      bias=c.model.bias).validate(), c.train.global_batch
 
 
+def calibration_mismatch(bench: dict, gpu: str) -> str | None:
+    """A one-line warning when a ``bench comm --json`` file was measured on CPU / gloo (its
+    ``topology``) but calibrates the intra-node link of GPU ``gpu``; None when it looks like a GPU
+    (nccl, cuda) measurement or says nothing about where it ran."""
+    topo = bench.get("topology") if isinstance(bench, dict) else None
+    topo = topo if isinstance(topo, dict) else {}
+    backend, device = topo.get("backend"), topo.get("device_type")
+    if backend == "gloo" or device == "cpu":
+        where = " on ".join(str(x) for x in (backend, device) if x)
+        return (f"the calibration file was measured with {where}, but the target is {gpu} GPUs: its CPU "
+                f"link numbers replace the {gpu} intra-node (NVLink) link; calibrate with 'zerotron bench comm "
+                "--backend nccl' on the target machine")
+    return None
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotron plan", description="Rank parallel layouts of a GPT "
+    from zerotron.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="zerotron plan", formatter_class=HelpFormatter, description="Rank parallel layouts of a GPT "
                                 "by predicted memory and step time (zerotron.analysis.planner).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model preset (zerotron.models.gpt.PRESETS)")
     src.add_argument("--config", help="TOML config ([model] shape, train.global_batch)")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs G")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node K (8)")
-    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU type (h100)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node K")
+    p.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="GPU type")
     p.add_argument("--gpu-mem", help="usable memory per GPU, e.g. 80GB (default: the GPU's)")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, help="sequence length (default: block_size)")
     p.add_argument("--calibrate", help="'bench comm --json' file: intra-node latency and busbw per op (alpha-beta fit), dp overlap and sync penalty")
-    p.add_argument("--top", type=int, default=10, help="layouts to show (10)")
+    p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--sp", action="store_true", help="sequence parallelism when tp > 1")
     p.add_argument("--attention", default="flash", choices=("flash", "math"),
                    help="flash (SDPA on GPUs): no s^2 activations; math: Korthikanti's count")
-    p.add_argument("--compute-eff", type=float, default=0.5, help="achieved/peak FLOP/s (0.5)")
-    p.add_argument("--comm-eff", type=float, default=0.8, help="achieved/datasheet bw (0.8)")
-    p.add_argument("--overhead", default="2GB", help="fixed framework memory per GPU (2GB)")
+    p.add_argument("--compute-eff", type=float, default=0.5, help="achieved/peak FLOP/s")
+    p.add_argument("--comm-eff", type=float, default=0.8, help="achieved/datasheet bw")
+    p.add_argument("--overhead", default="2GB", help="fixed framework memory per GPU")
     p.add_argument("--supported-only", action="store_true",
                    help="only layouts zerotron runs today (pipeline parallelism with ZeRO 0 or 1)")
     return p
@@ -83,9 +100,13 @@ def plan_main(argv: list) -> int:
         if args.calibrate:
             try:
                 with open(args.calibrate) as f:
-                    hw = calibrate(hw, json.load(f))
+                    bench = json.load(f)
+                hw = calibrate(hw, bench)
             except (OSError, json.JSONDecodeError) as e:
                 raise ValueError(f"cannot read calibration file {args.calibrate!r}: {e}") from None
+            warning = calibration_mismatch(bench, hw.name)
+            if warning:
+                print(f"zerotron plan: warning: {warning}", file=sys.stderr)
         mem = parse_memory(args.gpu_mem) if args.gpu_mem else hw.memory
         cm = CostModel(hw, args.gpus_per_node, args.compute_eff, parse_memory(args.overhead),
                        args.attention, args.sp)

@@ -92,21 +92,33 @@ def schedule_main(argv: list) -> int:
     ``--json`` prints an object with ``bubble_simulated``, ``bubble_theory``, ``makespan``,
     ``peak_in_flight``, ``actions`` (per rank) and ``intervals``. Returns 0, or 2 on a usage/value
     error (message on stderr)."""
-    parser = argparse.ArgumentParser(prog="zerotron schedule",
+    parser = schedule_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return 0 if exc.code in (0, None) else 2
+    return _schedule_run(args)
+
+
+def schedule_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zerotron schedule``."""
+    from zerotron.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="zerotron schedule", formatter_class=HelpFormatter,
                                      description="Simulate and draw a pipeline schedule.")
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
-    parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--kind", required=True, choices=KINDS)
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per flush")
+    parser.add_argument("--kind", required=True, choices=KINDS, help="schedule")
     parser.add_argument("--virtual", type=int, default=None,
                         help="chunks per rank (interleaved only; default 2 there, else 1)")
     parser.add_argument("--f-cost", type=float, default=1.0, help="forward time per micro-batch")
     parser.add_argument("--b-cost", type=float, default=2.0, help="backward time per micro-batch")
     parser.add_argument("--out", help="write a PNG timeline here")
-    parser.add_argument("--json", action="store_true")
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return 0 if exc.code in (0, None) else 2
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _schedule_run(args) -> int:
     v = args.virtual if args.virtual is not None else (2 if args.kind == "interleaved" else 1)
     try:
         if args.f_cost <= 0 or args.b_cost <= 0:

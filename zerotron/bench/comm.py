@@ -295,16 +295,18 @@ def plot(results: list[dict], path: str, title: str = "") -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotron bench comm", allow_abbrev=False,
+    from zerotron.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="zerotron bench comm", allow_abbrev=False, formatter_class=HelpFormatter,
                                 description="Collective bandwidth benchmark (nccl-tests algbw/busbw).")
-    p.add_argument("--nproc", type=int, default=1, help="local worker processes (default 1)")
+    p.add_argument("--nproc", type=int, default=1, help="local worker processes")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {','.join(OPS)}")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="lo:hi (powers of two) or comma list, units B/KiB/MiB/GiB")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size, in 3 back-to-back loops (median loop)")
     p.add_argument("--warmup", type=int, default=5, help="untimed repetitions before timing")
     p.add_argument("--json", help="write results to this JSON file (rank 0)")
     p.add_argument("--plot", help="write busbw-vs-size PNG here (rank 0)")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"], help="process-group backend")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
     return p
 

@@ -47,6 +47,17 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
+def impl_name(strategy, dp: int, sequence_parallel: bool = False) -> str:
+    """What a layout runs, for the table's impl column: the strategy class, prefixed by
+    "TensorParallel" (``+SP``) when the model is tensor-parallel (``strategy.tp_group`` set); a
+    data-parallel wrapper over a single dp rank (the ``tp`` layouts) is not named: it does nothing."""
+    name = type(strategy).__name__
+    if getattr(strategy, "tp_group", None) is None:
+        return name
+    tp = "TensorParallel+SP" if sequence_parallel else "TensorParallel"
+    return tp if dp == 1 and name in ("DataParallel", "TorchDDP") else f"{tp} x {name}"
+
+
 def _f(v, spec: str = ",.0f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -71,8 +82,8 @@ def format_table(rows: list[dict]) -> str:
             r["layout"], r["impl"], str(r["world_size"]), _f(r["tokens_per_s"]), f"{min(tps):,.0f}-{max(tps):,.0f}",
             _f(r["step_time_s"] * 1e3, ".1f"), *[_f(r.get(f"ratio_vs_{b}"), ".3f") for b in bases],
             _f(r["cpu_s_per_step"], ".3f"),
-            _f(r["comm_bytes_per_step"], ",") + (" + torch's own (not counted)"
-                                                 if r["impl"] in ("FSDP2Strategy", "DTensorTPStrategy") else ""),
+            "- (1 rank)" if r["world_size"] == 1 else _f(r["comm_bytes_per_step"], ",") + (
+                " + torch's own (not counted)" if r["impl"] in ("FSDP2Strategy", "DTensorTPStrategy") else ""),
             _f(r["model_state_bytes"], ","),
             _f(r["peak_mem_bytes"] / 2**20), *[_f(r.get(k), names[k][1]) for k in extra]]) + " |")
     return "\n".join(out)
@@ -118,7 +129,7 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         format_table(rows), "", "tokens/s: median over rounds (min-max over rounds beside it). `vs X`: median over "
         "rounds of the paired per-round ratio tokens/s(layout) / tokens/s(X). CPU s/step: process CPU seconds per "
         "step summed over ranks (median over rounds). comm bytes/step: counted by "
-        "zerotron.distributed.comm (nccl-tests size; on 1 rank the all-reduces move nothing; FSDP2's and "
+        "zerotron.distributed.comm (nccl-tests size; not shown for 1 rank, where the all-reduces move nothing; FSDP2's and "
         "DTensor TP's own collectives bypass it and are not counted). peak mem: "
         f"{r0.get('peak_mem_kind', '-')} per rank, max over ranks. epoch s: one epoch of the train split "
         "(num_windows x seq_len tokens) / tokens/s. bubble measured (pipeline layouts): median over timed steps "

@@ -48,7 +48,8 @@ from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh
 
 from .layouts import DEFAULT_LAYOUTS, LAYOUTS, Layout, get_layout, parse_layouts  # noqa: F401 (API)
-from .report import BASELINES, format_table, markdown_report, paired_ratio, plot, summarize  # noqa: F401 (API)
+from .report import (BASELINES, format_table, impl_name, markdown_report, paired_ratio, plot,  # noqa: F401 (API)
+                     summarize)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 
@@ -169,7 +170,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
         local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev),
                  "state": strat.model_state_bytes(opt),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
-                 "impl": type(strat).__name__, "params": n_params, "tokens": t.global_batch * seq_len,
+                 "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
                  "bubble_theory": _bubble_theory(strat, len(batches[0])) if timing is not None else None}
         torch.set_num_threads(prev)
@@ -222,12 +223,17 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotron bench train", allow_abbrev=False, description="Training "
-                                "throughput of parallel layouts, alternated round by round; --section.field VALUE "
-                                "overrides a config field for every layout.")
-    p.add_argument("--nproc", type=int, default=1, help="local worker processes (default 1)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config (default configs/default.toml)")
-    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list from: {', '.join(LAYOUTS)}")
+    from zerotron.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="zerotron bench train", allow_abbrev=False, formatter_class=HelpFormatter,
+                                description="Training throughput of parallel layouts, alternated round by round; "
+                                "--section.field VALUE overrides a config field for every layout (see 'zerotron "
+                                "train --help' for the fields).")
+    p.add_argument("--nproc", type=int, default=1, help="local worker processes")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                   help=f"comma list from: {', '.join(LAYOUTS)}; each optionally followed by -mbN (train.micro_batch "
+                   "= N) and -acselective | -acfull (train.activation_checkpointing), e.g. zero2-mb4-acfull")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     p.add_argument("--rounds", type=int, default=8, help="rounds; the layout order rotates every round")

@@ -180,11 +180,13 @@ def _f3(v) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotron bench plan", description="Spearman rank "
+    from zerotron.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="zerotron bench plan", formatter_class=HelpFormatter, description="Spearman rank "
                                 "correlation of the planner's predicted tokens/s vs a bench train run.")
     p.add_argument("--bench-train", required=True, help="'zerotron bench train --json' file")
     p.add_argument("--bench-comm", required=True, help="'zerotron bench comm --json' file (same machine)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config of the bench train run (default.toml)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="config of the bench train run")
     p.add_argument("--peak-flops", type=float, help="per-rank peak FLOP/s (default: measured now)")
     p.add_argument("--threads", type=int, help="intra-op threads for the peak (default: the bench run's)")
     p.add_argument("--compute-eff", type=float, help="achieved/peak FLOP/s (default: measured on the model's MLP matmul)")

@@ -10,6 +10,7 @@ needed by this module.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -216,6 +217,14 @@ def load_hf_gpt2(path: str | Path) -> GPT:
     return model.eval()
 
 
+def _mode_like_open(path: Path) -> None:
+    """Give ``path`` the mode ``open()`` would (0666 minus the umask, usually 0644): safetensors'
+    writer creates its file 0600, unlike the json files beside it."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def export_hf_gpt2(model_or_state_dict: GPT | dict, cfg: GPTConfig | None, out_dir: str | Path,
                    *, overwrite: bool = False, eos_token_id: int | None = None) -> Path:
     """Write ``out_dir/config.json``, ``out_dir/generation_config.json`` and
@@ -247,6 +256,7 @@ def export_hf_gpt2(model_or_state_dict: GPT | dict, cfg: GPTConfig | None, out_d
                               "generation_config.json and model.safetensors")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _mode_like_open(out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     generation = {"bos_token_id": hf_config["bos_token_id"], "eos_token_id": hf_config["eos_token_id"]}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

@@ -8,28 +8,100 @@ from pathlib import Path
 import torch
 
 
-def measure_peak_flops(device: torch.device, n: int = 1024, iters: int = 5, dtype=torch.float32) -> float:
-    """Measured matmul peak of this process in FLOP/s: best of ``iters`` (n x n) @ (n x n) products,
-    each 2 n^3 FLOPs. On CPU this is the denominator of MFU (no datasheet peak is assumed)."""
+def measure_peak_flops(device: torch.device, n: int = 1024, iters: int = 5, dtype=torch.float32,
+                       budget_s: float = 0.0) -> float:
+    """Measured matmul peak of this process in FLOP/s: best of ``iters`` (n x n) @ (n x n) products
+    (after one untimed warm-up), each 2 n^3 FLOPs; with ``budget_s > 0`` trials go on until that many
+    seconds have passed (at least ``iters``). On CPU this is the denominator of MFU (no datasheet
+    peak is assumed). The best, not the mean, is kept: other processes on the cores only slow a trial."""
     gen = torch.Generator(device=device).manual_seed(0)  # never touch the training RNG streams
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
-    best = float("inf")
-    for _ in range(iters + 1):
+    a = torch.randn(n, n, device=device, dtype=torch.float32, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, dtype=torch.float32, generator=gen).to(dtype)
+    best, start, i = float("inf"), time.perf_counter(), 0
+    while i < iters + 1 or time.perf_counter() - start < budget_s:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t = time.perf_counter()
         (a @ b).sum().item()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t)
+        if i:  # trial 0 warms up (allocations, thread pool, kernels)
+            best = min(best, time.perf_counter() - t)
+        i += 1
     return 2 * n**3 / best
+
+
+TRAIN_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+_PEAK_CACHE: dict[tuple, tuple[float, str]] = {}  # (device, dtype, threads) -> (FLOP/s, source)
+
+
+def datasheet_peak(device: torch.device, dtype) -> float | None:
+    """Dense bf16 datasheet peak FLOP/s of a known GPU (``analysis.hardware.GPUS``: H100, H200,
+    A100) for ``dtype`` bfloat16 on CUDA; None otherwise (fp32 peaks depend on TF32 settings)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    from ..analysis.hardware import GPUS
+
+    name = torch.cuda.get_device_name(device).lower()
+    return next((g["peak_flops"] for key, g in GPUS.items() if key in name), None)
+
+
+def peak_flops(device: torch.device, dtype=torch.float32, refresh: bool = False) -> tuple[float, str]:
+    """Peak FLOP/s of one device and where it comes from: ``(flops, "datasheet <gpu>")`` on a known
+    GPU in bf16, else ``(flops, "measured")``: best of >= 8 matmul trials over >= 0.3 s (CPU:
+    1024^2, 2 GFLOP each, ~15 ms on a free core; GPU: 4096^2 and 8192^2). Cached per process by (device, dtype,
+    intra-op threads): a process that builds many trainers measures once. ``refresh=True``
+    measures again and keeps the larger of the old and new values."""
+    key = (str(device), str(dtype), torch.get_num_threads())
+    if key in _PEAK_CACHE and not refresh:
+        return _PEAK_CACHE[key]
+    sheet = datasheet_peak(device, dtype)
+    if sheet is not None:
+        _PEAK_CACHE[key] = (sheet, f"datasheet {torch.cuda.get_device_name(device)}")
+        return _PEAK_CACHE[key]
+    sizes = (4096, 8192) if device.type == "cuda" else (1024,)
+    got = max(measure_peak_flops(device, n, iters=8, dtype=dtype, budget_s=0.3) for n in sizes)
+    _PEAK_CACHE[key] = (max(got, _PEAK_CACHE.get(key, (0.0, ""))[0]), "measured")
+    return _PEAK_CACHE[key]
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_total: float) -> float:
     """Model FLOPs utilisation = tokens/s x training FLOPs per token / peak FLOP/s of all devices.
     FLOPs per token ~ 6N + 12 L C S (PaLM, Chowdhery et al. 2022, appendix B)."""
     return tokens_per_s * flops_per_token / peak_flops_total if peak_flops_total > 0 else 0.0
+
+
+class MFUMeter:
+    """``meter(tokens_per_s) -> {"mfu", "tflops_per_device", "peak_tflops_per_device"}`` for a run on ``world`` devices.
+
+    achieved FLOP/s per device = tokens/s x ``flops_per_token`` / world (model FLOPs: recomputation
+    of activation checkpointing is not counted); MFU = that / ``peak_per_device`` (the mean of the
+    ranks' peaks). An MFU above 1 means the peak was under-measured (the cores were busy while it
+    ran): the first time, the meter re-measures this process's peak (``peak_flops(refresh=True)``),
+    raises ``peak_per_device`` to it and prints one warning on stderr (``warn=True``: rank 0)."""
+
+    def __init__(self, flops_per_token: float, world: int, peak_per_device: float, device, dtype,
+                 warn: bool = True, source: str = "measured"):
+        self.flops_per_token, self.world, self.peak_per_device = flops_per_token, world, peak_per_device
+        self.device, self.dtype, self.warn, self.source, self.remeasured = device, dtype, warn, source, False
+
+    def __call__(self, tokens_per_s: float) -> dict:
+        achieved = tokens_per_s * self.flops_per_token / self.world
+        m = achieved / self.peak_per_device if self.peak_per_device > 0 else 0.0
+        if m > 1 and not self.remeasured:
+            self.remeasured, old = True, self.peak_per_device
+            if self.source == "measured":
+                self.peak_per_device = max(old, peak_flops(self.device, self.dtype, refresh=True)[0])
+            m2 = achieved / self.peak_per_device
+            if self.warn:
+                import sys
+
+                print(f"zerotron: warning: MFU {m:.3f} > 1 (achieved {achieved / 1e12:.4g} TFLOP/s per device, peak "
+                      f"{old / 1e12:.4g} {self.source}); peak re-measured: {self.peak_per_device / 1e12:.4g} TFLOP/s, "
+                      f"MFU {m2:.3f}{' (still > 1: the peak is an underestimate)' if m2 > 1 else ''}",
+                      file=sys.stderr, flush=True)
+            m = m2
+        return {"mfu": m, "tflops_per_device": achieved / 1e12, "peak_tflops_per_device": self.peak_per_device / 1e12}
 
 
 class MetricsWriter:

@@ -21,8 +21,10 @@ from ..models.gpt import GPT, GPTConfig
 from ..parallel import parallelize
 from ..parallel.precision import param_dtype
 from . import checkpoint as ckpt
-from .metrics import MetricsWriter, measure_peak_flops, mfu, plot_losses
+from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses
 from .optim import build_scheduler
+from .progress import Progress
+from .tensorboard import open_tensorboard
 from .step import IGNORE_INDEX, evaluate, train_step
 
 
@@ -184,9 +186,12 @@ class Trainer:
 
         self.flops_per_token = training_flops_per_token(self.num_params, self.model_cfg.n_layer,
                                                         self.model_cfg.n_embd, self.seq_len)
-        peak = torch.tensor([measure_peak_flops(device)], dtype=torch.float64)
+        local_peak, source = peak_flops(device, TRAIN_DTYPES[cfg.train.dtype])  # cached per process
+        peak = torch.tensor([local_peak], dtype=torch.float64, device=device)
         comm.all_reduce(peak, tag="setup")
         self.peak_flops_total = float(peak)
+        self.mfu_meter = MFUMeter(self.flops_per_token, world, self.peak_flops_total / world, device,
+                                  TRAIN_DTYPES[cfg.train.dtype], warn=rank == 0, source=source)
 
     def _from_hf(self, path) -> GPT:
         """Dense GPT with the shape and weights of a HF GPT-2 checkpoint (dropout from the config).
@@ -234,11 +239,8 @@ class Trainer:
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", self.start_step if self.resume else None) if lead else None
         if lead:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        bar = None
-        if lead and cfg.log.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=t.steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
+        bar = Progress(t.steps, self.start_step, cfg.log.every) if lead and cfg.log.progress else None
+        tb = open_tensorboard(cfg.log.tensorboard, self.run_dir, self.start_step if self.resume else None, lead)
         die_at = int(os.environ.get("ZEROTRON_FAULT_KILL_AT_STEP", "-1"))  # fault injection for tests
         tok_per_step = t.global_batch * self.seq_len
         first_val = last_val = None
@@ -257,7 +259,7 @@ class Trainer:
             dt = time.perf_counter() - t0
             rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                    "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
-                   "mfu": mfu(tok_per_step / dt, self.flops_per_token, self.peak_flops_total),
+                   **self.mfu_meter(tok_per_step / dt),
                    "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
                    "comm_bytes_by_op": _bytes_by_op(before),
                    "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1)}
@@ -274,11 +276,12 @@ class Trainer:
                 last_val = rec["val_loss"]
             if writer:
                 writer.write(rec)
+            if tb:
+                tb.log(rec)
             if callback:
                 callback(self, rec)
             if bar:
-                bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                bar.update(1)
+                bar.update(rec)
             ck_every = cfg.checkpoint.every
             if (ck_every and (step + 1) % ck_every == 0) or (step + 1 == t.steps and cfg.checkpoint.save_final):
                 self.save(step + 1)
@@ -286,6 +289,8 @@ class Trainer:
                 os.kill(os.getpid(), signal.SIGKILL)
         if bar:
             bar.close()
+        if tb:
+            tb.close()
         summary = {"steps": t.steps, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
                    "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None}
         if cfg.log.sample_tokens:  # every rank decodes: sharded strategies gather collectively
