@@ -80,7 +80,7 @@ class GracefulStop:
     forwards it, arrives within milliseconds), the process exits at once with 128 + signal and
     without a checkpoint. Only the main thread may call :meth:`install`."""
 
-    def __init__(self, grace_s: float, announce: bool, debounce_s: float = 1.0):
+    def __init__(self, grace_s: float, announce: bool, debounce_s: float = 2.0):
         self.grace_s, self.announce, self.debounce_s = grace_s, announce, debounce_s
         self.pending = 0
         self._t0 = 0.0
