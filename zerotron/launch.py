@@ -65,8 +65,9 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     except ChildFailedError as e:
         failures = getattr(e, "failures", {}) or {}
         codes = {f.exitcode for f in failures.values()}
-        if codes & set(QUIET_EXIT_CODES):  # stopped on purpose; the others were stopped after it
-            return max(codes & set(QUIET_EXIT_CODES))
+        quiet = codes & set(QUIET_EXIT_CODES)
+        if quiet and codes <= quiet | {-signal.SIGTERM, -signal.SIGKILL}:  # stopped on purpose (the rest
+            return max(quiet)                                              # stopped by the agent after)
         ranks = sorted(failures) if failures else "?"  # keyed by global rank
         print(f"zerotron: worker(s) {ranks} failed (exit codes "
               f"{sorted({f.exitcode for f in failures.values()})}); the other workers were stopped. "

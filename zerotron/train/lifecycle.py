@@ -98,8 +98,8 @@ class GracefulStop:
             if self.announce:
                 print(f"zerotron: {name}: finishing the current step, then writing a checkpoint (at most "
                       f"{self.grace_s:g} s; a second signal exits at once)", file=sys.stderr, flush=True)
-            self._timer = threading.Timer(self.grace_s, self._exit_now, (signum, f"not stopped within "
-                                          f"train.stop_grace_s = {self.grace_s:g} s"))
+            why = f"not stopped within train.stop_grace_s = {self.grace_s:g} s"
+            self._timer = threading.Timer(self.grace_s, self._exit_now, (signum, why))
             self._timer.daemon = True
             self._timer.start()
         elif time.monotonic() - self._t0 > self.debounce_s:
