@@ -107,6 +107,9 @@ def cmd_train(argv: list[str]) -> int:
     from .launch import in_worker, launch
 
     args, rest = train_parser().parse_known_args(argv)
+    from .train.lifecycle import RunStopped
+
+    lock = None
     try:
         cfg = load_config(args.config, parse_overrides(rest))
         if args.nproc < 0:
@@ -119,6 +122,14 @@ def cmd_train(argv: list[str]) -> int:
         if args.resume and not args.run_dir:
             raise ConfigError("--resume needs --run-dir (the run to continue)")
         run_dir = Path(args.run_dir or f"runs/{Path(args.config or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if not in_worker() or (os.environ.get("RANK") == "0" and "ZEROTRON_LOCK_HELD" not in os.environ):
+            lock = _lock_run_dir(run_dir)  # the launcher, a single process, or rank 0 under torchrun
+        if not in_worker():
+            import shlex
+
+            os.environ["ZEROTRON_RESUME_CMD"] = shlex.join(
+                ["zerotron", "train", *argv, *([] if args.run_dir else ["--run-dir", str(run_dir)]),
+                 *([] if args.resume else ["--resume"])])
         from .train.trainer import check_run_dir
 
         check_run_dir(run_dir, args.resume)
@@ -136,7 +147,10 @@ def cmd_train(argv: list[str]) -> int:
             if not args.run_dir:
                 worker_argv += ["--run-dir", str(run_dir)]
             print(f"zerotron: launching {args.nproc} workers, run directory {run_dir}", file=sys.stderr)
-            return launch(args.nproc, worker_argv)
+            os.environ["ZEROTRON_LOCK_HELD"] = str(os.getpid())  # the workers do not lock again
+            code = launch(args.nproc, worker_argv, shutdown_timeout_s=cfg.train.stop_grace_s + 5)
+            lock.release()
+            return code
         import torch.distributed as dist
 
         from .distributed import mesh
@@ -149,9 +163,45 @@ def cmd_train(argv: list[str]) -> int:
             mesh.teardown()  # every rank done before any process group goes (no abort at exit)
         if trainer.rank == 0 and not summary.get("nothing_to_do"):
             _print_summary(summary, run_dir)
+        if lock:
+            lock.release()
         return 0
+    except RunStopped as e:  # every rank stopped at the same step (guard or signal)
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)  # the launcher may forward the signal while we exit
+        if os.environ.get("RANK", "0") == "0":
+            print(f"zerotron: {e}", file=sys.stderr, flush=True)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from .distributed import mesh
+
+            mesh.teardown()
+        if lock:
+            lock.release()
+        return e.exit_code
     except _user_errors() as e:
+        if lock:
+            lock.release(failed_validation=True)
         return _fail(str(e))
+
+
+def _lock_run_dir(run_dir: Path):
+    """Take the run-directory lock (``train.lifecycle.RunLock``) and remove ``.tmp_step_*``
+    directories a killed save left behind, saying so; returns the lock. Raises ConfigError when
+    another run holds the directory."""
+    from .train.checkpoint import remove_stale_tmp
+    from .train.lifecycle import RunLock
+
+    lock = RunLock(run_dir)
+    msg = lock.acquire()
+    if msg:
+        print(msg, file=sys.stderr)
+    for p in remove_stale_tmp(run_dir):
+        print(f"zerotron: removed {p} (an incomplete checkpoint of a save that did not finish)", file=sys.stderr)
+    return lock
 
 
 def _print_summary(s: dict, run_dir: Path) -> None:
@@ -192,9 +242,10 @@ def cmd_generate(argv: list[str]) -> int:
     try:
         if args.nproc > 1 and not in_worker():
             from .data import load_tokenizer
-            from .generate import read_prompts, resolve_checkpoint
+            from .generate import check_sampling_args, read_prompts, resolve_checkpoint
             from .train.checkpoint import read_meta
 
+            check_sampling_args(args)
             ckpt_dir = resolve_checkpoint(args.checkpoint)
             n_head = read_meta(ckpt_dir).get("model_config", {}).get("n_head", 1)
             read_prompts(args, load_tokenizer(ckpt_dir / "tokenizer.json"))  # fail once, before the workers

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -76,7 +77,11 @@ class TrainConfig:
     """Optimisation. ``global_batch`` sequences per optimizer step; ``micro_batch`` sequences per
     forward per dp rank; gradient accumulation = global_batch / (micro_batch * dp). ``dtype``: fp32,
     bf16 (autocast) or fp64 (parameters, optimizer state and every collective in float64: numerics
-    debugging and the parity matrix; see ``parallel.precision``)."""
+    debugging and the parity matrix; see ``parallel.precision``).
+    ``nonfinite``: what a step with a non-finite loss or gradient norm does -- "skip" (no update,
+    the LR schedule does not advance; after ``nonfinite_limit`` consecutive skips the run stops) or
+    "stop" (stop at the first). ``stop_grace_s``: seconds a SIGTERM/SIGHUP/SIGINT leaves the run to
+    finish its step and write a checkpoint before it exits without one (see ``train.lifecycle``)."""
 
     steps: int = 100
     """optimizer steps to run"""
@@ -112,6 +117,12 @@ class TrainConfig:
     """validation size in global batches"""
     activation_checkpointing: str = "none"
     """none | selective | full (recompute block activations in the backward)"""
+    nonfinite: str = "skip"
+    """skip | stop: what a non-finite loss or gradient norm does (skip: no update, counted)"""
+    nonfinite_limit: int = 3
+    """consecutive skipped steps after which the run stops (exit 3)"""
+    stop_grace_s: float = 25.0
+    """seconds a signalled run has to finish its step and write a checkpoint"""
 
 
 @dataclass
@@ -354,6 +365,16 @@ def validate(cfg: Config, world_size: int) -> dict:
         if not cond:
             raise ConfigError(msg)
 
+    for sec in SECTIONS:  # inf/nan parse as floats; no float field means anything with them
+        for name, typ in _field_types(_section_cls(sec)).items():
+            v = getattr(getattr(cfg, sec), name)
+            need(typ is not float or math.isfinite(v), f"{sec}.{name} must be a finite number, got {v}")
+    need(t.nonfinite in ("skip", "stop"), f"train.nonfinite must be skip or stop, got {t.nonfinite!r}")
+    need(t.nonfinite_limit >= 1, f"train.nonfinite_limit must be >= 1 (consecutive skipped steps), got {t.nonfinite_limit}")
+    need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")
+    need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
+    need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
+    need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     for key in ("steps", "global_batch", "micro_batch"):
         need(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
     need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")

@@ -36,6 +36,7 @@ def load_model(path: str | Path, device: torch.device):
     from .models.gpt import GPT, GPTConfig
 
     path = resolve_checkpoint(path)
+    ckpt.verify_checkpoint(path)  # files present and checksums equal, else CheckpointError naming the file
     meta = ckpt.read_meta(path)
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     model = GPT(GPTConfig(**{k: v for k, v in meta["model_config"].items() if k in fields})).to(device)
@@ -76,13 +77,23 @@ def read_prompts(args, tokenizer) -> list[str]:
     return prompts
 
 
+def check_sampling_args(args) -> None:
+    """Raise ValueError (one line) unless --max-new-tokens >= 0, --temperature is a finite number
+    >= 0 (nan and inf are refused) and --top-k >= 1."""
+    import math
+
+    if args.max_new_tokens < 0 or not (math.isfinite(args.temperature) and args.temperature >= 0) or (
+            args.top_k is not None and args.top_k < 1):
+        raise ValueError(f"need --max-new-tokens >= 0, a finite --temperature >= 0 and --top-k >= 1 (got "
+                         f"{args.max_new_tokens}, {args.temperature}, {args.top_k})")
+
+
 def generate_main(args) -> int:
     """Entry point for parsed ``zerotron generate`` args (see cli.py)."""
     from .distributed import comm
     from .distributed.mesh import Mesh, ParallelDims, init_distributed
 
-    if args.max_new_tokens < 0 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1):
-        raise ValueError("need --max-new-tokens >= 0, --temperature >= 0 and --top-k >= 1")
+    check_sampling_args(args)
     tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
     if pp > 1 and args.temperature != 0:
         raise ValueError("pipelined generation (--parallel.pp > 1) is greedy only: use --temperature 0")

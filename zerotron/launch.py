@@ -56,31 +56,42 @@ def quiet_elastic_logs(level: int = logging.ERROR):
             lg.setLevel(lv)
 
 
-def launch(nproc: int, argv: list[str], module: str = "zerotron") -> int:
+# worker exit codes that mean "stopped on purpose; rank 0 printed the reason": a guard (3, see
+# train.lifecycle) or a graceful stop after signal S (128 + S)
+QUIET_EXIT_CODES = (3, 128 + signal.SIGHUP, 128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+
+def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeout_s: float = 30) -> int:
     """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
 
     ``argv`` must not contain ``--nproc`` (the workers would launch again). Uses
     ``torch.distributed.run`` with ``--standalone`` (a free local rendezvous port) and
-    ``--max-restarts 0``. A signal to the launcher (Ctrl-C: SIGINT; SIGTERM, SIGHUP) stops the workers
-    and returns ``128 + signal`` after one line on stderr. Raises ValueError if ``nproc < 1``."""
+    ``--max-restarts 0``. A SIGTERM/SIGHUP/SIGINT to this process is forwarded to the workers by
+    the elastic agent, which waits ``shutdown_timeout_s`` seconds for them before SIGKILL; then
+    this prints one line and returns 128 + the signal. Raises ValueError if ``nproc < 1``."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", module, *argv])
+        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
+         f"--shutdown-timeout={max(1, int(shutdown_timeout_s + 0.999))}", "-m", module, *argv])
     try:
         with quiet_elastic_logs():
             run(args)
-    except SignalException as e:
+    except SignalException as e:  # the workers got the signal too and have stopped (or been killed)
         sig = signal.Signals(e.sigval)
         print(f"zerotron: interrupted ({sig.name}); the {nproc} workers were stopped", file=sys.stderr)
         return 128 + int(sig)
     except ChildFailedError as e:
         failures = getattr(e, "failures", {}) or {}
+        codes = {f.exitcode for f in failures.values()}
+        quiet = codes & set(QUIET_EXIT_CODES)
+        if quiet and codes <= quiet | {-signal.SIGTERM, -signal.SIGKILL}:  # stopped on purpose (the rest
+            return max(quiet)                                              # stopped by the agent after)
         ranks = sorted(failures) if failures else "?"  # keyed by global rank
         print(f"zerotron: worker(s) {ranks} failed (exit codes "
               f"{sorted({f.exitcode for f in failures.values()})}); the other workers were stopped. "

@@ -5,21 +5,29 @@ Layout of one checkpoint directory:
     trainer.pt            LR-scheduler state, step (rank 0)
     rng/rank_<r>.pt       RNG states of every rank (torch CPU/CUDA, numpy, python; tensor parallel:
                           the dropout RNG tracker's states and the rank's (tp, dp, pp) coordinate)
-    meta.json             step, tokens seen, the full config, world size / layout (rank 0)
+    meta.json             step, tokens seen, the full config, world size / layout, and
+                          ``checksums``: {relative path: "sha256:<hex>"} of every other file (rank 0)
     tokenizer.json        copy of the tokenizer used
 
 Everything is written into ``.tmp_step_<N>`` first; after a barrier rank 0 renames it to
 ``step_<N>``. A crash (even ``kill -9``) mid-save therefore leaves earlier checkpoints intact and no
-directory named ``step_*`` that is incomplete. Multi-node runs need a shared filesystem.
+directory named ``step_*`` that is incomplete. A write error on any rank (ENOSPC, EIO, ...) is
+agreed by all ranks: the partial ``.tmp_step_<N>`` is removed and CheckpointWriteError names it;
+older checkpoints are untouched, and rotation (``keep``) only runs after the new one is complete.
+``verify_checkpoint`` re-hashes the files against meta.json's checksums (resume, generate, export).
+Multi-node runs need a shared filesystem.
 DCP's own plan exchange uses torch.distributed directly (it is checkpoint I/O, not training traffic).
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +45,34 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or incompatible; the message names the fix."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed on some rank (raised on every rank); the partial directory was
+    removed and the previous checkpoints are kept."""
+
+
+def file_checksum(path: str | Path) -> str:
+    """``"sha256:<hex>"`` of a file's bytes (read in 1 MiB blocks). Raises OSError."""
+    with open(path, "rb") as f:
+        return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checksums(ckpt: str | Path) -> dict[str, str]:
+    """Checksum of every file under a checkpoint directory except meta.json, keyed by relative path."""
+    ckpt = Path(ckpt)
+    return {str(f.relative_to(ckpt)): file_checksum(f) for f in sorted(ckpt.rglob("*"))
+            if f.is_file() and f.name != "meta.json"}
+
+
+def remove_stale_tmp(run_dir: str | Path) -> list[Path]:
+    """Delete the ``checkpoints/.tmp_step_*`` directories of saves that never finished (a process
+    killed mid-save); call it only while holding the run lock. Returns the removed paths."""
+    root = Path(run_dir) / "checkpoints"
+    stale = sorted(p for p in root.glob(".tmp_step_*") if p.is_dir()) if root.is_dir() else []
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
+
+
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints of a run, sorted by step: ``[(step, path), ...]``."""
     root = Path(run_dir) / "checkpoints"
@@ -52,20 +88,24 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return cks[-1][1] if cks else None
 
 
-def verify_checkpoint(ckpt: str | Path) -> None:
+def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
     """Check that every data file torch.distributed.checkpoint's ``.metadata`` of ``ckpt`` refers to
-    exists and is long enough (no tensor is read). Raises CheckpointError naming the first missing
-    or truncated file and, for a ``step_<N>`` of a run, the previous complete checkpoint to fall
+    exists and is long enough (no tensor is read), and (``verify_checksums``) that every file
+    listed in meta.json's ``checksums`` has that SHA-256 (checkpoints written before checksums
+    existed have none and pass). Raises CheckpointError naming the first missing, truncated or
+    mismatching file and, for a ``step_<N>`` of a run, the previous complete checkpoint to fall
     back to."""
     ckpt = Path(ckpt)
-    read_meta(ckpt)
+    meta = read_meta(ckpt)
 
     def fail(what: str):
         m = _STEP_RE.match(ckpt.name)
         older = [p for st, p in list_checkpoints(ckpt.parent.parent) if m and st < int(m.group(1))]
         fix = (f"move it away (e.g. mv {ckpt} {ckpt.parent / ('damaged_' + ckpt.name)}) to resume from "
                f"{older[-1].name}" if older else "retrain, or restore the directory from a backup")
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} is damaged: {what}; {fix}")
+        err = CheckpointError(f"checkpoint {str(ckpt)!r} is damaged: {what}; {fix}")
+        err.reason = what
+        raise err
     if not (ckpt / ".metadata").is_file():
         fail("no .metadata from torch.distributed.checkpoint")
     try:
@@ -81,6 +121,41 @@ def verify_checkpoint(ckpt: str | Path) -> None:
             fail(f"data file {rel} is missing")
         if f.stat().st_size < size:
             fail(f"data file {rel} is truncated ({f.stat().st_size} of >= {size} bytes)")
+    for rel, want in sorted(meta.get("checksums", {}).items()) if verify_checksums else []:
+        f = ckpt / rel
+        if not f.is_file():
+            fail(f"file {rel} is missing")
+        if file_checksum(f) != want:
+            fail(f"file {rel} does not match its checksum in meta.json (the bytes changed after the save)")
+
+
+def newest_good_checkpoint(run_dir: str | Path, quarantine: bool, verify_checksums: bool = True) -> Path:
+    """The newest checkpoint of ``run_dir`` that passes :func:`verify_checkpoint`, falling back
+    past damaged ones with one warning line each. ``quarantine`` (only the process holding the
+    run lock): a damaged ``step_<N>`` is renamed ``damaged_step_<N>`` (kept, never deleted, and no
+    longer listed). Raises CheckpointError if there is no checkpoint or the oldest is damaged."""
+    cks = list_checkpoints(run_dir)
+    if not cks:
+        raise CheckpointError(f"no checkpoint under {str(Path(run_dir) / 'checkpoints')!r}")
+    for i in range(len(cks) - 1, -1, -1):
+        path = cks[i][1]
+        try:
+            verify_checkpoint(path, verify_checksums)
+            return path
+        except CheckpointError as e:
+            if i == 0 or not hasattr(e, "reason"):
+                raise
+            moved = ""
+            if quarantine:
+                dest = path.parent / f"damaged_{path.name}"
+                n = 1
+                while dest.exists():
+                    dest, n = path.parent / f"damaged_{path.name}.{n}", n + 1
+                os.replace(path, dest)
+                moved = f"; moved it to {dest}"
+            print(f"zerotron: warning: checkpoint {path} is damaged ({e.reason}){moved}; falling back to "
+                  f"{cks[i - 1][1].name}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
 
 
 def rng_state() -> dict:
@@ -99,40 +174,92 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _agree_error(err: BaseException | None) -> str | None:
+    """Collective: None if no rank failed, else the first failing rank's one-line description."""
+    flag = torch.tensor([0.0 if err is None else 1.0], dtype=torch.float64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # checkpoint I/O: like DCP, not through comm.py
+    if flag.item() == 0:
+        return None
+    descs = [None] * dist.get_world_size()
+    mine = None if err is None else (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
+    dist.all_gather_object(descs, mine)
+    return next(f"rank {r}: {d}" for r, d in enumerate(descs) if d is not None)
+
+
+def _fault_write(step: int, rank: int, path: Path) -> None:
+    """Fault hook for tests: ZEROTRON_FAULT_SAVE_ENOSPC_AT_STEP=N (ZEROTRON_FAULT_SAVE_RANK=r,
+    default 0) makes this rank's save of step N fail as a full disk would."""
+    if os.environ.get("ZEROTRON_FAULT_SAVE_ENOSPC_AT_STEP") == str(step) and \
+            os.environ.get("ZEROTRON_FAULT_SAVE_RANK", "0") == str(rank):
+        path.write_bytes(b"\0" * 100)  # a partial file, as a full disk leaves
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+
+
 def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, scheduler, meta: dict,
                     tokenizer_path: str | Path | None = None, keep: int = 0) -> Path:
     """Collectively save a checkpoint of optimizer step ``step`` (all ranks must call).
 
     ``strategy``: a ``parallel.base.Strategy`` (its ``state_dict`` gives the canonical FQN-keyed
     model/optimizer state, so any layout can load the checkpoint); ``meta``: JSON-able dict.
-    Keeps the newest ``keep`` checkpoints (0 = all). Returns the final directory."""
+    Keeps the newest ``keep`` checkpoints (0 = all); rotation runs only after the new checkpoint
+    is complete, so the newest good checkpoint is never deleted. Returns the final directory.
+    Raises CheckpointWriteError on every rank when a write fails on any rank (the partial
+    directory is removed; earlier checkpoints are kept)."""
     rank = dist.get_rank()
     root = Path(run_dir) / "checkpoints"
     tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
+
+    def check(err):
+        what = _agree_error(err)
+        if what is None:
+            return
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        prev = latest_checkpoint(run_dir)
+        raise CheckpointWriteError(f"cannot write checkpoint {tmp} ({what}); removed the partial directory; "
+                                   + (f"the newest checkpoint {prev} is kept" if prev else "no earlier checkpoint")
+                                   + "; free disk space, then resume with --resume")
+    err = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        except OSError as e:
+            err = e
+    check(err)
     msd, osd = strategy.checkpoint_state(optimizer)  # ZeRO: this rank's share of the canonical keys
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
-    rng = rng_state()
-    tracker = find_rng_tracker(strategy.module)
-    if tracker is not None:
-        rng["tp_rng"] = tracker_checkpoint_state(tracker)
-    torch.save(rng, tmp / "rng" / f"rank_{rank}.pt")
+    try:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
+        err = e
+    if err is None:
+        try:
+            rng = rng_state()
+            tracker = find_rng_tracker(strategy.module)
+            if tracker is not None:
+                rng["tp_rng"] = tracker_checkpoint_state(tracker)
+            _fault_write(step, rank, tmp / "rng" / f"rank_{rank}.pt")
+            torch.save(rng, tmp / "rng" / f"rank_{rank}.pt")
+            if rank == 0:
+                torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
+                if tokenizer_path:
+                    shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+        except OSError as e:
+            err = e
+    check(err)
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, **meta}, indent=1))
-        if tokenizer_path:
-            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
-    dist.barrier()
-    if rank == 0:
-        if final.exists():  # re-saving the same step (e.g. after resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if keep > 0:
-            for _, old in list_checkpoints(run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+        try:  # meta.json last: it lists the checksums of every file written above
+            (tmp / "meta.json").write_text(json.dumps({"step": step, **meta, "checksums": checksums(tmp)}, indent=1))
+            if final.exists():  # re-saving the same step (e.g. after resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        except OSError as e:
+            err = e
+    check(err)
+    if rank == 0 and keep > 0:
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+import sys
 import time
 from pathlib import Path
 
@@ -114,24 +116,51 @@ class MetricsWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            kept = [r for r in read_metrics(self.path, warn=True) if r.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp.replace(self.path)  # atomic: a crash here leaves the old file or the new one
         elif resume_step is None and self.path.exists():
             self.path.unlink()
         self._f = open(self.path, "a")
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        self._f.write(json.dumps(strict_json(record)) + "\n")  # NaN/inf -> null (strict JSON)
         self._f.flush()
 
     def close(self) -> None:
         self._f.close()
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a metrics.jsonl file."""
-    return [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+def strict_json(obj):
+    """``obj`` with every non-finite float replaced by None (strict JSON: no NaN/Infinity)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+def read_metrics(path: str | Path, warn: bool = False) -> list[dict]:
+    """All records of a metrics.jsonl file. A torn *last* line (the process died, or the disk
+    filled, while writing it) is dropped, with a warning on stderr if ``warn``. Raises ValueError
+    naming the file and line for an unreadable line elsewhere."""
+    lines = Path(path).read_text().splitlines()
+    out = []
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            out.append(json.loads(ln))
+        except ValueError:
+            if any(x.strip() for x in lines[i + 1:]):
+                raise ValueError(f"{str(path)!r} line {i + 1} is not JSON; repair or remove that line") from None
+            if warn:
+                print(f"zerotron: warning: dropped the torn last line {i + 1} of {path} ({len(ln)} characters, "
+                      "not valid JSON)", file=sys.stderr, flush=True)
+    return out
 
 
 def plot_losses(metrics_path: str | Path, out_png: str | Path) -> None:
@@ -143,8 +172,9 @@ def plot_losses(metrics_path: str | Path, out_png: str | Path) -> None:
 
     recs = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label="train", lw=1)
-    val = [r for r in recs if "val_loss" in r]
+    nan = float("nan")
+    ax.plot([r["step"] for r in recs], [nan if r["loss"] is None else r["loss"] for r in recs], label="train", lw=1)
+    val = [r for r in recs if r.get("val_loss") is not None]
     if val:
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
     ax.set_xlabel("optimizer step")

@@ -22,12 +22,15 @@ def global_token_count(micro_batches, group) -> int:
 
 
 def train_step(strategy, optimizer, scheduler, micro_batches, group, grad_clip: float = 0.0,
-               dtype: str = "fp32", device: torch.device | None = None) -> dict:
+               dtype: str = "fp32", device: torch.device | None = None, guard=None) -> dict:
     """Forward/backward over this rank's ``micro_batches`` (list of ``(x, y)``, each (b, T) int64),
     gradient sync once per step, clipping, optimizer and LR-scheduler step.
 
-    ``group``: the dp group (token count). Returns ``{"loss": global mean loss, "grad_norm",
-    "tokens": N_global, "lr": lr used}``. Raises ValueError if the global batch has no valid target."""
+    ``group``: the dp group (token count). ``guard``: a ``lifecycle.StepGuard`` or None; with one,
+    all ranks agree (one small all-reduce) whether the loss and grad norm are finite, and a
+    non-finite step applies no update and does not advance the LR schedule. Returns ``{"loss":
+    global mean loss, "grad_norm", "tokens": N_global, "lr": lr used, "skipped": bool}``. Raises
+    ValueError if the global batch has no valid target."""
     device = device or torch.device("cpu")
     n_global = global_token_count(micro_batches, group)
     if n_global == 0:
@@ -35,11 +38,16 @@ def train_step(strategy, optimizer, scheduler, micro_batches, group, grad_clip: 
     strategy.zero_grad()
     loss_sum = strategy.forward_backward(micro_batches, n_global, dtype, device)
     strategy.finish_grads()
+    if guard is not None:
+        guard.before_clip(strategy)
     grad_norm = strategy.clip_grad_norm(grad_clip)
     lr = optimizer.param_groups[0]["lr"]
-    strategy.optimizer_step(optimizer)
-    scheduler.step()
-    return {"loss": strategy.reduce_loss(loss_sum) / n_global, "grad_norm": grad_norm, "tokens": n_global, "lr": lr}
+    loss = strategy.reduce_loss(loss_sum) / n_global
+    skipped = guard is not None and guard.decide(loss, grad_norm)
+    if not skipped:
+        strategy.optimizer_step(optimizer)
+        scheduler.step()
+    return {"loss": loss, "grad_norm": grad_norm, "tokens": n_global, "lr": lr, "skipped": skipped}
 
 
 @torch.no_grad()

@@ -21,7 +21,8 @@ from ..models.gpt import GPT, GPTConfig
 from ..parallel import parallelize
 from ..parallel.precision import param_dtype
 from . import checkpoint as ckpt
-from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses
+from . import lifecycle
+from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics, strict_json
 from .optim import build_scheduler
 from .progress import Progress
 from .tensorboard import open_tensorboard
@@ -86,12 +87,17 @@ def padding_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full((1, seq_len), IGNORE_INDEX, dtype=torch.int64))
 
 
-def check_resume(cfg: Config, run_dir: Path) -> Path:
-    """For ``--resume``: the newest checkpoint, after checking the model shape of ``cfg`` equals the
-    saved one; sets ``data.tokenizer`` to the checkpoint's tokenizer.json unless one is given (the
-    token ids must not change under the embeddings). Raises ConfigError / CheckpointError."""
-    latest = ckpt.latest_checkpoint(run_dir)
-    ckpt.verify_checkpoint(latest)  # every data file present: one message, before any worker starts
+def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
+    """For ``--resume``: the newest checkpoint that is intact (files present, checksums equal;
+    damaged ones are skipped with a warning and, with ``quarantine``, renamed damaged_step_<N>),
+    after checking the model shape of ``cfg`` equals the saved one; sets ``data.tokenizer`` to the
+    checkpoint's tokenizer.json unless one is given (the token ids must not change under the
+    embeddings). Checksums are not re-hashed for the checkpoint named by ZEROTRON_CKPT_VERIFIED
+    (set once verified). Raises ConfigError / CheckpointError."""
+    newest = ckpt.latest_checkpoint(run_dir)
+    rehash = os.environ.get("ZEROTRON_CKPT_VERIFIED") != str(newest)
+    latest = ckpt.newest_good_checkpoint(run_dir, quarantine, verify_checksums=rehash)
+    os.environ["ZEROTRON_CKPT_VERIFIED"] = str(latest)  # workers started after this skip the hashing
     meta = ckpt.read_meta(latest)
     saved = meta.get("model_config", {})
     if not cfg.model.init_from:
@@ -136,7 +142,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False):
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
         if resume:
-            check_resume(cfg, self.run_dir)
+            self.resume_from = check_resume(cfg, self.run_dir, quarantine=False)
         device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}.get(
             cfg.train.device)
         rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, device)
@@ -170,7 +176,7 @@ class Trainer:
         self.start_step = 0
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
         if resume:
-            latest = ckpt.latest_checkpoint(self.run_dir)
+            latest = self.resume_from
             meta = ckpt.load_checkpoint(latest, self.strategy, self.optimizer, self.scheduler)
             self.start_step = meta["step"]
             if rank == 0:
@@ -219,9 +225,18 @@ class Trainer:
                 "tokens_seen": step * self.cfg.train.global_batch * self.seq_len,
                 "model_config": dataclasses.asdict(self.model_cfg)}
 
-    def save(self, step: int) -> None:
-        ckpt.save_checkpoint(self.run_dir, step, self.strategy, self.optimizer, self.scheduler, self.meta(step),
-                             self.data.tokenizer_path, keep=self.cfg.checkpoint.keep)
+    def save(self, step: int) -> Path:
+        """Collectively write checkpoint ``step``; returns its directory. Raises
+        lifecycle.RunStopped (every rank) when a parameter is not finite or the write fails: the
+        previous checkpoints are kept, the partial directory is removed."""
+        if not lifecycle.params_finite(self.strategy, self.device):
+            raise lifecycle.RunStopped(f"refusing to write checkpoint step_{step}: a parameter is not finite; "
+                                       f"the newest good checkpoint is {ckpt.latest_checkpoint(self.run_dir)}")
+        try:
+            return ckpt.save_checkpoint(self.run_dir, step, self.strategy, self.optimizer, self.scheduler,
+                                        self.meta(step), self.data.tokenizer_path, keep=self.cfg.checkpoint.keep)
+        except ckpt.CheckpointWriteError as e:
+            raise lifecycle.RunStopped(str(e)) from None
 
     def fit(self, callback=None) -> dict:
         """Train from ``start_step`` to ``train.steps``; returns a summary dict (rank 0 meaningful).
@@ -244,25 +259,30 @@ class Trainer:
         die_at = int(os.environ.get("ZEROTRON_FAULT_KILL_AT_STEP", "-1"))  # fault injection for tests
         tok_per_step = t.global_batch * self.seq_len
         first_val = last_val = None
+        signals = lifecycle.GracefulStop(t.stop_grace_s, announce=lead)  # installed for the loop only
+        guard = lifecycle.StepGuard(t.nonfinite, t.nonfinite_limit, signals, self.rank, self.device)
         if lead and self.resume and (self.run_dir / "metrics.jsonl").exists():
-            vals = [json.loads(ln).get("val_loss") for ln in (self.run_dir / "metrics.jsonl").read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= self.start_step]
-            first_val = next((v for v in vals if v is not None), None)
+            old = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if r.get("step", 0) <= self.start_step]
+            first_val = next((r["val_loss"] for r in old if r.get("val_loss") is not None), None)
+            guard.skipped = old[-1].get("skipped_steps", 0) if old else 0
         rates, losses = [], []
         self.model.train()
+        signals.install()
         for step in range(self.start_step, t.steps):
             batches = self.micro_batches(step)
             before = dict(comm.STATS.bytes)
             t0 = time.perf_counter()
+            guard.step = step + 1
             out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
-                             t.grad_clip, t.dtype, self.device)
+                             t.grad_clip, t.dtype, self.device, guard=guard)
             dt = time.perf_counter() - t0
             rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                    "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
                    **self.mfu_meter(tok_per_step / dt),
                    "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
                    "comm_bytes_by_op": _bytes_by_op(before),
-                   "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1)}
+                   "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1),
+                   "skipped_steps": guard.skipped}
             if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
                 rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
             states = self.strategy.model_state_bytes(self.optimizer)
@@ -282,24 +302,31 @@ class Trainer:
                 callback(self, rec)
             if bar:
                 bar.update(rec)
-            ck_every = cfg.checkpoint.every
+            guard.check(out["loss"], out["grad_norm"], ckpt.latest_checkpoint(self.run_dir))  # may stop (exit 3)
+            ck_every, saved = cfg.checkpoint.every, None
             if (ck_every and (step + 1) % ck_every == 0) or (step + 1 == t.steps and cfg.checkpoint.save_final):
-                self.save(step + 1)
+                saved = self.save(step + 1)
+            if guard.stop_signal:  # SIGTERM/SIGHUP/SIGINT on some rank, agreed by all: checkpoint, then stop
+                saved = saved or self.save(step + 1)
+                signals.done()
+                raise guard.signal_stop(step + 1, saved)
             if step + 1 == die_at and self.rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
+        signals.uninstall()
         if bar:
             bar.close()
         if tb:
             tb.close()
         summary = {"steps": t.steps, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
-                   "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None}
+                   "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None,
+                   "skipped_steps": guard.skipped}
         if cfg.log.sample_tokens:  # every rank decodes: sharded strategies gather collectively
             summary["sample"] = self.sample(cfg.log.sample_prompt, cfg.log.sample_tokens)
         if lead and writer:
             writer.close()
             if cfg.log.plot:
                 plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+            (self.run_dir / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
         return summary
 
     def sample(self, prompt: str, n: int) -> str:

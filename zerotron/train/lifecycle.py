@@ -1,0 +1,291 @@
+"""Run lifecycle: the per-step agreement of all ranks (non-finite guard, graceful stop on a
+signal), the run-directory lock, and fault-injection hooks for tests.
+
+Per step every rank contributes two numbers to one small MAX all-reduce over the world
+(:meth:`StepGuard.decide`): "my loss or grad norm is not finite" and "I received signal S".
+All ranks see the same maxima, so they skip the same optimizer steps and stop after the same step.
+
+Exit codes (the ``RunStopped`` family; rank 0 prints the one line that says why):
+    3            stopped by a guard (non-finite limit, a checkpoint that could not be written)
+    128 + S      stopped by signal S after writing a checkpoint (143 SIGTERM, 129 SIGHUP, 130 SIGINT)
+
+Fault hooks (environment variables, read at the start of ``fit``; for tests):
+    ZEROTRON_FAULT_NAN_AT_STEPS    "5" or "3,4,5": make the gradient non-finite at these 1-based steps
+    ZEROTRON_FAULT_NAN_RANK        only on this global rank (default: every rank)
+    ZEROTRON_FAULT_STEP_SLEEP_S    sleep this long after each step (gives a test time to send a signal)
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import comm
+
+EXIT_GUARD = 3
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+class RunStopped(Exception):
+    """The run stopped on purpose, on every rank at the same step. ``exit_code`` is the process
+    exit status; ``str(e)`` is the one line rank 0 prints."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_GUARD):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def agree_max(values: list[float], device: torch.device | None = None) -> list[float]:
+    """Element-wise maximum of ``values`` over all ranks of the world (one float64 all-reduce;
+    no collective at world size 1). Every rank gets the same list."""
+    if _world() == 1:
+        return [float(v) for v in values]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX, tag="lifecycle")
+    return t.cpu().tolist()
+
+
+def resume_command() -> str:
+    """The command that continues this run: the launcher's (``ZEROTRON_RESUME_CMD``) or this
+    process's own arguments, with ``--resume`` added."""
+    cmd = os.environ.get("ZEROTRON_RESUME_CMD")
+    if cmd:
+        return cmd
+    argv = sys.argv[1:]
+    return shlex.join(["zerotron", *argv, *([] if "--resume" in argv else ["--resume"])])
+
+
+class GracefulStop:
+    """SIGTERM / SIGHUP / SIGINT handler of one training process.
+
+    The first signal only records its number (:attr:`pending`); the step loop agrees on it across
+    ranks, finishes the step, writes a checkpoint and raises. If that takes longer than
+    ``grace_s`` seconds, or a second signal comes more than ``debounce_s`` after the first (the
+    same signal reaching a worker twice, from a process-group kill and from the launcher that
+    forwards it, arrives within milliseconds), the process exits at once with 128 + signal and
+    without a checkpoint. Only the main thread may call :meth:`install`."""
+
+    def __init__(self, grace_s: float, announce: bool, debounce_s: float = 2.0):
+        self.grace_s, self.announce, self.debounce_s = grace_s, announce, debounce_s
+        self.pending = 0
+        self._t0 = 0.0
+        self._prev: dict = {}
+        self._timer: threading.Timer | None = None
+
+    def install(self) -> None:
+        for s in STOP_SIGNALS:
+            self._prev[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if not self.pending:
+            self.pending, self._t0 = signum, time.monotonic()
+            if self.announce:
+                print(f"zerotron: {name}: finishing the current step, then writing a checkpoint (at most "
+                      f"{self.grace_s:g} s; a second signal exits at once)", file=sys.stderr, flush=True)
+            why = f"not stopped within train.stop_grace_s = {self.grace_s:g} s"
+            self._timer = threading.Timer(self.grace_s, self._exit_now, (signum, why))
+            self._timer.daemon = True
+            self._timer.start()
+        elif time.monotonic() - self._t0 > self.debounce_s:
+            self._exit_now(signum, f"second signal ({name})")
+
+    def _exit_now(self, signum: int, why: str) -> None:
+        if self.announce:
+            print(f"zerotron: {why}: exiting now without a checkpoint; work since the newest checkpoint "
+                  "is lost", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    def done(self) -> None:
+        """The checkpoint is written: ignore further signals (the launcher may forward one while
+        this process exits) and stop the grace timer."""
+        if self._timer:
+            self._timer.cancel()
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+    def uninstall(self) -> None:
+        if self._timer:
+            self._timer.cancel()
+        for s, h in self._prev.items():
+            signal.signal(s, h)
+        self._prev = {}
+
+
+def _fault_steps() -> set[int]:
+    raw = os.environ.get("ZEROTRON_FAULT_NAN_AT_STEPS", "")
+    return {int(x) for x in raw.split(",") if x.strip()}
+
+
+class StepGuard:
+    """Decides, identically on every rank, whether an optimizer step is applied, and whether the
+    run stops after it (see the module docstring).
+
+    ``mode``: "skip" or "stop" (train.nonfinite); ``limit``: consecutive skips before stopping
+    (train.nonfinite_limit); ``signals``: a :class:`GracefulStop` or None."""
+
+    def __init__(self, mode: str, limit: int, signals: GracefulStop | None, rank: int,
+                 device: torch.device | None = None):
+        self.mode, self.limit, self.signals, self.rank, self.device = mode, limit, signals, rank, device
+        self.step = 0              # 1-based step being computed (set by the trainer)
+        self.skipped = 0           # steps skipped in this process's run
+        self.consecutive = 0
+        self.last_skipped = False
+        self.stop_signal = 0       # agreed signal number (0 = none)
+        self._nan_steps = _fault_steps()
+        nan_rank = os.environ.get("ZEROTRON_FAULT_NAN_RANK", "")
+        self._nan_here = not nan_rank or int(nan_rank) == rank
+        self.sleep_s = float(os.environ.get("ZEROTRON_FAULT_STEP_SLEEP_S", "0") or 0)
+
+    def before_clip(self, strategy) -> None:
+        """Fault hook: poison one gradient element of this rank (after the gradient sync)."""
+        if self.step in self._nan_steps and self._nan_here:
+            for p in strategy.parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    g.view(-1)[0] = float("nan")
+                    break
+
+    def decide(self, loss: float, grad_norm: float) -> bool:
+        """Collective (every rank, every step): True when the step must be skipped because the
+        loss or gradient norm is not finite on *any* rank. Also agrees on a pending signal."""
+        bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        sig = self.signals.pending if self.signals else 0
+        bad_any, sig_any = agree_max([float(bad), float(sig)], self.device)
+        self.stop_signal = int(sig_any)
+        self.last_skipped = bad_any > 0
+        if self.last_skipped:
+            self.skipped += 1
+            self.consecutive += 1
+        else:
+            self.consecutive = 0
+        return self.last_skipped
+
+    def check(self, loss: float, grad_norm: float, newest: Path | None) -> None:
+        """After a step: raise RunStopped (exit 3) when the non-finite policy says stop."""
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        if not self.last_skipped or (self.mode == "skip" and self.consecutive < self.limit):
+            return
+        why = ("train.nonfinite = stop" if self.mode == "stop" else
+               f"{self.consecutive} consecutive skipped steps (train.nonfinite_limit = {self.limit})")
+        keep = f"the newest good checkpoint is {newest}" if newest else "no checkpoint was written"
+        raise RunStopped(f"non-finite loss or gradient norm at step {self.step} (loss {loss}, grad norm "
+                         f"{grad_norm}); stopped after {why}, the optimizer step was not applied; {keep}; "
+                         "lower train.lr or raise train.warmup_steps, then resume with --resume")
+
+    def signal_stop(self, step: int, saved: Path) -> RunStopped:
+        """The exception that ends a run stopped by the agreed signal after ``step`` (checkpoint
+        ``saved``)."""
+        name = signal.Signals(self.stop_signal).name
+        return RunStopped(f"stopped by {name} at step {step}; checkpoint written ({saved}); resume with: "
+                          f"{resume_command()}", 128 + self.stop_signal)
+
+
+def params_finite(strategy, device: torch.device | None = None) -> bool:
+    """True on every rank iff every parameter of every rank is finite (one MAX all-reduce)."""
+    bad = 0.0
+    with torch.no_grad():
+        for p in strategy.parameters():
+            t = p.to_local() if hasattr(p, "to_local") else p
+            if t.numel() and not bool(torch.isfinite(t).all()):
+                bad = 1.0
+                break
+    return agree_max([bad], device)[0] == 0
+
+
+# ---- run-directory lock ----------------------------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """Exclusive lock of a run directory: ``fcntl.flock`` on ``<run-dir>/.lock``, which records
+    ``{"host", "pid", "start"}`` of the holder. The kernel drops a flock when its process dies, so
+    a lock file whose recorded process is gone is taken over (with a message). A lock file naming
+    another host is never taken over (flock may not reach across hosts on a network filesystem)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / ".lock"
+        self.fd: int | None = None
+        self.created_dir = self.created_file = False
+
+    def acquire(self) -> str | None:
+        """Take the lock or raise ConfigError naming the holder. Returns a message when a stale
+        lock was taken over, else None. Creates the run directory if needed."""
+        from ..config import ConfigError
+
+        self.created_dir = not self.run_dir.exists()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.created_file = not self.path.exists()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            h = self._read()
+            raise ConfigError(f"run directory {str(self.run_dir)!r} is in use by pid {h.get('pid', '?')} on "
+                              f"{h.get('host', '?')} (started {h.get('start', '?')}); stop that run first or "
+                              "choose another --run-dir") from None
+        prev, host = self._read(), socket.gethostname()
+        msg = None
+        if prev.get("pid"):
+            if prev.get("host") != host:
+                os.close(fd)
+                raise ConfigError(f"run directory {str(self.run_dir)!r} is locked by pid {prev['pid']} on host "
+                                  f"{prev.get('host')} (started {prev.get('start')}); if that run is gone, delete "
+                                  f"{str(self.path)!r}, else choose another --run-dir")
+            if prev["pid"] != os.getpid():
+                state = "no longer running" if not _pid_alive(int(prev["pid"])) else "not holding it"
+                msg = (f"zerotron: taking over the stale lock {self.path} of pid {prev['pid']} (started "
+                       f"{prev.get('start')}; {state})")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": host, "pid": os.getpid(),
+                                  "start": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return msg
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def release(self, failed_validation: bool = False) -> None:
+        """Mark the lock free (empty file) and unlock. ``failed_validation``: the run never
+        started, so a lock file this lock created is removed, and so is a run directory it created
+        that holds nothing else (a refused run leaves the disk as it was)."""
+        if self.fd is None:
+            return
+        if failed_validation and self.created_file:
+            self.path.unlink(missing_ok=True)
+        os.ftruncate(self.fd, 0)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+        if failed_validation and self.created_dir and not any(self.run_dir.iterdir()):
+            self.run_dir.rmdir()
