@@ -99,8 +99,8 @@ def test_bench_help_and_layout_suffixes(capsys):
 
 
 def test_ctrl_c_of_two_process_run_is_one_line(tmp_path, data_cache):
-    """SIGINT to the launcher's process group (what a terminal's Ctrl-C sends): exit code 130, one
-    line after the launch line, no traceback from the launcher or the ranks."""
+    """SIGINT to the launcher's process group (what a terminal's Ctrl-C sends): exit code 130, the
+    graceful-stop lines only, no traceback from the launcher or the ranks."""
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([sys.executable, "-m", "zerotron", "train", "--config", "configs/tiny.toml", "--nproc", "2",
@@ -120,5 +120,9 @@ def test_ctrl_c_of_two_process_run_is_one_line(tmp_path, data_cache):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert p.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert lines[0].startswith("zerotron: launching 2 workers") and len(lines) == 2, err
-    assert lines[1] == "zerotron: interrupted (SIGINT); the 2 workers were stopped"
+    # the graceful stop (train.lifecycle): a notice, then the stop line with the resume command,
+    # then the launcher's confirmation -- nothing else
+    assert lines[0].startswith("zerotron: launching 2 workers") and len(lines) == 4, err
+    assert lines[1].startswith("zerotron: SIGINT: finishing the current step"), err
+    assert lines[2].startswith("zerotron: stopped by SIGINT at step ") and "--resume" in lines[2], err
+    assert lines[3] == "zerotron: interrupted (SIGINT); the 2 workers were stopped"
