@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from .launch import strip_nproc as _strip_nproc
+
 USAGE = """usage: zerotron <command> [options]
 
 commands:
@@ -38,21 +40,6 @@ def _user_errors():
     from .train.checkpoint import CheckpointError
 
     return (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError)
-
-
-def _strip_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        out.append(a)
-    return out
 
 
 def train_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,19 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     return True
 
 
+def strip_nproc(argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` / ``--nproc=N`` (what the workers of :func:`launch` get)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def launch(nproc: int, argv: list[str], module: str = "zerotron") -> int:
     """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
 
