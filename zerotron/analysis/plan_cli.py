@@ -10,6 +10,7 @@ from dataclasses import asdict
 from zerotron.analysis.hardware import GB, GPUS, calibrate, hardware
 from zerotron.analysis.memory import parse_memory
 from zerotron.analysis.planner import CostModel, plan
+from zerotron.config import ConfigError, load_config, model_shape
 
 
 def _model_from_args(args):
@@ -18,8 +19,6 @@ def _model_from_args(args):
 
     if args.model:
         return preset_config(args.model), None
-    from zerotron.config import ConfigError, load_config, model_shape
-
     try:
         c = load_config(args.config)
         shape = model_shape(c.model)
