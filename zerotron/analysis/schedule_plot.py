@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from zerotron.parallel.schedules import KINDS, SimResult, build_schedule, bubble_theory, simulate
+from zerotron.parallel.schedules import KINDS, SimResult, bubble_theory, build_schedule, simulate
 
 
 def _label(action) -> str:
