@@ -8,7 +8,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train test test-matrix clean
+.PHONY: install install-dev train lint test test-matrix clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,12 @@ install-dev: $(VENV)/.installed-dev
 train: install
 	$(VENV)/bin/zerotron train --config $(CONFIG) --nproc $(NPROC) $(ARGS)
 
-test: install-dev
+# pyflakes + import order (ruff) and the import contracts of pyproject.toml (import-linter)
+lint: install-dev
+	$(VENV)/bin/ruff check zerotron tests
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest tests $(ARGS)
 
 # every valid layout of the parity matrix (fp64, ~15 min on 2 cores); results under benchmarks/

@@ -5,8 +5,13 @@ import json
 
 import pytest
 
-from zerotron.analysis.activations import (_cap, _in_flight_states, activation_bytes,
-                                           layer_activation_bytes, stage_layer_counts)
+from zerotron.analysis.activations import (
+    _cap,
+    _in_flight_states,
+    activation_bytes,
+    layer_activation_bytes,
+    stage_layer_counts,
+)
 from zerotron.analysis.memory import GB, memory_main, model_state_bytes
 from zerotron.models.gpt import GPTConfig, preset_config
 
@@ -165,8 +170,7 @@ def test_measured_per_layer_matches_fp32_estimate(b, s):
 
 
 def test_measured_with_dropout_and_whole_model():
-    from zerotron.analysis.activations import (measure_activation_bytes,
-                                               measure_layer_activation_bytes)
+    from zerotron.analysis.activations import measure_activation_bytes, measure_layer_activation_bytes
 
     b, s = 2, 32
     idx = torch.randint(0, 8192, (b, s))

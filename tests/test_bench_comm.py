@@ -12,6 +12,7 @@ import pytest
 from zerotron.bench import comm as bench
 from zerotron.bench.topology import CPU_INTERCONNECT, summarize_topo
 from zerotron.distributed.comm import busbw_factor
+from zerotron.launch import strip_nproc
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -92,7 +93,7 @@ def test_bad_arguments_exit_2(capsys):
     assert bench.main(["--iters", "0"]) == 2
     assert bench.main(["--bogus"]) == 2
     assert bench.main(["--backend", "mpi"]) == 2
-    assert bench._strip_nproc(["--nproc", "2", "--iters", "3", "--nproc=4"]) == ["--iters", "3"]
+    assert strip_nproc(["--nproc", "2", "--iters", "3", "--nproc=4"]) == ["--iters", "3"]
 
 
 def test_single_process_run(tmp_path, capsys):

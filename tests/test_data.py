@@ -10,9 +10,20 @@ import pytest
 import torch
 
 import zerotron.data.dataset as dataset_mod
-from zerotron.data import (EOT, DataError, GlobalBatchSampler, batch_from_indices, cache_key,
-                           load_corpus, load_token_data, load_tokenizer, num_windows,
-                           prepare_data, split_documents, train_bpe)
+from zerotron.data import (
+    EOT,
+    DataError,
+    GlobalBatchSampler,
+    batch_from_indices,
+    cache_key,
+    load_corpus,
+    load_token_data,
+    load_tokenizer,
+    num_windows,
+    prepare_data,
+    split_documents,
+    train_bpe,
+)
 from zerotron.data.dataset import _encode_to_file, _pieces
 
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his "

@@ -6,8 +6,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zerotron.models.gpt import GPT, GPTConfig
-from zerotron.models.hf import (export_hf_gpt2, gpt_to_hf_config, hf_config_to_gpt,
-                                load_hf_gpt2, state_dict_from_hf, state_dict_to_hf)
+from zerotron.models.hf import (
+    export_hf_gpt2,
+    gpt_to_hf_config,
+    hf_config_to_gpt,
+    load_hf_gpt2,
+    state_dict_from_hf,
+    state_dict_to_hf,
+)
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 101

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from zerotron.analysis.flops import gpt_num_params
-from zerotron.analysis.memory import GB, model_state_bytes, parse_memory, stage_num_params
 from zerotron.analysis.hardware import OPS, calibrate, custom_hardware, fit_alpha_beta, hardware
+from zerotron.analysis.memory import GB, model_state_bytes, parse_memory, stage_num_params
 from zerotron.analysis.plan_cli import plan_main
 from zerotron.analysis.planner import CostModel, evaluate, plan
 from zerotron.models.gpt import preset_config

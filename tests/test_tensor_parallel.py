@@ -23,8 +23,15 @@ def _close(a, b, what, **tol):
 
 def _check_layers(g, n, r):
     """Column/row/vocab layers and the vocab-parallel loss vs dense, forward and backward."""
-    from zerotron.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                          full_tensor, scatter_to_sp, shard_tensor, vocab_parallel_cross_entropy)
+    from zerotron.parallel.tensor import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        full_tensor,
+        scatter_to_sp,
+        shard_tensor,
+        vocab_parallel_cross_entropy,
+    )
     torch.manual_seed(1)
     dense = nn.Linear(12, 8 * n)
     x, gy = torch.randn(B, T, 12, requires_grad=True), torch.randn(B, T, 8 * n)
@@ -137,8 +144,14 @@ def _check_model(g, n, r):
     """Whole GPT: logits, loss, every gradient, comm counts, training steps, export, generation."""
     from zerotron.distributed import comm
     from zerotron.parallel.tensor import full_tensor
-    from zerotron.parallel.tp_model import (clip_grad_norm_tp, gather_logits, load_dense_into_tp,
-                                            sync_replicated_grads, tp_loss_sum, tp_state_dict_full)
+    from zerotron.parallel.tp_model import (
+        clip_grad_norm_tp,
+        gather_logits,
+        load_dense_into_tp,
+        sync_replicated_grads,
+        tp_loss_sum,
+        tp_state_dict_full,
+    )
     V, C = CFG["vocab_size"], CFG["n_embd"]
     for sp in (False, True):
         dense, tp = _models(g, sp)
@@ -255,6 +268,7 @@ def _check_dropout(g, n, r):
 
 def _worker():
     import time
+
     from zerotron.distributed.mesh import Mesh, ParallelDims
     n = torch.distributed.get_world_size()
     mesh = Mesh(ParallelDims(n, tp=n), torch.device("cpu"))

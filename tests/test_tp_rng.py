@@ -120,8 +120,15 @@ def test_resume_at_other_tp_degree_reseeds(runs):
 def test_seeds_distinct_per_coordinate_and_restore_rules():
     import torch
 
-    from zerotron.parallel.tp_model import (MODEL_PARALLEL, REPLICATED, RNGStatesTracker, restore_tracker,
-                                            seed_tracker, tp_rng_seeds, tracker_checkpoint_state)
+    from zerotron.parallel.tp_model import (
+        MODEL_PARALLEL,
+        REPLICATED,
+        RNGStatesTracker,
+        restore_tracker,
+        seed_tracker,
+        tp_rng_seeds,
+        tracker_checkpoint_state,
+    )
 
     grid = [(t, d, p) for t in range(4) for d in range(3) for p in range(3)]
     seeds = {c: tp_rng_seeds(1337, *c) for c in grid}

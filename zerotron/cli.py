@@ -11,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+from .cli_help import HelpFormatter
+from .launch import strip_nproc as _strip_nproc
+
 USAGE = """usage: zerotron <command> [options]
 
 commands:
@@ -34,18 +37,6 @@ BENCH_USAGE = """usage: zerotron bench comm|train|plan [options]
 
 Run 'zerotron bench <comm|train|plan> --help' for the options of one benchmark.
 """
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Help text with the default of every option that has one (" (default: X)"), and the
-    description/epilog kept as written. Flags (store_true) and options defaulting to None show none."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        if ("%(default)" in h or not action.option_strings or action.default in (None, argparse.SUPPRESS)
-                or isinstance(action.default, bool)):
-            return h
-        return h + " (default: %(default)s)"
 
 
 def version() -> str:
@@ -72,21 +63,6 @@ def _user_errors():
     from .train.checkpoint import CheckpointError
 
     return (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError)
-
-
-def _strip_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        out.append(a)
-    return out
 
 
 def train_parser() -> argparse.ArgumentParser:

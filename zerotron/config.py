@@ -12,6 +12,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .layout import stage_layer_counts
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -466,8 +468,6 @@ def validate(cfg: Config, world_size: int) -> dict:
         need(not interleaved or n_acc == 0 or m_flush % dims.pp == 0,
              f"the interleaved schedule needs micro-batches per flush ({m_flush}) divisible by pp ({dims.pp}); "
              "lower train.micro_batch or set parallel.microbatches to a multiple of pp")
-        from .parallel.pipeline_exec import stage_layer_counts
-
         try:
             stage_layer_counts(shape["n_layer"], dims.pp * (p.virtual_stages if interleaved else 1), p.pp_split)
         except ValueError as e:

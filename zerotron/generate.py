@@ -14,6 +14,14 @@ from pathlib import Path
 
 import torch
 
+from .config import Config
+from .data import load_tokenizer
+from .distributed import comm
+from .distributed import mesh as _mesh
+from .distributed.mesh import Mesh, ParallelDims, init_distributed
+from .models.gpt import GPT, GPTConfig
+from .parallel.pipeline import PipelineStrategy, pipeline_generate
+from .parallel.tp_model import apply_tensor_parallel
 from .train import checkpoint as ckpt
 
 
@@ -32,9 +40,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_model(path: str | Path, device: torch.device):
     """Build the GPT of a checkpoint and load its weights; returns ``(model, tokenizer, meta)``."""
-    from .data import load_tokenizer
-    from .models.gpt import GPT, GPTConfig
-
     path = resolve_checkpoint(path)
     ckpt.verify_checkpoint(path)  # files present and checksums equal, else CheckpointError naming the file
     meta = ckpt.read_meta(path)
@@ -90,9 +95,6 @@ def check_sampling_args(args) -> None:
 
 def generate_main(args) -> int:
     """Entry point for parsed ``zerotron generate`` args (see cli.py)."""
-    from .distributed import comm
-    from .distributed.mesh import Mesh, ParallelDims, init_distributed
-
     check_sampling_args(args)
     tp, pp = getattr(args, "tp", 1), getattr(args, "pp", 1)
     if pp > 1 and args.temperature != 0:
@@ -103,8 +105,6 @@ def generate_main(args) -> int:
     model, tok, _ = load_model(args.checkpoint, device)
     prompts = read_prompts(args, tok)
     if tp > 1:
-        from .parallel.tp_model import apply_tensor_parallel
-
         model = apply_tensor_parallel(model, mesh.group("tp"))
     decode = lambda p, i: generate_text(model, tok, p, args.max_new_tokens, args.temperature,  # noqa: E731
                                         args.top_k, args.seed + i)
@@ -121,17 +121,12 @@ def generate_main(args) -> int:
                 print(f"--- [{i}] ---")
             print(results[i])
     if owned:  # every rank done before the process group goes (no teardown race at exit)
-        from .distributed import mesh as _mesh
-
         _mesh.teardown()
     return 0
 
 
 def _pipeline_decoder(model, mesh, tok, max_new_tokens):
     """A prompt -> text function running greedy decoding through a pipeline over mesh's pp group."""
-    from .config import Config
-    from .parallel.pipeline import PipelineStrategy, pipeline_generate
-
     strategy = PipelineStrategy(model, mesh, Config())
     device = next(model.parameters()).device
 

@@ -61,6 +61,19 @@ def quiet_elastic_logs(level: int = logging.ERROR):
 QUIET_EXIT_CODES = (3, 128 + signal.SIGHUP, 128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
+def strip_nproc(argv: list[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` / ``--nproc=N`` (what the workers of :func:`launch` get)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeout_s: float = 30) -> int:
     """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
 

@@ -36,6 +36,8 @@ import hashlib
 import itertools
 from dataclasses import dataclass
 
+from .config import ConfigError, validate
+
 FACTORS = {
     "sync": ("ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp2_2", "fsdp2_3"),
     "dp": (1, 2, 4),
@@ -125,8 +127,6 @@ def config_for(layout: Layout, extra: dict | None = None):
 
 def refusal(layout: Layout) -> str | None:
     """Config validation's verdict: None if the layout runs, else its one-line message."""
-    from .config import ConfigError, validate
-
     try:
         validate(config_for(layout), layout.world)
     except ConfigError as e:

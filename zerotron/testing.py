@@ -12,7 +12,10 @@ import socket
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch.multiprocessing as mp
+
+from .config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,8 +77,6 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_
 def tiny_config(overrides: dict | None = None, path: str | Path = ROOT / "configs" / "tiny.toml"):
     """``configs/tiny.toml`` with ``{"section.field": value}`` overrides applied (no progress bar, no
     plot, no sample)."""
-    from .config import load_config
-
     base = {"log.progress": "false", "log.plot": "false", "log.sample_tokens": "0"}
     base.update({k: str(v) for k, v in (overrides or {}).items()})
     return load_config(path, list(base.items()))
@@ -86,8 +87,6 @@ def assert_close_normwise(a, b, rtol: float, what: str = "") -> None:
     meaningful after Adam steps: Adam divides each gradient by its own RMS, so an entry whose
     gradient is ~0 (a rare token's row) moves by +-lr on fp32 rounding noise that differs between
     two summation orders. Raises AssertionError naming ``what``."""
-    import numpy as np
-
     err = np.linalg.norm(a.astype(np.float64) - b) / max(np.linalg.norm(b.astype(np.float64)), 1e-30)
     assert err <= rtol, f"{what}: relative error {err:.3g} > {rtol}"
 
@@ -99,8 +98,6 @@ def assert_params_close(params: dict, ref: dict, rtol: float, what: str = "", su
     is zero (softmax is invariant to a shift shared by all keys of a query), so Adam turns fp32
     rounding noise into +-lr steps there. ``subset``: ``params`` may hold only some of ``ref``'s keys
     (one pipeline stage)."""
-    import numpy as np
-
     keys_ok = set(params) <= set(ref) if subset else set(params) == set(ref)
     assert keys_ok, f"{what}: keys differ {sorted(set(params) ^ set(ref))}"
     for k, a in params.items():

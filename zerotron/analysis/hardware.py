@@ -16,6 +16,7 @@ default is HBM bandwidth / 4 bytes; on a CPU it is measured (:func:`measure_vect
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 
@@ -194,8 +195,6 @@ def measure_vector_rate(rows: int = 1024, ffn: int = 512, vocab: int = 4096, ite
     elementwise ops at its own sizes: GELU over (rows, ffn) and log-softmax over (rows, vocab),
     each forward + backward (2 passes per element) on float32; rows = micro-batch x sequence
     length, ffn = 4 x n_embd. Returns total passes / total median seconds over ``iters`` runs."""
-    import statistics
-
     import torch
     import torch.nn.functional as F
 

@@ -25,6 +25,7 @@ import json
 import re
 import sys
 
+from zerotron.analysis.activations import ATTENTION, RECOMPUTE, SCHEDULES, activation_bytes, stage_layer_counts
 from zerotron.analysis.flops import gpt_num_params
 
 STAGES = (0, 1, 2, 3)
@@ -147,8 +148,6 @@ def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> 
     Layers per stage as :func:`zerotron.analysis.activations.stage_layer_counts`. With tp = pp = 1
     the sum equals :func:`gpt_num_params`. Raises ValueError if tp does not divide n_head or
     pp*virtual_stages > n_layer."""
-    from zerotron.analysis.activations import stage_layer_counts
-
     h, t, v = cfg.n_embd, tp, virtual_stages
     if tp < 1 or cfg.n_head % tp:
         raise ValueError(f"tp ({tp}) must be >= 1 and divide n_head ({cfg.n_head})")
@@ -167,8 +166,6 @@ def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> 
 
 
 def _add_activation_args(parser: argparse.ArgumentParser) -> None:
-    from zerotron.analysis.activations import ATTENTION, RECOMPUTE, SCHEDULES
-
     g = parser.add_argument_group("activations (Korthikanti et al. 2022; need --model and --seq)")
     g.add_argument("--seq", type=int, help="sequence length S (tokens)")
     g.add_argument("--micro-batch", type=int, default=1, help="micro-batch size b (sequences)")
@@ -185,7 +182,6 @@ def _add_activation_args(parser: argparse.ArgumentParser) -> None:
 
 def _activation_report(args, num_params: int) -> tuple[dict, list]:
     """(activations object, rows with model states of the largest pipeline rank + activations)."""
-    from zerotron.analysis.activations import activation_bytes
     from zerotron.models.gpt import preset_config
 
     cfg = preset_config(args.model)
@@ -235,7 +231,7 @@ def memory_main(argv: list) -> int:
 
 def memory_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zerotron memory``."""
-    from zerotron.cli import HelpFormatter
+    from zerotron.cli_help import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="zerotron memory", formatter_class=HelpFormatter,
                                      description="ZeRO model-state bytes per data-parallel rank.")

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from zerotron.analysis.hardware import GB, GPUS, calibrate, hardware
 from zerotron.analysis.memory import parse_memory
 from zerotron.analysis.planner import CostModel, plan
+from zerotron.config import ConfigError, load_config, model_shape
 
 
 def _model_from_args(args):
@@ -18,8 +19,6 @@ def _model_from_args(args):
 
     if args.model:
         return preset_config(args.model), None
-    from zerotron.config import ConfigError, load_config, model_shape
-
     try:
         c = load_config(args.config)
         shape = model_shape(c.model)
@@ -47,7 +46,7 @@ def calibration_mismatch(bench: dict, gpu: str) -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli import HelpFormatter
+    from zerotron.cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(prog="zerotron plan", formatter_class=HelpFormatter, description="Rank parallel layouts of a GPT "
                                 "by predicted memory and step time (zerotron.analysis.planner).")

@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from zerotron.parallel.schedules import KINDS, SimResult, build_schedule, bubble_theory, simulate
+from zerotron.parallel.schedules import KINDS, SimResult, bubble_theory, build_schedule, simulate
 
 
 def _label(action) -> str:
@@ -102,7 +102,7 @@ def schedule_main(argv: list) -> int:
 
 def schedule_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zerotron schedule``."""
-    from zerotron.cli import HelpFormatter
+    from zerotron.cli_help import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="zerotron schedule", formatter_class=HelpFormatter,
                                      description="Simulate and draw a pipeline schedule.")

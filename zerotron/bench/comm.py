@@ -38,7 +38,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zerotron.bench.topology import topology_report
 from zerotron.distributed import comm
+from zerotron.distributed.mesh import default_device, destroy, init_distributed
+from zerotron.launch import in_worker, launch, strip_nproc
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -295,7 +298,7 @@ def plot(results: list[dict], path: str, title: str = "") -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli import HelpFormatter
+    from zerotron.cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(prog="zerotron bench comm", allow_abbrev=False, formatter_class=HelpFormatter,
                                 description="Collective bandwidth benchmark (nccl-tests algbw/busbw).")
@@ -309,18 +312,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"], help="process-group backend")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
     return p
-
-
-def _strip_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,12 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "nccl" and not torch.cuda.is_available():
         print("zerotron bench comm: error: --backend nccl needs CUDA; use gloo", file=sys.stderr)
         return 2
-    from zerotron.launch import in_worker, launch
     if args.nproc > 1 and not in_worker():
-        return launch(args.nproc, _strip_nproc(argv), module="zerotron.bench.comm")
+        return launch(args.nproc, strip_nproc(argv), module="zerotron.bench.comm")
 
-    from zerotron.bench.topology import topology_report
-    from zerotron.distributed.mesh import default_device, destroy, init_distributed
     owned = not dist.is_initialized()
     dev = torch.device("cpu") if args.backend == "gloo" else default_device()
     rank, n, dev = init_distributed(args.backend, timeout_s=args.timeout, device=dev)

@@ -3,12 +3,15 @@ matmul peak, the model's matmul efficiency, elementwise rate and per-layer overh
 measured by a micro-benchmark (never from the training run the planner is judged against)."""
 from __future__ import annotations
 
+import statistics
+import time
+
+from zerotron.analysis.hardware import measure_vector_rate
+
 
 def gemm_efficiency(rows: int, h: int, peak_flops: float, iters: int = 10) -> float:
     """Measured FLOP/s of this process on the model's MLP matmul, (rows, h) @ (h, 4h) (best of
     ``iters``), over ``peak_flops``: the planner's ``compute_eff`` for this model here."""
-    import time
-
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -25,9 +28,6 @@ def layer_overhead_s(cfg, iters: int = 20) -> float:
     """Fixed cost (seconds) of one transformer block's forward + backward on this process: the
     median over ``iters`` runs on a single token (framework dispatch, not arithmetic): the
     planner's ``launch_s``."""
-    import statistics
-    import time
-
     import torch
 
     from zerotron.models.gpt import Block
@@ -50,7 +50,6 @@ def measure_profile(cfg, micro_batch: int, threads: int, peak_flops: float | Non
     ``launch_s`` (:func:`layer_overhead_s`)."""
     import torch
 
-    from zerotron.analysis.hardware import measure_vector_rate
     from zerotron.train.metrics import measure_peak_flops
 
     prev = torch.get_num_threads()

@@ -44,12 +44,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zerotron.config import load_config, parse_overrides, validate
+from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows, prepare_data
 from zerotron.distributed import comm
-from zerotron.distributed.mesh import Mesh
+from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distributed, teardown
+from zerotron.launch import in_worker, launch, strip_nproc
+from zerotron.models.gpt import GPT
+from zerotron.parallel import DataParallel, TorchDDP, parallelize
+from zerotron.parallel.schedules import bubble_theory
+from zerotron.train.optim import build_scheduler
+from zerotron.train.step import train_step
+from zerotron.train.trainer import gpt_config, load_data
 
 from .layouts import DEFAULT_LAYOUTS, LAYOUTS, Layout, get_layout, parse_layouts  # noqa: F401 (API)
-from .report import (BASELINES, format_table, impl_name, markdown_report, paired_ratio, plot,  # noqa: F401 (API)
-                     summarize)
+from .report import BASELINES, format_table, impl_name, markdown_report, paired_ratio, plot, summarize  # noqa: F401 (API)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 
@@ -95,12 +103,6 @@ def _mesh(cache: dict, dims, n: int, device):
 def _build(cfg, mesh, data, layout: Layout, steps: int):
     """``(strategy, optimizer, scheduler, micro-batches of steps 0..steps-1, n_params, seq_len,
     tokens in one epoch of the train split)``."""
-    from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows
-    from zerotron.models.gpt import GPT
-    from zerotron.parallel import DataParallel, TorchDDP, parallelize
-    from zerotron.train.optim import build_scheduler
-    from zerotron.train.trainer import gpt_config
-
     mcfg, t = gpt_config(cfg, data.vocab_size), cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank and layout
     model = GPT(mcfg).to(mesh.device)
@@ -122,8 +124,6 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
 def _bubble_theory(strat, n_micro: int) -> float:
     """``bubble_theory(pp, m, v)`` of a PipelineStrategy whose rank gets ``n_micro`` micro-batches
     per step (m = parallel.microbatches or all of them; 1 for the "naive" schedule)."""
-    from zerotron.parallel.schedules import bubble_theory
-
     m = 1 if strat.kind == "naive" else (strat.microbatches or n_micro)
     return bubble_theory(strat.pp, m, strat.v)
 
@@ -131,8 +131,6 @@ def _bubble_theory(strat, n_micro: int) -> float:
 def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, threads: int, w: int) -> dict:
     """One round of one layout; collective over the world (ranks with ``mesh`` None just wait).
     Returns the same record on every rank (seconds, tokens/s, bytes) or a skipped record."""
-    from zerotron.train.step import train_step
-
     rec, err, built, local = {"layout": layout.name, "world_size": w}, None, None, None
     _peak_mem(dev, reset=True)
     if mesh is not None:
@@ -197,9 +195,6 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
 
 def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, rounds: int, dev, data) -> list[dict]:
     """Every round and layout (collective, on every rank); returns per-(round, layout) records."""
-    from zerotron.config import load_config, validate
-    from zerotron.distributed.mesh import ParallelDims
-
     n, threads, cache, skipped, records = dist.get_world_size(), torch.get_num_threads(), {}, {}, []
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
@@ -223,7 +218,7 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli import HelpFormatter
+    from zerotron.cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(prog="zerotron bench train", allow_abbrev=False, formatter_class=HelpFormatter,
                                 description="Training throughput of parallel layouts, alternated round by round; "
@@ -244,10 +239,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zerotron bench train``; returns an exit code (2 for bad arguments)."""
-    from zerotron.cli import _strip_nproc
-    from zerotron.config import load_config, parse_overrides, validate
-    from zerotron.launch import in_worker, launch
-
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args, rest = _parser().parse_known_args(argv)
@@ -258,20 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides)
         validate(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc)
         if args.nproc > 1 and not in_worker():
-            from zerotron.data import prepare_data
-
             d = cfg.data  # build the token cache once, before the workers start
             prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
                          d.tokenizer or None)
-            return launch(args.nproc, _strip_nproc(argv), module="zerotron.bench.train")
+            return launch(args.nproc, strip_nproc(argv), module="zerotron.bench.train")
     except SystemExit as e:  # argparse: --help or a bad option
         return int(e.code or 0)
     except (ValueError, FileNotFoundError) as e:  # ConfigError, DataError
         print(f"zerotron bench train: error: {e}", file=sys.stderr)
         return 2
-    from zerotron.distributed import mesh
-    from zerotron.distributed.mesh import destroy, init_distributed
-    from zerotron.train.trainer import load_data
 
     owned = not dist.is_initialized()
     rank, n, dev = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s,
@@ -285,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             destroy()  # after an error: no barrier (a peer may be gone)
         raise
     if owned:
-        mesh.teardown()  # every rank done before any process group goes (no abort at exit)
+        teardown()  # every rank done before any process group goes (no abort at exit)
     if rank != 0:
         return 0
     rows = summarize(records)
@@ -304,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(rows, args.plot, f"zerotron bench train: {machine}")
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        command = " ".join(["zerotron bench train", *[f"--nproc {n}"] * (n > 1), *_strip_nproc(argv)])
+        command = " ".join(["zerotron bench train", *[f"--nproc {n}"] * (n > 1), *strip_nproc(argv)])
         Path(args.markdown).write_text(markdown_report(rows, command, machine))
     return 0
 

@@ -28,8 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
+from zerotron.analysis.flops import gpt_num_params
 from zerotron.analysis.hardware import OPS, calibrate, custom_hardware
+from zerotron.analysis.plan_cli import _model_from_args
 from zerotron.analysis.planner import CostModel, evaluate
+from zerotron.bench.layouts import get_layout
+from zerotron.config import load_config
 
 from .profile import measure_profile
 
@@ -44,8 +48,6 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1. Suffixes ``-mbN`` / ``-ac...``
     (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``
     is the config's otherwise."""
-    from zerotron.bench.layouts import get_layout
-
     try:
         over = get_layout(name).overrides
     except ValueError:
@@ -180,7 +182,7 @@ def _f3(v) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli import HelpFormatter
+    from zerotron.cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(prog="zerotron bench plan", formatter_class=HelpFormatter, description="Spearman rank "
                                 "correlation of the planner's predicted tokens/s vs a bench train run.")
@@ -202,10 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
-        from zerotron.analysis.flops import gpt_num_params
-        from zerotron.analysis.plan_cli import _model_from_args
-        from zerotron.config import load_config
-
         rows = json.loads(Path(args.bench_train).read_text())
         comm_bench = json.loads(Path(args.bench_comm).read_text())
         if not (isinstance(rows, list) and all(isinstance(r, dict) for r in rows)):

@@ -7,8 +7,7 @@ Typical use::
     x, y = batch_from_indices(data.train, sampler.local_indices(step, dp_rank, dp_size), S)
 """
 from .corpus import DataError, corpus_fingerprint, load_corpus, split_documents
-from .dataset import (TokenData, batch_from_indices, cache_key, load_token_data, num_windows,
-                      prepare_data, token_dtype)
+from .dataset import TokenData, batch_from_indices, cache_key, load_token_data, num_windows, prepare_data, token_dtype
 from .sampler import GlobalBatchSampler
 from .tokenizer import EOT, load_tokenizer, train_bpe
 

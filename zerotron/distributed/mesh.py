@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..launch import die_with_parent
 from . import comm
 
 
@@ -79,8 +80,6 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0, device: t
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            from ..launch import die_with_parent
-
             die_with_parent()  # a killed launcher takes its workers with it
             dist.init_process_group(backend, timeout=timeout)
         else:

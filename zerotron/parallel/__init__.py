@@ -12,7 +12,14 @@ model_state_bytes.
 from __future__ import annotations
 
 from .base import Strategy, autocast_ctx, token_loss_sum, unique_params
+from .checkpointing import apply_activation_checkpointing
 from .ddp import DataParallel, TorchDDP
+from .dtensor_tp import DTensorTPStrategy
+from .fsdp import FSDP2Strategy
+from .optim import decay_mask_by_name
+from .pipeline import PipelineStrategy
+from .tp_model import apply_tensor_parallel
+from .zero import ZeroStrategy
 
 
 def parallelize(model, cfg, mesh):
@@ -20,31 +27,22 @@ def parallelize(model, cfg, mesh):
     layout in ``cfg.parallel``: tensor parallel on the dense model, then activation checkpointing of
     the (TP) blocks, then the pipeline split or data parallelism (``tp_impl = "dtensor"``: torch's
     DTensor TP alone). Raises ValueError for an unknown ``dp_impl``/``zero_impl``."""
-    from ..train.optim import decay_mask_by_name
-    from .checkpointing import apply_activation_checkpointing
-
     p = cfg.parallel
     names_mask = decay_mask_by_name(model)  # from the dense model, before any transform
     pipeline = mesh.size("pp") > 1 or p.pp_schedule == "interleaved"
     tp_group = None
     if mesh.size("tp") > 1 and p.tp_impl == "dtensor":  # torch's TP, alone (config.validate)
-        from .dtensor_tp import DTensorTPStrategy
-
         strategy = DTensorTPStrategy(model, mesh.mesh["tp"], mesh.group("tp"))
         apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         strategy.decay_mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
         return strategy
     if mesh.size("tp") > 1:
-        from .tp_model import apply_tensor_parallel
-
         tp_group = mesh.group("tp")
         model = apply_tensor_parallel(model, tp_group, p.sequence_parallel, seed=cfg.train.seed,
                                       dp_rank=mesh.coords["dp"], pp_rank=mesh.coords["pp"])
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # block forwards only
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
     if pipeline:  # (x tp x dp / ZeRO-1): stage split of the (TP) model; see parallel.pipeline
-        from .pipeline import PipelineStrategy
-
         strategy = PipelineStrategy(model, mesh, cfg, mask)
     else:
         strategy = _data_parallel(model, cfg, mesh, mask)
@@ -60,14 +58,10 @@ def _data_parallel(model, cfg, mesh, mask):
     src = mesh.global_rank(mesh.coords["pp"], 0, mesh.coords["tp"])
     if p.zero_stage:
         if p.zero_impl == "native":
-            from .zero import ZeroStrategy
-
             return ZeroStrategy(model, group, p.zero_stage, cfg.train.dtype, p.reduce_dtype, mask,
                                 tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,
                                 sequence_parallel=p.sequence_parallel)
         if p.zero_impl == "fsdp2":
-            from .fsdp import FSDP2Strategy
-
             return FSDP2Strategy(model, mesh, p.zero_stage, cfg.train.dtype, p.reduce_dtype)
         raise ValueError(f"parallel.zero_impl must be 'native' or 'fsdp2', got {p.zero_impl!r}")
     if p.dp_impl == "native":

@@ -16,7 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import comm
+from .optim import build_optimizer
 from .precision import upcast
+from .tensor import full_tensor, local_shard
+from .tp_model import clip_grad_norm_tp, load_dense_into_tp, sync_replicated_grads, tp_loss_sum, tp_state_dict_full
 
 IGNORE_INDEX = -100
 
@@ -82,16 +85,12 @@ class Strategy:
         """Summed token loss of one micro-batch; vocab-parallel cross-entropy when the module is
         tensor-parallel (logits are then vocab shards, never gathered)."""
         if self.tp_group is not None:
-            from .tp_model import tp_loss_sum
-
             return tp_loss_sum(self.module, logits, targets)
         return token_loss_sum(logits, targets)
 
     def sync_tp_replicated(self) -> None:
         """Sequence parallel: sum over tp the gradients of tp-replicated parameters."""
         if self.tp_group is not None:
-            from .tp_model import sync_replicated_grads
-
             sync_replicated_grads(self.module)
 
     def forward_backward(self, micro_batches, n_global: int, dtype: str, device: torch.device) -> torch.Tensor:
@@ -128,8 +127,6 @@ class Strategy:
         identical on every rank."""
         params = [q for q in self.parameters() if q.grad is not None]
         if self.tp_group is not None:
-            from .tp_model import clip_grad_norm_tp
-
             return clip_grad_norm_tp(params, max_norm, self.tp_group)
         if max_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
@@ -137,8 +134,6 @@ class Strategy:
 
     def build_optimizer(self, tcfg, mask: dict):
         """AdamW over this rank's parameters (see ``train.optim.build_optimizer``)."""
-        from ..train.optim import build_optimizer
-
         return build_optimizer(self.parameters(), mask, tcfg)
 
     def optimizer_step(self, optimizer) -> None:
@@ -179,9 +174,6 @@ class Strategy:
         """Tensor parallel: gather every shard to its dense tensor (collective over tp)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        from .tensor import full_tensor
-        from .tp_model import tp_state_dict_full
-
         msd = tp_state_dict_full(self.module)
         if optimizer is None:
             return msd, None
@@ -197,9 +189,6 @@ class Strategy:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
         if self.tp_group is not None:
-            from .tensor import local_shard
-            from .tp_model import load_dense_into_tp
-
             load_dense_into_tp(self.module, msd)
             if optimizer is not None:
                 params = dict(self.module.named_parameters())

@@ -30,10 +30,13 @@ diverge, so :class:`TorchDDP` refuses the step with a one-line ConfigError namin
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..config import ConfigError
 from ..distributed import comm
 from .base import Strategy, unique_params
 
@@ -167,13 +170,9 @@ class TorchDDP(Strategy):
 
     def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0,
                  find_unused_parameters: bool = False):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         self.module, self.group, self.loss_groups = module, group, [group]
         self.find_unused = find_unused_parameters
         dev = next(module.parameters()).device
-        import warnings
-
         with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13; GPT has no buffers
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
             self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # no buffers in GPT
@@ -201,8 +200,6 @@ class TorchDDP(Strategy):
             names = {id(p): n for n, p in self.module.named_parameters()}
             for p in unique_params(self.module):
                 if p.grad is None:
-                    from ..config import ConfigError
-
                     raise ConfigError(f"parameter {names[id(p)]} got no gradient in this step; torch DDP would "
                                       "desynchronise the replicas: set parallel.find_unused_parameters = true "
                                       "(or use parallel.dp_impl = native)")

@@ -25,6 +25,7 @@ import torch
 
 from ..distributed import comm
 from .base import Strategy
+from .tp_model import TPCausalSelfAttention
 
 __all__ = ["DTensorTPStrategy", "qkv_permutation"]
 
@@ -50,8 +51,6 @@ class DTensorTPStrategy(Strategy):
 
     def __init__(self, model, tp_mesh, tp_group):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        from .tp_model import TPCausalSelfAttention
 
         cfg, n = model.config, tp_mesh.size()
         if cfg.n_head % n:

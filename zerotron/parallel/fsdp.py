@@ -20,6 +20,7 @@ import contextlib
 import torch
 
 from ..distributed import comm
+from . import precision
 from .base import Strategy
 
 
@@ -36,8 +37,6 @@ class FSDP2Strategy(Strategy):
 
         if stage not in (2, 3):
             raise ValueError("parallel.zero_impl = fsdp2 supports zero_stage 2 or 3")
-        from . import precision
-
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bf16" else None,
                                   reduce_dtype=precision.reduce_dtype(dtype, reduce_dtype))
         dp_mesh = mesh.mesh["dp"]

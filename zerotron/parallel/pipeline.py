@@ -60,12 +60,14 @@ import torch.distributed as dist
 from ..distributed import comm
 from .base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
 from .ddp import DataParallel
-from .tensor import is_tp_sharded
-from .pipeline_exec import (PipelineExecutor, StageModel, forward_only_actions, stage_layer_counts,
-                            stage_layer_ranges)
+from .optim import build_optimizer, decay_mask
+from .pipeline_exec import PipelineExecutor, StageModel, forward_only_actions, stage_layer_counts, stage_layer_ranges
 from .pipeline_state import PipelineStateMixin
 from .pipeline_zero import StageZero1
 from .schedules import KINDS, build_schedule
+from .tensor import is_tp_sharded
+from .tp_model import gather_logits, set_sequence_parallel, sync_replicated_grads
+from .zero import ZeroStrategy
 
 __all__ = ["PipelineStrategy", "StageModel", "StageZero1", "pipeline_generate", "stage_layer_counts",
            "stage_layer_ranges"]
@@ -116,8 +118,6 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.ddp = self.zero = None
         if p.zero_stage == 1:
             if mask is None:
-                from ..train.optim import decay_mask
-
                 mask = decay_mask(model)
             mask = dict(mask)
             if self.tied is not None:
@@ -242,8 +242,6 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         """Sequence parallel (DDP path): LayerNorm/bias/wpe gradients saw one sequence shard: sum
         over tp. Must run on memory no collective is writing (after ``ddp.finish_grads`` waited)."""
         if self.module.sequence_parallel:
-            from .tp_model import sync_replicated_grads
-
             sync_replicated_grads(self.module)
 
     def _norm_params(self) -> list:
@@ -289,8 +287,6 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def build_optimizer(self, tcfg, mask: dict):
         """AdamW over this rank's parameters; ``mask`` (decay by ``id(param)``) may come from the
         dense GPT or from ``self.module``; the tied copy is never decayed (an embedding)."""
-        from ..train.optim import build_optimizer
-
         if self.zero is not None:  # decay flags were fixed per flat buffer at construction
             return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.zero.all_flats}, tcfg)
         mask = dict(mask)
@@ -307,8 +303,6 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         """Bytes this rank holds (see ``Strategy.model_state_bytes``; ZeRO-1: flat compute buffers,
         full gradient buffers, Adam state of the master shards, as ``ZeroStrategy`` counts them)."""
         if self.zero is not None:
-            from .zero import ZeroStrategy
-
             return ZeroStrategy.model_state_bytes(self.zero, optimizer)
         return super().model_state_bytes(optimizer)
 
@@ -347,8 +341,6 @@ def pipeline_generate(strategy: PipelineStrategy, idx: torch.Tensor, max_new_tok
     was_training, sp = mod.training, mod.sequence_parallel
     mod.eval()
     if sp:  # prompt lengths need not divide by tp: decode without sequence parallelism
-        from .tp_model import set_sequence_parallel
-
         set_sequence_parallel(mod, False)
     device = idx.device
     src = strategy._peer(strategy.pp - 1)  # last model stage is on pp rank pp-1
@@ -358,8 +350,6 @@ def pipeline_generate(strategy: PipelineStrategy, idx: torch.Tensor, max_new_tok
 
         def on_output(mb, logits):
             if strategy.tp_group is not None:  # vocab shards -> full logits (collective over tp)
-                from .tp_model import gather_logits
-
                 logits = gather_logits(logits[:, -1:, :], mod.config.vocab_size, strategy.tp_group)
             nxt.copy_(logits[:, -1, :].float().argmax(dim=-1, keepdim=True))
 

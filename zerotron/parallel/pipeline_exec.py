@@ -1,6 +1,7 @@
 """Pipeline execution: the stage partition, a rank's stage model, the walker of its action list.
 
-``stage_layer_counts`` splits ``n_layer`` over the pp*v model stages (balanced or ``pp_split``).
+``stage_layer_counts`` splits ``n_layer`` over the pp*v model stages (balanced or ``pp_split``);
+it and ``stage_layer_ranges`` live in ``zerotron.layout`` (pure arithmetic) and are re-exported here.
 
 ``StageModel`` keeps this rank's part of a GPT under the ORIGINAL fully-qualified names
 (``transformer.wte``, ``transformer.h.<i>`` in an ``nn.ModuleDict`` keyed by the global layer index,
@@ -28,37 +29,11 @@ import torch
 import torch.nn as nn
 
 from ..distributed import comm
+from ..layout import stage_layer_counts, stage_layer_ranges
 from .schedules import COMM, Action
+from .tensor import ColumnParallelLinear, VocabParallelEmbedding
 
-
-def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "") -> list[int]:
-    """Layers per model stage: ``pp_split`` ("3,5": comma-separated counts, one per model stage =
-    pp*v) or balanced, the first ``n_layer % n_stages`` stages taking one extra layer.
-    Raises ValueError if pp_split is malformed, has the wrong length, a count < 1, or does not sum
-    to n_layer; or (balanced) if n_layer < n_stages."""
-    if pp_split.strip():
-        try:
-            counts = [int(c) for c in pp_split.split(",")]
-        except ValueError:
-            raise ValueError(f"parallel.pp_split must be comma-separated ints, got {pp_split!r}") from None
-        if len(counts) != n_stages or min(counts) < 1 or sum(counts) != n_layer:
-            raise ValueError(f"parallel.pp_split {pp_split!r} must list {n_stages} layer counts "
-                             f"(pp * virtual_stages), each >= 1, summing to n_layer = {n_layer}")
-        return counts
-    if n_layer < n_stages:
-        raise ValueError(f"n_layer = {n_layer} < {n_stages} model stages (pp * virtual_stages): "
-                         "every stage needs at least one layer; lower pp/virtual_stages")
-    base, extra = divmod(n_layer, n_stages)
-    return [base + (s < extra) for s in range(n_stages)]
-
-
-def stage_layer_ranges(counts: list[int]) -> list[range]:
-    """Global layer-index range of each model stage from per-stage counts."""
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
+__all__ = ["stage_layer_counts", "stage_layer_ranges", "StageModel", "forward_only_actions", "PipelineExecutor"]
 
 
 class StageModel(nn.Module):
@@ -97,8 +72,6 @@ class StageModel(nn.Module):
                 if hasattr(src.wte.weight, attr):
                     setattr(w, attr, getattr(src.wte.weight, attr))
             if self.tp_group is not None:
-                from .tensor import VocabParallelEmbedding
-
                 emb = VocabParallelEmbedding(src.wte.num_embeddings, src.wte.embedding_dim, self.tp_group,
                                              src.wte.sequence_parallel, device="meta", dtype=w.dtype)
                 emb.weight, emb.comm_tag = w, src.wte.comm_tag
@@ -113,8 +86,6 @@ class StageModel(nn.Module):
             if 0 in self.stages:
                 self.lm_head = model.lm_head  # still the same Parameter as wte.weight
             elif self.tp_group is not None:
-                from .tensor import ColumnParallelLinear
-
                 self.lm_head = ColumnParallelLinear.tied(t["wte"].weight, self.tp_group,
                                                          model.lm_head.sequence_parallel)
                 self.lm_head.comm_tag = model.lm_head.comm_tag

@@ -9,8 +9,11 @@ import contextlib
 import torch
 
 from ..distributed import comm
+from ..models.gpt import GPT
 from .base import unique_params
 from .precision import upcast
+from .tensor import full_tensor, local_shard
+from .tp_model import tp_state_dict_full
 
 
 class PipelineStateMixin:
@@ -58,8 +61,6 @@ class PipelineStateMixin:
         """ZeRO-1: canonical (dense) state from the flat shards: all-gather over dp, then (tensor
         parallel) ``full_tensor`` over tp for every sharded tensor, in the fixed flat order. With
         ``owned`` (flat index -> bool) only those buffers' parameters and state are returned."""
-        from .tensor import full_tensor
-
         vals, ostate = self.zero.full_state(optimizer, owned) if optimizer is not None else (None, {})
         if vals is None:  # parameters only: the compute copies are full over dp at rest
             vals = {id(q): upcast(q.detach()) for q in unique_params(self.module)}
@@ -95,8 +96,6 @@ class PipelineStateMixin:
     def _zero_load(self, msd, osd, optimizer, owner) -> None:
         """ZeRO-1 load: every rank holds every name (``owner`` None) or dp rank ``owner(i)`` holds
         flat buffer i's names and broadcasts them."""
-        from .tensor import local_shard
-
         tpg = self.tp_group
 
         def local(q, t):
@@ -156,9 +155,6 @@ class PipelineStateMixin:
             if self.tp_group is None:
                 yield self.dense
                 return
-            from ..models.gpt import GPT
-            from .tp_model import tp_state_dict_full
-
             sd = tp_state_dict_full(self.dense)  # collective over tp, fixed key order
             if self._dense_copy is None:
                 with torch.device("meta"):  # no RNG draw, no init cost

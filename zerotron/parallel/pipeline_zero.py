@@ -6,8 +6,11 @@ import contextlib
 import torch
 
 from ..distributed import comm
+from . import precision
 from .base import unique_params
 from .tensor import is_tp_sharded
+from .zero import FlatShard
+from .zero_state import gather_flats, load_flats_from_owners
 
 __all__ = ["StageZero1"]
 
@@ -31,9 +34,6 @@ class StageZero1:
     ``is_tied``), ``group``."""
 
     def __init__(self, module, group, mask: dict, tied=None, dtype: str = "fp32", reduce_dtype: str = "auto"):
-        from . import precision
-        from .zero import FlatShard
-
         compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
 
         self.group, self.tied = group, tied
@@ -101,8 +101,6 @@ class StageZero1:
         """``({id(param): tensor}, {fqn: adam state})`` of this rank's parameters, unsharded over dp
         (still tp shards), for the flat buffers ``i`` with ``owned(i)`` (default all). Collective
         over dp, flat buffers in a fixed order."""
-        from .zero_state import gather_flats
-
         by_name, ostate = gather_flats(self.all_flats, self.group, optimizer, owned or (lambda i: True))
         ids = {n: id(q) for f in self.all_flats for n, q in zip(f.names, f.params)}
         return {ids[n]: t for n, t in by_name.items()}, ostate
@@ -120,7 +118,5 @@ class StageZero1:
     def load_from_owners(self, params: dict, ostate: dict, optimizer, owner) -> None:
         """Like :meth:`load_full_state`, but dp rank ``owner(i)`` alone holds flat buffer ``i``'s
         tensors and broadcasts them (``zero_state.load_flats_from_owners``). Collective over dp."""
-        from .zero_state import load_flats_from_owners
-
         load_flats_from_owners(self.all_flats, self.group, owner, params, ostate, optimizer)
         self.gather_params()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..distributed import comm
 from .precision import upcast
-from .tensor import _all_reduce
+from .tp_comm import _all_reduce
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -34,8 +34,16 @@ import torch.nn.functional as F
 
 from ..distributed import comm
 from ..models.gpt import GPT, CausalSelfAttention, KVCache
-from .tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, full_tensor,
-                     gather_from_tp, is_tp_sharded, shard_tensor, vocab_parallel_cross_entropy)
+from .tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    full_tensor,
+    gather_from_tp,
+    is_tp_sharded,
+    shard_tensor,
+    vocab_parallel_cross_entropy,
+)
 
 MODEL_PARALLEL, REPLICATED = "model-parallel", "replicated"
 _TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)

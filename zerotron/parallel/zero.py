@@ -55,6 +55,8 @@ import torch.nn as nn
 from ..distributed import comm
 from . import precision
 from .base import Strategy
+from .optim import build_optimizer, decay_mask
+from .tensor import is_tp_sharded
 from .zero_state import ZeroStateMixin
 
 
@@ -270,10 +272,6 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for ZeroStrategy, got {stage}")
         compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
-        from ..train.optim import decay_mask
-
-        from .tensor import is_tp_sharded
-
         self.module, self.group, self.loss_groups, self.stage = model, group, [group], stage
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         mask = mask or decay_mask(model)
@@ -428,8 +426,6 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         return norm
 
     def build_optimizer(self, tcfg, mask: dict):
-        from ..train.optim import build_optimizer
-
         return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
 
     def optimizer_step(self, optimizer) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import comm
+from .tensor import full_tensor, local_shard
 
 _ADAM = ("exp_avg", "exp_avg_sq")
 
@@ -89,8 +90,6 @@ class ZeroStateMixin:
     def _canonical(self, optimizer, owned) -> tuple[dict, dict]:
         msd, osd_state = gather_flats(self.all_flats, self.group, optimizer, owned)
         if self.tp_group is not None:  # tensor-parallel shards -> dense tensors (collective over tp)
-            from .tensor import full_tensor
-
             params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
             for name in sorted(msd):  # same owned names on every tp rank of this dp coordinate
                 msd[name] = full_tensor(params[name], self.tp_group, local=msd[name])
@@ -121,8 +120,6 @@ class ZeroStateMixin:
         """Dense canonical tensors -> this rank's tensor-parallel slices (names of this model only)."""
         if self.tp_group is None:
             return msd, osd
-        from .tensor import local_shard
-
         params, g = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}, self.tp_group
         msd = {n: local_shard(params[n], t, g) for n, t in msd.items() if n in params}
         osd = {**osd, "state": {n: {k: local_shard(params[n], v, g) for k, v in st.items()}

@@ -25,8 +25,8 @@ from . import lifecycle
 from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics, strict_json
 from .optim import build_scheduler
 from .progress import Progress
-from .tensorboard import open_tensorboard
 from .step import IGNORE_INDEX, evaluate, train_step
+from .tensorboard import open_tensorboard
 
 
 def gpt_config(cfg: Config, tokenizer_vocab: int) -> GPTConfig:

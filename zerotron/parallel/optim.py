@@ -1,0 +1,43 @@
+"""Optimizer construction that the strategies need: weight-decay masks and AdamW parameter groups.
+Here (not in ``train``) so that ``parallel`` never imports ``train``; ``zerotron.train.optim``
+re-exports these next to the learning-rate schedule."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+__all__ = ["decay_mask", "decay_mask_by_name", "build_optimizer"]
+
+
+def decay_mask(module: nn.Module) -> dict[int, bool]:
+    """Map ``id(param) -> apply weight decay?``: True for weight matrices of Linear layers only;
+    False for biases, LayerNorm parameters and embeddings (GPT-2/nanoGPT convention).
+    Tied parameters count once (the embedding wins, so the tied LM head is not decayed)."""
+    mask: dict[int, bool] = {}
+    for mod in module.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) in mask and not mask[id(p)]:
+                continue
+            mask[id(p)] = isinstance(mod, nn.Linear) and name == "weight" and not isinstance(mod, nn.Embedding)
+    for mod in module.modules():  # embeddings override (tied LM head shares the embedding weight)
+        if isinstance(mod, nn.Embedding):
+            mask[id(mod.weight)] = False
+    return mask
+
+
+def decay_mask_by_name(module: nn.Module) -> dict[str, bool]:
+    """:func:`decay_mask` keyed by parameter FQN (every name of a tied parameter), so it survives
+    transforms that replace parameter objects (tensor parallelism slices them)."""
+    mask = decay_mask(module)
+    return {n: mask[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def build_optimizer(params: list[nn.Parameter], mask: dict[int, bool], tcfg) -> torch.optim.AdamW:
+    """AdamW over ``params`` with two groups: decayed (``mask[id(p)]``) and not decayed.
+
+    ``tcfg``: TrainConfig (lr, beta1, beta2, eps, weight_decay). Group order is fixed (decay first)
+    so optimizer state dicts line up across layouts."""
+    decay = [p for p in params if mask.get(id(p), False)]
+    no_decay = [p for p in params if not mask.get(id(p), False)]
+    groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps)
