@@ -181,6 +181,10 @@ class Trainer:
             self.start_step = meta["step"]
             if rank == 0:
                 print(f"zerotron: resumed from {latest} (step {self.start_step})", flush=True)
+                was = meta.get("config", {}).get("train", {}).get("steps")
+                if was is not None and was != cfg.train.steps:
+                    print(f"zerotron: train.steps {was} -> {cfg.train.steps}: the learning-rate schedule is "
+                          "recomputed for the new length (not equal to an uninterrupted run)", flush=True)
             if meta.get("model_config", {}).get("vocab_size", self.model_cfg.vocab_size) != self.model_cfg.vocab_size:
                 raise ConfigError("--resume: the vocabulary size differs from the checkpoint's; keep data.* and "
                                   "model.vocab_size as they were")
