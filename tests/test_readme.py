@@ -1,0 +1,96 @@
+"""README.md's examples run: every ``bash``/``python`` block carries a ``readme-test`` marker, and the
+blocks marked ``run`` are executed in README order in one temporary directory (the shrink rule and
+marker convention are stated in README next to the quick start)."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+MARKER = re.compile(r"^<!--\s*readme-test:\s*(run|skip\s*\((?P<reason>[^)]+)\))\s*-->$")
+# Appended to every `zerotron train` command (later flags win); the same list is quoted in README.
+TRAIN_SHRINK = ["--config", "configs/tiny.toml", "--train.steps", "4", "--train.eval_every", "2",
+                "--log.sample_tokens", "0", "--log.plot", "false", "--log.progress", "false"]
+
+
+def readme_blocks(text: str) -> list[dict]:
+    """``[{"lang", "mode" ("run" | "skip" | None), "reason", "lines", "line_no"}]`` for every fenced
+    block; ``mode`` comes from a marker on the line just before the fence."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        prev = lines[i - 1].strip() if i else ""
+        mk = MARKER.match(prev)
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("```"):
+            j += 1
+        blocks.append({"lang": m.group(1), "mode": (mk.group(1)[:4].rstrip() if mk else None),
+                       "reason": mk.group("reason") if mk else None, "lines": lines[i + 1:j], "line_no": i + 1})
+        i = j + 1
+    return blocks
+
+
+def shell_commands(lines: list[str]) -> list[list[str]]:
+    """Command lines of a bash block: ``\\`` continuations joined, ``# comments`` dropped."""
+    cmds, cur = [], ""
+    for line in lines:
+        cur += line
+        if cur.rstrip().endswith("\\"):
+            cur = cur.rstrip()[:-1] + " "
+            continue
+        argv = shlex.split(cur, comments=True)
+        if argv:
+            cmds.append(argv)
+        cur = ""
+    assert not cur.strip(), f"dangling continuation: {cur!r}"
+    return cmds
+
+
+def test_parser():
+    assert shell_commands(['zerotron train --a 1 \\', '    --b "x y"   # note', "# only a comment", ""]) == [
+        ["zerotron", "train", "--a", "1", "--b", "x y"]]
+    b = readme_blocks("<!-- readme-test: skip (two nodes) -->\n```bash\nls\n```\n```\nout\n```\n")
+    assert [(x["lang"], x["mode"], x["reason"]) for x in b] == [("bash", "skip", "two nodes"), ("", None, None)]
+
+
+def test_readme_blocks_run(tmp_path, data_cache, report):
+    blocks = [b for b in readme_blocks(README.read_text()) if b["lang"] in ("bash", "sh", "python")]
+    unmarked = [b["line_no"] for b in blocks if b["mode"] is None]
+    assert not unmarked, f"README.md code blocks without a readme-test marker at lines {unmarked}"
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    (tmp_path / ".cache").mkdir()
+    (tmp_path / ".cache" / "zerotron").symlink_to(data_cache)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    ran, skipped_cmds, skipped_blocks, t0 = 0, 0, 0, time.perf_counter()
+    for b in blocks:
+        if b["mode"] == "skip":
+            skipped_blocks += 1
+            skipped_cmds += len(shell_commands(b["lines"])) if b["lang"] != "python" else 1
+            continue
+        if b["lang"] == "python":
+            script = tmp_path / f"readme_block_{b['line_no']}.py"
+            script.write_text("\n".join(b["lines"]) + "\n")
+            runs = [([sys.executable, str(script)], f"python block at README line {b['line_no']}")]
+        else:
+            runs = []
+            for argv in shell_commands(b["lines"]):
+                assert argv[0] == "zerotron", f"README line {b['line_no']}: runnable blocks hold zerotron commands, got {argv}"
+                full = [sys.executable, "-m", "zerotron", *argv[1:]] + (TRAIN_SHRINK if argv[1:2] == ["train"] else [])
+                runs.append((full, shlex.join(argv)))
+        for cmd, what in runs:
+            r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, (f"README command failed (exit {r.returncode}): {what}\n"
+                                       f"--- stdout ---\n{r.stdout[-3000:]}\n--- stderr ---\n{r.stderr[-3000:]}")
+            ran += 1
+    assert ran, "no README block is marked runnable"
+    report(f"README: ran {ran} commands/blocks, skipped {skipped_cmds} commands in {skipped_blocks} blocks "
+           f"({time.perf_counter() - t0:.0f} s)")
