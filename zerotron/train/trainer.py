@@ -257,6 +257,7 @@ class Trainer:
         bar = Progress(t.steps, self.start_step, cfg.log.every) if lead and cfg.log.progress else None
         tb = open_tensorboard(cfg.log.tensorboard, self.run_dir, self.start_step if self.resume else None, lead)
         die_at = int(os.environ.get("ZEROTRON_FAULT_KILL_AT_STEP", "-1"))  # fault injection for tests
+        die_rank = int(os.environ.get("ZEROTRON_FAULT_KILL_RANK", "0"))  # which rank kill -9s itself
         tok_per_step = t.global_batch * self.seq_len
         first_val = last_val = None
         signals = lifecycle.GracefulStop(t.stop_grace_s, announce=lead)  # installed for the loop only
@@ -310,7 +311,7 @@ class Trainer:
                 saved = saved or self.save(step + 1)
                 signals.done()
                 raise guard.signal_stop(step + 1, saved)
-            if step + 1 == die_at and self.rank == 0:
+            if step + 1 == die_at and self.rank == die_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
         signals.uninstall()
         if bar:
