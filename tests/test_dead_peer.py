@@ -1,5 +1,6 @@
 """A dead or hung peer (issue "runs that never lose work"): the launcher names the worker that failed
 first (not the ones its agent stopped after), and a collective that times out names itself and its peers."""
+import json
 import os
 import signal
 import subprocess
@@ -7,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from zerotron.launch import describe_failures
 
@@ -45,3 +48,38 @@ def test_kill9_of_rank1_named(tmp_path, data_cache):
     assert r.returncode == 1, r.stderr
     assert ours(r.stderr)[-1].startswith(
         "zerotron: worker 1 failed first (killed by SIGKILL: possibly out of memory (check dmesg))"), r.stderr
+
+
+
+def _hang(sleep_s, out_file):
+    """Rank 1 stops participating (sleeps past the timeout); rank 0's all_reduce must fail fast and
+    name the collective, the group, the peer and the step (written to ``out_file``; the error then
+    propagates, as the process group is broken)."""
+    import torch
+
+    from zerotron.distributed import comm
+
+    comm.set_step(7)
+    t = torch.ones(4)
+    comm.all_reduce(t, tag="grad")  # both ranks: works
+    if torch.distributed.get_rank() == 1:
+        time.sleep(sleep_s)
+        return
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(t, tag="grad")
+    except comm.CollectiveError as e:
+        Path(out_file).write_text(json.dumps([str(e), time.monotonic() - t0, comm.current_op()]))
+        raise
+
+
+def test_hung_peer_named_within_timeout(tmp_path):
+    from zerotron.testing import run_ranks
+
+    with pytest.raises(RuntimeError, match="CollectiveError"):
+        run_ranks(_hang, 2, 10.0, str(tmp_path / "out.json"), timeout_s=4, join_timeout_s=120)
+    msg, waited, current = json.loads((tmp_path / "out.json").read_text())
+    assert msg.startswith("all_reduce (tag 'grad') on group world (ranks [0, 1]) at step 7: rank 0 got no "
+                          "answer from peer(s) [1] (dead or hung peer?"), msg
+    assert "\n" not in msg and current is None and waited < 4 + 5, (msg, waited)
+    print(msg, f"after {waited:.1f}s")

@@ -118,7 +118,7 @@ def load_data(cfg: Config, local_rank: int):
                   val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None)
     if local_rank == 0:
         data = prepare_data(**kwargs)
-    torch.distributed.barrier()
+    comm.wait_barrier(comm.IO_TIMEOUT_S, tag="token_cache")  # may take minutes: its own long timeout
     if local_rank != 0:
         data = prepare_data(**kwargs)
     return data
@@ -274,6 +274,7 @@ class Trainer:
             before = dict(comm.STATS.bytes)
             t0 = time.perf_counter()
             guard.step = step + 1
+            comm.set_step(step + 1)  # named by the watchdog if a collective of this step fails
             out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
                              t.grad_clip, t.dtype, self.device, guard=guard)
             dt = time.perf_counter() - t0
