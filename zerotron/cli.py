@@ -57,6 +57,12 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _collective_error():
+    from .distributed.comm import CollectiveError
+
+    return CollectiveError
+
+
 def _user_errors():
     from .config import ConfigError
     from .data import DataError
@@ -158,6 +164,11 @@ def cmd_train(argv: list[str]) -> int:
         if lock:
             lock.release()
         return e.exit_code
+    except _collective_error() as e:  # a dead or hung peer: one line naming the collective and the peers
+        print(f"zerotron: {e}", file=sys.stderr, flush=True)
+        if lock:
+            lock.release()
+        return 1
     except _user_errors() as e:
         if lock:
             lock.release(failed_validation=True)

@@ -175,8 +175,9 @@ class ParallelConfig:
     """torch DDP only: allow parameters without a gradient in a step (native DDP/ZeRO always do)"""
     backend: str = "auto"
     """auto | gloo | nccl"""
-    timeout_s: float = 300.0
-    """collective timeout in seconds"""
+    timeout_s: float = 120.0
+    """collective timeout in seconds: a dead or hung peer is reported after this (the token-cache
+    wait has its own 30 min; raise this for checkpoint saves slower than it)"""
 
 
 @dataclass

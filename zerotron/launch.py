@@ -61,6 +61,41 @@ def quiet_elastic_logs(level: int = logging.ERROR):
 QUIET_EXIT_CODES = (3, 128 + signal.SIGHUP, 128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
+_STOPPED_BY_AGENT = (-signal.SIGTERM, 128 + signal.SIGTERM)  # what the agent's SIGTERM leaves
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        text = f"killed by {name}"
+        if -code == signal.SIGKILL:
+            text += ": possibly out of memory (check dmesg)"
+        return text
+    return f"exit code {code}"
+
+
+def describe_failures(failures: dict) -> str:
+    """One line naming the worker that failed FIRST (``failures``: global rank -> torch elastic
+    ProcessFailure, with ``exitcode`` and ``timestamp``). Workers that the agent stopped with SIGTERM
+    after another failed are victims, not culprits: the culprit is the earliest failure (then the
+    lowest rank) among those that did not end by SIGTERM; only if every worker did is it the earliest."""
+    if not failures:
+        return "a worker failed; the other workers were stopped. See the messages above."
+    culprits = {r: f for r, f in failures.items() if f.exitcode not in _STOPPED_BY_AGENT} or failures
+    first = min(culprits, key=lambda r: (getattr(culprits[r], "timestamp", 0), r))
+    others = sorted(r for r in failures if r != first)
+    line = f"worker {first} failed first ({_exit_text(failures[first].exitcode)})"
+    if len(culprits) > 1:
+        line += f"; also failed: {sorted(r for r in culprits if r != first)}"
+    victims = [r for r in others if r not in culprits]
+    if victims:
+        line += f"; the agent then stopped worker(s) {victims}"
+    return line + ". See its messages above."
+
+
 def strip_nproc(argv: list[str]) -> list[str]:
     """``argv`` without ``--nproc N`` / ``--nproc=N`` (what the workers of :func:`launch` get)."""
     out, skip = [], False
@@ -105,9 +140,6 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
         quiet = codes & set(QUIET_EXIT_CODES)
         if quiet and codes <= quiet | {-signal.SIGTERM, -signal.SIGKILL}:  # stopped on purpose (the rest
             return max(quiet)                                              # stopped by the agent after)
-        ranks = sorted(failures) if failures else "?"  # keyed by global rank
-        print(f"zerotron: worker(s) {ranks} failed (exit codes "
-              f"{sorted({f.exitcode for f in failures.values()})}); the other workers were stopped. "
-              "See their messages above.", file=sys.stderr)
+        print(f"zerotron: {describe_failures(failures)}", file=sys.stderr)
         return 1
     return 0

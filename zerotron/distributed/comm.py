@@ -23,16 +23,103 @@ reads and writes until its handle is waited (or its future handed to torch, e.g.
 A collective whose tensors overlap an in-flight one raises at once, and code that reads or writes
 memory outside comm (a gradient sum, a free of prefetched storage) calls :func:`assert_idle` first.
 This turns a race (a result that depends on timing) into a deterministic error.
+
+Watchdog (a dead or hung peer): every blocking call and every ``wait`` records the collective in
+progress on this rank in one per-process slot (:func:`current_op`: op, tag, group name, the group's
+global ranks, the trainer's step from :func:`set_step`) and clears it after; no extra collective.
+When the call raises (gloo's timeout, a connection reset by a dead peer) it is re-raised as
+:class:`CollectiveError`, one line naming op, tag, group, peer ranks and step.
+
+Timeouts: every collective is bounded by ``parallel.timeout_s`` (default 120 s: a dead peer is
+reported within about two minutes, not the 30 minutes of torch's default). Waits that are long by
+design use :func:`wait_barrier` with their own, longer timeout (:data:`IO_TIMEOUT_S`): the ranks
+waiting for local rank 0 to build the token cache. Checkpoint saves are bounded by the collective
+timeout too: raise ``parallel.timeout_s`` for multi-GB checkpoints on a slow file system.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 ReduceOp = dist.ReduceOp
+
+IO_TIMEOUT_S = 1800.0
+"""timeout of :func:`wait_barrier` waits that are long by design (building the token cache)"""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a dead or hung peer); ``str()`` is one line naming op,
+    tag, group, peers and step. ``.op`` is the :func:`current_op` dict at the failure."""
+
+    def __init__(self, msg: str, op: dict):
+        super().__init__(msg)
+        self.op = op
+
+
+_CURRENT: dict | None = None
+_STEP: int | None = None
+
+
+def set_step(step: int | None) -> None:
+    """Tell the watchdog the (1-based) optimizer step now running (the trainer calls this)."""
+    global _STEP
+    _STEP = step
+
+
+def current_op() -> dict | None:
+    """The collective this process is blocked in right now (dict: op, tag, group, ranks, step), or None."""
+    return None if _CURRENT is None else dict(_CURRENT)
+
+
+def _group_ranks(group) -> list[int]:
+    try:
+        return list(dist.get_process_group_ranks(_pg(group) or dist.GroupMember.WORLD))
+    except (RuntimeError, ValueError, AttributeError):
+        return []
+
+
+def describe_op(op: dict) -> str:
+    me = dist.get_rank() if dist.is_initialized() else 0
+    peers = [r for r in op["ranks"] if r != me]
+    tag = f" (tag {op['tag']!r})" if op["tag"] else ""
+    step = f" at step {op['step']}" if op["step"] is not None else ""
+    return f"{op['op']}{tag} on group {op['group']} (ranks {op['ranks']}){step}: rank {me} got no answer " \
+           f"from peer(s) {peers}"
+
+
+@contextlib.contextmanager
+def _watch(op: str, group, tag: str = ""):
+    """Record ``op`` as this rank's collective in progress while the block runs; re-raise its
+    failure as a one-line CollectiveError."""
+    global _CURRENT
+    saved = _CURRENT
+    _CURRENT = {"op": op, "tag": tag, "group": group_name(group), "ranks": _group_ranks(group), "step": _STEP}
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        info = dict(_CURRENT)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise CollectiveError(f"{describe_op(info)} (dead or hung peer? {type(e).__name__}: {first})",
+                              info) from e
+    finally:
+        _CURRENT = saved
+
+
+def wait_barrier(timeout_s: float = IO_TIMEOUT_S, group=None, tag: str = "") -> None:
+    """A barrier that may wait up to ``timeout_s`` (longer than the collective timeout) for a rank
+    busy on purpose (gloo: ``monitored_barrier``, which also names the ranks that did not arrive)."""
+    with _watch("barrier", group, tag):
+        if dist.get_backend(_pg(group)) == "gloo":
+            dist.monitored_barrier(group=_pg(group), timeout=timedelta(seconds=timeout_s))
+        else:
+            dist.barrier(group=_pg(group))
 
 
 @dataclass(frozen=True)
@@ -115,8 +202,8 @@ class TrackedWork:
     """A ``torch.distributed.Work`` registered as in flight until :meth:`wait` (or
     :meth:`get_future`, which hands completion to torch). Other attributes are the Work's."""
 
-    def __init__(self, work, op: str, tag: str, tensors):
-        self.work, self.op, self.tag = work, op, tag
+    def __init__(self, work, op: str, tag: str, tensors, group=None):
+        self.work, self.op, self.tag, self.group = work, op, tag, group
         self.spans = [_span(t) for t in tensors if t.numel()]
         _IN_FLIGHT.append(self)
 
@@ -125,7 +212,8 @@ class TrackedWork:
             _IN_FLIGHT.remove(self)
 
     def wait(self, *args, **kwargs):
-        out = self.work.wait(*args, **kwargs)
+        with _watch(self.op, self.group, self.tag):
+            out = self.work.wait(*args, **kwargs)
         self._done()
         return out
 
@@ -178,8 +266,14 @@ def wait_pending() -> int:
     return n
 
 
-def _track(work, op: str, tag: str, *tensors):
-    return TrackedWork(work, op, tag, tensors) if work is not None else None
+def _track(work, op: str, tag: str, *tensors, group=None):
+    return TrackedWork(work, op, tag, tensors, group) if work is not None else None
+
+
+
+def _w(op: str, group, tag: str, async_op: bool = False):
+    """The watchdog for a blocking call; nothing for an async one (its ``wait`` is watched)."""
+    return contextlib.nullcontext() if async_op else _watch(op, group, tag)
 
 
 def _check(t: torch.Tensor, what: str) -> int:
@@ -201,7 +295,9 @@ def _world(group) -> int:
 def all_reduce(t: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, tag: str = ""):
     """In-place all-reduce of ``t`` (any shape) over ``group``. Returns a Work handle if ``async_op``."""
     STATS.record("all_reduce", group, _check(t, "all_reduce"), tag)
-    return _track(dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op), "all_reduce", tag, t)
+    with _w("all_reduce", group, tag, async_op):
+        work = dist.all_reduce(t, op=op, group=_pg(group), async_op=async_op)
+    return _track(work, "all_reduce", tag, t, group=group)
 
 
 def all_reduce_in(t: torch.Tensor, dtype: torch.dtype, op=ReduceOp.SUM, group=None, tag: str = "") -> None:
@@ -219,7 +315,9 @@ def all_reduce_in(t: torch.Tensor, dtype: torch.dtype, op=ReduceOp.SUM, group=No
 def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False, tag: str = ""):
     """In-place broadcast of ``t`` from global rank ``src``."""
     STATS.record("broadcast", group, _check(t, "broadcast"), tag)
-    return _track(dist.broadcast(t, src=src, group=_pg(group), async_op=async_op), "broadcast", tag, t)
+    with _w("broadcast", group, tag, async_op):
+        work = dist.broadcast(t, src=src, group=_pg(group), async_op=async_op)
+    return _track(work, "broadcast", tag, t, group=group)
 
 
 def all_gather(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
@@ -233,7 +331,9 @@ def all_gather(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bo
         raise ValueError(f"all_gather: output must be 1-D with {n}x{inp.numel()} elements, got {tuple(output.shape)}")
     STATS.record("all_gather", group, nbytes, tag)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return _track(fn(output, inp.reshape(-1), group=_pg(group), async_op=async_op), "all_gather", tag, output, inp)
+    with _w("all_gather", group, tag, async_op):
+        work = fn(output, inp.reshape(-1), group=_pg(group), async_op=async_op)
+    return _track(work, "all_gather", tag, output, inp, group=group)
 
 
 def reduce_scatter(output: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
@@ -248,8 +348,9 @@ def reduce_scatter(output: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, gro
         raise ValueError(f"reduce_scatter: input must have {n}x{output.numel()} elements, got {inp.numel()}")
     STATS.record("reduce_scatter", group, nbytes, tag)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return _track(fn(output.reshape(-1), inp.reshape(-1), op=op, group=_pg(group), async_op=async_op),
-                  "reduce_scatter", tag, output, inp)
+    with _w("reduce_scatter", group, tag, async_op):
+        work = fn(output.reshape(-1), inp.reshape(-1), op=op, group=_pg(group), async_op=async_op)
+    return _track(work, "reduce_scatter", tag, output, inp, group=group)
 
 
 def all_to_all(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
@@ -257,20 +358,23 @@ def all_to_all(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bo
     nbytes = _check(inp, "all_to_all input")
     _check(output, "all_to_all output")
     STATS.record("all_to_all", group, nbytes, tag)
-    return _track(dist.all_to_all_single(output, inp, group=_pg(group), async_op=async_op), "all_to_all", tag,
-                  output, inp)
+    with _w("all_to_all", group, tag, async_op):
+        work = dist.all_to_all_single(output, inp, group=_pg(group), async_op=async_op)
+    return _track(work, "all_to_all", tag, output, inp, group=group)
 
 
 def send(t: torch.Tensor, dst: int, group=None, tag: str = "") -> None:
     """Blocking point-to-point send to global rank ``dst``."""
     STATS.record("send", group, _check(t, "send"), tag)
-    dist.send(t, dst=dst, group=_pg(group))
+    with _watch("send", group, tag):
+        dist.send(t, dst=dst, group=_pg(group))
 
 
 def recv(t: torch.Tensor, src: int, group=None, tag: str = "") -> None:
     """Blocking point-to-point receive into ``t`` from global rank ``src``."""
     STATS.record("recv", group, _check(t, "recv"), tag)
-    dist.recv(t, src=src, group=_pg(group))
+    with _watch("recv", group, tag):
+        dist.recv(t, src=src, group=_pg(group))
 
 
 def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group=None, tag: str = "") -> list:
@@ -287,14 +391,16 @@ def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group=None, tag:
 
 def barrier(group=None) -> None:
     """Synchronise all ranks of ``group`` (not counted as traffic)."""
-    dist.barrier(group=_pg(group))
+    with _watch("barrier", group):
+        dist.barrier(group=_pg(group))
 
 
 def all_gather_object(obj, group=None) -> list:
     """Gather any picklable object from every rank of ``group`` (control plane; counted as 0 bytes)."""
     out = [None] * _world(group)
     STATS.record("all_gather_object", group, 0)
-    dist.all_gather_object(out, obj, group=_pg(group))
+    with _watch("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=_pg(group))
     return out
 
 
@@ -302,7 +408,8 @@ def broadcast_object(obj, src: int = 0, group=None):
     """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
     box = [obj]
     STATS.record("broadcast_object", group, 0)
-    dist.broadcast_object_list(box, src=src, group=_pg(group))
+    with _watch("broadcast_object", group):
+        dist.broadcast_object_list(box, src=src, group=_pg(group))
     return box[0]
 
 

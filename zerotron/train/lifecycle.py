@@ -13,6 +13,8 @@ Fault hooks (environment variables, read at the start of ``fit``; for tests):
     ZEROTRON_FAULT_NAN_AT_STEPS    "5" or "3,4,5": make the gradient non-finite at these 1-based steps
     ZEROTRON_FAULT_NAN_RANK        only on this global rank (default: every rank)
     ZEROTRON_FAULT_STEP_SLEEP_S    sleep this long after each step (gives a test time to send a signal)
+    ZEROTRON_FAULT_KILL_AT_STEP    kill -9 this process after this 1-based step (trainer.fit) ...
+    ZEROTRON_FAULT_KILL_RANK       ... on this global rank (default 0)
 """
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def load_data(cfg: Config, local_rank: int):
                   val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None)
     if local_rank == 0:
         data = prepare_data(**kwargs)
-    torch.distributed.barrier()
+    comm.wait_barrier(comm.IO_TIMEOUT_S, tag="token_cache")  # may take minutes: its own long timeout
     if local_rank != 0:
         data = prepare_data(**kwargs)
     return data
@@ -261,6 +261,7 @@ class Trainer:
         bar = Progress(t.steps, self.start_step, cfg.log.every) if lead and cfg.log.progress else None
         tb = open_tensorboard(cfg.log.tensorboard, self.run_dir, self.start_step if self.resume else None, lead)
         die_at = int(os.environ.get("ZEROTRON_FAULT_KILL_AT_STEP", "-1"))  # fault injection for tests
+        die_rank = int(os.environ.get("ZEROTRON_FAULT_KILL_RANK", "0"))  # which rank kill -9s itself
         tok_per_step = t.global_batch * self.seq_len
         first_val = last_val = None
         signals = lifecycle.GracefulStop(t.stop_grace_s, announce=lead)  # installed for the loop only
@@ -277,6 +278,7 @@ class Trainer:
             before = dict(comm.STATS.bytes)
             t0 = time.perf_counter()
             guard.step = step + 1
+            comm.set_step(step + 1)  # named by the watchdog if a collective of this step fails
             out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
                              t.grad_clip, t.dtype, self.device, guard=guard)
             dt = time.perf_counter() - t0
@@ -314,7 +316,7 @@ class Trainer:
                 saved = saved or self.save(step + 1)
                 signals.done()
                 raise guard.signal_stop(step + 1, saved)
-            if step + 1 == die_at and self.rank == 0:
+            if step + 1 == die_at and self.rank == die_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
         signals.uninstall()
         if bar:
