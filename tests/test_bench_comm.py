@@ -96,6 +96,28 @@ def test_bad_arguments_exit_2(capsys):
     assert strip_nproc(["--nproc", "2", "--iters", "3", "--nproc=4"]) == ["--iters", "3"]
 
 
+def test_timing_noise_rule():
+    """max/min > 2 or CV > 0.5 of the per-loop times flags a timing; steady ones pass."""
+    assert bench.timing_noise([1.0]) == (1.0, 0.0) and bench.timing_noise([]) == (1.0, 0.0)
+    spread, cv = bench.timing_noise([1e-3, 1.1e-3, 1.2e-3])
+    assert spread == pytest.approx(1.2) and cv < 0.1 and not bench.is_noisy(spread, cv)
+    spread, cv = bench.timing_noise([1e-3, 1e-3, 2.5e-3])  # one slow loop: max/min 2.5
+    assert spread == pytest.approx(2.5) and bench.is_noisy(spread, cv)
+    assert bench.is_noisy(1.9, 0.6) and not bench.is_noisy(2.0, 0.5)  # CV alone; limits are exclusive
+    # CV of [1, 1, 1, 1.95]: pstdev 0.411 / mean 1.2375 = 0.33, max/min 1.95 -> steady enough
+    assert not bench.is_noisy(*bench.timing_noise([1.0, 1.0, 1.0, 1.95]))
+
+
+def test_noise_warnings_name_op_and_size():
+    steady = {"op": "all_gather", "mode": "blocking", "bytes": 4 * KiB, "loop_spread": 1.1, "loop_cv": 0.05}
+    noisy = {"op": "all_reduce", "mode": "blocking", "bytes": 16 * MiB, "loop_spread": 3.0, "loop_cv": 0.6}
+    plain = {"op": "all_reduce", "mode": "after_compute", "bytes": 16 * MiB}  # no loop times: skipped
+    lines = bench.noise_warnings([steady, noisy, plain])
+    assert len(lines) == 1
+    assert "all_reduce (blocking) 16MiB" in lines[0] and "--iters" in lines[0] and "idle machine" in lines[0]
+    assert "max/min 3.00" in lines[0] and "CV 0.60" in lines[0]
+
+
 def test_single_process_run(tmp_path, capsys):
     """World size 1 in-process: all collectives except p2p run; busbw of all_reduce is 0."""
     out = tmp_path / "r.json"
@@ -105,6 +127,7 @@ def test_single_process_run(tmp_path, capsys):
     assert data["topology"]["world_size"] == 1 and data["topology"]["interconnect"] == CPU_INTERCONNECT
     assert {r["op"] for r in data["results"]} == set(bench.OPS) - {"p2p"}
     assert all(r["busbw_GBps"] == 0 for r in data["results"] if r["op"] == "all_reduce")
+    assert all(r["loop_spread"] >= 1 and r["loop_cv"] >= 0 for r in data["results"] if r["mode"] != "after_compute")
 
 
 def test_two_process_end_to_end(tmp_path):

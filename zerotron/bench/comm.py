@@ -20,6 +20,12 @@ p2p is a ring: rank r sends to (r+1)%n and receives from (r-1)%n in one batch_is
 matmul (as tensor parallelism issues them): time per (matmul, all-reduce) pair - time per matmul
 (on CPU the communication threads must first win a core back from the computing ones); clipped
 at 0.1 us.
+Noise warning: for every blocking and nonblocking timing each rank keeps its per-loop times (time
+per call in each of the 3 loops); a timing is *noisy* when, on some rank, max/min of those times >
+``NOISE_MAX_MIN`` (2) or their coefficient of variation (population stdev / mean) >
+``NOISE_CV`` (0.5). Each result records the worst rank's ``loop_spread`` (max/min) and
+``loop_cv``, and rank 0 prints one warning line per noisy (op, mode, size) to stderr, suggesting
+more ``--iters`` or an idle machine (:func:`noise_warnings`).
 A ``zerotron plan --calibrate`` fit of these times gives each op's latency and busbw.
 The overlap test runs a matmul (sized to take about as long as the all-reduce), the all-reduce,
 and both together (async all-reduce, matmul, wait): hidden = (t_mm + t_ar - t_both) /
@@ -48,6 +54,8 @@ UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 DEFAULT_SIZES = "4KiB:16MiB"
 _NONBLOCKING_BUFFER_BYTES = 256 << 20  # at most this much memory for the K async all-reduce buffers
 _TAG = "bench"
+NOISE_MAX_MIN = 2.0  # a timing is noisy when max/min of its per-loop times exceeds this ...
+NOISE_CV = 0.5  # ... or their coefficient of variation (pstdev / mean) does
 
 
 def parse_size(text: str) -> int:
@@ -114,10 +122,44 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def timing_noise(times: list[float]) -> tuple[float, float]:
+    """``(max/min, coefficient of variation)`` of repeated timings of one thing (seconds, > 0);
+    the CV is the population stdev / mean. ``(1.0, 0.0)`` for fewer than 2 timings."""
+    if len(times) < 2:
+        return 1.0, 0.0
+    lo, mean = min(times), statistics.fmean(times)
+    spread = max(times) / lo if lo > 0 else float("inf")
+    return spread, (statistics.pstdev(times) / mean if mean > 0 else 0.0)
+
+
+def is_noisy(spread: float, cv: float) -> bool:
+    """The module docstring's rule: max/min > ``NOISE_MAX_MIN`` or CV > ``NOISE_CV``."""
+    return spread > NOISE_MAX_MIN or cv > NOISE_CV
+
+
+def noise_warnings(results: list[dict]) -> list[str]:
+    """One warning line per result whose ``loop_spread``/``loop_cv`` are noisy (:func:`is_noisy`);
+    results without those keys are skipped."""
+    out = []
+    for r in results:
+        spread, cv = r.get("loop_spread"), r.get("loop_cv")
+        if spread is None or cv is None or not is_noisy(spread, cv):
+            continue
+        out.append(f"warning: {r['op']} ({r['mode']}) {format_size(r['bytes'])}: noisy timing, per-loop times "
+                   f"max/min {spread:.2f} (limit {NOISE_MAX_MIN:g}), CV {cv:.2f} (limit {NOISE_CV:g}); "
+                   "rerun with more --iters or on an idle machine")
+    return out
+
+
 def _median_time(fn, iters: int, warmup: int, dev, barrier: bool = True, loops: int = 3) -> float:
-    """Seconds per ``fn()`` call, nccl-tests style: ``warmup`` calls, then ``loops`` loops of
-    ``max(1, iters // loops)`` back-to-back calls (a barrier before each loop when ``barrier``),
-    each loop's time / its calls; the median over loops."""
+    """Seconds per ``fn()`` call: the median of :func:`_loop_times`."""
+    return statistics.median(_loop_times(fn, iters, warmup, dev, barrier, loops))
+
+
+def _loop_times(fn, iters: int, warmup: int, dev, barrier: bool = True, loops: int = 3) -> list[float]:
+    """Seconds per ``fn()`` call in each loop, nccl-tests style: ``warmup`` calls, then ``loops``
+    loops of ``max(1, iters // loops)`` back-to-back calls (a barrier before each loop when
+    ``barrier``), each loop's time / its calls."""
     for _ in range(warmup):
         fn()
     k, ts = max(1, iters // loops), []
@@ -130,7 +172,7 @@ def _median_time(fn, iters: int, warmup: int, dev, barrier: bool = True, loops: 
             fn()
         _sync(dev)
         ts.append((time.perf_counter() - t0) / k)
-    return statistics.median(ts)
+    return ts
 
 
 def _setup(op: str, nbytes: int, n: int, rank: int, dev):
@@ -173,15 +215,16 @@ def _setup(op: str, nbytes: int, n: int, rank: int, dev):
     raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
 
 
-def _time_nonblocking(nbytes: int, iters: int, dev) -> float:
-    """Seconds per all-reduce when ``iters`` async all-reduces are issued back to back, then waited."""
+def _time_nonblocking(nbytes: int, iters: int, dev) -> list[float]:
+    """Seconds per all-reduce when ``iters`` async all-reduces are issued back to back, then waited,
+    in each of 3 loops of one burst (:func:`_loop_times`)."""
     nb = max(2, min(iters, _NONBLOCKING_BUFFER_BYTES // nbytes))
     bufs = [torch.zeros(nbytes // 4, device=dev) for _ in range(nb)]
 
     def burst():
         for h in [comm.all_reduce(bufs[i % nb], async_op=True, tag=_TAG) for i in range(iters)]:
             h.wait()
-    return _median_time(burst, 5, 1, dev) / iters
+    return [t / iters for t in _loop_times(burst, 3, 1, dev)]
 
 
 def _overlap(nbytes: int, iters: int, warmup: int, dev) -> dict:
@@ -231,7 +274,8 @@ def run_benchmark(ops, sizes, iters: int, warmup: int, dev) -> tuple[list[dict],
     Raises RuntimeError if an op gives wrong values (checked once per op on <= 64KiB, where float32
     holds every value exactly)."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    local, mm = [], None  # (op, mode, requested, actual, local median seconds); the ~1 ms matmul
+    # (op, mode, requested, actual, local median seconds, (max/min, CV) of the loop times); the ~1 ms matmul
+    local, mm = [], None
     for op in ops:
         if op == "p2p" and n == 1:
             continue
@@ -243,19 +287,24 @@ def run_benchmark(ops, sizes, iters: int, warmup: int, dev) -> tuple[list[dict],
         for req in sizes:
             nb = actual_bytes(req, n)
             run, _ = _setup(op, nb, n, rank, dev)
-            local.append((op, "blocking", req, nb, _median_time(run, iters, warmup, dev)))
+            ts = _loop_times(run, iters, warmup, dev)
+            local.append((op, "blocking", req, nb, statistics.median(ts), timing_noise(ts)))
             if op == "all_reduce":
-                local.append((op, "nonblocking", req, nb, _time_nonblocking(nb, iters, dev)))
+                ts = _time_nonblocking(nb, iters, dev)
+                local.append((op, "nonblocking", req, nb, statistics.median(ts), timing_noise(ts)))
                 mm = mm or _matmul_of(1e-3, dev)[0]
-                local.append((op, "after_compute", req, nb, _time_after_compute(run, mm, iters, warmup, dev)))
+                local.append((op, "after_compute", req, nb, _time_after_compute(run, mm, iters, warmup, dev), None))
     ov = _overlap(actual_bytes(sizes[-1], n), iters, warmup, dev)
     everyone = comm.all_gather_object((local, ov))
     results = []
-    for i, (op, mode, req, nb, _) in enumerate(local):
+    for i, (op, mode, req, nb, _, noise) in enumerate(local):
         t = max(r[0][i][4] for r in everyone)
         algbw, busbw = bandwidths(op, nb, t, n)
         results.append({"op": op, "mode": mode, "bytes": nb, "requested_bytes": req, "time_s": t,
                         "algbw_GBps": algbw, "busbw_GBps": busbw})
+        if noise is not None:  # the worst rank's spread of its loop times
+            results[-1]["loop_spread"] = max(r[0][i][5][0] for r in everyone)
+            results[-1]["loop_cv"] = max(r[0][i][5][1] for r in everyone)
     overlap = {k: (max(r[1][k] for r in everyone) if k.startswith("t_") else v) for k, v in ov.items()}
     t_mm, t_ar, t_both = overlap["t_matmul_s"], overlap["t_allreduce_s"], overlap["t_both_s"]
     lo = min(t_mm, t_ar)
@@ -352,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zerotron bench comm: {topo['backend']} on {n} rank(s), {dev.type}, {topo['interconnect']}; "
               f"{args.iters} back-to-back calls in 3 loops (median loop) after {args.warmup} warmup, max over ranks; GB = 1e9 bytes")
         print(format_table(results))
+        for line in noise_warnings(results):
+            print(f"zerotron bench comm: {line}", file=sys.stderr)
         if "p2p" in ops and n == 1:
             print("p2p skipped: a ring needs at least 2 ranks")
         print(f"overlap: matmul {overlap['matmul_dim']}^2 {overlap['t_matmul_s'] * 1e3:.2f} ms, all-reduce "
