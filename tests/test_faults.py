@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from zerotron.cli import main
-from zerotron.testing import run_ranks, tiny_config
+from zerotron.testing import checkpoint_flat, run_ranks, tiny_config
 from zerotron.train.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,19 +191,7 @@ def metrics(run):
 
 
 def load_flat(ckpt_dir, out):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(str(ckpt_dir), str(out))
-    flat = {}
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}", v)
-        else:
-            flat[prefix] = obj
-    walk("", torch.load(out, weights_only=False))
-    return flat
+    return checkpoint_flat(ckpt_dir, out)
 
 
 def assert_same_state(a_dir, b_dir, tmp):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from zerotron.config import load_config
+from zerotron.testing import checkpoint_flat
 from zerotron.train.checkpoint import list_checkpoints
 from zerotron.train.optim import lr_at
 
@@ -35,21 +36,7 @@ def train_args(run_dir, cache):
 
 
 def load_flat(ckpt_dir, tmp):
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp / (ckpt_dir.parent.parent.name + ckpt_dir.name + ".pt")
-    dcp_to_torch_save(str(ckpt_dir), str(out))
-    flat = {}
-
-    def walk(prefix, obj):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(f"{prefix}.{k}", v)
-        else:
-            flat[prefix] = obj
-
-    walk("", torch.load(out, weights_only=False))
-    return flat
+    return checkpoint_flat(ckpt_dir, tmp / (ckpt_dir.parent.parent.name + ckpt_dir.name + ".pt"))
 
 
 @pytest.fixture(scope="module")

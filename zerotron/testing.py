@@ -107,3 +107,24 @@ def assert_params_close(params: dict, ref: dict, rtol: float, what: str = "", su
             c = v.shape[0] // 3
             a, v = np.concatenate([a[:c], a[2 * c:]]), np.concatenate([v[:c], v[2 * c:]])
         assert_close_normwise(a, v, rtol, f"{what} {k}")
+
+
+def checkpoint_flat(ckpt_dir, out) -> dict:
+    """Every value of a DCP checkpoint directory as ``{".model.transformer.wte.weight": tensor, ...}``
+    (nested keys joined with "."), via torch's ``dcp_to_torch_save`` into the file ``out``. For
+    bitwise comparisons of two checkpoints in tests."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(ckpt_dir), str(out))
+    flat = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            flat[prefix] = obj
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
