@@ -36,7 +36,7 @@ lint: install-dev
 test: lint
 	$(PY) -m pytest tests $(ARGS)
 
-# every valid layout of the parity matrix (fp64, ~15-22 min on 2 cores); results under benchmarks/
+# every valid layout of the parity matrix (fp64, ~5 min on 2 idle cores); results under benchmarks/
 test-matrix: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
 		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
