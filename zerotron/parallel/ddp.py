@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..config import ConfigError
 from ..distributed import comm
 from .base import Strategy, unique_params
+from .used import UsedMarks
 
 
 class _Bucket:
@@ -86,8 +87,7 @@ class DataParallel(Strategy):
         self.buckets.append(_Bucket(current, current[0].device, current[0].dtype))
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._params = [p for b in self.buckets for p in b.params]
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._used = [False] * len(self._params)  # got a gradient on this rank in this step
+        self._used = UsedMarks(self._params)
         self._next = 0
         self._sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
@@ -102,7 +102,7 @@ class DataParallel(Strategy):
             self._sync = prev
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        self._used[self._index[id(p)]] = True
+        self._used.mark(p)
         if not self._sync:
             return
         b = self.buckets[self._bucket_of[id(p)]]
@@ -128,8 +128,7 @@ class DataParallel(Strategy):
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
-        used = torch.tensor(self._used, dtype=torch.float32, device=self.buckets[0].buffer.device)
-        used_work = comm.all_reduce(used, group=self.group, async_op=True, tag="grad_used")
+        self._used.launch(self.group, self.buckets[0].buffer.device)
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -137,15 +136,13 @@ class DataParallel(Strategy):
             b.ready.clear()
         self._next = 0
         self.sync_tp_replicated()
-        used_work.wait()
-        if not all(self._used):  # else every rank's count is >= 1 here: nothing to skip, no host read
-            for p, n in zip(self._params, used.tolist()):
-                if n == 0:
-                    p.grad = None  # zero on every rank; the optimizer skips it (zero_grad re-attaches)
+        for p, used in zip(self._params, self._used.result()):
+            if not used:
+                p.grad = None  # zero on every rank; the optimizer skips it (zero_grad re-attaches)
 
     def zero_grad(self) -> None:
         """Zero the flat gradient buffers (grads stay views into them) and the used marks."""
-        self._used = [False] * len(self._params)
+        self._used.reset()
         for b in self.buckets:
             b.buffer.zero_()
             off = 0

@@ -57,6 +57,7 @@ from . import precision
 from .base import Strategy
 from .optim import build_optimizer, decay_mask
 from .tensor import is_tp_sharded
+from .used import UsedMarks
 from .zero_state import ZeroStateMixin
 
 
@@ -296,8 +297,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
                 self.flats.append(flats)
         self.all_flats = [f for fl in self.flats for f in fl]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
-        self._pindex = {id(p): i for i, p in enumerate(p for f in self.all_flats for p in f.params)}
-        self._used = [False] * len(self._pindex)  # got a gradient on this rank in this step
+        self._used = UsedMarks([p for f in self.all_flats for p in f.params])
         self._ready = [set() for _ in self.flats]
         self._order = list(range(len(self.flats) - 1, 0, -1)) + [0]  # reduce order: last block .. root
         self._next = 0
@@ -347,7 +347,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             self._sync = prev
 
     def zero_grad(self) -> None:
-        self._used = [False] * len(self._pindex)
+        self._used.reset()
         for f in self.all_flats:
             f.shard_grad.zero_()
             f.master.grad = None
@@ -391,9 +391,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         """Sum the per-parameter "got a gradient" marks over dp (one small all-reduce per step,
         one float per parameter) into each buffer's ``used``; sequence parallel: sum tp-replicated
         gradient shards over tp; hand the shard gradients to the optimizer."""
-        used = torch.tensor(self._used, dtype=torch.float32, device=self.all_flats[0].master.device)
-        comm.all_reduce(used, group=self.group, tag="grad_used")
-        flags = [True] * len(self._used) if all(self._used) else (used > 0).tolist()  # no host read if all used here
+        self._used.launch(self.group, self.all_flats[0].master.device)
+        flags = self._used.result()
         i = 0
         for f in self.all_flats:
             f.used, i = flags[i:i + len(f.params)], i + len(f.params)
@@ -472,7 +471,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
 
     # ---- hooks -------------------------------------------------------------------------------
     def _on_grad(self, p) -> None:
-        self._used[self._pindex[id(p)]] = True
+        self._used.mark(p)
         if not self._sync:
             return
         u = self._unit_of[id(p)]
