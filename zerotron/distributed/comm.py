@@ -61,7 +61,7 @@ class CollectiveError(RuntimeError):
         self.op = op
 
 
-_CURRENT: dict | None = None
+_CURRENT: tuple | None = None
 _STEP: int | None = None
 
 
@@ -73,7 +73,12 @@ def set_step(step: int | None) -> None:
 
 def current_op() -> dict | None:
     """The collective this process is blocked in right now (dict: op, tag, group, ranks, step), or None."""
-    return None if _CURRENT is None else dict(_CURRENT)
+    return None if _CURRENT is None else _describe_slot(_CURRENT)
+
+
+def _describe_slot(slot: tuple) -> dict:
+    op, tag, group, step = slot  # the group's ranks are looked up only here, off the hot path
+    return {"op": op, "tag": tag, "group": group_name(group), "ranks": _group_ranks(group), "step": step}
 
 
 def _group_ranks(group) -> list[int]:
@@ -98,13 +103,13 @@ def _watch(op: str, group, tag: str = ""):
     failure as a one-line CollectiveError."""
     global _CURRENT
     saved = _CURRENT
-    _CURRENT = {"op": op, "tag": tag, "group": group_name(group), "ranks": _group_ranks(group), "step": _STEP}
+    _CURRENT = (op, tag, group, _STEP)  # a tuple: no lookups per call
     try:
         yield
     except CollectiveError:
         raise
     except RuntimeError as e:
-        info = dict(_CURRENT)
+        info = _describe_slot(_CURRENT)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CollectiveError(f"{describe_op(info)} (dead or hung peer? {type(e).__name__}: {first})",
                               info) from e
