@@ -8,8 +8,8 @@ import torch
 from ..distributed import comm
 from . import precision
 from .base import unique_params
+from .flat_shard import FlatShard
 from .tensor import is_tp_sharded
-from .zero import FlatShard
 from .zero_state import gather_flats, load_flats_from_owners
 
 __all__ = ["StageZero1"]

@@ -1,0 +1,196 @@
+"""One ZeRO flat buffer (Rajbhandari et al. 2020): the parameters of one unit that share a
+weight-decay flag, padded to a multiple of dp, with this rank's master shard, its shard gradient,
+the reduce-scatter of the gradients and the all-gather of the parameters. Used by
+:class:`~zerotron.parallel.zero.ZeroStrategy` (stages 1-3) and the pipeline's ZeRO-1
+(``pipeline_zero.StageZero1``)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..distributed import comm
+
+
+class FlatShard:
+    """Parameters of one unit sharing a weight-decay flag, stored as one padded flat buffer.
+
+    Attributes: ``names`` (FQNs), ``params``, ``offsets``, ``numel`` (unpadded), ``padded``, ``k``
+    (shard size), ``full`` (padded flat compute copy; module params are views into it),
+    ``master`` (shard in ``master_dtype``: float32, or float64 when the compute dtype is; an
+    ``nn.Parameter`` given to the optimizer)."""
+
+    def __init__(self, names, params, decay: bool, stage: int, group, compute_dtype, reduce_dtype):
+        self.names, self.params, self.decay, self.stage, self.group = names, params, decay, stage, group
+        self.dp, self.rank = group.size(), group.rank()
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)
+        self.k = -(-self.numel // self.dp)
+        self.padded = self.k * self.dp
+        dev = params[0].device
+        self.full = torch.zeros(self.padded, dtype=compute_dtype, device=dev)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels):
+                self.full[off:off + n].copy_(p.detach().reshape(-1))
+                p.data = self.full[off:off + n].view_as(p)
+        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
+        self.aliased = compute_dtype == self.master_dtype and stage < 3  # master is a view of `full`
+        shard = self.full[lo:hi] if self.aliased else self.full[lo:hi].to(self.master_dtype).clone()
+        self.master = nn.Parameter(shard)
+        self.grad_full = None
+        if stage == 1:  # full gradients accumulate in place (param.grad views)
+            self.grad_full = torch.zeros(self.padded, dtype=compute_dtype, device=dev)
+            self.attach_grad_views()
+        self.shard_grad = torch.zeros(self.k, dtype=self.master_dtype, device=dev)
+        if self.aliased and stage == 1:
+            self.shard_grad = self.grad_full[lo:hi]
+        self.pending = None  # (work, input, output) of an in-flight reduce-scatter
+        self.gather_work = None
+        self.used = [True] * len(params)  # per parameter: got a gradient on some dp rank this step
+        self.steps = None  # per-parameter AdamW steps once they differ (None: all = state["step"])
+        if stage == 3:
+            self._set_storage(0)
+
+    def _set_storage(self, nbytes: int) -> None:
+        """Resize ``full``'s storage to ``nbytes`` (0 frees it: stage 3 parameters at rest).
+
+        Raises RuntimeError while an all-gather into ``full`` is pending: the collective would
+        write into freed or moved memory (SIGSEGV, "out of bounds for storage of size 0")."""
+        if self.gather_work is not None:
+            raise RuntimeError(f"ZeRO internal error: resizing the flat buffer of {self.names[0]} while its "
+                               "all-gather is pending")
+        storage = self.full.untyped_storage()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def attach_grad_views(self) -> None:
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            p.grad = self.grad_full[off:off + n].view_as(p)
+
+    # ---- gradients -------------------------------------------------------------------------
+    def launch_reduce(self) -> None:
+        """Reduce-scatter this buffer's gradient (async); stage 2/3 free the full gradients."""
+        if self.stage == 1:
+            inp = self.grad_full if self.grad_full.dtype == self.reduce_dtype else self.grad_full.to(self.reduce_dtype)
+        else:
+            inp = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.full.device)
+            for p, off, n in zip(self.params, self.offsets, self.numels):
+                if p.grad is not None:
+                    inp[off:off + n].copy_(p.grad.reshape(-1))
+                    p.grad = None
+        out = torch.empty(self.k, dtype=self.reduce_dtype, device=inp.device)
+        work = comm.reduce_scatter(out, inp, group=self.group, async_op=True, tag="grad")
+        self.pending = (work, inp, out)
+
+    def wait_reduce(self) -> None:
+        """Finish the in-flight reduce-scatter and accumulate into the master-dtype shard gradient."""
+        if self.pending is None:
+            return
+        work, _, out = self.pending
+        work.wait()
+        if self.stage == 1:
+            self.shard_grad.copy_(out)
+        else:
+            self.shard_grad.add_(out.to(self.master_dtype))
+        self.pending = None
+
+    # ---- parameters ------------------------------------------------------------------------
+    def launch_gather(self) -> None:
+        """All-gather the master shards into ``full`` (async). Stage 3: re-allocates ``full``."""
+        if self.gather_work is not None:
+            return
+        if self.stage == 3 and self.full.untyped_storage().size() > 0:
+            return  # already gathered
+        self._set_storage(self.full.numel() * self.full.element_size())
+        src = self.master.detach() if self.master.dtype == self.compute_dtype else self.master.detach().to(self.compute_dtype)
+        if self.aliased:
+            src = src.clone()  # input must not alias the output buffer
+        self.gather_work = (comm.all_gather(self.full, src, group=self.group, async_op=True, tag="param"), src)
+
+    def wait_gather(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work[0].wait()
+            self.gather_work = None
+
+    def free(self) -> None:
+        """Release ``full``'s storage (stage 3). An all-gather still writing into it (a prefetch
+        whose unit did not run) is waited for first, so no collective ever targets freed memory."""
+        self.wait_gather()
+        self._set_storage(0)
+
+    @torch.no_grad()
+    def adamw_step(self, optimizer) -> None:
+        """torch AdamW's update (decoupled decay, bias correction) on this rank's master shard,
+        parameter by parameter: only parameters with ``used[j]`` step, each with its own step
+        count, so a parameter without gradient keeps its value, moments and step exactly as torch's
+        optimizer leaves a parameter whose grad is None. Needs ``master.grad`` (the shard gradient).
+        Raises ValueError for amsgrad / maximize groups (not used by zerotron)."""
+        group = next(g for g in optimizer.param_groups if any(q is self.master for q in g["params"]))
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("ZeRO per-parameter AdamW step: amsgrad/maximize are not supported")
+        state = optimizer.state[self.master]
+        if not state:  # the state torch's AdamW creates lazily
+            state["step"] = torch.tensor(0.0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros_like(self.master, memory_format=torch.preserve_format)
+        steps = list(self.steps) if self.steps is not None else [int(state["step"])] * len(self.params)
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lo, grad = self.rank * self.k, self.master.grad
+        for j, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            if not self.used[j]:
+                continue
+            steps[j] += 1  # counted on every rank, whether or not the parameter lies in this shard
+            a, b = max(off - lo, 0), min(off + n - lo, self.k)
+            if a >= b:
+                continue
+            p, g, m, v = self.master[a:b], grad[a:b], state["exp_avg"][a:b], state["exp_avg_sq"][a:b]
+            p.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / (1 - b2 ** steps[j]) ** 0.5).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** steps[j]))
+        self.steps = steps if len(set(steps)) > 1 else None
+        state["step"] = torch.tensor(float(max(steps)))
+
+    def param_step(self, j: int, state: dict) -> torch.Tensor:
+        """AdamW step count of parameter ``j`` (float scalar tensor), given this buffer's state."""
+        return torch.tensor(float(self.steps[j])) if self.steps is not None else state["step"].clone()
+
+    @torch.no_grad()
+    def canonical_to_flat(self, params: dict, opt_state: dict) -> tuple:
+        """``(flat, {"exp_avg", "exp_avg_sq"}, steps or None)``: padded master-dtype full vectors of this
+        buffer built from canonical per-parameter tensors (``params[name]`` dense values,
+        ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"}); ``steps``: float tensor of the
+        per-parameter step counts (0 for a parameter without state), None if none has state."""
+        flat = torch.zeros(self.padded, dtype=self.master_dtype)
+        st = {k: torch.zeros(self.padded, dtype=self.master_dtype) for k in ("exp_avg", "exp_avg_sq")}
+        steps = torch.zeros(len(self.params))
+        for j, (name, off, n) in enumerate(zip(self.names, self.offsets, self.numels)):
+            flat[off:off + n] = params[name].reshape(-1).to(self.master_dtype).cpu()
+            if name in opt_state:
+                for k in st:
+                    st[k][off:off + n] = opt_state[name][k].reshape(-1).to(self.master_dtype).cpu()
+                steps[j] = float(opt_state[name]["step"])
+        return flat, st, steps if any(name in opt_state for name in self.names) else None
+
+    @torch.no_grad()
+    def load_flat(self, flat: torch.Tensor, st: dict, step, optimizer) -> None:
+        """Set this rank's master shard (and its AdamW state when ``step`` is not None: one count, or
+        one per parameter) from padded full vectors (:meth:`canonical_to_flat`). Parameters
+        (compute copies) are not re-gathered."""
+        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
+        self.master.copy_(flat[lo:hi])
+        if step is not None:
+            state = optimizer.state[self.master]
+            steps = [int(x) for x in torch.as_tensor(step, dtype=torch.float64).reshape(-1).tolist()]
+            steps = steps * len(self.params) if len(steps) == 1 else steps
+            self.steps = steps if len(set(steps)) > 1 else None
+            state["step"] = torch.tensor(float(max(steps)))
+            for k in st:
+                state[k] = st[k][lo:hi].clone().to(self.master.device)
+
+    def load_canonical(self, params: dict, opt_state: dict, optimizer) -> None:
+        """:meth:`load_flat` of :meth:`canonical_to_flat` (every rank holds the full state)."""
+        self.load_flat(*self.canonical_to_flat(params, opt_state), optimizer)
