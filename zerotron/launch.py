@@ -77,15 +77,23 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
+def _killed_by_signal(code) -> bool:
+    return isinstance(code, int) and code < 0
+
+
 def describe_failures(failures: dict) -> str:
     """One line naming the worker that failed FIRST (``failures``: global rank -> torch elastic
     ProcessFailure, with ``exitcode`` and ``timestamp``). Workers that the agent stopped with SIGTERM
     after another failed are victims, not culprits: the culprit is the earliest failure (then the
-    lowest rank) among those that did not end by SIGTERM; only if every worker did is it the earliest."""
+    lowest rank) among those that did not end by SIGTERM; only if every worker did is it the earliest.
+    A worker killed by a signal (kill -9, out of memory) comes before workers that exited with a code:
+    its peers then fail their next collective (connection reset, exit 1) within the same second, and
+    torch elastic's timestamps have one-second resolution."""
     if not failures:
         return "a worker failed; the other workers were stopped. See the messages above."
     culprits = {r: f for r, f in failures.items() if f.exitcode not in _STOPPED_BY_AGENT} or failures
-    first = min(culprits, key=lambda r: (getattr(culprits[r], "timestamp", 0), r))
+    first = min(culprits, key=lambda r: (not _killed_by_signal(culprits[r].exitcode),
+                                         getattr(culprits[r], "timestamp", 0), r))
     others = sorted(r for r in failures if r != first)
     line = f"worker {first} failed first ({_exit_text(failures[first].exitcode)})"
     if len(culprits) > 1:
