@@ -8,16 +8,22 @@ LayerNorm and an output projection tied to the token embedding.
 Shapes used throughout: B batch, T sequence length, C = n_embd, V = vocab_size,
 H = n_head, D = C // H (head_dim).
 
-This file holds no parallelism code: strategies in ``zerotron.parallel`` transform a plain ``GPT``.
+This file holds no parallelism code: strategies in ``zerotron.parallel`` transform a plain ``GPT``
+through the description :meth:`GPT.layout` returns (``zerotron.models.layout``). ``forward`` and
+``generate`` are the shared ones of ``zerotron.models.base.CausalLM``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from .base import CausalLM, KVCache, causal_attention
+from .layout import ModelLayout, TPLinear
 
 
 @dataclass
@@ -73,69 +79,33 @@ def preset_config(name: str, **overrides) -> GPTConfig:
     return GPTConfig(**{**PRESETS[name], **overrides}).validate()
 
 
-class KVCache:
-    """Per-layer key/value tensors for incremental decoding.
-
-    ``keys[i]`` and ``values[i]`` have shape (B, H, T_cached, D). Attention layer ``i`` calls
-    ``update(i, k, v)`` with the new (B, H, T_new, D) keys/values and attends to what it returns.
-    """
-
-    def __init__(self, n_layer: int):
-        self.keys: list[torch.Tensor | None] = [None] * n_layer
-        self.values: list[torch.Tensor | None] = [None] * n_layer
-
-    def __len__(self) -> int:
-        """Number of cached positions (of layer 0; all layers agree between forward calls)."""
-        return 0 if self.keys[0] is None else self.keys[0].size(2)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """Append k, v (B, H, T_new, D) for ``layer``; return all cached (B, H, T_total, D)."""
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def reset(self) -> None:
-        """Drop every cached tensor."""
-        self.keys = [None] * len(self.keys)
-        self.values = [None] * len(self.values)
-
-
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: (B, T, C) -> (B, T, C).
 
-    ``c_attn`` output rows are ordered [q | k | v]; each C-wide part is split into heads via
-    view(B, T, H, D). Scores are scaled by 1/sqrt(D) (Vaswani et al. 2017) inside
-    ``F.scaled_dot_product_attention``.
+    ``c_attn`` output rows are ordered [q | k | v]; each third is split into heads via
+    view(B, T, -1, D), so a column-parallel ``c_attn`` holding H/tp heads of each part works as is.
+    Scores are scaled by 1/sqrt(D) (Vaswani et al. 2017) inside ``F.scaled_dot_product_attention``.
     """
 
     def __init__(self, cfg: GPTConfig, layer_idx: int = 0):
         super().__init__()
-        self.n_head, self.n_embd, self.layer_idx = cfg.n_head, cfg.n_embd, layer_idx
+        self.head_dim, self.layer_idx = cfg.n_embd // cfg.n_head, layer_idx
         self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.dropout_rng = contextlib.nullcontext  # attention-probability dropout stream (TP: tracked)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        qkv = self.c_attn(x)  # (B, T, 3 * H_local * D); T is the full sequence even under SP
+        B, T, _ = qkv.shape
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H, S, D), S = cached + T
-        S = k.size(2)
-        mask, causal = None, False
-        if S == T:
-            causal = True  # no earlier context: plain causal attention
-        elif T > 1:
-            # new query i sits at absolute position S - T + i and sees keys 0 .. S - T + i
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-        # else T == 1 with a cache: the single new token may attend to every cached position
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        p = self.dropout if self.training else 0.0
+        with self.dropout_rng() if p > 0 else contextlib.nullcontext():
+            y = causal_attention(q, k, v, p)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
 class MLP(nn.Module):
@@ -170,7 +140,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
+class GPT(CausalLM):
     """GPT-2 language model: token ids (B, T) -> next-token logits (B, T, V).
 
     Module names match HF ``GPT2LMHeadModel`` (``transformer.wte``, ``transformer.h.0.attn.c_attn``,
@@ -222,69 +192,35 @@ class GPT(nn.Module):
     def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """Token + position embeddings (then dropout): idx (B, T) int64 -> (B, T, C).
 
-        Positions are start_pos .. start_pos+T-1. Raises ValueError if idx is not 2-D or
-        start_pos + T > block_size.
+        Positions are start_pos .. start_pos+T-1; under sequence parallelism (``parallel_hooks.
+        seq_shard()`` = (i, n)) the token embedding returns this rank's (B, T/n, C) and the positions
+        are those of shard i. Raises ValueError if idx is not 2-D or start_pos + T > block_size.
         """
-        if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        T = idx.size(1)
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence too long: start_pos {start_pos} + length {T} = "
-                             f"{start_pos + T} > block_size {self.config.block_size}")
+        self.check_positions(idx, start_pos)
+        index, count = self.parallel_hooks.seq_shard()
+        T = idx.size(1) // count
+        start_pos += index * T
         pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def layout(self) -> ModelLayout:
+        """GPT-2's layout for the parallel engine: wte/wpe/drop before the blocks, ln_f and the tied
+        lm_head after; attention and MLP Megatron-split (fused [q|k|v] as 3 chunks of whole heads)."""
+        if getattr(self, "_layout", None) is None:
+            cfg, D = self.config, self.config.n_embd // self.config.n_head
+            self._layout = ModelLayout(
+                blocks="transformer.h",
+                embedding=("transformer.wte", "transformer.wpe", "transformer.drop"),
+                head=("transformer.ln_f", "lm_head"),
+                token_embedding="transformer.wte", output="lm_head",
+                tied=(("lm_head.weight", "transformer.wte.weight"),),
+                block_tp={"attn.c_attn": TPLinear("column", chunks=3, granule=D),
+                          "attn.c_proj": TPLinear("row"),
+                          "mlp.c_fc": TPLinear("column"), "mlp.c_proj": TPLinear("row")},
+                attention="attn", width=cfg.n_embd, vocab_size=cfg.vocab_size,
+                tp_divides={"n_head": cfg.n_head})
+        return self._layout
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final LayerNorm and tied output projection: (B, T, C) -> logits (B, T, V)."""
         return self.lm_head(self.transformer.ln_f(x))
-
-    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """idx (B, T) int64 -> logits (B, T, V), float; no loss here (the trainer computes it).
-
-        With ``kv_cache`` the tokens continue the cached sequence (positions len(cache) onward)
-        and the cache grows by T. Raises ValueError if len(cache) + T > block_size.
-        """
-        x = self.embed(idx, start_pos=len(kv_cache) if kv_cache is not None else 0)
-        for block in self.transformer.h:
-            x = block(x, kv_cache)
-        return self.head(x)
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Autoregressive sampling: idx (B, T0) -> (B, T0 + max_new_tokens) int64.
-
-        One prefill forward, then one token per step through a KVCache. ``temperature == 0`` is
-        greedy argmax (deterministic); otherwise logits / temperature, optionally restricted to
-        the ``top_k`` largest, are sampled with ``torch.multinomial(generator=generator)``.
-        Context cropping: the model only sees the last block_size tokens. When the cache is full,
-        it is rebuilt from the last block_size tokens (positions restart at 0), exactly what a
-        no-cache loop over ``idx[:, -block_size:]`` computes; past that point each step is a
-        full forward. Dropout is active if the model is in training mode: call ``eval()`` first.
-        Raises ValueError for an empty prompt, negative max_new_tokens/temperature or top_k < 1.
-        """
-        if idx.dim() != 2 or idx.size(1) == 0:
-            raise ValueError(f"idx must have shape (B, T0) with T0 >= 1, got {tuple(idx.shape)}")
-        if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-            raise ValueError(f"need max_new_tokens >= 0, temperature >= 0, top_k >= 1; got "
-                             f"{max_new_tokens}, {temperature}, {top_k}")
-        block_size = self.config.block_size
-        cache = KVCache(self.config.n_layer)
-        next_input = idx[:, -block_size:]
-        for _ in range(max_new_tokens):
-            if len(cache) + next_input.size(1) > block_size:  # window full: re-prefill, cropped
-                cache.reset()
-                next_input = idx[:, -block_size:]
-            logits = self(next_input, kv_cache=cache)[:, -1, :].float()  # (B, V)
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
-                next_token = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat([idx, next_token], dim=1)
-            next_input = next_token
-        return idx
