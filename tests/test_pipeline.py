@@ -88,11 +88,12 @@ def _train(lay: dict) -> dict:
         strategy = PipelineStrategy(model, mesh, cfg)
         module = strategy.module
         out["stage_modules"] = strategy.stage_modules()
-        # pp > 1: only this rank's stages keep parameter storage (tied copy counted once)
+        # pp > 1: only this rank's stages keep parameter storage (the last holds the tied weight too)
         held = sum(q.untyped_storage().nbytes() for q in model.parameters())
         own = sum(q.numel() * q.element_size() for q in module.parameters()
                   if any(q is r for r in model.parameters()))
         out["param_bytes"] = (held, own, strategy.released_bytes, sum(q.numel() * 8 for q in model.parameters()))
+        out["tied_bytes"] = 0 if strategy.tied is None else strategy.tied.numel() * strategy.tied.element_size()
     if lay.get("gen"):
         out["gen"] = (pipeline_generate(strategy, prompt, 14).tolist(), dense_gen)
     opt = strategy.build_optimizer(cfg.train, decay_mask(model))
@@ -259,7 +260,10 @@ def test_pp2_parity_all_schedules(refs, pp2):
     for r in pp2["runs"]:
         held, own, released, total = r[0]["param_bytes"]
         assert held == own and released == total - own and 0 < own < total, r[0]["param_bytes"]
-    assert sum(r[0]["param_bytes"][1] for r in pp2["runs"]) == pp2["runs"][0][0]["param_bytes"][3]
+    # every parameter on exactly one rank, except the tied embedding/head: on the first and last
+    tied_bytes = pp2["runs"][-1][0]["tied_bytes"]
+    assert tied_bytes > 0 and tied_bytes == pp2["runs"][0][0]["tied_bytes"]
+    assert sum(r[0]["param_bytes"][1] for r in pp2["runs"]) == pp2["runs"][0][0]["param_bytes"][3] + tied_bytes
 
 
 def test_pp2_measured_bubble(pp2):

@@ -219,7 +219,7 @@ def _check_model(g, n, r):
         assert torch.equal(tp.generate(prompt, 15, temperature=0), dense.generate(prompt, 15, temperature=0))
         out_t = tp.generate(prompt, 6, top_k=10, generator=torch.Generator().manual_seed(3))
         assert torch.equal(out_t, dense.generate(prompt, 6, top_k=10, generator=torch.Generator().manual_seed(3)))
-        assert tp.sequence_parallel == sp and not tp._full_logits
+        assert tp.sequence_parallel == sp and not tp.parallel_hooks.full_logits
 
     # errors: tp must divide n_head; SP needs T divisible by tp
     with pytest.raises(ValueError, match="must divide n_head"):

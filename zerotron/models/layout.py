@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-__all__ = ["TPLinear", "ModelLayout", "get_module", "set_module"]
+__all__ = ["TPLinear", "ModelLayout", "get_module", "set_module", "retie"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +95,12 @@ def set_module(root, path: str, module) -> None:
     """Replace (or register) the submodule of ``root`` at dotted ``path`` with ``module``."""
     parent, _, name = path.rpartition(".")
     setattr(get_module(root, parent), name, module)
+
+
+def retie(model, layout: ModelLayout) -> None:
+    """Make every (alias, owner) pair of ``layout.tied`` the same Parameter again in ``model`` (e.g.
+    after ``to_empty``, which creates new Parameters). Raises AttributeError for a missing name."""
+    for alias, owner in layout.tied:
+        omod, _, oname = owner.rpartition(".")
+        amod, _, aname = alias.rpartition(".")
+        setattr(get_module(model, amod), aname, getattr(get_module(model, omod), oname))

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..models.layout import get_module
+
 MODES = ("none", "selective", "full")
 
 
@@ -30,14 +32,16 @@ def _recompute(forward):
 
 
 def apply_activation_checkpointing(model, mode: str):
-    """Make every block of ``model`` (``model.transformer.h``) recompute its activations in backward.
+    """Make every block of ``model`` (``model.layout().blocks``; with "selective" the block's
+    ``layout().attention`` submodule) recompute its activations in backward.
 
     Returns ``model`` (modified in place). Raises ValueError for an unknown ``mode``."""
     if mode not in MODES:
         raise ValueError(f"train.activation_checkpointing must be one of {MODES}, got {mode!r}")
     if mode == "none":
         return model
-    for block in model.transformer.h:
-        target = block if mode == "full" else block.attn
+    lay = model.layout()
+    for block in get_module(model, lay.blocks):
+        target = block if mode == "full" else get_module(block, lay.attention)
         target.forward = _recompute(target.forward)
     return model

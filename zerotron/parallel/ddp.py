@@ -170,9 +170,9 @@ class TorchDDP(Strategy):
         self.module, self.group, self.loss_groups = module, group, [group]
         self.find_unused = find_unused_parameters
         dev = next(module.parameters()).device
-        with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13; GPT has no buffers
+        with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-            self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # no buffers in GPT
+            self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # buffers are rebuilt identically per rank
                            device_ids=[dev] if dev.type == "cuda" else None, gradient_as_bucket_view=True,
                            find_unused_parameters=find_unused_parameters)
 

@@ -27,7 +27,7 @@ from .base import Strategy
 class FSDP2Strategy(Strategy):
     """torch FSDP2 over the dp dimension of ``mesh``.
 
-    Args: ``model`` (identically initialised GPT), ``mesh`` (zerotron Mesh), ``stage`` (2 or 3),
+    Args: ``model`` (identically initialised CausalLM; each block of its layout is one FSDP unit), ``mesh`` (zerotron Mesh), ``stage`` (2 or 3),
     ``dtype`` ("fp32" | "bf16": bf16 compute with fp32 sharded parameters | "fp64"), ``reduce_dtype``
     (see ``parallel.precision``).
     Raises ValueError for stage 1 (FSDP2 has no optimizer-only sharding)."""
@@ -41,10 +41,11 @@ class FSDP2Strategy(Strategy):
                                   reduce_dtype=precision.reduce_dtype(dtype, reduce_dtype))
         dp_mesh = mesh.mesh["dp"]
         reshard = stage == 3
-        for block in model.transformer.h:
+        blocks = list(model.blocks())
+        for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-        for block in model.transformer.h:
+        for block in blocks:
             # torch 2.13's no_sync post-backward reads every block's unsharded parameter, which only
             # exists once the block has been unsharded: a block whose forward never ran (skipped)
             # would raise AttributeError '_unsharded_param'. One gather at set-up creates them.

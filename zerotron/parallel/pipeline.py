@@ -1,10 +1,10 @@
 """Pipeline parallelism over the mesh's "pp" dimension: stage split, schedules, tied weights.
 
-``PipelineStrategy(model, mesh, cfg)`` splits a fully initialised ``GPT`` (identical on every rank)
+``PipelineStrategy(model, mesh, cfg)`` splits a fully initialised ``CausalLM`` (identical on every rank)
 into ``pp * v`` model stages (v = ``parallel.virtual_stages`` for "interleaved", else 1); pipeline
 rank r holds the stages ``c*pp + r`` for its chunks c (Megatron-LM interleaving). Layers are
 balanced (earlier stages take the remainder) or follow ``parallel.pp_split``; model stage 0 also
-holds the embeddings, the last one ``ln_f`` and the tied output projection.
+holds the layout's embedding modules, the last one its head modules (``model.layout()``).
 
 Schedules (``parallel.pp_schedule``, built by ``schedules.build_schedule`` and walked by
 ``pipeline_exec.PipelineExecutor``): "naive" (model parallel: each flush's micro-batches
@@ -17,12 +17,13 @@ over dp by an inner ``DataParallel`` whose hooks fire inside the pipeline backwa
 flush (and only on each chunk's last backward); ``finish_grads`` waits for it and then sums the tied
 embedding/head gradients between the first and last pipeline rank.
 
-Tied weights: the first stage owns ``transformer.wte.weight``; the last stage holds a copy that it
-registers like the dense GPT does, as both ``transformer.wte.weight`` and ``lm_head.weight``. Their
-gradients are summed before every optimizer step (group "pp_tied") and the gradient norm counts the
-tied weight once, so the copies stay bitwise equal. Optimizer-state key choice: the dense model's
-AdamW state for the tied weight is keyed ``transformer.wte.weight`` (``named_parameters``
-de-duplicates to the first name); both pipeline copies use that same key (identical values, DCP
+Tied weights (the layout's ``tied`` pair, e.g. a head tied to the token embedding):
+the first stage owns the parameter; the last stage holds its own copy, registered like the dense
+model does under both names (the owner's module comes along). Their gradients are summed before
+every optimizer step (group "pp_tied") and the gradient norm counts the tied weight once, so the
+copies stay bitwise equal. Optimizer-state key choice: the dense model's AdamW state for the tied
+weight is keyed by the owner name (``named_parameters`` de-duplicates to the first name); both
+pipeline copies use that same key (identical values, DCP
 stores it once), and ``state_dict`` lists the whole model's FQNs in every ``param_groups`` entry, so
 checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
 
@@ -46,9 +47,9 @@ checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
     finish_grads sums the replicated parameters' gradients over tp (ZeRO-1: their dp shards, after
     the reduce-scatter, in ``parallel.reduce_dtype``).
 
-Also: ``last_step_timing()`` (measured busy/idle per rank), ``full_params()`` (the dense GPT with
+Also: ``last_step_timing()`` (measured busy/idle per rank), ``full_params()`` (the dense model with
 every stage's weights broadcast in; collective over pp -- and over tp, which yields a separate
-dense ``GPT`` rebuilt from the gathered shards), ``pipeline_generate`` (greedy decoding).
+dense model rebuilt from the gathered shards), ``pipeline_generate`` (greedy decoding).
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import comm
+from ..models.layout import get_module
 from .base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
 from .ddp import DataParallel
 from .optim import build_optimizer, decay_mask
@@ -76,8 +78,8 @@ __all__ = ["PipelineStrategy", "StageModel", "StageZero1", "pipeline_generate", 
 class PipelineStrategy(PipelineStateMixin, Strategy):
     """Pipeline (x data) parallel strategy; see the module docstring.
 
-    Args: ``model`` (a fully initialised GPT, identical on all ranks, or the TensorParallelGPT
-    made from it; afterwards use ``.module``; with pp > 1 the storage of the parameters of other
+    Args: ``model`` (a fully initialised ``CausalLM``, identical on all ranks, or the tensor-parallel
+    model made from it; afterwards use ``.module``; with pp > 1 the storage of the parameters of other
     ranks' stages is freed (``released_bytes``; shapes kept; ``full_params`` re-creates them for
     the duration of its context), so parameter memory falls with pp), ``mesh``, ``cfg`` (``cfg.parallel``: pp_schedule, microbatches,
     virtual_stages, pp_split, bucket_mb, zero_stage, reduce_dtype; ``cfg.train.dtype``),
@@ -105,7 +107,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         if p.zero_stage not in (0, 1):
             raise ValueError(f"pipeline parallelism supports parallel.zero_stage 0 or 1, got {p.zero_stage}")
         self.dense = model
-        self._dense_copy = None  # dense GPT rebuilt by full_params() for tensor-parallel models
+        self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
         self.module = StageModel(model, [c * self.pp + self.rank for c in range(self.v)], ranges)
         self.tp_group = self.module.tp_group
         d, t = mesh.coords["dp"], mesh.coords["tp"]
@@ -114,7 +116,14 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.pp_group, self.dp_group = mesh.group("pp"), mesh.group("dp")
         self.loss_groups = [self.pp_group, self.dp_group]
         self.first, self.last = self.module.holds(0), self.module.holds(n_stages - 1)
-        self.tied = self.module.transformer["wte"].weight if (self.first or self.last) else None
+        lay = model.layout()
+        if len(lay.tied) > 1:
+            raise ValueError(f"pipeline parallelism supports at most one tied parameter pair, the layout has "
+                             f"{len(lay.tied)}: {list(lay.tied)}")
+        self.tied = None  # the parameter shared by stage 0 and the last stage (e.g. tied embedding/head)
+        if lay.tied and (self.first or self.last):
+            owner = lay.tied[0][1].rpartition(".")
+            self.tied = getattr(get_module(self.module, owner[0]), owner[2])
         self.ddp = self.zero = None
         if p.zero_stage == 1:
             if mask is None:
@@ -128,7 +137,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                                     src_rank=mesh.global_rank(self.rank, 0, t))
         self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
         self.tied_group = None
-        if self.pp > 1:  # one {pp-first, pp-last} group per (dp, tp) coordinate, created everywhere
+        if self.pp > 1 and lay.tied:  # one {pp-first, pp-last} group per (dp, tp) coordinate, made everywhere
             for dd in range(mesh.size("dp")):
                 for tt in range(mesh.size("tp")):
                     ranks = [mesh.global_rank(0, dd, tt), mesh.global_rank(self.pp - 1, dd, tt)]
@@ -144,14 +153,14 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
 
     # ---- structure ---------------------------------------------------------------------------
     def stage_modules(self) -> dict[int, list[str]]:
-        """{model stage: names of the top-level modules it runs} for this rank's stages, e.g.
-        {0: ["transformer.wte", "transformer.wpe", "transformer.h.0", ...]}."""
-        out = {}
+        """{model stage: names of the modules it runs} for this rank's stages: the layout's embedding
+        modules (stage 0), blocks ``<blocks>.<i>`` (global index), head modules (last stage)."""
+        lay, out = self.module.layout(), {}
         for s in self.module.stages:
-            names = ["transformer.wte", "transformer.wpe", "transformer.drop"] if s == 0 else []
-            names += [f"transformer.h.{i}" for i in self.module.layer_ranges[s]]
+            names = list(lay.embedding) if s == 0 else []
+            names += [f"{lay.blocks}.{i}" for i in self.module.layer_ranges[s]]
             if s == self.module.last_stage:
-                names += ["transformer.ln_f", "lm_head"]
+                names += list(lay.head)
             out[s] = names
         return out
 
@@ -286,7 +295,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
 
     def build_optimizer(self, tcfg, mask: dict):
         """AdamW over this rank's parameters; ``mask`` (decay by ``id(param)``) may come from the
-        dense GPT or from ``self.module``; the tied copy is never decayed (an embedding)."""
+        dense model or from ``self.module``; the tied copy is never decayed (an embedding)."""
         if self.zero is not None:  # decay flags were fixed per flat buffer at construction
             return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.zero.all_flats}, tcfg)
         mask = dict(mask)
@@ -332,7 +341,7 @@ def pipeline_generate(strategy: PipelineStrategy, idx: torch.Tensor, max_new_tok
     """Pipelined greedy decoding: idx (B, T0) int64 (the same on every pp rank of a dp coordinate)
     -> (B, T0 + max_new_tokens) on every pp rank. No KV cache: each token recomputes the last
     ``block_size`` positions through the stages; the last stage takes the argmax and broadcasts it
-    over the pp group. Equals ``GPT.generate(idx, n, temperature=0)`` of the dense model.
+    over the pp group. Equals ``CausalLM.generate(idx, n, temperature=0)`` of the dense model.
     Raises ValueError for an empty prompt or max_new_tokens < 0."""
     if idx.dim() != 2 or idx.size(1) == 0 or max_new_tokens < 0:
         raise ValueError(f"need idx (B, T0) with T0 >= 1 and max_new_tokens >= 0, got "
@@ -345,7 +354,7 @@ def pipeline_generate(strategy: PipelineStrategy, idx: torch.Tensor, max_new_tok
     device = idx.device
     src = strategy._peer(strategy.pp - 1)  # last model stage is on pp rank pp-1
     for _ in range(max_new_tokens):
-        ctx = idx[:, -mod.config.block_size:]
+        ctx = idx[:, -mod.config.block_size:]  # the model config's context length
         nxt = torch.empty(idx.size(0), 1, dtype=torch.long, device=device)
 
         def on_output(mb, logits):

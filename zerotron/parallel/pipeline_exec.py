@@ -3,10 +3,9 @@
 ``stage_layer_counts`` splits ``n_layer`` over the pp*v model stages (balanced or ``pp_split``);
 it and ``stage_layer_ranges`` live in ``zerotron.layout`` (pure arithmetic) and are re-exported here.
 
-``StageModel`` keeps this rank's part of a GPT under the ORIGINAL fully-qualified names
-(``transformer.wte``, ``transformer.h.<i>`` in an ``nn.ModuleDict`` keyed by the global layer index,
-``transformer.ln_f``, ``lm_head``), so ``torch.distributed.checkpoint`` state dicts are independent of
-the pipeline layout.
+``StageModel`` keeps this rank's part of a model under the ORIGINAL fully-qualified names (blocks
+in an ``nn.ModuleDict`` keyed by the global layer index), so ``torch.distributed.checkpoint`` state
+dicts are independent of the pipeline layout; what each stage holds comes from ``model.layout()``.
 
 ``PipelineExecutor.run`` walks one rank's actions (``parallel.schedules.Action``) as the schedules
 module docstring prescribes: every maximal run of consecutive SEND/RECV actions is posted as ONE
@@ -30,68 +29,71 @@ import torch.nn as nn
 
 from ..distributed import comm
 from ..layout import stage_layer_counts, stage_layer_ranges
+from ..models.layout import get_module
 from .schedules import COMM, Action
-from .tensor import ColumnParallelLinear, VocabParallelEmbedding
+
+
+def _place(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` at dotted ``path`` under ``root``, creating empty containers on the way."""
+    parts = path.split(".")
+    for part in parts[:-1]:
+        if not hasattr(root, part):
+            root.add_module(part, nn.Module())
+        root = getattr(root, part)
+    root.add_module(parts[-1], module)
+
 
 __all__ = ["stage_layer_counts", "stage_layer_ranges", "StageModel", "forward_only_actions", "PipelineExecutor"]
 
 
 class StageModel(nn.Module):
-    """The modules of the model stages ``stages`` (one per local chunk, in chunk order) of ``model``.
+    """The modules of the model stages ``stages`` (one per local chunk, in chunk order) of ``model``
+    (any ``zerotron.models.base.CausalLM``; what goes where comes from ``model.layout()``).
 
-    ``layer_ranges[s]`` is the range of global layer indices of model stage s; ``n_stages`` = pp*v.
-    Model stage 0 holds ``transformer.wte/wpe/drop``, the last one ``transformer.ln_f`` and
-    ``lm_head``. If the last stage is here but stage 0 is not, the tied output weight is a separate
-    Parameter, a copy of ``wte.weight``, registered (like in the dense GPT) both as
-    ``transformer.wte.weight`` and ``lm_head.weight`` (same Parameter): state-dict and optimizer-
-    state keys are then exactly the dense model's (``named_parameters`` names it
-    ``transformer.wte.weight``). The layer, embedding and norm modules are the ones of ``model``
-    (shared Parameters; no copies, no RNG use).
+    ``layer_ranges[s]`` is the range of global block indices of model stage s; ``n_stages`` = pp*v.
+    Model stage 0 holds the layout's ``embedding`` modules, the last one its ``head`` modules. The
+    modules keep their ORIGINAL fully-qualified names (blocks in an ``nn.ModuleDict`` keyed by the
+    global index at the layout's ``blocks`` path), so state-dict and optimizer-state keys, and
+    ``torch.distributed.checkpoint`` files, are independent of the pipeline layout. They are the
+    modules of ``model`` itself (shared Parameters; no copies, no RNG use). A tied head on a rank
+    that does not hold stage 0 brings the owner's module along (e.g. the token embedding under its
+    dense name), so the tied weight is registered exactly like in the dense model.
 
-    Tensor parallel (``model`` is a ``tp_model.TensorParallelGPT``): the stages run the TP modules
-    as they are (logits of the last stage are vocab shards (b, T, V_pad/tp)); the tied copy is this
-    rank's vocabulary shard (V_pad/tp, C) with the shard metadata of ``wte.weight``, held by a
-    ``VocabParallelEmbedding`` (for ``vocab_start``) and a tied ``ColumnParallelLinear`` head.
-    ``tp_group`` (None without TP) and ``config`` mirror the TP model's, so
+    Stage 0 runs ``model.embed`` and the last stage ``model.head`` (bound methods of the dense
+    model, whose modules these are); tensor-parallel modules run as they are (the last stage's
+    logits are then vocab shards (b, T, V_pad/tp)). ``tp_group`` (None without TP),
+    ``sequence_parallel`` and ``config`` mirror the model's, and ``layout()`` is the model's, so
     ``tp_model.tp_loss_sum`` / ``tp_state_dict_full`` accept a StageModel."""
 
     def __init__(self, model: nn.Module, stages: list[int], layer_ranges: list[range]):
         super().__init__()
         self.config = model.config
+        self._layout = lay = model.layout()
+        object.__setattr__(self, "_dense", model)  # not a submodule: only its embed/head methods
         self.tp_group = getattr(model, "tp_group", None)
         self.sequence_parallel = bool(getattr(model, "sequence_parallel", False))
         self.stages, self.layer_ranges = list(stages), list(layer_ranges)
         self.last_stage = len(layer_ranges) - 1
-        src = model.transformer
-        t = nn.ModuleDict()
-        if 0 in self.stages:
-            t["wte"], t["wpe"], t["drop"] = src.wte, src.wpe, src.drop
-        elif self.last_stage in self.stages:  # tied copy, named as in the dense model
-            w = nn.Parameter(src.wte.weight.detach().clone())
-            for attr in ("tp_sharded", "tp_dim", "tp_chunks", "tp_full_size"):  # TP shard metadata
-                if hasattr(src.wte.weight, attr):
-                    setattr(w, attr, getattr(src.wte.weight, attr))
-            if self.tp_group is not None:
-                emb = VocabParallelEmbedding(src.wte.num_embeddings, src.wte.embedding_dim, self.tp_group,
-                                             src.wte.sequence_parallel, device="meta", dtype=w.dtype)
-                emb.weight, emb.comm_tag = w, src.wte.comm_tag
-                t["wte"] = emb
-            else:
-                t["wte"] = nn.Embedding(w.shape[0], w.shape[1], _weight=w)
-        t["h"] = nn.ModuleDict({str(i): src.h[i] for s in self.stages for i in self.layer_ranges[s]})
+        paths = list(lay.embedding) if 0 in self.stages else []
         if self.last_stage in self.stages:
-            t["ln_f"] = src.ln_f
-        self.transformer = t
-        if self.last_stage in self.stages:
-            if 0 in self.stages:
-                self.lm_head = model.lm_head  # still the same Parameter as wte.weight
-            elif self.tp_group is not None:
-                self.lm_head = ColumnParallelLinear.tied(t["wte"].weight, self.tp_group,
-                                                         model.lm_head.sequence_parallel)
-                self.lm_head.comm_tag = model.lm_head.comm_tag
-            else:
-                self.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-                self.lm_head.weight = t["wte"].weight
+            paths += list(lay.head)
+            if 0 not in self.stages:  # owners of tied parameters live with stage 0: bring them along
+                paths += [owner.rpartition(".")[0] for _, owner in lay.tied]
+        blocks = get_module(model, lay.blocks)
+        here = {lay.blocks: nn.ModuleDict({str(i): blocks[i] for s in self.stages for i in self.layer_ranges[s]})}
+        here.update({p: get_module(model, p) for p in paths})
+        for name, _ in model.named_modules():  # registered in the dense model's order
+            if name in here:
+                _place(self, name, here.pop(name))
+
+    @property
+    def blocks_here(self) -> nn.ModuleDict:
+        """This rank's blocks, keyed by the global block index (str)."""
+        return get_module(self, self._layout.blocks)
+
+    def layout(self):
+        """The dense model's :class:`~zerotron.models.layout.ModelLayout` (same FQNs)."""
+        return self._layout
 
     def holds(self, stage: int) -> bool:
         return stage in self.stages
@@ -100,18 +102,12 @@ class StageModel(nn.Module):
         """Forward of local chunk ``chunk``: tokens (b, T) int64 for model stage 0, else activations
         (b, T, C); returns logits (b, T, V) on the last model stage, else activations (b, T, C)."""
         s = self.stages[chunk]
-        t = self.transformer
         if s == 0:
-            start, T = 0, x.size(1)
-            if self.sequence_parallel:  # wte reduce-scatters over the sequence: this rank's positions
-                T //= self.tp_group.size()
-                start = self.tp_group.rank() * T
-            pos = torch.arange(start, start + T, dtype=torch.long, device=x.device)
-            x = t["drop"](t["wte"](x) + t["wpe"](pos))
+            x = self._dense.embed(x)  # under SP: this rank's sequence shard and its positions
         for i in self.layer_ranges[s]:
-            x = t["h"][str(i)](x)
+            x = self.blocks_here[str(i)](x)
         if s == self.last_stage:
-            x = self.lm_head(t["ln_f"](x))
+            x = self._dense.head(x)
         return x
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -149,7 +145,7 @@ class PipelineExecutor:
     def __init__(self, stage: StageModel, group, pp: int, rank: int, peer_rank, act_dtype: torch.dtype):
         self.stage, self.group, self.pp, self.rank = stage, group, pp, rank
         self.peer_rank, self.act_dtype = peer_rank, act_dtype
-        self.n_embd = stage.config.n_embd
+        self.n_embd = stage.layout().width
         self.busy_s = self.idle_s = 0.0
 
     def run(self, actions: list[Action], tokens: list[torch.Tensor], on_output, autocast,

@@ -1,6 +1,6 @@
 """Checkpoint state of a pipeline rank: the canonical dense, FQN-keyed format shared by every
 layout (tensor-parallel shards gathered, ZeRO-1 shards gathered, the tied copy keyed like the dense
-GPT), and ``full_params`` (the dense model assembled from every stage). Mixed into
+model), and ``full_params`` (the dense model assembled from every stage). Mixed into
 ``pipeline.PipelineStrategy``."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 import torch
 
 from ..distributed import comm
-from ..models.gpt import GPT
+from ..models.layout import get_module, retie
 from .base import unique_params
 from .precision import upcast
 from .tensor import full_tensor, local_shard
@@ -21,10 +21,10 @@ class PipelineStateMixin:
 
     def state_dict(self, optimizer=None):
         """Canonical ``(model_state, optimizer_state)`` of this rank's stages (FQN-keyed, as
-        ``get_state_dict`` gives for the dense GPT). The optimizer's ``param_groups`` (a non-tensor
+        ``get_state_dict`` gives for the dense model). The optimizer's ``param_groups`` (a non-tensor
         entry that DCP stores from ONE rank) are made identical on every rank: each group lists the
-        FQNs of the whole model (union over the pp group, tied weight once as
-        ``transformer.wte.weight``), exactly like the dense model's. Collective over pp; over tp
+        FQNs of the whole model (union over the pp group, tied weight once under its
+        owner's name), exactly like the dense model's. Collective over pp; over tp
         (tensor parallel: shards gathered to dense tensors) and dp (ZeRO-1: shards gathered)."""
         return self._canonical(optimizer, None)
 
@@ -130,24 +130,28 @@ class PipelineStateMixin:
     @contextlib.contextmanager
     def full_params(self):
         """Collective over the pp group (every pp rank must enter): broadcast each model stage's
-        parameters from the pp rank that owns it into the ``GPT`` given at construction and yield
-        that GPT (evaluation, generation, export). Its stage parameters are this rank's own
+        parameters from the pp rank that owns it into the model given at construction and yield
+        it (evaluation, generation, export). Its stage parameters are this rank's own
         Parameters, so use it read-only; the other stages' parameters exist only while the context
         is open (their storage is freed again on exit). Tensor parallel: also collective over tp --
-        the gathered TP model's shards are assembled (``tp_state_dict_full``) into a dense ``GPT``
+        the gathered TP model's shards are assembled (``tp_state_dict_full``) into a dense model
         (built once, kept, refreshed on every call), which is yielded instead."""
         try:
             if self.pp > 1:
                 for q in self._foreign:  # re-allocate (contents arrive by broadcast)
                     q.data.untyped_storage().resize_(q.numel() * q.element_size())
-                t = self.dense.transformer
+                lay, seen = self.dense.layout(), set()
+                blocks = get_module(self.dense, lay.blocks)
                 with torch.no_grad():
                     for s, layers in enumerate(self.module.layer_ranges):
-                        mods = [t.h[i] for i in layers]
-                        mods += [t.wte, t.wpe] if s == 0 else []
-                        mods += [t.ln_f] if s == self.module.last_stage else []
+                        mods = [blocks[i] for i in layers]
+                        mods += [get_module(self.dense, m) for m in lay.embedding] if s == 0 else []
+                        mods += [get_module(self.dense, m) for m in lay.head] if s == self.module.last_stage else []
                         for mod in mods:
                             for q in mod.parameters():
+                                if id(q) in seen:  # a tied parameter: sent once, by stage 0's owner
+                                    continue
+                                seen.add(id(q))
                                 if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
                                     q.data = q.data.to(self.executor.act_dtype)
                                 comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
@@ -158,10 +162,11 @@ class PipelineStateMixin:
             sd = tp_state_dict_full(self.dense)  # collective over tp, fixed key order
             if self._dense_copy is None:
                 with torch.device("meta"):  # no RNG draw, no init cost
-                    g = GPT(self.dense.config)
-                w = self.dense.transformer.wpe.weight
+                    g = type(self.dense)(self.dense.config)
+                w = next(iter(sd.values()))
                 g = g.to_empty(device=w.device).to(w.dtype)  # the training dtype (fp64 mode: float64)
-                g.lm_head.weight = g.transformer.wte.weight  # re-tie (to_empty makes new Parameters)
+                retie(g, g.layout())  # to_empty makes new Parameters
+                g.init_buffers()  # non-persistent buffers (e.g. RoPE tables) are not in sd
                 self._dense_copy = g
             with torch.no_grad():
                 self._dense_copy.load_state_dict(sd)

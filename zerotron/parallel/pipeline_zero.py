@@ -21,7 +21,7 @@ class StageZero1:
 
     Units: the tied embedding/head weight alone (so the first and the last stage hold it in flat
     buffers of the same layout and reduce it with the same arithmetic: the copies stay bitwise
-    equal), the other non-block parameters (wpe, ln_f), then each block; inside a unit one flat
+    equal), the other non-block parameters (e.g. position embeddings and final norm), then each block; inside a unit one flat
     buffer per (weight decay, tp-sharded) pair. Gradients accumulate in full locally (``param.grad``
     are views into each flat's ``grad_full``) over every micro-batch and flush; ``finish_grads``
     reduce-scatters every flat buffer over dp, then sums the tied shard over ``tied_group`` (and,
@@ -40,7 +40,7 @@ class StageZero1:
         names = {}
         for n, q in module.named_parameters():  # first FQN of each (tied) parameter
             names.setdefault(id(q), n)
-        blocks = list(module.transformer["h"].values())
+        blocks = list(module.blocks_here.values())
         in_block = {id(q) for b in blocks for q in b.parameters()}
         root = [q for q in unique_params(module) if id(q) not in in_block and q is not tied]
         units = ([[tied]] if tied is not None else []) + [root] + [unique_params(b) for b in blocks]

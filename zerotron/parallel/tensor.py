@@ -1,6 +1,6 @@
 """Tensor (Megatron) and sequence parallelism: shard metadata and parallel layers. The raw
 collectives and the f / g autograd operators are in ``tp_comm.py``, the vocab-parallel
-cross-entropy in ``tp_loss.py`` (both re-exported here); the RNG tracker and the GPT transform in
+cross-entropy in ``tp_loss.py`` (both re-exported here); the RNG tracker and the model transform in
 ``tp_model.py``.
 
 Sources
@@ -17,10 +17,13 @@ Sources
 Shapes: B batch, T sequence, C channels, V vocabulary; activations are (B, T, C), sequence dim 1.
 Every collective goes through ``zerotron.distributed.comm`` on ``tp_group`` with ``tag`` in forward
 and ``tag + "_bwd"`` in backward. With a group of size 1 every operator is the identity (no call).
-Parameter metadata (set by :func:`mark_sharded`): ``tp_sharded``, ``tp_dim``, ``tp_chunks``,
-``tp_full_size``; :func:`full_tensor` and :func:`shard_tensor` convert between dense and local.
+Parameter metadata (set by :func:`mark_sharded`): one typed record :class:`TPShard` in
+``param.tp_shard`` (absent on tp-replicated parameters); :func:`full_tensor` and
+:func:`shard_tensor` convert between dense and local.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -39,24 +42,40 @@ from .tp_comm import (
 from .tp_loss import vocab_parallel_cross_entropy
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "reduce_scatter_to_sp", "scatter_to_sp",
-           "gather_from_tp", "scatter_to_tp", "vocab_parallel_cross_entropy", "mark_sharded", "is_tp_sharded",
+           "gather_from_tp", "scatter_to_tp", "vocab_parallel_cross_entropy", "TPShard", "mark_sharded",
+           "tp_shard_of", "is_tp_sharded",
            "shard_tensor", "local_shard", "full_tensor", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding"]
 
 
 # ----------------------------------------------------------------------------- shard metadata
+@dataclass(frozen=True)
+class TPShard:
+    """How a parameter is a tensor-parallel slice of a dense tensor: along ``dim``, whose dense size
+    is made of ``chunks`` equal stacked parts (3 for a fused [q|k|v]) each split over tp; the dense
+    size along ``dim`` is ``full_size`` (None: the padded size; a padded vocabulary has
+    full_size < padded size)."""
+
+    dim: int
+    chunks: int = 1
+    full_size: int | None = None
+
+
 def mark_sharded(p: nn.Parameter, dim: int, chunks: int = 1, full_size: int | None = None) -> nn.Parameter:
-    """Record that ``p`` holds this rank's slice along ``dim`` of a dense tensor whose ``dim`` is
-    made of ``chunks`` equal stacked parts (3 for a fused [q|k|v]), each split over tp; the dense
-    size along ``dim`` is ``full_size`` (< padded size for a padded vocabulary). Returns ``p``."""
-    p.tp_sharded, p.tp_dim, p.tp_chunks, p.tp_full_size = True, dim, chunks, full_size
+    """Record ``TPShard(dim, chunks, full_size)`` as ``p.tp_shard``. Returns ``p``."""
+    p.tp_shard = TPShard(dim, chunks, full_size)
     return p
+
+
+def tp_shard_of(p: torch.Tensor) -> TPShard | None:
+    """``p``'s :class:`TPShard`, or None when it is replicated over tp."""
+    return getattr(p, "tp_shard", None)
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
     """True if ``p`` is a tensor-parallel shard (count it on every tp rank in a norm); False if it
     is replicated over tp (count it once)."""
-    return bool(getattr(p, "tp_sharded", False))
+    return getattr(p, "tp_shard", None) is not None
 
 
 def shard_tensor(full: torch.Tensor, dim: int, group, chunks: int = 1, padded_size: int | None = None):
@@ -76,11 +95,12 @@ def shard_tensor(full: torch.Tensor, dim: int, group, chunks: int = 1, padded_si
 
 def local_shard(p: torch.Tensor, dense, group):
     """Inverse of :func:`full_tensor`: this rank's slice of ``dense`` laid out like the parameter
-    ``p`` (its tp_dim, tp_chunks and padded size); ``dense`` is returned unchanged when ``p`` is
+    ``p`` (its TPShard dim, chunks and padded size); ``dense`` is returned unchanged when ``p`` is
     replicated over tp or ``dense`` is not a tensor of dim >= 1 (e.g. Adam's step). No communication."""
     if not (is_tp_sharded(p) and isinstance(dense, torch.Tensor) and dense.dim() > 0):
         return dense
-    return shard_tensor(dense, p.tp_dim, group, p.tp_chunks, p.size(p.tp_dim) * group.size())
+    m = p.tp_shard
+    return shard_tensor(dense, m.dim, group, m.chunks, p.size(m.dim) * group.size())
 
 
 def full_tensor(p: torch.Tensor, group, local: torch.Tensor | None = None, tag: str = "tp_export"):
@@ -92,13 +112,14 @@ def full_tensor(p: torch.Tensor, group, local: torch.Tensor | None = None, tag: 
     if not is_tp_sharded(p) or group.size() == 1:
         full = local
     else:
-        n, dim, chunks = group.size(), p.tp_dim, p.tp_chunks
+        n, dim, chunks = group.size(), p.tp_shard.dim, p.tp_shard.chunks
         flat = torch.empty(n * local.numel(), dtype=local.dtype, device=local.device)
         comm.all_gather(flat, local.contiguous(), group=group, tag=tag)
         parts = [x.chunk(chunks, dim) for x in flat.view(n, *local.shape).unbind(0)]
         full = torch.cat([parts[r][c] for c in range(chunks) for r in range(n)], dim)
-    if getattr(p, "tp_full_size", None) is not None:
-        full = full.narrow(p.tp_dim, 0, p.tp_full_size)
+    meta = tp_shard_of(p)
+    if meta is not None and meta.full_size is not None:
+        full = full.narrow(meta.dim, 0, meta.full_size)
     return full.contiguous()
 
 
@@ -127,18 +148,23 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, tp_group, gather_output: bool = False,
-                   sequence_parallel: bool = False, chunks: int = 1) -> "ColumnParallelLinear":
+                   sequence_parallel: bool = False, chunks: int = 1,
+                   padded_size: int | None = None) -> "ColumnParallelLinear":
         """This rank's rows of ``dense`` (out, in). ``chunks``: the output is ``chunks`` stacked equal
-        parts split separately (3 for attention's [q|k|v], so rank t gets q_t, k_t, v_t)."""
-        w = dense.weight
-        m = cls(dense.in_features, dense.out_features, tp_group, dense.bias is not None, gather_output,
+        parts split separately (3 for attention's [q|k|v], so rank t gets q_t, k_t, v_t).
+        ``padded_size``: zero-pad the output to this many rows first (an untied vocabulary head
+        padded like the vocab-parallel embedding; the dense size stays ``out_features``)."""
+        w, out = dense.weight, dense.out_features
+        size = padded_size if padded_size is not None else out
+        m = cls(dense.in_features, size, tp_group, dense.bias is not None, gather_output,
                 sequence_parallel, device=w.device, dtype=w.dtype)
         with torch.no_grad():
-            m.weight.copy_(shard_tensor(w, 0, tp_group, chunks))
+            m.weight.copy_(shard_tensor(w, 0, tp_group, chunks, padded_size))
             if m.bias is not None:
-                m.bias.copy_(shard_tensor(dense.bias, 0, tp_group, chunks))
+                m.bias.copy_(shard_tensor(dense.bias, 0, tp_group, chunks, padded_size))
+        full = out if size != out else None
         for p in m.parameters():
-            p.tp_chunks = chunks
+            mark_sharded(p, 0, chunks, full)
         return m
 
     @classmethod

@@ -1,11 +1,12 @@
-"""Tensor/sequence parallelism for ``zerotron.models.gpt.GPT``: an in-place transform plus helpers.
+"""Tensor/sequence parallelism for any ``zerotron.models.base.CausalLM``: an in-place transform
+driven by the model's layout description (``model.layout()``), plus helpers.
 
-``apply_tensor_parallel(model, tp_group, sequence_parallel, seed)`` takes a fully initialised dense GPT
-(identical on every tp rank) and keeps this rank's slices (Shoeybi et al. 2019, "Megatron-LM", sec. 3):
-attention ``c_attn`` column-parallel by heads, ``c_proj`` row-parallel; MLP ``c_fc`` column,
-``c_proj`` row; ``wte`` vocab-parallel and the tied ``lm_head`` a column-parallel projection over
-the same shard, so the model returns vocab-sharded logits (B, T, V_pad/tp). wpe and LayerNorms are
-replicated. With ``sequence_parallel`` (Korthikanti et al. 2022, sec. 4.2.2) the replicated
+``apply_tensor_parallel(model, tp_group, sequence_parallel, seed)`` takes a fully initialised dense
+model (identical on every tp rank) and keeps this rank's slices (Shoeybi et al. 2019, "Megatron-LM",
+sec. 3): each Linear the layout's ``block_tp`` names becomes column- or row-parallel (attention by
+whole heads), the token embedding vocab-parallel and the output head a column-parallel projection
+over the same padded vocabulary shard, so the model returns vocab-sharded logits (B, T, V_pad/tp).
+Norms, position embeddings and unlisted layers are replicated. With ``sequence_parallel`` (Korthikanti et al. 2022, sec. 4.2.2) the replicated
 regions (LayerNorm, dropout, residual) hold a (B, T/tp, C) sequence shard.
 
 Collectives per training step (tp > 1; comm tags in brackets; L = n_layer):
@@ -27,13 +28,15 @@ with :func:`restore_tracker` (re-seeded, with a message, when the layout changed
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed import comm
-from ..models.gpt import GPT, CausalSelfAttention, KVCache
+from ..models.base import CausalLM, ParallelHooks
+from ..models.layout import get_module, set_module
 from .tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -123,7 +126,7 @@ def seed_tracker(tracker: RNGStatesTracker, seed: int) -> None:
 
 
 def find_rng_tracker(module: nn.Module) -> RNGStatesTracker | None:
-    """The tensor-parallel RNG tracker used by ``module`` (a TensorParallelGPT, or a pipeline
+    """The tensor-parallel RNG tracker used by ``module`` (a tensor-parallel model, or a pipeline
     StageModel holding some of its layers), or None when it has no tensor-parallel dropout."""
     tracker = getattr(module, "tp_rng_tracker", None)
     if tracker is not None:
@@ -171,116 +174,96 @@ class TrackedDropout(nn.Module):
             return F.dropout(x, self.p, True)
 
 
-class TPCausalSelfAttention(CausalSelfAttention):
-    """Causal self-attention over this rank's n_head/tp heads (Shoeybi et al. 2019, sec. 3).
+class TPHooks(ParallelHooks):
+    """The :class:`~zerotron.models.base.ParallelHooks` of a tensor-parallel model: this rank's
+    sequence shard under SP, vocab-sharded logits (B, T, V_pad/tp) from ``forward``, and full
+    logits (B, T, V) with SP off inside ``generate`` (T = 1 steps)."""
 
-    x (B, T, C) [or (B, T/tp, C) with SP] -> c_attn (column, [q_t|k_t|v_t]) -> (B, T, 3C/tp) ->
-    heads (B, H/tp, T, D) -> (B, T, C/tp) -> c_proj (row) -> (B, T, C) [or (B, T/tp, C)]. A KVCache
-    holds local heads (B, H/tp, S, D). Attention-probability dropout uses the "model-parallel" RNG."""
+    def __init__(self, model: nn.Module, tp_group, vocab_size: int, embedding: nn.Module):
+        self.model, self.group, self.vocab_size = weakref.ref(model), tp_group, vocab_size
+        self.embedding = weakref.ref(embedding)  # its sequence_parallel flag decides (also in a pipeline)
+        self.full_logits = False
 
-    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        qkv = self.c_attn(x)
-        B, T, _ = qkv.shape
-        H, D = self.n_head_local, self.n_embd // self.n_head
-        q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=2))
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        S = k.size(2)
-        mask = None
-        if S != T and T > 1:  # same masking as the dense CausalSelfAttention
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-        p = self.dropout if self.training else 0.0
-        with self.rng_tracker.fork(MODEL_PARALLEL) if p > 0 else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=S == T, dropout_p=p)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, H * D)))
+    def seq_shard(self) -> tuple[int, int]:
+        emb = self.embedding()
+        return (self.group.rank(), self.group.size()) if emb is not None and emb.sequence_parallel else (0, 1)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_logits(x, self.vocab_size, self.group) if self.full_logits else x
 
-class TensorParallelGPT(GPT):
-    """A GPT after :func:`apply_tensor_parallel`: ``forward(idx (B, T))`` returns vocab-sharded logits
-    (B, T, V_pad/tp) (full (B, T, V) inside ``generate``). Raises ValueError if sequence parallel
-    is on and T is not divisible by tp."""
-
-    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """Vocab-parallel tokens + positions -> (B, T, C), or this rank's (B, T/tp, C) with SP."""
-        if idx.dim() != 2:
-            raise ValueError(f"idx must have shape (B, T), got {tuple(idx.shape)}")
-        T, n = idx.size(1), self.tp_group.size()
-        if start_pos + T > self.config.block_size:
-            raise ValueError(f"sequence too long: start_pos {start_pos} + length {T} > block_size "
-                             f"{self.config.block_size}")
-        if self.sequence_parallel:
-            if T % n:
-                raise ValueError(f"sequence parallelism needs T divisible by tp: T={T}, tp={n}; pad the "
-                                 "sequence or call set_sequence_parallel(model, False)")
-            start_pos, T = start_pos + self.tp_group.rank() * (T // n), T // n
-        pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
-        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-
-    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
-        logits = super().forward(idx, kv_cache)
-        return gather_logits(logits, self.config.vocab_size, self.tp_group) if self._full_logits else logits
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """``GPT.generate`` with full logits and SP off (T = 1 steps). Every tp rank must run it with
-        the same prompt and an identically seeded ``generator`` (or temperature 0)."""
-        sp = self.sequence_parallel
-        set_sequence_parallel(self, False)
-        self._full_logits = True
+    @contextlib.contextmanager
+    def generation(self):
+        model = self.model()
+        sp = model.sequence_parallel
+        set_sequence_parallel(model, False)
+        self.full_logits = True
         try:
-            return super().generate(idx, max_new_tokens, temperature, top_k, generator)
+            yield
         finally:
-            self._full_logits = False
-            set_sequence_parallel(self, sp)
+            self.full_logits = False
+            set_sequence_parallel(model, sp)
 
 
-def apply_tensor_parallel(model: GPT, tp_group, sequence_parallel: bool = False, seed: int = 0,
-                          dp_rank: int = 0, pp_rank: int = 0) -> GPT:
-    """Shard ``model`` in place over ``tp_group`` (a comm.NamedGroup); returns it (a TensorParallelGPT).
+def _model_parallel_fork(tracker: RNGStatesTracker):
+    return lambda: tracker.fork(MODEL_PARALLEL)
 
-    The model must be the dense, fully initialised GPT, identical on every tp rank; each rank keeps
-    its slices, so the weights equal the dense model's. ``seed``, ``dp_rank``, ``pp_rank`` (this
-    rank's mesh coordinates) seed the dropout RNG tracker (:func:`tp_rng_seeds`). Raises ValueError
-    if tp does not divide n_head (hence C and 4C) or the model is already tensor-parallel,
-    TypeError if not a GPT."""
-    if not isinstance(model, GPT):
-        raise TypeError(f"apply_tensor_parallel expects a GPT, got {type(model).__name__}")
-    if isinstance(model, TensorParallelGPT):
+
+def apply_tensor_parallel(model: CausalLM, tp_group, sequence_parallel: bool = False, seed: int = 0,
+                          dp_rank: int = 0, pp_rank: int = 0) -> CausalLM:
+    """Shard ``model`` in place over ``tp_group`` (a comm.NamedGroup) as its ``layout()`` says; returns it.
+
+    The model must be the dense, fully initialised one, identical on every tp rank; each rank keeps
+    its slices, so the weights equal the dense model's. The token embedding becomes vocab-parallel,
+    the output head a column-parallel projection over the same (padded) vocabulary shard (tied to the
+    embedding when the layout ties them), every Linear of ``layout.block_tp`` column/row parallel,
+    every ``nn.Dropout`` a :class:`TrackedDropout`, each attention's ``dropout_rng`` the
+    "model-parallel" stream, and ``model.parallel_hooks`` a :class:`TPHooks`. Sets
+    ``model.tp_group``, ``model.tp_rng_tracker``, ``model.sequence_parallel``. ``seed``,
+    ``dp_rank``, ``pp_rank`` (this rank's mesh coordinates) seed the dropout RNG tracker
+    (:func:`tp_rng_seeds`). Raises ValueError if tp does not divide a size of ``layout.tp_divides``
+    or the model is already tensor-parallel, TypeError if it has no layout."""
+    if not callable(getattr(model, "layout", None)):
+        raise TypeError(f"apply_tensor_parallel expects a model with a layout(), got {type(model).__name__}")
+    if getattr(model, "tp_group", None) is not None:
         raise ValueError("model is already tensor-parallel")
-    cfg, n, rank = model.config, tp_group.size(), tp_group.rank()
-    if cfg.n_head % n or (4 * cfg.n_embd) % n:
-        raise ValueError(f"tensor parallel degree tp={n} must divide n_head={cfg.n_head} (and 4*n_embd="
-                         f"{4 * cfg.n_embd}): each rank holds n_head/tp whole heads; choose tp among the "
-                         f"divisors of {cfg.n_head}")
-    tracker = RNGStatesTracker(model.transformer.wte.weight.device)
+    lay, n, rank = model.layout(), tp_group.size(), tp_group.rank()
+    lay.check_tp(n)
+    emb = get_module(model, lay.token_embedding)
+    tracker = RNGStatesTracker(emb.weight.device)
     tracker.seed, tracker.coords = int(seed), {"tp": n, "tp_rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank}
     seed_tracker(tracker, seed)
-    sp, tr = sequence_parallel, model.transformer
-    tr.wte = VocabParallelEmbedding.from_dense(tr.wte, tp_group, sp)
-    tr.wte.comm_tag = "tp_embed"
-    model.lm_head = ColumnParallelLinear.tied(tr.wte.weight, tp_group, sp)
-    model.lm_head.comm_tag = "tp_head"
-    tr.drop = TrackedDropout(cfg.dropout, tracker, sp)
-    for block in tr.h:
-        attn, mlp = block.attn, block.mlp
-        attn.c_attn = ColumnParallelLinear.from_dense(attn.c_attn, tp_group, sequence_parallel=sp, chunks=3)
-        attn.c_proj = RowParallelLinear.from_dense(attn.c_proj, tp_group, sequence_parallel=sp)
-        mlp.c_fc = ColumnParallelLinear.from_dense(mlp.c_fc, tp_group, sequence_parallel=sp)
-        mlp.c_proj = RowParallelLinear.from_dense(mlp.c_proj, tp_group, sequence_parallel=sp)
-        for layer in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj):
+    sp = sequence_parallel
+    out = get_module(model, lay.output)
+    tied = out.weight is emb.weight
+    vemb = VocabParallelEmbedding.from_dense(emb, tp_group, sp)
+    vemb.comm_tag = "tp_embed"
+    set_module(model, lay.token_embedding, vemb)
+    if tied:
+        head = ColumnParallelLinear.tied(vemb.weight, tp_group, sp)
+    else:
+        head = ColumnParallelLinear.from_dense(out, tp_group, sequence_parallel=sp,
+                                               padded_size=vemb.padded_num_embeddings)
+    head.comm_tag = "tp_head"
+    set_module(model, lay.output, head)
+    for block in get_module(model, lay.blocks):
+        for path, rule in lay.block_tp.items():
+            dense = get_module(block, path)
+            if rule.style == "column":
+                layer = ColumnParallelLinear.from_dense(dense, tp_group, sequence_parallel=sp, chunks=rule.chunks)
+            else:
+                layer = RowParallelLinear.from_dense(dense, tp_group, sequence_parallel=sp)
             layer.comm_tag = "tp_block"
-        attn.resid_dropout = TrackedDropout(cfg.dropout, tracker, sp)
-        mlp.dropout = TrackedDropout(cfg.dropout, tracker, sp)
-        attn.__class__ = TPCausalSelfAttention
-        attn.n_head_local, attn.rng_tracker = cfg.n_head // n, tracker
-    model.__class__ = TensorParallelGPT
-    model.tp_group, model.tp_rng_tracker, model.sequence_parallel, model._full_logits = tp_group, tracker, sp, False
-    for p in model.parameters():
-        p.tp_sharded = is_tp_sharded(p)
+            set_module(block, path, layer)
+        get_module(block, lay.attention).dropout_rng = _model_parallel_fork(tracker)
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Dropout):
+            set_module(model, name, TrackedDropout(m.p, tracker, sp))
+    model.tp_group, model.tp_rng_tracker, model.sequence_parallel = tp_group, tracker, sp
+    model.parallel_hooks = TPHooks(model, tp_group, lay.vocab_size, vemb)
     return model
 
 
-def set_sequence_parallel(model: TensorParallelGPT, enabled: bool) -> None:
+def set_sequence_parallel(model: nn.Module, enabled: bool) -> None:
     """Switch sequence parallelism of a TP model on/off (weights are the same either way; e.g. off
     for evaluation on lengths not divisible by tp). Call sync_replicated_grads for steps run with SP."""
     for m in model.modules():
@@ -289,7 +272,7 @@ def set_sequence_parallel(model: TensorParallelGPT, enabled: bool) -> None:
     model.sequence_parallel = enabled
 
 
-def sync_replicated_grads(model: TensorParallelGPT) -> int:
+def sync_replicated_grads(model: nn.Module) -> int:
     """With sequence parallelism, sum over tp the gradients of tp-replicated parameters (LayerNorms,
     row-parallel biases, wpe): each rank only saw its sequence shard (Korthikanti et al. 2022).
     One coalesced all-reduce per dtype ["tp_grad"]. The trainer calls it once after the last
@@ -346,18 +329,19 @@ def gather_logits(logits_local: torch.Tensor, vocab_size: int, tp_group) -> torc
     return gather_from_tp(logits_local, tp_group, "tp_logits")[..., :vocab_size].contiguous()
 
 
-def tp_loss_sum(model: TensorParallelGPT, logits_local: torch.Tensor, targets: torch.Tensor,
+def tp_loss_sum(model: nn.Module, logits_local: torch.Tensor, targets: torch.Tensor,
                 label_smoothing: float = 0.0, ignore_index: int = -100) -> torch.Tensor:
     """SUM of token cross-entropies of ``model``'s vocab-sharded logits (B, T, V_pad/tp) against
     targets (B, T): :func:`vocab_parallel_cross_entropy` with this rank's vocab range. The trainer
     divides by the global number of target tokens itself."""
-    wte = model.transformer.wte
-    return vocab_parallel_cross_entropy(logits_local, targets, wte.vocab_start, model.config.vocab_size,
+    lay = model.layout()
+    per = get_module(model, lay.output).weight.size(0)  # this rank's vocabulary rows V_pad/tp
+    return vocab_parallel_cross_entropy(logits_local, targets, model.tp_group.rank() * per, lay.vocab_size,
                                         model.tp_group, ignore_index, label_smoothing)
 
 
-def tp_state_dict_full(model: TensorParallelGPT) -> dict:
-    """Dense state dict (same keys, shapes and tied entries as the dense GPT's, padding removed) on
+def tp_state_dict_full(model: nn.Module) -> dict:
+    """Dense state dict (same keys, shapes and tied entries as the dense model's, padding removed) on
     every tp rank; one all-gather per sharded tensor ["tp_export"], so every tp rank must call it.
     Replicated entries share storage with the parameters, as in ``state_dict()``. For optimizer
     states use ``full_tensor(param, tp_group, local=state_tensor)``."""
@@ -369,8 +353,8 @@ def tp_state_dict_full(model: TensorParallelGPT) -> dict:
     return out
 
 
-def load_dense_into_tp(model: TensorParallelGPT, state_dict: dict) -> None:
-    """Copy this rank's slices of a dense GPT state dict into ``model`` (no communication). Raises
+def load_dense_into_tp(model: nn.Module, state_dict: dict) -> None:
+    """Copy this rank's slices of a dense model state dict into ``model`` (no communication). Raises
     KeyError for missing/unexpected keys, ValueError for a dense shape that does not fit."""
     own = model.state_dict(keep_vars=True)
     missing, extra = sorted(own.keys() - state_dict.keys()), sorted(state_dict.keys() - own.keys())
@@ -381,12 +365,13 @@ def load_dense_into_tp(model: TensorParallelGPT, state_dict: dict) -> None:
         for key, p in own.items():
             src = state_dict[key].to(device=p.device, dtype=p.dtype)
             if is_tp_sharded(p):
-                dim, padded = p.tp_dim, p.size(p.tp_dim) * n
+                meta = p.tp_shard
+                dim, padded = meta.dim, p.size(meta.dim) * n
                 want = list(p.shape)
-                want[dim] = p.tp_full_size if p.tp_full_size is not None else padded
+                want[dim] = meta.full_size if meta.full_size is not None else padded
                 if list(src.shape) != want:
                     raise ValueError(f"{key}: dense shape {tuple(src.shape)} != expected {tuple(want)}")
-                src = shard_tensor(src, dim, model.tp_group, p.tp_chunks, padded)
+                src = shard_tensor(src, dim, model.tp_group, meta.chunks, padded)
             elif src.shape != p.shape:
                 raise ValueError(f"{key}: dense shape {tuple(src.shape)} != expected {tuple(p.shape)}")
             p.copy_(src)
@@ -395,5 +380,5 @@ def load_dense_into_tp(model: TensorParallelGPT, state_dict: dict) -> None:
 __all__ = ["apply_tensor_parallel", "set_sequence_parallel", "sync_replicated_grads", "clip_grad_norm_tp",
            "gather_logits", "tp_loss_sum", "tp_state_dict_full", "load_dense_into_tp", "is_tp_sharded",
            "RNGStatesTracker", "TrackedDropout", "tp_rng_seeds", "seed_tracker", "find_rng_tracker",
-           "tracker_checkpoint_state", "restore_tracker", "TPCausalSelfAttention", "TensorParallelGPT",
+           "tracker_checkpoint_state", "restore_tracker", "TPHooks",
            "MODEL_PARALLEL", "REPLICATED"]

@@ -77,7 +77,8 @@ class _PreBackward(torch.autograd.Function):
 
 
 class ZeroStrategy(ZeroStateMixin, Strategy):
-    """Native ZeRO stage 1/2/3 over the dp group for a GPT (``model.transformer.h`` blocks).
+    """Native ZeRO stage 1/2/3 over the dp group; units: the parameters outside the blocks, then each
+    block of ``model.layout().blocks``.
 
     Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup), ``stage``
     (1, 2 or 3), ``dtype`` ("fp32" | "bf16" | "fp64": compute copies; see ``parallel.precision``),
@@ -91,7 +92,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         self.module, self.group, self.loss_groups, self.stage = model, group, [group], stage
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         mask = mask or decay_mask(model)
-        blocks = list(model.transformer.h)
+        blocks = list(model.blocks())
         in_block = {id(p) for b in blocks for p in b.parameters()}
         names = {}
         for n, p in model.named_parameters():  # first FQN of each (tied) parameter

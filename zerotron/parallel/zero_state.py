@@ -96,8 +96,9 @@ class ZeroStateMixin:
                 for k, v in osd_state.get(name, {}).items():
                     if v.dim() > 0:
                         osd_state[name][k] = full_tensor(params[name], self.tp_group, local=v)
-        if "transformer.wte.weight" in msd:
-            msd["lm_head.weight"] = msd["transformer.wte.weight"]
+        for alias, owner in self.module.layout().tied:  # tied entries, as in the dense state dict
+            if owner in msd:
+                msd[alias] = msd[owner]
         groups = []
         for g in optimizer.param_groups if optimizer is not None else []:
             names = [n for f in self.all_flats if any(f.master is q for q in g["params"]) for n in f.names]
