@@ -83,7 +83,7 @@ def _cfg(**kw):
 
 
 def test_pipeline_in_flight_multiplication():
-    from zerotron.parallel.schedules import build_schedule, simulate
+    from zerotron.parallel.pipeline.schedules import build_schedule, simulate
 
     cfg, s, b = _cfg(), 128, 2
     layer = layer_activation_bytes(s, b, 64, 4, dropout=False)
@@ -115,7 +115,7 @@ def test_pipeline_in_flight_multiplication():
 
 def test_pipeline_errors_and_stage_counts():
     assert stage_layer_counts(10, 4) == [3, 3, 2, 2]
-    from zerotron.parallel.pipeline_exec import stage_layer_counts as exec_counts
+    from zerotron.parallel.pipeline.executor import stage_layer_counts as exec_counts
     assert all(stage_layer_counts(n, k) == exec_counts(n, k) for n in (4, 7, 12) for k in (1, 3, 4))
     with pytest.raises(ValueError, match="pipeline stages"):
         activation_bytes(_cfg(), 1, 64, pp=16, microbatches=16)

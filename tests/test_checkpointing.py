@@ -5,7 +5,7 @@ import torch
 
 from zerotron.analysis.activations import activation_bytes, measure_activation_bytes
 from zerotron.models.gpt import GPT, GPTConfig
-from zerotron.parallel.checkpointing import apply_activation_checkpointing
+from zerotron.parallel.recompute import apply_activation_checkpointing
 
 CFG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
 

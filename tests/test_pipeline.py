@@ -67,7 +67,7 @@ def _train(lay: dict) -> dict:
     (checkpoint dir to resume from at SAVE_AT), save (run dir to checkpoint at SAVE_AT), gen."""
     from zerotron.models.gpt import GPT, GPTConfig
     from zerotron.parallel import parallelize
-    from zerotron.parallel.pipeline import PipelineStrategy, pipeline_generate
+    from zerotron.parallel.pipeline.runner import PipelineStrategy, pipeline_generate
     from zerotron.train.checkpoint import load_checkpoint, save_checkpoint
     from zerotron.train.optim import build_scheduler, decay_mask
     from zerotron.train.step import train_step
@@ -295,7 +295,7 @@ def test_pp1_in_process_and_checkpoint_pp2_to_pp1(refs, pp2):
 
 def test_errors(single_process):
     from zerotron.models.gpt import GPT, GPTConfig
-    from zerotron.parallel.pipeline import PipelineStrategy, stage_layer_counts
+    from zerotron.parallel.pipeline.runner import PipelineStrategy, stage_layer_counts
 
     assert stage_layer_counts(8, 3) == [3, 3, 2] and stage_layer_counts(8, 2, "1, 7") == [1, 7]
     for args, msg in [((8, 2, "4,3"), "summing to n_layer"), ((8, 2, "8"), "must list 2"),

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from zerotron.analysis.schedule_plot import draw_schedule, schedule_main
-from zerotron.parallel.schedules import Action, bubble_theory, build_schedule, check_schedule, simulate
+from zerotron.parallel.pipeline.schedules import Action, bubble_theory, build_schedule, check_schedule, simulate
 
 
 def _cases(kind, p):

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from zerotron.models.gpt import GPT, GPTConfig
-from zerotron.parallel.tp_model import MODEL_PARALLEL, REPLICATED, RNGStatesTracker
+from zerotron.parallel.tensor.transform import MODEL_PARALLEL, REPLICATED, RNGStatesTracker
 from zerotron.testing import run_ranks
 
 CFG = dict(vocab_size=67, block_size=16, n_layer=2, n_head=4, n_embd=32)  # 67: not divisible by tp
@@ -23,7 +23,7 @@ def _close(a, b, what, **tol):
 
 def _check_layers(g, n, r):
     """Column/row/vocab layers and the vocab-parallel loss vs dense, forward and backward."""
-    from zerotron.parallel.tensor import (
+    from zerotron.parallel.tensor.layers import (
         ColumnParallelLinear,
         RowParallelLinear,
         VocabParallelEmbedding,
@@ -104,7 +104,7 @@ def _check_layers(g, n, r):
 
 
 def _models(g, sp, seed=0, **over):
-    from zerotron.parallel.tp_model import apply_tensor_parallel
+    from zerotron.parallel.tensor.transform import apply_tensor_parallel
     cfg = GPTConfig(**{**CFG, **over})
     torch.manual_seed(seed)
     dense = GPT(cfg)
@@ -143,8 +143,8 @@ def _batch(gen, V=CFG["vocab_size"]):
 def _check_model(g, n, r):
     """Whole GPT: logits, loss, every gradient, comm counts, training steps, export, generation."""
     from zerotron.distributed import comm
-    from zerotron.parallel.tensor import full_tensor
-    from zerotron.parallel.tp_model import (
+    from zerotron.parallel.tensor.layers import full_tensor
+    from zerotron.parallel.tensor.transform import (
         clip_grad_norm_tp,
         gather_logits,
         load_dense_into_tp,
@@ -228,15 +228,15 @@ def _check_model(g, n, r):
     with pytest.raises(ValueError, match="T divisible by tp"):
         tp(torch.zeros(1, n + 1, dtype=torch.long))
     with pytest.raises(ValueError, match="already tensor-parallel"):
-        from zerotron.parallel.tp_model import apply_tensor_parallel
+        from zerotron.parallel.tensor.transform import apply_tensor_parallel
         apply_tensor_parallel(tp, g)
 
 
 def _check_dropout(g, n, r):
     """dropout > 0: replicated parameters stay bitwise equal across tp ranks over training steps even
     though rank 1 draws extra numbers from the default generator between steps."""
-    from zerotron.parallel.tensor import is_tp_sharded
-    from zerotron.parallel.tp_model import sync_replicated_grads, tp_loss_sum
+    from zerotron.parallel.tensor.layers import is_tp_sharded
+    from zerotron.parallel.tensor.transform import sync_replicated_grads, tp_loss_sum
     for sp in (False, True):
         _, tp = _models(g, sp, dropout=0.2)
         opt = torch.optim.AdamW(tp.parameters(), lr=1e-2)
@@ -314,7 +314,7 @@ def test_tp1_is_the_dense_model(single_process):
     import torch.distributed as dist
 
     from zerotron.distributed import comm
-    from zerotron.parallel.tp_model import apply_tensor_parallel, tp_loss_sum, tp_state_dict_full
+    from zerotron.parallel.tensor.transform import apply_tensor_parallel, tp_loss_sum, tp_state_dict_full
     g = comm.NamedGroup(dist.group.WORLD, "tp")
     dense, tp = _models(g, True)
     idx, tgt = _batch(torch.Generator().manual_seed(0))

@@ -33,7 +33,7 @@ def _train(overrides, run_dir, resume=False):
     """One Trainer run; per step losses; the tracker states right after set-up (fresh runs: the
     seeds) and at the end; digests of this rank's parameters and Adam state at the end; what the
     set-up printed."""
-    from zerotron.parallel.tp_model import TrackedDropout
+    from zerotron.parallel.tensor.transform import TrackedDropout
     from zerotron.train.trainer import Trainer
 
     cfg = tiny_config({**BASE, **overrides})
@@ -120,7 +120,7 @@ def test_resume_at_other_tp_degree_reseeds(runs):
 def test_seeds_distinct_per_coordinate_and_restore_rules():
     import torch
 
-    from zerotron.parallel.tp_model import (
+    from zerotron.parallel.tensor.transform import (
         MODEL_PARALLEL,
         REPLICATED,
         RNGStatesTracker,

@@ -17,7 +17,7 @@ RTOL = 1e-10  # fp64: reassociation noise only, on any CPU
 
 
 def _train(overrides, run_dir, resume=False):
-    from zerotron.parallel.tensor import is_tp_sharded
+    from zerotron.parallel.tensor.layers import is_tp_sharded
     from zerotron.train.trainer import Trainer
 
     cfg = tiny_config({**BASE, **overrides})

@@ -14,14 +14,15 @@ from pathlib import Path
 
 import torch
 
+from zerotron.parallel.pipeline.runner import PipelineStrategy, pipeline_generate
+from zerotron.parallel.tensor.transform import apply_tensor_parallel
+
 from .config import Config
 from .data import load_tokenizer
 from .distributed import comm
 from .distributed import mesh as _mesh
 from .distributed.mesh import Mesh, ParallelDims, init_distributed
 from .models.gpt import GPT, GPTConfig
-from .parallel.pipeline import PipelineStrategy, pipeline_generate
-from .parallel.tp_model import apply_tensor_parallel
 from .train import checkpoint as ckpt
 
 

@@ -1,6 +1,6 @@
 """Layer-split arithmetic of a pipeline layout: how ``n_layer`` blocks are divided over the pp*v
 model stages. Pure Python (no torch), so ``config`` can check a split without importing
-``parallel``; ``zerotron.parallel.pipeline_exec`` re-exports both functions."""
+``parallel``; ``zerotron.parallel.pipeline.executor`` re-exports both functions."""
 from __future__ import annotations
 
 __all__ = ["stage_layer_counts", "stage_layer_ranges"]

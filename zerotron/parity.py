@@ -188,7 +188,7 @@ def _copies(strategy, mesh) -> dict:
     """``{copy key: digest}`` of this rank's parameter tensors; the key names the logical tensor
     slice, so every rank holding the same key must hold the same bits: tp-sharded tensors are keyed
     by tp coordinate, dp-sharded ones (ZeRO-3 / FSDP2 local shards) by dp coordinate."""
-    from .parallel.tensor import is_tp_sharded
+    from zerotron.parallel.tensor.layers import is_tp_sharded
 
     c = mesh.coords
     dp_sharded = getattr(strategy, "stage", 0) == 3 or type(strategy).__name__ == "FSDP2Strategy"

@@ -48,7 +48,7 @@ in fp32, so 4 bytes also for bf16 models). With SP the sbh terms are divided by 
 
 Pipeline (Korthikanti section 4.2, Narayanan et al. 2021): a rank holds the activations of every
 micro-batch whose forward is done and backward is not. The peak comes from the schedule's action
-lists and ``simulate(...).peak_in_flight`` (``zerotron.parallel.schedules``), each (micro-batch,
+lists and ``simulate(...).peak_in_flight`` (``zerotron.parallel.pipeline.runner.schedules``), each (micro-batch,
 chunk) weighted by its stage's layers; 1F1B/interleaved are simulated with at most a few x pp
 micro-batches (the occupancy repeats after the warm-up), GPipe is exact in closed form (m).
 1F1B's first rank holds pp micro-batches of L/pp layers, i.e. L layers' worth; GPipe holds all m.
@@ -115,7 +115,7 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
 
 def stage_layer_counts(n_layer: int, n_stages: int) -> list[int]:
     """Balanced layers per model stage, the first ``n_layer % n_stages`` stages one extra (as
-    ``zerotron.parallel.pipeline_exec.stage_layer_counts`` without pp_split). Raises ValueError if
+    ``zerotron.parallel.pipeline.executor.stage_layer_counts`` without pp_split). Raises ValueError if
     n_stages < 1 or n_stages > n_layer."""
     _positive(n_layer=n_layer, n_stages=n_stages)
     if n_stages > n_layer:
@@ -129,7 +129,7 @@ def stage_layer_counts(n_layer: int, n_stages: int) -> list[int]:
 def _in_flight_states(pp: int, microbatches: int, kind: str, v: int) -> tuple:
     """(peak_in_flight per rank from ``simulate``, per rank the set of per-chunk live counts seen
     right after each forward): the schedule's activation occupancy, cached per shape."""
-    from zerotron.parallel.schedules import build_schedule, simulate
+    from zerotron.parallel.pipeline.schedules import build_schedule, simulate
 
     sched = build_schedule(pp, microbatches, kind, v)
     peaks = tuple(simulate(sched, pp, v).peak_in_flight)

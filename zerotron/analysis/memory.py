@@ -144,7 +144,7 @@ def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> 
     (column-parallel) and the proj/fc2 weights (row-parallel) are divided by tp, the two row-parallel
     biases and the LayerNorms are replicated; the token embedding is vocab-parallel (ceil(V/tp) rows),
     the position embedding replicated on stage 0; the last stage holds ln_f and, when it is not on
-    the first stage's rank, a tied copy of the token embedding (as ``parallel.pipeline_exec`` does).
+    the first stage's rank, a tied copy of the token embedding (as ``parallel.pipeline.executor`` does).
     Layers per stage as :func:`zerotron.analysis.activations.stage_layer_counts`. With tp = pp = 1
     the sum equals :func:`gpt_num_params`. Raises ValueError if tp does not divide n_head or
     pp*virtual_stages > n_layer."""

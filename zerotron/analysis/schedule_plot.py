@@ -1,8 +1,8 @@
 """Pictures and the ``zerotron schedule`` command for pipeline schedules.
 
-Draws a :class:`zerotron.parallel.schedules.SimResult` as a timeline (one row per pipeline rank,
+Draws a :class:`zerotron.parallel.pipeline.runner.schedules.SimResult` as a timeline (one row per pipeline rank,
 the usual figure of GPipe, Huang et al. 2019, and Megatron-LM, Narayanan et al. 2021) and prints the
-simulated vs theoretical bubble (formulas documented in ``zerotron.parallel.schedules``).
+simulated vs theoretical bubble (formulas documented in ``zerotron.parallel.pipeline.runner.schedules``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from zerotron.parallel.schedules import KINDS, SimResult, bubble_theory, build_schedule, simulate
+from zerotron.parallel.pipeline.schedules import KINDS, SimResult, bubble_theory, build_schedule, simulate
 
 
 def _label(action) -> str:

@@ -51,7 +51,7 @@ from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distribu
 from zerotron.launch import in_worker, launch, strip_nproc
 from zerotron.models.gpt import GPT
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
-from zerotron.parallel.schedules import bubble_theory
+from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.train.optim import build_scheduler
 from zerotron.train.step import train_step
 from zerotron.train.trainer import gpt_config, load_data

@@ -11,15 +11,15 @@ model_state_bytes.
 """
 from __future__ import annotations
 
-from .base import Strategy, autocast_ctx, token_loss_sum, unique_params
-from .checkpointing import apply_activation_checkpointing
-from .ddp import DataParallel, TorchDDP
-from .dtensor_tp import DTensorTPStrategy
-from .fsdp import FSDP2Strategy
-from .optim import decay_mask_by_name
-from .pipeline import PipelineStrategy
-from .tp_model import apply_tensor_parallel
-from .zero import ZeroStrategy
+from zerotron.parallel.base import Strategy, autocast_ctx, token_loss_sum, unique_params
+from zerotron.parallel.data.ddp import DataParallel, TorchDDP
+from zerotron.parallel.data.fsdp import FSDP2Strategy
+from zerotron.parallel.data.zero import ZeroStrategy
+from zerotron.parallel.dtensor_tp import DTensorTPStrategy
+from zerotron.parallel.optim import decay_mask_by_name
+from zerotron.parallel.pipeline.runner import PipelineStrategy
+from zerotron.parallel.recompute import apply_activation_checkpointing
+from zerotron.parallel.tensor.transform import apply_tensor_parallel
 
 
 def parallelize(model, cfg, mesh):

@@ -15,11 +15,17 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ..distributed import comm
-from .optim import build_optimizer
-from .precision import upcast
-from .tensor import full_tensor, local_shard
-from .tp_model import clip_grad_norm_tp, load_dense_into_tp, sync_replicated_grads, tp_loss_sum, tp_state_dict_full
+from zerotron.distributed import comm
+from zerotron.parallel.optim import build_optimizer
+from zerotron.parallel.precision import upcast
+from zerotron.parallel.tensor.layers import full_tensor, local_shard
+from zerotron.parallel.tensor.transform import (
+    clip_grad_norm_tp,
+    load_dense_into_tp,
+    sync_replicated_grads,
+    tp_loss_sum,
+    tp_state_dict_full,
+)
 
 IGNORE_INDEX = -100
 

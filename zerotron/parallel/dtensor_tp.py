@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from ..distributed import comm
-from ..models.layout import get_module
-from .base import Strategy
+from zerotron.distributed import comm
+from zerotron.models.layout import get_module
+from zerotron.parallel.base import Strategy
 
 __all__ = ["DTensorTPStrategy", "chunk_permutation"]
 

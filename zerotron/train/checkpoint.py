@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..parallel.tp_model import find_rng_tracker, restore_tracker, tracker_checkpoint_state
+from zerotron.parallel.tensor.transform import find_rng_tracker, restore_tracker, tracker_checkpoint_state
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -304,7 +304,7 @@ def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, 
     ``strategy``: a ``parallel.base.Strategy`` (or a plain ``nn.Module``, wrapped in one).
     ``restore_rng`` also restores the tensor-parallel dropout RNG tracker when the rank file was
     saved at the same coordinate; at another layout the tracker is re-seeded from train.seed +
-    step and (with dropout > 0) one line per rank says so (``tp_model.restore_tracker``).
+    step and (with dropout > 0) one line per rank says so (``tensor.transform.restore_tracker``).
 
     Works at any world size (DCP reshards). Returns the checkpoint's meta dict.
     Raises CheckpointError for a missing/incomplete checkpoint or mismatched shapes."""

@@ -51,14 +51,14 @@ import contextlib
 
 import torch
 
-from ..distributed import comm
-from . import precision
-from .base import Strategy
-from .flat_shard import FlatShard
-from .optim import build_optimizer, decay_mask
-from .tensor import is_tp_sharded
-from .used import UsedMarks
-from .zero_state import ZeroStateMixin
+from zerotron.distributed import comm
+from zerotron.parallel import precision
+from zerotron.parallel.base import Strategy
+from zerotron.parallel.data.flat_shard import FlatShard
+from zerotron.parallel.data.used import UsedMarks
+from zerotron.parallel.data.zero_state import ZeroStateMixin
+from zerotron.parallel.optim import build_optimizer, decay_mask
+from zerotron.parallel.tensor.layers import is_tp_sharded
 
 
 class _PreBackward(torch.autograd.Function):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import comm
+from zerotron.distributed import comm
 
 
 class UsedMarks:

@@ -5,12 +5,12 @@ import contextlib
 
 import torch
 
-from ..distributed import comm
-from . import precision
-from .base import unique_params
-from .flat_shard import FlatShard
-from .tensor import is_tp_sharded
-from .zero_state import gather_flats, load_flats_from_owners
+from zerotron.distributed import comm
+from zerotron.parallel import precision
+from zerotron.parallel.base import unique_params
+from zerotron.parallel.data.flat_shard import FlatShard
+from zerotron.parallel.data.zero_state import gather_flats, load_flats_from_owners
+from zerotron.parallel.tensor.layers import is_tp_sharded
 
 __all__ = ["StageZero1"]
 

@@ -19,9 +19,9 @@ import contextlib
 
 import torch
 
-from ..distributed import comm
-from . import precision
-from .base import Strategy
+from zerotron.distributed import comm
+from zerotron.parallel import precision
+from zerotron.parallel.base import Strategy
 
 
 class FSDP2Strategy(Strategy):

@@ -34,10 +34,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..distributed import comm
-from ..models.base import CausalLM, ParallelHooks
-from ..models.layout import get_module, set_module
-from .tensor import (
+from zerotron.distributed import comm
+from zerotron.models.base import CausalLM, ParallelHooks
+from zerotron.models.layout import get_module, set_module
+from zerotron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

@@ -1,4 +1,4 @@
-"""Checkpoint state of :class:`zerotron.parallel.zero.ZeroStrategy` in the canonical per-parameter
+"""Checkpoint state of :class:`zerotron.parallel.data.zero.ZeroStrategy` in the canonical per-parameter
 format (``train.checkpoint``): dense FQN-keyed tensors, loadable by any layout.
 
 Two ways to get it:
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..distributed import comm
-from .tensor import full_tensor, local_shard
+from zerotron.distributed import comm
+from zerotron.parallel.tensor.layers import full_tensor, local_shard
 
 _ADAM = ("exp_avg", "exp_avg_sq")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..models.layout import get_module
+from zerotron.models.layout import get_module
 
 MODES = ("none", "selective", "full")
 

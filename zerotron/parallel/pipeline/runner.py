@@ -7,7 +7,7 @@ balanced (earlier stages take the remainder) or follow ``parallel.pp_split``; mo
 holds the layout's embedding modules, the last one its head modules (``model.layout()``).
 
 Schedules (``parallel.pp_schedule``, built by ``schedules.build_schedule`` and walked by
-``pipeline_exec.PipelineExecutor``): "naive" (model parallel: each flush's micro-batches
+``pipeline.executor.PipelineExecutor``): "naive" (model parallel: each flush's micro-batches
 concatenated into one batch, one stage busy at a time), "gpipe" (Huang et al. 2019), "1f1b"
 (PipeDream-Flush, Narayanan et al. 2021), "interleaved" (Megatron-LM, Narayanan et al. 2021).
 
@@ -28,11 +28,11 @@ stores it once), and ``state_dict`` lists the whole model's FQNs in every ``para
 checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
 
 3-D layouts (pp x dp x tp):
-  * tensor parallel: ``parallelize`` applies ``tp_model.apply_tensor_parallel`` (no sequence
+  * tensor parallel: ``parallelize`` applies ``tensor.transform.apply_tensor_parallel`` (no sequence
     parallel) to the dense model first and splits the TP model; every tp rank of a pipeline stage
     runs its shards, the p2p activations (b, T, C) are full and identical across the tp ranks, and
     each tp rank talks to the same tp rank of the neighbouring stage (the peer map keeps dp, tp).
-    The last stage's loss is the vocab-parallel cross-entropy (``tp_model.tp_loss_sum``); the tied
+    The last stage's loss is the vocab-parallel cross-entropy (``tensor.transform.tp_loss_sum``); the tied
     gradient sum runs per (dp, tp) coordinate (both copies are the same vocabulary shard); the
     norm sums squares of tp-sharded gradients over tp, counts tp-replicated ones once, and sums
     over pp; checkpoints are gathered to the dense canonical format (``full_tensor``, collective
@@ -58,18 +58,24 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..distributed import comm
-from ..models.layout import get_module
-from .base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
-from .ddp import DataParallel
-from .optim import build_optimizer, decay_mask
-from .pipeline_exec import PipelineExecutor, StageModel, forward_only_actions, stage_layer_counts, stage_layer_ranges
-from .pipeline_state import PipelineStateMixin
-from .pipeline_zero import StageZero1
-from .schedules import KINDS, build_schedule
-from .tensor import is_tp_sharded
-from .tp_model import gather_logits, set_sequence_parallel, sync_replicated_grads
-from .zero import ZeroStrategy
+from zerotron.distributed import comm
+from zerotron.models.layout import get_module
+from zerotron.parallel.base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
+from zerotron.parallel.data.ddp import DataParallel
+from zerotron.parallel.data.zero import ZeroStrategy
+from zerotron.parallel.optim import build_optimizer, decay_mask
+from zerotron.parallel.pipeline.executor import (
+    PipelineExecutor,
+    StageModel,
+    forward_only_actions,
+    stage_layer_counts,
+    stage_layer_ranges,
+)
+from zerotron.parallel.pipeline.schedules import KINDS, build_schedule
+from zerotron.parallel.pipeline.state import PipelineStateMixin
+from zerotron.parallel.pipeline.zero1 import StageZero1
+from zerotron.parallel.tensor.layers import is_tp_sharded
+from zerotron.parallel.tensor.transform import gather_logits, set_sequence_parallel, sync_replicated_grads
 
 __all__ = ["PipelineStrategy", "StageModel", "StageZero1", "pipeline_generate", "stage_layer_counts",
            "stage_layer_ranges"]

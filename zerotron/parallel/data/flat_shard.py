@@ -1,14 +1,14 @@
 """One ZeRO flat buffer (Rajbhandari et al. 2020): the parameters of one unit that share a
 weight-decay flag, padded to a multiple of dp, with this rank's master shard, its shard gradient,
 the reduce-scatter of the gradients and the all-gather of the parameters. Used by
-:class:`~zerotron.parallel.zero.ZeroStrategy` (stages 1-3) and the pipeline's ZeRO-1
-(``pipeline_zero.StageZero1``)."""
+:class:`~zerotron.parallel.data.zero.ZeroStrategy` (stages 1-3) and the pipeline's ZeRO-1
+(``pipeline.zero1.StageZero1``)."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from ..distributed import comm
+from zerotron.distributed import comm
 
 
 class FlatShard:

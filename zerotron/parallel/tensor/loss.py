@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..distributed import comm
-from .precision import upcast
-from .tp_comm import _all_reduce
+from zerotron.distributed import comm
+from zerotron.parallel.precision import upcast
+from zerotron.parallel.tensor.ops import _all_reduce
 
 
 class _VocabParallelCE(torch.autograd.Function):

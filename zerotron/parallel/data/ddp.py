@@ -36,10 +36,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..config import ConfigError
-from ..distributed import comm
-from .base import Strategy, unique_params
-from .used import UsedMarks
+from zerotron.config import ConfigError
+from zerotron.distributed import comm
+from zerotron.parallel.base import Strategy, unique_params
+from zerotron.parallel.data.used import UsedMarks
 
 
 class _Bucket:

@@ -1,6 +1,6 @@
 """Tensor (Megatron) and sequence parallelism: the raw collectives and the conjugate autograd
 operators f / g (Shoeybi et al. 2019, "Megatron-LM", sec. 3; Korthikanti et al. 2022, sec. 4.2.2).
-Layers are in ``tensor.py``, the vocab-parallel cross-entropy in ``tp_loss.py``; both build on this
+Layers are in ``tensor.py``, the vocab-parallel cross-entropy in ``tensor/loss.py``; both build on this
 module, which imports neither (so any of them can be imported first).
 
 Every collective goes through ``zerotron.distributed.comm`` on ``group`` with ``tag`` in forward
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import comm
+from zerotron.distributed import comm
 
 
 # ----------------------------------------------------------------------------- raw collectives

@@ -8,12 +8,12 @@ import contextlib
 
 import torch
 
-from ..distributed import comm
-from ..models.layout import get_module, retie
-from .base import unique_params
-from .precision import upcast
-from .tensor import full_tensor, local_shard
-from .tp_model import tp_state_dict_full
+from zerotron.distributed import comm
+from zerotron.models.layout import get_module, retie
+from zerotron.parallel.base import unique_params
+from zerotron.parallel.precision import upcast
+from zerotron.parallel.tensor.layers import full_tensor, local_shard
+from zerotron.parallel.tensor.transform import tp_state_dict_full
 
 
 class PipelineStateMixin:

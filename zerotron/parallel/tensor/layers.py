@@ -1,7 +1,7 @@
 """Tensor (Megatron) and sequence parallelism: shard metadata and parallel layers. The raw
-collectives and the f / g autograd operators are in ``tp_comm.py``, the vocab-parallel
-cross-entropy in ``tp_loss.py`` (both re-exported here); the RNG tracker and the model transform in
-``tp_model.py``.
+collectives and the f / g autograd operators are in ``tensor/ops.py``, the vocab-parallel
+cross-entropy in ``tensor/loss.py`` (both re-exported here); the RNG tracker and the model transform in
+``tensor/transform.py``.
 
 Sources
   * Shoeybi et al. 2019, "Megatron-LM" (arXiv:1909.08053), sec. 3: the conjugate operators f
@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..distributed import comm
-from .tp_comm import (
+from zerotron.distributed import comm
+from zerotron.parallel.tensor.loss import vocab_parallel_cross_entropy
+from zerotron.parallel.tensor.ops import (
     copy_to_tp,
     gather_from_sp,
     gather_from_tp,
@@ -39,7 +40,6 @@ from .tp_comm import (
     scatter_to_sp,
     scatter_to_tp,
 )
-from .tp_loss import vocab_parallel_cross_entropy
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "reduce_scatter_to_sp", "scatter_to_sp",
            "gather_from_tp", "scatter_to_tp", "vocab_parallel_cross_entropy", "TPShard", "mark_sharded",

@@ -7,7 +7,7 @@ it and ``stage_layer_ranges`` live in ``zerotron.layout`` (pure arithmetic) and 
 in an ``nn.ModuleDict`` keyed by the global layer index), so ``torch.distributed.checkpoint`` state
 dicts are independent of the pipeline layout; what each stage holds comes from ``model.layout()``.
 
-``PipelineExecutor.run`` walks one rank's actions (``parallel.schedules.Action``) as the schedules
+``PipelineExecutor.run`` walks one rank's actions (``parallel.pipeline.schedules.Action``) as the schedules
 module docstring prescribes: every maximal run of consecutive SEND/RECV actions is posted as ONE
 ``comm.batch_isend_irecv`` and fully waited before the next compute. Activation shapes are known
 ahead, (b, T, C) of the micro-batch ((b, T/tp, C) with sequence parallelism), so there are no shape
@@ -27,10 +27,10 @@ import time
 import torch
 import torch.nn as nn
 
-from ..distributed import comm
-from ..layout import stage_layer_counts, stage_layer_ranges
-from ..models.layout import get_module
-from .schedules import COMM, Action
+from zerotron.distributed import comm
+from zerotron.layout import stage_layer_counts, stage_layer_ranges
+from zerotron.models.layout import get_module
+from zerotron.parallel.pipeline.schedules import COMM, Action
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -63,7 +63,7 @@ class StageModel(nn.Module):
     model, whose modules these are); tensor-parallel modules run as they are (the last stage's
     logits are then vocab shards (b, T, V_pad/tp)). ``tp_group`` (None without TP),
     ``sequence_parallel`` and ``config`` mirror the model's, and ``layout()`` is the model's, so
-    ``tp_model.tp_loss_sum`` / ``tp_state_dict_full`` accept a StageModel."""
+    ``tensor.transform.tp_loss_sum`` / ``tp_state_dict_full`` accept a StageModel."""
 
     def __init__(self, model: nn.Module, stages: list[int], layer_ranges: list[range]):
         super().__init__()

@@ -1,0 +1,8 @@
+"""Pipeline parallelism: stages over the pp dimension.
+
+``schedules.py`` action lists (GPipe, 1F1B, interleaved; naive model parallel) and bubble theory;
+``executor.py`` the stage model (a rank's part of any model, by its layout) and the walker of its
+action list; ``runner.py`` ``PipelineStrategy`` (micro-batches, tied weights, gradient sync, norm)
+and pipelined generation; ``state.py`` canonical checkpoint state and ``full_params``;
+``zero1.py`` ZeRO-1 of a pipeline rank's stages.
+"""
