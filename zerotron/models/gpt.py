@@ -14,10 +14,9 @@ through the description :meth:`GPT.layout` returns (``zerotron.models.layout``).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-
-import contextlib
 
 import torch
 import torch.nn as nn
