@@ -17,9 +17,9 @@ from .launch import strip_nproc as _strip_nproc
 USAGE = """usage: zerotron <command> [options]
 
 commands:
-  train      train a GPT (zerotron train --config configs/default.toml --nproc 2)
+  train      train a GPT-2 or Llama (zerotron train --config configs/default.toml --nproc 2)
   generate   sample text from a checkpoint (zerotron generate --checkpoint runs/X --prompt "ROMEO:")
-  export     checkpoint (any layout) -> Hugging Face GPT-2 safetensors (zerotron export --checkpoint runs/X --out hf/)
+  export     checkpoint (any layout) -> Hugging Face GPT-2/Llama safetensors (zerotron export --checkpoint runs/X --out hf/)
   memory     ZeRO model-state memory per rank (zerotron memory --model gpt2 --dp 8)
   plan       rank parallel layouts for a cluster (zerotron plan --model gpt2 --gpus 8 --gpus-per-node 8 --gpu-mem 80GB --global-batch 256 --seq 1024)
   schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
@@ -75,7 +75,7 @@ def train_parser() -> argparse.ArgumentParser:
     from .config_doc import fields_help
 
     p = argparse.ArgumentParser(prog="zerotron train", formatter_class=HelpFormatter, epilog=fields_help(),
-                                description="Train a GPT. Any config field (listed below) can be overridden as "
+                                description="Train a GPT-2 or Llama model. Any config field (listed below) can be overridden as "
                                 "--section.field VALUE (e.g. --train.steps 50).")
     p.add_argument("--config", help="TOML config file (see configs/)")
     p.add_argument("--nproc", type=int, default=0, help="start N local worker processes (torch elastic launcher; 0 = this process alone)")
@@ -234,13 +234,16 @@ def cmd_generate(argv: list[str]) -> int:
 
             check_sampling_args(args)
             ckpt_dir = resolve_checkpoint(args.checkpoint)
-            n_head = read_meta(ckpt_dir).get("model_config", {}).get("n_head", 1)
+            model_cfg = read_meta(ckpt_dir).get("model_config", {})
+            n_head = model_cfg.get("n_head", 1)
+            n_kv_head = model_cfg.get("n_kv_head", n_head)
             read_prompts(args, load_tokenizer(ckpt_dir / "tokenizer.json"))  # fail once, before the workers
             if args.tp < 1 or args.pp < 1 or args.nproc % (args.tp * args.pp):
                 raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp "
                                  f"({args.tp} x {args.pp})")
-            if n_head % args.tp:
-                raise ValueError(f"--parallel.tp {args.tp} must divide the model's n_head ({n_head})")
+            if n_head % args.tp or n_kv_head % args.tp:
+                raise ValueError(f"--parallel.tp {args.tp} must divide the model's n_head ({n_head}) and "
+                                 f"n_kv_head ({n_kv_head})")
             if args.pp > 1 and args.temperature != 0:
                 raise ValueError("pipelined generation (--parallel.pp > 1) is greedy only: use --temperature 0")
             return launch(args.nproc, ["generate", *_strip_nproc(argv)])
@@ -254,8 +257,8 @@ def cmd_generate(argv: list[str]) -> int:
 def export_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zerotron export``."""
     p = argparse.ArgumentParser(prog="zerotron export", formatter_class=HelpFormatter, description="Export a "
-                                "checkpoint of any layout as a Hugging Face GPT-2 directory (config.json + "
-                                "model.safetensors).")
+                                "checkpoint of any layout as a Hugging Face directory (config.json + "
+                                "model.safetensors): GPT2LMHeadModel or LlamaForCausalLM, by the model's family.")
     p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
@@ -270,13 +273,13 @@ def cmd_export(argv: list[str]) -> int:
         from .data.tokenizer import EOT
         from .distributed import mesh
         from .generate import load_model
-        from .models.hf import export_hf_gpt2
+        from .models.registry import export_hf
 
         owned = not torch.distributed.is_initialized()
         mesh.init_distributed(timeout_s=600, device=torch.device("cpu"))
         model, tok, _ = load_model(args.checkpoint, torch.device("cpu"))
         # the checkpoint's tokenizer.json (load_tokenizer checked it defines <|endoftext|>)
-        out = export_hf_gpt2(model, None, args.out, overwrite=args.overwrite, eos_token_id=tok.token_to_id(EOT))
+        out = export_hf(model, args.out, overwrite=args.overwrite, eos_token_id=tok.token_to_id(EOT))
         tok.save(str(Path(out) / "tokenizer.json"))
         if owned:
             mesh.teardown()

@@ -26,15 +26,20 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """GPT shape. ``preset`` (e.g. "tiny", "gpt2") fills the sizes; non-zero fields override it
-    (0 = take the preset's value, or the built-in default n_layer 4, n_head 4, n_embd 128,
-    block_size 128 without a preset). ``vocab_size = 0`` takes the tokenizer's vocabulary size.
-    ``block_size`` is also the training sequence length. ``init_from``: a Hugging Face GPT-2
-    directory (config.json + model.safetensors) whose shape and weights the run starts from (use its
-    tokenizer.json as data.tokenizer); every layout slices these dense weights per rank."""
+    """Model family and shape. ``arch``: gpt2 | llama (default gpt2, or the preset's family);
+    ``preset`` (e.g. "tiny", "gpt2", "llama-tiny", "llama3-8b") fills the sizes; non-zero fields
+    override it (0 = take the preset's value, or the built-in default n_layer 4, n_head 4, n_embd
+    128, block_size 128 without a preset). ``vocab_size = 0`` takes the tokenizer's vocabulary size.
+    ``block_size`` is also the training sequence length. The llama fields (n_kv_head ...
+    rms_norm_eps, tie_word_embeddings) apply to llama only; llama never has biases. ``init_from``:
+    a Hugging Face GPT-2 or Llama directory (config.json + model.safetensors) whose family, shape
+    and weights the run starts from (use its tokenizer.json as data.tokenizer); every layout slices
+    these dense weights per rank."""
 
+    arch: str = "gpt2"
+    """model family: gpt2 | llama (left unset, the preset's family)"""
     preset: str = ""
-    """named shape filling the sizes below (e.g. "tiny", "gpt2"); "" = built-in default"""
+    """named shape filling the sizes below (e.g. "tiny", "gpt2", "llama-tiny", "llama3-8b"); "" = built-in default"""
     n_layer: int = 0
     """transformer blocks (0 = from the preset, else 4)"""
     n_head: int = 0
@@ -48,9 +53,27 @@ class ModelConfig:
     dropout: float = 0.0
     """dropout probability in [0, 1)"""
     bias: bool = True
-    """biases in the linear and layer-norm layers (GPT-2 style)"""
+    """biases in the linear and layer-norm layers (GPT-2 style; llama: always off, true is refused)"""
+    n_kv_head: int = 0
+    """llama: key/value heads of grouped-query attention, dividing n_head (0 = from the preset, else n_head)"""
+    intermediate_size: int = 0
+    """llama: SwiGLU hidden width (0 = from the preset, else Meta's rule 256*ceil(8*n_embd/3/256))"""
+    rope_theta: float = 0.0
+    """llama: RoPE base (0 = from the preset, else 10000)"""
+    rope_scaling: str = ""
+    """llama: none | llama3 (Llama-3.1 values) | llama3:factor=F,low_freq_factor=L,high_freq_factor=H,original_max_position_embeddings=N ("" = the preset's, else none)"""
+    rms_norm_eps: float = 0.0
+    """llama: RMSNorm epsilon (0 = from the preset, else 1e-5)"""
+    tie_word_embeddings: bool = False
+    """llama: share the output head with the token embedding (unset = the preset's; gpt2 always ties)"""
     init_from: str = ""
-    """Hugging Face GPT-2 directory to start from (shape and weights); "" = random init"""
+    """Hugging Face GPT-2 or Llama directory to start from (family, shape and weights); "" = random init"""
+
+    def given(self, name: str) -> bool:
+        """True if field ``name`` was set from a TOML file or the command line (:func:`apply`), or
+        holds a value other than its default (set in Python)."""
+        default = {f.name: f.default for f in dataclasses.fields(self)}[name]
+        return name in self.__dict__.get("_given", ()) or getattr(self, name) != default
 
 
 @dataclass
@@ -278,7 +301,9 @@ def apply(cfg: Config, section: str, name: str, value, from_cli: bool = False) -
     if name not in types:
         raise ConfigError(f"unknown config key {section}.{name}{_suggest(name, types)}; "
                           f"valid keys in [{section}]: {', '.join(types)}")
-    setattr(getattr(cfg, section), name, _coerce(section, name, types[name], value, from_cli))
+    obj = getattr(cfg, section)
+    setattr(obj, name, _coerce(section, name, types[name], value, from_cli))
+    obj.__dict__.setdefault("_given", set()).add(name)  # ModelConfig.given: set, even to the default
 
 
 def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
@@ -330,25 +355,15 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-DEFAULT_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
-
-
 def model_shape(m: ModelConfig) -> dict:
-    """Resolve the model sizes: preset (or DEFAULT_SHAPE) values, overridden by non-zero fields.
+    """Resolve the model family and sizes: set fields, then the preset, then the defaults (see
+    :func:`zerotron.models.registry.resolve_shape`). Returns ``{"arch", "n_layer", "n_head",
+    "n_embd", "block_size", "bias"}`` (+ ``vocab_size`` if the preset fixes one, + the llama fields).
+    Raises ValueError (one line naming the field) for an unknown arch or preset or a field the
+    family lacks."""
+    from .models.registry import resolve_shape
 
-    Returns ``{"n_layer", "n_head", "n_embd", "block_size"}`` (+ ``vocab_size`` if the preset fixes
-    one). Raises ValueError for an unknown preset, naming the valid ones."""
-    shape = dict(DEFAULT_SHAPE)
-    if m.preset:
-        from .models.gpt import PRESETS
-
-        if m.preset not in PRESETS:
-            raise ValueError(f"model.preset {m.preset!r} is unknown; valid presets: {', '.join(PRESETS)}")
-        shape.update({k: v for k, v in PRESETS[m.preset].items() if k != "dropout"})
-    for key in DEFAULT_SHAPE:
-        if getattr(m, key):
-            shape[key] = getattr(m, key)
-    return shape
+    return resolve_shape(m)
 
 
 DTYPES = ("fp32", "bf16", "fp64")  # = parallel.precision.TRAIN_DTYPES (no torch import here)
@@ -396,8 +411,8 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and train.eval_batches >= 1")
     need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
     need(not m.init_from or Path(m.init_from).exists(),
-         f"model.init_from {m.init_from!r} does not exist; give a Hugging Face GPT-2 directory (config.json + "
-         "model.safetensors)")
+         f"model.init_from {m.init_from!r} does not exist; give a Hugging Face GPT-2 or Llama directory "
+         "(config.json + model.safetensors)")
     need(d.corpus in CORPORA, f"data.corpus must be one of {CORPORA}, got {d.corpus!r}")
     need(d.corpus == "shakespeare" or d.path, f"data.corpus = {d.corpus!r} needs data.path (a file, directory "
                                               "or dataset name)")
@@ -439,6 +454,16 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(shape["n_embd"] % shape["n_head"] == 0,
          f"model.n_embd ({shape['n_embd']}) must be divisible by model.n_head ({shape['n_head']}); change one of them")
     need(shape["block_size"] >= 2, f"model.block_size must be >= 2, got {shape['block_size']}")
+    kv = shape.get("n_kv_head", shape["n_head"])
+    need(shape["n_head"] % kv == 0, f"model.n_head ({shape['n_head']}) must be a multiple of model.n_kv_head "
+                                    f"({kv}): each kv head serves n_head / n_kv_head query heads")
+    if not m.init_from:
+        from .models.registry import config_from_section
+
+        try:
+            config_from_section(m, m.vocab_size or shape.get("vocab_size") or 256)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
     from .distributed.mesh import ParallelDims
 
     try:
@@ -475,6 +500,11 @@ def validate(cfg: Config, world_size: int) -> dict:
             raise ConfigError(f"parallel.pp_split / model.n_layer: {e}") from None
     need(shape["n_head"] % dims.tp == 0,
          f"parallel.tp ({dims.tp}) must divide model.n_head ({shape['n_head']}): each tp rank holds whole heads")
+    need(kv % dims.tp == 0, f"parallel.tp ({dims.tp}) must divide model.n_kv_head ({kv}): each tp rank holds "
+                            "whole key/value heads (they are split, not replicated)")
+    ffn = shape.get("intermediate_size", dims.tp)
+    need(ffn % dims.tp == 0, f"parallel.tp ({dims.tp}) must divide model.intermediate_size ({ffn}) (the SwiGLU "
+                             "matrices are split evenly)")
     need(not p.sequence_parallel or shape["block_size"] % dims.tp == 0,
          f"parallel.sequence_parallel needs model.block_size ({shape['block_size']}) divisible by tp ({dims.tp})")
     need(dims.tp == 1 or p.zero_impl == "native" or p.zero_stage == 0,

@@ -9,20 +9,18 @@ so the output does not depend on the layout.
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
-
-from zerotron.parallel.pipeline.runner import PipelineStrategy, pipeline_generate
-from zerotron.parallel.tensor.transform import apply_tensor_parallel
 
 from .config import Config
 from .data import load_tokenizer
 from .distributed import comm
 from .distributed import mesh as _mesh
 from .distributed.mesh import Mesh, ParallelDims, init_distributed
-from .models.gpt import GPT, GPTConfig
+from .models import registry
+from .parallel.pipeline.runner import PipelineStrategy, pipeline_generate
+from .parallel.tensor.transform import apply_tensor_parallel
 from .train import checkpoint as ckpt
 
 
@@ -40,12 +38,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_model(path: str | Path, device: torch.device):
-    """Build the GPT of a checkpoint and load its weights; returns ``(model, tokenizer, meta)``."""
+    """Build the model of a checkpoint (its family from ``model_config["arch"]``, GPT-2 when absent)
+    and load its weights; returns ``(model, tokenizer, meta)``."""
     path = resolve_checkpoint(path)
     ckpt.verify_checkpoint(path)  # files present and checksums equal, else CheckpointError naming the file
     meta = ckpt.read_meta(path)
-    fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    model = GPT(GPTConfig(**{k: v for k, v in meta["model_config"].items() if k in fields})).to(device)
+    model = registry.build_model(registry.config_from_meta(meta["model_config"])).to(device)
     ckpt.load_checkpoint(path, model, restore_rng=False)
     model.eval()
     return model, load_tokenizer(path / "tokenizer.json"), meta

@@ -1,5 +1,5 @@
-"""Activation memory of GPT training: closed-form estimate per layer / per pipeline rank, and a
-measurement of what autograd actually saves.
+"""Activation memory of GPT-2 and Llama training: closed-form estimate per layer / per pipeline
+rank, and a measurement of what autograd actually saves.
 
 Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
 (section 4 and Table 2). s sequence length, b micro-batch, h hidden size, a heads, t tensor-parallel
@@ -25,6 +25,18 @@ the dropout output *is* its input):
     replicated = (4e + 2*dr*mu) sbh;  split = 12e sbh;  attention = (e + dr*(e + mu)) as^2b
     e = 2, mu = 1, dr = 1 gives 10, 24 and 5 (the paper); fp32 with 1-byte masks: 18, 48, 9,
     i.e. sbh(66 + 9as/h); fp32 without dropout: sbh(64 + 4as/h).
+
+Llama (``norm_saves=2, mlp_saves=4, ffn=F``), counted the same way on zerotron's modules (measured,
+tests/test_activations.py): torch's RMSNorm (composite on CPU) saves its input *and* the normalised
+tensor (2 tensors of sbh, LayerNorm 1); the SwiGLU MLP saves the gate output (silu input), the silu
+output, the up output and their product (down_proj input), 4 tensors of sbF (GELU's MLP: 2 of sbF,
+F = 4h); RoPE saves nothing beyond its tables (buffers). Grouped-query attention: zerotron repeats
+the H_kv key/value heads to H before SDPA (``models.base.causal_attention``), so the saved k and v
+have H heads as in multi-head attention; a GQA-native kernel would save 2(1 - H_kv/H) e sbh/t less.
+In general, with n_s tensors per norm and m_s per MLP:
+
+    replicated = ((2 n_s + 2) e + 2 dr mu) sbh;  split = 4e sbh + m_s e sbF
+    Llama, fp32, no dropout, F = 3h: 24 sbh replicated + (16 + 48) sbh split.
 
 Measured on this machine (torch 2.13 CPU, ``measure_*`` below, tests/test_activations.py):
 * dropout = 0: ``F.scaled_dot_product_attention`` runs the flash-attention CPU kernel: it saves
@@ -59,6 +71,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from zerotron.analysis.flops import shape_of
+
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("math", "flash")
@@ -80,15 +94,19 @@ def _positive(**values) -> None:
 def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sp: bool = False, recompute: str = "none", dtype: str = "bf16",
                            dropout: bool = True, attention: str = "math",
-                           mask_bytes: int = 1) -> int:
+                           mask_bytes: int = 1, *, ffn: int | None = None, norm_saves: int = 1,
+                           mlp_saves: int = 2) -> int:
     """Bytes of activations one transformer layer keeps for backward, per micro-batch, on one
     tensor-parallel rank (formulas in the module docstring; Korthikanti et al. 2022).
 
     ``dtype``: "bf16" | "fp16" | "fp32" (activation element size); ``recompute``: "none" |
     "selective" | "full"; ``attention``: "math" (explicit softmax, the paper) | "flash" (no s^2
     term); ``dropout``: whether dropout masks are saved; ``mask_bytes``: bytes per mask element
-    (1 on CUDA, the activation size for CPU dropout). Exact integer arithmetic. Raises ValueError for a non-positive size, an
-    unknown option, hidden % heads != 0, heads % tp != 0, or sp with seq_len % tp != 0.
+    (1 on CUDA, the activation size for CPU dropout). ``ffn``: MLP width F (None = 4h, GPT-2);
+    ``norm_saves``: tensors of sbh one norm saves (LayerNorm 1, torch's RMSNorm 2); ``mlp_saves``:
+    tensors of sbF the MLP saves (GELU 2, SwiGLU 4); the defaults are GPT-2's (module docstring).
+    Exact integer arithmetic. Raises ValueError for a non-positive size, an unknown option,
+    hidden % heads != 0, heads % tp != 0, or sp with seq_len % tp != 0.
     """
     _positive(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp,
               mask_bytes=mask_bytes)
@@ -102,11 +120,11 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
         raise ValueError(f"sequence parallel needs tp ({tp}) to divide seq_len ({seq_len})")
     e, s, b, h, a, t = DTYPE_BYTES[dtype], seq_len, micro_batch, hidden, heads, tp
     dr, mu = int(bool(dropout)), mask_bytes
-    sbh = s * b * h
+    sbh, f = s * b * h, 4 * hidden if ffn is None else ffn
     if recompute == "full":  # only the layer input is checkpointed
         return e * sbh // t if sp else e * sbh
-    replicated = (4 * e + 2 * dr * mu) * sbh
-    split = 12 * e * sbh
+    replicated = ((2 * norm_saves + 2) * e + 2 * dr * mu) * sbh
+    split = 4 * e * sbh + mlp_saves * e * s * b * f
     attn = (e + dr * (e + mu)) * a * s * s * b if attention == "math" and recompute == "none" else 0
     if sp:
         return (replicated + split + attn) // t
@@ -159,8 +177,9 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
                      virtual_stages: int = 1, recompute: str = "none", dtype: str = "bf16",
                      attention: str = "math", dropout: bool | None = None,
                      mask_bytes: int = 1) -> dict:
-    """Activation bytes per pipeline rank of GPT ``cfg`` (a ``GPTConfig``: n_layer, n_head,
-    n_embd, vocab_size, dropout) for one training step.
+    """Activation bytes per pipeline rank of the model of ``cfg`` (a ``GPTConfig``,
+    ``LlamaConfig`` or :class:`zerotron.analysis.flops.Shape`) for one training step; the layer
+    count of its family (module docstring: Llama's RMSNorm, SwiGLU; no embedding dropout in Llama).
 
     ``microbatches`` per pipeline flush; ``schedule`` "1f1b" | "gpipe" | "interleaved" (with
     ``virtual_stages`` >= 2) | "naive"; with pp == 1 and a non-interleaved schedule the micro-batches
@@ -177,19 +196,21 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     _check("schedule", schedule, SCHEDULES)
     if seq_len > getattr(cfg, "block_size", seq_len):
         raise ValueError(f"seq_len ({seq_len}) exceeds the model's block_size ({cfg.block_size})")
-    dropout = cfg.dropout > 0 if dropout is None else dropout
+    shape = cfg if hasattr(cfg, "block_params") else shape_of(cfg)
+    dropout = shape.dropout > 0 if dropout is None else dropout
+    ns = 2 if shape.rms_norm else 1
     args = dict(tp=tp, sp=sp, dtype=dtype, dropout=dropout, attention=attention,
-                mask_bytes=mask_bytes)
-    h, t, e = cfg.n_embd, tp, DTYPE_BYTES.get(dtype, 0)
-    per_layer = layer_activation_bytes(seq_len, micro_batch, h, cfg.n_head, recompute=recompute,
+                mask_bytes=mask_bytes, ffn=shape.ffn, norm_saves=ns, mlp_saves=2 * shape.mlp_matrices - 2)
+    h, t, e = shape.n_embd, tp, DTYPE_BYTES.get(dtype, 0)
+    per_layer = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, recompute=recompute,
                                        **args)
-    workspace = layer_activation_bytes(seq_len, micro_batch, h, cfg.n_head, **args) - per_layer
+    workspace = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, **args) - per_layer
     v = virtual_stages if schedule == "interleaved" else 1
-    counts = stage_layer_counts(cfg.n_layer, pp * v)
+    counts = stage_layer_counts(shape.n_layer, pp * v)
     sbh = seq_len * micro_batch * h
     div = t if sp else 1
-    emb = int(dropout) * mask_bytes * sbh // div
-    out = 2 * e * sbh // div + LOSS_BYTES * seq_len * micro_batch * -(-cfg.vocab_size // t)
+    emb = int(dropout and shape.learned_positions) * mask_bytes * sbh // div  # GPT-2's embedding dropout
+    out = (ns + 1) * e * sbh // div + LOSS_BYTES * seq_len * micro_batch * -(-shape.vocab_size // t)
     unit = [c * per_layer + (emb if s == 0 else 0) + (out if s == len(counts) - 1 else 0)
             for s, c in enumerate(counts)]
     if pp == 1 and v == 1:  # plain gradient accumulation: forward+backward per micro-batch
@@ -212,7 +233,7 @@ def _measure(model, idx, targets=None) -> dict:
 
     param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     param_storages |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    blocks = list(model.transformer.h)
+    blocks = list(model.blocks() if hasattr(model, "blocks") else model.transformer.h)
     where = {"layer": None}
     seen: set = set()
     layer_bytes = [0] * len(blocks)
@@ -251,7 +272,7 @@ def _measure(model, idx, targets=None) -> dict:
 
 
 def measure_activation_bytes(model, idx, targets=None) -> int:
-    """Bytes of the tensors autograd saves for backward in one forward of a plain ``GPT`` ``model``
+    """Bytes of the tensors autograd saves for backward in one forward of a plain model (GPT, Llama)
     on token ids ``idx`` (B, T) (plus the cross-entropy of ``zerotron.parallel.base.token_loss_sum``
     when ``targets`` is given), counted through ``torch.autograd.graph.saved_tensors_hooks``.
 

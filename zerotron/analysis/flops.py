@@ -1,16 +1,131 @@
-"""Closed-form parameter and FLOP counts for the GPT-2-style decoder in ``zerotron.models.gpt``.
+"""Closed-form parameter and FLOP counts for the decoders in ``zerotron.models`` (GPT-2 and Llama).
 
 Pure arithmetic on the config numbers: nothing is allocated, so the counts are usable for models
 far larger than this machine's memory (the ``zerotron memory --model`` path relies on that).
+:class:`Shape` is what every estimator (memory, activations, planner) reads from a model config:
+:func:`shape_of` takes a ``GPTConfig``, a ``LlamaConfig`` or any object with their fields.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The counts of a decoder-only transformer the estimators need (C = n_embd, H = n_head,
+    H_kv = n_kv_head, D = C/H, F = ffn, V = vocab_size, L = n_layer).
+
+    ``mlp_matrices``: 2 (Linear C->F, GELU, Linear F->C: GPT-2) or 3 (SwiGLU gate/up C->F, down
+    F->C: Llama, Shazeer 2020). ``bias``: Linear biases (and LayerNorm biases). ``rms_norm``:
+    RMSNorm (weight only; Zhang & Sennrich 2019) instead of LayerNorm. ``learned_positions``: a
+    (block_size, C) position table (GPT-2; Llama uses RoPE, no parameters). ``tied``: output head
+    shares the token embedding. Hashable (estimators cache on it)."""
+
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    n_embd: int
+    vocab_size: int
+    block_size: int
+    ffn: int
+    mlp_matrices: int = 2
+    bias: bool = True
+    rms_norm: bool = False
+    learned_positions: bool = True
+    tied: bool = True
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """H_kv * D, the width of the k and v projections (C for multi-head attention)."""
+        return self.n_kv_head * self.head_dim
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: 2C (LayerNorm with bias), C (RMSNorm or LayerNorm without)."""
+        return 2 * self.n_embd if self.bias and not self.rms_norm else self.n_embd
+
+    def block_matmul_params(self) -> int:
+        """Weights of one block's matmuls: q C*C + k, v 2*C*H_kv*D + o C*C + MLP m*C*F
+        (GPT-2: 12C^2)."""
+        c = self.n_embd
+        return 2 * c * c + 2 * c * self.kv_dim + self.mlp_matrices * c * self.ffn
+
+    def block_params(self, tp: int = 1) -> int:
+        """Parameters of one block held by one of ``tp`` tensor-parallel ranks (Megatron split,
+        Shoeybi et al. 2019): column-parallel q/k/v and first MLP matrices (weights and biases) and
+        row-parallel o/last MLP weights divided by tp; row-parallel biases and norms replicated.
+        Exact when tp divides H, H_kv and F (what tensor parallelism requires)."""
+        c, f, m = self.n_embd, self.ffn, self.mlp_matrices
+        col_w = c * (c + 2 * self.kv_dim) + (m - 1) * c * f
+        row_w = c * c + f * c
+        col_b = c + 2 * self.kv_dim + (m - 1) * f if self.bias else 0
+        row_b = 2 * c if self.bias else 0
+        return col_w // tp + row_w // tp + col_b // tp + row_b + 2 * self.norm_params
+
+    def embedding_params(self, tp: int = 1) -> int:
+        """Token embedding rows ceil(V/tp) * C (vocab-parallel) + the position table (replicated)."""
+        return -(-self.vocab_size // tp) * self.n_embd + (self.block_size * self.n_embd if self.learned_positions else 0)
+
+    def output_params(self, tp: int = 1) -> int:
+        """Output-layer parameters of one tp rank not shared with the embedding: ceil(V/tp) * C if
+        untied, 0 if tied."""
+        return 0 if self.tied else -(-self.vocab_size // tp) * self.n_embd
+
+    def num_params(self) -> int:
+        """Total parameters, a tied head counted once."""
+        return (self.embedding_params() + self.n_layer * self.block_params() + self.norm_params
+                + self.output_params())
+
+    def flop_params(self) -> int:
+        """N of the 6N FLOP rule: :meth:`num_params` without an untied token embedding (a lookup,
+        not a matmul; a tied one is the output layer's matmul and stays). GPT-2's small position
+        table stays in, as in the published GPT-2 counts."""
+        return self.num_params() - (0 if self.tied else self.vocab_size * self.n_embd)
+
+    def kv_cache_bytes(self, batch: int, seq: int, bytes_per_elem: int = 2, tp: int = 1) -> int:
+        """Bytes of the inference KV cache for ``batch`` sequences of ``seq`` tokens on one of
+        ``tp`` ranks: 2 (k and v) * L * batch * seq * H_kv/tp * D * bytes (GQA keeps H_kv, not H,
+        heads: Ainslie et al. 2023)."""
+        return 2 * self.n_layer * batch * seq * (self.n_kv_head // tp) * self.head_dim * bytes_per_elem
+
+
+def shape_of(cfg) -> Shape:
+    """The :class:`Shape` of a model config: a Llama config (it has ``intermediate_size``) gets
+    SwiGLU, RMSNorm, RoPE, its n_kv_head and tie_word_embeddings; a GPT-2 config the 4C GELU MLP,
+    LayerNorm, learned positions, a tied head and n_kv_head = n_head. Raises ValueError for
+    non-positive sizes, n_head not dividing n_embd or n_kv_head not dividing n_head."""
+    llama = getattr(cfg, "intermediate_size", None) is not None
+    shape = Shape(
+        n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=getattr(cfg, "n_kv_head", cfg.n_head),
+        n_embd=cfg.n_embd, vocab_size=cfg.vocab_size, block_size=cfg.block_size,
+        ffn=cfg.intermediate_size if llama else 4 * cfg.n_embd, mlp_matrices=3 if llama else 2,
+        bias=bool(getattr(cfg, "bias", not llama)) and not llama, rms_norm=llama,
+        learned_positions=not llama, tied=bool(getattr(cfg, "tie_word_embeddings", True)) if llama else True,
+        dropout=float(getattr(cfg, "dropout", 0.0)))
+    _check_positive(n_layer=shape.n_layer, n_head=shape.n_head, n_kv_head=shape.n_kv_head,
+                    n_embd=shape.n_embd, vocab_size=shape.vocab_size, block_size=shape.block_size,
+                    ffn=shape.ffn)
+    if shape.n_embd % shape.n_head or shape.n_head % shape.n_kv_head:
+        raise ValueError(f"n_embd ({shape.n_embd}) must be divisible by n_head ({shape.n_head}) and n_head "
+                         f"by n_kv_head ({shape.n_kv_head})")
+    return shape
+
+
+def num_params(cfg) -> int:
+    """Parameter count of the model of config ``cfg`` (any family, see :func:`shape_of`)."""
+    return shape_of(cfg).num_params()
 
 
 def gpt_num_params(n_layer: int, n_head: int, n_embd: int, vocab_size: int, block_size: int,
@@ -41,13 +156,35 @@ def gpt_num_params(n_layer: int, n_head: int, n_embd: int, vocab_size: int, bloc
     return vocab_size * c + block_size * c + n_layer * per_block + final_ln
 
 
+def llama_num_params(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, intermediate_size: int,
+                     vocab_size: int, tie_word_embeddings: bool = False) -> int:
+    """Number of parameters of the Llama decoder (Touvron et al. 2023), C = n_embd, F =
+    intermediate_size, D = C/n_head, L = n_layer, V = vocab_size:
+
+    * token embedding V*C, plus an untied output head V*C (tied: counted once);
+    * per block: q and o 2C^2, grouped-query k and v 2*C*n_kv_head*D (Ainslie et al. 2023),
+      SwiGLU gate, up and down 3*C*F (Shazeer 2020), two RMSNorm weights 2C; no biases, no
+      position parameters (RoPE);
+    * final RMSNorm: C.
+
+    Total: V*C*(1 or 2) + L*(2C^2 + 2*C*n_kv_head*D + 3CF + 2C) + C (Llama-3-8B: 8,030,261,248).
+    Raises ValueError for a non-positive size or n_head not dividing n_embd / n_kv_head not
+    dividing n_head."""
+    from types import SimpleNamespace
+
+    return num_params(SimpleNamespace(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
+                                      intermediate_size=intermediate_size, vocab_size=vocab_size,
+                                      block_size=1, tie_word_embeddings=tie_word_embeddings))
+
+
 def training_flops_per_token(num_params: int, n_layer: int, n_embd: int, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward), in floating-point operations.
 
     Formula: 6*N + 12*L*C*S (PaLM, Chowdhery et al. 2022, appendix B): 6N for the matmuls against
     the N weights (2N forward, 4N backward) plus 12*L*C*S for the attention score/value matmuls
-    over a sequence of S tokens (L layers, width C). Multiply by tokens per second and divide by a
-    peak FLOP/s to get MFU.
+    over a sequence of S tokens (L layers, width C; grouped-query attention changes only N, its
+    H*D = C query channels still meet every key). Multiply by tokens per second and divide by a
+    peak FLOP/s to get MFU. For N use :meth:`Shape.flop_params` (an untied embedding is no matmul).
 
     Raises ValueError for a non-positive argument.
     """

@@ -26,7 +26,8 @@ import re
 import sys
 
 from zerotron.analysis.activations import ATTENTION, RECOMPUTE, SCHEDULES, activation_bytes, stage_layer_counts
-from zerotron.analysis.flops import gpt_num_params
+from zerotron.analysis.flops import num_params as config_num_params
+from zerotron.analysis.flops import shape_of
 
 STAGES = (0, 1, 2, 3)
 
@@ -125,42 +126,51 @@ def parse_memory(text: str) -> int:
     return int(float(m.group(1)) * units[m.group(2).lower()])
 
 
-def preset_num_params(name: str) -> int:
-    """Parameter count of model preset ``name`` computed from its config with
-    :func:`zerotron.analysis.flops.gpt_num_params` (nothing is allocated). Raises ValueError for an
-    unknown preset (from ``zerotron.models.gpt.preset_config``)."""
-    from zerotron.models.gpt import preset_config  # lazy: keeps torch out of the pure estimator
+def preset_config(name: str):
+    """The config of model preset ``name`` of any family (``zerotron.models.registry``). Raises
+    ValueError for an unknown preset, listing them all."""
+    from zerotron.models.registry import preset_config as registry_preset  # lazy: torch stays out
 
-    cfg = preset_config(name)
-    return gpt_num_params(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size,
-                          bias=cfg.bias)
+    return registry_preset(name)
+
+
+def preset_num_params(name: str) -> int:
+    """Parameter count of model preset ``name`` (GPT-2 or Llama) computed from its config with
+    :func:`zerotron.analysis.flops.num_params` (nothing is allocated). Raises ValueError for an
+    unknown preset."""
+    return config_num_params(preset_config(name))
 
 
 def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> list[int]:
-    """Parameters (a count) held by one tensor-parallel rank of each pipeline rank 0..pp-1 of GPT
-    ``cfg`` (a ``GPTConfig``), with ``virtual_stages`` model stages per rank (interleaved).
+    """Parameters (a count) held by one tensor-parallel rank of each pipeline rank 0..pp-1 of the
+    model of ``cfg`` (a ``GPTConfig``, ``LlamaConfig`` or a :class:`zerotron.analysis.flops.Shape`),
+    with ``virtual_stages`` model stages per rank (interleaved).
 
-    Megatron-style split (Shoeybi et al. 2019): per block the qkv and fc1 weights/biases
-    (column-parallel) and the proj/fc2 weights (row-parallel) are divided by tp, the two row-parallel
-    biases and the LayerNorms are replicated; the token embedding is vocab-parallel (ceil(V/tp) rows),
-    the position embedding replicated on stage 0; the last stage holds ln_f and, when it is not on
-    the first stage's rank, a tied copy of the token embedding (as ``parallel.pipeline.executor`` does).
-    Layers per stage as :func:`zerotron.analysis.activations.stage_layer_counts`. With tp = pp = 1
-    the sum equals :func:`gpt_num_params`. Raises ValueError if tp does not divide n_head or
-    pp*virtual_stages > n_layer."""
-    h, t, v = cfg.n_embd, tp, virtual_stages
-    if tp < 1 or cfg.n_head % tp:
-        raise ValueError(f"tp ({tp}) must be >= 1 and divide n_head ({cfg.n_head})")
-    counts = stage_layer_counts(cfg.n_layer, pp * v)
-    block = 12 * h * h // t + (7 * h // t + 6 * h if cfg.bias else 2 * h)
-    wte = -(-cfg.vocab_size // t) * h
+    Megatron-style split (Shoeybi et al. 2019, :meth:`Shape.block_params`): per block the
+    column-parallel q/k/v (GQA: k and v C x H_kv*D) and first MLP matrices (GELU's fc1; SwiGLU's gate
+    and up) with their biases, and the row-parallel o/last MLP weights are divided by tp, row-parallel
+    biases and the norms replicated; the token embedding is vocab-parallel (ceil(V/tp) rows), a
+    learned position table replicated on stage 0; the last stage holds the final norm, an untied
+    output head (ceil(V/tp) rows) or, for a tied head when it is not on the first stage's rank, a
+    tied copy of the token embedding (as ``parallel.pipeline.executor`` does). Layers per stage as
+    :func:`zerotron.analysis.activations.stage_layer_counts`. With tp = pp = 1 the sum equals
+    :func:`zerotron.analysis.flops.num_params`. Raises ValueError if tp does not divide n_head,
+    n_kv_head and the MLP width, or pp*virtual_stages > n_layer."""
+    s = cfg if hasattr(cfg, "block_params") else shape_of(cfg)
+    v = virtual_stages
+    if tp < 1 or s.n_head % tp or s.n_kv_head % tp or s.ffn % tp:
+        raise ValueError(f"tp ({tp}) must be >= 1 and divide n_head ({s.n_head}), n_kv_head ({s.n_kv_head}) "
+                         f"and the MLP width ({s.ffn})")
+    counts = stage_layer_counts(s.n_layer, pp * v)
+    block = s.block_params(tp)
+    tied_copy = -(-s.vocab_size // tp) * s.n_embd if s.tied and pp > 1 else 0
     out = []
     for r in range(pp):
         n = sum(counts[c * pp + r] for c in range(v)) * block
         if r == 0:
-            n += wte + cfg.block_size * h
+            n += s.embedding_params(tp)
         if r == pp - 1:
-            n += (2 * h if cfg.bias else h) + (wte if pp > 1 else 0)
+            n += s.norm_params + s.output_params(tp) + tied_copy
         out.append(n)
     return out
 
@@ -182,8 +192,6 @@ def _add_activation_args(parser: argparse.ArgumentParser) -> None:
 
 def _activation_report(args, num_params: int) -> tuple[dict, list]:
     """(activations object, rows with model states of the largest pipeline rank + activations)."""
-    from zerotron.models.gpt import preset_config
-
     cfg = preset_config(args.model)
     kind = args.schedule
     v = args.virtual_stages if kind == "interleaved" else 1
@@ -201,10 +209,11 @@ def _activation_report(args, num_params: int) -> tuple[dict, list]:
         r = max(range(len(totals)), key=lambda i: (totals[i], -i))
         rows.append({"stage": stage, "rank": r, "model_state_bytes": per_rank[r],
                      "activation_bytes": act["per_rank_bytes"][r], "total_bytes": totals[r]})
+    kv = shape_of(cfg).kv_cache_bytes(args.micro_batch, args.seq, 4 if args.dtype == "fp32" else 2, args.tp)
     inputs = {"seq": args.seq, "micro_batch": args.micro_batch, "tp": args.tp, "sp": args.sp,
               "pp": args.pp, "schedule": kind, "microbatches": m, "virtual_stages": v,
               "recompute": args.recompute, "attention": args.attention,
-              "params_per_rank": params}
+              "params_per_rank": params, "kv_cache_bytes": kv}
     return {**inputs, **act, "totals": rows}, rows
 
 
@@ -236,7 +245,7 @@ def memory_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerotron memory", formatter_class=HelpFormatter,
                                      description="ZeRO model-state bytes per data-parallel rank.")
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="model preset name (zerotron.models.gpt.PRESETS)")
+    src.add_argument("--model", help="model preset name, GPT-2 or Llama (e.g. gpt2, llama3-8b)")
     src.add_argument("--params", type=_count, help="parameter count, e.g. 7e9")
     parser.add_argument("--dp", type=int, required=True, help="data-parallel degree N")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES, help="training precision")
@@ -253,8 +262,6 @@ def _memory_run(args) -> int:
         num_params = preset_num_params(args.model) if args.model else args.params
         rank_params = num_params
         if args.model and (args.tp != 1 or args.pp != 1):
-            from zerotron.models.gpt import preset_config
-
             v = args.virtual_stages if args.schedule == "interleaved" else 1
             rank_params = max(stage_num_params(preset_config(args.model), args.tp, args.pp, v))
         rows = zero_table(rank_params, args.dp, args.dtype, args.optimizer)
@@ -285,4 +292,6 @@ def _memory_run(args) -> int:
         for r in act_rows:
             print(f"{r['stage']:>12}  {r['rank']:>12}  {r['model_state_bytes'] / GB:>12.4g}  "
                   f"{r['activation_bytes'] / GB:>12.4g}  {r['total_bytes'] / GB:>12.4g}")
+        print(f"inference KV cache of {args.micro_batch} x {args.seq} tokens per tp rank: "
+              f"{act['kv_cache_bytes'] / GB:.4g} GB (2 x layers x tokens x n_kv_head/tp x head_dim)")
     return 0

@@ -14,8 +14,8 @@ from zerotron.config import ConfigError, load_config, model_shape
 
 
 def _model_from_args(args):
-    """(GPTConfig, the config's global batch or None) from --model or --config."""
-    from zerotron.models.gpt import GPTConfig, preset_config
+    """(model config of any family, the config's global batch or None) from --model or --config."""
+    from zerotron.models.registry import config_from_section, preset_config
 
     if args.model:
         return preset_config(args.model), None
@@ -25,9 +25,7 @@ def _model_from_args(args):
     except ConfigError as e:
         raise ValueError(str(e)) from None
     vocab = c.model.vocab_size or shape.get("vocab_size") or c.data.vocab_size
-    return GPTConfig(vocab_size=vocab, block_size=shape["block_size"], n_layer=shape["n_layer"],
-                     n_head=shape["n_head"], n_embd=shape["n_embd"], dropout=c.model.dropout,
-                     bias=c.model.bias).validate(), c.train.global_batch
+    return config_from_section(c.model, vocab), c.train.global_batch
 
 
 def calibration_mismatch(bench: dict, gpu: str) -> str | None:
@@ -48,10 +46,10 @@ def calibration_mismatch(bench: dict, gpu: str) -> str | None:
 def _parser() -> argparse.ArgumentParser:
     from zerotron.cli_help import HelpFormatter
 
-    p = argparse.ArgumentParser(prog="zerotron plan", formatter_class=HelpFormatter, description="Rank parallel layouts of a GPT "
+    p = argparse.ArgumentParser(prog="zerotron plan", formatter_class=HelpFormatter, description="Rank parallel layouts of a GPT-2 or Llama model "
                                 "by predicted memory and step time (zerotron.analysis.planner).")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="model preset (zerotron.models.gpt.PRESETS)")
+    src.add_argument("--model", help="model preset, GPT-2 or Llama (e.g. gpt2, llama3-8b)")
     src.add_argument("--config", help="TOML config ([model] shape, train.global_batch)")
     p.add_argument("--gpus", type=int, required=True, help="total GPUs G")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node K")

@@ -1,5 +1,7 @@
 """``zerotron plan``: rank (dp, tp, pp, ZeRO stage, schedule, micro-batch, recompute) layouts of a
-GPT on G GPUs by predicted memory and step time. Pure arithmetic: nothing is allocated.
+GPT-2 or Llama model on G GPUs by predicted memory and step time. Pure arithmetic: nothing is
+allocated. The model enters through :class:`zerotron.analysis.flops.Shape` (GQA's k/v width,
+SwiGLU's three matrices, norms, tied or untied head).
 
 Memory per GPU (bytes), max over pipeline ranks = model states (ZeRO paper, bf16-mixed + Adam,
 K = 12, on that rank's parameters per tp rank: ``memory.stage_num_params``) + activations
@@ -9,12 +11,15 @@ gathered layer, temporaries, fragmentation beyond the overhead.
 
 Step time (seconds), after Narayanan et al. 2021 (Megatron-LM, PTD-P) section 3, per micro-batch
 of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head):
-* matmuls: FLOPs / (peak FLOP/s x ``compute_eff``): per token and layer 72h^2 + 12hS (PaLM
-  appendix B), the output layer 6hV on the last stage, divided by tp; recomputation adds one
-  forward: full 24h^2 + 4hS, selective 4hS (attention scores/values) per token and layer.
+* matmuls: FLOPs / (peak FLOP/s x ``compute_eff``): per token and layer 6W + 12hS (PaLM
+  appendix B; W = the block's matmul weights, :meth:`Shape.block_matmul_params`: 12h^2 for GPT-2,
+  2h^2 + 2h*H_kv*D + 3hF for Llama), the output layer 6hV on the last stage, divided by tp;
+  recomputation adds one forward: full 2W + 4hS, selective 4hS (attention scores/values) per
+  token and layer.
 * elementwise ("vector") work at ``hw.vector_rate`` element passes/s (roofline's memory-bound
-  side): per token and layer, forward + backward, 2 layer norms 4h, GELU 8h (/tp: it follows the
-  column-parallel matmul), residual adds 2h; layer norms and residuals are replicated over tp
+  side): per token and layer, forward + backward, 2 layer norms 4h, the activation 2F (GELU,
+  F = 4h: 8h) or 4F (SwiGLU: silu and the gating product) (/tp: it follows the column-parallel
+  matmuls), residual adds 2h; layer norms and residuals are replicated over tp
   unless sequence parallel splits them (Korthikanti et al. 2022, section 4.2.2); full recompute
   adds their forward again; "math" attention adds the softmax 2aS/tp; the last stage adds the
   cross-entropy's softmax 2V/tp.
@@ -46,7 +51,8 @@ Links: ranks are ordered (pp, dp, tp), tp innermost, nodes hold ``gpus_per_node`
 ranks. A group uses the intra-node link (NVLink) iff it fits in aligned node-local blocks, else the
 inter-node link (one NIC per GPU). Hardware (:mod:`zerotron.analysis.hardware`): datasheet values
 x ``comm_eff``, or, with ``--calibrate``, alpha, busbw and overlap measured by a ``zerotron bench
-comm --json`` run for the intra-node link. MFU = (6N + 12LhS) x tokens / (step time x G x peak).
+comm --json`` run for the intra-node link. MFU = (6N + 12LhS) x tokens / (step time x G x peak),
+N = :meth:`Shape.flop_params` (an untied token embedding is a lookup, not counted).
 """
 from __future__ import annotations
 
@@ -54,16 +60,14 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
-from types import SimpleNamespace
 
 from zerotron.analysis.activations import activation_bytes, stage_layer_counts
-from zerotron.analysis.flops import gpt_num_params
+from zerotron.analysis.flops import Shape, shape_of
 from zerotron.analysis.hardware import GB, Hardware, collective_time
 from zerotron.analysis.memory import model_state_bytes, stage_num_params
 
 SCHEDULE_ORDER = ("none", "1f1b", "interleaved", "gpipe")
 RECOMPUTE_ORDER = ("none", "selective", "full")
-_SHAPE = ("n_layer", "n_head", "n_embd", "vocab_size", "block_size", "dropout")
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,9 @@ def _link(hw: Hardware, intra: bool) -> tuple[dict, dict]:
 
 
 @lru_cache(maxsize=4096)
-def _activations(shape: tuple, *args) -> dict:
+def _activations(shape: Shape, *args) -> dict:
     b, seq, tp, sp, pp, kind, m, v, recompute, attention = args
-    return activation_bytes(SimpleNamespace(**dict(zip(_SHAPE, shape))), b, seq, tp=tp, sp=sp,
+    return activation_bytes(shape, b, seq, tp=tp, sp=sp,
                             pp=pp, schedule="1f1b" if kind == "none" else kind, microbatches=m,
                             virtual_stages=v, recompute=recompute, dtype="bf16",
                             attention=attention)
@@ -116,7 +120,8 @@ def _dp_time(z: int, m: int, units: int, grad: float, dp: int, link, bucket: int
 
 def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> dict:
     """Predicted memory and step time of ``layout`` (keys dp, tp, pp, zero_stage, schedule
-    ("none" for pp = 1), micro_batch, recompute) for GPT ``cfg``, ``global_batch`` sequences of
+    ("none" for pp = 1), micro_batch, recompute) for the model of ``cfg`` (a GPT-2/Llama config or a
+    :class:`Shape`), ``global_batch`` sequences of
     ``seq`` tokens per step (cost model of the module docstring). Returns the layout plus
     ``microbatches``, ``virtual_stages``, ``sp``, ``memory_bytes_per_gpu`` (bytes),
     ``stage_time_s`` (seconds per micro-batch of each pipeline rank), ``predicted_step_time_s``,
@@ -128,21 +133,23 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     sp = sp and tp > 1
     v = 2 if kind == "interleaved" else 1
     m = global_batch // (dp * b)
-    h, L, V, S, a = cfg.n_embd, cfg.n_layer, cfg.vocab_size, seq, cfg.n_head
-    act = _activations(tuple(getattr(cfg, k) for k in _SHAPE), b, S, tp, sp, pp, kind, m, v, rec,
-                       cm.attention)
-    params = stage_num_params(cfg, tp, pp, v)
+    shape = cfg if isinstance(cfg, Shape) else shape_of(cfg)
+    h, L, V, S, a, F = shape.n_embd, shape.n_layer, shape.vocab_size, seq, shape.n_head, shape.ffn
+    W = shape.block_matmul_params()
+    act = _activations(shape, b, S, tp, sp, pp, kind, m, v, rec, cm.attention)
+    params = stage_num_params(shape, tp, pp, v)
     mem = max(model_state_bytes(p, dp, z, "bf16-mixed", "adam")["total_bytes"] + a_
               for p, a_ in zip(params, act["per_rank_bytes"])) + cm.overhead
     counts = stage_layer_counts(L, pp * v)
     tp_link = _link(hw, tp <= K and K % tp == 0)
     dp_link = _link(hw, dp * tp <= K and K % (dp * tp) == 0)
     pp_link = _link(hw, dp * tp * pp <= K)
-    extra = {"none": 0, "selective": 4 * h * S, "full": 24 * h * h + 4 * h * S}[rec]
+    extra = {"none": 0, "selective": 4 * h * S, "full": 2 * W + 4 * h * S}[rec]
     rep = 1 / tp if sp else 1  # share of the layer norms / residuals each tp rank computes
-    vec_layer = (4 * h + 2 * h) * rep + 8 * h / tp + (2 * a * S / tp if cm.attention == "math" else 0)
+    act_vec = 2 * (shape.mlp_matrices - 1) * F  # GELU 2F, SwiGLU 4F (forward + backward)
+    vec_layer = (4 * h + 2 * h) * rep + act_vec / tp + (2 * a * S / tp if cm.attention == "math" else 0)
     if rec == "full":
-        vec_layer += (2 * h + 2 * h) * rep + 4 * h / tp
+        vec_layer += (2 * h + 2 * h) * rep + act_vec / 2 / tp
     x = b * S * h * cm.elem_bytes  # bytes of one (b, S, h) activation (bf16 by default)
     n_coll = 6 if rec == "full" else 4
 
@@ -155,7 +162,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     for r in range(pp):
         layers = sum(counts[c * pp + r] for c in range(v))
         first, last = r == 0, r == pp - 1
-        flops = b * S * (layers * (72 * h * h + 12 * h * S + extra) + (6 * h * V if last else 0)) / tp
+        flops = b * S * (layers * (6 * W + 12 * h * S + extra) + (6 * h * V if last else 0)) / tp
         vec = b * S * (layers * vec_layer + (2 * V / tp if last else 0))
         t = {"compute": flops / (hw.peak_flops * cm.compute_eff), "vector": vec / hw.vector_rate,
              "overhead": layers * cm.launch_s,
@@ -175,8 +182,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     t_dp -= min(hw.overlap * t_dp, backward)
     step = pipe + t_dp
     tokens = global_batch * S
-    model_flops = (6 * gpt_num_params(L, cfg.n_head, h, V, cfg.block_size, bias=cfg.bias)
-                   + 12 * L * h * S) * tokens
+    model_flops = (6 * shape.flop_params() + 12 * L * h * S) * tokens
     breakdown = {k: m * val for k, val in parts.items()}
     breakdown.update(bubble=pipe - m * stage, dp_comm=t_dp)
     return {**layout, "microbatches": m, "virtual_stages": v, "sp": sp,
@@ -195,9 +201,10 @@ def _rank_key(r: dict) -> tuple:
 
 def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostModel,
          supported_only: bool = False) -> dict:
-    """Enumerate and rank layouts of GPT ``cfg`` on ``gpus`` GPUs with ``gpu_mem`` bytes each.
+    """Enumerate and rank layouts of the model of ``cfg`` (GPT-2/Llama config or :class:`Shape`) on
+    ``gpus`` GPUs with ``gpu_mem`` bytes each.
 
-    Layouts: dp*tp*pp = gpus with tp | n_head, pp <= n_layer, dp | global_batch (and tp | seq with
+    Layouts: dp*tp*pp = gpus with tp | n_head, n_kv_head and the MLP width, pp <= n_layer, dp | global_batch (and tp | seq with
     SP); micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
     interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer), "none" for pp = 1; ZeRO 0-3;
     recompute none | selective | full. Each is priced by :func:`evaluate`; those over ``gpu_mem``
@@ -218,8 +225,9 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     out = []
     meshes = [(gpus // (t * p), t, p) for t in range(1, gpus + 1) if gpus % t == 0
               for p in range(1, gpus // t + 1) if gpus // t % p == 0]
+    cfg = cfg if isinstance(cfg, Shape) else shape_of(cfg)
     for dp, tp, pp in meshes:
-        if cfg.n_head % tp or global_batch % dp or (cm.sp and seq % tp):
+        if cfg.n_head % tp or cfg.n_kv_head % tp or cfg.ffn % tp or global_batch % dp or (cm.sp and seq % tp):
             dropped["divisibility"] += 1
             continue
         if pp > cfg.n_layer:

@@ -49,7 +49,7 @@ from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows, p
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distributed, teardown
 from zerotron.launch import in_worker, launch, strip_nproc
-from zerotron.models.gpt import GPT
+from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.train.optim import build_scheduler
@@ -105,7 +105,7 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     tokens in one epoch of the train split)``."""
     mcfg, t = gpt_config(cfg, data.vocab_size), cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank and layout
-    model = GPT(mcfg).to(mesh.device)
+    model = build_model(mcfg).to(mesh.device)
     strategy = parallelize(model, cfg, mesh)
     if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
         raise NotImplementedError(f"parallelize() returned a plain {type(strategy).__name__} for "

@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 checkpoints (config.json + safetensors) <-> zerotron ``GPT``.
+"""Hugging Face GPT-2 checkpoints (config.json + safetensors) <-> zerotron ``GPT``; the checkpoint
+reading/writing helpers shared with ``hf_llama`` (Llama).
 
 HF ``GPT2LMHeadModel`` uses the same module names as ``zerotron.models.gpt.GPT``, with two
 differences handled here: its ``Conv1D`` layers (c_attn, c_proj, c_fc) store weights as
@@ -118,7 +119,7 @@ def _check_keys(got: dict, expected: dict, what: str) -> None:
         parts = [f"{name} ({len(items)}): {items[:5]}" for name, items in
                  (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
                  if items]
-        raise ValueError(f"{what} does not match the GPT config: " + "; ".join(parts)
+        raise ValueError(f"{what} does not match the model config: " + "; ".join(parts)
                          + ". Check that config.json belongs to these weights.")
 
 
@@ -186,15 +187,10 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"weights file {path} not found.{hint}")
 
 
-def load_hf_gpt2(path: str | Path) -> GPT:
-    """Build a GPT from a HF GPT-2 checkpoint.
-
-    ``path``: a directory holding config.json and model.safetensors (or a sharded
-    model.safetensors.index.json), or a .safetensors file with config.json beside it.
-    Returns the model in eval mode, float dtype as stored (cast to our fp32 params).
-    Raises FileNotFoundError naming a missing path/file, ValueError for an unsupported config or
-    weights that do not match it.
-    """
+def read_hf_checkpoint(path: str | Path, what: str = "HF") -> tuple[Path, dict]:
+    """(weights path, config.json contents) of a HF checkpoint: ``path`` is a directory holding
+    config.json and model.safetensors (or a sharded model.safetensors.index.json), or a
+    .safetensors file with config.json beside it. Raises FileNotFoundError naming what is missing."""
     path = Path(path)
     if path.is_dir():
         weights = path / "model.safetensors"
@@ -205,9 +201,28 @@ def load_hf_gpt2(path: str | Path) -> GPT:
                                 "file; pass the folder written by save_pretrained")
     config_path = weights.parent / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} not found: a HF GPT-2 checkpoint needs its "
+        raise FileNotFoundError(f"{config_path} not found: a {what} checkpoint needs its "
                                 "config.json next to the weights")
-    cfg = hf_config_to_gpt(json.loads(config_path.read_text()))
+    return weights, json.loads(config_path.read_text())
+
+
+def read_hf_weights(weights: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``weights`` (a file, or the shards of its .index.json). Raises
+    FileNotFoundError if neither exists."""
+    return _read_safetensors(weights)
+
+
+def load_hf_gpt2(path: str | Path) -> GPT:
+    """Build a GPT from a HF GPT-2 checkpoint.
+
+    ``path``: a directory holding config.json and model.safetensors (or a sharded
+    model.safetensors.index.json), or a .safetensors file with config.json beside it.
+    Returns the model in eval mode, float dtype as stored (cast to our fp32 params).
+    Raises FileNotFoundError naming a missing path/file, ValueError for an unsupported config or
+    weights that do not match it.
+    """
+    weights, config = read_hf_checkpoint(path, "HF GPT-2")
+    cfg = hf_config_to_gpt(config)
     try:
         sd = state_dict_from_hf(_read_safetensors(weights), cfg)
     except ValueError as e:
@@ -247,6 +262,13 @@ def export_hf_gpt2(model_or_state_dict: GPT | dict, cfg: GPTConfig | None, out_d
         raise ValueError("export_hf_gpt2 needs cfg when given a state dict")
     hf_config = gpt_to_hf_config(cfg, eos_token_id)
     tensors = state_dict_to_hf(sd, cfg)
+    return write_hf_dir(out_dir, tensors, hf_config, overwrite)
+
+
+def write_hf_dir(out_dir: str | Path, tensors: dict, hf_config: dict, overwrite: bool = False) -> Path:
+    """Write ``out_dir/config.json`` (``hf_config``), ``generation_config.json`` (its bos/eos ids)
+    and ``model.safetensors`` (``tensors``, unshared contiguous CPU tensors); return out_dir.
+    Raises FileExistsError if out_dir is a file or a non-empty directory and not ``overwrite``."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory; choose another out_dir")

@@ -17,7 +17,7 @@ from ..config import Config, ConfigError, model_shape, validate
 from ..data import GlobalBatchSampler, batch_from_indices, num_windows, prepare_data
 from ..distributed import comm
 from ..distributed.mesh import Mesh, ParallelDims, init_distributed
-from ..models.gpt import GPT, GPTConfig
+from ..models import registry
 from ..parallel import parallelize
 from ..parallel.precision import param_dtype
 from . import checkpoint as ckpt
@@ -29,17 +29,18 @@ from .step import IGNORE_INDEX, evaluate, train_step
 from .tensorboard import open_tensorboard
 
 
-def gpt_config(cfg: Config, tokenizer_vocab: int) -> GPTConfig:
-    """GPTConfig from the model section; vocab = model.vocab_size or the tokenizer's size.
-    Raises ConfigError if model.vocab_size is smaller than the tokenizer's vocabulary."""
-    shape = model_shape(cfg.model)
+def gpt_config(cfg: Config, tokenizer_vocab: int):
+    """The model config (GPTConfig or LlamaConfig, by model.arch / the preset) of the model
+    section; vocab = model.vocab_size or the tokenizer's size. Raises ConfigError if
+    model.vocab_size is smaller than the tokenizer's vocabulary or the section is invalid."""
     vocab = cfg.model.vocab_size or tokenizer_vocab
     if vocab < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary "
                           f"({tokenizer_vocab}); set model.vocab_size = 0 to use the tokenizer's size")
-    return GPTConfig(vocab_size=vocab, block_size=shape["block_size"], n_layer=shape["n_layer"],
-                     n_head=shape["n_head"], n_embd=shape["n_embd"], dropout=cfg.model.dropout,
-                     bias=cfg.model.bias)
+    try:
+        return registry.config_from_section(cfg.model, vocab)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -157,7 +158,7 @@ class Trainer:
             self.model_cfg = self.model.config
         else:
             self.model_cfg = gpt_config(cfg, self.data.vocab_size)
-            self.model = GPT(self.model_cfg).to(device)
+            self.model = registry.build_model(self.model_cfg).to(device)
         self.model.to(dtype=param_dtype(cfg.train.dtype))  # fp64 mode: every parameter in float64
         self.seq_len = self.model_cfg.block_size
         self.num_params = self.model.num_params()  # dense count, before any sharding
@@ -203,16 +204,15 @@ class Trainer:
         self.mfu_meter = MFUMeter(self.flops_per_token, world, self.peak_flops_total / world, device,
                                   TRAIN_DTYPES[cfg.train.dtype], warn=rank == 0, source=source)
 
-    def _from_hf(self, path) -> GPT:
-        """Dense GPT with the shape and weights of a HF GPT-2 checkpoint (dropout from the config).
-        Raises ConfigError if its vocabulary is smaller than the tokenizer's."""
-        from ..models.hf import load_hf_gpt2
-
-        hf = load_hf_gpt2(path)
+    def _from_hf(self, path):
+        """Dense model with the family, shape and weights of a HF GPT-2 or Llama checkpoint
+        (dropout from the config). Raises ConfigError if its vocabulary is smaller than the
+        tokenizer's."""
+        hf = registry.load_hf(path)
         if hf.config.vocab_size < self.data.vocab_size:
             raise ConfigError(f"model.init_from has vocab_size {hf.config.vocab_size} < the tokenizer's "
                               f"{self.data.vocab_size}; set data.tokenizer to the checkpoint's tokenizer.json")
-        model = GPT(dataclasses.replace(hf.config, dropout=self.cfg.model.dropout))
+        model = registry.build_model(dataclasses.replace(hf.config, dropout=self.cfg.model.dropout))
         model.load_state_dict(hf.state_dict())
         return model
 
@@ -227,7 +227,7 @@ class Trainer:
     def meta(self, step: int) -> dict:
         return {"config": self.cfg.to_dict(), "world_size": self.world, "layout": self.layout,
                 "tokens_seen": step * self.cfg.train.global_batch * self.seq_len,
-                "model_config": dataclasses.asdict(self.model_cfg)}
+                "model_config": registry.config_meta(self.model_cfg)}
 
     def save(self, step: int) -> Path:
         """Collectively write checkpoint ``step``; returns its directory. Raises

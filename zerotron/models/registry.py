@@ -1,0 +1,225 @@
+"""Model families by name: ``"gpt2"`` and ``"llama"`` -> config class, model class, presets and HF
+converters. The CLI, trainer, generation, export and the estimators go through here instead of
+naming a model class, so a new family is one entry (its module keeps the layout description).
+
+Preset names are unique across families ("tiny" is GPT-2, "llama-tiny" Llama), so a preset alone
+names its family. Checkpoints record the family as ``model_config["arch"]`` (:func:`config_meta`);
+a checkpoint without it is GPT-2 (written before Llama existed).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from . import gpt, hf, hf_llama, llama
+from .base import CausalLM
+
+__all__ = ["Arch", "ARCHS", "DEFAULT_ARCH", "get_arch", "arch_of", "preset_arch", "all_presets",
+           "preset_config", "build_model", "config_meta", "config_from_meta", "hf_arch", "load_hf",
+           "export_hf", "make_config"]
+
+DEFAULT_ARCH = "gpt2"
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One model family: ``config_cls`` (a dataclass with ``validate()``), ``model_cls`` (a
+    :class:`CausalLM` taking that config), ``presets`` (name -> config fields), ``hf_model_type``
+    (config.json ``model_type``), ``load_hf(path) -> model`` and ``export_hf(model, cfg, out_dir,
+    overwrite=, eos_token_id=) -> Path`` (Hugging Face safetensors directories)."""
+
+    name: str
+    config_cls: type
+    model_cls: type
+    presets: Mapping[str, dict]
+    hf_model_type: str
+    load_hf: Callable
+    export_hf: Callable
+
+
+ARCHS: dict[str, Arch] = {
+    "gpt2": Arch("gpt2", gpt.GPTConfig, gpt.GPT, gpt.PRESETS, "gpt2", hf.load_hf_gpt2, hf.export_hf_gpt2),
+    "llama": Arch("llama", llama.LlamaConfig, llama.Llama, llama.PRESETS, "llama",
+                  hf_llama.load_hf_llama, hf_llama.export_hf_llama),
+}
+
+
+def get_arch(name: str) -> Arch:
+    """The family ``name``. Raises ValueError listing the known ones."""
+    if name not in ARCHS:
+        raise ValueError(f"unknown model architecture {name!r}; valid: {', '.join(ARCHS)}")
+    return ARCHS[name]
+
+
+def arch_of(cfg_or_model) -> str:
+    """Family name of a config or model instance. Raises TypeError for anything else."""
+    cfg = getattr(cfg_or_model, "config", cfg_or_model)
+    for arch in ARCHS.values():
+        if isinstance(cfg, arch.config_cls):
+            return arch.name
+    raise TypeError(f"not a zerotron model or model config: {type(cfg_or_model).__name__}")
+
+
+def all_presets() -> dict[str, str]:
+    """preset name -> family name, over every family."""
+    return {p: a.name for a in ARCHS.values() for p in a.presets}
+
+
+def preset_arch(name: str) -> str:
+    """Family of preset ``name``. Raises ValueError listing every preset."""
+    presets = all_presets()
+    if name not in presets:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(presets)}")
+    return presets[name]
+
+
+def preset_config(name: str, **overrides):
+    """The validated config (of its family's class) of preset ``name`` with ``overrides``.
+    Raises ValueError for an unknown preset or an invalid result."""
+    arch = get_arch(preset_arch(name))
+    return arch.config_cls(**{**copy.deepcopy(dict(arch.presets[name])), **overrides}).validate()
+
+
+def make_config(arch: str, **fields):
+    """``get_arch(arch).config_cls(**fields).validate()``; TypeError for a field the family lacks."""
+    return get_arch(arch).config_cls(**fields).validate()
+
+
+def build_model(cfg) -> CausalLM:
+    """A freshly initialised model of ``cfg``'s family (uses torch's RNG, like the classes)."""
+    return get_arch(arch_of(cfg)).model_cls(cfg)
+
+
+def config_meta(cfg) -> dict:
+    """The checkpoint form of ``cfg``: its fields plus ``"arch"``."""
+    return {"arch": arch_of(cfg), **dataclasses.asdict(cfg)}
+
+
+def config_from_meta(meta_cfg: dict):
+    """Inverse of :func:`config_meta`; a dict without ``"arch"`` is GPT-2 (older checkpoints).
+    Unknown keys are ignored. Raises ValueError for an unknown family or invalid sizes."""
+    arch = get_arch(meta_cfg.get("arch", DEFAULT_ARCH))
+    names = {f.name for f in dataclasses.fields(arch.config_cls)}
+    return arch.config_cls(**{k: v for k, v in meta_cfg.items() if k in names}).validate()
+
+
+def hf_arch(path: str | Path) -> str:
+    """Family of a HF checkpoint (directory or .safetensors file with config.json beside it),
+    from config.json's ``model_type``. Raises FileNotFoundError without config.json, ValueError for
+    a model_type no family reads."""
+    p = Path(path)
+    config = (p if p.is_dir() else p.parent) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} not found: a Hugging Face checkpoint needs its config.json "
+                                "next to the weights")
+    model_type = json.loads(config.read_text()).get("model_type", "gpt2")
+    for arch in ARCHS.values():
+        if arch.hf_model_type == model_type:
+            return arch.name
+    known = ", ".join(a.hf_model_type for a in ARCHS.values())
+    raise ValueError(f"{config}: model_type {model_type!r} is not supported (supported: {known})")
+
+
+def load_hf(path: str | Path) -> CausalLM:
+    """The model of a HF checkpoint, its family from config.json (eval mode). Errors as
+    :func:`hf_arch` and the family's loader."""
+    return get_arch(hf_arch(path)).load_hf(path)
+
+
+def export_hf(model: CausalLM, out_dir: str | Path, *, overwrite: bool = False,
+              eos_token_id: int | None = None) -> Path:
+    """Write ``model`` as a HF checkpoint of its family (GPT2LMHeadModel / LlamaForCausalLM)."""
+    return get_arch(arch_of(model)).export_hf(model, None, out_dir, overwrite=overwrite,
+                                              eos_token_id=eos_token_id)
+
+
+# ---- the [model] config section -> a family's config (duck-typed: zerotron.config.ModelConfig) ----
+
+DEFAULT_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
+SIZE_FIELDS = tuple(DEFAULT_SHAPE)
+LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps")
+
+
+def _given(m, name: str) -> bool:
+    """Whether section ``m`` sets field ``name``: ``m.given(name)`` when it tracks that (values from
+    TOML/CLI), else the value differs from the dataclass default."""
+    if hasattr(m, "given"):
+        return m.given(name)
+    default = {f.name: f.default for f in dataclasses.fields(m)}[name]
+    return getattr(m, name) != default
+
+
+def section_arch(m) -> str:
+    """The family a model section selects: ``model.arch`` if set, else the preset's family, else
+    ``m.arch`` (default gpt2). Raises ValueError for an unknown arch or preset, or an arch that
+    contradicts the preset's."""
+    if m.preset and m.preset not in all_presets():
+        raise ValueError(f"model.preset {m.preset!r} is unknown; valid presets: {', '.join(all_presets())}")
+    family = preset_arch(m.preset) if m.preset else None
+    if _given(m, "arch"):
+        get_arch(m.arch)
+        if family and family != m.arch:
+            raise ValueError(f"model.preset {m.preset!r} is a {family} preset but model.arch = {m.arch!r}; "
+                             f"set model.arch = {family!r} or leave it out")
+        return m.arch
+    return family or m.arch
+
+
+def resolve_shape(m) -> dict:
+    """The resolved shape of a model section: ``{"arch", "n_layer", "n_head", "n_embd",
+    "block_size", "bias"}`` (+ ``"vocab_size"`` if the preset fixes one; + for llama
+    ``n_kv_head, intermediate_size, rope_theta, rope_scaling, rms_norm_eps, tie_word_embeddings``).
+    Precedence: non-zero / set fields, then the preset, then the defaults (sizes 4/4/128/128;
+    llama: n_kv_head = n_head, Meta's intermediate_size rule, rope_theta 1e4, no rope scaling,
+    rms_norm_eps 1e-5, untied). Raises ValueError (one line, naming the field) for an unknown
+    arch/preset, a llama field with gpt2, bias true with llama, or an untied gpt2."""
+    arch = section_arch(m)
+    shape = {"arch": arch, **DEFAULT_SHAPE}
+    if m.preset:
+        shape.update({k: v for k, v in copy.deepcopy(dict(get_arch(arch).presets[m.preset])).items()
+                      if k != "dropout"})
+    for key in SIZE_FIELDS:
+        if getattr(m, key):
+            shape[key] = getattr(m, key)
+    if arch == "gpt2":
+        extra = [f"model.{f}" for f in LLAMA_FIELDS if getattr(m, f)]
+        if extra:
+            raise ValueError(f"{', '.join(extra)} applies to model.arch = 'llama' only; remove it or set "
+                             "model.arch = 'llama'")
+        if _given(m, "tie_word_embeddings") and not m.tie_word_embeddings:
+            raise ValueError("model.tie_word_embeddings = false is not available for gpt2 (GPT-2 ties its "
+                             "output head to the token embedding); remove it")
+        return {**shape, "bias": m.bias}
+    if _given(m, "bias") and m.bias:
+        raise ValueError("model.bias = true is not available for model.arch = 'llama' (Llama has no "
+                         "biases); remove it or set it false")
+    shape.setdefault("n_kv_head", shape["n_head"])
+    shape.setdefault("intermediate_size", llama.default_intermediate_size(shape["n_embd"]))
+    shape.setdefault("rope_theta", 10000.0)
+    shape.setdefault("rope_scaling", None)
+    shape.setdefault("rms_norm_eps", 1e-5)
+    shape.setdefault("tie_word_embeddings", False)
+    for key in ("n_kv_head", "intermediate_size", "rope_theta", "rms_norm_eps"):
+        if getattr(m, key):
+            shape[key] = getattr(m, key)
+    if m.rope_scaling:
+        try:
+            shape["rope_scaling"] = llama.parse_rope_scaling(m.rope_scaling)
+        except ValueError as e:
+            raise ValueError(f"model.{e}") from None
+    if _given(m, "tie_word_embeddings"):
+        shape["tie_word_embeddings"] = m.tie_word_embeddings
+    return {**shape, "bias": False}
+
+
+def config_from_section(m, vocab_size: int):
+    """The validated family config of model section ``m`` with ``vocab_size`` rows (the caller's
+    choice: model.vocab_size or the tokenizer's) and ``m.dropout``. Raises ValueError."""
+    shape = resolve_shape(m)
+    arch = shape.pop("arch")
+    shape.pop("vocab_size", None)
+    return make_config(arch, vocab_size=vocab_size, dropout=m.dropout, **shape)
