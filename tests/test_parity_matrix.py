@@ -63,13 +63,16 @@ def test_covering_array_covers_every_pair(split):
         assert {getattr(l, k) for l in valid} <= got, k
 
 
-def test_fp64_layout_matrix(split, data_cache, single_process, tmp_path, report):
+@pytest.mark.parametrize("family", list(parity.MODELS))
+def test_fp64_layout_matrix(family, split, data_cache, single_process, tmp_path, report):
+    """Every chosen layout of model family ``family`` trains like one process (fp64, rtol 1e-10)."""
     valid, refused = split
     chosen = valid if FULL else parity.covering_layouts(valid)
-    extra = {"data.cache_dir": data_cache}
+    extra = {"data.cache_dir": data_cache, **parity.MODELS[family]}
     t0 = time.time()
     ref = parity.reference(str(tmp_path / "reference"), extra)
     assert ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
+    assert any(".self_attn.q_proj." in k for k in ref["params"]) == (family == "llama"), sorted(ref["params"])[:4]
     ref_path = str(tmp_path / "reference.pt")
     torch.save(ref, ref_path)
     ref_keys = (set(ref["params"]), set(ref["optim"]))
@@ -88,14 +91,16 @@ def test_fp64_layout_matrix(split, data_cache, single_process, tmp_path, report)
             assert all(rec["name"] == d["name"] for rec in records)
             summaries.append({**d, **parity.check(d["name"], records, ref_keys, parity.FP64_RTOL)})
     worst = {k: max(s[k] for s in summaries) for k in parity.ERRORS}
-    report(f"parity matrix ({'full' if FULL else 'pairwise covering array'}): {len(summaries)} of "
+    report(f"parity matrix, {family} ({'full' if FULL else 'pairwise covering array'}): {len(summaries)} of "
           f"{len(valid)} valid layouts checked in fp64 ({len(refused)} refused), "
           f"worst relative error {max(worst.values()):.3g} ({worst}), {time.time() - t0:.0f} s")
     assert len(summaries) == len(chosen)
     out = os.environ.get("ZEROTRON_MATRIX_OUT")
+    if out and family != "gpt2":
+        out = out.replace(".json", f"_{family}.json")
     if out:
         with open(out, "w") as f:
-            json.dump({"mode": "full" if FULL else "covering", "valid": len(valid), "refused": len(refused),
+            json.dump({"model": family, "mode": "full" if FULL else "covering", "valid": len(valid), "refused": len(refused),
                        "checked": len(summaries), "worst": worst, "seconds": round(time.time() - t0, 1),
                        "layouts": summaries,
                        "refusals": {l.name: m for l, m in sorted(refused.items())}}, f, indent=1)

@@ -54,6 +54,11 @@ FP64_RTOL = 1e-10
 # the matrix model: 8 layers (pp 4 x 2 virtual stages), 4 heads (tp 2), 16 positions (SP over tp 2)
 MODEL = {"model.n_layer": 8, "model.n_head": 4, "model.n_embd": 32, "model.block_size": 16,
          "model.dropout": 0.0}
+# model families of the matrix (overrides on top of MODEL): GPT-2, and Llama with grouped-query
+# attention (4 query heads on 2 kv heads, so tp 2 splits both), SwiGLU, RoPE, untied head
+MODELS = {"gpt2": {},
+          "llama": {"model.arch": "llama", "model.n_kv_head": 2, "model.intermediate_size": 64,
+                    "model.rope_theta": 10000.0}}
 TRAIN = {"train.dtype": "fp64", "train.steps": STEPS, "train.global_batch": GLOBAL_BATCH, "train.grad_clip": 0.5,
          "train.warmup_steps": 1, "train.eval_every": STEPS, "train.eval_batches": 1,
          "checkpoint.save_final": "false", "parallel.timeout_s": 120,
