@@ -159,6 +159,12 @@ def test_cli_train_generate_export_init_from(tmp_path, data_cache):
     assert meta["model_config"]["arch"] == "llama" and meta["model_config"]["n_kv_head"] == 2
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and losses[-1] < losses[0]
+    from zerotron.config import ConfigError, load_config
+    from zerotron.train.trainer import check_resume
+
+    check_resume(load_config("configs/llama_tiny.toml"), run)
+    with pytest.raises(ConfigError, match="arch llama .checkpoint. vs gpt2 .now."):
+        check_resume(load_config("configs/tiny.toml"), run)  # same sizes, other family
     assert main(["generate", "--checkpoint", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "5"]) == 0
     assert main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
     ours, tok, _ = load_model(run, torch.device("cpu"))

@@ -251,3 +251,20 @@ def test_model_section_resolution_and_refusals():
             validate(load_config("configs/tiny.toml", list(overrides.items())), 1)
     validate(cfg_of(**{"parallel.tp": 2}), 2)
     validate(cfg_of(**{"model.bias": "false"}), 1)
+
+
+def test_registry_meta_round_trip_and_old_checkpoints():
+    from zerotron.models.gpt import GPT, GPTConfig
+
+    cfg = preset_config("llama3.2-1b", n_layer=1, block_size=16, vocab_size=64)
+    meta = registry.config_meta(cfg)
+    assert meta["arch"] == "llama" and registry.config_from_meta(meta) == cfg
+    old = {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16, "dropout": 0.0,
+           "bias": True, "layer_norm_eps": 1e-5}  # written before model_config had "arch"
+    assert registry.config_from_meta(old) == GPTConfig(**old)
+    assert isinstance(registry.build_model(registry.config_from_meta(old)), GPT)
+    assert registry.arch_of(Llama(CFG)) == "llama" and registry.preset_arch("tiny") == "gpt2"
+    with pytest.raises(ValueError, match="unknown model architecture 'bert'"):
+        registry.config_from_meta({**old, "arch": "bert"})
+    with pytest.raises(ValueError, match="valid presets: tiny.*llama-tiny"):
+        registry.preset_config("nope")

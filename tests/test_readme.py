@@ -19,6 +19,16 @@ TRAIN_SHRINK = ["--config", "configs/tiny.toml", "--train.steps", "4", "--train.
                 "--log.sample_tokens", "0", "--log.plot", "false", "--log.progress", "false"]
 
 
+SMALL_CONFIGS = ("configs/tiny.toml", "configs/llama_tiny.toml")  # kept when a command names one
+
+
+def shrink(argv: list[str]) -> list[str]:
+    """TRAIN_SHRINK for one ``zerotron train`` command, without its ``--config`` when the command
+    already names one of SMALL_CONFIGS."""
+    own = argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+    return TRAIN_SHRINK[2:] if own in SMALL_CONFIGS else TRAIN_SHRINK
+
+
 def readme_blocks(text: str) -> list[dict]:
     """``[{"lang", "mode" ("run" | "skip" | None), "reason", "lines", "line_no"}]`` for every fenced
     block; ``mode`` comes from a marker on the line just before the fence."""
@@ -55,6 +65,12 @@ def shell_commands(lines: list[str]) -> list[list[str]]:
     return cmds
 
 
+def test_shrink_keeps_small_configs():
+    assert shrink(["zerotron", "train", "--config", "configs/llama_tiny.toml"])[:2] == ["--train.steps", "4"]
+    assert shrink(["zerotron", "train", "--config", "configs/default.toml"])[:2] == ["--config", "configs/tiny.toml"]
+    assert shrink(["zerotron", "train"]) == TRAIN_SHRINK
+
+
 def test_parser():
     assert shell_commands(['zerotron train --a 1 \\', '    --b "x y"   # note', "# only a comment", ""]) == [
         ["zerotron", "train", "--a", "1", "--b", "x y"]]
@@ -84,7 +100,7 @@ def test_readme_blocks_run(tmp_path, data_cache, report):
             runs = []
             for argv in shell_commands(b["lines"]):
                 assert argv[0] == "zerotron", f"README line {b['line_no']}: runnable blocks hold zerotron commands, got {argv}"
-                full = [sys.executable, "-m", "zerotron", *argv[1:]] + (TRAIN_SHRINK if argv[1:2] == ["train"] else [])
+                full = [sys.executable, "-m", "zerotron", *argv[1:]] + (shrink(argv) if argv[1:2] == ["train"] else [])
                 runs.append((full, shlex.join(argv)))
         for cmd, what in runs:
             r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

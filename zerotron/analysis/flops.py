@@ -44,6 +44,7 @@ class Shape:
 
     @property
     def head_dim(self) -> int:
+        """D = C / H."""
         return self.n_embd // self.n_head
 
     @property

@@ -55,7 +55,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
                           "start without --resume")
 
 
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
+SHAPE_KEYS = ("arch", "n_layer", "n_head", "n_embd", "block_size")
 
 
 def val_rank_windows(val_idx: np.ndarray, dp_rank: int, dp: int, micro_batch: int) -> list[np.ndarray]:
@@ -103,6 +103,7 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
     saved = meta.get("model_config", {})
     if not cfg.model.init_from:
         shape = model_shape(cfg.model)
+        saved = {"arch": registry.DEFAULT_ARCH, **saved}  # checkpoints without arch are GPT-2
         diff = [f"{k} {saved.get(k)} (checkpoint) vs {shape[k]} (now)" for k in SHAPE_KEYS if saved.get(k) != shape[k]]
         if diff:
             raise ConfigError(f"--resume: the model shape differs from the checkpoint {str(latest)!r}: "
@@ -193,10 +194,11 @@ class Trainer:
             sch = self.scheduler
             for g, base, fn in zip(self.optimizer.param_groups, sch.base_lrs, sch.lr_lambdas):
                 g["lr"] = base * fn(sch.last_epoch)
-        from ..analysis.flops import training_flops_per_token
+        from ..analysis.flops import shape_of, training_flops_per_token
 
-        self.flops_per_token = training_flops_per_token(self.num_params, self.model_cfg.n_layer,
-                                                        self.model_cfg.n_embd, self.seq_len)
+        # N of 6N: the matmul parameters (an untied Llama embedding is a lookup; GPT-2: num_params)
+        self.flops_per_token = training_flops_per_token(shape_of(self.model_cfg).flop_params(),
+                                                        self.model_cfg.n_layer, self.model_cfg.n_embd, self.seq_len)
         local_peak, source = peak_flops(device, TRAIN_DTYPES[cfg.train.dtype])  # cached per process
         peak = torch.tensor([local_peak], dtype=torch.float64, device=device)
         comm.all_reduce(peak, tag="setup")
