@@ -38,6 +38,9 @@ def test_describe_failures_names_first_culprit():
                     "the agent then stopped worker(s) [0]. See its messages above.")
     line = describe_failures({0: f(exitcode=1, timestamp=7), 1: f(exitcode=1, timestamp=3)})
     assert line.startswith("worker 1 failed first (exit code 1); also failed: [0]")
+    # a hung (SIGSTOPped) rank: its peer times out first, the agent SIGKILLs it 30 s later
+    line = describe_failures({0: f(exitcode=1, timestamp=10), 1: f(exitcode=-signal.SIGKILL, timestamp=40)})
+    assert line.startswith("worker 0 failed first (exit code 1); also failed: [1]"), line
     assert describe_failures({2: f(exitcode=-signal.SIGTERM, timestamp=1)}).startswith(
         "worker 2 failed first (killed by SIGTERM)")
 
@@ -83,3 +86,80 @@ def test_hung_peer_named_within_timeout(tmp_path):
                           "answer from peer(s) [1] (dead or hung peer?"), msg
     assert "\n" not in msg and current is None and waited < 4 + 5, (msg, waited)
     print(msg, f"after {waited:.1f}s")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_sigstop_of_a_rank_named_within_timeout(tmp_path, data_cache):
+    """SIGSTOP of rank 1 in a real 2-process run (a hung rank: its sockets stay open, so only the
+    timeout can tell): rank 0 fails within parallel.timeout_s of the stop with one line naming the
+    collective (op, tag, group, ranks, step) and the peer; after SIGCONT the launcher exits 1 and no
+    worker is left behind."""
+    timeout_s = 10
+    run = tmp_path / "run"
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    argv = ["train", "--config", "configs/tiny.toml", "--nproc", "2", "--run-dir", str(run), "--data.cache_dir",
+            data_cache, "--train.steps", "100000", "--train.eval_every", "0", "--parallel.timeout_s", str(timeout_s),
+            *QUIET]
+    p = subprocess.Popen([sys.executable, "-m", "zerotron", *argv], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    workers: list[int] = []
+    try:
+        t0 = time.monotonic()
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3):
+            assert p.poll() is None and time.monotonic() - t0 < 120, p.communicate()
+            time.sleep(0.05)
+        workers = _children(p.pid)
+        victim = next(w for w in workers if _rank_of(w) == 1)
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        failed_at, lines = None, []
+        for line in p.stderr:  # rank 0's line comes when its collective times out
+            lines.append(line.rstrip("\n"))
+            if "got no answer" in line:
+                failed_at = time.monotonic()
+                break
+        first = next(w for w in workers if w != victim)
+        while not _gone(first) and time.monotonic() - failed_at < 30:  # rank 0 exits 1 (the agent sees it
+            time.sleep(0.05)                                           # first and SIGTERMs rank 1) ...
+        os.kill(victim, signal.SIGCONT)  # ... which rank 1 then takes and exits (else: SIGKILL after 30 s)
+        rest, _ = p.stderr.read(), p.wait(timeout=120)
+        lines += rest.splitlines()
+    finally:
+        for w in workers:
+            if not _gone(w):
+                os.kill(w, signal.SIGCONT)
+                os.kill(w, signal.SIGKILL)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert failed_at is not None, "\n".join(lines)
+    waited = failed_at - stopped
+    print(f"SIGSTOP of rank 1 -> rank 0's error after {waited:.1f} s (parallel.timeout_s = {timeout_s})")
+    hung = [ln for ln in ours("\n".join(lines)) if "rank 0 got no answer" in ln]  # (rank 1, after SIGCONT, says
+    assert len(hung) == 1, lines                                                   # that rank 0 is gone)
+    step = len((run / "metrics.jsonl").read_text().splitlines()) + 1  # the step rank 0 could not finish
+    assert f"on group dp (ranks [0, 1]) at step {step}: rank 0 got no answer from peer(s) [1] (dead or hung " \
+           "peer?" in hung[0] and hung[0].startswith("zerotron: all_reduce (tag '"), hung[0]
+    assert timeout_s - 1 <= waited <= timeout_s + 5, waited
+    assert p.returncode == 1 and ours("\n".join(lines))[-1].startswith("zerotron: worker 0 failed first"), lines
+    deadline = time.monotonic() + 10
+    while not all(_gone(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(workers) == 2 and all(_gone(w) for w in workers), workers

@@ -81,6 +81,8 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=0, help="start N local worker processes (torch elastic launcher; 0 = this process alone)")
     p.add_argument("--run-dir", help="output directory (default runs/<config>-<time>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --run-dir")
+    p.add_argument("--max-restarts", type=int, default=0, help="after a worker of --nproc dies, restart all "
+                   "workers up to N times, from the newest good checkpoint (torch elastic; 0 = never)")
     return p
 
 
@@ -96,6 +98,11 @@ def cmd_train(argv: list[str]) -> int:
         cfg = load_config(args.config, parse_overrides(rest))
         if args.nproc < 0:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        if args.max_restarts and args.nproc < 1 and not in_worker():
+            raise ConfigError("--max-restarts restarts the worker processes of --nproc N: add --nproc (under "
+                              "torchrun, pass torchrun --max-restarts instead)")
         world = int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc)
         validate(cfg, world)
         from .train.tensorboard import tensorboard_enabled
@@ -104,8 +111,16 @@ def cmd_train(argv: list[str]) -> int:
         if args.resume and not args.run_dir:
             raise ConfigError("--resume needs --run-dir (the run to continue)")
         run_dir = Path(args.run_dir or f"runs/{Path(args.config or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+        from .train.lifecycle import restart_count
+
+        restart = restart_count() if in_worker() else 0  # > 0: torch elastic restarted the workers
         if not in_worker() or (os.environ.get("RANK") == "0" and "ZEROTRON_LOCK_HELD" not in os.environ):
-            lock = _lock_run_dir(run_dir)  # the launcher, a single process, or rank 0 under torchrun
+            # the launcher, a single process, or rank 0 under torchrun (again in each restart: the
+            # failed attempt's lock went with its process)
+            lock = _lock_run_dir(run_dir, quiet=restart > 0)
+        from .train.checkpoint import list_checkpoints
+
+        resume = args.resume or (restart > 0 and bool(list_checkpoints(run_dir)))  # a restart resumes
         if not in_worker():
             import shlex
 
@@ -114,23 +129,27 @@ def cmd_train(argv: list[str]) -> int:
                  *([] if args.resume else ["--resume"])])
         from .train.trainer import check_run_dir
 
-        check_run_dir(run_dir, args.resume)
+        if not restart:  # a restart continues (or, before any checkpoint, replaces) its own run
+            check_run_dir(run_dir, resume)
+        elif not resume and os.environ.get("RANK") == "0" and "ZEROTRON_LOCK_HELD" not in os.environ:
+            print(f"zerotron: restart {restart}: no checkpoint yet, starting again from step 0", file=sys.stderr)
         if args.resume and not in_worker():
             from .train.trainer import check_resume
 
             check_resume(cfg, run_dir)  # shape mismatch: one message before any worker starts
-        if args.nproc > 1 and not in_worker():
+        if (args.nproc > 1 or args.max_restarts) and not in_worker():
             from .data import prepare_data  # build the token cache once, report data errors once
 
             d = cfg.data
             prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
                          d.tokenizer or None)
-            worker_argv = ["train", *_strip_nproc(argv)]
+            worker_argv = ["train", *_strip_nproc(argv, ("--nproc", "--max-restarts"))]
             if not args.run_dir:
                 worker_argv += ["--run-dir", str(run_dir)]
             print(f"zerotron: launching {args.nproc} workers, run directory {run_dir}", file=sys.stderr)
             os.environ["ZEROTRON_LOCK_HELD"] = str(os.getpid())  # the workers do not lock again
-            code = launch(args.nproc, worker_argv, shutdown_timeout_s=cfg.train.stop_grace_s + 5)
+            code = launch(args.nproc, worker_argv, shutdown_timeout_s=cfg.train.stop_grace_s + 5,
+                          max_restarts=args.max_restarts, on_restart=_announce_restart(run_dir))
             lock.release()
             return code
         import torch.distributed as dist
@@ -139,7 +158,7 @@ def cmd_train(argv: list[str]) -> int:
         from .train.trainer import Trainer
 
         owned = not dist.is_initialized()  # this run creates the process group (a worker, or alone)
-        trainer = Trainer(cfg, run_dir, resume=args.resume)
+        trainer = Trainer(cfg, run_dir, resume=resume, restart=restart)
         summary = trainer.fit()
         if owned:
             mesh.teardown()  # every rank done before any process group goes (no abort at exit)
@@ -175,20 +194,36 @@ def cmd_train(argv: list[str]) -> int:
         return _fail(str(e))
 
 
-def _lock_run_dir(run_dir: Path):
+def _lock_run_dir(run_dir: Path, quiet: bool = False):
     """Take the run-directory lock (``train.lifecycle.RunLock``) and remove ``.tmp_step_*``
-    directories a killed save left behind, saying so; returns the lock. Raises ConfigError when
-    another run holds the directory."""
+    directories a killed save left behind, saying so (``quiet``: not, in a restart under torchrun,
+    where taking over the failed attempt's lock and removing its partial save are expected);
+    returns the lock. Raises ConfigError when another run holds the directory."""
     from .train.checkpoint import remove_stale_tmp
     from .train.lifecycle import RunLock
 
     lock = RunLock(run_dir)
     msg = lock.acquire()
-    if msg:
+    if msg and not quiet:
         print(msg, file=sys.stderr)
     for p in remove_stale_tmp(run_dir):
-        print(f"zerotron: removed {p} (an incomplete checkpoint of a save that did not finish)", file=sys.stderr)
+        if not quiet:
+            print(f"zerotron: removed {p} (an incomplete checkpoint of a save that did not finish)", file=sys.stderr)
     return lock
+
+
+def _announce_restart(run_dir: Path):
+    """The launcher's ``on_restart`` for ``--max-restarts``: one line naming the worker that failed
+    and the step the new workers resume from (``train.lifecycle.prepare_restart``)."""
+    def announce(failure: str, count: int, limit: int) -> None:
+        from .train.lifecycle import prepare_restart
+
+        try:
+            where = prepare_restart(run_dir)
+        except Exception as e:  # noqa: BLE001 - the agent restarts the workers anyway; they report it
+            where = f"could not inspect {run_dir} ({type(e).__name__}: {e})"
+        print(f"zerotron: {failure}; restart {count} of {limit}: {where}", file=sys.stderr, flush=True)
+    return announce
 
 
 def _print_summary(s: dict, run_dir: Path) -> None:

@@ -6,6 +6,13 @@ set. If one worker fails, the elastic agent stops the others and this returns no
 ask to be signalled when the launcher dies (:func:`die_with_parent`, from ``init_distributed``).
 Ctrl-C (SIGINT to the launcher and its workers) ends in one line and exit code 130: the workers exit
 quietly (``cli.main``), the agent stops them, and :func:`launch` reports the signal.
+
+Restarts (``max_restarts`` > 0): when a worker dies, the agent stops the others and starts all of
+them again (``TORCHELASTIC_RESTART_COUNT`` = 1, 2, ... in the new workers), up to ``max_restarts``
+times. :func:`restart_hooks` lets the caller say one line first (which worker failed, from where
+the new workers continue), once the old workers are stopped. A worker that stopped on purpose
+(:data:`NO_RESTART_EXIT_CODES`: a user error, a guard, a signal) is not restarted: the same run
+would stop the same way again.
 """
 from __future__ import annotations
 
@@ -63,6 +70,9 @@ QUIET_EXIT_CODES = (3, 128 + signal.SIGHUP, 128 + signal.SIGINT, 128 + signal.SI
 
 _STOPPED_BY_AGENT = (-signal.SIGTERM, 128 + signal.SIGTERM)  # what the agent's SIGTERM leaves
 
+# exit codes after which a restart would only repeat the failure: 2 (a user error) and the quiet ones
+NO_RESTART_EXIT_CODES = (2, *QUIET_EXIT_CODES)
+
 
 def _exit_text(code: int) -> str:
     if code < 0:
@@ -81,6 +91,26 @@ def _killed_by_signal(code) -> bool:
     return isinstance(code, int) and code < 0
 
 
+def first_failure(failures: dict) -> int:
+    """The global rank that failed first among ``failures`` (see :func:`describe_failures`)."""
+    culprits = {r: f for r, f in failures.items() if f.exitcode not in _STOPPED_BY_AGENT} or failures
+    t0 = min(getattr(f, "timestamp", 0) for f in culprits.values())
+    # a kill by a signal goes first only within torch elastic's 1 s timestamp resolution of the
+    # earliest failure: one seconds later is the agent's SIGKILL of a worker that ignored its SIGTERM
+    # (a stopped or hung worker, 30 s after a peer failed)
+    return min(culprits, key=lambda r: (not (_killed_by_signal(culprits[r].exitcode)
+                                             and getattr(culprits[r], "timestamp", 0) <= t0 + 1),
+                                        getattr(culprits[r], "timestamp", 0), r))
+
+
+def describe_first_failure(failures: dict) -> str:
+    """``"worker R died (killed by SIGKILL: ...)"`` or ``"worker R failed (exit code C)"`` for the
+    worker that failed first (``failures`` must not be empty)."""
+    first = first_failure(failures)
+    code = failures[first].exitcode
+    return f"worker {first} {'died' if _killed_by_signal(code) else 'failed'} ({_exit_text(code)})"
+
+
 def describe_failures(failures: dict) -> str:
     """One line naming the worker that failed FIRST (``failures``: global rank -> torch elastic
     ProcessFailure, with ``exitcode`` and ``timestamp``). Workers that the agent stopped with SIGTERM
@@ -88,12 +118,12 @@ def describe_failures(failures: dict) -> str:
     lowest rank) among those that did not end by SIGTERM; only if every worker did is it the earliest.
     A worker killed by a signal (kill -9, out of memory) comes before workers that exited with a code:
     its peers then fail their next collective (connection reset, exit 1) within the same second, and
-    torch elastic's timestamps have one-second resolution."""
+    torch elastic's timestamps have one-second resolution. A kill more than a second after the
+    earliest failure is ordered by time (the agent SIGKILLs a hung worker 30 s after a peer failed)."""
     if not failures:
         return "a worker failed; the other workers were stopped. See the messages above."
     culprits = {r: f for r, f in failures.items() if f.exitcode not in _STOPPED_BY_AGENT} or failures
-    first = min(culprits, key=lambda r: (not _killed_by_signal(culprits[r].exitcode),
-                                         getattr(culprits[r], "timestamp", 0), r))
+    first = first_failure(failures)
     others = sorted(r for r in failures if r != first)
     line = f"worker {first} failed first ({_exit_text(failures[first].exitcode)})"
     if len(culprits) > 1:
@@ -104,39 +134,91 @@ def describe_failures(failures: dict) -> str:
     return line + ". See its messages above."
 
 
-def strip_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without ``--nproc N`` / ``--nproc=N`` (what the workers of :func:`launch` get)."""
+def strip_nproc(argv: list[str], options: tuple[str, ...] = ("--nproc",)) -> list[str]:
+    """``argv`` without ``--nproc N`` / ``--nproc=N`` (what the workers of :func:`launch` get), or
+    without each of the value-taking ``options``."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in options:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not any(a.startswith(o + "=") for o in options):
             out.append(a)
     return out
 
 
-def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeout_s: float = 30) -> int:
+@contextlib.contextmanager
+def restart_hooks(on_restart):
+    """While the block runs, torch elastic's local agent (i) does not restart workers that stopped
+    on purpose (an exit code in :data:`NO_RESTART_EXIT_CODES`) and (ii) calls
+    ``on_restart(failure, count, max_restarts)`` before it starts the workers again, after the old
+    ones are stopped: ``failure`` is :func:`describe_first_failure` of the failed attempt, ``count``
+    the 1-based restart number. Wraps two methods of ``LocalElasticAgent`` (torch 2.x private API:
+    ``_monitor_workers`` returns the failures, ``_initialize_workers`` starts a worker group)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor, initialize = LocalElasticAgent._monitor_workers, LocalElasticAgent._initialize_workers
+    own = {n: LocalElasticAgent.__dict__.get(n) for n in ("_monitor_workers", "_initialize_workers")}
+    failed: dict = {}
+
+    def _monitor(self, worker_group):
+        result = monitor(self, worker_group)
+        if result.is_failed():
+            if {f.exitcode for f in result.failures.values()} & set(NO_RESTART_EXIT_CODES):
+                self._remaining_restarts = 0  # stopped on purpose: fail now, as without restarts
+            failed.clear()
+            failed.update(result.failures)
+        return result
+
+    def _initialize(self, worker_group):
+        spec = worker_group.spec
+        count = spec.max_restarts - self._remaining_restarts
+        if count > 0 and on_restart is not None:
+            on_restart(describe_first_failure(failed) if failed else "a worker failed", count, spec.max_restarts)
+        failed.clear()
+        return initialize(self, worker_group)
+
+    LocalElasticAgent._monitor_workers, LocalElasticAgent._initialize_workers = _monitor, _initialize
+    try:
+        yield
+    finally:
+        for name, fn in own.items():  # as it was: an own attribute, or inherited from SimpleElasticAgent
+            if fn is None:
+                delattr(LocalElasticAgent, name)
+            else:
+                setattr(LocalElasticAgent, name, fn)
+
+
+def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeout_s: float = 30,
+           max_restarts: int = 0, on_restart=None) -> int:
     """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
 
     ``argv`` must not contain ``--nproc`` (the workers would launch again). Uses
     ``torch.distributed.run`` with ``--standalone`` (a free local rendezvous port) and
-    ``--max-restarts 0``. A SIGTERM/SIGHUP/SIGINT to this process is forwarded to the workers by
-    the elastic agent, which waits ``shutdown_timeout_s`` seconds for them before SIGKILL; then
-    this prints one line and returns 128 + the signal. Raises ValueError if ``nproc < 1``."""
+    ``--max-restarts max_restarts``: after a worker dies the agent stops the others and starts
+    all ``nproc`` again, up to that many times (``on_restart``: see :func:`restart_hooks`). A
+    SIGTERM/SIGHUP/SIGINT to this process is forwarded to the workers by the elastic agent, which
+    waits ``shutdown_timeout_s`` seconds for them before SIGKILL; then this prints one line and
+    returns 128 + the signal. Raises ValueError if ``nproc < 1`` or ``max_restarts < 0``."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if max_restarts:
+        # a fresh TCPStore per attempt (hosted by the new rank 0): with the agent's store shared,
+        # restarted gloo ranks read the dead attempt's addresses and fail to connect (pytorch#135712)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     args = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
+        ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
          f"--shutdown-timeout={max(1, int(shutdown_timeout_s + 0.999))}", "-m", module, *argv])
     try:
-        with quiet_elastic_logs():
+        with quiet_elastic_logs(), restart_hooks(on_restart):
             run(args)
     except SignalException as e:  # the workers got the signal too and have stopped (or been killed)
         sig = signal.Signals(e.sigval)

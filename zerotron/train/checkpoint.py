@@ -195,8 +195,31 @@ def _fault_write(step: int, rank: int, path: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
 
 
+def dir_bytes(path: str | Path) -> int:
+    """Total size in bytes of the files under ``path`` (0 if it does not exist)."""
+    path = Path(path)
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def _space_report(root: Path, prev: Path | None, what: str, expected_bytes: int | None) -> str:
+    """After a failed save whose partial directory is gone: ``"; no space left on device: <root>
+    has F bytes free, the checkpoint needs about N bytes (...)"`` when the disk is the cause (an
+    ENOSPC on some rank, or less free than needed; torch.save on a full disk raises only
+    "unexpected pos ..."), else the same numbers without the verdict."""
+    need, basis = (dir_bytes(prev), f"the size of {prev.name}") if prev else (expected_bytes, "estimated")
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return ""
+    full = "No space left on device" in what or (need is not None and free < need)
+    head = "; no space left on device: " if full else "; "
+    return head + f"{root} has {free:,} bytes free" + (
+        f", the checkpoint needs about {need:,} bytes ({basis})" if need is not None else "")
+
+
 def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, scheduler, meta: dict,
-                    tokenizer_path: str | Path | None = None, keep: int = 0) -> Path:
+                    tokenizer_path: str | Path | None = None, keep: int = 0,
+                    expected_bytes: int | None = None) -> Path:
     """Collectively save a checkpoint of optimizer step ``step`` (all ranks must call).
 
     ``strategy``: a ``parallel.base.Strategy`` (its ``state_dict`` gives the canonical FQN-keyed
@@ -204,7 +227,8 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
     Keeps the newest ``keep`` checkpoints (0 = all); rotation runs only after the new checkpoint
     is complete, so the newest good checkpoint is never deleted. Returns the final directory.
     Raises CheckpointWriteError on every rank when a write fails on any rank (the partial
-    directory is removed; earlier checkpoints are kept)."""
+    directory is removed; earlier checkpoints are kept). Its message (rank 0's) names the path,
+    the bytes free and the bytes needed: the previous checkpoint's size, else ``expected_bytes``."""
     rank = dist.get_rank()
     root = Path(run_dir) / "checkpoints"
     tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
@@ -217,9 +241,11 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         prev = latest_checkpoint(run_dir)
-        raise CheckpointWriteError(f"cannot write checkpoint {tmp} ({what}); removed the partial directory; "
-                                   + (f"the newest checkpoint {prev} is kept" if prev else "no earlier checkpoint")
-                                   + "; free disk space, then resume with --resume")
+        space = _space_report(root, prev, what, expected_bytes) if rank == 0 else ""
+        raise CheckpointWriteError(f"cannot write checkpoint {tmp} ({what}){space}; removed the partial directory; "
+                                   + (f"the newest checkpoint {prev} is kept; free disk space, then resume with "
+                                      "--resume" if prev else "no earlier checkpoint; free disk space, then start "
+                                      "again with a new --run-dir"))
     err = None
     if rank == 0:
         try:

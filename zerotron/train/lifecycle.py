@@ -1,5 +1,5 @@
 """Run lifecycle: the per-step agreement of all ranks (non-finite guard, graceful stop on a
-signal), the run-directory lock, and fault-injection hooks for tests.
+signal), the run-directory lock, automatic restarts, and fault-injection hooks for tests.
 
 Per step every rank contributes two numbers to one small MAX all-reduce over the world
 (:meth:`StepGuard.decide`): "my loss or grad norm is not finite" and "I received signal S".
@@ -14,7 +14,17 @@ Fault hooks (environment variables, read at the start of ``fit``; for tests):
     ZEROTRON_FAULT_NAN_RANK        only on this global rank (default: every rank)
     ZEROTRON_FAULT_STEP_SLEEP_S    sleep this long after each step (gives a test time to send a signal)
     ZEROTRON_FAULT_KILL_AT_STEP    kill -9 this process after this 1-based step (trainer.fit) ...
-    ZEROTRON_FAULT_KILL_RANK       ... on this global rank (default 0)
+    ZEROTRON_FAULT_KILL_RANK       ... on this global rank (default 0). Only in the first attempt
+                                   (TORCHELASTIC_RESTART_COUNT unset or 0), so a restart runs through;
+                                   "1,5": after step 1 in the first attempt, step 5 in the second, ...
+
+Restarts (``zerotron train --max-restarts N``, or ``torchrun --max-restarts N``): the elastic
+agent starts the workers again with ``TORCHELASTIC_RESTART_COUNT`` = 1, 2, ... (:func:`restart_count`).
+A restarted worker resumes from the newest good checkpoint of the run directory, as ``--resume``
+does, also when the original command had no ``--resume``; with no checkpoint yet it starts from
+step 0 and replaces what the failed attempt logged. The launcher of ``--nproc`` keeps holding the
+run lock across restarts and says the one line (:func:`prepare_restart`); under torchrun, rank 0
+of each attempt takes the lock again (the dead attempt's flock went with its process).
 """
 from __future__ import annotations
 
@@ -209,6 +219,44 @@ def params_finite(strategy, device: torch.device | None = None) -> bool:
                 bad = 1.0
                 break
     return agree_max([bad], device)[0] == 0
+
+
+# ---- automatic restarts ----------------------------------------------------------------------------
+
+def restart_count() -> int:
+    """How many times torch elastic restarted this worker's group (``TORCHELASTIC_RESTART_COUNT``;
+    0 in the first attempt and outside torchrun / ``--nproc``)."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def fault_kill_step() -> int:
+    """The step after which ZEROTRON_FAULT_KILL_AT_STEP kills this attempt's process (-1: none):
+    entry ``restart_count()`` of the comma-separated list."""
+    steps = os.environ.get("ZEROTRON_FAULT_KILL_AT_STEP", "").split(",")
+    attempt = restart_count()
+    return int(steps[attempt]) if attempt < len(steps) and steps[attempt].strip() else -1
+
+
+def prepare_restart(run_dir: str | Path) -> str:
+    """Between two attempts of ``--max-restarts`` (the old workers are stopped; called by the
+    launcher, which holds the run lock): remove the ``.tmp_step_*`` of a save the failure cut
+    short, find the newest good checkpoint (verifying checksums; a damaged one is quarantined as
+    ``damaged_step_<N>`` with a warning) and record it in ``ZEROTRON_CKPT_VERIFIED`` so the new
+    workers do not hash it again. Returns where the new workers start, for the restart line."""
+    from .checkpoint import CheckpointError, list_checkpoints, newest_good_checkpoint, read_meta, remove_stale_tmp
+
+    remove_stale_tmp(run_dir)
+    if not list_checkpoints(run_dir):
+        return "no checkpoint yet, the workers start again from step 0"
+    try:
+        path = newest_good_checkpoint(run_dir, quarantine=True)
+    except CheckpointError as e:
+        return f"the workers will fail: {e}"
+    os.environ["ZEROTRON_CKPT_VERIFIED"] = str(path)  # the agent copies this environment into the workers
+    return f"the workers resume from step {read_meta(path).get('step')} ({path})"
 
 
 # ---- run-directory lock ----------------------------------------------------------------------------

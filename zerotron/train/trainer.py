@@ -139,10 +139,14 @@ def _bytes_by_op(before: dict) -> dict:
 class Trainer:
     """Owns one run. ``Trainer(cfg, run_dir, resume).fit()`` trains ``train.steps`` optimizer steps.
 
+    ``restart`` (``lifecycle.restart_count()``): this is a restarted attempt of a run whose worker
+    died; with ``resume`` it continues from the newest good checkpoint, without one it starts from
+    step 0 and replaces the metrics (and TensorBoard events) the failed attempt wrote.
+
     Must run inside every worker process (torchrun/``--nproc``) or alone (world size 1)."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False):
-        self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, restart: int = 0):
+        self.cfg, self.run_dir, self.resume, self.restart = cfg, Path(run_dir), resume, restart
         if resume:
             self.resume_from = check_resume(cfg, self.run_dir, quarantine=False)
         device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}.get(
@@ -182,7 +186,8 @@ class Trainer:
             meta = ckpt.load_checkpoint(latest, self.strategy, self.optimizer, self.scheduler)
             self.start_step = meta["step"]
             if rank == 0:
-                print(f"zerotron: resumed from {latest} (step {self.start_step})", flush=True)
+                again = f"restart {restart}: " if restart else ""
+                print(f"zerotron: {again}resumed from {latest} (step {self.start_step})", flush=True)
                 was = meta.get("config", {}).get("train", {}).get("steps")
                 if was is not None and was != cfg.train.steps:
                     print(f"zerotron: train.steps {was} -> {cfg.train.steps}: the learning-rate schedule is "
@@ -239,8 +244,11 @@ class Trainer:
             raise lifecycle.RunStopped(f"refusing to write checkpoint step_{step}: a parameter is not finite; "
                                        f"the newest good checkpoint is {ckpt.latest_checkpoint(self.run_dir)}")
         try:
+            # about the size of a first checkpoint: parameters + AdamW's two states, one dense copy
+            expected = 3 * self.num_params * torch.empty((), dtype=param_dtype(self.cfg.train.dtype)).element_size()
             return ckpt.save_checkpoint(self.run_dir, step, self.strategy, self.optimizer, self.scheduler,
-                                        self.meta(step), self.data.tokenizer_path, keep=self.cfg.checkpoint.keep)
+                                        self.meta(step), self.data.tokenizer_path, keep=self.cfg.checkpoint.keep,
+                                        expected_bytes=expected)
         except ckpt.CheckpointWriteError as e:
             raise lifecycle.RunStopped(str(e)) from None
 
@@ -257,12 +265,13 @@ class Trainer:
                       "raise --train.steps to continue it")
             return {"steps": self.start_step, "final_loss": None, "first_val_loss": None, "final_val_loss": None,
                     "median_tokens_per_s": None, "nothing_to_do": True}
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl", self.start_step if self.resume else None) if lead else None
+        keep_to = self.start_step if self.resume or self.restart else None  # metrics of steps <= this are kept
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_to) if lead else None
         if lead:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         bar = Progress(t.steps, self.start_step, cfg.log.every) if lead and cfg.log.progress else None
-        tb = open_tensorboard(cfg.log.tensorboard, self.run_dir, self.start_step if self.resume else None, lead)
-        die_at = int(os.environ.get("ZEROTRON_FAULT_KILL_AT_STEP", "-1"))  # fault injection for tests
+        tb = open_tensorboard(cfg.log.tensorboard, self.run_dir, keep_to, lead)
+        die_at = lifecycle.fault_kill_step()  # fault injection for tests (per restart attempt)
         die_rank = int(os.environ.get("ZEROTRON_FAULT_KILL_RANK", "0"))  # which rank kill -9s itself
         tok_per_step = t.global_batch * self.seq_len
         first_val = last_val = None
