@@ -5,14 +5,21 @@ import torch
 
 from zerotron.analysis.activations import activation_bytes, measure_activation_bytes
 from zerotron.models.gpt import GPT, GPTConfig
+from zerotron.models.llama import Llama, LlamaConfig
 from zerotron.parallel.recompute import apply_activation_checkpointing
 
 CFG = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
 
 
-def _grads(mode, dropout):
+def _model(arch, dropout):
+    if arch == "llama":  # RoPE, GQA, SwiGLU, untied head: recomputation needs nothing model-specific
+        return Llama(LlamaConfig(**CFG, n_kv_head=2, intermediate_size=96, dropout=dropout))
+    return GPT(GPTConfig(**CFG, dropout=dropout))
+
+
+def _grads(mode, dropout, arch="gpt2"):
     torch.manual_seed(0)
-    model = apply_activation_checkpointing(GPT(GPTConfig(**CFG, dropout=dropout)), mode)
+    model = apply_activation_checkpointing(_model(arch, dropout), mode)
     idx = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)  # same dropout stream for every mode
     logits = model(idx)
@@ -20,9 +27,11 @@ def _grads(mode, dropout):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_same_gradients_with_dropout(mode):
-    ref, got = _grads("none", 0.1), _grads(mode, 0.1)
+def test_same_gradients_with_dropout(mode, arch):
+    ref, got = _grads("none", 0.1, arch), _grads(mode, 0.1, arch)
+    assert any(".self_attn." in n for n in ref) == (arch == "llama")
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-7, msg=n)
 

@@ -154,3 +154,46 @@ def test_cli_memory_and_plan_for_llama3_8b(capsys):
 def test_gqa_config_has_fewer_kv_params_than_mha():
     gqa, mha = (LlamaConfig(n_embd=256, n_head=8, n_kv_head=k, intermediate_size=512) for k in (2, 8))
     assert num_params(mha) - num_params(gqa) == 4 * 2 * 256 * (8 - 2) * 32
+
+
+LAYOUTS_2 = {"dp2-zero3": {"parallel.zero_stage": 3}, "tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}}
+
+
+def _state_bytes(cache):
+    """One optimizer step of llama-tiny per layout on this rank; its model-state bytes."""
+    import tempfile
+
+    from zerotron.testing import ROOT, tiny_config
+    from zerotron.train.trainer import Trainer
+
+    out = {}
+    for name, lay in LAYOUTS_2.items():
+        cfg = tiny_config({"train.steps": 1, "train.global_batch": 4, "train.micro_batch": 2, "train.eval_every": 1, "train.eval_batches": 1,
+                           "checkpoint.save_final": "false", "log.tensorboard": "false", "data.cache_dir": cache,
+                           **lay}, path=ROOT / "configs" / "llama_tiny.toml")
+        with tempfile.TemporaryDirectory() as run:
+            tr = Trainer(cfg, run)
+            tr.fit()
+            out[name] = tr.strategy.model_state_bytes(tr.optimizer)
+            out[name + "/model"] = tr.model_cfg
+    return out
+
+
+def test_measured_model_state_bytes_three_layouts(data_cache):
+    """Per-rank parameter + gradient + Adam bytes of a real llama-tiny run under dp2 ZeRO-3, tp2 and
+    pp2 equal the estimators': the ZeRO formula (model_state_bytes) within the flat buffers' padding,
+    and 16 bytes x the per-rank split of stage_num_params (fp32) exactly."""
+    from zerotron.testing import run_ranks
+
+    ranks = run_ranks(_state_bytes, 2, data_cache, join_timeout_s=300)
+    cfg = ranks[0]["tp2/model"]
+    n = num_params(cfg)
+    for r, got in enumerate(ranks):
+        est = model_state_bytes(n, 2, 3, "fp32")["total_bytes"]
+        assert est <= got["dp2-zero3"]["total_bytes"] < 1.01 * est, (r, got["dp2-zero3"], est)
+        assert got["tp2"]["total_bytes"] == 16 * stage_num_params(cfg, tp=2)[0], (r, got["tp2"])
+        assert got["pp2"]["total_bytes"] == 16 * stage_num_params(cfg, pp=2)[r], (r, got["pp2"])
+    print(f"\nllama-tiny model-state bytes per rank (measured / estimated): "
+          f"dp2 ZeRO-3 {ranks[0]['dp2-zero3']['total_bytes']} / {model_state_bytes(n, 2, 3)['total_bytes']}, "
+          f"tp2 {ranks[0]['tp2']['total_bytes']} / {16 * stage_num_params(cfg, tp=2)[0]}, "
+          f"pp2 {[g['pp2']['total_bytes'] for g in ranks]} / {[16 * c for c in stage_num_params(cfg, pp=2)]}")
