@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from zerotron import parity
+from zerotron.analysis.memory import model_state_bytes, stage_num_params
 from zerotron.testing import assert_params_close, run_ranks, tiny_config
 
 STEPS, SAVE_AT = 6, 3
@@ -45,6 +46,9 @@ def _train(overrides, run_dir, resume=False):
         if "val_loss" in rec:  # evaluation at step 1 (fresh runs) and STEPS: pipelined forward only
             out["val"][rec["step"]] = rec["val_loss"]
         tied = getattr(t.strategy, "tied", None)
+        zero = getattr(t.strategy, "zero", None)
+        if tied is not None and zero is not None and zero.stage == 3:  # sharded at rest: its dp shard
+            tied = next(f.master for f in zero.all_flats if f.is_tied)
         out["tied"].append(None if tied is None else _digest(tied))
 
     tr.fit(callback=cb)
@@ -66,6 +70,8 @@ def _train(overrides, run_dir, resume=False):
     if zero is not None:
         out["ckpt_keys"] = sorted(s.checkpoint_state(tr.optimizer)[0])  # this dp rank's share
         st = [tr.optimizer.state[f.master] for f in zero.all_flats]
+        out["state"] = (zero.stage, s.model_state_bytes(tr.optimizer)["total_bytes"], len(zero.all_flats),
+                        stage_num_params(tr.model_cfg, pp=2)[tr.mesh.coords["pp"]])
         out["zero"] = {"master": sum(f.master.numel() for f in zero.all_flats),
                        "padded": sum(f.padded for f in zero.all_flats),
                        "exp_avg": sum(x["exp_avg"].numel() for x in st), "dp": zero.group.size()}
@@ -138,6 +144,10 @@ def _check(ref, runs, layouts, pp=2):
             if "ckpt_keys" in o and d == 0:  # checkpoint shares of the dp ranks: disjoint, complete
                 shares = [set(by[(p, dd, t)]["ckpt_keys"]) for dd in range(2)]
                 assert not shares[0] & shares[1] and shares[0] | shares[1] == set(o["params"]), lay
+            if o.get("state", (0,))[0] == 3 and t == 0:  # per-rank model-state bytes = the ZeRO estimator's
+                _, measured, n_flats, n_stage = o["state"]  # (fp64: 8 + 8 + 16 bytes per element), up to
+                est = model_state_bytes(n_stage, 2, 3, "fp64")["total_bytes"]  # the flat buffers' padding
+                assert est <= measured < est + 32 * n_flats, (lay, measured, est)
             if "zero" in o:  # optimizer state really sharded over dp
                 z = o["zero"]
                 assert z["dp"] == 2 and z["master"] * 2 == z["padded"] and z["exp_avg"] == z["master"], (lay, z)
@@ -167,6 +177,10 @@ def layouts_4(ref_run, family="gpt2"):
         {**PP2TP2, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4, "resume_from": ref_run},  # dense ->
         {**ZERO, "parallel.dp": 2, "parallel.pp_schedule": "gpipe", "train.micro_batch": 2,
          "resume_from": ref_run},                                                             # dense -> ZeRO
+        {**ZERO, "parallel.zero_stage": 3, "parallel.dp": 2, "parallel.pp_schedule": "1f1b",
+         "train.micro_batch": 1, "name": "pp2zero3"},                               # pipeline x ZeRO-3; saves
+        {**ZERO, "parallel.zero_stage": 2, "parallel.dp": 2, "parallel.pp_schedule": "interleaved",
+         "parallel.virtual_stages": 2, "train.micro_batch": 2, "resume_from": ref_run},  # dense -> pp x ZeRO-2
     ]]
 
 
@@ -183,9 +197,9 @@ def test_pp2_tp2_and_pp2_dp2_zero1_parity(reference, four):
 
 
 def test_checkpoints_to_one_process(reference, four, data_cache, tmp_path):
-    """pp2 x tp2 and pp2 x dp2 ZeRO-1 checkpoints (step 3) resumed in one process continue exactly
-    like the uninterrupted dense run."""
-    for name in ("pp2tp2", "pp2zero"):
+    """pp2 x tp2, pp2 x dp2 ZeRO-1 and pp2 x dp2 ZeRO-3 checkpoints (step 3) resumed in one process
+    continue exactly like the uninterrupted dense run."""
+    for name in ("pp2tp2", "pp2zero", "pp2zero3"):
         dst = str(tmp_path / name)
         _copy_until(f"{four['tmp']}/{name}", dst, SAVE_AT)
         out = _train({"train.micro_batch": 8, "data.cache_dir": data_cache, **parity.MODELS[reference["family"]]},
@@ -224,9 +238,12 @@ def test_validate_pipeline_combinations():
     assert validate(cfg(**{"parallel.zero_stage": 1}), 4)["dp"] == 2
     assert validate(cfg(**{"parallel.zero_stage": 1, "parallel.tp": 2}), 8)["dp"] == 2
     assert validate(cfg(**{"parallel.tp": 2, "parallel.sequence_parallel": "true"}), 4)["tp"] == 2  # pp x SP
-    for kw, msg in [({"parallel.zero_stage": 2}, "parallel.zero_stage = 2 is not combined with pipeline"),
-                    ({"parallel.zero_stage": 3}, "set parallel.zero_stage = 1 or 0"),
-                    ({"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}, "zero_stage = 3"),
+    assert validate(cfg(**{"parallel.zero_stage": 2}), 4)["dp"] == 2  # pipeline x ZeRO-2 / ZeRO-3
+    assert validate(cfg(**{"parallel.zero_stage": 3, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+                    8)["dp"] == 2
+    for kw, msg in [({"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"},
+                     "zero_impl = fsdp2 is not combined with pipeline parallelism"),
+                    ({"parallel.zero_stage": 2, "parallel.zero_impl": "fsdp2"}, "set parallel.zero_impl = native"),
                     ({"parallel.zero_stage": 1, "parallel.zero_impl": "fsdp2"}, "zero_impl"),
                     ({"parallel.dp_impl": "torch"}, "parallel.dp_impl = torch is not combined")]:
         with pytest.raises(ConfigError, match=msg):

@@ -478,14 +478,14 @@ def validate(cfg: Config, world_size: int) -> dict:
          f"parallel.virtual_stages must be >= 2 for the interleaved schedule and 1 otherwise, got {p.virtual_stages}")
     need(p.pp_impl == "native", f"parallel.pp_impl must be native (the torch pipelining backend is not available), got {p.pp_impl!r}")
     if dims.pp > 1 or interleaved:
-        # implemented: pp x dp (native DDP or native ZeRO-1) x tp (without sequence parallel)
-        need(p.zero_stage in (0, 1),
-             f"parallel.zero_stage = {p.zero_stage} is not combined with pipeline parallelism (only ZeRO-1 "
-             "shards the optimizer state per stage); set parallel.zero_stage = 1 or 0")
+        # implemented: pp x dp (native DDP or native ZeRO-1/2/3) x tp (+ sequence parallel)
         need(p.zero_stage == 0 or p.zero_impl == "native",
-             "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism; set parallel.zero_impl = native")
-        need(p.zero_stage == 1 or p.dp_impl == "native",
-             f"parallel.dp_impl = {p.dp_impl} is not combined with pipeline parallelism; set parallel.dp_impl = native")
+             "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism (the pipeline drives its own "
+             "stage modules; FSDP2's hooks expect whole-model steps); set parallel.zero_impl = native (ZeRO-1/2/3)")
+        need(p.zero_stage > 0 or p.dp_impl == "native",
+             f"parallel.dp_impl = {p.dp_impl} is not combined with pipeline parallelism (torch DDP's reducer expects "
+             "one forward of the wrapped module per backward; stages run many partial ones); set "
+             "parallel.dp_impl = native")
         n_acc = t.global_batch // (t.micro_batch * dims.dp) if t.global_batch % (t.micro_batch * dims.dp) == 0 else 0
         m_flush = p.microbatches or n_acc
         need(n_acc == 0 or n_acc % m_flush == 0,

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.distributed import comm
+from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.optim import build_optimizer
 from zerotron.parallel.precision import upcast
-from zerotron.parallel.tensor.layers import full_tensor, local_shard
+from zerotron.parallel.tensor.layers import full_tensor, is_tp_sharded, local_shard
 from zerotron.parallel.tensor.transform import (
-    clip_grad_norm_tp,
     load_dense_into_tp,
     sync_replicated_grads,
     tp_loss_sum,
@@ -127,16 +127,13 @@ class Strategy:
                 torch.tensor(float((y != IGNORE_INDEX).sum()), dtype=torch.float64))
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 gradient norm (before clipping), clipping in place when ``max_norm > 0``.
-
-        Default (replicated gradients after reduction): the local norm is the global norm and is
-        identical on every rank."""
-        params = [q for q in self.parameters() if q.grad is not None]
-        if self.tp_group is not None:
-            return clip_grad_norm_tp(params, max_norm, self.tp_group)
-        if max_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(q.grad) for q in params])))
+        """Global L2 gradient norm (before clipping), clipping in place when ``max_norm > 0``
+        (:func:`zerotron.parallel.grad_norm.clip_grad_norm`). Default (gradients replicated over dp
+        after the reduction): tensor-parallel shards summed over tp, tp-replicated ones counted
+        once; identical on every rank."""
+        grads = [(q.grad, is_tp_sharded(q)) for q in self.parameters() if q.grad is not None]
+        return clip_grad_norm([([g for g, s in grads if s], [self.tp_group]),
+                               ([g for g, s in grads if not s], [])], max_norm)
 
     def build_optimizer(self, tcfg, mask: dict):
         """AdamW over this rank's parameters (see ``train.optim.build_optimizer``)."""

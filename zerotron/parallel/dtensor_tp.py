@@ -20,13 +20,12 @@ the replicated regions would need DTensor's RNG tracker); ``config.validate`` re
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
-from zerotron.distributed import comm
 from zerotron.models.layout import get_module
 from zerotron.parallel.base import Strategy
+from zerotron.parallel.grad_norm import clip_grad_norm
 
 __all__ = ["DTensorTPStrategy", "chunk_permutation"]
 
@@ -75,22 +74,14 @@ class DTensorTPStrategy(Strategy):
     # ---- gradients -------------------------------------------------------------------------
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm: squares of the sharded DTensor gradients' local shards summed over tp,
-        plus the replicated gradients once; clip in place when ``max_norm > 0``."""
+        plus the replicated gradients once; clip in place when ``max_norm > 0``
+        (:func:`zerotron.parallel.grad_norm.clip_grad_norm`)."""
         from torch.distributed.tensor import DTensor, Shard
 
         grads = [q.grad for q in self.parameters() if q.grad is not None]
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        is_sharded = [isinstance(g, DTensor) and any(isinstance(p, Shard) for p in g.placements) for g in grads]
-        sq = torch.stack([t.double().pow(2).sum() for t in local])  # one device tensor, no per-grad sync
-        mask = torch.tensor(is_sharded, device=sq.device)
-        sums = torch.stack([sq[mask].sum(), sq[~mask].sum()])
-        comm.all_reduce(sums[:1], group=self.dt_group, tag="tp_grad_norm")  # shards: summed over tp
-        norm = math.sqrt(float(sums.sum()))
-        if max_norm > 0 and norm > max_norm:
-            coef = max_norm / (norm + 1e-6)
-            for t in local:
-                t.mul_(coef)
-        return norm
+        sharded = [isinstance(g, DTensor) and any(isinstance(p, Shard) for p in g.placements) for g in grads]
+        return clip_grad_norm([([g for g, s in zip(grads, sharded) if s], [self.dt_group]),
+                               ([g for g, s in zip(grads, sharded) if not s], [])], max_norm)
 
     def build_optimizer(self, tcfg, mask: dict):
         """AdamW with ``foreach=False`` (its grouped kernels do not take DTensor and plain tensor

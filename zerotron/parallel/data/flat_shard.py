@@ -2,13 +2,14 @@
 weight-decay flag, padded to a multiple of dp, with this rank's master shard, its shard gradient,
 the reduce-scatter of the gradients and the all-gather of the parameters. Used by
 :class:`~zerotron.parallel.data.zero.ZeroStrategy` (stages 1-3) and the pipeline's ZeRO-1
-(``pipeline.zero1.StageZero1``)."""
+(``pipeline.stage_zero.StageZero``)."""
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
 from zerotron.distributed import comm
+from zerotron.parallel.tensor.layers import is_tp_sharded
 
 
 class FlatShard:
@@ -62,8 +63,16 @@ class FlatShard:
             raise RuntimeError(f"ZeRO internal error: resizing the flat buffer of {self.names[0]} while its "
                                "all-gather is pending")
         storage = self.full.untyped_storage()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
+        if storage.size() == nbytes:
+            return
+        if not storage.resizable():  # pinned, e.g. by a .numpy() view a caller took: a fresh buffer
+            self.full = torch.empty(0, dtype=self.full.dtype, device=self.full.device).set_(
+                torch.empty(0, dtype=torch.uint8, device=self.full.device).untyped_storage(), 0, self.full.shape)
+            with torch.no_grad():
+                for p, off, n in zip(self.params, self.offsets, self.numels):
+                    p.data = self.full[off:off + n].view_as(p)
+            storage = self.full.untyped_storage()
+        storage.resize_(nbytes)
 
     def attach_grad_views(self) -> None:
         for p, off, n in zip(self.params, self.offsets, self.numels):
@@ -194,3 +203,49 @@ class FlatShard:
     def load_canonical(self, params: dict, opt_state: dict, optimizer) -> None:
         """:meth:`load_flat` of :meth:`canonical_to_flat` (every rank holds the full state)."""
         self.load_flat(*self.canonical_to_flat(params, opt_state), optimizer)
+
+
+def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, compute_dtype, reduce_dtype,
+                tied=None) -> list[list[FlatShard]]:
+    """The flat buffers of each unit (a list of Parameters): one per (weight-decay flag, tp-sharded)
+    pair present, in that fixed order (decay first, tp-sharded first), so tensor-parallel shards and
+    tp-replicated parameters never share a buffer. ``names``: ``{id(param): FQN}``; ``mask``:
+    ``{id(param): decay?}``; ``tied``: the Parameter marked ``is_tied`` (its unit should hold it
+    alone). Each FlatShard gets ``tp_sharded`` and ``is_tied``. Collective-free."""
+    out = []
+    with torch.no_grad():
+        for params in units:
+            flats = []
+            for decay in (True, False):
+                for sharded in (True, False):
+                    ps = [p for p in params if mask.get(id(p), False) == decay and is_tp_sharded(p) == sharded]
+                    if ps:
+                        f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, group, compute_dtype,
+                                      reduce_dtype)
+                        f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied
+                        flats.append(f)
+            out.append(flats)
+    return out
+
+
+def flat_state_bytes(flats: list, optimizer) -> dict:
+    """Bytes held now by ZeRO flat buffers ``flats``: parameters (compute copies; the fp32 master
+    too when it is the parameter itself), gradients (full buffers of stage 1 or fp32 shards),
+    optimizer (Adam state + fp32 master shards of mixed precision). Returns ``{"params_bytes",
+    "grads_bytes", "optimizer_bytes", "total_bytes"}`` (ints, bytes)."""
+    p = g = o = 0
+    for f in flats:
+        p += f.full.untyped_storage().size()
+        master = f.master.numel() * f.master.element_size()
+        if f.stage == 3 and f.compute_dtype == f.master_dtype:
+            p += master
+        elif not f.aliased:
+            o += master
+        if f.grad_full is not None:
+            g += f.grad_full.numel() * f.grad_full.element_size()
+        if not (f.stage == 1 and f.aliased):
+            g += f.shard_grad.numel() * f.shard_grad.element_size()
+        for t in optimizer.state.get(f.master, {}).values():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                o += t.numel() * t.element_size()
+    return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}

@@ -22,6 +22,7 @@ import torch
 from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
+from zerotron.parallel.grad_norm import clip_grad_norm
 
 
 class FSDP2Strategy(Strategy):
@@ -79,12 +80,10 @@ class FSDP2Strategy(Strategy):
             self.module.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = [p for p in self.parameters() if p.grad is not None]
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        """Global L2 norm from the DTensor gradient shards (each dp rank holds different elements):
+        :func:`zerotron.parallel.grad_norm.clip_grad_norm` over dp; clips in place."""
+        return clip_grad_norm([([p.grad for p in self.parameters() if p.grad is not None], [self.group])],
+                              max_norm)
 
     def _get(self, optimizer, full: bool):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict

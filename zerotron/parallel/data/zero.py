@@ -54,26 +54,12 @@ import torch
 from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
-from zerotron.parallel.data.flat_shard import FlatShard
+from zerotron.parallel.data.flat_shard import FlatShard, build_flats, flat_state_bytes
 from zerotron.parallel.data.used import UsedMarks
+from zerotron.parallel.data.zero_gather import UnitGatherer
 from zerotron.parallel.data.zero_state import ZeroStateMixin
+from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.optim import build_optimizer, decay_mask
-from zerotron.parallel.tensor.layers import is_tp_sharded
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity whose backward first runs ``unit_hook`` (stage 3: gather the block's parameters
-    before its backward and prefetch the previous block)."""
-
-    @staticmethod
-    def forward(ctx, hook, x):
-        ctx.hook = hook
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.hook()
-        return None, grad
 
 
 class ZeroStrategy(ZeroStateMixin, Strategy):
@@ -99,18 +85,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             names.setdefault(id(p), n)
         root = [p for p in model.parameters() if id(p) not in in_block]
         self.units = [root] + [list(b.parameters()) for b in blocks]
-        self.flats: list[list[FlatShard]] = []
-        with torch.no_grad():
-            for params in self.units:
-                flats = []
-                for decay in (True, False):
-                    for sharded in (True, False):  # tp-sharded and tp-replicated kept apart
-                        ps = [p for p in params if mask.get(id(p), False) == decay and is_tp_sharded(p) == sharded]
-                        if ps:
-                            f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, group, compute, reduce)
-                            f.tp_sharded = sharded
-                            flats.append(f)
-                self.flats.append(flats)
+        self.flats: list[list[FlatShard]] = build_flats(self.units, names, mask, stage, group, compute, reduce)
         self.all_flats = [f for fl in self.flats for f in fl]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
         self._used = UsedMarks([p for f in self.all_flats for p in f.params])
@@ -121,12 +96,9 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         self._in_step = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fl in self.flats for f in fl
                        for p in f.params]
-        self._fwd_units: list[int] = []  # stage 3: block units in the order their forward ran
-        self._fwd_next: dict[int, int] = {}  # unit -> unit whose forward followed it last time
+        self.gatherer = UnitGatherer(self.flats, n_root=1)  # stage 3: gather before use, free after
         if stage == 3:
-            for i, b in enumerate(blocks, start=1):
-                b.register_forward_pre_hook(self._make_pre_forward(i))
-                b.register_forward_hook(self._make_post_forward(i))
+            self.gatherer.register(blocks)
 
     # ---- interface -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -144,10 +116,12 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         if self.stage == 3:
             for u in units:
                 self._gather_unit(u)
+            self.gatherer.hold += blocks  # everything gathered: forwards (e.g. generate) keep it
         try:
             yield self.module
         finally:
             if self.stage == 3:  # also blocks a gradient-free forward prefetched but did not run
+                self.gatherer.hold -= blocks
                 self._release_all()
 
     def parameters(self) -> list:
@@ -222,23 +196,12 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             f.master.grad = f.shard_grad
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global norm from the shards: every element counted once (padding is zero), squared sums
-        all-reduced over dp; identical on every rank. Clips the shard gradients in place."""
-        sq = torch.zeros(1, dtype=torch.float64)
-        first_tp = self.tp_group is None or self.tp_group.rank() == 0
-        for f in self.all_flats:
-            if f.tp_sharded or first_tp:  # tp-replicated elements counted once
-                sq += f.shard_grad.double().pow(2).sum().cpu()
-        comm.all_reduce(sq, group=self.group, tag="grad_norm")
-        if self.tp_group is not None:
-            comm.all_reduce(sq, group=self.tp_group, tag="grad_norm")
-        norm = float(sq.sqrt())
-        if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1:
-                for f in self.all_flats:
-                    f.shard_grad.mul_(coef)
-        return norm
+        """Global norm from the shards (:func:`zerotron.parallel.grad_norm.clip_grad_norm`): every
+        element counted once (padding is zero; tp shards summed over tp, tp-replicated once), then
+        summed over dp; identical on every rank. Clips the shard gradients in place."""
+        return clip_grad_norm([([f.shard_grad for f in self.all_flats if f.tp_sharded], [self.tp_group]),
+                               ([f.shard_grad for f in self.all_flats if not f.tp_sharded], [])],
+                              max_norm, outer=[self.group])
 
     def build_optimizer(self, tcfg, mask: dict):
         return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
@@ -265,25 +228,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
                     f.wait_gather()
 
     def model_state_bytes(self, optimizer) -> dict:
-        """Bytes held now: parameters (compute copies; the fp32 master too when it is the parameter
-        itself), gradients (full buffers of stage 1 or fp32 shards), optimizer (Adam state + fp32
-        master shards of mixed precision)."""
-        p = g = o = 0
-        for f in self.all_flats:
-            p += f.full.untyped_storage().size()
-            master = f.master.numel() * f.master.element_size()
-            if f.stage == 3 and f.compute_dtype == f.master_dtype:
-                p += master
-            elif not f.aliased:
-                o += master
-            if f.grad_full is not None:
-                g += f.grad_full.numel() * f.grad_full.element_size()
-            if not (f.stage == 1 and f.aliased):
-                g += f.shard_grad.numel() * f.shard_grad.element_size()
-            for t in optimizer.state.get(f.master, {}).values():
-                if isinstance(t, torch.Tensor) and t.dim() > 0:
-                    o += t.numel() * t.element_size()
-        return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
+        """Bytes held now (:func:`~zerotron.parallel.data.flat_shard.flat_state_bytes`)."""
+        return flat_state_bytes(self.all_flats, optimizer)
 
     # ---- hooks -------------------------------------------------------------------------------
     def _on_grad(self, p) -> None:
@@ -306,49 +252,11 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
                 f.free()
 
     def _gather_unit(self, u: int, wait: bool = True) -> None:
-        for f in self.flats[u]:
-            f.launch_gather()
-        if wait:
-            for f in self.flats[u]:
-                f.wait_gather()
+        self.gatherer.gather(u, wait)
 
     def _new_forward(self) -> None:
-        """Start recording a forward's block order; the previous forward's last block is marked
-        as followed by nothing (0: no prefetch after it)."""
-        if self._fwd_units:
-            self._fwd_next[self._fwd_units[-1]] = 0
-        self._fwd_units = []
-
-    def _make_pre_forward(self, u: int):
-        def hook(module, args):
-            self._gather_unit(u)
-            order = self._fwd_units
-            if torch.is_grad_enabled():  # learn the real module order (prefetch targets)
-                if order:
-                    self._fwd_next[order[-1]] = u
-                order.append(u)
-            nxt = self._fwd_next.get(u, u + 1)  # what ran after u last time (0: nothing); first time: u + 1
-            if 1 <= nxt < len(self.flats) and nxt != u:
-                self._gather_unit(nxt, wait=False)  # prefetch; released (after a wait) if it does not run
-        return hook
-
-    def _make_post_forward(self, u: int):
-        def hook(module, args, output):
-            for f in self.flats[u]:
-                f.free()
-            if torch.is_grad_enabled() and output.requires_grad:
-                order = self._fwd_units
-                prev = order[-2] if len(order) >= 2 and order[-1] == u else None  # backward runs it next
-
-                def pre_backward():
-                    self._gather_unit(u)
-                    if prev is not None and prev != u:
-                        self._gather_unit(prev, wait=False)  # prefetch the block that ran before
-                return _PreBackward.apply(pre_backward, output)
-            return output
-        return hook
+        self.gatherer.new_forward()
 
     def _release_all(self) -> None:
         """Stage 3: free every unit's storage, waiting first for any prefetch still in flight."""
-        for f in self.all_flats:
-            f.free()
+        self.gatherer.release_all()

@@ -4,5 +4,5 @@
 ``executor.py`` the stage model (a rank's part of any model, by its layout) and the walker of its
 action list; ``runner.py`` ``PipelineStrategy`` (micro-batches, tied weights, gradient sync, norm)
 and pipelined generation; ``state.py`` canonical checkpoint state and ``full_params``;
-``zero1.py`` ZeRO-1 of a pipeline rank's stages.
+``stage_zero.py`` ZeRO-1/2/3 of a pipeline rank's stages.
 """

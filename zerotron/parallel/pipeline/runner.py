@@ -37,13 +37,15 @@ checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
     norm sums squares of tp-sharded gradients over tp, counts tp-replicated ones once, and sums
     over pp; checkpoints are gathered to the dense canonical format (``full_tensor``, collective
     over tp in the fixed state-dict order) and sliced again on load (``shard_tensor``).
-  * ZeRO-1 over dp (``parallel.zero_stage = 1``): the inner DataParallel is replaced by
-    :class:`StageZero1` -- the stage's parameters in ``zero.FlatShard`` flat buffers (units: the
+  * ZeRO over dp (``parallel.zero_stage = 1, 2, 3``): the inner DataParallel is replaced by
+    :class:`StageZero` -- the stage's parameters in ``zero.FlatShard`` flat buffers (units: the
     tied weight alone, the other non-block parameters, each block), full gradients accumulated
     locally over all flushes, one reduce-scatter per flat buffer, then the tied gradient shard summed
     between the first and last stage (both in ``parallel.reduce_dtype``), AdamW on the fp32 master
-    shards, one all-gather of the updated parameters. ZeRO-2/3 are not combined with pp
-    (config.validate). Sequence parallelism: stage boundaries carry (b, T/tp, C) shards, and
+    shards, one all-gather of the updated parameters. ZeRO-2 (``zero_stage = 2``) reduce-scatters
+    the gradients each backward action produced (one micro-batch through one chunk) right after it
+    and frees them; ZeRO-3 also keeps parameters sharded at rest, gathering blocks around their
+    forward and backward and the root units for the step (``StageZero``). Sequence parallelism: stage boundaries carry (b, T/tp, C) shards, and
     finish_grads sums the replicated parameters' gradients over tp (ZeRO-1: their dp shards, after
     the reduce-scatter, in ``parallel.reduce_dtype``).
 
@@ -62,7 +64,8 @@ from zerotron.distributed import comm
 from zerotron.models.layout import get_module
 from zerotron.parallel.base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
 from zerotron.parallel.data.ddp import DataParallel
-from zerotron.parallel.data.zero import ZeroStrategy
+from zerotron.parallel.data.flat_shard import flat_state_bytes
+from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.optim import build_optimizer, decay_mask
 from zerotron.parallel.pipeline.executor import (
     PipelineExecutor,
@@ -72,12 +75,12 @@ from zerotron.parallel.pipeline.executor import (
     stage_layer_ranges,
 )
 from zerotron.parallel.pipeline.schedules import KINDS, build_schedule
+from zerotron.parallel.pipeline.stage_zero import StageZero
 from zerotron.parallel.pipeline.state import PipelineStateMixin
-from zerotron.parallel.pipeline.zero1 import StageZero1
 from zerotron.parallel.tensor.layers import is_tp_sharded
 from zerotron.parallel.tensor.transform import gather_logits, set_sequence_parallel, sync_replicated_grads
 
-__all__ = ["PipelineStrategy", "StageModel", "StageZero1", "pipeline_generate", "stage_layer_counts",
+__all__ = ["PipelineStrategy", "StageModel", "StageZero", "pipeline_generate", "stage_layer_counts",
            "stage_layer_ranges"]
 
 
@@ -92,7 +95,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     ``mask`` (weight-decay flag by ``id(param)`` of ``model``; default ``optim.decay_mask(model)``,
     only used by ZeRO-1, which fixes the flag per flat buffer at construction).
     Attributes: ``module`` (this rank's ``StageModel``), ``ddp`` (inner DataParallel over dp, or
-    None with ZeRO-1), ``zero`` (:class:`StageZero1` or None), ``tp_group`` (the tp NamedGroup when
+    None with ZeRO-1), ``zero`` (:class:`StageZero` or None), ``tp_group`` (the tp NamedGroup when
     ``model`` is tensor-parallel, else None), ``loss_groups`` = [pp group, dp group]. Raises
     ValueError for an unknown schedule, a bad virtual_stages/pp_split, ``microbatches`` < 0, or a
     zero_stage other than 0/1."""
@@ -110,8 +113,9 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
         n_stages = self.pp * self.v
         ranges = stage_layer_ranges(stage_layer_counts(model.config.n_layer, n_stages, p.pp_split))
-        if p.zero_stage not in (0, 1):
-            raise ValueError(f"pipeline parallelism supports parallel.zero_stage 0 or 1, got {p.zero_stage}")
+        if p.zero_stage not in (0, 1, 2, 3) or (p.zero_stage and p.zero_impl != "native"):
+            raise ValueError(f"pipeline parallelism supports the native parallel.zero_stage 0-3, got "
+                             f"{p.zero_stage} ({p.zero_impl})")
         self.dense = model
         self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
         self.module = StageModel(model, [c * self.pp + self.rank for c in range(self.v)], ranges)
@@ -131,13 +135,14 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             owner = lay.tied[0][1].rpartition(".")
             self.tied = getattr(get_module(self.module, owner[0]), owner[2])
         self.ddp = self.zero = None
-        if p.zero_stage == 1:
+        if p.zero_stage:
             if mask is None:
                 mask = decay_mask(model)
             mask = dict(mask)
             if self.tied is not None:
                 mask[id(self.tied)] = False  # an embedding: never decayed
-            self.zero = StageZero1(self.module, self.dp_group, mask, self.tied, cfg.train.dtype, p.reduce_dtype)
+            self.zero = StageZero(self.module, self.dp_group, mask, self.tied, cfg.train.dtype, p.reduce_dtype,
+                                  stage=p.zero_stage)
         else:
             self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb,
                                     src_rank=mesh.global_rank(self.rank, 0, t))
@@ -204,6 +209,21 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         ex = self.executor
         ex.busy_s = ex.idle_s = 0.0
         n_flush = M // m
+        if self.zero is not None:
+            self.zero.begin_step()
+        try:
+            self._flushes(micro_batches, m, n_flush, n_global, dtype, device, total)
+        finally:
+            if self.zero is not None:
+                self.zero.end_step()
+        wall = ex.busy_s + ex.idle_s
+        self._timing = {"busy_s": ex.busy_s, "idle_s": ex.idle_s,
+                        "bubble_fraction": ex.idle_s / wall if wall > 0 else 0.0}
+        return total
+
+    def _flushes(self, micro_batches, m, n_flush, n_global, dtype, device, total) -> None:
+        """The M/m pipeline flushes of one step; adds each micro-batch's loss sum into ``total``."""
+        ex = self.executor
         for f in range(n_flush):
             mbs = [(x.to(device), y.to(device)) for x, y in micro_batches[f * m:(f + 1) * m]]
             if self.kind == "naive":
@@ -222,6 +242,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             late = self.first and self.last and self.v > 1
 
             def b_context(mb, chunk):
+                if self.zero is not None:  # ZeRO-2/3: reduce-scatter what this backward produced
+                    return self._after_backward()
                 sync = final and mb == k - 1 and not (late and chunk == self.v - 1)
                 return contextlib.nullcontext() if sync else self.inner.no_sync()
 
@@ -229,10 +251,11 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                    lambda: autocast_ctx(dtype, device), b_context)
             for s in sums:
                 total += s.double().cpu()
-        wall = ex.busy_s + ex.idle_s
-        self._timing = {"busy_s": ex.busy_s, "idle_s": ex.idle_s,
-                        "bubble_fraction": ex.idle_s / wall if wall > 0 else 0.0}
-        return total
+
+    @contextlib.contextmanager
+    def _after_backward(self):
+        yield
+        self.zero.after_backward()
 
     def last_step_timing(self) -> dict:
         """This rank's pipeline timing of the last ``forward_backward``: ``busy_s`` (compute),
@@ -244,7 +267,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         """Wait for the dp gradient reduction, then sum the tied embedding/head gradients between
         the first and last pipeline rank (pp > 1), so both copies get the same update. ZeRO-1:
         the reduce-scatter over dp first, then the tied (and sequence-parallel) sums of the fp32
-        shards in ``parallel.reduce_dtype`` (see :class:`StageZero1`)."""
+        shards in ``parallel.reduce_dtype`` (see :class:`StageZero`)."""
         if self.zero is not None:
             self.zero.finish_grads(self.tied_group, self.tp_group if self.module.sequence_parallel else None)
             return
@@ -270,34 +293,23 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         counted once); tensor parallel: squares of tp-sharded gradients all-reduced over tp,
         tp-replicated ones (equal on every tp rank) counted once; then all-reduced over pp.
         Identical on every rank. Clips in place (torch's formula, coef = max_norm / (norm + 1e-6)
-        capped at 1) when ``max_norm > 0``. Returns the norm before clipping. ZeRO-1: computed
-        from the dp shards of the flat gradients (each element counted once, squares all-reduced
-        over dp as well)."""
-        dev = next(self.module.parameters()).device
-        sharded = torch.zeros(1, dtype=torch.float64, device=dev)
-        replicated = torch.zeros(1, dtype=torch.float64, device=dev)
+        capped at 1) when ``max_norm > 0``, the tied copy included. Returns the norm before
+        clipping. ZeRO: computed from the dp shards of the flat gradients (each element counted
+        once, squares all-reduced over dp as well). One rule for every strategy:
+        :func:`zerotron.parallel.grad_norm.clip_grad_norm`."""
         if self.zero is not None:
-            skip_tied = self.last and not self.first
-            for f in self.zero.all_flats:
-                if not (f.is_tied and skip_tied):
-                    (sharded if f.tp_sharded else replicated).add_(f.shard_grad.double().pow(2).sum())
-            comm.all_reduce(sharded, group=self.dp_group, tag="grad_norm")
-            comm.all_reduce(replicated, group=self.dp_group, tag="grad_norm")
-        else:
-            for q in self._norm_params():
-                (sharded if is_tp_sharded(q) else replicated).add_(torch.linalg.vector_norm(q.grad).double() ** 2)
-        if self.tp_group is not None and self.tp_group.size() > 1:
-            comm.all_reduce(sharded, group=self.tp_group, tag="grad_norm")
-        sq = sharded + replicated
-        comm.all_reduce(sq, group=self.pp_group, tag="grad_norm")
-        norm = sq.sqrt() if sq.dtype == next(self.module.parameters()).dtype else sq.sqrt().float()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            grads = ([f.shard_grad for f in self.zero.all_flats] if self.zero is not None else
-                     [q.grad for q in unique_params(self.module) if q.grad is not None])
-            for g in grads:  # includes the tied copy: same coef everywhere
-                g.mul_(coef.to(g.dtype))
-        return float(norm)
+            skip = self.last and not self.first  # the tied shard is counted by the first stage
+            counted = [f for f in self.zero.all_flats if not (f.is_tied and skip)]
+            extra = [f.shard_grad for f in self.zero.all_flats if f.is_tied and skip]
+            parts = [([f.shard_grad for f in counted if f.tp_sharded], [self.tp_group]),
+                     ([f.shard_grad for f in counted if not f.tp_sharded], [])]
+            return clip_grad_norm(parts, max_norm, outer=[self.dp_group, self.pp_group], also_clip=extra)
+        counted = self._norm_params()
+        extra = [q.grad for q in unique_params(self.module) if q.grad is not None and q is self.tied
+                 and all(q is not c for c in counted)]
+        parts = [([q.grad for q in counted if is_tp_sharded(q)], [self.tp_group]),
+                 ([q.grad for q in counted if not is_tp_sharded(q)], [])]
+        return clip_grad_norm(parts, max_norm, outer=[self.pp_group], also_clip=extra)
 
     def build_optimizer(self, tcfg, mask: dict):
         """AdamW over this rank's parameters; ``mask`` (decay by ``id(param)``) may come from the
@@ -318,13 +330,14 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         """Bytes this rank holds (see ``Strategy.model_state_bytes``; ZeRO-1: flat compute buffers,
         full gradient buffers, Adam state of the master shards, as ``ZeroStrategy`` counts them)."""
         if self.zero is not None:
-            return ZeroStrategy.model_state_bytes(self.zero, optimizer)
+            return flat_state_bytes(self.zero.all_flats, optimizer)
         return super().model_state_bytes(optimizer)
 
     # ---- checkpoints and full parameters ---------------------------------------------------------
     def _forward_only(self, x: torch.Tensor, on_output, dtype: str, device: torch.device) -> None:
         acts = forward_only_actions(self.pp, self.v, self.rank)
-        self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))
+        with self.zero.full_params(blocks=False) if self.zero is not None else contextlib.nullcontext():
+            self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))
 
     @torch.no_grad()
     def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor, dtype: str, device: torch.device):

@@ -61,8 +61,9 @@ class PipelineStateMixin:
         """ZeRO-1: canonical (dense) state from the flat shards: all-gather over dp, then (tensor
         parallel) ``full_tensor`` over tp for every sharded tensor, in the fixed flat order. With
         ``owned`` (flat index -> bool) only those buffers' parameters and state are returned."""
-        vals, ostate = self.zero.full_state(optimizer, owned) if optimizer is not None else (None, {})
-        if vals is None:  # parameters only: the compute copies are full over dp at rest
+        need = optimizer is not None or self.zero.stage == 3
+        vals, ostate = self.zero.full_state(optimizer, owned) if need else (None, {})
+        if vals is None:  # parameters only: the compute copies are full over dp at rest (stages 1-2)
             vals = {id(q): upcast(q.detach()) for q in unique_params(self.module)}
         if self.tp_group is not None:
             for f in self.zero.all_flats:
@@ -136,43 +137,46 @@ class PipelineStateMixin:
         is open (their storage is freed again on exit). Tensor parallel: also collective over tp --
         the gathered TP model's shards are assembled (``tp_state_dict_full``) into a dense model
         (built once, kept, refreshed on every call), which is yielded instead."""
-        try:
-            if self.pp > 1:
-                for q in self._foreign:  # re-allocate (contents arrive by broadcast)
-                    q.data.untyped_storage().resize_(q.numel() * q.element_size())
-                lay, seen = self.dense.layout(), set()
-                blocks = get_module(self.dense, lay.blocks)
+        with contextlib.ExitStack() as stack:
+            if self.zero is not None:  # ZeRO-3: this rank's stage parameters gathered for the context
+                stack.enter_context(self.zero.full_params())
+            try:
+                if self.pp > 1:
+                    for q in self._foreign:  # re-allocate (contents arrive by broadcast)
+                        q.data.untyped_storage().resize_(q.numel() * q.element_size())
+                    lay, seen = self.dense.layout(), set()
+                    blocks = get_module(self.dense, lay.blocks)
+                    with torch.no_grad():
+                        for s, layers in enumerate(self.module.layer_ranges):
+                            mods = [blocks[i] for i in layers]
+                            mods += [get_module(self.dense, m) for m in lay.embedding] if s == 0 else []
+                            mods += [get_module(self.dense, m) for m in lay.head] if s == self.module.last_stage else []
+                            for mod in mods:
+                                for q in mod.parameters():
+                                    if id(q) in seen:  # a tied parameter: sent once, by stage 0's owner
+                                        continue
+                                    seen.add(id(q))
+                                    if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
+                                        q.data = q.data.to(self.executor.act_dtype)
+                                    comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
+                                                   tag="full_params")
+                if self.tp_group is None:
+                    yield self.dense
+                    return
+                sd = tp_state_dict_full(self.dense)  # collective over tp, fixed key order
+                if self._dense_copy is None:
+                    with torch.device("meta"):  # no RNG draw, no init cost
+                        g = type(self.dense)(self.dense.config)
+                    w = next(iter(sd.values()))
+                    g = g.to_empty(device=w.device).to(w.dtype)  # the training dtype (fp64 mode: float64)
+                    retie(g, g.layout())  # to_empty makes new Parameters
+                    g.init_buffers()  # non-persistent buffers (e.g. RoPE tables) are not in sd
+                    self._dense_copy = g
                 with torch.no_grad():
-                    for s, layers in enumerate(self.module.layer_ranges):
-                        mods = [blocks[i] for i in layers]
-                        mods += [get_module(self.dense, m) for m in lay.embedding] if s == 0 else []
-                        mods += [get_module(self.dense, m) for m in lay.head] if s == self.module.last_stage else []
-                        for mod in mods:
-                            for q in mod.parameters():
-                                if id(q) in seen:  # a tied parameter: sent once, by stage 0's owner
-                                    continue
-                                seen.add(id(q))
-                                if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
-                                    q.data = q.data.to(self.executor.act_dtype)
-                                comm.broadcast(q.data, src=self._peer(s % self.pp), group=self.pp_group,
-                                               tag="full_params")
-            if self.tp_group is None:
-                yield self.dense
-                return
-            sd = tp_state_dict_full(self.dense)  # collective over tp, fixed key order
-            if self._dense_copy is None:
-                with torch.device("meta"):  # no RNG draw, no init cost
-                    g = type(self.dense)(self.dense.config)
-                w = next(iter(sd.values()))
-                g = g.to_empty(device=w.device).to(w.dtype)  # the training dtype (fp64 mode: float64)
-                retie(g, g.layout())  # to_empty makes new Parameters
-                g.init_buffers()  # non-persistent buffers (e.g. RoPE tables) are not in sd
-                self._dense_copy = g
-            with torch.no_grad():
-                self._dense_copy.load_state_dict(sd)
-            self._dense_copy.train(self.dense.training)
-            yield self._dense_copy
-        finally:
-            self._release_foreign()
+                    self._dense_copy.load_state_dict(sd)
+                self._dense_copy.train(self.dense.training)
+                yield self._dense_copy
+            finally:
+                self._release_foreign()
 
     # ---- forward only ------------------------------------------------------------------------

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from zerotron.distributed import comm
 from zerotron.models.base import CausalLM, ParallelHooks
 from zerotron.models.layout import get_module, set_module
+from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -298,29 +299,12 @@ def sync_replicated_grads(model: nn.Module) -> int:
 
 
 def clip_grad_norm_tp(parameters, max_norm: float, tp_group) -> float:
-    """Global L2 gradient norm over tp: sqrt(all_reduce_tp(sum over sharded ||g||^2) + sum over
-    replicated ||g||^2) (sharded counted on every rank, replicated once); clips in place with
-    torch's rule g *= min(1, max_norm / (norm + 1e-6)) if max_norm > 0. Returns the norm before
-    clipping, equal on every tp rank (as Megatron's clip_grads, which reduces the squared norm over
-    the model-parallel group). With pp, or ZeRO-2/3 gradient shards over dp, the caller must also
-    sum the squares over those groups. Collective over tp (tag "tp_norm")."""
-    params = [p for p in parameters if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-
-    dt = torch.float64 if any(p.grad.dtype == torch.float64 for p in params) else torch.float32
-
-    def sq(ps):  # fp32 (fp64 in the fp64 mode) sum of squares
-        return sum((p.grad.detach().to(dt).square().sum() for p in ps), torch.zeros((), device=device, dtype=dt))
-
-    sharded = sq([p for p in params if is_tp_sharded(p)]).reshape(1)
-    if tp_group.size() > 1:
-        comm.all_reduce(sharded, group=tp_group, tag="tp_norm")
-    norm = (sharded[0] + sq([p for p in params if not is_tp_sharded(p)])).sqrt()
-    if max_norm > 0:
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
-    return float(norm)
+    """Global L2 gradient norm of ``parameters`` over tp (shards summed over tp, replicated ones
+    counted once), clipped in place when ``max_norm > 0``: the one rule of
+    :func:`zerotron.parallel.grad_norm.clip_grad_norm`. Collective over tp."""
+    ps = [p for p in parameters if p.grad is not None]
+    return clip_grad_norm([([p.grad for p in ps if is_tp_sharded(p)], [tp_group]),
+                           ([p.grad for p in ps if not is_tp_sharded(p)], [])], max_norm)
 
 
 def gather_logits(logits_local: torch.Tensor, vocab_size: int, tp_group) -> torch.Tensor:
