@@ -213,6 +213,8 @@ class CheckpointConfig:
     """newest N checkpoints kept (0 = all)"""
     save_final: bool = True
     """save a checkpoint after the last step"""
+    on_error: str = "continue"
+    """a save that fails or does not fit the free space: continue (default: training goes on and the next save retries, so a disk that fills for a while costs no work; the final save still exits 3) or stop (exit 3 at once)"""
 
 
 @dataclass
@@ -445,6 +447,8 @@ def validate(cfg: Config, world_size: int) -> dict:
          "DDP and ZeRO always skip parameters without gradient); remove it or set parallel.dp_impl = torch")
     need(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
     need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
+    need(cfg.checkpoint.on_error in ("continue", "stop"),
+         f"checkpoint.on_error must be continue or stop, got {cfg.checkpoint.on_error!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         need(getattr(m, key) >= 0, f"model.{key} must be >= 1 (or 0 = from the preset/tokenizer), got {getattr(m, key)}")
     try:
