@@ -375,6 +375,60 @@ def test_disk_full_during_save(full_run, data_cache):
     assert code == 2 and not (full_run / "x").exists()
 
 
+def test_space_check_refuses_before_writing_and_continue(tmp_path, data_cache, single_process, monkeypatch, capsys,
+                                                          report):
+    """The free-space check, with the filesystem's free bytes faked low at steps 1 and 3 of 4
+    (checkpoint.every 1, on_error = continue, the default): those saves write nothing at all (DCP is
+    not called, no .tmp_step_N is made) and say so in one line with the path, the bytes free and
+    the bytes needed (the first save: the state-dict estimate; later: the previous checkpoint's
+    size on disk); training goes on and the saves of steps 2 and 4 succeed. With save_final =
+    false a run whose last save failed ends with exit 3 (nothing saved after it)."""
+    from zerotron.train import checkpoint as ck
+    from zerotron.train.lifecycle import RunStopped
+    from zerotron.train.trainer import Trainer
+
+    full_at, written, made = {1, 3}, [], []
+    real_free, real_save, real_mkdir = ck._free_bytes, ck.dcp.save, Path.mkdir
+    step_now = {"n": 0}
+    monkeypatch.setattr(ck, "_free_bytes", lambda root: 1000 if step_now["n"] in full_at else real_free(root))
+    monkeypatch.setattr(ck.dcp, "save", lambda sd, checkpoint_id: (written.append(Path(checkpoint_id).name),
+                                                                    real_save(sd, checkpoint_id=checkpoint_id)))
+    monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: (made.append(self.name), real_mkdir(self, *a, **k))[1])
+    cfg = tiny_config({**QUIET, "train.steps": 4, "train.eval_every": 0, "data.cache_dir": data_cache,
+                       "checkpoint.every": 1, "checkpoint.keep": 0})
+    tr = Trainer(cfg, tmp_path / "run")
+    summary = tr.fit(callback=lambda t, rec: step_now.update(n=rec["step"]))  # called before the step's save
+    err = capsys.readouterr().err
+    lines = [ln for ln in ours(err) if "not writing checkpoint" in ln]
+    root = tmp_path / "run" / "checkpoints"
+    assert len(lines) == 2, err
+    est = tr.expected_checkpoint_bytes()
+    assert lines[0] == (f"zerotron: warning: not writing checkpoint step_1: no space left on device: {root} has 1,000 "
+                        f"bytes free, the checkpoint needs about {est:,} bytes (estimated from the parameter and "
+                        "optimizer-state bytes); nothing was written; there is no earlier checkpoint; training "
+                        "continues (checkpoint.on_error = continue), the next save at step 2 retries"), lines[0]
+    need = int(lines[1].split("needs about ")[1].split(" bytes")[0].replace(",", ""))
+    assert need == ck.dir_disk_bytes(root / "step_2") >= ck.dir_bytes(root / "step_2") and "(the size of step_2)" in lines[1]
+    assert f"the newest checkpoint {root / 'step_2'} is kept" in lines[1] and "next save at step 4 retries" in lines[1]
+    assert written == [".tmp_step_2", ".tmp_step_4"] and ".tmp_step_1" not in made and ".tmp_step_3" not in made
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [2, 4] and summary["failed_checkpoints"] == [1, 3]
+    ck.verify_checkpoint(root / "step_2")
+    real = ck.dir_bytes(root / "step_2")
+    assert real <= est <= 1.15 * real  # the first-save estimate errs on the safe side, not by much
+    report(f"space check: first-save estimate {est:,} bytes, real checkpoint {real:,} bytes "
+           f"({ck.dir_disk_bytes(root / 'step_2'):,} on disk)")
+    # the last save of a run without a final save fails: the run still ends with exit 3
+    full_at.clear()
+    full_at.add(2)
+    step_now["n"] = 0
+    cfg = tiny_config({**QUIET, "train.steps": 3, "train.eval_every": 0, "data.cache_dir": data_cache,
+                       "checkpoint.every": 2, "checkpoint.save_final": "false"})
+    with pytest.raises(RunStopped, match="training finished at step 3, but checkpoint step_2 could not be written "
+                       "and no later save was scheduled") as e:
+        Trainer(cfg, tmp_path / "run2").fit(callback=lambda t, rec: step_now.update(n=rec["step"]))
+    assert e.value.exit_code == 3 and "no later save is scheduled" in capsys.readouterr().err
+
+
 # ---- 7. automatic restart after a dead worker ------------------------------------------------------
 
 def test_restart_after_kill9_equals_uninterrupted(full_run, data_cache):
