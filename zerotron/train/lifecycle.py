@@ -287,7 +287,7 @@ class RunLock:
     """Exclusive lock of a run directory: ``fcntl.flock`` on ``<run-dir>/.lock``, which records
     ``{"host", "pid", "start", "heartbeat", "heartbeat_s"}`` of the holder. ``heartbeat`` (Unix
     time) is rewritten every ``heartbeat_s`` seconds (:data:`LOCK_HEARTBEAT_S`) by a daemon thread
-    of the holding process (one 512-byte pwrite + fsync: about 0.1 ms on a local disk), so the
+    of the holding process (one 512-byte pwrite + fsync: 2.8 ms measured on ext4 here), so the
     file protects the directory also where flock does not reach across hosts (NFS mounted with
     ``nolock``, some cluster filesystems) or is not supported at all (then the file alone does).
 
