@@ -27,6 +27,7 @@ from .optim import build_scheduler
 from .progress import Progress
 from .step import IGNORE_INDEX, evaluate, train_step
 from .tensorboard import open_tensorboard
+from .wandb_log import open_wandb
 
 
 def gpt_config(cfg: Config, tokenizer_vocab: int):
@@ -266,6 +267,7 @@ class Trainer:
             return {"steps": self.start_step, "final_loss": None, "first_val_loss": None, "final_val_loss": None,
                     "median_tokens_per_s": None, "nothing_to_do": True}
         keep_to = self.start_step if self.resume or self.restart else None  # metrics of steps <= this are kept
+        wb = open_wandb(cfg.log.wandb, cfg.log.wandb_project, self.run_dir, cfg.to_dict(), lead)  # first: a missing package stops here
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_to) if lead else None
         if lead:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -315,6 +317,8 @@ class Trainer:
                 writer.write(rec)
             if tb:
                 tb.log(rec)
+            if wb:
+                wb.log(rec)
             if callback:
                 callback(self, rec)
             if bar:
@@ -334,6 +338,8 @@ class Trainer:
             bar.close()
         if tb:
             tb.close()
+        if wb:
+            wb.close()
         summary = {"steps": t.steps, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
                    "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None,
                    "skipped_steps": guard.skipped}
