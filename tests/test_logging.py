@@ -267,3 +267,28 @@ def test_wandb_logger_with_a_stub_package(tmp_path, data_cache, monkeypatch):
         assert row.get("val/loss") == r.get("val_loss")
         assert {k[5:] for k in row if k.startswith("comm/") and k != "comm/bytes_total"} == set(r["comm_bytes_by_op"])
     assert calls["finish"] == 1
+
+
+def test_tensorboard_events_survive_a_guard_stop(tmp_path, data_cache):
+    """A run stopped by the non-finite guard (exit 3, in its own process) still has every step's
+    events on disk: the writer is closed (flushed) on the way out, not only after a full run."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "run"
+    env = {**os.environ, "ZEROTRON_FAULT_NAN_AT_STEPS": "3", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "zerotron", "train", "--config", TINY, "--run-dir", str(run),
+                        "--train.steps", "6", "--train.eval_every", "0", "--log.progress", "false",
+                        "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache,
+                        "--log.tensorboard", "true", "--train.nonfinite", "stop", "--checkpoint.save_final", "false"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    ea = EventAccumulator(str(run))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("train/lr")] == [r["step"] for r in recs] == [1, 2, 3]
