@@ -108,6 +108,9 @@ def cmd_train(argv: list[str]) -> int:
         from .train.tensorboard import tensorboard_enabled
 
         tensorboard_enabled(cfg.log.tensorboard)  # "true" without the package: one line, before any worker
+        from .train.wandb_log import wandb_enabled
+
+        wandb_enabled(cfg.log.wandb)  # likewise log.wandb = true without the wandb package
         if args.resume and not args.run_dir:
             raise ConfigError("--resume needs --run-dir (the run to continue)")
         run_dir = Path(args.run_dir or f"runs/{Path(args.config or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -250,7 +253,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--nproc", type=int, default=0, help="N local processes (data parallel over prompts, x tp x pp)")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="N local processes (data parallel over prompts, x tp x pp; 0 = this process alone)")
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree (greedy only)")
     return p

@@ -219,7 +219,7 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    """Progress, plots, TensorBoard. ``every``: cadence of the plain progress line (stderr not a
+    """Progress, plots, TensorBoard, W&B. ``every``: cadence of the plain progress line (stderr not a
     terminal); ``progress``: tqdm bar on rank 0 (a terminal) or those lines; ``sample_tokens``:
     length of the sample generated at the end (0 = none)."""
 
@@ -235,6 +235,10 @@ class LogConfig:
     """write loss.png in the run directory"""
     tensorboard: str = "auto"
     """TensorBoard event files in the run directory: auto (when the tensorboard package is installed) | true | false"""
+    wandb: bool = False
+    """also log the scalars to Weights & Biases, offline, under <run dir>/wandb (needs the wandb package)"""
+    wandb_project: str = "zerotron"
+    """W&B project name of the offline run (wandb sync uploads it there)"""
 
 
 @dataclass

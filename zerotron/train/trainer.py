@@ -28,6 +28,7 @@ from .optim import build_scheduler
 from .progress import Progress
 from .step import IGNORE_INDEX, evaluate, train_step
 from .tensorboard import open_tensorboard
+from .wandb_log import open_wandb
 
 
 def gpt_config(cfg: Config, tokenizer_vocab: int):
@@ -309,6 +310,7 @@ class Trainer:
             return {"steps": self.start_step, "final_loss": None, "first_val_loss": None, "final_val_loss": None,
                     "median_tokens_per_s": None, "nothing_to_do": True}
         keep_to = self.start_step if self.resume or self.restart else None  # metrics of steps <= this are kept
+        wb = open_wandb(cfg.log.wandb, cfg.log.wandb_project, self.run_dir, cfg.to_dict(), lead)  # first: a missing package stops here
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_to) if lead else None
         if lead:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -327,57 +329,62 @@ class Trainer:
         rates, losses = [], []
         self.model.train()
         signals.install()
-        for step in range(self.start_step, t.steps):
-            batches = self.micro_batches(step)
-            before = dict(comm.STATS.bytes)
-            t0 = time.perf_counter()
-            guard.step = step + 1
-            comm.set_step(step + 1)  # named by the watchdog if a collective of this step fails
-            out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
-                             t.grad_clip, t.dtype, self.device, guard=guard)
-            dt = time.perf_counter() - t0
-            rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                   "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
-                   **self.mfu_meter(tok_per_step / dt),
-                   "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
-                   "comm_bytes_by_op": _bytes_by_op(before),
-                   "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1),
-                   "skipped_steps": guard.skipped}
-            if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
-                rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
-            states = self.strategy.model_state_bytes(self.optimizer)
-            rec["model_state_bytes"] = states["total_bytes"]
-            rec["model_state_breakdown"] = states
-            rates.append(rec["tokens_per_s"])
-            losses.append(out["loss"])
-            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps or step == 0):
-                rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
-                first_val = rec["val_loss"] if first_val is None else first_val
-                last_val = rec["val_loss"]
-            if writer:
-                writer.write(rec)
-            if tb:
-                tb.log(rec)
-            if callback:
-                callback(self, rec)
-            if bar:
-                bar.update(rec)
-            guard.check(out["loss"], out["grad_norm"], ckpt.latest_checkpoint(self.run_dir))  # may stop (exit 3)
-            ck_every, saved = cfg.checkpoint.every, None
-            final = step + 1 == t.steps and cfg.checkpoint.save_final
-            if (ck_every and (step + 1) % ck_every == 0) or final:
-                saved = self.save(step + 1, must="final" if final else "")
-            if guard.stop_signal:  # SIGTERM/SIGHUP/SIGINT on some rank, agreed by all: checkpoint, then stop
-                saved = saved or self.save(step + 1, must="signal")
-                signals.done()
-                raise guard.signal_stop(step + 1, saved)
-            if step + 1 == die_at and self.rank == die_rank:
-                os.kill(os.getpid(), signal.SIGKILL)
+        try:  # the loggers are closed (flushed) also when a guard or a signal stops the run
+            for step in range(self.start_step, t.steps):
+                batches = self.micro_batches(step)
+                before = dict(comm.STATS.bytes)
+                t0 = time.perf_counter()
+                guard.step = step + 1
+                comm.set_step(step + 1)  # named by the watchdog if a collective of this step fails
+                out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
+                                 t.grad_clip, t.dtype, self.device, guard=guard)
+                dt = time.perf_counter() - t0
+                rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                       "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
+                       **self.mfu_meter(tok_per_step / dt),
+                       "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
+                       "comm_bytes_by_op": _bytes_by_op(before),
+                       "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1),
+                       "skipped_steps": guard.skipped}
+                if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
+                    rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
+                states = self.strategy.model_state_bytes(self.optimizer)
+                rec["model_state_bytes"] = states["total_bytes"]
+                rec["model_state_breakdown"] = states
+                rates.append(rec["tokens_per_s"])
+                losses.append(out["loss"])
+                if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps or step == 0):
+                    rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
+                    first_val = rec["val_loss"] if first_val is None else first_val
+                    last_val = rec["val_loss"]
+                if writer:
+                    writer.write(rec)
+                if tb:
+                    tb.log(rec)
+                if wb:
+                    wb.log(rec)
+                if callback:
+                    callback(self, rec)
+                if bar:
+                    bar.update(rec)
+                guard.check(out["loss"], out["grad_norm"], ckpt.latest_checkpoint(self.run_dir))  # may stop (exit 3)
+                ck_every, saved = cfg.checkpoint.every, None
+                final = step + 1 == t.steps and cfg.checkpoint.save_final
+                if (ck_every and (step + 1) % ck_every == 0) or final:
+                    saved = self.save(step + 1, must="final" if final else "")
+                if guard.stop_signal:  # SIGTERM/SIGHUP/SIGINT on some rank, agreed by all: checkpoint, then stop
+                    saved = saved or self.save(step + 1, must="signal")
+                    signals.done()
+                    raise guard.signal_stop(step + 1, saved)
+                if step + 1 == die_at and self.rank == die_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            for logger in (tb, wb):
+                if logger:
+                    logger.close()
         signals.uninstall()
         if bar:
             bar.close()
-        if tb:
-            tb.close()
         summary = {"steps": t.steps, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
                    "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None,
                    "skipped_steps": guard.skipped, "failed_checkpoints": self.failed_saves}
