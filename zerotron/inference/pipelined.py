@@ -6,9 +6,10 @@ Each stage keeps the KV cache of *its* layers, one cache per micro-batch.
 
 Stage 0 is the controller. It starts every micro-batch (prefill), then loops: take the oldest
 micro-batch in flight, receive its sampled tokens from the last stage, and unless it is finished
-run its next token through stage 0 and send it on. Every message downstream is a header
-``[micro-batch, T, rebuild-cache, stop]`` (+ the per-row padding on a rebuild) and the activation
-(b, T, C); the last stage samples (per-request generators, as everywhere) and sends the tokens
+run its next token through stage 0 and send it on. A decode step is ONE message downstream: a
+flat buffer ``[micro-batch, kind, activation (b, 1, C)]`` (sized for the largest micro-batch;
+kind 0 = decode, 1 = (re)prefill, 2 = stop); a (re)prefill adds ``[T, pad (b,)]`` int64 and the
+activation (b, T, C); the last stage samples (per-request generators, as everywhere) and sends the tokens
 (b,) back to stage 0. With m micro-batches and p stages, micro-batch j's next step can start as
 soon as its token is back, so after the warm-up every stage works on a different micro-batch when
 m >= p (Huang et al. 2019's micro-batching applied to decoding); with m = 1 the one batch walks
@@ -87,6 +88,7 @@ class PipelinedDecoder:
         parts = split_microbatches(len(requests), microbatches)
         batches = [DecodeBatch([requests[i] for i in p], [index[i] for i in p], cfg.n_layer, cfg.block_size,
                                eos_id, dev) for p in parts]
+        self.max_b = max(len(p) for p in parts)
         if self.first:
             self._controller(batches, stats, t0)
         else:
@@ -109,14 +111,28 @@ class PipelinedDecoder:
         stats.kv_cache_bytes = max(stats.kv_cache_bytes, sum(b.kv_bytes() for b in self._batches))
         return y
 
+    def _forward_msg(self, j: int, y: torch.Tensor, pad) -> None:
+        """Send micro-batch j's stage output y (b, T, C) downstream (see the module docstring)."""
+        msg = torch.zeros(2 + self.max_b * self.width, dtype=self.act_dtype, device=y.device)
+        msg[0], msg[1] = j, 0 if pad is None else 1
+        if pad is None:
+            msg[2:2 + y.numel()] = y.reshape(-1)
+            self._send(msg, self.next)
+            return
+        self._send(msg, self.next)
+        self._send(torch.cat([torch.tensor([y.size(1)], device=pad.device), pad]), self.next)
+        self._send(y.to(self.act_dtype), self.next)
+
+    def _stop_msg(self) -> None:
+        msg = torch.zeros(2 + self.max_b * self.width, dtype=self.act_dtype, device=self.stage_device)
+        msg[1] = 2
+        self._send(msg, self.next)
+
     def _launch(self, j: int, batch: DecodeBatch, stats: RunStats) -> None:
         """Stage 0: run micro-batch j's next input through this stage and send it downstream."""
         idx, pad = batch.next_input()
         y = self._compute(batch, idx, pad, stats)
-        self._send(torch.tensor([j, idx.size(1), int(pad is not None), 0], device=y.device), self.next)
-        if pad is not None:
-            self._send(pad, self.next)
-        self._send(y.to(self.act_dtype), self.next)
+        self._forward_msg(j, y.to(self.act_dtype), pad)
 
     def _controller(self, batches, stats: RunStats, t0: float) -> None:
         self._batches = batches
@@ -140,19 +156,26 @@ class PipelinedDecoder:
             if not b.finished:
                 self._launch(j, b, stats)
                 inflight.append(j)
-        self._send(torch.tensor([0, 0, 0, 1], device=self.stage_device), self.next)
+        self._stop_msg()
 
     def _follower(self, batches, stats: RunStats, t0: float) -> None:
         self._batches = batches
+        n = 2 + self.max_b * self.width
         while True:
-            j, T, rebuild, stop = self._recv((4,), torch.long, self.prev).tolist()
-            if stop:
+            msg = self._recv((n,), self.act_dtype, self.prev)
+            j, kind = int(msg[0]), int(msg[1])
+            if kind == 2:
                 if not self.last:
-                    self._send(torch.tensor([0, 0, 0, 1], device=self.stage_device), self.next)
+                    self._stop_msg()
                 return
             b = batches[j]
-            pad = self._recv((b.size,), torch.long, self.prev) if rebuild else None
-            x = self._recv((b.size, T, self.width), self.act_dtype, self.prev)
+            pad = None
+            if kind == 1:
+                tp = self._recv((b.size + 1,), torch.long, self.prev)
+                pad = tp[1:]
+                x = self._recv((b.size, int(tp[0]), self.width), self.act_dtype, self.prev)
+            else:
+                x = msg[2:2 + b.size * self.width].view(b.size, 1, self.width)
             y = self._compute(b, x, pad, stats)
             if self.last:
                 tb = time.perf_counter()
@@ -161,7 +184,4 @@ class PipelinedDecoder:
                 stats.busy_s += time.perf_counter() - tb
                 self._send(tok, self.head_rank)
             else:
-                self._send(torch.tensor([j, T, rebuild, 0], device=y.device), self.next)
-                if pad is not None:
-                    self._send(pad, self.next)
-                self._send(y, self.next)
+                self._forward_msg(j, y, pad)

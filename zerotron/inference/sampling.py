@@ -71,12 +71,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     """Next tokens (B,) int64 for logits (B, V) (any float dtype; sampled in float64 so that near-ties
     are resolved identically whatever the dtype of the model was), row b with ``params[b]`` and
     ``generators[b]``: argmax when temperature is 0, else one ``torch.multinomial`` draw."""
-    out = torch.empty(logits.size(0), dtype=torch.long, device=logits.device)
+    out = logits.argmax(dim=-1)  # greedy rows (argmax is exact in any dtype)
     for b, (p, g) in enumerate(zip(params, generators)):
-        row = logits[b].double()
-        if p.temperature == 0:
-            out[b] = row.argmax()
-        else:
+        if p.temperature != 0:
+            row = logits[b].double()
             probs = F.softmax(filter_logits(row, p.temperature, p.top_k, p.top_p), dim=-1)
             out[b] = torch.multinomial(probs, 1, generator=g)[0]
     return out
