@@ -60,7 +60,7 @@ def _num(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False):
         ok = False
     if not ok:
         rng = f" in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else (f" >= {lo}" if lo is not None else "")
-        raise RequestError(f"'{key}' must be a {'number' if kind is not int else 'integer'}{rng}, got {v!r}",
+        raise RequestError(f"'{key}' must be {'a number' if kind is not int else 'an integer'}{rng}, got {v!r}",
                            param=key)
     return v
 

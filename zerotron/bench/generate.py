@@ -3,7 +3,7 @@
 Usage: ``zerotron bench generate [--nproc N] [--checkpoint RUN] [--layouts single,dp,naive-mp,pp,tp,pp-tp]
 [--prompts 32] [--new-tokens 100] [--microbatches M] [--rounds R] [--json F] [--markdown F] [--plot F]``.
 Without ``--checkpoint`` the model is the default config's (configs/default.toml [model], vocab
-4096) with seeded random weights and the prompts random token ids (lengths 8..32, seeded): the
+4096), or ``--preset``'s (vocab 4096), with seeded random weights and the prompts random token ids (lengths 8..32, seeded): the
 timings do not depend on the weights, only on the shapes. No eos stop (every request makes
 ``--new-tokens``), greedy.
 
@@ -29,6 +29,7 @@ import copy
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -51,8 +52,12 @@ ROW_KEYS = ("layout", "output_tokens_per_s", "ttft_s", "tpot_s_p50", "tpot_s_p95
 
 
 def layout_dims(name: str, n: int, microbatches: int) -> tuple[ParallelDims, int]:
-    """(ParallelDims, micro-batches) of layout ``name`` on ``n`` ranks. Raises ValueError for an
-    unknown name or one that does not fit n."""
+    """(ParallelDims, micro-batches) of layout ``name`` on ``n`` ranks (``pp-mK`` / ``pp-tp-mK``: K
+    micro-batches instead of ``microbatches``). Raises ValueError for an unknown name or one that
+    does not fit n."""
+    m = re.fullmatch(r"(pp|pp-tp)-m([1-9][0-9]*)", name)
+    if m:
+        return layout_dims(m.group(1), n, int(m.group(2)))
     if name == "single":
         return ParallelDims(1), 1
     if name == "dp":
@@ -204,8 +209,9 @@ def _model_and_prompts(args, dev):
         vocab = model.config.vocab_size
     else:
         torch.manual_seed(0)
-        model = build_model(preset_config("tiny", n_layer=4, n_head=4, n_embd=128, block_size=128,
-                                          vocab_size=4096)).to(dev).eval()
+        cfg = preset_config(args.preset, vocab_size=4096) if args.preset else \
+            preset_config("tiny", n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=4096)
+        model = build_model(cfg).to(dev).eval()
         vocab = 4096
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(8, 33, (args.prompts,), generator=g).tolist()
@@ -220,7 +226,10 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Batched generation throughput of parallel layouts, alternated.")
     p.add_argument("--nproc", type=int, default=1, help="local worker processes")
     p.add_argument("--checkpoint", help="run directory or checkpoints/step_N (default: the default model, random weights)")
-    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list from: {', '.join(LAYOUTS)}")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help=f"comma list from: {', '.join(LAYOUTS)}; pp-mK and "
+                   "pp-tp-mK set K micro-batches")
+    p.add_argument("--preset", default="", help="model preset with random weights instead of the default config's "
+                   "model (e.g. small); ignored with --checkpoint")
     p.add_argument("--prompts", type=int, default=32, help="requests (random token prompts of 8..32 tokens)")
     p.add_argument("--new-tokens", type=int, default=100, help="new tokens per request")
     p.add_argument("--microbatches", type=int, default=0, help="micro-batches of 'pp'/'pp-tp' (0 = 2 x stages)")
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         names = [x.strip() for x in args.layouts.split(",") if x.strip()]
-        bad = [x for x in names if x not in LAYOUTS]
+        bad = [x for x in names if x not in LAYOUTS and not re.fullmatch(r"(pp|pp-tp)-m[1-9][0-9]*", x)]
         if bad or not names:
             raise ValueError(f"unknown layout(s) {', '.join(bad) or '(none)'}; valid: {', '.join(LAYOUTS)}")
         if min(args.prompts, args.new_tokens, args.rounds, args.nproc, args.baseline_prompts) < 1 or args.microbatches < 0:
