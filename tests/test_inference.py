@@ -162,3 +162,13 @@ def test_every_layout_equals_single_process(single_process):
                 assert wbytes < dense_w and kv > 0, (name, wbytes, dense_w)
             else:
                 assert wbytes == dense_w
+
+
+def test_microbatch_and_decode_splits():
+    from zerotron.inference.pipelined import decode_split, split_microbatches
+
+    assert [list(r) for r in split_microbatches(5, 2)] == [[0, 1, 2], [3, 4]]
+    assert [list(r) for r in split_microbatches(2, 4)] == [[0], [1]]  # never an empty micro-batch
+    assert decode_split(4, 2, 128, 4096) == "3,1"  # head = 4096 / (12 * 128) = 2.7 blocks
+    assert decode_split(6, 2, 384, 4096) == "3,3"  # head 0.9 blocks: equal counts stay best
+    assert decode_split(4, 4, 64, 64) == "1,1,1,1"

@@ -19,7 +19,8 @@ all prompts. output_tokens_per_s = new tokens / max over ranks of the wall time;
 the first token of the first batch (max over ranks that sample); tpot_s_p50/p95 = percentiles of
 the time between consecutive tokens of a batch (every decode step, all ranks); busy_fraction per
 rank = compute time / wall time (embedding, blocks, head, sampling; the rest is waiting for
-peers); weight_bytes_per_rank and kv_cache_bytes_per_rank (peak) per rank. Reported: medians
+peers); cpu_fraction per rank = process CPU seconds / wall time (on a shared machine, busy time
+includes waiting for a core, CPU time does not); weight_bytes_per_rank and kv_cache_bytes_per_rank (peak) per rank. Reported: medians
 over rounds (per-rank lists from the last round).
 """
 from __future__ import annotations
@@ -97,11 +98,11 @@ def _nocache(model, mesh, requests) -> tuple[list[list[int]], dict]:
     wall = time.perf_counter() - t0
     n = sum(len(o) for o in out)
     from zerotron.inference.forward import weight_bytes
-    return out, {"wall": wall, "busy": None, "first": first, "steps": [wall / max(n, 1)] * n,
+    return out, {"wall": wall, "busy": None, "cpu": None, "first": first, "steps": [wall / max(n, 1)] * n,
                  "weights": weight_bytes(strat.module), "kv": 0, "sampler": mesh.local_rank("pp") == 0}
 
 
-def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dict, dev) -> dict:
+def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dict, dev, pp_split: str = "") -> dict:
     """One timed run of layout ``name`` (collective over the world); the same record on every rank."""
     try:
         dims, m = layout_dims(name, n, microbatches)
@@ -115,13 +116,13 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
                 comm.barrier()
             out, local = _nocache(copy.deepcopy(model), mesh, requests)
         else:
-            eng = Engine(copy.deepcopy(model), mesh, microbatches=m)
+            eng = Engine(copy.deepcopy(model), mesh, microbatches=m, pp_split=pp_split if dims.pp > 1 else "")
             eng.generate([Request(r.prompt, SamplingParams(max_tokens=4)) for r in requests[:2]])  # warm-up
             if dims.world_size == n:  # the clock starts together on every rank of the layout
                 comm.barrier()
             out = eng.generate(requests)
             s = eng.stats
-            local = {"wall": s.wall_s, "busy": s.busy_fraction, "first": s.first_token_s, "steps": s.step_s,
+            local = {"wall": s.wall_s, "busy": s.busy_fraction, "cpu": s.cpu_s / s.wall_s if s.wall_s else None, "first": s.first_token_s, "steps": s.step_s,
                      "weights": eng.weight_bytes(), "kv": s.kv_cache_bytes, "sampler": s.first_token_s is not None}
         local["tokens"] = sum(len(o) for o in out)
         local["out"] = out
@@ -130,11 +131,12 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
     steps = [x for g in got for x in g["steps"]]
     firsts = [g["first"] for g in got if g["first"] is not None]
     return {"layout": name, "skipped": False, "world_size": dims.world_size, "dp": dims.dp, "tp": dims.tp,
-            "pp": dims.pp, "microbatches": m, "requests": len(requests), "new_tokens": got[0]["tokens"],
+            "pp": dims.pp, "microbatches": m, "pp_split": pp_split if dims.pp > 1 and name != "pp-nocache" else "",
+            "requests": len(requests), "new_tokens": got[0]["tokens"],
             "output_tokens_per_s": got[0]["tokens"] / wall, "wall_s": wall,
             "ttft_s": max(firsts) if firsts else None, "tpot_s_p50": _pct(steps, 0.5), "tpot_s_p95": _pct(steps, 0.95),
             "weight_bytes_per_rank": [g["weights"] for g in got], "kv_cache_bytes_per_rank": [g["kv"] for g in got],
-            "busy_fraction": [g["busy"] for g in got], "outputs": got[0]["out"]}
+            "busy_fraction": [g["busy"] for g in got], "cpu_fraction": [g["cpu"] for g in got], "outputs": got[0]["out"]}
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -168,19 +170,21 @@ def _mib(xs) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The comparison table (one row per layout) in markdown."""
     head = ("| layout | ranks (dp x tp x pp, m) | output tokens/s | vs naive-mp | TTFT s | TPOT p50 ms | TPOT p95 ms "
-            "| weights MiB/rank | KV cache MiB/rank | busy fraction/rank |\n|---|---|---|---|---|---|---|---|---|---|")
+            "| weights MiB/rank | KV cache MiB/rank | busy fraction/rank | CPU fraction/rank |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if r["skipped"]:
-            lines.append(f"| {r['layout']} | skipped: {r['error']} |||||||||")
+            lines.append(f"| {r['layout']} | skipped: {r['error']} ||||||||||")
             continue
         def f(v, scale=1.0, d=3):
             return "n/a" if v is None else f"{v * scale:.{d}f}"
         busy = "/".join("n/a" if b is None else f"{b:.2f}" for b in r["busy_fraction"])
+        cpu = "/".join("n/a" if b is None else f"{b:.2f}" for b in r.get("cpu_fraction", []))
         lines.append(f"| {r['layout']} | {r['dp']}x{r['tp']}x{r['pp']}, m={r['microbatches']} | "
                      f"{r['output_tokens_per_s']:.0f} | {f(r.get('ratio_vs_naive-mp'), d=2)} | {f(r['ttft_s'])} | "
                      f"{f(r['tpot_s_p50'], 1e3, 2)} | {f(r['tpot_s_p95'], 1e3, 2)} | {_mib(r['weight_bytes_per_rank'])} | "
-                     f"{_mib(r['kv_cache_bytes_per_rank'])} | {busy} |")
+                     f"{_mib(r['kv_cache_bytes_per_rank'])} | {busy} | {cpu} |")
     return "\n".join(lines) + "\n"
 
 
@@ -233,6 +237,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=32, help="requests (random token prompts of 8..32 tokens)")
     p.add_argument("--new-tokens", type=int, default=100, help="new tokens per request")
     p.add_argument("--microbatches", type=int, default=0, help="micro-batches of 'pp'/'pp-tp' (0 = 2 x stages)")
+    p.add_argument("--pp-split", default="", help="layers per pipeline stage of the cached pipeline layouts: '' = "
+                   "equal counts, 'decode' = balanced with the head's cost, or counts like 3,1")
     p.add_argument("--baseline-prompts", type=int, default=4, help="prompts of the slow 'pp-nocache' baseline")
     p.add_argument("--rounds", type=int, default=3, help="rounds; the layout order rotates every round")
     for k in ("json", "plot", "markdown"):
@@ -270,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             reqs = requests[:args.baseline_prompts] if name == "pp-nocache" else requests
-            records.append({**run_layout(name, model, reqs, n, m, cache, dev), "round": r})
+            records.append({**run_layout(name, model, reqs, n, m, cache, dev, args.pp_split), "round": r})
             comm.barrier()
     if owned:
         teardown()

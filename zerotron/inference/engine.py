@@ -35,10 +35,12 @@ class Engine:
     into pipeline stages with ``microbatches`` micro-batches in flight (1 = naive model parallel).
     ``max_batch``: requests decoded together per replica (None: all; on a pipeline this is the
     batch split into micro-batches). ``eos_id``: end-of-text token id (None: only max_tokens stops).
-    Raises ValueError for microbatches < 1 or max_batch < 1."""
+    ``pp_split``: layers per pipeline stage ("" = equal counts; "decode" = balanced for decoding,
+    the head counted as V / (12 C) blocks: :func:`zerotron.inference.pipelined.decode_split`; or
+    counts such as "3,1"). Raises ValueError for microbatches < 1, max_batch < 1 or a bad split."""
 
     def __init__(self, model, mesh, microbatches: int = 1, max_batch: int | None = None,
-                 eos_id: int | None = None):
+                 eos_id: int | None = None, pp_split: str = ""):
         if microbatches < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError(f"need microbatches >= 1 and max_batch >= 1, got {microbatches}, {max_batch}")
         self.mesh, self.microbatches, self.max_batch, self.eos_id = mesh, microbatches, max_batch, eos_id
@@ -50,8 +52,11 @@ class Engine:
             model = apply_tensor_parallel(model, mesh.group("tp"))
         self.model, self.pipeline = model, None
         if self.pp > 1:
-            from .pipelined import PipelinedDecoder
-            self.pipeline = PipelinedDecoder(model, mesh)
+            from .pipelined import PipelinedDecoder, decode_split
+            if pp_split == "decode":
+                lay = model.layout()
+                pp_split = decode_split(self.config.n_layer, self.pp, lay.width, lay.vocab_size)
+            self.pipeline = PipelinedDecoder(model, mesh, pp_split)
         self.device = next(iter(model.parameters())).device
         self.stats = RunStats()
 
@@ -73,7 +78,7 @@ class Engine:
             r.params.validate()
             if not r.prompt:
                 raise ValueError("every request needs a non-empty prompt")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.stats = stats = RunStats()
         dp_rank = self.mesh.local_rank("dp")
         mine = [i for i in range(len(requests)) if i % self.dp == dp_rank]
@@ -93,7 +98,7 @@ class Engine:
             for part in comm.all_gather_object(out, group=self.mesh.group("dp")):
                 merged.update(part)
             out = merged
-        stats.wall_s = time.perf_counter() - t0
+        stats.wall_s, stats.cpu_s = time.perf_counter() - t0, time.process_time() - c0
         return [out[i] for i in range(len(requests))]
 
     def _run_local(self, requests, index, stats: RunStats, t0: float) -> list[list[int]]:

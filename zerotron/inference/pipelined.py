@@ -33,7 +33,29 @@ from zerotron.parallel.pipeline.runner import PipelineStrategy
 from .batch import DecodeBatch
 from .forward import RunStats, forward_layers
 
-__all__ = ["PipelinedDecoder", "split_microbatches"]
+__all__ = ["PipelinedDecoder", "split_microbatches", "decode_split"]
+
+
+def decode_split(n_layer: int, pp: int, width: int, vocab: int) -> str:
+    """A ``parallel.pp_split`` balancing decode-time cost: each block costs ~12 C^2 multiply-adds
+    per token (attention q/k/v/o 4 C^2, MLP 8 C^2), the last stage's head C V more, i.e.
+    V / (12 C) blocks. Returns the split (comma-separated layer counts, each >= 1) minimising the
+    largest stage cost; earlier stages take the extra layers on ties."""
+    head = vocab / (12 * width)
+    best = None
+
+    def walk(prefix, left, stages):
+        nonlocal best
+        if stages == 1:
+            counts = prefix + [left]
+            cost = max(counts[:-1] + [counts[-1] + head])
+            if best is None or cost < best[0] - 1e-9:
+                best = (cost, counts)
+            return
+        for c in range(left - stages + 1, 0, -1):
+            walk(prefix + [c], left - c, stages - 1)
+    walk([], n_layer, pp)
+    return ",".join(map(str, best[1]))
 
 
 def split_microbatches(n: int, m: int) -> list[range]:
@@ -49,10 +71,13 @@ def split_microbatches(n: int, m: int) -> list[range]:
 
 class PipelinedDecoder:
     """This rank's pipeline stage of ``model`` (dense or tensor-parallel, identical on the pp ranks)
-    over ``mesh``'s pp group. ``stage``: the StageModel holding this rank's modules."""
+    over ``mesh``'s pp group; ``pp_split``: layers per stage ("3,1"; "" = balanced by count, as in
+    training). ``stage``: the StageModel holding this rank's modules. Raises ValueError for a bad split."""
 
-    def __init__(self, model, mesh):
-        self.strategy = PipelineStrategy(model, mesh, Config())
+    def __init__(self, model, mesh, pp_split: str = ""):
+        cfg = Config()
+        cfg.parallel.pp_split = pp_split
+        self.strategy = PipelineStrategy(model, mesh, cfg)
         self.stage, self.model, self.mesh = self.strategy.module, model, mesh
         self.pp, self.rank = mesh.size("pp"), mesh.local_rank("pp")
         self.first, self.last = self.rank == 0, self.rank == self.pp - 1
