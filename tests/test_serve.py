@@ -106,6 +106,7 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
 
         # bad requests: 4xx JSON errors, the server keeps serving
         bad = [({"max_tokens": 3}, 400, "prompt"), ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+               ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
                ({"prompt": "x", "temperature": "hot"}, 400, "temperature"), ({"prompt": 5}, 400, "prompt"),
                ({"prompt": "x", "top_p": 0}, 400, "top_p"), ({"prompt": "x", "n": 0}, 400, "n"),
                ({"prompt": "x", "model": "gpt-9"}, 404, "model"), ({"prompt": "x", "stream": True}, 400, "stream")]

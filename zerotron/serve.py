@@ -1,10 +1,11 @@
 """``zerotron serve``: an OpenAI-compatible completions server on any inference layout.
 
-Endpoints: ``POST /v1/completions`` (prompt: a string or a list of strings; max_tokens (16),
-temperature (1.0), top_p (1.0), top_k (zerotron's extension), n (1), stop (a string or up to 4),
-seed (0), model (optional: must be the served id); ``stream`` is refused: not supported),
-``GET /v1/models``, ``GET /health``. Errors are JSON ``{"error": {"message", "type", "param",
-"code"}}`` with 400 (bad field, bad JSON), 404 (unknown path or model), 405, 413 (body over
+Endpoints: ``POST /v1/completions`` (prompt: a string or a list of up to 64 strings; max_tokens
+(16, at most 4096), temperature (1.0), top_p (1.0), top_k (zerotron's extension), n (1..16),
+stop (a string or up to 4), seed (0), model (optional: must be the served id); ``stream`` is
+refused: not supported), ``GET /v1/models``, ``GET /health``. Errors are JSON ``{"error":
+{"message", "type", "param", "code"}}`` with 400 (bad field, bad JSON), 404 (unknown path or
+model), 413 (body over
 ``--max-body-bytes``), 503 (draining); the server keeps serving.
 
 Process layout (DESIGN.md "Serving"): rank 0 runs the HTTP server (the standard library's
@@ -36,7 +37,7 @@ from pathlib import Path
 
 __all__ = ["main", "parse_completion", "RequestError"]
 
-MAX_N, MAX_STOP, MAX_PROMPTS = 16, 4, 64
+MAX_N, MAX_STOP, MAX_PROMPTS, MAX_TOKENS = 16, 4, 64, 4096
 
 
 class RequestError(ValueError):
@@ -90,7 +91,7 @@ def parse_completion(body, model_id: str) -> dict:
     if top_k is not None:
         top_k = _num(body, "top_k", None, int, lo=1)
     return {"prompts": prompts, "stop": stops, "top_k": top_k,
-            "max_tokens": _num(body, "max_tokens", 16, int, lo=0),
+            "max_tokens": _num(body, "max_tokens", 16, int, lo=0, hi=MAX_TOKENS),
             "temperature": _num(body, "temperature", 1.0, (int, float), lo=0, hi=100),
             "top_p": _num(body, "top_p", 1.0, (int, float), lo=0, hi=1, lo_open=True),
             "n": _num(body, "n", 1, int, lo=1, hi=MAX_N), "seed": _num(body, "seed", 0, int, lo=0)}
