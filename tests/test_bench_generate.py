@@ -37,6 +37,6 @@ def test_bench_generate_json(tmp_path):
     assert ok["tp"]["kv_cache_bytes_per_rank"] == [kv // 2] * 2 == ok["naive-mp"]["kv_cache_bytes_per_rank"]
     # micro-batches are padded to their own longest prompt: at most half of the single-batch cache
     assert all(0 < b <= kv // 2 for b in ok["pp"]["kv_cache_bytes_per_rank"])
-    assert ok["pp"]["microbatches"] == 4 and ok["naive-mp"]["microbatches"] == 1
+    assert ok["pp"]["microbatches"] == 2 and ok["naive-mp"]["microbatches"] == 1
     assert all(0 < c for r in ok.values() if r["layout"] != "pp-nocache" for c in r["cpu_fraction"])
     assert "| pp |" in (tmp_path / "g.md").read_text()

@@ -9,7 +9,7 @@ timings do not depend on the weights, only on the shapes. No eos stop (every req
 
 Layouts on N ranks (:data:`LAYOUTS`): ``single`` (rank 0 alone, the others wait), ``dp`` (N replicas,
 requests split), ``naive-mp`` (N pipeline stages, the batch as one micro-batch), ``pp`` (N stages,
-``--microbatches`` micro-batches in flight), ``tp`` (N-way tensor parallel), ``pp-tp`` (2 stages x
+``--microbatches`` micro-batches in flight, default one per stage), ``tp`` (N-way tensor parallel), ``pp-tp`` (2 stages x
 N/2-way tp; needs N >= 4, else skipped), and ``pp-nocache`` (today's ``pipeline_generate``: greedy,
 no KV cache, one prompt at a time over N stages, on the first ``--baseline-prompts`` prompts).
 
@@ -66,13 +66,13 @@ def layout_dims(name: str, n: int, microbatches: int) -> tuple[ParallelDims, int
     if name in ("naive-mp", "pp", "pp-nocache"):
         if n < 2:
             raise ValueError(f"layout {name!r} needs >= 2 ranks")
-        return ParallelDims(n, 1, 1, n), (microbatches if name == "pp" else 1)
+        return ParallelDims(n, 1, 1, n), ((microbatches or n) if name == "pp" else 1)
     if name == "tp":
         return ParallelDims(n, 1, n, 1), 1
     if name == "pp-tp":
         if n < 4 or n % 2:
             raise ValueError("layout 'pp-tp' (2 stages x N/2-way tp) needs an even N >= 4 ranks")
-        return ParallelDims(n, 1, n // 2, 2), microbatches
+        return ParallelDims(n, 1, n // 2, 2), microbatches or 2
     raise ValueError(f"unknown layout {name!r}; valid: {', '.join(LAYOUTS)}")
 
 
@@ -236,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
                    "model (e.g. small); ignored with --checkpoint")
     p.add_argument("--prompts", type=int, default=32, help="requests (random token prompts of 8..32 tokens)")
     p.add_argument("--new-tokens", type=int, default=100, help="new tokens per request")
-    p.add_argument("--microbatches", type=int, default=0, help="micro-batches of 'pp'/'pp-tp' (0 = 2 x stages)")
+    p.add_argument("--microbatches", type=int, default=0, help="micro-batches of 'pp'/'pp-tp' (0 = one per stage)")
     p.add_argument("--pp-split", default="", help="layers per pipeline stage of the cached pipeline layouts: '' = "
                    "equal counts, 'decode' = balanced with the head's cost, or counts like 3,1")
     p.add_argument("--baseline-prompts", type=int, default=4, help="prompts of the slow 'pp-nocache' baseline")
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     owned = not dist.is_initialized()
     rank, n, dev = init_distributed("gloo", 300, torch.device("cpu"))
     model, requests = _model_and_prompts(args, dev)
-    m = args.microbatches or 2 * n
+    m = args.microbatches  # 0: one per stage (layout_dims)
     cache, records = {}, []
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
