@@ -3,10 +3,10 @@
 Endpoints: ``POST /v1/completions`` (prompt: a string or a list of up to 64 strings; max_tokens
 (16, at most 4096), temperature (1.0), top_p (1.0), top_k (zerotron's extension), n (1..16),
 stop (a string or up to 4), seed (0), model (optional: must be the served id); ``stream`` is
-refused: not supported), ``GET /v1/models``, ``GET /health``. Errors are JSON ``{"error":
-{"message", "type", "param", "code"}}`` with 400 (bad field, bad JSON), 404 (unknown path or
-model), 413 (body over
-``--max-body-bytes``), 503 (draining); the server keeps serving.
+refused: not supported), ``GET /v1/models``, ``GET /health`` (status, batches decoded, requests
+they answered). Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
+field, bad JSON), 404 (unknown path or model), 413 (body over ``--max-body-bytes``), 503
+(draining); the server keeps serving.
 
 Process layout (DESIGN.md "Serving"): rank 0 runs the HTTP server (the standard library's
 ``ThreadingHTTPServer``: no web framework is installed in this environment) and the batcher;
@@ -116,6 +116,7 @@ class Server:
         self.jobs: queue.Queue = queue.Queue()
         self.draining = threading.Event()
         self.counter = 0
+        self.batches = self.batched_jobs = 0  # batches decoded, requests (HTTP) they answered
         self.block_size = engine.config.block_size
 
     # ---- HTTP side (handler threads) -------------------------------------------------------------
@@ -180,6 +181,7 @@ class Server:
                 jobs.append(nxt)
                 n += len(nxt.requests)
             reqs = [r for j in jobs for r in j.requests]
+            self.batches, self.batched_jobs = self.batches + 1, self.batched_jobs + len(jobs)
             bcast({"kind": "batch", "requests": reqs})
             try:
                 outs = self.engine.generate(reqs)
@@ -222,7 +224,8 @@ def _handler(server: Server):
 
         def do_GET(self):
             if self.path == "/health":
-                self._send(200, {"status": "draining" if server.draining.is_set() else "ok"})
+                self._send(200, {"status": "draining" if server.draining.is_set() else "ok",
+                                 "batches": server.batches, "requests": server.batched_jobs})
             elif self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": server.model_id, "object": "model",
                                                               "created": 0, "owned_by": "zerotron"}]})
