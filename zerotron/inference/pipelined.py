@@ -92,7 +92,10 @@ class PipelinedDecoder:
         self._sends: list = []
 
     def _send(self, t: torch.Tensor, dst: int) -> None:
+        """Post an asynchronous send of ``t`` (kept alive until it completes)."""
         t = t.contiguous()
+        if len(self._sends) >= 64:  # drop the completed ones (their buffers may be freed)
+            self._sends = [(ws, b) for ws, b in self._sends if not all(w.is_completed() for w in ws)]
         self._sends.append((comm.batch_isend_irecv([("send", t, dst)], group=self.group, tag="decode"), t))
 
     def _recv(self, shape, dtype, src: int) -> torch.Tensor:
