@@ -6,8 +6,10 @@ prompt has L tokens gets ``L - len(prompt_b)`` padding slots in front, recorded 
 (``slot - pad[b]``; learned positions and RoPE alike) and attention masks the padding keys, so a
 row computes what it would alone (KV-cached decoding of one request).
 
-Every row is fed one token per step until the whole batch is finished (a finished row is fed its
-last token again and its output ignored), so all rows of a batch share one cache length.
+Every row is fed one token per step until the whole batch is finished, so all rows of a batch
+share one cache length. A finished row is either dropped from the batch and its cache
+(:meth:`DecodeBatch.compact`, single process / tp / dp) or, in a pipeline, fed its last token
+again with its output ignored (the stages would have to agree on every drop).
 
 Context longer than ``block_size`` is handled as ``CausalLM.generate`` does: when the next token
 would not fit, the cache is dropped and rebuilt from the last ``block_size`` tokens of every row
@@ -57,6 +59,7 @@ class DecodeBatch:
         self.generators = [make_generator(r.params.seed, device) for r in requests]
         self.cache: KVCache | None = None
         self.steps = 0
+        self.active = list(range(len(requests)))  # rows in the cache, in cache order
 
     @property
     def finished(self) -> bool:
@@ -73,8 +76,8 @@ class DecodeBatch:
         ``KVCache(n_layer, pad)``), or ``(last tokens (b, 1), None)`` to continue the cache."""
         slots = 0 if self.cache is None else self.cache.cached(self._first_layer())
         if self.cache is not None and slots + 1 <= self.block_size:
-            return torch.tensor([[t[-1]] for t in self.tokens], device=self.device), None
-        rows = [t[-self.block_size:] for t in self.tokens]
+            return torch.tensor([[self.tokens[b][-1]] for b in self.active], device=self.device), None
+        rows = [self.tokens[b][-self.block_size:] for b in self.active]
         L = max(len(r) for r in rows)
         idx = torch.tensor([[PAD_ID] * (L - len(r)) + r for r in rows], device=self.device)
         pad = torch.tensor([L - len(r) for r in rows], device=self.device)
@@ -90,13 +93,28 @@ class DecodeBatch:
         return self.cache
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """Next tokens (b,) int64 from the last-position logits (b, V) of the batch."""
-        return sample_rows(logits, [r.params for r in self.requests], self.generators)
+        """Next tokens (b,) int64 from the last-position logits (b, V) of the active rows."""
+        return sample_rows(logits, [self.requests[b].params for b in self.active],
+                           [self.generators[b] for b in self.active])
+
+    def compact(self) -> None:
+        """Drop the finished rows from the batch and from every cached layer (and ``pad``)."""
+        keep = [i for i, b in enumerate(self.active) if not self.done[b]]
+        if len(keep) == len(self.active) or not keep or self.cache is None:
+            return
+        idx = torch.tensor(keep, device=self.device)
+        c = self.cache
+        c.keys = [None if k is None else k.index_select(0, idx) for k in c.keys]
+        c.values = [None if v is None else v.index_select(0, idx) for v in c.values]
+        c.pad = c.pad.index_select(0, idx) if c.pad is not None else None
+        self.active = [self.active[i] for i in keep]
 
     def advance(self, next_tokens: torch.Tensor | list[int]) -> None:
-        """Append each unfinished row's token; mark rows done at eos or max_tokens."""
+        """Append each unfinished active row's token (one per active row, in cache order); mark rows
+        done at eos or max_tokens."""
         self.steps += 1
-        for b, t in enumerate(next_tokens.tolist() if torch.is_tensor(next_tokens) else next_tokens):
+        toks = next_tokens.tolist() if torch.is_tensor(next_tokens) else next_tokens
+        for b, t in zip(self.active, toks):
             if self.done[b]:
                 continue
             self.tokens[b].append(t)

@@ -113,9 +113,10 @@ class Engine:
             cache = batch.start(pad)
             logits = forward_layers(model, blocks, layers, idx, cache, True, True)
             batch.advance(batch.sample(logits))
+            stats.kv_cache_bytes = max(stats.kv_cache_bytes, batch.kv_bytes())
+            batch.compact()  # finished rows leave the batch and the cache
             now = time.perf_counter()
             stats.busy_s += now - tb
-            stats.kv_cache_bytes = max(stats.kv_cache_bytes, batch.kv_bytes())
             if stats.first_token_s is None:
                 stats.first_token_s = now - t0
             elif last_t is not None:
