@@ -213,10 +213,10 @@ def _model_and_prompts(args, dev):
         vocab = model.config.vocab_size
     else:
         torch.manual_seed(0)
-        cfg = preset_config(args.preset, vocab_size=4096) if args.preset else \
-            preset_config("tiny", n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=4096)
+        vocab = args.vocab_size
+        cfg = preset_config(args.preset, vocab_size=vocab) if args.preset else \
+            preset_config("tiny", n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=vocab)
         model = build_model(cfg).to(dev).eval()
-        vocab = 4096
     g = torch.Generator().manual_seed(1)
     lens = torch.randint(8, 33, (args.prompts,), generator=g).tolist()
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
@@ -237,6 +237,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=32, help="requests (random token prompts of 8..32 tokens)")
     p.add_argument("--new-tokens", type=int, default=100, help="new tokens per request")
     p.add_argument("--microbatches", type=int, default=0, help="micro-batches of 'pp'/'pp-tp' (0 = one per stage)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the random-weight model")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu (gloo) or cuda (NCCL, one GPU per rank; not yet run on a GPU)")
     p.add_argument("--pp-split", default="", help="layers per pipeline stage of the cached pipeline layouts: '' = "
                    "equal counts, 'decode' = balanced with the head's cost, or counts like 3,1")
     p.add_argument("--baseline-prompts", type=int, default=4, help="prompts of the slow 'pp-nocache' baseline")
@@ -255,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in names if x not in LAYOUTS and not re.fullmatch(r"(pp|pp-tp)-m[1-9][0-9]*", x)]
         if bad or not names:
             raise ValueError(f"unknown layout(s) {', '.join(bad) or '(none)'}; valid: {', '.join(LAYOUTS)}")
-        if min(args.prompts, args.new_tokens, args.rounds, args.nproc, args.baseline_prompts) < 1 or args.microbatches < 0:
-            raise ValueError("--prompts, --new-tokens, --rounds, --nproc, --baseline-prompts must be >= 1 and "
-                             "--microbatches >= 0")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        if min(args.prompts, args.new_tokens, args.rounds, args.nproc, args.baseline_prompts, args.vocab_size) < 1 \
+                or args.microbatches < 0:
+            raise ValueError("--prompts, --new-tokens, --rounds, --nproc, --baseline-prompts, --vocab-size must be "
+                             ">= 1 and --microbatches >= 0")
         if args.checkpoint:
             from zerotron.generate import resolve_checkpoint
             resolve_checkpoint(args.checkpoint)
@@ -269,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"zerotron bench generate: error: {e}", file=sys.stderr)
         return 2
     owned = not dist.is_initialized()
-    rank, n, dev = init_distributed("gloo", 300, torch.device("cpu"))
+    if args.device == "cuda":
+        rank, n, dev = init_distributed("nccl", 300, torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+    else:
+        rank, n, dev = init_distributed("gloo", 300, torch.device("cpu"))
     model, requests = _model_and_prompts(args, dev)
     m = args.microbatches  # 0: one per stage (layout_dims)
     cache, records = {}, []
@@ -278,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = requests[:args.baseline_prompts] if name == "pp-nocache" else requests
             records.append({**run_layout(name, model, reqs, n, m, cache, dev, args.pp_split), "round": r})
             comm.barrier()
+    backend = dist.get_backend()
     if owned:
         teardown()
     if rank != 0:
@@ -288,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(records)
     for row in rows:
         row["outputs_equal_across_layouts"] = same
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, {n} rank(s), "
-               f"{torch.get_num_threads()} thread(s)/rank")
+    gpu = f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else ""
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {backend}"
+               f"{gpu}, {n} rank(s), {torch.get_num_threads()} thread(s)/rank")
     print(f"zerotron bench generate: {machine}; {len(requests)} prompts x {args.new_tokens} new tokens; "
           f"outputs equal across layouts: {same}\n{markdown_table(rows)}")
     if args.json:
