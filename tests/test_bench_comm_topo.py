@@ -70,3 +70,17 @@ def test_one_node_topology_run(tmp_path):
         ("intra", "all_reduce", 2), ("intra", "reduce_scatter", 2)}
     assert len(data["results"]) == 6 and data["truncated"] == [] and data["cliff"] == []
     assert "node 0 (" in r.stdout and "local ranks 0,1" in r.stdout
+
+
+def test_calibrate_takes_both_links_from_a_topology_run():
+    """`zerotron plan --calibrate` on the two-node run: intra results -> the intra-node link, inter
+    results -> the inter-node link (12 MB/s per group on the shared 200 Mbit/s link), world ignored."""
+    from zerotron.analysis.hardware import calibrate, hardware
+
+    bench = json.loads((ROOT / "benchmarks" / "comm_two_nodes.json").read_text())
+    base = hardware("h100")
+    hw = calibrate(base, bench)
+    assert 5e6 < hw.inter["all_reduce"] < 20e6 and 5e6 < hw.inter["all_gather"] < 20e6
+    assert hw.intra["all_reduce"] > 10 * hw.inter["all_reduce"]
+    intra_only = calibrate(base, {**bench, "results": [r for r in bench["results"] if r["scope"] == "intra"]})
+    assert intra_only.intra == hw.intra and intra_only.inter == base.inter
