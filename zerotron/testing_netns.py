@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -179,28 +180,39 @@ class TwoNodes:
         return env
 
     def torchrun(self, module_argv: list[str], nproc_per_node: int = 2, timeout_s: float = 300,
-                 cwd: str | None = None, local_addr: bool = True, ifname: bool = True) -> list[NodeResult]:
-        """Run ``module_argv`` under torchrun on both nodes at once and wait for both (at most
-        ``timeout_s`` seconds; then every process is killed and its returncode is None)."""
-        procs = []
+                 cwd: str | None = None, local_addr: bool = True, ifname: bool = True,
+                 fail_fast: bool = False) -> list[NodeResult]:
+        """Run ``module_argv`` under torchrun on both nodes at once and wait for both, at most
+        ``timeout_s`` seconds (or, with ``fail_fast``, until one node fails); then the processes
+        still running are killed and their returncode is None. ``local_addr`` / ``ifname`` False
+        leave out ``--local-addr`` / ``GLOO_SOCKET_IFNAME`` (to show what they prevent)."""
+        procs, files = [], []
         for n in self.nodes:
             argv = self.exec_argv(n, self.torchrun_argv(n, nproc_per_node, module_argv, local_addr))
-            p = subprocess.Popen(argv, cwd=cwd, env=self.node_env(n, ifname), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
-            procs.append(p)
-            self._procs.append(p)
-        deadline, outs = time.monotonic() + timeout_s, []
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                outs.append((p.returncode, out, err))
-            except subprocess.TimeoutExpired:
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            files.append((out, err))
+            procs.append(subprocess.Popen(argv, cwd=cwd, env=self.node_env(n, ifname), stdout=out, stderr=err,
+                                          text=True, start_new_session=True))
+            self._procs.append(procs[-1])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if time.monotonic() > deadline or (fail_fast and any(c not in (None, 0) for c in codes)):
                 self._kill_all()
-                out, err = p.communicate()
-                outs.append((None, out, err))
-        if any(rc is None for rc, _, _ in outs):  # a node that ended first: keep its code
-            outs = [(None, o, e) if rc is not None and rc < 0 else (rc, o, e) for rc, o, e in outs]
-        return [NodeResult(n, rc, o, e) for n, (rc, o, e) in zip(self.nodes, outs)]
+                break
+            time.sleep(0.1)
+        results = []
+        for n, p, c, (out, err) in zip(self.nodes, procs, codes, files):
+            p.wait()
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read())
+                f.close()
+            results.append(NodeResult(n, c, *texts))
+        return results
 
     def link_bytes(self) -> dict:
         """``{"tx": [node0, node1], "rx": [...]}``: bytes through each node's veth so far."""
