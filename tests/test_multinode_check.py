@@ -53,3 +53,14 @@ def test_gloo_without_ifname_on_a_loopback_hostname(monkeypatch, master, certain
     assert got is certain  # MASTER_ADDR on another host: its ranks cannot reach our 127.0.0.1
     assert not any("GLOO" in ln for ln in check_multinode_addresses("gloo", {**env, "GLOO_SOCKET_IFNAME": "eth0"})[0])
     assert not any("GLOO" in ln for ln in check_multinode_addresses("nccl", env)[0])
+
+
+def test_harness_says_why_it_cannot_run(monkeypatch):
+    """The two-node tests skip with this reason where namespaces cannot be made (here: not root)."""
+    import os
+
+    from zerotron import testing_netns
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert testing_netns.netns_unavailable() == "creating network namespaces needs root"
+    assert testing_netns.main(["--", "train"]) == 2
