@@ -8,7 +8,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix clean
+.PHONY: install install-dev train lint test test-matrix bench-two-nodes clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ test: lint
 test-matrix: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
 		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
+
+# bench comm --topology across the two-node network-namespace harness (root), 200 Mbit/s link:
+# benchmarks/comm_two_nodes.{json,md,png} (~2 min)
+bench-two-nodes: install
+	$(PY) benchmarks/comm_two_nodes.py
 
 clean:
 	rm -rf $(VENV) .cache runs .pytest_cache

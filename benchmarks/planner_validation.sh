@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Reproduce benchmarks/planner_validation.md: calibrate on this machine (bench comm), measure the
 # layouts that run here (bench train), then compare the planner's ranking with the measured one.
-# Run it on an otherwise idle machine; about 10 minutes on 2 CPU cores.
+# Run it on an otherwise idle machine: about 6 minutes on 2 idle CPU cores (the committed run; its
+# bench train part alone is 25 layouts x 4 rounds x 7 steps = 3.6 min of measured step time), longer
+# on a busy one.
 # Results go to a fresh temporary directory (printed at the end); OUT=benchmarks overwrites the
 # committed results, OUT=DIR writes to DIR.
 set -euo pipefail

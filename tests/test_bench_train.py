@@ -211,3 +211,14 @@ def test_two_process_end_to_end(tmp_path, data_cache):
     assert "| single | DataParallel | 1 |" in text and "gloo, 2 rank(s)" in text
     assert "| epoch s | bubble measured | bubble theory |" in text and "| 0.333 |" in text
     assert "| dp-torch | TorchDDP | 2 |" in p.stdout and "dp / dp-torch tokens/s:" in p.stdout
+
+
+def test_model_splitting_layouts_on_one_rank_say_so():
+    """tp/pp layouts on one rank are refused as such (not as "not implemented yet")."""
+    from types import SimpleNamespace
+
+    one = SimpleNamespace(dims=SimpleNamespace(world_size=1))
+    for name in ("tp", "tp-sp-mb4", "pp-1f1b", "tp-dtensor"):
+        with pytest.raises(ValueError, match=r"needs 2 or more ranks \(--nproc 2\)") as e:
+            bt._build(None, one, None, bt.get_layout(name), 1)
+        assert f"layout {name} sets parallel." in str(e.value)

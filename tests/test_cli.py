@@ -38,6 +38,12 @@ CASES = [
     (["bench", "nothing"], "usage: zerotron bench comm|train|plan"),
     (["bench", "plan", "--bench-train", "/no/such.json", "--bench-comm", "/no/such.json"], "/no/such.json"),
     (["memory", "--params", "1e6", "--dp", "0"], "dp"),
+    (["serve", "--checkpoint", "/no/such/run"], "no checkpoint found at '/no/such/run'"),
+    (["serve", "--checkpoint", "/no/such/run", "--port", "99999"], "--port must be in 0..65535"),
+    (["serve", "--checkpoint", "/no/such/run", "--nproc", "3", "--parallel.pp", "2"], "multiple of"),
+    (["bench", "generate", "--layouts", "foo"], "unknown layout(s) foo"),
+    (["bench", "generate", "--prompts", "0"], "--prompts"),
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-p", "0"], "--top-p"),
 ]
 
 

@@ -4,6 +4,7 @@ reproduces the fault and checks: one clear line, nothing lost, resume equal wher
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def test_second_run_on_locked_dir_refused(tmp_path):
     from zerotron.train.lifecycle import RunLock
 
     run = tmp_path / "run"
-    held = RunLock(run)
+    held = RunLock(run, heartbeat_s=3600)  # no heartbeat rewrites the file during the comparison
     assert held.acquire() is None
     before = (run / ".lock").read_bytes()
     r = cli("train", "--config", "configs/tiny.toml", "--run-dir", str(run), check=2)
@@ -175,6 +176,63 @@ def test_stale_lock_taken_over(tmp_path):
 
     with pytest.raises(ConfigError, match="locked by pid 1 on host elsewhere"):
         RunLock(tmp_path).acquire()
+
+
+def _foreign_lock(run_dir, age_s, **extra):
+    """A lock file as a run on another host (NFS, flock not reaching across hosts) leaves it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rec = {"host": "node-b", "pid": 4242, "start": "2026-12-01T10:00:00+0000", "heartbeat": time.time() - age_s,
+           "heartbeat_s": 15.0, **extra}
+    (run_dir / ".lock").write_text(json.dumps(rec).ljust(512))
+
+
+def test_lock_heartbeat_of_another_host(tmp_path, capsys):
+    """NFS case, faked: the lock file names another host. A fresh heartbeat (5 s old) refuses a
+    real `zerotron train` (in-process main) with one line naming host, pid and age, leaving the
+    file as it was; a stale one (older than LOCK_STALE_S) is taken over with a message; the
+    holder's heartbeat thread refreshes the record, and warns (without overwriting) when another
+    run's record replaces it."""
+    from zerotron.train.lifecycle import LOCK_STALE_S, RunLock
+
+    run = tmp_path / "run"
+    _foreign_lock(run, 5)
+    before = (run / ".lock").read_bytes()
+    code = main(["train", "--config", "configs/tiny.toml", "--run-dir", str(run)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    m = re.search(r"is locked by pid 4242 on host node-b \(started 2026-12-01T10:00:00\+0000, heartbeat (\d+) s ago\)", err)
+    assert m and 5 <= int(m.group(1)) < 60, err
+    assert f"wait until its heartbeat is older than {LOCK_STALE_S:g} s" in err, err
+    assert (run / ".lock").read_bytes() == before and [p.name for p in run.iterdir()] == [".lock"]
+    # a heartbeat from the future (clock skew) counts as fresh
+    _foreign_lock(run, -30)
+    with pytest.raises(Exception, match="heartbeat 0 s ago"):
+        RunLock(run).acquire()
+    # stale: taken over with one message, the file now names this process
+    _foreign_lock(run, LOCK_STALE_S + 300)
+    lock = RunLock(run, heartbeat_s=0.05)
+    msg = lock.acquire()
+    assert msg and msg.count("\n") == 0, msg
+    assert f"taking over the stale lock {run / '.lock'} of pid 4242 on host node-b" in msg, msg
+    assert "last heartbeat 7 min ago, more than 120 s" in msg, msg
+    rec = json.loads((run / ".lock").read_text())
+    assert (rec["host"], rec["pid"]) == (os.uname().nodename, os.getpid())
+    first = rec["heartbeat"]
+    time.sleep(0.3)
+    assert json.loads((run / ".lock").read_text())["heartbeat"] > first  # the thread refreshed it
+    # another run's record replaces ours (two starts racing past a flock that does not cross hosts)
+    _foreign_lock(run, 0, pid=777)
+    time.sleep(0.3)
+    warn = capsys.readouterr().err
+    assert "the run lock" in warn and "now names pid 777 on host node-b" in warn, warn
+    assert json.loads((run / ".lock").read_text())["pid"] == 777  # not overwritten, not emptied
+    lock.release()
+    assert json.loads((run / ".lock").read_text())["pid"] == 777
+    (run / ".lock").write_bytes(b"")
+    lock = RunLock(run, heartbeat_s=0.05)
+    assert lock.acquire() is None
+    lock.release()
+    assert (run / ".lock").read_bytes() == b"" and lock._thread is None
 
 
 # ---- 3-6. signals, torn metrics line, checksums, full disk (one shared uninterrupted run) ----------
@@ -300,16 +358,75 @@ def test_checksum_mismatch(full_run, tmp_path, capsys):
 
 
 def test_disk_full_during_save(full_run, data_cache):
-    """ENOSPC on rank 1 while writing step 4: one line naming the partial directory, which is
-    removed; the previous checkpoint (step 2) is kept; exit 3."""
+    """ENOSPC on rank 1 while writing step 4, checkpoint.on_error = stop: one line naming the
+    partial directory, which is removed; the previous checkpoint (step 2) is kept; exit 3. An
+    unknown on_error value is refused at validation."""
     run = full_run / "enospc"
     r = cli(*base_args(run, data_cache), "--checkpoint.every", "2", "--checkpoint.keep", "1",
+            "--checkpoint.on_error", "stop",
             env={"ZEROTRON_FAULT_SAVE_ENOSPC_AT_STEP": "4", "ZEROTRON_FAULT_SAVE_RANK": "1"}, check=3)
     lines = [ln for ln in ours(r.stderr) if "cannot write checkpoint" in ln]
     assert len(lines) == 1 and ".tmp_step_4" in lines[0] and "No space left on device" in lines[0], r.stderr
-    assert "step_2 is kept" in lines[0]
+    assert "step_2 is kept; stopped: checkpoint.on_error = stop; the last 2 steps are not saved" in lines[0]
     assert [s for s, _ in list_checkpoints(run)] == [2] and not (run / "checkpoints" / ".tmp_step_4").exists()
     assert len(metrics(run)) == 4
+    code = main(["train", "--config", "configs/tiny.toml", "--run-dir", str(full_run / "x"),
+                 "--checkpoint.on_error", "retry"])
+    assert code == 2 and not (full_run / "x").exists()
+
+
+def test_space_check_refuses_before_writing_and_continue(tmp_path, data_cache, single_process, monkeypatch, capsys,
+                                                          report):
+    """The free-space check, with the filesystem's free bytes faked low at steps 1 and 3 of 4
+    (checkpoint.every 1, on_error = continue, the default): those saves write nothing at all (DCP is
+    not called, no .tmp_step_N is made) and say so in one line with the path, the bytes free and
+    the bytes needed (the first save: the state-dict estimate; later: the previous checkpoint's
+    size on disk); training goes on and the saves of steps 2 and 4 succeed. With save_final =
+    false a run whose last save failed ends with exit 3 (nothing saved after it)."""
+    from zerotron.train import checkpoint as ck
+    from zerotron.train.lifecycle import RunStopped
+    from zerotron.train.trainer import Trainer
+
+    full_at, written, made = {1, 3}, [], []
+    real_free, real_save, real_mkdir = ck._free_bytes, ck.dcp.save, Path.mkdir
+    step_now = {"n": 0}
+    monkeypatch.setattr(ck, "_free_bytes", lambda root: 1000 if step_now["n"] in full_at else real_free(root))
+    monkeypatch.setattr(ck.dcp, "save", lambda sd, checkpoint_id: (written.append(Path(checkpoint_id).name),
+                                                                    real_save(sd, checkpoint_id=checkpoint_id)))
+    monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: (made.append(self.name), real_mkdir(self, *a, **k))[1])
+    cfg = tiny_config({**QUIET, "train.steps": 4, "train.eval_every": 0, "data.cache_dir": data_cache,
+                       "checkpoint.every": 1, "checkpoint.keep": 0})
+    tr = Trainer(cfg, tmp_path / "run")
+    summary = tr.fit(callback=lambda t, rec: step_now.update(n=rec["step"]))  # called before the step's save
+    err = capsys.readouterr().err
+    lines = [ln for ln in ours(err) if "not writing checkpoint" in ln]
+    root = tmp_path / "run" / "checkpoints"
+    assert len(lines) == 2, err
+    est = tr.expected_checkpoint_bytes()
+    assert lines[0] == (f"zerotron: warning: not writing checkpoint step_1: no space left on device: {root} has 1,000 "
+                        f"bytes free, the checkpoint needs about {est:,} bytes (estimated from the parameter and "
+                        "optimizer-state bytes); nothing was written; there is no earlier checkpoint; training "
+                        "continues (checkpoint.on_error = continue), the next save at step 2 retries"), lines[0]
+    need = int(lines[1].split("needs about ")[1].split(" bytes")[0].replace(",", ""))
+    assert need == ck.dir_disk_bytes(root / "step_2") >= ck.dir_bytes(root / "step_2") and "(the size of step_2)" in lines[1]
+    assert f"the newest checkpoint {root / 'step_2'} is kept" in lines[1] and "next save at step 4 retries" in lines[1]
+    assert written == [".tmp_step_2", ".tmp_step_4"] and ".tmp_step_1" not in made and ".tmp_step_3" not in made
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [2, 4] and summary["failed_checkpoints"] == [1, 3]
+    ck.verify_checkpoint(root / "step_2")
+    real = ck.dir_bytes(root / "step_2")
+    assert real <= est <= 1.15 * real  # the first-save estimate errs on the safe side, not by much
+    report(f"space check: first-save estimate {est:,} bytes, real checkpoint {real:,} bytes "
+           f"({ck.dir_disk_bytes(root / 'step_2'):,} on disk)")
+    # the last save of a run without a final save fails: the run still ends with exit 3
+    full_at.clear()
+    full_at.add(2)
+    step_now["n"] = 0
+    cfg = tiny_config({**QUIET, "train.steps": 3, "train.eval_every": 0, "data.cache_dir": data_cache,
+                       "checkpoint.every": 2, "checkpoint.save_final": "false"})
+    with pytest.raises(RunStopped, match="training finished at step 3, but checkpoint step_2 could not be written "
+                       "and no later save was scheduled") as e:
+        Trainer(cfg, tmp_path / "run2").fit(callback=lambda t, rec: step_now.update(n=rec["step"]))
+    assert e.value.exit_code == 3 and "no later save is scheduled" in capsys.readouterr().err
 
 
 # ---- 7. automatic restart after a dead worker ------------------------------------------------------
@@ -353,15 +470,14 @@ def test_max_restarts_refused_without_nproc(capsys, tmp_path):
 
 # ---- 8. a real full disk: a small tmpfs in a user + mount namespace --------------------------------
 
-def test_disk_full_on_real_tmpfs(tmp_path, data_cache):
-    """A 5 MiB tmpfs holds one checkpoint of the tiny model (3.4 MB) but not two: the save of
-    step 4 fails with a real ENOSPC (torch.save says only "unexpected pos ..."). One line names
-    the path, the bytes free and needed; the partial .tmp_step_4 is gone; step_2 is intact (its
-    checksums verify); the run stops with exit 3 after step 4 (the existing policy)."""
+def _in_tmpfs(tmp_path, size: str, train_args: list[str], before: str = "", during: str = "", env=None):
+    """Run `zerotron train <train_args> --run-dir <tmpfs>/run` in a user + mount namespace on a
+    fresh tmpfs of ``size`` (``unshare -rm``; skips with a printed reason where that is not
+    permitted). ``before``: shell run after the mount; ``during``: shell run while training runs
+    in the background ($ERR is its stderr file). The tmpfs exists only inside the namespace, so
+    the run directory is copied out before leaving. Returns (exit code, stderr, copied run dir)."""
     import shlex
     import shutil
-
-    from zerotron.train.checkpoint import dir_bytes, verify_checkpoint
 
     if not shutil.which("unshare"):
         print("SKIPPED: no unshare(1) to mount a tmpfs")
@@ -371,28 +487,80 @@ def test_disk_full_on_real_tmpfs(tmp_path, data_cache):
     out.mkdir()
     run = disk / "run"
     train = [sys.executable, "-m", "zerotron", "train", "--config", "configs/tiny.toml", "--run-dir", str(run),
-             "--train.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "1", "--train.eval_every", "0",
-             "--data.cache_dir", data_cache, "--log.progress", "false", "--log.sample_tokens", "0",
-             "--log.plot", "false"]
-    # the tmpfs exists only inside the namespace: copy what is left on it out before leaving
-    script = (f"mount -t tmpfs -o size=5M tmpfs {shlex.quote(str(disk))} || exit 77; {shlex.join(train)}; "
-              f"echo $? > {shlex.quote(str(out / 'rc'))}; cp -a {shlex.quote(str(run))} {shlex.quote(str(out))}/")
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+             "--train.eval_every", "0", "--log.progress", "false", "--log.sample_tokens", "0", "--log.plot", "false",
+             *train_args]
+    q = shlex.quote
+    script = (f"mount -t tmpfs -o size={size} tmpfs {q(str(disk))} || exit 77; DISK={q(str(disk))}; "
+              f"ERR={q(str(out / 'err'))}; RC={q(str(out / 'rc'))}; : > $ERR; {before or ':'}; "
+              f"( {shlex.join(train)} 2> $ERR; echo $? > $RC.tmp; mv $RC.tmp $RC ) & {during or ':'}; wait; "
+              f"cp -a {q(str(run))} {q(str(out))}/")
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     r = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=e, capture_output=True, text=True,
                        timeout=300, check=False)
     if r.returncode == 77 or (r.returncode and not (out / "rc").exists()):
         why = f"cannot mount a tmpfs here (unshare -rm: {(r.stderr.strip().splitlines() or ['?'])[-1]})"
         print(f"SKIPPED: {why}")
         pytest.skip(why)
-    assert (out / "rc").read_text().strip() == "3", r.stderr
-    lines = [ln for ln in ours(r.stderr) if "cannot write checkpoint" in ln]
-    assert len(lines) == 1, r.stderr
-    line, kept = lines[0], out / "run" / "checkpoints" / "step_2"
+    return int((out / "rc").read_text()), (out / "err").read_text(), out / "run"
+
+
+def test_disk_full_on_real_tmpfs(tmp_path, data_cache):
+    """A 5 MiB tmpfs holds one checkpoint of the tiny model (3.4 MB) but not two. With the
+    free-space check switched off (ZEROTRON_FAULT_NO_SPACE_CHECK: as if another writer filled
+    the disk after it), the final save of step 4 fails with a real ENOSPC (torch.save says only
+    "unexpected pos ..."). One line names the path, the bytes free and needed; the partial
+    .tmp_step_4 is gone; step_2 is intact (its checksums verify); the failed *final* save exits 3
+    although checkpoint.on_error = continue (the default)."""
+    from zerotron.train.checkpoint import dir_disk_bytes, verify_checkpoint
+
+    code, err, out_run = _in_tmpfs(tmp_path, "5M", ["--train.steps", "4", "--checkpoint.every", "2",
+                                                    "--checkpoint.keep", "1", "--data.cache_dir", data_cache],
+                                   env={"ZEROTRON_FAULT_NO_SPACE_CHECK": "1"})
+    run = tmp_path / "disk" / "run"
+    assert code == 3, err
+    lines = [ln for ln in ours(err) if "cannot write checkpoint" in ln]
+    assert len(lines) == 1, err
+    line, kept = lines[0], out_run / "checkpoints" / "step_2"
     assert f"cannot write checkpoint {run / 'checkpoints' / '.tmp_step_4'} (" in line, line
     assert f"no space left on device: {run / 'checkpoints'} has " in line and " bytes free" in line, line
     need = int(line.split("needs about ")[1].split(" bytes")[0].replace(",", ""))
-    assert need == dir_bytes(kept) and "(the size of step_2)" in line, line
+    assert need == dir_disk_bytes(kept) and "(the size of step_2)" in line, line
     assert f"the newest checkpoint {run / 'checkpoints' / 'step_2'} is kept" in line, line
-    assert sorted(p.name for p in (out / "run" / "checkpoints").iterdir()) == ["step_2"]
+    assert "stopped: the final checkpoint (step 4 of 4) could not be written; the last 2 steps are not saved" in line
+    assert line.endswith("--resume"), line
+    assert sorted(p.name for p in (out_run / "checkpoints").iterdir()) == ["step_2"]
     verify_checkpoint(kept)  # files present, sizes and SHA-256 as recorded
-    assert [x["step"] for x in metrics(out / "run")] == [1, 2, 3, 4]
+    assert [x["step"] for x in metrics(out_run)] == [1, 2, 3, 4]
+
+
+def test_disk_full_then_freed_on_real_tmpfs(tmp_path, data_cache):
+    """An 8 MiB tmpfs, 3 MiB of it taken by another file: step_2 fits, then the free-space check
+    refuses step 4 before writing anything (one line: path, bytes free < bytes needed = step_2's
+    size on disk); with checkpoint.on_error = continue (the default) training goes on. The other
+    file is deleted meanwhile, so the save of step 6 succeeds; step_2 is intact; exit 0."""
+    from zerotron.train.checkpoint import dir_disk_bytes, verify_checkpoint
+
+    code, err, out_run = _in_tmpfs(
+        tmp_path, "8M", ["--train.steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "2",
+                         "--data.cache_dir", data_cache],
+        before="head -c 3145728 /dev/zero > $DISK/filler",
+        during='while [ ! -e "$RC" ] && ! grep -q "not writing checkpoint step_4" "$ERR"; do sleep 0.05; done; '
+               'rm -f $DISK/filler',
+        env={"ZEROTRON_FAULT_STEP_SLEEP_S": "0.5"})  # time for the watcher between steps 4 and 6
+    run = tmp_path / "disk" / "run"
+    assert code == 0, err
+    lines = [ln for ln in ours(err) if "checkpoint" in ln and ("warning" in ln or "error" in ln)]
+    assert len(lines) == 1, err
+    line = lines[0]
+    m = re.search(r"has ([\d,]+) bytes free, the checkpoint needs about ([\d,]+) bytes \(the size of step_2\)", line)
+    assert line.startswith("zerotron: warning: not writing checkpoint step_4: no space left on device: "
+                           f"{run / 'checkpoints'} has ") and m, line
+    free, need = (int(g.replace(",", "")) for g in m.groups())
+    assert free < need == dir_disk_bytes(out_run / "checkpoints" / "step_2"), line
+    assert "nothing was written" in line and "training continues (checkpoint.on_error = continue), the next save at " \
+        "step 6 retries" in line, line
+    assert sorted(p.name for p in (out_run / "checkpoints").iterdir()) == ["step_2", "step_6"]
+    for s in (2, 6):
+        verify_checkpoint(out_run / "checkpoints" / f"step_{s}")
+    assert [x["step"] for x in metrics(out_run)] == list(range(1, 7))
+    assert strict_load(out_run / "summary.json")["failed_checkpoints"] == [4]

@@ -1,15 +1,17 @@
 """Run logging: MFU (peak cached per process, re-measured with a warning when MFU > 1), achieved
 TFLOP/s, plain progress lines off a terminal, the tqdm bar's validation loss, TensorBoard events
-equal to metrics.jsonl, log.tensorboard refusals."""
+equal to metrics.jsonl, log.tensorboard refusals, log.wandb (refusal; a stub package)."""
 import io
 import json
 import math
 import re
 import sys
+import types
 
 import pytest
 import torch
 
+from zerotron import config
 from zerotron.cli import main
 from zerotron.train import metrics
 from zerotron.train.progress import Progress, format_eta
@@ -190,3 +192,103 @@ def test_train_writes_tensorboard_equal_to_metrics(tmp_path, data_cache):
         assert math.isclose(r["tflops_per_device"], r["tokens_per_s"] * f_tok / 1e12, rel_tol=1e-9)
     key = (str(torch.device("cpu")), str(torch.float32), torch.get_num_threads())
     assert key in metrics._PEAK_CACHE
+
+
+def test_wandb_refusal_is_one_line_exit_2(monkeypatch, capsys):
+    """log.wandb = true without the wandb package: one line naming the fix, exit 2, before any
+    worker starts; off by default, and on without the package the Trainer path refuses too."""
+    from zerotron.train import wandb_log
+
+    assert config.Config().log.wandb is False
+    monkeypatch.setattr(wandb_log, "wandb_available", lambda: False)
+    for extra in ([], ["--nproc", "2"]):
+        code = main(["train", "--config", TINY, "--log.wandb", "true", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "log.wandb = true needs the wandb package: pip install wandb" in err
+    assert wandb_log.open_wandb(False, "p", ".", {}, True) is None
+    with pytest.raises(config.ConfigError, match="pip install wandb"):
+        wandb_log.open_wandb(True, "p", ".", {}, False)  # every rank refuses alike
+
+
+def test_wandb_available_matches_the_environment(monkeypatch):
+    """Without the package (this venv has no wandb) the check says so without importing; a module
+    in sys.modules counts as installed."""
+    import importlib.util
+
+    from zerotron.train import wandb_log
+
+    assert wandb_log.wandb_available() is (importlib.util.find_spec("wandb") is not None)
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
+    assert wandb_log.wandb_available()
+
+
+def test_no_module_imports_wandb_at_top_level():
+    import ast
+    from pathlib import Path
+
+    from zerotron.train import wandb_log
+
+    for path in Path(wandb_log.__file__).parents[1].rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            assert not any(n.split(".")[0] == "wandb" for n in names), f"{path}: top-level import of {names}"
+
+
+def test_wandb_logger_with_a_stub_package(tmp_path, data_cache, monkeypatch):
+    """A tiny run with log.wandb = true against a stand-in ``wandb`` module (the real package is not
+    installed here): one offline run in <run dir>, the config passed, one log call per step with
+    the metrics.jsonl values at the optimizer step, finish() at the end."""
+    calls = {"init": [], "log": [], "finish": 0}
+
+    class Run:
+        def log(self, row, step):
+            calls["log"].append((step, row))
+
+        def finish(self):
+            calls["finish"] += 1
+
+    stub = types.ModuleType("wandb")
+    stub.init = lambda **kw: calls["init"].append(kw) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    run = tmp_path / "run"
+    assert main(["train", "--config", TINY, "--run-dir", str(run), "--train.steps", "3", "--train.eval_every", "2",
+                 "--log.progress", "false", "--log.sample_tokens", "0", "--log.plot", "false",
+                 "--data.cache_dir", data_cache, "--log.tensorboard", "false", "--checkpoint.save_final", "false",
+                 "--log.wandb", "true", "--log.wandb_project", "proj"]) == 0
+    (kw,) = calls["init"]
+    assert kw["mode"] == "offline" and kw["dir"] == str(run) and kw["project"] == "proj" and kw["name"] == "run"
+    assert kw["config"]["log"]["wandb"] is True and kw["config"]["train"]["steps"] == 3
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s, _ in calls["log"]] == [r["step"] for r in recs] == [1, 2, 3]
+    for (_, row), r in zip(calls["log"], recs):
+        assert row["train/loss"] == r["loss"] and row["perf/mfu"] == r["mfu"]
+        assert row.get("val/loss") == r.get("val_loss")
+        assert {k[5:] for k in row if k.startswith("comm/") and k != "comm/bytes_total"} == set(r["comm_bytes_by_op"])
+    assert calls["finish"] == 1
+
+
+def test_tensorboard_events_survive_a_guard_stop(tmp_path, data_cache):
+    """A run stopped by the non-finite guard (exit 3, in its own process) still has every step's
+    events on disk: the writer is closed (flushed) on the way out, not only after a full run."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "run"
+    env = {**os.environ, "ZEROTRON_FAULT_NAN_AT_STEPS": "3", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "zerotron", "train", "--config", TINY, "--run-dir", str(run),
+                        "--train.steps", "6", "--train.eval_every", "0", "--log.progress", "false",
+                        "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache,
+                        "--log.tensorboard", "true", "--train.nonfinite", "stop", "--checkpoint.save_final", "false"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    ea = EventAccumulator(str(run))
+    ea.Reload()
+    assert [e.step for e in ea.Scalars("train/lr")] == [r["step"] for r in recs] == [1, 2, 3]

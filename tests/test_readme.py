@@ -110,3 +110,52 @@ def test_readme_blocks_run(tmp_path, data_cache, report):
     assert ran, "no README block is marked runnable"
     report(f"README: ran {ran} commands/blocks, skipped {skipped_cmds} commands in {skipped_blocks} blocks "
            f"({time.perf_counter() - t0:.0f} s)")
+
+
+def config_table(text: str) -> list[tuple[str, list[str], list[str]]]:
+    """``[(section, fields, defaults)]`` of the README "Configuration" table (comma lists split)."""
+    part = text.split("\n## Configuration\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in part.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].isidentifier() and cells[0] != "section":
+            rows.append((cells[0], [f.strip() for f in cells[1].split(",")], [d.strip() for d in cells[2].split(", ")]))
+    return rows
+
+
+def _readme_default(v) -> str:
+    if isinstance(v, bool):
+        return str(v).lower()
+    return '""' if v == "" else str(v)
+
+
+def test_config_table_names_every_field_once_with_its_default():
+    """Every field of the config dataclasses is in README's table exactly once (no duplicate, none
+    missing, no stale name); where a row gives one default per field, each equals the code's."""
+    from collections import Counter
+
+    from zerotron.config_doc import config_fields
+
+    fields = {r["key"]: r["default"] for r in config_fields()}
+    rows = config_table(README.read_text())
+    named = Counter(f"{sec}.{f}" for sec, fs, _ in rows for f in fs)
+    assert not [k for k, n in named.items() if n > 1], "listed twice in README's config table"
+    assert not [k for k in fields if k not in named], "config fields missing from README's config table"
+    assert not [k for k in named if k not in fields], "README's config table names fields the code lacks"
+    checked = 0
+    for sec, fs, ds in rows:
+        if len(fs) != len(ds):  # a prose default ("0 (= preset or ...)")
+            continue
+        for f, d in zip(fs, ds):
+            want = fields[f"{sec}.{f}"]
+            ok = float(d) == float(want) if isinstance(want, (int, float)) and not isinstance(want, bool) \
+                else d.strip('"') == _readme_default(want).strip('"')
+            assert ok, f"README's config table: {sec}.{f} default {d}, the code has {want!r}"
+            checked += 1
+    assert checked >= 50
+
+
+def test_config_table_parser_catches_a_duplicate():
+    text = "x\n## Configuration\n| section | field | default | meaning |\n|---|---|---|---|\n" \
+           "| parallel | tp, pp | 1, 1 | |\n| parallel | tp | 1 | |\n## Features\n"
+    assert config_table(text) == [("parallel", ["tp", "pp"], ["1", "1"]), ("parallel", ["tp"], ["1"])]

@@ -1,4 +1,4 @@
-"""Command line: ``zerotron train | generate | export | memory | plan | schedule | bench``.
+"""Command line: ``zerotron train | generate | serve | export | memory | plan | schedule | bench``.
 
 Every user error (config, file, checkpoint, shape) ends in one line ``zerotron: error: ...`` on
 stderr and exit code 2; nothing already on disk is modified by a run that fails validation.
@@ -19,21 +19,24 @@ USAGE = """usage: zerotron <command> [options]
 commands:
   train      train a GPT-2 or Llama (zerotron train --config configs/default.toml --nproc 2)
   generate   sample text from a checkpoint (zerotron generate --checkpoint runs/X --prompt "ROMEO:")
+  serve      OpenAI-compatible HTTP server (zerotron serve --checkpoint runs/X --port 8000 --nproc 2)
   export     checkpoint (any layout) -> Hugging Face GPT-2/Llama safetensors (zerotron export --checkpoint runs/X --out hf/)
   memory     ZeRO model-state memory per rank (zerotron memory --model gpt2 --dp 8)
   plan       rank parallel layouts for a cluster (zerotron plan --model gpt2 --gpus 8 --gpus-per-node 8 --gpu-mem 80GB --global-batch 256 --seq 1024)
   schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
-  bench      benchmarks: 'bench comm' (collectives), 'bench train' (layouts side by side) and
-             'bench plan' (the planner's predicted ranking vs a 'bench train' run)
+  bench      benchmarks: 'bench comm' (collectives), 'bench train' (layouts side by side),
+             'bench plan' (the planner's predicted ranking vs a 'bench train' run) and
+             'bench generate' (inference layouts side by side)
 
 Run 'zerotron <command> --help' for the options of one command; 'zerotron --version' for the version.
 """
 
-BENCH_USAGE = """usage: zerotron bench comm|train|plan [options]
+BENCH_USAGE = """usage: zerotron bench comm|train|plan|generate [options]
 
   comm    collective bandwidth (nccl-tests algbw/busbw) per op and message size
   train   training throughput of parallel layouts side by side (zerotron bench train --layouts dp,single)
   plan    the planner's predicted ranking vs a 'bench train' run (Spearman correlation)
+  generate  batched generation throughput of inference layouts (zerotron bench generate --nproc 2)
 
 Run 'zerotron bench <comm|train|plan> --help' for the options of one benchmark.
 """
@@ -108,6 +111,9 @@ def cmd_train(argv: list[str]) -> int:
         from .train.tensorboard import tensorboard_enabled
 
         tensorboard_enabled(cfg.log.tensorboard)  # "true" without the package: one line, before any worker
+        from .train.wandb_log import wandb_enabled
+
+        wandb_enabled(cfg.log.wandb)  # likewise log.wandb = true without the wandb package
         if args.resume and not args.run_dir:
             raise ConfigError("--resume needs --run-dir (the run to continue)")
         run_dir = Path(args.run_dir or f"runs/{Path(args.config or 'default').stem}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -249,10 +255,13 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after each prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--nproc", type=int, default=0, help="N local processes (data parallel over prompts, x tp x pp)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the most likely tokens of mass p")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i: seed + i)")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="N local processes (data parallel over prompts, x tp x pp; 0 = this process alone)")
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree (greedy only)")
+    p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches in flight (0 = pp)")
     return p
 
 
@@ -279,8 +288,6 @@ def cmd_generate(argv: list[str]) -> int:
             if n_head % args.tp or n_kv_head % args.tp:
                 raise ValueError(f"--parallel.tp {args.tp} must divide the model's n_head ({n_head}) and "
                                  f"n_kv_head ({n_kv_head})")
-            if args.pp > 1 and args.temperature != 0:
-                raise ValueError("pipelined generation (--parallel.pp > 1) is greedy only: use --temperature 0")
             return launch(args.nproc, ["generate", *_strip_nproc(argv)])
         return generate_main(args)
     except _user_errors() as e:
@@ -330,8 +337,12 @@ def cmd_bench(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help", "help"):
         print(BENCH_USAGE)
         return 0
+    if argv and argv[0] == "generate":
+        from .bench.generate import main as generate_bench_main
+
+        return generate_bench_main(argv[1:])
     if not argv or argv[0] not in ("comm", "train", "plan"):
-        return _fail("usage: zerotron bench comm|train|plan [options] (see 'zerotron bench comm --help'); "
+        return _fail("usage: zerotron bench comm|train|plan|generate [options] (see 'zerotron bench comm --help'); "
                      "'bench plan' checks the planner's ranking against a 'bench train' run")
     if argv[0] == "comm":
         from .bench.comm import main as comm_main
@@ -390,11 +401,15 @@ def _dispatch(argv: list[str]) -> int:
         return cmd_bench(rest)
     if cmd == "export":
         return cmd_export(rest)
+    if cmd == "serve":
+        from .serve import main as serve_main
+
+        return serve_main(rest)
     if cmd == "plan":
         from .analysis.plan_cli import plan_main
 
         return plan_main(rest)
-    return _fail(f"unknown command {cmd!r}; commands: train, generate, export, memory, plan, schedule, bench")
+    return _fail(f"unknown command {cmd!r}; commands: train, generate, serve, export, memory, plan, schedule, bench")
 
 
 if __name__ == "__main__":

@@ -213,11 +213,13 @@ class CheckpointConfig:
     """newest N checkpoints kept (0 = all)"""
     save_final: bool = True
     """save a checkpoint after the last step"""
+    on_error: str = "continue"
+    """a save that fails or does not fit the free space: continue (default: training goes on and the next save retries, so a disk that fills for a while costs no work; the final save still exits 3) or stop (exit 3 at once)"""
 
 
 @dataclass
 class LogConfig:
-    """Progress, plots, TensorBoard. ``every``: cadence of the plain progress line (stderr not a
+    """Progress, plots, TensorBoard, W&B. ``every``: cadence of the plain progress line (stderr not a
     terminal); ``progress``: tqdm bar on rank 0 (a terminal) or those lines; ``sample_tokens``:
     length of the sample generated at the end (0 = none)."""
 
@@ -233,6 +235,10 @@ class LogConfig:
     """write loss.png in the run directory"""
     tensorboard: str = "auto"
     """TensorBoard event files in the run directory: auto (when the tensorboard package is installed) | true | false"""
+    wandb: bool = False
+    """also log the scalars to Weights & Biases, offline, under <run dir>/wandb (needs the wandb package)"""
+    wandb_project: str = "zerotron"
+    """W&B project name of the offline run (wandb sync uploads it there)"""
 
 
 @dataclass
@@ -445,6 +451,8 @@ def validate(cfg: Config, world_size: int) -> dict:
          "DDP and ZeRO always skip parameters without gradient); remove it or set parallel.dp_impl = torch")
     need(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
     need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
+    need(cfg.checkpoint.on_error in ("continue", "stop"),
+         f"checkpoint.on_error must be continue or stop, got {cfg.checkpoint.on_error!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         need(getattr(m, key) >= 0, f"model.{key} must be >= 1 (or 0 = from the preset/tokenizer), got {getattr(m, key)}")
     try:

@@ -133,14 +133,30 @@ def calibrate(hw: Hardware, bench: dict) -> Hardware:
     comm --json`` dict) measured: with blocking times at two or more sizes, (alpha, busbw) from
     :func:`fit_alpha_beta`; otherwise busbw = the measured busbw at the largest size (blocking
     preferred) and alpha unchanged. Ops the file lacks take the all-reduce's values when it has
-    one (else the datasheet's). The inter-node link is left as it was. The overlap fraction becomes the measured
+    one (else the datasheet's). Results of a ``--topology`` run carry a ``scope``: ``intra`` (and
+    results without a scope) calibrate the intra-node link, ``inter`` the inter-node link the same
+    way, ``world`` none; without inter results the inter-node link is left as it was. The overlap fraction becomes the measured
     ``overlap.hidden_fraction`` and ``sync_penalty`` the median extra time of the "after_compute"
     all-reduces over the blocking ones, when present. Raises ValueError if ``bench`` has no usable result."""
-    best, pts = {}, {}
     results = bench.get("results", []) if isinstance(bench, dict) else []
-    for r in results if isinstance(results, list) else []:
-        if not (isinstance(r, dict) and r.get("op") in OPS and _pos(r.get("busbw_GBps"))
-                and r["busbw_GBps"] < _MAX_GBPS):
+    results = [r for r in results if isinstance(r, dict)] if isinstance(results, list) else []
+    intra = _fit_link([r for r in results if r.get("scope", "intra") == "intra"], hw.intra, hw.latency_intra)
+    if intra is None:
+        raise ValueError("calibration file has no busbw results for any of " + ", ".join(OPS))
+    inter = _fit_link([r for r in results if r.get("scope") == "inter"], hw.inter, hw.latency_inter)
+    inter_bw, inter_lat = inter or (hw.inter, hw.latency_inter)
+    ov = bench["overlap"].get("hidden_fraction") if isinstance(bench.get("overlap"), dict) else None
+    overlap = min(1.0, max(0.0, float(ov))) if _num(ov) is not None else hw.overlap
+    return replace(hw, intra=intra[0], latency_intra=intra[1], inter=inter_bw, latency_inter=inter_lat,
+                   overlap=overlap, sync_penalty=_sync_penalty(bench, hw.sync_penalty))
+
+
+def _fit_link(results: list[dict], base_bw: dict, base_lat: dict) -> tuple[dict, dict] | None:
+    """``(busbw, latency)`` per op of one link from ``bench comm`` results (see :func:`calibrate`),
+    starting from ``base_bw`` / ``base_lat``; None when no result is usable."""
+    best, pts = {}, {}
+    for r in results:
+        if not (r.get("op") in OPS and _pos(r.get("busbw_GBps")) and r["busbw_GBps"] < _MAX_GBPS):
             continue
         op, blocking = r["op"], r.get("mode", "blocking") == "blocking"
         key = (blocking, _pos(r.get("bytes")) or 0.0)
@@ -149,8 +165,8 @@ def calibrate(hw: Hardware, bench: dict) -> Hardware:
         if blocking and all(_pos(r.get(k)) for k in ("time_s", "bytes", "algbw_GBps")):
             pts.setdefault(op, []).append((r["bytes"] * r["busbw_GBps"] / r["algbw_GBps"], r["time_s"]))
     if not best:
-        raise ValueError("calibration file has no busbw results for any of " + ", ".join(OPS))
-    bw, lat = dict(hw.intra), dict(hw.latency_intra)
+        return None
+    bw, lat = dict(base_bw), dict(base_lat)
     for op, (_, b) in best.items():
         bw[op] = b
         if len({x for x, _ in pts.get(op, [])}) >= 2:
@@ -162,9 +178,7 @@ def calibrate(hw: Hardware, bench: dict) -> Hardware:
         for op in OPS:
             if op not in best:
                 bw[op], lat[op] = bw["all_reduce"], lat["all_reduce"]
-    ov = bench["overlap"].get("hidden_fraction") if isinstance(bench.get("overlap"), dict) else None
-    overlap = min(1.0, max(0.0, float(ov))) if _num(ov) is not None else hw.overlap
-    return replace(hw, intra=bw, latency_intra=lat, overlap=overlap, sync_penalty=_sync_penalty(bench, hw.sync_penalty))
+    return bw, lat
 
 
 def _num(x) -> float | None:

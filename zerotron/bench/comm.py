@@ -38,12 +38,20 @@ import json
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from zerotron.bench.timing import (  # noqa: F401  (re-exported: zerotron.bench.comm.bandwidths, ...)
+    _loop_times,
+    _median_time,
+    _sync,
+    actual_bytes,
+    bandwidths,
+    format_size,
+    timing_noise,
+)
 from zerotron.bench.topology import topology_report
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import default_device, destroy, init_distributed
@@ -94,44 +102,6 @@ def parse_sizes(spec: str) -> list[int]:
     return sorted({parse_size(s) for s in items})
 
 
-def format_size(nbytes: int) -> str:
-    """``4096 -> "4KiB"``; the largest binary unit dividing ``nbytes`` exactly, else ``"<n>B"``."""
-    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= f and nbytes % f == 0:
-            return f"{nbytes // f}{unit}"
-    return f"{nbytes}B"
-
-
-def bandwidths(op: str, nbytes: int, time_s: float, n: int) -> tuple[float, float]:
-    """``(algbw, busbw)`` in GB/s (1e9 bytes/s) of ``op`` moving ``nbytes`` (nccl-tests size) in
-    ``time_s`` seconds on ``n`` ranks: algbw = nbytes / time_s, busbw = algbw x busbw_factor(op, n)
-    (nccl-tests doc/PERFORMANCE.md). Raises ValueError for time_s <= 0 or an unknown op."""
-    if not time_s > 0:
-        raise ValueError(f"bandwidths: time_s must be > 0, got {time_s}")
-    algbw = nbytes / time_s / 1e9
-    return algbw, algbw * comm.busbw_factor(op, n)
-
-
-def actual_bytes(nbytes: int, n: int) -> int:
-    """``nbytes`` rounded down to a multiple of 4*n (whole float32 shards per rank), at least 4*n."""
-    return max(4 * n, nbytes // (4 * n) * (4 * n))
-
-
-def _sync(dev) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def timing_noise(times: list[float]) -> tuple[float, float]:
-    """``(max/min, coefficient of variation)`` of repeated timings of one thing (seconds, > 0);
-    the CV is the population stdev / mean. ``(1.0, 0.0)`` for fewer than 2 timings."""
-    if len(times) < 2:
-        return 1.0, 0.0
-    lo, mean = min(times), statistics.fmean(times)
-    spread = max(times) / lo if lo > 0 else float("inf")
-    return spread, (statistics.pstdev(times) / mean if mean > 0 else 0.0)
-
-
 def is_noisy(spread: float, cv: float) -> bool:
     """The module docstring's rule: max/min > ``NOISE_MAX_MIN`` or CV > ``NOISE_CV``."""
     return spread > NOISE_MAX_MIN or cv > NOISE_CV
@@ -149,30 +119,6 @@ def noise_warnings(results: list[dict]) -> list[str]:
                    f"max/min {spread:.2f} (limit {NOISE_MAX_MIN:g}), CV {cv:.2f} (limit {NOISE_CV:g}); "
                    "rerun with more --iters or on an idle machine")
     return out
-
-
-def _median_time(fn, iters: int, warmup: int, dev, barrier: bool = True, loops: int = 3) -> float:
-    """Seconds per ``fn()`` call: the median of :func:`_loop_times`."""
-    return statistics.median(_loop_times(fn, iters, warmup, dev, barrier, loops))
-
-
-def _loop_times(fn, iters: int, warmup: int, dev, barrier: bool = True, loops: int = 3) -> list[float]:
-    """Seconds per ``fn()`` call in each loop, nccl-tests style: ``warmup`` calls, then ``loops``
-    loops of ``max(1, iters // loops)`` back-to-back calls (a barrier before each loop when
-    ``barrier``), each loop's time / its calls."""
-    for _ in range(warmup):
-        fn()
-    k, ts = max(1, iters // loops), []
-    for _ in range(loops):
-        if barrier:
-            comm.barrier()
-        _sync(dev)
-        t0 = time.perf_counter()
-        for _ in range(k):
-            fn()
-        _sync(dev)
-        ts.append((time.perf_counter() - t0) / k)
-    return ts
 
 
 def _setup(op: str, nbytes: int, n: int, rank: int, dev):
@@ -360,6 +306,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write busbw-vs-size PNG here (rank 0)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"], help="process-group backend")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout, seconds")
+    p.add_argument("--topology", default="auto", choices=["auto", "on", "off"], help="busbw per scope: "
+                   "node-local groups, cross-node groups, world (zerotron.bench.comm_topo); auto = on across nodes")
+    p.add_argument("--time-budget", type=float, default=120.0, help="seconds for the --topology sweeps "
+                   "(larger sizes are left out, calls cut, to finish on slow links)")
     return p
 
 
@@ -377,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = [o for o in ops if o not in OPS]
         if bad or not ops:
             raise ValueError(f"unknown op(s) {bad or args.ops!r}; choose from {','.join(OPS)}")
-        if args.iters < 1 or args.warmup < 0 or args.nproc < 1:
-            raise ValueError("--iters must be >= 1, --warmup >= 0 and --nproc >= 1")
+        if args.iters < 1 or args.warmup < 0 or args.nproc < 1 or not args.time_budget > 0:
+            raise ValueError("--iters must be >= 1, --warmup >= 0, --nproc >= 1 and --time-budget > 0")
     except ValueError as e:
         print(f"zerotron bench comm: error: {e}", file=sys.stderr)
         return 2
@@ -393,6 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     rank, n, dev = init_distributed(args.backend, timeout_s=args.timeout, device=dev)
     try:
         topo = topology_report(dev)
+        if args.topology == "on" or (args.topology == "auto" and len(topo["nodes"]) > 1):
+            from zerotron.bench.comm_topo import report_topology, run_topology
+
+            res = run_topology(ops, sizes, args.iters, args.warmup, dev, topo["nodes"], args.time_budget)
+            if rank == 0:
+                report_topology(args, ops, sizes, topo, res, noise_warnings)
+            return 0
         results, overlap = run_benchmark(ops, sizes, args.iters, args.warmup, dev)
     finally:
         if owned:
@@ -417,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(results, args.plot, f"busbw vs size: {topo['backend']}, {n} ranks, {dev.type}")
     return 0
+
 
 
 if __name__ == "__main__":

@@ -80,6 +80,8 @@ def _local_record(device: torch.device) -> dict:
         "hostname": socket.gethostname(),
         "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
         "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        "node_rank": int(os.environ.get("GROUP_RANK", -1)),  # torchrun's node index (-1: not set)
+        "ifname": os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("NCCL_SOCKET_IFNAME") or "",
         "pid": os.getpid(),
         "device": str(device),
         "device_name": _cpu_name(),
@@ -98,20 +100,22 @@ def topology_report(device: torch.device | str | None = None) -> dict:
 
     Returns a JSON-friendly dict: ``backend`` (``"gloo"``/``"nccl"``, None without a process
     group), ``world_size``, ``device_type``, ``hosts`` (sorted unique hostnames), ``ranks`` (one
-    record per rank: rank, hostname, local_rank, local_world_size, pid, device, device_name,
-    cpu_count, torch_threads), ``interconnect`` (summary string) and, on CUDA,
+    record per rank: rank, hostname, local_rank, local_world_size, node_rank, ifname, pid, device,
+    device_name, cpu_count, torch_threads), ``nodes`` (:func:`node_layout`), ``interconnect`` (summary string) and, on CUDA,
     ``nvidia_smi_topo`` ({hostname: text or None}). Works without an initialised process group
     (world size 1, nothing gathered)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     local = _local_record(device)
     ranks = comm.all_gather_object(local) if dist.is_initialized() else [local]
     hosts = sorted({r["hostname"] for r in ranks})
+    nodes = node_layout(ranks)
     report = {
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "world_size": len(ranks),
         "device_type": device.type,
         "hosts": hosts,
         "ranks": [{k: v for k, v in r.items() if k != "nvidia_smi_topo"} for r in ranks],
+        "nodes": nodes,
     }
     if device.type == "cuda":
         topo = {r["hostname"]: r.get("nvidia_smi_topo") for r in ranks if "nvidia_smi_topo" in r}
@@ -120,6 +124,33 @@ def topology_report(device: torch.device | str | None = None) -> dict:
         report["interconnect"] = " + ".join(kinds)
     else:
         report["interconnect"] = CPU_INTERCONNECT
-    if len(hosts) > 1:
-        report["interconnect"] += f" within a host; network between {len(hosts)} hosts"
+    if len(nodes) > 1:
+        report["interconnect"] += f" within a node; network between {len(nodes)} nodes"
     return report
+
+
+def node_layout(ranks: list[dict]) -> list[dict]:
+    """Group per-rank records into nodes: ``[{"node", "hostname", "ifname", "ranks", "local_ranks"}]``
+    sorted by node index. A node is torchrun's ``GROUP_RANK`` (``node_rank``) where every rank has
+    one, else a hostname (node indices in hostname order): two network namespaces on one machine
+    share a hostname but not a GROUP_RANK."""
+    by_group = all(r.get("node_rank", -1) >= 0 for r in ranks)
+    names = sorted({r["hostname"] for r in ranks})
+    nodes: dict[int, dict] = {}
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        k = r["node_rank"] if by_group else names.index(r["hostname"])
+        n = nodes.setdefault(k, {"node": k, "hostname": r["hostname"], "ifname": r.get("ifname", ""),
+                                 "ranks": [], "local_ranks": []})
+        n["ranks"].append(r["rank"])
+        n["local_ranks"].append(r["local_rank"])
+    return [nodes[k] for k in sorted(nodes)]
+
+
+def format_nodes(nodes: list[dict]) -> str:
+    """One line per node: ``node 0 (vm, zt0): ranks 0,1 = local ranks 0,1``."""
+    out = []
+    for n in nodes:
+        where = n["hostname"] + (f", {n['ifname']}" if n.get("ifname") else "")
+        out.append(f"node {n['node']} ({where}): ranks {','.join(map(str, n['ranks']))} = local ranks "
+                   f"{','.join(map(str, n['local_ranks']))}")
+    return "\n".join(out)

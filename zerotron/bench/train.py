@@ -102,7 +102,13 @@ def _mesh(cache: dict, dims, n: int, device):
 
 def _build(cfg, mesh, data, layout: Layout, steps: int):
     """``(strategy, optimizer, scheduler, micro-batches of steps 0..steps-1, n_params, seq_len,
-    tokens in one epoch of the train split)``."""
+    tokens in one epoch of the train split)``. Raises ValueError for a layout that splits the model
+    over the ranks (``"{world}"`` degree) on one rank, NotImplementedError for a strategy
+    ``parallelize`` does not provide."""
+    split = [k for k, v in layout.overrides.items() if v == "{world}"]
+    if split and mesh.dims.world_size == 1:
+        raise ValueError(f"layout {layout.name} sets {', '.join(split)} = the world size: it needs 2 or more "
+                         "ranks (--nproc 2); on 1 rank it would be the single-process layout")
     mcfg, t = gpt_config(cfg, data.vocab_size), cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank and layout
     model = build_model(mcfg).to(mesh.device)

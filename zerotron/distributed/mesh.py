@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..launch import die_with_parent
+from ..launch import check_multinode_addresses, die_with_parent
 from . import comm
 
 
@@ -81,10 +81,25 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0, device: t
         timeout = timedelta(seconds=timeout_s)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             die_with_parent()  # a killed launcher takes its workers with it
+            _check_addresses(backend)
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _check_addresses(backend: str) -> None:
+    """Before a multi-node init: one warning line per address problem (local rank 0 says it), or,
+    where the run certainly cannot connect, that line as an error and exit code 2
+    (:func:`zerotron.launch.check_multinode_addresses`)."""
+    import sys
+
+    lines, certain = check_multinode_addresses(backend)
+    if lines and os.environ.get("LOCAL_RANK", "0") == "0":
+        for line in lines:
+            print(f"zerotron: {'error' if certain else 'warning'}: {line}", file=sys.stderr, flush=True)
+    if certain:
+        raise SystemExit(2)
 
 
 class Mesh:

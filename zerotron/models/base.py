@@ -42,11 +42,17 @@ class KVCache:
     layer ``i`` calls ``update(i, k, v)`` with the new (B, H_kv, T_new, D) keys/values and attends to
     what it returns; ``cached(i)`` is layer i's cached length (the absolute position of its next
     token, for rotary embeddings).
+
+    A batch of prompts of different lengths is left-padded: ``pad`` (B,) int64 is the number of
+    padding slots at the front of each row (None: no padding, every row starts at slot 0). Slot j of
+    row b then holds position ``j - pad[b]`` (:meth:`positions`), and attention masks the padding
+    keys (:func:`causal_attention` with ``pad``), so each row computes what it would alone.
     """
 
-    def __init__(self, n_layer: int):
+    def __init__(self, n_layer: int, pad: torch.Tensor | None = None):
         self.keys: list[torch.Tensor | None] = [None] * n_layer
         self.values: list[torch.Tensor | None] = [None] * n_layer
+        self.pad = pad
 
     def __len__(self) -> int:
         """Number of cached positions (of layer 0; all layers agree between forward calls)."""
@@ -55,6 +61,15 @@ class KVCache:
     def cached(self, layer: int) -> int:
         """Cached positions of ``layer``."""
         return 0 if self.keys[layer] is None else self.keys[layer].size(2)
+
+    def positions(self, T: int, layer: int) -> torch.Tensor | None:
+        """Per-row positions (B, T) int64 of the T tokens that follow ``layer``'s cached slots
+        (padding slots clamp to 0), or None without ``pad`` (positions cached(layer) onward)."""
+        if self.pad is None:
+            return None
+        start = self.cached(layer)
+        pos = torch.arange(start, start + T, device=self.pad.device)[None, :] - self.pad[:, None]
+        return pos.clamp_(min=0)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Append k, v (B, H_kv, T_new, D) for ``layer``; return all cached (B, H_kv, T_total, D)."""
@@ -89,17 +104,26 @@ class ParallelHooks:
 DENSE = ParallelHooks()
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                     pad: torch.Tensor | None = None) -> torch.Tensor:
     """Causal scaled dot-product attention of the T newest queries over S >= T keys: q (B, H, T, D),
     k/v (B, H_kv, S, D) with H a multiple of H_kv (grouped-query attention, Ainslie et al. 2023:
     each kv head serves H/H_kv query heads) -> (B, H, T, D). Query i sits at absolute position
-    S - T + i and sees keys 0 .. S - T + i; scores scaled by 1/sqrt(D) (Vaswani et al. 2017)."""
+    S - T + i and sees keys 0 .. S - T + i; scores scaled by 1/sqrt(D) (Vaswani et al. 2017).
+    ``pad`` (B,) int64 (left padding, see :class:`KVCache`): row b's keys 0 .. pad[b]-1 are masked
+    (a padding query still sees itself, so no row of the softmax is empty)."""
     T, S = q.size(2), k.size(2)
     if k.size(1) != q.size(1):
         rep = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     mask, causal = None, False
-    if S == T:
+    if pad is not None:
+        qpos = torch.arange(S - T, S, device=q.device)[:, None]  # (T, 1) slots of the queries
+        kpos = torch.arange(S, device=q.device)[None, :]  # (1, S)
+        real = kpos[None] >= pad[:, None, None]  # (B, 1, S)
+        mask = ((kpos <= qpos)[None] & real) | (kpos == qpos)[None]  # (B, T, S)
+        mask = mask[:, None]  # (B, 1, T, S), broadcast over heads
+    elif S == T:
         causal = True
     elif T > 1:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
@@ -119,8 +143,9 @@ class CausalLM(nn.Module):
     def layout(self) -> ModelLayout:
         raise NotImplementedError
 
-    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """idx (B, T) int64 -> (B, T, C) (or this rank's sequence shard, see ParallelHooks)."""
+    def embed(self, idx: torch.Tensor, start_pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) int64 -> (B, T, C) (or this rank's sequence shard, see ParallelHooks);
+        ``positions`` (B, T) int64: per-row positions (left-padded batches) instead of start_pos."""
         raise NotImplementedError
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,7 +178,10 @@ class CausalLM(nn.Module):
         With ``kv_cache`` the tokens continue the cached sequence (positions len(cache) onward)
         and the cache grows by T. Raises ValueError if len(cache) + T > block_size.
         """
-        x = self.embed(idx, start_pos=len(kv_cache) if kv_cache is not None else 0)
+        if kv_cache is not None and kv_cache.pad is not None:
+            x = self.embed(idx, start_pos=len(kv_cache), positions=kv_cache.positions(idx.size(1), 0))
+        else:
+            x = self.embed(idx, start_pos=len(kv_cache) if kv_cache is not None else 0)
         for block in self.blocks():
             x = block(x, kv_cache)
         return self.parallel_hooks.logits(self.head(x))

@@ -103,7 +103,7 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H, S, D), S = cached + T
         p = self.dropout if self.training else 0.0
         with self.dropout_rng() if p > 0 else contextlib.nullcontext():
-            y = causal_attention(q, k, v, p)
+            y = causal_attention(q, k, v, p, kv_cache.pad if kv_cache is not None else None)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
@@ -188,10 +188,11 @@ class GPT(CausalLM):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start_pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token + position embeddings (then dropout): idx (B, T) int64 -> (B, T, C).
 
-        Positions are start_pos .. start_pos+T-1; under sequence parallelism (``parallel_hooks.
+        Positions are start_pos .. start_pos+T-1, or per row ``positions`` (B, T) int64 (a
+        left-padded batch, see ``KVCache.pad``); under sequence parallelism (``parallel_hooks.
         seq_shard()`` = (i, n)) the token embedding returns this rank's (B, T/n, C) and the positions
         are those of shard i. Raises ValueError if idx is not 2-D or start_pos + T > block_size.
         """
@@ -199,7 +200,10 @@ class GPT(CausalLM):
         index, count = self.parallel_hooks.seq_shard()
         T = idx.size(1) // count
         start_pos += index * T
-        pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
+        if positions is not None:
+            pos = positions[:, index * T:(index + 1) * T]
+        else:
+            pos = torch.arange(start_pos, start_pos + T, dtype=torch.long, device=idx.device)
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
 
     def layout(self) -> ModelLayout:

@@ -233,11 +233,16 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(emb.cos())
         self.sin.copy_(emb.sin())
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """x (B, H, T, D) -> x * cos + rotate_half(x) * sin at positions start .. start+T-1."""
+    def forward(self, x: torch.Tensor, start: int | torch.Tensor = 0) -> torch.Tensor:
+        """x (B, H, T, D) -> x * cos + rotate_half(x) * sin at positions start .. start+T-1, or at
+        per-row positions ``start`` (B, T) int64 (a left-padded batch)."""
         T = x.size(2)
-        cos = self.cos[start:start + T].to(x.dtype)
-        sin = self.sin[start:start + T].to(x.dtype)
+        if isinstance(start, torch.Tensor):
+            cos = self.cos[start].to(x.dtype)[:, None]  # (B, 1, T, D)
+            sin = self.sin[start].to(x.dtype)[:, None]
+        else:
+            cos = self.cos[start:start + T].to(x.dtype)
+            sin = self.sin[start:start + T].to(x.dtype)
         return x * cos + rotate_half(x) * sin
 
 
@@ -269,13 +274,17 @@ class LlamaAttention(nn.Module):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        start = kv_cache.cached(self.layer_idx) if kv_cache is not None else 0
+        start, pad = 0, None
+        if kv_cache is not None:
+            start, pad = kv_cache.cached(self.layer_idx), kv_cache.pad
+            if pad is not None:  # a left-padded batch: per-row positions
+                start = kv_cache.positions(T, self.layer_idx)
         q, k = self.rotary(q, start), self.rotary(k, start)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = cached + T
         p = self.dropout if self.training else 0.0
         with self.dropout_rng() if p > 0 else contextlib.nullcontext():
-            y = causal_attention(q, k, v, p)  # kv heads repeated for their query groups
+            y = causal_attention(q, k, v, p, pad)  # kv heads repeated for their query groups
         return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
@@ -359,9 +368,9 @@ class Llama(CausalLM):
             n -= self.model.embed_tokens.weight.numel()
         return n
 
-    def embed(self, idx: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start_pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token embedding: idx (B, T) int64 -> (B, T, C) (this rank's (B, T/n, C) under sequence
-        parallelism; positions enter through RoPE inside attention). Raises ValueError if idx is
+        parallelism; positions, including per-row ``positions``, enter through RoPE inside attention). Raises ValueError if idx is
         not 2-D or start_pos + T > block_size."""
         self.check_positions(idx, start_pos)
         return self.model.embed_tokens(idx)

@@ -14,6 +14,10 @@ Everything is written into ``.tmp_step_<N>`` first; after a barrier rank 0 renam
 directory named ``step_*`` that is incomplete. A write error on any rank (ENOSPC, EIO, ...) is
 agreed by all ranks: the partial ``.tmp_step_<N>`` is removed and CheckpointWriteError names it;
 older checkpoints are untouched, and rotation (``keep``) only runs after the new one is complete.
+Before writing anything, rank 0 compares the free space of the checkpoint directory with the
+bytes the save will take (:func:`space_needed`: the previous checkpoint's size on disk, or the
+caller's estimate for the first save); a save that cannot fit is refused on every rank
+(CheckpointSpaceError) before a byte is written.
 ``verify_checkpoint`` re-hashes the files against meta.json's checksums (resume, generate, export).
 Multi-node runs need a shared filesystem.
 DCP's own plan exchange uses torch.distributed directly (it is checkpoint I/O, not training traffic).
@@ -48,6 +52,10 @@ class CheckpointError(RuntimeError):
 class CheckpointWriteError(CheckpointError):
     """Writing a checkpoint failed on some rank (raised on every rank); the partial directory was
     removed and the previous checkpoints are kept."""
+
+
+class CheckpointSpaceError(CheckpointWriteError):
+    """The free-space check before a save refused it (raised on every rank): nothing was written."""
 
 
 def file_checksum(path: str | Path) -> str:
@@ -188,7 +196,8 @@ def _agree_error(err: BaseException | None) -> str | None:
 
 def _fault_write(step: int, rank: int, path: Path) -> None:
     """Fault hook for tests: ZEROTRON_FAULT_SAVE_ENOSPC_AT_STEP=N (ZEROTRON_FAULT_SAVE_RANK=r,
-    default 0) makes this rank's save of step N fail as a full disk would."""
+    default 0) makes this rank's save of step N fail as a full disk would. (ZEROTRON_FAULT_NO_SPACE_CHECK=1
+    skips the free-space check before each save, as if another writer filled the disk after it.)"""
     if os.environ.get("ZEROTRON_FAULT_SAVE_ENOSPC_AT_STEP") == str(step) and \
             os.environ.get("ZEROTRON_FAULT_SAVE_RANK", "0") == str(rank):
         path.write_bytes(b"\0" * 100)  # a partial file, as a full disk leaves
@@ -201,14 +210,62 @@ def dir_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
-def _space_report(root: Path, prev: Path | None, what: str, expected_bytes: int | None) -> str:
+def dir_disk_bytes(path: str | Path) -> int:
+    """Bytes the files under ``path`` take on its filesystem: per file the larger of its size and
+    its allocated blocks (``st_blocks`` x 512: tmpfs and ext4 round every file up to 4 KiB)."""
+    path = Path(path)
+    if not path.is_dir():
+        return 0
+    total = 0
+    for f in path.rglob("*"):
+        st = f.stat()
+        if f.is_file():
+            total += max(st.st_size, getattr(st, "st_blocks", 0) * 512)
+    return total
+
+
+def space_needed(run_dir: str | Path, expected_bytes: int | None) -> tuple[int | None, str]:
+    """``(bytes, basis)`` the next checkpoint of ``run_dir`` needs on disk: the size of the newest
+    checkpoint (:func:`dir_disk_bytes`; the next one holds the same tensors), or, before the first,
+    ``expected_bytes`` (None: unknown). ``basis`` says which, for messages."""
+    prev = latest_checkpoint(run_dir)
+    if prev is not None:
+        return dir_disk_bytes(prev), f"the size of {prev.name}"
+    return expected_bytes, "estimated from the parameter and optimizer-state bytes"
+
+
+def _free_bytes(root: Path) -> int:
+    """Free bytes (for an unprivileged writer) of the filesystem holding ``root`` or, when it does
+    not exist yet, its nearest existing parent. Raises OSError."""
+    while not root.exists() and root != root.parent:
+        root = root.parent
+    return shutil.disk_usage(root).free
+
+
+def _space_shortfall(root: Path, name: str, run_dir: str | Path, expected_bytes: int | None) -> str | None:
+    """The free-space check before a save: None when it fits (or nothing is known), else the one
+    line that refuses it (path, bytes free, bytes needed and on what basis, the kept checkpoint)."""
+    need, basis = space_needed(run_dir, expected_bytes)
+    try:
+        free = _free_bytes(root)
+    except OSError:
+        return None  # the write itself will report what is wrong
+    if need is None or free >= need:
+        return None
+    prev = latest_checkpoint(run_dir)
+    return (f"not writing checkpoint {name}: no space left on device: {root} has {free:,} bytes free, the "
+            f"checkpoint needs about {need:,} bytes ({basis}); nothing was written; "
+            + (f"the newest checkpoint {prev} is kept" if prev else "there is no earlier checkpoint"))
+
+
+def _space_report(root: Path, run_dir: str | Path, what: str, expected_bytes: int | None) -> str:
     """After a failed save whose partial directory is gone: ``"; no space left on device: <root>
     has F bytes free, the checkpoint needs about N bytes (...)"`` when the disk is the cause (an
     ENOSPC on some rank, or less free than needed; torch.save on a full disk raises only
     "unexpected pos ..."), else the same numbers without the verdict."""
-    need, basis = (dir_bytes(prev), f"the size of {prev.name}") if prev else (expected_bytes, "estimated")
+    need, basis = space_needed(run_dir, expected_bytes)
     try:
-        free = shutil.disk_usage(root).free
+        free = _free_bytes(root)
     except OSError:
         return ""
     full = "No space left on device" in what or (need is not None and free < need)
@@ -226,9 +283,12 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
     model/optimizer state, so any layout can load the checkpoint); ``meta``: JSON-able dict.
     Keeps the newest ``keep`` checkpoints (0 = all); rotation runs only after the new checkpoint
     is complete, so the newest good checkpoint is never deleted. Returns the final directory.
-    Raises CheckpointWriteError on every rank when a write fails on any rank (the partial
-    directory is removed; earlier checkpoints are kept). Its message (rank 0's) names the path,
-    the bytes free and the bytes needed: the previous checkpoint's size, else ``expected_bytes``."""
+    Raises CheckpointSpaceError on every rank, before anything is written, when the checkpoint
+    directory has less free space than :func:`space_needed` (the previous checkpoint's size on
+    disk, else ``expected_bytes``), and CheckpointWriteError on every rank when a write fails on
+    any rank (the partial directory is removed; earlier checkpoints are kept). Both messages
+    (rank 0's) name the path, the bytes free and the bytes needed, and say what is kept; what to
+    do next is the caller's to say."""
     rank = dist.get_rank()
     root = Path(run_dir) / "checkpoints"
     tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
@@ -241,11 +301,16 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
         prev = latest_checkpoint(run_dir)
-        space = _space_report(root, prev, what, expected_bytes) if rank == 0 else ""
+        space = _space_report(root, run_dir, what, expected_bytes) if rank == 0 else ""
         raise CheckpointWriteError(f"cannot write checkpoint {tmp} ({what}){space}; removed the partial directory; "
-                                   + (f"the newest checkpoint {prev} is kept; free disk space, then resume with "
-                                      "--resume" if prev else "no earlier checkpoint; free disk space, then start "
-                                      "again with a new --run-dir"))
+                                   + (f"the newest checkpoint {prev} is kept" if prev else "there is no earlier "
+                                      "checkpoint"))
+    # the free-space check, before anything is written (rank 0: the directory is shared by all ranks)
+    skip = os.environ.get("ZEROTRON_FAULT_NO_SPACE_CHECK") == "1"  # fault hook: a disk filled after the check
+    short = _space_shortfall(root, final.name, run_dir, expected_bytes) if rank == 0 and not skip else None
+    refused = _agree_error(None if short is None else CheckpointSpaceError(short))
+    if refused is not None:
+        raise CheckpointSpaceError(short or refused)
     err = None
     if rank == 0:
         try:

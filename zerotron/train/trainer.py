@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from .optim import build_scheduler
 from .progress import Progress
 from .step import IGNORE_INDEX, evaluate, train_step
 from .tensorboard import open_tensorboard
+from .wandb_log import open_wandb
 
 
 def gpt_config(cfg: Config, tokenizer_vocab: int):
@@ -167,6 +169,8 @@ class Trainer:
         self.model.to(dtype=param_dtype(cfg.train.dtype))  # fp64 mode: every parameter in float64
         self.seq_len = self.model_cfg.block_size
         self.num_params = self.model.num_params()  # dense count, before any sharding
+        dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
+        self.state_bytes, self.state_tensors = sum(v.numel() * v.element_size() for v in dense.values()), len(dense)
         self.strategy = parallelize(self.model, cfg, self.mesh)
         self.optimizer = self.strategy.build_optimizer(cfg.train, self.strategy.decay_mask)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -180,6 +184,8 @@ class Trainer:
         self.val_batches = [batch_from_indices(self.data.val, g, self.seq_len, "val") if len(g)
                             else padding_batch(self.seq_len) for g in val_groups]
         self.start_step = 0
+        self.failed_saves: list[int] = []  # steps whose checkpoint could not be written (on_error = continue)
+        self.unsaved: int | None = None    # the newest of them, while no later save has succeeded
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
         if resume:
             latest = self.resume_from
@@ -236,21 +242,59 @@ class Trainer:
                 "tokens_seen": step * self.cfg.train.global_batch * self.seq_len,
                 "model_config": registry.config_meta(self.model_cfg)}
 
-    def save(self, step: int) -> Path:
-        """Collectively write checkpoint ``step``; returns its directory. Raises
-        lifecycle.RunStopped (every rank) when a parameter is not finite or the write fails: the
-        previous checkpoints are kept, the partial directory is removed."""
+    def expected_checkpoint_bytes(self) -> int:
+        """Estimated bytes of a checkpoint, for the free-space check of the first save (later ones
+        use the previous checkpoint's size): the dense state dict three times (weights and AdamW's
+        two moments), 2 KiB of file and index overhead per saved tensor, the tokenizer, 16 KiB of
+        RNG state per rank and 64 KiB for the rest (tiny model: 6% above the real size)."""
+        tok = self.data.tokenizer_path
+        tok_bytes = os.path.getsize(tok) if tok and os.path.isfile(tok) else 0
+        return 3 * self.state_bytes + 3 * 2048 * self.state_tensors + tok_bytes + 16384 * self.world + 65536
+
+    def next_save(self, step: int) -> int | None:
+        """The step of the first save after ``step`` (checkpoint.every / save_final), or None."""
+        every, steps = self.cfg.checkpoint.every, self.cfg.train.steps
+        if every and (step // every + 1) * every <= steps:
+            return (step // every + 1) * every
+        return steps if self.cfg.checkpoint.save_final and step < steps else None
+
+    def save(self, step: int, must: str = "") -> Path | None:
+        """Collectively write checkpoint ``step``; returns its directory.
+
+        A save refused by the free-space check or failed while writing (the partial directory is
+        removed, the previous checkpoints are kept): with ``checkpoint.on_error = continue`` and no
+        ``must``, rank 0 prints one warning line, the step is recorded in :attr:`failed_saves`
+        (:attr:`unsaved` until a later save succeeds) and None is returned on every rank (the
+        failure is agreed collectively, so all ranks go on together). Otherwise, or when ``must``
+        says why this save cannot be skipped ("final": the end of training; "signal": a stop on a
+        signal), raises lifecycle.RunStopped (exit 3) on every rank. A non-finite parameter
+        always raises RunStopped."""
         if not lifecycle.params_finite(self.strategy, self.device):
             raise lifecycle.RunStopped(f"refusing to write checkpoint step_{step}: a parameter is not finite; "
                                        f"the newest good checkpoint is {ckpt.latest_checkpoint(self.run_dir)}")
         try:
-            # about the size of a first checkpoint: parameters + AdamW's two states, one dense copy
-            expected = 3 * self.num_params * torch.empty((), dtype=param_dtype(self.cfg.train.dtype)).element_size()
-            return ckpt.save_checkpoint(self.run_dir, step, self.strategy, self.optimizer, self.scheduler,
+            path = ckpt.save_checkpoint(self.run_dir, step, self.strategy, self.optimizer, self.scheduler,
                                         self.meta(step), self.data.tokenizer_path, keep=self.cfg.checkpoint.keep,
-                                        expected_bytes=expected)
+                                        expected_bytes=self.expected_checkpoint_bytes())
+            self.unsaved = None
+            return path
         except ckpt.CheckpointWriteError as e:
-            raise lifecycle.RunStopped(str(e)) from None
+            if must or self.cfg.checkpoint.on_error == "stop":
+                why = {"final": f"the final checkpoint (step {step} of {self.cfg.train.steps}) could not be written",
+                       "signal": "the run was stopping on a signal"}.get(must, "checkpoint.on_error = stop")
+                cks = ckpt.list_checkpoints(self.run_dir)
+                newest, lost = bool(cks), step - (cks[-1][0] if cks else 0)
+                raise lifecycle.RunStopped(f"{e}; stopped: {why}; the last {lost} steps are not saved; free disk "
+                                           f"space, then " + (f"resume with: {lifecycle.resume_command()}" if newest
+                                                              else "start again")) from None
+            self.failed_saves.append(step)
+            self.unsaved = step
+            if self.rank == 0:
+                nxt = self.next_save(step)
+                print(f"zerotron: warning: {e}; training continues (checkpoint.on_error = continue), "
+                      + (f"the next save at step {nxt} retries" if nxt else "no later save is scheduled"),
+                      file=sys.stderr, flush=True)
+            return None
 
     def fit(self, callback=None) -> dict:
         """Train from ``start_step`` to ``train.steps``; returns a summary dict (rank 0 meaningful).
@@ -266,6 +310,7 @@ class Trainer:
             return {"steps": self.start_step, "final_loss": None, "first_val_loss": None, "final_val_loss": None,
                     "median_tokens_per_s": None, "nothing_to_do": True}
         keep_to = self.start_step if self.resume or self.restart else None  # metrics of steps <= this are kept
+        wb = open_wandb(cfg.log.wandb, cfg.log.wandb_project, self.run_dir, cfg.to_dict(), lead)  # first: a missing package stops here
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_to) if lead else None
         if lead:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -284,59 +329,65 @@ class Trainer:
         rates, losses = [], []
         self.model.train()
         signals.install()
-        for step in range(self.start_step, t.steps):
-            batches = self.micro_batches(step)
-            before = dict(comm.STATS.bytes)
-            t0 = time.perf_counter()
-            guard.step = step + 1
-            comm.set_step(step + 1)  # named by the watchdog if a collective of this step fails
-            out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
-                             t.grad_clip, t.dtype, self.device, guard=guard)
-            dt = time.perf_counter() - t0
-            rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                   "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
-                   **self.mfu_meter(tok_per_step / dt),
-                   "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
-                   "comm_bytes_by_op": _bytes_by_op(before),
-                   "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1),
-                   "skipped_steps": guard.skipped}
-            if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
-                rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
-            states = self.strategy.model_state_bytes(self.optimizer)
-            rec["model_state_bytes"] = states["total_bytes"]
-            rec["model_state_breakdown"] = states
-            rates.append(rec["tokens_per_s"])
-            losses.append(out["loss"])
-            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps or step == 0):
-                rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
-                first_val = rec["val_loss"] if first_val is None else first_val
-                last_val = rec["val_loss"]
-            if writer:
-                writer.write(rec)
-            if tb:
-                tb.log(rec)
-            if callback:
-                callback(self, rec)
-            if bar:
-                bar.update(rec)
-            guard.check(out["loss"], out["grad_norm"], ckpt.latest_checkpoint(self.run_dir))  # may stop (exit 3)
-            ck_every, saved = cfg.checkpoint.every, None
-            if (ck_every and (step + 1) % ck_every == 0) or (step + 1 == t.steps and cfg.checkpoint.save_final):
-                saved = self.save(step + 1)
-            if guard.stop_signal:  # SIGTERM/SIGHUP/SIGINT on some rank, agreed by all: checkpoint, then stop
-                saved = saved or self.save(step + 1)
-                signals.done()
-                raise guard.signal_stop(step + 1, saved)
-            if step + 1 == die_at and self.rank == die_rank:
-                os.kill(os.getpid(), signal.SIGKILL)
+        try:  # the loggers are closed (flushed) also when a guard or a signal stops the run
+            for step in range(self.start_step, t.steps):
+                batches = self.micro_batches(step)
+                before = dict(comm.STATS.bytes)
+                t0 = time.perf_counter()
+                guard.step = step + 1
+                comm.set_step(step + 1)  # named by the watchdog if a collective of this step fails
+                out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
+                                 t.grad_clip, t.dtype, self.device, guard=guard)
+                dt = time.perf_counter() - t0
+                rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                       "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
+                       **self.mfu_meter(tok_per_step / dt),
+                       "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
+                       "comm_bytes_by_op": _bytes_by_op(before),
+                       "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1),
+                       "skipped_steps": guard.skipped}
+                if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
+                    rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
+                states = self.strategy.model_state_bytes(self.optimizer)
+                rec["model_state_bytes"] = states["total_bytes"]
+                rec["model_state_breakdown"] = states
+                rates.append(rec["tokens_per_s"])
+                losses.append(out["loss"])
+                if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps or step == 0):
+                    rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
+                    first_val = rec["val_loss"] if first_val is None else first_val
+                    last_val = rec["val_loss"]
+                if writer:
+                    writer.write(rec)
+                if tb:
+                    tb.log(rec)
+                if wb:
+                    wb.log(rec)
+                if callback:
+                    callback(self, rec)
+                if bar:
+                    bar.update(rec)
+                guard.check(out["loss"], out["grad_norm"], ckpt.latest_checkpoint(self.run_dir))  # may stop (exit 3)
+                ck_every, saved = cfg.checkpoint.every, None
+                final = step + 1 == t.steps and cfg.checkpoint.save_final
+                if (ck_every and (step + 1) % ck_every == 0) or final:
+                    saved = self.save(step + 1, must="final" if final else "")
+                if guard.stop_signal:  # SIGTERM/SIGHUP/SIGINT on some rank, agreed by all: checkpoint, then stop
+                    saved = saved or self.save(step + 1, must="signal")
+                    signals.done()
+                    raise guard.signal_stop(step + 1, saved)
+                if step + 1 == die_at and self.rank == die_rank:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        finally:
+            for logger in (tb, wb):
+                if logger:
+                    logger.close()
         signals.uninstall()
         if bar:
             bar.close()
-        if tb:
-            tb.close()
         summary = {"steps": t.steps, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
                    "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None,
-                   "skipped_steps": guard.skipped}
+                   "skipped_steps": guard.skipped, "failed_checkpoints": self.failed_saves}
         if cfg.log.sample_tokens:  # every rank decodes: sharded strategies gather collectively
             summary["sample"] = self.sample(cfg.log.sample_prompt, cfg.log.sample_tokens)
         if lead and writer:
@@ -344,6 +395,12 @@ class Trainer:
             if cfg.log.plot:
                 plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
             (self.run_dir / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
+        if self.unsaved is not None:  # the last save failed and none after it (checkpoint.save_final = false)
+            newest = ckpt.latest_checkpoint(self.run_dir)
+            raise lifecycle.RunStopped(f"training finished at step {t.steps}, but checkpoint step_{self.unsaved} could "
+                                       "not be written and no later save was scheduled (checkpoint.save_final = "
+                                       f"false); the newest checkpoint is {newest}; free disk space, then "
+                                       + (f"resume with: {lifecycle.resume_command()}" if newest else "start again"))
         return summary
 
     def sample(self, prompt: str, n: int) -> str:

@@ -1,0 +1,144 @@
+"""``zerotron serve`` on 2 processes (a 2-stage pipeline, 2 micro-batches in flight), called with a real
+HTTP client (urllib): concurrent completions equal ``zerotron generate``'s texts, /v1/models and
+/health answer, bad requests get 4xx JSON errors while the server keeps serving, a client that
+disconnects wedges nothing, and SIGTERM drains (the request in flight is answered) and stops.
+One spawn of 2 ranks; the checkpoint and the reference texts are made in the pytest process."""
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from zerotron.testing import ROOT
+
+PROMPTS = ["ROMEO:", "JULIET: O", "First Citizen:\nBefore we proceed", "KING"]
+NEW = 8
+
+
+def _post(url, body, raw: bytes | None = None, timeout=120):
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _get(url):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.status, json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, data_cache):
+    from zerotron.cli import main
+
+    run = tmp_path_factory.mktemp("serve") / "run"
+    assert main(["train", "--config", "configs/tiny.toml", "--run-dir", str(run), "--train.steps", "2",
+                 "--model.n_layer", "2", "--train.eval_every", "0", "--log.progress", "false",
+                 "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache]) == 0
+    return run
+
+
+def _reference(run, tmp_path, capsys):
+    from zerotron.cli import main
+
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(p.replace("\n", " ") for p in PROMPTS) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(run), "--prompts-file", str(f), "--max-new-tokens", str(NEW)]) == 0
+    parts = re.split(r"^--- \[\d+\] ---\n", capsys.readouterr().out, flags=re.M)[1:]
+    return [p[:-1] for p in parts]  # print's newline
+
+
+def test_serve_two_processes(checkpoint, tmp_path, capsys):
+    prompts = [p.replace("\n", " ") for p in PROMPTS]
+    ref = _reference(checkpoint, tmp_path, capsys)
+    assert len(ref) == len(prompts) and all(r.startswith(p) for r, p in zip(ref, prompts))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+                             "--nproc", "2", "--parallel.pp", "2", "--microbatches", "2", "--max-body-bytes", "4000",
+                             "--batch-window-ms", "150"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
+    try:
+        deadline = time.time() + 120
+        while not any("listening on" in ln for ln in lines):
+            assert proc.poll() is None and time.time() < deadline, "".join(lines)
+            time.sleep(0.2)
+        base = re.search(r"listening on (http://\S+)", "".join(lines)).group(1)
+        url = base + "/v1/completions"
+        assert _get(base + "/health") == (200, {"status": "ok", "batches": 0, "requests": 0})
+        code, models = _get(base + "/v1/models")
+        model_id = models["data"][0]["id"]
+        assert code == 200 and model_id == "run"
+
+        # concurrent requests (batched together by rank 0) and one with a list of prompts
+        body = lambda p: {"prompt": p, "max_tokens": NEW, "temperature": 0}  # noqa: E731
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            futs = [ex.submit(_post, url, body(p)) for p in prompts[:3]]
+            futs.append(ex.submit(_post, url, {**body(prompts[2:]), "model": model_id}))
+            res = [f.result() for f in futs]
+        for (code, r), p, want in zip(res[:3], prompts, ref):
+            assert code == 200 and r["object"] == "text_completion", r
+            assert p + r["choices"][0]["text"] == want
+            assert r["choices"][0]["finish_reason"] in ("length", "stop") and r["usage"]["completion_tokens"] <= NEW
+        code, r = res[3]
+        assert code == 200 and [p + c["text"] for p, c in zip(prompts[2:], r["choices"])] == ref[2:]
+        health = _get(base + "/health")[1]
+        assert health["requests"] == 4 and health["batches"] < 4, health  # some arrived together: one batch
+        # stop strings cut the text; n > 1 with sampling gives n choices
+        word = ref[0][len(prompts[0]):].strip()[:2]
+        if word:
+            code, r = _post(url, {**body(prompts[0]), "stop": [word]})
+            assert code == 200 and word not in r["choices"][0]["text"] and r["choices"][0]["finish_reason"] == "stop"
+        code, r = _post(url, {"prompt": prompts[0], "max_tokens": 4, "temperature": 0.9, "top_p": 0.9, "n": 3})
+        assert code == 200 and [c["index"] for c in r["choices"]] == [0, 1, 2]
+
+        # bad requests: 4xx JSON errors, the server keeps serving
+        bad = [({"max_tokens": 3}, 400, "prompt"), ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+               ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+               ({"prompt": "x", "temperature": "hot"}, 400, "temperature"), ({"prompt": 5}, 400, "prompt"),
+               ({"prompt": "x", "top_p": 0}, 400, "top_p"), ({"prompt": "x", "n": 0}, 400, "n"),
+               ({"prompt": "x", "model": "gpt-9"}, 404, "model"), ({"prompt": "x", "stream": True}, 400, "stream")]
+        for b, want_code, param in bad:
+            code, r = _post(url, b)
+            assert code == want_code and r["error"]["param"] == param and r["error"]["message"], (b, code, r)
+        assert _post(url, None, raw=b"{not json")[0] == 400
+        assert _post(url, None, raw=json.dumps({"prompt": "x" * 5000}).encode())[0] == 413
+        assert _post(base + "/v1/nothing", {})[0] == 404
+        # a client that sends a request and leaves at once
+        host, port = re.search(r"http://([^:]+):(\d+)", base).groups()
+        with socket.create_connection((host, int(port))) as s:
+            data = json.dumps(body(prompts[0])).encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        code, r = _post(url, body(prompts[1]))
+        assert code == 200 and prompts[1] + r["choices"][0]["text"] == ref[1]
+
+        # SIGTERM while a request is in flight: it is answered, then the server stops
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(_post, url, {"prompt": prompts[3], "max_tokens": 40, "temperature": 0})
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            code, r = fut.result(timeout=120)
+        assert code == 200 and r["choices"][0]["text"], r
+        assert proc.wait(timeout=60) in (0, 128 + signal.SIGTERM)
+        time.sleep(0.3)
+        assert any("drained and stopped" in ln for ln in lines), "".join(lines)
+        assert "Traceback" not in "".join(lines), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,130 @@
+"""One batch of requests being decoded together: :class:`Request`, :class:`DecodeBatch`.
+
+Prompts of different lengths share a batch by **left padding**: row b of a batch whose longest
+prompt has L tokens gets ``L - len(prompt_b)`` padding slots in front, recorded in
+``KVCache.pad``; every row then has its new token in the same (last) slot, positions are per row
+(``slot - pad[b]``; learned positions and RoPE alike) and attention masks the padding keys, so a
+row computes what it would alone (KV-cached decoding of one request).
+
+Every row is fed one token per step until the whole batch is finished, so all rows of a batch
+share one cache length. A finished row is either dropped from the batch and its cache
+(:meth:`DecodeBatch.compact`, single process / tp / dp) or, in a pipeline, fed its last token
+again with its output ignored (the stages would have to agree on every drop).
+
+Context longer than ``block_size`` is handled as ``CausalLM.generate`` does: when the next token
+would not fit, the cache is dropped and rebuilt from the last ``block_size`` tokens of every row
+(positions restart at 0); from then on each step is a full forward of the cropped window. A row
+shorter than the window then recomputes its whole (uncropped) sequence, which equals continuing
+its cache up to rounding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerotron.models.base import KVCache
+
+from .sampling import SamplingParams, make_generator, sample_rows
+
+__all__ = ["Request", "DecodeBatch", "PAD_ID"]
+
+PAD_ID = 0  # token id in padding slots (masked out: any valid id would do)
+
+
+@dataclass
+class Request:
+    """One generation request: ``prompt`` token ids (non-empty), its :class:`SamplingParams`."""
+
+    prompt: list[int]
+    params: SamplingParams
+
+
+class DecodeBatch:
+    """Decoding state of requests ``requests`` (indices ``index`` in the caller's list): their token
+    lists, done flags, generators (``params.seed`` each) and the KV cache of the layers this rank
+    holds. ``eos_id``: end-of-text token (None: never stop early). ``block_size``: the model's
+    context. Raises ValueError for an empty prompt."""
+
+    def __init__(self, requests: list[Request], index: list[int], n_layer: int, block_size: int,
+                 eos_id: int | None, device: torch.device):
+        for i, r in zip(index, requests):
+            if not r.prompt:
+                raise ValueError(f"request {i} has an empty prompt; every prompt needs at least one token")
+        self.requests, self.index, self.n_layer = requests, list(index), n_layer
+        self.block_size, self.eos_id, self.device = block_size, eos_id, device
+        self.tokens = [list(r.prompt) for r in requests]
+        self.new = [[] for _ in requests]
+        self.done = [r.params.max_tokens == 0 for r in requests]
+        self.generators = [make_generator(r.params.seed, device) for r in requests]
+        self.cache: KVCache | None = None
+        self.steps = 0
+        self.active = list(range(len(requests)))  # rows in the cache, in cache order
+
+    @property
+    def finished(self) -> bool:
+        """True when every row has reached eos or its max_tokens."""
+        return all(self.done)
+
+    @property
+    def size(self) -> int:
+        return len(self.requests)
+
+    def next_input(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The tokens of the next forward and whether the cache is (re)built: ``(idx, pad)`` with
+        idx (b, T) int64 and ``pad`` (b,) int64 for a (re)prefill (the caller makes a new
+        ``KVCache(n_layer, pad)``), or ``(last tokens (b, 1), None)`` to continue the cache."""
+        slots = 0 if self.cache is None else self.cache.cached(self._first_layer())
+        if self.cache is not None and slots + 1 <= self.block_size:
+            return torch.tensor([[self.tokens[b][-1]] for b in self.active], device=self.device), None
+        rows = [self.tokens[b][-self.block_size:] for b in self.active]
+        L = max(len(r) for r in rows)
+        idx = torch.tensor([[PAD_ID] * (L - len(r)) + r for r in rows], device=self.device)
+        pad = torch.tensor([L - len(r) for r in rows], device=self.device)
+        return idx, pad
+
+    def _first_layer(self) -> int:
+        return next(i for i, k in enumerate(self.cache.keys) if k is not None)
+
+    def start(self, pad: torch.Tensor | None) -> KVCache:
+        """The cache of the next forward: a new one for a (re)prefill (``pad`` given), else the current."""
+        if pad is not None:
+            self.cache = KVCache(self.n_layer, pad)
+        return self.cache
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next tokens (b,) int64 from the last-position logits (b, V) of the active rows."""
+        return sample_rows(logits, [self.requests[b].params for b in self.active],
+                           [self.generators[b] for b in self.active])
+
+    def compact(self) -> None:
+        """Drop the finished rows from the batch and from every cached layer (and ``pad``)."""
+        keep = [i for i, b in enumerate(self.active) if not self.done[b]]
+        if len(keep) == len(self.active) or not keep or self.cache is None:
+            return
+        idx = torch.tensor(keep, device=self.device)
+        c = self.cache
+        c.keys = [None if k is None else k.index_select(0, idx) for k in c.keys]
+        c.values = [None if v is None else v.index_select(0, idx) for v in c.values]
+        c.pad = c.pad.index_select(0, idx) if c.pad is not None else None
+        self.active = [self.active[i] for i in keep]
+
+    def advance(self, next_tokens: torch.Tensor | list[int]) -> None:
+        """Append each unfinished active row's token (one per active row, in cache order); mark rows
+        done at eos or max_tokens."""
+        self.steps += 1
+        toks = next_tokens.tolist() if torch.is_tensor(next_tokens) else next_tokens
+        for b, t in zip(self.active, toks):
+            if self.done[b]:
+                continue
+            self.tokens[b].append(t)
+            self.new[b].append(t)
+            p = self.requests[b].params
+            if len(self.new[b]) >= p.max_tokens or (p.stop_at_eos and t == self.eos_id):
+                self.done[b] = True
+
+    def kv_bytes(self) -> int:
+        """Storage bytes of the keys and values this rank caches for the batch."""
+        if self.cache is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.cache.keys + self.cache.values if t is not None)

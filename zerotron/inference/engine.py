@@ -1,0 +1,126 @@
+"""Batched, KV-cached generation on every layout: :class:`Engine`.
+
+Layouts (the mesh's dims and ``microbatches``):
+  * single process, or **tensor parallel** (tp > 1): every tp rank runs the same decoding loop on
+    its head shards (the KV cache holds the local heads), the logits are gathered over tp
+    (``model.parallel_hooks.generation()``), and identically seeded per-request generators draw the
+    same tokens on every tp rank;
+  * **data parallel** (dp > 1): request i goes to replica ``i % dp``; each replica decodes its own
+    requests (with its own copy of the model and the cache) and the outputs are gathered;
+  * **pipeline** (pp > 1, any tp): the layers (and their KV cache) are split over the stages and
+    the batch into ``microbatches`` micro-batches in flight (``zerotron.inference.pipelined``);
+    ``microbatches=1`` is naive model parallelism (one stage busy at a time).
+
+A request's output depends only on its prompt, :class:`SamplingParams` and seed, never on the
+layout, the batch or the micro-batch split (greedy: bitwise in fp64; sampling: up to rounding of
+the logits). Every rank must call :meth:`Engine.generate` with the same requests.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from zerotron.distributed import comm
+
+from .batch import DecodeBatch, Request
+from .forward import RunStats, forward_layers, weight_bytes
+
+__all__ = ["Engine", "RunStats", "forward_layers", "weight_bytes"]
+
+
+class Engine:
+    """Generation for ``model`` (the dense ``CausalLM``, identical on every rank, fully initialised
+    and in eval mode) over ``mesh``. tp > 1: the model is made tensor-parallel here; pp > 1: split
+    into pipeline stages with ``microbatches`` micro-batches in flight (1 = naive model parallel).
+    ``max_batch``: requests decoded together per replica (None: all; on a pipeline this is the
+    batch split into micro-batches). ``eos_id``: end-of-text token id (None: only max_tokens stops).
+    ``pp_split``: layers per pipeline stage ("" = equal counts; "decode" = balanced for decoding,
+    the head counted as V / (12 C) blocks: :func:`zerotron.inference.pipelined.decode_split`; or
+    counts such as "3,1"). Raises ValueError for microbatches < 1, max_batch < 1 or a bad split."""
+
+    def __init__(self, model, mesh, microbatches: int = 1, max_batch: int | None = None,
+                 eos_id: int | None = None, pp_split: str = ""):
+        if microbatches < 1 or (max_batch is not None and max_batch < 1):
+            raise ValueError(f"need microbatches >= 1 and max_batch >= 1, got {microbatches}, {max_batch}")
+        self.mesh, self.microbatches, self.max_batch, self.eos_id = mesh, microbatches, max_batch, eos_id
+        self.tp, self.pp, self.dp = mesh.size("tp"), mesh.size("pp"), mesh.size("dp")
+        self.config = model.config
+        model.eval()
+        if self.tp > 1:
+            from zerotron.parallel.tensor.transform import apply_tensor_parallel
+            model = apply_tensor_parallel(model, mesh.group("tp"))
+        self.model, self.pipeline = model, None
+        if self.pp > 1:
+            from .pipelined import PipelinedDecoder, decode_split
+            if pp_split == "decode":
+                lay = model.layout()
+                pp_split = decode_split(self.config.n_layer, self.pp, lay.width, lay.vocab_size)
+            self.pipeline = PipelinedDecoder(model, mesh, pp_split)
+        self.device = next(iter(model.parameters())).device
+        self.stats = RunStats()
+
+    @property
+    def holder(self) -> torch.nn.Module:
+        """The module of this rank's weights (the pipeline stage, or the whole model)."""
+        return self.pipeline.stage if self.pipeline is not None else self.model
+
+    def weight_bytes(self) -> int:
+        """Weight storage bytes on this rank."""
+        return weight_bytes(self.holder)
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request]) -> list[list[int]]:
+        """New tokens of each request (eos included when it stopped there), in input order, on every
+        rank. Collective over the whole mesh: every rank passes the same ``requests``. Raises
+        ValueError for an empty prompt or invalid sampling parameters (before any collective)."""
+        for r in requests:
+            r.params.validate()
+            if not r.prompt:
+                raise ValueError("every request needs a non-empty prompt")
+        t0, c0 = time.perf_counter(), time.process_time()
+        self.stats = stats = RunStats()
+        dp_rank = self.mesh.local_rank("dp")
+        mine = [i for i in range(len(requests)) if i % self.dp == dp_rank]
+        out: dict[int, list[int]] = {}
+        step = self.max_batch or max(len(mine), 1)
+        with self.model.parallel_hooks.generation():
+            for lo in range(0, len(mine), step):
+                idx = mine[lo:lo + step]
+                batch_reqs = [requests[i] for i in idx]
+                if self.pipeline is not None:
+                    res = self.pipeline.run(batch_reqs, idx, self.microbatches, self.eos_id, stats, t0)
+                else:
+                    res = self._run_local(batch_reqs, idx, stats, t0)
+                out.update(zip(idx, res))
+        if self.dp > 1:
+            merged: dict[int, list[int]] = {}
+            for part in comm.all_gather_object(out, group=self.mesh.group("dp")):
+                merged.update(part)
+            out = merged
+        stats.wall_s, stats.cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        return [out[i] for i in range(len(requests))]
+
+    def _run_local(self, requests, index, stats: RunStats, t0: float) -> list[list[int]]:
+        """Single-process / tensor-parallel decoding of one batch."""
+        model, cfg = self.model, self.config
+        batch = DecodeBatch(requests, index, cfg.n_layer, cfg.block_size, self.eos_id, self.device)
+        blocks, layers = model.blocks(), list(range(cfg.n_layer))
+        last_t = None
+        while not batch.finished:
+            tb = time.perf_counter()
+            idx, pad = batch.next_input()
+            cache = batch.start(pad)
+            logits = forward_layers(model, blocks, layers, idx, cache, True, True)
+            batch.advance(batch.sample(logits))
+            stats.kv_cache_bytes = max(stats.kv_cache_bytes, batch.kv_bytes())
+            batch.compact()  # finished rows leave the batch and the cache
+            now = time.perf_counter()
+            stats.busy_s += now - tb
+            if stats.first_token_s is None:
+                stats.first_token_s = now - t0
+            elif last_t is not None:
+                stats.step_s.append(now - last_t)
+            last_t = now
+        stats.new_tokens += sum(len(n) for n in batch.new)
+        return batch.new
