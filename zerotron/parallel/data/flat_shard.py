@@ -74,6 +74,18 @@ class FlatShard:
             storage = self.full.untyped_storage()
         storage.resize_(nbytes)
 
+    def zero_grad(self) -> None:
+        """Clear the shard gradient and the parameters' gradients (stage 1: zero the full buffer and
+        re-attach the ``param.grad`` views into it; stages 2-3: ``param.grad = None``)."""
+        self.shard_grad.zero_()
+        self.master.grad = None
+        if self.stage == 1:
+            self.grad_full.zero_()
+            self.attach_grad_views()
+        else:
+            for p in self.params:
+                p.grad = None
+
     def attach_grad_views(self) -> None:
         for p, off, n in zip(self.params, self.offsets, self.numels):
             p.grad = self.grad_full[off:off + n].view_as(p)

@@ -139,14 +139,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     def zero_grad(self) -> None:
         self._used.reset()
         for f in self.all_flats:
-            f.shard_grad.zero_()
-            f.master.grad = None
-            if f.stage == 1:
-                f.grad_full.zero_()
-                f.attach_grad_views()
-            else:
-                for p in f.params:
-                    p.grad = None
+            f.zero_grad()
 
     def forward_backward(self, micro_batches, n_global, dtype, device):
         if self.stage == 3:

@@ -72,14 +72,7 @@ class StageZero:
 
     def zero_grad(self) -> None:
         for f in self.all_flats:
-            f.shard_grad.zero_()
-            f.master.grad = None
-            if f.stage == 1:
-                f.grad_full.zero_()
-                f.attach_grad_views()
-            else:
-                for q in f.params:
-                    q.grad = None
+            f.zero_grad()
 
     def begin_step(self) -> None:
         """Stage 3: gather the root units for the step (used at both ends of the stages)."""
