@@ -221,13 +221,20 @@ def load_hf_gpt2(path: str | Path) -> GPT:
     Raises FileNotFoundError naming a missing path/file, ValueError for an unsupported config or
     weights that do not match it.
     """
-    weights, config = read_hf_checkpoint(path, "HF GPT-2")
-    cfg = hf_config_to_gpt(config)
+    return load_hf_model(path, "HF GPT-2", hf_config_to_gpt, state_dict_from_hf, GPT)
+
+
+def load_hf_model(path: str | Path, what: str, to_config, to_state_dict, model_cls):
+    """Shared loader of every family: ``read_hf_checkpoint(path, what)``, ``cfg = to_config(config
+    dict)``, ``to_state_dict(hf tensors, cfg)`` loaded into ``model_cls(cfg)``; returns it in eval
+    mode. A ValueError of the conversion is re-raised naming the weights file."""
+    weights, config = read_hf_checkpoint(path, what)
+    cfg = to_config(config)
     try:
-        sd = state_dict_from_hf(_read_safetensors(weights), cfg)
+        sd = to_state_dict(_read_safetensors(weights), cfg)
     except ValueError as e:
         raise ValueError(f"{weights}: {e}") from None
-    model = GPT(cfg)
+    model = model_cls(cfg)
     model.load_state_dict(sd)
     return model.eval()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .hf import _check_keys, _eos_id, read_hf_checkpoint, read_hf_weights, write_hf_dir
+from .hf import _check_keys, _eos_id, load_hf_model, write_hf_dir
 from .llama import Llama, LlamaConfig, check_rope_scaling
 
 __all__ = ["hf_config_to_llama", "llama_to_hf_config", "state_dict_from_hf_llama",
@@ -156,15 +156,7 @@ def load_hf_llama(path: str | Path) -> Llama:
     config.json beside it). Returns the model in eval mode (weights cast to its fp32 parameters).
     Raises FileNotFoundError naming a missing path/file, ValueError for an unsupported config or
     weights that do not match it."""
-    weights, config = read_hf_checkpoint(path, "HF Llama")
-    cfg = hf_config_to_llama(config)
-    try:
-        sd = state_dict_from_hf_llama(read_hf_weights(weights), cfg)
-    except ValueError as e:
-        raise ValueError(f"{weights}: {e}") from None
-    model = Llama(cfg)
-    model.load_state_dict(sd)
-    return model.eval()
+    return load_hf_model(path, "HF Llama", hf_config_to_llama, state_dict_from_hf_llama, Llama)
 
 
 def export_hf_llama(model_or_state_dict: Llama | dict, cfg: LlamaConfig | None, out_dir: str | Path,
