@@ -103,6 +103,24 @@ def test_nonfinite_skip_agreed_by_all_ranks(tmp_path, data_cache, monkeypatch):
     strict_load(tmp_path / "run" / "summary.json")
 
 
+def test_skipped_step_warns_once_on_rank_0(capsys):
+    """A skipped step is not silent: rank 0 prints one warning line naming the step and how many
+    skips in a row remain allowed; other ranks print nothing."""
+    from zerotron.train.lifecycle import StepGuard
+
+    for rank in (0, 1):
+        g = StepGuard("skip", 3, None, rank)
+        g.step, g.last_skipped, g.consecutive = 3, True, 1
+        g.check(float("nan"), float("inf"), None)
+        err = capsys.readouterr().err
+        if rank:
+            assert err == ""
+        else:
+            assert err == ("zerotron: warning: non-finite loss or gradient norm at step 3 (loss nan, grad norm inf); "
+                           "the update was skipped on every rank (1 of 2 allowed in a row, "
+                           "train.nonfinite_limit = 3)\n"), err
+
+
 def test_nonfinite_stop_mode(tmp_path, data_cache, single_process, monkeypatch):
     from zerotron.train.lifecycle import RunStopped
     from zerotron.train.trainer import Trainer
@@ -126,8 +144,10 @@ def test_diverging_run_stops_after_limit(tmp_path, data_cache):
             "--train.steps", "24",
             "--train.lr", "50", "--train.warmup_steps", "16", "--checkpoint.every", "2", "--checkpoint.keep", "2",
             "--data.cache_dir", data_cache, "--log.progress", "false", "--log.sample_tokens", "0", check=3)
-    lines = [ln for ln in ours(r.stderr) if "non-finite" in ln]
+    warned = [ln for ln in ours(r.stderr) if "non-finite" in ln and "was skipped on every rank" in ln]
+    lines = [ln for ln in ours(r.stderr) if "non-finite" in ln and ln not in warned]
     assert len(lines) == 1 and "consecutive skipped steps" in lines[0], r.stderr
+    assert len(warned) == 2 and "(1 of 2 allowed" in warned[0] and "(2 of 2 allowed" in warned[1], r.stderr
     assert "restart" not in r.stderr, r.stderr
     step = int(lines[0].split("at step ")[1].split()[0])
     recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
@@ -355,6 +375,35 @@ def test_checksum_mismatch(full_run, tmp_path, capsys):
         code, err = main(argv), capsys.readouterr().err
         assert code == 2 and f"file {data.name} does not match its checksum" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_resume_with_another_model_setting_refused(full_run, data_cache, tmp_path):
+    """Issue 13 item 7: a resume whose model settings differ in anything but the sizes (here the
+    biases) is refused before any worker starts, with one line naming the field, and the run
+    directory is left as it was; the same check passes a Llama checkpoint resumed as saved and
+    refuses it with another rope_theta (check_resume in this process)."""
+    import shutil
+
+    from zerotron.config import ConfigError
+    from zerotron.train.trainer import check_resume
+
+    run = tmp_path / "run"
+    shutil.copytree(full_run / "full", run)
+    def files():  # all but the lock file (taken and released by the refused run)
+        return sorted((p.relative_to(run), p.stat().st_mtime_ns) for p in run.rglob("*") if p.name != ".lock")
+    before = files()
+    r = cli(*base_args(run, data_cache), "--model.bias", "false", "--resume", check=2)
+    assert ours(r.stderr) == [r.stderr.strip()] and "bias True (checkpoint) vs False (now)" in r.stderr, r.stderr
+    assert files() == before
+    lrun = tmp_path / "llama"
+    cli("train", "--config", "configs/llama_tiny.toml", "--run-dir", str(lrun), "--train.steps", "1",
+        "--data.cache_dir", data_cache, *[x for kv in QUIET.items() for x in ("--" + kv[0], kv[1])], check=0)
+    cfg = tiny_config({"data.cache_dir": data_cache}, path=ROOT / "configs" / "llama_tiny.toml")
+    assert check_resume(cfg, lrun, quarantine=False).name == "step_1"
+    cfg = tiny_config({"data.cache_dir": data_cache, "model.rope_theta": 500000.0},
+                      path=ROOT / "configs" / "llama_tiny.toml")
+    with pytest.raises(ConfigError, match=r"rope_theta 10000.0 \(checkpoint\) vs 500000.0 \(now\)"):
+        check_resume(cfg, lrun, quarantine=False)
 
 
 def test_disk_full_during_save(full_run, data_cache):

@@ -71,6 +71,30 @@ def checksums(ckpt: str | Path) -> dict[str, str]:
             if f.is_file() and f.name != "meta.json"}
 
 
+def _own_files(ckpt: Path, rank: int) -> list[Path]:
+    """The files of a checkpoint being written that rank ``rank`` wrote itself: DCP's
+    ``__<rank>_*.distcp`` data files and ``rng/rank_<rank>.pt``."""
+    return sorted([*ckpt.glob(f"__{rank}_*.distcp"), *(ckpt / "rng").glob(f"rank_{rank}.pt")])
+
+
+def gather_checksums(mine: dict[str, str]) -> dict[str, str]:
+    """Collective: every rank passes ``mine``, the checksums of the files it wrote itself
+    (:func:`_own_files`: hashing is spread over the ranks, and on a multi-node run each node reads
+    its own page cache); returns their union (on every rank)."""
+    descs = [None] * dist.get_world_size()
+    dist.all_gather_object(descs, mine)  # checkpoint I/O, like DCP: not through comm.py
+    return {k: v for d in descs for k, v in d.items()}
+
+
+def complete_checksums(ckpt: Path, known: dict[str, str]) -> dict[str, str]:
+    """``known`` plus the checksum of every other file under ``ckpt`` except meta.json (rank 0:
+    ``.metadata``, ``trainer.pt``, the tokenizer, any file no rank claimed), sorted by path: the
+    same dict as :func:`checksums`. Raises OSError for an unreadable file."""
+    rest = {str(f.relative_to(ckpt)): file_checksum(f) for f in sorted(ckpt.rglob("*"))
+            if f.is_file() and f.name != "meta.json" and str(f.relative_to(ckpt)) not in known}
+    return dict(sorted({**known, **rest}.items()))
+
+
 def remove_stale_tmp(run_dir: str | Path) -> list[Path]:
     """Delete the ``checkpoints/.tmp_step_*`` directories of saves that never finished (a process
     killed mid-save); call it only while holding the run lock. Returns the removed paths."""
@@ -339,9 +363,17 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
         except OSError as e:
             err = e
     check(err)
+    mine: dict[str, str] = {}
+    try:  # each rank hashes what it wrote
+        mine = {str(f.relative_to(tmp)): file_checksum(f) for f in _own_files(tmp, rank)}
+    except OSError as e:
+        err = e
+    check(err)
+    known = gather_checksums(mine)
     if rank == 0:
         try:  # meta.json last: it lists the checksums of every file written above
-            (tmp / "meta.json").write_text(json.dumps({"step": step, **meta, "checksums": checksums(tmp)}, indent=1))
+            sums = complete_checksums(tmp, known)
+            (tmp / "meta.json").write_text(json.dumps({"step": step, **meta, "checksums": sums}, indent=1))
             if final.exists():  # re-saving the same step (e.g. after resume): replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)

@@ -193,7 +193,14 @@ class StepGuard:
         """After a step: raise RunStopped (exit 3) when the non-finite policy says stop."""
         if self.sleep_s:
             time.sleep(self.sleep_s)
-        if not self.last_skipped or (self.mode == "skip" and self.consecutive < self.limit):
+        if not self.last_skipped:
+            return
+        if self.mode == "skip" and self.consecutive < self.limit:
+            if self.rank == 0:  # the global loss and norm: the same on every rank
+                print(f"zerotron: warning: non-finite loss or gradient norm at step {self.step} (loss {loss}, "
+                      f"grad norm {grad_norm}); the update was skipped on every rank ({self.consecutive} of "
+                      f"{self.limit - 1} allowed in a row, train.nonfinite_limit = {self.limit})", file=sys.stderr,
+                      flush=True)
             return
         why = ("train.nonfinite = stop" if self.mode == "stop" else
                f"{self.consecutive} consecutive skipped steps (train.nonfinite_limit = {self.limit})")

@@ -106,7 +106,11 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
     if not cfg.model.init_from:
         shape = model_shape(cfg.model)
         saved = {"arch": registry.DEFAULT_ARCH, **saved}  # checkpoints without arch are GPT-2
-        diff = [f"{k} {saved.get(k)} (checkpoint) vs {shape[k]} (now)" for k in SHAPE_KEYS if saved.get(k) != shape[k]]
+        # every resolved field the checkpoint recorded (sizes, bias, the llama fields); one it lacks
+        # (an older checkpoint) is not compared; vocab_size is checked against the tokenizer later
+        now = json.loads(json.dumps(shape))
+        diff = [f"{k} {saved.get(k)} (checkpoint) vs {now[k]} (now)" for k in now
+                if k != "vocab_size" and (k in SHAPE_KEYS or k in saved) and saved.get(k) != now[k]]
         if diff:
             raise ConfigError(f"--resume: the model shape differs from the checkpoint {str(latest)!r}: "
                               f"{'; '.join(diff)}; resume with the checkpoint's model settings")

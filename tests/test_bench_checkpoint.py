@@ -1,0 +1,43 @@
+"""`zerotron bench checkpoint`: the cost of checkpoint checksums (issue 13's overhead figure)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(*args):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "zerotron", "bench", "checkpoint", *args], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_bench_checkpoint_measures_and_cleans_up(tmp_path, data_cache):
+    """Two rounds on the tiny model: every time is positive (no ordering is asserted: timings under
+    load), the bytes are the checkpoint's (3 copies of the fp32 state at least), the percentages
+    follow from the medians, and nothing is left in --dir."""
+    out = tmp_path / "r.json"
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    r = bench("--config", "configs/tiny.toml", "--rounds", "2", "--dir", str(disk), "--json", str(out),
+              "--markdown", str(tmp_path / "r.md"), "--data.cache_dir", data_cache, "--log.progress", "false")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["model"] == "tiny" and res["rounds"] == 2 and len(res["rows"]) == 2
+    for row in res["rows"]:
+        assert min(row[k] for k in ("save_s", "checksum_s", "verify_s", "verify_checksums_s", "load_s")) > 0
+        assert row["bytes"] > 3 * 4 * res["params"]
+    assert abs(res["checksum_pct_of_save"] - 100 * res["checksum_s"] / res["save_s"]) < 1e-9
+    assert list(disk.iterdir()) == []
+    assert "| tiny |" in (tmp_path / "r.md").read_text() and "| tiny |" in r.stdout
+
+
+def test_bench_checkpoint_bad_arguments():
+    r = bench("--rounds", "0")
+    assert r.returncode == 2 and r.stderr.strip() == "zerotron: --rounds must be >= 1, got 0", r.stderr
+    r = bench("--dir", "/nonexistent/x")
+    assert r.returncode == 2 and "--dir /nonexistent/x is not a directory" in r.stderr, r.stderr
+    r = bench("--train.lr", "inf")
+    assert r.returncode == 2 and "train.lr must be a finite number" in r.stderr, r.stderr

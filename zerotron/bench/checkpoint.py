@@ -1,0 +1,109 @@
+"""``zerotron bench checkpoint``: what the integrity checks of a checkpoint cost.
+
+One process builds the run's model, optimizer and scheduler exactly as ``zerotron train`` does
+(:class:`~zerotron.train.trainer.Trainer`), then, ``--rounds`` times, writes a checkpoint
+(``save_checkpoint``: DCP files, RNG, trainer state, ``meta.json`` with a SHA-256 per file),
+re-hashes the written files (the checksum share of the save), verifies the checkpoint with and
+without checksums (what ``--resume``, ``generate`` and ``export`` run before loading) and loads it.
+Reports medians in seconds and the checksum overhead as a percentage of the save and of the
+verify-and-load time. The files are written to a temporary directory under ``--dir`` (default: the
+system's), which is removed afterwards.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+USAGE = "zerotron bench checkpoint [--config FILE] [--rounds N] [--dir DIR] [--json F] [--markdown F] [--section.field V ...]"
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def measure(cfg, rounds: int, where: str | None) -> dict:
+    """Median seconds over ``rounds`` of: ``save_s`` (the whole collective save, checksums
+    included), ``checksum_s`` (SHA-256 of every file of the checkpoint, the part of the save that
+    exists for integrity), ``verify_s`` (file sizes from DCP's metadata, no hashing) and
+    ``verify_checksums_s`` (sizes + hashes), ``load_s`` (DCP load into model and optimizer).
+    Also ``bytes`` (on disk), ``params`` and the overheads in percent. Runs in this process
+    (world size 1); raises whatever the trainer raises for a bad config (ConfigError)."""
+    from zerotron.train import checkpoint as ckpt
+    from zerotron.train.trainer import Trainer
+
+    tmp = Path(tempfile.mkdtemp(prefix="zerotron_bench_ckpt_", dir=where))
+    try:
+        trainer = Trainer(cfg, tmp / "run")
+        ckpt.init_optimizer_state(trainer.optimizer)  # the Adam moments a real checkpoint holds
+        rows = []
+        for r in range(rounds):
+            step = r + 1
+            save = _timed(lambda s=step: trainer.save(s))
+            path = ckpt.latest_checkpoint(tmp / "run")
+            rows.append({"save_s": save,
+                         "checksum_s": _timed(lambda p=path: ckpt.checksums(p)),
+                         "verify_s": _timed(lambda p=path: ckpt.verify_checkpoint(p, verify_checksums=False)),
+                         "verify_checksums_s": _timed(lambda p=path: ckpt.verify_checkpoint(p)),
+                         "load_s": _timed(lambda p=path: ckpt.load_checkpoint(p, trainer.strategy, trainer.optimizer,
+                                                                             trainer.scheduler)),
+                         "bytes": ckpt.dir_bytes(path)})
+            shutil.rmtree(path)
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        hash_on_resume = med["verify_checksums_s"] - med["verify_s"]
+        return {**med, "params": trainer.num_params, "rounds": rounds,
+                "checksum_pct_of_save": 100 * med["checksum_s"] / med["save_s"],
+                "checksum_pct_of_resume": 100 * hash_on_resume / (med["verify_checksums_s"] + med["load_s"]),
+                "hash_rate_gb_s": med["bytes"] / med["checksum_s"] / 1e9, "rows": rows}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def markdown(res: dict, label: str) -> str:
+    """One-row table of :func:`measure`'s result."""
+    return ("| model | params | checkpoint | save (s) | checksums (s) | % of save | verify, sizes only (s) | "
+            "verify + checksums (s) | load (s) | % of resume | hash rate |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+            f"| {label} | {res['params'] / 1e6:.2f} M | {res['bytes'] / 2**20:.1f} MiB | {res['save_s']:.3f} | "
+            f"{res['checksum_s']:.3f} | {res['checksum_pct_of_save']:.1f} % | {res['verify_s']:.4f} | "
+            f"{res['verify_checksums_s']:.3f} | {res['load_s']:.3f} | {res['checksum_pct_of_resume']:.1f} % | "
+            f"{res['hash_rate_gb_s']:.2f} GB/s |\n")
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry; returns the exit code (2 for a bad argument or config)."""
+    from zerotron.config import ConfigError, load_config, parse_overrides
+
+    ap = argparse.ArgumentParser(prog="zerotron bench checkpoint", usage=USAGE,
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=None, help="TOML config of the run (default: the built-in default model)")
+    ap.add_argument("--rounds", type=int, default=5, help="checkpoints written and read (median reported)")
+    ap.add_argument("--dir", default=None, help="where the temporary run directory goes (the disk to measure)")
+    ap.add_argument("--json", default=None, help="write the result as JSON here")
+    ap.add_argument("--markdown", default=None, help="write the one-row table here")
+    args, rest = ap.parse_known_args(argv)
+    try:
+        if args.rounds < 1:
+            raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
+        if args.dir is not None and not Path(args.dir).is_dir():
+            raise ConfigError(f"--dir {args.dir} is not a directory; create it or pass another")
+        cfg = load_config(args.config, parse_overrides(rest))
+        res = measure(cfg, args.rounds, args.dir)
+    except ConfigError as e:
+        print(f"zerotron: {e}", file=sys.stderr)
+        return 2
+    label = Path(args.config).stem if args.config else (cfg.model.preset or "default")
+    table = markdown(res, label)
+    print(table, end="")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": label, **res}, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(f"# Checkpoint integrity overhead ({label} model, one process, "
+                                       f"median of {res['rounds']} rounds)\n\n" + table)
+    return 0
