@@ -169,6 +169,8 @@ class Case:
         if "resume with: " in pick:  # the command repeats the run's arguments: shorten them
             pick = pick.split("resume with: ")[0] + "resume with: zerotron train ... --resume"
         self.row["exit"], self.row["sees"] = code, pick
+        if want and want not in pick:  # keep the evidence: the whole stderr beside the table
+            self.row["stderr_tail"] = stderr[-4000:]
 
 
 def resume_and_compare(case: Case, run: Path, ref: Path, cache: str, tmp: Path, reached: int | None = None,
@@ -242,9 +244,9 @@ def run_cases(out: Path, only: set[str] | None) -> list[dict]:
         os.kill(worker(p.pid, 1), signal.SIGKILL)
         if restarts:
             _, err = p.communicate(timeout=300)
-            c.saw(p.returncode, err, "restart")
-            c.row["lost_steps"] = reached - max((int(ln.split("(step ")[1].split(")")[0]) for ln in ours(err)
-                                                 if "resumed from" in ln), default=0)
+            c.saw(p.returncode, err, "restart 1 of 1")
+            m = re.search(r"restart 1 of 1: the workers resume from step (\d+)", err)
+            c.row["lost_steps"] = reached - int(m.group(1)) if m else None
             c.row["resume_equal"] = p.returncode == 0 and losses(run)[-STEPS:] == losses(ref) \
                 and same_state(ref, run, tmp)
         else:
@@ -407,7 +409,7 @@ def main() -> int:
         rows = [new.pop(r["name"], r) for r in old_rows] + list(new.values())
     Path(a.out + ".json").write_text(json.dumps(rows, indent=1) + "\n")
     md = (f"# Faults: what the user sees, what is lost, whether resume is equal\n\n"
-          f"`python benchmarks/faults_table.py` ({time.monotonic() - t0:.0f} s): 2 processes, configs/tiny.toml, "
+          f"`python benchmarks/faults_table.py` ({'rows of several runs, merged by --only' if a.only else f'{time.monotonic() - t0:.0f} s'}): 2 processes, configs/tiny.toml, "
           f"{STEPS} steps, a checkpoint every {EVERY}, dropout 0.1; \"resume equal\" = per-step losses and the final "
           "model + optimizer state bitwise equal to an uninterrupted run.\n\n" + markdown(rows))
     Path(a.out + ".md").write_text(md)

@@ -116,7 +116,8 @@ def test_skipped_step_warns_once_on_rank_0(capsys):
         if rank:
             assert err == ""
         else:
-            assert err == ("zerotron: warning: non-finite loss or gradient norm at step 3 (loss nan, grad norm inf); "
+            assert err == ("zerotron: warning: non-finite loss or gradient norm at step 3 on some rank (rank 0: loss nan, "
+                           "grad norm inf); "
                            "the update was skipped on every rank (1 of 2 allowed in a row, "
                            "train.nonfinite_limit = 3)\n"), err
 

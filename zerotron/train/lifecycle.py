@@ -197,8 +197,8 @@ class StepGuard:
             return
         if self.mode == "skip" and self.consecutive < self.limit:
             if self.rank == 0:  # the global loss and norm: the same on every rank
-                print(f"zerotron: warning: non-finite loss or gradient norm at step {self.step} (loss {loss}, "
-                      f"grad norm {grad_norm}); the update was skipped on every rank ({self.consecutive} of "
+                print(f"zerotron: warning: non-finite loss or gradient norm at step {self.step} on some rank "
+                      f"(rank 0: loss {loss}, grad norm {grad_norm}); the update was skipped on every rank ({self.consecutive} of "
                       f"{self.limit - 1} allowed in a row, train.nonfinite_limit = {self.limit})", file=sys.stderr,
                       flush=True)
             return
