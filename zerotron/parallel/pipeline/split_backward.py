@@ -13,9 +13,9 @@ later. Done on the autograd graph of the stage output, the idea torch.distribute
 * :func:`backward_weight` resumes from those captured gradients with ``torch.autograd.backward``
   into the parameters, so the gradients are accumulated by autograd's own AccumulateGrad: ``.grad``
   views into flat buffers (DDP buckets, ZeRO-1) are added to in place and post-accumulate-grad hooks
-  (DDP buckets) fire then, after W, exactly as after a fused backward. Nodes below a captured
-  node that also lies below another captured node get the captured value instead of the sum of
-  both (no double counting).
+  (DDP buckets) fire then, after W, exactly as after a fused backward. One call per parameter
+  group (the parameters leaving the input path at the same nodes), into that group only, so the
+  input path is not run again.
 
 Activation recomputation (``torch.utils.checkpoint``, non-reentrant) works unchanged: each backward
 pass recomputes what it unpacks (B and W recompute separately: more compute, same result).
@@ -33,12 +33,14 @@ __all__ = ["WeightWork", "backward_input", "backward_weight"]
 
 
 class WeightWork:
-    """What W needs after B: ``edges`` (GradientEdge of each captured node input slot), their
-    ``grads`` and the ``params`` (leaf tensors) to accumulate into; or, when there was nothing to
-    split (a stage without a differentiable input), the whole backward ``(output, grad_output)``."""
+    """What W needs after B: ``groups``, a list of (edges, grads, params, nodes) -- the GradientEdge
+    of each captured node input slot, the gradients captured there, the parameters (leaf tensors)
+    they lead to, and {node: captured gradients} of the group's nodes; or, when there was nothing
+    to split (a stage without a differentiable input), the whole backward ``whole = (output,
+    grad_output)``."""
 
-    def __init__(self, params, edges=(), grads=(), nodes=(), whole=None):
-        self.params, self.edges, self.grads, self.nodes, self.whole = params, list(edges), list(grads), nodes, whole
+    def __init__(self, groups=(), whole=None):
+        self.groups, self.whole = list(groups), whole
 
 
 def _node(t: torch.Tensor):
@@ -76,6 +78,22 @@ def _upward(starts, parents, stop=frozenset()) -> tuple[set, set]:
     return reached, met
 
 
+def _groups(params, parents, input_path) -> list[tuple[list, list]]:
+    """Parameters grouped by the input-path nodes ("cut" nodes) their gradients leave from: two
+    parameters of one node (a matmul's weight and bias) share a group, and so does everything a
+    parameter with several uses touches. Returns [(params, cut nodes)]."""
+    groups: list[tuple[list, set]] = []
+    for q in params:
+        acc = _node(q)
+        if acc not in parents:
+            continue  # not used in this graph
+        cut = _upward([acc], parents, stop=input_path)[1]
+        merged = [g for g in groups if g[1] & cut]
+        groups = [g for g in groups if not g[1] & cut]
+        groups.append(([q] + [x for g in merged for x in g[0]], cut.union(*(g[1] for g in merged))))
+    return [(ps, list(cut)) for ps, cut in groups]
+
+
 def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: torch.Tensor | None,
                    params: list[torch.Tensor]) -> tuple[torch.Tensor | None, WeightWork]:
     """B: the gradient of ``output`` w.r.t. ``inp`` (same shape as ``inp``, e.g. (b, T, C)), given
@@ -86,16 +104,11 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
     freed)."""
     params = [q for q in params if q.requires_grad]
     if inp is None or not inp.requires_grad or output.grad_fn is None:
-        return None, WeightWork(params, whole=(output, grad_output))
-    root = output.grad_fn
-    parents = _parents(root)
+        return None, WeightWork(whole=(output, grad_output))
+    parents = _parents(output.grad_fn)
     input_path, _ = _upward([_node(inp)], parents)  # every node between output and input
-    cut = set()
-    for q in params:
-        acc = _node(q)
-        if acc in parents:
-            cut |= _upward([acc], parents, stop=input_path)[1]
-    nodes = list(cut)
+    groups = _groups(params, parents, input_path)
+    nodes = {n for _, cut in groups for n in cut}
     captured: dict = {}
     handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in nodes]
     try:
@@ -103,31 +116,37 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
     finally:
         for h in handles:
             h.remove()
-    edges, grads = [], []
-    for n in nodes:
-        for i, g in enumerate(captured.get(n, ())):
-            if g is not None:
-                edges.append(GradientEdge(n, i))
-                grads.append(g)
-    return dinp, WeightWork(params, edges, grads, {n: captured[n] for n in nodes if n in captured})
+    work = []
+    for ps, cut in groups:
+        edges, grads = [], []
+        for n in cut:
+            for i, g in enumerate(captured.get(n, ())):
+                if g is not None:
+                    edges.append(GradientEdge(n, i))
+                    grads.append(g)
+        if edges:
+            work.append((edges, grads, ps, {n: captured[n] for n in cut if n in captured}))
+    return dinp, WeightWork(work)
 
 
 def backward_weight(work: WeightWork) -> None:
     """W: accumulate the parameter gradients left by :func:`backward_input` into ``param.grad``
     (through AccumulateGrad: hooks fire, ``.grad`` buffers are added to in place) and free the
-    graph. Shapes: each parameter's. Raises what ``torch.autograd.backward`` raises."""
+    graph. One ``torch.autograd.backward`` per parameter group, from its captured nodes into its
+    parameters only, so no input-path node runs again (except between the nodes of a parameter
+    used several times, where each captured node takes its captured gradients, not their sum
+    with what flows in again). Shapes: each parameter's. Raises what ``torch.autograd.backward``
+    raises."""
     if work.whole is not None:
         out, grad = work.whole
-        torch.autograd.backward(out, grad)
         work.whole = None
+        torch.autograd.backward(out, grad)
         return
-    if not work.edges:
-        return
-    # a captured node reached again through another captured node takes its captured gradients
-    handles = [n.register_prehook(lambda _g, g=g: g) for n, g in work.nodes.items()]
-    try:
-        torch.autograd.backward(work.edges, work.grads, inputs=[q for q in work.params])
-    finally:
-        for h in handles:
-            h.remove()
-    work.edges = work.grads = work.nodes = None
+    groups, work.groups = work.groups, []
+    for edges, grads, ps, nodes in groups:
+        handles = [n.register_prehook(lambda _g, g=g: g) for n, g in nodes.items()] if len(nodes) > 1 else []
+        try:
+            torch.autograd.backward(edges, grads, inputs=ps)
+        finally:
+            for h in handles:
+                h.remove()
