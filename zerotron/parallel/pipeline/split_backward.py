@@ -43,25 +43,22 @@ class WeightWork:
         self.groups, self.whole = list(groups), whole
 
 
-def _node(t: torch.Tensor):
-    """The autograd node of ``t``: its grad_fn, or for a leaf its AccumulateGrad node."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    return t.view_as(t).grad_fn.next_functions[0][0]
-
-
-def _parents(root) -> dict:
-    """{node: nodes that feed gradient into it} over the graph under ``root``."""
-    parents, seen, todo = defaultdict(list), {root}, deque([root])
+def _parents(root) -> tuple[dict, dict]:
+    """({node: nodes that feed gradient into it}, {id(leaf tensor): its AccumulateGrad node}) over
+    the graph under ``root``."""
+    parents, leaves, seen, todo = defaultdict(list), {}, {root}, deque([root])
     while todo:
         node = todo.popleft()
-        for nxt, _ in node.next_functions:
+        nxts = node.next_functions
+        if not nxts and type(node).__name__ == "AccumulateGrad":  # the node of a leaf tensor
+            leaves[id(node.variable)] = node
+        for nxt, _ in nxts:
             if nxt is not None:
                 parents[nxt].append(node)
                 if nxt not in seen:
                     seen.add(nxt)
                     todo.append(nxt)
-    return parents
+    return parents, leaves
 
 
 def _upward(starts, parents, stop=frozenset()) -> tuple[set, set]:
@@ -78,14 +75,14 @@ def _upward(starts, parents, stop=frozenset()) -> tuple[set, set]:
     return reached, met
 
 
-def _groups(params, parents, input_path) -> list[tuple[list, list]]:
+def _groups(params, parents, leaves, input_path) -> list[tuple[list, list]]:
     """Parameters grouped by the input-path nodes ("cut" nodes) their gradients leave from: two
     parameters of one node (a matmul's weight and bias) share a group, and so does everything a
     parameter with several uses touches. Returns [(params, cut nodes)]."""
     groups: list[tuple[list, set]] = []
     for q in params:
-        acc = _node(q)
-        if acc not in parents:
+        acc = leaves.get(id(q))
+        if acc is None:
             continue  # not used in this graph
         cut = _upward([acc], parents, stop=input_path)[1]
         merged = [g for g in groups if g[1] & cut]
@@ -105,9 +102,11 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
     params = [q for q in params if q.requires_grad]
     if inp is None or not inp.requires_grad or output.grad_fn is None:
         return None, WeightWork(whole=(output, grad_output))
-    parents = _parents(output.grad_fn)
-    input_path, _ = _upward([_node(inp)], parents)  # every node between output and input
-    groups = _groups(params, parents, input_path)
+    parents, leaves = _parents(output.grad_fn)
+    if id(inp) not in leaves:
+        raise ValueError("the stage output does not depend on the stage input")
+    input_path, _ = _upward([leaves[id(inp)]], parents)  # every node between output and input
+    groups = _groups(params, parents, leaves, input_path)
     nodes = {n for _, cut in groups for n in cut}
     captured: dict = {}
     handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in nodes]
