@@ -9,7 +9,7 @@ dicts are independent of the pipeline layout; what each stage holds comes from `
 
 ``PipelineExecutor.run`` walks one rank's actions (``parallel.pipeline.schedules.Action``) as the schedules
 module docstring prescribes: every maximal run of consecutive SEND/RECV actions is posted as ONE
-``comm.batch_isend_irecv`` and fully waited before the next compute. Activation shapes are known
+``comm.batch_isend_irecv``. Activation shapes are known
 ahead, (b, T, C) of the micro-batch ((b, T/tp, C) with sequence parallelism), so there are no shape
 handshakes. A comm run's RECVs are waited for before the next compute, its SENDs only at the
 end of the walk (they complete in the background; zero-bubble schedules rely on it). Backward of a
