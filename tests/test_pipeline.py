@@ -78,6 +78,10 @@ def _train(lay: dict) -> dict:
                lay.get("clip", CLIP))
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**MODEL, **lay.get("model", {})})).double()
+    if lay.get("recompute"):  # activation checkpointing of every block (the trainer's transform)
+        from zerotron.parallel.recompute import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, lay["recompute"])
     out = {"losses": [], "norms": [], "tied": [], "digests": [], "timing": []}
     if lay.get("gen"):  # dense reference at init, before the strategy frees other stages' weights
         prompt = torch.randint(0, MODEL["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(7))
@@ -219,6 +223,9 @@ def pp2_layouts(dense_ckpt, save_dir):
         {**base, "kind": "interleaved", "v": 2, "mb": 2, "m": 4, "split": "1,3,2,2", "clip": 0.0},
         {**base, "kind": "1f1b", "mb": 2, "m": 4, "load": dense_ckpt},   # pp=1 ckpt -> pp=2
         {"pp": 1, "dp": 2, "kind": "interleaved", "v": 2, "mb": 1, "m": 2},  # dp sync, tied on 1 rank
+        {**base, "kind": "zb-h1", "mb": 1, "m": 8},                      # split backward B/W
+        {**base, "kind": "zb-h1", "mb": 4, "m": 1},                      # m < pp, 2 flushes
+        {**base, "kind": "zb-h1", "mb": 2, "m": 4, "split": "3,5", "recompute": "full", "clip": 0.0},
     ] + TIMING
 
 
@@ -331,6 +338,9 @@ def pp4_layouts(pp2_ckpt):
         {**two, "kind": "gpipe", "mb": 1, "m": 2},                        # 2 flushes
         {**two, "kind": "interleaved", "v": 2, "mb": 1, "m": 2, "clip": 0.0},
         {**two, "kind": "naive", "mb": 2, "m": 0},
+        {**four, "kind": "zb-h1", "mb": 1, "m": 8},
+        {**four, "kind": "zb-h1", "mb": 2, "m": 2, "recompute": "selective"},  # m < pp
+        {**two, "kind": "zb-h1", "mb": 1, "m": 4, "recompute": "full"},  # DDP buckets fire in W
     ]
 
 

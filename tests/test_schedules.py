@@ -6,7 +6,14 @@ from collections import Counter
 import pytest
 
 from zerotron.analysis.schedule_plot import draw_schedule, schedule_main
-from zerotron.parallel.pipeline.schedules import Action, bubble_theory, build_schedule, check_schedule, simulate
+from zerotron.parallel.pipeline.schedules import (
+    Action,
+    bubble_theory,
+    bubble_time_theory,
+    build_schedule,
+    check_schedule,
+    simulate,
+)
 
 
 def _cases(kind, p):
@@ -73,6 +80,8 @@ def test_schedules_are_valid_and_match_theory(kind, p):
         sim = simulate(schedule, p, v)  # raises RuntimeError on deadlock
         _check_dependencies(sim, p, v, m)
         assert sim.bubble_fraction == pytest.approx(bubble_theory(p, m, v), abs=1e-12)
+        # sends left in flight (the executor's timing) change nothing for these kinds
+        assert simulate(schedule, p, v, eager_sends=True).makespan == pytest.approx(sim.makespan)
         assert sim.makespan == pytest.approx(m * 3.0 + (p - 1) * 3.0 / v)
         if kind == "1f1b":
             assert all(sim.peak_in_flight[r] <= p - r for r in range(p))
@@ -85,6 +94,93 @@ def test_schedules_are_valid_and_match_theory(kind, p):
             if p > 1:
                 one = simulate(build_schedule(p, m, "1f1b"), p)
                 assert sim.bubble_fraction < one.bubble_fraction
+
+
+def _zb_timing(sim, p, m):
+    """zb-h1 from simulated times: per stage F, B, W once per micro-batch; F(i, s) after F(i, s-1);
+    B(i, s) after F(i, s) and B(i, s+1); W(i, s) after B(i, s); computes of a rank never overlap."""
+    start, end = {}, {}
+    for r, rows in enumerate(sim.intervals):
+        for s0, e0, a in rows:
+            key = (a.kind, a.microbatch, r)
+            assert key not in start
+            start[key], end[key] = s0, e0
+        assert all(e1 <= s2 for (_, e1, _), (s2, _, _) in zip(rows, rows[1:]))
+    assert set(start) == {(k, i, s) for k in "FBW" for i in range(m) for s in range(p)}
+    for i in range(m):
+        for s in range(p):
+            assert s == 0 or end[("F", i, s - 1)] <= start[("F", i, s)] + 1e-12
+            assert end[("F", i, s)] <= start[("B", i, s)] + 1e-12
+            assert s == p - 1 or end[("B", i, s + 1)] <= start[("B", i, s)] + 1e-12
+            assert end[("B", i, s)] <= start[("W", i, s)] + 1e-12
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zb_h1_valid_deadlock_free_and_matches_theory(p):
+    """ZB-H1 for m = 1..16: well formed, p2p paired, deadlock-free even with waited sends; at most
+    p micro-batches in flight per rank (1F1B's peak); for m >= p the idle time per rank equals
+    (p-1)(T_F + max(T_B - T_W, 0)) -- Qi et al.'s (p-1)(T_F+T_B-T_W) for T_W <= T_B -- and never
+    exceeds 1F1B's (p-1)(T_F+T_B+T_W)."""
+    for m in range(1, 17):
+        schedule = build_schedule(p, m, "zb-h1")
+        check_schedule(schedule, p, m)
+        _check_p2p_pairs(schedule, p)
+        assert all(sum(a.kind == "W" for a in acts) == m for acts in schedule)
+        assert all(a.peer is None for acts in schedule for a in acts if a.kind == "W")
+        for costs in [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5), (1.0, 1.0, 1.5)]:
+            simulate(schedule, p, 1, *costs)  # rendezvous sends: raises on deadlock
+            sim = simulate(schedule, p, 1, *costs, eager_sends=True)
+            _zb_timing(sim, p, m)
+            assert all(x <= p for x in sim.peak_in_flight), sim.peak_in_flight
+            one = simulate(build_schedule(p, m, "1f1b"), p, 1, *costs, eager_sends=True)
+            assert max(sim.idle) <= max(one.idle) + 1e-9
+            assert one.idle == pytest.approx([bubble_time_theory(p, "1f1b", *costs)] * p) or m < p
+            if m >= p:
+                assert sim.idle == pytest.approx([bubble_time_theory(p, "zb-h1", *costs)] * p), (m, costs)
+                assert sim.makespan == pytest.approx(m * sum(costs) + sim.idle[0])
+
+
+def test_zb_h1_acceptance_bubble_time_vs_1f1b():
+    """Issue 16 acceptance: p = 4, m = 8, T_F = T_B = T_W: ZB-H1's simulated bubble time is
+    <= 0.4x 1F1B's (theory: a third), idle fraction ~0.11 vs ~0.27."""
+    zb = simulate(build_schedule(4, 8, "zb-h1"), 4, 1, 1.0, 1.0, 1.0, eager_sends=True)
+    one = simulate(build_schedule(4, 8, "1f1b"), 4, 1, 1.0, 1.0, 1.0, eager_sends=True)
+    assert max(zb.idle) <= 0.4 * min(one.idle)
+    assert zb.idle == [3.0] * 4 and one.idle == [9.0] * 4  # (p-1)(1+1-1) vs (p-1)(1+1+1)
+    assert zb.bubble_fraction == pytest.approx(3 / 27) and one.bubble_fraction == pytest.approx(9 / 33)
+    assert zb.peak_in_flight == [4, 4, 4, 4] and one.peak_in_flight == [4, 3, 2, 1]
+
+
+def test_zb_h1_exact_order():
+    """p = 2, m = 4: rank 0 (first) runs each W right after its B; rank 1 defers one W, runs one W
+    after each cool-down B but the last, then the two owed W's (Qi et al. 2024, fig. 3 pattern)."""
+    sched = build_schedule(2, 4, "zb-h1")
+    computes = [[a.kind + str(a.microbatch) for a in acts if a.kind in "FBW"] for acts in sched]
+    assert computes[0] == ["F0", "F1", "B0", "W0", "F2", "B1", "W1", "F3", "B2", "W2", "B3", "W3"]
+    assert computes[1] == ["F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "F3", "B3", "W2", "W3"]
+    # B's gradient is sent right after it; a W has no communication around it of its own
+    i = sched[1].index(Action("B", 1))
+    assert sched[1][i + 1:i + 3] == [Action("SEND_B", 1, 0, 0), Action("W", 0)]
+    # rendezvous (sends waited for) vs the executor's timing: rank 1 would wait for rank 0's recv
+    strict, eager = simulate(sched, 2, 1, 1, 1, 1), simulate(sched, 2, 1, 1, 1, 1, eager_sends=True)
+    assert eager.makespan == 13.0 < strict.makespan
+
+
+def test_check_schedule_rejects_w_before_b_and_duplicates():
+    sched = build_schedule(2, 2, "zb-h1")
+    r1 = list(sched[1])
+    w, b = r1.index(Action("W", 0)), r1.index(Action("B", 0))
+    moved = r1[:b] + [Action("W", 0)] + [a for a in r1[b:] if a != Action("W", 0)]
+    with pytest.raises(ValueError, match="before its input-gradient backward"):
+        check_schedule([sched[0], moved], 2, 2)
+    with pytest.raises(ValueError, match="duplicate"):
+        check_schedule([sched[0], r1 + [r1[w]]], 2, 2)
+    with pytest.raises(ValueError, match="costs must be >= 0"):
+        simulate(sched, 2, 1, 1.0, 1.0, -1.0)
+    with pytest.raises(ValueError):
+        bubble_time_theory(4, "interleaved")
+    with pytest.raises(ValueError):
+        build_schedule(4, 8, "zb-h1", 2)  # one chunk per rank
 
 
 @pytest.mark.parametrize("f_cost, b_cost", [(1.0, 1.0), (1.0, 3.0), (2.0, 1.0)])
@@ -206,6 +302,24 @@ def test_schedule_main_json(capsys):
     assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "1f1b"]) == 0
     text = capsys.readouterr().out
     assert "theory 0.2727" in text and "[4, 3, 2, 1]" in text and "rank 3 |" in text
+
+
+def test_schedule_main_zb_h1(capsys, tmp_path):
+    assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "zb-h1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bubble_simulated"] == pytest.approx(3 / 27) and out["bubble_theory"] == pytest.approx(3 / 27)
+    assert out["idle_per_rank"] == [3.0] * 4 and out["w_cost"] == 1.0
+    assert sum(a["kind"] == "W" for a in out["actions"][0]) == 8
+    assert {i[2] for i in out["intervals"][0]} == {"F", "B", "W"}
+    png = tmp_path / "zb.png"
+    assert schedule_main(["--pp", "2", "--microbatches", "4", "--kind", "zb-h1", "--w-cost", "0.5",
+                          "--out", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "W=0.5" in text and "digit = weight gradients W" in text and png.stat().st_size > 1000
+    line = next(x for x in text.splitlines() if x.startswith("rank 1 |"))
+    assert "0" in line and "A" in line and "a" in line  # W, B and F cells of micro-batch 0
+    assert schedule_main(["--pp", "4", "--microbatches", "2", "--kind", "zb-h1"]) == 0
+    assert "n/a (m < pp)" in capsys.readouterr().out
 
 
 def test_schedule_main_errors(capsys):

@@ -158,7 +158,7 @@ class ParallelConfig:
     fp64; auto = fp32, or fp64 with train.dtype fp64): the dtype of every gradient collective -- dp
     reduction, tied and tp-replicated sums; bf16 needs zero_stage >= 1.
     ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
-    ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved)/``microbatches`` (per pipeline flush;
+    ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved | zb-h1)/``microbatches`` (per pipeline flush;
     0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (comma-separated
     layer counts per stage, "" = balanced)/``pp_impl`` (native | torch): pipeline parallelism.
     ``find_unused_parameters``: torch DDP (``dp_impl = torch``) only: allow parameters without a
@@ -185,7 +185,7 @@ class ParallelConfig:
     tp_impl: str = "native"
     """native | dtensor (torch DTensor TP, alone)"""
     pp_schedule: str = "1f1b"
-    """naive | gpipe | 1f1b | interleaved"""
+    """naive | gpipe | 1f1b | interleaved | zb-h1 (zero bubble: split backward)"""
     microbatches: int = 0
     """micro-batches per pipeline flush (0 = all of the step's)"""
     virtual_stages: int = 1
@@ -478,7 +478,7 @@ def validate(cfg: Config, world_size: int) -> dict:
         dims = ParallelDims(world_size, p.dp, p.tp, p.pp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    kinds = ("naive", "gpipe", "1f1b", "interleaved")
+    kinds = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
     need(p.pp_schedule in kinds, f"parallel.pp_schedule must be one of {kinds}, got {p.pp_schedule!r}")
     need(p.microbatches >= 0, f"parallel.microbatches must be >= 0 (0 = all micro-batches of the step), got {p.microbatches}")
     interleaved = p.pp_schedule == "interleaved"

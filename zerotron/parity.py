@@ -44,7 +44,7 @@ FACTORS = {
     "tp": (1, 2),
     "sp": (False, True),
     "pp": (1, 2, 4),
-    "schedule": ("naive", "gpipe", "1f1b", "interleaved"),
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
     "acc": (1, 4),
 }
 MAX_WORLD = 8
@@ -154,8 +154,11 @@ def expected_refusal(layout: Layout) -> str | None:
 
 # always in the covering set: pp x dp x tp + SP with native DDP (witness of a fixed defect: the
 # tp-replicated gradient sum once ran on bucket memory an all-reduce was still writing), and
-# pipeline x ZeRO-3 with interleaving (per-action reduce-scatter, blocks gathered per chunk)
-MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4")
+# pipeline x ZeRO-3 with interleaving (per-action reduce-scatter, blocks gathered per chunk), and
+# the split backward of zb-h1 under ZeRO-2/3 over a real dp group (reduce-scatter after each W,
+# ZeRO-3 blocks gathered for W) and under DDP buckets with tensor parallelism (buckets fire in W)
+MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-dp2-pp2-zb-h1-acc4",
+        "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4")
 
 
 def covering_layouts(layouts: list[Layout]) -> list[Layout]:

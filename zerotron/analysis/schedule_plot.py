@@ -12,7 +12,15 @@ import json
 import sys
 from dataclasses import asdict
 
-from zerotron.parallel.pipeline.schedules import KINDS, SimResult, bubble_theory, build_schedule, simulate
+from zerotron.parallel.pipeline.schedules import (
+    KINDS,
+    SimResult,
+    bubble_theory,
+    bubble_time_theory,
+    build_schedule,
+    check_schedule,
+    simulate,
+)
 
 
 def _label(action) -> str:
@@ -22,9 +30,9 @@ def _label(action) -> str:
 def draw_schedule(sim: SimResult, pp: int, out_png: str, title: str) -> str:
     """Write a PNG timeline of ``sim`` to ``out_png`` and return the path.
 
-    One row per rank (rank 0 on top), x = simulated time (units of f_cost/b_cost). F blocks are
-    coloured by micro-batch; B blocks use a darker shade of the same colour with hatching; idle time
-    is left blank. Blocks carry the micro-batch number ("mb.chunk" for chunks > 0 when interleaved).
+    One row per rank (rank 0 on top), x = simulated time (units of the costs). F blocks are
+    coloured by micro-batch; B blocks use a darker shade of the same colour with hatching; W blocks
+    (weight gradients of a split backward, zb-h1) a lighter shade with dots; idle time is left blank. Blocks carry the micro-batch number ("mb.chunk" for chunks > 0 when interleaved).
     Uses matplotlib's Agg canvas directly, so no global backend is changed. Raises ValueError if
     ``sim`` does not have ``pp`` rank rows; OSError if the file cannot be written.
     """
@@ -43,23 +51,29 @@ def draw_schedule(sim: SimResult, pp: int, out_png: str, title: str) -> str:
         for start, end, action in rows:
             rgb = cmap((action.microbatch % 10) * 2 / 20)[:3]  # tab20: even indices = strong hues
             backward = action.kind == "B"
-            color = tuple(0.6 * c for c in rgb) if backward else rgb
+            if action.kind == "W":
+                color = tuple(0.55 + 0.45 * c for c in rgb)
+            else:
+                color = tuple(0.6 * c for c in rgb) if backward else rgb
             ax.barh(rank, end - start, left=start, height=0.8, color=color, edgecolor="black",
-                    linewidth=0.5, hatch="//" if backward else None)
+                    linewidth=0.5, hatch={"B": "//", "W": ".."}.get(action.kind))
             ax.text((start + end) / 2, rank, _label(action), ha="center", va="center",
                     fontsize=7, color="white" if backward else "black")
     ax.set_yticks(range(pp))
     ax.set_yticklabels([f"rank {r}" for r in range(pp)])
     ax.invert_yaxis()
     ax.set_xlim(0, max(sim.makespan, 1e-9))
-    ax.set_xlabel("time (units of f_cost / b_cost; F = one forward of a micro-batch)")
+    ax.set_xlabel("time (units of the costs; F = one forward of a micro-batch)")
     ax.set_ylabel("pipeline rank")
     ax.set_title(f"{title}  (bubble {sim.bubble_fraction:.3f})")
-    ax.legend(handles=[Patch(facecolor="lightgray", edgecolor="black", label="forward F"),
-                       Patch(facecolor="dimgray", edgecolor="black", hatch="//",
-                             label="backward B"),
-                       Patch(facecolor="white", edgecolor="black", label="idle (bubble)")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
+    split = any(a.kind == "W" for rows in sim.intervals for _, _, a in rows)
+    handles = [Patch(facecolor="lightgray", edgecolor="black", label="forward F"),
+               Patch(facecolor="dimgray", edgecolor="black", hatch="//",
+                     label="input-gradient backward B" if split else "backward B")]
+    if split:
+        handles.append(Patch(facecolor="gainsboro", edgecolor="black", hatch="..", label="weight gradients W"))
+    handles.append(Patch(facecolor="white", edgecolor="black", label="idle (bubble)"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=8)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120, bbox_inches="tight")
     return out_png
@@ -67,7 +81,8 @@ def draw_schedule(sim: SimResult, pp: int, out_png: str, title: str) -> str:
 
 def ascii_timeline(sim: SimResult, max_width: int = 160) -> str:
     """A text timeline: one line per rank; F cells are lower-case letters, B cells upper-case
-    (a/A = micro-batch 0, wrapping after 26), '.' is idle. One cell is the shortest compute, widened
+    (a/A = micro-batch 0, wrapping after 26), W cells (split backward) digits (micro-batch mod 10),
+    '.' is idle. One cell is the shortest compute, widened
     so the line fits ``max_width`` characters (then short blocks may round away)."""
     durations = [e - s for rows in sim.intervals for s, e, _ in rows if e > s]
     if not durations:
@@ -78,7 +93,10 @@ def ascii_timeline(sim: SimResult, max_width: int = 160) -> str:
     for rank, rows in enumerate(sim.intervals):
         line = ["."] * width
         for start, end, action in rows:
-            ch = chr((ord("a") if action.kind == "F" else ord("A")) + action.microbatch % 26)
+            if action.kind == "W":
+                ch = str(action.microbatch % 10)
+            else:
+                ch = chr((ord("a") if action.kind == "F" else ord("A")) + action.microbatch % 26)
             for x in range(round(start / cell), min(width, round(end / cell))):
                 line[x] = ch
         lines.append(f"rank {rank} |{''.join(line)}|")
@@ -87,10 +105,14 @@ def ascii_timeline(sim: SimResult, max_width: int = 160) -> str:
 
 def schedule_main(argv: list) -> int:
     """``zerotron schedule --pp P --microbatches M --kind K [--virtual V] [--f-cost F] [--b-cost B]
-    [--out F.png] [--json]``: build, simulate and report a pipeline schedule (simulated vs theory
-    bubble, peak in-flight micro-batches per rank, ASCII timeline; ``--out`` writes a PNG). With
-    ``--json`` prints an object with ``bubble_simulated``, ``bubble_theory``, ``makespan``,
-    ``peak_in_flight``, ``actions`` (per rank) and ``intervals``. Returns 0, or 2 on a usage/value
+    [--w-cost W] [--out F.png] [--json]``: build, check (deadlock-free with waited sends too) and
+    simulate a pipeline schedule with the executor's timing (``simulate(..., eager_sends=True)``)
+    and report it (simulated vs theory bubble, peak in-flight micro-batches per rank, ASCII
+    timeline; ``--out`` writes a PNG). A kind that does not split the backward runs B + W as one
+    B. Theory: ``bubble_theory`` (uniform stages), for zb-h1 idle / (idle + m(F+B+W)) with idle =
+    ``bubble_time_theory`` (m >= pp; null below). With ``--json`` prints an object with
+    ``bubble_simulated``, ``bubble_theory``, ``idle_per_rank``, ``makespan``, ``peak_in_flight``,
+    ``actions`` (per rank) and ``intervals``. Returns 0, or 2 on a usage/value
     error (message on stderr)."""
     parser = schedule_parser()
     try:
@@ -112,7 +134,10 @@ def schedule_parser() -> argparse.ArgumentParser:
     parser.add_argument("--virtual", type=int, default=None,
                         help="chunks per rank (interleaved only; default 2 there, else 1)")
     parser.add_argument("--f-cost", type=float, default=1.0, help="forward time per micro-batch")
-    parser.add_argument("--b-cost", type=float, default=2.0, help="backward time per micro-batch")
+    parser.add_argument("--b-cost", type=float, default=1.0,
+                        help="input-gradient backward (B) time per micro-batch")
+    parser.add_argument("--w-cost", type=float, default=1.0,
+                        help="weight-gradient backward (W) time per micro-batch (B + W fused unless the kind splits them)")
     parser.add_argument("--out", help="write a PNG timeline here")
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -121,11 +146,17 @@ def schedule_parser() -> argparse.ArgumentParser:
 def _schedule_run(args) -> int:
     v = args.virtual if args.virtual is not None else (2 if args.kind == "interleaved" else 1)
     try:
-        if args.f_cost <= 0 or args.b_cost <= 0:
-            raise ValueError("--f-cost and --b-cost must be > 0")
+        if args.f_cost <= 0 or args.b_cost <= 0 or args.w_cost < 0:
+            raise ValueError("--f-cost and --b-cost must be > 0, --w-cost >= 0")
         schedule = build_schedule(args.pp, args.microbatches, args.kind, v)
-        sim = simulate(schedule, args.pp, v, args.f_cost, args.b_cost)
+        check_schedule(schedule, args.pp, args.microbatches, v)
+        costs = (args.f_cost, args.b_cost, args.w_cost)
+        simulate(schedule, args.pp, v, *costs)  # raises on deadlock even if sends were waited for
+        sim = simulate(schedule, args.pp, v, *costs, eager_sends=True)
         theory = bubble_theory(args.pp, args.microbatches, v)
+        if args.kind == "zb-h1":
+            idle = bubble_time_theory(args.pp, "zb-h1", *costs)
+            theory = idle / (idle + args.microbatches * sum(costs)) if args.microbatches >= args.pp else None
         title = f"{args.kind} pp={args.pp} m={args.microbatches}" + (f" v={v}" if v > 1 else "")
         if args.out:
             draw_schedule(sim, args.pp, args.out, title)
@@ -135,20 +166,23 @@ def _schedule_run(args) -> int:
     if args.json:
         print(json.dumps({
             "kind": args.kind, "pp": args.pp, "microbatches": args.microbatches,
-            "virtual_stages": v, "f_cost": args.f_cost, "b_cost": args.b_cost,
-            "bubble_simulated": sim.bubble_fraction, "bubble_theory": theory,
+            "virtual_stages": v, "f_cost": args.f_cost, "b_cost": args.b_cost, "w_cost": args.w_cost,
+            "bubble_simulated": sim.bubble_fraction, "bubble_theory": theory, "idle_per_rank": sim.idle,
             "makespan": sim.makespan, "peak_in_flight": sim.peak_in_flight, "png": args.out,
             "actions": [[asdict(a) for a in rank] for rank in schedule],
             "intervals": [[[s, e, a.kind, a.microbatch, a.chunk] for s, e, a in rank]
                           for rank in sim.intervals],
         }))
         return 0
-    print(f"{title}  (F={args.f_cost:g}, B={args.b_cost:g} per micro-batch)")
-    print(f"bubble simulated {sim.bubble_fraction:.4f}   theory {theory:.4f}   "
-          f"makespan {sim.makespan:g}")
+    print(f"{title}  (F={args.f_cost:g}, B={args.b_cost:g}, W={args.w_cost:g} per micro-batch"
+          + (")" if args.kind == "zb-h1" else "; backward B+W fused)"))
+    shown = f"{theory:.4f}" if theory is not None else "n/a (m < pp)"
+    print(f"bubble simulated {sim.bubble_fraction:.4f}   theory {shown}   "
+          f"makespan {sim.makespan:g}   idle per rank {max(sim.idle):g}")
     print(f"peak in-flight micro-batches per rank: {sim.peak_in_flight}")
     print(ascii_timeline(sim))
-    print("(lower case = forward, upper case = backward, a = micro-batch 0, '.' = idle)")
+    print("(lower case = forward, upper case = backward"
+          + (" B, digit = weight gradients W" if args.kind == "zb-h1" else "") + ", a = micro-batch 0, '.' = idle)")
     if args.out:
         print(f"wrote {args.out}")
     return 0

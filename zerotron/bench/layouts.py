@@ -30,7 +30,7 @@ LAYOUTS = {x.name: x for x in (
     Layout("tp", {"parallel.tp": "{world}"}, **_NEW),
     Layout("tp-sp", {"parallel.tp": "{world}", "parallel.sequence_parallel": "true"}, **_NEW),
     Layout("tp-dtensor", {"parallel.tp": "{world}", "parallel.tp_impl": "dtensor"}, **_NEW),
-    *(Layout(f"pp-{k}", {"parallel.pp": "{world}", "parallel.pp_schedule": k}, **_NEW) for k in ("gpipe", "1f1b")),
+    *(Layout(f"pp-{k}", {"parallel.pp": "{world}", "parallel.pp_schedule": k}, **_NEW) for k in ("gpipe", "1f1b", "zb-h1")),
     Layout("pp-interleaved", {"parallel.pp": "{world}", "parallel.pp_schedule": "interleaved",
                               "parallel.virtual_stages": 2}, **_NEW),
 )}

@@ -9,11 +9,14 @@ dicts are independent of the pipeline layout; what each stage holds comes from `
 
 ``PipelineExecutor.run`` walks one rank's actions (``parallel.pipeline.schedules.Action``) as the schedules
 module docstring prescribes: every maximal run of consecutive SEND/RECV actions is posted as ONE
-``comm.batch_isend_irecv`` and fully waited before the next compute. Activation shapes are known
+``comm.batch_isend_irecv``. Activation shapes are known
 ahead, (b, T, C) of the micro-batch ((b, T/tp, C) with sequence parallelism), so there are no shape
-handshakes. Backward of a stage is
-``torch.autograd.backward(output, grad_of_output)``; the input's ``.grad`` goes upstream. A
-micro-batch's saved activations are dropped right after its backward. When pp == 1 (interleaving on
+handshakes. A comm run's RECVs are waited for before the next compute, its SENDs only at the
+end of the walk (they complete in the background; zero-bubble schedules rely on it). Backward of a
+stage is ``torch.autograd.backward(output, grad_of_output)``; the input's ``.grad`` goes upstream;
+a micro-batch's saved activations are dropped right after its backward. When the action list has a
+W for the (micro-batch, chunk), the backward is split (``pipeline.split_backward``): B computes
+only the input gradient and sends it, W later accumulates the weight gradients. When pp == 1 (interleaving on
 one rank) neighbouring stages hand tensors over locally (the schedule has no SEND/RECV then).
 
 Sources: GPipe (Huang et al. 2019); PipeDream-Flush / 1F1B and the Megatron-LM interleaved schedule
@@ -30,7 +33,9 @@ import torch.nn as nn
 from zerotron.distributed import comm
 from zerotron.layout import stage_layer_counts, stage_layer_ranges
 from zerotron.models.layout import get_module
+from zerotron.parallel.base import unique_params
 from zerotron.parallel.pipeline.schedules import COMM, Action
+from zerotron.parallel.pipeline.split_backward import backward_input, backward_weight
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -149,16 +154,22 @@ class PipelineExecutor:
         self.busy_s = self.idle_s = 0.0
 
     def run(self, actions: list[Action], tokens: list[torch.Tensor], on_output, autocast,
-            b_context=None) -> None:
+            b_context=None, w_context=None) -> None:
         """Walk ``actions`` over micro-batches ``tokens[i]`` ((b_i, T_i) int64, known on every rank).
 
         ``on_output(mb, logits)`` is called with the last stage's logits (b, T, V) and returns the
         scalar to back-propagate (or None in forward-only runs). ``autocast()`` gives the context
-        of every forward; ``b_context(mb, chunk)`` the context of each backward (e.g. DDP no_sync).
-        Raises RuntimeError if a stage output has an unexpected shape/dtype or the walk ends with
-        undelivered tensors (a malformed schedule)."""
-        acts_in, grads_in, saved, send_f, send_b = {}, {}, {}, {}, {}
+        of every forward; ``b_context(mb, chunk)`` the context of each backward that produces
+        weight gradients (a whole B, or a W; e.g. DDP no_sync); ``w_context(mb, chunk)``, when
+        given, replaces it around a W (e.g. ZeRO-3 gathers the blocks first). A split B (input
+        gradient only) runs in no context: it accumulates nothing. Raises RuntimeError if a stage
+        output has an unexpected shape/dtype or the walk ends with undelivered tensors or pending
+        W's (a malformed schedule)."""
+        acts_in, grads_in, saved, send_f, send_b, owed = {}, {}, {}, {}, {}, {}
         st, last = self.stage, self.stage.last_stage
+        split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
+        params = unique_params(st) if split else []
+        sending: list = []  # (Work, tensor) of posted sends, waited for at the end
         i, n = 0, len(actions)
         while i < n:
             if actions[i].kind in COMM:
@@ -177,8 +188,12 @@ class PipelineExecutor:
                         (acts_in if a.kind == "RECV_F" else grads_in)[key] = buf
                         ops.append(("recv", buf, peer))
                     j += 1
-                for w in comm.batch_isend_irecv(ops, group=self.group, tag="pp"):
-                    w.wait()
+                sending = [x for x in sending if not x[0].is_completed()]
+                for (op, t, _), w in zip(ops, comm.batch_isend_irecv(ops, group=self.group, tag="pp")):
+                    if op == "recv":
+                        w.wait()
+                    else:
+                        sending.append((w, t))  # the tensor stays alive until its send completes
                 self.idle_s += time.perf_counter() - t0
                 i = j
                 continue
@@ -203,22 +218,32 @@ class PipelineExecutor:
                         send_f[key] = out.detach()
                 if torch.is_grad_enabled() and out is not None:
                     saved[key] = (inp, out)
-            else:  # "B"
+            elif a.kind == "B":
                 inp, out = saved.pop(key)
-                with b_context(*key) if b_context else contextlib.nullcontext():
-                    if s == last:
-                        torch.autograd.backward(out)
-                    else:
-                        torch.autograd.backward(out, grads_in.pop(key))
+                grad = None if s == last else grads_in.pop(key)
+                if key in split:  # input gradient now, weight gradients at this key's W
+                    dinp, owed[key] = backward_input(out, grad, inp, params)
+                else:
+                    with b_context(*key) if b_context else contextlib.nullcontext():
+                        torch.autograd.backward(out, grad)
+                    dinp = inp.grad if s > 0 else None
                 if s > 0:
                     if self.pp == 1:
-                        grads_in[(a.microbatch, a.chunk - 1)] = inp.grad
+                        grads_in[(a.microbatch, a.chunk - 1)] = dinp
                     else:
-                        send_b[key] = inp.grad
-                del inp, out  # free this micro-batch's activations now
+                        send_b[key] = dinp
+                del inp, out, grad, dinp  # free this micro-batch's activations now (split: after W)
+            else:  # "W"
+                ctx = w_context or b_context
+                with ctx(*key) if ctx else contextlib.nullcontext():
+                    backward_weight(owed.pop(key))
             self.busy_s += time.perf_counter() - t0
             i += 1
-        if acts_in or grads_in or send_f or send_b or (saved and any(a.kind == "B" for a in actions)):
+        t0 = time.perf_counter()
+        for w, _ in sending:
+            w.wait()
+        self.idle_s += time.perf_counter() - t0
+        if acts_in or grads_in or send_f or send_b or owed or (saved and any(a.kind == "B" for a in actions)):
             raise RuntimeError("pipeline walk ended with undelivered tensors: malformed schedule")
 
     def _act_shape(self, tok: torch.Tensor) -> tuple:

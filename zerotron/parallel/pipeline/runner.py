@@ -9,7 +9,11 @@ holds the layout's embedding modules, the last one its head modules (``model.lay
 Schedules (``parallel.pp_schedule``, built by ``schedules.build_schedule`` and walked by
 ``pipeline.executor.PipelineExecutor``): "naive" (model parallel: each flush's micro-batches
 concatenated into one batch, one stage busy at a time), "gpipe" (Huang et al. 2019), "1f1b"
-(PipeDream-Flush, Narayanan et al. 2021), "interleaved" (Megatron-LM, Narayanan et al. 2021).
+(PipeDream-Flush, Narayanan et al. 2021), "interleaved" (Megatron-LM, Narayanan et al. 2021),
+"zb-h1" (Qi et al. 2024, zero bubble: each backward split into B, the input gradient, and W, the
+weight gradients, run later; ``pipeline.split_backward``). Gradient synchronisers see W as the
+backward: DDP's last-flush buckets fire in the last micro-batch's W, ZeRO-2/3 reduce-scatter after
+each W (ZeRO-3 gathers the stage's blocks for it: recomputation and saved tensors read them).
 
 Step structure: the trainer hands this rank its M micro-batches; ``m = parallel.microbatches or M``
 per pipeline flush, M/m flushes (outer gradient accumulation, no rescaling). Gradients are summed
@@ -247,13 +251,21 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                 sync = final and mb == k - 1 and not (late and chunk == self.v - 1)
                 return contextlib.nullcontext() if sync else self.inner.no_sync()
 
+            w_context = self._zero3_weight_pass if self.zero is not None and self.zero.stage == 3 else None
             ex.run(self._actions(k), [x for x, _ in mbs], on_output,
-                   lambda: autocast_ctx(dtype, device), b_context)
+                   lambda: autocast_ctx(dtype, device), b_context, w_context)
             for s in sums:
                 total += s.double().cpu()
 
     @contextlib.contextmanager
     def _after_backward(self):
+        yield
+        self.zero.after_backward()
+
+    @contextlib.contextmanager
+    def _zero3_weight_pass(self, mb, chunk):
+        """ZeRO-3 around a W (split backward): the blocks gathered, then reduce-scatter and free."""
+        self.zero.gather_blocks()
         yield
         self.zero.after_backward()
 

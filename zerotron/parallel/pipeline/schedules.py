@@ -6,7 +6,20 @@ interleaving, Narayanan et al. 2021); with ``virtual_stages == 1`` chunk is alwa
 Kinds: "naive" (one batch, no micro-batching), "gpipe" (Huang et al. 2019: all forwards, then all
 backwards), "1f1b" (PipeDream-Flush, Narayanan et al. 2021: warm-up forwards, steady one-forward-
 one-backward, cool-down backwards), "interleaved" (Megatron-LM interleaved 1F1B, Narayanan et al.
-2021 "Efficient Large-Scale Language Model Training on GPU Clusters", v chunks per rank).
+2021 "Efficient Large-Scale Language Model Training on GPU Clusters", v chunks per rank), "zb-h1"
+(Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241: 1F1B with the backward split
+into B, the gradient w.r.t. the stage input, sent upstream at once, and W, the weight gradients,
+run later to fill what would be the cool-down bubble).
+
+Computes: "F" (forward), "B" (backward; for every kind but zb-h1 the whole backward, for zb-h1 only
+the input gradient) and "W" (weight gradients of a B that had them split off; only zb-h1 has W).
+
+Bubble theory per rank, uniform stage costs T_F, T_B (input gradient), T_W (weight gradients): 1F1B
+idles (p-1)(T_F+T_B+T_W) (its fused backward costs T_B+T_W and the whole chain waits for it); ZB-H1
+idles (p-1)(T_F+T_B-T_W) when T_W <= T_B (Qi et al. 2024, sec. 3.1): rank i keeps i W's
+back during the steady state (in flight at most p micro-batches, as 1F1B's rank 0) and runs them
+after its last B, so the critical path goes through the B's alone. With T_F = T_B = T_W that is a
+third of 1F1B's bubble time (:func:`bubble_time_theory`).
 
 Communication convention (what an executor may assume):
 
@@ -19,10 +32,12 @@ Communication convention (what an executor may assume):
   group) and a SEND right after the group that produced it. For naive, GPipe and 1F1B every group
   is one compute, i.e. RECV immediately before its compute and SEND immediately after.
 * The executor posts each comm run as ONE batch (``batch_isend_irecv``, ops in list order) and
-  waits for every op of it before the next compute. This cannot deadlock even if a send completes
-  only once its receiver has posted the matching recv (rendezvous, as inside an NCCL group):
-  ``simulate`` models exactly that and raises on deadlock; waiting only for the RECVs is then also
-  safe. Executing the ops of one run one at a time with blocking calls is NOT safe (e.g. 1F1B pairs
+  waits for its RECVs before the next compute (its SENDs complete in the background and are waited
+  for at the end of the walk). Waiting for every op instead cannot deadlock either, even if a send
+  completes only once its receiver has posted the matching recv (rendezvous, as inside an NCCL
+  group): ``simulate`` models exactly that and raises on deadlock; ``simulate(...,
+  eager_sends=True)`` gives the timing of the executor (zb-h1 needs it: a rank runs its W while
+  the B gradient it sent waits for the upstream rank's recv). Executing the ops of one run one at a time with blocking calls is NOT safe (e.g. 1F1B pairs
   SEND_F with RECV_B on the same neighbour, like Megatron-LM's send_forward_recv_backward).
 * Messages between an ordered pair of ranks are posted in the same order by sender and receiver
   (FIFO, over both directions F and B), so order-based matching (NCCL, gloo without tags) is right.
@@ -35,14 +50,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("naive", "gpipe", "1f1b", "interleaved")
-COMPUTE = ("F", "B")
+KINDS = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's schedule: a compute ("F", "B") or a p2p op ("SEND_F", "RECV_F",
+    """One step of a rank's schedule: a compute ("F", "B", "W") or a p2p op ("SEND_F", "RECV_F",
     "SEND_B", "RECV_B"; F = activations downstream, B = gradients upstream) for ``microbatch``
     on the rank's local ``chunk``; ``peer`` is the other rank of a SEND/RECV (None for computes)."""
 
@@ -59,6 +74,8 @@ def _compute_groups(pp: int, m: int, kind: str, v: int, rank: int) -> list[list[
         # Clock-cycle view (GPipe): at clock k micro-batch i is on stage k-i going forward, and on
         # stage (pp-1)-(k-i) going backward; per stage that is F0..F(m-1) then B0..B(m-1).
         return [[("F", i, 0)] for i in range(m)] + [[("B", i, 0)] for i in range(m)]
+    if kind == "zb-h1":
+        return _zb_h1_groups(pp, m, rank)
     if kind == "1f1b":  # PipeDream-Flush: warm-up min(pp-r-1, m) forwards, 1F1B, cool-down
         warm = min(pp - rank - 1, m)
         groups = [[("F", i, 0)] for i in range(warm)]
@@ -81,6 +98,29 @@ def _compute_groups(pp: int, m: int, kind: str, v: int, rank: int) -> list[list[
     return groups + [[unit(k, False)] for k in range(total - warm, total)]
 
 
+def _zb_h1_groups(pp: int, m: int, rank: int) -> list[list[tuple]]:
+    """ZB-H1 (Qi et al. 2024, fig. 3): 1F1B's warm-up min(pp-r-1, m) forwards and its F/B order,
+    each W deferred: in the steady state rank r runs the W of micro-batch k-r after B(k) (it holds
+    at most pp-r-1 + 1 + r = pp micro-batches, the 1F1B peak), in the cool-down one W after each B
+    but the last, then the remaining r+1 W's, which fill the time 1F1B's rank r waits for B's."""
+    warm = min(pp - rank - 1, m)
+    groups = [[("F", i, 0)] for i in range(warm)]
+    owed: list[int] = []  # micro-batches whose W is still to run
+
+    def backward(i: int, keep: int) -> None:
+        groups.append([("B", i, 0)])
+        owed.append(i)
+        if len(owed) > keep:
+            groups.append([("W", owed.pop(0), 0)])
+
+    for i in range(m - warm):
+        groups.append([("F", warm + i, 0)])
+        backward(i, rank)
+    for i in range(m - warm, m):
+        backward(i, 0 if i < m - 1 else m)
+    return groups + [[("W", i, 0)] for i in owed]
+
+
 def _with_comm(groups, rank: int, pp: int, v: int) -> list[Action]:
     """Before each group one comm run: SENDs of the previous group's cross-rank outputs, then
     RECVs of this group's cross-rank inputs (each in compute order); the last group's SENDs
@@ -88,6 +128,8 @@ def _with_comm(groups, rank: int, pp: int, v: int) -> list[Action]:
     last = pp * v - 1
 
     def peer(kind: str, chunk: int, out: bool) -> int | None:
+        if kind == "W":  # weight gradients: nothing in, nothing out
+            return None
         stage = chunk * pp + rank
         other = stage + (1 if (kind == "F") == out else -1)
         return other % pp if 0 <= other <= last and other % pp != rank else None
@@ -107,7 +149,7 @@ def _with_comm(groups, rank: int, pp: int, v: int) -> list[Action]:
 def build_schedule(pp: int, microbatches: int, kind: str,
                    virtual_stages: int = 1) -> list[list[Action]]:
     """Per-rank action lists (index = pipeline rank), in execution order, for ``kind`` in
-    "naive" | "gpipe" | "1f1b" | "interleaved" (sources in the module docstring).
+    "naive" | "gpipe" | "1f1b" | "interleaved" | "zb-h1" (sources in the module docstring).
 
     Raises ValueError for pp < 1 or microbatches < 1; "naive" with microbatches != 1; a kind other
     than "interleaved" with virtual_stages != 1; "interleaved" with virtual_stages < 2 or
@@ -149,7 +191,8 @@ def message_key(action: Action, rank: int, pp: int) -> tuple[str, int, int]:
 def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
                    virtual_stages: int = 1) -> None:
     """Raise ValueError unless ``schedule`` is well formed: one list per rank; each rank runs F and
-    B exactly once per (microbatch, chunk), F first; every SEND has exactly one matching RECV on its
+    B exactly once per (microbatch, chunk), F first, and at most one W, after that B (a split
+    backward); every SEND has exactly one matching RECV on its
     peer (see :func:`message_key`) with the right peer fields; each cross-rank input is received
     before its compute and each output sent after it; messages per ordered rank pair are FIFO."""
     v = virtual_stages
@@ -167,6 +210,8 @@ def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
                     raise ValueError(f"rank {r}: duplicate {a}")
                 if a.kind == "B" and ("F", a.microbatch, a.chunk) not in seen:
                     raise ValueError(f"rank {r}: {a} before its forward")
+                if a.kind == "W" and ("B", a.microbatch, a.chunk) not in seen:
+                    raise ValueError(f"rank {r}: {a} before its input-gradient backward B")
                 seen.add((a.kind, a.microbatch, a.chunk))
                 continue
             key = message_key(a, r, pp)
@@ -180,8 +225,8 @@ def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
             if produced != (book is sends):  # SEND after its compute, RECV before its compute
                 raise ValueError(f"rank {r}: {a} is on the wrong side of its compute")
             book[key] = (r, a.peer, len(book))
-        want = {(k, i, c) for k in COMPUTE for i in range(microbatches) for c in range(v)}
-        if seen != want:
+        want = {(k, i, c) for k in ("F", "B") for i in range(microbatches) for c in range(v)}
+        if {x for x in seen if x[0] != "W"} != want:
             raise ValueError(f"rank {r}: computes missing: {sorted(want - seen)[:4]}")
     if set(sends) != set(recvs):
         raise ValueError(f"unmatched SEND/RECV: {sorted(set(sends) ^ set(recvs))[:4]}")
@@ -195,33 +240,44 @@ def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
 @dataclass
 class SimResult:
     """Outcome of :func:`simulate`. ``intervals[r]``: (start, end, action) of each compute on rank r
-    (time units of f_cost/b_cost); ``makespan``: end of the last compute; ``bubble_fraction``:
-    idle / (pp * makespan); ``peak_in_flight[r]``: max count of (microbatch, chunk) pairs whose F is
-    done and B not yet done on rank r (activations held)."""
+    (time units of f_cost/b_cost/w_cost); ``makespan``: end of the last compute;
+    ``bubble_fraction``: idle / (pp * makespan); ``idle[r]``: makespan minus rank r's busy time;
+    ``peak_in_flight[r]``: max count of (microbatch, chunk) pairs whose F is done and whose
+    backward (B, or W when split) is not yet done on rank r (activations held)."""
 
     intervals: list
     makespan: float
     bubble_fraction: float
     peak_in_flight: list
+    idle: list
 
 
 def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
-             f_cost: float = 1.0, b_cost: float = 2.0) -> SimResult:
+             f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float = 0.0,
+             eager_sends: bool = False) -> SimResult:
     """Event simulation of ``schedule`` (one list per rank, walked in order, one compute at a time).
 
     Dependencies: F of stage s for micro-batch i after F of stage s-1 for i; B of stage s after B of
-    stage s+1 and after its own F. A chunk's F costs f_cost/v and B costs b_cost/v (v =
-    virtual_stages); communication costs 0 but follows the executor contract of the module
+    stage s+1 and after its own F; W after its own B. Costs per micro-batch and stage: f_cost (F),
+    b_cost (B, the input gradient), w_cost (W, the weight gradients); a B without a W in the
+    schedule is the whole backward and costs b_cost + w_cost (so the default w_cost = 0 makes b_cost
+    the whole backward); a chunk's costs are divided by v = virtual_stages. Communication costs 0 but follows the executor contract of the module
     docstring: a comm run is posted at once and left only when every op in it has its counterpart
-    posted (rendezvous), so no deadlock here means none under NCCL-like batches either. Times are in
-    the units of f_cost/b_cost (e.g. seconds). Raises RuntimeError("deadlock ...") if no rank can
-    progress, ValueError for a wrong number of rank lists or v < 1.
+    posted (rendezvous), so no deadlock here means none under NCCL-like batches either. With
+    ``eager_sends`` a run is left once its RECVs have their SENDs posted (the SENDs complete in
+    the background): the timing of ``PipelineExecutor``, which waits only for the received
+    tensors (and for its sends at the end of the walk). Times are in
+    the units of the costs (e.g. seconds). Raises RuntimeError("deadlock ...") if no rank can
+    progress, ValueError for a wrong number of rank lists, v < 1 or a negative cost.
     """
     if len(schedule) != pp or virtual_stages < 1:
         raise ValueError(f"expected {pp} rank lists and virtual_stages >= 1, got "
                          f"{len(schedule)} lists, virtual_stages={virtual_stages}")
+    if min(f_cost, b_cost, w_cost) < 0:
+        raise ValueError(f"costs must be >= 0, got f_cost={f_cost}, b_cost={b_cost}, w_cost={w_cost}")
     v, last = virtual_stages, pp * virtual_stages - 1
-    cost = {"F": f_cost / v, "B": b_cost / v}
+    split = [{(a.microbatch, a.chunk) for a in acts if a.kind == "W"} for acts in schedule]
+    cost = {"F": f_cost / v, "B": b_cost / v, "W": w_cost / v, "BW": (b_cost + w_cost) / v}
     pos, clock = [0] * pp, [0.0] * pp
     done: dict = {}    # (kind, microbatch, stage) -> end time
     posted: dict = {}  # (message key, is_send) -> post time
@@ -236,12 +292,15 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                     s, i = a.chunk * pp + r, a.microbatch
                     if a.kind == "F":
                         deps = [("F", i, s - 1)] if s > 0 else []
+                    elif a.kind == "W":
+                        deps = [("B", i, s)]
                     else:
                         deps = [("F", i, s)] + ([("B", i, s + 1)] if s < last else [])
                     if any(d not in done for d in deps):
                         break
                     start = max([clock[r]] + [done[d] for d in deps])
-                    clock[r] = done[(a.kind, i, s)] = start + cost[a.kind]
+                    fused = a.kind == "B" and (i, a.chunk) not in split[r]
+                    clock[r] = done[(a.kind, i, s)] = start + cost["BW" if fused else a.kind]
                     intervals[r].append((start, clock[r], a))
                     pos[r] += 1
                     progress = True
@@ -255,7 +314,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                     if k not in posted:
                         posted[k] = clock[r]
                         progress = True
-                theirs = [(key, not is_send) for key, is_send in mine]
+                theirs = [(key, not is_send) for key, is_send in mine if not (eager_sends and is_send)]
                 if any(k not in posted for k in theirs):
                     break
                 clock[r] = max([clock[r]] + [posted[k] for k in theirs])
@@ -267,13 +326,15 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
     busy = sum(e - s for iv in intervals for s, e, _ in iv)
     bubble = (pp * makespan - busy) / (pp * makespan) if makespan > 0 else 0.0
     peaks = []
-    for iv in intervals:
+    for r, iv in enumerate(intervals):
         live = peak = 0
         for _, _, a in iv:
-            live += 1 if a.kind == "F" else -1
+            ends = a.kind == "W" or (a.kind == "B" and (a.microbatch, a.chunk) not in split[r])
+            live += 1 if a.kind == "F" else -1 if ends else 0
             peak = max(peak, live)
         peaks.append(peak)
-    return SimResult(intervals, makespan, bubble, peaks)
+    idle = [makespan - sum(e - s for s, e, _ in iv) for iv in intervals]
+    return SimResult(intervals, makespan, bubble, peaks, idle)
 
 
 def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -288,3 +349,22 @@ def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
     if min(pp, microbatches, virtual_stages) < 1:
         raise ValueError("pp, microbatches and virtual_stages must be >= 1")
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+def bubble_time_theory(pp: int, kind: str, f_cost: float = 1.0, b_cost: float = 1.0,
+                       w_cost: float = 1.0) -> float:
+    """Idle time per rank for uniform stage costs (units of the costs), any m >= pp, sends not
+    waited for (``simulate(..., eager_sends=True)``, the executor's timing).
+
+    "gpipe"/"1f1b": (p-1)(T_F+T_B+T_W) (Huang et al. 2019; Narayanan et al. 2021), the backward
+    fused. "zb-h1": (p-1)(T_F+T_B-T_W) (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv
+    2401.10241, sec. 3.1) when T_W <= T_B; for T_W > T_B it is (p-1)T_F, the wait of the last rank
+    for its first forward, which no W can fill: (p-1)(T_F + max(T_B-T_W, 0)) in general. Raises
+    ValueError for another kind, pp < 1 or a negative cost."""
+    if pp < 1 or min(f_cost, b_cost, w_cost) < 0:
+        raise ValueError(f"need pp >= 1 and costs >= 0, got pp={pp}, costs {f_cost}, {b_cost}, {w_cost}")
+    if kind in ("gpipe", "1f1b"):
+        return (pp - 1) * (f_cost + b_cost + w_cost)
+    if kind == "zb-h1":
+        return (pp - 1) * (f_cost + max(b_cost - w_cost, 0.0))
+    raise ValueError(f"bubble_time_theory knows gpipe, 1f1b and zb-h1, not {kind!r}")

@@ -99,6 +99,13 @@ class StageZero:
             for u in range(self.gatherer.n_root, len(self.flats)):
                 self.gatherer.free(u)
 
+    def gather_blocks(self) -> None:
+        """Stage 3: all-gather every block unit (a W of a split backward reads the weights: saved
+        tensors, recomputation); :meth:`after_backward` frees them again. Stages 1-2: nothing."""
+        if self.stage == 3:
+            for u in range(self.gatherer.n_root, len(self.flats)):
+                self.gatherer.gather(u)
+
     @contextlib.contextmanager
     def full_params(self, blocks: bool = True):
         """Stage 3: the root units (and every block when ``blocks``; otherwise the blocks' forward
