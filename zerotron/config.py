@@ -159,8 +159,10 @@ class ParallelConfig:
     reduction, tied and tp-replicated sums; bf16 needs zero_stage >= 1.
     ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
     ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved)/``microbatches`` (per pipeline flush;
-    0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (comma-separated
-    layer counts per stage, "" = balanced)/``pp_impl`` (native | torch): pipeline parallelism.
+    0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (auto = balanced
+    over FLOP estimates counting embedding and head + loss, ``zerotron.parallel.pipeline.balance``;
+    even (or "") = equal layer counts; or comma-separated layer counts per model stage)/``pp_impl``
+    (native | torch): pipeline parallelism.
     ``find_unused_parameters``: torch DDP (``dp_impl = torch``) only: allow parameters without a
     gradient in a step (torch's extra graph traversal); native DDP and ZeRO always handle them."""
 
@@ -190,8 +192,8 @@ class ParallelConfig:
     """micro-batches per pipeline flush (0 = all of the step's)"""
     virtual_stages: int = 1
     """model chunks per pipeline rank (interleaved schedule, >= 2)"""
-    pp_split: str = ""
-    """comma-separated layer counts per stage ("" = balanced)"""
+    pp_split: str = "auto"
+    """layers per stage: auto (balanced by FLOP estimates, head + loss on the last stage) | even | counts, e.g. 3,5"""
     pp_impl: str = "native"
     """native"""
     find_unused_parameters: bool = False
@@ -503,7 +505,9 @@ def validate(cfg: Config, world_size: int) -> dict:
              f"the interleaved schedule needs micro-batches per flush ({m_flush}) divisible by pp ({dims.pp}); "
              "lower train.micro_batch or set parallel.microbatches to a multiple of pp")
         try:
-            stage_layer_counts(shape["n_layer"], dims.pp * (p.virtual_stages if interleaved else 1), p.pp_split)
+            # "auto" has the feasibility rule of "even" (every stage >= 1 layer); its counts come from the model
+            split = "even" if p.pp_split.strip() == "auto" else p.pp_split
+            stage_layer_counts(shape["n_layer"], dims.pp * (p.virtual_stages if interleaved else 1), split)
         except ValueError as e:
             raise ConfigError(f"parallel.pp_split / model.n_layer: {e}") from None
     need(shape["n_head"] % dims.tp == 0,

@@ -2,9 +2,10 @@
 
 A *layout* is one value per factor of :data:`FACTORS` -- gradient sync (native DDP, torch DDP,
 native ZeRO-1/2/3, FSDP2 stage 2/3), dp degree, tp degree, sequence parallelism, pp degree,
-pipeline schedule and gradient accumulation (micro-batches per dp rank per step). Options that
-cannot matter are canonicalised away (sequence parallelism only with tp > 1, a schedule only with
-pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
+pipeline schedule, gradient accumulation (micro-batches per dp rank per step) and the pipeline
+split (``parallel.pp_split`` auto | even: on the matrix model "auto" gives 5,3 at pp 2 and 3,2,2,1
+at pp 4, so it runs uneven stages). Options that cannot matter are canonicalised away (sequence
+parallelism only with tp > 1, a schedule and a split only with pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
 full product; :func:`covering_layouts` picks a small set in which every pair of factor values
 that occurs in some valid layout occurs at least once (a greedy pairwise covering array).
 
@@ -46,6 +47,7 @@ FACTORS = {
     "pp": (1, 2, 4),
     "schedule": ("naive", "gpipe", "1f1b", "interleaved"),
     "acc": (1, 4),
+    "split": ("auto", "even"),
 }
 MAX_WORLD = 8
 STEPS = 2
@@ -67,7 +69,8 @@ TRAIN = {"train.dtype": "fp64", "train.steps": STEPS, "train.global_batch": GLOB
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """One point of the matrix. ``schedule`` is None when pp == 1; ``sp`` is False when tp == 1."""
+    """One point of the matrix. ``schedule`` and ``split`` are None when pp == 1; ``sp`` is False
+    when tp == 1."""
 
     sync: str
     dp: int
@@ -76,6 +79,7 @@ class Layout:
     pp: int
     schedule: str | None
     acc: int
+    split: str | None = None
 
     @property
     def world(self) -> int:
@@ -87,7 +91,7 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("sp" if self.sp else ""))
         if self.pp > 1:
-            parts.append(f"pp{self.pp}-{self.schedule}")
+            parts.append(f"pp{self.pp}-{self.schedule}" + ("-even" if self.split == "even" else ""))
         parts.append(f"acc{self.acc}")
         return "-".join(parts)
 
@@ -104,6 +108,7 @@ class Layout:
             o.update({"parallel.zero_stage": int(self.sync[-1]), "parallel.zero_impl": "fsdp2"})
         if self.pp > 1:
             o["parallel.pp_schedule"] = self.schedule
+            o["parallel.pp_split"] = self.split or "auto"
             if self.schedule == "interleaved":
                 o["parallel.virtual_stages"] = 2
         return o
@@ -116,10 +121,10 @@ def all_layouts(max_world: int = MAX_WORLD) -> list[Layout]:
     """Every canonical layout of the FACTORS product on at most ``max_world`` processes, sorted."""
     out = set()
     f = FACTORS
-    for sync, dp, tp, sp, pp, sched, acc in itertools.product(*f.values()):
+    for sync, dp, tp, sp, pp, sched, acc, split in itertools.product(*f.values()):
         if dp * tp * pp > max_world:
             continue
-        out.add(Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc))
+        out.add(Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc, split if pp > 1 else None))
     return sorted(out, key=lambda l: (l.world, l.name))
 
 

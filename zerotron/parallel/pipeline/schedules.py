@@ -206,22 +206,31 @@ class SimResult:
 
 
 def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
-             f_cost: float = 1.0, b_cost: float = 2.0) -> SimResult:
+             f_cost: float | list[float] = 1.0, b_cost: float | list[float] = 2.0) -> SimResult:
     """Event simulation of ``schedule`` (one list per rank, walked in order, one compute at a time).
 
     Dependencies: F of stage s for micro-batch i after F of stage s-1 for i; B of stage s after B of
     stage s+1 and after its own F. A chunk's F costs f_cost/v and B costs b_cost/v (v =
-    virtual_stages); communication costs 0 but follows the executor contract of the module
+    virtual_stages); or, when ``f_cost``/``b_cost`` is a list of pp*v numbers, model stage s costs
+    ``f_cost[s]``/``b_cost[s]`` per micro-batch (e.g. measured per-stage times, so an unbalanced
+    split shows its extra bubble); communication costs 0 but follows the executor contract of the module
     docstring: a comm run is posted at once and left only when every op in it has its counterpart
     posted (rendezvous), so no deadlock here means none under NCCL-like batches either. Times are in
     the units of f_cost/b_cost (e.g. seconds). Raises RuntimeError("deadlock ...") if no rank can
-    progress, ValueError for a wrong number of rank lists or v < 1.
+    progress, ValueError for a wrong number of rank lists, v < 1 or a cost list of the wrong length.
     """
     if len(schedule) != pp or virtual_stages < 1:
         raise ValueError(f"expected {pp} rank lists and virtual_stages >= 1, got "
                          f"{len(schedule)} lists, virtual_stages={virtual_stages}")
     v, last = virtual_stages, pp * virtual_stages - 1
-    cost = {"F": f_cost / v, "B": b_cost / v}
+
+    def per_stage(c, name):
+        if isinstance(c, (int, float)):
+            return [c / v] * (last + 1)
+        if len(c) != last + 1:
+            raise ValueError(f"{name} needs one cost per model stage (pp * virtual_stages = {last + 1}), got {len(c)}")
+        return [float(x) for x in c]
+    cost = {"F": per_stage(f_cost, "f_cost"), "B": per_stage(b_cost, "b_cost")}
     pos, clock = [0] * pp, [0.0] * pp
     done: dict = {}    # (kind, microbatch, stage) -> end time
     posted: dict = {}  # (message key, is_send) -> post time
@@ -241,7 +250,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                     if any(d not in done for d in deps):
                         break
                     start = max([clock[r]] + [done[d] for d in deps])
-                    clock[r] = done[(a.kind, i, s)] = start + cost[a.kind]
+                    clock[r] = done[(a.kind, i, s)] = start + cost[a.kind][s]
                     intervals[r].append((start, clock[r], a))
                     pos[r] += 1
                     progress = True
@@ -274,6 +283,19 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
             peak = max(peak, live)
         peaks.append(peak)
     return SimResult(intervals, makespan, bubble, peaks)
+
+
+def rank_idle_fractions(result: SimResult) -> list[float]:
+    """Per rank of a :func:`simulate` result: idle / (busy + idle) of the rank's own walk, from time
+    0 to the end of its last compute -- the statistic an executor measures per rank
+    (``PipelineStrategy.last_step_timing()["bubble_fraction"]``), unlike ``bubble_fraction``, which
+    divides the idle time of all ranks by pp x makespan."""
+    out = []
+    for iv in result.intervals:
+        end = iv[-1][1] if iv else 0.0
+        busy = sum(e - s for s, e, _ in iv)
+        out.append((end - busy) / end if end > 0 else 0.0)
+    return out
 
 
 def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
