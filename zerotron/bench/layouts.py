@@ -33,6 +33,9 @@ LAYOUTS = {x.name: x for x in (
     *(Layout(f"pp-{k}", {"parallel.pp": "{world}", "parallel.pp_schedule": k}, **_NEW) for k in ("gpipe", "1f1b")),
     Layout("pp-interleaved", {"parallel.pp": "{world}", "parallel.pp_schedule": "interleaved",
                               "parallel.virtual_stages": 2}, **_NEW),
+    # one process, 2 stage threads (GPipe; the in-process executor), against pp-gpipe's 2 processes
+    Layout("pp-threads-gpipe", {"parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
+                                "parallel.virtual_stages": 2}, world=1, **_NEW),
 )}
 DEFAULT_LAYOUTS = "dp,dp-torch,single"
 

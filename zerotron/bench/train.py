@@ -133,13 +133,6 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     return strategy, opt, build_scheduler(opt, t), batches, model.num_params(), mcfg.block_size, epoch_tokens
 
 
-def _bubble_theory(strat, n_micro: int) -> float:
-    """``bubble_theory(pp, m, v)`` of a PipelineStrategy whose rank gets ``n_micro`` micro-batches
-    per step (m = parallel.microbatches or all of them; 1 for the "naive" schedule)."""
-    m = 1 if strat.kind == "naive" else (strat.microbatches or n_micro)
-    return bubble_theory(strat.pp, m, strat.v)
-
-
 def _simulated(got: list[dict], steps: int) -> dict:
     """Bubble predicted by the schedule simulator from the measured per-stage compute times of each
     timed step (stage times averaged over the ranks holding the stage), the same statistic as
@@ -199,7 +192,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
                  "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
                  "stage_times": stage_times, "schedule": pp_sched, "split": getattr(strat, "split", None),
-                 "bubble_theory": _bubble_theory(strat, len(batches[0])) if timing is not None else None}
+                 "bubble_theory": bubble_theory(pp_sched[0], pp_sched[1], pp_sched[3]) if timing is not None else None}
         torch.set_num_threads(prev)
         del built, strat, opt, sched, batches, step
     got = [x for x in comm.all_gather_object(local) if x]
