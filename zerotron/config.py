@@ -192,7 +192,7 @@ class ParallelConfig:
     microbatches: int = 0
     """micro-batches per pipeline flush (0 = all of the step's)"""
     virtual_stages: int = 1
-    """model chunks per pipeline rank (interleaved schedule, >= 2)"""
+    """model chunks per pipeline rank (interleaved schedule, >= 2; pp_impl = threads: the stage threads)"""
     pp_split: str = "auto"
     """layers per stage: auto (balanced by FLOP estimates, head + loss on the last stage) | even | counts, e.g. 3,5"""
     pp_impl: str = "native"
