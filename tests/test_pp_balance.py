@@ -132,3 +132,35 @@ def test_predicted_bubble_from_stage_times():
     assert gp["per_rank"][0] == pytest.approx(bubble_theory(4, 4))
     with pytest.raises(ValueError, match=r"no measured F time for model stage\(s\) \[1\]"):
         predicted_bubble(2, 2, "1f1b", 1, {"F": {0: 1.0}, "B": {0: 1.0, 1: 1.0}})
+
+
+def _tp_costs():
+    """In each of 2 ranks: layer costs of the GPT-2 and Llama test models, dense and tp=2-sharded."""
+    import torch
+    import torch.distributed as dist
+
+    from zerotron.distributed import comm
+    from zerotron.models.gpt import GPT, GPTConfig
+    from zerotron.models.llama import Llama, LlamaConfig
+    from zerotron.parallel.pipeline.balance import layer_costs, resolve_split
+    from zerotron.parallel.tensor.transform import apply_tensor_parallel
+
+    group = comm.NamedGroup(dist.group.WORLD, "tp")
+    out = []
+    for model in (GPT(GPTConfig(vocab_size=4096, block_size=16, n_layer=4, n_head=2, n_embd=32)),
+                  Llama(LlamaConfig(vocab_size=1000, block_size=16, n_layer=4, n_head=4, n_kv_head=2, n_embd=32,
+                                    intermediate_size=64))):
+        torch.manual_seed(0)
+        dense = layer_costs(model)
+        tp = apply_tensor_parallel(model, group)
+        out.append((dense, layer_costs(tp), resolve_split(tp, 2, "auto")))
+    return out
+
+
+def test_layer_costs_do_not_depend_on_tp():
+    """Tensor-parallel shards count at their dense size, so every tp rank picks the dense split."""
+    from zerotron.testing import run_ranks
+
+    for per_rank in run_ranks(_tp_costs, 2):
+        for dense, sharded, split in per_rank:
+            assert sharded == dense and split == [3, 1], (dense, sharded, split)
