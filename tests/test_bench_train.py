@@ -118,6 +118,20 @@ def test_summarize_epoch_and_bubble_fields():
     table = bt.format_table(list(rows.values())).splitlines()
     assert table[0].endswith("| peak mem MiB | epoch s | bubble measured | bubble theory |")
     assert table[2].endswith("| 30.0 | 0.400 | 0.333 |") and table[3].endswith("| 30.0 | - | - |")
+    # bubble accounting: the simulator's prediction from measured stage times, paired per step
+    for r, sim in zip(recs[:3], ([0.1, 0.2], [0.25], [0.5, 0.4])):
+        r.update(bubble_simulated=0.0, bubble_simulated_steps=sim, pp_split="3,1",
+                 stage_compute_s={"F": {0: 0.01 * (1 + r["round"]), 1: 0.02}, "B": {0: 0.03, 1: 0.04}})
+    rows = {r["layout"]: r for r in bt.summarize(recs)}
+    pp = rows["pp-1f1b"]
+    assert pp["bubble_simulated"] == pytest.approx(0.25) and "bubble_simulated_steps" not in pp
+    assert pp["bubble_overhead_ratio"] == pytest.approx(1.5)  # median of 2, 2, 1.2, 1, 1.5
+    assert pp["stage_compute_s"] == {"F": {0: pytest.approx(0.02), 1: 0.02}, "B": {0: 0.03, 1: 0.04}}
+    table = bt.format_table(list(rows.values())).splitlines()
+    assert table[0].endswith("| epoch s | split | bubble measured | bubble sim (measured F/B) | measured / sim "
+                             "| bubble theory |")
+    assert table[2].endswith("| 30.0 | 3,1 | 0.400 | 0.250 | 1.50 | 0.333 |"), table[2]
+    assert table[3].endswith("| 30.0 | - | - | - | - | - |")
 
 
 def test_bad_arguments_exit_2(capsys):
@@ -203,13 +217,19 @@ def test_two_process_end_to_end(tmp_path, data_cache):
     assert pp["bubble_theory"] == pytest.approx(1 / 3)  # pp = 2, m = 8 / 4 = 2 micro-batches: 1/(2+1)
     assert 0 <= pp["bubble_measured"] < 1
     assert all("bubble_measured" not in rows[k] for k in ("dp", "dp-torch", "single"))
+    # accounting: the simulator fed with the measured F/B time of each stage (both stages measured)
+    assert pp["pp_split"] == "2,2"  # tiny.toml: the head costs 0.6 blocks, so "auto" keeps the even split
+    st = pp["stage_compute_s"]
+    assert sorted(st) == ["B", "F"] and all(sorted(st[k]) == ["0", "1"] and min(st[k].values()) > 0 for k in st)
+    assert 0 <= pp["bubble_simulated"] < 1 and pp["bubble_overhead_ratio"] > 0
     dp, torch_dp = rows["dp"], rows["dp-torch"]
     assert dp["ratio_vs_dp-torch"] == pytest.approx(dp["tokens_per_s"] / torch_dp["tokens_per_s"])  # 1 round
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = md.read_text()
     assert "zerotron bench train --nproc 2 --config" in text and "| dp | DataParallel | 2 |" in text
     assert "| single | DataParallel | 1 |" in text and "gloo, 2 rank(s)" in text
-    assert "| epoch s | bubble measured | bubble theory |" in text and "| 0.333 |" in text
+    assert "| epoch s | split | bubble measured | bubble sim (measured F/B) | measured / sim | bubble theory |" in text
+    assert "| 0.333 |" in text and "| 2,2 |" in text
     assert "| dp-torch | TorchDDP | 2 |" in p.stdout and "dp / dp-torch tokens/s:" in p.stdout
 
 

@@ -159,8 +159,11 @@ class ParallelConfig:
     reduction, tied and tp-replicated sums; bf16 needs zero_stage >= 1.
     ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
     ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved | zb-h1)/``microbatches`` (per pipeline flush;
-    0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (comma-separated
-    layer counts per stage, "" = balanced)/``pp_impl`` (native | torch): pipeline parallelism.
+    0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (auto = balanced
+    over FLOP estimates counting embedding and head + loss, ``zerotron.parallel.pipeline.balance``;
+    even (or "") = equal layer counts; or comma-separated layer counts per model stage)/``pp_impl``
+    (native | threads: one process, ``virtual_stages`` worker threads running GPipe,
+    ``zerotron.parallel.pipeline.threads``): pipeline parallelism.
     ``find_unused_parameters``: torch DDP (``dp_impl = torch``) only: allow parameters without a
     gradient in a step (torch's extra graph traversal); native DDP and ZeRO always handle them."""
 
@@ -189,11 +192,11 @@ class ParallelConfig:
     microbatches: int = 0
     """micro-batches per pipeline flush (0 = all of the step's)"""
     virtual_stages: int = 1
-    """model chunks per pipeline rank (interleaved schedule, >= 2)"""
-    pp_split: str = ""
-    """comma-separated layer counts per stage ("" = balanced)"""
+    """model chunks per pipeline rank (interleaved schedule, >= 2; pp_impl = threads: the stage threads)"""
+    pp_split: str = "auto"
+    """layers per stage: auto (balanced by FLOP estimates, head + loss on the last stage) | even | counts, e.g. 3,5"""
     pp_impl: str = "native"
-    """native"""
+    """native (one process per stage) | threads (one process, virtual_stages stage threads, GPipe)"""
     find_unused_parameters: bool = False
     """torch DDP only: allow parameters without a gradient in a step (native DDP/ZeRO always do)"""
     backend: str = "auto"
@@ -482,10 +485,21 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(p.pp_schedule in kinds, f"parallel.pp_schedule must be one of {kinds}, got {p.pp_schedule!r}")
     need(p.microbatches >= 0, f"parallel.microbatches must be >= 0 (0 = all micro-batches of the step), got {p.microbatches}")
     interleaved = p.pp_schedule == "interleaved"
-    need(p.virtual_stages >= 2 if interleaved else p.virtual_stages == 1,
-         f"parallel.virtual_stages must be >= 2 for the interleaved schedule and 1 otherwise, got {p.virtual_stages}")
-    need(p.pp_impl == "native", f"parallel.pp_impl must be native (the torch pipelining backend is not available), got {p.pp_impl!r}")
-    if dims.pp > 1 or interleaved:
+    need(p.pp_impl in ("native", "threads"), f"parallel.pp_impl must be native or threads (the torch pipelining "
+                                             f"backend is not available), got {p.pp_impl!r}")
+    threads = p.pp_impl == "threads"
+    if threads:  # one process, one worker thread per stage (parallel.pipeline.threads)
+        need(dims.pp == 1, f"parallel.pp_impl = threads runs every stage in one process (parallel.virtual_stages "
+                           f"stage threads): set parallel.pp = 1, got {dims.pp}")
+        need(p.pp_schedule == "gpipe", f"parallel.pp_impl = threads runs the GPipe schedule: set parallel.pp_schedule "
+                                       f"= gpipe, got {p.pp_schedule!r}")
+        need(dims.tp == 1 and p.zero_stage == 0 and p.dp_impl == "native",
+             "parallel.pp_impl = threads combines only with native DDP over dp: set parallel.tp = 1, "
+             "parallel.zero_stage = 0, parallel.dp_impl = native")
+    need(p.virtual_stages >= 2 if interleaved or threads else p.virtual_stages == 1,
+         f"parallel.virtual_stages must be >= 2 for the interleaved schedule or pp_impl = threads (the stage "
+         f"threads) and 1 otherwise, got {p.virtual_stages}")
+    if dims.pp > 1 or interleaved or threads:
         # implemented: pp x dp (native DDP or native ZeRO-1/2/3) x tp (+ sequence parallel)
         need(p.zero_stage == 0 or p.zero_impl == "native",
              "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism (the pipeline drives its own "
@@ -503,7 +517,9 @@ def validate(cfg: Config, world_size: int) -> dict:
              f"the interleaved schedule needs micro-batches per flush ({m_flush}) divisible by pp ({dims.pp}); "
              "lower train.micro_batch or set parallel.microbatches to a multiple of pp")
         try:
-            stage_layer_counts(shape["n_layer"], dims.pp * (p.virtual_stages if interleaved else 1), p.pp_split)
+            # "auto" has the feasibility rule of "even" (every stage >= 1 layer); its counts come from the model
+            split = "even" if p.pp_split.strip() == "auto" else p.pp_split
+            stage_layer_counts(shape["n_layer"], dims.pp * (p.virtual_stages if interleaved or threads else 1), split)
         except ValueError as e:
             raise ConfigError(f"parallel.pp_split / model.n_layer: {e}") from None
     need(shape["n_head"] % dims.tp == 0,

@@ -1,30 +1,125 @@
 """Layer-split arithmetic of a pipeline layout: how ``n_layer`` blocks are divided over the pp*v
 model stages. Pure Python (no torch), so ``config`` can check a split without importing
-``parallel``; ``zerotron.parallel.pipeline.executor`` re-exports both functions."""
+``parallel``; ``zerotron.parallel.pipeline.executor`` re-exports the split functions.
+
+``parallel.pp_split`` values: ``"auto"`` (the default: :func:`balanced_counts` over per-layer cost
+estimates, see ``zerotron.parallel.pipeline.balance``), ``"even"`` (equal layer counts; ``""`` is
+the same, the value before "auto" existed) or explicit counts ``"3,5"``.
+"""
 from __future__ import annotations
 
-__all__ = ["stage_layer_counts", "stage_layer_ranges"]
+__all__ = ["stage_layer_counts", "stage_layer_ranges", "balanced_counts", "even_counts", "stage_costs",
+           "SPLIT_WORDS"]
+
+SPLIT_WORDS = ("auto", "even", "")  # the non-numeric values of parallel.pp_split
 
 
-def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "") -> list[int]:
-    """Layers per model stage: ``pp_split`` ("3,5": comma-separated counts, one per model stage =
-    pp*v) or balanced, the first ``n_layer % n_stages`` stages taking one extra layer.
-    Raises ValueError if pp_split is malformed, has the wrong length, a count < 1, or does not sum
-    to n_layer; or (balanced) if n_layer < n_stages."""
-    if pp_split.strip():
-        try:
-            counts = [int(c) for c in pp_split.split(",")]
-        except ValueError:
-            raise ValueError(f"parallel.pp_split must be comma-separated ints, got {pp_split!r}") from None
-        if len(counts) != n_stages or min(counts) < 1 or sum(counts) != n_layer:
-            raise ValueError(f"parallel.pp_split {pp_split!r} must list {n_stages} layer counts "
-                             f"(pp * virtual_stages), each >= 1, summing to n_layer = {n_layer}")
-        return counts
+def even_counts(n_layer: int, n_stages: int) -> list[int]:
+    """Equal layer counts, the first ``n_layer % n_stages`` stages taking one extra layer. Raises
+    ValueError if n_layer < n_stages."""
     if n_layer < n_stages:
         raise ValueError(f"n_layer = {n_layer} < {n_stages} model stages (pp * virtual_stages): "
                          "every stage needs at least one layer; lower pp/virtual_stages")
     base, extra = divmod(n_layer, n_stages)
     return [base + (s < extra) for s in range(n_stages)]
+
+
+def stage_costs(counts: list[int], block_costs: list[float], first: float = 0.0, last: float = 0.0) -> list[float]:
+    """Cost of each model stage of the split ``counts``: the sum of its blocks' ``block_costs``, plus
+    ``first`` (embedding) on stage 0 and ``last`` (head + loss) on the last stage. Same unit as the
+    inputs."""
+    out, start = [], 0
+    for c in counts:
+        out.append(float(sum(block_costs[start:start + c])))
+        start += c
+    out[0] += first
+    out[-1] += last
+    return out
+
+
+def balanced_counts(block_costs: list[float], n_stages: int, first: float = 0.0, last: float = 0.0,
+                    rtol: float = 1e-9) -> list[int]:
+    """Layers per model stage minimising the largest stage cost (:func:`stage_costs`): the
+    min-max contiguous partition of the blocks (the "linear partition" problem; torchgpipe's
+    ``balance_by_time``/``balance_by_size``, Kim et al. 2020, solve the same one), each stage at
+    least one block, ``first`` added to stage 0 and ``last`` to the last stage.
+
+    Exact dynamic programme, O(n_stages * n_layer^2). Ties: the equal-count split of
+    :func:`even_counts` is kept whenever it reaches the optimum (within ``rtol``), so "auto" changes
+    a split only when that lowers the bottleneck; otherwise, among the optimal splits, the one with
+    the least sum of squared stage costs (then: earlier stages take more layers). Raises ValueError if there are fewer blocks than stages or a cost < 0."""
+    n = len(block_costs)
+    even = even_counts(n, n_stages)
+    if min(block_costs, default=0.0) < 0 or first < 0 or last < 0:
+        raise ValueError(f"stage costs must be >= 0, got blocks {block_costs}, first {first}, last {last}")
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # tail[k][j]: least bottleneck of blocks j..n-1 over the last k stages (the last one adds `last`)
+    tail = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    for j in range(n):
+        tail[1][j] = prefix[n] - prefix[j] + last
+    for k in range(2, n_stages + 1):
+        for j in range(n - k + 1):
+            tail[k][j] = min(max(prefix[e] - prefix[j], tail[k - 1][e]) for e in range(j + 1, n - k + 2))
+    if n_stages == 1:
+        return even
+    best = min(max(prefix[e] + first, tail[n_stages - 1][e]) for e in range(1, n - n_stages + 2))
+    bound = best * (1 + rtol) + 1e-300
+    if max(stage_costs(even, block_costs, first, last)) <= bound:
+        return even
+    # among the optimal splits, the one with the least sum of squared stage costs (the most even
+    # one: a pipeline's bubble depends on every stage, not only the slowest)
+    def cost(j, e):
+        return prefix[e] - prefix[j] + (first if j == 0 else 0.0) + (last if e == n else 0.0)
+
+    sq = [[inf] * (n + 1) for _ in range(n_stages + 1)]  # sq[k][j]: blocks j.. over k stages
+    sq[0][n] = 0.0
+    for k in range(1, n_stages + 1):
+        for j in range(n - k + 1):
+            sq[k][j] = min((cost(j, e) ** 2 + sq[k - 1][e] for e in range(j + 1, n - k + 2)
+                            if cost(j, e) <= bound), default=inf)
+    counts, j = [], 0
+    for k in range(n_stages, 0, -1):
+        e = min((e for e in range(j + 1, n - k + 2) if cost(j, e) <= bound),
+                key=lambda e: (cost(j, e) ** 2 + sq[k - 1][e], -e))
+        counts.append(e - j)
+        j = e
+    return counts
+
+
+def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "", costs=None) -> list[int]:
+    """Layers per model stage (one per model stage = pp*v) for ``pp_split``:
+
+    * ``"3,5"``: those comma-separated counts;
+    * ``"even"`` or ``""``: equal counts, the first ``n_layer % n_stages`` stages one extra layer;
+    * ``"auto"``: :func:`balanced_counts` of ``costs`` = ``(block_costs, first, last)``
+      (per-block, embedding and head costs, any one unit; see
+      ``zerotron.parallel.pipeline.balance.layer_costs``).
+
+    Raises ValueError if pp_split is malformed, has the wrong length, a count < 1, or does not sum
+    to n_layer; if n_layer < n_stages; for "auto" without ``costs`` or with len(block_costs) !=
+    n_layer."""
+    word = pp_split.strip()
+    if word == "auto":
+        if costs is None:
+            raise ValueError("parallel.pp_split = auto needs per-layer cost estimates (costs=...)")
+        blocks, first, last = costs
+        if len(blocks) != n_layer:
+            raise ValueError(f"{len(blocks)} block costs for n_layer = {n_layer}")
+        even_counts(n_layer, n_stages)  # the same error for too few layers
+        return balanced_counts(list(blocks), n_stages, first, last)
+    if word and word != "even":
+        try:
+            counts = [int(c) for c in pp_split.split(",")]
+        except ValueError:
+            raise ValueError(f"parallel.pp_split must be auto, even or comma-separated ints, got {pp_split!r}") from None
+        if len(counts) != n_stages or min(counts) < 1 or sum(counts) != n_layer:
+            raise ValueError(f"parallel.pp_split {pp_split!r} must list {n_stages} layer counts "
+                             f"(pp * virtual_stages), each >= 1, summing to n_layer = {n_layer}")
+        return counts
+    return even_counts(n_layer, n_stages)
 
 
 def stage_layer_ranges(counts: list[int]) -> list[range]:

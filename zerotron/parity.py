@@ -2,9 +2,11 @@
 
 A *layout* is one value per factor of :data:`FACTORS` -- gradient sync (native DDP, torch DDP,
 native ZeRO-1/2/3, FSDP2 stage 2/3), dp degree, tp degree, sequence parallelism, pp degree,
-pipeline schedule and gradient accumulation (micro-batches per dp rank per step). Options that
-cannot matter are canonicalised away (sequence parallelism only with tp > 1, a schedule only with
-pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
+pipeline schedule (or "threads": the pp stages as worker threads of each process, GPipe,
+``parallel.pp_impl = threads``), gradient accumulation (micro-batches per dp rank per step) and the pipeline
+split (``parallel.pp_split`` auto | even: on the matrix model "auto" gives 5,3 at pp 2 and 3,2,2,1
+at pp 4, so it runs uneven stages). Options that cannot matter are canonicalised away (sequence
+parallelism only with tp > 1, a schedule and a split only with pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
 full product; :func:`covering_layouts` picks a small set in which every pair of factor values
 that occurs in some valid layout occurs at least once (a greedy pairwise covering array).
 
@@ -44,8 +46,9 @@ FACTORS = {
     "tp": (1, 2),
     "sp": (False, True),
     "pp": (1, 2, 4),
-    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1"),
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "threads"),
     "acc": (1, 4),
+    "split": ("auto", "even"),
 }
 MAX_WORLD = 8
 STEPS = 2
@@ -67,7 +70,8 @@ TRAIN = {"train.dtype": "fp64", "train.steps": STEPS, "train.global_batch": GLOB
 
 @dataclass(frozen=True, order=True)
 class Layout:
-    """One point of the matrix. ``schedule`` is None when pp == 1; ``sp`` is False when tp == 1."""
+    """One point of the matrix. ``schedule`` and ``split`` are None when pp == 1; ``sp`` is False
+    when tp == 1."""
 
     sync: str
     dp: int
@@ -76,10 +80,12 @@ class Layout:
     pp: int
     schedule: str | None
     acc: int
+    split: str | None = None
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        """Processes: dp x tp x pp, except for "threads" (the pp stages are threads of one process)."""
+        return self.dp * self.tp * (1 if self.schedule == "threads" else self.pp)
 
     @property
     def name(self) -> str:
@@ -87,7 +93,7 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("sp" if self.sp else ""))
         if self.pp > 1:
-            parts.append(f"pp{self.pp}-{self.schedule}")
+            parts.append(f"pp{self.pp}-{self.schedule}" + ("-even" if self.split == "even" else ""))
         parts.append(f"acc{self.acc}")
         return "-".join(parts)
 
@@ -102,8 +108,12 @@ class Layout:
             o["parallel.zero_stage"] = int(self.sync[-1])
         elif self.sync.startswith("fsdp2"):
             o.update({"parallel.zero_stage": int(self.sync[-1]), "parallel.zero_impl": "fsdp2"})
-        if self.pp > 1:
+        if self.schedule == "threads":  # GPipe over pp worker threads of each process
+            o.update({"parallel.pp": 1, "parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
+                      "parallel.virtual_stages": self.pp, "parallel.pp_split": self.split or "auto"})
+        elif self.pp > 1:
             o["parallel.pp_schedule"] = self.schedule
+            o["parallel.pp_split"] = self.split or "auto"
             if self.schedule == "interleaved":
                 o["parallel.virtual_stages"] = 2
         return o
@@ -116,10 +126,10 @@ def all_layouts(max_world: int = MAX_WORLD) -> list[Layout]:
     """Every canonical layout of the FACTORS product on at most ``max_world`` processes, sorted."""
     out = set()
     f = FACTORS
-    for sync, dp, tp, sp, pp, sched, acc in itertools.product(*f.values()):
-        if dp * tp * pp > max_world:
-            continue
-        out.add(Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc))
+    for sync, dp, tp, sp, pp, sched, acc, split in itertools.product(*f.values()):
+        lay = Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc, split if pp > 1 else None)
+        if lay.world <= max_world:
+            out.add(lay)
     return sorted(out, key=lambda l: (l.world, l.name))
 
 
@@ -149,6 +159,8 @@ def expected_refusal(layout: Layout) -> str | None:
         return "FSDP2 is not combined with tensor parallelism"
     if layout.schedule == "interleaved" and layout.acc % layout.pp:
         return "interleaved needs micro-batches per flush divisible by pp"
+    if layout.schedule == "threads" and (layout.sync != "ddp" or layout.tp > 1):
+        return "the threaded executor (pp stages as threads of one process) combines only with native DDP, tp = 1"
     return None
 
 

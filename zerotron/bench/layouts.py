@@ -1,5 +1,5 @@
 """Layouts of ``zerotron bench train``: a name plus config overrides (:data:`LAYOUTS`), with
-``-mbN`` / ``-acselective|-acfull`` suffixes (:func:`get_layout`)."""
+``-mbN`` / ``-acselective|-acfull`` / ``-even|-auto`` suffixes (:func:`get_layout`)."""
 from __future__ import annotations
 
 import re
@@ -33,28 +33,34 @@ LAYOUTS = {x.name: x for x in (
     *(Layout(f"pp-{k}", {"parallel.pp": "{world}", "parallel.pp_schedule": k}, **_NEW) for k in ("gpipe", "1f1b", "zb-h1")),
     Layout("pp-interleaved", {"parallel.pp": "{world}", "parallel.pp_schedule": "interleaved",
                               "parallel.virtual_stages": 2}, **_NEW),
+    # one process, 2 stage threads (GPipe; the in-process executor), against pp-gpipe's 2 processes
+    Layout("pp-threads-gpipe", {"parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
+                                "parallel.virtual_stages": 2}, world=1, **_NEW),
 )}
 DEFAULT_LAYOUTS = "dp,dp-torch,single"
 
 
-_SUFFIX = re.compile(r"-(mb)([1-9][0-9]*)$|-(ac)(selective|full)$")
+_SUFFIX = re.compile(r"-(mb)([1-9][0-9]*)$|-(ac)(selective|full)$|-(even|auto)$")
 
 
 def get_layout(name: str) -> Layout:
     """The :class:`Layout` of ``name``: a key of ``LAYOUTS`` followed by optional suffixes
-    ``-mbN`` (``train.micro_batch = N``) and ``-acselective`` / ``-acfull``
-    (``train.activation_checkpointing``), e.g. ``zero2-mb4-acfull``. Raises ValueError naming
-    the valid layouts and suffixes."""
+    ``-mbN`` (``train.micro_batch = N``), ``-acselective`` / ``-acfull``
+    (``train.activation_checkpointing``) and ``-even`` / ``-auto`` (``parallel.pp_split``), e.g.
+    ``zero2-mb4-acfull``, ``pp-1f1b-even-mb2``. Raises ValueError naming the valid layouts and
+    suffixes."""
     base, extra = name, {}
     while (m := _SUFFIX.search(base)) and base[:m.start()]:
-        key = "train.micro_batch" if m.group(1) else "train.activation_checkpointing"
+        key = "train.micro_batch" if m.group(1) else "train.activation_checkpointing" if m.group(3) \
+            else "parallel.pp_split"
         if key in extra:
             break
-        extra[key] = m.group(2) or m.group(4)
+        extra[key] = m.group(2) or m.group(4) or m.group(5)
         base = base[:m.start()]
     if base not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; valid layouts: {', '.join(LAYOUTS)}, each optionally "
-                         "followed by -mbN (micro-batch) and -acselective|-acfull (activation checkpointing)")
+                         "followed by -mbN (micro-batch), -acselective|-acfull (activation checkpointing) and -even|-auto "
+                         "(parallel.pp_split)")
     lay = LAYOUTS[base]
     return lay if not extra else Layout(name, {**lay.overrides, **extra}, lay.world, lay.new_strategy,
                                         lay.all_threads)
@@ -72,5 +78,5 @@ def parse_layouts(spec: str) -> list[str]:
             bad.append(n)
     if bad or not names:
         raise ValueError(f"unknown layout(s) {', '.join(bad) or repr(spec)}; valid layouts: {', '.join(LAYOUTS)} "
-                         "(each optionally followed by -mbN and -acselective|-acfull)")
+                         "(each optionally followed by -mbN, -acselective|-acfull and -even|-auto)")
     return names

@@ -33,11 +33,19 @@ def summarize(records: list[dict]) -> list[dict]:
                    comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in rs),
                    peak_mem_bytes=max(r["peak_mem_bytes"] for r in rs), rounds=len(rs))
         row.pop("bubble_measured_steps", None)
+        row.pop("bubble_simulated_steps", None)
         if "epoch_tokens" in rs[0]:
             row["epoch_time_s"] = rs[0]["epoch_tokens"] / row["tokens_per_s"]
         if "bubble_measured" in rs[0]:
             row.update(bubble_measured=statistics.median(b for r in rs for b in r["bubble_measured_steps"]),
                        bubble_theory=rs[0]["bubble_theory"])
+        if "bubble_simulated" in rs[0]:  # measured / simulated: median of the paired per-step ratios
+            meas = [b for r in rs for b in r["bubble_measured_steps"]]
+            sim = [b for r in rs for b in r["bubble_simulated_steps"]]
+            st = rs[0]["stage_compute_s"]
+            row.update(bubble_simulated=statistics.median(sim), bubble_overhead_ratio=paired_ratio(meas, sim),
+                       stage_compute_s={k: {s: statistics.median(r["stage_compute_s"][k][s] for r in rs) for s in v}
+                                        for k, v in st.items()})
         rows.append(row)
     by_name = {r["layout"]: r for r in rows}
     for row in rows:
@@ -63,12 +71,15 @@ def _f(v, spec: str = ",.0f") -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Markdown table, one line per layout; skipped layouts show their error. The epoch and bubble
-    columns appear only when some row has ``epoch_time_s`` / ``bubble_theory`` (pipeline layouts)."""
+    """Markdown table, one line per layout; skipped layouts show their error. The epoch, split and
+    bubble columns appear only when some row has the field (pipeline layouts: ``pp_split``,
+    ``bubble_measured``, ``bubble_simulated``, ``bubble_overhead_ratio``, ``bubble_theory``)."""
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
-    extra = [k for k in ("epoch_time_s", "bubble_measured", "bubble_theory") if any(k in r for r in rows)]
+    extra = [k for k in ("epoch_time_s", "pp_split", "bubble_measured", "bubble_simulated", "bubble_overhead_ratio",
+                         "bubble_theory") if any(k in r for r in rows)]
     names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
-             "bubble_theory": ("bubble theory", ".3f")}
+             "bubble_simulated": ("bubble sim (measured F/B)", ".3f"), "bubble_overhead_ratio": ("measured / sim", ".2f"),
+             "pp_split": ("split", "s"), "bubble_theory": ("bubble theory", ".3f")}
     head = ["layout", "impl", "world", "tokens/s median", "min-max", "step ms median", *[f"vs {b}" for b in bases],
             "CPU s/step", "comm bytes/step", "model-state bytes/rank", "peak mem MiB",
             *[names[k][0] for k in extra]]
@@ -133,5 +144,8 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         "DTensor TP's own collectives bypass it and are not counted). peak mem: "
         f"{r0.get('peak_mem_kind', '-')} per rank, max over ranks. epoch s: one epoch of the train split "
         "(num_windows x seq_len tokens) / tokens/s. bubble measured (pipeline layouts): median over timed steps "
-        "of the max over pp ranks of idle/(busy+idle) (bubble plus p2p transfer); bubble theory: "
+        "of the max over pp ranks of idle/(busy+idle) (bubble plus p2p transfer); bubble sim (measured F/B): "
+        "the same statistic predicted by the schedule simulator fed with each stage's measured mean F and B "
+        "times (communication free), so measured / sim (median of per-step ratios) is executor overhead and "
+        "sim vs theory is stage imbalance; split: layers per model stage; bubble theory: "
         "(p-1)/(v*m+p-1). Method: zerotron/bench/train.py.", ""])

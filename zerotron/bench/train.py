@@ -4,8 +4,8 @@ Usage: ``zerotron bench train [--nproc N] [--config F] [--layouts dp,dp-torch,si
 [--warmup W] [--rounds R] [--json F] [--plot F.png] [--markdown F.md] [--section.field V ...]``
 (or ``python -m zerotron.bench.train``). With ``--nproc > 1`` outside a worker it re-runs itself in
 N local workers. A *layout* (:data:`LAYOUTS`) is a name plus config overrides applied on top of the
-file and the CLI overrides (suffixes ``-mbN`` and ``-acselective|-acfull`` set the micro-batch and
-activation checkpointing of any layout: :func:`get_layout`); it runs on all N ranks or, with ``world=w``, on ranks 0..w-1 while the
+file and the CLI overrides (suffixes ``-mbN``, ``-acselective|-acfull`` and ``-even|-auto`` set the
+micro-batch, activation checkpointing and pipeline split of any layout: :func:`get_layout`); it runs on all N ranks or, with ``world=w``, on ranks 0..w-1 while the
 others wait at a barrier. A layout whose config is refused or whose strategy cannot be built is
 reported as skipped with the error (the run goes on).
 
@@ -24,7 +24,12 @@ epoch_time_s: seconds for one epoch of the train split (``num_windows x seq_len`
 global-batch sampler visits once) at the measured tokens/s. Pipeline layouts: ``bubble_measured`` =
 median over timed steps of the max over pp ranks of ``PipelineStrategy.last_step_timing()
 ["bubble_fraction"]`` (idle / (busy + idle): bubble plus p2p transfer time); ``bubble_theory`` =
-``schedules.bubble_theory(pp, m, v)``, m = micro-batches per flush (1 for "naive").
+``schedules.bubble_theory(pp, m, v)``, m = micro-batches per flush (1 for "naive");
+``bubble_simulated`` = median over timed steps of what ``schedules.simulate`` predicts for the same
+statistic when each model stage's F and B cost the step's measured mean times
+(``pipeline.accounting.predicted_bubble``, communication free): measured / simulated is executor
+overhead, simulated / theory the stage imbalance. ``stage_compute_s``: those per-stage times
+(median over steps); ``pp_split``: the layers per model stage the layout ran.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distribu
 from zerotron.launch import in_worker, launch, strip_nproc
 from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
+from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.train.optim import build_scheduler
 from zerotron.train.step import train_step
@@ -127,11 +133,17 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     return strategy, opt, build_scheduler(opt, t), batches, model.num_params(), mcfg.block_size, epoch_tokens
 
 
-def _bubble_theory(strat, n_micro: int) -> float:
-    """``bubble_theory(pp, m, v)`` of a PipelineStrategy whose rank gets ``n_micro`` micro-batches
-    per step (m = parallel.microbatches or all of them; 1 for the "naive" schedule)."""
-    m = 1 if strat.kind == "naive" else (strat.microbatches or n_micro)
-    return bubble_theory(strat.pp, m, strat.v)
+def _simulated(got: list[dict], steps: int) -> dict:
+    """Bubble predicted by the schedule simulator from the measured per-stage compute times of each
+    timed step (stage times averaged over the ranks holding the stage), the same statistic as
+    ``bubble_measured`` (max over ranks of the rank's idle / (busy + idle)); and the per-stage
+    times themselves (median over steps, seconds per micro-batch)."""
+    sched = got[0]["schedule"]
+    merged = [merge_stage_times([g["stage_times"][i] for g in got]) for i in range(steps)]
+    preds = [predicted_bubble(*sched, m)["max"] for m in merged]
+    med = {k: {s: statistics.median(m[k][s] for m in merged) for s in st} for k, st in merged[0].items()}
+    return {"bubble_simulated": statistics.median(preds), "bubble_simulated_steps": preds,
+            "stage_compute_s": med, "pp_split": ",".join(map(str, got[0]["split"] or []))}
 
 
 def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, threads: int, w: int) -> dict:
@@ -149,7 +161,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
         return {**rec, "skipped": True, "error": errs[0]}
     if built:
         strat, opt, sched, batches, n_params, seq_len, epoch_tokens = built
-        t, prev, times, bubbles = cfg.train, torch.get_num_threads(), [], []
+        t, prev, times, bubbles, stage_times, pp_sched = cfg.train, torch.get_num_threads(), [], [], [], None
         timing = getattr(strat, "last_step_timing", None)
         torch.set_num_threads(threads)
 
@@ -167,7 +179,10 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
             step(s)
             times.append(time.perf_counter() - t1)
             if timing is not None:
-                bubbles.append(timing()["bubble_fraction"])
+                tm = timing()
+                bubbles.append(tm["bubble_fraction"])
+                stage_times.append(tm["stage_compute_s"])
+                pp_sched = tm["schedule"]
         elapsed, cpu, by_tag = time.perf_counter() - t0, time.process_time() - c0, {}
         for (op, g, tag), v in comm.STATS.bytes.items():
             by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0)
@@ -176,7 +191,8 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
                  "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
-                 "bubble_theory": _bubble_theory(strat, len(batches[0])) if timing is not None else None}
+                 "stage_times": stage_times, "schedule": pp_sched, "split": getattr(strat, "split", None),
+                 "bubble_theory": bubble_theory(pp_sched[0], pp_sched[1], pp_sched[3]) if timing is not None else None}
         torch.set_num_threads(prev)
         del built, strat, opt, sched, batches, step
     got = [x for x in comm.all_gather_object(local) if x]
@@ -187,7 +203,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
     if g0["bubbles"] is not None:  # max over (pp) ranks per step, median over steps
         pipe = {"bubble_measured": statistics.median(max(b) for b in zip(*(g["bubbles"] for g in got))),
                 "bubble_measured_steps": [max(b) for b in zip(*(g["bubbles"] for g in got))],
-                "bubble_theory": g0["bubble_theory"]}
+                "bubble_theory": g0["bubble_theory"], **_simulated(got, steps)}
     return {**rec, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
             "num_params": g0["params"], "tokens_per_step": g0["tokens"],
             "tokens_per_s": tps, "epoch_tokens": g0["epoch_tokens"], "epoch_time_s": g0["epoch_tokens"] / tps, **pipe,
@@ -234,7 +250,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS,
                    help=f"comma list from: {', '.join(LAYOUTS)}; each optionally followed by -mbN (train.micro_batch "
-                   "= N) and -acselective | -acfull (train.activation_checkpointing), e.g. zero2-mb4-acfull")
+                   "= N), -acselective | -acfull (train.activation_checkpointing) and -even | -auto (parallel.pp_split), "
+                   "e.g. zero2-mb4-acfull, pp-1f1b-even-mb2")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     p.add_argument("--rounds", type=int, default=8, help="rounds; the layout order rotates every round")

@@ -71,8 +71,8 @@ def split_microbatches(n: int, m: int) -> list[range]:
 
 class PipelinedDecoder:
     """This rank's pipeline stage of ``model`` (dense or tensor-parallel, identical on the pp ranks)
-    over ``mesh``'s pp group; ``pp_split``: layers per stage ("3,1"; "" = balanced by count, as in
-    training). ``stage``: the StageModel holding this rank's modules. Raises ValueError for a bad split."""
+    over ``mesh``'s pp group; ``pp_split``: layers per stage ("3,1"; "" = equal counts; "auto" balances
+    training FLOPs as ``parallel.pp_split = auto`` does). ``stage``: the StageModel holding this rank's modules. Raises ValueError for a bad split."""
 
     def __init__(self, model, mesh, pp_split: str = ""):
         cfg = Config()

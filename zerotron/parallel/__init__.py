@@ -2,7 +2,8 @@
 
     1. tensor / sequence parallel (tp): apply_tensor_parallel on the dense, seeded model
     2. activation checkpointing (train.activation_checkpointing: none | selective | full)
-    3. pipeline split (parallel.pp) of the (TP) model, or
+    3. pipeline split (parallel.pp) of the (TP) model (or, with parallel.pp_impl = threads, every
+       stage in this process on its own worker thread), or
     4. data parallel over "dp": native bucketed DDP, torch DDP, native ZeRO-1/2/3 or FSDP2
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
@@ -18,6 +19,7 @@ from zerotron.parallel.data.zero import ZeroStrategy
 from zerotron.parallel.dtensor_tp import DTensorTPStrategy
 from zerotron.parallel.optim import decay_mask_by_name
 from zerotron.parallel.pipeline.runner import PipelineStrategy
+from zerotron.parallel.pipeline.threads import ThreadedPipeline
 from zerotron.parallel.recompute import apply_activation_checkpointing
 from zerotron.parallel.tensor.transform import apply_tensor_parallel
 
@@ -42,7 +44,9 @@ def parallelize(model, cfg, mesh):
                                       dp_rank=mesh.coords["dp"], pp_rank=mesh.coords["pp"])
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # block forwards only
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
-    if pipeline:  # (x tp x dp / ZeRO-1): stage split of the (TP) model; see parallel.pipeline
+    if p.pp_impl == "threads":  # one process, a worker thread per stage (config: dp only)
+        strategy = ThreadedPipeline(model, mesh, cfg)
+    elif pipeline:  # (x tp x dp / ZeRO-1): stage split of the (TP) model; see parallel.pipeline
         strategy = PipelineStrategy(model, mesh, cfg, mask)
     else:
         strategy = _data_parallel(model, cfg, mesh, mask)

@@ -145,13 +145,20 @@ def forward_only_actions(pp: int, v: int, rank: int) -> list[Action]:
 class PipelineExecutor:
     """Runs action lists of one rank. ``peer_rank(pp_index) -> global rank`` maps a pipeline peer to
     the global rank at this rank's (dp, tp) coordinates; ``group``: the pp ``comm.NamedGroup``.
-    ``busy_s``/``idle_s`` accumulate compute time and time spent posting+waiting comm runs."""
+    ``busy_s``/``idle_s`` accumulate compute time and time spent posting+waiting comm runs;
+    ``compute_s[(kind, chunk)]`` / ``compute_n[(kind, chunk)]`` the seconds and count of each compute
+    kind ("F", "B", ...) per local chunk (per-stage F/B times for the bubble accounting)."""
 
     def __init__(self, stage: StageModel, group, pp: int, rank: int, peer_rank, act_dtype: torch.dtype):
         self.stage, self.group, self.pp, self.rank = stage, group, pp, rank
         self.peer_rank, self.act_dtype = peer_rank, act_dtype
         self.n_embd = stage.layout().width
+        self.reset_timing()
+
+    def reset_timing(self) -> None:
+        """Zero ``busy_s``, ``idle_s``, ``compute_s`` and ``compute_n``."""
         self.busy_s = self.idle_s = 0.0
+        self.compute_s, self.compute_n = {}, {}
 
     def run(self, actions: list[Action], tokens: list[torch.Tensor], on_output, autocast,
             b_context=None, w_context=None) -> None:
@@ -237,7 +244,10 @@ class PipelineExecutor:
                 ctx = w_context or b_context
                 with ctx(*key) if ctx else contextlib.nullcontext():
                     backward_weight(owed.pop(key))
-            self.busy_s += time.perf_counter() - t0
+            dt, k = time.perf_counter() - t0, (a.kind, a.chunk)
+            self.busy_s += dt
+            self.compute_s[k] = self.compute_s.get(k, 0.0) + dt
+            self.compute_n[k] = self.compute_n.get(k, 0) + 1
             i += 1
         t0 = time.perf_counter()
         for w, _ in sending:

@@ -2,9 +2,12 @@
 
 ``PipelineStrategy(model, mesh, cfg)`` splits a fully initialised ``CausalLM`` (identical on every rank)
 into ``pp * v`` model stages (v = ``parallel.virtual_stages`` for "interleaved", else 1); pipeline
-rank r holds the stages ``c*pp + r`` for its chunks c (Megatron-LM interleaving). Layers are
-balanced (earlier stages take the remainder) or follow ``parallel.pp_split``; model stage 0 also
-holds the layout's embedding modules, the last one its head modules (``model.layout()``).
+rank r holds the stages ``c*pp + r`` for its chunks c (Megatron-LM interleaving). Layers per
+stage follow ``parallel.pp_split``: "auto" (default; balanced over FLOP estimates that count the
+embedding on stage 0 and the head + loss on the last stage, ``pipeline.balance``; the same
+min-max partition over the pp*v model stages when interleaved), "even" (equal counts, earlier
+stages take the remainder) or explicit counts; with "auto" rank 0 prints the chosen split once. Model stage 0
+also holds the layout's embedding modules, the last one its head modules (``model.layout()``).
 
 Schedules (``parallel.pp_schedule``, built by ``schedules.build_schedule`` and walked by
 ``pipeline.executor.PipelineExecutor``): "naive" (model parallel: each flush's micro-batches
@@ -71,6 +74,7 @@ from zerotron.parallel.data.ddp import DataParallel
 from zerotron.parallel.data.flat_shard import flat_state_bytes
 from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.optim import build_optimizer, decay_mask
+from zerotron.parallel.pipeline.balance import announce_split, resolve_split
 from zerotron.parallel.pipeline.executor import (
     PipelineExecutor,
     StageModel,
@@ -116,7 +120,11 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             raise ValueError(f"interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
         n_stages = self.pp * self.v
-        ranges = stage_layer_ranges(stage_layer_counts(model.config.n_layer, n_stages, p.pp_split))
+        recompute = cfg.train.activation_checkpointing
+        self.split = resolve_split(model, n_stages, p.pp_split, recompute)  # layers per model stage
+        ranges = stage_layer_ranges(self.split)
+        if mesh.rank == 0 and p.pp_split.strip() == "auto":
+            announce_split(model, self.split, p.pp_split, recompute)
         if p.zero_stage not in (0, 1, 2, 3) or (p.zero_stage and p.zero_impl != "native"):
             raise ValueError(f"pipeline parallelism supports the native parallel.zero_stage 0-3, got "
                              f"{p.zero_stage} ({p.zero_impl})")
@@ -211,7 +219,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                              f"parallel.microbatches = {m}; choose a divisor of {M} (or 0 = all)")
         total = torch.zeros((), dtype=torch.float64)
         ex = self.executor
-        ex.busy_s = ex.idle_s = 0.0
+        ex.reset_timing()
         n_flush = M // m
         if self.zero is not None:
             self.zero.begin_step()
@@ -221,8 +229,13 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             if self.zero is not None:
                 self.zero.end_step()
         wall = ex.busy_s + ex.idle_s
+        per_stage = {}  # kind -> {model stage: mean seconds per micro-batch}
+        for (kind, chunk), sec in ex.compute_s.items():
+            per_stage.setdefault(kind, {})[self.module.stages[chunk]] = sec / ex.compute_n[(kind, chunk)]
         self._timing = {"busy_s": ex.busy_s, "idle_s": ex.idle_s,
-                        "bubble_fraction": ex.idle_s / wall if wall > 0 else 0.0}
+                        "bubble_fraction": ex.idle_s / wall if wall > 0 else 0.0,
+                        "stage_compute_s": per_stage, "schedule": (self.pp, m if self.kind != "naive" else 1,
+                                                                   self.kind, self.v)}
         return total
 
     def _flushes(self, micro_batches, m, n_flush, n_global, dtype, device, total) -> None:
@@ -272,7 +285,10 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def last_step_timing(self) -> dict:
         """This rank's pipeline timing of the last ``forward_backward``: ``busy_s`` (compute),
         ``idle_s`` (posting and waiting p2p runs, i.e. bubble + transfer), ``bubble_fraction`` =
-        idle / (busy + idle). Compare with ``schedules.bubble_theory``."""
+        idle / (busy + idle); ``stage_compute_s`` = ``{kind: {model stage: mean seconds of one
+        action}}`` for kind "F", "B" of this rank's stages (what :func:`zerotron.parallel.pipeline.
+        accounting.predicted_bubble` simulates); ``schedule`` = (pp, micro-batches per flush, kind,
+        v). Compare with ``schedules.bubble_theory``."""
         return dict(self._timing)
 
     def finish_grads(self) -> None:

@@ -253,22 +253,25 @@ class SimResult:
 
 
 def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
-             f_cost: float = 1.0, b_cost: float = 2.0, w_cost: float = 0.0,
-             eager_sends: bool = False) -> SimResult:
+             f_cost: float | list[float] = 1.0, b_cost: float | list[float] = 2.0,
+             w_cost: float | list[float] = 0.0, eager_sends: bool = False) -> SimResult:
     """Event simulation of ``schedule`` (one list per rank, walked in order, one compute at a time).
 
     Dependencies: F of stage s for micro-batch i after F of stage s-1 for i; B of stage s after B of
     stage s+1 and after its own F; W after its own B. Costs per micro-batch and stage: f_cost (F),
     b_cost (B, the input gradient), w_cost (W, the weight gradients); a B without a W in the
     schedule is the whole backward and costs b_cost + w_cost (so the default w_cost = 0 makes b_cost
-    the whole backward); a chunk's costs are divided by v = virtual_stages. Communication costs 0 but follows the executor contract of the module
-    docstring: a comm run is posted at once and left only when every op in it has its counterpart
-    posted (rendezvous), so no deadlock here means none under NCCL-like batches either. With
-    ``eager_sends`` a run is left once its RECVs have their SENDs posted (the SENDs complete in
-    the background): the timing of ``PipelineExecutor``, which waits only for the received
-    tensors (and for its sends at the end of the walk). Times are in
-    the units of the costs (e.g. seconds). Raises RuntimeError("deadlock ...") if no rank can
-    progress, ValueError for a wrong number of rank lists, v < 1 or a negative cost.
+    the whole backward); a chunk's costs are divided by v = virtual_stages; or, when a cost is a
+    list of pp*v numbers, model stage s costs ``cost[s]`` per micro-batch (e.g. measured per-stage
+    times, so an unbalanced split shows its extra bubble). Communication costs 0 but follows the
+    executor contract of the module docstring: a comm run is posted at once and left only when
+    every op in it has its counterpart posted (rendezvous), so no deadlock here means none under
+    NCCL-like batches either. With ``eager_sends`` a run is left once its RECVs have their SENDs
+    posted (the SENDs complete in the background): the timing of ``PipelineExecutor``, which waits
+    only for the received tensors (and for its sends at the end of the walk). Times are in the
+    units of the costs (e.g. seconds). Raises RuntimeError("deadlock ...") if no rank can
+    progress, ValueError for a wrong number of rank lists, v < 1, a negative cost or a cost list
+    of the wrong length.
     """
     if len(schedule) != pp or virtual_stages < 1:
         raise ValueError(f"expected {pp} rank lists and virtual_stages >= 1, got "
@@ -277,7 +280,15 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
         raise ValueError(f"costs must be >= 0, got f_cost={f_cost}, b_cost={b_cost}, w_cost={w_cost}")
     v, last = virtual_stages, pp * virtual_stages - 1
     split = [{(a.microbatch, a.chunk) for a in acts if a.kind == "W"} for acts in schedule]
-    cost = {"F": f_cost / v, "B": b_cost / v, "W": w_cost / v, "BW": (b_cost + w_cost) / v}
+
+    def per_stage(c, name):
+        if isinstance(c, (int, float)):
+            return [c / v] * (last + 1)
+        if len(c) != last + 1:
+            raise ValueError(f"{name} needs one cost per model stage (pp * virtual_stages = {last + 1}), got {len(c)}")
+        return [float(x) for x in c]
+    cost = {"F": per_stage(f_cost, "f_cost"), "B": per_stage(b_cost, "b_cost"), "W": per_stage(w_cost, "w_cost")}
+    cost["BW"] = [b + w for b, w in zip(cost["B"], cost["W"])]
     pos, clock = [0] * pp, [0.0] * pp
     done: dict = {}    # (kind, microbatch, stage) -> end time
     posted: dict = {}  # (message key, is_send) -> post time
@@ -300,7 +311,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                         break
                     start = max([clock[r]] + [done[d] for d in deps])
                     fused = a.kind == "B" and (i, a.chunk) not in split[r]
-                    clock[r] = done[(a.kind, i, s)] = start + cost["BW" if fused else a.kind]
+                    clock[r] = done[(a.kind, i, s)] = start + cost["BW" if fused else a.kind][s]
                     intervals[r].append((start, clock[r], a))
                     pos[r] += 1
                     progress = True
@@ -335,6 +346,19 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
         peaks.append(peak)
     idle = [makespan - sum(e - s for s, e, _ in iv) for iv in intervals]
     return SimResult(intervals, makespan, bubble, peaks, idle)
+
+
+def rank_idle_fractions(result: SimResult) -> list[float]:
+    """Per rank of a :func:`simulate` result: idle / (busy + idle) of the rank's own walk, from time
+    0 to the end of its last compute -- the statistic an executor measures per rank
+    (``PipelineStrategy.last_step_timing()["bubble_fraction"]``), unlike ``bubble_fraction``, which
+    divides the idle time of all ranks by pp x makespan."""
+    out = []
+    for iv in result.intervals:
+        end = iv[-1][1] if iv else 0.0
+        busy = sum(e - s for s, e, _ in iv)
+        out.append((end - busy) / end if end > 0 else 0.0)
+    return out
 
 
 def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
