@@ -23,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotron.models.base import KVCache
-
+from .kvcache import StaticKVCache
 from .sampling import SamplingParams, make_generator, sample_rows
 
 __all__ = ["Request", "DecodeBatch", "PAD_ID"]
@@ -57,7 +56,7 @@ class DecodeBatch:
         self.new = [[] for _ in requests]
         self.done = [r.params.max_tokens == 0 for r in requests]
         self.generators = [make_generator(r.params.seed, device) for r in requests]
-        self.cache: KVCache | None = None
+        self.cache: StaticKVCache | None = None
         self.steps = 0
         self.active = list(range(len(requests)))  # rows in the cache, in cache order
 
@@ -72,8 +71,8 @@ class DecodeBatch:
 
     def next_input(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens of the next forward and whether the cache is (re)built: ``(idx, pad)`` with
-        idx (b, T) int64 and ``pad`` (b,) int64 for a (re)prefill (the caller makes a new
-        ``KVCache(n_layer, pad)``), or ``(last tokens (b, 1), None)`` to continue the cache."""
+        idx (b, T) int64 and ``pad`` (b,) int64 for a (re)prefill (the caller then calls
+        :meth:`start` with ``pad`` and T), or ``(last tokens (b, 1), None)`` to continue the cache."""
         slots = 0 if self.cache is None else self.cache.cached(self._first_layer())
         if self.cache is not None and slots + 1 <= self.block_size:
             return torch.tensor([[self.tokens[b][-1]] for b in self.active], device=self.device), None
@@ -86,10 +85,13 @@ class DecodeBatch:
     def _first_layer(self) -> int:
         return next(i for i, k in enumerate(self.cache.keys) if k is not None)
 
-    def start(self, pad: torch.Tensor | None) -> KVCache:
-        """The cache of the next forward: a new one for a (re)prefill (``pad`` given), else the current."""
+    def start(self, pad: torch.Tensor | None, length: int = 0) -> StaticKVCache:
+        """The cache of the next forward: for a (re)prefill (``pad`` given) of ``length`` slots a new
+        :class:`StaticKVCache` with room for the most new tokens any active row still needs
+        (capped at block_size), else the current one."""
         if pad is not None:
-            self.cache = KVCache(self.n_layer, pad)
+            more = max((self.requests[b].params.max_tokens - len(self.new[b]) for b in self.active), default=0)
+            self.cache = StaticKVCache(self.n_layer, pad, max(1, min(self.block_size, length + more)))
         return self.cache
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:

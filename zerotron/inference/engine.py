@@ -110,7 +110,7 @@ class Engine:
         while not batch.finished:
             tb = time.perf_counter()
             idx, pad = batch.next_input()
-            cache = batch.start(pad)
+            cache = batch.start(pad, idx.size(1))
             logits = forward_layers(model, blocks, layers, idx, cache, True, True)
             batch.advance(batch.sample(logits))
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, batch.kv_bytes())
