@@ -1,5 +1,9 @@
 """One batch of requests being decoded together: :class:`Request`, :class:`DecodeBatch`.
 
+A row stops at eos, at its max_tokens, or (with ``stop`` strings and a ``decode`` function) at
+the first token after which its decoded new text contains a stop string: generation ends there,
+every rank deciding alike from the same tokens (no message needed).
+
 Prompts of different lengths share a batch by **left padding**: row b of a batch whose longest
 prompt has L tokens gets ``L - len(prompt_b)`` padding slots in front, recorded in
 ``KVCache.pad``; every row then has its new token in the same (last) slot, positions are per row
@@ -43,13 +47,19 @@ class DecodeBatch:
     """Decoding state of requests ``requests`` (indices ``index`` in the caller's list): their token
     lists, done flags, generators (``params.seed`` each) and the KV cache of the layers this rank
     holds. ``eos_id``: end-of-text token (None: never stop early). ``block_size``: the model's
-    context. Raises ValueError for an empty prompt."""
+    context. ``decode``: token ids -> text, for requests with ``params.stop`` strings (a row ends at
+    the token after which its decoded new text contains one). ``on_token(i, token)``: called for
+    every token appended to request ``index[b]`` = i, as it is appended (streaming). Raises
+    ValueError for an empty prompt, or stop strings without ``decode``."""
 
     def __init__(self, requests: list[Request], index: list[int], n_layer: int, block_size: int,
-                 eos_id: int | None, device: torch.device):
+                 eos_id: int | None, device: torch.device, decode=None, on_token=None):
         for i, r in zip(index, requests):
             if not r.prompt:
                 raise ValueError(f"request {i} has an empty prompt; every prompt needs at least one token")
+            if r.params.stop and decode is None:
+                raise ValueError(f"request {i} has stop strings but the engine has no decode function (tokenizer)")
+        self.decode, self.on_token = decode, on_token
         self.requests, self.index, self.n_layer = requests, list(index), n_layer
         self.block_size, self.eos_id, self.device = block_size, eos_id, device
         self.tokens = [list(r.prompt) for r in requests]
@@ -121,9 +131,16 @@ class DecodeBatch:
                 continue
             self.tokens[b].append(t)
             self.new[b].append(t)
+            if self.on_token is not None:
+                self.on_token(self.index[b], t)
             p = self.requests[b].params
-            if len(self.new[b]) >= p.max_tokens or (p.stop_at_eos and t == self.eos_id):
+            if len(self.new[b]) >= p.max_tokens or (p.stop_at_eos and t == self.eos_id) or \
+                    (p.stop and self._hit_stop(b, p.stop)):
                 self.done[b] = True
+
+    def _hit_stop(self, b: int, stops: tuple[str, ...]) -> bool:
+        text = self.decode(self.new[b])
+        return any(s in text for s in stops)
 
     def kv_bytes(self) -> int:
         """Storage bytes of the keys and values this rank caches for the batch."""

@@ -123,14 +123,17 @@ class PipelinedDecoder:
     def stage_device(self) -> torch.device:
         return next(iter(self.stage.parameters())).device
 
-    def run(self, requests, index, microbatches: int, eos_id, stats: RunStats, t0: float) -> list[list[int]]:
+    def run(self, requests, index, microbatches: int, eos_id, stats: RunStats, t0: float, decode=None,
+            on_token=None) -> list[list[int]]:
         """Decode ``requests`` (identical on every rank of the pipeline) in ``microbatches``
         micro-batches; returns every request's new tokens on every pp rank (broadcast from stage 0).
-        Adds to ``stats`` (busy time, TTFT, step times, KV bytes)."""
+        ``decode`` / ``on_token``: as in :class:`DecodeBatch` (on_token is called on stage 0 and
+        the last stage, which both advance the batches). Adds to ``stats`` (busy time, TTFT, step
+        times, KV bytes)."""
         cfg, dev = self.model.config, self.stage_device
         parts = split_microbatches(len(requests), microbatches)
         batches = [DecodeBatch([requests[i] for i in p], [index[i] for i in p], cfg.n_layer, cfg.block_size,
-                               eos_id, dev) for p in parts]
+                               eos_id, dev, decode, on_token) for p in parts]
         self.max_b = max(len(p) for p in parts)
         if self.first:
             self._controller(batches, stats, t0)
