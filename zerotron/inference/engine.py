@@ -72,7 +72,7 @@ class Engine:
         """Weight storage bytes on this rank."""
         return weight_bytes(self.holder)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd bookkeeping at all: less per-op overhead than no_grad
     def generate(self, requests: list[Request], on_token=None) -> list[list[int]]:
         """New tokens of each request (eos included when it stopped there; with stop strings, up to
         the token that completed one), in input order, on every rank. Collective over the whole

@@ -100,7 +100,7 @@ class PipelinedDecoder:
         already delivered (the micro-batch came back before it is sent again), so the wait is free."""
         if slot is not None:
             self._wait_slot(slot)
-        works = comm.batch_isend_irecv([("send", t, dst)], group=self.group, tag="decode")
+        works = [comm.isend(t, dst, group=self.group, tag="decode")]
         self._sends.setdefault(slot, []).append((works, t))
 
     def _wait_slot(self, slot) -> None:
@@ -111,7 +111,7 @@ class PipelinedDecoder:
     def _irecv(self, buf: torch.Tensor, src: int) -> list:
         """Post a receive into ``buf`` now (before the peer sends: the data lands without a
         rendezvous round trip); wait on the returned handles before reading ``buf``."""
-        return comm.batch_isend_irecv([("recv", buf, src)], group=self.group, tag="decode")
+        return [comm.irecv(buf, src, group=self.group, tag="decode")]
 
     def _recv(self, shape, dtype, src: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.stage_device)
@@ -250,8 +250,8 @@ class PipelinedDecoder:
             if self.last:
                 tb = time.perf_counter()
                 tok = b.sample(y)
-                b.advance(tok)
+                self._send(tok, self.head_rank, ("up", j))  # first: stage 0 waits for it
+                b.advance(tok)  # the bookkeeping (and stop strings) overlaps stage 0's next step
                 stats.busy_s += time.perf_counter() - tb
-                self._send(tok, self.head_rank, ("up", j))
             else:
                 self._forward_msg(j, y, pad)
