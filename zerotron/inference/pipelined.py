@@ -126,12 +126,14 @@ class PipelinedDecoder:
     def run(self, requests, index, microbatches: int, eos_id, stats: RunStats, t0: float, decode=None,
             on_token=None) -> list[list[int]]:
         """Decode ``requests`` (identical on every rank of the pipeline) in ``microbatches``
-        micro-batches; returns every request's new tokens on every pp rank (broadcast from stage 0).
+        micro-batches (requests sorted by prompt length, then split into near-equal runs); returns every request's new tokens on every pp rank (broadcast from stage 0).
         ``decode`` / ``on_token``: as in :class:`DecodeBatch` (on_token is called on stage 0 and
         the last stage, which both advance the batches). Adds to ``stats`` (busy time, TTFT, step
         times, KV bytes)."""
         cfg, dev = self.model.config, self.stage_device
-        parts = split_microbatches(len(requests), microbatches)
+        # micro-batches of similar prompt lengths: each is left-padded only to its own longest prompt
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt))
+        parts = [[order[k] for k in r] for r in split_microbatches(len(requests), microbatches)]
         batches = [DecodeBatch([requests[i] for i in p], [index[i] for i in p], cfg.n_layer, cfg.block_size,
                                eos_id, dev, decode, on_token) for p in parts]
         self.max_b = max(len(p) for p in parts)
@@ -141,7 +143,10 @@ class PipelinedDecoder:
             self._follower(batches, stats, t0)
         for slot in list(self._sends):
             self._wait_slot(slot)
-        out = [new for b in batches for new in b.new]
+        out: list = [None] * len(requests)
+        for p, b in zip(parts, batches):
+            for i, new in zip(p, b.new):
+                out[i] = new
         if self.pp > 1 and not (self.first and self.last):
             out = comm.broadcast_object(out if self.first else None, src=self.head_rank, group=self.group)
         stats.new_tokens += sum(len(n) for n in out) if self.last else 0
