@@ -299,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rank, n, dev = init_distributed("gloo", 300, torch.device("cpu"))
     model, requests = _model_and_prompts(args, dev)
+    load0 = os.getloadavg()[0]
     m = args.microbatches  # 0: one per stage (layout_dims)
     cache, records = {}, []
     for r in range(args.rounds):
@@ -319,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         row["outputs_equal_across_layouts"] = same
     gpu = f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else ""
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {backend}"
-               f"{gpu}, {n} rank(s), {torch.get_num_threads()} thread(s)/rank")
+               f"{gpu}, {n} rank(s), {torch.get_num_threads()} thread(s)/rank, load average {load0:.1f} at start / "
+               f"{os.getloadavg()[0]:.1f} at end (a load above the core count leaves the ranks less than a core each)")
     print(f"zerotron bench generate: {machine}; {len(requests)} prompts x {args.new_tokens} new tokens; "
           f"outputs equal across layouts: {same}\n{markdown_table(rows)}")
     if args.json:
