@@ -19,6 +19,14 @@ m >= p (Huang et al. 2019's micro-batching applied to decoding); with m = 1 the 
 the stages and only one stage is busy at a time (naive model parallelism). Sends are
 asynchronous and waited when their buffer is reused or at the end, so the ring cannot deadlock.
 
+Throughput bound: a micro-batch's next step needs its previous token, so one cycle of the ring
+takes at least C_0(b) + ... + C_{p-1}(b) + p message latencies (C_s(b): stage s's step on b rows),
+and at least m * max_s C_s(b) when the stages are the bottleneck. With m = p = 2 and balanced
+stages the ring is the bound, so pipelining gains C(B)/C(B/2) over naive model parallelism (B
+rows in the batch) when each stage has its own core, and loses where the two ranks share one core
+(pp then does 2 C(B/2) > C(B) work per token). The fixed cost of a step, streaming the stage's
+weights, is why C(B/2) is well above C(B)/2 on a small model.
+
 With tensor parallelism inside the stages, each tp rank talks to the same tp rank of the
 neighbouring stage (the activations are full and identical across tp).
 """
