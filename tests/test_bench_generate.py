@@ -1,6 +1,6 @@
 """``zerotron bench generate`` on 2 ranks, tiny sizes: the JSON rows have the documented schema,
-every layout's outputs are equal, weights and KV cache per rank are as the layout implies (no
-timings are checked)."""
+every layout's outputs are equal, weights per rank equal the memory estimator's prediction, KV
+cache per rank is as the layout implies (no timings are checked)."""
 import json
 import os
 import subprocess
@@ -29,6 +29,9 @@ def test_bench_generate_json(tmp_path):
         assert r["output_tokens_per_s"] > 0 and r["tpot_s_p50"] <= r["tpot_s_p95"] and r["rounds"] == 2
         assert r["outputs_equal_across_layouts"] is True
         assert len(r["busy_fraction"]) == len(r["weight_bytes_per_rank"]) == r["world_size"]
+    # measured storage per rank == the memory estimator's stage_num_params x 4 bytes, every layout
+    for name, r in ok.items():
+        assert r["weight_bytes_per_rank"] == r["estimated_weight_bytes_per_rank"], name
     single = ok["single"]["weight_bytes_per_rank"][0]
     assert ok["dp"]["weight_bytes_per_rank"] == [single, single]
     assert all(0.45 * single < w < 0.55 * single for w in ok["tp"]["weight_bytes_per_rank"])  # heads + vocab split
@@ -40,3 +43,20 @@ def test_bench_generate_json(tmp_path):
     assert ok["pp"]["microbatches"] == 2 and ok["naive-mp"]["microbatches"] == 1
     assert all(0 < c for r in ok.values() if r["layout"] != "pp-nocache" for c in r["cpu_fraction"])
     assert "| pp |" in (tmp_path / "g.md").read_text()
+
+
+def test_estimator_follows_a_custom_stage_split():
+    import pytest
+
+    from zerotron.analysis.flops import num_params
+    from zerotron.analysis.memory import stage_num_params
+    from zerotron.models.registry import build_model, preset_config
+
+    cfg = preset_config("tiny", n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=4096)
+    model = build_model(cfg)
+    block = sum(p.numel() for p in model.blocks()[0].parameters())
+    even, skew = stage_num_params(cfg, 1, 2), stage_num_params(cfg, 1, 2, layer_counts=[3, 1])
+    assert skew == [even[0] + block, even[1] - block]
+    assert sum(skew) == num_params(cfg) + cfg.vocab_size * cfg.n_embd  # the tied copy on the last stage
+    with pytest.raises(ValueError, match="layer_counts"):
+        stage_num_params(cfg, 1, 2, layer_counts=[4, 1])

@@ -84,6 +84,27 @@ def test_eos_stops_a_request_and_others_go_on(single_process):
     assert got[1] == full[1][:full[1].index(eos) + 1] and len(got[1]) < len(full[1])
 
 
+def test_stop_strings_end_a_request_at_the_completing_token(single_process):
+    """A stop string ends a row as soon as its decoded new text contains it (other rows go on), the
+    static KV cache included (its capacity is the longest row); without a decode function: refused."""
+    import dataclasses
+
+    model = _model("tiny")
+    reqs = _requests(False)
+    full = _local_engine(model).generate(reqs)
+    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731 - a stop may span tokens
+    a, b = full[1][2], full[1][3]
+    stop = (f"{a}><{b}>",)
+    got = _local_engine(model, decode=decode).generate(
+        [Request(r.prompt, dataclasses.replace(r.params, stop=stop)) for r in reqs])
+    for o, f in zip(got, full):
+        ends = [k + 1 for k in range(1, len(f)) if (f[k - 1], f[k]) == (a, b)]
+        assert o == (f[:ends[0]] if ends else f)
+    assert len(got[1]) < len(full[1])  # really ended early
+    with pytest.raises(ValueError, match="decode"):
+        _local_engine(model).generate([Request(reqs[0].prompt, SamplingParams(stop=("x",)))])
+
+
 def test_top_k_top_p_filters():
     logits = torch.tensor([3.0, 1.0, 2.0, 0.0], dtype=torch.float64)
     assert torch.isinf(filter_logits(logits, 1.0, 2, 1.0)).tolist() == [False, True, False, True]
@@ -94,7 +115,8 @@ def test_top_k_top_p_filters():
 
 
 @pytest.mark.parametrize("bad, word", [(dict(max_tokens=-1), "max_tokens"), (dict(temperature=float("nan")),
-                                       "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p")])
+                                       "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p"),
+                                      (dict(stop=("",)), "stop"), (dict(stop="x"), "stop")])
 def test_bad_sampling_params(bad, word):
     with pytest.raises(ValueError, match=word):
         SamplingParams(**bad).validate()

@@ -1,9 +1,11 @@
-"""``zerotron serve`` on 2 processes (a 2-stage pipeline, 2 micro-batches in flight), called with a real
-HTTP client (urllib): concurrent completions equal ``zerotron generate``'s texts, /v1/models and
+"""``zerotron serve`` on 2 processes (a 2-stage pipeline, 2 micro-batches in flight), called with real
+HTTP clients (urllib; http.client for streams): concurrent completions equal ``zerotron generate``'s
+texts, stop strings end generation early, streamed server-sent events add up to the same texts, /v1/models and
 /health answer, bad requests get 4xx JSON errors while the server keeps serving, a client that
 disconnects wedges nothing, and SIGTERM drains (the request in flight is answered) and stops.
 One spawn of 2 ranks; the checkpoint and the reference texts are made in the pytest process."""
 import concurrent.futures
+import http.client
 import json
 import os
 import re
@@ -32,6 +34,31 @@ def _post(url, body, raw: bytes | None = None, timeout=120):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def _stream(base, body):
+    """POST ``body`` with stream=true through http.client, reading the server-sent events as they come:
+    (status, content type, list of event dicts, whether the stream ended with [DONE])."""
+    host, port = re.search(r"http://([^:]+):(\d+)", base).groups()
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    events, done = [], False
+    while True:
+        line = r.readline()
+        if not line:
+            break
+        line = line.decode().rstrip("\n")
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            assert not done, "an event after [DONE]"
+            events.append(json.loads(line[6:]))
+        else:
+            assert line == "", line  # events are separated by one blank line
+    conn.close()
+    return r.status, r.getheader("Content-Type"), events, done
 
 
 def _get(url):
@@ -99,10 +126,32 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
         health = _get(base + "/health")[1]
         assert health["requests"] == 4 and health["batches"] < 4, health  # some arrived together: one batch
         # stop strings cut the text; n > 1 with sampling gives n choices
-        word = ref[0][len(prompts[0]):].strip()[:2]
-        if word:
-            code, r = _post(url, {**body(prompts[0]), "stop": [word]})
-            assert code == 200 and word not in r["choices"][0]["text"] and r["choices"][0]["finish_reason"] == "stop"
+        # stop strings end the generation at the token that completes one (not cut after max_tokens)
+        gen = ref[0][len(prompts[0]):]
+        word = gen[1:3]  # it first occurs within the first tokens of the 8 (a token spans >= 1 character)
+        assert len(word) == 2, ref[0]
+        code, r = _post(url, {**body(prompts[0]), "stop": [word]})
+        assert code == 200 and word not in r["choices"][0]["text"] and r["choices"][0]["finish_reason"] == "stop"
+        assert r["usage"]["completion_tokens"] < NEW, r
+        stopped = r["choices"][0]["text"]
+        assert stopped == gen[:gen.find(word)]
+
+        # streaming: server-sent events read as they arrive; the pieces add up to the plain answer
+        code, ctype, events, done = _stream(base, body(prompts[1]))
+        assert code == 200 and ctype == "text/event-stream" and done, events
+        texts = [e["choices"][0]["text"] for e in events]
+        assert prompts[1] + "".join(texts) == ref[1]
+        assert sum(1 for t in texts if t) >= 2, texts  # more than one piece: really streamed
+        assert [e["choices"][0]["finish_reason"] for e in events][-1] in ("length", "stop")
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
+        assert all(e["object"] == "text_completion" and e["id"] == events[0]["id"] for e in events)
+        code, _, events, done = _stream(base, {**body(prompts[0]), "stop": [word]})
+        assert code == 200 and done and "".join(e["choices"][0]["text"] for e in events) == stopped
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        code, _, events, done = _stream(base, {"prompt": prompts[:2], "max_tokens": NEW, "temperature": 0})
+        for k in (0, 1):  # two choices interleaved in one stream
+            assert prompts[k] + "".join(e["choices"][0]["text"] for e in events
+                                        if e["choices"][0]["index"] == k) == ref[k]
         code, r = _post(url, {"prompt": prompts[0], "max_tokens": 4, "temperature": 0.9, "top_p": 0.9, "n": 3})
         assert code == 200 and [c["index"] for c in r["choices"]] == [0, 1, 2]
 
@@ -111,7 +160,7 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
                ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
                ({"prompt": "x", "temperature": "hot"}, 400, "temperature"), ({"prompt": 5}, 400, "prompt"),
                ({"prompt": "x", "top_p": 0}, 400, "top_p"), ({"prompt": "x", "n": 0}, 400, "n"),
-               ({"prompt": "x", "model": "gpt-9"}, 404, "model"), ({"prompt": "x", "stream": True}, 400, "stream")]
+               ({"prompt": "x", "model": "gpt-9"}, 404, "model"), ({"prompt": "x", "stream": "yes"}, 400, "stream")]
         for b, want_code, param in bad:
             code, r = _post(url, b)
             assert code == want_code and r["error"]["param"] == param and r["error"]["message"], (b, code, r)
@@ -142,3 +191,19 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stream_text_holds_back_what_may_change():
+    from zerotron.serve import StreamText, cut_at_stop
+
+    pieces = {1: "Hel", 2: "lo", 3: " wo", 4: "rld", 5: "\ufffd"}  # 5: an incomplete character
+    decode = lambda ids: "".join(pieces[i] for i in ids)  # noqa: E731
+    for stops, toks in ((["lo w"], [1, 2, 3, 4]), (["xyz"], [1, 2, 3, 4, 5]), ([], [1, 2, 5])):
+        st = StreamText(decode, stops)
+        out = [st.push(t) for t in toks]
+        out.append(st.finish())
+        assert "".join(out) == cut_at_stop(decode(toks), stops)[0]
+        assert "\ufffd" not in "".join(out[:-1])
+    st = StreamText(decode, ["lo w"])
+    assert [st.push(1), st.push(2)] == ["He", "l"]  # "l", then "lo", may begin the stop string: held back
+    assert st.push(3) == "" and st.finish() == ""  # it did: nothing after "Hel"

@@ -2,8 +2,8 @@
 
 Endpoints: ``POST /v1/completions`` (prompt: a string or a list of up to 64 strings; max_tokens
 (16, at most 4096), temperature (1.0), top_p (1.0), top_k (zerotron's extension), n (1..16),
-stop (a string or up to 4), seed (0), model (optional: must be the served id); ``stream`` is
-refused: not supported), ``GET /v1/models``, ``GET /health`` (status, batches decoded, requests
+stop (a string or up to 4), seed (0), model (optional: must be the served id), stream (false)),
+``GET /v1/models``, ``GET /health`` (status, batches decoded, requests
 they answered). Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad
 field, bad JSON), 404 (unknown path or model), 413 (body over ``--max-body-bytes``), 503
 (draining); the server keeps serving.
@@ -15,9 +15,18 @@ are decoded together: the batch is broadcast to every rank (``broadcast_object``
 :meth:`zerotron.inference.Engine.generate`, rank 0 answers. While idle, rank 0 broadcasts a
 heartbeat every second, so the other ranks never hit the collective timeout. Choice j of prompt i
 is sampled with seed ``seed + i * n + j``: with n = 1 exactly what ``zerotron generate --seed``
-gives prompt i, so the texts are equal. ``stop`` strings cut the text after decoding (the
-generation itself runs to eos or max_tokens); ``finish_reason`` is "stop" (eos or a stop string)
-or "length". Prompts longer than the context are cropped to the last block_size tokens as in
+gives prompt i, so the texts are equal. ``stop`` strings end generation: every rank decodes the
+new tokens after each step and ends a row at the token that completes a stop string (so
+``completion_tokens`` counts up to there), and the text is cut before the stop string;
+``finish_reason`` is "stop" (eos or a stop string) or "length".
+
+Streaming (``"stream": true``): the answer is OpenAI-style server-sent events (``Content-Type:
+text/event-stream``, chunked), one ``data: {...}\n\n`` event per piece of new text as the tokens
+are decoded (``choices[0]`` with ``text``, ``index``, ``finish_reason`` null until the choice's
+last event), then ``data: [DONE]\n\n``. The pieces concatenate to the non-streamed text: text that
+could still turn into a stop string, or an incomplete UTF-8 character, is held back until the
+next token decides it. With dp > 1, the choices decoded on other replicas than rank 0's arrive as
+one piece when their batch ends (their tokens reach rank 0 only then). Prompts longer than the context are cropped to the last block_size tokens as in
 ``zerotron generate``.
 
 SIGTERM (or SIGINT): new requests get 503, queued and running batches finish and are answered,
@@ -35,7 +44,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-__all__ = ["main", "parse_completion", "RequestError"]
+__all__ = ["main", "parse_completion", "RequestError", "StreamText"]
 
 MAX_N, MAX_STOP, MAX_PROMPTS, MAX_TOKENS = 16, 4, 64, 4096
 
@@ -68,14 +77,15 @@ def _num(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False):
 
 def parse_completion(body, model_id: str) -> dict:
     """Validate a /v1/completions JSON body; return ``{"prompts", "max_tokens", "temperature",
-    "top_p", "top_k", "n", "stop", "seed"}``. Raises RequestError (400, or 404 for another model)."""
+    "top_p", "top_k", "n", "stop", "seed", "stream"}``. Raises RequestError (400, or 404 for another model)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     if body.get("model") not in (None, model_id):
         raise RequestError(f"the model {body['model']!r} does not exist; this server serves {model_id!r}",
                            status=404, param="model", code="model_not_found")
-    if body.get("stream"):
-        raise RequestError("streaming is not supported by zerotron serve; send stream=false", param="stream")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise RequestError(f"'stream' must be true or false, got {stream!r}", param="stream")
     prompt = body.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROMPTS or \
@@ -90,7 +100,7 @@ def parse_completion(body, model_id: str) -> dict:
     top_k = body.get("top_k")
     if top_k is not None:
         top_k = _num(body, "top_k", None, int, lo=1)
-    return {"prompts": prompts, "stop": stops, "top_k": top_k,
+    return {"prompts": prompts, "stop": stops, "top_k": top_k, "stream": bool(stream),
             "max_tokens": _num(body, "max_tokens", 16, int, lo=0, hi=MAX_TOKENS),
             "temperature": _num(body, "temperature", 1.0, (int, float), lo=0, hi=100),
             "top_p": _num(body, "top_p", 1.0, (int, float), lo=0, hi=1, lo_open=True),
@@ -103,9 +113,43 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
+def _held_back(text: str, stops: list[str]) -> str:
+    """``text`` minus what the next tokens may still change: a trailing incomplete UTF-8 character
+    (decoded as U+FFFD) and the longest suffix that is a prefix of a stop string."""
+    text = text.rstrip("\ufffd")
+    for k in range(min(len(text), max((len(x) for x in stops), default=1) - 1), 0, -1):
+        if any(x.startswith(text[-k:]) for x in stops):
+            return text[:-k]
+    return text
+
+
+class StreamText:
+    """The text of one streamed choice: :meth:`push` each new token id, get the new piece to send
+    ("" while held back, see :func:`_held_back`); :meth:`finish` returns the rest. The pieces
+    concatenate to ``cut_at_stop(decode(tokens), stops)[0]``, the non-streamed text."""
+
+    def __init__(self, decode, stops: list[str]):
+        self.decode, self.stops, self.tokens, self.sent = decode, stops, [], ""
+
+    def push(self, token: int) -> str:
+        self.tokens.append(token)
+        text, found = cut_at_stop(self.decode(self.tokens), self.stops)
+        return self._piece(text if found else _held_back(text, self.stops))
+
+    def finish(self) -> str:
+        return self._piece(cut_at_stop(self.decode(self.tokens), self.stops)[0])
+
+    def _piece(self, text: str) -> str:
+        if not text.startswith(self.sent):  # the decoder rewrote earlier text: wait for the end
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
+
+
 class _Job:
-    def __init__(self, requests, meta):
+    def __init__(self, requests, meta, stream: bool = False):
         self.requests, self.meta, self.done, self.result, self.error = requests, meta, threading.Event(), None, None
+        self.events: queue.Queue | None = queue.Queue() if stream else None  # (choice, token), None at the end
 
 
 class Server:
@@ -120,8 +164,8 @@ class Server:
         self.block_size = engine.config.block_size
 
     # ---- HTTP side (handler threads) -------------------------------------------------------------
-    def complete(self, body) -> dict:
-        """Validate, enqueue, wait for the batcher; the OpenAI response dict. Raises RequestError."""
+    def _submit(self, body):
+        """Validate ``body`` and enqueue its job; (parsed body, requests, job). Raises RequestError."""
         from zerotron.inference import Request, SamplingParams
 
         if self.draining.is_set():
@@ -135,25 +179,63 @@ class Server:
             for j in range(c["n"]):
                 reqs.append(Request(ids, SamplingParams(max_tokens=c["max_tokens"], temperature=float(c["temperature"]),
                                                         top_k=c["top_k"], top_p=float(c["top_p"]),
-                                                        seed=c["seed"] + i * c["n"] + j)))
+                                                        seed=c["seed"] + i * c["n"] + j, stop=tuple(c["stop"]))))
                 meta.append(len(ids))
-        job = _Job(reqs, meta)
+        job = _Job(reqs, meta, c["stream"])
         self.jobs.put(job)
+        return c, reqs, job
+
+    def _finish_reason(self, new: list[int], stops: list[str]) -> str:
+        stopped = cut_at_stop(self.tok.decode(new), stops)[1]
+        return "stop" if stopped or (bool(new) and new[-1] == self.eos_id) else "length"
+
+    def _head(self) -> dict:
+        self.counter += 1
+        return {"id": f"cmpl-{self.counter}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_id}
+
+    def complete(self, body) -> dict:
+        """Validate, enqueue, wait for the batcher; the OpenAI response dict. Raises RequestError."""
+        c, reqs, job = self._submit(body)
         job.done.wait()
         if job.error:
             raise RequestError(job.error, status=500, code="internal_error")
         choices, n_out = [], 0
         for k, (r, new) in enumerate(zip(reqs, job.result)):
-            text, stopped = cut_at_stop(self.tok.decode(new), c["stop"])
-            eos = bool(new) and new[-1] == self.eos_id
-            choices.append({"text": text, "index": k, "logprobs": None,
-                            "finish_reason": "stop" if stopped or eos else "length"})
+            choices.append({"text": cut_at_stop(self.tok.decode(new), c["stop"])[0], "index": k, "logprobs": None,
+                            "finish_reason": self._finish_reason(new, c["stop"])})
             n_out += len(new)
         n_in = sum(len(self.tok.encode(t).ids) for t in c["prompts"])
-        self.counter += 1
-        return {"id": f"cmpl-{self.counter}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_id, "choices": choices,
+        return {**self._head(), "choices": choices,
                 "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}}
+
+    def stream(self, body):
+        """Validate and enqueue a ``"stream": true`` body (RequestError now if it is bad); return an
+        iterator of the event dicts to send (one piece of text of one choice each, the last of a
+        choice with its finish_reason). An engine failure ends it with an ``error`` event."""
+        c, reqs, job = self._submit(body)
+        head, texts = self._head(), [StreamText(self.tok.decode, c["stop"]) for _ in reqs]
+
+        def chunk(k, text, reason=None):
+            return {**head, "choices": [{"text": text, "index": k, "logprobs": None, "finish_reason": reason}]}
+
+        def events():
+            while True:
+                ev = job.events.get()
+                if ev is None:
+                    break
+                k, tok = ev
+                piece = texts[k].push(tok)
+                if piece:
+                    yield chunk(k, piece)
+            if job.error:
+                yield {"error": {"message": job.error, "type": "server_error", "param": None, "code": "internal_error"}}
+                return
+            for k, new in enumerate(job.result):  # tokens not streamed (other dp replicas), then the rest
+                for tok in new[len(texts[k].tokens):]:
+                    texts[k].push(tok)
+                yield chunk(k, texts[k].finish(), self._finish_reason(new, c["stop"]))
+        return events()
 
     # ---- batcher (rank 0's main thread; the only one running collectives) --------------------------
     def batch_loop(self) -> None:
@@ -181,10 +263,16 @@ class Server:
                 jobs.append(nxt)
                 n += len(nxt.requests)
             reqs = [r for j in jobs for r in j.requests]
+            owner = [(j, k) for j in jobs for k in range(len(j.requests))]
             self.batches, self.batched_jobs = self.batches + 1, self.batched_jobs + len(jobs)
             bcast({"kind": "batch", "requests": reqs})
+
+            def on_token(i, tok):
+                j, k = owner[i]
+                if j.events is not None:
+                    j.events.put((k, tok))
             try:
-                outs = self.engine.generate(reqs)
+                outs = self.engine.generate(reqs, on_token=on_token)
             except Exception as e:  # noqa: BLE001 - answered as 500, the server goes on
                 outs, err = None, f"{type(e).__name__}: {e}"
             for j in jobs:
@@ -193,11 +281,15 @@ class Server:
                 else:
                     j.result, outs = outs[:len(j.requests)], outs[len(j.requests):]
                 j.done.set()
+                if j.events is not None:
+                    j.events.put(None)
         bcast({"kind": "stop"})
         while not self.jobs.empty():  # enqueued while the drain began: refused, never left waiting
             j = self.jobs.get()
             j.error = "the server is shutting down"
             j.done.set()
+            if j.events is not None:
+                j.events.put(None)
 
 
 def _handler(server: Server):
@@ -251,9 +343,31 @@ def _handler(server: Server):
                 self._error(RequestError(f"the body is not valid JSON: {e}"))
                 return
             try:
-                self._send(200, server.complete(body))
+                if isinstance(body, dict) and body.get("stream") is True:
+                    self._stream(server.stream(body))
+                else:
+                    self._send(200, server.complete(body))
             except RequestError as e:
                 self._error(e)
+
+        def _stream(self, events) -> None:
+            """Server-sent events, HTTP/1.1 chunked: one ``data: {json}`` per event, then [DONE]."""
+            def write(data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for ev in events:
+                    write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                write(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):  # the client left: the batch goes on
+                self.close_connection = True
 
     return Handler
 
@@ -315,7 +429,7 @@ def main(argv: list[str]) -> int:
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
     model, tok, _ = load_model(ckpt, device)
-    engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=eos_id(tok))
+    engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=eos_id(tok), decode=tok.decode)
     if rank != 0:
         while True:
             msg = comm.broadcast_object(None, src=0)

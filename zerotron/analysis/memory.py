@@ -141,7 +141,8 @@ def preset_num_params(name: str) -> int:
     return config_num_params(preset_config(name))
 
 
-def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> list[int]:
+def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
+                     layer_counts: list[int] | None = None) -> list[int]:
     """Parameters (a count) held by one tensor-parallel rank of each pipeline rank 0..pp-1 of the
     model of ``cfg`` (a ``GPTConfig``, ``LlamaConfig`` or a :class:`zerotron.analysis.flops.Shape`),
     with ``virtual_stages`` model stages per rank (interleaved).
@@ -153,15 +154,22 @@ def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1) -> 
     learned position table replicated on stage 0; the last stage holds the final norm, an untied
     output head (ceil(V/tp) rows) or, for a tied head when it is not on the first stage's rank, a
     tied copy of the token embedding (as ``parallel.pipeline.executor`` does). Layers per stage as
-    :func:`zerotron.analysis.activations.stage_layer_counts`. With tp = pp = 1 the sum equals
+    :func:`zerotron.analysis.activations.stage_layer_counts`, or ``layer_counts`` (one count per
+    model stage, as ``parallel.pp_split``). With tp = pp = 1 the sum equals
     :func:`zerotron.analysis.flops.num_params`. Raises ValueError if tp does not divide n_head,
-    n_kv_head and the MLP width, or pp*virtual_stages > n_layer."""
+    n_kv_head and the MLP width, pp*virtual_stages > n_layer, or ``layer_counts`` does not have
+    pp*virtual_stages positive counts summing to n_layer."""
     s = cfg if hasattr(cfg, "block_params") else shape_of(cfg)
     v = virtual_stages
     if tp < 1 or s.n_head % tp or s.n_kv_head % tp or s.ffn % tp:
         raise ValueError(f"tp ({tp}) must be >= 1 and divide n_head ({s.n_head}), n_kv_head ({s.n_kv_head}) "
                          f"and the MLP width ({s.ffn})")
     counts = stage_layer_counts(s.n_layer, pp * v)
+    if layer_counts is not None:
+        if len(layer_counts) != pp * v or sum(layer_counts) != s.n_layer or min(layer_counts) < 1:
+            raise ValueError(f"layer_counts {list(layer_counts)} must be {pp * v} counts >= 1 summing to "
+                             f"n_layer ({s.n_layer})")
+        counts = list(layer_counts)
     block = s.block_params(tp)
     tied_copy = -(-s.vocab_size // tp) * s.n_embd if s.tied and pp > 1 else 0
     out = []

@@ -20,7 +20,9 @@ the first token of the first batch (max over ranks that sample); tpot_s_p50/p95 
 the time between consecutive tokens of a batch (every decode step, all ranks); busy_fraction per
 rank = compute time / wall time (embedding, blocks, head, sampling; the rest is waiting for
 peers); cpu_fraction per rank = process CPU seconds / wall time (on a shared machine, busy time
-includes waiting for a core, CPU time does not); weight_bytes_per_rank and kv_cache_bytes_per_rank (peak) per rank. Reported: medians
+includes waiting for a core, CPU time does not); weight_bytes_per_rank (measured storage) beside
+estimated_weight_bytes_per_rank (the memory estimator's ``stage_num_params`` x bytes per element)
+and kv_cache_bytes_per_rank (peak) per rank. Reported: medians
 over rounds (per-rank lists from the last round).
 """
 from __future__ import annotations
@@ -99,7 +101,21 @@ def _nocache(model, mesh, requests) -> tuple[list[list[int]], dict]:
     n = sum(len(o) for o in out)
     from zerotron.inference.forward import weight_bytes
     return out, {"wall": wall, "busy": None, "cpu": None, "first": first, "steps": [wall / max(n, 1)] * n,
-                 "weights": weight_bytes(strat.module), "kv": 0, "sampler": mesh.local_rank("pp") == 0}
+                 "weights": weight_bytes(strat.module), "kv": 0,
+                 "estimated": estimated_weight_bytes(model.config, strat.module, mesh, strat.module.layer_ranges), "sampler": mesh.local_rank("pp") == 0}
+
+
+def estimated_weight_bytes(model_config, holder: torch.nn.Module, mesh, layer_ranges=None) -> int:
+    """Weight bytes the memory estimator predicts for this rank: parameters of its (tp shard of
+    its) pipeline stage (:func:`zerotron.analysis.memory.stage_num_params`, tied embedding copy on
+    the last stage included; ``layer_ranges``: the stages' layers, None = one stage) times the
+    bytes per element of ``holder``'s parameters."""
+    from zerotron.analysis.memory import stage_num_params
+
+    counts = [len(r) for r in layer_ranges] if layer_ranges is not None else None
+    pp = len(counts) if counts else 1
+    n = stage_num_params(model_config, mesh.size("tp"), pp, layer_counts=counts)[mesh.local_rank("pp") if pp > 1 else 0]
+    return n * next(iter(holder.parameters())).element_size()
 
 
 def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dict, dev, pp_split: str = "") -> dict:
@@ -123,7 +139,9 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
             out = eng.generate(requests)
             s = eng.stats
             local = {"wall": s.wall_s, "busy": s.busy_fraction, "cpu": s.cpu_s / s.wall_s if s.wall_s else None, "first": s.first_token_s, "steps": s.step_s,
-                     "weights": eng.weight_bytes(), "kv": s.kv_cache_bytes, "sampler": s.first_token_s is not None}
+                     "weights": eng.weight_bytes(), "kv": s.kv_cache_bytes,
+                     "estimated": estimated_weight_bytes(eng.config, eng.holder, mesh,
+                                                         eng.pipeline.stage.layer_ranges if eng.pipeline else None), "sampler": s.first_token_s is not None}
         local["tokens"] = sum(len(o) for o in out)
         local["out"] = out
     got = [g for g in comm.all_gather_object(local) if g]
@@ -135,7 +153,8 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
             "requests": len(requests), "new_tokens": got[0]["tokens"],
             "output_tokens_per_s": got[0]["tokens"] / wall, "wall_s": wall,
             "ttft_s": max(firsts) if firsts else None, "tpot_s_p50": _pct(steps, 0.5), "tpot_s_p95": _pct(steps, 0.95),
-            "weight_bytes_per_rank": [g["weights"] for g in got], "kv_cache_bytes_per_rank": [g["kv"] for g in got],
+            "weight_bytes_per_rank": [g["weights"] for g in got],
+            "estimated_weight_bytes_per_rank": [g["estimated"] for g in got], "kv_cache_bytes_per_rank": [g["kv"] for g in got],
             "busy_fraction": [g["busy"] for g in got], "cpu_fraction": [g["cpu"] for g in got], "outputs": got[0]["out"]}
 
 
@@ -170,7 +189,7 @@ def _mib(xs) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The comparison table (one row per layout) in markdown."""
     head = ("| layout | ranks (dp x tp x pp, m) | output tokens/s | vs naive-mp | TTFT s | TPOT p50 ms | TPOT p95 ms "
-            "| weights MiB/rank | KV cache MiB/rank | busy fraction/rank | CPU fraction/rank |\n"
+            "| weights MiB/rank (estimator) | KV cache MiB/rank | busy fraction/rank | CPU fraction/rank |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
@@ -183,7 +202,7 @@ def markdown_table(rows: list[dict]) -> str:
         cpu = "/".join("n/a" if b is None else f"{b:.2f}" for b in r.get("cpu_fraction", []))
         lines.append(f"| {r['layout']} | {r['dp']}x{r['tp']}x{r['pp']}, m={r['microbatches']} | "
                      f"{r['output_tokens_per_s']:.0f} | {f(r.get('ratio_vs_naive-mp'), d=2)} | {f(r['ttft_s'])} | "
-                     f"{f(r['tpot_s_p50'], 1e3, 2)} | {f(r['tpot_s_p95'], 1e3, 2)} | {_mib(r['weight_bytes_per_rank'])} | "
+                     f"{f(r['tpot_s_p50'], 1e3, 2)} | {f(r['tpot_s_p95'], 1e3, 2)} | {_mib(r['weight_bytes_per_rank'])} ({_mib(r['estimated_weight_bytes_per_rank'])}) | "
                      f"{_mib(r['kv_cache_bytes_per_rank'])} | {busy} | {cpu} |")
     return "\n".join(lines) + "\n"
 
@@ -280,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rank, n, dev = init_distributed("gloo", 300, torch.device("cpu"))
     model, requests = _model_and_prompts(args, dev)
+    load0 = os.getloadavg()[0]
     m = args.microbatches  # 0: one per stage (layout_dims)
     cache, records = {}, []
     for r in range(args.rounds):
@@ -300,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         row["outputs_equal_across_layouts"] = same
     gpu = f", {torch.cuda.get_device_name(dev)}" if dev.type == "cuda" else ""
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {backend}"
-               f"{gpu}, {n} rank(s), {torch.get_num_threads()} thread(s)/rank")
+               f"{gpu}, {n} rank(s), {torch.get_num_threads()} thread(s)/rank, load average {load0:.1f} at start / "
+               f"{os.getloadavg()[0]:.1f} at end (a load above the core count leaves the ranks less than a core each)")
     print(f"zerotron bench generate: {machine}; {len(requests)} prompts x {args.new_tokens} new tokens; "
           f"outputs equal across layouts: {same}\n{markdown_table(rows)}")
     if args.json:

@@ -382,6 +382,20 @@ def recv(t: torch.Tensor, src: int, group=None, tag: str = "") -> None:
         dist.recv(t, src=src, group=_pg(group))
 
 
+def isend(t: torch.Tensor, dst: int, group=None, tag: str = ""):
+    """Asynchronous point-to-point send of ``t`` to global rank ``dst``: the Work handle (wait on
+    it before writing ``t`` again). One op without ``batch_isend_irecv``'s per-batch set-up."""
+    STATS.record("send", group, _check(t, "send"), tag)
+    return dist.isend(t, dst=dst, group=_pg(group))
+
+
+def irecv(t: torch.Tensor, src: int, group=None, tag: str = ""):
+    """Asynchronous point-to-point receive into ``t`` from global rank ``src``: the Work handle
+    (wait on it before reading ``t``). Receives from one peer match its sends in posting order."""
+    STATS.record("recv", group, _check(t, "recv"), tag)
+    return dist.irecv(t, src=src, group=_pg(group))
+
+
 def batch_isend_irecv(ops: list[tuple[str, torch.Tensor, int]], group=None, tag: str = "") -> list:
     """Post a batch of point-to-point ops; ``ops`` is a list of ``("send"|"recv", tensor, peer_rank)``.
 

@@ -1,5 +1,9 @@
 """One batch of requests being decoded together: :class:`Request`, :class:`DecodeBatch`.
 
+A row stops at eos, at its max_tokens, or (with ``stop`` strings and a ``decode`` function) at
+the first token after which its decoded new text contains a stop string: generation ends there,
+every rank deciding alike from the same tokens (no message needed).
+
 Prompts of different lengths share a batch by **left padding**: row b of a batch whose longest
 prompt has L tokens gets ``L - len(prompt_b)`` padding slots in front, recorded in
 ``KVCache.pad``; every row then has its new token in the same (last) slot, positions are per row
@@ -23,8 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotron.models.base import KVCache
-
+from .kvcache import StaticKVCache
 from .sampling import SamplingParams, make_generator, sample_rows
 
 __all__ = ["Request", "DecodeBatch", "PAD_ID"]
@@ -44,20 +47,26 @@ class DecodeBatch:
     """Decoding state of requests ``requests`` (indices ``index`` in the caller's list): their token
     lists, done flags, generators (``params.seed`` each) and the KV cache of the layers this rank
     holds. ``eos_id``: end-of-text token (None: never stop early). ``block_size``: the model's
-    context. Raises ValueError for an empty prompt."""
+    context. ``decode``: token ids -> text, for requests with ``params.stop`` strings (a row ends at
+    the token after which its decoded new text contains one). ``on_token(i, token)``: called for
+    every token appended to request ``index[b]`` = i, as it is appended (streaming). Raises
+    ValueError for an empty prompt, or stop strings without ``decode``."""
 
     def __init__(self, requests: list[Request], index: list[int], n_layer: int, block_size: int,
-                 eos_id: int | None, device: torch.device):
+                 eos_id: int | None, device: torch.device, decode=None, on_token=None):
         for i, r in zip(index, requests):
             if not r.prompt:
                 raise ValueError(f"request {i} has an empty prompt; every prompt needs at least one token")
+            if r.params.stop and decode is None:
+                raise ValueError(f"request {i} has stop strings but the engine has no decode function (tokenizer)")
+        self.decode, self.on_token = decode, on_token
         self.requests, self.index, self.n_layer = requests, list(index), n_layer
         self.block_size, self.eos_id, self.device = block_size, eos_id, device
         self.tokens = [list(r.prompt) for r in requests]
         self.new = [[] for _ in requests]
         self.done = [r.params.max_tokens == 0 for r in requests]
         self.generators = [make_generator(r.params.seed, device) for r in requests]
-        self.cache: KVCache | None = None
+        self.cache: StaticKVCache | None = None
         self.steps = 0
         self.active = list(range(len(requests)))  # rows in the cache, in cache order
 
@@ -72,8 +81,8 @@ class DecodeBatch:
 
     def next_input(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The tokens of the next forward and whether the cache is (re)built: ``(idx, pad)`` with
-        idx (b, T) int64 and ``pad`` (b,) int64 for a (re)prefill (the caller makes a new
-        ``KVCache(n_layer, pad)``), or ``(last tokens (b, 1), None)`` to continue the cache."""
+        idx (b, T) int64 and ``pad`` (b,) int64 for a (re)prefill (the caller then calls
+        :meth:`start` with ``pad`` and T), or ``(last tokens (b, 1), None)`` to continue the cache."""
         slots = 0 if self.cache is None else self.cache.cached(self._first_layer())
         if self.cache is not None and slots + 1 <= self.block_size:
             return torch.tensor([[self.tokens[b][-1]] for b in self.active], device=self.device), None
@@ -86,10 +95,13 @@ class DecodeBatch:
     def _first_layer(self) -> int:
         return next(i for i, k in enumerate(self.cache.keys) if k is not None)
 
-    def start(self, pad: torch.Tensor | None) -> KVCache:
-        """The cache of the next forward: a new one for a (re)prefill (``pad`` given), else the current."""
+    def start(self, pad: torch.Tensor | None, length: int = 0) -> StaticKVCache:
+        """The cache of the next forward: for a (re)prefill (``pad`` given) of ``length`` slots a new
+        :class:`StaticKVCache` with room for the most new tokens any active row still needs
+        (capped at block_size), else the current one."""
         if pad is not None:
-            self.cache = KVCache(self.n_layer, pad)
+            more = max((self.requests[b].params.max_tokens - len(self.new[b]) for b in self.active), default=0)
+            self.cache = StaticKVCache(self.n_layer, pad, max(1, min(self.block_size, length + more)))
         return self.cache
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
@@ -119,9 +131,16 @@ class DecodeBatch:
                 continue
             self.tokens[b].append(t)
             self.new[b].append(t)
+            if self.on_token is not None:
+                self.on_token(self.index[b], t)
             p = self.requests[b].params
-            if len(self.new[b]) >= p.max_tokens or (p.stop_at_eos and t == self.eos_id):
+            if len(self.new[b]) >= p.max_tokens or (p.stop_at_eos and t == self.eos_id) or \
+                    (p.stop and self._hit_stop(b, p.stop)):
                 self.done[b] = True
+
+    def _hit_stop(self, b: int, stops: tuple[str, ...]) -> bool:
+        text = self.decode(self.new[b])
+        return any(s in text for s in stops)
 
     def kv_bytes(self) -> int:
         """Storage bytes of the keys and values this rank caches for the batch."""

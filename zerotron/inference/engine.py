@@ -37,13 +37,16 @@ class Engine:
     batch split into micro-batches). ``eos_id``: end-of-text token id (None: only max_tokens stops).
     ``pp_split``: layers per pipeline stage ("" = equal counts; "decode" = balanced for decoding,
     the head counted as V / (12 C) blocks: :func:`zerotron.inference.pipelined.decode_split`; or
-    counts such as "3,1"). Raises ValueError for microbatches < 1, max_batch < 1 or a bad split."""
+    counts such as "3,1"). ``decode``: token ids -> text (the tokenizer's), needed by requests with
+    ``stop`` strings; identical on every rank, so every rank stops a row at the same token. Raises
+    ValueError for microbatches < 1, max_batch < 1 or a bad split."""
 
     def __init__(self, model, mesh, microbatches: int = 1, max_batch: int | None = None,
-                 eos_id: int | None = None, pp_split: str = ""):
+                 eos_id: int | None = None, pp_split: str = "", decode=None):
         if microbatches < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError(f"need microbatches >= 1 and max_batch >= 1, got {microbatches}, {max_batch}")
         self.mesh, self.microbatches, self.max_batch, self.eos_id = mesh, microbatches, max_batch, eos_id
+        self.decode = decode
         self.tp, self.pp, self.dp = mesh.size("tp"), mesh.size("pp"), mesh.size("dp")
         self.config = model.config
         model.eval()
@@ -69,15 +72,21 @@ class Engine:
         """Weight storage bytes on this rank."""
         return weight_bytes(self.holder)
 
-    @torch.no_grad()
-    def generate(self, requests: list[Request]) -> list[list[int]]:
-        """New tokens of each request (eos included when it stopped there), in input order, on every
-        rank. Collective over the whole mesh: every rank passes the same ``requests``. Raises
-        ValueError for an empty prompt or invalid sampling parameters (before any collective)."""
+    @torch.inference_mode()  # no autograd bookkeeping at all: less per-op overhead than no_grad
+    def generate(self, requests: list[Request], on_token=None) -> list[list[int]]:
+        """New tokens of each request (eos included when it stopped there; with stop strings, up to
+        the token that completed one), in input order, on every rank. Collective over the whole
+        mesh: every rank passes the same ``requests``. ``on_token(i, token)``: called as request i
+        gets each new token, on the ranks that see it then (tp ranks, pipeline stage 0 and the last
+        stage; with dp only for the replica's own requests: the others' come with the result).
+        Raises ValueError for an empty prompt, invalid sampling parameters or stop strings without
+        a ``decode`` function (before any collective)."""
         for r in requests:
             r.params.validate()
             if not r.prompt:
                 raise ValueError("every request needs a non-empty prompt")
+            if r.params.stop and self.decode is None:
+                raise ValueError("requests with stop strings need an Engine built with decode= (the tokenizer)")
         t0, c0 = time.perf_counter(), time.process_time()
         self.stats = stats = RunStats()
         dp_rank = self.mesh.local_rank("dp")
@@ -89,9 +98,10 @@ class Engine:
                 idx = mine[lo:lo + step]
                 batch_reqs = [requests[i] for i in idx]
                 if self.pipeline is not None:
-                    res = self.pipeline.run(batch_reqs, idx, self.microbatches, self.eos_id, stats, t0)
+                    res = self.pipeline.run(batch_reqs, idx, self.microbatches, self.eos_id, stats, t0,
+                                            self.decode, on_token)
                 else:
-                    res = self._run_local(batch_reqs, idx, stats, t0)
+                    res = self._run_local(batch_reqs, idx, stats, t0, on_token)
                 out.update(zip(idx, res))
         if self.dp > 1:
             merged: dict[int, list[int]] = {}
@@ -101,16 +111,17 @@ class Engine:
         stats.wall_s, stats.cpu_s = time.perf_counter() - t0, time.process_time() - c0
         return [out[i] for i in range(len(requests))]
 
-    def _run_local(self, requests, index, stats: RunStats, t0: float) -> list[list[int]]:
+    def _run_local(self, requests, index, stats: RunStats, t0: float, on_token=None) -> list[list[int]]:
         """Single-process / tensor-parallel decoding of one batch."""
         model, cfg = self.model, self.config
-        batch = DecodeBatch(requests, index, cfg.n_layer, cfg.block_size, self.eos_id, self.device)
+        batch = DecodeBatch(requests, index, cfg.n_layer, cfg.block_size, self.eos_id, self.device,
+                            self.decode, on_token)
         blocks, layers = model.blocks(), list(range(cfg.n_layer))
         last_t = None
         while not batch.finished:
             tb = time.perf_counter()
             idx, pad = batch.next_input()
-            cache = batch.start(pad)
+            cache = batch.start(pad, idx.size(1))
             logits = forward_layers(model, blocks, layers, idx, cache, True, True)
             batch.advance(batch.sample(logits))
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, batch.kv_bytes())
