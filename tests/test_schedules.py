@@ -149,6 +149,7 @@ def test_zb_h1_acceptance_bubble_time_vs_1f1b():
     assert zb.idle == [3.0] * 4 and one.idle == [9.0] * 4  # (p-1)(1+1-1) vs (p-1)(1+1+1)
     assert zb.bubble_fraction == pytest.approx(3 / 27) and one.bubble_fraction == pytest.approx(9 / 33)
     assert zb.peak_in_flight == [4, 4, 4, 4] and one.peak_in_flight == [4, 3, 2, 1]
+    assert bubble_theory(4, 8, kind="zb-h1") == pytest.approx(zb.bubble_fraction)  # bench train's column
 
 
 def test_zb_h1_exact_order():

@@ -24,7 +24,7 @@ epoch_time_s: seconds for one epoch of the train split (``num_windows x seq_len`
 global-batch sampler visits once) at the measured tokens/s. Pipeline layouts: ``bubble_measured`` =
 median over timed steps of the max over pp ranks of ``PipelineStrategy.last_step_timing()
 ["bubble_fraction"]`` (idle / (busy + idle): bubble plus p2p transfer time); ``bubble_theory`` =
-``schedules.bubble_theory(pp, m, v)``, m = micro-batches per flush (1 for "naive");
+``schedules.bubble_theory(pp, m, v, kind)``, m = micro-batches per flush (1 for "naive");
 ``bubble_simulated`` = median over timed steps of what ``schedules.simulate`` predicts for the same
 statistic when each model stage's F and B cost the step's measured mean times
 (``pipeline.accounting.predicted_bubble``, communication free): measured / simulated is executor
@@ -192,7 +192,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
                  "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
                  "stage_times": stage_times, "schedule": pp_sched, "split": getattr(strat, "split", None),
-                 "bubble_theory": bubble_theory(pp_sched[0], pp_sched[1], pp_sched[3]) if timing is not None else None}
+                 "bubble_theory": bubble_theory(pp_sched[0], pp_sched[1], pp_sched[3], pp_sched[2]) if timing is not None else None}
         torch.set_num_threads(prev)
         del built, strat, opt, sched, batches, step
     got = [x for x in comm.all_gather_object(local) if x]

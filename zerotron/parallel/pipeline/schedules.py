@@ -361,8 +361,12 @@ def rank_idle_fractions(result: SimResult) -> list[float]:
     return out
 
 
-def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1, kind: str = "1f1b") -> float:
     """Idle fraction of the pipeline, idle / (pp * makespan), for uniform stage costs.
+
+    ``kind`` "zb-h1" (T_F = T_B = T_W, Qi et al. 2024): idle per rank (p-1)(T_F+T_B-T_W) = (p-1)
+    over busy 3m, i.e. (p-1)/(3m + p - 1) (m >= p; :func:`bubble_time_theory`); every other kind
+    as follows.
 
     v == 1 (naive, GPipe, 1F1B): (p-1)/(m+p-1) (GPipe, Huang et al. 2019; same bubble for
     PipeDream-Flush, Narayanan et al. 2021). Interleaved with v chunks per rank:
@@ -372,6 +376,8 @@ def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
     """
     if min(pp, microbatches, virtual_stages) < 1:
         raise ValueError("pp, microbatches and virtual_stages must be >= 1")
+    if kind == "zb-h1":
+        return (pp - 1) / (3 * microbatches + pp - 1)
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
