@@ -55,6 +55,7 @@ from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
 from zerotron.parallel.data.flat_shard import FlatShard, build_flats, flat_state_bytes
+from zerotron.parallel.data.hsdp import all_reduce_across
 from zerotron.parallel.data.used import UsedMarks
 from zerotron.parallel.data.zero_gather import UnitGatherer
 from zerotron.parallel.data.zero_state import ZeroStateMixin
@@ -66,16 +67,23 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     """Native ZeRO stage 1/2/3 over the dp group; units: the parameters outside the blocks, then each
     block of ``model.layout().blocks``.
 
-    Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup), ``stage``
-    (1, 2 or 3), ``dtype`` ("fp32" | "bf16" | "fp64": compute copies; see ``parallel.precision``),
-    ``reduce_dtype`` ("auto" | "fp32" | "bf16" | "fp64"). Raises ValueError for a bad stage or dtype."""
+    Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup; with HSDP the
+    shard group), ``stage`` (1, 2 or 3), ``dtype`` ("fp32" | "bf16" | "fp64": compute copies; see
+    ``parallel.precision``), ``reduce_dtype`` ("auto" | "fp32" | "bf16" | "fp64"),
+    ``replicate_group`` (HSDP, ``parallel.dp_replicate > 1``: the replicas' group; the gradient
+    shards are all-reduced over it once per step, ``parallel.data.hsdp``) and ``dp_group`` (HSDP: the
+    whole dp group, for losses and the used-parameter marks; default ``group``). Raises ValueError for a
+    bad stage or dtype."""
 
     def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
-                 tp_group=None, sequence_parallel: bool = False):
+                 tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for ZeroStrategy, got {stage}")
         compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
-        self.module, self.group, self.loss_groups, self.stage = model, group, [group], stage
+        # HSDP (parallel.dp_replicate > 1): ``group`` is the shard group; ``dp_group`` spans all of dp
+        self.dp_group = dp_group or group
+        self.module, self.group, self.loss_groups, self.stage = model, group, [self.dp_group], stage
+        self.replicate_group, self._reduce_dtype = replicate_group, reduce
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         mask = mask or decay_mask(model)
         blocks = list(model.blocks())
@@ -174,7 +182,10 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         """Sum the per-parameter "got a gradient" marks over dp (one small all-reduce per step,
         one float per parameter) into each buffer's ``used``; sequence parallel: sum tp-replicated
         gradient shards over tp; hand the shard gradients to the optimizer."""
-        self._used.launch(self.group, self.all_flats[0].master.device)
+        self._used.launch(self.dp_group, self.all_flats[0].master.device)
+        # HSDP: the shard group's reduce-scatters summed the gradients of this replica; one
+        # all-reduce of each 1/S gradient shard across the replicas completes the dp sum
+        all_reduce_across([f.shard_grad for f in self.all_flats], self._reduce_dtype, self.replicate_group)
         flags = self._used.result()
         i = 0
         for f in self.all_flats:
@@ -191,7 +202,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm from the shards (:func:`zerotron.parallel.grad_norm.clip_grad_norm`): every
         element counted once (padding is zero; tp shards summed over tp, tp-replicated once), then
-        summed over dp; identical on every rank. Clips the shard gradients in place."""
+        summed over the shard group (dp; with HSDP the replicas hold the same shards and are not
+        summed); identical on every rank. Clips the shard gradients in place."""
         return clip_grad_norm([([f.shard_grad for f in self.all_flats if f.tp_sharded], [self.tp_group]),
                                ([f.shard_grad for f in self.all_flats if not f.tp_sharded], [])],
                               max_norm, outer=[self.group])
