@@ -45,7 +45,8 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     """``(planner layout, sequence parallel)`` of a ``zerotron bench train`` layout run on ``world``
     ranks, or None for a layout with no planner counterpart. dp-torch prices as dp (same all-reduce),
     tp-dtensor as tp;
-    fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1. Suffixes ``-mbN`` / ``-ac...``
+    fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1; the HSDP layouts (hsdp-zeroS, fsdp2-hsdp,
+    dp-hier) as their ZeRO stage with ``dp_replicate = 2`` (on an even world). Suffixes ``-mbN`` / ``-ac...``
     (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``
     is the config's otherwise."""
     try:
@@ -58,6 +59,9 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     name = name.split("-mb")[0].split("-ac")[0]
     if name in ("dp", "dp-torch", "single", "single-mt"):
         return base, False
+    hsdp = {"hsdp-zero2": 2, "hsdp-zero3": 3, "fsdp2-hsdp": 3, "dp-hier": 0}  # 2 replicas (parallel.dp_replicate)
+    if name in hsdp and world % 2 == 0:
+        return {**base, "zero_stage": hsdp[name], "dp_replicate": 2}, False
     for s in (1, 2, 3):
         if name in (f"zero{s}", f"fsdp2-zero{s}"):
             return {**base, "zero_stage": s}, False
