@@ -39,27 +39,16 @@ def unit_params() -> tuple[int, int]:
     return model.num_params() - blocks, blocks
 
 
+KIND = {"zero3": "zero3", "fsdp2-zero3": "zero3", "zero2": "zero2", "dp": "ddp", "hsdp-zero3": "hsdp_zero",
+        "hsdp-zero2": "hsdp_zero", "fsdp2-hsdp": "hsdp_zero", "dp-hier": "hier_ddp"}
+
+
 def theory_link_bytes(layout: str, root: int, blocks: int, e: int = 4) -> float:
-    """Bytes crossing the node boundary per step (both directions; one micro-batch per step),
-    2 nodes x S = 2 ranks, ring collectives as gloo runs them, gloo's reduce-scatter moving an
-    all-reduce's bytes (``bench comm`` shows half the all-gather busbw; the counters agree).
-    A flat ring of n = 4 ranks crosses the link on 2 of its edges (one per direction), each carrying
-    (n-1)/n x size per all-gather and 2 (n-1)/n x size per all-reduce; HSDP's replicate groups (2
-    ranks, S of them) all-reduce Psi / S each: 2 Psi e in all.
-    flat ZeRO-3: all-gathers of 2 Psi_blocks + Psi_root, one reduce-scatter of Psi;
-    flat ZeRO-2: one reduce-scatter + one all-gather of Psi; flat DDP: one all-reduce of Psi;
-    HSDP ZeRO-2/3, hierarchical DDP, FSDP2 HSDP: 2 Psi e (one all-reduce of each 1/S shard)."""
-    n, psi = NODES * PER_NODE, root + blocks
-    ag, ar = 2 * (n - 1) / n, 2 * 2 * (n - 1) / n  # link bytes per element of size, both directions
-    if layout in ("hsdp-zero3", "hsdp-zero2", "dp-hier", "fsdp2-hsdp"):
-        return 2 * psi * e
-    if layout in ("zero3", "fsdp2-zero3"):
-        return (ag * (2 * blocks + root) + ar * psi) * e
-    if layout == "zero2":
-        return (ar + ag) * psi * e
-    if layout == "dp":
-        return ar * psi * e
-    raise ValueError(layout)
+    """Cross-node bytes per step of a bench layout on 2 nodes x 2 ranks, one micro-batch
+    (:func:`zerotron.parallel.data.hsdp.cross_node_bytes`, whose docstring derives it)."""
+    from zerotron.parallel.data.hsdp import cross_node_bytes
+
+    return cross_node_bytes(KIND[layout], root, blocks, NODES, PER_NODE, e)
 
 
 def markdown(d: dict) -> str:
@@ -94,7 +83,7 @@ def markdown(d: dict) -> str:
     lines += ["", "tokens/s: median over rounds; paired ratio: median over rounds of tokens/s(hier.) / "
               "tokens/s(flat) of the same round (`bench train`'s `vs flat`). link bytes/step: the veth "
               "`tx_bytes` counters of both nodes over the timed steps / steps (median over rounds), TCP/IP "
-              "headers included. Theory (`theory_link_bytes` in this script, derived in "
+              "headers included. Theory (`cross_node_bytes` in "
               "`zerotron/parallel/data/hsdp.py`): with Psi parameters of e = 4 bytes, a flat 4-rank ring "
               "crosses the link on one edge each way; HSDP sends one all-reduce of each 1/S gradient shard "
               "across the nodes, **2 Psi e per step** in all (Psi e each way); flat ZeRO-3 two all-gathers and "

@@ -440,3 +440,30 @@ def test_validate_plan_end_to_end(tmp_path, capsys):
         assert vp.main(["--bench-train", str(tmp_path / "bt.json"), "--bench-comm", str(tmp_path / "bc.json"),
                         "--peak-flops", "1e11"]) == 2
         assert msg in capsys.readouterr().err, msg
+
+
+def test_hsdp_priced_on_two_links():
+    """HSDP (dp_replicate R): states sharded by S = dp / R; ZeRO collectives over S on the intra-node
+    link, one all-reduce of the 1/S shard across R on the inter-node link per unit and step; the
+    planner offers it where the dp block spans nodes and prefers it there on slow NICs."""
+    from zerotron.analysis.hardware import collective_time
+    from zerotron.analysis.planner import _dp_time, _link
+
+    cfg = preset_config("gpt2")
+    hw = _no_latency(hardware("h100"))
+    cm = CostModel(hw, gpus_per_node=8, launch_s=0.0)
+    flat = dict(dp=16, tp=1, pp=1, zero_stage=3, schedule="none", micro_batch=4, recompute="none")
+    hsdp = {**flat, "dp_replicate": 2}
+    a, b = evaluate(cfg, flat, 1024, 64, cm), evaluate(cfg, hsdp, 1024, 64, cm)
+    n = stage_num_params(cfg, 1, 1, 1)[0]
+    assert b["memory_bytes_per_gpu"] - a["memory_bytes_per_gpu"] == (
+        model_state_bytes(n, 8, 3, "bf16-mixed")["total_bytes"] - model_state_bytes(n, 16, 3, "bf16-mixed")["total_bytes"])
+    assert b["time_breakdown_s"]["dp_comm"] < a["time_breakdown_s"]["dp_comm"] / 3  # NIC 9x slower than NVLink
+    intra, inter = _link(hw, True), _link(hw, False)
+    g, units, m = 2.0 * n, cfg.n_layer + 1, 64 // (16 * 4)
+    want = _dp_time(3, m, units, g, 8, intra, cm.bucket_bytes) + collective_time(g / 8, "all_reduce", 2, *inter,
+                                                                                   calls=units)
+    assert _dp_time(3, m, units, g, 16, intra, cm.bucket_bytes, 2, inter) == pytest.approx(want)
+    res = plan(cfg, 16, 80 * GB, 512, 1024, cm)["layouts"]
+    assert res[0].get("dp_replicate") == 2 and res[0]["dp"] * res[0]["tp"] == 16
+    assert not [r for r in plan(cfg, 8, 80 * GB, 64, 1024, cm)["layouts"] if r.get("dp_replicate")]  # one node

@@ -31,6 +31,42 @@ import torch
 from zerotron.distributed import comm
 
 
+HIERARCHICAL = ("hsdp_zero", "hier_ddp")
+FLAT = ("zero3", "zero2", "ddp")
+
+
+def cross_node_bytes(kind: str, psi_root: int, psi_blocks: int, nodes: int = 2, per_node: int = 2,
+                     elem_bytes: int = 4, micro_batches: int = 1) -> float:
+    """Theory: bytes crossing node boundaries per optimizer step, all links and directions summed,
+    for ``nodes`` nodes of ``per_node`` dp ranks each (nodes = consecutive ranks), ring collectives
+    (gloo's and NCCL's ring algorithm), Psi = ``psi_root + psi_blocks`` gradient/parameter elements
+    of ``elem_bytes`` bytes (padding ignored: < S elements per flat buffer).
+
+    A flat ring over N = nodes x per_node ranks crosses a node boundary on ``nodes`` of its N
+    edges, each carrying (N-1)/N x size per all-gather and 2 (N-1)/N x size per all-reduce.
+    gloo's reduce-scatter moves an all-reduce's bytes (``bench comm`` shows half the all-gather's
+    busbw on one link; the veth counters confirm it), so it is counted as one.
+      kind "zero3" (flat ZeRO-3, A micro-batches): all-gathers of (2A Psi_blocks + Psi_root), A
+        reduce-scatters of Psi;  "zero2": A reduce-scatters + 1 all-gather of Psi;  "ddp": one
+        all-reduce of Psi.
+      kind "hsdp_zero" (HSDP ZeRO-1/2/3, R = nodes replicas) and "hier_ddp" (hierarchical DDP):
+        S = per_node replicate rings of R ranks, every edge crossing, each all-reducing Psi / S once
+        per step: S x R x 2 (R-1)/R x Psi / S = 2 (nodes - 1) Psi -- e.g. 2 Psi e for two nodes
+        (Psi e each way), against 1.5 (2 Psi_blocks + Psi_root) e + 3 Psi e for flat ZeRO-3.
+    Raises ValueError for an unknown ``kind``."""
+    n, psi, a = nodes * per_node, psi_root + psi_blocks, micro_batches
+    ag, ar = nodes * (n - 1) / n, nodes * 2 * (n - 1) / n  # crossing bytes per element of a collective
+    if kind in HIERARCHICAL:
+        return 2 * (nodes - 1) * psi * elem_bytes
+    if kind == "zero3":
+        return (ag * (2 * a * psi_blocks + psi_root) + ar * a * psi) * elem_bytes
+    if kind == "zero2":
+        return (ar * a + ag) * psi * elem_bytes
+    if kind == "ddp":
+        return ar * psi * elem_bytes
+    raise ValueError(f"cross_node_bytes: kind must be one of {HIERARCHICAL + FLAT}, got {kind!r}")
+
+
 def all_reduce_across(tensors: list[torch.Tensor], dtype: torch.dtype, group) -> None:
     """Sum each tensor of ``tensors`` (1-D, contiguous; e.g. ZeRO shard gradients of shape
     ``(k,)``) in place over the replicate ``group``, computed in ``dtype`` (cast copies where the
