@@ -30,7 +30,6 @@ import torch
 
 from zerotron.distributed import comm
 
-
 HIERARCHICAL = ("hsdp_zero", "hier_ddp")
 FLAT = ("zero3", "zero2", "ddp")
 
