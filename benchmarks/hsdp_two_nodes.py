@@ -4,7 +4,7 @@ two-node harness with a shaped link (root needed): benchmarks/hsdp_two_nodes.{js
 Usage: ``python benchmarks/hsdp_two_nodes.py [--rate 200mbit] [--rounds 3]`` (runs the harness,
 about 5 minutes on the shared 2-core machine: ``bench train`` of 8 layouts, then a short
 ``bench comm`` for the intra-/inter-node busbw), or ``--md-only`` to rewrite the markdown from the
-JSON. Cross-node bytes per step are the veth tx_bytes counters of both nodes over the timed steps
+JSON (``--plan-only``: rerun ``bench plan`` on the committed JSON). Cross-node bytes per step are the veth tx_bytes counters of both nodes over the timed steps
 (``bench train``'s ``link_tx_bytes_per_step``); the theory they are compared with is
 :func:`theory_link_bytes` (``zerotron/parallel/data/hsdp.py`` derives it)."""
 import argparse
@@ -96,9 +96,28 @@ def markdown(d: dict) -> str:
             lines.append(f"| {x['op']} | {x['bytes'] / 2**20:g} MiB | {x['intra_busbw_GBps']:.3f} | "
                          f"{x['inter_busbw_GBps']:.4f} | {x['ratio']:.0f}× |")
         lines.append("")
+    pj = HERE / "hsdp_two_nodes_plan.json"
+    if pj.exists():
+        pl = json.loads(pj.read_text())
+        lines += ["## The planner on this run (`zerotron bench plan`)", "",
+                  f"Spearman rank correlation of predicted vs measured tokens/s over the {len(pl['layouts'])} layouts: "
+                  f"**{pl['spearman']:.3f}** (hierarchical DDP first and the flat ZeRO-3 layouts last in both); the planner "
+                  "prices the shard-group collectives on the intra-node link and the replicas' all-reduce on the "
+                  "inter-node one, both fitted to this run's `bench comm` (`benchmarks/hsdp_two_nodes_plan.md`).", ""]
     lines += ["## All layouts (`bench train` table)", "", d["train"]["table"], "",
               "Plot: `benchmarks/hsdp_two_nodes.png` (tokens/s per layout).", ""]
     return "\n".join(lines)
+
+
+def plan(a) -> None:
+    """``zerotron bench plan`` on this run: the planner's predicted tokens/s of every layout (the
+    inter-node link calibrated from the run's ``bench comm`` inter results) against the measured,
+    Spearman rank correlation -> benchmarks/hsdp_two_nodes_plan.{md,json}."""
+    subprocess.run([sys.executable, "-m", "zerotron", "bench", "plan", "--bench-train",
+                    "benchmarks/hsdp_two_nodes_train.json", "--bench-comm", "benchmarks/hsdp_two_nodes_comm.json",
+                    "--config", "benchmarks/hsdp_two_nodes.toml", "--threads", "1",
+                    "--out", "benchmarks/hsdp_two_nodes_plan.md", "--json", "benchmarks/hsdp_two_nodes_plan.json"],
+                   cwd=ROOT, check=True)
 
 
 def main() -> int:
@@ -107,13 +126,16 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--md-only", action="store_true")
+    p.add_argument("--plan-only", action="store_true", help="rerun only bench plan on the committed JSON")
     a = p.parse_args()
     out = HERE / "hsdp_two_nodes.json"
-    if not a.md_only:
+    if a.plan_only:
+        plan(a)
+    elif not a.md_only:
         from zerotron.bench.report import format_table
 
         t0 = time.monotonic()
-        tj, cj = "/tmp/hsdp_two_nodes_train.json", "/tmp/hsdp_two_nodes_comm.json"
+        tj, cj = str(HERE / "hsdp_two_nodes_train.json"), str(HERE / "hsdp_two_nodes_comm.json")
         cmd = [sys.executable, "-m", "zerotron.testing_netns", "--rate", a.rate, "--timeout", "540", "--", "bench",
                "train", "--config", "configs/tiny.toml", "--layouts", LAYOUTS, "--steps", str(a.steps), "--warmup",
                "1", "--rounds", str(a.rounds), "--json", tj, "--plot", str(HERE / "hsdp_two_nodes.png"), *OVERRIDES]
@@ -133,6 +155,7 @@ def main() -> int:
              "theory_link_bytes": {n: theory_link_bytes(n, root, blocks) for pair in PAIRS for n in pair},
              "comm": {"cliff": comm.get("cliff"), "results": comm.get("results")} if comm else None}
         out.write_text(json.dumps(d, indent=1))
+        plan(a)
     d = json.loads(out.read_text())
     (HERE / "hsdp_two_nodes.md").write_text(markdown(d))
     print((HERE / "hsdp_two_nodes.md").read_text())

@@ -464,6 +464,8 @@ def test_hsdp_priced_on_two_links():
     want = _dp_time(3, m, units, g, 8, intra, cm.bucket_bytes) + collective_time(g / 8, "all_reduce", 2, *inter,
                                                                                    calls=units)
     assert _dp_time(3, m, units, g, 16, intra, cm.bucket_bytes, 2, inter) == pytest.approx(want)
+    assert b["time_breakdown_s"]["dp_comm"] == pytest.approx(want)  # what evaluate charges (overlap 0)
+    assert a["time_breakdown_s"]["dp_comm"] == pytest.approx(_dp_time(3, m, units, g, 16, inter, cm.bucket_bytes))
     res = plan(cfg, 16, 80 * GB, 512, 1024, cm)["layouts"]
     assert res[0].get("dp_replicate") == 2 and res[0]["dp"] * res[0]["tp"] == 16
     assert not [r for r in plan(cfg, 8, 80 * GB, 64, 1024, cm)["layouts"] if r.get("dp_replicate")]  # one node

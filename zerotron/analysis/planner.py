@@ -148,7 +148,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     slowest stage x m; bubble; dp_comm exposed). Raises ValueError (from the estimators) for an
     impossible layout."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
-    rep = layout.get("dp_replicate", 1)  # HSDP: replicas x (dp / rep) shards
+    n_rep = layout.get("dp_replicate", 1)  # HSDP: replicas x (dp / n_rep) shards
     kind, rec, hw, K, sp = layout["schedule"], layout["recompute"], cm.hw, cm.gpus_per_node, cm.sp
     sp = sp and tp > 1
     v = 2 if kind == "interleaved" else 1
@@ -158,11 +158,11 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     W = shape.block_matmul_params()
     act = _activations(shape, b, S, tp, sp, pp, kind, m, v, rec, cm.attention)
     params = stage_num_params(shape, tp, pp, v)
-    mem = max(model_state_bytes(p, dp, z, "bf16-mixed", "adam", rep)["total_bytes"] + a_
+    mem = max(model_state_bytes(p, dp, z, "bf16-mixed", "adam", n_rep)["total_bytes"] + a_
               for p, a_ in zip(params, act["per_rank_bytes"])) + cm.overhead
     counts = stage_layer_counts(L, pp * v)
     tp_link = _link(hw, tp <= K and K % tp == 0)
-    shard = dp // rep * tp  # ranks spanned by one (shard-group x tp) block
+    shard = dp // n_rep * tp  # ranks spanned by one (shard-group x tp) block
     dp_link = _link(hw, shard <= K and K % shard == 0)
     rep_link = _link(hw, dp * tp <= K and K % (dp * tp) == 0)  # the replicas' group spans the dp block
     pp_link = _link(hw, dp * tp * pp <= K)
@@ -199,7 +199,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     # equal stages this is the bubble (p-1)/(v*m + p-1) of the whole step (bubble_theory)
     pipe = m * stage + (sum(stage_times) - stage) / v
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
-    t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp, dp_link, cm.bucket_bytes, rep, rep_link)
+    t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp, dp_link, cm.bucket_bytes, n_rep, rep_link)
     backward = m * (parts["compute"] + parts["vector"]) * 2 / 3
     t_dp -= min(hw.overlap * t_dp, backward)
     step = pipe + t_dp
