@@ -469,3 +469,18 @@ def test_hsdp_priced_on_two_links():
     res = plan(cfg, 16, 80 * GB, 512, 1024, cm)["layouts"]
     assert res[0].get("dp_replicate") == 2 and res[0]["dp"] * res[0]["tp"] == 16
     assert not [r for r in plan(cfg, 8, 80 * GB, 64, 1024, cm)["layouts"] if r.get("dp_replicate")]  # one node
+
+
+def test_bench_plan_keeps_the_inter_node_link_of_a_two_node_run():
+    """``bench plan`` on a two-node harness run prices HSDP's replica all-reduce on the calibrated
+    inter-node link (its ``bench comm`` inter results), and a one-node file stays one node."""
+    from zerotron.bench.validate_plan import cpu_hardware
+
+    res = [{"scope": s, "op": "all_reduce", "bytes": b, "busbw_GBps": bw, "mode": "blocking", "time_s": b / (bw * 1e9)}
+           for s, bw in (("intra", 0.5), ("inter", 0.0125)) for b in (1 << 20, 1 << 22)]
+    two = {"results": res, "topology": {"world_size": 4, "nodes": [{"node": 0}, {"node": 1}]}}
+    hw, world, nodes = cpu_hardware(two, 1e10, 1 << 34, 1e9)
+    assert (world, nodes) == (4, 2) and hw.inter["all_reduce"] < hw.intra["all_reduce"] / 10
+    one = {"results": [r for r in res if r["scope"] == "intra"], "topology": {"world_size": 2}}
+    hw1, _, n1 = cpu_hardware(one, 1e10, 1 << 34, 1e9)
+    assert n1 == 1 and hw1.inter == hw1.intra
