@@ -45,7 +45,7 @@ def _train(overrides: dict, run_dir: str, resume: bool = False) -> dict:
     msd, _ = tr.strategy.state_dict(tr.optimizer)
     out["params"] = {k: v.detach().double().clone().numpy() for k, v in msd.items()}
     s, p = tr.strategy, cfg.parallel
-    if p.zero_stage:
+    if p.zero_stage and p.zero_impl == "native":
         out["measured"] = s.model_state_bytes(tr.optimizer)
         out["estimate"] = model_state_bytes(tr.model.num_params(), DP, p.zero_stage, "fp64",
                                             dp_replicate=p.dp_replicate)
@@ -54,7 +54,7 @@ def _train(overrides: dict, run_dir: str, resume: bool = False) -> dict:
         out["padded_blocks"] = sum(f.padded for fl in s.flats[1:] for f in fl)
         out["shard"] = sum(f.k for f in s.all_flats)
         out["group_sizes"] = (s.group.size(), s.dp_group.size())
-    else:
+    elif not p.zero_stage:
         out["buckets"] = [b.buffer.numel() for b in s.buckets]
     return out
 
@@ -130,22 +130,27 @@ def test_hsdp_parity_comm_and_memory(reference, data_cache, tmp_path):
 CK = {**HSDP, "parallel.zero_stage": 3, "train.micro_batch": 2, "checkpoint.every": 2, "checkpoint.keep": 0}
 
 
+SAVED = {"hsdp": {}, "fsdp2_hsdp": {"parallel.zero_impl": "fsdp2"}}  # native ZeRO-3, FSDP2 on its 2-D mesh
+
+
 def _save(tmp, cache):
-    return _train({**CK, "data.cache_dir": cache}, f"{tmp}/hsdp")
+    return {name: _train({**CK, **o, "data.cache_dir": cache}, f"{tmp}/{name}") for name, o in SAVED.items()}
 
 
 def test_hsdp_checkpoint_resumed_by_one_process(data_cache, single_process, tmp_path):
+    """Replicas hold the same shards: each key is written once (DCP), and one process resumes."""
     import shutil
 
     full = run_ranks(_save, DP, str(tmp_path), data_cache)[0]
-    dst = tmp_path / "single"
-    shutil.copytree(tmp_path / "hsdp", dst, ignore=lambda d, names: [n for n in names if n.startswith("step_")
-                                                                       and n != "step_2"])
-    one = _train({"train.micro_batch": 4, "checkpoint.every": 2, "checkpoint.keep": 0, "data.cache_dir": data_cache},
-                 str(dst), resume=True)
-    assert len(one["losses"]) == STEPS - 2
-    np.testing.assert_allclose(one["losses"], full["losses"][2:], rtol=RTOL)
-    assert_params_close(one["params"], full["params"], RTOL, "hsdp -> one process")
+    for name in SAVED:
+        dst = tmp_path / f"{name}_single"
+        shutil.copytree(tmp_path / name, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_")
+                                                                        and n != "step_2"])
+        one = _train({"train.micro_batch": 4, "checkpoint.every": 2, "checkpoint.keep": 0,
+                      "data.cache_dir": data_cache}, str(dst), resume=True)
+        assert len(one["losses"]) == STEPS - 2
+        np.testing.assert_allclose(one["losses"], full[name]["losses"][2:], rtol=RTOL, err_msg=name)
+        assert_params_close(one["params"], full[name]["params"], RTOL, f"{name} -> one process")
 
 
 @pytest.mark.parametrize("over,world,needle", [
