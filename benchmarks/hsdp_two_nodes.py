@@ -101,7 +101,7 @@ def markdown(d: dict) -> str:
         pl = json.loads(pj.read_text())
         lines += ["## The planner on this run (`zerotron bench plan`)", "",
                   f"Spearman rank correlation of predicted vs measured tokens/s over the {len(pl['layouts'])} layouts: "
-                  f"**{pl['spearman']:.3f}** (hierarchical DDP first and the flat ZeRO-3 layouts last in both); the planner "
+                  f"**{pl['spearman']:.3f}** (the four hierarchical layouts first and the flat ZeRO-3 ones last in both); the planner "
                   "prices the shard-group collectives on the intra-node link and the replicas' all-reduce on the "
                   "inter-node one, both fitted to this run's `bench comm` (`benchmarks/hsdp_two_nodes_plan.md`).", ""]
     lines += ["## All layouts (`bench train` table)", "", d["train"]["table"], "",

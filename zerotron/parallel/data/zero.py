@@ -55,7 +55,6 @@ from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
 from zerotron.parallel.data.flat_shard import FlatShard, build_flats, flat_state_bytes
-from zerotron.parallel.data.hsdp import all_reduce_across
 from zerotron.parallel.data.used import UsedMarks
 from zerotron.parallel.data.zero_gather import UnitGatherer
 from zerotron.parallel.data.zero_state import ZeroStateMixin
@@ -102,6 +101,9 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         self._next = 0
         self._sync = True
         self._in_step = False
+        self._final = True  # this micro-batch is the step's last (HSDP: its reductions go across replicas)
+        self._rep_queue: list = []  # HSDP: flats whose shard-group reduce-scatter of the last micro-batch is out
+        self._rep_work: list = []  # HSDP: (work, buffer, shard_grad) of the replica all-reduces in flight
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fl in self.flats for f in fl
                        for p in f.params]
         self.gatherer = UnitGatherer(self.flats, n_root=1)  # stage 3: gather before use, free after
@@ -156,6 +158,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         try:
             total = torch.zeros((), dtype=torch.float64)
             for i, mb in enumerate(micro_batches):
+                self._final = i == len(micro_batches) - 1
                 self._new_forward()
                 with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                     total += super().forward_backward([mb], n_global, dtype, device)
@@ -172,6 +175,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         while self._next < len(self._order):
             self._launch_unit(self._order[self._next])
             self._next += 1
+        self._progress_replicate(block=True)
         for f in self.all_flats:
             f.wait_reduce()
         self._next = 0
@@ -184,8 +188,13 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         gradient shards over tp; hand the shard gradients to the optimizer."""
         self._used.launch(self.dp_group, self.all_flats[0].master.device)
         # HSDP: the shard group's reduce-scatters summed the gradients of this replica; one
-        # all-reduce of each 1/S gradient shard across the replicas completes the dp sum
-        all_reduce_across([f.shard_grad for f in self.all_flats], self._reduce_dtype, self.replicate_group)
+        # all-reduce of each 1/S gradient shard across the replicas (launched as each flat's last
+        # reduce-scatter completed, overlapping the rest of backward) completes the dp sum
+        for work, buf, t in self._rep_work:
+            work.wait()
+            if buf is not t:
+                t.copy_(buf)
+        self._rep_work = []
         flags = self._used.result()
         i = 0
         for f in self.all_flats:
@@ -255,6 +264,24 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             f.launch_reduce()
             if self.stage == 3 and u > 0:
                 f.free()
+        if self.replicate_group is not None and self._final:
+            self._rep_queue.extend(self.flats[u])
+            self._progress_replicate(block=False)
+
+    def _progress_replicate(self, block: bool) -> None:
+        """HSDP, last micro-batch: for each queued flat in launch order (the same on every rank, so
+        the replica all-reduces match), once its reduce-scatter is done (``block``: wait for it),
+        accumulate the shard gradient and launch its all-reduce across the replicas (async,
+        ``parallel.data.hsdp``); stops at the first still in flight when not ``block``."""
+        while self._rep_queue:
+            f = self._rep_queue[0]
+            if not block and f.pending is not None and not f.pending[0].is_completed():
+                return
+            f.wait_reduce()
+            self._rep_queue.pop(0)
+            buf = f.shard_grad if f.shard_grad.dtype == self._reduce_dtype else f.shard_grad.to(self._reduce_dtype)
+            work = comm.all_reduce(buf, group=self.replicate_group, async_op=True, tag="grad_rep")
+            self._rep_work.append((work, buf, f.shard_grad))
 
     def _gather_unit(self, u: int, wait: bool = True) -> None:
         self.gatherer.gather(u, wait)
