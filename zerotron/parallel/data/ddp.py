@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerotron.config import ConfigError
 from zerotron.distributed import comm
 from zerotron.parallel.base import Strategy, unique_params
-from zerotron.parallel.data.hsdp import HierarchicalAllReduce, hierarchical_finish
+from zerotron.parallel.data.hsdp import HierarchicalAllReduce, hierarchical_finish, progress
 from zerotron.parallel.data.used import UsedMarks
 
 
@@ -69,7 +69,8 @@ class DataParallel(Strategy):
         shard_group, replicate_group: HSDP (``parallel.dp_replicate > 1``): each bucket is summed by
             a hierarchical all-reduce (``parallel.data.hsdp.HierarchicalAllReduce``: reduce-scatter
             within ``shard_group``, all-reduce across ``replicate_group``, all-gather within), the
-            reduce-scatter launched from the hooks, the rest in :meth:`finish_grads`.
+            reduce-scatter launched from the hooks, each next collective as the previous completes
+            (during backward, in bucket order), the rest in :meth:`finish_grads`.
     Attributes: ``module``, ``buckets``.
     Raises ValueError if the module has no trainable parameters."""
 
@@ -135,6 +136,8 @@ class DataParallel(Strategy):
                 return
             self._launch(b)
             self._next += 1
+        if self.hierarchical:  # HSDP: move finished reduce-scatters on to the replica all-reduce, ...
+            progress([b.hier for b in self.buckets[:self._next]])
 
     def finish_grads(self) -> None:
         """Launch the buckets not yet launched (in order) and wait for all reductions.
@@ -146,7 +149,7 @@ class DataParallel(Strategy):
             self._next += 1
         self._used.launch(self.group, self.buckets[0].buffer.device)
         if self.hierarchical:
-            hierarchical_finish([b.hier for b in self.buckets], self.buckets[0].buffer.dtype)
+            hierarchical_finish([b.hier for b in self.buckets])
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()

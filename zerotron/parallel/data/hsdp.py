@@ -15,15 +15,13 @@ sharding), torchtitan's HSDP, DeepSpeed ZeRO++ hpZ (Wang et al. 2023).
   -- reduce-scatter within the shard group, all-reduce of the 1/S shard across replicas,
   all-gather within the shard group (the same sum: exact, only reassociated).
 
-Cross-node traffic per step with 2 nodes of S ranks, replicas across the nodes (R = 2), Psi
-gradient elements of e bytes, and ring collectives (what gloo runs): each replicate group
-all-reduces Psi/S elements over 2 ranks, sending Psi/S * e bytes each way, S groups in parallel:
-**Psi * e bytes per direction** on the link (ZeRO-2/3 and hierarchical DDP alike). Flat over the
-same 2S ranks, a ring crosses the node boundary on 2 of its 2S edges, one per direction, each
-carrying (2S-1)/(2S) * Psi * e per all-gather or reduce-scatter and twice that per all-reduce:
-flat ZeRO-3 (2 all-gathers + 1 reduce-scatter) = 3 (2S-1)/(2S) Psi e = 2.25 Psi e per direction
-at S = 2; flat DDP (1 all-reduce) = 1.5 Psi e (gloo implements reduce-scatter as an all-reduce,
-``bench comm`` shows it: count it as one when reading link counters).
+  Each bucket moves on to its next collective as soon as the previous one completes (during
+  backward, in bucket order per phase, so every rank issues them alike).
+
+Cross-node traffic per step (:func:`cross_node_bytes` states and derives it): on 2 nodes, one
+all-reduce of each 1/S shard across the replicas is 2 Psi e bytes over the link in all (Psi e
+each way), against 1.5 (2 Psi_blocks + Psi_root) e + 3 Psi e for a flat ZeRO-3 ring and 3 Psi e
+for a flat DDP all-reduce.
 """
 from __future__ import annotations
 
@@ -67,32 +65,17 @@ def cross_node_bytes(kind: str, psi_root: int, psi_blocks: int, nodes: int = 2, 
     raise ValueError(f"cross_node_bytes: kind must be one of {HIERARCHICAL + FLAT}, got {kind!r}")
 
 
-def all_reduce_across(tensors: list[torch.Tensor], dtype: torch.dtype, group) -> None:
-    """Sum each tensor of ``tensors`` (1-D, contiguous; e.g. ZeRO shard gradients of shape
-    ``(k,)``) in place over the replicate ``group``, computed in ``dtype`` (cast copies where the
-    tensor has another dtype). All are launched asynchronously, then waited. ``group`` None or of
-    size 1: nothing. Collective over ``group`` (every replica calls it with the same shapes)."""
-    if group is None or group.size() == 1:
-        return
-    pending = []
-    for t in tensors:
-        buf = t if t.dtype == dtype else t.to(dtype)
-        pending.append((comm.all_reduce(buf, group=group, async_op=True, tag="grad_rep"), buf, t))
-    for work, buf, t in pending:
-        work.wait()
-        if buf is not t:
-            t.copy_(buf)
-
-
 class HierarchicalAllReduce:
     """The sum over shard group x replicate group of one flat buffer, in three collectives:
-    reduce-scatter within ``shard`` (S ranks), all-reduce of the ``(padded / S,)`` shard across
+    reduce-scatter within ``shard`` (S ranks), all-reduce of the ``(padded / S,)`` piece across
     ``replicate``, all-gather within ``shard`` back into the buffer.
 
     Args: ``buffer`` (1-D, contiguous, ``numel`` divisible by S: callers pad; shape ``(padded,)``),
     ``shard``/``replicate`` (comm.NamedGroup). :meth:`launch` starts the reduce-scatter (async, e.g.
-    from a gradient hook), :meth:`finish` runs the rest and leaves the sum in ``buffer``. Raises
-    ValueError when the buffer size is not a multiple of S."""
+    from a gradient hook); :func:`progress` moves launched reducers on to their next collective
+    as the previous one completes (overlapping backward); :func:`hierarchical_finish` completes
+    them and leaves the sum in each buffer. ``stage``: -1 idle, 0 reduce-scatter, 1 all-reduce,
+    2 all-gather in flight. Raises ValueError when the buffer size is not a multiple of S."""
 
     def __init__(self, buffer: torch.Tensor, shard, replicate):
         s = shard.size()
@@ -101,31 +84,47 @@ class HierarchicalAllReduce:
                              f"shard group size {s}; pad it")
         self.buffer, self.shard_group, self.replicate = buffer, shard, replicate
         self.piece = torch.empty(buffer.numel() // s, dtype=buffer.dtype, device=buffer.device)
-        self.work = None
+        self.work, self.stage = None, -1
 
     def launch(self) -> None:
         self.work = comm.reduce_scatter(self.piece, self.buffer, group=self.shard_group, async_op=True, tag="grad")
+        self.stage = 0
 
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter (launching it first if needed)."""
-        if self.work is None:
-            self.launch()
+    def advance(self, block: bool) -> bool:
+        """Start the next collective once the current one is done (``block``: wait for it);
+        False when it is still in flight (or nothing is left to start)."""
+        if self.stage not in (0, 1) or not (block or self.work.is_completed()):
+            return False
         self.work.wait()
-        self.work = None
+        if self.stage == 0:
+            self.work = comm.all_reduce(self.piece, group=self.replicate, async_op=True, tag="grad_rep")
+        else:
+            self.work = comm.all_gather(self.buffer, self.piece, group=self.shard_group, async_op=True, tag="grad")
+        self.stage += 1
+        return True
 
-    def launch_gather(self):
-        """All-gather the (replica-summed) piece back into ``buffer`` (async); returns the work."""
-        return comm.all_gather(self.buffer, self.piece, group=self.shard_group, async_op=True, tag="grad")
+    def wait(self) -> None:
+        """Wait for the all-gather (after :meth:`advance` reached stage 2); idle afterwards."""
+        self.work.wait()
+        self.work, self.stage = None, -1
 
 
-def hierarchical_finish(reducers: list[HierarchicalAllReduce], dtype: torch.dtype) -> None:
-    """Complete the :class:`HierarchicalAllReduce` of each reducer in three phases over all of
-    them (reduce-scatters waited, replica all-reduces, all-gathers), so each phase's collectives
-    overlap one another. Collective."""
-    if not reducers:
-        return
+def progress(reducers: list[HierarchicalAllReduce], block: bool = False) -> None:
+    """Advance launched :class:`HierarchicalAllReduce` s phase by phase, each phase in list order
+    (every rank issues each group's collectives in the same order, as collectives must match): the
+    all-reduces across replicas first, then the all-gathers; without ``block`` a phase stops at
+    the first reducer whose previous collective is still in flight."""
+    for phase in (0, 1):
+        for r in reducers:
+            if r.stage > phase:
+                continue
+            if r.stage < phase or not r.advance(block):
+                break
+
+
+def hierarchical_finish(reducers: list[HierarchicalAllReduce]) -> None:
+    """Complete every (launched) reducer: the remaining all-reduces and all-gathers in order, then
+    wait. Collective."""
+    progress(reducers, block=True)
     for r in reducers:
-        r.finish_reduce()
-    all_reduce_across([r.piece for r in reducers], dtype, reducers[0].replicate)
-    for w in [r.launch_gather() for r in reducers]:
-        w.wait()
+        r.wait()
