@@ -242,3 +242,32 @@ def test_model_splitting_layouts_on_one_rank_say_so():
         with pytest.raises(ValueError, match=r"needs 2 or more ranks \(--nproc 2\)") as e:
             bt._build(None, one, None, bt.get_layout(name), 1)
         assert f"layout {name} sets parallel." in str(e.value)
+
+
+def test_hsdp_vs_flat_ratio_and_link_bytes_columns():
+    recs = []
+    for r, (flat, hier) in enumerate(((100.0, 180.0), (120.0, 180.0), (90.0, 200.0))):
+        recs += [{**_rec("zero3", r, flat, impl="ZeroStrategy"), "link_tx_bytes_per_step": 900 + r},
+                 {**_rec("hsdp-zero3", r, hier, impl="ZeroStrategy"), "link_tx_bytes_per_step": 300 + r},
+                 {**_rec("dp-hier-mb2", r, hier)}]
+    by = {x["layout"]: x for x in bt.summarize(recs)}
+    assert by["hsdp-zero3"]["ratio_vs_flat"] == pytest.approx(1.8)  # per round 1.8, 1.5, 2.22
+    assert by["hsdp-zero3"]["link_tx_bytes_per_step"] == 301 and by["zero3"]["link_tx_bytes_per_step"] == 901
+    assert by["hsdp-zero3"]["link_bytes_vs_flat"] == pytest.approx(301 / 901)
+    assert "ratio_vs_flat" not in by["zero3"] and "ratio_vs_flat" not in by["dp-hier-mb2"]  # no dp-mb2 here
+    head = bt.format_table(list(by.values())).splitlines()[0]
+    assert head.endswith("| tokens/s vs flat | link bytes/step | link bytes vs flat |"), head
+
+
+def test_link_bytes_read_from_the_interface_counter(monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert bt._link_tx_bytes() is None  # loopback is not a link between nodes
+    ifname = next((n for n in sorted(os.listdir("/sys/class/net")) if n != "lo"), None)
+    if ifname is None:
+        pytest.skip("no network interface besides lo")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", ifname)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert bt._link_tx_bytes() is None  # one reader per node: local rank 0
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    want = int(open(f"/sys/class/net/{ifname}/statistics/tx_bytes").read())
+    assert want <= bt._link_tx_bytes() <= want + 10**9

@@ -140,3 +140,22 @@ def test_training_flops_per_token():
     assert training_flops_per_token(10, 1, 2, 3) == 60 + 72
     with pytest.raises(ValueError):
         training_flops_per_token(0, 1, 2, 3)
+
+
+def test_hsdp_shards_the_state_over_the_shard_group_not_dp():
+    # dp 8 = 2 replicas x 4 shards: every stage equals flat ZeRO on 4 ranks, never on 8
+    for stage in (0, 1, 2, 3):
+        assert model_state_bytes(1000, 8, stage, dp_replicate=2) == model_state_bytes(1000, 4, stage)
+    assert model_state_bytes(1000, 8, 3, dp_replicate=8) == model_state_bytes(1000, 1, 3)  # pure replication
+    assert model_state_bytes(7 * 10**9, 16, 3, dp_replicate=2)["total_bytes"] == 14 * GB  # 16 bytes x Psi / 8
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match="dp_replicate"):
+            model_state_bytes(1000, 8, 3, dp_replicate=bad)
+
+
+def test_memory_main_dp_replicate(capsys):
+    assert memory_main(["--params", "7e9", "--dp", "16", "--dp-replicate", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dp_replicate"] == 2 and [r["total_bytes"] for r in out["stages"]][3] == 14 * GB
+    assert memory_main(["--params", "7e9", "--dp", "16", "--dp-replicate", "3"]) == 2
+    assert "dp_replicate" in capsys.readouterr().err

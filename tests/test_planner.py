@@ -440,3 +440,47 @@ def test_validate_plan_end_to_end(tmp_path, capsys):
         assert vp.main(["--bench-train", str(tmp_path / "bt.json"), "--bench-comm", str(tmp_path / "bc.json"),
                         "--peak-flops", "1e11"]) == 2
         assert msg in capsys.readouterr().err, msg
+
+
+def test_hsdp_priced_on_two_links():
+    """HSDP (dp_replicate R): states sharded by S = dp / R; ZeRO collectives over S on the intra-node
+    link, one all-reduce of the 1/S shard across R on the inter-node link per unit and step; the
+    planner offers it where the dp block spans nodes and prefers it there on slow NICs."""
+    from zerotron.analysis.hardware import collective_time
+    from zerotron.analysis.planner import _dp_time, _link
+
+    cfg = preset_config("gpt2")
+    hw = _no_latency(hardware("h100"))
+    cm = CostModel(hw, gpus_per_node=8, launch_s=0.0)
+    flat = dict(dp=16, tp=1, pp=1, zero_stage=3, schedule="none", micro_batch=4, recompute="none")
+    hsdp = {**flat, "dp_replicate": 2}
+    a, b = evaluate(cfg, flat, 1024, 64, cm), evaluate(cfg, hsdp, 1024, 64, cm)
+    n = stage_num_params(cfg, 1, 1, 1)[0]
+    assert b["memory_bytes_per_gpu"] - a["memory_bytes_per_gpu"] == (
+        model_state_bytes(n, 8, 3, "bf16-mixed")["total_bytes"] - model_state_bytes(n, 16, 3, "bf16-mixed")["total_bytes"])
+    assert b["time_breakdown_s"]["dp_comm"] < a["time_breakdown_s"]["dp_comm"] / 3  # NIC 9x slower than NVLink
+    intra, inter = _link(hw, True), _link(hw, False)
+    g, units, m = 2.0 * n, cfg.n_layer + 1, 64 // (16 * 4)
+    want = _dp_time(3, m, units, g, 8, intra, cm.bucket_bytes) + collective_time(g / 8, "all_reduce", 2, *inter,
+                                                                                   calls=units)
+    assert _dp_time(3, m, units, g, 16, intra, cm.bucket_bytes, 2, inter) == pytest.approx(want)
+    assert b["time_breakdown_s"]["dp_comm"] == pytest.approx(want)  # what evaluate charges (overlap 0)
+    assert a["time_breakdown_s"]["dp_comm"] == pytest.approx(_dp_time(3, m, units, g, 16, inter, cm.bucket_bytes))
+    res = plan(cfg, 16, 80 * GB, 512, 1024, cm)["layouts"]
+    assert res[0].get("dp_replicate") == 2 and res[0]["dp"] * res[0]["tp"] == 16
+    assert not [r for r in plan(cfg, 8, 80 * GB, 64, 1024, cm)["layouts"] if r.get("dp_replicate")]  # one node
+
+
+def test_bench_plan_keeps_the_inter_node_link_of_a_two_node_run():
+    """``bench plan`` on a two-node harness run prices HSDP's replica all-reduce on the calibrated
+    inter-node link (its ``bench comm`` inter results), and a one-node file stays one node."""
+    from zerotron.bench.validate_plan import cpu_hardware
+
+    res = [{"scope": s, "op": "all_reduce", "bytes": b, "busbw_GBps": bw, "mode": "blocking", "time_s": b / (bw * 1e9)}
+           for s, bw in (("intra", 0.5), ("inter", 0.0125)) for b in (1 << 20, 1 << 22)]
+    two = {"results": res, "topology": {"world_size": 4, "nodes": [{"node": 0}, {"node": 1}]}}
+    hw, world, nodes = cpu_hardware(two, 1e10, 1 << 34, 1e9)
+    assert (world, nodes) == (4, 2) and hw.inter["all_reduce"] < hw.intra["all_reduce"] / 10
+    one = {"results": [r for r in res if r["scope"] == "intra"], "topology": {"world_size": 2}}
+    hw1, _, n1 = cpu_hardware(one, 1e10, 1 << 34, 1e9)
+    assert n1 == 1 and hw1.inter == hw1.intra

@@ -165,7 +165,9 @@ class ParallelConfig:
     (native | threads: one process, ``virtual_stages`` worker threads running GPipe,
     ``zerotron.parallel.pipeline.threads``): pipeline parallelism.
     ``find_unused_parameters``: torch DDP (``dp_impl = torch``) only: allow parameters without a
-    gradient in a step (torch's extra graph traversal); native DDP and ZeRO always handle them."""
+    gradient in a step (torch's extra graph traversal); native DDP and ZeRO always handle them.
+    ``dp_replicate`` (HSDP): the dp group as replicas x shards; ZeRO shards within a shard group and
+    all-reduces its gradient shard across replicas, native DDP all-reduces hierarchically."""
 
     dp: int = 0
     """data-parallel degree (0 = world_size / (tp * pp))"""
@@ -173,6 +175,8 @@ class ParallelConfig:
     """tensor-parallel degree (divides n_head)"""
     pp: int = 1
     """pipeline-parallel degree (stages)"""
+    dp_replicate: int = 1
+    """HSDP: dp = dp_replicate replicas x (dp / dp_replicate) shards (shard group innermost, inside a node)"""
     dp_impl: str = "native"
     """native (bucketed all-reduce) | torch (torch DDP)"""
     bucket_mb: float = 25.0
@@ -478,9 +482,17 @@ def validate(cfg: Config, world_size: int) -> dict:
     from .distributed.mesh import ParallelDims
 
     try:
-        dims = ParallelDims(world_size, p.dp, p.tp, p.pp)
+        dims = ParallelDims(world_size, p.dp, p.tp, p.pp, p.dp_replicate)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if p.dp_replicate > 1:  # HSDP: native DDP / ZeRO, FSDP2 through its 2-D mesh; no pipeline yet
+        need(p.zero_stage > 0 or p.dp_impl == "native",
+             "parallel.dp_replicate > 1 needs parallel.dp_impl = native (hierarchical all-reduce) or a "
+             "parallel.zero_stage; torch DDP reduces over one flat group")
+        need(dims.pp == 1 and p.pp_schedule != "interleaved" and p.pp_impl != "threads",
+             "parallel.dp_replicate > 1 is not combined with pipeline parallelism (the stage synchronisers "
+             "shard over the whole dp group; the threaded executor's DDP is flat); set parallel.dp_replicate = 1, "
+             "or parallel.pp = 1 and parallel.pp_impl = native")
     kinds = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
     need(p.pp_schedule in kinds, f"parallel.pp_schedule must be one of {kinds}, got {p.pp_schedule!r}")
     need(p.microbatches >= 0, f"parallel.microbatches must be >= 0 (0 = all micro-batches of the step), got {p.microbatches}")

@@ -3,10 +3,11 @@
 A *layout* is one value per factor of :data:`FACTORS` -- gradient sync (native DDP, torch DDP,
 native ZeRO-1/2/3, FSDP2 stage 2/3), dp degree, tp degree, sequence parallelism, pp degree,
 pipeline schedule (or "threads": the pp stages as worker threads of each process, GPipe,
-``parallel.pp_impl = threads``), gradient accumulation (micro-batches per dp rank per step) and the pipeline
+``parallel.pp_impl = threads``), gradient accumulation (micro-batches per dp rank per step), the pipeline
 split (``parallel.pp_split`` auto | even: on the matrix model "auto" gives 5,3 at pp 2 and 3,2,2,1
-at pp 4, so it runs uneven stages). Options that cannot matter are canonicalised away (sequence
-parallelism only with tp > 1, a schedule and a split only with pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
+at pp 4, so it runs uneven stages) and HSDP replicas (``parallel.dp_replicate``). Options that cannot
+matter are canonicalised away (sequence parallelism only with tp > 1, a schedule and a split only with
+pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
 full product; :func:`covering_layouts` picks a small set in which every pair of factor values
 that occurs in some valid layout occurs at least once (a greedy pairwise covering array).
 
@@ -49,6 +50,7 @@ FACTORS = {
     "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "threads"),
     "acc": (1, 4),
     "split": ("auto", "even"),
+    "rep": (1, 2),  # parallel.dp_replicate (HSDP: dp = rep replicas x dp/rep shards)
 }
 MAX_WORLD = 8
 STEPS = 2
@@ -81,6 +83,7 @@ class Layout:
     schedule: str | None
     acc: int
     split: str | None = None
+    rep: int = 1
 
     @property
     def world(self) -> int:
@@ -89,7 +92,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [self.sync, f"dp{self.dp}"]
+        parts = [self.sync, f"dp{self.dp}" + (f"r{self.rep}" if self.rep > 1 else "")]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("sp" if self.sp else ""))
         if self.pp > 1:
@@ -100,7 +103,7 @@ class Layout:
     def overrides(self) -> dict:
         """``{"section.field": value}`` config overrides of this layout (on top of MODEL/TRAIN)."""
         o = {"parallel.dp": self.dp, "parallel.tp": self.tp, "parallel.pp": self.pp,
-             "parallel.sequence_parallel": str(self.sp).lower(),
+             "parallel.sequence_parallel": str(self.sp).lower(), "parallel.dp_replicate": self.rep,
              "train.micro_batch": max(GLOBAL_BATCH // (self.dp * self.acc), 1)}
         if self.sync == "torch_ddp":
             o["parallel.dp_impl"] = "torch"
@@ -126,8 +129,8 @@ def all_layouts(max_world: int = MAX_WORLD) -> list[Layout]:
     """Every canonical layout of the FACTORS product on at most ``max_world`` processes, sorted."""
     out = set()
     f = FACTORS
-    for sync, dp, tp, sp, pp, sched, acc, split in itertools.product(*f.values()):
-        lay = Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc, split if pp > 1 else None)
+    for sync, dp, tp, sp, pp, sched, acc, split, rep in itertools.product(*f.values()):
+        lay = Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc, split if pp > 1 else None, rep)
         if lay.world <= max_world:
             out.add(lay)
     return sorted(out, key=lambda l: (l.world, l.name))
@@ -153,6 +156,12 @@ def expected_refusal(layout: Layout) -> str | None:
     """The documented reason a layout cannot run (None: it must run). Config validation must agree
     (tests assert both directions), so an accidental refusal or a silently accepted unsupported
     combination fails the matrix."""
+    if layout.rep > 1 and layout.dp % layout.rep:
+        return "HSDP: parallel.dp_replicate must divide dp"
+    if layout.rep > 1 and layout.sync == "torch_ddp":
+        return "HSDP: torch DDP reduces over one flat group"
+    if layout.rep > 1 and layout.pp > 1:
+        return "HSDP is not combined with pipeline parallelism"
     if layout.pp > 1 and layout.sync in ("fsdp2_2", "fsdp2_3", "torch_ddp"):
         return "pipeline x FSDP2 / torch DDP: their hooks expect one whole-model forward per backward"
     if layout.sync.startswith("fsdp2") and layout.tp > 1:
@@ -165,12 +174,15 @@ def expected_refusal(layout: Layout) -> str | None:
 
 
 # always in the covering set: pp x dp x tp + SP with native DDP (witness of a fixed defect: the
-# tp-replicated gradient sum once ran on bucket memory an all-reduce was still writing), and
-# pipeline x ZeRO-3 with interleaving (per-action reduce-scatter, blocks gathered per chunk), and
+# tp-replicated gradient sum once ran on bucket memory an all-reduce was still writing),
+# pipeline x ZeRO-3 with interleaving (per-action reduce-scatter, blocks gathered per chunk),
 # the split backward of zb-h1 under ZeRO-2/3 over a real dp group (reduce-scatter after each W,
-# ZeRO-3 blocks gathered for W) and under DDP buckets with tensor parallelism (buckets fire in W)
+# ZeRO-3 blocks gathered for W) and under DDP buckets with tensor parallelism (buckets fire in W),
+# and HSDP (dp 4 = 2 replicas x 2 shards) for ZeRO-2, ZeRO-3 and hierarchical DDP, with accumulation
+# (shard gradients summed locally, one all-reduce across replicas per step) and with tp 2
 MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-dp2-pp2-zb-h1-acc4",
-        "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4")
+        "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4", "zero2-dp4r2-acc4", "zero3-dp4r2-acc1",
+        "ddp-dp4r2-acc4", "zero3-dp4r2-tp2-acc4", "fsdp2_3-dp4r2-acc1")
 
 
 def covering_layouts(layouts: list[Layout]) -> list[Layout]:
@@ -213,12 +225,13 @@ def _copies(strategy, mesh) -> dict:
 
     c = mesh.coords
     dp_sharded = getattr(strategy, "stage", 0) == 3 or type(strategy).__name__ == "FSDP2Strategy"
+    shard = c["dp"] % mesh.dims.dp_shard  # HSDP: replicas of one shard must hold the same bits
     out = {}
     for name, p in strategy.module.named_parameters(remove_duplicate=False):
         d = _digest(p)
         if not d:
             continue
-        key = (name, c["tp"] if is_tp_sharded(p) else None, c["dp"] if dp_sharded else None)
+        key = (name, c["tp"] if is_tp_sharded(p) else None, shard if dp_sharded else None)
         out[key] = d
     return out
 

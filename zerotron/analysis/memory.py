@@ -9,7 +9,8 @@ state per parameter, the bytes per rank are
     stage 2 (+ gradients):     P*Psi   + G*Psi/N + K*Psi/N
     stage 3 (+ parameters):    P*Psi/N + G*Psi/N + K*Psi/N
 
-where P, G are bytes per parameter / gradient element. Activations, temporary buffers and
+where P, G are bytes per parameter / gradient element. HSDP (``dp_replicate`` = R replicas): N is
+the shard-group size dp / R. Activations, temporary buffers and
 fragmentation are not model states and are not counted here.
 
 Sharding uses exact integer arithmetic: a sharded state gives each rank ceil(Psi/N) elements (the
@@ -59,7 +60,7 @@ def _validate(num_params: int, dp: int, stage: int, dtype: str, optimizer: str) 
 
 
 def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
-                      optimizer: str = "adam") -> dict:
+                      optimizer: str = "adam", dp_replicate: int = 1) -> dict:
     """Model-state bytes held by one data-parallel rank under ZeRO stage ``stage``.
 
     Returns ``{"params_bytes", "grads_bytes", "optimizer_bytes", "total_bytes"}``, ints in bytes
@@ -71,12 +72,19 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
     "bf16-mixed" (2-byte params and grads; optimizer K = 12 bytes/param for Adam = fp32 master +
     m + v, K = 8 for SGD-momentum = master + momentum) or "fp64" (8-byte everything, Adam 16). ``optimizer``: "adam" or "sgd".
 
-    Raises ValueError, naming the valid values, for a bad num_params, dp, stage, dtype or optimizer.
+    ``dp_replicate`` (HSDP, ``parallel.dp_replicate``): the dp ranks form ``dp_replicate``
+    replicas of S = dp / dp_replicate shards, so the state is sharded over S, not dp (each replica
+    holds a full copy): ceil(num_params/S) elements per rank.
+
+    Raises ValueError, naming the valid values, for a bad num_params, dp, stage, dtype or optimizer,
+    or a dp_replicate that does not divide dp.
     """
     _validate(num_params, dp, stage, dtype, optimizer)
+    if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate:
+        raise ValueError(f"dp_replicate must be an int >= 1 dividing dp ({dp}), got {dp_replicate!r}")
     p_bytes, g_bytes, opt_table = _BYTES[dtype]
     k_bytes = opt_table[optimizer]
-    shard = -(-num_params // dp)  # ceil(Psi / N): per-rank elements of a padded flat shard
+    shard = -(-num_params // (dp // dp_replicate))  # ceil(Psi / S): elements of a padded flat shard
     params = p_bytes * (shard if stage >= 3 else num_params)
     grads = g_bytes * (shard if stage >= 2 else num_params)
     optim = k_bytes * (shard if stage >= 1 else num_params)
@@ -84,11 +92,12 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
             "total_bytes": params + grads + optim}
 
 
-def zero_table(num_params: int, dp: int, dtype: str = "fp32", optimizer: str = "adam") -> list:
+def zero_table(num_params: int, dp: int, dtype: str = "fp32", optimizer: str = "adam",
+               dp_replicate: int = 1) -> list:
     """Rows for ZeRO stages 0..3: ``[{"stage", "params_bytes", "grads_bytes", "optimizer_bytes",
-    "total_bytes"}, ...]`` (bytes per rank, see :func:`model_state_bytes`). Raises ValueError for
-    bad arguments (same rules as :func:`model_state_bytes`)."""
-    return [{"stage": s, **model_state_bytes(num_params, dp, s, dtype, optimizer)} for s in STAGES]
+    "total_bytes"}, ...]`` (bytes per rank, see :func:`model_state_bytes`; ``dp_replicate``: HSDP
+    replicas). Raises ValueError for bad arguments (same rules as :func:`model_state_bytes`)."""
+    return [{"stage": s, **model_state_bytes(num_params, dp, s, dtype, optimizer, dp_replicate)} for s in STAGES]
 
 
 def format_table(rows: list) -> str:
@@ -211,7 +220,7 @@ def _activation_report(args, num_params: int) -> tuple[dict, list]:
     params = stage_num_params(cfg, args.tp, args.pp, v)
     rows = []
     for stage in STAGES:
-        per_rank = [model_state_bytes(p, args.dp, stage, args.dtype, args.optimizer)["total_bytes"]
+        per_rank = [model_state_bytes(p, args.dp, stage, args.dtype, args.optimizer, args.dp_replicate)["total_bytes"]
                     for p in params]
         totals = [s + a for s, a in zip(per_rank, act["per_rank_bytes"])]
         r = max(range(len(totals)), key=lambda i: (totals[i], -i))
@@ -256,6 +265,8 @@ def memory_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="model preset name, GPT-2 or Llama (e.g. gpt2, llama3-8b)")
     src.add_argument("--params", type=_count, help="parameter count, e.g. 7e9")
     parser.add_argument("--dp", type=int, required=True, help="data-parallel degree N")
+    parser.add_argument("--dp-replicate", type=int, default=1,
+                        help="HSDP replicas R (parallel.dp_replicate): state sharded over N/R ranks")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES, help="training precision")
     parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS, help="optimizer (its state bytes)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
@@ -272,19 +283,20 @@ def _memory_run(args) -> int:
         if args.model and (args.tp != 1 or args.pp != 1):
             v = args.virtual_stages if args.schedule == "interleaved" else 1
             rank_params = max(stage_num_params(preset_config(args.model), args.tp, args.pp, v))
-        rows = zero_table(rank_params, args.dp, args.dtype, args.optimizer)
+        rows = zero_table(rank_params, args.dp, args.dtype, args.optimizer, args.dp_replicate)
         act, act_rows = _activation_report(args, num_params) if args.seq is not None else (None, [])
     except (ValueError, ImportError) as exc:
         print(f"zerotron memory: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        out = {"num_params": num_params, "dp": args.dp, "dtype": args.dtype,
+        out = {"num_params": num_params, "dp": args.dp, "dp_replicate": args.dp_replicate, "dtype": args.dtype,
                "optimizer": args.optimizer, "stages": rows}
         if act is not None:
             out["activations"] = act
         print(json.dumps(out))
         return 0
-    print(f"{num_params:,} parameters, dp={args.dp}, {args.dtype}, {args.optimizer}: "
+    hsdp = f" ({args.dp_replicate} replicas x {args.dp // args.dp_replicate} shards)" if args.dp_replicate > 1 else ""
+    print(f"{num_params:,} parameters, dp={args.dp}{hsdp}, {args.dtype}, {args.optimizer}: "
           f"model states per rank (ZeRO, Rajbhandari et al. 2020)")
     if rank_params != num_params:
         print(f"largest model-parallel rank (tp={args.tp}, pp={args.pp}): {rank_params:,} parameters")

@@ -137,7 +137,8 @@ def plan_main(argv: list) -> int:
     print(" ".join(f"{c:>11}" for c in cols))
     for r in top:
         print(" ".join(f"{v:>11}" for v in (
-            r["dp"], r["tp"], r["pp"], r["zero_stage"], r["schedule"], r["micro_batch"],
+            f"{r['dp']}r{r['dp_replicate']}" if r.get("dp_replicate", 1) > 1 else r["dp"],  # HSDP: R replicas
+            r["tp"], r["pp"], r["zero_stage"], r["schedule"], r["micro_batch"],
             r["recompute"], f"{r['memory_bytes_per_gpu'] / GB:.3f}",
             f"{r['predicted_step_time_s']:.4g}", f"{r['predicted_tokens_per_s']:.4g}",
             f"{r['predicted_mfu']:.3f}")))

@@ -46,6 +46,11 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   ZeRO paper's 1.5x of plain DP, per micro-batch). A fraction ``hw.overlap`` of it hides behind
   the backward compute (at most the backward's 2/3 of the compute): exposed = t_dp -
   min(overlap x t_dp, backward). ``overlap`` = 0 (the default) is an upper bound.
+* HSDP (``dp_replicate`` R, priced where dp x tp spans nodes, with R = dp x tp / gpus_per_node so
+  each shard group x tp fills a node): model states sharded over S = dp / R; the ZeRO collectives
+  above over S ranks on the intra-node link plus one all-reduce of the 1/S gradient shard across
+  the R replicas on the inter-node link per unit and step (ZeRO-0: reduce-scatter + all-gather
+  over S, all-reduce of 1/S over R per bucket).
 * a per-layer, per-micro-batch launch overhead (``launch_s``, 20 us), so larger micro-batches win.
 Links: ranks are ordered (pp, dp, tp), tp innermost, nodes hold ``gpus_per_node`` consecutive
 ranks. A group uses the intra-node link (NVLink) iff it fits in aligned node-local blocks, else the
@@ -105,8 +110,22 @@ def _activations(shape: Shape, *args) -> dict:
                             attention=attention)
 
 
-def _dp_time(z: int, m: int, units: int, grad: float, dp: int, link, bucket: int) -> float:
-    """Seconds of one step's data-parallel collectives (module docstring), not yet overlapped."""
+def _dp_time(z: int, m: int, units: int, grad: float, dp: int, link, bucket: int, rep: int = 1,
+             rep_link=None) -> float:
+    """Seconds of one step's data-parallel collectives (module docstring), not yet overlapped.
+    HSDP (``rep`` = R > 1 replicas): the ZeRO collectives run over the S = dp / R shard group on
+    ``link``, plus one all-reduce of the grad / S shard across the R replicas on ``rep_link`` per
+    step; ZeRO-0 (hierarchical DDP): reduce-scatter + all-gather over S, all-reduce of grad / S
+    over R."""
+    if rep > 1:
+        s = dp // rep
+        across = collective_time(grad / s, "all_reduce", rep, *rep_link, calls=units if z else math.ceil(grad / bucket))
+        if z == 0:
+            calls = math.ceil(grad / bucket)
+            return (collective_time(grad, "reduce_scatter", s, *link, calls=calls)
+                    + collective_time(grad, "all_gather", s, *link, calls=calls) + across)
+        return _dp_time(z, m, units, grad, s, link, bucket) + across
+
     def ct(op, calls, nbytes=grad):
         return collective_time(nbytes, op, dp, *link, calls=calls)
     if z == 0:
@@ -129,6 +148,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     slowest stage x m; bubble; dp_comm exposed). Raises ValueError (from the estimators) for an
     impossible layout."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
+    n_rep = layout.get("dp_replicate", 1)  # HSDP: replicas x (dp / n_rep) shards
     kind, rec, hw, K, sp = layout["schedule"], layout["recompute"], cm.hw, cm.gpus_per_node, cm.sp
     sp = sp and tp > 1
     v = 2 if kind == "interleaved" else 1
@@ -138,11 +158,13 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     W = shape.block_matmul_params()
     act = _activations(shape, b, S, tp, sp, pp, kind, m, v, rec, cm.attention)
     params = stage_num_params(shape, tp, pp, v)
-    mem = max(model_state_bytes(p, dp, z, "bf16-mixed", "adam")["total_bytes"] + a_
+    mem = max(model_state_bytes(p, dp, z, "bf16-mixed", "adam", n_rep)["total_bytes"] + a_
               for p, a_ in zip(params, act["per_rank_bytes"])) + cm.overhead
     counts = stage_layer_counts(L, pp * v)
     tp_link = _link(hw, tp <= K and K % tp == 0)
-    dp_link = _link(hw, dp * tp <= K and K % (dp * tp) == 0)
+    shard = dp // n_rep * tp  # ranks spanned by one (shard-group x tp) block
+    dp_link = _link(hw, shard <= K and K % shard == 0)
+    rep_link = _link(hw, dp * tp <= K and K % (dp * tp) == 0)  # the replicas' group spans the dp block
     pp_link = _link(hw, dp * tp * pp <= K)
     extra = {"none": 0, "selective": 4 * h * S, "full": 2 * W + 4 * h * S}[rec]
     rep = 1 / tp if sp else 1  # share of the layer norms / residuals each tp rank computes
@@ -177,7 +199,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     # equal stages this is the bubble (p-1)/(v*m + p-1) of the whole step (bubble_theory)
     pipe = m * stage + (sum(stage_times) - stage) / v
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
-    t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp, dp_link, cm.bucket_bytes)
+    t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp, dp_link, cm.bucket_bytes, n_rep, rep_link)
     backward = m * (parts["compute"] + parts["vector"]) * 2 / 3
     t_dp -= min(hw.overlap * t_dp, backward)
     step = pipe + t_dp
@@ -191,6 +213,17 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
             "predicted_tokens_per_s": tokens / step,
             "predicted_mfu": model_flops / (step * dp * tp * pp * hw.peak_flops),
             "time_breakdown_s": breakdown}
+
+
+def _replicas(dp: int, tp: int, pp: int, cm: CostModel) -> list[int]:
+    """HSDP replica counts to price for a (dp, tp, pp) mesh: 1 (flat), and, where the dp x tp
+    block spans several nodes, R = dp * tp / gpus_per_node so that each shard group x tp fills one
+    node (the layout HSDP is for); pipeline layouts stay flat (zerotron refuses pp x HSDP)."""
+    K = cm.gpus_per_node
+    if pp > 1 or dp * tp <= K or K % tp or dp % (K // tp):
+        return [1]
+    r = dp // (K // tp)
+    return [1, r] if r > 1 else [1]
 
 
 def _rank_key(r: dict) -> tuple:
@@ -240,12 +273,14 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                 if kind == "interleaved" and (m % pp or 2 * pp > cfg.n_layer):
                     dropped["schedule"] += 12  # 4 ZeRO stages x 3 recompute modes
                     continue
-                for z, rec in product(range(4), RECOMPUTE_ORDER):
+                for z, rec, rep in product(range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm)):
                     if supported_only and pp > 1 and z > 1:  # pipeline x ZeRO-2/3: refused
                         dropped["unsupported"] += 1
                         continue
                     lay = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": z, "schedule": kind,
                            "micro_batch": b, "recompute": rec}
+                    if rep > 1:
+                        lay["dp_replicate"] = rep
                     res = evaluate(cfg, lay, seq, global_batch, cm)
                     if res["memory_bytes_per_gpu"] > gpu_mem:
                         dropped["memory"] += 1

@@ -27,6 +27,10 @@ LAYOUTS = {x.name: x for x in (
     Layout("single-mt", {"parallel.dp_impl": "native"}, world=1, all_threads=True),
     *(Layout(f"zero{s}", {"parallel.zero_stage": s}, **_NEW) for s in (1, 2, 3)),
     *(Layout(f"fsdp2-zero{s}", {"parallel.zero_stage": s, "parallel.zero_impl": "fsdp2"}, **_NEW) for s in (2, 3)),
+    # HSDP: 2 replicas (normally 2 nodes) x world/2 shards; "dp-hier": hierarchical DDP all-reduce
+    *(Layout(f"hsdp-zero{s}", {"parallel.zero_stage": s, "parallel.dp_replicate": 2}, **_NEW) for s in (2, 3)),
+    Layout("fsdp2-hsdp", {"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2", "parallel.dp_replicate": 2}, **_NEW),
+    Layout("dp-hier", {"parallel.dp_impl": "native", "parallel.dp_replicate": 2}),
     Layout("tp", {"parallel.tp": "{world}"}, **_NEW),
     Layout("tp-sp", {"parallel.tp": "{world}", "parallel.sequence_parallel": "true"}, **_NEW),
     Layout("tp-dtensor", {"parallel.tp": "{world}", "parallel.tp_impl": "dtensor"}, **_NEW),

@@ -6,6 +6,8 @@ import statistics
 from pathlib import Path
 
 BASELINES = ("dp-torch", "single")  # ratio columns: tokens/s relative to these layouts
+# "vs flat" column: each hierarchical layout (HSDP) against its flat counterpart of the same run
+FLAT_OF = {"hsdp-zero2": "zero2", "hsdp-zero3": "zero3", "fsdp2-hsdp": "fsdp2-zero3", "dp-hier": "dp"}
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float | None:
@@ -34,6 +36,8 @@ def summarize(records: list[dict]) -> list[dict]:
                    peak_mem_bytes=max(r["peak_mem_bytes"] for r in rs), rounds=len(rs))
         row.pop("bubble_measured_steps", None)
         row.pop("bubble_simulated_steps", None)
+        if all("link_tx_bytes_per_step" in r for r in rs):
+            row["link_tx_bytes_per_step"] = statistics.median(r["link_tx_bytes_per_step"] for r in rs)
         if "epoch_tokens" in rs[0]:
             row["epoch_time_s"] = rs[0]["epoch_tokens"] / row["tokens_per_s"]
         if "bubble_measured" in rs[0]:
@@ -52,7 +56,21 @@ def summarize(records: list[dict]) -> list[dict]:
         for b in BASELINES:
             if b in by_name and not row["skipped"]:
                 row[f"ratio_vs_{b}"] = paired_ratio(row["tokens_per_s_rounds"], by_name[b].get("tokens_per_s_rounds"))
+        flat = by_name.get(FLAT_OF.get(_base(row["layout"]), ""))
+        if flat is not None and not row["skipped"] and not flat["skipped"]:
+            row["ratio_vs_flat"] = paired_ratio(row["tokens_per_s_rounds"], flat.get("tokens_per_s_rounds"))
+            if "link_tx_bytes_per_step" in row and flat.get("link_tx_bytes_per_step"):
+                row["link_bytes_vs_flat"] = row["link_tx_bytes_per_step"] / flat["link_tx_bytes_per_step"]
     return rows
+
+
+def _base(name: str) -> str:
+    """Layout name without its -mbN / -acX suffixes (``layouts.get_layout``)."""
+    import re
+
+    while (m := re.search(r"-(mb[1-9][0-9]*|acselective|acfull)$", name)) and name[:m.start()]:
+        name = name[:m.start()]
+    return name
 
 
 def impl_name(strategy, dp: int, sequence_parallel: bool = False) -> str:
@@ -76,10 +94,13 @@ def format_table(rows: list[dict]) -> str:
     ``bubble_measured``, ``bubble_simulated``, ``bubble_overhead_ratio``, ``bubble_theory``)."""
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
     extra = [k for k in ("epoch_time_s", "pp_split", "bubble_measured", "bubble_simulated", "bubble_overhead_ratio",
-                         "bubble_theory") if any(k in r for r in rows)]
+                         "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat")
+             if any(k in r for r in rows)]
     names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
              "bubble_simulated": ("bubble sim (measured F/B)", ".3f"), "bubble_overhead_ratio": ("measured / sim", ".2f"),
-             "pp_split": ("split", "s"), "bubble_theory": ("bubble theory", ".3f")}
+             "pp_split": ("split", "s"), "bubble_theory": ("bubble theory", ".3f"),
+             "ratio_vs_flat": ("tokens/s vs flat", ".3f"),
+             "link_tx_bytes_per_step": ("link bytes/step", ",.0f"), "link_bytes_vs_flat": ("link bytes vs flat", ".3f")}
     head = ["layout", "impl", "world", "tokens/s median", "min-max", "step ms median", *[f"vs {b}" for b in bases],
             "CPU s/step", "comm bytes/step", "model-state bytes/rank", "peak mem MiB",
             *[names[k][0] for k in extra]]
@@ -148,4 +169,7 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         "the same statistic predicted by the schedule simulator fed with each stage's measured mean F and B "
         "times (communication free), so measured / sim (median of per-step ratios) is executor overhead and "
         "sim vs theory is stage imbalance; split: layers per model stage; bubble theory: "
-        "(p-1)/(v*m+p-1). Method: zerotron/bench/train.py.", ""])
+        "(p-1)/(v*m+p-1) ((p-1)/(3m+p-1) for zb-h1). tokens/s vs flat (HSDP layouts): paired ratio against "
+        "the flat layout (hsdp-zeroS vs zeroS, fsdp2-hsdp vs fsdp2-zero3, dp-hier vs dp). link bytes/step "
+        "(multi-node): the inter-node interface's tx_bytes counters summed over the nodes per timed step "
+        "(median over rounds), link bytes vs flat the same ratio. Method: zerotron/bench/train.py.", ""])

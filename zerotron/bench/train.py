@@ -17,7 +17,10 @@ seconds); step time (s) = median over steps of the max over ranks. Reported: med
 ratios ``vs X`` = median over rounds of the paired ratio tokens/s(layout) / tokens/s(X) of the same
 round. CPU s/step: process CPU seconds (all threads) of the timed steps / steps, summed over ranks
 (robust to other jobs taking the cores). comm bytes/step: ``comm.STATS`` bytes (nccl-tests size) of
-the timed steps / steps, max over ranks. model-state bytes: ``Strategy.model_state_bytes`` total,
+the timed steps / steps, max over ranks. link bytes/step (multi-node runs with ``GLOO_SOCKET_IFNAME``,
+e.g. ``zerotron.testing_netns``): the inter-node interface's tx_bytes counter over the timed steps,
+summed over the nodes (local rank 0 of each reads its node's) / steps -- every byte that crossed
+the node boundary, both directions, TCP/IP headers included. model-state bytes: ``Strategy.model_state_bytes`` total,
 max over ranks. Peak memory (bytes): CPU, peak RSS (VmHWM) of the layout after a reset through
 /proc/self/clear_refs (else the process-lifetime peak); CUDA, ``max_memory_allocated``.
 epoch_time_s: seconds for one epoch of the train split (``num_windows x seq_len`` tokens, what the
@@ -68,6 +71,19 @@ from .report import BASELINES, format_table, impl_name, markdown_report, paired_
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
 
 
+def _link_tx_bytes() -> int | None:
+    """This node's bytes sent on its inter-node interface so far (``/sys/class/net/<if>/statistics/
+    tx_bytes`` of ``GLOO_SOCKET_IFNAME``), read on local rank 0 only (one counter per node); None
+    elsewhere, without the variable, on loopback or where the counter cannot be read."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if os.environ.get("LOCAL_RANK", "0") != "0" or not ifname or ifname == "lo" or "," in ifname:
+        return None
+    try:
+        return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _peak_mem(dev, reset: bool = False) -> int:
     """Peak memory (bytes) since the last ``reset=True`` call: CUDA ``max_memory_allocated``; CPU the
     peak RSS (VmHWM; reset through /proc/self/clear_refs, Linux >= 4.0, after returning freed heap)."""
@@ -85,24 +101,28 @@ def _peak_mem(dev, reset: bool = False) -> int:
 class _SubMesh(Mesh):
     """The ("pp", "dp", "tp") mesh of ranks 0..w-1 (``dm``: their DeviceMesh), with Mesh's interface."""
 
-    def __init__(self, dims, device, dm, rank: int):  # no super().__init__(): that one spans the world
+    def __init__(self, dims, device, dm, rank: int, m4=None):  # no super().__init__(): that one spans the world
         self.dims, self.device, self.mesh, self.rank, self.coords = dims, device, dm, rank, dims.coords(rank)
         self._groups = {n: comm.NamedGroup(dm.get_group(n), n) for n in ("pp", "dp", "tp")}
+        self._add_hsdp_groups(lambda shape, names: m4)  # m4: built on all ranks by _mesh
 
 
 def _mesh(cache: dict, dims, n: int, device):
     """Mesh of ``dims`` (cached; collective: built on ALL ranks); None on ranks outside a sub-world."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (dims.world_size, dims.dp, dims.tp, dims.pp)
+    key = (dims.world_size, dims.dp, dims.tp, dims.pp, dims.dp_replicate)
     if key not in cache:
         if dims.world_size == n:
             cache[key] = Mesh(dims, device)
         else:
             dm = DeviceMesh(device.type, torch.arange(dims.world_size).view(dims.pp, dims.dp, dims.tp),
                             mesh_dim_names=("pp", "dp", "tp"))
+            m4 = None if dims.dp_replicate == 1 else DeviceMesh(  # HSDP groups (collective: all ranks)
+                device.type, torch.arange(dims.world_size).view(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+                mesh_dim_names=("pp", "dp_rep", "dp_shard", "tp"))
             rank = dist.get_rank()
-            cache[key] = _SubMesh(dims, device, dm, rank) if rank < dims.world_size else None
+            cache[key] = _SubMesh(dims, device, dm, rank, m4) if rank < dims.world_size else None
     return cache[key]
 
 
@@ -174,6 +194,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
     comm.barrier()  # the clock starts together on every rank
     if built:
         before, t0, c0 = dict(comm.STATS.bytes), time.perf_counter(), time.process_time()
+        link0 = _link_tx_bytes()
         for s in range(warmup, warmup + steps):
             t1 = time.perf_counter()
             step(s)
@@ -184,9 +205,11 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
                 stage_times.append(tm["stage_compute_s"])
                 pp_sched = tm["schedule"]
         elapsed, cpu, by_tag = time.perf_counter() - t0, time.process_time() - c0, {}
+        link1 = _link_tx_bytes()  # before the all_gather_object below, which crosses the link too
+        link = None if link0 is None or link1 is None else (link1 - link0) / steps
         for (op, g, tag), v in comm.STATS.bytes.items():
             by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0)
-        local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev),
+        local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev), "link": link,
                  "state": strat.model_state_bytes(opt),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
                  "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel), "params": n_params, "tokens": t.global_batch * seq_len,
@@ -204,7 +227,9 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
         pipe = {"bubble_measured": statistics.median(max(b) for b in zip(*(g["bubbles"] for g in got))),
                 "bubble_measured_steps": [max(b) for b in zip(*(g["bubbles"] for g in got))],
                 "bubble_theory": g0["bubble_theory"], **_simulated(got, steps)}
-    return {**rec, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
+    links = [g["link"] for g in got if g["link"] is not None]  # one per node
+    link = {"link_tx_bytes_per_step": sum(links), "link_nodes": len(links)} if links else {}
+    return {**rec, **link, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
             "num_params": g0["params"], "tokens_per_step": g0["tokens"],
             "tokens_per_s": tps, "epoch_tokens": g0["epoch_tokens"], "epoch_time_s": g0["epoch_tokens"] / tps, **pipe,
             "step_time_s": statistics.median(times), "step_times_s": times,
@@ -229,7 +254,7 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
                     own = [(k, str(v).format(world=n)) for k, v in layout.overrides.items()]
                     cfg = load_config(path, [*overrides, *own])
                     validate(cfg, w)
-                    mesh = _mesh(cache, ParallelDims(w, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp), n, dev)
+                    mesh = _mesh(cache, ParallelDims(w, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_replicate), n, dev)
                 except ValueError as e:  # ConfigError is a ValueError
                     skipped[name] = {"layout": name, "world_size": w, "skipped": True, "error": str(e)}
             rec = skipped.get(name) or run_layout(layout, cfg, mesh, data, steps, warmup, dev,

@@ -45,7 +45,8 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     """``(planner layout, sequence parallel)`` of a ``zerotron bench train`` layout run on ``world``
     ranks, or None for a layout with no planner counterpart. dp-torch prices as dp (same all-reduce),
     tp-dtensor as tp;
-    fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1. Suffixes ``-mbN`` / ``-ac...``
+    fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1; the HSDP layouts (hsdp-zeroS, fsdp2-hsdp,
+    dp-hier) as their ZeRO stage with ``dp_replicate = 2`` (on an even world). Suffixes ``-mbN`` / ``-ac...``
     (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``
     is the config's otherwise."""
     try:
@@ -58,6 +59,9 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     name = name.split("-mb")[0].split("-ac")[0]
     if name in ("dp", "dp-torch", "single", "single-mt"):
         return base, False
+    hsdp = {"hsdp-zero2": 2, "hsdp-zero3": 3, "fsdp2-hsdp": 3, "dp-hier": 0}  # 2 replicas (parallel.dp_replicate)
+    if name in hsdp and world % 2 == 0:
+        return {**base, "zero_stage": hsdp[name], "dp_replicate": 2}, False
     for s in (1, 2, 3):
         if name in (f"zero{s}", f"fsdp2-zero{s}"):
             return {**base, "zero_stage": s}, False
@@ -97,20 +101,26 @@ def cpu_hardware(comm_bench: dict, peak_flops: float, memory: int, vector_rate: 
     """("cpu" Hardware calibrated from a ``bench comm --json`` dict, world size of that run): every
     op's latency and busbw from :func:`~zerotron.analysis.hardware.calibrate` (ops it lacks get
     the all-reduce's), ``vector_rate`` element passes/s, one node (the inter-node link = the
-    intra-node one)."""
+    intra-node one) -- unless the file is a multi-node ``--topology`` run with inter-node results
+    (e.g. the two-node harness): then the inter-node link is calibrated from those. Returns
+    ``(hw, world size of that run, nodes)`` (nodes = 1 for a one-node profile)."""
     res = [r for r in comm_bench.get("results", []) if r.get("op") == "all_reduce" and r.get("busbw_GBps", 0) > 0]
     if not res:
         raise ValueError("the bench comm file has no all_reduce busbw")
     ar = max(res, key=lambda r: (r.get("mode", "blocking") == "blocking", r["bytes"]))["busbw_GBps"] * 1e9
     hw = calibrate(custom_hardware("cpu", peak_flops, memory, ar, vector_rate), comm_bench)
-    hw = replace(hw, inter=dict(hw.intra), latency_inter=dict(hw.latency_intra))
-    return hw, int(comm_bench.get("topology", {}).get("world_size", 0))
+    nodes = len(comm_bench.get("topology", {}).get("nodes") or [None])
+    if nodes < 2 or not any(r.get("scope") == "inter" for r in comm_bench.get("results", [])):
+        nodes = 1
+        hw = replace(hw, inter=dict(hw.intra), latency_inter=dict(hw.latency_intra))
+    return hw, int(comm_bench.get("topology", {}).get("world_size", 0)), nodes
 
 
 def predict(rows: list[dict], cfg, global_batch: int, micro_batch: int, hw, compute_eff: float,
-            elem_bytes: int = 4, launch_s: float = 20e-6) -> list[dict]:
+            elem_bytes: int = 4, launch_s: float = 20e-6, nodes: int = 1) -> list[dict]:
     """One record per measured (not skipped) bench row with a planner counterpart: layout, world,
-    the planner layout, measured and predicted tokens/s and step time, the predicted breakdown."""
+    the planner layout, measured and predicted tokens/s and step time, the predicted breakdown.
+    ``nodes`` > 1: the largest world's ranks split evenly over that many nodes (gpus_per_node)."""
     out = []
     world_max = max([r["world_size"] for r in rows if not r.get("skipped")], default=1)
     for r in rows:
@@ -123,7 +133,8 @@ def predict(rows: list[dict], cfg, global_batch: int, micro_batch: int, hw, comp
         tps = r["tokens_per_s"]
         if isinstance(tps, bool) or not isinstance(tps, (int, float)) or not math.isfinite(tps) or tps <= 0:
             raise ValueError(f"layout {r['layout']!r}: tokens_per_s must be a positive finite number, got {tps!r}")
-        cm = CostModel(hw, gpus_per_node=world_max, compute_eff=compute_eff, overhead=0, sp=sp,
+        per_node = world_max // nodes if nodes > 1 and world_max % nodes == 0 else world_max
+        cm = CostModel(hw, gpus_per_node=per_node, compute_eff=compute_eff, overhead=0, sp=sp,
                        elem_bytes=elem_bytes, launch_s=launch_s)
         p = evaluate(cfg, lay, cfg.block_size, global_batch, cm)
         out.append({"layout": r["layout"], "world_size": r["world_size"],
@@ -236,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         how = ("given (--peak-flops)" if args.peak_flops else
                f"measured now: best of 10 fp32 1024^3 matmuls, {threads} thread(s)")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        hw, comm_world = cpu_hardware(comm_bench, peak, memory, prof["vector_rate"])
-        preds = predict(rows, cfg, global_batch, micro_batch, hw, prof["compute_eff"], launch_s=prof["launch_s"])
+        hw, comm_world, nodes = cpu_hardware(comm_bench, peak, memory, prof["vector_rate"])
+        preds = predict(rows, cfg, global_batch, micro_batch, hw, prof["compute_eff"], launch_s=prof["launch_s"],
+                        nodes=nodes)
         if len(preds) < 3:
             raise ValueError(f"only {len(preds)} measured layout(s) of the bench train file have a planner "
                              "counterpart; a rank correlation needs >= 3 (see planner_layout)")
@@ -285,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{hw.vector_rate / 1e9:.3f} G element passes/s (GELU + log-softmax, forward + backward); per-layer "
             f"overhead {prof['launch_s'] * 1e6:.0f} us (one block on one token); collectives fitted (alpha + "
             f"bytes/busbw) to `{args.bench_comm}` ({comm_world} ranks): {busbw}; + {hw.sync_penalty * 1e6:.0f} us per "
-            f"collective that follows compute (its after_compute all-reduce); dp overlap {hw.overlap:.2f} (its overlap test); fp32 communication (4 bytes/element); all ranks on one node.", "",
+            f"collective that follows compute (its after_compute all-reduce); dp overlap {hw.overlap:.2f} (its overlap test); fp32 communication (4 bytes/element); " + ("all ranks on one node." if nodes == 1 else
+            f"{nodes} nodes, the inter-node link fitted to its inter results: " + ", ".join(
+                f"{op} {hw.inter[op] / 1e9:.4f} GB/s" for op in OPS) + "."), "",
             f"Model: {n_params:,} parameters, global batch {global_batch} x seq {cfg.block_size}, micro-batch "
             f"{micro_batch}; measured: `{args.bench_train}`.", "", table, "", f"**{summary}.**", "", summary2 + ".", "",
             "Ranks: 1 = fastest (ties averaged). predicted compute ms = matmuls + elementwise (vector) + per-layer "

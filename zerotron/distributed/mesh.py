@@ -5,6 +5,12 @@ The mesh is built once and is the single source of truth for who talks to whom. 
 links), as in Megatron-LM and picotron; pp is outermost.
 
 Global rank of coordinates (p, d, t) = (p * dp + d) * tp + t.
+
+Hierarchical data parallelism (HSDP, ``parallel.dp_replicate = R > 1``): the dp dimension factors
+as R replicas x S = dp / R shards, d = r * S + s, so the shard group (s varies) holds neighbouring
+ranks -- normally one node -- and the replicate group (r varies) crosses nodes. Groups "dp_shard"
+and "dp_rep" (built from a second (pp, dp_rep, dp_shard, tp) DeviceMesh); with R = 1 "dp_shard" is
+the dp group and "dp_rep" is None.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ class ParallelDims:
     dp: int = 0
     tp: int = 1
     pp: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self):
         for name in ("tp", "pp"):
@@ -48,6 +55,15 @@ class ParallelDims:
                 f"parallel.dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
                 f"does not equal the world size {self.world_size}; set parallel.dp = 0 to derive it "
                 "or change --nproc")
+        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
+            raise ValueError(
+                f"parallel.dp_replicate ({self.dp_replicate}) must be >= 1 and divide the dp degree ({self.dp}): "
+                "dp = replicas x shards; change parallel.dp_replicate or --nproc")
+
+    @property
+    def dp_shard(self) -> int:
+        """Shard-group size S = dp / dp_replicate (HSDP; = dp without replication)."""
+        return self.dp // self.dp_replicate
 
     def coords(self, rank: int) -> dict:
         """(pp, dp, tp) coordinates of a global rank as a dict."""
@@ -118,9 +134,24 @@ class Mesh:
         self.coords = dims.coords(self.rank)
         self.mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
         self._groups = {name: comm.NamedGroup(self.mesh.get_group(name), name) for name in ("pp", "dp", "tp")}
+        self._add_hsdp_groups(lambda shape, names: init_device_mesh(device.type, shape, mesh_dim_names=names))
+
+    def _add_hsdp_groups(self, make) -> None:
+        """Groups "dp_shard"/"dp_rep" (HSDP, see the module doc) and ``hsdp_mesh`` (the 2-D
+        (dp_rep, dp_shard) DeviceMesh of this rank, for FSDP2; None without replication).
+        ``make(shape, names)`` builds a DeviceMesh over this mesh's ranks (collective)."""
+        d = self.dims
+        self.hsdp_mesh = None
+        self._groups["dp_shard"], self._groups["dp_rep"] = self._groups["dp"], None
+        if d.dp_replicate > 1:
+            m4 = make((d.pp, d.dp_replicate, d.dp_shard, d.tp), ("pp", "dp_rep", "dp_shard", "tp"))
+            for name in ("dp_shard", "dp_rep"):
+                self._groups[name] = comm.NamedGroup(m4.get_group(name), name)
+            self.hsdp_mesh = m4["dp_rep", "dp_shard"]
 
     def group(self, name: str) -> comm.NamedGroup:
-        """Named process group of dimension ``name`` in {"pp", "dp", "tp"} (pass it to comm.*)."""
+        """Named process group of dimension ``name`` in {"pp", "dp", "tp", "dp_shard", "dp_rep"}
+        (pass it to comm.*; "dp_rep" is None without HSDP replication)."""
         return self._groups[name]
 
     def pg(self, name: str):
@@ -128,7 +159,7 @@ class Mesh:
         return self._groups[name].pg
 
     def size(self, name: str) -> int:
-        return getattr(self.dims, name)
+        return {"dp_rep": self.dims.dp_replicate}.get(name) or getattr(self.dims, name)
 
     def local_rank(self, name: str) -> int:
         return self.coords[name]

@@ -4,7 +4,8 @@
     2. activation checkpointing (train.activation_checkpointing: none | selective | full)
     3. pipeline split (parallel.pp) of the (TP) model (or, with parallel.pp_impl = threads, every
        stage in this process on its own worker thread), or
-    4. data parallel over "dp": native bucketed DDP, torch DDP, native ZeRO-1/2/3 or FSDP2
+    4. data parallel over "dp": native bucketed DDP, torch DDP, native ZeRO-1/2/3 or FSDP2 (with
+       ``parallel.dp_replicate > 1``, HSDP: ``parallel.data.hsdp``)
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
 over micro-batches, finish_grads, clip_grad_norm, build_optimizer/optimizer_step, reduce_loss,
@@ -61,15 +62,18 @@ def _data_parallel(model, cfg, mesh, mask):
     group = mesh.group("dp")
     src = mesh.global_rank(mesh.coords["pp"], 0, mesh.coords["tp"])
     if p.zero_stage:
-        if p.zero_impl == "native":
-            return ZeroStrategy(model, group, p.zero_stage, cfg.train.dtype, p.reduce_dtype, mask,
+        if p.zero_impl == "native":  # HSDP: shard within dp_shard, all-reduce shards over dp_rep
+            return ZeroStrategy(model, mesh.group("dp_shard"), p.zero_stage, cfg.train.dtype, p.reduce_dtype, mask,
                                 tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,
-                                sequence_parallel=p.sequence_parallel)
+                                sequence_parallel=p.sequence_parallel, replicate_group=mesh.group("dp_rep"),
+                                dp_group=group)
         if p.zero_impl == "fsdp2":
             return FSDP2Strategy(model, mesh, p.zero_stage, cfg.train.dtype, p.reduce_dtype)
         raise ValueError(f"parallel.zero_impl must be 'native' or 'fsdp2', got {p.zero_impl!r}")
     if p.dp_impl == "native":
-        return DataParallel(model, group, bucket_mb=p.bucket_mb, src_rank=src)
+        return DataParallel(model, group, bucket_mb=p.bucket_mb, src_rank=src,
+                            shard_group=mesh.group("dp_shard") if mesh.group("dp_rep") else None,
+                            replicate_group=mesh.group("dp_rep"))
     if p.dp_impl == "torch":
         return TorchDDP(model, group, bucket_mb=p.bucket_mb, find_unused_parameters=p.find_unused_parameters)
     raise ValueError(f"parallel.dp_impl must be 'native' or 'torch', got {p.dp_impl!r}")

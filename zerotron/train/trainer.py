@@ -159,7 +159,8 @@ class Trainer:
             cfg.train.device)
         rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, device)
         self.layout = validate(cfg, world)
-        self.mesh = Mesh(ParallelDims(world, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp), device)
+        self.mesh = Mesh(ParallelDims(world, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
+                                      cfg.parallel.dp_replicate), device)
         self.device, self.rank, self.world = device, rank, world
         self.dp_rank, self.dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         self.data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))

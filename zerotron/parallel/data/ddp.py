@@ -39,14 +39,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from zerotron.config import ConfigError
 from zerotron.distributed import comm
 from zerotron.parallel.base import Strategy, unique_params
+from zerotron.parallel.data.hsdp import HierarchicalAllReduce, hierarchical_finish, progress
 from zerotron.parallel.data.used import UsedMarks
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], device, dtype):
+    def __init__(self, params: list[nn.Parameter], device, dtype, pad_to: int = 1):
         self.params = params
         self.numel = sum(p.numel() for p in params)
-        self.buffer = torch.zeros(self.numel, device=device, dtype=dtype)
+        # padded to a multiple of the shard group (hierarchical all-reduce); the tail stays zero
+        self.buffer = torch.zeros(-(-self.numel // pad_to) * pad_to, device=device, dtype=dtype)
+        self.hier = None
         self.ready: set[int] = set()
         self.work = None
         off = 0
@@ -63,11 +66,19 @@ class DataParallel(Strategy):
         group: ``comm.NamedGroup`` of the dp dimension.
         bucket_mb: bucket capacity in MiB (a parameter larger than that gets a bucket of its own).
         src_rank: global rank whose parameters are broadcast to the others at start.
+        shard_group, replicate_group: HSDP (``parallel.dp_replicate > 1``): each bucket is summed by
+            a hierarchical all-reduce (``parallel.data.hsdp.HierarchicalAllReduce``: reduce-scatter
+            within ``shard_group``, all-reduce across ``replicate_group``, all-gather within), the
+            reduce-scatter launched from the hooks, each next collective as the previous completes
+            (during backward, in bucket order), the rest in :meth:`finish_grads`.
     Attributes: ``module``, ``buckets``.
     Raises ValueError if the module has no trainable parameters."""
 
-    def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0, src_rank: int = 0):
+    def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0, src_rank: int = 0,
+                 shard_group=None, replicate_group=None):
         self.module, self.group, self.loss_groups = module, group, [group]
+        self.hierarchical = replicate_group is not None
+        pad = shard_group.size() if self.hierarchical else 1
         params = unique_params(module)
         if not params:
             raise ValueError("DataParallel: the module has no trainable parameters")
@@ -80,11 +91,14 @@ class DataParallel(Strategy):
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
             if current and size + nbytes > cap:
-                self.buckets.append(_Bucket(current, p.device, p.dtype))
+                self.buckets.append(_Bucket(current, p.device, p.dtype, pad))
                 current, size = [], 0
             current.append(p)
             size += nbytes
-        self.buckets.append(_Bucket(current, current[0].device, current[0].dtype))
+        self.buckets.append(_Bucket(current, current[0].device, current[0].dtype, pad))
+        if self.hierarchical:
+            for b in self.buckets:
+                b.hier = HierarchicalAllReduce(b.buffer, shard_group, replicate_group)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._params = [p for b in self.buckets for p in b.params]
         self._used = UsedMarks(self._params)
@@ -110,6 +124,9 @@ class DataParallel(Strategy):
         self._launch_ready()
 
     def _launch(self, b: _Bucket) -> None:
+        if b.hier is not None:  # HSDP: the reduce-scatter now, the rest in finish_grads
+            b.hier.launch()
+            return
         b.work = comm.all_reduce(b.buffer, group=self.group, async_op=True, tag="grad")
 
     def _launch_ready(self) -> None:
@@ -119,6 +136,8 @@ class DataParallel(Strategy):
                 return
             self._launch(b)
             self._next += 1
+        if self.hierarchical:  # HSDP: move finished reduce-scatters on to the replica all-reduce, ...
+            progress([b.hier for b in self.buckets[:self._next]])
 
     def finish_grads(self) -> None:
         """Launch the buckets not yet launched (in order) and wait for all reductions.
@@ -129,6 +148,8 @@ class DataParallel(Strategy):
             self._launch(self.buckets[self._next])
             self._next += 1
         self._used.launch(self.group, self.buckets[0].buffer.device)
+        if self.hierarchical:
+            hierarchical_finish([b.hier for b in self.buckets])
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()

@@ -1,4 +1,5 @@
 """PyTorch FSDP2 (``fully_shard``) as a comparison backend for ZeRO (``parallel.zero_impl = "fsdp2"``).
+With ``parallel.dp_replicate > 1`` it runs over the 2-D (dp_rep, dp_shard) mesh: torch's HSDP.
 
 ``fully_shard`` is applied to every transformer block, then to the root module (embeddings, tied
 LM head, final LayerNorm), over the dp sub-mesh. Stage 3 = ``reshard_after_forward=True``; stage 2
@@ -40,7 +41,9 @@ class FSDP2Strategy(Strategy):
             raise ValueError("parallel.zero_impl = fsdp2 supports zero_stage 2 or 3")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if dtype == "bf16" else None,
                                   reduce_dtype=precision.reduce_dtype(dtype, reduce_dtype))
-        dp_mesh = mesh.mesh["dp"]
+        # HSDP (parallel.dp_replicate > 1): FSDP2's 2-D (replicate, shard) mesh -- shards within
+        # dp_shard, gradient shards all-reduced across dp_rep (torch's hybrid sharding)
+        dp_mesh = mesh.hsdp_mesh if mesh.hsdp_mesh is not None else mesh.mesh["dp"]
         reshard = stage == 3
         blocks = list(model.blocks())
         for block in blocks:
@@ -53,6 +56,7 @@ class FSDP2Strategy(Strategy):
             block.unshard()
             block.reshard()
         self.module, self.group, self.loss_groups, self.stage = model, mesh.group("dp"), [mesh.group("dp")], stage
+        self.shard_group = mesh.group("dp_shard")  # the ranks whose local shards are disjoint
 
     def forward_backward(self, micro_batches, n_global, dtype, device):
         return super().forward_backward(micro_batches, n_global / self.group.size(), dtype, device)
@@ -80,9 +84,10 @@ class FSDP2Strategy(Strategy):
             self.module.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        """Global L2 norm from the DTensor gradient shards (each dp rank holds different elements):
-        :func:`zerotron.parallel.grad_norm.clip_grad_norm` over dp; clips in place."""
-        return clip_grad_norm([([p.grad for p in self.parameters() if p.grad is not None], [self.group])],
+        """Global L2 norm from the DTensor gradient shards (each rank of the shard group -- dp, or
+        dp_shard with HSDP -- holds different elements):
+        :func:`zerotron.parallel.grad_norm.clip_grad_norm` over that group; clips in place."""
+        return clip_grad_norm([([p.grad for p in self.parameters() if p.grad is not None], [self.shard_group])],
                               max_norm)
 
     def _get(self, optimizer, full: bool):

@@ -66,16 +66,23 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     """Native ZeRO stage 1/2/3 over the dp group; units: the parameters outside the blocks, then each
     block of ``model.layout().blocks``.
 
-    Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup), ``stage``
-    (1, 2 or 3), ``dtype`` ("fp32" | "bf16" | "fp64": compute copies; see ``parallel.precision``),
-    ``reduce_dtype`` ("auto" | "fp32" | "bf16" | "fp64"). Raises ValueError for a bad stage or dtype."""
+    Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup; with HSDP the
+    shard group), ``stage`` (1, 2 or 3), ``dtype`` ("fp32" | "bf16" | "fp64": compute copies; see
+    ``parallel.precision``), ``reduce_dtype`` ("auto" | "fp32" | "bf16" | "fp64"),
+    ``replicate_group`` (HSDP, ``parallel.dp_replicate > 1``: the replicas' group; the gradient
+    shards are all-reduced over it once per step, ``parallel.data.hsdp``) and ``dp_group`` (HSDP: the
+    whole dp group, for losses and the used-parameter marks; default ``group``). Raises ValueError for a
+    bad stage or dtype."""
 
     def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
-                 tp_group=None, sequence_parallel: bool = False):
+                 tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for ZeroStrategy, got {stage}")
         compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
-        self.module, self.group, self.loss_groups, self.stage = model, group, [group], stage
+        # HSDP (parallel.dp_replicate > 1): ``group`` is the shard group; ``dp_group`` spans all of dp
+        self.dp_group = dp_group or group
+        self.module, self.group, self.loss_groups, self.stage = model, group, [self.dp_group], stage
+        self.replicate_group, self._reduce_dtype = replicate_group, reduce
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         mask = mask or decay_mask(model)
         blocks = list(model.blocks())
@@ -94,6 +101,9 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         self._next = 0
         self._sync = True
         self._in_step = False
+        self._final = True  # this micro-batch is the step's last (HSDP: its reductions go across replicas)
+        self._rep_queue: list = []  # HSDP: flats whose shard-group reduce-scatter of the last micro-batch is out
+        self._rep_work: list = []  # HSDP: (work, buffer, shard_grad) of the replica all-reduces in flight
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fl in self.flats for f in fl
                        for p in f.params]
         self.gatherer = UnitGatherer(self.flats, n_root=1)  # stage 3: gather before use, free after
@@ -148,6 +158,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         try:
             total = torch.zeros((), dtype=torch.float64)
             for i, mb in enumerate(micro_batches):
+                self._final = i == len(micro_batches) - 1
                 self._new_forward()
                 with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                     total += super().forward_backward([mb], n_global, dtype, device)
@@ -164,6 +175,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         while self._next < len(self._order):
             self._launch_unit(self._order[self._next])
             self._next += 1
+        self._progress_replicate(block=True)
         for f in self.all_flats:
             f.wait_reduce()
         self._next = 0
@@ -174,7 +186,15 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         """Sum the per-parameter "got a gradient" marks over dp (one small all-reduce per step,
         one float per parameter) into each buffer's ``used``; sequence parallel: sum tp-replicated
         gradient shards over tp; hand the shard gradients to the optimizer."""
-        self._used.launch(self.group, self.all_flats[0].master.device)
+        self._used.launch(self.dp_group, self.all_flats[0].master.device)
+        # HSDP: the shard group's reduce-scatters summed the gradients of this replica; one
+        # all-reduce of each 1/S gradient shard across the replicas (launched as each flat's last
+        # reduce-scatter completed, overlapping the rest of backward) completes the dp sum
+        for work, buf, t in self._rep_work:
+            work.wait()
+            if buf is not t:
+                t.copy_(buf)
+        self._rep_work = []
         flags = self._used.result()
         i = 0
         for f in self.all_flats:
@@ -191,7 +211,8 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm from the shards (:func:`zerotron.parallel.grad_norm.clip_grad_norm`): every
         element counted once (padding is zero; tp shards summed over tp, tp-replicated once), then
-        summed over dp; identical on every rank. Clips the shard gradients in place."""
+        summed over the shard group (dp; with HSDP the replicas hold the same shards and are not
+        summed); identical on every rank. Clips the shard gradients in place."""
         return clip_grad_norm([([f.shard_grad for f in self.all_flats if f.tp_sharded], [self.tp_group]),
                                ([f.shard_grad for f in self.all_flats if not f.tp_sharded], [])],
                               max_norm, outer=[self.group])
@@ -243,6 +264,24 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             f.launch_reduce()
             if self.stage == 3 and u > 0:
                 f.free()
+        if self.replicate_group is not None and self._final:
+            self._rep_queue.extend(self.flats[u])
+            self._progress_replicate(block=False)
+
+    def _progress_replicate(self, block: bool) -> None:
+        """HSDP, last micro-batch: for each queued flat in launch order (the same on every rank, so
+        the replica all-reduces match), once its reduce-scatter is done (``block``: wait for it),
+        accumulate the shard gradient and launch its all-reduce across the replicas (async,
+        ``parallel.data.hsdp``); stops at the first still in flight when not ``block``."""
+        while self._rep_queue:
+            f = self._rep_queue[0]
+            if not block and f.pending is not None and not f.pending[0].is_completed():
+                return
+            f.wait_reduce()
+            self._rep_queue.pop(0)
+            buf = f.shard_grad if f.shard_grad.dtype == self._reduce_dtype else f.shard_grad.to(self._reduce_dtype)
+            work = comm.all_reduce(buf, group=self.replicate_group, async_op=True, tag="grad_rep")
+            self._rep_work.append((work, buf, f.shard_grad))
 
     def _gather_unit(self, u: int, wait: bool = True) -> None:
         self.gatherer.gather(u, wait)

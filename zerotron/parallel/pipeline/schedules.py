@@ -276,8 +276,6 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
     if len(schedule) != pp or virtual_stages < 1:
         raise ValueError(f"expected {pp} rank lists and virtual_stages >= 1, got "
                          f"{len(schedule)} lists, virtual_stages={virtual_stages}")
-    if min(f_cost, b_cost, w_cost) < 0:
-        raise ValueError(f"costs must be >= 0, got f_cost={f_cost}, b_cost={b_cost}, w_cost={w_cost}")
     v, last = virtual_stages, pp * virtual_stages - 1
     split = [{(a.microbatch, a.chunk) for a in acts if a.kind == "W"} for acts in schedule]
 
@@ -288,6 +286,8 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
             raise ValueError(f"{name} needs one cost per model stage (pp * virtual_stages = {last + 1}), got {len(c)}")
         return [float(x) for x in c]
     cost = {"F": per_stage(f_cost, "f_cost"), "B": per_stage(b_cost, "b_cost"), "W": per_stage(w_cost, "w_cost")}
+    if min(min(c) for c in cost.values()) < 0:
+        raise ValueError(f"costs must be >= 0, got f_cost={f_cost}, b_cost={b_cost}, w_cost={w_cost}")
     cost["BW"] = [b + w for b, w in zip(cost["B"], cost["W"])]
     pos, clock = [0] * pp, [0.0] * pp
     done: dict = {}    # (kind, microbatch, stage) -> end time
