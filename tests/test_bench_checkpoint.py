@@ -36,7 +36,7 @@ def test_bench_checkpoint_measures_and_cleans_up(tmp_path, data_cache):
 
 def test_bench_checkpoint_bad_arguments():
     r = bench("--rounds", "0")
-    assert r.returncode == 2 and r.stderr.strip() == "zerotron: --rounds must be >= 1, got 0", r.stderr
+    assert r.returncode == 2 and r.stderr.strip() == "zerotron bench checkpoint: error: --rounds must be >= 1, got 0", r.stderr
     r = bench("--dir", "/nonexistent/x")
     assert r.returncode == 2 and "--dir /nonexistent/x is not a directory" in r.stderr, r.stderr
     r = bench("--train.lr", "inf")

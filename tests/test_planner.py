@@ -304,15 +304,30 @@ def test_json_schema_and_config_file(capsys):
         assert LAYOUT_KEYS <= set(r)
         assert isinstance(r["memory_bytes_per_gpu"], int) and 0 < r["predicted_mfu"] < 1
         assert r["predicted_tokens_per_s"] == pytest.approx(8 * 64 / r["predicted_step_time_s"])
-        assert r["pp"] == 1 or r["zero_stage"] <= 1
+        assert r["pp"] == 1 or r.get("dp_replicate", 1) == 1
     assert set(out["dropped"]) >= {"memory", "divisibility"}
     assert out["assumptions"]["global_batch"] == 8 and out["assumptions"]["seq"] == 64
-    # supported_only drops exactly pipeline x ZeRO-2/3 (pipeline x tp and x ZeRO-1 run)
+    # supported_only keeps pipeline x ZeRO-2/3 (it runs) and drops nothing the planner proposes; a
+    # layout config validation refuses (pipeline x HSDP) is flagged by the same rule
+    from zerotron.analysis.planner import _refused
+    from zerotron.config import ConfigError, validate
+    from zerotron.testing import tiny_config
+
     cfg = preset_config("gpt2")
-    every, ok = (plan(cfg, 8, 10**15, 16, 1024, CostModel(hardware("h100")), only) for only in (False, True))
-    bad = [r for r in every["layouts"] if r["pp"] > 1 and r["zero_stage"] > 1]
-    assert bad and ok["dropped"]["unsupported"] == len(bad) and len(ok["layouts"]) == len(every["layouts"]) - len(bad)
-    assert any(r["pp"] > 1 and r["tp"] > 1 and r["zero_stage"] == 1 for r in ok["layouts"])
+    every, ok = (plan(cfg, 16, 10**15, 16, 1024, CostModel(hardware("h100"), gpus_per_node=8), only)
+                 for only in (False, True))
+    assert ok["dropped"]["unsupported"] == 0 and ok["layouts"] == every["layouts"]
+    assert any(r["pp"] > 1 and r["zero_stage"] > 1 for r in ok["layouts"])
+    assert any(r.get("dp_replicate", 1) > 1 for r in ok["layouts"])
+    for pp, rep in ((2, 1), (1, 2), (2, 2)):
+        c = tiny_config({"parallel.pp": pp, "parallel.dp": 4 // pp, "parallel.dp_replicate": rep,
+                         "parallel.zero_stage": 3, "train.micro_batch": 1})
+        try:
+            validate(c, 4)
+            accepted = True
+        except ConfigError:
+            accepted = False
+        assert accepted == (not _refused(pp, rep)) or (4 // pp) % rep, (pp, rep)
 
 
 @pytest.mark.parametrize("argv, word", [
@@ -382,7 +397,10 @@ def test_validate_plan_spearman_and_layout_map():
     for a, b in (([1, 2], [1, 2]), ([1, 2, 3], [1, 2]), ([1, 1, 1], [1, 2, 3])):
         with pytest.raises(ValueError):
             spearman(a, b)
-    for name in bt.LAYOUTS:  # every bench layout has a planner counterpart on 2 ranks
+    unpriced = {"pp-zb-h1", "pp-threads-gpipe"}  # the planner prices neither the ZB-H1 schedule nor threads
+    for name in unpriced:
+        assert name in bt.LAYOUTS and planner_layout(name, 2, 8) is None
+    for name in set(bt.LAYOUTS) - unpriced:  # every other bench layout has a planner counterpart on 2 ranks
         lay, sp = planner_layout(name, 2, 8)
         assert lay["dp"] * lay["tp"] * lay["pp"] == 2 and lay["micro_batch"] == 8 and sp == (name == "tp-sp")
         assert lay["schedule"] == (name[3:] if name.startswith("pp-") else "none")

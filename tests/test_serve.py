@@ -193,6 +193,28 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
             proc.wait()
 
 
+def test_serve_cannot_listen_is_one_line(checkpoint):
+    """A port already in use, or a --host that does not resolve: one line naming the address and
+    the fix, exit 2, before any worker starts (also with --nproc 2)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for extra in ([], ["--nproc", "2"]):
+            r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint),
+                                "--host", "127.0.0.1", "--port", str(port), *extra], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+            assert r.stderr.startswith(f"zerotron serve: error: cannot listen on 127.0.0.1:{port} (") and \
+                "choose another --port" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--host",
+                        "no-such-host.invalid", "--port", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "cannot listen on no-such-host.invalid:0" in r.stderr and \
+        "Traceback" not in r.stderr, r.stderr
+
+
 def test_stream_text_holds_back_what_may_change():
     from zerotron.serve import StreamText, cut_at_stop
 

@@ -40,7 +40,7 @@ BENCH_USAGE = """usage: zerotron bench comm|train|plan|generate|checkpoint [opti
   generate  batched generation throughput of inference layouts (zerotron bench generate --nproc 2)
   checkpoint  what checkpoint checksums cost: save / hash / verify / load seconds (zerotron bench checkpoint)
 
-Run 'zerotron bench <comm|train|plan> --help' for the options of one benchmark.
+Run 'zerotron bench <comm|train|plan|generate|checkpoint> --help' for the options of one benchmark.
 """
 
 
@@ -381,6 +381,10 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(130)
         print("zerotron: interrupted (SIGINT)", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `zerotron plan ... | head`: the reader left; stop quietly, like a Unix tool
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        return 0
 
 
 def _dispatch(argv: list[str]) -> int:

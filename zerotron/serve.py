@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import signal
 import sys
@@ -404,6 +405,23 @@ def check_args(args) -> None:
         raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp ({args.tp} x {args.pp})")
 
 
+def check_listen(host: str, port: int) -> None:
+    """Raise ValueError (one line naming the address and the fix) if this process cannot listen
+    on ``host``:``port`` (a port in use, an address of another machine, a name that does not
+    resolve); binds and closes a socket the way ``ThreadingHTTPServer`` does (SO_REUSEADDR)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(infos[0][4])
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise ValueError(f"cannot listen on {host}:{port} ({why}); choose another --port (0 = any free one) "
+                         "or a --host address of this machine") from None
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``zerotron serve``; returns an exit code (2 for bad arguments)."""
     from .generate import eos_id, load_model, resolve_checkpoint
@@ -413,6 +431,8 @@ def main(argv: list[str]) -> int:
     try:
         check_args(args)
         ckpt = resolve_checkpoint(args.checkpoint)
+        if not in_worker() or os.environ.get("RANK") == "0":
+            check_listen(args.host, args.port)  # before any worker or model is started
         if args.nproc > 1 and not in_worker():
             return launch(args.nproc, ["serve", *strip_nproc(argv)])
     except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line
@@ -443,7 +463,15 @@ def main(argv: list[str]) -> int:
     else:
         model_id = args.model_name or (Path(args.checkpoint).resolve().name)
         srv = Server(engine, tok, eos_id(tok), model_id, args)
-        httpd = ThreadingHTTPServer((args.host, args.port), _handler(srv))
+        try:
+            httpd = ThreadingHTTPServer((args.host, args.port), _handler(srv))
+        except OSError as e:  # taken between the launcher's check and now: one line, the others stop
+            print(f"zerotron serve: error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose "
+                  "another --port (0 = any free one) or a --host address of this machine", file=sys.stderr, flush=True)
+            if world > 1:
+                comm.broadcast_object({"kind": "stop"}, src=0)
+            _mesh.teardown()
+            return 2
         httpd.daemon_threads = False  # server_close waits for responses being written
         threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
         threading.Thread(target=lambda: (stop.wait(), srv.draining.set()), daemon=True).start()

@@ -67,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--comm-eff", type=float, default=0.8, help="achieved/datasheet bw")
     p.add_argument("--overhead", default="2GB", help="fixed framework memory per GPU")
     p.add_argument("--supported-only", action="store_true",
-                   help="only layouts zerotron runs today (pipeline parallelism with ZeRO 0 or 1)")
+                   help="only layouts zerotron's config validation accepts (every layout the planner prices "
+                        "today: pipeline x ZeRO-2/3 runs, pipeline x HSDP is never proposed)")
     return p
 
 

@@ -226,6 +226,13 @@ def _replicas(dp: int, tp: int, pp: int, cm: CostModel) -> list[int]:
     return [1, r] if r > 1 else [1]
 
 
+def _refused(pp: int, rep: int) -> bool:
+    """True for a layout zerotron's config validation refuses: pipeline x HSDP (``_replicas``
+    never proposes it). Pipeline x ZeRO-2/3 runs (parallel.pipeline.stage_zero); pipeline x FSDP2
+    and x torch DDP are refused too, but the planner prices native ZeRO/DDP only."""
+    return pp > 1 and rep > 1
+
+
 def _rank_key(r: dict) -> tuple:
     return (r["predicted_step_time_s"], r["memory_bytes_per_gpu"], r["pp"], r["tp"],
             r["zero_stage"], SCHEDULE_ORDER.index(r["schedule"]), -r["micro_batch"],
@@ -241,8 +248,8 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     SP); micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
     interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer), "none" for pp = 1; ZeRO 0-3;
     recompute none | selective | full. Each is priced by :func:`evaluate`; those over ``gpu_mem``
-    are dropped, and with ``supported_only`` what zerotron cannot run today (pp > 1 with ZeRO-2/3,
-    refused like DeepSpeed's pipeline engine does). Returns ``{"layouts": feasible ones, best (shortest step) first, ties broken by
+    are dropped, and with ``supported_only`` what zerotron's config validation refuses
+    (:func:`_refused`; since pipeline x ZeRO-2/3 runs, nothing the planner proposes). Returns ``{"layouts": feasible ones, best (shortest step) first, ties broken by
     memory then (pp, tp, zero, schedule, -micro_batch, recompute), "dropped": {reason: count}}``:
     "divisibility" and "layers" count (dp, tp, pp) meshes, the others layouts. Raises ValueError
     for non-positive sizes, gpus % gpus_per_node != 0 or seq > block_size."""
@@ -274,7 +281,7 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                     dropped["schedule"] += 12  # 4 ZeRO stages x 3 recompute modes
                     continue
                 for z, rec, rep in product(range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm)):
-                    if supported_only and pp > 1 and z > 1:  # pipeline x ZeRO-2/3: refused
+                    if supported_only and _refused(pp, rep):
                         dropped["unsupported"] += 1
                         continue
                     lay = {"dp": dp, "tp": tp, "pp": pp, "zero_stage": z, "schedule": kind,

@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="zerotron bench checkpoint", usage=USAGE,
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="TOML config of the run (default: the built-in default model)")
-    ap.add_argument("--rounds", type=int, default=5, help="checkpoints written and read (median reported)")
+    ap.add_argument("--rounds", type=int, default=5, help="checkpoints written and read (median reported; default 5)")
     ap.add_argument("--dir", default=None, help="where the temporary run directory goes (the disk to measure)")
     ap.add_argument("--json", default=None, help="write the result as JSON here")
     ap.add_argument("--markdown", default=None, help="write the one-row table here")
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
         cfg = load_config(args.config, parse_overrides(rest))
         res = measure(cfg, args.rounds, args.dir)
     except ConfigError as e:
-        print(f"zerotron: {e}", file=sys.stderr)
+        print(f"zerotron bench checkpoint: error: {e}", file=sys.stderr)
         return 2
     label = Path(args.config).stem if args.config else (cfg.model.preset or "default")
     table = markdown(res, label)

@@ -74,7 +74,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     path = Path(path).expanduser()
     if not path.is_file():
         raise DataError(f"tokenizer file {str(path)!r} does not exist; check the path or "
-                        "leave tokenizer_path unset to train one")
+                        "leave data.tokenizer unset to train one")
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a generic Exception on bad JSON

@@ -278,7 +278,7 @@ def write_hf_dir(out_dir: str | Path, tensors: dict, hf_config: dict, overwrite:
     Raises FileExistsError if out_dir is a file or a non-empty directory and not ``overwrite``."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a directory; choose another out_dir")
+        raise FileExistsError(f"{out_dir} exists and is not a directory; choose another --out directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} is not empty; choose a new directory or pass "
                               "--overwrite (CLI) / overwrite=True (Python) to replace config.json, "
