@@ -71,7 +71,8 @@ def _train(overrides, run_dir, resume=False):
         out["ckpt_keys"] = sorted(s.checkpoint_state(tr.optimizer)[0])  # this dp rank's share
         st = [tr.optimizer.state[f.master] for f in zero.all_flats]
         out["state"] = (zero.stage, s.model_state_bytes(tr.optimizer)["total_bytes"], len(zero.all_flats),
-                        stage_num_params(tr.model_cfg, pp=2)[tr.mesh.coords["pp"]])
+                        stage_num_params(tr.model_cfg, pp=2, virtual_stages=len(s.split) // 2,
+                                         layer_counts=list(s.split))[tr.mesh.coords["pp"]])
         out["zero"] = {"master": sum(f.master.numel() for f in zero.all_flats),
                        "padded": sum(f.padded for f in zero.all_flats),
                        "exp_avg": sum(x["exp_avg"].numel() for x in st), "dp": zero.group.size()}

@@ -39,5 +39,9 @@ def test_bench_checkpoint_bad_arguments():
     assert r.returncode == 2 and r.stderr.strip() == "zerotron bench checkpoint: error: --rounds must be >= 1, got 0", r.stderr
     r = bench("--dir", "/nonexistent/x")
     assert r.returncode == 2 and "--dir /nonexistent/x is not a directory" in r.stderr, r.stderr
+    for flag in ("--json", "--markdown"):
+        for bad in ("/nonexistent/d/o.json", "/tmp"):
+            r = bench(flag, bad)
+            assert r.returncode == 2 and f"{flag} {bad}: not a file path in an existing directory" in r.stderr, r.stderr
     r = bench("--train.lr", "inf")
     assert r.returncode == 2 and "train.lr must be a finite number" in r.stderr, r.stderr

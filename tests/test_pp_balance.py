@@ -43,6 +43,17 @@ def test_balanced_counts_is_the_minimax_partition():
         balanced_counts([1.0, -1.0], 2)
 
 
+def test_explicit_split_needs_a_pipeline():
+    from zerotron.config import ConfigError, validate
+    from zerotron.testing import tiny_config
+
+    with pytest.raises(ConfigError, match=r"parallel.pp_split = '3,1' splits layers over pipeline stages, but "
+                                          r"parallel.pp = 1"):
+        validate(tiny_config({"parallel.pp_split": "3,1"}), 1)
+    for word in ("auto", "even", ""):
+        validate(tiny_config({"parallel.pp_split": word}), 1)
+
+
 def test_stage_layer_counts_words():
     assert stage_layer_counts(8, 3, "even") == stage_layer_counts(8, 3, "") == [3, 3, 2]
     assert stage_layer_counts(4, 2, "auto", ([1.0] * 4, 0.0, 2.33)) == [3, 1]

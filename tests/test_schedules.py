@@ -327,6 +327,15 @@ def test_schedule_main_errors(capsys):
     assert schedule_main(["--pp", "4", "--microbatches", "6", "--kind", "interleaved"]) == 2
     assert "microbatches % pp" in capsys.readouterr().err
     assert schedule_main(["--pp", "4", "--microbatches", "6", "--kind", "zigzag"]) == 2
+    capsys.readouterr()
+    for extra, msg in ((["--f-cost", "nan"], "--f-cost must be a finite number > 0"),
+                       (["--w-cost", "inf"], "--w-cost must be a finite number >= 0"),
+                       (["--b-cost", "0"], "--b-cost must be a finite number > 0"),
+                       (["--microbatches", "100000"], "is more than this tool draws (4096)"),
+                       (["--out", "/tmp"], "--out must name a .png file, got '/tmp'")):
+        assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "zb-h1", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
 
 
 def test_png_written(tmp_path, capsys):

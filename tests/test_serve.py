@@ -208,6 +208,22 @@ def test_serve_cannot_listen_is_one_line(checkpoint):
             assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
             assert r.stderr.startswith(f"zerotron serve: error: cannot listen on 127.0.0.1:{port} (") and \
                 "choose another --port" in r.stderr, r.stderr
+    import shutil
+
+    from zerotron.train.checkpoint import latest_checkpoint
+
+    damaged = checkpoint.parent / "damaged_run"  # a flipped byte: refused in one line before serving
+    shutil.copytree(checkpoint, damaged)
+    data = next(latest_checkpoint(damaged).glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    data.write_bytes(bytes(raw))
+    r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(damaged), "--port", "0"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "does not match its checksum" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--batch-window-ms",
+                        "nan"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--batch-window-ms must be a finite number in [0, 60000], got nan" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--host",
                         "no-such-host.invalid", "--port", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)

@@ -511,6 +511,9 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(p.virtual_stages >= 2 if interleaved or threads else p.virtual_stages == 1,
          f"parallel.virtual_stages must be >= 2 for the interleaved schedule or pp_impl = threads (the stage "
          f"threads) and 1 otherwise, got {p.virtual_stages}")
+    need(dims.pp > 1 or interleaved or threads or p.pp_split.strip() in ("auto", "even", ""),
+         f"parallel.pp_split = {p.pp_split!r} splits layers over pipeline stages, but parallel.pp = 1: set "
+         "parallel.pp > 1 or remove parallel.pp_split")
     if dims.pp > 1 or interleaved or threads:
         # implemented: pp x dp (native DDP or native ZeRO-1/2/3) x tp (+ sequence parallel)
         need(p.zero_stage == 0 or p.zero_impl == "native",

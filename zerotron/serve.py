@@ -397,12 +397,27 @@ def check_args(args) -> None:
     """Raise ValueError (one line) for a bad option value."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.tp < 1 or args.pp < 1 or args.microbatches < 0 or args.max_batch < 1 or args.batch_window_ms < 0 \
-            or args.max_body_bytes < 1:
-        raise ValueError("need --parallel.tp/--parallel.pp >= 1, --microbatches >= 0, --max-batch >= 1, "
-                         "--batch-window-ms >= 0, --max-body-bytes >= 1")
+    import math
+
+    for name, val, ok in (("--parallel.tp", args.tp, args.tp >= 1), ("--parallel.pp", args.pp, args.pp >= 1),
+                          ("--microbatches", args.microbatches, args.microbatches >= 0),
+                          ("--max-batch", args.max_batch, args.max_batch >= 1),
+                          ("--batch-window-ms", args.batch_window_ms,
+                           math.isfinite(args.batch_window_ms) and 0 <= args.batch_window_ms <= 60000),
+                          ("--max-body-bytes", args.max_body_bytes, args.max_body_bytes >= 1)):
+        if not ok:
+            want = {"--parallel.tp": ">= 1", "--parallel.pp": ">= 1", "--microbatches": ">= 0", "--max-batch": ">= 1",
+                    "--batch-window-ms": "a finite number in [0, 60000]", "--max-body-bytes": ">= 1"}[name]
+            raise ValueError(f"{name} must be {want}, got {val}")
     if args.nproc > 1 and args.nproc % (args.tp * args.pp):
         raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp ({args.tp} x {args.pp})")
+
+
+class _Listener(ThreadingHTTPServer):
+    """The HTTP server with a listen backlog for bursts of clients (socketserver's default of 5
+    resets connections beyond it)."""
+
+    request_queue_size = 256
 
 
 def check_listen(host: str, port: int) -> None:
@@ -433,6 +448,10 @@ def main(argv: list[str]) -> int:
         ckpt = resolve_checkpoint(args.checkpoint)
         if not in_worker() or os.environ.get("RANK") == "0":
             check_listen(args.host, args.port)  # before any worker or model is started
+        if not in_worker():  # files present and checksums equal, before any worker starts
+            from .train import checkpoint as ck
+
+            ck.verify_checkpoint(ckpt)
         if args.nproc > 1 and not in_worker():
             return launch(args.nproc, ["serve", *strip_nproc(argv)])
     except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line
@@ -464,7 +483,7 @@ def main(argv: list[str]) -> int:
         model_id = args.model_name or (Path(args.checkpoint).resolve().name)
         srv = Server(engine, tok, eos_id(tok), model_id, args)
         try:
-            httpd = ThreadingHTTPServer((args.host, args.port), _handler(srv))
+            httpd = _Listener((args.host, args.port), _handler(srv))
         except OSError as e:  # taken between the launcher's check and now: one line, the others stop
             print(f"zerotron serve: error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose "
                   "another --port (0 = any free one) or a --host address of this machine", file=sys.stderr, flush=True)

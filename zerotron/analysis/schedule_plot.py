@@ -143,11 +143,23 @@ def schedule_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_ACTIONS = 4096  # pp x microbatches x virtual stages that `zerotron schedule` simulates and draws
+
+
 def _schedule_run(args) -> int:
     v = args.virtual if args.virtual is not None else (2 if args.kind == "interleaved" else 1)
     try:
-        if args.f_cost <= 0 or args.b_cost <= 0 or args.w_cost < 0:
-            raise ValueError("--f-cost and --b-cost must be > 0, --w-cost >= 0")
+        import math
+
+        for name, c, lo in (("--f-cost", args.f_cost, 0.0), ("--b-cost", args.b_cost, 0.0), ("--w-cost", args.w_cost, None)):
+            if not math.isfinite(c) or c > 1e6 or (c <= 0 if lo is not None else c < 0):
+                raise ValueError(f"{name} must be a finite number {'> 0' if lo is not None else '>= 0'} and "
+                                 f"<= 1e6, got {c}")
+        if args.pp * args.microbatches * v > MAX_ACTIONS:
+            raise ValueError(f"--pp x --microbatches x virtual stages = {args.pp * args.microbatches * v} is more than "
+                             f"this tool draws ({MAX_ACTIONS}); use fewer micro-batches or stages")
+        if args.out and not args.out.lower().endswith(".png"):
+            raise ValueError(f"--out must name a .png file, got {args.out!r}")
         schedule = build_schedule(args.pp, args.microbatches, args.kind, v)
         check_schedule(schedule, args.pp, args.microbatches, v)
         costs = (args.f_cost, args.b_cost, args.w_cost)

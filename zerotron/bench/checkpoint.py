@@ -93,6 +93,10 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--rounds must be >= 1, got {args.rounds}")
         if args.dir is not None and not Path(args.dir).is_dir():
             raise ConfigError(f"--dir {args.dir} is not a directory; create it or pass another")
+        for flag, out in (("--json", args.json), ("--markdown", args.markdown)):
+            if out and (Path(out).is_dir() or not Path(out).resolve().parent.is_dir()):
+                raise ConfigError(f"{flag} {out}: not a file path in an existing directory; pass e.g. "
+                                  f"{flag} results/ckpt.{'json' if flag == '--json' else 'md'}")
         cfg = load_config(args.config, parse_overrides(rest))
         res = measure(cfg, args.rounds, args.dir)
     except ConfigError as e:
