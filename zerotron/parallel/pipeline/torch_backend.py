@@ -142,7 +142,7 @@ class TorchPipeline(PipelineStrategy):
                     total += s.double().cpu()
         self.ddp.mark_used([q for q in self.ddp.module.parameters() if q.grad is not None])
         wall = time.perf_counter() - t0
-        # torch's schedules do not expose per-action times: the wall time is reported as busy
-        self._timing = {"busy_s": wall, "idle_s": 0.0, "bubble_fraction": 0.0, "stage_compute_s": {},
+        # torch's schedules expose no per-action times: busy = wall, the bubble is not measured (NaN)
+        self._timing = {"busy_s": wall, "idle_s": 0.0, "bubble_fraction": float("nan"), "stage_compute_s": {},
                         "schedule": (self.pp, m, self.kind, self.v)}
         return total
