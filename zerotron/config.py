@@ -163,7 +163,8 @@ class ParallelConfig:
     over FLOP estimates counting embedding and head + loss, ``zerotron.parallel.pipeline.balance``;
     even (or "") = equal layer counts; or comma-separated layer counts per model stage)/``pp_impl``
     (native | threads: one process, ``virtual_stages`` worker threads running GPipe,
-    ``zerotron.parallel.pipeline.threads``): pipeline parallelism.
+    ``zerotron.parallel.pipeline.threads`` | torch: torch.distributed.pipelining's schedules on the same
+    split, ``zerotron.parallel.pipeline.torch_backend``): pipeline parallelism.
     ``find_unused_parameters``: torch DDP (``dp_impl = torch``) only: allow parameters without a
     gradient in a step (torch's extra graph traversal); native DDP and ZeRO always handle them.
     ``dp_replicate`` (HSDP): the dp group as replicas x shards; ZeRO shards within a shard group and
@@ -200,7 +201,8 @@ class ParallelConfig:
     pp_split: str = "auto"
     """layers per stage: auto (balanced by FLOP estimates, head + loss on the last stage) | even | counts, e.g. 3,5"""
     pp_impl: str = "native"
-    """native (one process per stage) | threads (one process, virtual_stages stage threads, GPipe)"""
+    """native (one process per stage) | threads (one process, virtual_stages stage threads, GPipe) | torch
+    (torch.distributed.pipelining's schedules on the native split; pp x native DDP)"""
     find_unused_parameters: bool = False
     """torch DDP only: allow parameters without a gradient in a step (native DDP/ZeRO always do)"""
     backend: str = "auto"
@@ -497,9 +499,21 @@ def validate(cfg: Config, world_size: int) -> dict:
     need(p.pp_schedule in kinds, f"parallel.pp_schedule must be one of {kinds}, got {p.pp_schedule!r}")
     need(p.microbatches >= 0, f"parallel.microbatches must be >= 0 (0 = all micro-batches of the step), got {p.microbatches}")
     interleaved = p.pp_schedule == "interleaved"
-    need(p.pp_impl in ("native", "threads"), f"parallel.pp_impl must be native or threads (the torch pipelining "
-                                             f"backend is not available), got {p.pp_impl!r}")
+    need(p.pp_impl in ("native", "threads", "torch"),
+         f"parallel.pp_impl must be native, threads or torch, got {p.pp_impl!r}")
     threads = p.pp_impl == "threads"
+    if p.pp_impl == "torch":  # torch.distributed.pipelining schedules (parallel.pipeline.torch_backend)
+        need(dims.pp >= 2, f"parallel.pp_impl = torch needs parallel.pp >= 2 (torch's schedules run one process per "
+                           f"stage), got {dims.pp}")
+        need(p.pp_schedule != "naive", "parallel.pp_impl = torch has no naive schedule: set parallel.pp_schedule = "
+                                       "gpipe, 1f1b, interleaved or zb-h1")
+        need(dims.tp == 1 and p.zero_stage == 0 and p.dp_impl == "native",
+             "parallel.pp_impl = torch combines only with native DDP over dp: set parallel.tp = 1, "
+             "parallel.zero_stage = 0, parallel.dp_impl = native")
+        n_acc1 = t.global_batch // (t.micro_batch * dims.dp) if t.global_batch % (t.micro_batch * dims.dp) == 0 else 0
+        need(p.pp_schedule != "1f1b" or n_acc1 == 0 or (p.microbatches or n_acc1) >= dims.pp,
+             f"parallel.pp_impl = torch with 1f1b needs micro-batches per flush ({p.microbatches or n_acc1}) >= pp "
+             f"({dims.pp}) (torch's Schedule1F1B); lower train.micro_batch or use pp_impl = native")
     if threads:  # one process, one worker thread per stage (parallel.pipeline.threads)
         need(dims.pp == 1, f"parallel.pp_impl = threads runs every stage in one process (parallel.virtual_stages "
                            f"stage threads): set parallel.pp = 1, got {dims.pp}")

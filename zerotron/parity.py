@@ -47,11 +47,14 @@ FACTORS = {
     "tp": (1, 2),
     "sp": (False, True),
     "pp": (1, 2, 4),
-    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "threads"),
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "threads",
+                 "torch-gpipe", "torch-1f1b", "torch-interleaved", "torch-zb"),
     "acc": (1, 4),
     "split": ("auto", "even"),
     "rep": (1, 2),  # parallel.dp_replicate (HSDP: dp = rep replicas x dp/rep shards)
 }
+# the torch.distributed.pipelining backend (parallel.pp_impl = torch): matrix schedule -> pp_schedule
+TORCH_KINDS = {"torch-gpipe": "gpipe", "torch-1f1b": "1f1b", "torch-interleaved": "interleaved", "torch-zb": "zb-h1"}
 MAX_WORLD = 8
 STEPS = 2
 GLOBAL_BATCH = 16
@@ -114,6 +117,11 @@ class Layout:
         if self.schedule == "threads":  # GPipe over pp worker threads of each process
             o.update({"parallel.pp": 1, "parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
                       "parallel.virtual_stages": self.pp, "parallel.pp_split": self.split or "auto"})
+        elif self.schedule in TORCH_KINDS:  # torch.distributed.pipelining on the same split
+            o.update({"parallel.pp_impl": "torch", "parallel.pp_schedule": TORCH_KINDS[self.schedule],
+                      "parallel.pp_split": self.split or "auto"})
+            if self.schedule == "torch-interleaved":
+                o["parallel.virtual_stages"] = 2
         elif self.pp > 1:
             o["parallel.pp_schedule"] = self.schedule
             o["parallel.pp_split"] = self.split or "auto"
@@ -166,7 +174,11 @@ def expected_refusal(layout: Layout) -> str | None:
         return "pipeline x FSDP2 / torch DDP: their hooks expect one whole-model forward per backward"
     if layout.sync.startswith("fsdp2") and layout.tp > 1:
         return "FSDP2 is not combined with tensor parallelism"
-    if layout.schedule == "interleaved" and layout.acc % layout.pp:
+    if layout.schedule in TORCH_KINDS and (layout.sync != "ddp" or layout.tp > 1):
+        return "the torch.distributed.pipelining backend combines only with native DDP, tp = 1"
+    if layout.schedule == "torch-1f1b" and layout.acc < layout.pp:
+        return "torch's Schedule1F1B needs micro-batches per flush >= pp"
+    if layout.schedule in ("interleaved", "torch-interleaved") and layout.acc % layout.pp:
         return "interleaved needs micro-batches per flush divisible by pp"
     if layout.schedule == "threads" and (layout.sync != "ddp" or layout.tp > 1):
         return "the threaded executor (pp stages as threads of one process) combines only with native DDP, tp = 1"
@@ -182,7 +194,10 @@ def expected_refusal(layout: Layout) -> str | None:
 # (shard gradients summed locally, one all-reduce across replicas per step) and with tp 2
 MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-dp2-pp2-zb-h1-acc4",
         "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4", "zero2-dp4r2-acc4", "zero3-dp4r2-acc1",
-        "ddp-dp4r2-acc4", "zero3-dp4r2-tp2-acc4", "fsdp2_3-dp4r2-acc1")
+        "ddp-dp4r2-acc4", "zero3-dp4r2-tp2-acc4", "fsdp2_3-dp4r2-acc1",
+        # one per torch.distributed.pipelining schedule, over a real dp group where it fits in 4 ranks
+        "ddp-dp2-pp2-torch-gpipe-acc4", "ddp-dp2-pp2-torch-1f1b-acc4", "ddp-dp2-pp2-torch-interleaved-acc4",
+        "ddp-dp2-pp2-torch-zb-acc4")
 
 
 def covering_layouts(layouts: list[Layout]) -> list[Layout]:

@@ -37,6 +37,10 @@ LAYOUTS = {x.name: x for x in (
     *(Layout(f"pp-{k}", {"parallel.pp": "{world}", "parallel.pp_schedule": k}, **_NEW) for k in ("gpipe", "1f1b", "zb-h1")),
     Layout("pp-interleaved", {"parallel.pp": "{world}", "parallel.pp_schedule": "interleaved",
                               "parallel.virtual_stages": 2}, **_NEW),
+    # torch.distributed.pipelining's schedules on the same split (parallel.pp_impl = torch)
+    *(Layout(f"pp-torch-{n}", {"parallel.pp": "{world}", "parallel.pp_impl": "torch", "parallel.pp_schedule": k,
+                               **({"parallel.virtual_stages": 2} if k == "interleaved" else {})}, **_NEW)
+      for n, k in (("gpipe", "gpipe"), ("1f1b", "1f1b"), ("interleaved", "interleaved"), ("zb", "zb-h1"))),
     # one process, 2 stage threads (GPipe; the in-process executor), against pp-gpipe's 2 processes
     Layout("pp-threads-gpipe", {"parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
                                 "parallel.virtual_stages": 2}, world=1, **_NEW),

@@ -21,6 +21,7 @@ from zerotron.parallel.dtensor_tp import DTensorTPStrategy
 from zerotron.parallel.optim import decay_mask_by_name
 from zerotron.parallel.pipeline.runner import PipelineStrategy
 from zerotron.parallel.pipeline.threads import ThreadedPipeline
+from zerotron.parallel.pipeline.torch_backend import TorchPipeline
 from zerotron.parallel.recompute import apply_activation_checkpointing
 from zerotron.parallel.tensor.transform import apply_tensor_parallel
 
@@ -47,6 +48,8 @@ def parallelize(model, cfg, mesh):
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
     if p.pp_impl == "threads":  # one process, a worker thread per stage (config: dp only)
         strategy = ThreadedPipeline(model, mesh, cfg)
+    elif p.pp_impl == "torch":  # torch.distributed.pipelining schedules on the native split (config: pp x DDP)
+        strategy = TorchPipeline(model, mesh, cfg, mask)
     elif pipeline:  # (x tp x dp / ZeRO-1): stage split of the (TP) model; see parallel.pipeline
         strategy = PipelineStrategy(model, mesh, cfg, mask)
     else:

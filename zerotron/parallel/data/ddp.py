@@ -115,6 +115,12 @@ class DataParallel(Strategy):
         finally:
             self._sync = prev
 
+    def mark_used(self, params) -> None:
+        """Mark ``params`` as having a gradient this step (for gradients accumulated outside the
+        post-accumulate hooks, e.g. torch.distributed.pipelining's weight pass); no communication."""
+        for p in params:
+            self._used.mark(p)
+
     def _on_grad(self, p: nn.Parameter) -> None:
         self._used.mark(p)
         if not self._sync:
