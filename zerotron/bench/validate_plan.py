@@ -47,7 +47,8 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     tp-dtensor as tp;
     fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1; the HSDP layouts (hsdp-zeroS, fsdp2-hsdp,
     dp-hier) as their ZeRO stage with ``dp_replicate = 2`` (on an even world); pp-zb-h1 and
-    pp-threads-gpipe have none (the planner prices neither the ZB-H1 schedule nor threads). Suffixes ``-mbN`` / ``-ac...``
+    pp-threads-gpipe and pp-torch-* have none (the planner prices neither the ZB-H1 schedule, threads
+    nor torch's pipelining backend). Suffixes ``-mbN`` / ``-ac...``
     (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``
     is the config's otherwise."""
     try:
