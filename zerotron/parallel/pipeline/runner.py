@@ -206,6 +206,15 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def zero_grad(self) -> None:
         self.inner.zero_grad()
 
+    def flush_size(self, M: int) -> int:
+        """Micro-batches per pipeline flush for ``M`` micro-batches per step: parallel.microbatches,
+        or M when that is 0. Raises ValueError if it does not divide M."""
+        m = self.microbatches or M
+        if M % m:
+            raise ValueError(f"this rank has {M} micro-batches per step, not divisible by "
+                             f"parallel.microbatches = {m}; choose a divisor of {M} (or 0 = all)")
+        return m
+
     def forward_backward(self, micro_batches, n_global: int, dtype: str, device: torch.device) -> torch.Tensor:
         """Pipelined forward/backward over this rank's micro-batches ``[(x, y), ...]`` (each (b, T)
         int64, the same on every pp rank of a dp coordinate) in M/m flushes; each micro-batch's
@@ -213,10 +222,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         zero except on the last stage). Raises ValueError if M % m != 0 (m =
         parallel.microbatches or M) or the schedule rejects m (interleaved: m % pp != 0)."""
         M = len(micro_batches)
-        m = self.microbatches or M
-        if M % m:
-            raise ValueError(f"this rank has {M} micro-batches per step, not divisible by "
-                             f"parallel.microbatches = {m}; choose a divisor of {M} (or 0 = all)")
+        m = self.flush_size(M)
         total = torch.zeros((), dtype=torch.float64)
         ex = self.executor
         ex.reset_timing()

@@ -121,10 +121,7 @@ class TorchPipeline(PipelineStrategy):
         """As ``PipelineStrategy.forward_backward`` (same arguments, return value and errors), each
         flush driven by the torch schedule."""
         M = len(micro_batches)
-        m = self.microbatches or M
-        if M % m:
-            raise ValueError(f"this rank has {M} micro-batches per step, not divisible by "
-                             f"parallel.microbatches = {m}; choose a divisor of {M} (or 0 = all)")
+        m = self.flush_size(M)
         total = torch.zeros((), dtype=torch.float64)
         t0 = time.perf_counter()
         with self.ddp.no_sync():
