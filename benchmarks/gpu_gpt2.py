@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distributed
     from zerotron.models.gpt import GPT, preset_config
     from zerotron.parallel import parallelize
+    from zerotron.plan import ParallelPlan
     from zerotron.train.metrics import measure_peak_flops
     from zerotron.train.optim import build_scheduler, decay_mask
     from zerotron.train.step import train_step
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = GPT(mcfg).to(dev)
     mesh = Mesh(ParallelDims(1), dev)
-    strategy = parallelize(model, cfg, mesh)
+    strategy = parallelize(model, ParallelPlan.from_config(cfg, mesh.dims), mesh)
     if args.compile:
         strategy.module = torch.compile(model)  # DataParallel calls self.module(x); hooks stay on the parameters
     opt = strategy.build_optimizer(cfg.train, decay_mask(model))

@@ -20,20 +20,18 @@ KINDS = ("1f1b", "zb-h1")
 def work(rounds: int) -> dict:
     import torch.distributed as dist
 
-    from zerotron.config import Config
     from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.models.gpt import GPT, GPTConfig
     from zerotron.parallel.pipeline.runner import PipelineStrategy
+    from zerotron.plan import ParallelPlan
 
     torch.set_num_threads(1)
     mesh = Mesh(ParallelDims(2, 1, 1, 2), torch.device("cpu"))
     strategies, res = {}, {k: [] for k in KINDS}
     for kind in KINDS:
-        cfg = Config()
-        cfg.parallel.pp_schedule = kind
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=4096, block_size=128, n_layer=4, n_head=4, n_embd=128, dropout=0.0))
-        strategies[kind] = PipelineStrategy(model, mesh, cfg)
+        strategies[kind] = PipelineStrategy(model, mesh, ParallelPlan(mesh.dims, pp_schedule=kind))
     g = torch.Generator().manual_seed(0)
     mbs = [(torch.randint(0, 4096, (2, 128), generator=g), torch.randint(0, 4096, (2, 128), generator=g))
            for _ in range(8)]

@@ -229,23 +229,24 @@ def test_pp2_dp2_tp2_eight_processes(reference, data_cache, tmp_path):
 
 
 def test_validate_pipeline_combinations():
-    from zerotron.config import ConfigError, validate
+    from zerotron.config import ConfigError
+    from zerotron.plan import build_plan
 
     def cfg(**kw):
         return tiny_config({"train.global_batch": 8, "train.micro_batch": 2, "parallel.pp": 2, **kw})
 
-    assert validate(cfg(**{"parallel.tp": 2}), 4)["pp"] == 2
-    assert validate(cfg(**{"parallel.tp": 2, "parallel.dp": 2}), 8)["tp"] == 2
-    assert validate(cfg(**{"parallel.zero_stage": 1}), 4)["dp"] == 2
-    assert validate(cfg(**{"parallel.zero_stage": 1, "parallel.tp": 2}), 8)["dp"] == 2
-    assert validate(cfg(**{"parallel.tp": 2, "parallel.sequence_parallel": "true"}), 4)["tp"] == 2  # pp x SP
-    assert validate(cfg(**{"parallel.zero_stage": 2}), 4)["dp"] == 2  # pipeline x ZeRO-2 / ZeRO-3
-    assert validate(cfg(**{"parallel.zero_stage": 3, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
-                    8)["dp"] == 2
+    assert build_plan(cfg(**{"parallel.tp": 2}), 4).pp == 2
+    assert build_plan(cfg(**{"parallel.tp": 2, "parallel.dp": 2}), 8).tp == 2
+    assert build_plan(cfg(**{"parallel.zero_stage": 1}), 4).dp == 2
+    assert build_plan(cfg(**{"parallel.zero_stage": 1, "parallel.tp": 2}), 8).dp == 2
+    assert build_plan(cfg(**{"parallel.tp": 2, "parallel.sequence_parallel": "true"}), 4).tp == 2  # pp x SP
+    assert build_plan(cfg(**{"parallel.zero_stage": 2}), 4).dp == 2  # pipeline x ZeRO-2 / ZeRO-3
+    assert build_plan(cfg(**{"parallel.zero_stage": 3, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
+                    8).dp == 2
     for kw, msg in [({"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"},
                      "zero_impl = fsdp2 is not combined with pipeline parallelism"),
                     ({"parallel.zero_stage": 2, "parallel.zero_impl": "fsdp2"}, "set parallel.zero_impl = native"),
                     ({"parallel.zero_stage": 1, "parallel.zero_impl": "fsdp2"}, "zero_impl"),
                     ({"parallel.dp_impl": "torch"}, "parallel.dp_impl = torch is not combined")]:
         with pytest.raises(ConfigError, match=msg):
-            validate(cfg(**kw), 4)
+            build_plan(cfg(**kw), 4)

@@ -148,7 +148,7 @@ def test_bad_arguments_exit_2(capsys):
 
 
 def test_in_process_skips_unbuildable_layouts(monkeypatch, data_cache, single_process):
-    """World size 1: 'single' runs; a config refused by validate() and a strategy parallelize() does
+    """World size 1: 'single' runs; a config refused by build_plan() and a strategy parallelize() does
     not provide are reported as skipped (with the error), and the run goes on."""
     from zerotron.data import prepare_data
 

@@ -122,6 +122,7 @@ def _uneven_worker():
     from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.models.gpt import GPT, GPTConfig
     from zerotron.parallel import parallelize
+    from zerotron.plan import ParallelPlan
     from zerotron.train.optim import build_scheduler, decay_mask
     from zerotron.train.step import IGNORE_INDEX, train_step
 
@@ -141,7 +142,7 @@ def _uneven_worker():
     logits = ref_model(x)
     torch.nn.functional.cross_entropy(logits.reshape(-1, 50), y.reshape(-1), ignore_index=IGNORE_INDEX).backward()
     cfg = Config()
-    strategy = parallelize(model, cfg, mesh)
+    strategy = parallelize(model, ParallelPlan.from_config(cfg, mesh.dims), mesh)
     opt = strategy.build_optimizer(cfg.train, decay_mask(model))
     sched = build_scheduler(opt, cfg.train)
     per = 8 // world

@@ -7,8 +7,9 @@ ZeRO-3 resumed by one process. Config validation refuses what HSDP does not run,
 import numpy as np
 import pytest
 
-from zerotron.config import ConfigError, validate
+from zerotron.config import ConfigError
 from zerotron.distributed import comm
+from zerotron.plan import build_plan
 from zerotron.testing import assert_params_close, run_ranks, tiny_config
 
 STEPS = 4
@@ -161,5 +162,5 @@ def test_hsdp_checkpoint_resumed_by_one_process(data_cache, single_process, tmp_
 ])
 def test_hsdp_refusals_are_one_line(over, world, needle):
     with pytest.raises(ConfigError) as e:
-        validate(tiny_config({**MODEL, "train.micro_batch": 1, **over}), world)
+        build_plan(tiny_config({**MODEL, "train.micro_batch": 1, **over}), world)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

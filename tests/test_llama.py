@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zerotron.config import ConfigError, load_config, model_shape, validate
+from zerotron.config import ConfigError, load_config, model_shape
 from zerotron.models import registry
 from zerotron.models.layout import get_module
 from zerotron.models.llama import (
@@ -18,6 +18,7 @@ from zerotron.models.llama import (
     preset_config,
     rope_inv_freq,
 )
+from zerotron.plan import build_plan
 
 CFG = LlamaConfig(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
                   intermediate_size=48)
@@ -244,13 +245,13 @@ def test_model_section_resolution_and_refusals():
     ]
     for overrides, msg in refusals:
         with pytest.raises(ConfigError, match=msg):
-            validate(cfg_of(**overrides), 4)
+            build_plan(cfg_of(**overrides), 4)
     for overrides, msg in (({"model.n_kv_head": "2"}, "applies to model.arch = 'llama' only"),
                            ({"model.tie_word_embeddings": "false"}, "not available for gpt2")):
         with pytest.raises(ConfigError, match=msg):
-            validate(load_config("configs/tiny.toml", list(overrides.items())), 1)
-    validate(cfg_of(**{"parallel.tp": 2}), 2)
-    validate(cfg_of(**{"model.bias": "false"}), 1)
+            build_plan(load_config("configs/tiny.toml", list(overrides.items())), 1)
+    build_plan(cfg_of(**{"parallel.tp": 2}), 2)
+    build_plan(cfg_of(**{"model.bias": "false"}), 1)
 
 
 def test_registry_meta_round_trip_and_old_checkpoints():

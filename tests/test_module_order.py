@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from zerotron.models.gpt import GPT, Block, GPTConfig
+from zerotron.plan import ParallelPlan
 from zerotron.testing import assert_params_close, run_ranks, tiny_config
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
@@ -87,7 +88,7 @@ def _train(lay: dict, plan: list, overrides: dict) -> dict:
     if world == 1:
         strategy, mask = Strategy(model), decay_mask(model)
     else:
-        strategy = parallelize(model, cfg, mesh)
+        strategy = parallelize(model, ParallelPlan.from_config(cfg, mesh.dims), mesh)
         mask = strategy.decay_mask
     opt = strategy.build_optimizer(cfg.train, mask)
     sched = build_scheduler(opt, cfg.train)
@@ -226,8 +227,9 @@ def test_unused_parameters_skipped_like_one_process(single_process):
 
 
 def test_find_unused_parameters_config():
-    from zerotron.config import ConfigError, validate
+    from zerotron.config import ConfigError
+    from zerotron.plan import build_plan
 
     with pytest.raises(ConfigError, match="applies to parallel.dp_impl = torch with zero_stage = 0 only"):
-        validate(tiny_config({"parallel.find_unused_parameters": "true"}), 2)
-    assert validate(tiny_config({"parallel.find_unused_parameters": "true", "parallel.dp_impl": "torch"}), 2)["dp"] == 2
+        build_plan(tiny_config({"parallel.find_unused_parameters": "true"}), 2)
+    assert build_plan(tiny_config({"parallel.find_unused_parameters": "true", "parallel.dp_impl": "torch"}), 2).dp == 2

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from zerotron.config import ConfigError
+from zerotron.plan import ParallelPlan
 from zerotron.testing import run_ranks
 
 STEPS, SAVE_AT, GLOBAL, T = 5, 3, 8, 16
@@ -76,6 +78,7 @@ def _train(lay: dict) -> dict:
     mesh = _mesh(pp, dp)
     cfg = _cfg(lay.get("kind", "1f1b"), lay.get("m", 0), lay.get("v", 1), lay.get("split", ""),
                lay.get("clip", CLIP))
+    plan = ParallelPlan.from_config(cfg, mesh.dims, micro_batch=lay.get("mb", GLOBAL // dp), global_batch=GLOBAL)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**MODEL, **lay.get("model", {})})).double()
     if lay.get("recompute"):  # activation checkpointing of every block (the trainer's transform)
@@ -87,9 +90,9 @@ def _train(lay: dict) -> dict:
         prompt = torch.randint(0, MODEL["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(7))
         dense_gen = model.generate(prompt, 14, temperature=0).tolist()
     if lay.get("dense"):
-        strategy, module = parallelize(model, cfg, mesh), model
+        strategy, module = parallelize(model, plan, mesh), model
     else:
-        strategy = PipelineStrategy(model, mesh, cfg)
+        strategy = PipelineStrategy(model, mesh, plan)
         module = strategy.module
         out["stage_modules"] = strategy.stage_modules()
         # pp > 1: only this rank's stages keep parameter storage (the last holds the tied weight too)
@@ -312,11 +315,11 @@ def test_errors(single_process):
             stage_layer_counts(*args)
     mesh = _mesh(1, 1)
     model = GPT(GPTConfig(**MODEL))
-    with pytest.raises(ValueError, match="pp_schedule must be one of"):
-        PipelineStrategy(model, mesh, _cfg(kind="zigzag"))
-    with pytest.raises(ValueError, match="virtual_stages >= 2"):
-        PipelineStrategy(model, mesh, _cfg(kind="interleaved", v=1))
-    s = PipelineStrategy(model, mesh, _cfg(kind="gpipe", m=3))
+    with pytest.raises(ConfigError, match="pp_schedule must be one of"):  # the plan refuses, not the strategy
+        ParallelPlan.from_config(_cfg(kind="zigzag"), mesh.dims)
+    with pytest.raises(ConfigError, match="virtual_stages must be >= 2 for the interleaved"):
+        ParallelPlan.from_config(_cfg(kind="interleaved", v=1), mesh.dims)
+    s = PipelineStrategy(model, mesh, ParallelPlan.from_config(_cfg(kind="gpipe", m=3), mesh.dims, micro_batch=1, global_batch=3))
     with pytest.raises(ValueError, match="4 micro-batches per step, not divisible by parallel.microbatches = 3"):
         s.forward_backward(_micro(0, 0, 1, 2), 100, "fp32", torch.device("cpu"))
     x = _batch(0)[0]

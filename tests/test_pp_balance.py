@@ -9,6 +9,7 @@ import pytest
 from zerotron.layout import balanced_counts, even_counts, stage_costs, stage_layer_counts
 from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble
 from zerotron.parallel.pipeline.schedules import bubble_theory, build_schedule, rank_idle_fractions, simulate
+from zerotron.plan import ParallelPlan
 
 
 def _brute_minimax(costs, k, first, last):
@@ -44,14 +45,15 @@ def test_balanced_counts_is_the_minimax_partition():
 
 
 def test_explicit_split_needs_a_pipeline():
-    from zerotron.config import ConfigError, validate
+    from zerotron.config import ConfigError
+    from zerotron.plan import build_plan
     from zerotron.testing import tiny_config
 
     with pytest.raises(ConfigError, match=r"parallel.pp_split = '3,1' splits layers over pipeline stages, but "
                                           r"parallel.pp = 1"):
-        validate(tiny_config({"parallel.pp_split": "3,1"}), 1)
+        build_plan(tiny_config({"parallel.pp_split": "3,1"}), 1)
     for word in ("auto", "even", ""):
-        validate(tiny_config({"parallel.pp_split": word}), 1)
+        build_plan(tiny_config({"parallel.pp_split": word}), 1)
 
 
 def test_stage_layer_counts_words():
@@ -106,12 +108,12 @@ def test_layer_costs_from_flops_every_family(single_process, capsys):
     cfg.parallel.pp_schedule, cfg.parallel.virtual_stages = "interleaved", 2
     capsys.readouterr()
     for _ in range(2):
-        s = PipelineStrategy(GPT(gcfg), mesh, cfg)
+        s = PipelineStrategy(GPT(gcfg), mesh, ParallelPlan.from_config(cfg, mesh.dims))
         assert s.split == [3, 1] and [list(r) for r in s.module.layer_ranges] == [[0, 1, 2], [3]]
     out = capsys.readouterr().out
     assert out.count("zerotron: pipeline split (parallel.pp_split = auto): layers per stage 3,1") == 1, out
     cfg.parallel.pp_split = "even"
-    assert PipelineStrategy(GPT(gcfg), mesh, cfg).split == [2, 2] and "pipeline split" not in capsys.readouterr().out
+    assert PipelineStrategy(GPT(gcfg), mesh, ParallelPlan.from_config(cfg, mesh.dims)).split == [2, 2] and "pipeline split" not in capsys.readouterr().out
 
 
 def test_simulate_per_stage_costs_and_rank_idle():

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from zerotron import parity
-from zerotron.config import ConfigError, validate
+from zerotron.config import ConfigError
+from zerotron.plan import ParallelPlan, build_plan
 from zerotron.testing import tiny_config
 
 THREADS = {"parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe"}
@@ -63,7 +64,7 @@ def test_threaded_pipeline_timing_and_errors(single_process, monkeypatch):
     mesh = Mesh(ParallelDims(1, 1, 1, 1), torch.device("cpu"))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=4096, block_size=16, n_layer=4, n_head=2, n_embd=32))
-    strat = parallelize(model, cfg, mesh)
+    strat = parallelize(model, ParallelPlan.from_config(cfg, mesh.dims), mesh)
     assert isinstance(strat, ThreadedPipeline) and strat.split == [3, 1]  # head 2*32*4096 FLOPs: 3,1
     g = torch.Generator().manual_seed(0)
     mbs = [(torch.randint(0, 4096, (2, 16), generator=g), torch.randint(0, 4096, (2, 16), generator=g))
@@ -106,5 +107,5 @@ def test_threaded_pipeline_timing_and_errors(single_process, monkeypatch):
 ])
 def test_threaded_pipeline_refusals(over, world, msg):
     with pytest.raises(ConfigError, match=msg) as e:
-        validate(tiny_config({**THREADS, **over}), world)
+        build_plan(tiny_config({**THREADS, **over}), world)
     assert "\n" not in str(e.value)

@@ -5,7 +5,8 @@ import pytest
 
 from zerotron import parity
 from zerotron.bench.layouts import get_layout
-from zerotron.config import ConfigError, validate
+from zerotron.config import ConfigError
+from zerotron.plan import build_plan
 from zerotron.testing import tiny_config
 
 TORCH = {"parallel.pp_impl": "torch", "parallel.pp": 2}
@@ -22,7 +23,7 @@ TORCH = {"parallel.pp_impl": "torch", "parallel.pp": 2}
 ])
 def test_torch_pipeline_refusals(over, world, msg):
     with pytest.raises(ConfigError, match=msg) as e:
-        validate(tiny_config({**TORCH, **over}), world)
+        build_plan(tiny_config({**TORCH, **over}), world)
     assert "\n" not in str(e.value)
 
 
@@ -36,8 +37,8 @@ def test_torch_pipeline_accepted_layouts_and_schedule_table():
         assert getattr(ts, cls.__name__) is cls
         assert multi == issubclass(cls, ts.PipelineScheduleMulti)
     for kind in ("gpipe", "1f1b", "zb-h1"):
-        validate(tiny_config({**TORCH, "parallel.pp_schedule": kind}), 2)
-    validate(tiny_config({**TORCH, "parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2}), 2)
+        build_plan(tiny_config({**TORCH, "parallel.pp_schedule": kind}), 2)
+    build_plan(tiny_config({**TORCH, "parallel.pp_schedule": "interleaved", "parallel.virtual_stages": 2}), 2)
     for name in ("pp-torch-gpipe", "pp-torch-1f1b", "pp-torch-interleaved", "pp-torch-zb"):
         lay = get_layout(name + "-mb2")
         assert lay.overrides["parallel.pp_impl"] == "torch"

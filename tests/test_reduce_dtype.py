@@ -104,17 +104,18 @@ def test_tied_sum_witness(runs):
     ({"parallel.tp": 2, "parallel.sequence_parallel": "true"}, 2),
 ])
 def test_reduce_bf16_refused_without_zero(overrides, world):
-    from zerotron.config import ConfigError, validate
+    from zerotron.config import ConfigError
+    from zerotron.plan import build_plan
 
     cfg = tiny_config({"parallel.reduce_dtype": "bf16", "train.dtype": "bf16", "train.micro_batch": 2, **overrides})
     with pytest.raises(ConfigError) as e:
-        validate(cfg, world)
+        build_plan(cfg, world)
     msg = str(e.value)
     assert "\n" not in msg and "parallel.reduce_dtype = bf16" in msg and "parallel.zero_stage" in msg, msg
     ok = tiny_config({"parallel.reduce_dtype": "bf16", "parallel.zero_stage": 1, "train.micro_batch": 2,
                       **overrides})
-    assert validate(ok, world)["dp"] >= 1   # ZeRO's reduce-scatter honours it
-    assert validate(tiny_config({**overrides, "train.micro_batch": 2}), world)["dp"] >= 1  # fp32 default
+    assert build_plan(ok, world).dp >= 1   # ZeRO's reduce-scatter honours it
+    assert build_plan(tiny_config({**overrides, "train.micro_batch": 2}), world).dp >= 1  # fp32 default
 
 
 def test_reduce_bf16_refused_by_cli(capsys, tmp_path):

@@ -182,17 +182,18 @@ def test_init_from_hf_sliced_per_rank(data_cache, single_process, tmp_path):
 
 def test_validate_dtensor_backend():
     """tp_impl = dtensor runs tensor parallelism alone; every other combination is refused by name."""
-    from zerotron.config import ConfigError, validate
+    from zerotron.config import ConfigError
+    from zerotron.plan import build_plan
 
     def cfg(**kw):
         return tiny_config({"train.global_batch": 8, "train.micro_batch": 2, "parallel.tp": 2,
                             "parallel.tp_impl": "dtensor", **kw})
-    assert validate(cfg(), 2)["tp"] == 2
+    assert build_plan(cfg(), 2).tp == 2
     for kw, world in (({}, 4), ({"parallel.pp": 2}, 4), ({"parallel.zero_stage": 1}, 2),
                       ({"parallel.sequence_parallel": "true"}, 2)):
         with pytest.raises(ConfigError, match="tp_impl = dtensor .* runs tensor parallelism alone"):
-            validate(cfg(**kw), world)
+            build_plan(cfg(**kw), world)
     with pytest.raises(ConfigError, match="needs model.dropout = 0"):
-        validate(cfg(**{"model.dropout": 0.1}), 2)
+        build_plan(cfg(**{"model.dropout": 0.1}), 2)
     with pytest.raises(ConfigError, match="tp_impl must be native or dtensor"):
-        validate(cfg(**{"parallel.tp_impl": "megatron"}), 2)
+        build_plan(cfg(**{"parallel.tp_impl": "megatron"}), 2)

@@ -92,8 +92,9 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(argv: list[str]) -> int:
-    from .config import ConfigError, load_config, parse_overrides, validate
+    from .config import ConfigError, load_config, parse_overrides
     from .launch import in_worker, launch
+    from .plan import build_plan
 
     args, rest = train_parser().parse_known_args(argv)
     from .train.lifecycle import RunStopped
@@ -109,7 +110,7 @@ def cmd_train(argv: list[str]) -> int:
             raise ConfigError("--max-restarts restarts the worker processes of --nproc N: add --nproc (under "
                               "torchrun, pass torchrun --max-restarts instead)")
         world = int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc)
-        validate(cfg, world)
+        build_plan(cfg, world)
         from .train.tensorboard import tensorboard_enabled
 
         tensorboard_enabled(cfg.log.tensorboard)  # "true" without the package: one line, before any worker

@@ -39,7 +39,8 @@ import hashlib
 import itertools
 from dataclasses import dataclass
 
-from .config import ConfigError, validate
+from .config import ConfigError
+from .plan import build_plan
 
 FACTORS = {
     "sync": ("ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp2_2", "fsdp2_3"),
@@ -152,9 +153,9 @@ def config_for(layout: Layout, extra: dict | None = None):
 
 
 def refusal(layout: Layout) -> str | None:
-    """Config validation's verdict: None if the layout runs, else its one-line message."""
+    """The plan's verdict (``plan.build_plan``): None if the layout runs, else its one-line message."""
     try:
-        validate(config_for(layout), layout.world)
+        build_plan(config_for(layout), layout.world)
     except ConfigError as e:
         return str(e)
     return None

@@ -87,10 +87,10 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def _nocache(model, mesh, requests) -> tuple[list[list[int]], dict]:
     """Today's pipelined decoding (no KV cache, greedy, one prompt at a time)."""
-    from zerotron.config import Config
     from zerotron.parallel.pipeline.runner import PipelineStrategy, pipeline_generate
+    from zerotron.plan import ParallelPlan
 
-    strat = PipelineStrategy(model, mesh, Config())
+    strat = PipelineStrategy(model, mesh, ParallelPlan(mesh.dims))
     t0, out = time.perf_counter(), []
     first = None
     for r in requests:

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zerotron.config import load_config, parse_overrides, validate
+from zerotron.config import load_config, parse_overrides
 from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows, prepare_data
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distributed, teardown
@@ -61,6 +61,7 @@ from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
 from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble
 from zerotron.parallel.pipeline.schedules import bubble_theory
+from zerotron.plan import build_plan
 from zerotron.train.optim import build_scheduler
 from zerotron.train.step import train_step
 from zerotron.train.trainer import gpt_config, load_data
@@ -138,7 +139,7 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     mcfg, t = gpt_config(cfg, data.vocab_size), cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank and layout
     model = build_model(mcfg).to(mesh.device)
-    strategy = parallelize(model, cfg, mesh)
+    strategy = parallelize(model, build_plan(cfg, mesh.dims.world_size), mesh)
     if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
         raise NotImplementedError(f"parallelize() returned a plain {type(strategy).__name__} for "
                                   f"{layout.overrides}: this strategy is not implemented yet")
@@ -253,7 +254,7 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
                         raise ValueError(f"layout {name!r} needs {w} ranks, the run has {n}")
                     own = [(k, str(v).format(world=n)) for k, v in layout.overrides.items()]
                     cfg = load_config(path, [*overrides, *own])
-                    validate(cfg, w)
+                    build_plan(cfg, w)
                     mesh = _mesh(cache, ParallelDims(w, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_replicate), n, dev)
                 except ValueError as e:  # ConfigError is a ValueError
                     skipped[name] = {"layout": name, "world_size": w, "skipped": True, "error": str(e)}
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--steps, --rounds and --nproc must be >= 1 and --warmup >= 0")
         overrides = parse_overrides(rest)
         cfg = load_config(args.config, overrides)
-        validate(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc)
+        build_plan(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc)
         if args.nproc > 1 and not in_worker():
             d = cfg.data  # build the token cache once, before the workers start
             prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,

@@ -15,62 +15,16 @@ the dp group and "dp_rep" is None.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..launch import check_multinode_addresses, die_with_parent
+from ..plan import ParallelDims
 from . import comm
 
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of each parallel dimension; ``dp * tp * pp`` must equal ``world_size``.
-
-    ``dp = 0`` means "derive": world_size // (tp * pp). Raises ValueError (naming the fix) when the
-    product does not match the world size or a degree is < 1."""
-
-    world_size: int
-    dp: int = 0
-    tp: int = 1
-    pp: int = 1
-    dp_replicate: int = 1
-
-    def __post_init__(self):
-        for name in ("tp", "pp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dp < 0:
-            raise ValueError(f"parallel.dp must be >= 1 (or 0 = derive from world size), got {self.dp}")
-        if self.dp == 0:
-            if self.world_size % (self.tp * self.pp):
-                raise ValueError(
-                    f"world size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}; "
-                    "change --nproc or parallel.tp / parallel.pp")
-            object.__setattr__(self, "dp", self.world_size // (self.tp * self.pp))
-        if self.dp * self.tp * self.pp != self.world_size:
-            raise ValueError(
-                f"parallel.dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} "
-                f"does not equal the world size {self.world_size}; set parallel.dp = 0 to derive it "
-                "or change --nproc")
-        if self.dp_replicate < 1 or self.dp % self.dp_replicate:
-            raise ValueError(
-                f"parallel.dp_replicate ({self.dp_replicate}) must be >= 1 and divide the dp degree ({self.dp}): "
-                "dp = replicas x shards; change parallel.dp_replicate or --nproc")
-
-    @property
-    def dp_shard(self) -> int:
-        """Shard-group size S = dp / dp_replicate (HSDP; = dp without replication)."""
-        return self.dp // self.dp_replicate
-
-    def coords(self, rank: int) -> dict:
-        """(pp, dp, tp) coordinates of a global rank as a dict."""
-        t = rank % self.tp
-        d = (rank // self.tp) % self.dp
-        p = rank // (self.tp * self.dp)
-        return {"pp": p, "dp": d, "tp": t}
+__all__ = ["Mesh", "ParallelDims", "init_distributed", "default_device", "teardown", "destroy"]
 
 
 def default_device() -> torch.device:

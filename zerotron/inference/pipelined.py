@@ -37,9 +37,9 @@ import time
 
 import torch
 
-from zerotron.config import Config
 from zerotron.distributed import comm
 from zerotron.parallel.pipeline.runner import PipelineStrategy
+from zerotron.plan import ParallelPlan
 
 from .batch import DecodeBatch
 from .forward import RunStats, forward_layers
@@ -86,9 +86,7 @@ class PipelinedDecoder:
     training FLOPs as ``parallel.pp_split = auto`` does). ``stage``: the StageModel holding this rank's modules. Raises ValueError for a bad split."""
 
     def __init__(self, model, mesh, pp_split: str = ""):
-        cfg = Config()
-        cfg.parallel.pp_split = pp_split
-        self.strategy = PipelineStrategy(model, mesh, cfg)
+        self.strategy = PipelineStrategy(model, mesh, ParallelPlan(mesh.dims, pp_split=pp_split))
         self.stage, self.model, self.mesh = self.strategy.module, model, mesh
         self.pp, self.rank = mesh.size("pp"), mesh.local_rank("pp")
         self.first, self.last = self.rank == 0, self.rank == self.pp - 1

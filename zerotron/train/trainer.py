@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import Config, ConfigError, model_shape, validate
+from ..config import Config, ConfigError, model_shape
 from ..data import GlobalBatchSampler, batch_from_indices, num_windows, prepare_data
 from ..distributed import comm
-from ..distributed.mesh import Mesh, ParallelDims, init_distributed
+from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
 from ..parallel import parallelize
 from ..parallel.precision import param_dtype
+from ..plan import build_plan
 from . import checkpoint as ckpt
 from . import lifecycle
 from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics, strict_json
@@ -158,9 +159,9 @@ class Trainer:
         device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}.get(
             cfg.train.device)
         rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, device)
-        self.layout = validate(cfg, world)
-        self.mesh = Mesh(ParallelDims(world, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
-                                      cfg.parallel.dp_replicate), device)
+        self.plan = build_plan(cfg, world)  # every layout rule, once; the strategies take the plan
+        self.layout = self.plan.layout()
+        self.mesh = Mesh(self.plan.dims, device)
         self.device, self.rank, self.world = device, rank, world
         self.dp_rank, self.dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         self.data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
@@ -176,7 +177,7 @@ class Trainer:
         self.num_params = self.model.num_params()  # dense count, before any sharding
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
         self.state_bytes, self.state_tensors = sum(v.numel() * v.element_size() for v in dense.values()), len(dense)
-        self.strategy = parallelize(self.model, cfg, self.mesh)
+        self.strategy = parallelize(self.model, self.plan, self.mesh)
         self.optimizer = self.strategy.build_optimizer(cfg.train, self.strategy.decay_mask)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.sampler = GlobalBatchSampler(num_windows(len(self.data.train), self.seq_len),

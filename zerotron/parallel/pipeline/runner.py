@@ -1,6 +1,6 @@
 """Pipeline parallelism over the mesh's "pp" dimension: stage split, schedules, tied weights.
 
-``PipelineStrategy(model, mesh, cfg)`` splits a fully initialised ``CausalLM`` (identical on every rank)
+``PipelineStrategy(model, mesh, plan)`` splits a fully initialised ``CausalLM`` (identical on every rank)
 into ``pp * v`` model stages (v = ``parallel.virtual_stages`` for "interleaved", else 1); pipeline
 rank r holds the stages ``c*pp + r`` for its chunks c (Megatron-LM interleaving). Layers per
 stage follow ``parallel.pp_split``: "auto" (default; balanced over FLOP estimates that count the
@@ -82,7 +82,7 @@ from zerotron.parallel.pipeline.executor import (
     stage_layer_counts,
     stage_layer_ranges,
 )
-from zerotron.parallel.pipeline.schedules import KINDS, build_schedule
+from zerotron.parallel.pipeline.schedules import build_schedule
 from zerotron.parallel.pipeline.stage_zero import StageZero
 from zerotron.parallel.pipeline.state import PipelineStateMixin
 from zerotron.parallel.tensor.layers import is_tp_sharded
@@ -98,36 +98,28 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     Args: ``model`` (a fully initialised ``CausalLM``, identical on all ranks, or the tensor-parallel
     model made from it; afterwards use ``.module``; with pp > 1 the storage of the parameters of other
     ranks' stages is freed (``released_bytes``; shapes kept; ``full_params`` re-creates them for
-    the duration of its context), so parameter memory falls with pp), ``mesh``, ``cfg`` (``cfg.parallel``: pp_schedule, microbatches,
-    virtual_stages, pp_split, bucket_mb, zero_stage, reduce_dtype; ``cfg.train.dtype``),
+    the duration of its context), so parameter memory falls with pp), ``mesh``, ``plan`` (a
+    ``zerotron.plan.ParallelPlan``, already validated: pp_schedule, microbatches, virtual_stages,
+    pp_split, bucket_mb, zero_stage, reduce_dtype, dtype, activation_checkpointing),
     ``mask`` (weight-decay flag by ``id(param)`` of ``model``; default ``optim.decay_mask(model)``,
     only used by ZeRO-1, which fixes the flag per flat buffer at construction).
     Attributes: ``module`` (this rank's ``StageModel``), ``ddp`` (inner DataParallel over dp, or
     None with ZeRO-1), ``zero`` (:class:`StageZero` or None), ``tp_group`` (the tp NamedGroup when
     ``model`` is tensor-parallel, else None), ``loss_groups`` = [pp group, dp group]. Raises
-    ValueError for an unknown schedule, a bad virtual_stages/pp_split, ``microbatches`` < 0, or a
-    zero_stage other than 0/1."""
+    ValueError for a pp_split the model cannot take or a layout with more than one tied pair (the
+    rest of the layout rules are the plan's)."""
 
-    def __init__(self, model, mesh, cfg, mask: dict | None = None):
-        p = cfg.parallel
-        if p.pp_schedule not in KINDS:
-            raise ValueError(f"parallel.pp_schedule must be one of {KINDS}, got {p.pp_schedule!r}")
-        if p.microbatches < 0:
-            raise ValueError(f"parallel.microbatches must be >= 0 (0 = all), got {p.microbatches}")
+    def __init__(self, model, mesh, plan, mask: dict | None = None):
+        p = self.plan = plan
         self.kind, self.microbatches = p.pp_schedule, p.microbatches
         self.v = p.virtual_stages if self.kind == "interleaved" else 1
-        if self.kind == "interleaved" and self.v < 2:
-            raise ValueError(f"interleaved needs parallel.virtual_stages >= 2, got {p.virtual_stages}")
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
         n_stages = self.pp * self.v
-        recompute = cfg.train.activation_checkpointing
+        recompute = p.activation_checkpointing
         self.split = resolve_split(model, n_stages, p.pp_split, recompute)  # layers per model stage
         ranges = stage_layer_ranges(self.split)
         if mesh.rank == 0 and p.pp_split.strip() == "auto":
             announce_split(model, self.split, p.pp_split, recompute)
-        if p.zero_stage not in (0, 1, 2, 3) or (p.zero_stage and p.zero_impl != "native"):
-            raise ValueError(f"pipeline parallelism supports the native parallel.zero_stage 0-3, got "
-                             f"{p.zero_stage} ({p.zero_impl})")
         self.dense = model
         self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
         self.module = StageModel(model, [c * self.pp + self.rank for c in range(self.v)], ranges)
@@ -153,7 +145,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             mask = dict(mask)
             if self.tied is not None:
                 mask[id(self.tied)] = False  # an embedding: never decayed
-            self.zero = StageZero(self.module, self.dp_group, mask, self.tied, cfg.train.dtype, p.reduce_dtype,
+            self.zero = StageZero(self.module, self.dp_group, mask, self.tied, p.dtype, p.reduce_dtype,
                                   stage=p.zero_stage)
         else:
             self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb,

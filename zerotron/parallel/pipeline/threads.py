@@ -65,21 +65,18 @@ class ThreadedPipeline(DataParallel):
     """GPipe over ``n_stages`` worker threads of this process (see the module docstring).
 
     Args: ``model`` (a plain ``CausalLM``, identical on the dp ranks), ``mesh`` (its dp group syncs
-    gradients; pp and tp must be 1), ``cfg`` (``parallel.virtual_stages`` = n_stages >= 2,
-    ``pp_split``, ``microbatches``, ``bucket_mb``; ``train.activation_checkpointing`` for the cost
-    estimate). Attributes: ``module`` (the dense model), ``stages`` (one ``StageModel`` per stage,
-    sharing its modules), ``split`` (layers per stage). Raises ValueError for n_stages < 2, a bad
-    split or ``microbatches`` < 0."""
+    gradients; pp and tp must be 1), ``plan`` (a ``zerotron.plan.ParallelPlan`` with pp_impl =
+    threads: ``virtual_stages`` = n_stages >= 2, ``pp_split``, ``microbatches``, ``bucket_mb``;
+    ``activation_checkpointing`` for the cost estimate). Attributes: ``module`` (the dense model), ``stages`` (one ``StageModel`` per stage,
+    sharing its modules), ``split`` (layers per stage). Raises ValueError for a split the model
+    cannot take."""
 
-    def __init__(self, model, mesh, cfg):
-        p = cfg.parallel
+    def __init__(self, model, mesh, plan):
+        p = self.plan = plan
         n = p.virtual_stages
-        if n < 2 or p.microbatches < 0:
-            raise ValueError(f"pp_impl = threads needs parallel.virtual_stages >= 2 (stage threads) and "
-                             f"microbatches >= 0, got {n}, {p.microbatches}")
         super().__init__(model, mesh.group("dp"), bucket_mb=p.bucket_mb,
                          src_rank=mesh.global_rank(0, 0, 0))
-        recompute = cfg.train.activation_checkpointing
+        recompute = p.activation_checkpointing
         self.split = resolve_split(model, n, p.pp_split, recompute)
         if mesh.rank == 0 and p.pp_split.strip() == "auto":
             announce_split(model, self.split, p.pp_split, recompute)

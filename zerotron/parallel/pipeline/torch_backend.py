@@ -85,14 +85,11 @@ class _Chunk(nn.Module):
 class TorchPipeline(PipelineStrategy):
     """``PipelineStrategy`` whose flushes run torch's pipelining schedules (module docstring).
 
-    Args as ``PipelineStrategy`` (``cfg.parallel.pp_impl = "torch"``; zero_stage 0, tp 1).
-    Raises ValueError for a schedule without a torch counterpart ("naive") or ZeRO."""
+    Args as ``PipelineStrategy`` (a plan with ``pp_impl = "torch"``, which the plan allows only
+    for schedules with a torch counterpart, native DDP and tp 1)."""
 
-    def __init__(self, model, mesh, cfg, mask: dict | None = None):
-        if cfg.parallel.pp_schedule not in TORCH_SCHEDULES or cfg.parallel.zero_stage:
-            raise ValueError(f"pp_impl = torch runs {list(TORCH_SCHEDULES)} with native DDP, got "
-                             f"{cfg.parallel.pp_schedule!r}, zero_stage {cfg.parallel.zero_stage}")
-        super().__init__(model, mesh, cfg, mask)
+    def __init__(self, model, mesh, plan, mask: dict | None = None):
+        super().__init__(model, mesh, plan, mask)
         self._torch_schedules: dict = {}
 
     def _torch_schedule(self, m: int, n_global: int, dtype: str, device: torch.device, sums: list):

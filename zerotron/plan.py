@@ -1,0 +1,405 @@
+"""The parallel plan: every cross-feature rule and derived size of a run, in one place.
+
+:func:`build_plan` turns a :class:`~zerotron.config.Config` and a world size into a frozen
+:class:`ParallelPlan`, once, before any process group or model exists. It is the only validation
+layer: the per-field checks of the non-parallel sections (:func:`check_values`) and the layout
+rules (``ParallelPlan.__post_init__``: a plan that exists is one the engine can run). The
+strategies of ``zerotron.parallel`` take the plan, never the raw config, and do not re-check it.
+
+What the plan derives (sources for the arithmetic in the docstrings of the properties):
+``dp`` (from ``world_size / (tp * pp)`` when ``parallel.dp = 0``), the HSDP split
+``dp = dp_replicate x dp_shard``, the gradient accumulation ``grad_accum`` (micro-batches per
+optimizer step per dp rank), the micro-batches per pipeline flush, the number of model stages
+``pp * virtual_stages``, the *runner* (plain, pipeline, threads, torch) and the gradient
+*synchroniser* (native DDP, torch DDP, native ZeRO-1/2/3, FSDP2, DTensor TP) it composes.
+
+Pure Python (no torch import), so ``zerotron plan``/``memory`` and config checks stay cheap.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import SECTIONS, Config, ConfigError, _field_types, _section_cls, model_shape
+from .layout import SPLIT_WORDS, stage_layer_counts
+
+__all__ = ["ParallelDims", "ParallelPlan", "build_plan", "check_values", "DTYPES", "REDUCE_DTYPES",
+           "PP_SCHEDULES", "RUNNERS", "SYNCS"]
+
+DTYPES = ("fp32", "bf16", "fp64")  # = parallel.precision.TRAIN_DTYPES (no torch import here)
+REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp64")
+DP_IMPLS = ("native", "torch")
+CORPORA = ("shakespeare", "files", "hf")
+PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+RUNNERS = ("plain", "pipeline", "threads", "torch")
+SYNCS = ("ddp", "torch_ddp", "zero", "fsdp2", "dtensor_tp")
+
+
+def _need(cond, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallel dimension; ``dp * tp * pp`` must equal ``world_size``.
+
+    ``dp = 0`` means "derive": world_size // (tp * pp). Raises ConfigError (a ValueError, naming
+    the fix) when the product does not match the world size or a degree is < 1."""
+
+    world_size: int
+    dp: int = 0
+    tp: int = 1
+    pp: int = 1
+    dp_replicate: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp"):
+            _need(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        _need(self.dp >= 0, f"parallel.dp must be >= 1 (or 0 = derive from world size), got {self.dp}")
+        if self.dp == 0:
+            _need(self.world_size % (self.tp * self.pp) == 0,
+                  f"world size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}; "
+                  "change --nproc or parallel.tp / parallel.pp")
+            object.__setattr__(self, "dp", self.world_size // (self.tp * self.pp))
+        _need(self.dp * self.tp * self.pp == self.world_size,
+              f"parallel.dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} does not "
+              f"equal the world size {self.world_size}; set parallel.dp = 0 to derive it or change --nproc")
+        _need(self.dp_replicate >= 1 and self.dp % self.dp_replicate == 0,
+              f"parallel.dp_replicate ({self.dp_replicate}) must be >= 1 and divide the dp degree ({self.dp}): "
+              "dp = replicas x shards; change parallel.dp_replicate or --nproc")
+
+    @property
+    def dp_shard(self) -> int:
+        """Shard-group size S = dp / dp_replicate (HSDP; = dp without replication)."""
+        return self.dp // self.dp_replicate
+
+    def coords(self, rank: int) -> dict:
+        """(pp, dp, tp) coordinates of a global rank as a dict (tp innermost, then dp, then pp)."""
+        t = rank % self.tp
+        d = (rank // self.tp) % self.dp
+        p = rank // (self.tp * self.dp)
+        return {"pp": p, "dp": d, "tp": t}
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """A validated layout: what runs where, and the derived sizes. Built by :func:`build_plan`
+    (from a config) or directly (tests, inference: only the fields that differ from the defaults).
+
+    Fields mirror ``parallel.*`` and the layout-relevant ``train.*`` settings (same names, same
+    units: ``bucket_mb`` in MiB; ``global_batch``/``micro_batch`` in sequences; ``global_batch = 0``
+    means one micro-batch per dp rank per step). ``shape`` is the resolved model shape
+    (``config.model_shape``: n_layer, n_head, n_embd, block_size, + n_kv_head / intermediate_size
+    for families that have them) or None when unknown (then the model-size rules are not checked;
+    the strategies still refuse a split the model cannot take).
+
+    Raises ConfigError (one line naming the setting and the fix) for every combination the engine
+    cannot run: see the rules in ``__post_init__`` (the parity matrix, ``zerotron.parity``, asserts
+    each refusal is the documented one)."""
+
+    dims: ParallelDims = field(default_factory=lambda: ParallelDims(1))
+    micro_batch: int = 1
+    global_batch: int = 0
+    dtype: str = "fp32"
+    reduce_dtype: str = "auto"
+    dp_impl: str = "native"
+    bucket_mb: float = 25.0
+    find_unused_parameters: bool = False
+    zero_stage: int = 0
+    zero_impl: str = "native"
+    tp_impl: str = "native"
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    pp_impl: str = "native"
+    microbatches: int = 0
+    virtual_stages: int = 1
+    pp_split: str = "auto"
+    activation_checkpointing: str = "none"
+    dropout: float = 0.0
+    seed: int = 0
+    shape: dict | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, dims: ParallelDims, shape: dict | None = None, **fields) -> "ParallelPlan":
+        """The plan of ``cfg``'s parallel section and layout-relevant train/model settings on
+        ``dims``, with ``fields`` on top (no :func:`check_values`: use :func:`build_plan` for a
+        run). Raises ConfigError as the constructor does."""
+        p, t = cfg.parallel, cfg.train
+        base = dict(
+            micro_batch=t.micro_batch, global_batch=t.global_batch, dtype=t.dtype, reduce_dtype=p.reduce_dtype,
+            dp_impl=p.dp_impl, bucket_mb=p.bucket_mb, find_unused_parameters=p.find_unused_parameters,
+            zero_stage=p.zero_stage, zero_impl=p.zero_impl, tp_impl=p.tp_impl, sequence_parallel=p.sequence_parallel,
+            pp_schedule=p.pp_schedule, pp_impl=p.pp_impl, microbatches=p.microbatches,
+            virtual_stages=p.virtual_stages, pp_split=p.pp_split, activation_checkpointing=t.activation_checkpointing,
+            dropout=cfg.model.dropout, seed=t.seed, shape=shape)
+        return cls(dims=dims, **{**base, **fields})
+
+    # ---- derived sizes -----------------------------------------------------------------------
+    world_size = property(lambda self: self.dims.world_size, doc="processes in the run")
+    dp = property(lambda self: self.dims.dp, doc="data-parallel degree")
+    tp = property(lambda self: self.dims.tp, doc="tensor-parallel degree")
+    pp = property(lambda self: self.dims.pp, doc="pipeline-parallel degree (processes per pipeline)")
+    dp_replicate = property(lambda self: self.dims.dp_replicate, doc="HSDP replicas of the dp group")
+    dp_shard = property(lambda self: self.dims.dp_shard, doc="HSDP shard-group size dp / dp_replicate")
+
+    @property
+    def batch(self) -> int:
+        """Global batch in sequences (``global_batch``, or ``micro_batch * dp`` when 0)."""
+        return self.global_batch or self.micro_batch * self.dp
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step per dp rank: global_batch / (micro_batch * dp)."""
+        return self.batch // (self.micro_batch * self.dp)
+
+    @property
+    def flush_size(self) -> int:
+        """Micro-batches per pipeline flush (``microbatches``, or all of the step's when 0)."""
+        return self.microbatches or self.grad_accum
+
+    @property
+    def runner(self) -> str:
+        """plain (whole model per step) | pipeline (native executor, one process per stage) |
+        threads (one process, a worker thread per stage) | torch (torch.distributed.pipelining)."""
+        if self.pp_impl in ("threads", "torch"):
+            return self.pp_impl
+        return "pipeline" if self.pp > 1 or self.pp_schedule == "interleaved" else "plain"
+
+    @property
+    def n_model_stages(self) -> int:
+        """Model stages the layers are split into: pp * virtual_stages for interleaved or threads
+        (Narayanan et al. 2021, interleaved 1F1B), pp otherwise."""
+        return self.pp * (self.virtual_stages if self.pp_schedule == "interleaved" or self.runner == "threads" else 1)
+
+    @property
+    def sync(self) -> str:
+        """The gradient synchroniser: ddp (native bucketed all-reduce) | torch_ddp | zero (native
+        ZeRO-1/2/3, Rajbhandari et al. 2020) | fsdp2 (torch fully_shard) | dtensor_tp (torch's
+        tensor parallelism alone, which reduces nothing over dp)."""
+        if self.tp > 1 and self.tp_impl == "dtensor":
+            return "dtensor_tp"
+        if self.zero_stage:
+            return "zero" if self.zero_impl == "native" else "fsdp2"
+        return "ddp" if self.dp_impl == "native" else "torch_ddp"
+
+    def layout(self) -> dict:
+        """``{"dp", "tp", "pp", "grad_accum"}`` (the record checkpoints keep)."""
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "grad_accum": self.grad_accum}
+
+    # ---- the rules ---------------------------------------------------------------------------
+    def __post_init__(self):
+        self._check_settings()
+        self._check_data_parallel()
+        self._check_pipeline()
+        self._check_tensor_parallel()
+        per_step = self.micro_batch * self.dp
+        _need(self.batch % per_step == 0,
+              f"train.global_batch ({self.batch}) must be divisible by train.micro_batch * dp "
+              f"({self.micro_batch} * {self.dp} = {per_step}); gradient accumulation steps must be an integer")
+
+    def _check_settings(self) -> None:
+        """One setting at a time: allowed values."""
+        _need(self.micro_batch >= 1 and self.global_batch >= 0,
+              f"train.micro_batch must be >= 1 and train.global_batch >= 1, got {self.micro_batch}, {self.global_batch}")
+        _need(self.dtype in DTYPES, f"train.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _need(self.activation_checkpointing in ("none", "selective", "full"),
+              f"train.activation_checkpointing must be none, selective or full, got {self.activation_checkpointing!r}")
+        _need(self.dp_impl in DP_IMPLS, f"parallel.dp_impl must be one of {DP_IMPLS}, got {self.dp_impl!r}")
+        _need(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        _need(self.zero_impl in ("native", "fsdp2"), f"parallel.zero_impl must be native or fsdp2, got {self.zero_impl!r}")
+        _need(self.reduce_dtype in REDUCE_DTYPES,
+              f"parallel.reduce_dtype must be one of {REDUCE_DTYPES}, got {self.reduce_dtype!r}")
+        _need(self.bucket_mb > 0 and math.isfinite(self.bucket_mb), f"parallel.bucket_mb must be > 0, got {self.bucket_mb}")
+        _need(self.tp_impl in ("native", "dtensor"), f"parallel.tp_impl must be native or dtensor, got {self.tp_impl!r}")
+        _need(self.pp_schedule in PP_SCHEDULES, f"parallel.pp_schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
+        _need(self.microbatches >= 0,
+              f"parallel.microbatches must be >= 0 (0 = all micro-batches of the step), got {self.microbatches}")
+        _need(self.pp_impl in ("native", "threads", "torch"),
+              f"parallel.pp_impl must be native, threads or torch, got {self.pp_impl!r}")
+
+    def _check_data_parallel(self) -> None:
+        """Precision of the gradient reduction, ZeRO/FSDP2/DDP choices, HSDP."""
+        z, impl = self.zero_stage, self.zero_impl
+        _need(not (self.activation_checkpointing == "full" and z == 3),
+              "train.activation_checkpointing = full is not combined with parallel.zero_stage = 3 (block parameters "
+              "are freed after the forward the recomputation repeats); use selective, or zero_stage <= 2")
+        _need(not (self.activation_checkpointing != "none" and self.dropout > 0 and self.tp > 1),
+              "activation checkpointing with dropout > 0 and tp > 1 is not supported (the tensor-parallel RNG "
+              "tracker is not replayed); set model.dropout = 0 or train.activation_checkpointing = none")
+        _need(self.dtype != "fp64" or self.reduce_dtype in ("auto", "fp64"),
+              f"train.dtype = fp64 reduces gradients in fp64; set parallel.reduce_dtype = auto (got {self.reduce_dtype!r})")
+        _need(self.dtype == "fp64" or self.reduce_dtype != "fp64",
+              "parallel.reduce_dtype = fp64 needs train.dtype = fp64; use auto, fp32 or bf16")
+        _need(z > 0 or self.reduce_dtype != "bf16",
+              "parallel.reduce_dtype = bf16 needs parallel.zero_stage >= 1 (without ZeRO, gradients are reduced in "
+              "the parameter dtype); set parallel.reduce_dtype = auto or parallel.zero_stage = 1")
+        _need(not (impl == "fsdp2" and z == 1),
+              "parallel.zero_impl = fsdp2 supports zero_stage 2 (reshard_after_forward=False) or 3; use native for stage 1")
+        _need(not self.find_unused_parameters or (self.dp_impl == "torch" and z == 0),
+              "parallel.find_unused_parameters applies to parallel.dp_impl = torch with zero_stage = 0 only (native "
+              "DDP and ZeRO always skip parameters without gradient); remove it or set parallel.dp_impl = torch")
+        if self.dp_replicate > 1:  # HSDP: native DDP / ZeRO, FSDP2 through its 2-D mesh; no pipeline yet
+            _need(z > 0 or self.dp_impl == "native",
+                  "parallel.dp_replicate > 1 needs parallel.dp_impl = native (hierarchical all-reduce) or a "
+                  "parallel.zero_stage; torch DDP reduces over one flat group")
+            _need(self.pp == 1 and self.pp_schedule != "interleaved" and self.pp_impl != "threads",
+                  "parallel.dp_replicate > 1 is not combined with pipeline parallelism (the stage synchronisers "
+                  "shard over the whole dp group; the threaded executor's DDP is flat); set parallel.dp_replicate = 1, "
+                  "or parallel.pp = 1 and parallel.pp_impl = native")
+
+    def _check_pipeline(self) -> None:
+        """Runner x synchroniser compositions, schedule sizes and the layer split."""
+        pp, kind, impl = self.pp, self.pp_schedule, self.pp_impl
+        interleaved, threads = kind == "interleaved", impl == "threads"
+        n_acc = self.grad_accum if self.batch % (self.micro_batch * self.dp) == 0 else 0
+        m_flush = self.microbatches or n_acc
+        if impl == "torch":  # torch.distributed.pipelining schedules (parallel.pipeline.torch_backend)
+            _need(pp >= 2, f"parallel.pp_impl = torch needs parallel.pp >= 2 (torch's schedules run one process per "
+                           f"stage), got {pp}")
+            _need(kind != "naive", "parallel.pp_impl = torch has no naive schedule: set parallel.pp_schedule = "
+                                   "gpipe, 1f1b, interleaved or zb-h1")
+            _need(self.tp == 1 and self.zero_stage == 0 and self.dp_impl == "native",
+                  "parallel.pp_impl = torch combines only with native DDP over dp: set parallel.tp = 1, "
+                  "parallel.zero_stage = 0, parallel.dp_impl = native")
+            _need(kind != "1f1b" or n_acc == 0 or m_flush >= pp,
+                  f"parallel.pp_impl = torch with 1f1b needs micro-batches per flush ({m_flush}) >= pp "
+                  f"({pp}) (torch's Schedule1F1B); lower train.micro_batch or use pp_impl = native")
+        if threads:  # one process, one worker thread per stage (parallel.pipeline.threads)
+            _need(pp == 1, f"parallel.pp_impl = threads runs every stage in one process (parallel.virtual_stages "
+                           f"stage threads): set parallel.pp = 1, got {pp}")
+            _need(kind == "gpipe", f"parallel.pp_impl = threads runs the GPipe schedule: set parallel.pp_schedule "
+                                   f"= gpipe, got {kind!r}")
+            _need(self.tp == 1 and self.zero_stage == 0 and self.dp_impl == "native",
+                  "parallel.pp_impl = threads combines only with native DDP over dp: set parallel.tp = 1, "
+                  "parallel.zero_stage = 0, parallel.dp_impl = native")
+        _need(self.virtual_stages >= 2 if interleaved or threads else self.virtual_stages == 1,
+              f"parallel.virtual_stages must be >= 2 for the interleaved schedule or pp_impl = threads (the stage "
+              f"threads) and 1 otherwise, got {self.virtual_stages}")
+        _need(pp > 1 or interleaved or threads or self.pp_split.strip() in SPLIT_WORDS,
+              f"parallel.pp_split = {self.pp_split!r} splits layers over pipeline stages, but parallel.pp = 1: set "
+              "parallel.pp > 1 or remove parallel.pp_split")
+        if self.runner == "plain":
+            return
+        # implemented: pp x dp (native DDP or native ZeRO-1/2/3) x tp (+ sequence parallel)
+        _need(self.zero_stage == 0 or self.zero_impl == "native",
+              "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism (the pipeline drives its own "
+              "stage modules; FSDP2's hooks expect whole-model steps); set parallel.zero_impl = native (ZeRO-1/2/3)")
+        _need(self.zero_stage > 0 or self.dp_impl == "native",
+              f"parallel.dp_impl = {self.dp_impl} is not combined with pipeline parallelism (torch DDP's reducer "
+              "expects one forward of the wrapped module per backward; stages run many partial ones); set "
+              "parallel.dp_impl = native")
+        _need(n_acc == 0 or n_acc % m_flush == 0,
+              f"parallel.microbatches ({self.microbatches}) must divide the micro-batches per step per dp rank "
+              f"(train.global_batch / (train.micro_batch * dp) = {n_acc})")
+        _need(not interleaved or n_acc == 0 or m_flush % pp == 0,
+              f"the interleaved schedule needs micro-batches per flush ({m_flush}) divisible by pp ({pp}); "
+              "lower train.micro_batch or set parallel.microbatches to a multiple of pp")
+        if self.shape is not None:
+            try:  # "auto" has the feasibility rule of "even" (every stage >= 1 layer); its counts come from the model
+                split = "even" if self.pp_split.strip() == "auto" else self.pp_split
+                stage_layer_counts(self.shape["n_layer"], self.n_model_stages, split)
+            except ValueError as e:
+                raise ConfigError(f"parallel.pp_split / model.n_layer: {e}") from None
+
+    def _check_tensor_parallel(self) -> None:
+        """Head, kv-head, FFN and sequence divisibility; the DTensor comparison backend's limits."""
+        tp = self.tp
+        _need(tp == 1 or self.zero_impl == "native" or self.zero_stage == 0,
+              "parallel.zero_impl = fsdp2 is not combined with tp > 1; use the native ZeRO implementation")
+        if self.tp_impl == "dtensor" and tp > 1:
+            _need(self.dp == 1 and self.pp == 1 and self.zero_stage == 0 and not self.sequence_parallel
+                  and self.pp_schedule != "interleaved",
+                  "parallel.tp_impl = dtensor (the torch comparison backend) runs tensor parallelism alone: dp = pp "
+                  "= 1, zero_stage = 0, sequence_parallel = false; use tp_impl = native to combine tp with the rest")
+            _need(self.dropout == 0, "parallel.tp_impl = dtensor needs model.dropout = 0 (replicated-region "
+                  "dropout masks would differ across tp ranks); use tp_impl = native for dropout")
+        if self.shape is None:
+            return
+        s = self.shape
+        kv = s.get("n_kv_head", s["n_head"])
+        _need(s["n_head"] % tp == 0,
+              f"parallel.tp ({tp}) must divide model.n_head ({s['n_head']}): each tp rank holds whole heads")
+        _need(kv % tp == 0, f"parallel.tp ({tp}) must divide model.n_kv_head ({kv}): each tp rank holds "
+                            "whole key/value heads (they are split, not replicated)")
+        ffn = s.get("intermediate_size", tp)
+        _need(ffn % tp == 0, f"parallel.tp ({tp}) must divide model.intermediate_size ({ffn}) (the SwiGLU "
+                             "matrices are split evenly)")
+        _need(not self.sequence_parallel or s["block_size"] % tp == 0,
+              f"parallel.sequence_parallel needs model.block_size ({s['block_size']}) divisible by tp ({tp})")
+
+
+def check_values(cfg: Config) -> dict:
+    """Per-setting checks of the sections the plan does not carry (train hyper-parameters, data,
+    checkpoint, model sizes) and the device/backend availability. Returns the resolved model shape
+    (``config.model_shape``). Raises ConfigError naming the field and the fix."""
+    t, p, m, d = cfg.train, cfg.parallel, cfg.model, cfg.data
+    for sec in SECTIONS:  # inf/nan parse as floats; no float field means anything with them
+        for name, typ in _field_types(_section_cls(sec)).items():
+            v = getattr(getattr(cfg, sec), name)
+            _need(typ is not float or math.isfinite(v), f"{sec}.{name} must be a finite number, got {v}")
+    _need(t.nonfinite in ("skip", "stop"), f"train.nonfinite must be skip or stop, got {t.nonfinite!r}")
+    _need(t.nonfinite_limit >= 1, f"train.nonfinite_limit must be >= 1 (consecutive skipped steps), got {t.nonfinite_limit}")
+    _need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")
+    _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
+    _need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
+    _need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    for key in ("steps", "global_batch", "micro_batch"):
+        _need(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
+    _need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _need(0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    _need(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    _need(p.backend in ("auto", "gloo", "nccl"), f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
+    if t.device == "cuda" or p.backend == "nccl":
+        import torch  # only for this check: the plan stays importable without torch
+
+        _need(torch.cuda.is_available(), "train.device = cuda / parallel.backend = nccl need a CUDA device and a "
+                                         "CUDA build of torch, and none is available; use train.device = auto "
+                                         "(or cpu) and parallel.backend = auto (or gloo)")
+    _need(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+    _need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and train.eval_batches >= 1")
+    _need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
+    _need(not m.init_from or Path(m.init_from).exists(),
+          f"model.init_from {m.init_from!r} does not exist; give a Hugging Face GPT-2 or Llama directory "
+          "(config.json + model.safetensors)")
+    _need(d.corpus in CORPORA, f"data.corpus must be one of {CORPORA}, got {d.corpus!r}")
+    _need(d.corpus == "shakespeare" or d.path, f"data.corpus = {d.corpus!r} needs data.path (a file, directory "
+                                               "or dataset name)")
+    _need(0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
+    _need(d.vocab_size >= 260 or d.tokenizer, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
+    _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
+    _need(cfg.checkpoint.on_error in ("continue", "stop"),
+          f"checkpoint.on_error must be continue or stop, got {cfg.checkpoint.on_error!r}")
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        _need(getattr(m, key) >= 0, f"model.{key} must be >= 1 (or 0 = from the preset/tokenizer), got {getattr(m, key)}")
+    try:
+        shape = model_shape(m)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _need(shape["n_embd"] % shape["n_head"] == 0,
+          f"model.n_embd ({shape['n_embd']}) must be divisible by model.n_head ({shape['n_head']}); change one of them")
+    _need(shape["block_size"] >= 2, f"model.block_size must be >= 2, got {shape['block_size']}")
+    kv = shape.get("n_kv_head", shape["n_head"])
+    _need(shape["n_head"] % kv == 0, f"model.n_head ({shape['n_head']}) must be a multiple of model.n_kv_head "
+                                     f"({kv}): each kv head serves n_head / n_kv_head query heads")
+    if not m.init_from:
+        from .models.registry import config_from_section  # the family's own checks (torch-free module)
+
+        try:
+            config_from_section(m, m.vocab_size or shape.get("vocab_size") or 256)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+    return shape
+
+
+def build_plan(cfg: Config, world_size: int) -> ParallelPlan:
+    """The plan of ``cfg`` on ``world_size`` processes: :func:`check_values`, then a
+    :class:`ParallelPlan` of the ``parallel`` section, the batch sizes, dtypes, recomputation,
+    dropout, seed and the resolved model shape. Raises ConfigError naming the field and the fix
+    (e.g. global_batch not divisible by micro_batch * dp)."""
+    shape = check_values(cfg)
+    p = cfg.parallel
+    return ParallelPlan.from_config(cfg, ParallelDims(world_size, p.dp, p.tp, p.pp, p.dp_replicate), shape)
