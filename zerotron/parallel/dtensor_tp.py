@@ -15,7 +15,7 @@ hand rank 0 all of q and part of k. The transform therefore permutes its rows to
 every other strategy.
 
 Supported: tp > 1 alone (dp = pp = 1, no ZeRO, no sequence parallelism, dropout 0 -- dropout in
-the replicated regions would need DTensor's RNG tracker); ``config.validate`` refuses the rest.
+the replicated regions would need DTensor's RNG tracker); the plan (``zerotron.plan``) refuses the rest.
 """
 from __future__ import annotations
 

@@ -79,6 +79,70 @@ def load_flats_from_owners(flats: list, group, owner, params: dict, ostate: dict
         f.load_flat(flat, st, step_t.cpu() if with_state else None, optimizer)
 
 
+def _flat_params(flats: list) -> dict:
+    return {n: q for f in flats for n, q in zip(f.names, f.params)}
+
+
+def canonical_flat_state(flats: list, group, tp_group, optimizer, owned, values: dict | None = None) -> tuple:
+    """The one path from flat buffers to the canonical state, shared by ZeRO over the whole model
+    (:class:`ZeroStateMixin`) and by the pipeline stages' ZeRO (``pipeline.state``).
+
+    Returns ``({fqn: dense tensor}, {fqn: {"step", "exp_avg", "exp_avg_sq"}}, param_groups)`` for the
+    flat buffers ``i`` with ``owned(i)``: :func:`gather_flats` over ``group`` (dp), then every
+    tensor-parallel shard gathered to its dense tensor over ``tp_group`` (``full_tensor``, in the
+    fixed flat order on every tp rank). ``values`` ({fqn: tensor, this rank's tp layout}) replaces
+    the gather for parameters-only states whose compute copies are already full over dp.
+    ``param_groups``: the optimizer's groups with the FQNs of every flat buffer (owned or not) in
+    place of the master shards (``[]`` without an optimizer). Collective over dp (and tp)."""
+    if values is None:
+        vals, ostate = gather_flats(flats, group, optimizer, owned)
+    else:
+        vals, ostate = dict(values), {}
+    if tp_group is not None:
+        for name, q in _flat_params(flats).items():
+            if name not in vals:  # not owned here (the same names on every tp peer)
+                continue
+            vals[name] = full_tensor(q, tp_group, local=vals[name])
+            for k, v in ostate.get(name, {}).items():
+                if v.dim() > 0:
+                    ostate[name][k] = full_tensor(q, tp_group, local=v)
+    groups = []
+    for g in optimizer.param_groups if optimizer is not None else []:
+        names = [n for f in flats if any(f.master is q for q in g["params"]) for n in f.names]
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
+    return vals, ostate, groups
+
+
+@torch.no_grad()
+def load_flat_state(flats: list, group, tp_group, msd: dict, osd: dict | None, optimizer, owner=None) -> None:
+    """Inverse of :func:`canonical_flat_state`: dense canonical tensors (names of other stages are
+    ignored) sliced to this rank's tensor-parallel shards, then either every rank takes its dp shard
+    (``owner`` None: ``msd`` holds every flat name) or dp rank ``owner(i)`` broadcasts flat buffer
+    ``i`` (:func:`load_flats_from_owners`); stages 1-2 re-gather their full compute parameters, and
+    each optimizer group takes the saved learning rate. ``optimizer`` None: parameters only.
+    Collective over dp."""
+    osd = osd if osd is not None else {"state": {}, "param_groups": []}
+    params = _flat_params(flats)
+
+    def local(name, t):
+        return t if tp_group is None else local_shard(params[name], t, tp_group)
+
+    dense = {n: local(n, t) for n, t in msd.items() if n in params}
+    ostate = {n: {k: local(n, v) for k, v in st.items()} for n, st in osd["state"].items() if n in params}
+    if owner is None:
+        for f in flats:
+            f.load_canonical(dense, ostate, optimizer)
+    else:
+        load_flats_from_owners(flats, group, owner, dense, ostate, optimizer)
+    regather = [f for f in flats if f.stage < 3]  # stage 3 gathers on use
+    for f in regather:
+        f.launch_gather()
+    for f in regather:
+        f.wait_gather()
+    for g, saved in zip(optimizer.param_groups if optimizer is not None else [], osd.get("param_groups", [])):
+        g["lr"] = saved.get("lr", g["lr"])
+
+
 class ZeroStateMixin:
     """``state_dict`` / ``load_state_dict`` / ``checkpoint_state`` / ``load_checkpoint_state`` for
     ``ZeroStrategy`` (attributes used: ``all_flats``, ``group``, ``tp_group``)."""
@@ -88,21 +152,10 @@ class ZeroStateMixin:
         return i % self.group.size()
 
     def _canonical(self, optimizer, owned) -> tuple[dict, dict]:
-        msd, osd_state = gather_flats(self.all_flats, self.group, optimizer, owned)
-        if self.tp_group is not None:  # tensor-parallel shards -> dense tensors (collective over tp)
-            params = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}
-            for name in sorted(msd):  # same owned names on every tp rank of this dp coordinate
-                msd[name] = full_tensor(params[name], self.tp_group, local=msd[name])
-                for k, v in osd_state.get(name, {}).items():
-                    if v.dim() > 0:
-                        osd_state[name][k] = full_tensor(params[name], self.tp_group, local=v)
+        msd, osd_state, groups = canonical_flat_state(self.all_flats, self.group, self.tp_group, optimizer, owned)
         for alias, owner in self.module.layout().tied:  # tied entries, as in the dense state dict
             if owner in msd:
                 msd[alias] = msd[owner]
-        groups = []
-        for g in optimizer.param_groups if optimizer is not None else []:
-            names = [n for f in self.all_flats if any(f.master is q for q in g["params"]) for n in f.names]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
         return msd, {"state": osd_state, "param_groups": groups}
 
     def state_dict(self, optimizer=None):
@@ -117,43 +170,12 @@ class ZeroStateMixin:
         rank = self.group.rank()
         return self._canonical(optimizer, lambda i: self._owner(i) == rank)
 
-    def _tp_local(self, msd: dict, osd: dict) -> tuple[dict, dict]:
-        """Dense canonical tensors -> this rank's tensor-parallel slices (names of this model only)."""
-        if self.tp_group is None:
-            return msd, osd
-        params, g = {n: p for f in self.all_flats for n, p in zip(f.names, f.params)}, self.tp_group
-        msd = {n: local_shard(params[n], t, g) for n, t in msd.items() if n in params}
-        osd = {**osd, "state": {n: {k: local_shard(params[n], v, g) for k, v in st.items()}
-                                for n, st in osd["state"].items() if n in params}}
-        return msd, osd
-
-    @staticmethod
-    def _regather(f) -> None:
-        """Stages 1/2 keep full compute parameters: gather the freshly loaded shards."""
-        if f.stage < 3:
-            f.launch_gather()
-            f.wait_gather()
-
-    @torch.no_grad()
-    def _load(self, msd, osd, optimizer, owner) -> None:
-        osd = osd if osd is not None else {"state": {}, "param_groups": []}
-        msd, osd = self._tp_local(msd, osd)
-        if owner is None:
-            for f in self.all_flats:
-                f.load_canonical(msd, osd["state"], optimizer)
-        else:
-            load_flats_from_owners(self.all_flats, self.group, owner, msd, osd["state"], optimizer)
-        for f in self.all_flats:
-            self._regather(f)
-        for g, saved in zip(optimizer.param_groups if optimizer is not None else [], osd.get("param_groups", [])):
-            g["lr"] = saved.get("lr", g["lr"])
-
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
-        self._load(msd, osd, optimizer, None)
+        load_flat_state(self.all_flats, self.group, self.tp_group, msd, osd, optimizer)
 
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
         """Load what :meth:`checkpoint_state` described (each rank holds its owned buffers' keys,
         read from disk): every buffer is broadcast from its owner over dp, one at a time, and each
         rank keeps its shard. ``optimizer`` None loads the parameters only. Collective."""
-        self._load(msd, osd, optimizer, self._owner)
+        load_flat_state(self.all_flats, self.group, self.tp_group, msd, osd, optimizer, self._owner)

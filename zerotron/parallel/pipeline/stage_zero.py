@@ -10,7 +10,6 @@ from zerotron.parallel import precision
 from zerotron.parallel.base import unique_params
 from zerotron.parallel.data.flat_shard import build_flats
 from zerotron.parallel.data.zero_gather import UnitGatherer
-from zerotron.parallel.data.zero_state import gather_flats, load_flats_from_owners
 
 __all__ = ["StageZero"]
 
@@ -159,27 +158,3 @@ class StageZero:
                 f.launch_gather()
             for f in self.all_flats:
                 f.wait_gather()
-
-    def full_state(self, optimizer, owned=None) -> tuple[dict, dict]:
-        """``({id(param): tensor}, {fqn: adam state})`` of this rank's parameters, unsharded over dp
-        (still tp shards), for the flat buffers ``i`` with ``owned(i)`` (default all). Collective
-        over dp, flat buffers in a fixed order."""
-        by_name, ostate = gather_flats(self.all_flats, self.group, optimizer, owned or (lambda i: True))
-        ids = {n: id(q) for f in self.all_flats for n, q in zip(f.names, f.params)}
-        return {ids[n]: t for n, t in by_name.items()}, ostate
-
-    @torch.no_grad()
-    def load_full_state(self, params: dict, ostate: dict, optimizer) -> None:
-        """Inverse of :meth:`full_state`: ``params`` {fqn: tensor in this rank's tp layout} (every
-        flat name needed), ``ostate`` {fqn: {"step", "exp_avg", "exp_avg_sq"}} (may be empty).
-        Takes this rank's dp shard of each flat buffer, then all-gathers the parameters."""
-        for f in self.all_flats:
-            f.load_canonical(params, ostate, optimizer)
-        self.gather_params()
-
-    @torch.no_grad()
-    def load_from_owners(self, params: dict, ostate: dict, optimizer, owner) -> None:
-        """Like :meth:`load_full_state`, but dp rank ``owner(i)`` alone holds flat buffer ``i``'s
-        tensors and broadcasts them (``zero_state.load_flats_from_owners``). Collective over dp."""
-        load_flats_from_owners(self.all_flats, self.group, owner, params, ostate, optimizer)
-        self.gather_params()

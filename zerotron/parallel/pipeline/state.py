@@ -10,9 +10,8 @@ import torch
 
 from zerotron.distributed import comm
 from zerotron.models.layout import get_module, retie
-from zerotron.parallel.base import unique_params
+from zerotron.parallel.data.zero_state import canonical_flat_state, load_flat_state
 from zerotron.parallel.precision import upcast
-from zerotron.parallel.tensor.layers import full_tensor, local_shard
 from zerotron.parallel.tensor.transform import tp_state_dict_full
 
 
@@ -43,7 +42,7 @@ class PipelineStateMixin:
         if self.zero is None:
             return self.load_state_dict(msd, osd, optimizer)
         n = self.zero.group.size()
-        self._zero_load(msd, osd, optimizer, lambda i: i % n)
+        load_flat_state(self.zero.all_flats, self.zero.group, self.tp_group, msd, osd, optimizer, lambda i: i % n)
 
     def _canonical(self, optimizer, owned):
         if self.zero is not None:
@@ -58,63 +57,31 @@ class PipelineStateMixin:
         return msd, osd
 
     def _zero_state_dict(self, optimizer, owned=None):
-        """ZeRO-1: canonical (dense) state from the flat shards: all-gather over dp, then (tensor
-        parallel) ``full_tensor`` over tp for every sharded tensor, in the fixed flat order. With
-        ``owned`` (flat index -> bool) only those buffers' parameters and state are returned."""
-        need = optimizer is not None or self.zero.stage == 3
-        vals, ostate = self.zero.full_state(optimizer, owned) if need else (None, {})
-        if vals is None:  # parameters only: the compute copies are full over dp at rest (stages 1-2)
-            vals = {id(q): upcast(q.detach()) for q in unique_params(self.module)}
-        if self.tp_group is not None:
-            for f in self.zero.all_flats:
-                for name, q in zip(f.names, f.params):
-                    if id(q) not in vals:  # not owned here (the same on every tp peer)
-                        continue
-                    vals[id(q)] = full_tensor(q, self.tp_group, local=vals[id(q)])
-                    for k, v in ostate.get(name, {}).items():
-                        if v.dim() > 0:
-                            ostate[name][k] = full_tensor(q, self.tp_group, local=v)
-        flat_ids = {id(q) for f in self.zero.all_flats for q in f.params}
-        msd = {key: vals[id(t)] if id(t) in vals else t.detach()
+        """ZeRO: canonical (dense) state of the stage's flat shards (``zero_state.canonical_flat_state``,
+        the path ZeRO over the whole model takes too), keyed like this stage's ``state_dict``
+        (buffers and the tied copy included). With ``owned`` (flat index -> bool) only those
+        buffers' parameters and state are returned."""
+        z = self.zero
+        values = None
+        if optimizer is None and z.stage < 3:  # parameters only: the compute copies are full over dp
+            values = {n: upcast(q.detach()) for f in z.all_flats for n, q in zip(f.names, f.params)}
+        by_name, ostate, groups = canonical_flat_state(z.all_flats, z.group, self.tp_group, optimizer,
+                                                       owned or (lambda i: True), values)
+        name_of = {id(q): n for f in z.all_flats for n, q in zip(f.names, f.params)}
+        msd = {key: by_name[name_of[id(t)]] if id(t) in name_of else t.detach()
                for key, t in self.module.state_dict(keep_vars=True).items()
-               if id(t) in vals or id(t) not in flat_ids}
+               if id(t) not in name_of or name_of[id(t)] in by_name}
         if optimizer is None:
             return msd, None
-        groups = []
-        for g in optimizer.param_groups:
-            names = [n for f in self.zero.all_flats if any(f.master is q for q in g["params"]) for n in f.names]
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
         return msd, {"state": ostate, "param_groups": groups}
 
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """Load a canonical state (from ``state_dict`` of any layout: pp, tp, dp, ZeRO) into this
-        rank's stages: dense tensors sliced to tp shards (``shard_tensor``), ZeRO-1 dp shards taken
-        out of the flat buffers."""
+        rank's stages: dense tensors sliced to tp shards (``shard_tensor``), ZeRO dp shards taken
+        out of the flat buffers (``zero_state.load_flat_state``)."""
         if self.zero is None:
             return super().load_state_dict(msd, osd, optimizer)
-        self._zero_load(msd, osd, optimizer, None)
-
-    def _zero_load(self, msd, osd, optimizer, owner) -> None:
-        """ZeRO-1 load: every rank holds every name (``owner`` None) or dp rank ``owner(i)`` holds
-        flat buffer i's names and broadcasts them."""
-        tpg = self.tp_group
-
-        def local(q, t):
-            return t if tpg is None else local_shard(q, t, tpg)
-
-        params = {n: q for f in self.zero.all_flats for n, q in zip(f.names, f.params)}
-        dense = {n: local(q, msd[n]) for n, q in params.items() if owner is None or n in msd}
-        ostate = {}
-        if optimizer is not None and osd is not None:
-            ostate = {n: {k: local(params[n], v) for k, v in st.items()}
-                      for n, st in osd["state"].items() if n in params}
-        if owner is None:
-            self.zero.load_full_state(dense, ostate, optimizer)
-        else:
-            self.zero.load_from_owners(dense, ostate, optimizer, owner)
-        if optimizer is not None and osd is not None:
-            for g, saved in zip(optimizer.param_groups, osd.get("param_groups", [])):
-                g["lr"] = saved.get("lr", g["lr"])
+        load_flat_state(self.zero.all_flats, self.zero.group, self.tp_group, msd, osd, optimizer)
 
     def _release_foreign(self) -> int:
         """Free the storage of every parameter of the dense model given at construction that no

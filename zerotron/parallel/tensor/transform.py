@@ -279,7 +279,7 @@ def sync_replicated_grads(model: nn.Module) -> int:
     One coalesced all-reduce per dtype ["tp_grad"]. The trainer calls it once after the last
     backward of a step, before clipping/optimizer (sums over tp and dp commute, so before or after
     the dp reduction). Reduces in the gradients' own dtype: the fp32 parameter dtype of the DDP
-    layouts that call it (``parallel.reduce_dtype`` must then be fp32, config.validate); ZeRO sums
+    layouts that call it (``parallel.reduce_dtype`` must then be fp32, zerotron.plan); ZeRO sums
     its dp shards in the reduce dtype instead. No-op (returns 0) without SP or with tp = 1; else
     returns elements reduced."""
     group = model.tp_group
