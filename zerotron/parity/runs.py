@@ -1,0 +1,199 @@
+"""Running the parity matrix: train a layout through the real Trainer, compare it with the
+single-process reference, check the copies, and report (see the package docstring)."""
+from __future__ import annotations
+
+import hashlib
+
+from zerotron.parity.space import FACTORS, FP64_RTOL, Layout, config_for
+
+
+def _digest(t) -> str:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    t = t.detach()
+    if t.untyped_storage().size() == 0:  # ZeRO-3: freed between uses
+        return ""
+    return hashlib.sha256(t.cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _copies(strategy, mesh) -> dict:
+    """``{copy key: digest}`` of this rank's parameter tensors; the key names the logical tensor
+    slice, so every rank holding the same key must hold the same bits: tp-sharded tensors are keyed
+    by tp coordinate, dp-sharded ones (ZeRO-3 / FSDP2 local shards) by dp coordinate."""
+    from zerotron.parallel.tensor.layers import is_tp_sharded
+
+    c = mesh.coords
+    dp_sharded = getattr(strategy, "stage", 0) == 3 or type(strategy).__name__ == "FSDP2Strategy"
+    shard = c["dp"] % mesh.dims.dp_shard  # HSDP: replicas of one shard must hold the same bits
+    out = {}
+    for name, p in strategy.module.named_parameters(remove_duplicate=False):
+        d = _digest(p)
+        if not d:
+            continue
+        key = (name, c["tp"] if is_tp_sharded(p) else None, shard if dp_sharded else None)
+        out[key] = d
+    return out
+
+
+def _rel(a, b) -> float:
+    import torch
+
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float(torch.linalg.vector_norm(a - b) / max(float(torch.linalg.vector_norm(b)), 1e-300))
+
+
+def _state_errors(msd, osd, ref) -> dict:
+    """Max norm-wise errors of this rank's canonical (possibly partial) state against ``ref``."""
+    import torch
+
+    perr = max((_rel(v, ref["params"][k]) for k, v in msd.items()), default=0.0)
+    oerr, step_ok = 0.0, True
+    for fqn, st in osd["state"].items():
+        rs = ref["optim"][fqn]
+        for k in ("exp_avg", "exp_avg_sq"):
+            oerr = max(oerr, _rel(st[k], rs[k]))
+        step_ok &= float(torch.as_tensor(st["step"])) == float(torch.as_tensor(rs["step"]))
+    return {"param_err": perr, "optim_err": oerr, "step_ok": step_ok,
+            "param_keys": sorted(msd), "optim_keys": sorted(osd["state"]),
+            "unknown_keys": sorted((set(msd) - set(ref["params"])) | (set(osd["state"]) - set(ref["optim"])))}
+
+
+def train_layout(layout: Layout, run_dir: str, extra: dict | None = None) -> dict:
+    """Train ``layout`` in this process group (every rank calls it). Returns per-step ``losses``,
+    ``norms``, ``val`` ({step: val_loss}), the canonical ``msd``/``osd`` (this rank's part), the
+    rank's ``coords`` and ``copies`` (see :func:`_copies`). Collective."""
+    from zerotron.train.trainer import Trainer
+
+    tr = Trainer(config_for(layout, extra), run_dir)
+    out = {"losses": [], "norms": [], "val": {}}
+
+    def cb(t, rec):
+        out["losses"].append(rec["loss"])
+        out["norms"].append(rec["grad_norm"])
+        if "val_loss" in rec:
+            out["val"][rec["step"]] = rec["val_loss"]
+
+    tr.fit(callback=cb)
+    out["msd"], out["osd"] = tr.strategy.state_dict(tr.optimizer)
+    out["coords"] = dict(tr.mesh.coords)
+    out["copies"] = _copies(tr.strategy, tr.mesh)
+    with tr.strategy.full_params() as dense:  # what evaluation, generation and export see
+        # plain tensor parallelism yields the TP model itself (it decodes on its shards): not dense
+        out["full"] = None if getattr(dense, "tp_group", None) is not None else {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in dense.state_dict().items()}  # FSDP2: DTensors, gathered (collective)
+    out["copies"].update({("full_params", k, None, None): _digest(v) for k, v in (out["full"] or {}).items()})
+    return out
+
+
+def reference(run_dir: str, extra: dict | None = None) -> dict:
+    """The single-process run of the matrix configuration (world size 1, one micro-batch per step):
+    losses, norms, val, and the canonical state as ``{"params": {fqn: tensor}, "optim": {fqn:
+    {exp_avg, exp_avg_sq, step}}}`` (CPU tensors). Needs a world-size-1 process group."""
+    out = train_layout(Layout("ddp", 1, 1, False, 1, None, 1), run_dir, extra)
+    clone = lambda v: v.detach().cpu().clone() if hasattr(v, "detach") else v  # noqa: E731
+    return {"losses": out["losses"], "norms": out["norms"], "val": out["val"],
+            "params": {k: clone(v) for k, v in out["msd"].items()},
+            "optim": {k: {n: clone(x) for n, x in st.items()} for k, st in out["osd"]["state"].items()}}
+
+
+def _rel_list(a, b) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-300) for x, y in zip(a, b)), default=0.0) if len(a) == len(b) \
+        else float("inf")
+
+
+def compare(out: dict, ref: dict) -> dict:
+    """Errors of one rank's :func:`train_layout` result against :func:`reference`."""
+    vsteps = sorted(ref["val"])
+    e = {"loss_err": _rel_list(out["losses"], ref["losses"]),
+         "norm_err": _rel_list(out["norms"], ref["norms"]),
+         "val_err": _rel_list([out["val"].get(s, float("nan")) for s in vsteps], [ref["val"][s] for s in vsteps]),
+         "coords": out["coords"], "copies": out["copies"]}
+    e.update(_state_errors(out["msd"], out["osd"], ref))
+    full = out["full"] if out["full"] is not None else {k: v for k, v in ref["params"].items()}
+    e["missing_full"] = sorted(set(ref["params"]) - set(full))
+    e["full_err"] = max((_rel(full[k], v) for k, v in ref["params"].items() if k in full), default=0.0)
+    e["full_dtype_ok"] = all(v.dtype == ref["params"][k].dtype for k, v in full.items() if k in ref["params"])
+    return e
+
+
+def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = None) -> list[dict]:
+    """Worker body (every rank of one spawn): train each layout (given as ``Layout.as_dict()``),
+    compare it with the reference saved at ``ref_path`` (``torch.save`` of :func:`reference`),
+    and return the per-rank error records (small: no tensors), one per layout. A layout that
+    raises is reported with its error message instead of stopping the others (all ranks raise
+    together on a config error; other exceptions end the spawn)."""
+    import torch
+
+    ref = torch.load(ref_path, weights_only=False)
+    res = []
+    for d in layouts:
+        lay = Layout(**{k: d[k] for k in FACTORS})
+        run_dir = f"{tmp}/{lay.name}"
+        out = train_layout(lay, run_dir, extra)
+        res.append({"name": lay.name, **compare(out, ref)})
+        del out
+        _destroy_subgroups()
+    return res
+
+
+def _destroy_subgroups() -> None:
+    """Destroy every process group but the default one (each layout builds its own mesh and
+    pipeline groups; hundreds of live gloo groups slow every later layout down). Collective."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    dist.barrier()
+    for pg in list(c10d._world.pg_map):  # private registry: the only list of live groups
+        if pg is not c10d.GroupMember.WORLD and pg is not dist.group.WORLD:
+            dist.destroy_process_group(pg)
+
+
+ERRORS = ("loss_err", "norm_err", "val_err", "param_err", "optim_err", "full_err")
+
+
+def check(layout_name: str, records: list[dict], ref_keys: tuple[set, set], rtol) -> dict:
+    """Assert one layout's per-rank records (index = rank) against ``rtol`` (a float, or a dict
+    keyed by the names in :data:`ERRORS`) and bitwise copy equality; return the summary
+    ``{"name", "world", worst errors}``. Raises AssertionError naming the layout, the quantity
+    and the value."""
+    worst = {k: max(r[k] for r in records) for k in ERRORS}
+    for k, v in worst.items():
+        tol = rtol[k] if isinstance(rtol, dict) else rtol
+        assert v <= tol, f"{layout_name}: {k} {v:.3g} > {tol:g}"
+    assert all(r["step_ok"] for r in records), f"{layout_name}: optimizer step count differs from one process"
+    assert all(r["full_dtype_ok"] for r in records), f"{layout_name}: full_params() changes the parameter dtype"
+    assert not any(r["missing_full"] for r in records), f"{layout_name}: full_params() lacks parameters"
+    for r in records:
+        assert not r["unknown_keys"], f"{layout_name}: keys not in the reference {r['unknown_keys'][:4]}"
+    pkeys = set().union(*(r["param_keys"] for r in records))
+    okeys = set().union(*(r["optim_keys"] for r in records))
+    assert pkeys == ref_keys[0], f"{layout_name}: canonical parameters missing {sorted(ref_keys[0] - pkeys)[:4]}"
+    assert okeys == ref_keys[1], f"{layout_name}: optimizer state missing {sorted(ref_keys[1] - okeys)[:4]}"
+    seen: dict = {}
+    for rank, r in enumerate(records):
+        for key, dig in r["copies"].items():
+            first = seen.setdefault(key, (rank, dig))
+            assert first[1] == dig, (f"{layout_name}: copies of {key[0]} differ between rank {first[0]} and "
+                                     f"rank {rank} (key {key})")
+    return {"name": layout_name, "world": len(records), **worst}
+
+
+def markdown(result: dict) -> str:
+    """A Markdown report of a matrix run (the JSON that ``ZEROTRON_MATRIX_OUT`` writes)."""
+    w = result["worst"]
+    lines = [f"# Parity matrix ({result['mode']})", "",
+             f"{result['checked']} of {result['valid']} valid layouts trained in fp64 against one process "
+             f"({result['refused']} refused by config validation, each for a documented reason); "
+             f"{result['seconds']:.0f} s on this machine.", "",
+             "Worst relative error over all layouts: " + ", ".join(f"{k} {v:.2g}" for k, v in w.items())
+             + f" (bound {FP64_RTOL:g}).", "",
+             "| layout | world | loss | grad norm | val loss | params | Adam state | full_params |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in result["layouts"]:
+        lines.append(f"| {s['name']} | {s['world']} | " + " | ".join(f"{s[k]:.1e}" for k in ERRORS) + " |")
+    reasons: dict = {}
+    for name, msg in result.get("refusals", {}).items():
+        reasons.setdefault(msg.split(";")[0], []).append(name)
+    lines += ["", "## Refused", "", "| reason (config message) | layouts |", "|---|---:|"]
+    lines += [f"| {r} | {len(n)} |" for r, n in sorted(reasons.items(), key=lambda x: -len(x[1]))]
+    return "\n".join(lines) + "\n"

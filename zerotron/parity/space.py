@@ -1,0 +1,192 @@
+"""The layout space of the parity matrix: the factors, every layout of their product, the plan's
+verdict on each and the documented reasons for the refused ones, and the pairwise covering array
+(see the package docstring, ``zerotron.parity``)."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from zerotron.config import ConfigError
+from zerotron.plan import build_plan
+
+FACTORS = {
+    "sync": ("ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp2_2", "fsdp2_3"),
+    "dp": (1, 2, 4),
+    "tp": (1, 2),
+    "sp": (False, True),
+    "pp": (1, 2, 4),
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "threads",
+                 "torch-gpipe", "torch-1f1b", "torch-interleaved", "torch-zb"),
+    "acc": (1, 4),
+    "split": ("auto", "even"),
+    "rep": (1, 2),  # parallel.dp_replicate (HSDP: dp = rep replicas x dp/rep shards)
+}
+# the torch.distributed.pipelining backend (parallel.pp_impl = torch): matrix schedule -> pp_schedule
+TORCH_KINDS = {"torch-gpipe": "gpipe", "torch-1f1b": "1f1b", "torch-interleaved": "interleaved", "torch-zb": "zb-h1"}
+MAX_WORLD = 8
+STEPS = 2
+GLOBAL_BATCH = 16
+FP64_RTOL = 1e-10
+# the matrix model: 8 layers (pp 4 x 2 virtual stages), 4 heads (tp 2), 16 positions (SP over tp 2)
+MODEL = {"model.n_layer": 8, "model.n_head": 4, "model.n_embd": 32, "model.block_size": 16,
+         "model.dropout": 0.0}
+# model families of the matrix (overrides on top of MODEL): GPT-2, and Llama with grouped-query
+# attention (4 query heads on 2 kv heads, so tp 2 splits both), SwiGLU, RoPE, untied head
+MODELS = {"gpt2": {},
+          "llama": {"model.arch": "llama", "model.n_kv_head": 2, "model.intermediate_size": 64,
+                    "model.rope_theta": 10000.0}}
+TRAIN = {"train.dtype": "fp64", "train.steps": STEPS, "train.global_batch": GLOBAL_BATCH, "train.grad_clip": 0.5,
+         "train.warmup_steps": 1, "train.eval_every": STEPS, "train.eval_batches": 1,
+         "checkpoint.save_final": "false", "parallel.timeout_s": 120,
+         "log.tensorboard": "false"}
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """One point of the matrix. ``schedule`` and ``split`` are None when pp == 1; ``sp`` is False
+    when tp == 1."""
+
+    sync: str
+    dp: int
+    tp: int
+    sp: bool
+    pp: int
+    schedule: str | None
+    acc: int
+    split: str | None = None
+    rep: int = 1
+
+    @property
+    def world(self) -> int:
+        """Processes: dp x tp x pp, except for "threads" (the pp stages are threads of one process)."""
+        return self.dp * self.tp * (1 if self.schedule == "threads" else self.pp)
+
+    @property
+    def name(self) -> str:
+        parts = [self.sync, f"dp{self.dp}" + (f"r{self.rep}" if self.rep > 1 else "")]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("sp" if self.sp else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}-{self.schedule}" + ("-even" if self.split == "even" else ""))
+        parts.append(f"acc{self.acc}")
+        return "-".join(parts)
+
+    def overrides(self) -> dict:
+        """``{"section.field": value}`` config overrides of this layout (on top of MODEL/TRAIN)."""
+        o = {"parallel.dp": self.dp, "parallel.tp": self.tp, "parallel.pp": self.pp,
+             "parallel.sequence_parallel": str(self.sp).lower(), "parallel.dp_replicate": self.rep,
+             "train.micro_batch": max(GLOBAL_BATCH // (self.dp * self.acc), 1)}
+        if self.sync == "torch_ddp":
+            o["parallel.dp_impl"] = "torch"
+        elif self.sync.startswith("zero"):
+            o["parallel.zero_stage"] = int(self.sync[-1])
+        elif self.sync.startswith("fsdp2"):
+            o.update({"parallel.zero_stage": int(self.sync[-1]), "parallel.zero_impl": "fsdp2"})
+        if self.schedule == "threads":  # GPipe over pp worker threads of each process
+            o.update({"parallel.pp": 1, "parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
+                      "parallel.virtual_stages": self.pp, "parallel.pp_split": self.split or "auto"})
+        elif self.schedule in TORCH_KINDS:  # torch.distributed.pipelining on the same split
+            o.update({"parallel.pp_impl": "torch", "parallel.pp_schedule": TORCH_KINDS[self.schedule],
+                      "parallel.pp_split": self.split or "auto"})
+            if self.schedule == "torch-interleaved":
+                o["parallel.virtual_stages"] = 2
+        elif self.pp > 1:
+            o["parallel.pp_schedule"] = self.schedule
+            o["parallel.pp_split"] = self.split or "auto"
+            if self.schedule == "interleaved":
+                o["parallel.virtual_stages"] = 2
+        return o
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "name": self.name, "world": self.world}
+
+
+def all_layouts(max_world: int = MAX_WORLD) -> list[Layout]:
+    """Every canonical layout of the FACTORS product on at most ``max_world`` processes, sorted."""
+    out = set()
+    f = FACTORS
+    for sync, dp, tp, sp, pp, sched, acc, split, rep in itertools.product(*f.values()):
+        lay = Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc, split if pp > 1 else None, rep)
+        if lay.world <= max_world:
+            out.add(lay)
+    return sorted(out, key=lambda l: (l.world, l.name))
+
+
+def config_for(layout: Layout, extra: dict | None = None):
+    """The full Config of ``layout`` (tiny.toml + MODEL + TRAIN + the layout's overrides + extra)."""
+    from zerotron.testing import tiny_config
+
+    return tiny_config({**MODEL, **TRAIN, **layout.overrides(), **(extra or {})})
+
+
+def refusal(layout: Layout) -> str | None:
+    """The plan's verdict (``plan.build_plan``): None if the layout runs, else its one-line message."""
+    try:
+        build_plan(config_for(layout), layout.world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def expected_refusal(layout: Layout) -> str | None:
+    """The documented reason a layout cannot run (None: it must run). Config validation must agree
+    (tests assert both directions), so an accidental refusal or a silently accepted unsupported
+    combination fails the matrix."""
+    if layout.rep > 1 and layout.dp % layout.rep:
+        return "HSDP: parallel.dp_replicate must divide dp"
+    if layout.rep > 1 and layout.sync == "torch_ddp":
+        return "HSDP: torch DDP reduces over one flat group"
+    if layout.rep > 1 and layout.pp > 1:
+        return "HSDP is not combined with pipeline parallelism"
+    if layout.pp > 1 and layout.sync in ("fsdp2_2", "fsdp2_3", "torch_ddp"):
+        return "pipeline x FSDP2 / torch DDP: their hooks expect one whole-model forward per backward"
+    if layout.sync.startswith("fsdp2") and layout.tp > 1:
+        return "FSDP2 is not combined with tensor parallelism"
+    if layout.schedule in TORCH_KINDS and (layout.sync != "ddp" or layout.tp > 1):
+        return "the torch.distributed.pipelining backend combines only with native DDP, tp = 1"
+    if layout.schedule == "torch-1f1b" and layout.acc < layout.pp:
+        return "torch's Schedule1F1B needs micro-batches per flush >= pp"
+    if layout.schedule in ("interleaved", "torch-interleaved") and layout.acc % layout.pp:
+        return "interleaved needs micro-batches per flush divisible by pp"
+    if layout.schedule == "threads" and (layout.sync != "ddp" or layout.tp > 1):
+        return "the threaded executor (pp stages as threads of one process) combines only with native DDP, tp = 1"
+    return None
+
+
+# always in the covering set: pp x dp x tp + SP with native DDP (witness of a fixed defect: the
+# tp-replicated gradient sum once ran on bucket memory an all-reduce was still writing),
+# pipeline x ZeRO-3 with interleaving (per-action reduce-scatter, blocks gathered per chunk),
+# the split backward of zb-h1 under ZeRO-2/3 over a real dp group (reduce-scatter after each W,
+# ZeRO-3 blocks gathered for W) and under DDP buckets with tensor parallelism (buckets fire in W),
+# and HSDP (dp 4 = 2 replicas x 2 shards) for ZeRO-2, ZeRO-3 and hierarchical DDP, with accumulation
+# (shard gradients summed locally, one all-reduce across replicas per step) and with tp 2
+MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-dp2-pp2-zb-h1-acc4",
+        "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4", "zero2-dp4r2-acc4", "zero3-dp4r2-acc1",
+        "ddp-dp4r2-acc4", "zero3-dp4r2-tp2-acc4", "fsdp2_3-dp4r2-acc1",
+        # one per torch.distributed.pipelining schedule, over a real dp group where it fits in 4 ranks
+        "ddp-dp2-pp2-torch-gpipe-acc4", "ddp-dp2-pp2-torch-1f1b-acc4", "ddp-dp2-pp2-torch-interleaved-acc4",
+        "ddp-dp2-pp2-torch-zb-acc4")
+
+
+def covering_layouts(layouts: list[Layout]) -> list[Layout]:
+    """A greedy pairwise covering array: a subset of ``layouts`` in which every pair of (factor,
+    value) assignments that occurs in ``layouts`` occurs at least once, plus the :data:`MUST`
+    witnesses. Ties go to fewer processes, then to the name, so the choice is deterministic."""
+    keys = list(FACTORS)
+
+    def pairs(l: Layout):
+        v = [(k, getattr(l, k)) for k in keys]
+        return {(a, b) for a, b in itertools.combinations(v, 2)}
+
+    todo = set().union(*(pairs(l) for l in layouts)) if layouts else set()
+    chosen = [l for l in layouts if l.name in MUST]
+    rest = sorted((l for l in layouts if l.name not in MUST), key=lambda l: (l.world, l.name))
+    for l in chosen:
+        todo -= pairs(l)
+    while todo:
+        best = max(rest, key=lambda l: (len(pairs(l) & todo), -l.world))
+        chosen.append(best)
+        todo -= pairs(best)
+        rest.remove(best)
+    return sorted(chosen, key=lambda l: (l.world, l.name))
