@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import SECTIONS, Config, ConfigError, _field_types, _section_cls, model_shape
+from .config import SECTIONS, Config, ConfigError, ParallelConfig, TrainConfig, _field_types, _section_cls, model_shape
 from .layout import SPLIT_WORDS, stage_layer_counts
 
 __all__ = ["ParallelDims", "ParallelPlan", "build_plan", "check_values", "DTYPES", "REDUCE_DTYPES",
@@ -34,6 +34,12 @@ CORPORA = ("shakespeare", "files", "hf")
 PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
 RUNNERS = ("plain", "pipeline", "threads", "torch")
 SYNCS = ("ddp", "torch_ddp", "zero", "fsdp2", "dtensor_tp")
+
+
+# the plan fields that copy a config field of the same name (defaults too: one source)
+_FROM_PARALLEL = ("reduce_dtype", "dp_impl", "bucket_mb", "find_unused_parameters", "zero_stage", "zero_impl", "tp_impl",
+                  "sequence_parallel", "pp_schedule", "pp_impl", "microbatches", "virtual_stages", "pp_split")
+_FROM_TRAIN = ("micro_batch", "global_batch", "dtype", "activation_checkpointing", "seed")
 
 
 def _need(cond, msg: str) -> None:
@@ -102,21 +108,21 @@ class ParallelPlan:
     dims: ParallelDims = field(default_factory=lambda: ParallelDims(1))
     micro_batch: int = 1
     global_batch: int = 0
-    dtype: str = "fp32"
-    reduce_dtype: str = "auto"
-    dp_impl: str = "native"
-    bucket_mb: float = 25.0
-    find_unused_parameters: bool = False
-    zero_stage: int = 0
-    zero_impl: str = "native"
-    tp_impl: str = "native"
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"
-    pp_impl: str = "native"
-    microbatches: int = 0
-    virtual_stages: int = 1
-    pp_split: str = "auto"
-    activation_checkpointing: str = "none"
+    dtype: str = TrainConfig.dtype
+    reduce_dtype: str = ParallelConfig.reduce_dtype
+    dp_impl: str = ParallelConfig.dp_impl
+    bucket_mb: float = ParallelConfig.bucket_mb
+    find_unused_parameters: bool = ParallelConfig.find_unused_parameters
+    zero_stage: int = ParallelConfig.zero_stage
+    zero_impl: str = ParallelConfig.zero_impl
+    tp_impl: str = ParallelConfig.tp_impl
+    sequence_parallel: bool = ParallelConfig.sequence_parallel
+    pp_schedule: str = ParallelConfig.pp_schedule
+    pp_impl: str = ParallelConfig.pp_impl
+    microbatches: int = ParallelConfig.microbatches
+    virtual_stages: int = ParallelConfig.virtual_stages
+    pp_split: str = ParallelConfig.pp_split
+    activation_checkpointing: str = TrainConfig.activation_checkpointing
     dropout: float = 0.0
     seed: int = 0
     shape: dict | None = None
@@ -126,14 +132,8 @@ class ParallelPlan:
         """The plan of ``cfg``'s parallel section and layout-relevant train/model settings on
         ``dims``, with ``fields`` on top (no :func:`check_values`: use :func:`build_plan` for a
         run). Raises ConfigError as the constructor does."""
-        p, t = cfg.parallel, cfg.train
-        base = dict(
-            micro_batch=t.micro_batch, global_batch=t.global_batch, dtype=t.dtype, reduce_dtype=p.reduce_dtype,
-            dp_impl=p.dp_impl, bucket_mb=p.bucket_mb, find_unused_parameters=p.find_unused_parameters,
-            zero_stage=p.zero_stage, zero_impl=p.zero_impl, tp_impl=p.tp_impl, sequence_parallel=p.sequence_parallel,
-            pp_schedule=p.pp_schedule, pp_impl=p.pp_impl, microbatches=p.microbatches,
-            virtual_stages=p.virtual_stages, pp_split=p.pp_split, activation_checkpointing=t.activation_checkpointing,
-            dropout=cfg.model.dropout, seed=t.seed, shape=shape)
+        base = {**{k: getattr(cfg.parallel, k) for k in _FROM_PARALLEL}, **{k: getattr(cfg.train, k) for k in _FROM_TRAIN},
+                "dropout": cfg.model.dropout, "shape": shape}
         return cls(dims=dims, **{**base, **fields})
 
     # ---- derived sizes -----------------------------------------------------------------------
