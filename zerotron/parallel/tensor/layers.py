@@ -124,7 +124,22 @@ def full_tensor(p: torch.Tensor, group, local: torch.Tensor | None = None, tag: 
 
 
 # ----------------------------------------------------------------------------- layers
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What the column- and row-parallel layers share: sizes, the tp group, the comm tag, and the
+    check that tp divides the split dimension (``split`` = "out_features" | "in_features"; raises
+    ValueError naming it)."""
+
+    def __init__(self, in_features: int, out_features: int, tp_group, split: str, sequence_parallel: bool):
+        super().__init__()
+        n = tp_group.size()
+        size = in_features if split == "in_features" else out_features
+        if size % n:
+            raise ValueError(f"{type(self).__name__}: {split} {size} not divisible by tp={n}")
+        self.in_features, self.out_features, self.tp_group = in_features, out_features, tp_group
+        self.sequence_parallel, self.comm_tag = sequence_parallel, "tp"
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Y = X A^T + b with A's output rows split over tp (Shoeybi et al. 2019, sec. 3).
 
     Input (B, T, in) replicated (through f), or (B, T/tp, in) with ``sequence_parallel`` (all-gathered
@@ -135,13 +150,9 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False, device=None, dtype=None):
-        super().__init__()
-        n = tp_group.size()
-        if out_features % n:
-            raise ValueError(f"ColumnParallelLinear: out_features {out_features} not divisible by tp={n}")
-        self.in_features, self.out_features, self.tp_group = in_features, out_features, tp_group
-        self.gather_output, self.sequence_parallel, self.comm_tag = gather_output, sequence_parallel, "tp"
-        kw = dict(device=device, dtype=dtype)
+        super().__init__(in_features, out_features, tp_group, "out_features", sequence_parallel)
+        n, kw = tp_group.size(), dict(device=device, dtype=dtype)
+        self.gather_output = gather_output
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features // n, in_features, **kw)), 0)
         nn.init.normal_(self.weight, std=0.02)
         self.bias = mark_sharded(nn.Parameter(torch.zeros(out_features // n, **kw)), 0) if bias else None
@@ -188,7 +199,7 @@ class ColumnParallelLinear(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Y = sum_t X_t A_t^T + b with A's input columns split over tp (Shoeybi et al. 2019, sec. 3).
 
     Input (B, T, in/tp) if ``input_is_parallel`` else (B, T, in) (sliced here). The partial sums are
@@ -199,15 +210,11 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, device=None, dtype=None):
-        super().__init__()
-        n = tp_group.size()
-        if in_features % n:
-            raise ValueError(f"RowParallelLinear: in_features {in_features} not divisible by tp={n}")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
-        self.in_features, self.out_features, self.tp_group = in_features, out_features, tp_group
-        self.input_is_parallel, self.sequence_parallel, self.comm_tag = input_is_parallel, sequence_parallel, "tp"
-        kw = dict(device=device, dtype=dtype)
+        super().__init__(in_features, out_features, tp_group, "in_features", sequence_parallel)
+        n, kw = tp_group.size(), dict(device=device, dtype=dtype)
+        self.input_is_parallel = input_is_parallel
         self.weight = mark_sharded(nn.Parameter(torch.empty(out_features, in_features // n, **kw)), 1)
         nn.init.normal_(self.weight, std=0.02)
         self.bias = nn.Parameter(torch.zeros(out_features, **kw)) if bias else None
