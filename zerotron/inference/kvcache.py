@@ -15,7 +15,7 @@ import torch
 
 from zerotron.models.base import KVCache
 
-__all__ = ["StaticKVCache"]
+__all__ = ["StaticKVCache", "merge_caches", "keep_rows"]
 
 
 class StaticKVCache(KVCache):
@@ -54,3 +54,65 @@ class StaticKVCache(KVCache):
         """Drop every cached tensor."""
         super().reset()
         self.lengths = [0] * len(self.lengths)
+
+
+def _filled(c: StaticKVCache) -> int:
+    return max(c.lengths, default=0)
+
+
+def merge_caches(caches: list[StaticKVCache], capacity: int) -> StaticKVCache:
+    """Rows of ``caches`` (in order) in one new :class:`StaticKVCache` of ``capacity`` slots, for
+    continuous batching (rows joining a running batch). Every cache keeps its rows' newest token in
+    its last filled slot; the merged cache right-aligns them at S = the most filled slots of any
+    input, adding ``S - S_i`` padding slots in front of cache i's rows (its ``pad`` grows by as
+    much: the positions ``slot - pad`` and so every row's values are unchanged). Padding slots
+    hold zeros (masked by attention; zeros, not garbage, since a masked value still multiplies 0).
+    Layers not held here (None in every input) stay None. Raises ValueError for S > capacity or
+    caches that disagree on the layers they hold."""
+    n_layer = len(caches[0].keys)
+    S = max(_filled(c) for c in caches)
+    if S > capacity:
+        raise ValueError(f"merge_caches: {S} filled slots do not fit a capacity of {capacity}")
+    held = [i for i in range(n_layer) if caches[0].keys[i] is not None]
+    if any([i for i in range(n_layer) if c.keys[i] is not None] != held for c in caches):
+        raise ValueError("merge_caches: the caches hold different layers")
+    pads = []
+    for c in caches:
+        b = c.keys[held[0]].size(0) if held else 0
+        p = c.pad if c.pad is not None else torch.zeros(b, dtype=torch.long, device=c.keys[held[0]].device)
+        pads.append(p + (S - _filled(c)))
+    out = StaticKVCache(n_layer, torch.cat(pads), capacity)
+    for i in held:
+        for src, dst in ((lambda c: c.keys[i], out.keys), (lambda c: c.values[i], out.values)):
+            parts = [src(c) for c in caches]
+            B = sum(t.size(0) for t in parts)
+            buf = parts[0].new_zeros(B, parts[0].size(1), capacity, parts[0].size(3))
+            lo = 0
+            for c, t in zip(caches, parts):
+                n = _filled(c)
+                buf[lo:lo + t.size(0), :, S - n:S].copy_(t[:, :, :n])
+                lo += t.size(0)
+            dst[i] = buf
+        out.lengths[i] = S
+    return out
+
+
+def keep_rows(c: StaticKVCache, rows: list[int]) -> StaticKVCache:
+    """A new :class:`StaticKVCache` (same capacity) holding only ``rows`` (indices into ``c``'s
+    batch, in that order), with the leading slots that are padding in every kept row dropped
+    (rows leaving a continuous batch; the rest keep their values and positions)."""
+    dev = next(k.device for k in c.keys if k is not None)
+    idx = torch.tensor(rows, dtype=torch.long, device=dev)
+    pad = c.pad.index_select(0, idx) if c.pad is not None else torch.zeros(len(rows), dtype=torch.long, device=dev)
+    drop = int(pad.min()) if len(rows) else 0
+    out = StaticKVCache(len(c.keys), pad - drop, c.capacity)
+    for i, (k, v) in enumerate(zip(c.keys, c.values)):
+        if k is None:
+            continue
+        n = c.lengths[i]
+        for src, dst in ((k, out.keys), (v, out.values)):
+            buf = src.new_zeros(len(rows), src.size(1), c.capacity, src.size(3))
+            buf[:, :, :n - drop].copy_(src.index_select(0, idx)[:, :, drop:n])
+            dst[i] = buf
+        out.lengths[i] = n - drop
+    return out
