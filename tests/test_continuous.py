@@ -51,7 +51,7 @@ def test_joining_rows_equal_alone_single_process(single_process):
             out, streamed, steps = _drive(dec, reqs)
             assert [out[i] for i in range(4)] == alone, (preset, sampled)
             assert all(streamed[i] == alone[i] for i in range(4))
-            assert dec.running == 0 and dec.cache is None and dec.order == []
+            assert dec.running == 0 and dec.cache.B == 0 and dec.order == []
             assert steps < sum(len(a) for a in alone)  # rows really shared iterations
             # every request arriving at once, and one by one in reverse: the same tokens
             out2, _, _ = _drive(ContinuousDecoder(eng), reqs, {0: [3, 2, 1, 0]})
@@ -67,7 +67,7 @@ def test_cancel_eos_stop_and_zero_tokens(single_process):
     out, streamed, _ = _drive(dec, reqs, cancel_at=(4, 1))  # request 1 joined at step 2: 2 tokens, then gone
     assert 1 not in out and streamed[1] == alone[1][:2]
     assert [out[i] for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
-    assert dec.running == 0 and dec.cache is None
+    assert dec.running == 0 and dec.cache.B == 0
     # eos and stop strings end a row where they end it alone; max_tokens 0 finishes at join
     eos = alone[1][3]
     e_eng = _local_engine(model, eos_id=eos)
@@ -84,22 +84,35 @@ def test_cancel_eos_stop_and_zero_tokens(single_process):
     assert out[0] == [] and [out[i] for i in (1, 2, 3)] == alone[1:]
 
 
-def test_merge_and_keep_rows_keep_values_and_positions():
-    from zerotron.inference.kvcache import StaticKVCache, keep_rows, merge_caches
+def test_pooled_cache_rows_join_leave_and_trim():
+    """Rows appended after the running ones keep their values and positions (running rows shift
+    right once when the newcomers are longer); removed rows are replaced by rows from the end;
+    trim drops the slots that are padding in every row."""
+    from zerotron.inference.kvcache import PooledKVCache, StaticKVCache
 
-    def cache(b, n, pad, cap):
-        c = StaticKVCache(2, torch.tensor(pad), cap)
+    def fresh(b, n, pad):
+        c = StaticKVCache(2, torch.tensor(pad), n)
         for i in range(2):
             c.update(i, torch.randn(b, 2, n, 3, dtype=torch.float64), torch.randn(b, 2, n, 3, dtype=torch.float64))
         return c
-    a, b = cache(2, 5, [0, 2], 8), cache(1, 3, [1], 4)
-    m = merge_caches([a, b], 9)
-    assert m.pad.tolist() == [0, 2, 3] and m.lengths == [5, 5] and m.capacity == 9
-    assert torch.equal(m.keys[1][:2, :, :5], a.keys[1][:, :, :5]) and torch.equal(m.values[0][2, :, 2:5], b.values[0][0, :, :3])
-    assert torch.equal(m.positions(1, 0), torch.tensor([[5], [3], [2]]))  # each row's own next position
-    k = keep_rows(m, [2, 1])  # the rows left have >= 2 padding slots in front: 2 are dropped
-    assert k.pad.tolist() == [1, 0] and k.lengths == [3, 3] and torch.equal(k.keys[0][0, :, :3], m.keys[0][2, :, 2:5])
-    assert torch.equal(k.positions(1, 0), m.positions(1, 0)[[2, 1]])
+    pool = PooledKVCache(2, 16)
+    a, b = fresh(1, 3, [0]), fresh(2, 5, [0, 2])
+    pool.append(a)
+    assert (pool.B, pool.S, pool.pad.tolist()) == (1, 3, [0])
+    pool.append(b)  # longer: row 0 moves right by 2
+    assert (pool.B, pool.S, pool.pad.tolist()) == (3, 5, [2, 0, 2])
+    assert torch.equal(pool.keys[1][0, :, 2:5], a.keys[1][0]) and torch.equal(pool.values[0][1:3, :, :5], b.values[0])
+    assert torch.equal(pool.positions(1, 0), torch.tensor([[3], [5], [3]]))  # each row's own next position
+    k, v = pool.update(0, torch.ones(3, 2, 1, 3, dtype=torch.float64), torch.ones(3, 2, 1, 3, dtype=torch.float64))
+    assert k.shape == (3, 2, 6, 3) and pool.S == 5
+    pool.commit(1)
+    assert pool.S == 6
+    before = pool.keys[0][2, :, :6].clone()
+    assert pool.remove([1]) == [0, 2] and pool.B == 2 and pool.pad.tolist() == [2, 2]  # row 2 took row 1's place
+    assert torch.equal(pool.keys[0][1, :, :6], before)
+    assert pool.trim() == 2 and pool.S == 4 and pool.pad.tolist() == [0, 0]
+    assert torch.equal(pool.keys[0][1, :, :4], before[:, 2:])
+    assert pool.remove([0, 1]) == [] and (pool.B, pool.S) == (0, 0)
 
 
 LAYOUTS = [("dp4", 4, 1, 1), ("tp2xdp2", 2, 2, 1), ("pp2xdp2", 2, 1, 2), ("pp2xtp2", 1, 2, 2), ("pp4", 1, 1, 4),

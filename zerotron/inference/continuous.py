@@ -12,14 +12,15 @@ it with the same ``joins`` and ``cancel``, which rank 0's scheduler decides and 
    the KV cache; past ``block_size`` the cache is rebuilt from the last block_size tokens of every
    row, as in :mod:`zerotron.inference.batch`);
 3. the rows joining this replica are prefilled together (left-padded among themselves, their
-   prompts cropped to the last block_size tokens) and sample their first token; their cache is
-   merged into the running one (:func:`~zerotron.inference.kvcache.merge_caches`: rows right-aligned
-   at the longest, per-row left padding, so positions ``slot - pad`` stay each row's own);
+   prompts cropped to the last block_size tokens) and sample their first token; their keys and
+   values are copied into the running batch's :class:`~zerotron.inference.kvcache.PooledKVCache`
+   after the running rows (right-aligned at the common last slot, per-row left padding, so the
+   positions ``slot - pad`` stay each row's own; the running rows are not copied);
 4. the sampled tokens are all-gathered over the world, so every rank knows every row's tokens and
    ends rows identically (eos, max_tokens, stop strings: the same rule as
-   :class:`~zerotron.inference.batch.DecodeBatch`); finished rows leave the cache
-   (:func:`~zerotron.inference.kvcache.keep_rows`, which also drops slots that became padding in
-   every row).
+   :class:`~zerotron.inference.batch.DecodeBatch`); finished rows leave the cache (rows from the
+   end fill their places; when the common slot reaches block_size, the slots that are padding in
+   every row are dropped first).
 
 Layouts: the same as :class:`~zerotron.inference.Engine` (single process, tp, dp, pp, any product):
 rows are assigned to a dp replica by the scheduler; tp ranks decode the same rows on their head
@@ -42,7 +43,7 @@ from zerotron.distributed import comm
 
 from .batch import PAD_ID, Request
 from .forward import forward_layers
-from .kvcache import StaticKVCache, keep_rows, merge_caches
+from .kvcache import PooledKVCache, StaticKVCache
 from .sampling import make_generator, sample_rows
 
 __all__ = ["ContinuousDecoder", "StepResult"]
@@ -87,7 +88,7 @@ class ContinuousDecoder:
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.rows: dict[int, _Row] = {}
         self.order: list[int] = []  # this replica's rows, in cache order
-        self.cache: StaticKVCache | None = None
+        self.cache = PooledKVCache(self.cfg.n_layer, self.cfg.block_size)
         self.steps = 0
 
     @property
@@ -160,42 +161,33 @@ class ContinuousDecoder:
         gone = set(rids)
         if not gone:
             return
-        keep = [i for i, r in enumerate(self.order) if r not in gone]
-        if len(keep) < len(self.order):
-            self.cache = keep_rows(self.cache, keep) if keep else None
-            self.order = [self.order[i] for i in keep]
+        drop = [i for i, r in enumerate(self.order) if r in gone]
+        if drop:
+            self.order = [self.order[i] for i in self.cache.remove(drop)]
         for r in gone:
             self.rows.pop(r, None)
 
-    def _need(self, rids) -> int:
-        """The most new tokens any of ``rids`` may still take."""
-        return max((self.rows[r].request.params.max_tokens - len(self.rows[r].new) for r in rids), default=0)
-
     def _decode(self) -> dict[int, int]:
-        S, bs = self.cache.cached(self.layers[0]), self.cfg.block_size
-        if S + 1 <= bs:
-            if S + 1 > self.cache.capacity:
-                self.cache = merge_caches([self.cache], min(bs, S + self._need(self.order)))
+        c, bs = self.cache, self.cfg.block_size
+        if c.S + 1 > bs:
+            c.trim()  # slots that became padding in every row (their rows left)
+        if c.S + 1 <= bs:
             x = torch.tensor([[self.rows[r].tokens[-1]] for r in self.order], device=self.device)
-            logits = self._forward(x, self.cache)
+            logits = self._forward(x, c)
         else:  # the context is full: rebuild from the last block_size tokens of every row
             x, pad = self._padded(self.order)
-            self.cache = StaticKVCache(self.cfg.n_layer, pad, max(1, min(bs, x.size(1) + self._need(self.order))))
-            logits = self._forward(x, self.cache)
+            fresh = StaticKVCache(self.cfg.n_layer, pad, x.size(1))
+            logits = self._forward(x, fresh)
+            c.remove(list(range(c.B)))
+            c.append(fresh)
         return self._sample(self.order, logits)
 
     def _prefill(self, rids: list[int]) -> dict[int, int]:
-        bs = self.cfg.block_size
         x, pad = self._padded(rids)
-        fresh = StaticKVCache(self.cfg.n_layer, pad, max(1, min(bs, x.size(1) + self._need(rids))))
+        fresh = StaticKVCache(self.cfg.n_layer, pad, x.size(1))
         logits = self._forward(x, fresh)
         out = self._sample(rids, logits)
-        if self.cache is None:
-            self.cache = fresh
-        else:
-            both = self.order + rids
-            S = max(self.cache.cached(self.layers[0]), fresh.cached(self.layers[0]))
-            self.cache = merge_caches([self.cache, fresh], max(1, min(bs, S + self._need(both))))
+        self.cache.append(fresh)  # the newcomers' rows after the running ones (self.order += rids)
         return out
 
     def _padded(self, rids) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,6 +206,8 @@ class ContinuousDecoder:
             comm.recv(buf, pl.prev, group=pl.group, tag="decode")
             x = buf
         y = forward_layers(self.engine.model, self.blocks, self.layers, x, cache, self.first, self.last)
+        if isinstance(cache, PooledKVCache):
+            cache.commit(x.size(1))
         if not self.last:
             comm.send(y.to(pl.act_dtype).contiguous(), pl.next, group=pl.group, tag="decode")
             return None
