@@ -151,3 +151,19 @@ def test_every_layout_equals_alone(single_process):
             alone = ref[(preset, sampled)]
             assert {i: out[i] for i in (0, 2, 3)} == {i: alone[i] for i in (0, 2, 3)} and 1 not in out, (rank, name)
             assert cut == alone[1][:2], (rank, name, sampled)
+
+
+def test_bench_serve_runs_both_modes(tmp_path, single_process):
+    """``zerotron bench serve`` (tiny run): both batchers answer every request with the same tokens,
+    and the rows name the paired ratios (figures, not timed assertions)."""
+    import json
+
+    from zerotron.bench.serve import main
+
+    out = tmp_path / "s.json"
+    assert main(["--requests", "5", "--rounds", "2", "--interval-ms", "5", "--max-tokens", "3,9", "--json", str(out)]) == 0
+    c, w = json.loads(out.read_text())
+    assert (c["mode"], w["mode"]) == ("continuous", "window") and c["outputs_equal"]
+    assert c["new_tokens"] == w["new_tokens"] == 3 + 9 + 3 + 9 + 3 and c["steps"] >= 9 and c["rounds"] == 2
+    assert c["ratio_output_tokens_per_s"] > 0 and len(c["latency_p95_s_rounds"]) == 2
+    assert main(["--max-tokens", "0"]) == 2

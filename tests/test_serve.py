@@ -357,3 +357,22 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_batching_options_are_checked():
+    """--batching names a mode; --microbatches (micro-batches in flight) needs --batching window:
+    one line naming the option and the fix (the CLI prints it and exits 2, as for every option)."""
+    from zerotron.serve import check_args, parser
+
+    def err(*argv):
+        try:
+            check_args(parser().parse_args(["--checkpoint", "x", *argv]))
+        except ValueError as e:
+            return str(e)
+        return None
+    assert err() is None and parser().parse_args(["--checkpoint", "x"]).batching == "continuous"
+    assert err("--batching", "window", "--microbatches", "2", "--parallel.pp", "2") is None
+    assert err("--batching", "paged") == "--batching must be one of continuous, window, got 'paged'"
+    msg = err("--microbatches", "2")
+    assert msg.startswith("--microbatches 2 needs --batching window") and "\n" not in msg
+    assert err("--microbatches", "1") is None  # one micro-batch = the whole batch: fine either way

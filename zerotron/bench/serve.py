@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     from zerotron.inference import Engine, Request, SamplingParams
     from zerotron.models.registry import build_model, preset_config
 
-    init_distributed("gloo", 300, torch.device("cpu"))
+    owned = not torch.distributed.is_initialized()
+    if owned:
+        init_distributed("gloo", 300, torch.device("cpu"))
     torch.manual_seed(0)
     model = build_model(preset_config("tiny", n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=4096)).eval()
     engine = Engine(model, Mesh(ParallelDims(1), torch.device("cpu")))
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
             records.append({**run_mode(mode, engine, reqs, args.interval_ms / 1e3, args.window_ms, args.max_batch),
                             "round": r})
-    teardown()
+    if owned:
+        teardown()
     same = all(rec["outputs"] == records[0]["outputs"] for rec in records)
     keys = ("output_tokens_per_s", "latency_mean_s", "latency_p95_s", "ttft_mean_s")
     rows = []
