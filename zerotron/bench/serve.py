@@ -12,8 +12,8 @@ at ``i x --interval-ms`` (a fixed arrival rate), with max_tokens cycling through
 (staggered lengths); no HTTP (what is measured is the batching, not the sockets).
 
 Per request: latency = answer time - arrival time; ttft = first token - arrival. Per run:
-output_tokens_per_s = all new tokens / (last answer - first arrival); latency mean and p95;
-ttft mean. Each round runs both modes (the order alternates every round) on the same requests;
+output_tokens_per_s = all new tokens / (last answer - first arrival), at most the offered load
+(all new tokens / the arrival span) plus the tail; latency mean and p95; ttft mean. Each round runs both modes (the order alternates every round) on the same requests;
 ``ratio_*`` are medians over rounds of the per-round ratio continuous / window (paired: both
 ran under the same load). Outputs of the two modes are compared (they must be equal).
 """
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
-        lens = [int(x) for x in args.max_tokens.split(",") if x.strip()]
+        lens = [int(x) if x.strip().isdigit() else -1 for x in args.max_tokens.split(",")]
         if not lens or min(lens) < 1 or max(lens) > 96:
             raise ValueError(f"--max-tokens must be a comma list of integers in 1..96 (prompt + tokens fit the "
                              f"context of 128), got {args.max_tokens!r}")
@@ -164,8 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         table.append(f"| {x['mode']} | {x['output_tokens_per_s']:.0f} | {x['latency_mean_s']:.3f} | "
                      f"{x['latency_p95_s']:.3f} | {x['ttft_mean_s']:.3f} | {x['steps'] or '-'} | {x['batches']} |")
     ratios = ", ".join(f"{k} {c['ratio_' + k]:.2f}" for k in keys)
+    span = (args.requests - 1) * args.interval_ms / 1e3
+    offered = c["new_tokens"] / span if span > 0 else float("inf")
+    for x in rows:
+        x["offered_tokens_per_s"] = offered
     text = (f"{machine}; {args.requests} requests, one every {args.interval_ms:g} ms, max_tokens cycling "
-            f"{args.max_tokens}; window {args.window_ms:g} ms, max batch {args.max_batch}; {args.rounds} rounds "
+            f"{args.max_tokens} ({c['new_tokens']} new tokens: an offered load of {offered:.0f} tokens/s, the most either "
+            f"mode can reach while requests arrive); window {args.window_ms:g} ms, max batch {args.max_batch}; {args.rounds} rounds "
             f"(medians); outputs equal across modes: {same}\n\n" + "\n".join(table) +
             f"\n\ncontinuous / window (median of per-round ratios): {ratios}\n")
     print(f"zerotron bench serve: {text}")
