@@ -113,6 +113,9 @@ def compute_figures(bench: Path = HERE) -> dict[str, str]:
             f[f"serve.{mode}_{k[:-2]}_ms"] = _int(r[k] * 1e3)
     for k in ("output_tokens_per_s", "latency_mean_s", "latency_p95_s", "ttft_mean_s"):
         f[f"serve.ratio_{k}"] = f"{c['ratio_' + k]:.2f}"
+    c2 = {r["mode"]: r for r in _load(bench, "serve_continuous_cpu_pp2.json")}["continuous"]  # 2-stage pipeline
+    for k in ("output_tokens_per_s", "latency_mean_s", "latency_p95_s"):
+        f[f"serve_pp2.ratio_{k}"] = f"{c2['ratio_' + k]:.2f}"
     return f
 
 

@@ -1,9 +1,12 @@
 """``zerotron bench serve``: continuous vs window batching under staggered arrivals, paired.
 
-Usage: ``zerotron bench serve [--requests 32] [--interval-ms 40] [--max-tokens 8,96,24,64]
-[--window-ms 20] [--max-batch 32] [--rounds 3] [--json F] [--markdown F]``.
+Usage: ``zerotron bench serve [--nproc N --parallel.tp T --parallel.pp P] [--requests 32]
+[--interval-ms 40] [--max-tokens 8,96,24,64] [--window-ms 20] [--max-batch 32] [--rounds 3]
+[--json F] [--markdown F]``.
 
-One process (world size 1), the default config's model (configs/default.toml [model]: 4 layers,
+One process by default (``--nproc N``: N ranks, dp x tp x pp as ``zerotron serve`` lays them out,
+the window batcher's pipelines with one micro-batch per stage in flight; rank 0 runs the batcher,
+the others follow as in ``zerotron serve``), the default config's model (configs/default.toml [model]: 4 layers,
 128 wide, block 128, vocab 4096) with seeded random weights, random prompts of 8..32 tokens, greedy,
 no eos stop (every request makes its max_tokens). The server's own batchers
 (:class:`~zerotron.serve.batching.ContinuousScheduler`, :class:`~zerotron.serve.batching.WindowBatcher`)
@@ -41,15 +44,20 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def run_mode(mode: str, engine, requests, interval_s: float, window_ms: float, max_batch: int) -> dict:
+def run_mode(mode: str, engine, requests, interval_s: float, window_ms: float, max_batch: int,
+             world: int = 1) -> dict | None:
     """Serve ``requests`` (``zerotron.inference.Request``) arriving every ``interval_s`` with the
-    ``mode`` batcher on ``engine`` (world size 1); the run's measurements and outputs."""
+    ``mode`` batcher on ``engine``; the run's measurements and outputs (rank 0; the other ranks
+    follow and return None)."""
     from zerotron.serve.api import Front, Job
     from zerotron.serve.batching import ContinuousScheduler, WindowBatcher
-    from zerotron.serve.follow import Channel
+    from zerotron.serve.follow import Channel, follow
 
+    if world > 1 and torch.distributed.get_rank() != 0:
+        follow(engine)
+        return None
     front = Front(None, None, "bench", mode)
-    ch = Channel(1)
+    ch = Channel(world)
     batcher = (ContinuousScheduler(engine, front, ch, max_batch) if mode == "continuous"
                else WindowBatcher(engine, front, ch, window_ms, max_batch))
     jobs = [Job([r], stream=True) for r in requests]
@@ -94,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="zerotron bench serve", allow_abbrev=False, formatter_class=HelpFormatter,
                                 description="Continuous vs window batching under staggered arrivals, paired.")
+    p.add_argument("--nproc", type=int, default=1, help="local ranks (dp x tp x pp)")
+    p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--requests", type=int, default=32, help="requests (random prompts of 8..32 tokens)")
     p.add_argument("--interval-ms", type=float, default=40.0, help="one request arrives every this many ms")
     p.add_argument("--max-tokens", default="8,96,24,64", help="max_tokens of request i: item i mod the list")
@@ -116,6 +127,15 @@ def main(argv: list[str] | None = None) -> int:
                              f"context of 128), got {args.max_tokens!r}")
         if min(args.requests, args.rounds, args.max_batch) < 1 or not args.interval_ms >= 0 or not args.window_ms >= 0:
             raise ValueError("--requests, --rounds, --max-batch must be >= 1, --interval-ms and --window-ms >= 0")
+        from zerotron.launch import in_worker, launch, strip_nproc
+
+        n = int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc
+        if min(n, args.tp, args.pp) < 1 or n % (args.tp * args.pp):
+            raise ValueError(f"--nproc {n} must be a multiple of --parallel.tp x --parallel.pp "
+                             f"({args.tp} x {args.pp}), all >= 1")
+
+        if args.nproc > 1 and not in_worker():
+            return launch(args.nproc, strip_nproc(argv), module="zerotron.bench.serve")
     except SystemExit as e:
         return int(e.code or 0)
     except ValueError as e:
@@ -130,20 +150,25 @@ def main(argv: list[str] | None = None) -> int:
         init_distributed("gloo", 300, torch.device("cpu"))
     torch.manual_seed(0)
     model = build_model(preset_config("tiny", n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=4096)).eval()
-    engine = Engine(model, Mesh(ParallelDims(1), torch.device("cpu")))
+    world = torch.distributed.get_world_size()
+    mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), torch.device("cpu"))
+    engine = Engine(model, mesh, microbatches=args.pp)
     g = torch.Generator().manual_seed(1)
     plens = torch.randint(8, 33, (args.requests,), generator=g).tolist()
     reqs = [Request(torch.randint(0, 4096, (n,), generator=g).tolist(),
                     SamplingParams(max_tokens=lens[i % len(lens)], stop_at_eos=False)) for i, n in enumerate(plens)]
-    run_mode("continuous", engine, reqs[:2], 0.0, args.window_ms, args.max_batch)  # warm-up
+    run_mode("continuous", engine, reqs[:2], 0.0, args.window_ms, args.max_batch, world)  # warm-up
     load0 = os.getloadavg()[0]
     records = []
     for r in range(args.rounds):
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            records.append({**run_mode(mode, engine, reqs, args.interval_ms / 1e3, args.window_ms, args.max_batch),
-                            "round": r})
+            rec = run_mode(mode, engine, reqs, args.interval_ms / 1e3, args.window_ms, args.max_batch, world)
+            if rec is not None:
+                records.append({**rec, "round": r})
     if owned:
         teardown()
+    if not records:  # not rank 0
+        return 0
     same = all(rec["outputs"] == records[0]["outputs"] for rec in records)
     keys = ("output_tokens_per_s", "latency_mean_s", "latency_p95_s", "ttft_mean_s")
     rows = []
@@ -156,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     c, w = rows
     for k in keys:
         c[f"ratio_{k}"] = statistics.median(a / b for a, b in zip(c[f"{k}_rounds"], w[f"{k}_rounds"]))
-    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, 1 process, "
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {world} rank(s) (dp "
+               f"{mesh.size('dp')} x tp {args.tp} x pp {args.pp}), "
                f"{torch.get_num_threads()} thread(s), load average {load0:.1f} at start / {os.getloadavg()[0]:.1f} at end")
     table = ["| batching | output tokens/s | latency mean (s) | latency p95 (s) | TTFT mean (s) | decode iterations "
              "| batches |", "|---|---|---|---|---|---|---|"]
@@ -179,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps([{**x, "machine": machine} for x in rows], indent=1))
     if args.markdown:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"# zerotron bench serve\n\n`zerotron bench serve {' '.join(argv)}`\n\n{text}")
+        cmd = " ".join(["zerotron bench serve", *[f"--nproc {world}"] * (world > 1), *strip_nproc(argv)])
+        Path(args.markdown).write_text(f"# zerotron bench serve\n\n`{cmd}`\n\n{text}")
     return 0 if same else 1
 
 
