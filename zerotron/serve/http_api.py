@@ -4,7 +4,9 @@ server, not a hand-written parser: no web framework is a dependency of zerotron)
 
 A handler waiting for its answer checks about every 0.25 s that its client is still connected
 (:func:`client_alive`: the socket reads as closed); a client that left, or a write that fails
-mid-stream, cancels the job (:class:`~zerotron.serve.api.Front`)."""
+mid-stream, cancels the job (:class:`~zerotron.serve.api.Front`). A client that half-closes its
+side after sending the request (``shutdown(SHUT_WR)``, rare for HTTP clients: curl, urllib, httpx
+and the openai package keep it open) reads the same as one that left, and is cancelled."""
 from __future__ import annotations
 
 import json
