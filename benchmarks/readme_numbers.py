@@ -103,6 +103,19 @@ def compute_figures(bench: Path = HERE) -> dict[str, str]:
     f["planner.base_n"] = _int(sv["base_layouts_n"])
     opt = [r["predicted_tokens_per_s"] / r["measured_tokens_per_s"] for r in pv["layouts"]]
     f["planner.optimism"] = _span(min(opt), max(opt))
+
+    sc = {r["mode"]: r for r in _load(bench, "serve_continuous_cpu.json")}  # bench serve, paired rounds
+    c, w = sc["continuous"], sc["window"]
+    f["serve.offered_tps"] = _int(c["offered_tokens_per_s"])
+    for mode, r in (("cont", c), ("win", w)):
+        f[f"serve.{mode}_tps"] = _int(r["output_tokens_per_s"])
+        for k in ("latency_mean_s", "latency_p95_s", "ttft_mean_s"):
+            f[f"serve.{mode}_{k[:-2]}_ms"] = _int(r[k] * 1e3)
+    for k in ("output_tokens_per_s", "latency_mean_s", "latency_p95_s", "ttft_mean_s"):
+        f[f"serve.ratio_{k}"] = f"{c['ratio_' + k]:.2f}"
+    c2 = {r["mode"]: r for r in _load(bench, "serve_continuous_cpu_pp2.json")}["continuous"]  # 2-stage pipeline
+    for k in ("output_tokens_per_s", "latency_mean_s", "latency_p95_s"):
+        f[f"serve_pp2.ratio_{k}"] = f"{c2['ratio_' + k]:.2f}"
     return f
 
 

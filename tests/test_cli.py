@@ -43,6 +43,10 @@ CASES = [
     (["serve", "--checkpoint", "/no/such/run", "--nproc", "3", "--parallel.pp", "2"], "multiple of"),
     (["bench", "generate", "--layouts", "foo"], "unknown layout(s) foo"),
     (["bench", "generate", "--prompts", "0"], "--prompts"),
+    (["serve", "--checkpoint", "/no/such/run", "--batching", "paged"], "--batching must be one of continuous, window"),
+    (["serve", "--checkpoint", "/no/such/run", "--microbatches", "2"], "--microbatches 2 needs --batching window"),
+    (["bench", "serve", "--max-tokens", "0"], "--max-tokens must be a comma list"),
+    (["bench", "serve", "--rounds", "0"], "--rounds"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-p", "0"], "--top-p"),
 ]
 

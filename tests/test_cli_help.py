@@ -65,6 +65,7 @@ def _parsers():
     from zerotron.analysis.schedule_plot import schedule_parser
     from zerotron.bench.comm import _parser as comm_parser
     from zerotron.bench.generate import _parser as bench_generate_parser
+    from zerotron.bench.serve import _parser as bench_serve_parser
     from zerotron.bench.train import _parser as bench_train_parser
     from zerotron.bench.validate_plan import _parser as bench_plan_parser
     from zerotron.serve import parser as serve_parser
@@ -72,7 +73,7 @@ def _parsers():
     return {"train": cli.train_parser, "generate": cli.generate_parser, "export": cli.export_parser,
             "memory": memory_parser, "plan": plan_parser, "schedule": schedule_parser, "bench comm": comm_parser,
             "bench train": bench_train_parser, "bench plan": bench_plan_parser, "serve": serve_parser,
-            "bench generate": bench_generate_parser}
+            "bench generate": bench_generate_parser, "bench serve": bench_serve_parser}
 
 
 @pytest.mark.parametrize("command", list(_parsers()))

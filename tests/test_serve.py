@@ -1,4 +1,5 @@
-"""``zerotron serve`` on 2 processes (a 2-stage pipeline, 2 micro-batches in flight), called with real
+"""``zerotron serve`` on 2 processes (a 2-stage pipeline; window batching with 2 micro-batches in flight, and
+continuous batching), called with real
 HTTP clients (urllib; http.client for streams): concurrent completions equal ``zerotron generate``'s
 texts, stop strings end generation early, streamed server-sent events add up to the same texts, /v1/models and
 /health answer, bad requests get 4xx JSON errors while the server keeps serving, a client that
@@ -95,7 +96,7 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--port", "0",
                              "--nproc", "2", "--parallel.pp", "2", "--microbatches", "2", "--max-body-bytes", "4000",
-                             "--batch-window-ms", "150"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             "--batching", "window", "--batch-window-ms", "150"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
@@ -106,7 +107,8 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
             time.sleep(0.2)
         base = re.search(r"listening on (http://\S+)", "".join(lines)).group(1)
         url = base + "/v1/completions"
-        assert _get(base + "/health") == (200, {"status": "ok", "batches": 0, "requests": 0})
+        assert _get(base + "/health") == (200, {"status": "ok", "batching": "window", "batches": 0, "requests": 0,
+                                                "steps": 0, "running": 0, "cancelled_rows": 0})
         code, models = _get(base + "/v1/models")
         model_id = models["data"][0]["id"]
         assert code == 200 and model_id == "run"
@@ -245,3 +247,132 @@ def test_stream_text_holds_back_what_may_change():
     st = StreamText(decode, ["lo w"])
     assert [st.push(1), st.push(2)] == ["He", "l"]  # "l", then "lo", may begin the stop string: held back
     assert st.push(3) == "" and st.finish() == ""  # it did: nothing after "Hel"
+
+
+def _start(checkpoint, *extra):
+    """Start ``zerotron serve`` on 2 processes; (process, its output lines, base URL)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+                             "--nproc", "2", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
+    deadline = time.time() + 120
+    while not any("listening on" in ln for ln in lines):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("".join(lines))
+        time.sleep(0.2)
+    return proc, lines, re.search(r"listening on (http://\S+)", "".join(lines)).group(1)
+
+
+def _stream_events(base, body, keep: int | None = None):
+    """Stream ``body``; (events with their arrival times, [DONE] seen). ``keep``: read that many
+    text events, then close the connection mid-stream."""
+    host, port = re.search(r"http://([^:]+):(\d+)", base).groups()
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    events, done = [], False
+    while True:
+        line = r.readline()
+        if not line:
+            break
+        line = line.decode().rstrip("\n")
+        if line == "data: [DONE]":
+            done = True
+        elif line.startswith("data: "):
+            events.append((time.monotonic(), json.loads(line[6:])))
+            if keep is not None and len(events) >= keep:
+                break
+    conn.sock.shutdown(socket.SHUT_RDWR)  # a real disconnect, also while the response is unread
+    conn.close()
+    return events, done
+
+
+def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
+    """Continuous batching (the default) on a 2-stage pipeline: a request sent while a long one is
+    decoding joins it and is answered first, with ``zerotron generate``'s text; a sampled request
+    gets the same text alone and sharing the batch; a streaming client that disconnects mid-stream
+    cancels its row (it stops taking decode steps) while the other rows go on; SIGTERM drains."""
+    prompts = [p.replace("\n", " ") for p in PROMPTS]
+    ref = _reference(checkpoint, tmp_path, capsys)
+    from zerotron.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompts[3], "--max-new-tokens", "40"]) == 0
+    ref_long = capsys.readouterr().out[:-1]
+    proc, lines, base = _start(checkpoint, "--parallel.pp", "2")
+    url = base + "/v1/completions"
+    body = lambda p, n=NEW: {"prompt": p, "max_tokens": n, "temperature": 0}  # noqa: E731
+    try:
+        h = _get(base + "/health")[1]
+        assert h["batching"] == "continuous" and h["steps"] == 0, h
+        sampled = {"prompt": prompts[2], "max_tokens": 6, "temperature": 1.0, "seed": 5}
+        code, alone = _post(url, sampled)
+        assert code == 200
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            long = ex.submit(_stream_events, base, body(prompts[3], 40))
+            while _get(base + "/health")[1]["running"] == 0:  # the long row is decoding
+                time.sleep(0.01)
+            t_short = time.monotonic()
+            short, shared = ex.submit(_post, url, body(prompts[0])), ex.submit(_post, url, sampled)
+            (code, r), t_answer = short.result(), time.monotonic()
+            events, done = long.result()
+        assert code == 200 and prompts[0] + r["choices"][0]["text"] == ref[0], r
+        assert shared.result()[1]["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert done and prompts[3] + "".join(e["choices"][0]["text"] for _, e in events) == ref_long
+        assert events[-1][0] > t_answer > t_short  # answered while the long one was still decoding
+        assert any(t < t_short for t, _ in events) and any(t > t_answer for t, _ in events)
+        h = _get(base + "/health")[1]
+        assert h["cancelled_rows"] == 0 and h["running"] == 0 and h["steps"] < 40 + NEW + 6, h  # shared steps
+
+        # a streaming client that leaves after 2 events: its row leaves the batch, the other goes on
+        steps0 = h["steps"]
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            other = ex.submit(_stream_events, base, body(prompts[1], 40))
+            gone = ex.submit(_stream_events, base, body(prompts[3], 1000), 2)
+            g_events, g_done = gone.result()
+            o_events, o_done = other.result()
+        assert len(g_events) == 2 and not g_done
+        assert o_done and "".join(e["choices"][0]["text"] for _, e in o_events)
+        deadline = time.time() + 30
+        while (h := _get(base + "/health")[1])["cancelled_rows"] < 1 or h["running"]:
+            assert time.time() < deadline, h
+            time.sleep(0.05)
+        assert h["cancelled_rows"] == 1 and h["steps"] - steps0 < 500, h  # not the 1000 tokens asked for
+        code, r = _post(url, body(prompts[1]))
+        assert code == 200 and prompts[1] + r["choices"][0]["text"] == ref[1]
+
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(_post, url, body(prompts[3], 40))
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            code, r = fut.result(timeout=120)
+        assert code == 200 and prompts[3] + r["choices"][0]["text"] == ref_long, r
+        assert proc.wait(timeout=60) in (0, 128 + signal.SIGTERM)
+        time.sleep(0.3)
+        assert any("drained and stopped" in ln for ln in lines) and "Traceback" not in "".join(lines), "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_batching_options_are_checked():
+    """--batching names a mode; --microbatches (micro-batches in flight) needs --batching window:
+    one line naming the option and the fix (the CLI prints it and exits 2, as for every option)."""
+    from zerotron.serve import check_args, parser
+
+    def err(*argv):
+        try:
+            check_args(parser().parse_args(["--checkpoint", "x", *argv]))
+        except ValueError as e:
+            return str(e)
+        return None
+    assert err() is None and parser().parse_args(["--checkpoint", "x"]).batching == "continuous"
+    assert err("--batching", "window", "--microbatches", "2", "--parallel.pp", "2") is None
+    assert err("--batching", "paged") == "--batching must be one of continuous, window, got 'paged'"
+    msg = err("--microbatches", "2")
+    assert msg.startswith("--microbatches 2 needs --batching window") and "\n" not in msg
+    assert err("--microbatches", "1") is None  # one micro-batch = the whole batch: fine either way

@@ -26,21 +26,23 @@ commands:
   schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
   bench      benchmarks: 'bench comm' (collectives), 'bench train' (layouts side by side),
              'bench plan' (the planner's predicted ranking vs a 'bench train' run) and
-             'bench generate' (inference layouts side by side) and 'bench checkpoint'
+             'bench generate' (inference layouts side by side), 'bench serve' (continuous vs
+             window batching) and 'bench checkpoint'
              (the cost of checkpoint checksums)
 
 Run 'zerotron <command> --help' for the options of one command; 'zerotron --version' for the version.
 """
 
-BENCH_USAGE = """usage: zerotron bench comm|train|plan|generate|checkpoint [options]
+BENCH_USAGE = """usage: zerotron bench comm|train|plan|generate|serve|checkpoint [options]
 
   comm    collective bandwidth (nccl-tests algbw/busbw) per op and message size
   train   training throughput of parallel layouts side by side (zerotron bench train --layouts dp,single)
   plan    the planner's predicted ranking vs a 'bench train' run (Spearman correlation)
   generate  batched generation throughput of inference layouts (zerotron bench generate --nproc 2)
+  serve   continuous vs window batching of zerotron serve under staggered arrivals (zerotron bench serve)
   checkpoint  what checkpoint checksums cost: save / hash / verify / load seconds (zerotron bench checkpoint)
 
-Run 'zerotron bench <comm|train|plan|generate|checkpoint> --help' for the options of one benchmark.
+Run 'zerotron bench <comm|train|plan|generate|serve|checkpoint> --help' for the options of one benchmark.
 """
 
 
@@ -344,12 +346,16 @@ def cmd_bench(argv: list[str]) -> int:
         from .bench.generate import main as generate_bench_main
 
         return generate_bench_main(argv[1:])
+    if argv and argv[0] == "serve":
+        from .bench.serve import main as serve_bench_main
+
+        return serve_bench_main(argv[1:])
     if argv and argv[0] == "checkpoint":
         from .bench.checkpoint import main as checkpoint_bench_main
 
         return checkpoint_bench_main(argv[1:])
     if not argv or argv[0] not in ("comm", "train", "plan"):
-        return _fail("usage: zerotron bench comm|train|plan|generate|checkpoint [options] (see 'zerotron bench comm --help'); "
+        return _fail("usage: zerotron bench comm|train|plan|generate|serve|checkpoint [options] (see 'zerotron bench comm --help'); "
                      "'bench plan' checks the planner's ranking against a 'bench train' run")
     if argv[0] == "comm":
         from .bench.comm import main as comm_main

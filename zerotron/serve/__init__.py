@@ -1,0 +1,48 @@
+"""``zerotron serve``: an OpenAI-compatible completions server on any inference layout.
+
+Endpoints: ``POST /v1/completions`` (prompt: a string or a list of up to 64 strings; max_tokens
+(16, at most 4096), temperature (1.0), top_p (1.0), top_k (zerotron's extension), n (1..16),
+stop (a string or up to 4), seed (0), model (optional: must be the served id), stream (false)),
+``GET /v1/models``, ``GET /health`` (status, batching, counters: :class:`~zerotron.serve.api.ServeStats`).
+Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad field, bad
+JSON), 404 (unknown path or model), 413 (body over ``--max-body-bytes``), 503 (draining); the
+server keeps serving.
+
+Modules: :mod:`~zerotron.serve.validation` (request bodies), :mod:`~zerotron.serve.streaming`
+(stop strings, streamed text), :mod:`~zerotron.serve.api` (jobs and OpenAI-shaped answers),
+:mod:`~zerotron.serve.http_api` (routes, server-sent events, the listener),
+:mod:`~zerotron.serve.batching` (window batcher, continuous scheduler),
+:mod:`~zerotron.serve.follow` (the rank-follow protocol), :mod:`~zerotron.serve.command` (CLI).
+
+Process layout (DESIGN.md "Serving"): rank 0 runs the HTTP server and the batcher; every piece
+of collective work is broadcast to the other ranks first, which follow. ``--batching continuous``
+(default): iteration-level batching, rows join and leave between decode steps
+(:mod:`zerotron.inference.continuous`); ``--batching window``: requests arriving within
+``--batch-window-ms`` form one batch run to its end (pipelines: ``--microbatches`` in flight).
+Choice j of prompt i is sampled with seed ``seed + i * n + j``: with n = 1 exactly what
+``zerotron generate --seed`` gives prompt i, so the texts are equal whoever shares the batch.
+``stop`` strings end generation at the token that completes one (``completion_tokens`` counts up
+to there), and the text is cut before the stop string; ``finish_reason`` is "stop" (eos or a stop
+string) or "length".
+
+Streaming (``"stream": true``): OpenAI-style server-sent events (``text/event-stream``, chunked),
+one ``data: {...}\\n\\n`` event per piece of new text as the tokens are decoded (``choices[0]`` with
+``text``, ``index``, ``finish_reason`` null until the choice's last event), then ``data:
+[DONE]\\n\\n``. The pieces concatenate to the non-streamed text: text that could still turn into a
+stop string, or an incomplete UTF-8 character, is held back until the next token decides it. With
+window batching and dp > 1, the choices decoded on other replicas than rank 0's arrive as one piece
+when their batch ends. A client that disconnects (streaming or not) cancels its rows under
+continuous batching: they leave the batch at the next iteration, the others go on (window
+batching runs the batch to its end). Prompts longer than the context are cropped to the last
+block_size tokens as in ``zerotron generate``.
+
+SIGTERM (or SIGINT): new requests get 503, queued and running requests finish and are answered,
+the ranks stop, exit code 0 (under ``--nproc`` the launcher reports the signal: 143).
+"""
+from .api import Front, Job
+from .command import check_args, main, parser
+from .streaming import StreamText, cut_at_stop
+from .validation import RequestError, parse_completion
+
+__all__ = ["main", "parser", "check_args", "parse_completion", "RequestError", "StreamText", "cut_at_stop",
+           "Front", "Job"]

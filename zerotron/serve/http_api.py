@@ -1,0 +1,146 @@
+"""The HTTP layer of ``zerotron serve`` (rank 0): routes, JSON errors, server-sent events, on the
+standard library's ``http.server.ThreadingHTTPServer`` (one thread per connection; a maintained
+server, not a hand-written parser: no web framework is a dependency of zerotron).
+
+A handler waiting for its answer checks about every 0.25 s that its client is still connected
+(:func:`client_alive`: the socket reads as closed); a client that left, or a write that fails
+mid-stream, cancels the job (:class:`~zerotron.serve.api.Front`). A client that half-closes its
+side after sending the request (``shutdown(SHUT_WR)``, rare for HTTP clients: curl, urllib, httpx
+and the openai package keep it open) reads the same as one that left, and is cancelled."""
+from __future__ import annotations
+
+import json
+import select
+import socket
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .api import ClientGone, Front
+from .validation import RequestError
+
+__all__ = ["Listener", "make_handler", "check_listen", "client_alive"]
+
+
+def client_alive(sock: socket.socket) -> bool:
+    """False once the peer of ``sock`` has closed or reset the connection (a zero-length peek on a
+    readable socket); True while it is open (also when it sent more bytes, e.g. a next request)."""
+    try:
+        readable = select.select([sock], [], [], 0)[0]
+        if not readable:
+            return True
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def make_handler(front: Front, max_body_bytes: int):
+    """The request handler class serving ``front``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt, *a):  # quiet: one line per request would flood the logs
+            pass
+
+        def _alive(self) -> bool:
+            return client_alive(self.connection)
+
+        def _send(self, status: int, obj: dict) -> None:
+            data = json.dumps(obj).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):  # the client left: nothing to answer
+                pass
+
+        def _error(self, e: RequestError) -> None:
+            kind = "invalid_request_error" if e.status < 500 else "server_error"
+            self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}})
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(200, front.health())
+            elif self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [{"id": front.model_id, "object": "model",
+                                                              "created": 0, "owned_by": "zerotron"}]})
+            else:
+                self._error(RequestError(f"no route GET {self.path}", status=404))
+
+        def do_POST(self):
+            if self.path != "/v1/completions":
+                self._error(RequestError(f"no route POST {self.path}", status=404))
+                return
+            try:
+                length = int(self.headers.get("Content-Length", "0"))
+            except ValueError:
+                length = -1
+            if length < 0 or length > max_body_bytes:
+                self.close_connection = True
+                self._error(RequestError(f"the body must have a Content-Length of at most {max_body_bytes} bytes",
+                                         status=413))
+                return
+            try:
+                body = json.loads(self.rfile.read(length) or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                self._error(RequestError(f"the body is not valid JSON: {e}"))
+                return
+            try:
+                if isinstance(body, dict) and body.get("stream") is True:
+                    self._stream(*front.stream(body, self._alive))
+                else:
+                    self._send(200, front.complete(body, self._alive))
+            except RequestError as e:
+                self._error(e)
+            except ClientGone:
+                self.close_connection = True
+
+        def _stream(self, job, events) -> None:
+            """Server-sent events, HTTP/1.1 chunked: one ``data: {json}`` per event, then [DONE]."""
+            def write(data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for ev in events:
+                    write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                if job.cancelled.is_set():  # the client left while waiting: nothing more to write
+                    self.close_connection = True
+                    return
+                write(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):  # the client left: its rows are cancelled
+                job.cancelled.set()
+                self.close_connection = True
+
+    return Handler
+
+
+class Listener(ThreadingHTTPServer):
+    """The HTTP server with a listen backlog for bursts of clients (socketserver's default of 5
+    resets connections beyond it)."""
+
+    request_queue_size = 256
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise ValueError (one line naming the address and the fix) if this process cannot listen
+    on ``host``:``port`` (a port in use, an address of another machine, a name that does not
+    resolve); binds and closes a socket the way ``ThreadingHTTPServer`` does (SO_REUSEADDR)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(infos[0][4])
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise ValueError(f"cannot listen on {host}:{port} ({why}); choose another --port (0 = any free one) "
+                         "or a --host address of this machine") from None
