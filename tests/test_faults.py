@@ -167,7 +167,7 @@ def test_diverging_run_stops_after_limit(tmp_path, data_cache):
 def test_second_run_on_locked_dir_refused(tmp_path):
     """This (pytest) process holds the lock; a real second `zerotron train` process on the same
     directory is refused with one line naming the holder, and touches nothing."""
-    from zerotron.train.lifecycle import RunLock
+    from zerotron.train.run_lock import RunLock
 
     run = tmp_path / "run"
     held = RunLock(run, heartbeat_s=3600)  # no heartbeat rewrites the file during the comparison
@@ -182,7 +182,7 @@ def test_second_run_on_locked_dir_refused(tmp_path):
 
 
 def test_stale_lock_taken_over(tmp_path):
-    from zerotron.train.lifecycle import RunLock
+    from zerotron.train.run_lock import RunLock
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -213,7 +213,7 @@ def test_lock_heartbeat_of_another_host(tmp_path, capsys):
     file as it was; a stale one (older than LOCK_STALE_S) is taken over with a message; the
     holder's heartbeat thread refreshes the record, and warns (without overwriting) when another
     run's record replaces it."""
-    from zerotron.train.lifecycle import LOCK_STALE_S, RunLock
+    from zerotron.train.run_lock import LOCK_STALE_S, RunLock
 
     run = tmp_path / "run"
     _foreign_lock(run, 5)
@@ -433,15 +433,17 @@ def test_space_check_refuses_before_writing_and_continue(tmp_path, data_cache, s
     the bytes needed (the first save: the state-dict estimate; later: the previous checkpoint's
     size on disk); training goes on and the saves of steps 2 and 4 succeed. With save_final =
     false a run whose last save failed ends with exit 3 (nothing saved after it)."""
-    from zerotron.train import checkpoint as ck
+    import torch.distributed.checkpoint as dcp
+
+    from zerotron.train.checkpoint import files, space, verify_checkpoint
     from zerotron.train.lifecycle import RunStopped
     from zerotron.train.trainer import Trainer
 
     full_at, written, made = {1, 3}, [], []
-    real_free, real_save, real_mkdir = ck._free_bytes, ck.dcp.save, Path.mkdir
+    real_free, real_save, real_mkdir = space.free_bytes, dcp.save, Path.mkdir
     step_now = {"n": 0}
-    monkeypatch.setattr(ck, "_free_bytes", lambda root: 1000 if step_now["n"] in full_at else real_free(root))
-    monkeypatch.setattr(ck.dcp, "save", lambda sd, checkpoint_id: (written.append(Path(checkpoint_id).name),
+    monkeypatch.setattr(space, "free_bytes", lambda root: 1000 if step_now["n"] in full_at else real_free(root))
+    monkeypatch.setattr(dcp, "save", lambda sd, checkpoint_id: (written.append(Path(checkpoint_id).name),
                                                                     real_save(sd, checkpoint_id=checkpoint_id)))
     monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: (made.append(self.name), real_mkdir(self, *a, **k))[1])
     cfg = tiny_config({**QUIET, "train.steps": 4, "train.eval_every": 0, "data.cache_dir": data_cache,
@@ -458,15 +460,15 @@ def test_space_check_refuses_before_writing_and_continue(tmp_path, data_cache, s
                         "optimizer-state bytes); nothing was written; there is no earlier checkpoint; training "
                         "continues (checkpoint.on_error = continue), the next save at step 2 retries"), lines[0]
     need = int(lines[1].split("needs about ")[1].split(" bytes")[0].replace(",", ""))
-    assert need == ck.dir_disk_bytes(root / "step_2") >= ck.dir_bytes(root / "step_2") and "(the size of step_2)" in lines[1]
+    assert need == files.dir_disk_bytes(root / "step_2") >= files.dir_bytes(root / "step_2") and "(the size of step_2)" in lines[1]
     assert f"the newest checkpoint {root / 'step_2'} is kept" in lines[1] and "next save at step 4 retries" in lines[1]
     assert written == [".tmp_step_2", ".tmp_step_4"] and ".tmp_step_1" not in made and ".tmp_step_3" not in made
     assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [2, 4] and summary["failed_checkpoints"] == [1, 3]
-    ck.verify_checkpoint(root / "step_2")
-    real = ck.dir_bytes(root / "step_2")
+    verify_checkpoint(root / "step_2")
+    real = files.dir_bytes(root / "step_2")
     assert real <= est <= 1.15 * real  # the first-save estimate errs on the safe side, not by much
     report(f"space check: first-save estimate {est:,} bytes, real checkpoint {real:,} bytes "
-           f"({ck.dir_disk_bytes(root / 'step_2'):,} on disk)")
+           f"({files.dir_disk_bytes(root / 'step_2'):,} on disk)")
     # the last save of a run without a final save fails: the run still ends with exit 3
     full_at.clear()
     full_at.add(2)
@@ -561,7 +563,8 @@ def test_disk_full_on_real_tmpfs(tmp_path, data_cache):
     "unexpected pos ..."). One line names the path, the bytes free and needed; the partial
     .tmp_step_4 is gone; step_2 is intact (its checksums verify); the failed *final* save exits 3
     although checkpoint.on_error = continue (the default)."""
-    from zerotron.train.checkpoint import dir_disk_bytes, verify_checkpoint
+    from zerotron.train.checkpoint import verify_checkpoint
+    from zerotron.train.checkpoint.files import dir_disk_bytes
 
     code, err, out_run = _in_tmpfs(tmp_path, "5M", ["--train.steps", "4", "--checkpoint.every", "2",
                                                     "--checkpoint.keep", "1", "--data.cache_dir", data_cache],
@@ -588,7 +591,8 @@ def test_disk_full_then_freed_on_real_tmpfs(tmp_path, data_cache):
     refuses step 4 before writing anything (one line: path, bytes free < bytes needed = step_2's
     size on disk); with checkpoint.on_error = continue (the default) training goes on. The other
     file is deleted meanwhile, so the save of step 6 succeeds; step_2 is intact; exit 0."""
-    from zerotron.train.checkpoint import dir_disk_bytes, verify_checkpoint
+    from zerotron.train.checkpoint import verify_checkpoint
+    from zerotron.train.checkpoint.files import dir_disk_bytes
 
     code, err, out_run = _in_tmpfs(
         tmp_path, "8M", ["--train.steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "2",
