@@ -112,11 +112,19 @@ def test_resume_checks(small_run, tmp_path, capsys):
     # a different model shape is refused before anything runs
     code, err = main([*argv, "--resume", "--model.n_layer", "2"]), capsys.readouterr().err
     assert code == 2 and "model shape differs from the checkpoint" in err and "n_layer 4 (checkpoint) vs 2" in err, err
-    # resuming a finished run changes nothing
-    before = (run / "summary.json").read_bytes()
-    assert main([*argv, "--resume"]) == 0
-    assert "already at step 2" in capsys.readouterr().out
-    assert (run / "summary.json").read_bytes() == before
+    # resuming a finished run (train.steps at or below the step reached) is refused in one line,
+    # exit 2, and changes nothing on disk (the lock file is empty again, as the first run left it)
+    def snapshot():
+        return {str(f.relative_to(run)): f.read_bytes() for f in sorted(run.rglob("*")) if f.is_file()}
+    before = snapshot()
+    for steps in ("2", "1"):
+        code = main([*argv, "--resume", "--train.steps", steps])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+        assert err.startswith(f"zerotron: error: --resume: nothing to train: the run already reached step 2 "
+                              f"({run / 'checkpoints' / 'step_2'}) and train.steps = {steps}; raise train.steps "
+                              "above 2 to continue it"), err
+        assert snapshot() == before
     # damaged checkpoints: one message each, nothing modified
     bad = tmp_path / "bad"
     shutil.copytree(run, bad)

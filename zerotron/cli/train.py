@@ -78,10 +78,13 @@ def cmd_train(argv: list[str]) -> int:
             check_run_dir(run_dir, resume)
         elif not resume and os.environ.get("RANK") == "0" and "ZEROTRON_LOCK_HELD" not in os.environ:
             print(f"zerotron: restart {restart}: no checkpoint yet, starting again from step 0", file=sys.stderr)
-        if args.resume and not in_worker():
+        if args.resume and not restart and (not in_worker() or "ZEROTRON_LOCK_HELD" not in os.environ):
+            # the launcher or a single process (under torchrun: every rank; the launcher's workers
+            # were checked by the launcher)
             from ..train.trainer import check_resume
 
-            check_resume(cfg, run_dir)  # shape mismatch: one message before any worker starts
+            latest = check_resume(cfg, run_dir, quarantine=not in_worker())  # shape mismatch: one message
+            refuse_finished_resume(cfg, latest)  # before any worker starts
         if (args.nproc > 1 or args.max_restarts) and not in_worker():
             from ..data import prepare_data  # build the token cache once, report data errors once
 
@@ -137,6 +140,20 @@ def cmd_train(argv: list[str]) -> int:
         if lock:
             lock.release(failed_validation=True)
         return fail(str(e))
+
+
+def refuse_finished_resume(cfg, latest: Path) -> None:
+    """``--resume`` of a run whose checkpoint ``latest`` already reached ``train.steps`` (or more):
+    raise ConfigError naming the step reached and the fix (raise train.steps above it), before
+    anything is trained or written."""
+    from ..config import ConfigError
+    from ..train.checkpoint import read_meta
+
+    reached = int(read_meta(latest).get("step", 0))
+    if cfg.train.steps <= reached:
+        raise ConfigError(f"--resume: nothing to train: the run already reached step {reached} ({latest}) and "
+                          f"train.steps = {cfg.train.steps}; raise train.steps above {reached} to continue it "
+                          f"(e.g. --train.steps {2 * reached})")
 
 
 def lock_run_dir(run_dir: Path, quiet: bool = False):
