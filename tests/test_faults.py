@@ -506,7 +506,77 @@ def test_restart_after_kill9_equals_uninterrupted(full_run, data_cache):
     assert_same_state(full_run / "full" / "checkpoints" / f"step_{STEPS}", run / "checkpoints" / f"step_{STEPS}",
                       full_run)
     assert (run / ".lock").read_bytes() == b""  # released by the launcher, which held it throughout
+    # a survivor stopped by the agent for the restart never claims a user's SIGTERM stop
+    assert not [ln for ln in ours(r.stderr) if "SIGTERM" in ln or "finishing the current step" in ln], r.stderr
     print(f"restart test: 2 restarts, {took:.1f} s for the whole run")
+
+
+def test_restart_note_written_before_survivors_are_stopped(tmp_path, monkeypatch):
+    """launch.restart_hooks with fake agent methods (no process): when a worker failed and a
+    restart follows, the one-line failure is in the note file before the agent stops the survivors
+    (``_monitor_workers`` returns), and gone before the new workers start; no note when the failure
+    is not restarted (restarts used up, or a worker stopped on purpose: exit 3)."""
+    from types import SimpleNamespace as NS
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from zerotron.launch import restart_hooks
+
+    note, started, said = tmp_path / "note", [], []
+    failures = {"now": {0: NS(exitcode=1, timestamp=10), 1: NS(exitcode=-signal.SIGKILL, timestamp=10)}}
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers",
+                        lambda self, wg: NS(is_failed=lambda: True, failures=failures["now"]), raising=False)
+    monkeypatch.setattr(LocalElasticAgent, "_initialize_workers", lambda self, wg: started.append(note.exists()),
+                        raising=False)
+    group = NS(spec=NS(max_restarts=2))
+    with restart_hooks(lambda failure, count, limit: said.append((failure, count, limit)), note):
+        agent = NS(_remaining_restarts=2)
+        LocalElasticAgent._monitor_workers(agent, group)
+        assert note.read_text() == "worker 1 died (killed by SIGKILL: possibly out of memory (check dmesg))"
+        agent._remaining_restarts = 1  # the agent counts the restart, stops the survivors, then starts anew
+        LocalElasticAgent._initialize_workers(agent, group)
+        assert started == [False] and not note.exists()
+        assert said == [("worker 1 died (killed by SIGKILL: possibly out of memory (check dmesg))", 1, 2)]
+        agent._remaining_restarts = 0  # restarts used up: the failure ends the run, no note
+        LocalElasticAgent._monitor_workers(agent, group)
+        assert not note.exists()
+        agent._remaining_restarts = 1
+        failures["now"] = {0: NS(exitcode=3, timestamp=10), 1: NS(exitcode=-signal.SIGTERM, timestamp=11)}
+        LocalElasticAgent._monitor_workers(agent, group)  # a guard stop (exit 3) is not restarted
+        assert agent._remaining_restarts == 0 and not note.exists()
+
+
+_SURVIVOR = """
+import os, signal, sys, time
+from zerotron.train.lifecycle import GracefulStop
+stop = GracefulStop(grace_s=30, announce=True)
+stop.install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)  # the handler runs first; a graceful stop only records the signal
+print("pending", stop.pending, flush=True)
+"""
+
+
+@pytest.mark.parametrize("note", ["worker 1 died (killed by SIGKILL: possibly out of memory (check dmesg))", None])
+def test_survivor_stopped_for_restart_says_so(tmp_path, note):
+    """The SIGTERM by which the --max-restarts launcher stops a surviving worker (the note file
+    names the dead worker): one line saying it is stopped for a restart after that worker died, and
+    exit 143 at once (no step or checkpoint can complete with a dead peer). Without a note the same
+    SIGTERM is a user's graceful stop: the usual notice, the loop finishes its step."""
+    path = tmp_path / "note"
+    if note:
+        path.write_text(note + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ZEROTRON_RESTART_NOTE": str(path)}
+    r = subprocess.run([sys.executable, "-c", _SURVIVOR], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    if note:
+        assert r.returncode == 128 + signal.SIGTERM and r.stdout == "", (r.stdout, r.stderr)
+        assert ours(r.stderr) == [f"zerotron: stopped for a restart after {note}: exiting at once, without a "
+                                  "checkpoint (the launcher starts the workers again)"], r.stderr
+    else:
+        assert r.returncode == 0 and r.stdout.strip() == f"pending {int(signal.SIGTERM)}", (r.stdout, r.stderr)
+        assert ours(r.stderr) == ["zerotron: SIGTERM: finishing the current step, then writing a checkpoint (at "
+                                  "most 30 s; a second signal exits at once)"], r.stderr
 
 
 def test_max_restarts_refused_without_nproc(capsys, tmp_path):

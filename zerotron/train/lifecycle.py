@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import comm
-from .restarts import restart_count
+from .restarts import restart_count, restart_note
 
 EXIT_GUARD = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -82,7 +82,10 @@ class GracefulStop:
     ``grace_s`` seconds, or a second signal comes more than ``debounce_s`` after the first (the
     same signal reaching a worker twice, from a process-group kill and from the launcher that
     forwards it, arrives within milliseconds), the process exits at once with 128 + signal and
-    without a checkpoint. Only the main thread may call :meth:`install`."""
+    without a checkpoint. A SIGTERM by which the ``--max-restarts`` launcher stops the survivors of
+    a failed attempt (:func:`restarts.restart_note`) also exits at once (a peer is dead: no step or
+    checkpoint can complete; the new workers resume from the newest checkpoint), saying so in one
+    line (``announce``). Only the main thread may call :meth:`install`."""
 
     def __init__(self, grace_s: float, announce: bool, debounce_s: float = 2.0):
         self.grace_s, self.announce, self.debounce_s = grace_s, announce, debounce_s
@@ -97,6 +100,12 @@ class GracefulStop:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        note = restart_note() if signum == signal.SIGTERM else None
+        if note:  # the launcher stops this attempt to restart it: not a user's stop
+            if self.announce:
+                print(f"zerotron: stopped for a restart after {note}: exiting at once, without a checkpoint "
+                      "(the launcher starts the workers again)", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
         if not self.pending:
             self.pending, self._t0 = signum, time.monotonic()
             if self.announce:
