@@ -10,6 +10,7 @@ from pathlib import Path
 STEP_RE = re.compile(r"^step_(\d+)$")
 """the name of a complete checkpoint directory; group 1 is the step"""
 
+
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or incompatible; the message names the fix."""
 

@@ -53,7 +53,7 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
     Keeps the newest ``keep`` checkpoints (0 = all); rotation runs only after the new checkpoint
     is complete, so the newest good checkpoint is never deleted. Returns the final directory.
     Raises CheckpointSpaceError on every rank, before anything is written, when the checkpoint
-    directory has less free space than :func:`space_needed` (the previous checkpoint's size on
+    directory has less free space than :func:`.space.space_needed` (the previous checkpoint's size on
     disk, else ``expected_bytes``), and CheckpointWriteError on every rank when a write fails on
     any rank (the partial directory is removed; earlier checkpoints are kept). Both messages
     (rank 0's) name the path, the bytes free and the bytes needed, and say what is kept; what to
