@@ -11,7 +11,7 @@ import pytest
 
 from zerotron.bench import comm as bench
 from zerotron.bench.topology import CPU_INTERCONNECT, summarize_topo
-from zerotron.distributed.comm import busbw_factor
+from zerotron.distributed.accounting import busbw_factor
 from zerotron.launch import strip_nproc
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

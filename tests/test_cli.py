@@ -58,6 +58,41 @@ def test_bad_input(argv, message, capsys):
     assert message in err, err
 
 
+USAGE_ERRORS = [
+    (["generate", "--checkpoint", "x", "--prompt", "hi", "--max-new-tokens", "abc"],
+     "argument --max-new-tokens: invalid int value: 'abc'"),
+    (["generate", "--checkpoint", "x"], "one of the arguments --prompt --prompts-file is required"),
+    (["memory", "--model", "gpt2", "--dp", "x"], "argument --dp: invalid int value: 'x'"),
+    (["memory", "--model", "gpt2", "--dp", "8", "--bogus"], "unrecognized arguments: --bogus"),
+    (["schedule", "--pp", "2", "--microbatches", "4", "--kind", "zigzag"], "argument --kind: invalid choice: 'zigzag'"),
+    (["schedule", "--pp", "2", "--kind", "1f1b"], "the following arguments are required: --microbatches"),
+    (["train", "--nproc", "x"], "argument --nproc: invalid int value: 'x'"),
+    (["export", "--checkpoint", "x"], "the following arguments are required: --out"),
+    (["plan", "--model", "gpt2", "--gpus", "x"], "argument --gpus: invalid int value: 'x'"),
+    (["bench", "comm", "--iters", "x"], "argument --iters: invalid int value: 'x'"),
+    (["bench", "train", "--rounds", "x"], "argument --rounds: invalid int value: 'x'"),
+    (["bench", "generate", "--prompts", "x"], "argument --prompts: invalid int value: 'x'"),
+    (["bench", "plan", "--bench-train", "a.json"], "the following arguments are required: --bench-comm"),
+    (["bench", "checkpoint", "--rounds", "x"], "argument --rounds: invalid int value: 'x'"),
+    (["bench", "serve", "--rounds", "x"], "argument --rounds: invalid int value: 'x'"),
+    (["serve", "--checkpoint", "x", "--port", "x"], "argument --port: invalid int value: 'x'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", USAGE_ERRORS, ids=[" ".join(c[0][:2]) + ": " + c[1][:30] for c in USAGE_ERRORS])
+def test_usage_error_is_one_line(argv, message, capsys):
+    """A flag argparse rejects (wrong type, unknown, missing): one line naming it and the --help to
+    read, exit 2, no usage block (as the commands' own value checks)."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # generate, export and train let the parser's SystemExit(2) through
+        code = e.code
+    out, err = capsys.readouterr()
+    prog = "zerotron " + " ".join(argv[:2] if argv[0] == "bench" else argv[:1])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "usage:" not in err, err
+    assert err.startswith(f"{prog}: error: {message}") and err.endswith(f"; run '{prog} --help' for the options\n"), err
+
+
 def test_bad_toml(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nsteps = = 3\n")
@@ -116,11 +151,19 @@ def test_resume_checks(small_run, tmp_path, capsys):
     # a different model shape is refused before anything runs
     code, err = main([*argv, "--resume", "--model.n_layer", "2"]), capsys.readouterr().err
     assert code == 2 and "model shape differs from the checkpoint" in err and "n_layer 4 (checkpoint) vs 2" in err, err
-    # resuming a finished run changes nothing
-    before = (run / "summary.json").read_bytes()
-    assert main([*argv, "--resume"]) == 0
-    assert "already at step 2" in capsys.readouterr().out
-    assert (run / "summary.json").read_bytes() == before
+    # resuming a finished run (train.steps at or below the step reached) is refused in one line,
+    # exit 2, and changes nothing on disk (the lock file is empty again, as the first run left it)
+    def snapshot():
+        return {str(f.relative_to(run)): f.read_bytes() for f in sorted(run.rglob("*")) if f.is_file()}
+    before = snapshot()
+    for steps in ("2", "1"):
+        code = main([*argv, "--resume", "--train.steps", steps])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+        assert err.startswith(f"zerotron: error: --resume: nothing to train: the run already reached step 2 "
+                              f"({run / 'checkpoints' / 'step_2'}) and train.steps = {steps}; raise train.steps "
+                              "above 2 to continue it"), err
+        assert snapshot() == before
     # damaged checkpoints: one message each, nothing modified
     bad = tmp_path / "bad"
     shutil.copytree(run, bad)

@@ -59,7 +59,6 @@ def test_train_help_lists_every_config_field(capsys):
 
 
 def _parsers():
-    from zerotron import cli
     from zerotron.analysis.memory import memory_parser
     from zerotron.analysis.plan_cli import _parser as plan_parser
     from zerotron.analysis.schedule_plot import schedule_parser
@@ -68,9 +67,12 @@ def _parsers():
     from zerotron.bench.serve import _parser as bench_serve_parser
     from zerotron.bench.train import _parser as bench_train_parser
     from zerotron.bench.validate_plan import _parser as bench_plan_parser
+    from zerotron.cli.export import export_parser
+    from zerotron.cli.generate import generate_parser
+    from zerotron.cli.train import train_parser
     from zerotron.serve import parser as serve_parser
 
-    return {"train": cli.train_parser, "generate": cli.generate_parser, "export": cli.export_parser,
+    return {"train": train_parser, "generate": generate_parser, "export": export_parser,
             "memory": memory_parser, "plan": plan_parser, "schedule": schedule_parser, "bench comm": comm_parser,
             "bench train": bench_train_parser, "bench plan": bench_plan_parser, "serve": serve_parser,
             "bench generate": bench_generate_parser, "bench serve": bench_serve_parser}

@@ -96,11 +96,12 @@ def test_in_flight_memory_is_guarded(single_process):
     import torch
 
     from zerotron.distributed import comm
+    from zerotron.distributed.inflight import in_flight
 
     buf = torch.ones(8)
     other = torch.ones(4)
     work = comm.all_reduce(buf, async_op=True, tag="grad")
-    assert [w.op for w in comm.in_flight()] == ["all_reduce"]
+    assert [w.op for w in in_flight()] == ["all_reduce"]
     with pytest.raises(RuntimeError, match="in-flight async all_reduce"):
         comm.assert_idle([buf[2:4]], "a gradient sum")
     with pytest.raises(RuntimeError, match="in-flight"):
@@ -108,8 +109,8 @@ def test_in_flight_memory_is_guarded(single_process):
     comm.assert_idle([other], "unrelated memory")  # no overlap: fine
     comm.all_reduce(other)
     work.wait()
-    assert comm.in_flight() == []
+    assert in_flight() == []
     comm.assert_idle([buf], "after wait")
     fut = comm.all_reduce(buf, async_op=True).get_future()  # torch owns completion (DDP comm hooks)
-    assert comm.in_flight() == []
+    assert in_flight() == []
     fut.wait()

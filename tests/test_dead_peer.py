@@ -62,6 +62,7 @@ def _hang(sleep_s, out_file):
     import torch
 
     from zerotron.distributed import comm
+    from zerotron.distributed.watchdog import CollectiveError, current_op
 
     comm.set_step(7)
     t = torch.ones(4)
@@ -72,8 +73,8 @@ def _hang(sleep_s, out_file):
     t0 = time.monotonic()
     try:
         comm.all_reduce(t, tag="grad")
-    except comm.CollectiveError as e:
-        Path(out_file).write_text(json.dumps([str(e), time.monotonic() - t0, comm.current_op()]))
+    except CollectiveError as e:
+        Path(out_file).write_text(json.dumps([str(e), time.monotonic() - t0, current_op()]))
         raise
 
 

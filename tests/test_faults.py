@@ -167,7 +167,7 @@ def test_diverging_run_stops_after_limit(tmp_path, data_cache):
 def test_second_run_on_locked_dir_refused(tmp_path):
     """This (pytest) process holds the lock; a real second `zerotron train` process on the same
     directory is refused with one line naming the holder, and touches nothing."""
-    from zerotron.train.lifecycle import RunLock
+    from zerotron.train.run_lock import RunLock
 
     run = tmp_path / "run"
     held = RunLock(run, heartbeat_s=3600)  # no heartbeat rewrites the file during the comparison
@@ -182,7 +182,7 @@ def test_second_run_on_locked_dir_refused(tmp_path):
 
 
 def test_stale_lock_taken_over(tmp_path):
-    from zerotron.train.lifecycle import RunLock
+    from zerotron.train.run_lock import RunLock
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -213,7 +213,7 @@ def test_lock_heartbeat_of_another_host(tmp_path, capsys):
     file as it was; a stale one (older than LOCK_STALE_S) is taken over with a message; the
     holder's heartbeat thread refreshes the record, and warns (without overwriting) when another
     run's record replaces it."""
-    from zerotron.train.lifecycle import LOCK_STALE_S, RunLock
+    from zerotron.train.run_lock import LOCK_STALE_S, RunLock
 
     run = tmp_path / "run"
     _foreign_lock(run, 5)
@@ -433,15 +433,17 @@ def test_space_check_refuses_before_writing_and_continue(tmp_path, data_cache, s
     the bytes needed (the first save: the state-dict estimate; later: the previous checkpoint's
     size on disk); training goes on and the saves of steps 2 and 4 succeed. With save_final =
     false a run whose last save failed ends with exit 3 (nothing saved after it)."""
-    from zerotron.train import checkpoint as ck
+    import torch.distributed.checkpoint as dcp
+
+    from zerotron.train.checkpoint import files, space, verify_checkpoint
     from zerotron.train.lifecycle import RunStopped
     from zerotron.train.trainer import Trainer
 
     full_at, written, made = {1, 3}, [], []
-    real_free, real_save, real_mkdir = ck._free_bytes, ck.dcp.save, Path.mkdir
+    real_free, real_save, real_mkdir = space.free_bytes, dcp.save, Path.mkdir
     step_now = {"n": 0}
-    monkeypatch.setattr(ck, "_free_bytes", lambda root: 1000 if step_now["n"] in full_at else real_free(root))
-    monkeypatch.setattr(ck.dcp, "save", lambda sd, checkpoint_id: (written.append(Path(checkpoint_id).name),
+    monkeypatch.setattr(space, "free_bytes", lambda root: 1000 if step_now["n"] in full_at else real_free(root))
+    monkeypatch.setattr(dcp, "save", lambda sd, checkpoint_id: (written.append(Path(checkpoint_id).name),
                                                                     real_save(sd, checkpoint_id=checkpoint_id)))
     monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: (made.append(self.name), real_mkdir(self, *a, **k))[1])
     cfg = tiny_config({**QUIET, "train.steps": 4, "train.eval_every": 0, "data.cache_dir": data_cache,
@@ -458,15 +460,15 @@ def test_space_check_refuses_before_writing_and_continue(tmp_path, data_cache, s
                         "optimizer-state bytes); nothing was written; there is no earlier checkpoint; training "
                         "continues (checkpoint.on_error = continue), the next save at step 2 retries"), lines[0]
     need = int(lines[1].split("needs about ")[1].split(" bytes")[0].replace(",", ""))
-    assert need == ck.dir_disk_bytes(root / "step_2") >= ck.dir_bytes(root / "step_2") and "(the size of step_2)" in lines[1]
+    assert need == files.dir_disk_bytes(root / "step_2") >= files.dir_bytes(root / "step_2") and "(the size of step_2)" in lines[1]
     assert f"the newest checkpoint {root / 'step_2'} is kept" in lines[1] and "next save at step 4 retries" in lines[1]
     assert written == [".tmp_step_2", ".tmp_step_4"] and ".tmp_step_1" not in made and ".tmp_step_3" not in made
     assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [2, 4] and summary["failed_checkpoints"] == [1, 3]
-    ck.verify_checkpoint(root / "step_2")
-    real = ck.dir_bytes(root / "step_2")
+    verify_checkpoint(root / "step_2")
+    real = files.dir_bytes(root / "step_2")
     assert real <= est <= 1.15 * real  # the first-save estimate errs on the safe side, not by much
     report(f"space check: first-save estimate {est:,} bytes, real checkpoint {real:,} bytes "
-           f"({ck.dir_disk_bytes(root / 'step_2'):,} on disk)")
+           f"({files.dir_disk_bytes(root / 'step_2'):,} on disk)")
     # the last save of a run without a final save fails: the run still ends with exit 3
     full_at.clear()
     full_at.add(2)
@@ -504,7 +506,74 @@ def test_restart_after_kill9_equals_uninterrupted(full_run, data_cache):
     assert_same_state(full_run / "full" / "checkpoints" / f"step_{STEPS}", run / "checkpoints" / f"step_{STEPS}",
                       full_run)
     assert (run / ".lock").read_bytes() == b""  # released by the launcher, which held it throughout
+    # a survivor stopped by the agent for the restart never claims a user's SIGTERM stop
+    assert not [ln for ln in ours(r.stderr) if "SIGTERM" in ln or "finishing the current step" in ln], r.stderr
     print(f"restart test: 2 restarts, {took:.1f} s for the whole run")
+
+
+def test_restart_note_written_before_survivors_are_stopped(tmp_path, monkeypatch):
+    """launch.restart_hooks with fake agent methods (no process): when a worker failed and a
+    restart follows, the one-line failure is in the note file before the agent stops the survivors
+    (``_monitor_workers`` returns), and gone before the new workers start; no note when the failure
+    is not restarted (restarts used up, or a worker stopped on purpose: exit 3)."""
+    from types import SimpleNamespace as NS
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from zerotron.launch import restart_hooks
+
+    note, started, said = tmp_path / "note", [], []
+    failures = {"now": {0: NS(exitcode=1, timestamp=10), 1: NS(exitcode=-signal.SIGKILL, timestamp=10)}}
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers",
+                        lambda self, wg: NS(is_failed=lambda: True, failures=failures["now"]), raising=False)
+    monkeypatch.setattr(LocalElasticAgent, "_initialize_workers", lambda self, wg: started.append(note.exists()),
+                        raising=False)
+    group = NS(spec=NS(max_restarts=2))
+    with restart_hooks(lambda failure, count, limit: said.append((failure, count, limit)), note):
+        agent = NS(_remaining_restarts=2)
+        LocalElasticAgent._monitor_workers(agent, group)
+        assert note.read_text() == "worker 1 died (killed by SIGKILL: possibly out of memory (check dmesg))"
+        agent._remaining_restarts = 1  # the agent counts the restart, stops the survivors, then starts anew
+        LocalElasticAgent._initialize_workers(agent, group)
+        assert started == [False] and not note.exists()
+        assert said == [("worker 1 died (killed by SIGKILL: possibly out of memory (check dmesg))", 1, 2)]
+        agent._remaining_restarts = 0  # restarts used up: the failure ends the run, no note
+        LocalElasticAgent._monitor_workers(agent, group)
+        assert not note.exists()
+        agent._remaining_restarts = 1
+        failures["now"] = {0: NS(exitcode=3, timestamp=10), 1: NS(exitcode=-signal.SIGTERM, timestamp=11)}
+        LocalElasticAgent._monitor_workers(agent, group)  # a guard stop (exit 3) is not restarted
+        assert agent._remaining_restarts == 0 and not note.exists()
+
+
+_SURVIVOR = """
+import os, pathlib, signal, sys
+from zerotron.train.lifecycle import GracefulStop
+stop = GracefulStop(grace_s=30, announce=True)
+stop.install()
+os.kill(os.getpid(), signal.SIGTERM)  # no note: a user's stop (only recorded; the loop would finish its step)
+print("pending", stop.pending, flush=True)
+pathlib.Path(os.environ["ZEROTRON_RESTART_NOTE"]).write_text(sys.argv[1] + "\\n")
+os.kill(os.getpid(), signal.SIGTERM)  # the launcher's stop for a restart: exits here
+print("still running", flush=True)
+"""
+
+
+def test_survivor_stopped_for_restart_says_so(tmp_path):
+    """The SIGTERM by which the --max-restarts launcher stops a surviving worker (the note file
+    names the dead worker): one line saying it is stopped for a restart after that worker died, and
+    exit 143 at once (no step or checkpoint can complete with a dead peer). Before the note exists
+    the same SIGTERM is a user's graceful stop: the usual notice, and the process goes on."""
+    note = "worker 1 died (killed by SIGKILL: possibly out of memory (check dmesg))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "ZEROTRON_RESTART_NOTE": str(tmp_path / "note")}
+    r = subprocess.run([sys.executable, "-c", _SURVIVOR, note], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 128 + signal.SIGTERM and r.stdout == f"pending {int(signal.SIGTERM)}\n", (r.stdout, r.stderr)
+    assert ours(r.stderr) == [
+        "zerotron: SIGTERM: finishing the current step, then writing a checkpoint (at most 30 s; a second signal "
+        "exits at once)",
+        f"zerotron: stopped for a restart after {note}: exiting at once, without a checkpoint (the launcher starts "
+        "the workers again)"], r.stderr
 
 
 def test_max_restarts_refused_without_nproc(capsys, tmp_path):
@@ -561,7 +630,8 @@ def test_disk_full_on_real_tmpfs(tmp_path, data_cache):
     "unexpected pos ..."). One line names the path, the bytes free and needed; the partial
     .tmp_step_4 is gone; step_2 is intact (its checksums verify); the failed *final* save exits 3
     although checkpoint.on_error = continue (the default)."""
-    from zerotron.train.checkpoint import dir_disk_bytes, verify_checkpoint
+    from zerotron.train.checkpoint import verify_checkpoint
+    from zerotron.train.checkpoint.files import dir_disk_bytes
 
     code, err, out_run = _in_tmpfs(tmp_path, "5M", ["--train.steps", "4", "--checkpoint.every", "2",
                                                     "--checkpoint.keep", "1", "--data.cache_dir", data_cache],
@@ -588,7 +658,8 @@ def test_disk_full_then_freed_on_real_tmpfs(tmp_path, data_cache):
     refuses step 4 before writing anything (one line: path, bytes free < bytes needed = step_2's
     size on disk); with checkpoint.on_error = continue (the default) training goes on. The other
     file is deleted meanwhile, so the save of step 6 succeeds; step_2 is intact; exit 0."""
-    from zerotron.train.checkpoint import dir_disk_bytes, verify_checkpoint
+    from zerotron.train.checkpoint import verify_checkpoint
+    from zerotron.train.checkpoint.files import dir_disk_bytes
 
     code, err, out_run = _in_tmpfs(
         tmp_path, "8M", ["--train.steps", "6", "--checkpoint.every", "2", "--checkpoint.keep", "2",

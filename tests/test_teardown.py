@@ -17,9 +17,9 @@ def _instrument(events: list):
     that restores the originals."""
     import torch.distributed as dist
 
-    from zerotron.distributed import comm, mesh
+    from zerotron.distributed import comm, inflight, mesh
 
-    originals = [(comm, "wait_pending"), (comm, "barrier"), (mesh, "destroy"), (mesh, "teardown")]
+    originals = [(inflight, "wait_pending"), (comm, "barrier"), (mesh, "destroy"), (mesh, "teardown")]
     originals = [(mod, name, getattr(mod, name)) for mod, name in originals]
 
     def recorder(real, tag):
@@ -35,7 +35,7 @@ def _instrument(events: list):
     def teardown():
         events.append("teardown")
         real_teardown()
-        events.append(("after", len(comm.pending_works()), dist.is_initialized()))
+        events.append(("after", len(inflight.pending_works()), dist.is_initialized()))
 
     mesh.teardown = teardown
 
@@ -51,7 +51,7 @@ def _unwaited_async(out_dir):
     import torch
     import torch.distributed as dist
 
-    from zerotron.distributed import comm, mesh
+    from zerotron.distributed import comm, inflight, mesh
 
     rank, events = dist.get_rank(), []
     _instrument(events)
@@ -62,7 +62,7 @@ def _unwaited_async(out_dir):
         inner = mesh.teardown
 
         def teardown():
-            pending = len(comm.pending_works())
+            pending = len(inflight.pending_works())
             entered.write_text("1")
             inner()
             (Path(out_dir) / "rank0.json").write_text(json.dumps({"pending_at_entry": pending, "events": events,

@@ -1,5 +1,5 @@
-"""The argparse help formatter every zerotron command uses (no other imports: analysis/ and bench/
-build their parsers with it without importing the CLI)."""
+"""The argparse help formatter and parser class every zerotron command uses (no other imports:
+analysis/ and bench/ build their parsers with them without importing the CLI)."""
 from __future__ import annotations
 
 import argparse
@@ -15,3 +15,13 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
                 or isinstance(action.default, bool)):
             return h
         return h + " (default: %(default)s)"
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors (an unknown option, a missing required one, a value of
+    the wrong type) are one line on stderr, ``<prog>: error: <what>; run '<prog> --help' for the
+    options``, and exit code 2, like the commands' own value checks (argparse's default prints the
+    whole usage block first). ``--help`` is unchanged. Raises SystemExit(2) on an error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; run '{self.prog} --help' for the options\n")

@@ -12,7 +12,10 @@ them again (``TORCHELASTIC_RESTART_COUNT`` = 1, 2, ... in the new workers), up t
 times. :func:`restart_hooks` lets the caller say one line first (which worker failed, from where
 the new workers continue), once the old workers are stopped. A worker that stopped on purpose
 (:data:`NO_RESTART_EXIT_CODES`: a user error, a guard, a signal) is not restarted: the same run
-would stop the same way again.
+would stop the same way again. Before the agent stops the surviving workers (SIGTERM) for a
+restart, the launcher writes which worker failed into the file named by
+:data:`RESTART_NOTE_ENV` in the workers' environment, so a survivor can say why it is stopped
+(``train.restarts.restart_note``) rather than report the SIGTERM as a user's stop.
 """
 from __future__ import annotations
 
@@ -20,8 +23,15 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
+
+RESTART_NOTE_ENV = "ZEROTRON_RESTART_NOTE"
+"""environment variable of ``--max-restarts`` workers: the file in which the launcher writes, before
+the survivors are stopped for a restart, the one-line description of the worker that failed"""
 
 
 def in_worker() -> bool:
@@ -148,10 +158,19 @@ def strip_nproc(argv: list[str], options: tuple[str, ...] = ("--nproc",)) -> lis
     return out
 
 
+def _write_note(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a reader sees the whole line or no file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 @contextlib.contextmanager
-def restart_hooks(on_restart):
+def restart_hooks(on_restart, note_path: str | Path | None = None):
     """While the block runs, torch elastic's local agent (i) does not restart workers that stopped
-    on purpose (an exit code in :data:`NO_RESTART_EXIT_CODES`) and (ii) calls
+    on purpose (an exit code in :data:`NO_RESTART_EXIT_CODES`), (ii) when it will restart, writes
+    :func:`describe_first_failure` of the failed attempt to ``note_path`` (if given) before it stops
+    the surviving workers, and removes that file before it starts the new ones, and (iii) calls
     ``on_restart(failure, count, max_restarts)`` before it starts the workers again, after the old
     ones are stopped: ``failure`` is :func:`describe_first_failure` of the failed attempt, ``count``
     the 1-based restart number. Wraps two methods of ``LocalElasticAgent`` (torch 2.x private API:
@@ -169,6 +188,8 @@ def restart_hooks(on_restart):
                 self._remaining_restarts = 0  # stopped on purpose: fail now, as without restarts
             failed.clear()
             failed.update(result.failures)
+            if note_path is not None and self._remaining_restarts > 0 and failed:
+                _write_note(Path(note_path), describe_first_failure(failed))  # before the survivors' SIGTERM
         return result
 
     def _initialize(self, worker_group):
@@ -177,6 +198,8 @@ def restart_hooks(on_restart):
         if count > 0 and on_restart is not None:
             on_restart(describe_first_failure(failed) if failed else "a worker failed", count, spec.max_restarts)
         failed.clear()
+        if note_path is not None:
+            Path(note_path).unlink(missing_ok=True)  # the new workers are not being stopped
         return initialize(self, worker_group)
 
     LocalElasticAgent._monitor_workers, LocalElasticAgent._initialize_workers = _monitor, _initialize
@@ -197,7 +220,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     ``argv`` must not contain ``--nproc`` (the workers would launch again). Uses
     ``torch.distributed.run`` with ``--standalone`` (a free local rendezvous port) and
     ``--max-restarts max_restarts``: after a worker dies the agent stops the others and starts
-    all ``nproc`` again, up to that many times (``on_restart``: see :func:`restart_hooks`). A
+    all ``nproc`` again, up to that many times (``on_restart``: see :func:`restart_hooks`; the
+    survivors of a failed attempt find why they are stopped in :data:`RESTART_NOTE_ENV`'s file). A
     SIGTERM/SIGHUP/SIGINT to this process is forwarded to the workers by the elastic agent, which
     waits ``shutdown_timeout_s`` seconds for them before SIGKILL; then this prints one line and
     returns 128 + the signal. Raises ValueError if ``nproc < 1`` or ``max_restarts < 0``."""
@@ -210,15 +234,18 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    note_dir = None
     if max_restarts:
         # a fresh TCPStore per attempt (hosted by the new rank 0): with the agent's store shared,
         # restarted gloo ranks read the dead attempt's addresses and fail to connect (pytorch#135712)
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        note_dir = Path(tempfile.mkdtemp(prefix="zerotron-restart-"))
+        os.environ[RESTART_NOTE_ENV] = str(note_dir / "note")  # the workers inherit it
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
          f"--shutdown-timeout={max(1, int(shutdown_timeout_s + 0.999))}", "-m", module, *argv])
     try:
-        with quiet_elastic_logs(), restart_hooks(on_restart):
+        with quiet_elastic_logs(), restart_hooks(on_restart, note_dir / "note" if note_dir else None):
             run(args)
     except SignalException as e:  # the workers got the signal too and have stopped (or been killed)
         sig = signal.Signals(e.sigval)
@@ -232,6 +259,10 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
             return max(quiet)                                              # stopped by the agent after)
         print(f"zerotron: {describe_failures(failures)}", file=sys.stderr)
         return 1
+    finally:
+        if note_dir is not None:
+            os.environ.pop(RESTART_NOTE_ENV, None)
+            shutil.rmtree(note_dir, ignore_errors=True)
     return 0
 
 

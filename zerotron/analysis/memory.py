@@ -250,16 +250,16 @@ def memory_main(argv: list) -> int:
     parser = memory_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed usage/error on stderr
+    except SystemExit as exc:  # --help, or the parser printed its one-line error on stderr
         return 0 if exc.code in (0, None) else 2
     return _memory_run(args)
 
 
 def memory_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zerotron memory``."""
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    parser = argparse.ArgumentParser(prog="zerotron memory", formatter_class=HelpFormatter,
+    parser = OneLineErrorParser(prog="zerotron memory", formatter_class=HelpFormatter,
                                      description="ZeRO model-state bytes per data-parallel rank.")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model preset name, GPT-2 or Llama (e.g. gpt2, llama3-8b)")

@@ -44,9 +44,9 @@ def calibration_mismatch(bench: dict, gpu: str) -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    p = argparse.ArgumentParser(prog="zerotron plan", formatter_class=HelpFormatter, description="Rank parallel layouts of a GPT-2 or Llama model "
+    p = OneLineErrorParser(prog="zerotron plan", formatter_class=HelpFormatter, description="Rank parallel layouts of a GPT-2 or Llama model "
                                 "by predicted memory and step time (zerotron.analysis.planner).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model preset, GPT-2 or Llama (e.g. gpt2, llama3-8b)")
@@ -82,7 +82,7 @@ def plan_main(argv: list) -> int:
     Returns 0, 1 if no layout fits, 2 on a usage or value error (message on stderr)."""
     try:
         args = _parser().parse_args(argv)
-    except SystemExit as exc:  # argparse printed the usage error on stderr
+    except SystemExit as exc:  # --help, or the parser printed its one-line error on stderr
         return 0 if exc.code in (0, None) else 2
     try:
         cfg, default_batch = _model_from_args(args)

@@ -124,9 +124,9 @@ def schedule_main(argv: list) -> int:
 
 def schedule_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zerotron schedule``."""
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    parser = argparse.ArgumentParser(prog="zerotron schedule", formatter_class=HelpFormatter,
+    parser = OneLineErrorParser(prog="zerotron schedule", formatter_class=HelpFormatter,
                                      description="Simulate and draw a pipeline schedule.")
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per flush")

@@ -11,7 +11,6 @@ system's), which is removed afterwards.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -37,24 +36,27 @@ def measure(cfg, rounds: int, where: str | None) -> dict:
     Also ``bytes`` (on disk), ``params`` and the overheads in percent. Runs in this process
     (world size 1); raises whatever the trainer raises for a bad config (ConfigError)."""
     from zerotron.train import checkpoint as ckpt
+    from zerotron.train.checkpoint.files import dir_bytes
+    from zerotron.train.checkpoint.integrity import checksums
+    from zerotron.train.checkpoint.load import init_optimizer_state
     from zerotron.train.trainer import Trainer
 
     tmp = Path(tempfile.mkdtemp(prefix="zerotron_bench_ckpt_", dir=where))
     try:
         trainer = Trainer(cfg, tmp / "run")
-        ckpt.init_optimizer_state(trainer.optimizer)  # the Adam moments a real checkpoint holds
+        init_optimizer_state(trainer.optimizer)  # the Adam moments a real checkpoint holds
         rows = []
         for r in range(rounds):
             step = r + 1
             save = _timed(lambda s=step: trainer.save(s))
             path = ckpt.latest_checkpoint(tmp / "run")
             rows.append({"save_s": save,
-                         "checksum_s": _timed(lambda p=path: ckpt.checksums(p)),
+                         "checksum_s": _timed(lambda p=path: checksums(p)),
                          "verify_s": _timed(lambda p=path: ckpt.verify_checkpoint(p, verify_checksums=False)),
                          "verify_checksums_s": _timed(lambda p=path: ckpt.verify_checkpoint(p)),
                          "load_s": _timed(lambda p=path: ckpt.load_checkpoint(p, trainer.strategy, trainer.optimizer,
                                                                              trainer.scheduler)),
-                         "bytes": ckpt.dir_bytes(path)})
+                         "bytes": dir_bytes(path)})
             shutil.rmtree(path)
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         hash_on_resume = med["verify_checksums_s"] - med["verify_s"]
@@ -78,9 +80,10 @@ def markdown(res: dict, label: str) -> str:
 
 def main(argv: list[str]) -> int:
     """CLI entry; returns the exit code (2 for a bad argument or config)."""
+    from zerotron.cli_help import OneLineErrorParser
     from zerotron.config import ConfigError, load_config, parse_overrides
 
-    ap = argparse.ArgumentParser(prog="zerotron bench checkpoint", usage=USAGE,
+    ap = OneLineErrorParser(prog="zerotron bench checkpoint", usage=USAGE,
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=None, help="TOML config of the run (default: the built-in default model)")
     ap.add_argument("--rounds", type=int, default=5, help="checkpoints written and read (median reported; default 5)")

@@ -293,9 +293,9 @@ def plot(results: list[dict], path: str, title: str = "") -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    p = argparse.ArgumentParser(prog="zerotron bench comm", allow_abbrev=False, formatter_class=HelpFormatter,
+    p = OneLineErrorParser(prog="zerotron bench comm", allow_abbrev=False, formatter_class=HelpFormatter,
                                 description="Collective bandwidth benchmark (nccl-tests algbw/busbw).")
     p.add_argument("--nproc", type=int, default=1, help="local worker processes")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list from {','.join(OPS)}")

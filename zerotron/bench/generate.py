@@ -243,9 +243,9 @@ def _model_and_prompts(args, dev):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    p = argparse.ArgumentParser(prog="zerotron bench generate", allow_abbrev=False, formatter_class=HelpFormatter,
+    p = OneLineErrorParser(prog="zerotron bench generate", allow_abbrev=False, formatter_class=HelpFormatter,
                                 description="Batched generation throughput of parallel layouts, alternated.")
     p.add_argument("--nproc", type=int, default=1, help="local worker processes")
     p.add_argument("--checkpoint", help="run directory or checkpoints/step_N (default: the default model, random weights)")

@@ -98,9 +98,9 @@ def run_mode(mode: str, engine, requests, interval_s: float, window_ms: float, m
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    p = argparse.ArgumentParser(prog="zerotron bench serve", allow_abbrev=False, formatter_class=HelpFormatter,
+    p = OneLineErrorParser(prog="zerotron bench serve", allow_abbrev=False, formatter_class=HelpFormatter,
                                 description="Continuous vs window batching under staggered arrivals, paired.")
     p.add_argument("--nproc", type=int, default=1, help="local ranks (dp x tp x pp)")
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")

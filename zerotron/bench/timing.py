@@ -8,6 +8,7 @@ import time
 import torch
 
 from zerotron.distributed import comm
+from zerotron.distributed.accounting import busbw_factor
 
 
 def format_size(nbytes: int) -> str:
@@ -26,7 +27,7 @@ def bandwidths(op: str, nbytes: int, time_s: float, n: int) -> tuple[float, floa
     if not time_s > 0:
         raise ValueError(f"bandwidths: time_s must be > 0, got {time_s}")
     algbw = nbytes / time_s / 1e9
-    return algbw, algbw * comm.busbw_factor(op, n)
+    return algbw, algbw * busbw_factor(op, n)
 
 
 

@@ -266,9 +266,9 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    p = argparse.ArgumentParser(prog="zerotron bench train", allow_abbrev=False, formatter_class=HelpFormatter,
+    p = OneLineErrorParser(prog="zerotron bench train", allow_abbrev=False, formatter_class=HelpFormatter,
                                 description="Training throughput of parallel layouts, alternated round by round; "
                                 "--section.field VALUE overrides a config field for every layout (see 'zerotron "
                                 "train --help' for the fields).")

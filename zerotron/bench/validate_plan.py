@@ -195,9 +195,9 @@ def _f3(v) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    p = argparse.ArgumentParser(prog="zerotron bench plan", formatter_class=HelpFormatter, description="Spearman rank "
+    p = OneLineErrorParser(prog="zerotron bench plan", formatter_class=HelpFormatter, description="Spearman rank "
                                 "correlation of the planner's predicted tokens/s vs a bench train run.")
     p.add_argument("--bench-train", required=True, help="'zerotron bench train --json' file")
     p.add_argument("--bench-comm", required=True, help="'zerotron bench comm --json' file (same machine)")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..launch import check_multinode_addresses, die_with_parent
 from ..plan import ParallelDims
-from . import comm
+from . import comm, inflight
 
 __all__ = ["Mesh", "ParallelDims", "init_distributed", "default_device", "teardown", "destroy"]
 
@@ -136,13 +136,13 @@ def destroy() -> None:
 
 def teardown() -> None:
     """The orderly end of a successful run, on every rank: wait for this rank's outstanding async
-    collectives (``comm.wait_pending``), a barrier over all ranks (no rank tears its process group
+    collectives (``inflight.wait_pending``), a barrier over all ranks (no rank tears its process group
     down while a peer may still talk to it; exiting without teardown, or before the peers, can
     abort with "terminate called without an active exception"), then :func:`destroy`. Does
     nothing without a process group. Raises RuntimeError from the wait or the barrier (e.g. the
     collective timeout when a peer died)."""
     if not dist.is_initialized():
         return
-    comm.wait_pending()
+    inflight.wait_pending()
     comm.barrier()
     destroy()

@@ -17,9 +17,9 @@ BATCHING = ("continuous", "window")
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``zerotron serve``."""
-    from zerotron.cli_help import HelpFormatter
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
-    p = argparse.ArgumentParser(prog="zerotron serve", formatter_class=HelpFormatter,
+    p = OneLineErrorParser(prog="zerotron serve", formatter_class=HelpFormatter,
                                 description="Serve a checkpoint over HTTP (OpenAI-compatible /v1/completions).")
     p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -1,0 +1,28 @@
+"""What every zerotron command does with an error: one line ``zerotron: error: ...`` on stderr and
+exit code 2 (:func:`fail`), and the exception types that count as user errors."""
+from __future__ import annotations
+
+import sys
+
+
+def fail(msg: str) -> int:
+    """Print ``zerotron: error: <msg>`` on stderr; returns the exit code 2."""
+    print(f"zerotron: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def collective_error():
+    """The CollectiveError type (a dead or hung peer; imported only when an ``except`` needs it)."""
+    from ..distributed.watchdog import CollectiveError
+
+    return CollectiveError
+
+
+def user_errors():
+    """The exception types that are the user's to fix (config, data, checkpoint, files): caught as
+    one line and exit code 2."""
+    from ..config import ConfigError
+    from ..data import DataError
+    from ..train.checkpoint import CheckpointError
+
+    return (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError)

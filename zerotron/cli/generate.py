@@ -1,0 +1,60 @@
+"""``zerotron generate``: sample text from a checkpoint, in this process or over ``--nproc`` workers."""
+from __future__ import annotations
+
+import argparse
+
+from ..cli_help import HelpFormatter, OneLineErrorParser
+from ..launch import strip_nproc
+from .errors import fail, user_errors
+
+
+def generate_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``zerotron generate``."""
+    p = OneLineErrorParser(prog="zerotron generate", formatter_class=HelpFormatter,
+                                description="Generate text from a checkpoint.")
+    p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", help="prompt text")
+    g.add_argument("--prompts-file", help="one prompt per line; spread over data-parallel ranks with --nproc")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after each prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the most likely tokens of mass p")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i: seed + i)")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="N local processes (data parallel over prompts, x tp x pp; 0 = this process alone)")
+    p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches in flight (0 = pp)")
+    return p
+
+
+def cmd_generate(argv: list[str]) -> int:
+    args = generate_parser().parse_args(argv)
+    from ..generate import generate_main
+    from ..launch import in_worker, launch
+
+    try:
+        if args.nproc > 1 and not in_worker():
+            from ..data import load_tokenizer
+            from ..generate import check_sampling_args, read_prompts, resolve_checkpoint
+            from ..train.checkpoint import read_meta
+
+            check_sampling_args(args)
+            ckpt_dir = resolve_checkpoint(args.checkpoint)
+            model_cfg = read_meta(ckpt_dir).get("model_config", {})
+            n_head = model_cfg.get("n_head", 1)
+            n_kv_head = model_cfg.get("n_kv_head", n_head)
+            read_prompts(args, load_tokenizer(ckpt_dir / "tokenizer.json"))  # fail once, before the workers
+            if args.tp < 1 or args.pp < 1 or args.nproc % (args.tp * args.pp):
+                raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp "
+                                 f"({args.tp} x {args.pp})")
+            if n_head % args.tp or n_kv_head % args.tp:
+                raise ValueError(f"--parallel.tp {args.tp} must divide the model's n_head ({n_head}) and "
+                                 f"n_kv_head ({n_kv_head})")
+            return launch(args.nproc, ["generate", *strip_nproc(argv)])
+        return generate_main(args)
+    except user_errors() as e:
+        return fail(str(e))
+    except ValueError as e:
+        return fail(str(e))

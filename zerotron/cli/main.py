@@ -1,0 +1,101 @@
+"""The ``zerotron`` command: usage, version and dispatch to one module per command."""
+from __future__ import annotations
+
+import os
+import sys
+
+from .bench import cmd_bench
+from .errors import fail
+from .export import cmd_export
+from .generate import cmd_generate
+from .train import cmd_train
+
+USAGE = """usage: zerotron <command> [options]
+
+commands:
+  train      train a GPT-2 or Llama (zerotron train --config configs/default.toml --nproc 2)
+  generate   sample text from a checkpoint (zerotron generate --checkpoint runs/X --prompt "ROMEO:")
+  serve      OpenAI-compatible HTTP server (zerotron serve --checkpoint runs/X --port 8000 --nproc 2)
+  export     checkpoint (any layout) -> Hugging Face GPT-2/Llama safetensors (zerotron export --checkpoint runs/X --out hf/)
+  memory     ZeRO model-state memory per rank (zerotron memory --model gpt2 --dp 8)
+  plan       rank parallel layouts for a cluster (zerotron plan --model gpt2 --gpus 8 --gpus-per-node 8 --gpu-mem 80GB --global-batch 256 --seq 1024)
+  schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
+  bench      benchmarks: 'bench comm' (collectives), 'bench train' (layouts side by side),
+             'bench plan' (the planner's predicted ranking vs a 'bench train' run) and
+             'bench generate' (inference layouts side by side), 'bench serve' (continuous vs
+             window batching) and 'bench checkpoint'
+             (the cost of checkpoint checksums)
+
+Run 'zerotron <command> --help' for the options of one command; 'zerotron --version' for the version.
+"""
+
+def version() -> str:
+    """The installed package version (``importlib.metadata``), else ``zerotron.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _v
+
+    try:
+        return _v("zerotron")
+    except PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``zerotron`` command; returns the exit code (0 ok, 2 user error, 130 after
+    Ctrl-C: one line from the launcher or the single process, nothing from the workers)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C / the agent's SIGINT: no new traceback
+        from ..launch import in_worker
+
+        if in_worker():  # the launcher reports once for all workers; skip teardown (peers are going too)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        print("zerotron: interrupted (SIGINT)", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `zerotron plan ... | head`: the reader left; stop quietly, like a Unix tool
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        return 0
+
+
+def _dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"zerotron {version()}")
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        return cmd_train(rest)
+    if cmd == "generate":
+        return cmd_generate(rest)
+    if cmd == "memory":
+        from ..analysis.memory import memory_main
+
+        return memory_main(rest)
+    if cmd == "schedule":
+        from ..analysis.schedule_plot import schedule_main
+
+        return schedule_main(rest)
+    if cmd == "bench":
+        return cmd_bench(rest)
+    if cmd == "export":
+        return cmd_export(rest)
+    if cmd == "serve":
+        from ..serve import main as serve_main
+
+        return serve_main(rest)
+    if cmd == "plan":
+        from ..analysis.plan_cli import plan_main
+
+        return plan_main(rest)
+    return fail(f"unknown command {cmd!r}; commands: train, generate, serve, export, memory, plan, schedule, bench")

@@ -1,0 +1,44 @@
+"""Process groups as comm takes them: a :class:`NamedGroup` carries the mesh dimension's name
+(the accounting key), and :func:`process_group` unwraps it for torch.distributed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class NamedGroup:
+    """A ProcessGroup with the name of the mesh dimension it spans (``"dp"``, ``"tp"``, ``"pp"``).
+
+    Two mesh dimensions may share one underlying ProcessGroup object (e.g. when a degree is 1), so
+    the name travels with the handle rather than being looked up from the group."""
+
+    pg: object
+    name: str
+
+    def size(self) -> int:
+        return dist.get_world_size(self.pg)
+
+    def rank(self) -> int:
+        return dist.get_rank(self.pg)
+
+
+def process_group(group):
+    """The torch ProcessGroup of ``group`` (a NamedGroup's ``pg``; anything else as it is)."""
+    return group.pg if isinstance(group, NamedGroup) else group
+
+
+def group_name(group) -> str:
+    """Accounting name of ``group``: its NamedGroup name, ``"world"`` for ``None``."""
+    if isinstance(group, NamedGroup):
+        return group.name
+    return "world" if group is None or group is dist.GroupMember.WORLD else "group"
+
+
+def group_ranks(group) -> list[int]:
+    """The global ranks of ``group`` (``None``: the world); ``[]`` when they cannot be looked up."""
+    try:
+        return list(dist.get_process_group_ranks(process_group(group) or dist.GroupMember.WORLD))
+    except (RuntimeError, ValueError, AttributeError):
+        return []
