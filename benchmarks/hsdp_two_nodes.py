@@ -30,7 +30,7 @@ def unit_params() -> tuple[int, int]:
 
     from zerotron.config import load_config
     from zerotron.models.registry import build_model
-    from zerotron.train.trainer import gpt_config
+    from zerotron.train.setup import gpt_config
 
     cfg = load_config(str(ROOT / "configs" / "tiny.toml"), [(k[2:], v) for k, v in zip(OVERRIDES[::2], OVERRIDES[1::2])])
     torch.manual_seed(0)

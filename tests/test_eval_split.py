@@ -13,7 +13,7 @@ LAYOUTS = {"zero3": {"parallel.zero_stage": 3},
 
 
 def test_val_rank_windows_split():
-    from zerotron.train.trainer import val_rank_windows
+    from zerotron.train.setup import val_rank_windows
 
     for n, dp, mb in [(7, 2, 1), (7, 2, 2), (9, 4, 2), (3, 4, 1), (10, 3, 4), (8, 2, 2)]:
         idx = np.arange(n, dtype=np.int64) * 3 + 1

@@ -386,7 +386,7 @@ def test_resume_with_another_model_setting_refused(full_run, data_cache, tmp_pat
     import shutil
 
     from zerotron.config import ConfigError
-    from zerotron.train.trainer import check_resume
+    from zerotron.train.setup import check_resume
 
     run = tmp_path / "run"
     shutil.copytree(full_run / "full", run)

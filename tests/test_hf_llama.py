@@ -160,7 +160,7 @@ def test_cli_train_generate_export_init_from(tmp_path, data_cache):
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and losses[-1] < losses[0]
     from zerotron.config import ConfigError, load_config
-    from zerotron.train.trainer import check_resume
+    from zerotron.train.setup import check_resume
 
     check_resume(load_config("configs/llama_tiny.toml"), run)
     with pytest.raises(ConfigError, match="arch llama .checkpoint. vs gpt2 .now."):

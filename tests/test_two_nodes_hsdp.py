@@ -21,7 +21,7 @@ def _unit_params() -> tuple[int, int]:
 
     from zerotron.config import load_config
     from zerotron.models.registry import build_model
-    from zerotron.train.trainer import gpt_config
+    from zerotron.train.setup import gpt_config
 
     cfg = load_config(str(ROOT / "configs" / "tiny.toml"))
     torch.manual_seed(0)

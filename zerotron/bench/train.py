@@ -63,8 +63,8 @@ from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_b
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.plan import build_plan
 from zerotron.train.optim import build_scheduler
+from zerotron.train.setup import gpt_config, load_data
 from zerotron.train.step import train_step
-from zerotron.train.trainer import gpt_config, load_data
 
 from .layouts import DEFAULT_LAYOUTS, LAYOUTS, Layout, get_layout, parse_layouts  # noqa: F401 (API)
 from .report import BASELINES, format_table, impl_name, markdown_report, paired_ratio, plot, summarize  # noqa: F401 (API)

@@ -73,7 +73,7 @@ def cmd_train(argv: list[str]) -> int:
             os.environ["ZEROTRON_RESUME_CMD"] = shlex.join(
                 ["zerotron", "train", *argv, *([] if args.run_dir else ["--run-dir", str(run_dir)]),
                  *([] if args.resume else ["--resume"])])
-        from ..train.trainer import check_run_dir
+        from ..train.setup import check_run_dir
 
         if not restart:  # a restart continues (or, before any checkpoint, replaces) its own run
             check_run_dir(run_dir, resume)
@@ -82,7 +82,7 @@ def cmd_train(argv: list[str]) -> int:
         if args.resume and not restart and (not in_worker() or "ZEROTRON_LOCK_HELD" not in os.environ):
             # the launcher or a single process (under torchrun: every rank; the launcher's workers
             # were checked by the launcher)
-            from ..train.trainer import check_resume
+            from ..train.setup import check_resume
 
             latest = check_resume(cfg, run_dir, quarantine=not in_worker())  # shape mismatch: one message
             refuse_finished_resume(cfg, latest)  # before any worker starts

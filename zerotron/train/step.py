@@ -56,7 +56,7 @@ def evaluate(strategy, batches, dtype: str = "fp32", device: torch.device | None
     sums and token counts are all-reduced over the strategy's loss groups, so the value does not
     depend on dp. Every dp rank must pass the same number of batches (sharded strategies gather
     parameters collectively in each forward); pad with batches whose targets are all
-    ``IGNORE_INDEX`` (see ``train.trainer.val_rank_windows``). Returns NaN if no target is valid."""
+    ``IGNORE_INDEX`` (see ``train.setup.val_rank_windows``). Returns NaN if no target is valid."""
     device = device or torch.device("cpu")
     model = strategy.module
     was_training = model.training

@@ -1,0 +1,122 @@
+"""What a run needs before its first step: the model config of the model section, the checks of
+the run directory and of a ``--resume`` (model shape, newest intact checkpoint), the token data,
+and this dp rank's evaluation windows. Used by the trainer, the CLI launcher and the benchmarks."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import Config, ConfigError, model_shape
+from ..data import prepare_data
+from ..distributed import comm
+from ..models import registry
+from . import checkpoint as ckpt
+from .step import IGNORE_INDEX
+
+__all__ = ["gpt_config", "check_run_dir", "check_resume", "load_data", "val_rank_windows", "padding_batch",
+           "SHAPE_KEYS"]
+
+
+def gpt_config(cfg: Config, tokenizer_vocab: int):
+    """The model config (GPTConfig or LlamaConfig, by model.arch / the preset) of the model
+    section; vocab = model.vocab_size or the tokenizer's size. Raises ConfigError if
+    model.vocab_size is smaller than the tokenizer's vocabulary or the section is invalid."""
+    vocab = cfg.model.vocab_size or tokenizer_vocab
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab}); set model.vocab_size = 0 to use the tokenizer's size")
+    try:
+        return registry.config_from_section(cfg.model, vocab)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse to start a fresh run over an existing one (nothing on disk is overwritten), and
+    refuse ``--resume`` without a checkpoint. Raises ConfigError naming the fix."""
+    has_run = (run_dir / "metrics.jsonl").exists() or ckpt.list_checkpoints(run_dir)
+    if not resume and has_run:
+        raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; pass --resume to continue "
+                          "it, or choose a new --run-dir")
+    if resume and not ckpt.list_checkpoints(run_dir):
+        raise ConfigError(f"--resume: no checkpoint under {str(run_dir / 'checkpoints')!r}; "
+                          "start without --resume")
+
+
+SHAPE_KEYS = ("arch", "n_layer", "n_head", "n_embd", "block_size")
+
+
+def val_rank_windows(val_idx: np.ndarray, dp_rank: int, dp: int, micro_batch: int) -> list[np.ndarray]:
+    """This dp rank's validation windows, grouped into evaluation micro-batches.
+
+    ``val_idx`` (n,) window indices is split into ``dp`` contiguous chunks (``np.array_split``:
+    disjoint, together all of ``val_idx``, sizes differ by at most one); each chunk is cut into
+    micro-batches of at most ``micro_batch`` windows. Every rank gets the *same number* of
+    micro-batches, ``ceil(ceil(n / dp) / micro_batch)``: a rank with fewer windows gets empty
+    (0,) arrays at the end, which the caller evaluates as padding batches with no target token.
+    Sharded strategies (ZeRO-3, FSDP2) all-gather parameters in every forward, so an unequal
+    number of forwards per dp rank would leave one rank's collectives without a partner.
+
+    Returns a list of int64 arrays, each of length 0..micro_batch.
+    Raises ValueError if ``dp < 1``, ``micro_batch < 1`` or ``dp_rank`` is not in ``[0, dp)``."""
+    if dp < 1 or micro_batch < 1 or not 0 <= dp_rank < dp:
+        raise ValueError(f"need dp >= 1, micro_batch >= 1 and 0 <= dp_rank < dp, got dp_rank {dp_rank}, "
+                         f"dp {dp}, micro_batch {micro_batch}")
+    chunks = np.array_split(np.asarray(val_idx, dtype=np.int64), dp)
+    n_batches = max(-(-len(c) // micro_batch) for c in chunks)
+    mine = chunks[dp_rank]
+    out = [mine[i:i + micro_batch] for i in range(0, len(mine), micro_batch)]
+    return out + [mine[:0]] * (n_batches - len(out))
+
+
+def padding_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An evaluation batch that adds nothing: x (1, seq_len) of token 0, y (1, seq_len) all
+    ``IGNORE_INDEX`` (loss sum 0 and token count 0 under every strategy's summed loss)."""
+    return (torch.zeros(1, seq_len, dtype=torch.int64),
+            torch.full((1, seq_len), IGNORE_INDEX, dtype=torch.int64))
+
+
+def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
+    """For ``--resume``: the newest checkpoint that is intact (files present, checksums equal;
+    damaged ones are skipped with a warning and, with ``quarantine``, renamed damaged_step_<N>),
+    after checking the model shape of ``cfg`` equals the saved one; sets ``data.tokenizer`` to the
+    checkpoint's tokenizer.json unless one is given (the token ids must not change under the
+    embeddings). Checksums are not re-hashed for the checkpoint named by ZEROTRON_CKPT_VERIFIED
+    (set once verified). Raises ConfigError / CheckpointError."""
+    newest = ckpt.latest_checkpoint(run_dir)
+    rehash = os.environ.get("ZEROTRON_CKPT_VERIFIED") != str(newest)
+    latest = ckpt.newest_good_checkpoint(run_dir, quarantine, verify_checksums=rehash)
+    os.environ["ZEROTRON_CKPT_VERIFIED"] = str(latest)  # workers started after this skip the hashing
+    meta = ckpt.read_meta(latest)
+    saved = meta.get("model_config", {})
+    if not cfg.model.init_from:
+        shape = model_shape(cfg.model)
+        saved = {"arch": registry.DEFAULT_ARCH, **saved}  # checkpoints without arch are GPT-2
+        # every resolved field the checkpoint recorded (sizes, bias, the llama fields); one it lacks
+        # (an older checkpoint) is not compared; vocab_size is checked against the tokenizer later
+        now = json.loads(json.dumps(shape))
+        diff = [f"{k} {saved.get(k)} (checkpoint) vs {now[k]} (now)" for k in now
+                if k != "vocab_size" and (k in SHAPE_KEYS or k in saved) and saved.get(k) != now[k]]
+        if diff:
+            raise ConfigError(f"--resume: the model shape differs from the checkpoint {str(latest)!r}: "
+                              f"{'; '.join(diff)}; resume with the checkpoint's model settings")
+    if not cfg.data.tokenizer and (latest / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(latest / "tokenizer.json")
+    return latest
+
+
+def load_data(cfg: Config, local_rank: int):
+    """Build/open the token cache: local rank 0 builds it first, the others then open it."""
+    d = cfg.data
+    kwargs = dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
+                  val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None)
+    if local_rank == 0:
+        data = prepare_data(**kwargs)
+    comm.wait_barrier(comm.IO_TIMEOUT_S, tag="token_cache")  # may take minutes: its own long timeout
+    if local_rank != 0:
+        data = prepare_data(**kwargs)
+    return data
