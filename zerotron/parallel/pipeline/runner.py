@@ -238,8 +238,12 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         per_stage = {}  # kind -> {model stage: mean seconds per micro-batch}
         for (kind, chunk), sec in ex.compute_s.items():
             per_stage.setdefault(kind, {})[self.module.stages[chunk]] = sec / ex.compute_n[(kind, chunk)]
+        q = ex.p2p
         self._timing = {"busy_s": ex.busy_s, "idle_s": ex.idle_s,
                         "bubble_fraction": ex.idle_s / wall if wall > 0 else 0.0,
+                        "post_s": q.post_s, "recv_wait_s": q.recv_wait_s, "send_wait_s": q.send_wait_s,
+                        "other_s": ex.other_s, "walk_start_s": ex.walk_start_s, "walk_end_s": ex.walk_end_s,
+                        "p2p_events": list(q.events),
                         "stage_compute_s": per_stage, "schedule": (self.pp, m if self.kind != "naive" else 1,
                                                                    self.kind, self.v)}
         return total
@@ -291,10 +295,17 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def last_step_timing(self) -> dict:
         """This rank's pipeline timing of the last ``forward_backward``: ``busy_s`` (compute),
         ``idle_s`` (posting and waiting p2p runs, i.e. bubble + transfer), ``bubble_fraction`` =
-        idle / (busy + idle); ``stage_compute_s`` = ``{kind: {model stage: mean seconds of one
-        action}}`` for kind "F", "B" of this rank's stages (what :func:`zerotron.parallel.pipeline.
-        accounting.predicted_bubble` simulates); ``schedule`` = (pp, micro-batches per flush, kind,
-        v). Compare with ``schedules.bubble_theory``."""
+        idle / (busy + idle); idle split into ``post_s`` (posting p2p ops), ``recv_wait_s`` (waiting
+        for receives) and ``send_wait_s`` (waiting for sends at the end of each walk); ``other_s``:
+        the walks' remaining wall time (executor bookkeeping, outside busy and idle);
+        ``walk_start_s``/``walk_end_s``: ``time.perf_counter()`` at the first walk's start and the
+        last one's end (comparable between ranks of one host: start skew); ``p2p_events``: per
+        message timestamps (``pipeline.p2p``; :func:`zerotron.parallel.pipeline.accounting.
+        recv_wait_split` splits receive waits into dependency and transfer); ``stage_compute_s`` =
+        ``{kind: {model stage: mean seconds of one action}}`` for kind "F", "B" of this rank's
+        stages (what :func:`zerotron.parallel.pipeline.accounting.predicted_bubble` simulates);
+        ``schedule`` = (pp, micro-batches per flush, kind, v). Compare with
+        ``schedules.bubble_theory``. Seconds throughout."""
         return dict(self._timing)
 
     def finish_grads(self) -> None:
