@@ -33,6 +33,15 @@ def test_parse_layouts():
     assert bt.get_layout("single-acselective").world == 1 and bt.get_layout("dp") is bt.LAYOUTS["dp"]
     cfg = load_config(TINY, [(k, str(v).format(world=2)) for k, v in lay.overrides.items()])
     assert (cfg.train.micro_batch, cfg.train.activation_checkpointing) == (4, "full")
+    # the pipeline executor's p2p posting mode: a bench knob on native pipeline layouts only
+    for name, want in (("pp-1f1b-p2pbatched-mb2", "batched"), ("pp-zb-h1-mb2-p2peager", "eager"), ("pp-1f1b-mb2", None)):
+        got = bt.get_layout(name)
+        assert got.p2p == want and got.overrides["train.micro_batch"] == "2" and got.name == name
+    for bad in ("pp-torch-1f1b-p2pbatched", "dp-p2peager", "pp-threads-gpipe-p2pbatched"):
+        with pytest.raises(ValueError, match="applies to the native multi-process pipeline layouts"):
+            bt.parse_layouts(bad)
+    with pytest.raises(ValueError, match="valid layouts"):
+        bt.parse_layouts("pp-1f1b-p2pfast")
 
 
 @pytest.mark.parametrize("name", list(bt.LAYOUTS))

@@ -299,6 +299,7 @@ def test_pp2_measured_bubble(pp2):
             for tm in tms:
                 walk = tm["walk_end_s"] - tm["walk_start_s"]
                 assert tm["busy_s"] > 0 and min(tm["post_s"], tm["recv_wait_s"], tm["send_wait_s"]) >= 0
+                assert 0 <= tm["post_cpu_s"] <= tm["post_s"] + 1e-3  # thread CPU time vs wall (clock granularity)
                 assert tm["idle_s"] == pytest.approx(tm["post_s"] + tm["recv_wait_s"] + tm["send_wait_s"])
                 assert 0 <= tm["other_s"] and tm["busy_s"] + tm["idle_s"] + tm["other_s"] == pytest.approx(walk)
             evs = [tm["p2p_events"] for tm in tms]

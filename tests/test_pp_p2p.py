@@ -121,7 +121,7 @@ def test_bench_idle_split_summary():
     for r in range(2):
         busy = sum(e - s for s, e, _ in res.intervals[r])
         rw = sum(e[4] - e[3] for e in evs[r] if e[0] == "R")
-        step = {"busy_s": busy, "idle_s": rw + 0.1, "post_s": 0.1, "recv_wait_s": rw, "send_wait_s": 0.0,
+        step = {"busy_s": busy, "idle_s": rw + 0.1, "post_s": 0.1, "post_cpu_s": 0.05, "recv_wait_s": rw, "send_wait_s": 0.0,
                 "other_s": 0.01, "walk_start_s": 50.0 + 0.5 * r, "p2p_events": evs[r]}
         assert walk_end[r] > 50.0
         got.append({"p2p": [step, step], "host": "h", "pipe": [r, 0, 0], "schedule": (2, 4, "1f1b", 1)})
@@ -133,6 +133,7 @@ def test_bench_idle_split_summary():
     assert out["idle_transfer"] == pytest.approx(split[top]["transfer_s"] / walks[top]) and out["idle_transfer"] > 0
     assert out["idle_dependency"] + out["idle_transfer"] + out["idle_post"] == pytest.approx(
         got[top]["p2p"][0]["idle_s"] / walks[top])
+    assert out["idle_post_cpu"] == pytest.approx(out["idle_post"] / 2)
     assert out["start_skew_ms"] == pytest.approx(500.0) and out["other_fraction"] == pytest.approx(0.01 / walks[top])
     assert out["bubble_replayed"] == pytest.approx(max(rank_idle_fractions(res)))
     assert len(out["idle_split_steps"]) == 2 and len(out["bubble_replayed_steps"]) == 2

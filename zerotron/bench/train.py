@@ -143,6 +143,9 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
         raise NotImplementedError(f"parallelize() returned a plain {type(strategy).__name__} for "
                                   f"{layout.overrides}: this strategy is not implemented yet")
+    if layout.p2p:  # executor p2p posting mode (bench knob, see Layout.p2p)
+        q = strategy.executor.p2p
+        q.batched, q.prefetch = layout.p2p == "batched", False
     opt = strategy.build_optimizer(t, strategy.decay_mask)
     sampler = GlobalBatchSampler(num_windows(len(data.train), mcfg.block_size), t.global_batch, t.seed)
     dpr, dp, mb, batches = mesh.local_rank("dp"), mesh.size("dp"), t.micro_batch, []
@@ -167,7 +170,7 @@ def _simulated(got: list[dict], steps: int) -> dict:
             "stage_compute_s": med, "pp_split": ",".join(map(str, got[0]["split"] or []))}
 
 
-_P2P_KEYS = ("busy_s", "idle_s", "post_s", "recv_wait_s", "send_wait_s", "other_s", "walk_start_s", "p2p_events")
+_P2P_KEYS = ("busy_s", "idle_s", "post_s", "post_cpu_s", "recv_wait_s", "send_wait_s", "other_s", "walk_start_s", "p2p_events")
 
 
 def _idle_split(got: list[dict], steps: int) -> dict:
@@ -175,7 +178,8 @@ def _idle_split(got: list[dict], steps: int) -> dict:
     fraction is the step's ``bubble_measured``, as fractions of that rank's walk (busy + idle):
     ``idle_dependency`` (receive waits before the sender posted: the bubble the simulator models),
     ``idle_transfer`` (receive waits after the send was posted: p2p latency, wake-ups), ``idle_post``
-    (posting ops plus waiting for sends at the end); the three add up to ``bubble_measured``.
+    (posting ops plus waiting for sends at the end; ``idle_post_cpu``: the CPU time of the posting,
+    the rest of it the thread descheduled); the three add up to ``bubble_measured``.
     ``other_fraction``: executor bookkeeping outside busy and idle over the same walk;
     ``start_skew_ms``: how much later the last pp rank began its first walk than the first one.
     ``bubble_replayed``: the same statistic as ``bubble_measured`` simulated with each action's own
@@ -194,7 +198,8 @@ def _idle_split(got: list[dict], steps: int) -> dict:
         top = max(range(len(recs)), key=lambda k: recs[k]["idle_s"] / walks[k] if walks[k] else 0.0)
         w, r = walks[top] or 1.0, recs[top]
         rows.append({"idle_dependency": split[top]["dependency_s"] / w, "idle_transfer": split[top]["transfer_s"] / w,
-                     "idle_post": (r["post_s"] + r["send_wait_s"]) / w, "other_fraction": r["other_s"] / w,
+                     "idle_post": (r["post_s"] + r["send_wait_s"]) / w,
+                     "idle_post_cpu": r["post_cpu_s"] / w, "other_fraction": r["other_s"] / w,
                      "start_skew_ms": 1e3 * (max(x["walk_start_s"] for x in recs) - min(x["walk_start_s"] for x in recs))})
     return ({k: statistics.median(x[k] for x in rows) for k in rows[0]}
             | {"idle_split_steps": rows, "bubble_replayed": statistics.median(replay), "bubble_replayed_steps": replay})
@@ -313,7 +318,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS,
                    help=f"comma list from: {', '.join(LAYOUTS)}; each optionally followed by -mbN (train.micro_batch "
-                   "= N), -acselective | -acfull (train.activation_checkpointing) and -even | -auto (parallel.pp_split), "
+                   "= N), -acselective | -acfull (train.activation_checkpointing), -even | -auto (parallel.pp_split) and, on "
+                   "native pipeline layouts, -p2pbatched | -p2peager (the executor's p2p posting: one batch per comm run / "
+                   "per op without early receives; default per op with the next run's receives posted early), "
                    "e.g. zero2-mb4-acfull, pp-1f1b-even-mb2")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")

@@ -64,7 +64,7 @@ def recv_wait_split(events_by_rank: list[list[tuple]]) -> list[dict]:
     wake-ups, executor overhead the simulator does not model).
 
     ``events_by_rank[r]``: rank r's ``PipelineStrategy.last_step_timing()["p2p_events"]``
-    (``("S", walk, key, t_post)`` / ``("R", walk, key, t_wait_start, t_wait_end)``, seconds of
+    (``("S", walk, key, t_issue)`` / ``("R", walk, key, t_wait_start, t_wait_end)``, seconds of
     ``time.perf_counter``, which only compares between processes of ONE host). For a receive waited
     from a to b whose send was posted at s: dependency = clamp(min(s, b) - a, 0), transfer =
     b - max(a, s) (>= 0). A receive without its send in the events (another host, a trimmed trace)

@@ -20,9 +20,13 @@ flight. On gloo the ops are posted one by one (``comm.isend``/``comm.irecv``, no
 per run); on other backends (NCCL), where a lone p2p op can block its stream, each run stays ONE
 ``comm.batch_isend_irecv`` and nothing is prefetched (the previous behaviour).
 
-Timing (seconds, accumulated until :meth:`reset`): ``post_s`` (inside the posting calls),
+Timing (seconds, accumulated until :meth:`reset`): ``post_s`` (inside the posting calls; its
+``post_cpu_s`` part is this thread's CPU time, the rest is the thread being descheduled: each
+message wakes the peer's gloo I/O thread, and on a loaded machine the poster often loses its core
+then -- measured: about one involuntary context switch per isend under load),
 ``recv_wait_s`` (waiting for a run's receives), ``send_wait_s`` (waiting for sends at the end of a
-walk). ``events`` keeps, per message, ``("S", walk, key, t_post)`` and ``("R", walk, key,
+walk). ``events`` keeps, per message, ``("S", walk, key, t_issue)`` (just before the send call)
+and ``("R", walk, key,
 t_wait_start, t_wait_end)``, and the executor adds one ``("C", walk, (kind, microbatch, model stage),
 t_start, t_end)`` per compute (``time.perf_counter``, CLOCK_MONOTONIC: comparable between processes
 on one host; ``key`` = ``schedules.message_key``), from which :func:`~zerotron.parallel.pipeline.
@@ -75,7 +79,7 @@ class CommRunPoster:
 
     def reset(self) -> None:
         """Zero the timers and drop the events."""
-        self.post_s = self.recv_wait_s = self.send_wait_s = 0.0
+        self.post_s = self.post_cpu_s = self.recv_wait_s = self.send_wait_s = 0.0
         self.events: list[tuple] = []
         self.walks = 0
 
@@ -101,7 +105,7 @@ class CommRunPoster:
         complete). Raises what ``Work.wait`` raises (e.g. a peer's timeout)."""
         i, j = self._runs[start]
         acts, walk, now = self._actions, self.walks, time.perf_counter
-        t0 = now()
+        t0, c0 = now(), time.thread_time()
         self.sending = [x for x in self.sending if not x[0].is_completed()]
         recvs = [k for k in range(i, j) if acts[k].kind.startswith("RECV")]
         if self.batched:
@@ -113,8 +117,8 @@ class CommRunPoster:
                 else:
                     bufs[k] = self._alloc(a)
                     ops.append(("recv", bufs[k], self.peer_rank(a.peer)))
+            t_post = now()  # the sends' issue time
             works = comm.batch_isend_irecv(ops, group=self.group, tag="pp")
-            t_post = now()
             for k, w in zip(range(i, j), works):
                 if acts[k].kind.startswith("SEND"):
                     self.sending.append((w, outgoing[k]))
@@ -126,8 +130,8 @@ class CommRunPoster:
                 a = acts[k]
                 if a.kind.startswith("SEND"):
                     t = outgoing[k]
+                    self.events.append(("S", walk, message_key(a, self.rank, self.pp), now()))  # issued
                     self.sending.append((comm.isend(t, self.peer_rank(a.peer), group=self.group, tag="pp"), t))
-                    self.events.append(("S", walk, message_key(a, self.rank, self.pp), now()))
             for k in recvs:
                 if k not in self._posted:
                     self._recv(k)
@@ -138,6 +142,7 @@ class CommRunPoster:
                         self._recv(k)
         t1 = now()
         self.post_s += t1 - t0
+        self.post_cpu_s += time.thread_time() - c0
         got = {}
         for k in recvs:
             w, buf = self._posted.pop(k)

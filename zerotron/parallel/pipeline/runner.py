@@ -241,7 +241,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         q = ex.p2p
         self._timing = {"busy_s": ex.busy_s, "idle_s": ex.idle_s,
                         "bubble_fraction": ex.idle_s / wall if wall > 0 else 0.0,
-                        "post_s": q.post_s, "recv_wait_s": q.recv_wait_s, "send_wait_s": q.send_wait_s,
+                        "post_s": q.post_s, "post_cpu_s": q.post_cpu_s, "recv_wait_s": q.recv_wait_s, "send_wait_s": q.send_wait_s,
                         "other_s": ex.other_s, "walk_start_s": ex.walk_start_s, "walk_end_s": ex.walk_end_s,
                         "p2p_events": list(q.events),
                         "stage_compute_s": per_stage, "schedule": (self.pp, m if self.kind != "naive" else 1,
@@ -295,7 +295,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def last_step_timing(self) -> dict:
         """This rank's pipeline timing of the last ``forward_backward``: ``busy_s`` (compute),
         ``idle_s`` (posting and waiting p2p runs, i.e. bubble + transfer), ``bubble_fraction`` =
-        idle / (busy + idle); idle split into ``post_s`` (posting p2p ops), ``recv_wait_s`` (waiting
+        idle / (busy + idle); idle split into ``post_s`` (posting p2p ops; ``post_cpu_s`` of it
+        on this thread's CPU, the rest descheduled), ``recv_wait_s`` (waiting
         for receives) and ``send_wait_s`` (waiting for sends at the end of each walk); ``other_s``:
         the walks' remaining wall time (executor bookkeeping, outside busy and idle);
         ``walk_start_s``/``walk_end_s``: ``time.perf_counter()`` at the first walk's start and the
