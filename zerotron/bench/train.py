@@ -32,7 +32,14 @@ median over timed steps of the max over pp ranks of ``PipelineStrategy.last_step
 statistic when each model stage's F and B cost the step's measured mean times
 (``pipeline.accounting.predicted_bubble``, communication free): measured / simulated is executor
 overhead, simulated / theory the stage imbalance. ``stage_compute_s``: those per-stage times
-(median over steps); ``pp_split``: the layers per model stage the layout ran.
+(median over steps); ``pp_split``: the layers per model stage the layout ran. Native executor
+(ranks on one host): ``idle_dependency`` / ``idle_transfer`` / ``idle_post`` (+ ``idle_post_cpu``,
+``other_fraction``, ``start_skew_ms``) split the idlest rank's idle into waiting for the sender,
+p2p transfer and posting (:func:`_idle_split`), and ``bubble_replayed`` simulates each step with every
+action's own measured duration (``pipeline.accounting.replayed_bubble``), so measured / replayed is
+executor overhead without the compute jitter that measured / simulated also contains. A layout
+suffix ``-p2pbatched`` / ``-p2peager`` runs the executor's other p2p posting modes
+(:attr:`layouts.Layout.p2p`).
 """
 from __future__ import annotations
 

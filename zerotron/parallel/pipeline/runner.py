@@ -382,6 +382,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     # ---- checkpoints and full parameters ---------------------------------------------------------
     def _forward_only(self, x: torch.Tensor, on_output, dtype: str, device: torch.device) -> None:
         acts = forward_only_actions(self.pp, self.v, self.rank)
+        self.executor.reset_timing()  # the last step's timing is already in _timing; bound the event list
         with self.zero.full_params(blocks=False) if self.zero is not None else contextlib.nullcontext():
             self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))
 
