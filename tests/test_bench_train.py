@@ -33,6 +33,15 @@ def test_parse_layouts():
     assert bt.get_layout("single-acselective").world == 1 and bt.get_layout("dp") is bt.LAYOUTS["dp"]
     cfg = load_config(TINY, [(k, str(v).format(world=2)) for k, v in lay.overrides.items()])
     assert (cfg.train.micro_batch, cfg.train.activation_checkpointing) == (4, "full")
+    # the pipeline executor's p2p posting mode: a bench knob on native pipeline layouts only
+    for name, want in (("pp-1f1b-p2pbatched-mb2", "batched"), ("pp-zb-h1-mb2-p2peager", "eager"), ("pp-1f1b-mb2", None)):
+        got = bt.get_layout(name)
+        assert got.p2p == want and got.overrides["train.micro_batch"] == "2" and got.name == name
+    for bad in ("pp-torch-1f1b-p2pbatched", "dp-p2peager", "pp-threads-gpipe-p2pbatched"):
+        with pytest.raises(ValueError, match="applies to the native multi-process pipeline layouts"):
+            bt.parse_layouts(bad)
+    with pytest.raises(ValueError, match="valid layouts"):
+        bt.parse_layouts("pp-1f1b-p2pfast")
 
 
 @pytest.mark.parametrize("name", list(bt.LAYOUTS))
@@ -132,6 +141,20 @@ def test_summarize_epoch_and_bubble_fields():
                              "| bubble theory |")
     assert table[2].endswith("| 30.0 | 3,1 | 0.400 | 0.250 | 1.50 | 0.333 |"), table[2]
     assert table[3].endswith("| 30.0 | - | - | - | - | - |")
+    # executor overhead columns: medians over all timed steps of all rounds, replay ratio paired per step
+    for r, rep in zip(recs[:3], ([0.1, 0.2], [0.3], [0.25, 0.5])):
+        r.update(bubble_replayed_steps=rep, idle_split_steps=[
+            {"idle_dependency": b / 2, "idle_transfer": 0.01 * (1 + r["round"]), "idle_post": 0.02,
+             "other_fraction": 0.001, "start_skew_ms": 1.0 + r["round"]} for b in r["bubble_measured_steps"]])
+    pp = {r["layout"]: r for r in bt.summarize(recs)}["pp-1f1b"]
+    assert pp["bubble_replayed"] == pytest.approx(0.25) and pp["bubble_replay_ratio"] == pytest.approx(2.0)  # 2, 2, 1, 2, 1.2
+    assert pp["idle_dependency"] == pytest.approx(0.2) and pp["idle_transfer"] == pytest.approx(0.02)
+    assert pp["start_skew_ms"] == pytest.approx(2.0) and "idle_split_steps" not in pp
+    table = bt.format_table([pp]).splitlines()
+    assert table[0].endswith("| bubble measured | idle: wait for sender | idle: p2p transfer | idle: post + send wait "
+                             "| start skew ms | bubble sim (measured F/B) | measured / sim | bubble replay (per-action "
+                             "times) | measured / replay | bubble theory |"), table[0]
+    assert table[2].endswith("| 0.400 | 0.200 | 0.020 | 0.020 | 2.0 | 0.250 | 1.50 | 0.250 | 2.00 | 0.333 |"), table[2]
 
 
 def test_bad_arguments_exit_2(capsys):
@@ -222,13 +245,20 @@ def test_two_process_end_to_end(tmp_path, data_cache):
     st = pp["stage_compute_s"]
     assert sorted(st) == ["B", "F"] and all(sorted(st[k]) == ["0", "1"] and min(st[k].values()) > 0 for k in st)
     assert 0 <= pp["bubble_simulated"] < 1 and pp["bubble_overhead_ratio"] > 0
+    # executor overhead: the idle split (fractions of the walk) and the replay of per-action times
+    assert min(pp["idle_dependency"], pp["idle_transfer"], pp["idle_post"], pp["start_skew_ms"]) >= 0
+    assert pp["idle_dependency"] + pp["idle_transfer"] + pp["idle_post"] < 1 and 0 <= pp["other_fraction"] < 0.5
+    assert 0 < pp["bubble_replayed"] < 1 and pp["bubble_replay_ratio"] > 0
+    assert "idle_split_steps" not in pp and "bubble_replayed_steps" not in pp
     dp, torch_dp = rows["dp"], rows["dp-torch"]
     assert dp["ratio_vs_dp-torch"] == pytest.approx(dp["tokens_per_s"] / torch_dp["tokens_per_s"])  # 1 round
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = md.read_text()
     assert "zerotron bench train --nproc 2 --config" in text and "| dp | DataParallel | 2 |" in text
     assert "| single | DataParallel | 1 |" in text and "gloo, 2 rank(s)" in text
-    assert "| epoch s | split | bubble measured | bubble sim (measured F/B) | measured / sim | bubble theory |" in text
+    assert ("| epoch s | split | bubble measured | idle: wait for sender | idle: p2p transfer | idle: post + send wait "
+            "| start skew ms | bubble sim (measured F/B) | measured / sim | bubble replay (per-action times) "
+            "| measured / replay | bubble theory |") in text
     assert "| 0.333 |" in text and "| 2,2 |" in text
     assert "| dp-torch | TorchDDP | 2 |" in p.stdout and "dp / dp-torch tokens/s:" in p.stdout
 

@@ -103,6 +103,9 @@ def _train(lay: dict) -> dict:
         out["tied_bytes"] = 0 if strategy.tied is None else strategy.tied.numel() * strategy.tied.element_size()
     if lay.get("gen"):
         out["gen"] = (pipeline_generate(strategy, prompt, 14).tolist(), dense_gen)
+    if lay.get("p2p"):
+        q = strategy.executor.p2p
+        q.batched, q.prefetch = lay["p2p"] == "batched", lay["p2p"] == "prefetch"
     opt = strategy.build_optimizer(cfg.train, decay_mask(model))
     sched = build_scheduler(opt, cfg.train)
     start = 0
@@ -229,6 +232,11 @@ def pp2_layouts(dense_ckpt, save_dir):
         {**base, "kind": "zb-h1", "mb": 1, "m": 8},                      # split backward B/W
         {**base, "kind": "zb-h1", "mb": 4, "m": 1},                      # m < pp, 2 flushes
         {**base, "kind": "zb-h1", "mb": 2, "m": 4, "split": "3,5", "recompute": "full", "clip": 0.0},
+        # the executor's p2p posting modes (pipeline.p2p): gloo's default prefetches the next run's
+        # receives; one batch_isend_irecv per run (the NCCL path) and eager (no prefetch) train alike
+        {**base, "kind": "1f1b", "mb": 1, "m": 8, "p2p": "batched"},
+        {**base, "kind": "zb-h1", "mb": 1, "m": 8, "p2p": "batched"},
+        {**base, "kind": "interleaved", "v": 2, "mb": 2, "m": 4, "p2p": "eager"},
     ] + TIMING
 
 
@@ -284,6 +292,30 @@ def test_pp2_measured_bubble(pp2):
               for i in range(-n, 0)]
     print("measured bubble naive, 1f1b:", bubble)
     assert bubble[0] > 0.3 and bubble[1] < bubble[0] - 0.1, bubble
+    # the idle breakdown: per-message events, receive waits split into dependency + transfer
+    from zerotron.parallel.pipeline.accounting import recv_wait_split, replayed_bubble
+
+    for i, kind in zip(range(-n, 0), ("naive", "1f1b")):
+        for step in range(3):
+            tms = [r[i]["timing"][step] for r in pp2["runs"]]
+            assert all(pp2["runs"][k][i]["timing"][0]["schedule"][0] == 2 for k in range(2))
+            for tm in tms:
+                walk = tm["walk_end_s"] - tm["walk_start_s"]
+                assert tm["busy_s"] > 0 and min(tm["post_s"], tm["recv_wait_s"], tm["send_wait_s"]) >= 0
+                assert 0 <= tm["post_cpu_s"] <= tm["post_s"] + 1e-3  # thread CPU time vs wall (clock granularity)
+                assert tm["idle_s"] == pytest.approx(tm["post_s"] + tm["recv_wait_s"] + tm["send_wait_s"])
+                assert 0 <= tm["other_s"] and tm["busy_s"] + tm["idle_s"] + tm["other_s"] == pytest.approx(walk)
+            evs = [tm["p2p_events"] for tm in tms]
+            m = 1 if kind == "naive" else 8
+            assert [sum(e[0] == "S" for e in ev) for ev in evs] == [m, m]  # F down, B up
+            assert [sum(e[0] == "C" for e in ev) for ev in evs] == [2 * m, 2 * m]
+            for tm, sp in zip(tms, recv_wait_split(evs)):
+                assert sp["recvs"] == m and sp["dependency_s"] >= 0 and sp["transfer_s"] >= 0
+                assert sp["dependency_s"] + sp["transfer_s"] <= tm["recv_wait_s"] + 1e-9
+            rep = replayed_bubble(2, m, kind, 1, evs)
+            assert 0 < rep["max"] < 1 and rep["max"] == max(rep["per_rank"])
+            if kind == "naive":  # one batch through 2 stages: each rank idles while the other works
+                assert rep["max"] > 0.3
 
 
 def test_pp2_generation_equals_dense(pp2):

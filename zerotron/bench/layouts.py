@@ -1,5 +1,6 @@
 """Layouts of ``zerotron bench train``: a name plus config overrides (:data:`LAYOUTS`), with
-``-mbN`` / ``-acselective|-acfull`` / ``-even|-auto`` suffixes (:func:`get_layout`)."""
+``-mbN`` / ``-acselective|-acfull`` / ``-even|-auto`` / ``-p2pbatched|-p2peager`` suffixes
+(:func:`get_layout`)."""
 from __future__ import annotations
 
 import re
@@ -10,13 +11,18 @@ from dataclasses import dataclass, field
 class Layout:
     """``overrides``: ``{"section.field": value}``, ``"{world}"`` in a value -> N. ``world``: ranks
     used (None = all N). ``new_strategy``: a plain DataParallel/TorchDDP from ``parallelize`` means
-    "not implemented yet" (skipped). ``all_threads``: N/world x the per-rank intra-op threads."""
+    "not implemented yet" (skipped). ``all_threads``: N/world x the per-rank intra-op threads.
+    ``p2p``: how the native pipeline executor posts its p2p ops (``pipeline.p2p.CommRunPoster``):
+    None = its default (gloo: per op, the next run's receives early), "batched" (one
+    batch_isend_irecv per comm run, no early receives: the NCCL path and the executor before early
+    receives), "eager" (per op, no early receives); a benchmark knob, not a config field."""
 
     name: str
     overrides: dict = field(default_factory=dict)
     world: int | None = None
     new_strategy: bool = False
     all_threads: bool = False
+    p2p: str | None = None
 
 
 _NEW = dict(new_strategy=True)
@@ -48,17 +54,24 @@ LAYOUTS = {x.name: x for x in (
 DEFAULT_LAYOUTS = "dp,dp-torch,single"
 
 
-_SUFFIX = re.compile(r"-(mb)([1-9][0-9]*)$|-(ac)(selective|full)$|-(even|auto)$")
+_SUFFIX = re.compile(r"-(mb)([1-9][0-9]*)$|-(ac)(selective|full)$|-(even|auto)$|-p2p(batched|eager)$")
 
 
 def get_layout(name: str) -> Layout:
     """The :class:`Layout` of ``name``: a key of ``LAYOUTS`` followed by optional suffixes
     ``-mbN`` (``train.micro_batch = N``), ``-acselective`` / ``-acfull``
     (``train.activation_checkpointing``) and ``-even`` / ``-auto`` (``parallel.pp_split``), e.g.
-    ``zero2-mb4-acfull``, ``pp-1f1b-even-mb2``. Raises ValueError naming the valid layouts and
+    ``zero2-mb4-acfull``, ``pp-1f1b-even-mb2``; ``-p2pbatched`` / ``-p2peager`` set
+    :attr:`Layout.p2p` (native pipeline layouts). Raises ValueError naming the valid layouts and
     suffixes."""
-    base, extra = name, {}
+    base, extra, p2p = name, {}, None
     while (m := _SUFFIX.search(base)) and base[:m.start()]:
+        if m.group(6):
+            if p2p is not None:
+                break
+            p2p = m.group(6)
+            base = base[:m.start()]
+            continue
         key = "train.micro_batch" if m.group(1) else "train.activation_checkpointing" if m.group(3) \
             else "parallel.pp_split"
         if key in extra:
@@ -67,11 +80,14 @@ def get_layout(name: str) -> Layout:
         base = base[:m.start()]
     if base not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; valid layouts: {', '.join(LAYOUTS)}, each optionally "
-                         "followed by -mbN (micro-batch), -acselective|-acfull (activation checkpointing) and -even|-auto "
-                         "(parallel.pp_split)")
+                         "followed by -mbN (micro-batch), -acselective|-acfull (activation checkpointing), -even|-auto "
+                         "(parallel.pp_split) and -p2pbatched|-p2peager (pipeline executor p2p posting)")
     lay = LAYOUTS[base]
-    return lay if not extra else Layout(name, {**lay.overrides, **extra}, lay.world, lay.new_strategy,
-                                        lay.all_threads)
+    if p2p is not None and (not base.startswith("pp-") or base.startswith(("pp-torch", "pp-threads"))):
+        raise ValueError(f"layout {name!r}: -p2p{p2p} applies to the native multi-process pipeline layouts "
+                         "(pp-gpipe, pp-1f1b, pp-zb-h1, pp-interleaved) only")
+    return lay if not extra and p2p is None else Layout(name, {**lay.overrides, **extra}, lay.world, lay.new_strategy,
+                                                        lay.all_threads, p2p)
 
 
 def parse_layouts(spec: str) -> list[str]:
@@ -82,9 +98,11 @@ def parse_layouts(spec: str) -> list[str]:
     for n in names:
         try:
             get_layout(n)
-        except ValueError:
+        except ValueError as e:
+            if not str(e).startswith("unknown layout"):
+                raise  # a known layout with a suffix it does not take: that message
             bad.append(n)
     if bad or not names:
         raise ValueError(f"unknown layout(s) {', '.join(bad) or repr(spec)}; valid layouts: {', '.join(LAYOUTS)} "
-                         "(each optionally followed by -mbN, -acselective|-acfull and -even|-auto)")
+                         "(each optionally followed by -mbN, -acselective|-acfull, -even|-auto and -p2pbatched|-p2peager)")
     return names

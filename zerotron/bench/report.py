@@ -36,6 +36,15 @@ def summarize(records: list[dict]) -> list[dict]:
                    peak_mem_bytes=max(r["peak_mem_bytes"] for r in rs), rounds=len(rs))
         row.pop("bubble_measured_steps", None)
         row.pop("bubble_simulated_steps", None)
+        row.pop("idle_split_steps", None)
+        row.pop("bubble_replayed_steps", None)
+        if all("bubble_replayed_steps" in r for r in rs):
+            meas = [b for r in rs for b in r["bubble_measured_steps"]]
+            rep = [b for r in rs for b in r["bubble_replayed_steps"]]
+            row.update(bubble_replayed=statistics.median(rep), bubble_replay_ratio=paired_ratio(meas, rep))
+        if all("idle_split_steps" in r for r in rs):  # medians over every timed step of every round
+            for k in rs[0]["idle_split_steps"][0]:
+                row[k] = statistics.median(x[k] for r in rs for x in r["idle_split_steps"])
         if all("link_tx_bytes_per_step" in r for r in rs):
             row["link_tx_bytes_per_step"] = statistics.median(r["link_tx_bytes_per_step"] for r in rs)
         if "epoch_tokens" in rs[0]:
@@ -91,13 +100,20 @@ def _f(v, spec: str = ",.0f") -> str:
 def format_table(rows: list[dict]) -> str:
     """Markdown table, one line per layout; skipped layouts show their error. The epoch, split and
     bubble columns appear only when some row has the field (pipeline layouts: ``pp_split``,
-    ``bubble_measured``, ``bubble_simulated``, ``bubble_overhead_ratio``, ``bubble_theory``)."""
+    ``bubble_measured``, the idle split ``idle_dependency``/``idle_transfer``/``idle_post`` and
+    ``start_skew_ms`` (native executor), ``bubble_simulated``, ``bubble_overhead_ratio``,
+    ``bubble_replayed``, ``bubble_replay_ratio``, ``bubble_theory``)."""
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
-    extra = [k for k in ("epoch_time_s", "pp_split", "bubble_measured", "bubble_simulated", "bubble_overhead_ratio",
-                         "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat")
+    extra = [k for k in ("epoch_time_s", "pp_split", "bubble_measured", "idle_dependency", "idle_transfer",
+                         "idle_post", "start_skew_ms", "bubble_simulated", "bubble_overhead_ratio", "bubble_replayed",
+                         "bubble_replay_ratio", "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat")
              if any(k in r for r in rows)]
     names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
              "bubble_simulated": ("bubble sim (measured F/B)", ".3f"), "bubble_overhead_ratio": ("measured / sim", ".2f"),
+             "bubble_replayed": ("bubble replay (per-action times)", ".3f"),
+             "bubble_replay_ratio": ("measured / replay", ".2f"),
+             "idle_dependency": ("idle: wait for sender", ".3f"), "idle_transfer": ("idle: p2p transfer", ".3f"),
+             "idle_post": ("idle: post + send wait", ".3f"), "start_skew_ms": ("start skew ms", ".1f"),
              "pp_split": ("split", "s"), "bubble_theory": ("bubble theory", ".3f"),
              "ratio_vs_flat": ("tokens/s vs flat", ".3f"),
              "link_tx_bytes_per_step": ("link bytes/step", ",.0f"), "link_bytes_vs_flat": ("link bytes vs flat", ".3f")}
@@ -165,10 +181,17 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         "DTensor TP's own collectives bypass it and are not counted). peak mem: "
         f"{r0.get('peak_mem_kind', '-')} per rank, max over ranks. epoch s: one epoch of the train split "
         "(num_windows x seq_len tokens) / tokens/s. bubble measured (pipeline layouts): median over timed steps "
-        "of the max over pp ranks of idle/(busy+idle) (bubble plus p2p transfer); bubble sim (measured F/B): "
+        "of the max over pp ranks of idle/(busy+idle) (bubble plus p2p transfer); idle: wait for sender / p2p "
+        "transfer / post + send wait (native executor, ranks on one host): that rank's idle split into receive "
+        "waits before the matching send was posted, receive waits after it (p2p latency and wake-ups: executor "
+        "overhead), and time posting ops or waiting for sends, as fractions of its walk (they add up to bubble "
+        "measured; medians per column, so the sum of the medians may differ slightly); start skew: how much "
+        "later the last pp rank began the step's pipeline walk than the first; bubble sim (measured F/B): "
         "the same statistic predicted by the schedule simulator fed with each stage's measured mean F and B "
-        "times (communication free), so measured / sim (median of per-step ratios) is executor overhead and "
-        "sim vs theory is stage imbalance; split: layers per model stage; bubble theory: "
+        "times (communication free, sends completing in the background), so measured / sim (median of per-step "
+        "ratios) is executor overhead plus the extra waits compute-time jitter causes, and sim vs theory is stage "
+        "imbalance; bubble replay (per-action times): the simulator fed with every action's own measured duration "
+        "of the step (jitter kept, communication free), so measured / replay is executor overhead alone; split: layers per model stage; bubble theory: "
         "(p-1)/(v*m+p-1) ((p-1)/(3m+p-1) for zb-h1). tokens/s vs flat (HSDP layouts): paired ratio against "
         "the flat layout (hsdp-zeroS vs zeroS, fsdp2-hsdp vs fsdp2-zero3, dp-hier vs dp). link bytes/step "
         "(multi-node): the inter-node interface's tx_bytes counters summed over the nodes per timed step "

@@ -32,7 +32,14 @@ median over timed steps of the max over pp ranks of ``PipelineStrategy.last_step
 statistic when each model stage's F and B cost the step's measured mean times
 (``pipeline.accounting.predicted_bubble``, communication free): measured / simulated is executor
 overhead, simulated / theory the stage imbalance. ``stage_compute_s``: those per-stage times
-(median over steps); ``pp_split``: the layers per model stage the layout ran.
+(median over steps); ``pp_split``: the layers per model stage the layout ran. Native executor
+(ranks on one host): ``idle_dependency`` / ``idle_transfer`` / ``idle_post`` (+ ``idle_post_cpu``,
+``other_fraction``, ``start_skew_ms``) split the idlest rank's idle into waiting for the sender,
+p2p transfer and posting (:func:`_idle_split`), and ``bubble_replayed`` simulates each step with every
+action's own measured duration (``pipeline.accounting.replayed_bubble``), so measured / replayed is
+executor overhead without the compute jitter that measured / simulated also contains. A layout
+suffix ``-p2pbatched`` / ``-p2peager`` runs the executor's other p2p posting modes
+(:attr:`layouts.Layout.p2p`).
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ import json
 import os
 import platform
 import re
+import socket
 import statistics
 import sys
 import time
@@ -59,7 +67,7 @@ from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distribu
 from zerotron.launch import in_worker, launch, strip_nproc
 from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
-from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble
+from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble, recv_wait_split, replayed_bubble
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.plan import build_plan
 from zerotron.train.optim import build_scheduler
@@ -143,6 +151,9 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
         raise NotImplementedError(f"parallelize() returned a plain {type(strategy).__name__} for "
                                   f"{layout.overrides}: this strategy is not implemented yet")
+    if layout.p2p:  # executor p2p posting mode (bench knob, see Layout.p2p)
+        q = strategy.executor.p2p
+        q.batched, q.prefetch = layout.p2p == "batched", False
     opt = strategy.build_optimizer(t, strategy.decay_mask)
     sampler = GlobalBatchSampler(num_windows(len(data.train), mcfg.block_size), t.global_batch, t.seed)
     dpr, dp, mb, batches = mesh.local_rank("dp"), mesh.size("dp"), t.micro_batch, []
@@ -167,6 +178,41 @@ def _simulated(got: list[dict], steps: int) -> dict:
             "stage_compute_s": med, "pp_split": ",".join(map(str, got[0]["split"] or []))}
 
 
+_P2P_KEYS = ("busy_s", "idle_s", "post_s", "post_cpu_s", "recv_wait_s", "send_wait_s", "other_s", "walk_start_s", "p2p_events")
+
+
+def _idle_split(got: list[dict], steps: int) -> dict:
+    """Where the measured idle goes (native executor only), per timed step on the rank whose idle
+    fraction is the step's ``bubble_measured``, as fractions of that rank's walk (busy + idle):
+    ``idle_dependency`` (receive waits before the sender posted: the bubble the simulator models),
+    ``idle_transfer`` (receive waits after the send was posted: p2p latency, wake-ups), ``idle_post``
+    (posting ops plus waiting for sends at the end; ``idle_post_cpu``: the CPU time of the posting,
+    the rest of it the thread descheduled); the three add up to ``bubble_measured``.
+    ``other_fraction``: executor bookkeeping outside busy and idle over the same walk;
+    ``start_skew_ms``: how much later the last pp rank began its first walk than the first one.
+    ``bubble_replayed``: the same statistic as ``bubble_measured`` simulated with each action's own
+    measured duration (``accounting.replayed_bubble``: jitter kept, communication free). Medians
+    over steps, from the pipeline at dp = tp = 0; {} if not every rank reports it or the ranks are
+    on different hosts (perf_counter timestamps compare only within one host)."""
+    if any(len(g.get("p2p") or []) != steps for g in got) or len({g["host"] for g in got}) > 1:
+        return {}
+    got = sorted((g for g in got if g["pipe"][1:] == [0, 0]), key=lambda g: g["pipe"][0])  # one pipeline
+    sched, rows, replay = got[0]["schedule"], [], []
+    for i in range(steps):
+        recs = [g["p2p"][i] for g in got]
+        split = recv_wait_split([r["p2p_events"] for r in recs])
+        replay.append(replayed_bubble(*sched, [r["p2p_events"] for r in recs])["max"])
+        walks = [r["busy_s"] + r["idle_s"] for r in recs]
+        top = max(range(len(recs)), key=lambda k: recs[k]["idle_s"] / walks[k] if walks[k] else 0.0)
+        w, r = walks[top] or 1.0, recs[top]
+        rows.append({"idle_dependency": split[top]["dependency_s"] / w, "idle_transfer": split[top]["transfer_s"] / w,
+                     "idle_post": (r["post_s"] + r["send_wait_s"]) / w,
+                     "idle_post_cpu": r["post_cpu_s"] / w, "other_fraction": r["other_s"] / w,
+                     "start_skew_ms": 1e3 * (max(x["walk_start_s"] for x in recs) - min(x["walk_start_s"] for x in recs))})
+    return ({k: statistics.median(x[k] for x in rows) for k in rows[0]}
+            | {"idle_split_steps": rows, "bubble_replayed": statistics.median(replay), "bubble_replayed_steps": replay})
+
+
 def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, threads: int, w: int) -> dict:
     """One round of one layout; collective over the world (ranks with ``mesh`` None just wait).
     Returns the same record on every rank (seconds, tokens/s, bytes) or a skipped record."""
@@ -183,6 +229,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
     if built:
         strat, opt, sched, batches, n_params, seq_len, epoch_tokens = built
         t, prev, times, bubbles, stage_times, pp_sched = cfg.train, torch.get_num_threads(), [], [], [], None
+        p2p_steps = []
         timing = getattr(strat, "last_step_timing", None)
         torch.set_num_threads(threads)
 
@@ -205,6 +252,8 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
                 bubbles.append(tm["bubble_fraction"])
                 stage_times.append(tm["stage_compute_s"])
                 pp_sched = tm["schedule"]
+                if "p2p_events" in tm:  # the native executor: idle split, per-message timestamps
+                    p2p_steps.append({k: tm[k] for k in _P2P_KEYS})
         elapsed, cpu, by_tag = time.perf_counter() - t0, time.process_time() - c0, {}
         link1 = _link_tx_bytes()  # before the all_gather_object below, which crosses the link too
         link = None if link0 is None or link1 is None else (link1 - link0) / steps
@@ -215,7 +264,8 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
                  "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
-                 "stage_times": stage_times, "schedule": pp_sched, "split": getattr(strat, "split", None),
+                 "stage_times": stage_times, "schedule": pp_sched, "p2p": p2p_steps, "host": socket.gethostname(),
+                 "pipe": [mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]], "split": getattr(strat, "split", None),
                  "bubble_theory": bubble_theory(pp_sched[0], pp_sched[1], pp_sched[3], pp_sched[2]) if timing is not None else None}
         torch.set_num_threads(prev)
         del built, strat, opt, sched, batches, step
@@ -227,7 +277,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
     if g0["bubbles"] is not None:  # max over (pp) ranks per step, median over steps
         pipe = {"bubble_measured": statistics.median(max(b) for b in zip(*(g["bubbles"] for g in got))),
                 "bubble_measured_steps": [max(b) for b in zip(*(g["bubbles"] for g in got))],
-                "bubble_theory": g0["bubble_theory"], **_simulated(got, steps)}
+                "bubble_theory": g0["bubble_theory"], **_simulated(got, steps), **_idle_split(got, steps)}
     links = [g["link"] for g in got if g["link"] is not None]  # one per node
     link = {"link_tx_bytes_per_step": sum(links), "link_nodes": len(links)} if links else {}
     return {**rec, **link, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
@@ -276,7 +326,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS,
                    help=f"comma list from: {', '.join(LAYOUTS)}; each optionally followed by -mbN (train.micro_batch "
-                   "= N), -acselective | -acfull (train.activation_checkpointing) and -even | -auto (parallel.pp_split), "
+                   "= N), -acselective | -acfull (train.activation_checkpointing), -even | -auto (parallel.pp_split) and, on "
+                   "native pipeline layouts, -p2pbatched | -p2peager (the executor's p2p posting: one batch per comm run / "
+                   "per op without early receives; default per op with the next run's receives posted early), "
                    "e.g. zero2-mb4-acfull, pp-1f1b-even-mb2")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")

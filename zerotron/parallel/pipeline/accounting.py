@@ -7,13 +7,17 @@ overhead (p2p transfer, waits beyond the dependencies, start skew between ranks)
 event simulator (:func:`~zerotron.parallel.pipeline.schedules.simulate`) the measured mean time of
 each model stage's F and B actions gives the first two together, with zero-cost communication;
 ``measured / predicted`` then isolates the executor overhead, and ``predicted / textbook`` the
-imbalance.
+imbalance. Two finer tools, from the executor's per-step timestamps: :func:`replayed_bubble`
+simulates the step with each action's *own* measured duration (so compute jitter, which makes
+neighbours wait beyond what the means predict, is not mistaken for executor overhead), and
+:func:`recv_wait_split` splits the measured receive waits into waiting for the sender
+(dependency) and waiting after the send was posted (p2p transfer).
 """
 from __future__ import annotations
 
 from zerotron.parallel.pipeline.schedules import build_schedule, rank_idle_fractions, simulate
 
-__all__ = ["merge_stage_times", "predicted_bubble"]
+__all__ = ["merge_stage_times", "predicted_bubble", "recv_wait_split", "replayed_bubble"]
 
 
 def merge_stage_times(parts: list[dict]) -> dict:
@@ -37,8 +41,9 @@ def predicted_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
 
     Returns ``{"per_rank": idle fraction of each rank's walk (the statistic the executor measures,
     :func:`~zerotron.parallel.pipeline.schedules.rank_idle_fractions`), "max": the largest of them,
-    "mean": idle / (pp x makespan), "makespan_s": seconds of one flush}``. Raises ValueError if a
-    model stage has no time for some kind (every stage runs F and B)."""
+    "mean": idle / (pp x makespan), "makespan_s": seconds of one flush}``. Sends complete in the
+    background (``simulate(..., eager_sends=True)``, the executor's timing; zb-h1 depends on it).
+    Raises ValueError if a model stage has no time for some kind (every stage runs F and B)."""
     n = pp * virtual_stages
     costs = {}
     for k, stages in stage_compute_s.items():
@@ -46,6 +51,72 @@ def predicted_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
         if missing:
             raise ValueError(f"no measured {k} time for model stage(s) {missing} of {n}")
         costs[f"{k.lower()}_cost"] = [stages[s] for s in range(n)]
-    res = simulate(build_schedule(pp, microbatches, kind, virtual_stages), pp, virtual_stages, **costs)
+    res = simulate(build_schedule(pp, microbatches, kind, virtual_stages), pp, virtual_stages, eager_sends=True,
+                   **costs)
     per_rank = rank_idle_fractions(res)
     return {"per_rank": per_rank, "max": max(per_rank), "mean": res.bubble_fraction, "makespan_s": res.makespan}
+
+
+def recv_wait_split(events_by_rank: list[list[tuple]]) -> list[dict]:
+    """Split each pp rank's receive waits into the part spent waiting for the sender to post
+    (``dependency_s``: the schedule's bubble, what :func:`predicted_bubble` models, including the
+    sender's own lateness) and the part after it had posted (``transfer_s``: p2p latency and
+    wake-ups, executor overhead the simulator does not model).
+
+    ``events_by_rank[r]``: rank r's ``PipelineStrategy.last_step_timing()["p2p_events"]``
+    (``("S", walk, key, t_issue)`` / ``("R", walk, key, t_wait_start, t_wait_end)``, seconds of
+    ``time.perf_counter``, which only compares between processes of ONE host). For a receive waited
+    from a to b whose send was posted at s: dependency = clamp(min(s, b) - a, 0), transfer =
+    b - max(a, s) (>= 0). A receive without its send in the events (another host, a trimmed trace)
+    counts as transfer. Returns one ``{"dependency_s", "transfer_s", "recvs"}`` per rank."""
+    sent = {}
+    for evs in events_by_rank:
+        for e in evs:
+            if e[0] == "S":
+                sent[(e[1], tuple(e[2]))] = e[3]
+    out = []
+    for evs in events_by_rank:
+        dep = xfer = 0.0
+        n = 0
+        for e in evs:
+            if e[0] != "R":
+                continue
+            a, b, n = e[3], e[4], n + 1
+            s = sent.get((e[1], tuple(e[2])), a)
+            dep += max(min(s, b) - a, 0.0)
+            xfer += max(b - max(a, s), 0.0)
+        out.append({"dependency_s": dep, "transfer_s": xfer, "recvs": n})
+    return out
+
+
+def replayed_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
+                    events_by_rank: list[list[tuple]]) -> dict:
+    """The schedule simulated with every compute taking exactly its measured duration in one
+    step's walks (``("C", walk, (kind, microbatch, model stage), t_start, t_end)`` events of
+    ``PipelineStrategy.last_step_timing()["p2p_events"]``, one list per pp rank of one pipeline,
+    in pp order) and communication free: the idle the schedule would have had with this step's
+    own compute times, jitter included. ``measured / replayed`` is then executor overhead alone
+    (p2p latency, posting, start skew, bookkeeping), while ``measured / predicted_bubble`` also
+    counts the extra waits that compute-time variation causes around the per-stage means.
+
+    Each walk (pipeline flush) is simulated separately; per rank, idle and busy are summed over
+    the walks. Returns ``{"per_rank": idle / (busy + idle) of each rank, "max": the largest}``.
+    Raises ValueError if a walk lacks a rank's events."""
+    sched = build_schedule(pp, microbatches, kind, virtual_stages)
+    walks = sorted({e[1] for evs in events_by_rank for e in evs if e[0] == "C"})
+    idle, busy = [0.0] * pp, [0.0] * pp
+    for w in walks:
+        dur = {}
+        for r, evs in enumerate(events_by_rank):
+            got = [e for e in evs if e[0] == "C" and e[1] == w]
+            if not got:
+                raise ValueError(f"no compute events of rank {r} in walk {w}")
+            dur.update({tuple(e[2]): e[4] - e[3] for e in got})
+        res = simulate(sched, pp, virtual_stages, eager_sends=True, durations=dur)
+        for r, iv in enumerate(res.intervals):
+            end = iv[-1][1] if iv else 0.0
+            b = sum(e - s for s, e, _ in iv)
+            busy[r] += b
+            idle[r] += end - b
+    per_rank = [i / (i + b) if i + b > 0 else 0.0 for i, b in zip(idle, busy)]
+    return {"per_rank": per_rank, "max": max(per_rank)}

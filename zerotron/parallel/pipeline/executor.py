@@ -8,8 +8,10 @@ in an ``nn.ModuleDict`` keyed by the global layer index), so ``torch.distributed
 dicts are independent of the pipeline layout; what each stage holds comes from ``model.layout()``.
 
 ``PipelineExecutor.run`` walks one rank's actions (``parallel.pipeline.schedules.Action``) as the schedules
-module docstring prescribes: every maximal run of consecutive SEND/RECV actions is posted as ONE
-``comm.batch_isend_irecv``. Activation shapes are known
+module docstring prescribes; every maximal run of consecutive SEND/RECV actions goes to
+``pipeline.p2p.CommRunPoster``, which on gloo posts the run's sends and receives one by one plus
+the NEXT run's receives (early receives: the data arrives while this rank computes), and on other
+backends posts the run as ONE ``comm.batch_isend_irecv``. Activation shapes are known
 ahead, (b, T, C) of the micro-batch ((b, T/tp, C) with sequence parallelism), so there are no shape
 handshakes. A comm run's RECVs are waited for before the next compute, its SENDs only at the
 end of the walk (they complete in the background; zero-bubble schedules rely on it). Backward of a
@@ -30,10 +32,10 @@ import time
 import torch
 import torch.nn as nn
 
-from zerotron.distributed import comm
 from zerotron.layout import stage_layer_counts, stage_layer_ranges
 from zerotron.models.layout import get_module
 from zerotron.parallel.base import unique_params
+from zerotron.parallel.pipeline.p2p import CommRunPoster
 from zerotron.parallel.pipeline.schedules import COMM, Action
 from zerotron.parallel.pipeline.split_backward import backward_input, backward_weight
 
@@ -145,20 +147,28 @@ def forward_only_actions(pp: int, v: int, rank: int) -> list[Action]:
 class PipelineExecutor:
     """Runs action lists of one rank. ``peer_rank(pp_index) -> global rank`` maps a pipeline peer to
     the global rank at this rank's (dp, tp) coordinates; ``group``: the pp ``comm.NamedGroup``.
-    ``busy_s``/``idle_s`` accumulate compute time and time spent posting+waiting comm runs;
-    ``compute_s[(kind, chunk)]`` / ``compute_n[(kind, chunk)]`` the seconds and count of each compute
-    kind ("F", "B", ...) per local chunk (per-stage F/B times for the bubble accounting)."""
+    ``busy_s``/``idle_s`` accumulate compute time and time spent posting+waiting comm runs (split
+    in ``p2p.post_s``, ``p2p.recv_wait_s``, ``p2p.send_wait_s``; ``p2p.events`` has per-message
+    timestamps), ``other_s`` the rest of the walks' wall time (the executor's own bookkeeping);
+    ``walk_start_s``/``walk_end_s`` the ``time.perf_counter()`` at the first walk's start and the
+    last walk's end since ``reset_timing``; ``compute_s[(kind, chunk)]`` / ``compute_n[(kind,
+    chunk)]`` the seconds and count of each compute kind ("F", "B", ...) per local chunk
+    (per-stage F/B times for the bubble accounting). All in seconds."""
 
     def __init__(self, stage: StageModel, group, pp: int, rank: int, peer_rank, act_dtype: torch.dtype):
         self.stage, self.group, self.pp, self.rank = stage, group, pp, rank
         self.peer_rank, self.act_dtype = peer_rank, act_dtype
         self.n_embd = stage.layout().width
+        self.p2p = CommRunPoster(group, peer_rank, rank, pp)
         self.reset_timing()
 
     def reset_timing(self) -> None:
-        """Zero ``busy_s``, ``idle_s``, ``compute_s`` and ``compute_n``."""
-        self.busy_s = self.idle_s = 0.0
+        """Zero ``busy_s``, ``idle_s``, ``other_s``, ``compute_s``, ``compute_n`` and the p2p timers
+        and events (``self.p2p``); forget ``walk_start_s``/``walk_end_s``."""
+        self.busy_s = self.idle_s = self.other_s = 0.0
         self.compute_s, self.compute_n = {}, {}
+        self.walk_start_s = self.walk_end_s = None
+        self.p2p.reset()
 
     def run(self, actions: list[Action], tokens: list[torch.Tensor], on_output, autocast,
             b_context=None, w_context=None) -> None:
@@ -176,32 +186,26 @@ class PipelineExecutor:
         st, last = self.stage, self.stage.last_stage
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
         params = unique_params(st) if split else []
-        sending: list = []  # (Work, tensor) of posted sends, waited for at the end
+        p2p, dev = self.p2p, tokens[0].device
+        p2p.start_walk(actions, lambda a: torch.empty(self._act_shape(tokens[a.microbatch]), dtype=self.act_dtype,
+                                                      device=dev))
+        t_walk = time.perf_counter()
+        if self.walk_start_s is None:
+            self.walk_start_s = t_walk
+        comm0 = p2p.post_s + p2p.recv_wait_s + p2p.send_wait_s
+        busy0 = self.busy_s
         i, n = 0, len(actions)
         while i < n:
             if actions[i].kind in COMM:
-                j, ops = i, []
-                t0 = time.perf_counter()
+                j, out = i, {}
                 while j < n and actions[j].kind in COMM:
                     a = actions[j]
-                    key, peer = (a.microbatch, a.chunk), self.peer_rank(a.peer)
-                    if a.kind == "SEND_F":
-                        ops.append(("send", send_f.pop(key), peer))
-                    elif a.kind == "SEND_B":
-                        ops.append(("send", send_b.pop(key), peer))
-                    else:
-                        buf = torch.empty(self._act_shape(tokens[a.microbatch]), dtype=self.act_dtype,
-                                          device=tokens[0].device)
-                        (acts_in if a.kind == "RECV_F" else grads_in)[key] = buf
-                        ops.append(("recv", buf, peer))
+                    if a.kind in ("SEND_F", "SEND_B"):
+                        out[j] = (send_f if a.kind == "SEND_F" else send_b).pop((a.microbatch, a.chunk))
                     j += 1
-                sending = [x for x in sending if not x[0].is_completed()]
-                for (op, t, _), w in zip(ops, comm.batch_isend_irecv(ops, group=self.group, tag="pp")):
-                    if op == "recv":
-                        w.wait()
-                    else:
-                        sending.append((w, t))  # the tensor stays alive until its send completes
-                self.idle_s += time.perf_counter() - t0
+                for k, buf in p2p.run(i, out).items():
+                    a = actions[k]
+                    (acts_in if a.kind == "RECV_F" else grads_in)[(a.microbatch, a.chunk)] = buf
                 i = j
                 continue
             a = actions[i]
@@ -244,15 +248,19 @@ class PipelineExecutor:
                 ctx = w_context or b_context
                 with ctx(*key) if ctx else contextlib.nullcontext():
                     backward_weight(owed.pop(key))
-            dt, k = time.perf_counter() - t0, (a.kind, a.chunk)
+            t1 = time.perf_counter()
+            dt, k = t1 - t0, (a.kind, a.chunk)
+            p2p.events.append(("C", p2p.walks, (a.kind, a.microbatch, s), t0, t1))
             self.busy_s += dt
             self.compute_s[k] = self.compute_s.get(k, 0.0) + dt
             self.compute_n[k] = self.compute_n.get(k, 0) + 1
             i += 1
-        t0 = time.perf_counter()
-        for w, _ in sending:
-            w.wait()
-        self.idle_s += time.perf_counter() - t0
+        p2p.finish_walk()
+        t_end = time.perf_counter()
+        comm_s = p2p.post_s + p2p.recv_wait_s + p2p.send_wait_s - comm0
+        self.idle_s += comm_s
+        self.other_s += (t_end - t_walk) - comm_s - (self.busy_s - busy0)
+        self.walk_end_s = t_end
         if acts_in or grads_in or send_f or send_b or owed or (saved and any(a.kind == "B" for a in actions)):
             raise RuntimeError("pipeline walk ended with undelivered tensors: malformed schedule")
 

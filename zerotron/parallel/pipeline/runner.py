@@ -230,8 +230,12 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         per_stage = {}  # kind -> {model stage: mean seconds per micro-batch}
         for (kind, chunk), sec in ex.compute_s.items():
             per_stage.setdefault(kind, {})[self.module.stages[chunk]] = sec / ex.compute_n[(kind, chunk)]
+        q = ex.p2p
         self._timing = {"busy_s": ex.busy_s, "idle_s": ex.idle_s,
                         "bubble_fraction": ex.idle_s / wall if wall > 0 else 0.0,
+                        "post_s": q.post_s, "post_cpu_s": q.post_cpu_s, "recv_wait_s": q.recv_wait_s, "send_wait_s": q.send_wait_s,
+                        "other_s": ex.other_s, "walk_start_s": ex.walk_start_s, "walk_end_s": ex.walk_end_s,
+                        "p2p_events": list(q.events),
                         "stage_compute_s": per_stage, "schedule": (self.pp, m if self.kind != "naive" else 1,
                                                                    self.kind, self.v)}
         return total
@@ -283,10 +287,18 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def last_step_timing(self) -> dict:
         """This rank's pipeline timing of the last ``forward_backward``: ``busy_s`` (compute),
         ``idle_s`` (posting and waiting p2p runs, i.e. bubble + transfer), ``bubble_fraction`` =
-        idle / (busy + idle); ``stage_compute_s`` = ``{kind: {model stage: mean seconds of one
-        action}}`` for kind "F", "B" of this rank's stages (what :func:`zerotron.parallel.pipeline.
-        accounting.predicted_bubble` simulates); ``schedule`` = (pp, micro-batches per flush, kind,
-        v). Compare with ``schedules.bubble_theory``."""
+        idle / (busy + idle); idle split into ``post_s`` (posting p2p ops; ``post_cpu_s`` of it
+        on this thread's CPU, the rest descheduled), ``recv_wait_s`` (waiting
+        for receives) and ``send_wait_s`` (waiting for sends at the end of each walk); ``other_s``:
+        the walks' remaining wall time (executor bookkeeping, outside busy and idle);
+        ``walk_start_s``/``walk_end_s``: ``time.perf_counter()`` at the first walk's start and the
+        last one's end (comparable between ranks of one host: start skew); ``p2p_events``: per
+        message timestamps (``pipeline.p2p``; :func:`zerotron.parallel.pipeline.accounting.
+        recv_wait_split` splits receive waits into dependency and transfer); ``stage_compute_s`` =
+        ``{kind: {model stage: mean seconds of one action}}`` for kind "F", "B" of this rank's
+        stages (what :func:`zerotron.parallel.pipeline.accounting.predicted_bubble` simulates);
+        ``schedule`` = (pp, micro-batches per flush, kind, v). Compare with
+        ``schedules.bubble_theory``. Seconds throughout."""
         return dict(self._timing)
 
     def finish_grads(self) -> None:
@@ -362,6 +374,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     # ---- checkpoints and full parameters ---------------------------------------------------------
     def _forward_only(self, x: torch.Tensor, on_output, dtype: str, device: torch.device) -> None:
         acts = forward_only_actions(self.pp, self.v, self.rank)
+        self.executor.reset_timing()  # the last step's timing is already in _timing; bound the event list
         with self.zero.full_params(blocks=False) if self.zero is not None else contextlib.nullcontext():
             self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))
 

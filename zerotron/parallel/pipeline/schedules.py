@@ -254,7 +254,8 @@ class SimResult:
 
 def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
              f_cost: float | list[float] = 1.0, b_cost: float | list[float] = 2.0,
-             w_cost: float | list[float] = 0.0, eager_sends: bool = False) -> SimResult:
+             w_cost: float | list[float] = 0.0, eager_sends: bool = False,
+             durations: dict | None = None) -> SimResult:
     """Event simulation of ``schedule`` (one list per rank, walked in order, one compute at a time).
 
     Dependencies: F of stage s for micro-batch i after F of stage s-1 for i; B of stage s after B of
@@ -269,7 +270,11 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
     NCCL-like batches either. With ``eager_sends`` a run is left once its RECVs have their SENDs
     posted (the SENDs complete in the background): the timing of ``PipelineExecutor``, which waits
     only for the received tensors (and for its sends at the end of the walk). Times are in the
-    units of the costs (e.g. seconds). Raises RuntimeError("deadlock ...") if no rank can
+    units of the costs (e.g. seconds). ``durations``, when given, overrides the costs per action:
+    ``durations[(kind, microbatch, model stage)]`` is the duration of that compute (a fused B's
+    whole backward under "B"), e.g. each action's measured time of one executor walk, so a replay
+    keeps the run's jitter and only the communication becomes free; actions missing from it
+    use the costs. Raises RuntimeError("deadlock ...") if no rank can
     progress, ValueError for a wrong number of rank lists, v < 1, a negative cost or a cost list
     of the wrong length.
     """
@@ -311,7 +316,10 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                         break
                     start = max([clock[r]] + [done[d] for d in deps])
                     fused = a.kind == "B" and (i, a.chunk) not in split[r]
-                    clock[r] = done[(a.kind, i, s)] = start + cost["BW" if fused else a.kind][s]
+                    dur = durations.get((a.kind, i, s)) if durations else None
+                    if dur is None:
+                        dur = cost["BW" if fused else a.kind][s]
+                    clock[r] = done[(a.kind, i, s)] = start + dur
                     intervals[r].append((start, clock[r], a))
                     pos[r] += 1
                     progress = True
