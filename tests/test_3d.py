@@ -62,7 +62,7 @@ def _train(overrides, run_dir, resume=False):
         out["full_type"] = type(dense).__name__
         out["gen"] = [dense.generate(prompt, 6, temperature=0).tolist()]
     if hasattr(s, "executor"):  # pipelined greedy decoding (vocab-parallel logits gathered over tp)
-        from zerotron.parallel.pipeline.runner import pipeline_generate
+        from zerotron.parallel.pipeline.generate import pipeline_generate
 
         out["gen"].append(pipeline_generate(s, prompt, 6).tolist())
     out["tp"] = s.tp_group is not None and s.tp_group.size() > 1

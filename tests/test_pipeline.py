@@ -69,7 +69,8 @@ def _train(lay: dict) -> dict:
     (checkpoint dir to resume from at SAVE_AT), save (run dir to checkpoint at SAVE_AT), gen."""
     from zerotron.models.gpt import GPT, GPTConfig
     from zerotron.parallel import parallelize
-    from zerotron.parallel.pipeline.runner import PipelineStrategy, pipeline_generate
+    from zerotron.parallel.pipeline.generate import pipeline_generate
+    from zerotron.parallel.pipeline.runner import PipelineStrategy
     from zerotron.train.checkpoint import load_checkpoint, save_checkpoint
     from zerotron.train.optim import build_scheduler, decay_mask
     from zerotron.train.step import train_step

@@ -87,7 +87,8 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def _nocache(model, mesh, requests) -> tuple[list[list[int]], dict]:
     """Today's pipelined decoding (no KV cache, greedy, one prompt at a time)."""
-    from zerotron.parallel.pipeline.runner import PipelineStrategy, pipeline_generate
+    from zerotron.parallel.pipeline.generate import pipeline_generate
+    from zerotron.parallel.pipeline.runner import PipelineStrategy
     from zerotron.plan import ParallelPlan
 
     strat = PipelineStrategy(model, mesh, ParallelPlan(mesh.dims))
