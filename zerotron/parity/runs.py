@@ -146,6 +146,21 @@ def _destroy_subgroups() -> None:
     for pg in list(c10d._world.pg_map):  # private registry: the only list of live groups
         if pg is not c10d.GroupMember.WORLD and pg is not dist.group.WORLD:
             dist.destroy_process_group(pg)
+    _clear_dtensor_caches()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches sharding decisions keyed by specs whose DeviceMesh compares equal by shape and
+    dimension names, so a later layout with the same mesh shape would get output specs that name
+    the previous layout's (destroyed) process groups ("Could not resolve the process group"). The
+    caches are private; clear what exists."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for fn in (getattr(prop, "propagate_op_sharding", None), getattr(prop, "_propagate_tensor_meta_cached", None),
+               getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
 
 
 ERRORS = ("loss_err", "norm_err", "val_err", "param_err", "optim_err", "full_err")
