@@ -37,9 +37,11 @@ def _post(url, body, raw: bytes | None = None, timeout=120):
         return e.code, json.loads(e.read())
 
 
-def _stream(base, body):
+def _stream(base, body, keep: int | None = None, timed: bool = False):
     """POST ``body`` with stream=true through http.client, reading the server-sent events as they come:
-    (status, content type, list of event dicts, whether the stream ended with [DONE])."""
+    (status, content type, list of event dicts -- ``(arrival time, event)`` with ``timed`` --, whether
+    the stream ended with [DONE]). ``keep``: read that many events, then disconnect mid-stream (a
+    real shutdown of the socket, also while the response is unread)."""
     host, port = re.search(r"http://([^:]+):(\d+)", base).groups()
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
@@ -55,7 +57,11 @@ def _stream(base, body):
             done = True
         elif line.startswith("data: "):
             assert not done, "an event after [DONE]"
-            events.append(json.loads(line[6:]))
+            ev = json.loads(line[6:])
+            events.append((time.monotonic(), ev) if timed else ev)
+            if keep is not None and len(events) >= keep:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+                break
         else:
             assert line == "", line  # events are separated by one blank line
     conn.close()
@@ -269,24 +275,7 @@ def _start(checkpoint, *extra):
 def _stream_events(base, body, keep: int | None = None):
     """Stream ``body``; (events with their arrival times, [DONE] seen). ``keep``: read that many
     text events, then close the connection mid-stream."""
-    host, port = re.search(r"http://([^:]+):(\d+)", base).groups()
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    events, done = [], False
-    while True:
-        line = r.readline()
-        if not line:
-            break
-        line = line.decode().rstrip("\n")
-        if line == "data: [DONE]":
-            done = True
-        elif line.startswith("data: "):
-            events.append((time.monotonic(), json.loads(line[6:])))
-            if keep is not None and len(events) >= keep:
-                break
-    conn.sock.shutdown(socket.SHUT_RDWR)  # a real disconnect, also while the response is unread
-    conn.close()
+    _, _, events, done = _stream(base, body, keep, timed=True)
     return events, done
 
 
