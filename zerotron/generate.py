@@ -11,6 +11,7 @@ Each prompt's sampler is seeded with ``seed + i``, so the output does not depend
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -82,7 +83,6 @@ def read_prompts(args, tokenizer) -> list[str]:
 def check_sampling_args(args) -> None:
     """Raise ValueError (one line) unless --max-new-tokens >= 0, --temperature is a finite number
     >= 0 (nan and inf are refused), --top-k >= 1, 0 < --top-p <= 1 and --microbatches >= 0."""
-    import math
 
     if args.max_new_tokens < 0 or not (math.isfinite(args.temperature) and args.temperature >= 0) or (
             args.top_k is not None and args.top_k < 1):

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -267,7 +269,6 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
 
 
 def _resolve(host: str) -> list[str]:
-    import socket
 
     try:
         return sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
@@ -276,14 +277,12 @@ def _resolve(host: str) -> list[str]:
 
 
 def _is_loopback(addrs: list[str]) -> bool:
-    import ipaddress
 
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
 def _bindable(addr: str) -> bool:
     """True when ``addr`` belongs to this host (a socket can bind to it)."""
-    import socket
 
     try:
         with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
@@ -294,7 +293,6 @@ def _bindable(addr: str) -> bool:
 
 
 def _refused(host: str, port: int) -> bool:
-    import socket
 
     try:
         socket.create_connection((host, port), timeout=2).close()
@@ -316,7 +314,6 @@ def check_multinode_addresses(backend: str, env=None) -> tuple[list[str], bool]:
     cannot work: nothing on this host listens at a loopback MASTER_ADDR:MASTER_PORT although the
     agent's store is already up (``TORCHELASTIC_USE_AGENT_STORE``), or gloo would advertise loopback
     while MASTER_ADDR is another host's address."""
-    import socket
 
     env = os.environ if env is None else env
     world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))

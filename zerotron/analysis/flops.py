@@ -9,6 +9,7 @@ far larger than this machine's memory (the ``zerotron memory --model`` path reli
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 
 def _check_positive(**values: int) -> None:
@@ -171,7 +172,6 @@ def llama_num_params(n_layer: int, n_head: int, n_kv_head: int, n_embd: int, int
     Total: V*C*(1 or 2) + L*(2C^2 + 2*C*n_kv_head*D + 3CF + 2C) + C (Llama-3-8B: 8,030,261,248).
     Raises ValueError for a non-positive size or n_head not dividing n_embd / n_kv_head not
     dividing n_head."""
-    from types import SimpleNamespace
 
     return num_params(SimpleNamespace(n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd,
                                       intermediate_size=intermediate_size, vocab_size=vocab_size,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 
@@ -149,7 +150,6 @@ MAX_ACTIONS = 4096  # pp x microbatches x virtual stages that `zerotron schedule
 def _schedule_run(args) -> int:
     v = args.virtual if args.virtual is not None else (2 if args.kind == "interleaved" else 1)
     try:
-        import math
 
         for name, c, lo in (("--f-cost", args.f_cost, 0.0), ("--b-cost", args.b_cost, 0.0), ("--w-cost", args.w_cost, None)):
             if not math.isfinite(c) or c > 1e6 or (c <= 0 if lo is not None else c < 0):

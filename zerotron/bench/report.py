@@ -2,6 +2,7 @@
 markdown table, the bar-chart PNG (tokens/s and time per epoch)."""
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -75,7 +76,6 @@ def summarize(records: list[dict]) -> list[dict]:
 
 def _base(name: str) -> str:
     """Layout name without its -mbN / -acX suffixes (``layouts.get_layout``)."""
-    import re
 
     while (m := re.search(r"-(mb[1-9][0-9]*|acselective|acfull)$", name)) and name[:m.start()]:
         name = name[:m.start()]

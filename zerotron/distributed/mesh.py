@@ -15,6 +15,7 @@ the dp group and "dp_rep" is None.
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -62,7 +63,6 @@ def _check_addresses(backend: str) -> None:
     """Before a multi-node init: one warning line per address problem (local rank 0 says it), or,
     where the run certainly cannot connect, that line as an error and exit code 2
     (:func:`zerotron.launch.check_multinode_addresses`)."""
-    import sys
 
     lines, certain = check_multinode_addresses(backend)
     if lines and os.environ.get("LOCAL_RANK", "0") == "0":
