@@ -154,6 +154,7 @@ def _clear_dtensor_caches() -> None:
     dimension names, so a later layout with the same mesh shape would get output specs that name
     the previous layout's (destroyed) process groups ("Could not resolve the process group"). The
     caches are private; clear what exists."""
+    import torch
     from torch.distributed.tensor import DTensor, _redistribute
 
     prop = DTensor._op_dispatcher.sharding_propagator
@@ -161,6 +162,9 @@ def _clear_dtensor_caches() -> None:
                getattr(_redistribute, "_gen_transform_infos", None)):
         if hasattr(fn, "cache_clear"):
             fn.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_native is not None:
+        clear_native()
 
 
 ERRORS = ("loss_err", "norm_err", "val_err", "param_err", "optim_err", "full_err")
