@@ -41,6 +41,7 @@ CASES = [
     (["serve", "--checkpoint", "/no/such/run"], "no checkpoint found at '/no/such/run'"),
     (["serve", "--checkpoint", "/no/such/run", "--port", "99999"], "--port must be in 0..65535"),
     (["serve", "--checkpoint", "/no/such/run", "--nproc", "3", "--parallel.pp", "2"], "multiple of"),
+    (["serve", "--checkpoint", "/no/such/run", "--parallel.tp", "2"], "world size 1 is not divisible by tp*pp"),
     (["bench", "generate", "--layouts", "foo"], "unknown layout(s) foo"),
     (["bench", "generate", "--prompts", "0"], "--prompts"),
     (["serve", "--checkpoint", "/no/such/run", "--batching", "paged"], "--batching must be one of continuous, window"),

@@ -69,6 +69,13 @@ def test_defaults_are_the_configs_and_any_plan_is_valid():
                                                                     "block_size": 8}}, "must divide model.n_head")]:
         with pytest.raises(ConfigError, match=msg):
             ParallelPlan(**fields)
+    # settings that only mean something in some layouts are refused elsewhere, never silently ignored
+    for over, msg in [({"parallel.zero_impl": "fsdp2"}, "does nothing without a zero stage"),
+                      ({"parallel.microbatches": 3}, "needs a pipeline"),
+                      ({"parallel.sequence_parallel": "true"}, "needs parallel.tp > 1"),
+                      ({"parallel.tp_impl": "dtensor"}, "needs parallel.tp > 1")]:
+        with pytest.raises(ConfigError, match=msg):
+            build_plan(tiny_config(over), 1)
     with pytest.raises(ConfigError, match="does not equal the world size"):
         ParallelDims(4, 3, 1, 1)
     with pytest.raises(ConfigError, match=r"train\.lr must be > 0"):  # the value checks live here too

@@ -168,7 +168,9 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
                ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
                ({"prompt": "x", "temperature": "hot"}, 400, "temperature"), ({"prompt": 5}, 400, "prompt"),
                ({"prompt": "x", "top_p": 0}, 400, "top_p"), ({"prompt": "x", "n": 0}, 400, "n"),
-               ({"prompt": "x", "model": "gpt-9"}, 404, "model"), ({"prompt": "x", "stream": "yes"}, 400, "stream")]
+               ({"prompt": "x", "model": "gpt-9"}, 404, "model"), ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+               ({"prompt": "\ud800", "max_tokens": 2}, 400, "prompt"),  # a lone surrogate: no text
+               ({"prompt": "x", "stop": "\udfff"}, 400, "stop"), ({"prompt": "x", "seed": 10**23}, 400, "seed")]
         for b, want_code, param in bad:
             code, r = _post(url, b)
             assert code == want_code and r["error"]["param"] == param and r["error"]["message"], (b, code, r)

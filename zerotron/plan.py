@@ -237,6 +237,9 @@ class ParallelPlan:
               "the parameter dtype); set parallel.reduce_dtype = auto or parallel.zero_stage = 1")
         _need(not (impl == "fsdp2" and z == 1),
               "parallel.zero_impl = fsdp2 supports zero_stage 2 (reshard_after_forward=False) or 3; use native for stage 1")
+        _need(not (impl == "fsdp2" and z == 0),
+              "parallel.zero_impl = fsdp2 is a ZeRO implementation and does nothing without a zero stage: set "
+              "parallel.zero_stage = 2 or 3, or remove parallel.zero_impl")
         _need(not self.find_unused_parameters or (self.dp_impl == "torch" and z == 0),
               "parallel.find_unused_parameters applies to parallel.dp_impl = torch with zero_stage = 0 only (native "
               "DDP and ZeRO always skip parameters without gradient); remove it or set parallel.dp_impl = torch")
@@ -281,6 +284,9 @@ class ParallelPlan:
               f"parallel.pp_split = {self.pp_split!r} splits layers over pipeline stages, but parallel.pp = 1: set "
               "parallel.pp > 1 or remove parallel.pp_split")
         if self.runner == "plain":
+            _need(self.microbatches == 0,
+                  f"parallel.microbatches ({self.microbatches}) sets the micro-batches per pipeline flush and needs a "
+                  "pipeline (parallel.pp > 1, the interleaved schedule or pp_impl = threads): remove it")
             return
         # implemented: pp x dp (native DDP or native ZeRO-1/2/3) x tp (+ sequence parallel)
         _need(self.zero_stage == 0 or self.zero_impl == "native",
@@ -306,6 +312,12 @@ class ParallelPlan:
     def _check_tensor_parallel(self) -> None:
         """Head, kv-head, FFN and sequence divisibility; the DTensor comparison backend's limits."""
         tp = self.tp
+        _need(tp > 1 or not self.sequence_parallel,
+              "parallel.sequence_parallel shards activations along the sequence over the tp ranks and needs "
+              "parallel.tp > 1: set parallel.tp, or remove parallel.sequence_parallel")
+        _need(tp > 1 or self.tp_impl == "native",
+              "parallel.tp_impl = dtensor chooses torch's tensor parallelism and needs parallel.tp > 1: set "
+              "parallel.tp, or remove parallel.tp_impl")
         _need(tp == 1 or self.zero_impl == "native" or self.zero_stage == 0,
               "parallel.zero_impl = fsdp2 is not combined with tp > 1; use the native ZeRO implementation")
         if self.tp_impl == "dtensor" and tp > 1:

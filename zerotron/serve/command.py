@@ -72,6 +72,10 @@ def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     try:
         check_args(args)
+        from zerotron.plan import ParallelDims
+
+        # the layout fits the world size: one line here, not a traceback in every rank
+        ParallelDims(int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc), 0, args.tp, args.pp)
         ckpt = resolve_checkpoint(args.checkpoint)
         if not in_worker() or os.environ.get("RANK") == "0":
             check_listen(args.host, args.port)  # before any worker or model is started

@@ -54,6 +54,13 @@ def parse_completion(body, model_id: str) -> dict:
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise RequestError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP}, got {stop!r}",
                            param="stop")
+    for key, texts in (("prompt", prompts), ("stop", stops)):
+        for t in texts:
+            try:  # JSON may carry lone surrogates ("\ud800"): not text the tokenizer can take
+                t.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"'{key}' must be valid Unicode text: {e.reason} at position {e.start}",
+                                   param=key) from None
     top_k = body.get("top_k")
     if top_k is not None:
         top_k = _num(body, "top_k", None, int, lo=1)
@@ -61,4 +68,4 @@ def parse_completion(body, model_id: str) -> dict:
             "max_tokens": _num(body, "max_tokens", 16, int, lo=0, hi=MAX_TOKENS),
             "temperature": _num(body, "temperature", 1.0, (int, float), lo=0, hi=100),
             "top_p": _num(body, "top_p", 1.0, (int, float), lo=0, hi=1, lo_open=True),
-            "n": _num(body, "n", 1, int, lo=1, hi=MAX_N), "seed": _num(body, "seed", 0, int, lo=0)}
+            "n": _num(body, "n", 1, int, lo=1, hi=MAX_N), "seed": _num(body, "seed", 0, int, lo=0, hi=2**63 - 1)}
