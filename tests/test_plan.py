@@ -71,7 +71,6 @@ def test_defaults_are_the_configs_and_any_plan_is_valid():
             ParallelPlan(**fields)
     # settings that only mean something in some layouts are refused elsewhere, never silently ignored
     for over, msg in [({"parallel.zero_impl": "fsdp2"}, "does nothing without a zero stage"),
-                      ({"parallel.microbatches": 3}, "needs a pipeline"),
                       ({"parallel.sequence_parallel": "true"}, "needs parallel.tp > 1"),
                       ({"parallel.tp_impl": "dtensor"}, "needs parallel.tp > 1")]:
         with pytest.raises(ConfigError, match=msg):

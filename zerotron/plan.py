@@ -284,9 +284,6 @@ class ParallelPlan:
               f"parallel.pp_split = {self.pp_split!r} splits layers over pipeline stages, but parallel.pp = 1: set "
               "parallel.pp > 1 or remove parallel.pp_split")
         if self.runner == "plain":
-            _need(self.microbatches == 0,
-                  f"parallel.microbatches ({self.microbatches}) sets the micro-batches per pipeline flush and needs a "
-                  "pipeline (parallel.pp > 1, the interleaved schedule or pp_impl = threads): remove it")
             return
         # implemented: pp x dp (native DDP or native ZeRO-1/2/3) x tp (+ sequence parallel)
         _need(self.zero_stage == 0 or self.zero_impl == "native",
