@@ -1,14 +1,23 @@
 """The ``zerotron`` command: usage, version and dispatch to one module per command."""
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
-from .bench import cmd_bench
 from .errors import fail
-from .export import cmd_export
-from .generate import cmd_generate
-from .train import cmd_train
+
+# command -> (module, entry point taking the remaining argv and returning an exit code)
+COMMANDS = {
+    "train": ("zerotron.cli.train", "cmd_train"),
+    "generate": ("zerotron.cli.generate", "cmd_generate"),
+    "serve": ("zerotron.serve", "main"),
+    "export": ("zerotron.cli.export", "cmd_export"),
+    "memory": ("zerotron.analysis.memory", "memory_main"),
+    "plan": ("zerotron.analysis.plan_cli", "plan_main"),
+    "schedule": ("zerotron.analysis.schedule_plot", "schedule_main"),
+    "bench": ("zerotron.cli.bench", "cmd_bench"),
+}
 
 USAGE = """usage: zerotron <command> [options]
 
@@ -74,28 +83,7 @@ def _dispatch(argv: list[str]) -> int:
         print(f"zerotron {version()}")
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        return cmd_train(rest)
-    if cmd == "generate":
-        return cmd_generate(rest)
-    if cmd == "memory":
-        from ..analysis.memory import memory_main
-
-        return memory_main(rest)
-    if cmd == "schedule":
-        from ..analysis.schedule_plot import schedule_main
-
-        return schedule_main(rest)
-    if cmd == "bench":
-        return cmd_bench(rest)
-    if cmd == "export":
-        return cmd_export(rest)
-    if cmd == "serve":
-        from ..serve import main as serve_main
-
-        return serve_main(rest)
-    if cmd == "plan":
-        from ..analysis.plan_cli import plan_main
-
-        return plan_main(rest)
-    return fail(f"unknown command {cmd!r}; commands: train, generate, serve, export, memory, plan, schedule, bench")
+    if cmd in COMMANDS:
+        module, name = COMMANDS[cmd]  # imported on demand: --help and usage errors stay fast
+        return getattr(importlib.import_module(module), name)(rest)
+    return fail(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}")
