@@ -1,0 +1,84 @@
+"""Per-setting checks of the configuration sections the parallel plan does not carry: train
+hyper-parameters, data, checkpoint, model sizes, device/backend availability. Called by
+:func:`zerotron.plan.build_plan`, the one validation layer; raises ConfigError naming the field and
+the fix. Pure Python (torch only imported to ask whether CUDA exists when it is requested)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .config import SECTIONS, Config, ConfigError, _field_types, _section_cls, model_shape
+
+__all__ = ["check_values", "CORPORA"]
+
+CORPORA = ("shakespeare", "files", "hf")
+
+
+def _need(cond, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def check_values(cfg: Config) -> dict:
+    """Per-setting checks of the sections the plan does not carry (train hyper-parameters, data,
+    checkpoint, model sizes) and the device/backend availability. Returns the resolved model shape
+    (``config.model_shape``). Raises ConfigError naming the field and the fix."""
+    t, p, m, d = cfg.train, cfg.parallel, cfg.model, cfg.data
+    for sec in SECTIONS:  # inf/nan parse as floats; no float field means anything with them
+        for name, typ in _field_types(_section_cls(sec)).items():
+            v = getattr(getattr(cfg, sec), name)
+            _need(typ is not float or math.isfinite(v), f"{sec}.{name} must be a finite number, got {v}")
+    _need(t.nonfinite in ("skip", "stop"), f"train.nonfinite must be skip or stop, got {t.nonfinite!r}")
+    _need(t.nonfinite_limit >= 1, f"train.nonfinite_limit must be >= 1 (consecutive skipped steps), got {t.nonfinite_limit}")
+    _need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")
+    _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
+    _need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
+    _need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    for key in ("steps", "global_batch", "micro_batch"):
+        _need(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")
+    _need(t.lr > 0, f"train.lr must be > 0, got {t.lr}")
+    _need(0 <= t.min_lr <= t.lr, f"train.min_lr must be in [0, train.lr={t.lr}], got {t.min_lr}")
+    _need(t.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    _need(t.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    _need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got {t.device!r}")
+    _need(p.backend in ("auto", "gloo", "nccl"), f"parallel.backend must be auto, gloo or nccl, got {p.backend!r}")
+    if t.device == "cuda" or p.backend == "nccl":
+        import torch  # only for this check: the plan stays importable without torch
+
+        _need(torch.cuda.is_available(), "train.device = cuda / parallel.backend = nccl need a CUDA device and a "
+                                         "CUDA build of torch, and none is available; use train.device = auto "
+                                         "(or cpu) and parallel.backend = auto (or gloo)")
+    _need(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+    _need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and train.eval_batches >= 1")
+    _need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
+    _need(not m.init_from or Path(m.init_from).exists(),
+          f"model.init_from {m.init_from!r} does not exist; give a Hugging Face GPT-2 or Llama directory "
+          "(config.json + model.safetensors)")
+    _need(d.corpus in CORPORA, f"data.corpus must be one of {CORPORA}, got {d.corpus!r}")
+    _need(d.corpus == "shakespeare" or d.path, f"data.corpus = {d.corpus!r} needs data.path (a file, directory "
+                                               "or dataset name)")
+    _need(0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
+    _need(d.vocab_size >= 260 or d.tokenizer, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
+    _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
+    _need(cfg.checkpoint.on_error in ("continue", "stop"),
+          f"checkpoint.on_error must be continue or stop, got {cfg.checkpoint.on_error!r}")
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        _need(getattr(m, key) >= 0, f"model.{key} must be >= 1 (or 0 = from the preset/tokenizer), got {getattr(m, key)}")
+    try:
+        shape = model_shape(m)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _need(shape["n_embd"] % shape["n_head"] == 0,
+          f"model.n_embd ({shape['n_embd']}) must be divisible by model.n_head ({shape['n_head']}); change one of them")
+    _need(shape["block_size"] >= 2, f"model.block_size must be >= 2, got {shape['block_size']}")
+    kv = shape.get("n_kv_head", shape["n_head"])
+    _need(shape["n_head"] % kv == 0, f"model.n_head ({shape['n_head']}) must be a multiple of model.n_kv_head "
+                                     f"({kv}): each kv head serves n_head / n_kv_head query heads")
+    if not m.init_from:
+        from .models.registry import config_from_section  # the family's own checks (torch-free module)
+
+        try:
+            config_from_section(m, m.vocab_size or shape.get("vocab_size") or 256)
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from None
+    return shape
