@@ -18,6 +18,25 @@ from zerotron import parity
 from zerotron.testing import run_ranks
 
 FULL = os.environ.get("ZEROTRON_MATRIX", "") == "full"
+# ZEROTRON_MATRIX_WORLDS=8,4: only these world sizes (a long full run in parts).
+WORLDS = {int(w) for w in os.environ.get("ZEROTRON_MATRIX_WORLDS", "").split(",") if w.strip()}
+CHUNK = 48  # layouts per spawn: a hung spawn costs at most one chunk, and progress is saved per chunk
+
+
+def _partial(out: str | None, family: str) -> tuple[str | None, dict]:
+    """The progress file of an interrupted run with ZEROTRON_MATRIX_OUT (one JSON record per checked
+    layout, same tree assumed) and the records already in it, so a rerun checks only the rest."""
+    if not out:
+        return None, {}
+    path = os.path.splitext(out)[0] + f"_{family}.partial.jsonl"
+    done = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    done[rec["name"]] = rec
+    return path, done
 
 
 @pytest.fixture(scope="module")
@@ -69,45 +88,59 @@ def test_fp64_layout_matrix(family, split, data_cache, single_process, tmp_path,
     valid, refused = split
     chosen = valid if FULL else parity.covering_layouts(valid)
     extra = {"data.cache_dir": data_cache, **parity.MODELS[family]}
-    t0 = time.time()
     ref = parity.reference(str(tmp_path / "reference"), extra)
     assert ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
     assert any(".self_attn.q_proj." in k for k in ref["params"]) == (family == "llama"), sorted(ref["params"])[:4]
     ref_path = str(tmp_path / "reference.pt")
     torch.save(ref, ref_path)
     ref_keys = (set(ref["params"]), set(ref["optim"]))
-    by_world = defaultdict(list)
-    for lay in chosen:
-        by_world[lay.world].append(lay.as_dict())
-    summaries = []
-    for world, lays in sorted(by_world.items()):
-        if world == 1:  # in this process (world-size-1 group)
-            per_rank = [parity.run_many(lays, ref_path, str(tmp_path / "w1"), extra)]
-        else:
-            per_rank = run_ranks(parity.run_many, world, lays, ref_path, str(tmp_path / f"w{world}"), extra,
-                                 timeout_s=120, join_timeout_s=3000)
-        for i, d in enumerate(lays):
-            records = [per_rank[r][i] for r in range(world)]
-            assert all(rec["name"] == d["name"] for rec in records)
-            summaries.append({**d, **parity.check(d["name"], records, ref_keys, parity.FP64_RTOL)})
-    worst = {k: max(s[k] for s in summaries) for k in parity.ERRORS}
-    report(f"parity matrix, {family} ({'full' if FULL else 'pairwise covering array'}): {len(summaries)} of "
-          f"{len(valid)} valid layouts checked in fp64 ({len(refused)} refused), "
-          f"worst relative error {max(worst.values()):.3g} ({worst}), {time.time() - t0:.0f} s")
-    assert len(summaries) == len(chosen)
+    if WORLDS:
+        chosen = [lay for lay in chosen if lay.world in WORLDS]
     out = os.environ.get("ZEROTRON_MATRIX_OUT")
     if out and family != "gpt2":
         out = out.replace(".json", f"_{family}.json")
-    if out:
+    partial, done = _partial(out, family)
+    by_world = defaultdict(list)
+    for lay in chosen:
+        if lay.name not in done:
+            by_world[lay.world].append(lay.as_dict())
+    summaries = [done[lay.name] for lay in chosen if lay.name in done]
+    for world, lays in sorted(by_world.items(), key=lambda kv: -kv[0]):  # the largest (slowest) first
+        for c in range(0, len(lays), CHUNK):
+            part = lays[c:c + CHUNK]
+            where, t_chunk = str(tmp_path / f"w{world}-{c}"), time.time()
+            if world == 1:  # in this process (world-size-1 group)
+                per_rank = [parity.run_many(part, ref_path, where, extra)]
+            else:
+                per_rank = run_ranks(parity.run_many, world, part, ref_path, where, extra,
+                                     timeout_s=120, join_timeout_s=60 * len(part) + 300)
+            for i, d in enumerate(part):
+                records = [per_rank[r][i] for r in range(world)]
+                assert all(rec["name"] == d["name"] for rec in records)
+                summaries.append({**d, **parity.check(d["name"], records, ref_keys, parity.FP64_RTOL)})
+            for rec in summaries[-len(part):]:
+                rec["seconds"] = round((time.time() - t_chunk) / len(part), 2)  # chunk time per layout
+            if partial:
+                with open(partial, "a") as f:
+                    f.writelines(json.dumps(s) + "\n" for s in summaries[-len(part):])
+    summaries.sort(key=lambda s: (s["world"], s["name"]))
+    seconds = sum(s.get("seconds", 0) for s in summaries)  # this run plus the resumed parts
+    worst = {k: max(s[k] for s in summaries) for k in parity.ERRORS}
+    report(f"parity matrix, {family} ({'full' if FULL else 'pairwise covering array'}): {len(summaries)} of "
+          f"{len(valid)} valid layouts checked in fp64 ({len(refused)} refused), "
+          f"worst relative error {max(worst.values()):.3g} ({worst}), {seconds:.0f} s")
+    assert len(summaries) == len(chosen)
+    if out and not WORLDS:
         with open(out, "w") as f:
             json.dump({"model": family, "mode": "full" if FULL else "covering", "valid": len(valid), "refused": len(refused),
-                       "checked": len(summaries), "worst": worst, "seconds": round(time.time() - t0, 1),
+                       "checked": len(summaries), "worst": worst, "seconds": round(seconds, 1),
                        "layouts": summaries,
                        "refusals": {l.name: m for l, m in sorted(refused.items())}}, f, indent=1)
         with open(out) as f:
             md = parity.markdown(json.load(f))
         with open(os.path.splitext(out)[0] + ".md", "w") as f:
             f.write(md)
+        os.remove(partial) if os.path.exists(partial) else None
 
 
 FP32_SMOKE = ("ddp-dp2-acc1", "zero3-dp2-acc4", "torch_ddp-dp2-acc4", "ddp-dp1-tp2sp-acc1", "ddp-dp1-pp2-1f1b-acc4")

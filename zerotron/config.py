@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -300,7 +301,10 @@ def _coerce(section: str, name: str, typ, value, from_cli: bool = False):
     return value
 
 
+@functools.cache
 def _field_types(cls) -> dict:
+    """{field name: type} of a config section's dataclass (cached: resolving the string
+    annotations is the slow part of loading a config)."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 

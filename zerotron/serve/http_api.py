@@ -34,11 +34,15 @@ def client_alive(sock: socket.socket) -> bool:
         return False
 
 
-def make_handler(front: Front, max_body_bytes: int):
-    """The request handler class serving ``front``."""
+def make_handler(front: Front, max_body_bytes: int, read_timeout_s: float = 60.0):
+    """The request handler class serving ``front``: bodies of at most ``max_body_bytes``; a
+    connection whose client sends nothing for ``read_timeout_s`` seconds is closed (socket timeout;
+    waiting for an answer is not reading, so long generations are not cut)."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = read_timeout_s  # a client that stops sending mid-request frees its thread
+
 
         def log_message(self, fmt, *a):  # quiet: one line per request would flood the logs
             pass
@@ -54,7 +58,7 @@ def make_handler(front: Front, max_body_bytes: int):
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError):  # the client left: nothing to answer
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left: nothing to answer
                 pass
 
         def _error(self, e: RequestError) -> None:
@@ -75,16 +79,17 @@ def make_handler(front: Front, max_body_bytes: int):
                 self._error(RequestError(f"no route POST {self.path}", status=404))
                 return
             try:
-                length = int(self.headers.get("Content-Length", "0"))
-            except ValueError:
-                length = -1
-            if length < 0 or length > max_body_bytes:
+                raw = self._body()
+            except TimeoutError:  # the client stopped sending mid-body
                 self.close_connection = True
-                self._error(RequestError(f"the body must have a Content-Length of at most {max_body_bytes} bytes",
-                                         status=413))
+                self._error(RequestError(f"the request body did not arrive within {read_timeout_s:g} s", status=408))
+                return
+            except RequestError as e:
+                self.close_connection = True  # the rest of the body is unread: the connection is spent
+                self._error(e)
                 return
             try:
-                body = json.loads(self.rfile.read(length) or b"null")
+                body = json.loads(raw or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 self._error(RequestError(f"the body is not valid JSON: {e}"))
                 return
@@ -97,6 +102,53 @@ def make_handler(front: Front, max_body_bytes: int):
                 self._error(e)
             except ClientGone:
                 self.close_connection = True
+
+        def _body(self) -> bytes:
+            """The request body: ``Content-Length`` bytes, or a ``Transfer-Encoding: chunked`` body
+            (HTTP/1.1, RFC 9112 section 7.1) decoded, at most ``max_body_bytes``. RequestError 411
+            without either, 413 when too large, 400 for a malformed length or chunk."""
+            too_big = RequestError(f"the body must be at most {max_body_bytes} bytes", status=413)
+            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+                out = b""
+                while True:
+                    line = self.rfile.readline(1024)
+                    try:
+                        size = int(line.split(b";")[0].strip(), 16)
+                    except ValueError:
+                        raise RequestError(f"malformed chunk size line {line[:40]!r}") from None
+                    if size < 0 or len(out) + size > max_body_bytes:
+                        raise too_big
+                    if size == 0:
+                        while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                            pass  # trailer fields
+                        return out
+                    out += self.rfile.read(size)
+                    self.rfile.readline(8)  # the CRLF after the chunk's data
+            if "Content-Length" not in self.headers:
+                raise RequestError("the request needs a Content-Length header (or Transfer-Encoding: chunked)",
+                                   status=411)
+            try:
+                length = int(self.headers["Content-Length"])
+            except ValueError:
+                raise RequestError(f"Content-Length must be an integer, got {self.headers['Content-Length']!r}"[:200])\
+                    from None
+            if length < 0 or length > max_body_bytes:
+                raise too_big
+            return self.rfile.read(length)
+
+        def _not_allowed(self):
+            allow = "POST" if self.path == "/v1/completions" else "GET"
+            data = json.dumps({"error": {"message": f"method {self.command} is not allowed on {self.path}; "
+                                         f"use {allow}", "type": "invalid_request_error", "param": None,
+                                         "code": None}}).encode()
+            self.send_response(405)
+            self.send_header("Allow", allow)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed
 
         def _stream(self, job, events) -> None:
             """Server-sent events, HTTP/1.1 chunked: one ``data: {json}`` per event, then [DONE]."""
@@ -117,7 +169,7 @@ def make_handler(front: Front, max_body_bytes: int):
                 write(b"data: [DONE]\n\n")
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):  # the client left: its rows are cancelled
+            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left: rows cancelled
                 job.cancelled.set()
                 self.close_connection = True
 

@@ -1,7 +1,7 @@
 """Validation of ``/v1/completions`` bodies: :func:`parse_completion`, :class:`RequestError`."""
 from __future__ import annotations
 
-__all__ = ["RequestError", "parse_completion", "MAX_N", "MAX_STOP", "MAX_PROMPTS", "MAX_TOKENS"]
+__all__ = ["RequestError", "parse_completion", "FIELDS", "MAX_N", "MAX_STOP", "MAX_PROMPTS", "MAX_TOKENS"]
 
 MAX_N, MAX_STOP, MAX_PROMPTS, MAX_TOKENS = 16, 4, 64, 4096
 
@@ -32,11 +32,36 @@ def _num(body: dict, key: str, default, kind, lo=None, hi=None, lo_open=False):
     return v
 
 
+# the fields this server reads; OpenAI's other completion fields are accepted only at the value
+# that changes nothing (what the openai package sends when a caller leaves them out)
+FIELDS = ("model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "stream")
+NEUTRAL = {"echo": (False,), "logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""),
+           "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": (None, {})}
+IGNORED = ("user",)  # an end-user id for the provider's logs: nothing to do here
+
+
+def _check_fields(body: dict) -> None:
+    for key, value in body.items():
+        if key in FIELDS or key in IGNORED:
+            continue
+        if key in NEUTRAL:
+            if any(value == v and type(value) is type(v) for v in NEUTRAL[key]):
+                continue
+            raise RequestError(f"'{key}' is not supported by this server (only {NEUTRAL[key][0]!r}); remove it",
+                               param=key, code="unsupported_parameter")
+        raise RequestError(f"unknown field {key!r}"[:200] + f"; valid fields: {', '.join(FIELDS + IGNORED)}",
+                           param=str(key)[:100], code="unknown_parameter")
+
+
 def parse_completion(body, model_id: str) -> dict:
     """Validate a /v1/completions JSON body; return ``{"prompts", "max_tokens", "temperature",
-    "top_p", "top_k", "n", "stop", "seed", "stream"}``. Raises RequestError (400, or 404 for another model)."""
+    "top_p", "top_k", "n", "stop", "seed", "stream"}``. Raises RequestError (400, or 404 for another
+    model): an unknown field, or one of OpenAI's fields this server does not implement (``echo``,
+    ``logprobs``, ``best_of``, ``suffix``, penalties, ``logit_bias``) at a value that would change
+    the answer, is refused rather than ignored."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    _check_fields(body)
     if body.get("model") not in (None, model_id):
         raise RequestError(f"the model {body['model']!r} does not exist; this server serves {model_id!r}",
                            status=404, param="model", code="model_not_found")
