@@ -136,6 +136,25 @@ def test_nonfinite_stop_mode(tmp_path, data_cache, single_process, monkeypatch):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+def test_python_api_never_writes_over_a_run(tmp_path, data_cache, single_process):
+    """Trainer(cfg, dir) over a directory that holds a run refuses before writing; a second fit()
+    on one trainer refuses (it would rewrite the metrics); resume=True continues."""
+    from zerotron.config import ConfigError
+    from zerotron.train.trainer import Trainer
+
+    cfg = tiny_config({**QUIET, "train.steps": 2, "data.cache_dir": data_cache, "checkpoint.every": 2})
+    tr = Trainer(cfg, tmp_path / "run")
+    tr.fit()
+    before = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    with pytest.raises(RuntimeError, match="already called"):
+        tr.fit()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        Trainer(cfg, tmp_path / "run")
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == before
+    cfg.train.steps = 3
+    assert Trainer(cfg, tmp_path / "run", resume=True).fit()["steps"] == 3
+
+
 def test_diverging_run_stops_after_limit(tmp_path, data_cache):
     """The issue's reproduction: lr 50 makes the grad norm inf from step 13; three consecutive
     skips stop the run (exit 3, one line naming the step); every checkpoint is finite. A stop on

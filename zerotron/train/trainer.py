@@ -27,7 +27,7 @@ from . import lifecycle
 from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics, strict_json
 from .optim import build_scheduler
 from .progress import Progress
-from .setup import check_resume, gpt_config, load_data, padding_batch, val_rank_windows
+from .setup import check_resume, check_run_dir, gpt_config, load_data, padding_batch, val_rank_windows
 from .step import evaluate, train_step
 from .tensorboard import open_tensorboard
 from .wandb_log import open_wandb
@@ -59,6 +59,8 @@ class Trainer:
         device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}.get(
             cfg.train.device)
         rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, device)
+        if not resume and not restart:  # a fresh run never writes over one (the CLI checks first too)
+            self._refuse_existing_run(device)
         self.plan = build_plan(cfg, world)  # every layout rule, once; the strategies take the plan
         self.layout = self.plan.layout()
         self.mesh = Mesh(self.plan.dims, device)
@@ -202,11 +204,34 @@ class Trainer:
                       file=sys.stderr, flush=True)
             return None
 
+    def _refuse_existing_run(self, device) -> None:
+        """ConfigError on every rank if ``run_dir`` already holds a run (metrics or checkpoints).
+        The verdict is all-reduced before any rank writes, so no rank can see a file another rank
+        of this run just created, and all ranks stop together."""
+        try:
+            check_run_dir(self.run_dir, False)
+            found = None
+        except ConfigError as e:
+            found = e
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            flag = torch.tensor([0.0 if found is None else 1.0], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if flag.item() and found is None:
+                found = ConfigError(f"run directory {str(self.run_dir)!r} already holds a run on another rank; "
+                                    "pass resume=True to continue it, or choose a new run directory")
+        if found is not None:
+            raise found
+
     def fit(self, callback=None) -> dict:
         """Train from ``start_step`` to ``train.steps``; returns a summary dict (rank 0 meaningful).
 
         ``callback(trainer, record)`` is called on every rank after each optimizer step (tests use it
-        to check that replicas stay identical)."""
+        to check that replicas stay identical). A Trainer fits once: RuntimeError on a second call
+        (it would write the run's metrics again); build a new one with ``resume=True`` to go on."""
+        if getattr(self, "_fitted", False):
+            raise RuntimeError("Trainer.fit() was already called on this trainer; build a new "
+                               "Trainer(cfg, run_dir, resume=True) to continue the run")
+        self._fitted = True
         cfg, t = self.cfg, self.cfg.train
         lead = self.rank == 0
         if self.start_step >= t.steps:
