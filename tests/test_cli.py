@@ -32,6 +32,8 @@ CASES = [
     (["train", "--config", TINY, "--bogus.key", "1"], "unknown config section 'bogus'"),
     (["train", "--config", TINY, "--train.steps"], "override --train.steps needs a value"),
     (["train", "--config", TINY, "stray"], "unexpected argument 'stray'"),
+    (["bench", "plan", "--bench-train", "/no/a.json", "--bench-comm", "/no/b.json"],
+     "cannot read '/no/a.json' (No such file or directory); pass the files"),
     (["train", "--config", TINY, "--parallel.dp_impl", "mpi"], "parallel.dp_impl must be one of"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi"], "no checkpoint found at '/no/such/run'"),
     (["frobnicate"], "unknown command 'frobnicate'"),
@@ -63,6 +65,8 @@ USAGE_ERRORS = [
     (["generate", "--checkpoint", "x", "--prompt", "hi", "--max-new-tokens", "abc"],
      "argument --max-new-tokens: invalid int value: 'abc'"),
     (["generate", "--checkpoint", "x"], "one of the arguments --prompt --prompts-file is required"),
+    (["generate", "--bogus"], "unrecognized arguments: --bogus"),  # named before the missing --checkpoint
+    (["export", "--out", "o", "--checkpoin=x", "--bogus=1"], "unrecognized arguments: --bogus=1"),
     (["memory", "--model", "gpt2", "--dp", "x"], "argument --dp: invalid int value: 'x'"),
     (["memory", "--model", "gpt2", "--dp", "8", "--bogus"], "unrecognized arguments: --bogus"),
     (["schedule", "--pp", "2", "--microbatches", "4", "--kind", "zigzag"], "argument --kind: invalid choice: 'zigzag'"),

@@ -23,5 +23,31 @@ class OneLineErrorParser(argparse.ArgumentParser):
     options``, and exit code 2, like the commands' own value checks (argparse's default prints the
     whole usage block first). ``--help`` is unchanged. Raises SystemExit(2) on an error."""
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, except that an unknown option is reported before a missing required one
+        (``generate --bogus`` names ``--bogus``, not ``--checkpoint``)."""
+        import sys
+
+        argv = list(sys.argv[1:] if args is None else args)
+        known = list(self._option_string_actions)
+        for tok in argv:
+            if tok == "--":
+                break
+            name = tok.split("=", 1)[0]
+            if len(name) < 2 or not name.startswith("-") or _is_number(name):
+                continue
+            if not (name in known or (self.allow_abbrev and name.startswith("--")
+                                      and any(k.startswith(name) for k in known))):
+                self.error(f"unrecognized arguments: {tok}")
+        return super().parse_args(args, namespace)
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; run '{self.prog} --help' for the options\n")
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False

@@ -257,11 +257,15 @@ def main(argv: list[str] | None = None) -> int:
                              "counterpart; a rank correlation needs >= 3 (see planner_layout)")
         rhos = correlations(preds)
     except KeyError as e:
-        print(f"validate_plan: error: field {e} missing from a record of {args.bench_train!r}; pass a file "
+        print(f"zerotron bench plan: error: field {e} missing from a record of {args.bench_train!r}; pass a file "
               "written by 'zerotron bench train --json'", file=sys.stderr)
         return 2
-    except (OSError, ValueError, TypeError, json.JSONDecodeError) as e:
-        print(f"validate_plan: error: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"zerotron bench plan: error: cannot read {e.filename!r} ({e.strerror}); pass the files that "
+              "'zerotron bench train --json' and 'zerotron bench comm --json' wrote", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, json.JSONDecodeError) as e:
+        print(f"zerotron bench plan: error: {e}", file=sys.stderr)
         return 2
     table = format_table(preds)
     rho = rhos["all"]
