@@ -37,7 +37,9 @@ def cmd_export(argv: list[str]) -> int:
         tok.save(str(Path(out) / "tokenizer.json"))
         if owned:
             mesh.teardown()
-        print(f"wrote {out}")
+        files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))
+        print(f"wrote {out}: {files} (transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}), "
+              f"PreTrainedTokenizerFast(tokenizer_file={str(Path(out) / 'tokenizer.json')!r}))")
         return 0
     except user_errors() as e:
         return fail(str(e))
