@@ -72,7 +72,8 @@ def test_defaults_are_the_configs_and_any_plan_is_valid():
     # settings that only mean something in some layouts are refused elsewhere, never silently ignored
     for over, msg in [({"parallel.zero_impl": "fsdp2"}, "does nothing without a zero stage"),
                       ({"parallel.sequence_parallel": "true"}, "needs parallel.tp > 1"),
-                      ({"parallel.tp_impl": "dtensor"}, "needs parallel.tp > 1")]:
+                      ({"parallel.tp_impl": "dtensor"}, "needs parallel.tp > 1"),
+                      ({"parallel.microbatches": 2}, r"this layout has no pipeline \(parallel.pp 1\)")]:
         with pytest.raises(ConfigError, match=msg):
             build_plan(tiny_config(over), 1)
     with pytest.raises(ConfigError, match="does not equal the world size"):
