@@ -276,9 +276,14 @@ class ParallelPlan:
             _need(self.tp == 1 and self.zero_stage == 0 and self.dp_impl == "native",
                   "parallel.pp_impl = threads combines only with native DDP over dp: set parallel.tp = 1, "
                   "parallel.zero_stage = 0, parallel.dp_impl = native")
-        _need(self.virtual_stages >= 2 if interleaved or threads else self.virtual_stages == 1,
-              f"parallel.virtual_stages must be >= 2 for the interleaved schedule or pp_impl = threads (the stage "
-              f"threads) and 1 otherwise, got {self.virtual_stages}")
+        if interleaved or threads:
+            _need(self.virtual_stages >= 2,
+                  f"parallel.virtual_stages must be >= 2 for the interleaved schedule or pp_impl = threads (model "
+                  f"stages per rank, or stage threads), got {self.virtual_stages}")
+        else:
+            _need(self.virtual_stages == 1,
+                  f"parallel.virtual_stages ({self.virtual_stages}) applies only to the interleaved schedule or "
+                  f"pp_impl = threads: remove it, or set parallel.pp_schedule = interleaved")
         _need(pp > 1 or interleaved or threads or self.pp_split.strip() in SPLIT_WORDS,
               f"parallel.pp_split = {self.pp_split!r} splits layers over pipeline stages, but parallel.pp = 1: set "
               "parallel.pp > 1 or remove parallel.pp_split")
