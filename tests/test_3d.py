@@ -211,8 +211,7 @@ def test_checkpoints_to_one_process(reference, four, data_cache, tmp_path):
 
 def layouts_8(ref_run):
     pdt = {**PP2TP2, "parallel.dp": 2}
-    return [
-        {**pdt, "parallel.pp_schedule": "1f1b", "train.micro_batch": 2},
+    return [  # (DDP pp2 x dp2 x tp2 1F1B runs in the covering array: ddp-dp2-tp2sp-pp2-1f1b-acc4)
         {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 1,
          "parallel.sequence_parallel": "true"},                     # SP grad shards summed over tp after the RS
         {**pdt, "parallel.zero_stage": 1, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4,
