@@ -35,7 +35,7 @@ overhead, simulated / theory the stage imbalance. ``stage_compute_s``: those per
 (median over steps); ``pp_split``: the layers per model stage the layout ran. Native executor
 (ranks on one host): ``idle_dependency`` / ``idle_transfer`` / ``idle_post`` (+ ``idle_post_cpu``,
 ``other_fraction``, ``start_skew_ms``) split the idlest rank's idle into waiting for the sender,
-p2p transfer and posting (:func:`_idle_split`), and ``bubble_replayed`` simulates each step with every
+p2p transfer and posting (:func:`bubble.idle_split`), and ``bubble_replayed`` simulates each step with every
 action's own measured duration (``pipeline.accounting.replayed_bubble``), so measured / replayed is
 executor overhead without the compute jitter that measured / simulated also contains. A layout
 suffix ``-p2pbatched`` / ``-p2peager`` runs the executor's other p2p posting modes
@@ -67,13 +67,13 @@ from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distribu
 from zerotron.launch import in_worker, launch, strip_nproc
 from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
-from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble, recv_wait_split, replayed_bubble
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.plan import build_plan
 from zerotron.train.optim import build_scheduler
 from zerotron.train.setup import gpt_config, load_data
 from zerotron.train.step import train_step
 
+from .bubble import P2P_KEYS, idle_split, simulated
 from .layouts import DEFAULT_LAYOUTS, LAYOUTS, Layout, get_layout, parse_layouts  # noqa: F401 (API)
 from .report import BASELINES, format_table, impl_name, markdown_report, paired_ratio, plot, summarize  # noqa: F401 (API)
 
@@ -165,54 +165,6 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     return strategy, opt, build_scheduler(opt, t), batches, model.num_params(), mcfg.block_size, epoch_tokens
 
 
-def _simulated(got: list[dict], steps: int) -> dict:
-    """Bubble predicted by the schedule simulator from the measured per-stage compute times of each
-    timed step (stage times averaged over the ranks holding the stage), the same statistic as
-    ``bubble_measured`` (max over ranks of the rank's idle / (busy + idle)); and the per-stage
-    times themselves (median over steps, seconds per micro-batch)."""
-    sched = got[0]["schedule"]
-    merged = [merge_stage_times([g["stage_times"][i] for g in got]) for i in range(steps)]
-    preds = [predicted_bubble(*sched, m)["max"] for m in merged]
-    med = {k: {s: statistics.median(m[k][s] for m in merged) for s in st} for k, st in merged[0].items()}
-    return {"bubble_simulated": statistics.median(preds), "bubble_simulated_steps": preds,
-            "stage_compute_s": med, "pp_split": ",".join(map(str, got[0]["split"] or []))}
-
-
-_P2P_KEYS = ("busy_s", "idle_s", "post_s", "post_cpu_s", "recv_wait_s", "send_wait_s", "other_s", "walk_start_s", "p2p_events")
-
-
-def _idle_split(got: list[dict], steps: int) -> dict:
-    """Where the measured idle goes (native executor only), per timed step on the rank whose idle
-    fraction is the step's ``bubble_measured``, as fractions of that rank's walk (busy + idle):
-    ``idle_dependency`` (receive waits before the sender posted: the bubble the simulator models),
-    ``idle_transfer`` (receive waits after the send was posted: p2p latency, wake-ups), ``idle_post``
-    (posting ops plus waiting for sends at the end; ``idle_post_cpu``: the CPU time of the posting,
-    the rest of it the thread descheduled); the three add up to ``bubble_measured``.
-    ``other_fraction``: executor bookkeeping outside busy and idle over the same walk;
-    ``start_skew_ms``: how much later the last pp rank began its first walk than the first one.
-    ``bubble_replayed``: the same statistic as ``bubble_measured`` simulated with each action's own
-    measured duration (``accounting.replayed_bubble``: jitter kept, communication free). Medians
-    over steps, from the pipeline at dp = tp = 0; {} if not every rank reports it or the ranks are
-    on different hosts (perf_counter timestamps compare only within one host)."""
-    if any(len(g.get("p2p") or []) != steps for g in got) or len({g["host"] for g in got}) > 1:
-        return {}
-    got = sorted((g for g in got if g["pipe"][1:] == [0, 0]), key=lambda g: g["pipe"][0])  # one pipeline
-    sched, rows, replay = got[0]["schedule"], [], []
-    for i in range(steps):
-        recs = [g["p2p"][i] for g in got]
-        split = recv_wait_split([r["p2p_events"] for r in recs])
-        replay.append(replayed_bubble(*sched, [r["p2p_events"] for r in recs])["max"])
-        walks = [r["busy_s"] + r["idle_s"] for r in recs]
-        top = max(range(len(recs)), key=lambda k: recs[k]["idle_s"] / walks[k] if walks[k] else 0.0)
-        w, r = walks[top] or 1.0, recs[top]
-        rows.append({"idle_dependency": split[top]["dependency_s"] / w, "idle_transfer": split[top]["transfer_s"] / w,
-                     "idle_post": (r["post_s"] + r["send_wait_s"]) / w,
-                     "idle_post_cpu": r["post_cpu_s"] / w, "other_fraction": r["other_s"] / w,
-                     "start_skew_ms": 1e3 * (max(x["walk_start_s"] for x in recs) - min(x["walk_start_s"] for x in recs))})
-    return ({k: statistics.median(x[k] for x in rows) for k in rows[0]}
-            | {"idle_split_steps": rows, "bubble_replayed": statistics.median(replay), "bubble_replayed_steps": replay})
-
-
 def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, threads: int, w: int) -> dict:
     """One round of one layout; collective over the world (ranks with ``mesh`` None just wait).
     Returns the same record on every rank (seconds, tokens/s, bytes) or a skipped record."""
@@ -253,7 +205,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
                 stage_times.append(tm["stage_compute_s"])
                 pp_sched = tm["schedule"]
                 if "p2p_events" in tm:  # the native executor: idle split, per-message timestamps
-                    p2p_steps.append({k: tm[k] for k in _P2P_KEYS})
+                    p2p_steps.append({k: tm[k] for k in P2P_KEYS})
         elapsed, cpu, by_tag = time.perf_counter() - t0, time.process_time() - c0, {}
         link1 = _link_tx_bytes()  # before the all_gather_object below, which crosses the link too
         link = None if link0 is None or link1 is None else (link1 - link0) / steps
@@ -277,7 +229,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
     if g0["bubbles"] is not None:  # max over (pp) ranks per step, median over steps
         pipe = {"bubble_measured": statistics.median(max(b) for b in zip(*(g["bubbles"] for g in got))),
                 "bubble_measured_steps": [max(b) for b in zip(*(g["bubbles"] for g in got))],
-                "bubble_theory": g0["bubble_theory"], **_simulated(got, steps), **_idle_split(got, steps)}
+                "bubble_theory": g0["bubble_theory"], **simulated(got, steps), **idle_split(got, steps)}
     links = [g["link"] for g in got if g["link"] is not None]  # one per node
     link = {"link_tx_bytes_per_step": sum(links), "link_nodes": len(links)} if links else {}
     return {**rec, **link, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
