@@ -5,7 +5,7 @@ the bench's idle-split summary. The executor's p2p modes themselves are parity-c
 tests/test_pipeline.py (2 processes)."""
 import pytest
 
-from zerotron.bench.train import _idle_split
+from zerotron.bench.bubble import idle_split
 from zerotron.parallel.pipeline.accounting import predicted_bubble, recv_wait_split, replayed_bubble
 from zerotron.parallel.pipeline.p2p import comm_runs
 from zerotron.parallel.pipeline.schedules import COMM, build_schedule, message_key, rank_idle_fractions, simulate
@@ -125,7 +125,7 @@ def test_bench_idle_split_summary():
                 "other_s": 0.01, "walk_start_s": 50.0 + 0.5 * r, "p2p_events": evs[r]}
         assert walk_end[r] > 50.0
         got.append({"p2p": [step, step], "host": "h", "pipe": [r, 0, 0], "schedule": (2, 4, "1f1b", 1)})
-    out = _idle_split(got, 2)
+    out = idle_split(got, 2)
     split = recv_wait_split(evs)
     walks = [s["busy_s"] + s["idle_s"] for s in (g["p2p"][0] for g in got)]
     top = max(range(2), key=lambda r: got[r]["p2p"][0]["idle_s"] / walks[r])
@@ -137,5 +137,5 @@ def test_bench_idle_split_summary():
     assert out["start_skew_ms"] == pytest.approx(500.0) and out["other_fraction"] == pytest.approx(0.01 / walks[top])
     assert out["bubble_replayed"] == pytest.approx(max(rank_idle_fractions(res)))
     assert len(out["idle_split_steps"]) == 2 and len(out["bubble_replayed_steps"]) == 2
-    assert _idle_split([{**g, "host": f"h{i}"} for i, g in enumerate(got)], 2) == {}  # two hosts: no clocks
-    assert _idle_split([{**g, "p2p": []} for g in got], 2) == {}  # not the native executor
+    assert idle_split([{**g, "host": f"h{i}"} for i, g in enumerate(got)], 2) == {}  # two hosts: no clocks
+    assert idle_split([{**g, "p2p": []} for g in got], 2) == {}  # not the native executor
