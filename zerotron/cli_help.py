@@ -3,7 +3,6 @@ analysis/ and bench/ build their parsers with them without importing the CLI).""
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -27,6 +26,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         """argparse's, except that an unknown option is reported before a missing required one
         (``generate --bogus`` names ``--bogus``, not ``--checkpoint``)."""
+        import sys
+
         argv = list(sys.argv[1:] if args is None else args)
         known = list(self._option_string_actions)
         for tok in argv:

@@ -43,18 +43,17 @@ def make_handler(front: Front, max_body_bytes: int, read_timeout_s: float = 60.0
         protocol_version = "HTTP/1.1"
         timeout = read_timeout_s  # a client that stops sending mid-request frees its thread
 
+
         def log_message(self, fmt, *a):  # quiet: one line per request would flood the logs
             pass
 
         def _alive(self) -> bool:
             return client_alive(self.connection)
 
-        def _send(self, status: int, obj: dict, headers: tuple = ()) -> None:
+        def _send(self, status: int, obj: dict) -> None:
             data = json.dumps(obj).encode()
             try:
                 self.send_response(status)
-                for name, value in headers:
-                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -62,10 +61,9 @@ def make_handler(front: Front, max_body_bytes: int, read_timeout_s: float = 60.0
             except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left: nothing to answer
                 pass
 
-        def _error(self, e: RequestError, headers: tuple = ()) -> None:
+        def _error(self, e: RequestError) -> None:
             kind = "invalid_request_error" if e.status < 500 else "server_error"
-            self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}},
-                       headers)
+            self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}})
 
         def do_GET(self):
             if self.path == "/health":
@@ -140,8 +138,15 @@ def make_handler(front: Front, max_body_bytes: int, read_timeout_s: float = 60.0
 
         def _not_allowed(self):
             allow = "POST" if self.path == "/v1/completions" else "GET"
-            self._error(RequestError(f"method {self.command} is not allowed on {self.path}; use {allow}", status=405),
-                        (("Allow", allow),))
+            data = json.dumps({"error": {"message": f"method {self.command} is not allowed on {self.path}; "
+                                         f"use {allow}", "type": "invalid_request_error", "param": None,
+                                         "code": None}}).encode()
+            self.send_response(405)
+            self.send_header("Allow", allow)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
 
         do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed
 

@@ -92,7 +92,6 @@ class Trainer:
         self.val_batches = [batch_from_indices(self.data.val, g, self.seq_len, "val") if len(g)
                             else padding_batch(self.seq_len) for g in val_groups]
         self.start_step = 0
-        self._fitted = False
         self.failed_saves: list[int] = []  # steps whose checkpoint could not be written (on_error = continue)
         self.unsaved: int | None = None    # the newest of them, while no later save has succeeded
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
@@ -207,16 +206,19 @@ class Trainer:
 
     def _refuse_existing_run(self, device) -> None:
         """ConfigError on every rank if ``run_dir`` already holds a run (metrics or checkpoints).
-        The verdict is agreed over the ranks (:func:`lifecycle.agree_max`) before any rank writes,
-        so no rank can see a file another rank of this run just created, and all stop together."""
+        The verdict is all-reduced before any rank writes, so no rank can see a file another rank
+        of this run just created, and all ranks stop together."""
         try:
             check_run_dir(self.run_dir, False)
             found = None
         except ConfigError as e:
             found = e
-        if lifecycle.agree_max([float(found is not None)], device)[0] and found is None:
-            found = ConfigError(f"run directory {str(self.run_dir)!r} already holds a run on another rank; "
-                                "pass resume=True to continue it, or choose a new run directory")
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            flag = torch.tensor([0.0 if found is None else 1.0], device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if flag.item() and found is None:
+                found = ConfigError(f"run directory {str(self.run_dir)!r} already holds a run on another rank; "
+                                    "pass resume=True to continue it, or choose a new run directory")
         if found is not None:
             raise found
 
@@ -226,7 +228,7 @@ class Trainer:
         ``callback(trainer, record)`` is called on every rank after each optimizer step (tests use it
         to check that replicas stay identical). A Trainer fits once: RuntimeError on a second call
         (it would write the run's metrics again); build a new one with ``resume=True`` to go on."""
-        if self._fitted:
+        if getattr(self, "_fitted", False):
             raise RuntimeError("Trainer.fit() was already called on this trainer; build a new "
                                "Trainer(cfg, run_dir, resume=True) to continue the run")
         self._fitted = True
