@@ -156,6 +156,10 @@ def test_resume_checks(small_run, tmp_path, capsys):
     # a different model shape is refused before anything runs
     code, err = main([*argv, "--resume", "--model.n_layer", "2"]), capsys.readouterr().err
     assert code == 2 and "model shape differs from the checkpoint" in err and "n_layer 4 (checkpoint) vs 2" in err, err
+    # other training data (which tokens train and validate) is refused the same way
+    code, err = main([*argv, "--resume", "--train.steps", "3", "--data.val_fraction", "0.2"]), capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the training data differs from the checkpoint" in err and "data.val_fraction 0.05 (checkpoint) vs 0.2" in err, err
     # resuming a finished run (train.steps at or below the step reached) is refused in one line,
     # exit 2, and changes nothing on disk (the lock file is empty again, as the first run left it)
     def snapshot():

@@ -113,6 +113,11 @@ def test_other_methods_get_json_405(server):
         code, headers, r = _request(server, method, path)
         assert code == 405 and headers["Allow"] == allow and method in r["error"]["message"], (method, r)
     assert _request(server, "GET", "/health")[:1] == (200,)  # still serving
+    # HEAD: the GET answer's status and headers, no body (raw socket: http.client would not read one)
+    for path, status in (("/health", b"200"), ("/v1/completions", b"405"), ("/nope", b"404")):
+        out = _raw(server, f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 " + status) and b"Content-Length: " in head and body == b"", out
 
 
 def test_stalled_client_is_dropped(server):

@@ -4,8 +4,8 @@ for a documented reason.
 
 By default the pairwise covering array of the valid layouts runs (every pair of factor values at
 least once); ``ZEROTRON_MATRIX=full`` (``make test-matrix``) runs every valid layout, and
-``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors. One spawn per world size,
-many layouts per spawn."""
+``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors. One spawn per world size
+(chunks of CHUNK layouts), shared by both model families."""
 import json
 import os
 import time
@@ -82,54 +82,75 @@ def test_covering_array_covers_every_pair(split):
         assert {getattr(l, k) for l in valid} <= got, k
 
 
-@pytest.mark.parametrize("family", list(parity.MODELS))
-def test_fp64_layout_matrix(family, split, data_cache, single_process, tmp_path, report):
-    """Every chosen layout of model family ``family`` trains like one process (fp64, rtol 1e-10)."""
-    valid, refused = split
+def _out(family: str) -> str | None:
+    out = os.environ.get("ZEROTRON_MATRIX_OUT")
+    return out.replace(".json", f"_{family}.json") if out and family != "gpt2" else out
+
+
+@pytest.fixture(scope="module")
+def matrix_runs(split, data_cache, single_process, tmp_path_factory):
+    """{family: per-layout summaries} of every chosen layout of every model family. Both families'
+    layouts of one world size share each spawn (chunks of CHUNK layouts, largest world first), so
+    the ranks import torch once for both."""
+    valid, _ = split
     chosen = valid if FULL else parity.covering_layouts(valid)
-    extra = {"data.cache_dir": data_cache, **parity.MODELS[family]}
-    ref = parity.reference(str(tmp_path / "reference"), extra)
-    assert ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
-    assert any(".self_attn.q_proj." in k for k in ref["params"]) == (family == "llama"), sorted(ref["params"])[:4]
-    ref_path = str(tmp_path / "reference.pt")
-    torch.save(ref, ref_path)
-    ref_keys = (set(ref["params"]), set(ref["optim"]))
     if WORLDS:
         chosen = [lay for lay in chosen if lay.world in WORLDS]
-    out = os.environ.get("ZEROTRON_MATRIX_OUT")
-    if out and family != "gpt2":
-        out = out.replace(".json", f"_{family}.json")
-    partial, done = _partial(out, family)
-    by_world = defaultdict(list)
-    for lay in chosen:
-        if lay.name not in done:
-            by_world[lay.world].append(lay.as_dict())
-    summaries = [done[lay.name] for lay in chosen if lay.name in done]
-    for world, lays in sorted(by_world.items(), key=lambda kv: -kv[0]):  # the largest (slowest) first
-        for c in range(0, len(lays), CHUNK):
-            part = lays[c:c + CHUNK]
-            where, t_chunk = str(tmp_path / f"w{world}-{c}"), time.time()
+    tmp = tmp_path_factory.mktemp("matrix")
+    fam, summaries, by_world = {}, {}, defaultdict(list)
+    for family in parity.MODELS:
+        extra = {"data.cache_dir": data_cache, **parity.MODELS[family]}
+        ref = parity.reference(str(tmp / f"reference-{family}"), extra)
+        assert ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
+        assert any(".self_attn.q_proj." in k for k in ref["params"]) == (family == "llama"), sorted(ref["params"])[:4]
+        ref_path = str(tmp / f"reference-{family}.pt")
+        torch.save(ref, ref_path)
+        partial, done = _partial(_out(family), family)
+        fam[family] = (extra, ref_path, (set(ref["params"]), set(ref["optim"])), partial)
+        summaries[family] = [done[lay.name] for lay in chosen if lay.name in done]
+        for lay in chosen:
+            if lay.name not in done:
+                by_world[lay.world].append((family, lay.as_dict()))
+    for world, items in sorted(by_world.items(), key=lambda kv: -kv[0]):  # the largest (slowest) first
+        for c in range(0, len(items), CHUNK):
+            part = items[c:c + CHUNK]
+            names = [family for family in parity.MODELS if any(f == family for f, _ in part)]
+            jobs = [([d for f, d in part if f == family], fam[family][1], str(tmp / f"{family}-w{world}-{c}"),
+                     fam[family][0]) for family in names]
+            t_chunk = time.time()
             if world == 1:  # in this process (world-size-1 group)
-                per_rank = [parity.run_many(part, ref_path, where, extra)]
+                per_rank = [parity.run_jobs(jobs)]
             else:
-                per_rank = run_ranks(parity.run_many, world, part, ref_path, where, extra,
-                                     timeout_s=120, join_timeout_s=60 * len(part) + 300)
-            for i, d in enumerate(part):
-                records = [per_rank[r][i] for r in range(world)]
-                assert all(rec["name"] == d["name"] for rec in records)
-                summaries.append({**d, **parity.check(d["name"], records, ref_keys, parity.FP64_RTOL)})
-            for rec in summaries[-len(part):]:
-                rec["seconds"] = round((time.time() - t_chunk) / len(part), 2)  # chunk time per layout
-            if partial:
-                with open(partial, "a") as f:
-                    f.writelines(json.dumps(s) + "\n" for s in summaries[-len(part):])
-    summaries.sort(key=lambda s: (s["world"], s["name"]))
+                per_rank = run_ranks(parity.run_jobs, world, jobs, timeout_s=120,
+                                     join_timeout_s=60 * len(part) + 300)
+            per_layout = round((time.time() - t_chunk) / len(part), 2)  # chunk time per layout
+            for j, (family, (lays, *_)) in enumerate(zip(names, jobs)):
+                new = []
+                for i, d in enumerate(lays):
+                    records = [per_rank[r][j][i] for r in range(world)]
+                    assert all(rec["name"] == d["name"] for rec in records)
+                    new.append({**d, **parity.check(d["name"], records, fam[family][2], parity.FP64_RTOL),
+                                "seconds": per_layout})
+                summaries[family] += new
+                if fam[family][3]:
+                    with open(fam[family][3], "a") as f:
+                        f.writelines(json.dumps(x) + "\n" for x in new)
+    return {family: (sorted(summaries[family], key=lambda x: (x["world"], x["name"])), len(chosen), fam[family][3])
+            for family in parity.MODELS}
+
+
+@pytest.mark.parametrize("family", list(parity.MODELS))
+def test_fp64_layout_matrix(family, split, matrix_runs, report):
+    """Every chosen layout of model family ``family`` trains like one process (fp64, rtol 1e-10)."""
+    valid, refused = split
+    summaries, n_chosen, partial = matrix_runs[family]
+    out = _out(family)
     seconds = sum(s.get("seconds", 0) for s in summaries)  # this run plus the resumed parts
     worst = {k: max(s[k] for s in summaries) for k in parity.ERRORS}
     report(f"parity matrix, {family} ({'full' if FULL else 'pairwise covering array'}): {len(summaries)} of "
-          f"{len(valid)} valid layouts checked in fp64 ({len(refused)} refused), "
-          f"worst relative error {max(worst.values()):.3g} ({worst}), {seconds:.0f} s")
-    assert len(summaries) == len(chosen)
+           f"{len(valid)} valid layouts checked in fp64 ({len(refused)} refused), "
+           f"worst relative error {max(worst.values()):.3g} ({worst}), {seconds:.0f} s (spawns shared by the families)")
+    assert len(summaries) == n_chosen
     if out and not WORLDS:
         with open(out, "w") as f:
             json.dump({"model": family, "mode": "full" if FULL else "covering", "valid": len(valid), "refused": len(refused),
@@ -140,7 +161,7 @@ def test_fp64_layout_matrix(family, split, data_cache, single_process, tmp_path,
             md = parity.markdown(json.load(f))
         with open(os.path.splitext(out)[0] + ".md", "w") as f:
             f.write(md)
-        os.remove(partial) if os.path.exists(partial) else None
+        os.remove(partial) if partial and os.path.exists(partial) else None
 
 
 FP32_SMOKE = ("ddp-dp2-acc1", "zero3-dp2-acc4", "torch_ddp-dp2-acc4", "ddp-dp1-tp2sp-acc1", "ddp-dp1-pp2-1f1b-acc4")

@@ -56,8 +56,9 @@ def test_recv_wait_split_dependency_and_transfer():
            [("R", 1, ("F", 0, 0), 0.0, 5.0), ("R", 1, ("F", 1, 0), 7.0, 7.5),
             ("R", 2, ("F", 0, 0), 1.0, 2.0)]]  # walk 2: its send is not in the trace -> transfer
     got = recv_wait_split(evs)
-    assert got[0] == {"dependency_s": 0.0, "transfer_s": 0.0, "recvs": 0}
+    assert got[0] == {"dependency_s": 0.0, "transfer_s": 0.0, "recvs": 0, "latencies_s": []}
     assert got[1]["recvs"] == 3
+    assert got[1]["latencies_s"] == pytest.approx([2.0])  # only the receive waiting when its send was posted
     assert got[1]["dependency_s"] == pytest.approx(3.0) and got[1]["transfer_s"] == pytest.approx(2.0 + 0.5 + 1.0)
     # keys arrive as lists after a JSON / all_gather_object round trip
     lists = [[tuple(list(x) if isinstance(x, tuple) else x for x in e) for e in ev] for ev in evs]
@@ -136,6 +137,7 @@ def test_bench_idle_split_summary():
     assert out["idle_post_cpu"] == pytest.approx(out["idle_post"] / 2)
     assert out["start_skew_ms"] == pytest.approx(500.0) and out["other_fraction"] == pytest.approx(0.01 / walks[top])
     assert out["bubble_replayed"] == pytest.approx(max(rank_idle_fractions(res)))
+    assert out["p2p_latency_ms"] == pytest.approx(250.0)  # every waiting receive: 0.25 s after its send
     assert len(out["idle_split_steps"]) == 2 and len(out["bubble_replayed_steps"]) == 2
     assert idle_split([{**g, "host": f"h{i}"} for i, g in enumerate(got)], 2) == {}  # two hosts: no clocks
     assert idle_split([{**g, "p2p": []} for g in got], 2) == {}  # not the native executor

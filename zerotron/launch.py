@@ -172,19 +172,38 @@ def restart_hooks(on_restart, note_path: str | Path | None = None):
     """While the block runs, torch elastic's local agent (i) does not restart workers that stopped
     on purpose (an exit code in :data:`NO_RESTART_EXIT_CODES`), (ii) when it will restart, writes
     :func:`describe_first_failure` of the failed attempt to ``note_path`` (if given) before it stops
-    the surviving workers, and removes that file before it starts the new ones, and (iii) calls
+    the surviving workers (also before the SIGTERM torch's ``SubprocessContext._poll`` sends them
+    from inside ``_monitor_workers`` when it sees the failure), and removes that file before it starts the new ones, and (iii) calls
     ``on_restart(failure, count, max_restarts)`` before it starts the workers again, after the old
     ones are stopped: ``failure`` is :func:`describe_first_failure` of the failed attempt, ``count``
     the 1-based restart number. Wraps two methods of ``LocalElasticAgent`` (torch 2.x private API:
-    ``_monitor_workers`` returns the failures, ``_initialize_workers`` starts a worker group)."""
+    ``_monitor_workers`` returns the failures, ``_initialize_workers`` starts a worker group) and
+    ``PContext.close`` (which stops the workers)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
 
     monitor, initialize = LocalElasticAgent._monitor_workers, LocalElasticAgent._initialize_workers
     own = {n: LocalElasticAgent.__dict__.get(n) for n in ("_monitor_workers", "_initialize_workers")}
+    close = PContext.close
     failed: dict = {}
+    polling: dict = {}  # the agent and worker group while _monitor_workers runs
+
+    def _close(pc, *args, **kwargs):
+        # torch's SubprocessContext._poll SIGTERMs the survivors (close()) as soon as it sees a
+        # failure, INSIDE _monitor_workers: the note must be on disk before that, not after it
+        agent, group, fails = polling.get("agent"), polling.get("group"), getattr(pc, "_failures", None)
+        if (note_path is not None and agent is not None and fails and agent._remaining_restarts > 0
+                and not {f.exitcode for f in fails.values()} & set(NO_RESTART_EXIT_CODES)):
+            ranks = {w.local_rank: w.global_rank for w in group.workers}
+            _write_note(Path(note_path), describe_first_failure({ranks.get(lr, lr): f for lr, f in fails.items()}))
+        return close(pc, *args, **kwargs)
 
     def _monitor(self, worker_group):
-        result = monitor(self, worker_group)
+        polling.update(agent=self, group=worker_group)
+        try:
+            result = monitor(self, worker_group)
+        finally:
+            polling.clear()
         if result.is_failed():
             if {f.exitcode for f in result.failures.values()} & set(NO_RESTART_EXIT_CODES):
                 self._remaining_restarts = 0  # stopped on purpose: fail now, as without restarts
@@ -205,9 +224,11 @@ def restart_hooks(on_restart, note_path: str | Path | None = None):
         return initialize(self, worker_group)
 
     LocalElasticAgent._monitor_workers, LocalElasticAgent._initialize_workers = _monitor, _initialize
+    PContext.close = _close
     try:
         yield
     finally:
+        PContext.close = close
         for name, fn in own.items():  # as it was: an own attribute, or inherited from SimpleElasticAgent
             if fn is None:
                 delattr(LocalElasticAgent, name)

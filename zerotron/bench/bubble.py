@@ -37,7 +37,9 @@ def idle_split(got: list[dict], steps: int) -> dict:
     the rest of it the thread descheduled); the three add up to ``bubble_measured``.
     ``other_fraction``: executor bookkeeping outside busy and idle over the same walk;
     ``start_skew_ms``: how much later the last pp rank began its first walk than the first one.
-    ``bubble_replayed``: the same statistic as ``bubble_measured`` simulated with each action's own
+    ``p2p_latency_ms``: the median one-way latency (send posted to receive complete) of the step's
+    receives that were already waiting when their send was posted (``accounting.recv_wait_split``;
+    NaN if none was), what each message on the critical path costs. ``bubble_replayed``: the same statistic as ``bubble_measured`` simulated with each action's own
     measured duration (``accounting.replayed_bubble``: jitter kept, communication free). Medians
     over steps, from the pipeline at dp = tp = 0; {} if not every rank reports it or the ranks are
     on different hosts (perf_counter timestamps compare only within one host)."""
@@ -48,6 +50,7 @@ def idle_split(got: list[dict], steps: int) -> dict:
     for i in range(steps):
         recs = [g["p2p"][i] for g in got]
         split = recv_wait_split([r["p2p_events"] for r in recs])
+        lat = [x for part in split for x in part["latencies_s"]]
         replay.append(replayed_bubble(*sched, [r["p2p_events"] for r in recs])["max"])
         walks = [r["busy_s"] + r["idle_s"] for r in recs]
         top = max(range(len(recs)), key=lambda k: recs[k]["idle_s"] / walks[k] if walks[k] else 0.0)
@@ -55,6 +58,7 @@ def idle_split(got: list[dict], steps: int) -> dict:
         rows.append({"idle_dependency": split[top]["dependency_s"] / w, "idle_transfer": split[top]["transfer_s"] / w,
                      "idle_post": (r["post_s"] + r["send_wait_s"]) / w,
                      "idle_post_cpu": r["post_cpu_s"] / w, "other_fraction": r["other_s"] / w,
-                     "start_skew_ms": 1e3 * (max(x["walk_start_s"] for x in recs) - min(x["walk_start_s"] for x in recs))})
+                     "start_skew_ms": 1e3 * (max(x["walk_start_s"] for x in recs) - min(x["walk_start_s"] for x in recs)),
+                     "p2p_latency_ms": 1e3 * statistics.median(lat) if lat else float("nan")})
     return ({k: statistics.median(x[k] for x in rows) for k in rows[0]}
             | {"idle_split_steps": rows, "bubble_replayed": statistics.median(replay), "bubble_replayed_steps": replay})

@@ -45,7 +45,8 @@ def summarize(records: list[dict]) -> list[dict]:
             row.update(bubble_replayed=statistics.median(rep), bubble_replay_ratio=paired_ratio(meas, rep))
         if all("idle_split_steps" in r for r in rs):  # medians over every timed step of every round
             for k in rs[0]["idle_split_steps"][0]:
-                row[k] = statistics.median(x[k] for r in rs for x in r["idle_split_steps"])
+                vals = [x[k] for r in rs for x in r["idle_split_steps"] if x.get(k) == x.get(k)]  # NaN: none measured
+                row[k] = statistics.median(vals) if vals else float("nan")
         if all("link_tx_bytes_per_step" in r for r in rs):
             row["link_tx_bytes_per_step"] = statistics.median(r["link_tx_bytes_per_step"] for r in rs)
         if "epoch_tokens" in rs[0]:
@@ -105,7 +106,7 @@ def format_table(rows: list[dict]) -> str:
     ``bubble_replayed``, ``bubble_replay_ratio``, ``bubble_theory``)."""
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
     extra = [k for k in ("epoch_time_s", "pp_split", "bubble_measured", "idle_dependency", "idle_transfer",
-                         "idle_post", "start_skew_ms", "bubble_simulated", "bubble_overhead_ratio", "bubble_replayed",
+                         "idle_post", "start_skew_ms", "p2p_latency_ms", "bubble_simulated", "bubble_overhead_ratio", "bubble_replayed",
                          "bubble_replay_ratio", "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat")
              if any(k in r for r in rows)]
     names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
@@ -114,6 +115,7 @@ def format_table(rows: list[dict]) -> str:
              "bubble_replay_ratio": ("measured / replay", ".2f"),
              "idle_dependency": ("idle: wait for sender", ".3f"), "idle_transfer": ("idle: p2p transfer", ".3f"),
              "idle_post": ("idle: post + send wait", ".3f"), "start_skew_ms": ("start skew ms", ".1f"),
+             "p2p_latency_ms": ("p2p latency ms", ".2f"),
              "pp_split": ("split", "s"), "bubble_theory": ("bubble theory", ".3f"),
              "ratio_vs_flat": ("tokens/s vs flat", ".3f"),
              "link_tx_bytes_per_step": ("link bytes/step", ",.0f"), "link_bytes_vs_flat": ("link bytes vs flat", ".3f")}
@@ -186,7 +188,9 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         "waits before the matching send was posted, receive waits after it (p2p latency and wake-ups: executor "
         "overhead), and time posting ops or waiting for sends, as fractions of its walk (they add up to bubble "
         "measured; medians per column, so the sum of the medians may differ slightly); start skew: how much "
-        "later the last pp rank began the step's pipeline walk than the first; bubble sim (measured F/B): "
+        "later the last pp rank began the step's pipeline walk than the first; p2p latency: median one-way "
+        "latency (send posted to receive complete) of the receives already waiting when their send was posted, "
+        "what each message on the critical path costs; bubble sim (measured F/B): "
         "the same statistic predicted by the schedule simulator fed with each stage's measured mean F and B "
         "times (communication free, sends completing in the background), so measured / sim (median of per-step "
         "ratios) is executor overhead plus the extra waits compute-time jitter causes, and sim vs theory is stage "

@@ -32,7 +32,7 @@ moves these numbers by >= 1e-7. Config validation decides which layouts run; eve
 must be refused for a reason listed by :func:`expected_refusal` (and the test asserts both
 directions), never trained silently wrong.
 """
-from zerotron.parity.runs import ERRORS, check, compare, markdown, reference, run_many, train_layout
+from zerotron.parity.runs import ERRORS, check, compare, markdown, reference, run_jobs, run_many, train_layout
 from zerotron.parity.space import (
                                    FACTORS,
                                    FP64_RTOL,
@@ -52,6 +52,6 @@ from zerotron.parity.space import (
                                    refusal,
 )
 
-__all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_many", "train_layout", "FACTORS",
+__all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
            "Layout", "all_layouts", "config_for", "covering_layouts", "expected_refusal", "refusal"]

@@ -136,6 +136,13 @@ def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = 
     return res
 
 
+def run_jobs(jobs: list[tuple[list[dict], str, str, dict | None]]) -> list[list[dict]]:
+    """Worker body running several :func:`run_many` jobs ``(layouts, ref_path, tmp, extra)`` in one
+    spawn (e.g. both model families' layouts of one world size: the ranks import torch once).
+    Returns one record list per job, in order."""
+    return [run_many(*job) for job in jobs]
+
+
 def _destroy_subgroups() -> None:
     """Destroy every process group but the default one (each layout builds its own mesh and
     pipeline groups; hundreds of live gloo groups slow every later layout down). Collective."""

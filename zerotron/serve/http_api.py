@@ -57,7 +57,8 @@ def make_handler(front: Front, max_body_bytes: int, read_timeout_s: float = 60.0
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if self.command != "HEAD":  # a HEAD answer has the GET answer's headers, no content
+                    self.wfile.write(data)
             except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left: nothing to answer
                 pass
 
@@ -146,9 +147,18 @@ def make_handler(front: Front, max_body_bytes: int, read_timeout_s: float = 60.0
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":
+                self.wfile.write(data)
 
-        do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed
+        def do_HEAD(self):
+            """HEAD of a GET route: its status and headers without the body (RFC 9110 9.3.2); of
+            /v1/completions: 405 without a body."""
+            if self.path == "/v1/completions":
+                self._not_allowed()
+            else:
+                self.do_GET()
+
+        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
         def _stream(self, job, events) -> None:
             """Server-sent events, HTTP/1.1 chunked: one ``data: {json}`` per event, then [DONE]."""

@@ -80,10 +80,15 @@ def padding_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full((1, seq_len), IGNORE_INDEX, dtype=torch.int64))
 
 
+# the data.* settings that decide which tokens train and validate (vocab_size and the tokenizer
+# are checked against the checkpoint's tokenizer; cache_dir is only where the tokens are kept)
+DATA_STREAM_KEYS = ("corpus", "path", "text_field", "val_fraction")
+
+
 def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
     """For ``--resume``: the newest checkpoint that is intact (files present, checksums equal;
     damaged ones are skipped with a warning and, with ``quarantine``, renamed damaged_step_<N>),
-    after checking the model shape of ``cfg`` equals the saved one; sets ``data.tokenizer`` to the
+    after checking the model shape of ``cfg`` and its :data:`DATA_STREAM_KEYS` equal the saved ones; sets ``data.tokenizer`` to the
     checkpoint's tokenizer.json unless one is given (the token ids must not change under the
     embeddings). Checksums are not re-hashed for the checkpoint named by ZEROTRON_CKPT_VERIFIED
     (set once verified). Raises ConfigError / CheckpointError."""
@@ -104,6 +109,14 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
         if diff:
             raise ConfigError(f"--resume: the model shape differs from the checkpoint {str(latest)!r}: "
                               f"{'; '.join(diff)}; resume with the checkpoint's model settings")
+    was = meta.get("config", {}).get("data", {})
+    diff = [f"data.{k} {was[k]!r} (checkpoint) vs {getattr(cfg.data, k)!r} (now)" for k in DATA_STREAM_KEYS
+            if k in was and was[k] != getattr(cfg.data, k)]
+    if diff:
+        raise ConfigError(f"--resume: the training data differs from the checkpoint {str(latest)!r}'s: "
+                          f"{'; '.join(diff)}; resume with the checkpoint's data settings, or train on the new data "
+                          "in a new run: zerotron export the checkpoint and pass the exported directory as "
+                          "--model.init_from")
     if not cfg.data.tokenizer and (latest / "tokenizer.json").is_file():
         cfg.data.tokenizer = str(latest / "tokenizer.json")
     return latest

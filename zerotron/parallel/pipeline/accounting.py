@@ -68,7 +68,9 @@ def recv_wait_split(events_by_rank: list[list[tuple]]) -> list[dict]:
     ``time.perf_counter``, which only compares between processes of ONE host). For a receive waited
     from a to b whose send was posted at s: dependency = clamp(min(s, b) - a, 0), transfer =
     b - max(a, s) (>= 0). A receive without its send in the events (another host, a trimmed trace)
-    counts as transfer. Returns one ``{"dependency_s", "transfer_s", "recvs"}`` per rank."""
+    counts as transfer. ``latencies_s``: b - s of each receive already waiting when its send was
+    posted (a <= s <= b): the one-way p2p latency, issue to delivery, of that message. Returns one
+    ``{"dependency_s", "transfer_s", "recvs", "latencies_s"}`` per rank."""
     sent = {}
     for evs in events_by_rank:
         for e in evs:
@@ -77,7 +79,7 @@ def recv_wait_split(events_by_rank: list[list[tuple]]) -> list[dict]:
     out = []
     for evs in events_by_rank:
         dep = xfer = 0.0
-        n = 0
+        n, lat = 0, []
         for e in evs:
             if e[0] != "R":
                 continue
@@ -85,7 +87,9 @@ def recv_wait_split(events_by_rank: list[list[tuple]]) -> list[dict]:
             s = sent.get((e[1], tuple(e[2])), a)
             dep += max(min(s, b) - a, 0.0)
             xfer += max(b - max(a, s), 0.0)
-        out.append({"dependency_s": dep, "transfer_s": xfer, "recvs": n})
+            if a <= s <= b and (e[1], tuple(e[2])) in sent:
+                lat.append(b - s)
+        out.append({"dependency_s": dep, "transfer_s": xfer, "recvs": n, "latencies_s": lat})
     return out
 
 
