@@ -565,6 +565,37 @@ def test_restart_note_written_before_survivors_are_stopped(tmp_path, monkeypatch
         assert agent._remaining_restarts == 0 and not note.exists()
 
 
+def test_restart_note_written_before_torchs_own_stop(tmp_path, monkeypatch):
+    """torch's SubprocessContext._poll stops the survivors (PContext.close: SIGTERM) as soon as it
+    sees a failed worker, INSIDE _monitor_workers: restart_hooks puts the note on disk before that
+    close, so a survivor's SIGTERM handler finds it (the kill -9 restart test printed a user's
+    "SIGTERM: finishing the current step" when it lost this race)."""
+    from types import SimpleNamespace as NS
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from zerotron.launch import restart_hooks
+
+    note, at_close = tmp_path / "note", []
+    monkeypatch.setattr(PContext, "close", lambda pc, *a, **k: at_close.append(note.read_text() if note.exists() else None))
+    stand_in = PContext.close
+    pc = NS(_failures={1: NS(exitcode=-signal.SIGKILL, timestamp=10)})  # local rank 1 = global rank 3
+
+    def monitor(self, wg):  # what the real one does: _poll closes the context on a failure, then returns it
+        PContext.close(pc)
+        return NS(is_failed=lambda: True, failures={3: pc._failures[1]})
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", monitor, raising=False)
+    group = NS(spec=NS(max_restarts=1), workers=[NS(local_rank=0, global_rank=2), NS(local_rank=1, global_rank=3)])
+    with restart_hooks(None, note):
+        LocalElasticAgent._monitor_workers(NS(_remaining_restarts=1), group)
+        assert at_close == ["worker 3 died (killed by SIGKILL: possibly out of memory (check dmesg))"]
+        note.unlink()
+        LocalElasticAgent._monitor_workers(NS(_remaining_restarts=0), group)  # no restart follows: no note
+        assert at_close[1:] == [None] and not note.exists()
+    assert PContext.close is stand_in  # restored on exit
+
+
 _SURVIVOR = """
 import os, pathlib, signal, sys
 from zerotron.train.lifecycle import GracefulStop
