@@ -584,12 +584,14 @@ def test_restart_note_written_before_torchs_own_stop(tmp_path, monkeypatch):
 
     def monitor(self, wg):  # what the real one does: _poll closes the context on a failure, then returns it
         PContext.close(pc)
-        return NS(is_failed=lambda: True, failures={3: pc._failures[1]})
+        return NS(is_failed=lambda: True, failures={3: pc._failures[1], 2: NS(exitcode=-signal.SIGTERM, timestamp=11)})
     monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", monitor, raising=False)
     group = NS(spec=NS(max_restarts=1), workers=[NS(local_rank=0, global_rank=2), NS(local_rank=1, global_rank=3)])
     with restart_hooks(None, note):
-        LocalElasticAgent._monitor_workers(NS(_remaining_restarts=1), group)
+        agent = NS(_remaining_restarts=1)
+        LocalElasticAgent._monitor_workers(agent, group)
         assert at_close == ["worker 3 died (killed by SIGKILL: possibly out of memory (check dmesg))"]
+        assert agent._remaining_restarts == 1  # the survivor killed by that SIGTERM (-15) does not cancel it
         note.unlink()
         LocalElasticAgent._monitor_workers(NS(_remaining_restarts=0), group)  # no restart follows: no note
         assert at_close[1:] == [None] and not note.exists()
@@ -612,13 +614,14 @@ print("still running", flush=True)
 def test_survivor_stopped_for_restart_says_so(tmp_path):
     """The SIGTERM by which the --max-restarts launcher stops a surviving worker (the note file
     names the dead worker): one line saying it is stopped for a restart after that worker died, and
-    exit 143 at once (no step or checkpoint can complete with a dead peer). Before the note exists
+    it dies by that SIGTERM at once (no step or checkpoint can complete with a dead peer; exit -15,
+    not 143, which the launcher reads as a stop on purpose and does not restart). Before the note exists
     the same SIGTERM is a user's graceful stop: the usual notice, and the process goes on."""
     note = "worker 1 died (killed by SIGKILL: possibly out of memory (check dmesg))"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "ZEROTRON_RESTART_NOTE": str(tmp_path / "note")}
     r = subprocess.run([sys.executable, "-c", _SURVIVOR, note], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
-    assert r.returncode == 128 + signal.SIGTERM and r.stdout == f"pending {int(signal.SIGTERM)}\n", (r.stdout, r.stderr)
+    assert r.returncode == -signal.SIGTERM and r.stdout == f"pending {int(signal.SIGTERM)}\n", (r.stdout, r.stderr)
     assert ours(r.stderr) == [
         "zerotron: SIGTERM: finishing the current step, then writing a checkpoint (at most 30 s; a second signal "
         "exits at once)",

@@ -85,7 +85,8 @@ class GracefulStop:
     without a checkpoint. A SIGTERM by which the ``--max-restarts`` launcher stops the survivors of
     a failed attempt (:func:`restarts.restart_note`) also exits at once (a peer is dead: no step or
     checkpoint can complete; the new workers resume from the newest checkpoint), saying so in one
-    line (``announce``). Only the main thread may call :meth:`install`."""
+    line (``announce``), killed by that SIGTERM (exit -15, not the 143 of a stop on purpose, which
+    would cancel the restart). Only the main thread may call :meth:`install`."""
 
     def __init__(self, grace_s: float, announce: bool, debounce_s: float = 2.0):
         self.grace_s, self.announce, self.debounce_s = grace_s, announce, debounce_s
@@ -105,6 +106,11 @@ class GracefulStop:
             if self.announce:
                 print(f"zerotron: stopped for a restart after {note}: exiting at once, without a checkpoint "
                       "(the launcher starts the workers again)", file=sys.stderr, flush=True)
+            # die BY the signal (exit -15, what the agent's stop leaves), not with 143: 128 + S means
+            # "stopped on purpose", which the launcher does not restart (launch.NO_RESTART_EXIT_CODES)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            time.sleep(5)  # the default action ends the process; not reached
             os._exit(128 + signum)
         if not self.pending:
             self.pending, self._t0 = signum, time.monotonic()
