@@ -203,42 +203,47 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
             proc.wait()
 
 
-def test_serve_cannot_listen_is_one_line(checkpoint):
+def test_serve_cannot_listen_is_one_line(checkpoint, capsys):
     """A port already in use, or a --host that does not resolve: one line naming the address and
-    the fix, exit 2, before any worker starts (also with --nproc 2)."""
+    the fix, exit 2, before any worker starts (also with --nproc 2, in a real subprocess); a
+    damaged checkpoint and a bad option value likewise (in process: the checks run before any
+    worker or listener starts)."""
+    import shutil
+
+    from zerotron.cli import main
+    from zerotron.train.checkpoint import latest_checkpoint
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+    def serve(*args):
+        code = main(["serve", "--checkpoint", *args])
+        return code, capsys.readouterr().err
+
+    capsys.readouterr()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        for extra in ([], ["--nproc", "2"]):
-            r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint),
-                                "--host", "127.0.0.1", "--port", str(port), *extra], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=120)
-            assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
-            assert r.stderr.startswith(f"zerotron serve: error: cannot listen on 127.0.0.1:{port} (") and \
-                "choose another --port" in r.stderr, r.stderr
-    import shutil
-
-    from zerotron.train.checkpoint import latest_checkpoint
-
+        code, err = serve(str(checkpoint), "--host", "127.0.0.1", "--port", str(port))
+        r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint),
+                            "--host", "127.0.0.1", "--port", str(port), "--nproc", "2"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+        for code, err in ((code, err), (r.returncode, r.stderr)):
+            assert code == 2 and err.strip().count("\n") == 0, err
+            assert err.startswith(f"zerotron serve: error: cannot listen on 127.0.0.1:{port} (") and \
+                "choose another --port" in err, err
     damaged = checkpoint.parent / "damaged_run"  # a flipped byte: refused in one line before serving
     shutil.copytree(checkpoint, damaged)
     data = next(latest_checkpoint(damaged).glob("*.distcp"))
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 1
     data.write_bytes(bytes(raw))
-    r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(damaged), "--port", "0"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "does not match its checksum" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--batch-window-ms",
-                        "nan"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--batch-window-ms must be a finite number in [0, 60000], got nan" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--host",
-                        "no-such-host.invalid", "--port", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and "cannot listen on no-such-host.invalid:0" in r.stderr and \
-        "Traceback" not in r.stderr, r.stderr
+    code, err = serve(str(damaged), "--port", "0")
+    assert code == 2 and err.count("\n") == 1 and "does not match its checksum" in err, err
+    code, err = serve(str(checkpoint), "--batch-window-ms", "nan")
+    assert code == 2 and "--batch-window-ms must be a finite number in [0, 60000], got nan" in err, err
+    code, err = serve(str(checkpoint), "--host", "no-such-host.invalid", "--port", "0")
+    assert code == 2 and "cannot listen on no-such-host.invalid:0" in err and "Traceback" not in err, err
 
 
 def test_stream_text_holds_back_what_may_change():
