@@ -37,6 +37,10 @@ CASES = [
     (["train", "--config", TINY, "--parallel.dp_impl", "mpi"], "parallel.dp_impl must be one of"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi"], "no checkpoint found at '/no/such/run'"),
     (["frobnicate"], "unknown command 'frobnicate'"),
+    (["trian"], "unknown command 'trian' (did you mean 'train'?)"),
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--temperature", "-1"],
+     "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-k", "0"], "--top-k must be >= 1"),
     (["bench", "nothing"], "usage: zerotron bench comm|train|plan"),
     (["bench", "plan", "--bench-train", "/no/such.json", "--bench-comm", "/no/such.json"], "/no/such.json"),
     (["memory", "--params", "1e6", "--dp", "0"], "dp"),
@@ -66,6 +70,7 @@ USAGE_ERRORS = [
      "argument --max-new-tokens: invalid int value: 'abc'"),
     (["generate", "--checkpoint", "x"], "one of the arguments --prompt --prompts-file is required"),
     (["generate", "--bogus"], "unrecognized arguments: --bogus"),  # named before the missing --checkpoint
+    (["generate", "--checkpoint", "x", "--promt", "hi"], "unrecognized arguments: --promt (did you mean --prompt?)"),
     (["export", "--out", "o", "--checkpoin=x", "--bogus=1"], "unrecognized arguments: --bogus=1"),
     (["memory", "--model", "gpt2", "--dp", "x"], "argument --dp: invalid int value: 'x'"),
     (["memory", "--model", "gpt2", "--dp", "8", "--bogus"], "unrecognized arguments: --bogus"),
@@ -159,7 +164,7 @@ def test_resume_checks(small_run, tmp_path, capsys):
     # other training data (which tokens train and validate) is refused the same way
     code, err = main([*argv, "--resume", "--train.steps", "3", "--data.val_fraction", "0.2"]), capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "the training data differs from the checkpoint" in err and "data.val_fraction 0.05 (checkpoint) vs 0.2" in err, err
+    assert "the training data differs from that of the checkpoint" in err and "data.val_fraction 0.05 (checkpoint) vs 0.2" in err, err
     # resuming a finished run (train.steps at or below the step reached) is refused in one line,
     # exit 2, and changes nothing on disk (the lock file is empty again, as the first run left it)
     def snapshot():

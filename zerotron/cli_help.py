@@ -3,6 +3,7 @@ analysis/ and bench/ build their parsers with them without importing the CLI).""
 from __future__ import annotations
 
 import argparse
+import difflib
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -38,7 +39,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
                 continue
             if not (name in known or (self.allow_abbrev and name.startswith("--")
                                       and any(k.startswith(name) for k in known))):
-                self.error(f"unrecognized arguments: {tok}")
+                near = difflib.get_close_matches(name, [k for k in known if k.startswith("--")], n=1)
+                self.error(f"unrecognized arguments: {tok}" + (f" (did you mean {near[0]}?)" if near else ""))
         return super().parse_args(args, namespace)
 
     def error(self, message: str):

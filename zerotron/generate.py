@@ -84,10 +84,12 @@ def check_sampling_args(args) -> None:
     """Raise ValueError (one line) unless --max-new-tokens >= 0, --temperature is a finite number
     >= 0 (nan and inf are refused), --top-k >= 1, 0 < --top-p <= 1 and --microbatches >= 0."""
 
-    if args.max_new_tokens < 0 or not (math.isfinite(args.temperature) and args.temperature >= 0) or (
-            args.top_k is not None and args.top_k < 1):
-        raise ValueError(f"need --max-new-tokens >= 0, a finite --temperature >= 0 and --top-k >= 1 (got "
-                         f"{args.max_new_tokens}, {args.temperature}, {args.top_k})")
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1 (leave it unset to sample from every token), got {args.top_k}")
     top_p = getattr(args, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise ValueError(f"need 0 < --top-p <= 1, got {top_p}")

@@ -1,6 +1,7 @@
 """The ``zerotron`` command: usage, version and dispatch to one module per command."""
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -86,4 +87,6 @@ def _dispatch(argv: list[str]) -> int:
     if cmd in COMMANDS:
         module, name = COMMANDS[cmd]  # imported on demand: --help and usage errors stay fast
         return getattr(importlib.import_module(module), name)(rest)
-    return fail(f"unknown command {cmd!r}; commands: {', '.join(COMMANDS)}")
+    near = difflib.get_close_matches(cmd, list(COMMANDS), n=1)
+    return fail(f"unknown command {cmd!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                + f"; commands: {', '.join(COMMANDS)}")

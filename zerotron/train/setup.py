@@ -113,7 +113,7 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
     diff = [f"data.{k} {was[k]!r} (checkpoint) vs {getattr(cfg.data, k)!r} (now)" for k in DATA_STREAM_KEYS
             if k in was and was[k] != getattr(cfg.data, k)]
     if diff:
-        raise ConfigError(f"--resume: the training data differs from the checkpoint {str(latest)!r}'s: "
+        raise ConfigError(f"--resume: the training data differs from that of the checkpoint {str(latest)!r}: "
                           f"{'; '.join(diff)}; resume with the checkpoint's data settings, or train on the new data "
                           "in a new run: zerotron export the checkpoint and pass the exported directory as "
                           "--model.init_from")
