@@ -64,7 +64,7 @@ def test_nonfinite_config_refused(argv, message, capsys, tmp_path):
 def test_generate_temperature_nan_refused(capsys):
     code = main(["generate", "--checkpoint", "/no/such", "--prompt", "hi", "--temperature", "nan"])
     err = capsys.readouterr().err
-    assert code == 2 and "finite --temperature" in err, err
+    assert code == 2 and "--temperature must be a finite number >= 0" in err and "got nan" in err, err
 
 
 def _digest(tr) -> str:
