@@ -251,6 +251,8 @@ def test_two_process_end_to_end(tmp_path, data_cache):
     assert 0 < pp["bubble_replayed"] < 1 and pp["bubble_replay_ratio"] > 0
     assert "idle_split_steps" not in pp and "bubble_replayed_steps" not in pp
     assert 0 < pp["p2p_latency_ms"] < 1000  # some receive waited for its send on loopback gloo
+    # the simulation with that latency on every message predicts at least the latency-free idle
+    assert pp["bubble_simulated"] <= pp["bubble_sim_latency"] < 1 and pp["latency_ratio"] > 0
     dp, torch_dp = rows["dp"], rows["dp-torch"]
     assert dp["ratio_vs_dp-torch"] == pytest.approx(dp["tokens_per_s"] / torch_dp["tokens_per_s"])  # 1 round
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -259,7 +261,7 @@ def test_two_process_end_to_end(tmp_path, data_cache):
     assert "| single | DataParallel | 1 |" in text and "gloo, 2 rank(s)" in text
     assert ("| epoch s | split | bubble measured | idle: wait for sender | idle: p2p transfer | idle: post + send wait "
             "| start skew ms | p2p latency ms | bubble sim (measured F/B) | measured / sim | bubble replay (per-action times) "
-            "| measured / replay | bubble theory |") in text
+            "| measured / replay | bubble sim + p2p latency | measured / (sim + latency) | bubble theory |") in text
     assert "| 0.333 |" in text and "| 2,2 |" in text
     assert "| dp-torch | TorchDDP | 2 |" in p.stdout and "dp / dp-torch tokens/s:" in p.stdout
 

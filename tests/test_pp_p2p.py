@@ -77,6 +77,30 @@ def test_simulate_durations_override_one_action():
     assert simulate(sched, 2, 1, 9.0, 9.0, eager_sends=True, durations=full).intervals == base.intervals
 
 
+def test_simulate_latency_delays_each_message():
+    """GPipe, uniform stages, latency L per message: the fill and the drain each cross p-1 links,
+    so the makespan is (m+p-1)(f+b) + 2(p-1)L (L <= f, b: the steady stream hides the rest)."""
+    for p, m in ((2, 4), (3, 6), (4, 8)):
+        sched = build_schedule(p, m, "gpipe")
+        for lat in (0.0, 0.1, 0.5):
+            got = simulate(sched, p, 1, 1.0, 2.0, eager_sends=True, latency=lat)
+            assert got.makespan == pytest.approx((m + p - 1) * 3.0 + 2 * (p - 1) * lat), (p, m, lat)
+    # 1F1B at p = 2 with equal stages: unlike GPipe, steady-state messages are on the critical path
+    # too (F(i+1) waits for the B(i) gradient's round trip), at most all 2m of them
+    sched = build_schedule(2, 8, "1f1b")
+    free = simulate(sched, 2, 1, 1.0, 2.0, eager_sends=True)
+    slow = simulate(sched, 2, 1, 1.0, 2.0, eager_sends=True, latency=0.1)
+    assert free.makespan + 2 * 0.1 + 1e-9 < slow.makespan <= free.makespan + 2 * 8 * 0.1 + 1e-9
+    assert simulate(build_schedule(1, 4, "gpipe"), 1, 1, latency=7.0).makespan == pytest.approx(12.0)  # no messages
+    with pytest.raises(ValueError, match="latency"):
+        simulate(sched, 2, 1, latency=-1.0)
+    # predicted_bubble passes it on; more latency never predicts less idle
+    st = {"F": {0: 1.0, 1: 1.0}, "B": {0: 2.0, 1: 2.0}}
+    fr = [predicted_bubble(2, 8, "1f1b", 1, st, latency_s=x)["max"] for x in (0.0, 0.05, 0.1)]
+    assert fr[0] < fr[1] < fr[2]
+    assert predicted_bubble(2, 8, "1f1b", 1, st, latency_s=0.1)["makespan_s"] == pytest.approx(slow.makespan)
+
+
 def test_replayed_bubble_equals_the_walk_it_replays():
     for kind, costs in (("1f1b", dict(f_cost=[1.0, 1.5], b_cost=[2.0, 3.0])),
                         ("zb-h1", dict(f_cost=[1.0, 1.0], b_cost=[0.5, 1.0], w_cost=[1.0, 0.7]))):
@@ -125,7 +149,8 @@ def test_bench_idle_split_summary():
         step = {"busy_s": busy, "idle_s": rw + 0.1, "post_s": 0.1, "post_cpu_s": 0.05, "recv_wait_s": rw, "send_wait_s": 0.0,
                 "other_s": 0.01, "walk_start_s": 50.0 + 0.5 * r, "p2p_events": evs[r]}
         assert walk_end[r] > 50.0
-        got.append({"p2p": [step, step], "host": "h", "pipe": [r, 0, 0], "schedule": (2, 4, "1f1b", 1)})
+        got.append({"p2p": [step, step], "host": "h", "pipe": [r, 0, 0], "schedule": (2, 4, "1f1b", 1),
+                    "stage_times": [{"F": {r: 1.0}, "B": {r: 2.0}}] * 2})
     out = idle_split(got, 2)
     split = recv_wait_split(evs)
     walks = [s["busy_s"] + s["idle_s"] for s in (g["p2p"][0] for g in got)]
@@ -138,6 +163,13 @@ def test_bench_idle_split_summary():
     assert out["start_skew_ms"] == pytest.approx(500.0) and out["other_fraction"] == pytest.approx(0.01 / walks[top])
     assert out["bubble_replayed"] == pytest.approx(max(rank_idle_fractions(res)))
     assert out["p2p_latency_ms"] == pytest.approx(250.0)  # every waiting receive: 0.25 s after its send
+    # the simulation and the replay again, each message taking the measured latency
+    st = {"F": {0: 1.0, 1: 1.0}, "B": {0: 2.0, 1: 2.0}}
+    want = predicted_bubble(2, 4, "1f1b", 1, st, latency_s=0.25)["max"]
+    assert out["bubble_sim_latency"] == pytest.approx(want) and want > predicted_bubble(2, 4, "1f1b", 1, st)["max"]
+    assert out["bubble_replay_latency"] == pytest.approx(replayed_bubble(2, 4, "1f1b", 1, evs, latency_s=0.25)["max"])
+    assert out["bubble_replay_latency"] > out["bubble_replayed"]
+    assert out["latency_ratio"] == pytest.approx(got[top]["p2p"][0]["idle_s"] / walks[top] / want)
     assert len(out["idle_split_steps"]) == 2 and len(out["bubble_replayed_steps"]) == 2
     assert idle_split([{**g, "host": f"h{i}"} for i, g in enumerate(got)], 2) == {}  # two hosts: no clocks
     assert idle_split([{**g, "p2p": []} for g in got], 2) == {}  # not the native executor

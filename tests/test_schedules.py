@@ -176,7 +176,7 @@ def test_check_schedule_rejects_w_before_b_and_duplicates():
         check_schedule([sched[0], moved], 2, 2)
     with pytest.raises(ValueError, match="duplicate"):
         check_schedule([sched[0], r1 + [r1[w]]], 2, 2)
-    with pytest.raises(ValueError, match="costs must be >= 0"):
+    with pytest.raises(ValueError, match="costs and latency must be >= 0"):
         simulate(sched, 2, 1, 1.0, 1.0, -1.0)
     with pytest.raises(ValueError):
         bubble_time_theory(4, "interleaved")
@@ -321,6 +321,29 @@ def test_schedule_main_zb_h1(capsys, tmp_path):
     assert "0" in line and "A" in line and "a" in line  # W, B and F cells of micro-batch 0
     assert schedule_main(["--pp", "4", "--microbatches", "2", "--kind", "zb-h1"]) == 0
     assert "n/a (m < pp)" in capsys.readouterr().out
+    # --latency: GPipe's fill and drain each cross p-1 links, (m+p-1)(F+B+W) + 2(p-1)L
+    assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "gpipe", "--latency", "0.25", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["latency"] == 0.25 and out["makespan"] == pytest.approx(11 * 3.0 + 6 * 0.25)
+    assert schedule_main(["--pp", "2", "--microbatches", "4", "--kind", "1f1b", "--latency", "0.5"]) == 0
+    assert "0.5 per message" in capsys.readouterr().out
+
+
+def test_no_schedule_beats_the_synchronous_step_bound():
+    """Uniform stages, one step barrier: every rank idles at least (p-1) T_F / v (the last stage's
+    wait for its first forward; all ranks share the makespan), and zb-h1 reaches it when T_W >= T_B
+    (the module docstring's reason for not building ZB-H2)."""
+    for p in (2, 3, 4):
+        for f, b, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.5, 0.5, 1.0), (1.0, 1.0, 0.25)):
+            for kind, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)):
+                m = 2 * p
+                sim = simulate(build_schedule(p, m, kind, v), p, v, f, b, w, eager_sends=True)
+                bound = (p - 1) * f / v
+                assert min(sim.idle) >= bound - 1e-9, (p, kind, f, b, w)
+                if kind == "zb-h1" and w >= b:
+                    assert sim.idle == pytest.approx([bound] * p), (p, f, b, w)
+                if kind == "zb-h1" and w < b:
+                    assert min(sim.idle) > bound + 1e-9  # what ZB-H2's extra memory could win back
 
 
 def test_schedule_main_errors(capsys):
@@ -332,7 +355,8 @@ def test_schedule_main_errors(capsys):
                        (["--w-cost", "inf"], "--w-cost must be a finite number >= 0"),
                        (["--b-cost", "0"], "--b-cost must be a finite number > 0"),
                        (["--microbatches", "100000"], "is more than this tool draws (4096)"),
-                       (["--out", "/tmp"], "--out must name a .png file, got '/tmp'")):
+                       (["--out", "/tmp"], "--out must name a .png file, got '/tmp'"),
+                       (["--latency", "-1"], "--latency must be a finite number >= 0")):
         assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "zb-h1", *extra]) == 2, extra
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err

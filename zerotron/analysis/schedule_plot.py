@@ -106,11 +106,13 @@ def ascii_timeline(sim: SimResult, max_width: int = 160) -> str:
 
 def schedule_main(argv: list) -> int:
     """``zerotron schedule --pp P --microbatches M --kind K [--virtual V] [--f-cost F] [--b-cost B]
-    [--w-cost W] [--out F.png] [--json]``: build, check (deadlock-free with waited sends too) and
+    [--w-cost W] [--latency L] [--out F.png] [--json]``: build, check (deadlock-free with waited sends too) and
     simulate a pipeline schedule with the executor's timing (``simulate(..., eager_sends=True)``)
     and report it (simulated vs theory bubble, peak in-flight micro-batches per rank, ASCII
     timeline; ``--out`` writes a PNG). A kind that does not split the backward runs B + W as one
-    B. Theory: ``bubble_theory`` (uniform stages), for zb-h1 idle / (idle + m(F+B+W)) with idle =
+    B; ``--latency`` prices every cross-rank message (``simulate(..., latency=L)``, e.g. the
+    ``p2p latency ms`` that ``zerotron bench train`` measures, in the units of the costs; the
+    theory column stays latency-free). Theory: ``bubble_theory`` (uniform stages), for zb-h1 idle / (idle + m(F+B+W)) with idle =
     ``bubble_time_theory`` (m >= pp; null below). With ``--json`` prints an object with
     ``bubble_simulated``, ``bubble_theory``, ``idle_per_rank``, ``makespan``, ``peak_in_flight``,
     ``actions`` (per rank) and ``intervals``. Returns 0, or 2 on a usage/value
@@ -139,6 +141,8 @@ def schedule_parser() -> argparse.ArgumentParser:
                         help="input-gradient backward (B) time per micro-batch")
     parser.add_argument("--w-cost", type=float, default=1.0,
                         help="weight-gradient backward (W) time per micro-batch (B + W fused unless the kind splits them)")
+    parser.add_argument("--latency", type=float, default=0.0,
+                        help="time of each cross-rank message, send posted to delivered (default 0)")
     parser.add_argument("--out", help="write a PNG timeline here")
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser
@@ -155,6 +159,8 @@ def _schedule_run(args) -> int:
             if not math.isfinite(c) or c > 1e6 or (c <= 0 if lo is not None else c < 0):
                 raise ValueError(f"{name} must be a finite number {'> 0' if lo is not None else '>= 0'} and "
                                  f"<= 1e6, got {c}")
+        if not math.isfinite(args.latency) or not 0 <= args.latency <= 1e6:
+            raise ValueError(f"--latency must be a finite number >= 0 and <= 1e6, got {args.latency}")
         if args.pp * args.microbatches * v > MAX_ACTIONS:
             raise ValueError(f"--pp x --microbatches x virtual stages = {args.pp * args.microbatches * v} is more than "
                              f"this tool draws ({MAX_ACTIONS}); use fewer micro-batches or stages")
@@ -164,7 +170,7 @@ def _schedule_run(args) -> int:
         check_schedule(schedule, args.pp, args.microbatches, v)
         costs = (args.f_cost, args.b_cost, args.w_cost)
         simulate(schedule, args.pp, v, *costs)  # raises on deadlock even if sends were waited for
-        sim = simulate(schedule, args.pp, v, *costs, eager_sends=True)
+        sim = simulate(schedule, args.pp, v, *costs, eager_sends=True, latency=args.latency)
         theory = bubble_theory(args.pp, args.microbatches, v)
         if args.kind == "zb-h1":
             idle = bubble_time_theory(args.pp, "zb-h1", *costs)
@@ -179,6 +185,7 @@ def _schedule_run(args) -> int:
         print(json.dumps({
             "kind": args.kind, "pp": args.pp, "microbatches": args.microbatches,
             "virtual_stages": v, "f_cost": args.f_cost, "b_cost": args.b_cost, "w_cost": args.w_cost,
+            "latency": args.latency,
             "bubble_simulated": sim.bubble_fraction, "bubble_theory": theory, "idle_per_rank": sim.idle,
             "makespan": sim.makespan, "peak_in_flight": sim.peak_in_flight, "png": args.out,
             "actions": [[asdict(a) for a in rank] for rank in schedule],
@@ -187,6 +194,7 @@ def _schedule_run(args) -> int:
         }))
         return 0
     print(f"{title}  (F={args.f_cost:g}, B={args.b_cost:g}, W={args.w_cost:g} per micro-batch"
+          + (f", {args.latency:g} per message" if args.latency else "")
           + (")" if args.kind == "zb-h1" else "; backward B+W fused)"))
     shown = f"{theory:.4f}" if theory is not None else "n/a (m < pp)"
     print(f"bubble simulated {sim.bubble_fraction:.4f}   theory {shown}   "

@@ -103,11 +103,12 @@ def format_table(rows: list[dict]) -> str:
     bubble columns appear only when some row has the field (pipeline layouts: ``pp_split``,
     ``bubble_measured``, the idle split ``idle_dependency``/``idle_transfer``/``idle_post`` and
     ``start_skew_ms`` (native executor), ``bubble_simulated``, ``bubble_overhead_ratio``,
-    ``bubble_replayed``, ``bubble_replay_ratio``, ``bubble_theory``)."""
+    ``bubble_replayed``, ``bubble_replay_ratio``, ``bubble_sim_latency``, ``latency_ratio``,
+    ``bubble_theory``)."""
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
     extra = [k for k in ("epoch_time_s", "pp_split", "bubble_measured", "idle_dependency", "idle_transfer",
                          "idle_post", "start_skew_ms", "p2p_latency_ms", "bubble_simulated", "bubble_overhead_ratio", "bubble_replayed",
-                         "bubble_replay_ratio", "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat")
+                         "bubble_replay_ratio", "bubble_sim_latency", "latency_ratio", "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat")
              if any(k in r for r in rows)]
     names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
              "bubble_simulated": ("bubble sim (measured F/B)", ".3f"), "bubble_overhead_ratio": ("measured / sim", ".2f"),
@@ -116,6 +117,8 @@ def format_table(rows: list[dict]) -> str:
              "idle_dependency": ("idle: wait for sender", ".3f"), "idle_transfer": ("idle: p2p transfer", ".3f"),
              "idle_post": ("idle: post + send wait", ".3f"), "start_skew_ms": ("start skew ms", ".1f"),
              "p2p_latency_ms": ("p2p latency ms", ".2f"),
+             "bubble_sim_latency": ("bubble sim + p2p latency", ".3f"),
+             "latency_ratio": ("measured / (sim + latency)", ".2f"),
              "pp_split": ("split", "s"), "bubble_theory": ("bubble theory", ".3f"),
              "ratio_vs_flat": ("tokens/s vs flat", ".3f"),
              "link_tx_bytes_per_step": ("link bytes/step", ",.0f"), "link_bytes_vs_flat": ("link bytes vs flat", ".3f")}
@@ -195,7 +198,10 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         "times (communication free, sends completing in the background), so measured / sim (median of per-step "
         "ratios) is executor overhead plus the extra waits compute-time jitter causes, and sim vs theory is stage "
         "imbalance; bubble replay (per-action times): the simulator fed with every action's own measured duration "
-        "of the step (jitter kept, communication free), so measured / replay is executor overhead alone; split: layers per model stage; bubble theory: "
+        "of the step (jitter kept, communication free), so measured / replay is executor overhead alone; bubble sim + p2p latency: the simulation from the "
+        "means again with every cross-rank message taking the step's measured p2p latency, so measured / (sim + "
+        "latency) (median of per-step ratios) is what is left once the latency on the critical path is priced "
+        "in (jitter, posting, skew); split: layers per model stage; bubble theory: "
         "(p-1)/(v*m+p-1) ((p-1)/(3m+p-1) for zb-h1). tokens/s vs flat (HSDP layouts): paired ratio against "
         "the flat layout (hsdp-zeroS vs zeroS, fsdp2-hsdp vs fsdp2-zero3, dp-hier vs dp). link bytes/step "
         "(multi-node): the inter-node interface's tx_bytes counters summed over the nodes per timed step "

@@ -37,7 +37,9 @@ overhead, simulated / theory the stage imbalance. ``stage_compute_s``: those per
 ``other_fraction``, ``start_skew_ms``) split the idlest rank's idle into waiting for the sender,
 p2p transfer and posting (:func:`bubble.idle_split`), and ``bubble_replayed`` simulates each step with every
 action's own measured duration (``pipeline.accounting.replayed_bubble``), so measured / replayed is
-executor overhead without the compute jitter that measured / simulated also contains. A layout
+executor overhead without the compute jitter that measured / simulated also contains;
+``bubble_sim_latency`` is the simulation from the means with every message taking the step's
+measured ``p2p_latency_ms`` and ``latency_ratio`` measured / that (paired per step). A layout
 suffix ``-p2pbatched`` / ``-p2peager`` runs the executor's other p2p posting modes
 (:attr:`layouts.Layout.p2p`).
 """

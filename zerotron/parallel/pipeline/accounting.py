@@ -34,7 +34,8 @@ def merge_stage_times(parts: list[dict]) -> dict:
     return {k: {s: a[0] / a[1] for s, a in sorted(st.items())} for k, st in sums.items()}
 
 
-def predicted_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int, stage_compute_s: dict) -> dict:
+def predicted_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int, stage_compute_s: dict,
+                     latency_s: float = 0.0) -> dict:
     """Simulate the schedule ``(pp, microbatches, kind, virtual_stages)`` with model stage s's F/B
     (and any other compute kind the simulator takes as ``<kind>_cost``) costing
     ``stage_compute_s[kind][s]`` seconds per micro-batch.
@@ -43,6 +44,10 @@ def predicted_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
     :func:`~zerotron.parallel.pipeline.schedules.rank_idle_fractions`), "max": the largest of them,
     "mean": idle / (pp x makespan), "makespan_s": seconds of one flush}``. Sends complete in the
     background (``simulate(..., eager_sends=True)``, the executor's timing; zb-h1 depends on it).
+    Communication is free unless ``latency_s`` > 0: then each cross-rank message takes that long
+    from its send's post to its receiver (``simulate(..., latency=...)``; e.g. the median of
+    :func:`recv_wait_split`'s ``latencies_s``), which separates the p2p latency on the critical
+    path from the rest of the executor overhead.
     Raises ValueError if a model stage has no time for some kind (every stage runs F and B)."""
     n = pp * virtual_stages
     costs = {}
@@ -52,7 +57,7 @@ def predicted_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
             raise ValueError(f"no measured {k} time for model stage(s) {missing} of {n}")
         costs[f"{k.lower()}_cost"] = [stages[s] for s in range(n)]
     res = simulate(build_schedule(pp, microbatches, kind, virtual_stages), pp, virtual_stages, eager_sends=True,
-                   **costs)
+                   latency=latency_s, **costs)
     per_rank = rank_idle_fractions(res)
     return {"per_rank": per_rank, "max": max(per_rank), "mean": res.bubble_fraction, "makespan_s": res.makespan}
 
@@ -94,17 +99,18 @@ def recv_wait_split(events_by_rank: list[list[tuple]]) -> list[dict]:
 
 
 def replayed_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
-                    events_by_rank: list[list[tuple]]) -> dict:
+                    events_by_rank: list[list[tuple]], latency_s: float = 0.0) -> dict:
     """The schedule simulated with every compute taking exactly its measured duration in one
     step's walks (``("C", walk, (kind, microbatch, model stage), t_start, t_end)`` events of
     ``PipelineStrategy.last_step_timing()["p2p_events"]``, one list per pp rank of one pipeline,
-    in pp order) and communication free: the idle the schedule would have had with this step's
+    in pp order) and communication free (unless ``latency_s``): the idle the schedule would have had with this step's
     own compute times, jitter included. ``measured / replayed`` is then executor overhead alone
     (p2p latency, posting, start skew, bookkeeping), while ``measured / predicted_bubble`` also
     counts the extra waits that compute-time variation causes around the per-stage means.
 
     Each walk (pipeline flush) is simulated separately; per rank, idle and busy are summed over
-    the walks. Returns ``{"per_rank": idle / (busy + idle) of each rank, "max": the largest}``.
+    the walks; ``latency_s`` > 0 delays each cross-rank message by that much, as in
+    :func:`predicted_bubble`. Returns ``{"per_rank": idle / (busy + idle) of each rank, "max": the largest}``.
     Raises ValueError if a walk lacks a rank's events."""
     sched = build_schedule(pp, microbatches, kind, virtual_stages)
     walks = sorted({e[1] for evs in events_by_rank for e in evs if e[0] == "C"})
@@ -116,7 +122,7 @@ def replayed_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
             if not got:
                 raise ValueError(f"no compute events of rank {r} in walk {w}")
             dur.update({tuple(e[2]): e[4] - e[3] for e in got})
-        res = simulate(sched, pp, virtual_stages, eager_sends=True, durations=dur)
+        res = simulate(sched, pp, virtual_stages, eager_sends=True, durations=dur, latency=latency_s)
         for r, iv in enumerate(res.intervals):
             end = iv[-1][1] if iv else 0.0
             b = sum(e - s for s, e, _ in iv)

@@ -21,6 +21,15 @@ back during the steady state (in flight at most p micro-batches, as 1F1B's rank 
 after its last B, so the critical path goes through the B's alone. With T_F = T_B = T_W that is a
 third of 1F1B's bubble time (:func:`bubble_time_theory`).
 
+Why there is no ZB-H2 here: with one synchronous optimizer step per flush (zerotron clips by the
+global gradient norm, so every rank waits for every gradient), no schedule over these stages can
+idle less than (p-1) T_F / v per rank for uniform stage costs: the last stage cannot start before
+its first forward has crossed the p-1 stages in front of it (v chunks: p-1 chunk forwards of
+T_F / v), and all ranks share one makespan. ZB-H1 attains that bound whenever T_W >= T_B, so
+ZB-H2 (Qi et al. 2024, sec. 3.2: 2p-1 micro-batches of activations on rank 0 instead of p) could
+only gain (p-1) max(T_B - T_W, 0); its "zero" bubble needs their optimizer post-validation, which
+lets the next iteration's warm-up overlap this one's tail. Tested: ``test_schedules``.
+
 Communication convention (what an executor may assume):
 
 * Computes come in *groups*: a single F or B, except in the interleaved steady state where a group
@@ -255,7 +264,7 @@ class SimResult:
 def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
              f_cost: float | list[float] = 1.0, b_cost: float | list[float] = 2.0,
              w_cost: float | list[float] = 0.0, eager_sends: bool = False,
-             durations: dict | None = None) -> SimResult:
+             durations: dict | None = None, latency: float = 0.0) -> SimResult:
     """Event simulation of ``schedule`` (one list per rank, walked in order, one compute at a time).
 
     Dependencies: F of stage s for micro-batch i after F of stage s-1 for i; B of stage s after B of
@@ -264,7 +273,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
     schedule is the whole backward and costs b_cost + w_cost (so the default w_cost = 0 makes b_cost
     the whole backward); a chunk's costs are divided by v = virtual_stages; or, when a cost is a
     list of pp*v numbers, model stage s costs ``cost[s]`` per micro-batch (e.g. measured per-stage
-    times, so an unbalanced split shows its extra bubble). Communication costs 0 but follows the
+    times, so an unbalanced split shows its extra bubble). Communication costs 0 (unless ``latency``) but follows the
     executor contract of the module docstring: a comm run is posted at once and left only when
     every op in it has its counterpart posted (rendezvous), so no deadlock here means none under
     NCCL-like batches either. With ``eager_sends`` a run is left once its RECVs have their SENDs
@@ -274,9 +283,13 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
     ``durations[(kind, microbatch, model stage)]`` is the duration of that compute (a fused B's
     whole backward under "B"), e.g. each action's measured time of one executor walk, so a replay
     keeps the run's jitter and only the communication becomes free; actions missing from it
-    use the costs. Raises RuntimeError("deadlock ...") if no rank can
-    progress, ValueError for a wrong number of rank lists, v < 1, a negative cost or a cost list
-    of the wrong length.
+    use the costs. ``latency`` (same units) is the one-way time of every cross-rank message: a
+    RECV is satisfied ``latency`` after its SEND was posted (a SEND waiting for its RECV's post,
+    without ``eager_sends``, is not delayed), e.g. the p2p latency measured for the run
+    (``accounting.recv_wait_split``), so the prediction includes what each message on the critical
+    path costs. Raises RuntimeError("deadlock ...") if no rank can
+    progress, ValueError for a wrong number of rank lists, v < 1, a negative cost or latency, or a
+    cost list of the wrong length.
     """
     if len(schedule) != pp or virtual_stages < 1:
         raise ValueError(f"expected {pp} rank lists and virtual_stages >= 1, got "
@@ -291,8 +304,9 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
             raise ValueError(f"{name} needs one cost per model stage (pp * virtual_stages = {last + 1}), got {len(c)}")
         return [float(x) for x in c]
     cost = {"F": per_stage(f_cost, "f_cost"), "B": per_stage(b_cost, "b_cost"), "W": per_stage(w_cost, "w_cost")}
-    if min(min(c) for c in cost.values()) < 0:
-        raise ValueError(f"costs must be >= 0, got f_cost={f_cost}, b_cost={b_cost}, w_cost={w_cost}")
+    if min(min(c) for c in cost.values()) < 0 or latency < 0:
+        raise ValueError(f"costs and latency must be >= 0, got f_cost={f_cost}, b_cost={b_cost}, "
+                         f"w_cost={w_cost}, latency={latency}")
     cost["BW"] = [b + w for b, w in zip(cost["B"], cost["W"])]
     pos, clock = [0] * pp, [0.0] * pp
     done: dict = {}    # (kind, microbatch, stage) -> end time
@@ -336,7 +350,8 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                 theirs = [(key, not is_send) for key, is_send in mine if not (eager_sends and is_send)]
                 if any(k not in posted for k in theirs):
                     break
-                clock[r] = max([clock[r]] + [posted[k] for k in theirs])
+                # theirs[i][1]: the counterpart is a SEND, i.e. this op receives: delivery takes latency
+                clock[r] = max([clock[r]] + [posted[k] + (latency if k[1] else 0.0) for k in theirs])
                 pos[r] = end
         if not progress:
             stuck = {r: schedule[r][pos[r]] for r in range(pp) if pos[r] < len(schedule[r])}
