@@ -119,17 +119,25 @@ def _resume_each(runs, cache):
     return [_resume(dst, overrides, cache) for dst, overrides in runs]
 
 
+def _save_then_resume(tmp, cache, tp, runs):
+    """One spawn: train and save at tp (as :func:`_save`), then the resumes of :func:`_resume_each`."""
+    _save(tmp, cache, tp)
+    return _resume_each(runs, cache)
+
+
 def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp_path):
     run_ranks(_save, 2, str(tmp_path), data_cache, 2)      # tp=2 saves steps 5 and 10
-    run_ranks(_save, 4, str(tmp_path), data_cache, 4)      # tp=4 saves steps 5 and 10
-    for src, dst in (("tp2", "to_tp4"), ("tp2", "to_tp1"), ("tp4", "to_tp2")):
-        _copy_until(tmp_path / src, tmp_path / dst, 5)
-    _copy_until(tmp_path / "tp2", tmp_path / "to_dtensor", 5)  # native TP checkpoint -> torch's DTensor TP
+    for dst in ("to_tp4", "to_tp1", "to_dtensor"):          # to_dtensor: native TP checkpoint -> torch's DTensor TP
+        _copy_until(tmp_path / "tp2", tmp_path / dst, 5)
+    # one 4-process spawn: tp=4 saves steps 5 and 10, then resumes the tp=2 checkpoint at tp=4
+    (to_tp4,) = run_ranks(_save_then_resume, 4, str(tmp_path), data_cache, 4,
+                          [(str(tmp_path / "to_tp4"), {"parallel.tp": 4})])[0]
+    _copy_until(tmp_path / "tp4", tmp_path / "to_tp2", 5)
     to_tp2, to_dtensor = run_ranks(_resume_each, 2, [(str(tmp_path / "to_tp2"), {"parallel.tp": 2}),
                                                      (str(tmp_path / "to_dtensor"),
                                                       {"parallel.tp": 2, "parallel.tp_impl": "dtensor"})],
                                    data_cache)[0]
-    outs = {"tp2 -> tp4": run_ranks(_resume, 4, str(tmp_path / "to_tp4"), {"parallel.tp": 4}, data_cache)[0],
+    outs = {"tp2 -> tp4": to_tp4,
             "tp4 -> tp2": to_tp2, "tp2 -> dtensor tp2": to_dtensor,
             "tp2 -> tp1": _resume(str(tmp_path / "to_tp1"), {}, data_cache)}
     for name, out in outs.items():
