@@ -20,6 +20,8 @@ from zerotron.testing import run_ranks
 FULL = os.environ.get("ZEROTRON_MATRIX", "") == "full"
 # ZEROTRON_MATRIX_WORLDS=8,4: only these world sizes (a long full run in parts).
 WORLDS = {int(w) for w in os.environ.get("ZEROTRON_MATRIX_WORLDS", "").split(",") if w.strip()}
+# ZEROTRON_MATRIX_SCHEDULES=zb-v: only the pipeline layouts of these schedules (a new schedule's part)
+SCHEDULES = {s.strip() for s in os.environ.get("ZEROTRON_MATRIX_SCHEDULES", "").split(",") if s.strip()}
 CHUNK = 48  # layouts per spawn: a hung spawn costs at most one chunk, and progress is saved per chunk
 
 
@@ -96,6 +98,8 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     chosen = valid if FULL else parity.covering_layouts(valid)
     if WORLDS:
         chosen = [lay for lay in chosen if lay.world in WORLDS]
+    if SCHEDULES:
+        chosen = [lay for lay in chosen if lay.schedule in SCHEDULES]
     tmp = tmp_path_factory.mktemp("matrix")
     fam, summaries, by_world = {}, {}, defaultdict(list)
     for family in parity.MODELS:
@@ -153,7 +157,8 @@ def test_fp64_layout_matrix(family, split, matrix_runs, report):
     assert len(summaries) == n_chosen
     if out and not WORLDS:
         with open(out, "w") as f:
-            json.dump({"model": family, "mode": "full" if FULL else "covering", "valid": len(valid), "refused": len(refused),
+            mode = ("full" if FULL else "covering") + (f" (schedules {','.join(sorted(SCHEDULES))})" if SCHEDULES else "")
+            json.dump({"model": family, "mode": mode, "valid": len(valid), "refused": len(refused),
                        "checked": len(summaries), "worst": worst, "seconds": round(seconds, 1),
                        "layouts": summaries,
                        "refusals": {l.name: m for l, m in sorted(refused.items())}}, f, indent=1)

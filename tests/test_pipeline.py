@@ -187,8 +187,8 @@ def _check(ref, runs, layouts, start=0):
             assert o["optim_groups"] == ref["optim_groups"], lay  # canonical, whole-model groups
             if "gen_trained" in o:
                 assert o["gen_trained"][0] == o["gen_trained"][1], lay
-        if pp > 1:  # tied copies bitwise equal after every step
-            for d in range(dp):
+        if pp > 1 and lay.get("kind") != "zb-v":  # tied copies bitwise equal after every step (zb-v: one
+            for d in range(dp):                        # rank holds the first and the last stage)
                 first, last = by[(0, d)]["tied"], by[(pp - 1, d)]["tied"]
                 assert None not in first and first == last, lay
                 np.testing.assert_array_equal(by[(0, d)]["params"]["transformer.wte.weight"],
@@ -233,6 +233,11 @@ def pp2_layouts(dense_ckpt, save_dir):
         {**base, "kind": "zb-h1", "mb": 1, "m": 8},                      # split backward B/W
         {**base, "kind": "zb-h1", "mb": 4, "m": 1},                      # m < pp, 2 flushes
         {**base, "kind": "zb-h1", "mb": 2, "m": 4, "split": "3,5", "recompute": "full", "clip": 0.0},
+        # zb-v: stages r and 2pp-1-r per rank (the tied weight on rank 0 alone, the turn local on rank 1)
+        {**base, "kind": "zb-v", "v": 2, "mb": 1, "m": 8, "gen": True},
+        {**base, "kind": "zb-v", "v": 2, "mb": 4, "m": 1},                # m < pp, 2 flushes
+        {**base, "kind": "zb-v", "v": 2, "mb": 2, "m": 4, "split": "1,3,2,2", "recompute": "full", "clip": 0.0},
+        {"pp": 1, "dp": 2, "kind": "zb-v", "v": 2, "mb": 1, "m": 2},     # both stages on one rank, dp sync
         # the executor's p2p posting modes (pipeline.p2p): gloo's default prefetches the next run's
         # receives; one batch_isend_irecv per run (the NCCL path) and eager (no prefetch) train alike
         {**base, "kind": "1f1b", "mb": 1, "m": 8, "p2p": "batched"},
@@ -275,6 +280,11 @@ def test_pp2_parity_all_schedules(refs, pp2):
     assert len(split[0][0]) == 3 + 3 and len(split[1][1]) == 5 + 2
     inter = [r[9]["stage_modules"] for r in pp2["runs"]]  # "1,3,2,2": stages 0,2 | 1,3
     assert list(inter[0]) == [0, 2] and inter[0][2] == ["transformer.h.4", "transformer.h.5"]
+    v = next(i for i, lay in enumerate(pp2["layouts"]) if lay["kind"] == "zb-v" and lay.get("split"))
+    vee = [r[v]["stage_modules"] for r in pp2["runs"]]  # zb-v "1,3,2,2": stages 0,3 | 1,2 (a V)
+    assert list(vee[0]) == [0, 3] and list(vee[1]) == [1, 2]
+    assert vee[0][0][0] == "transformer.wte" and vee[0][3][-1] == "lm_head"  # both ends on rank 0
+    assert vee[1][2] == ["transformer.h.4", "transformer.h.5"]
     # parameter memory falls with pp: each rank keeps storage only for its own stages' weights
     for r in pp2["runs"]:
         held, own, released, total = r[0]["param_bytes"]
@@ -320,9 +330,12 @@ def test_pp2_measured_bubble(pp2):
 
 
 def test_pp2_generation_equals_dense(pp2):
+    gens = [i for i, lay in enumerate(pp2["layouts"]) if lay.get("gen")]
+    assert [pp2["layouts"][i]["kind"] for i in gens] == ["1f1b", "zb-v"]  # zb-v: the last stage on rank 0
     for r in pp2["runs"]:
-        piped, dense = r[6]["gen"]
-        assert piped == dense and len(piped[0]) == 5 + 14
+        for i in gens:
+            piped, dense = r[i]["gen"]
+            assert piped == dense and len(piped[0]) == 5 + 14
 
 
 def test_pp1_in_process_and_checkpoint_pp2_to_pp1(refs, pp2):
@@ -352,6 +365,9 @@ def test_errors(single_process):
         ParallelPlan.from_config(_cfg(kind="zigzag"), mesh.dims)
     with pytest.raises(ConfigError, match="virtual_stages must be >= 2 for the interleaved"):
         ParallelPlan.from_config(_cfg(kind="interleaved", v=1), mesh.dims)
+    for v in (1, 3):
+        with pytest.raises(ConfigError, match="zb-v places two model stages per rank in a V .*set parallel.virtual_stages = 2"):
+            ParallelPlan.from_config(_cfg(kind="zb-v", v=v), mesh.dims)
     s = PipelineStrategy(model, mesh, ParallelPlan.from_config(_cfg(kind="gpipe", m=3), mesh.dims, micro_batch=1, global_batch=3))
     with pytest.raises(ValueError, match="4 micro-batches per step, not divisible by parallel.microbatches = 3"):
         s.forward_backward(_micro(0, 0, 1, 2), 100, "fp32", torch.device("cpu"))
@@ -377,6 +393,8 @@ def pp4_layouts(pp2_ckpt):
         {**four, "kind": "zb-h1", "mb": 1, "m": 8},
         {**four, "kind": "zb-h1", "mb": 2, "m": 2, "recompute": "selective"},  # m < pp
         {**two, "kind": "zb-h1", "mb": 1, "m": 4, "recompute": "full"},  # DDP buckets fire in W
+        {**four, "kind": "zb-v", "v": 2, "mb": 1, "m": 8},
+        {**two, "kind": "zb-v", "v": 2, "mb": 1, "m": 4, "recompute": "full"},  # DDP buckets fire in W, V placement
     ]
 
 

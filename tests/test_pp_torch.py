@@ -14,7 +14,8 @@ TORCH = {"parallel.pp_impl": "torch", "parallel.pp": 2}
 
 @pytest.mark.parametrize("over, world, msg", [
     ({"parallel.pp": 1}, 1, "needs parallel.pp >= 2"),
-    ({"parallel.pp_schedule": "naive"}, 2, "has no naive schedule"),
+    ({"parallel.pp_schedule": "naive"}, 2, "runs gpipe, 1f1b, interleaved or zb-h1, not 'naive'"),
+    ({"parallel.pp_schedule": "zb-v", "parallel.virtual_stages": 2}, 2, r"not 'zb-v' \(zb-v runs on pp_impl = native\)"),
     ({"parallel.zero_stage": 1}, 4, "only with native DDP"),
     ({"parallel.tp": 2}, 4, "only with native DDP"),
     ({"parallel.dp_impl": "torch"}, 4, "only with native DDP"),

@@ -157,7 +157,7 @@ class ParallelConfig:
     fp64; auto = fp32, or fp64 with train.dtype fp64): the dtype of every gradient collective -- dp
     reduction, tied and tp-replicated sums; bf16 needs zero_stage >= 1.
     ``tp``/``sequence_parallel``/``tp_impl`` (native | dtensor): tensor parallelism.
-    ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved | zb-h1)/``microbatches`` (per pipeline flush;
+    ``pp``/``pp_schedule`` (naive | gpipe | 1f1b | interleaved | zb-h1 | zb-v)/``microbatches`` (per pipeline flush;
     0 = all of the step's micro-batches in one flush)/``virtual_stages``/``pp_split`` (auto = balanced
     over FLOP estimates counting embedding and head + loss, ``zerotron.parallel.pipeline.balance``;
     even (or "") = equal layer counts; or comma-separated layer counts per model stage)/``pp_impl``
@@ -192,11 +192,11 @@ class ParallelConfig:
     tp_impl: str = "native"
     """native | dtensor (torch DTensor TP, alone)"""
     pp_schedule: str = "1f1b"
-    """naive | gpipe | 1f1b | interleaved | zb-h1 (zero bubble: split backward)"""
+    """naive | gpipe | 1f1b | interleaved | zb-h1 (zero bubble: split backward) | zb-v (zero bubble, two stages per rank in a V)"""
     microbatches: int = 0
     """micro-batches per pipeline flush (0 = all of the step's)"""
     virtual_stages: int = 1
-    """model chunks per pipeline rank (interleaved schedule, >= 2; pp_impl = threads: the stage threads)"""
+    """model chunks per pipeline rank (interleaved schedule, >= 2; zb-v: 2; pp_impl = threads: the stage threads)"""
     pp_split: str = "auto"
     """layers per stage: auto (balanced by FLOP estimates, head + loss on the last stage) | even | counts, e.g. 3,5"""
     pp_impl: str = "native"

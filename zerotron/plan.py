@@ -30,7 +30,7 @@ __all__ = ["ParallelDims", "ParallelPlan", "build_plan", "check_values", "DTYPES
 DTYPES = ("fp32", "bf16", "fp64")  # = parallel.precision.TRAIN_DTYPES (no torch import here)
 REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp64")
 DP_IMPLS = ("native", "torch")
-PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 RUNNERS = ("plain", "pipeline", "threads", "torch")
 SYNCS = ("ddp", "torch_ddp", "zero", "fsdp2", "dtensor_tp")
 
@@ -164,13 +164,14 @@ class ParallelPlan:
         threads (one process, a worker thread per stage) | torch (torch.distributed.pipelining)."""
         if self.pp_impl in ("threads", "torch"):
             return self.pp_impl
-        return "pipeline" if self.pp > 1 or self.pp_schedule == "interleaved" else "plain"
+        return "pipeline" if self.pp > 1 or self.pp_schedule in ("interleaved", "zb-v") else "plain"
 
     @property
     def n_model_stages(self) -> int:
-        """Model stages the layers are split into: pp * virtual_stages for interleaved or threads
-        (Narayanan et al. 2021, interleaved 1F1B), pp otherwise."""
-        return self.pp * (self.virtual_stages if self.pp_schedule == "interleaved" or self.runner == "threads" else 1)
+        """Model stages the layers are split into: pp * virtual_stages for interleaved (Narayanan et
+        al. 2021, interleaved 1F1B), zb-v (two per rank, in a V) or threads, pp otherwise."""
+        return self.pp * (self.virtual_stages if self.pp_schedule in ("interleaved", "zb-v") or self.runner == "threads"
+                          else 1)
 
     @property
     def sync(self) -> str:
@@ -246,7 +247,7 @@ class ParallelPlan:
             _need(z > 0 or self.dp_impl == "native",
                   "parallel.dp_replicate > 1 needs parallel.dp_impl = native (hierarchical all-reduce) or a "
                   "parallel.zero_stage; torch DDP reduces over one flat group")
-            _need(self.pp == 1 and self.pp_schedule != "interleaved" and self.pp_impl != "threads",
+            _need(self.pp == 1 and self.pp_schedule not in ("interleaved", "zb-v") and self.pp_impl != "threads",
                   "parallel.dp_replicate > 1 is not combined with pipeline parallelism (the stage synchronisers "
                   "shard over the whole dp group; the threaded executor's DDP is flat); set parallel.dp_replicate = 1, "
                   "or parallel.pp = 1 and parallel.pp_impl = native")
@@ -260,8 +261,9 @@ class ParallelPlan:
         if impl == "torch":  # torch.distributed.pipelining schedules (parallel.pipeline.torch_backend)
             _need(pp >= 2, f"parallel.pp_impl = torch needs parallel.pp >= 2 (torch's schedules run one process per "
                            f"stage), got {pp}")
-            _need(kind != "naive", "parallel.pp_impl = torch has no naive schedule: set parallel.pp_schedule = "
-                                   "gpipe, 1f1b, interleaved or zb-h1")
+            _need(kind not in ("naive", "zb-v"), f"parallel.pp_impl = torch runs gpipe, 1f1b, interleaved or zb-h1, "
+                                                 f"not {kind!r} (zb-v runs on pp_impl = native): set "
+                                                 "parallel.pp_schedule to one of those, or parallel.pp_impl = native")
             _need(self.tp == 1 and self.zero_stage == 0 and self.dp_impl == "native",
                   "parallel.pp_impl = torch combines only with native DDP over dp: set parallel.tp = 1, "
                   "parallel.zero_stage = 0, parallel.dp_impl = native")
@@ -276,15 +278,19 @@ class ParallelPlan:
             _need(self.tp == 1 and self.zero_stage == 0 and self.dp_impl == "native",
                   "parallel.pp_impl = threads combines only with native DDP over dp: set parallel.tp = 1, "
                   "parallel.zero_stage = 0, parallel.dp_impl = native")
-        if interleaved or threads:
+        if kind == "zb-v":
+            _need(self.virtual_stages == 2,
+                  f"parallel.pp_schedule = zb-v places two model stages per rank in a V (rank r holds stages r and "
+                  f"2*pp-1-r): set parallel.virtual_stages = 2, got {self.virtual_stages}")
+        elif interleaved or threads:
             _need(self.virtual_stages >= 2,
                   f"parallel.virtual_stages must be >= 2 for the interleaved schedule or pp_impl = threads (model "
                   f"stages per rank, or stage threads), got {self.virtual_stages}")
         else:
             _need(self.virtual_stages == 1,
-                  f"parallel.virtual_stages ({self.virtual_stages}) applies only to the interleaved schedule or "
-                  f"pp_impl = threads: remove it, or set parallel.pp_schedule = interleaved")
-        _need(pp > 1 or interleaved or threads or self.pp_split.strip() in SPLIT_WORDS,
+                  f"parallel.virtual_stages ({self.virtual_stages}) applies only to the interleaved and zb-v schedules "
+                  f"or pp_impl = threads: remove it, or set parallel.pp_schedule = interleaved")
+        _need(pp > 1 or interleaved or kind == "zb-v" or threads or self.pp_split.strip() in SPLIT_WORDS,
               f"parallel.pp_split = {self.pp_split!r} splits layers over pipeline stages, but parallel.pp = 1: set "
               "parallel.pp > 1 or remove parallel.pp_split")
         if self.runner == "plain":
@@ -323,7 +329,7 @@ class ParallelPlan:
               "parallel.zero_impl = fsdp2 is not combined with tp > 1; use the native ZeRO implementation")
         if self.tp_impl == "dtensor" and tp > 1:
             _need(self.dp == 1 and self.pp == 1 and self.zero_stage == 0 and not self.sequence_parallel
-                  and self.pp_schedule != "interleaved",
+                  and self.pp_schedule not in ("interleaved", "zb-v"),
                   "parallel.tp_impl = dtensor (the torch comparison backend) runs tensor parallelism alone: dp = pp "
                   "= 1, zero_stage = 0, sequence_parallel = false; use tp_impl = native to combine tp with the rest")
             _need(self.dropout == 0, "parallel.tp_impl = dtensor needs model.dropout = 0 (replicated-region "

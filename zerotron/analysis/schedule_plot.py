@@ -113,7 +113,8 @@ def schedule_main(argv: list) -> int:
     B; ``--latency`` prices every cross-rank message (``simulate(..., latency=L)``, e.g. the
     ``p2p latency ms`` that ``zerotron bench train`` measures, in the units of the costs; the
     theory column stays latency-free). Theory: ``bubble_theory`` (uniform stages), for zb-h1 idle / (idle + m(F+B+W)) with idle =
-    ``bubble_time_theory`` (m >= pp; null below). With ``--json`` prints an object with
+    ``bubble_time_theory`` (m >= pp; null below); for zb-v the synchronous-step bound
+    (p-1) F / 2 the same way (its order is checked with background sends only). With ``--json`` prints an object with
     ``bubble_simulated``, ``bubble_theory``, ``idle_per_rank``, ``makespan``, ``peak_in_flight``,
     ``actions`` (per rank) and ``intervals``. Returns 0, or 2 on a usage/value
     error (message on stderr)."""
@@ -152,7 +153,8 @@ MAX_ACTIONS = 4096  # pp x microbatches x virtual stages that `zerotron schedule
 
 
 def _schedule_run(args) -> int:
-    v = args.virtual if args.virtual is not None else (2 if args.kind == "interleaved" else 1)
+    v = args.virtual if args.virtual is not None else (2 if args.kind in ("interleaved", "zb-v") else 1)
+    vshape = args.kind == "zb-v"
     try:
 
         for name, c, lo in (("--f-cost", args.f_cost, 0.0), ("--b-cost", args.b_cost, 0.0), ("--w-cost", args.w_cost, None)):
@@ -167,13 +169,18 @@ def _schedule_run(args) -> int:
         if args.out and not args.out.lower().endswith(".png"):
             raise ValueError(f"--out must name a .png file, got {args.out!r}")
         schedule = build_schedule(args.pp, args.microbatches, args.kind, v)
-        check_schedule(schedule, args.pp, args.microbatches, v)
+        check_schedule(schedule, args.pp, args.microbatches, v, vshape)
         costs = (args.f_cost, args.b_cost, args.w_cost)
-        simulate(schedule, args.pp, v, *costs)  # raises on deadlock even if sends were waited for
-        sim = simulate(schedule, args.pp, v, *costs, eager_sends=True, latency=args.latency)
-        theory = bubble_theory(args.pp, args.microbatches, v)
+        if not vshape:  # zb-v's order needs background sends (the executor's gloo path; NCCL refuses it)
+            simulate(schedule, args.pp, v, *costs)  # raises on deadlock even if sends were waited for
+        sim = simulate(schedule, args.pp, v, *costs, eager_sends=True, latency=args.latency, vshape=vshape)
+        split_bw = args.kind in ("zb-h1", "zb-v")
+        theory = bubble_theory(args.pp, args.microbatches, v, args.kind)
         if args.kind == "zb-h1":
             idle = bubble_time_theory(args.pp, "zb-h1", *costs)
+            theory = idle / (idle + args.microbatches * sum(costs)) if args.microbatches >= args.pp else None
+        if vshape:  # the synchronous-step bound (p-1) T_F / 2 (schedules module docstring)
+            idle = (args.pp - 1) * args.f_cost / 2
             theory = idle / (idle + args.microbatches * sum(costs)) if args.microbatches >= args.pp else None
         title = f"{args.kind} pp={args.pp} m={args.microbatches}" + (f" v={v}" if v > 1 else "")
         if args.out:
@@ -195,14 +202,14 @@ def _schedule_run(args) -> int:
         return 0
     print(f"{title}  (F={args.f_cost:g}, B={args.b_cost:g}, W={args.w_cost:g} per micro-batch"
           + (f", {args.latency:g} per message" if args.latency else "")
-          + (")" if args.kind == "zb-h1" else "; backward B+W fused)"))
+          + (")" if split_bw else "; backward B+W fused)"))
     shown = f"{theory:.4f}" if theory is not None else "n/a (m < pp)"
     print(f"bubble simulated {sim.bubble_fraction:.4f}   theory {shown}   "
           f"makespan {sim.makespan:g}   idle per rank {max(sim.idle):g}")
     print(f"peak in-flight micro-batches per rank: {sim.peak_in_flight}")
     print(ascii_timeline(sim))
     print("(lower case = forward, upper case = backward"
-          + (" B, digit = weight gradients W" if args.kind == "zb-h1" else "") + ", a = micro-batch 0, '.' = idle)")
+          + (" B, digit = weight gradients W" if split_bw else "") + ", a = micro-batch 0, '.' = idle)")
     if args.out:
         print(f"wrote {args.out}")
     return 0

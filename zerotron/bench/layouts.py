@@ -43,6 +43,7 @@ LAYOUTS = {x.name: x for x in (
     *(Layout(f"pp-{k}", {"parallel.pp": "{world}", "parallel.pp_schedule": k}, **_NEW) for k in ("gpipe", "1f1b", "zb-h1")),
     Layout("pp-interleaved", {"parallel.pp": "{world}", "parallel.pp_schedule": "interleaved",
                               "parallel.virtual_stages": 2}, **_NEW),
+    Layout("pp-zb-v", {"parallel.pp": "{world}", "parallel.pp_schedule": "zb-v", "parallel.virtual_stages": 2}, **_NEW),
     # torch.distributed.pipelining's schedules on the same split (parallel.pp_impl = torch)
     *(Layout(f"pp-torch-{n}", {"parallel.pp": "{world}", "parallel.pp_impl": "torch", "parallel.pp_schedule": k,
                                **({"parallel.virtual_stages": 2} if k == "interleaved" else {})}, **_NEW)
@@ -85,7 +86,7 @@ def get_layout(name: str) -> Layout:
     lay = LAYOUTS[base]
     if p2p is not None and (not base.startswith("pp-") or base.startswith(("pp-torch", "pp-threads"))):
         raise ValueError(f"layout {name!r}: -p2p{p2p} applies to the native multi-process pipeline layouts "
-                         "(pp-gpipe, pp-1f1b, pp-zb-h1, pp-interleaved) only")
+                         "(pp-gpipe, pp-1f1b, pp-zb-h1, pp-zb-v, pp-interleaved) only")
     return lay if not extra and p2p is None else Layout(name, {**lay.overrides, **extra}, lay.world, lay.new_strategy,
                                                         lay.all_threads, p2p)
 

@@ -46,7 +46,7 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     ranks, or None for a layout with no planner counterpart. dp-torch prices as dp (same all-reduce),
     tp-dtensor as tp;
     fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1; the HSDP layouts (hsdp-zeroS, fsdp2-hsdp,
-    dp-hier) as their ZeRO stage with ``dp_replicate = 2`` (on an even world); pp-zb-h1 and
+    dp-hier) as their ZeRO stage with ``dp_replicate = 2`` (on an even world); pp-zb-h1, pp-zb-v and
     pp-threads-gpipe and pp-torch-* have none (the planner prices neither the ZB-H1 schedule, threads
     nor torch's pipelining backend). Suffixes ``-mbN`` / ``-ac...``
     (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``

@@ -16,7 +16,7 @@ FACTORS = {
     "tp": (1, 2),
     "sp": (False, True),
     "pp": (1, 2, 4),
-    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "threads",
+    "schedule": ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "threads",
                  "torch-gpipe", "torch-1f1b", "torch-interleaved", "torch-zb"),
     "acc": (1, 4),
     "split": ("auto", "even"),
@@ -94,7 +94,7 @@ class Layout:
         elif self.pp > 1:
             o["parallel.pp_schedule"] = self.schedule
             o["parallel.pp_split"] = self.split or "auto"
-            if self.schedule == "interleaved":
+            if self.schedule in ("interleaved", "zb-v"):  # zb-v: two stages per rank, in a V
                 o["parallel.virtual_stages"] = 2
         return o
 
@@ -159,10 +159,11 @@ def expected_refusal(layout: Layout) -> str | None:
 # pipeline x ZeRO-3 with interleaving (per-action reduce-scatter, blocks gathered per chunk),
 # the split backward of zb-h1 under ZeRO-2/3 over a real dp group (reduce-scatter after each W,
 # ZeRO-3 blocks gathered for W) and under DDP buckets with tensor parallelism (buckets fire in W),
-# and HSDP (dp 4 = 2 replicas x 2 shards) for ZeRO-2, ZeRO-3 and hierarchical DDP, with accumulation
+# zb-v's V placement (first and last stage on rank 0, the tied weight local) under ZeRO-3 and
+# under DDP with tensor parallelism, and HSDP (dp 4 = 2 replicas x 2 shards) for ZeRO-2, ZeRO-3 and hierarchical DDP, with accumulation
 # (shard gradients summed locally, one all-reduce across replicas per step) and with tp 2
 MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-dp2-pp2-zb-h1-acc4",
-        "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4", "zero2-dp4r2-acc4", "zero3-dp4r2-acc1",
+        "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4", "zero3-dp2-pp2-zb-v-acc4", "ddp-dp2-tp2sp-pp2-zb-v-acc4", "zero2-dp4r2-acc4", "zero3-dp4r2-acc1",
         "ddp-dp4r2-acc4", "zero3-dp4r2-tp2-acc4", "fsdp2_3-dp4r2-acc1",
         # one per torch.distributed.pipelining schedule, over a real dp group where it fits in 4 ranks
         "ddp-dp2-pp2-torch-gpipe-acc4", "ddp-dp2-pp2-torch-1f1b-acc4", "ddp-dp2-pp2-torch-interleaved-acc4",

@@ -18,8 +18,9 @@ end of the walk (they complete in the background; zero-bubble schedules rely on 
 stage is ``torch.autograd.backward(output, grad_of_output)``; the input's ``.grad`` goes upstream;
 a micro-batch's saved activations are dropped right after its backward. When the action list has a
 W for the (micro-batch, chunk), the backward is split (``pipeline.split_backward``): B computes
-only the input gradient and sends it, W later accumulates the weight gradients. When pp == 1 (interleaving on
-one rank) neighbouring stages hand tensors over locally (the schedule has no SEND/RECV then).
+only the input gradient and sends it, W later accumulates the weight gradients. Neighbouring stages
+on the same rank (pp == 1 interleaving; zb-v's turn p-1 -> p on the last rank) hand tensors over
+locally (the schedule has no SEND/RECV for them).
 
 Sources: GPipe (Huang et al. 2019); PipeDream-Flush / 1F1B and the Megatron-LM interleaved schedule
 (Narayanan et al. 2021).
@@ -36,7 +37,7 @@ from zerotron.layout import stage_layer_counts, stage_layer_ranges
 from zerotron.models.layout import get_module
 from zerotron.parallel.base import unique_params
 from zerotron.parallel.pipeline.p2p import CommRunPoster
-from zerotron.parallel.pipeline.schedules import COMM, Action
+from zerotron.parallel.pipeline.schedules import COMM, Action, rank_of, stage_of
 from zerotron.parallel.pipeline.split_backward import backward_input, backward_weight
 
 
@@ -129,18 +130,19 @@ class StageModel(nn.Module):
         return x
 
 
-def forward_only_actions(pp: int, v: int, rank: int) -> list[Action]:
-    """Forward-only action list of one batch (eval, generation): per local chunk in order, RECV_F
-    (if the stage has a cross-rank input), F, SEND_F (if the output goes to another rank). A chain
-    through the stages, so the executor's one-batch-per-comm-run rule cannot deadlock."""
+def forward_only_actions(pp: int, v: int, rank: int, vshape: bool = False) -> list[Action]:
+    """Forward-only action list of one batch (eval, generation): per local chunk in stage order,
+    RECV_F (if the stage's input comes from another rank), F, SEND_F (if the output goes to
+    another rank); ``vshape``: zb-v's V placement (``schedules.stage_of``). A chain through the
+    stages, so the executor's one-batch-per-comm-run rule cannot deadlock."""
     last, acts = pp * v - 1, []
-    for c in range(v):
-        s = c * pp + rank
-        if s > 0 and pp > 1:
-            acts.append(Action("RECV_F", 0, c, (rank - 1) % pp))
+    for c in sorted(range(v), key=lambda c: stage_of(rank, c, pp, vshape)):
+        s = stage_of(rank, c, pp, vshape)
+        if s > 0 and (q := rank_of(s - 1, pp, vshape)) != rank:
+            acts.append(Action("RECV_F", 0, c, q))
         acts.append(Action("F", 0, c))
-        if s < last and pp > 1:
-            acts.append(Action("SEND_F", 0, c, (rank + 1) % pp))
+        if s < last and (q := rank_of(s + 1, pp, vshape)) != rank:
+            acts.append(Action("SEND_F", 0, c, q))
     return acts
 
 
@@ -155,11 +157,12 @@ class PipelineExecutor:
     chunk)]`` the seconds and count of each compute kind ("F", "B", ...) per local chunk
     (per-stage F/B times for the bubble accounting). All in seconds."""
 
-    def __init__(self, stage: StageModel, group, pp: int, rank: int, peer_rank, act_dtype: torch.dtype):
+    def __init__(self, stage: StageModel, group, pp: int, rank: int, peer_rank, act_dtype: torch.dtype,
+                 vshape: bool = False):
         self.stage, self.group, self.pp, self.rank = stage, group, pp, rank
         self.peer_rank, self.act_dtype = peer_rank, act_dtype
         self.n_embd = stage.layout().width
-        self.p2p = CommRunPoster(group, peer_rank, rank, pp)
+        self.p2p = CommRunPoster(group, peer_rank, rank, pp, vshape=vshape)
         self.reset_timing()
 
     def reset_timing(self) -> None:
@@ -223,8 +226,8 @@ class PipelineExecutor:
                     out = on_output(a.microbatch, out)
                 else:
                     self._check(out, tokens[a.microbatch])
-                    if self.pp == 1:  # local hand-off to the next chunk (stage s + 1)
-                        acts_in[(a.microbatch, a.chunk + 1)] = out.detach()
+                    if st.holds(s + 1):  # local hand-off to the chunk of stage s + 1
+                        acts_in[(a.microbatch, st.stages.index(s + 1))] = out.detach()
                     else:
                         send_f[key] = out.detach()
                 if torch.is_grad_enabled() and out is not None:
@@ -239,8 +242,8 @@ class PipelineExecutor:
                         torch.autograd.backward(out, grad)
                     dinp = inp.grad if s > 0 else None
                 if s > 0:
-                    if self.pp == 1:
-                        grads_in[(a.microbatch, a.chunk - 1)] = dinp
+                    if st.holds(s - 1):
+                        grads_in[(a.microbatch, st.stages.index(s - 1))] = dinp
                     else:
                         send_b[key] = dinp
                 del inp, out, grad, dinp  # free this micro-batch's activations now (split: after W)

@@ -28,7 +28,7 @@ def pipeline_generate(strategy, idx: torch.Tensor, max_new_tokens: int,
     if sp:  # prompt lengths need not divide by tp: decode without sequence parallelism
         set_sequence_parallel(mod, False)
     device = idx.device
-    src = strategy._peer(strategy.pp - 1)  # last model stage is on pp rank pp-1
+    src = strategy._peer(strategy.last_rank)  # the pp rank of the last model stage (0 under zb-v)
     for _ in range(max_new_tokens):
         ctx = idx[:, -mod.config.block_size:]  # the model config's context length
         nxt = torch.empty(idx.size(0), 1, dtype=torch.long, device=device)

@@ -67,12 +67,13 @@ class CommRunPoster:
     this rank's pp index and the pp size (for message keys); ``prefetch``: post the next run's
     receives early (default: on when the backend is gloo); ``batched``: one ``batch_isend_irecv``
     per run (default: on unless gloo). Receive buffers are allocated by ``alloc(action)`` (the
-    executor's pre-agreed activation shape, so no shape handshake)."""
+    executor's pre-agreed activation shape, so no shape handshake). ``vshape``: the actions use
+    zb-v's V placement (``schedules.stage_of``), for the message keys of the events."""
 
     def __init__(self, group, peer_rank, rank: int, pp: int, prefetch: bool | None = None,
-                 batched: bool | None = None):
+                 batched: bool | None = None, vshape: bool = False):
         gloo = pp > 1 and dist.is_initialized() and dist.get_backend(getattr(group, "pg", group)) == "gloo"
-        self.group, self.peer_rank, self.rank, self.pp = group, peer_rank, rank, pp
+        self.group, self.peer_rank, self.rank, self.pp, self.vshape = group, peer_rank, rank, pp, vshape
         self.batched = (not gloo) if batched is None else batched
         self.prefetch = (gloo and not self.batched) if prefetch is None else (prefetch and not self.batched)
         self.reset()
@@ -122,7 +123,7 @@ class CommRunPoster:
             for k, w in zip(range(i, j), works):
                 if acts[k].kind.startswith("SEND"):
                     self.sending.append((w, outgoing[k]))
-                    self.events.append(("S", walk, message_key(acts[k], self.rank, self.pp), t_post))
+                    self.events.append(("S", walk, message_key(acts[k], self.rank, self.pp, self.vshape), t_post))
                 else:
                     self._posted[k] = (w, bufs[k])
         else:
@@ -130,7 +131,7 @@ class CommRunPoster:
                 a = acts[k]
                 if a.kind.startswith("SEND"):
                     t = outgoing[k]
-                    self.events.append(("S", walk, message_key(a, self.rank, self.pp), now()))  # issued
+                    self.events.append(("S", walk, message_key(a, self.rank, self.pp, self.vshape), now()))  # issued
                     self.sending.append((comm.isend(t, self.peer_rank(a.peer), group=self.group, tag="pp"), t))
             for k in recvs:
                 if k not in self._posted:
@@ -148,7 +149,7 @@ class CommRunPoster:
             w, buf = self._posted.pop(k)
             tw = now()
             w.wait()
-            self.events.append(("R", walk, message_key(acts[k], self.rank, self.pp), tw, now()))
+            self.events.append(("R", walk, message_key(acts[k], self.rank, self.pp, self.vshape), tw, now()))
             got[k] = buf
         self.recv_wait_s += now() - t1
         return got

@@ -14,7 +14,9 @@ Schedules (``parallel.pp_schedule``, built by ``schedules.build_schedule`` and w
 concatenated into one batch, one stage busy at a time), "gpipe" (Huang et al. 2019), "1f1b"
 (PipeDream-Flush, Narayanan et al. 2021), "interleaved" (Megatron-LM, Narayanan et al. 2021),
 "zb-h1" (Qi et al. 2024, zero bubble: each backward split into B, the input gradient, and W, the
-weight gradients, run later; ``pipeline.split_backward``). Gradient synchronisers see W as the
+weight gradients, run later; ``pipeline.split_backward``), "zb-v" (Qi et al. 2024, ZB-V: the same split
+backward over two model stages per rank placed in a V, rank r holding stages r and 2pp-1-r, so rank 0
+has both the embedding and the head and the tied weight needs no cross-rank sum; gloo only). Gradient synchronisers see W as the
 backward: DDP's last-flush buckets fire in the last micro-batch's W, ZeRO-2/3 reduce-scatter after
 each W (ZeRO-3 gathers the stage's blocks for it: recomputation and saved tensors read them).
 
@@ -82,7 +84,7 @@ from zerotron.parallel.pipeline.executor import (
     stage_layer_counts,
     stage_layer_ranges,
 )
-from zerotron.parallel.pipeline.schedules import build_schedule
+from zerotron.parallel.pipeline.schedules import build_schedule, rank_of, stage_of
 from zerotron.parallel.pipeline.stage_zero import StageZero
 from zerotron.parallel.pipeline.state import PipelineStateMixin
 from zerotron.parallel.tensor.layers import is_tp_sharded
@@ -112,7 +114,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def __init__(self, model, mesh, plan, mask: dict | None = None):
         p = self.plan = plan
         self.kind, self.microbatches = p.pp_schedule, p.microbatches
-        self.v = p.virtual_stages if self.kind == "interleaved" else 1
+        self.v = p.virtual_stages if self.kind in ("interleaved", "zb-v") else 1
+        self.vshape = self.kind == "zb-v"  # V placement: rank r holds stages r and 2pp-1-r
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
         n_stages = self.pp * self.v
         recompute = p.activation_checkpointing
@@ -122,12 +125,19 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             announce_split(model, self.split, p.pp_split, recompute)
         self.dense = model
         self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
-        self.module = StageModel(model, [c * self.pp + self.rank for c in range(self.v)], ranges)
+        self.module = StageModel(model, [stage_of(self.rank, c, self.pp, self.vshape) for c in range(self.v)], ranges)
+        self.last_rank = rank_of(n_stages - 1, self.pp, self.vshape)  # pp index of the last model stage
         self.tp_group = self.module.tp_group
         d, t = mesh.coords["dp"], mesh.coords["tp"]
         self._peer = lambda q: mesh.global_rank(q, d, t)  # pp index -> global rank (same dp, tp)
         self._schedules: dict = {}
         self.pp_group, self.dp_group = mesh.group("pp"), mesh.group("dp")
+        if self.vshape and self.pp > 1 and dist.get_backend(self.pp_group.pg) != "gloo":
+            # the executor posts a comm run as one batch on NCCL, whose sends then wait for their receives:
+            # zb-v's order is deadlock-free only with sends completing in the background (gloo, one op at a time)
+            raise ValueError(f"parallel.pp_schedule = zb-v runs on the gloo backend only (its order needs sends "
+                             f"that complete in the background), not {dist.get_backend(self.pp_group.pg)}: "
+                             "use pp_schedule = zb-h1")
         self.loss_groups = [self.pp_group, self.dp_group]
         self.first, self.last = self.module.holds(0), self.module.holds(n_stages - 1)
         lay = model.layout()
@@ -152,15 +162,16 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                                     src_rank=mesh.global_rank(self.rank, 0, t))
         self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
         self.tied_group = None
-        if self.pp > 1 and lay.tied:  # one {pp-first, pp-last} group per (dp, tp) coordinate, made everywhere
+        if self.last_rank != 0 and lay.tied:  # one {pp-first, pp-last} group per (dp, tp) coordinate, made everywhere
             for dd in range(mesh.size("dp")):
                 for tt in range(mesh.size("tp")):
-                    ranks = [mesh.global_rank(0, dd, tt), mesh.global_rank(self.pp - 1, dd, tt)]
+                    ranks = [mesh.global_rank(0, dd, tt), mesh.global_rank(self.last_rank, dd, tt)]
                     pg = dist.new_group(ranks)
                     if (dd, tt) == (d, t) and (self.first or self.last):
                         self.tied_group = comm.NamedGroup(pg, "pp_tied")
         act_dtype = next(iter(self.module.parameters())).dtype
-        self.executor = PipelineExecutor(self.module, self.pp_group, self.pp, self.rank, self._peer, act_dtype)
+        self.executor = PipelineExecutor(self.module, self.pp_group, self.pp, self.rank, self._peer, act_dtype,
+                                         vshape=self.vshape)
         self._timing = {"busy_s": 0.0, "idle_s": 0.0, "bubble_fraction": 0.0}
         own = {id(q) for q in self.module.parameters()}  # other stages' parameters: storage freed
         self._foreign = [q for q in model.parameters() if id(q) not in own] if self.pp > 1 else []
@@ -373,7 +384,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
 
     # ---- checkpoints and full parameters ---------------------------------------------------------
     def _forward_only(self, x: torch.Tensor, on_output, dtype: str, device: torch.device) -> None:
-        acts = forward_only_actions(self.pp, self.v, self.rank)
+        acts = forward_only_actions(self.pp, self.v, self.rank, self.vshape)
         self.executor.reset_timing()  # the last step's timing is already in _timing; bound the event list
         with self.zero.full_params(blocks=False) if self.zero is not None else contextlib.nullcontext():
             self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))

@@ -9,7 +9,13 @@ one-backward, cool-down backwards), "interleaved" (Megatron-LM interleaved 1F1B,
 2021 "Efficient Large-Scale Language Model Training on GPU Clusters", v chunks per rank), "zb-h1"
 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241: 1F1B with the backward split
 into B, the gradient w.r.t. the stage input, sent upstream at once, and W, the weight gradients,
-run later to fill what would be the cool-down bubble).
+run later to fill what would be the cool-down bubble), "zb-v" (Qi et al. 2024, sec. 6, ZB-V: two
+chunks per rank placed in a V, rank r holding model stages r and 2p-1-r, so the first and the last
+stage live on rank 0 and the turn at stage p-1 -> p stays on rank p-1; B and W split as in zb-h1).
+
+Placement: model stage of (rank r, chunk c) is ``c*pp + r`` (looped) for every kind but zb-v, whose
+V placement is ``r`` for c = 0 and ``2*pp-1-r`` for c = 1 (:func:`stage_of`, :func:`rank_of`; the
+functions below take ``vshape=True`` for it).
 
 Computes: "F" (forward), "B" (backward; for every kind but zb-h1 the whole backward, for zb-h1 only
 the input gradient) and "W" (weight gradients of a B that had them split off; only zb-h1 has W).
@@ -20,6 +26,13 @@ idles (p-1)(T_F+T_B-T_W) when T_W <= T_B (Qi et al. 2024, sec. 3.1): rank i keep
 back during the steady state (in flight at most p micro-batches, as 1F1B's rank 0) and runs them
 after its last B, so the critical path goes through the B's alone. With T_F = T_B = T_W that is a
 third of 1F1B's bubble time (:func:`bubble_time_theory`).
+
+ZB-V's compute order is built by list scheduling at unit costs (F = B = W = 1 per chunk): whenever
+a rank is free it runs a ready B (the deeper stage first), else a ready F (deeper first) while it
+holds fewer than 2p chunk activations (1F1B's peak: p micro-batches of the rank's whole share),
+else its oldest owed W. Measured with this simulator at unit costs, m = p..3p (tested): per rank
+it idles 1 to 1.71 times the bound (p-1) T_F / 2 below (exactly the bound at p = 2), ZB-H1 twice
+it, (p-1) T_F. Its peak is 2p chunk activations per rank, 1F1B's p micro-batches of a whole rank.
 
 Why there is no ZB-H2 here: with one synchronous optimizer step per flush (zerotron clips by the
 global gradient norm, so every rank waits for every gradient), no schedule over these stages can
@@ -59,7 +72,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1")
+KINDS = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 COMPUTE = ("F", "B", "W")
 COMM = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
@@ -130,7 +143,70 @@ def _zb_h1_groups(pp: int, m: int, rank: int) -> list[list[tuple]]:
     return groups + [[("W", i, 0)] for i in owed]
 
 
-def _with_comm(groups, rank: int, pp: int, v: int) -> list[Action]:
+def stage_of(rank: int, chunk: int, pp: int, vshape: bool = False) -> int:
+    """Model stage of local ``chunk`` on pipeline ``rank``: ``chunk*pp + rank`` (looped), or with
+    ``vshape`` (zb-v, two chunks) ``rank`` for chunk 0 and ``2*pp-1-rank`` for chunk 1."""
+    return 2 * pp - 1 - rank if vshape and chunk == 1 else chunk * pp + rank
+
+
+def rank_of(stage: int, pp: int, vshape: bool = False) -> int:
+    """Pipeline rank holding model ``stage`` (inverse of :func:`stage_of`)."""
+    return 2 * pp - 1 - stage if vshape and stage >= pp else stage % pp
+
+
+def _zb_v_groups(pp: int, m: int) -> list[list[list[tuple]]]:
+    """ZB-V compute order of every rank (module docstring: list scheduling at unit costs, at most
+    2p chunk activations per rank, raised by one if that cap ever leaves no rank anything to run)."""
+    n = 2 * pp
+    for cap in range(n, n + 2 * m * n + 1):
+        out = _zb_v_list_schedule(pp, m, cap)
+        if out is not None:
+            return [[[(k, i, 0 if s < pp else 1)] for k, i, s in rank] for rank in out]
+    raise AssertionError("unreachable: without a memory cap list scheduling always progresses")
+
+
+def _zb_v_list_schedule(pp: int, m: int, cap: int):
+    n = 2 * pp
+    done: dict = {}  # (kind, microbatch, stage) -> end time
+    clock = [0] * pp
+    next_f, next_b = [0] * n, [0] * n
+    owed: list[list] = [[] for _ in range(pp)]
+    live, order = [0] * pp, [[] for _ in range(pp)]
+    for _ in range(3 * m * n):
+        best = None
+        for r in range(pp):
+            cands = []
+            for s in (n - 1 - r, r):  # deeper stage first
+                i = next_b[s]
+                if i < m and ("F", i, s) in done and (s == n - 1 or ("B", i, s + 1) in done):
+                    cands.append((max(clock[r], done[("F", i, s)], done.get(("B", i, s + 1), 0)), 0, "B", i, s))
+                i = next_f[s]
+                if i < m and live[r] < cap and (s == 0 or ("F", i, s - 1) in done):
+                    cands.append((max(clock[r], done.get(("F", i, s - 1), 0)), 1, "F", i, s))
+            if owed[r]:
+                cands.append((clock[r], 2, "W", *owed[r][0]))
+            if cands:
+                c = min(cands, key=lambda x: x[:2])
+                if best is None or c[:2] < best[0][:2]:
+                    best = (c, r)
+        if best is None:
+            return None
+        (t, _, k, i, s), r = best
+        clock[r] = done[(k, i, s)] = t + 1
+        order[r].append((k, i, s))
+        if k == "F":
+            next_f[s] += 1
+            live[r] += 1
+        elif k == "B":
+            next_b[s] += 1
+            owed[r].append((i, s))
+        else:
+            owed[r].pop(0)
+            live[r] -= 1
+    return order
+
+
+def _with_comm(groups, rank: int, pp: int, v: int, vshape: bool = False) -> list[Action]:
     """Before each group one comm run: SENDs of the previous group's cross-rank outputs, then
     RECVs of this group's cross-rank inputs (each in compute order); the last group's SENDs
     close the list."""
@@ -139,9 +215,11 @@ def _with_comm(groups, rank: int, pp: int, v: int) -> list[Action]:
     def peer(kind: str, chunk: int, out: bool) -> int | None:
         if kind == "W":  # weight gradients: nothing in, nothing out
             return None
-        stage = chunk * pp + rank
+        stage = stage_of(rank, chunk, pp, vshape)
         other = stage + (1 if (kind == "F") == out else -1)
-        return other % pp if 0 <= other <= last and other % pp != rank else None
+        if not 0 <= other <= last or rank_of(other, pp, vshape) == rank:
+            return None
+        return rank_of(other, pp, vshape)
 
     actions: list[Action] = []
     for prev, group in zip([[]] + groups, groups + [[]]):
@@ -158,11 +236,13 @@ def _with_comm(groups, rank: int, pp: int, v: int) -> list[Action]:
 def build_schedule(pp: int, microbatches: int, kind: str,
                    virtual_stages: int = 1) -> list[list[Action]]:
     """Per-rank action lists (index = pipeline rank), in execution order, for ``kind`` in
-    "naive" | "gpipe" | "1f1b" | "interleaved" | "zb-h1" (sources in the module docstring).
+    "naive" | "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v" (sources in the module docstring;
+    zb-v's actions are in its V placement: pass ``vshape=True`` to the functions that read them).
 
-    Raises ValueError for pp < 1 or microbatches < 1; "naive" with microbatches != 1; a kind other
-    than "interleaved" with virtual_stages != 1; "interleaved" with virtual_stages < 2 or
-    microbatches % pp != 0 (Megatron's requirement); an unknown kind (listing the valid ones).
+    Raises ValueError for pp < 1 or microbatches < 1; "naive" with microbatches != 1; "zb-v" with
+    virtual_stages != 2; another kind but "interleaved" with virtual_stages != 1; "interleaved"
+    with virtual_stages < 2 or microbatches % pp != 0 (Megatron's requirement); an unknown kind
+    (listing the valid ones).
     """
     for name, value in (("pp", pp), ("microbatches", microbatches),
                         ("virtual_stages", virtual_stages)):
@@ -176,8 +256,13 @@ def build_schedule(pp: int, microbatches: int, kind: str,
         if microbatches % pp:
             raise ValueError(f"interleaved needs microbatches % pp == 0, got "
                              f"microbatches={microbatches}, pp={pp}")
+    elif kind == "zb-v":
+        if virtual_stages != 2:
+            raise ValueError(f"zb-v places two chunks per rank in a V: virtual_stages must be 2, got {virtual_stages}")
+        return _fifo_receives([_with_comm(g, r, pp, 2, vshape=True) for r, g in enumerate(_zb_v_groups(pp, microbatches))],
+                              pp, True)
     elif virtual_stages != 1:
-        raise ValueError(f"virtual_stages must be 1 for kind {kind!r} (only 'interleaved' uses it)")
+        raise ValueError(f"virtual_stages must be 1 for kind {kind!r} (only 'interleaved' and 'zb-v' use it)")
     if kind == "naive" and microbatches != 1:
         raise ValueError(f"naive runs one batch without micro-batching: microbatches must be 1, "
                          f"got {microbatches} (use 'gpipe' or '1f1b')")
@@ -185,20 +270,56 @@ def build_schedule(pp: int, microbatches: int, kind: str,
                        virtual_stages) for r in range(pp)]
 
 
-def message_key(action: Action, rank: int, pp: int) -> tuple[str, int, int]:
+def _fifo_receives(schedule: list[list[Action]], pp: int, vshape: bool) -> list[list[Action]]:
+    """Move RECVs earlier so each rank receives from each peer in the order the peer sends (FIFO,
+    for order-based matching). zb-v needs it: rank 0 -> 1 carries both stage 0's activations and
+    stage 2p-1's gradients, whose compute order on rank 1 can differ from their send order. A RECV
+    that would come too late is posted right before the first RECV from the same peer that would
+    overtake it (same comm run, still before its compute); its message was sent before that one's,
+    so nothing waits longer and no deadlock can appear."""
+    sent: dict = {}  # (sender, receiver) -> message keys in send order
+    for r, acts in enumerate(schedule):
+        for a in acts:
+            if a.kind.startswith("SEND"):
+                sent.setdefault((r, a.peer), []).append(message_key(a, r, pp, vshape))
+    out = []
+    for r, acts in enumerate(schedule):
+        pending = {q: list(keys) for (q, d), keys in sent.items() if d == r}  # per sender, in send order
+        by_key = {message_key(a, r, pp, vshape): a for a in acts if a.kind.startswith("RECV")}
+        posted, new = set(), []
+        for a in acts:
+            if not a.kind.startswith("RECV"):
+                new.append(a)
+                continue
+            key = message_key(a, r, pp, vshape)
+            if key in posted:
+                continue
+            queue = pending[a.peer]
+            while queue[0] != key:  # earlier-sent messages from this peer first
+                earlier = queue.pop(0)
+                new.append(by_key[earlier])
+                posted.add(earlier)
+            queue.pop(0)
+            new.append(a)
+            posted.add(key)
+        out.append(new)
+    return out
+
+
+def message_key(action: Action, rank: int, pp: int, vshape: bool = False) -> tuple[str, int, int]:
     """Identity of the tensor a SEND/RECV carries: (direction "F"/"B", microbatch, producer stage).
     A SEND and a RECV match iff their keys are equal. Raises ValueError for a compute action."""
     if action.kind not in COMM:
         raise ValueError(f"{action.kind!r} is not a communication action")
     direction = action.kind[-1]
-    stage = action.chunk * pp + rank
+    stage = stage_of(rank, action.chunk, pp, vshape)
     if action.kind.startswith("RECV"):
         stage += -1 if direction == "F" else 1
     return direction, action.microbatch, stage
 
 
 def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
-                   virtual_stages: int = 1) -> None:
+                   virtual_stages: int = 1, vshape: bool = False) -> None:
     """Raise ValueError unless ``schedule`` is well formed: one list per rank; each rank runs F and
     B exactly once per (microbatch, chunk), F first, and at most one W, after that B (a split
     backward); every SEND has exactly one matching RECV on its
@@ -223,13 +344,13 @@ def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
                     raise ValueError(f"rank {r}: {a} before its input-gradient backward B")
                 seen.add((a.kind, a.microbatch, a.chunk))
                 continue
-            key = message_key(a, r, pp)
+            key = message_key(a, r, pp, vshape)
             book = sends if a.kind.startswith("SEND") else recvs
             if key in book:
                 raise ValueError(f"rank {r}: duplicate {a}")
             other = key[2] + (1 if key[0] == "F" else -1) if book is sends else key[2]
-            if a.peer != other % pp:
-                raise ValueError(f"rank {r}: {a} has the wrong peer (expected {other % pp})")
+            if a.peer != rank_of(other, pp, vshape):
+                raise ValueError(f"rank {r}: {a} has the wrong peer (expected {rank_of(other, pp, vshape)})")
             produced = (key[0], a.microbatch, a.chunk) in seen
             if produced != (book is sends):  # SEND after its compute, RECV before its compute
                 raise ValueError(f"rank {r}: {a} is on the wrong side of its compute")
@@ -264,7 +385,7 @@ class SimResult:
 def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
              f_cost: float | list[float] = 1.0, b_cost: float | list[float] = 2.0,
              w_cost: float | list[float] = 0.0, eager_sends: bool = False,
-             durations: dict | None = None, latency: float = 0.0) -> SimResult:
+             durations: dict | None = None, latency: float = 0.0, vshape: bool = False) -> SimResult:
     """Event simulation of ``schedule`` (one list per rank, walked in order, one compute at a time).
 
     Dependencies: F of stage s for micro-batch i after F of stage s-1 for i; B of stage s after B of
@@ -287,7 +408,8 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
     RECV is satisfied ``latency`` after its SEND was posted (a SEND waiting for its RECV's post,
     without ``eager_sends``, is not delayed), e.g. the p2p latency measured for the run
     (``accounting.recv_wait_split``), so the prediction includes what each message on the critical
-    path costs. Raises RuntimeError("deadlock ...") if no rank can
+    path costs. ``vshape``: the schedule uses zb-v's V placement (:func:`stage_of`).
+    Raises RuntimeError("deadlock ...") if no rank can
     progress, ValueError for a wrong number of rank lists, v < 1, a negative cost or latency, or a
     cost list of the wrong length.
     """
@@ -319,7 +441,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
             while pos[r] < len(acts):
                 a = acts[pos[r]]
                 if a.kind in COMPUTE:
-                    s, i = a.chunk * pp + r, a.microbatch
+                    s, i = stage_of(r, a.chunk, pp, vshape), a.microbatch
                     if a.kind == "F":
                         deps = [("F", i, s - 1)] if s > 0 else []
                     elif a.kind == "W":
@@ -342,7 +464,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                 while end < len(acts) and acts[end].kind in COMM:
                     end += 1
                 run = acts[pos[r]:end]
-                mine = [(message_key(x, r, pp), x.kind.startswith("SEND")) for x in run]
+                mine = [(message_key(x, r, pp, vshape), x.kind.startswith("SEND")) for x in run]
                 for k in mine:
                     if k not in posted:
                         posted[k] = clock[r]
@@ -388,8 +510,9 @@ def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1, kind: str
     """Idle fraction of the pipeline, idle / (pp * makespan), for uniform stage costs.
 
     ``kind`` "zb-h1" (T_F = T_B = T_W, Qi et al. 2024): idle per rank (p-1)(T_F+T_B-T_W) = (p-1)
-    over busy 3m, i.e. (p-1)/(3m + p - 1) (m >= p; :func:`bubble_time_theory`); every other kind
-    as follows.
+    over busy 3m, i.e. (p-1)/(3m + p - 1) (m >= p; :func:`bubble_time_theory`); "zb-v": the
+    synchronous-step lower bound (p-1) T_F / 2 over busy 3m, (p-1)/(6m + p - 1), which its order
+    reaches at p = 2 (1 to 1.71 times it for p = 3..8, module docstring); every other kind as follows.
 
     v == 1 (naive, GPipe, 1F1B): (p-1)/(m+p-1) (GPipe, Huang et al. 2019; same bubble for
     PipeDream-Flush, Narayanan et al. 2021). Interleaved with v chunks per rank:
@@ -401,6 +524,8 @@ def bubble_theory(pp: int, microbatches: int, virtual_stages: int = 1, kind: str
         raise ValueError("pp, microbatches and virtual_stages must be >= 1")
     if kind == "zb-h1":
         return (pp - 1) / (3 * microbatches + pp - 1)
+    if kind == "zb-v":  # the synchronous-step bound (p-1) T_F / 2 over busy 3m T_F (module docstring)
+        return (pp - 1) / (6 * microbatches + pp - 1)
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
