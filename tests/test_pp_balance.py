@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from zerotron.layout import balanced_counts, even_counts, stage_costs, stage_layer_counts
+from zerotron.layout import (
+    balanced_counts,
+    balanced_counts_v,
+    even_counts,
+    stage_costs,
+    stage_layer_counts,
+    v_rank_costs,
+)
 from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble
 from zerotron.parallel.pipeline.schedules import bubble_theory, build_schedule, rank_idle_fractions, simulate
 from zerotron.plan import ParallelPlan
@@ -42,6 +49,33 @@ def test_balanced_counts_is_the_minimax_partition():
         balanced_counts([1.0], 2)
     with pytest.raises(ValueError, match=">= 0"):
         balanced_counts([1.0, -1.0], 2)
+
+
+def test_balanced_counts_v_balances_each_ranks_pair():
+    """ZB-V: rank r runs stages r and 2p-1-r. 8 unit blocks, a head of 2.3 blocks, p = 2: the
+    stage-balanced split puts 3 + 1 blocks + the head on rank 0 (6.3 vs 4); the V-aware one gives
+    rank 0 three blocks and the head (5.3) and rank 1 five (5.0), the best any split can do (rank 0
+    always carries the head: with 2 blocks it is 4.3 but rank 1 then has 6)."""
+    blocks = [1.0] * 8
+    stage = balanced_counts(blocks, 4, 0.0, 2.3)
+    assert max(v_rank_costs(stage_costs(stage, blocks, 0.0, 2.3))) == pytest.approx(6.3)
+    got = balanced_counts_v(blocks, 4, 0.0, 2.3)
+    assert got[0] + got[3] == 3 and sum(got) == 8 and min(got) >= 1
+    assert v_rank_costs(stage_costs(got, blocks, 0.0, 2.3)) == pytest.approx([5.3, 5.0])
+    assert stage_layer_counts(8, 4, "auto", (blocks, 0.0, 2.3), vshape=True) == got
+    # never worse than the stage-balanced split, per rank; random costs, p = 2 and 3
+    rng = random.Random(0)
+    for _ in range(30):
+        n, S = rng.randint(6, 12), rng.choice([4, 6])
+        if n < S:
+            continue
+        b = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        first, last = rng.uniform(0, 1), rng.uniform(0, 4)
+        v = balanced_counts_v(b, S, first, last)
+        ref = balanced_counts(b, S, first, last)
+        assert max(v_rank_costs(stage_costs(v, b, first, last))) <= max(v_rank_costs(stage_costs(ref, b, first, last))) + 1e-12
+    with pytest.raises(ValueError, match="even number of model stages"):
+        balanced_counts_v(blocks, 3)
 
 
 def test_explicit_split_needs_a_pipeline():

@@ -89,14 +89,66 @@ def balanced_counts(block_costs: list[float], n_stages: int, first: float = 0.0,
     return counts
 
 
-def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "", costs=None) -> list[int]:
+def v_rank_costs(stage_cost: list[float]) -> list[float]:
+    """Per-rank cost under ZB-V's V placement: rank r runs model stages r and 2p-1-r."""
+    n = len(stage_cost)
+    return [stage_cost[r] + stage_cost[n - 1 - r] for r in range(n // 2)]
+
+
+V_SEARCH_LIMIT = 200_000  # splits balanced_counts_v enumerates; above it the stage-balanced split
+
+
+def balanced_counts_v(block_costs: list[float], n_stages: int, first: float = 0.0, last: float = 0.0,
+                      rtol: float = 1e-9) -> list[int]:
+    """Layers per model stage for ZB-V (``n_stages`` = 2p, rank r running stages r and 2p-1-r),
+    minimising the largest *rank* cost (:func:`v_rank_costs` of :func:`stage_costs`), each stage at
+    least one block; ties: :func:`balanced_counts`' stage-balanced split if it reaches the optimum
+    (within ``rtol``), else the least sum of squared rank costs, then the lexicographically first.
+    Exhaustive over the C(n-1, 2p-1) contiguous splits when there are at most V_SEARCH_LIMIT of
+    them; beyond that it returns the stage-balanced split (a bound on the rank costs, not their
+    optimum). Raises ValueError for an odd ``n_stages``, fewer blocks than stages or a cost < 0."""
+    import itertools
+    import math
+
+    n = len(block_costs)
+    stage_split = balanced_counts(block_costs, n_stages, first, last, rtol)  # also checks the inputs
+    if n_stages % 2:
+        raise ValueError(f"the V placement needs an even number of model stages, got {n_stages}")
+    if math.comb(n - 1, n_stages - 1) > V_SEARCH_LIMIT:
+        return stage_split
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def ranks(cuts):
+        edges = (0, *cuts, n)
+        st = [prefix[edges[i + 1]] - prefix[edges[i]] for i in range(n_stages)]
+        st[0] += first
+        st[-1] += last
+        return v_rank_costs(st)
+
+    best, best_key = None, None
+    for cuts in itertools.combinations(range(1, n), n_stages - 1):
+        rc = ranks(cuts)
+        key = (max(rc), sum(x * x for x in rc))
+        if best_key is None or key < best_key:
+            best, best_key = cuts, key
+    ref = v_rank_costs(stage_costs(stage_split, block_costs, first, last))
+    if max(ref) <= best_key[0] * (1 + rtol) + 1e-300:
+        return stage_split
+    edges = (0, *best, n)
+    return [edges[i + 1] - edges[i] for i in range(n_stages)]
+
+
+def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "", costs=None, vshape: bool = False) -> list[int]:
     """Layers per model stage (one per model stage = pp*v) for ``pp_split``:
 
     * ``"3,5"``: those comma-separated counts;
     * ``"even"`` or ``""``: equal counts, the first ``n_layer % n_stages`` stages one extra layer;
     * ``"auto"``: :func:`balanced_counts` of ``costs`` = ``(block_costs, first, last)``
       (per-block, embedding and head costs, any one unit; see
-      ``zerotron.parallel.pipeline.balance.layer_costs``).
+      ``zerotron.parallel.pipeline.balance.layer_costs``); with ``vshape`` (zb-v)
+      :func:`balanced_counts_v`, which balances each rank's two stages together.
 
     Raises ValueError if pp_split is malformed, has the wrong length, a count < 1, or does not sum
     to n_layer; if n_layer < n_stages; for "auto" without ``costs`` or with len(block_costs) !=
@@ -109,7 +161,7 @@ def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "", costs=No
         if len(blocks) != n_layer:
             raise ValueError(f"{len(blocks)} block costs for n_layer = {n_layer}")
         even_counts(n_layer, n_stages)  # the same error for too few layers
-        return balanced_counts(list(blocks), n_stages, first, last)
+        return (balanced_counts_v if vshape else balanced_counts)(list(blocks), n_stages, first, last)
     if word and word != "even":
         try:
             counts = [int(c) for c in pp_split.split(",")]

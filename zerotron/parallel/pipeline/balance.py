@@ -23,7 +23,7 @@ contiguous partition, the equal split kept when it is already optimal).
 """
 from __future__ import annotations
 
-from zerotron.layout import stage_costs, stage_layer_counts
+from zerotron.layout import stage_costs, stage_layer_counts, v_rank_costs
 from zerotron.models.layout import get_module
 from zerotron.parallel.tensor.layers import is_tp_sharded
 
@@ -55,16 +55,17 @@ def layer_costs(model, recompute: str = "none") -> tuple[list[float], float, flo
     return blocks, 2.0 * c, 2.0 * c * v + 5.0 * v
 
 
-def resolve_split(model, n_stages: int, pp_split: str, recompute: str = "none") -> list[int]:
+def resolve_split(model, n_stages: int, pp_split: str, recompute: str = "none", vshape: bool = False) -> list[int]:
     """Layers per model stage for ``parallel.pp_split`` (``"auto"``: balanced over
-    :func:`layer_costs`; ``"even"``/``""``; or counts ``"3,5"``): see
-    :func:`zerotron.layout.stage_layer_counts`, whose ValueErrors it raises."""
+    :func:`layer_costs`, per rank's pair of stages under zb-v's V placement with ``vshape``;
+    ``"even"``/``""``; or counts ``"3,5"``): see :func:`zerotron.layout.stage_layer_counts`, whose
+    ValueErrors it raises."""
     n_layer = len(get_module(model, model.layout().blocks))
     costs = layer_costs(model, recompute) if pp_split.strip() == "auto" else None
-    return stage_layer_counts(n_layer, n_stages, pp_split, costs)
+    return stage_layer_counts(n_layer, n_stages, pp_split, costs, vshape)
 
 
-def split_message(model, counts: list[int], pp_split: str, recompute: str = "none") -> str:
+def split_message(model, counts: list[int], pp_split: str, recompute: str = "none", vshape: bool = False) -> str:
     """One log line naming the split and the estimated cost of each model stage (relative to the
     largest), e.g. for the default model ``pipeline split (parallel.pp_split = auto): layers per
     stage 3,1; estimated stage costs (FLOPs) 0.90, 1.00 (the even split 2,2: 0.60, 1.30, a 1.30x
@@ -74,6 +75,8 @@ def split_message(model, counts: list[int], pp_split: str, recompute: str = "non
     top = max(cost)
     msg = (f"pipeline split (parallel.pp_split = {pp_split or 'even'}): layers per stage "
            f"{','.join(map(str, counts))}; estimated stage costs (FLOPs) " + ", ".join(f"{x / top:.2f}" for x in cost))
+    if vshape:  # zb-v: rank r runs stages r and 2p-1-r
+        msg += "; per rank (V placement) " + ", ".join(f"{x / top:.2f}" for x in v_rank_costs(cost))
     even = stage_layer_counts(len(blocks), len(counts), "even")
     if even != counts:
         ec = stage_costs(even, blocks, first, last)
@@ -82,10 +85,10 @@ def split_message(model, counts: list[int], pp_split: str, recompute: str = "non
     return msg
 
 
-def announce_split(model, counts: list[int], pp_split: str, recompute: str = "none") -> None:
+def announce_split(model, counts: list[int], pp_split: str, recompute: str = "none", vshape: bool = False) -> None:
     """Print :func:`split_message` once per process and distinct split (call it on rank 0 only)."""
-    key = (tuple(counts), pp_split, recompute, len(counts))
+    key = (tuple(counts), pp_split, recompute, len(counts), vshape)
     if key not in _ANNOUNCED:
         _ANNOUNCED.add(key)
-        print("zerotron: " + split_message(model, counts, pp_split, recompute), flush=True)
+        print("zerotron: " + split_message(model, counts, pp_split, recompute, vshape), flush=True)
 

@@ -119,10 +119,10 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
         n_stages = self.pp * self.v
         recompute = p.activation_checkpointing
-        self.split = resolve_split(model, n_stages, p.pp_split, recompute)  # layers per model stage
+        self.split = resolve_split(model, n_stages, p.pp_split, recompute, self.vshape)  # layers per model stage
         ranges = stage_layer_ranges(self.split)
         if mesh.rank == 0 and p.pp_split.strip() == "auto":
-            announce_split(model, self.split, p.pp_split, recompute)
+            announce_split(model, self.split, p.pp_split, recompute, self.vshape)
         self.dense = model
         self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
         self.module = StageModel(model, [stage_of(self.rank, c, self.pp, self.vshape) for c in range(self.v)], ranges)
