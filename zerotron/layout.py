@@ -8,6 +8,9 @@ the same, the value before "auto" existed) or explicit counts ``"3,5"``.
 """
 from __future__ import annotations
 
+import itertools
+import math
+
 __all__ = ["stage_layer_counts", "stage_layer_ranges", "balanced_counts", "even_counts", "stage_costs",
            "SPLIT_WORDS"]
 
@@ -107,9 +110,6 @@ def balanced_counts_v(block_costs: list[float], n_stages: int, first: float = 0.
     Exhaustive over the C(n-1, 2p-1) contiguous splits when there are at most V_SEARCH_LIMIT of
     them; beyond that it returns the stage-balanced split (a bound on the rank costs, not their
     optimum). Raises ValueError for an odd ``n_stages``, fewer blocks than stages or a cost < 0."""
-    import itertools
-    import math
-
     n = len(block_costs)
     stage_split = balanced_counts(block_costs, n_stages, first, last, rtol)  # also checks the inputs
     if n_stages % 2:

@@ -25,12 +25,14 @@ from .config_checks import check_values
 from .layout import SPLIT_WORDS, stage_layer_counts
 
 __all__ = ["ParallelDims", "ParallelPlan", "build_plan", "check_values", "DTYPES", "REDUCE_DTYPES",
-           "PP_SCHEDULES", "RUNNERS", "SYNCS"]
+           "PP_SCHEDULES", "CHUNKED_SCHEDULES", "RUNNERS", "SYNCS"]
 
 DTYPES = ("fp32", "bf16", "fp64")  # = parallel.precision.TRAIN_DTYPES (no torch import here)
 REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp64")
 DP_IMPLS = ("native", "torch")
 PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+# schedules that place parallel.virtual_stages model stages on each rank (Megatron-LM's loop; ZB-V's V)
+CHUNKED_SCHEDULES = ("interleaved", "zb-v")
 RUNNERS = ("plain", "pipeline", "threads", "torch")
 SYNCS = ("ddp", "torch_ddp", "zero", "fsdp2", "dtensor_tp")
 
@@ -164,14 +166,13 @@ class ParallelPlan:
         threads (one process, a worker thread per stage) | torch (torch.distributed.pipelining)."""
         if self.pp_impl in ("threads", "torch"):
             return self.pp_impl
-        return "pipeline" if self.pp > 1 or self.pp_schedule in ("interleaved", "zb-v") else "plain"
+        return "pipeline" if self.pp > 1 or self.pp_schedule in CHUNKED_SCHEDULES else "plain"
 
     @property
     def n_model_stages(self) -> int:
         """Model stages the layers are split into: pp * virtual_stages for interleaved (Narayanan et
         al. 2021, interleaved 1F1B), zb-v (two per rank, in a V) or threads, pp otherwise."""
-        return self.pp * (self.virtual_stages if self.pp_schedule in ("interleaved", "zb-v") or self.runner == "threads"
-                          else 1)
+        return self.pp * (self.virtual_stages if self.pp_schedule in CHUNKED_SCHEDULES or self.runner == "threads" else 1)
 
     @property
     def sync(self) -> str:
@@ -247,7 +248,7 @@ class ParallelPlan:
             _need(z > 0 or self.dp_impl == "native",
                   "parallel.dp_replicate > 1 needs parallel.dp_impl = native (hierarchical all-reduce) or a "
                   "parallel.zero_stage; torch DDP reduces over one flat group")
-            _need(self.pp == 1 and self.pp_schedule not in ("interleaved", "zb-v") and self.pp_impl != "threads",
+            _need(self.pp == 1 and self.pp_schedule not in CHUNKED_SCHEDULES and self.pp_impl != "threads",
                   "parallel.dp_replicate > 1 is not combined with pipeline parallelism (the stage synchronisers "
                   "shard over the whole dp group; the threaded executor's DDP is flat); set parallel.dp_replicate = 1, "
                   "or parallel.pp = 1 and parallel.pp_impl = native")
@@ -329,7 +330,7 @@ class ParallelPlan:
               "parallel.zero_impl = fsdp2 is not combined with tp > 1; use the native ZeRO implementation")
         if self.tp_impl == "dtensor" and tp > 1:
             _need(self.dp == 1 and self.pp == 1 and self.zero_stage == 0 and not self.sequence_parallel
-                  and self.pp_schedule not in ("interleaved", "zb-v"),
+                  and self.pp_schedule not in CHUNKED_SCHEDULES,
                   "parallel.tp_impl = dtensor (the torch comparison backend) runs tensor parallelism alone: dp = pp "
                   "= 1, zero_stage = 0, sequence_parallel = false; use tp_impl = native to combine tp with the rest")
             _need(self.dropout == 0, "parallel.tp_impl = dtensor needs model.dropout = 0 (replicated-region "

@@ -22,6 +22,7 @@ from zerotron.parallel.pipeline.schedules import (
     check_schedule,
     simulate,
 )
+from zerotron.plan import CHUNKED_SCHEDULES
 
 
 def _label(action) -> str:
@@ -153,7 +154,7 @@ MAX_ACTIONS = 4096  # pp x microbatches x virtual stages that `zerotron schedule
 
 
 def _schedule_run(args) -> int:
-    v = args.virtual if args.virtual is not None else (2 if args.kind in ("interleaved", "zb-v") else 1)
+    v = args.virtual if args.virtual is not None else (2 if args.kind in CHUNKED_SCHEDULES else 1)
     vshape = args.kind == "zb-v"
     try:
 

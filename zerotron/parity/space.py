@@ -8,7 +8,7 @@ import itertools
 from dataclasses import dataclass
 
 from zerotron.config import ConfigError
-from zerotron.plan import build_plan
+from zerotron.plan import CHUNKED_SCHEDULES, build_plan
 
 FACTORS = {
     "sync": ("ddp", "torch_ddp", "zero1", "zero2", "zero3", "fsdp2_2", "fsdp2_3"),
@@ -94,7 +94,7 @@ class Layout:
         elif self.pp > 1:
             o["parallel.pp_schedule"] = self.schedule
             o["parallel.pp_split"] = self.split or "auto"
-            if self.schedule in ("interleaved", "zb-v"):  # zb-v: two stages per rank, in a V
+            if self.schedule in CHUNKED_SCHEDULES:  # interleaved loop, zb-v's V: two stages per rank
                 o["parallel.virtual_stages"] = 2
         return o
 

@@ -1,7 +1,7 @@
 """Pipeline parallelism over the mesh's "pp" dimension: stage split, schedules, tied weights.
 
 ``PipelineStrategy(model, mesh, plan)`` splits a fully initialised ``CausalLM`` (identical on every rank)
-into ``pp * v`` model stages (v = ``parallel.virtual_stages`` for "interleaved", else 1); pipeline
+into ``pp * v`` model stages (v = ``parallel.virtual_stages`` for "interleaved" and "zb-v", else 1); pipeline
 rank r holds the stages ``c*pp + r`` for its chunks c (Megatron-LM interleaving). Layers per
 stage follow ``parallel.pp_split``: "auto" (default; balanced over FLOP estimates that count the
 embedding on stage 0 and the head + loss on the last stage, ``pipeline.balance``; the same
@@ -114,7 +114,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def __init__(self, model, mesh, plan, mask: dict | None = None):
         p = self.plan = plan
         self.kind, self.microbatches = p.pp_schedule, p.microbatches
-        self.v = p.virtual_stages if self.kind in ("interleaved", "zb-v") else 1
+        self.v = p.n_model_stages // mesh.size("pp")  # model stages per rank: virtual_stages when chunked
         self.vshape = self.kind == "zb-v"  # V placement: rank r holds stages r and 2pp-1-r
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
         n_stages = self.pp * self.v

@@ -27,10 +27,7 @@ back during the steady state (in flight at most p micro-batches, as 1F1B's rank 
 after its last B, so the critical path goes through the B's alone. With T_F = T_B = T_W that is a
 third of 1F1B's bubble time (:func:`bubble_time_theory`).
 
-ZB-V's compute order is built by list scheduling at unit costs (F = B = W = 1 per chunk): whenever
-a rank is free it runs a ready B (the deeper stage first), else a ready F (deeper first) while it
-holds fewer than 2p chunk activations (1F1B's peak: p micro-batches of the rank's whole share),
-else its oldest owed W. Measured with this simulator at unit costs, m = p..3p (tested): per rank
+ZB-V's compute order is list-scheduled at unit costs (``pipeline.zb_v_order``). Measured with this simulator at unit costs, m = p..3p (tested): per rank
 it idles 1 to 1.71 times the bound (p-1) T_F / 2 below (exactly the bound at p = 2), ZB-H1 twice
 it, (p-1) T_F. Its peak is 2p chunk activations per rank, 1F1B's p micro-batches of a whole rank.
 
@@ -71,6 +68,8 @@ Communication convention (what an executor may assume):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from zerotron.parallel.pipeline.zb_v_order import zb_v_groups
 
 KINDS = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 COMPUTE = ("F", "B", "W")
@@ -154,58 +153,6 @@ def rank_of(stage: int, pp: int, vshape: bool = False) -> int:
     return 2 * pp - 1 - stage if vshape and stage >= pp else stage % pp
 
 
-def _zb_v_groups(pp: int, m: int) -> list[list[list[tuple]]]:
-    """ZB-V compute order of every rank (module docstring: list scheduling at unit costs, at most
-    2p chunk activations per rank, raised by one if that cap ever leaves no rank anything to run)."""
-    n = 2 * pp
-    for cap in range(n, n + 2 * m * n + 1):
-        out = _zb_v_list_schedule(pp, m, cap)
-        if out is not None:
-            return [[[(k, i, 0 if s < pp else 1)] for k, i, s in rank] for rank in out]
-    raise AssertionError("unreachable: without a memory cap list scheduling always progresses")
-
-
-def _zb_v_list_schedule(pp: int, m: int, cap: int):
-    n = 2 * pp
-    done: dict = {}  # (kind, microbatch, stage) -> end time
-    clock = [0] * pp
-    next_f, next_b = [0] * n, [0] * n
-    owed: list[list] = [[] for _ in range(pp)]
-    live, order = [0] * pp, [[] for _ in range(pp)]
-    for _ in range(3 * m * n):
-        best = None
-        for r in range(pp):
-            cands = []
-            for s in (n - 1 - r, r):  # deeper stage first
-                i = next_b[s]
-                if i < m and ("F", i, s) in done and (s == n - 1 or ("B", i, s + 1) in done):
-                    cands.append((max(clock[r], done[("F", i, s)], done.get(("B", i, s + 1), 0)), 0, "B", i, s))
-                i = next_f[s]
-                if i < m and live[r] < cap and (s == 0 or ("F", i, s - 1) in done):
-                    cands.append((max(clock[r], done.get(("F", i, s - 1), 0)), 1, "F", i, s))
-            if owed[r]:
-                cands.append((clock[r], 2, "W", *owed[r][0]))
-            if cands:
-                c = min(cands, key=lambda x: x[:2])
-                if best is None or c[:2] < best[0][:2]:
-                    best = (c, r)
-        if best is None:
-            return None
-        (t, _, k, i, s), r = best
-        clock[r] = done[(k, i, s)] = t + 1
-        order[r].append((k, i, s))
-        if k == "F":
-            next_f[s] += 1
-            live[r] += 1
-        elif k == "B":
-            next_b[s] += 1
-            owed[r].append((i, s))
-        else:
-            owed[r].pop(0)
-            live[r] -= 1
-    return order
-
-
 def _with_comm(groups, rank: int, pp: int, v: int, vshape: bool = False) -> list[Action]:
     """Before each group one comm run: SENDs of the previous group's cross-rank outputs, then
     RECVs of this group's cross-rank inputs (each in compute order); the last group's SENDs
@@ -259,7 +206,7 @@ def build_schedule(pp: int, microbatches: int, kind: str,
     elif kind == "zb-v":
         if virtual_stages != 2:
             raise ValueError(f"zb-v places two chunks per rank in a V: virtual_stages must be 2, got {virtual_stages}")
-        return _fifo_receives([_with_comm(g, r, pp, 2, vshape=True) for r, g in enumerate(_zb_v_groups(pp, microbatches))],
+        return _fifo_receives([_with_comm(g, r, pp, 2, vshape=True) for r, g in enumerate(zb_v_groups(pp, microbatches))],
                               pp, True)
     elif virtual_stages != 1:
         raise ValueError(f"virtual_stages must be 1 for kind {kind!r} (only 'interleaved' and 'zb-v' use it)")
