@@ -190,7 +190,7 @@ def test_resume_checks(small_run, tmp_path, capsys):
     shutil.copytree(bad, worse)
     (worse / "checkpoints" / "step_2" / "meta.json").write_text('{"step": 2, "mod')
     code, err = main(["export", "--checkpoint", str(worse), "--out", str(tmp_path / "hf")]), capsys.readouterr().err
-    assert code == 2 and "meta.json' is corrupt" in err
+    assert code == 2 and "step_2' is damaged: meta.json is unreadable (JSONDecodeError)" in err, err
     # --resume verifies the newest checkpoint's files first and falls back to the previous one,
     # keeping the damaged directory under another name (issue 13)
     code, err = main([*argv[:4], str(bad), *argv[5:], "--resume", "--train.steps", "3"]), capsys.readouterr().err

@@ -397,6 +397,58 @@ def test_checksum_mismatch(full_run, tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+def test_edited_meta_json_is_damage(tmp_path, data_cache, capsys):
+    """meta.json is covered by the integrity check (issue 35): an edited step or tokens_seen, a
+    step that disagrees with its step_<N> directory, and a torn meta.json each mark the checkpoint damaged
+    -- generate refuses in one line (exit 2), --resume moves it aside and falls back to the
+    previous checkpoint, which then trains steps 3 and 4 to exactly the losses of the first run."""
+    import shutil
+
+    from zerotron.train.checkpoint import verify_checkpoint
+    from zerotron.train.checkpoint.integrity import META_CHECKSUM, meta_checksum
+
+    run = tmp_path / "run"
+    argv = ["train", "--config", "configs/tiny.toml", "--run-dir", str(run), "--train.steps", "4",
+            "--checkpoint.every", "2", "--checkpoint.keep", "0", "--train.eval_every", "0",
+            "--data.cache_dir", data_cache, "--log.progress", "false", "--log.sample_tokens", "0",
+            "--log.plot", "false"]
+    assert main(argv) == 0
+    first = metrics(run)
+    ck = run / "checkpoints" / "step_4"
+    meta = json.loads((ck / "meta.json").read_text())
+    assert meta[META_CHECKSUM].startswith("sha256:")
+    capsys.readouterr()
+    resealed = {**meta, "step": 5}
+    resealed[META_CHECKSUM] = meta_checksum(resealed)  # consistent in itself, not with its directory
+    cases = {"step": ({**meta, "step": 5}, "meta.json does not match its own meta_checksum"),
+             "resealed": (resealed, "meta.json says step 5 in directory step_4"),
+             "tokens": ({**meta, "tokens_seen": meta["tokens_seen"] + 1}, "meta.json does not match its own meta_checksum"),
+             "torn": (None, "meta.json is unreadable")}
+    for name, (edited, why) in cases.items():
+        bad = tmp_path / name
+        shutil.copytree(run, bad)
+        text = json.dumps(edited, indent=1) if edited else (ck / "meta.json").read_text()[:200]
+        (bad / "checkpoints" / "step_4" / "meta.json").write_text(text)
+        with pytest.raises(Exception, match=why):
+            verify_checkpoint(bad / "checkpoints" / "step_4")
+        code, err = main(["generate", "--checkpoint", str(bad / "checkpoints" / "step_4"), "--prompt", "x"]), \
+            capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and why in err, err
+        code = main([*argv[:4], str(bad), *argv[5:], "--resume", "--train.steps", "4"])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert f"step_4 is damaged ({why}" in err and "falling back to step_2" in err, err
+        assert (bad / "checkpoints" / "damaged_step_4").is_dir()
+        assert [x["loss"] for x in metrics(bad)] == [x["loss"] for x in first], name
+        verify_checkpoint(bad / "checkpoints" / "step_4")  # the new save verifies
+    # a checkpoint saved before meta_checksum existed has none and still passes
+    old = tmp_path / "old"
+    shutil.copytree(ck, old / "checkpoints" / "step_4")
+    (old / "checkpoints" / "step_4" / "meta.json").write_text(
+        json.dumps({k: v for k, v in meta.items() if k != META_CHECKSUM}))
+    verify_checkpoint(old / "checkpoints" / "step_4")
+
+
 def test_resume_with_another_model_setting_refused(full_run, data_cache, tmp_path):
     """Issue 13 item 7: a resume whose model settings differ in anything but the sizes (here the
     biases) is refused before any worker starts, with one line naming the field, and the run

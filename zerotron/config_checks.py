@@ -19,10 +19,27 @@ def _need(cond, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _init_from_shape(path: str) -> dict:
+    """The shape (``registry.config_meta`` of the family config) of the HF checkpoint at
+    ``path``, from its config.json alone: the layout rules (tp divides the heads, pp the layers)
+    then hold against the model that will be loaded. Raises ConfigError in one line for a
+    missing or unreadable config.json, an unknown model_type or a setting the family lacks."""
+    from .models import registry  # imports torch: only when a checkpoint is named
+
+    try:
+        return registry.config_meta(registry.hf_config(path))
+    except (OSError, ValueError, TypeError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model.init_from {path!r} cannot be loaded: {why}; give a Hugging Face GPT-2 or "
+                          "Llama directory with settings zerotron implements, or train without model.init_from"
+                          ) from None
+
+
 def check_values(cfg: Config) -> dict:
     """Per-setting checks of the sections the plan does not carry (train hyper-parameters, data,
     checkpoint, model sizes) and the device/backend availability. Returns the resolved model shape
-    (``config.model_shape``). Raises ConfigError naming the field and the fix."""
+    (``config.model_shape``; with ``model.init_from``, that of the checkpoint's config.json).
+    Raises ConfigError naming the field and the fix."""
     t, p, m, d = cfg.train, cfg.parallel, cfg.model, cfg.data
     for sec in SECTIONS:  # inf/nan parse as floats; no float field means anything with them
         for name, typ in _field_types(_section_cls(sec)).items():
@@ -64,8 +81,9 @@ def check_values(cfg: Config) -> dict:
           f"checkpoint.on_error must be continue or stop, got {cfg.checkpoint.on_error!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         _need(getattr(m, key) >= 0, f"model.{key} must be >= 1 (or 0 = from the preset/tokenizer), got {getattr(m, key)}")
+    shape = _init_from_shape(m.init_from) if m.init_from else None
     try:
-        shape = model_shape(m)
+        shape = shape or model_shape(m)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _need(shape["n_embd"] % shape["n_head"] == 0,

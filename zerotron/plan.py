@@ -357,7 +357,13 @@ def build_plan(cfg: Config, world_size: int) -> ParallelPlan:
     (e.g. global_batch not divisible by micro_batch * dp)."""
     shape = check_values(cfg)
     p = cfg.parallel
-    plan = ParallelPlan.from_config(cfg, ParallelDims(world_size, p.dp, p.tp, p.pp, p.dp_replicate), shape)
+    try:
+        plan = ParallelPlan.from_config(cfg, ParallelDims(world_size, p.dp, p.tp, p.pp, p.dp_replicate), shape)
+    except ConfigError as e:
+        if not cfg.model.init_from or "model." not in str(e):
+            raise
+        raise ConfigError(f"{e} (the model of model.init_from {cfg.model.init_from!r}, from its config.json)"
+                          ) from None
     if plan.runner == "plain" and p.microbatches:  # (a plan built directly may run PipelineStrategy at pp 1)
         raise ConfigError(f"parallel.microbatches ({p.microbatches}) sets the micro-batches per pipeline flush, "
                           "and this layout has no pipeline (parallel.pp 1): remove it, or set parallel.pp > 1, "

@@ -90,8 +90,13 @@ def cmd_train(argv: list[str]) -> int:
             from ..data import prepare_data  # build the token cache once, report data errors once
 
             d = cfg.data
-            prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
-                         d.tokenizer or None)
+            data = prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
+                                d.tokenizer or None)
+            if cfg.model.init_from:  # the checkpoint's config was read by build_plan: its vocabulary too
+                from ..models.registry import hf_config
+                from ..train.setup import check_init_vocab
+
+                check_init_vocab(hf_config(cfg.model.init_from).vocab_size, data.vocab_size)
             worker_argv = ["train", *strip_nproc(argv, ("--nproc", "--max-restarts"))]
             if not args.run_dir:
                 worker_argv += ["--run-dir", str(run_dir)]

@@ -19,7 +19,7 @@ from . import gpt, hf, hf_llama, llama
 from .base import CausalLM
 
 __all__ = ["Arch", "ARCHS", "DEFAULT_ARCH", "get_arch", "arch_of", "preset_arch", "all_presets",
-           "preset_config", "build_model", "config_meta", "config_from_meta", "hf_arch", "load_hf",
+           "preset_config", "build_model", "config_meta", "config_from_meta", "hf_arch", "hf_config", "load_hf",
            "export_hf", "make_config"]
 
 DEFAULT_ARCH = "gpt2"
@@ -29,8 +29,9 @@ DEFAULT_ARCH = "gpt2"
 class Arch:
     """One model family: ``config_cls`` (a dataclass with ``validate()``), ``model_cls`` (a
     :class:`CausalLM` taking that config), ``presets`` (name -> config fields), ``hf_model_type``
-    (config.json ``model_type``), ``load_hf(path) -> model`` and ``export_hf(model, cfg, out_dir,
-    overwrite=, eos_token_id=) -> Path`` (Hugging Face safetensors directories)."""
+    (config.json ``model_type``), ``load_hf(path) -> model``, ``export_hf(model, cfg, out_dir,
+    overwrite=, eos_token_id=) -> Path`` (Hugging Face safetensors directories) and
+    ``hf_to_config(config.json dict) -> config`` (ValueError for a setting the family lacks)."""
 
     name: str
     config_cls: type
@@ -39,12 +40,14 @@ class Arch:
     hf_model_type: str
     load_hf: Callable
     export_hf: Callable
+    hf_to_config: Callable
 
 
 ARCHS: dict[str, Arch] = {
-    "gpt2": Arch("gpt2", gpt.GPTConfig, gpt.GPT, gpt.PRESETS, "gpt2", hf.load_hf_gpt2, hf.export_hf_gpt2),
+    "gpt2": Arch("gpt2", gpt.GPTConfig, gpt.GPT, gpt.PRESETS, "gpt2", hf.load_hf_gpt2, hf.export_hf_gpt2,
+                 hf.hf_config_to_gpt),
     "llama": Arch("llama", llama.LlamaConfig, llama.Llama, llama.PRESETS, "llama",
-                  hf_llama.load_hf_llama, hf_llama.export_hf_llama),
+                  hf_llama.load_hf_llama, hf_llama.export_hf_llama, hf_llama.hf_config_to_llama),
 }
 
 
@@ -122,6 +125,16 @@ def hf_arch(path: str | Path) -> str:
             return arch.name
     known = ", ".join(a.hf_model_type for a in ARCHS.values())
     raise ValueError(f"{config}: model_type {model_type!r} is not supported (supported: {known})")
+
+
+def hf_config(path: str | Path):
+    """The validated family config of a HF checkpoint, from its config.json alone (no weights are
+    read): what :func:`load_hf` would build. Raises FileNotFoundError without config.json (or
+    when ``path`` is neither a directory nor a .safetensors file), ValueError for an unknown
+    model_type, a setting the family does not implement, or invalid sizes."""
+    arch = get_arch(hf_arch(path))
+    _, config = hf.read_hf_checkpoint(path, f"HF {arch.name}")
+    return arch.hf_to_config(config)
 
 
 def load_hf(path: str | Path) -> CausalLM:

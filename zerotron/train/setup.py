@@ -17,7 +17,7 @@ from ..models import registry
 from . import checkpoint as ckpt
 from .step import IGNORE_INDEX
 
-__all__ = ["gpt_config", "check_run_dir", "check_resume", "load_data", "val_rank_windows", "padding_batch",
+__all__ = ["gpt_config", "check_init_vocab", "check_run_dir", "check_resume", "load_data", "val_rank_windows", "padding_batch",
            "SHAPE_KEYS"]
 
 
@@ -33,6 +33,14 @@ def gpt_config(cfg: Config, tokenizer_vocab: int):
         return registry.config_from_section(cfg.model, vocab)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_init_vocab(model_vocab: int, tokenizer_vocab: int) -> None:
+    """``model.init_from``: the checkpoint's embedding must have a row for every token id of the
+    tokenizer. Raises ConfigError naming the fix."""
+    if model_vocab < tokenizer_vocab:
+        raise ConfigError(f"model.init_from has vocab_size {model_vocab} < the tokenizer's {tokenizer_vocab}; "
+                          "set data.tokenizer to the checkpoint's tokenizer.json")
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:

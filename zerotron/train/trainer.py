@@ -27,7 +27,7 @@ from . import lifecycle
 from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics, strict_json
 from .optim import build_scheduler
 from .progress import Progress
-from .setup import check_resume, check_run_dir, gpt_config, load_data, padding_batch, val_rank_windows
+from .setup import check_init_vocab, check_resume, check_run_dir, gpt_config, load_data, padding_batch, val_rank_windows
 from .step import evaluate, train_step
 from .tensorboard import open_tensorboard
 from .wandb_log import open_wandb
@@ -130,9 +130,7 @@ class Trainer:
         (dropout from the config). Raises ConfigError if its vocabulary is smaller than the
         tokenizer's."""
         hf = registry.load_hf(path)
-        if hf.config.vocab_size < self.data.vocab_size:
-            raise ConfigError(f"model.init_from has vocab_size {hf.config.vocab_size} < the tokenizer's "
-                              f"{self.data.vocab_size}; set data.tokenizer to the checkpoint's tokenizer.json")
+        check_init_vocab(hf.config.vocab_size, self.data.vocab_size)
         model = registry.build_model(dataclasses.replace(hf.config, dropout=self.cfg.model.dropout))
         model.load_state_dict(hf.state_dict())
         return model

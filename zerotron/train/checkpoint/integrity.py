@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,19 @@ def file_checksum(path: str | Path) -> str:
     """``"sha256:<hex>"`` of a file's bytes (read in 1 MiB blocks). Raises OSError."""
     with open(path, "rb") as f:
         return "sha256:" + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+META_CHECKSUM = "meta_checksum"
+"""the meta.json key holding :func:`meta_checksum` of the rest of meta.json"""
+
+
+def meta_checksum(meta: dict) -> str:
+    """``"sha256:<hex>"`` of meta.json's contents without its own ``meta_checksum`` key, in a
+    canonical form (keys sorted, no spaces, after a JSON round trip: the dict being written and the
+    dict read back give the same value). Raises TypeError for a value JSON cannot hold."""
+    rest = json.loads(json.dumps({k: v for k, v in meta.items() if k != META_CHECKSUM}))
+    canon = json.dumps(rest, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
 
 
 def checksums(ckpt: str | Path) -> dict[str, str]:
@@ -55,11 +69,12 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
     """Check that every data file torch.distributed.checkpoint's ``.metadata`` of ``ckpt`` refers to
     exists and is long enough (no tensor is read), and (``verify_checksums``) that every file
     listed in meta.json's ``checksums`` has that SHA-256 (checkpoints written before checksums
-    existed have none and pass). Raises CheckpointError naming the first missing, truncated or
-    mismatching file and, for a ``step_<N>`` of a run, the previous complete checkpoint to fall
-    back to."""
+    existed have none and pass). meta.json itself is always checked (it is small): it must parse,
+    match its own ``meta_checksum`` (checkpoints saved before that key existed have none and
+    pass), and, for a ``step_<N>`` directory, say ``"step": N``. Raises CheckpointError naming the
+    first missing, truncated or mismatching file and, for a ``step_<N>`` of a run, the previous
+    complete checkpoint to fall back to (``.reason``: what is wrong, for the fallback)."""
     ckpt = Path(ckpt)
-    meta = read_meta(ckpt)
 
     def fail(what: str):
         m = STEP_RE.match(ckpt.name)
@@ -69,6 +84,19 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
         err = CheckpointError(f"checkpoint {str(ckpt)!r} is damaged: {what}; {fix}")
         err.reason = what
         raise err
+    if not (ckpt / "meta.json").is_file():
+        read_meta(ckpt)  # not a checkpoint at all: read_meta's message
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except (ValueError, OSError) as e:  # a torn or unreadable meta.json: damaged, like a shard
+        fail(f"meta.json is unreadable ({type(e).__name__})")
+    if not isinstance(meta, dict):
+        fail("meta.json is not a JSON object")
+    if META_CHECKSUM in meta and meta_checksum(meta) != meta[META_CHECKSUM]:
+        fail("meta.json does not match its own meta_checksum (it was edited after the save)")
+    m = STEP_RE.match(ckpt.name)
+    if m and meta.get("step") != int(m.group(1)):
+        fail(f"meta.json says step {meta.get('step')!r} in directory {ckpt.name}")
     if not (ckpt / ".metadata").is_file():
         fail("no .metadata from torch.distributed.checkpoint")
     try:

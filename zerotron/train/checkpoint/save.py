@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from zerotron.parallel.tensor.transform import find_rng_tracker, tracker_checkpoint_state
 
 from .files import CheckpointSpaceError, CheckpointWriteError, latest_checkpoint, list_checkpoints
-from .integrity import complete_checksums, file_checksum, gather_checksums, own_files
+from .integrity import META_CHECKSUM, complete_checksums, file_checksum, gather_checksums, meta_checksum, own_files
 from .rng import rng_state
 from .space import space_report, space_shortfall
 
@@ -118,7 +118,9 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
     if rank == 0:
         try:  # meta.json last: it lists the checksums of every file written above
             sums = complete_checksums(tmp, known)
-            (tmp / "meta.json").write_text(json.dumps({"step": step, **meta, "checksums": sums}, indent=1))
+            full = {"step": step, **meta, "checksums": sums}
+            full[META_CHECKSUM] = meta_checksum(full)  # meta.json covers itself
+            (tmp / "meta.json").write_text(json.dumps(full, indent=1))
             if final.exists():  # re-saving the same step (e.g. after resume): replace it
                 shutil.rmtree(final)
             os.replace(tmp, final)
