@@ -12,8 +12,9 @@ the RNG state matters), and what follows:
 
 Usage: ``python benchmarks/faults_table.py [--out benchmarks/faults_cpu] [--only NAME,...]``
 (writes NAME.json and NAME.md; a few minutes on 2 cores). Signals, kill -9 and SIGSTOP are real
-(sent from here to the launcher, its process group or one worker); the full disk is the trainer's
-injected ENOSPC (a real tmpfs is covered by tests/test_faults.py, which needs a mount namespace).
+(sent from here to the launcher, its process group or one worker); one full disk is the trainer's
+injected ENOSPC, the others a real tmpfs in a user + mount namespace (``unshare -rm``; those rows
+say "skipped" where it cannot be mounted). *lines* counts zerotron's own lines on stderr.
 """
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ class Case:
     ``equal`` (resume to the end equals the reference), ``to_error_s`` (dead/hung rank)."""
 
     def __init__(self, name: str, fault: str):
-        self.row = {"name": name, "fault": fault, "exit": None, "sees": "", "lost_steps": None,
+        self.row = {"name": name, "fault": fault, "exit": None, "sees": "", "lines": None, "lost_steps": None,
                     "resume_equal": None, "to_error_s": None}
 
     def saw(self, code: int, stderr: str, want: str = "") -> None:
@@ -168,9 +169,36 @@ class Case:
         pick = pick[len("zerotron: "):] if pick.startswith("zerotron: ") else pick
         if "resume with: " in pick:  # the command repeats the run's arguments: shorten them
             pick = pick.split("resume with: ")[0] + "resume with: zerotron train ... --resume"
-        self.row["exit"], self.row["sees"] = code, pick
+        self.row["exit"], self.row["sees"], self.row["lines"] = code, pick, len(lines)
         if want and want not in pick:  # keep the evidence: the whole stderr beside the table
             self.row["stderr_tail"] = stderr[-4000:]
+
+
+def in_tmpfs(tmp: Path, name: str, size: str, argv: list[str], during: str = "", extra_env: dict | None = None):
+    """Run ``zerotron <argv>`` (its ``--run-dir`` is ``DISK/run``) on a fresh tmpfs of ``size``
+    in a user + mount namespace; ``during``: shell run meanwhile ($DISK, $RC, $ERR are set). The
+    run directory is copied out to ``tmp/name``. Returns (exit code, stderr, run dir), or None
+    where no tmpfs can be mounted."""
+    import shlex
+    import shutil
+
+    disk, out = tmp / f"{name}_disk", tmp / f"{name}_out"
+    disk.mkdir()
+    out.mkdir()
+    q = shlex.quote
+    cmd = shlex.join([sys.executable, "-m", "zerotron", *argv]).replace("DISK/run", f"{disk}/run")
+    script = (f"mount -t tmpfs -o size={size} tmpfs {q(str(disk))} || exit 77; DISK={q(str(disk))}; "
+              f"ERR={q(str(out / 'err'))}; RC={q(str(out / 'rc'))}; : > $ERR; "
+              f"( {cmd} 2> $ERR; echo $? > $RC.tmp; mv $RC.tmp $RC ) & {during or ':'}; wait; "
+              f"cp -a {q(str(disk / 'run'))} {q(str(tmp / name))}")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env(extra_env), capture_output=True,
+                       text=True, timeout=600, check=False) if shutil.which("unshare") else None
+    if r is None or r.returncode == 77 or not (out / "rc").exists():
+        return None
+    return int((out / "rc").read_text()), (out / "err").read_text(), tmp / name
+
+
+FILL = "dd if=/dev/zero of=$DISK/filler bs=64k 2>/dev/null || true"
 
 
 def resume_and_compare(case: Case, run: Path, ref: Path, cache: str, tmp: Path, reached: int | None = None,
@@ -186,6 +214,8 @@ def resume_and_compare(case: Case, run: Path, ref: Path, cache: str, tmp: Path, 
 
 
 def run_cases(out: Path, only: set[str] | None) -> list[dict]:
+    import shutil
+
     from zerotron.data import prepare_data
     from zerotron.testing import tiny_config
 
@@ -379,18 +409,88 @@ def run_cases(out: Path, only: set[str] | None) -> list[dict]:
         c.row["resume_equal"] = "n/a (newest checkpoint finite: step %d)" % good
         rows.append(c.row)
 
-    import shutil
+    if want("init-from-unsupported") or want("init-from-tp-kv-heads"):
+        from zerotron.models.hf_llama import export_hf_llama
+        from zerotron.models.llama import Llama, LlamaConfig
+
+        hf = export_hf_llama(Llama(LlamaConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_kv_head=1,
+                                               n_embd=64, intermediate_size=128).validate()), None, tmp / "hf")
+        rope = tmp / "hf_rope"
+        shutil.copytree(hf, rope)
+        conf = json.loads((rope / "config.json").read_text())
+        conf["rope_scaling"] = conf["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+        (rope / "config.json").write_text(json.dumps(conf))
+        for name, src, extra, fault in [
+                ("init-from-unsupported", rope, (), "--model.init_from a HF Llama with rope_scaling linear"),
+                ("init-from-tp-kv-heads", hf, ("--parallel.tp", "2"),
+                 "--model.init_from a HF Llama with 1 kv head, --parallel.tp 2")]:
+            if not want(name):
+                continue
+            c, run = Case(name, fault + " (--nproc 2)"), tmp / name
+            r = cli([*base(run, cache, "--model.init_from", str(src), *extra)])
+            c.saw(r.returncode, r.stderr, "init_from")
+            c.row["sees"] += " [run dir left: " + ("yes" if run.exists() else "no") + "]"
+            c.row["lost_steps"], c.row["resume_equal"] = 0, "n/a (refused before any worker)"
+            rows.append(c.row)
+
+    if want("meta-step-edited"):
+        c, run = Case("meta-step-edited", '"step": 6 changed to 7 in step_6/meta.json, then --resume'), tmp / "meta"
+        died_after(run, cache, 6)
+        f = run / "checkpoints" / "step_6" / "meta.json"
+        f.write_text(f.read_text().replace('"step": 6,', '"step": 7,', 1))
+        reached = steps_done(run)
+        r = cli([*base(run, cache), "--resume"])
+        c.saw(r.returncode, r.stderr, "damaged")
+        c.row["lost_steps"] = reached - EVERY  # falls back to step_3
+        c.row["resume_equal"] = r.returncode == 0 and losses(run) == losses(ref) and same_state(ref, run, tmp)
+        c.row["sees"] += f" [kept as: {', '.join(sorted(p.name for p in (run / 'checkpoints').iterdir()))}]"
+        rows.append(c.row)
+
+    if want("metrics-disk-full"):  # (checkpoint.on_error = stop: tests/test_faults.py, on a resumed run)
+        c = Case("metrics-disk-full", "20 MiB tmpfs filled with dd after step_3 exists, never freed: metrics.jsonl "
+                 "appends, the saves of steps 6 and 8 and summary.json meet the full disk")
+        got = in_tmpfs(tmp, "metrics", "20M", base(Path("DISK/run"), cache),
+                       during="while [ ! -e $DISK/run/checkpoints/step_3 ] && [ ! -e \"$RC\" ]; do sleep 0.05; "
+                              f"done; {FILL}", extra_env={"ZEROTRON_FAULT_STEP_SLEEP_S": "0.3"})
+        if got is None:
+            c.row["sees"] = "skipped: no tmpfs can be mounted here (unshare -rm)"
+        else:
+            code, err, run = got
+            c.saw(code, err, "stopped")
+            c.row["all_lines"] = ours(err)
+            text = (run / "metrics.jsonl").read_text()
+            whole = text.endswith("\n") and all(json.loads(ln) for ln in text.splitlines())
+            c.row["sees"] += f" [metrics.jsonl: whole lines {'yes' if whole else 'NO'}, steps 1-{steps_done(run)}; " \
+                             f"summary.json {'written' if (run / 'summary.json').exists() else 'not written'}]"
+            m = re.findall(r"step_(\d+)", c.row["sees"])
+            resume_and_compare(c, run, ref, cache, tmp, int(m[0]) if m else None)
+        rows.append(c.row)
+
+    if want("final-save-no-space"):
+        c = Case("final-save-no-space", "5 MiB tmpfs: step_3 (3.4 MB) fits, then 1.6 MB free for steps 6 and 8")
+        got = in_tmpfs(tmp, "final", "5M", base(Path("DISK/run"), cache, "--checkpoint.keep", "1"))
+        if got is None:
+            c.row["sees"] = "skipped: no tmpfs can be mounted here (unshare -rm)"
+        else:
+            code, err, run = got
+            c.saw(code, err, "stopped")
+            summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None
+            c.row["sees"] += (f" [summary.json: failed_checkpoints {summary['failed_checkpoints']}, exit_code "
+                              f"{summary.get('exit_code')}]" if summary else " [summary.json: MISSING]")
+            resume_and_compare(c, run, ref, cache, tmp)
+        rows.append(c.row)
 
     shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| fault | exit | what the user sees | lost steps | resume equal | time to stop (s) |\n"
-            "|---|---|---|---|---|---|\n")
+    head = ("| fault | exit | what the user sees | lines | lost steps | resume equal | time to stop (s) |\n"
+            "|---|---|---|---|---|---|---|\n")
     cell = lambda v: "—" if v is None else ("yes" if v is True else ("**no**" if v is False else str(v)))  # noqa: E731
     return head + "".join(
-        f"| {r['fault']} | {cell(r['exit'])} | {r['sees'].replace('|', '/')} | {cell(r['lost_steps'])} | "
+        f"| {r['fault']} | {cell(r['exit'])} | {r['sees'].replace('|', '/')} | {cell(r.get('lines'))} | "
+        f"{cell(r['lost_steps'])} | "
         f"{cell(r['resume_equal'])} | {cell(r['to_error_s'])} |\n" for r in rows)
 
 

@@ -552,6 +552,92 @@ def test_space_check_refuses_before_writing_and_continue(tmp_path, data_cache, s
     assert e.value.exit_code == 3 and "no later save is scheduled" in capsys.readouterr().err
 
 
+def _enospc_on(monkeypatch, marker: bytes, times: int):
+    """Make the first ``times`` os.write calls whose data holds ``marker`` write a few bytes, then
+    fail with ENOSPC (a disk that fills in the middle of a metrics line). Returns the call log."""
+    import errno
+
+    real, log = os.write, []
+
+    def write(fd, data):
+        if marker in bytes(data) and len(log) < times:
+            log.append(len(data))
+            real(fd, bytes(data)[:7])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+    monkeypatch.setattr(os, "write", write)
+    return log
+
+
+def test_metrics_append_failure_leaves_whole_lines(tmp_path, monkeypatch):
+    """A failed append is cut back (no torn line); the records are held and written, in order,
+    with the next append that succeeds; close() reports what it could not write."""
+    from zerotron.train.metrics import MetricsWriteError, MetricsWriter
+
+    f = tmp_path / "metrics.jsonl"
+    w = MetricsWriter(f)
+    w.write({"step": 1, "loss": 2.0})
+    whole = f.read_bytes()
+    log = _enospc_on(monkeypatch, b'"step": 2', 2)
+    with pytest.raises(MetricsWriteError, match=f"cannot append step 2 to {f}: No space left on device"):
+        w.write({"step": 2, "loss": 1.5})
+    assert f.read_bytes() == whole and w.held_steps == [2]
+    with pytest.raises(MetricsWriteError, match="cannot append steps 2-3 to") as e:
+        w.write({"step": 3, "loss": float("nan")})
+    assert e.value.errno == 28 and f.read_bytes() == whole and len(log) == 2
+    w.write({"step": 4, "loss": 1.0})
+    w.close()
+    assert [json.loads(ln) for ln in f.read_text().splitlines()] == [
+        {"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": None}, {"step": 4, "loss": 1.0}]
+    # a resume cuts the file in place (no new space needed) back to the checkpoint's step
+    before = f.stat().st_ino
+    MetricsWriter(f, resume_step=2).close()
+    assert f.read_bytes() == whole + b'{"step": 2, "loss": 1.5}\n' and f.stat().st_ino == before
+
+
+@pytest.mark.parametrize("on_error", ["continue", "stop"])
+def test_metrics_disk_full_policy(on_error, tmp_path, data_cache, monkeypatch, capsys):
+    """metrics.jsonl appends of steps 3 and 4 fail (ENOSPC mid-line), the next one succeeds.
+    continue: one warning, one note, training goes on, every record lands in order, exit 0.
+    stop: every rank agrees at step 4, checkpoint step_4 is written, the held records land, one
+    line names the error and the resume command, exit 3, summary.json says why; the resume then
+    trains exactly like the uninterrupted run."""
+    common = ["train", "--config", "configs/tiny.toml", "--train.steps", "6", "--checkpoint.every", "0",
+              "--train.eval_every", "0", "--data.cache_dir", data_cache, "--log.progress", "false",
+              "--log.sample_tokens", "0", "--log.plot", "false", "--checkpoint.on_error", on_error]
+    ref = tmp_path / "ref"
+    assert main([*common, "--run-dir", str(ref)]) == 0
+    run = tmp_path / "run"
+    capsys.readouterr()
+    log = _enospc_on(monkeypatch, b'"step": 3, "loss"', 2)
+    code = main([*common, "--run-dir", str(run)])
+    err = capsys.readouterr().err
+    monkeypatch.undo()
+    lines = [ln for ln in ours(err) if "metrics" in ln]
+    raw = (run / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(ln) for ln in raw]  # every line whole
+    summary = strict_load(run / "summary.json")
+    assert len(log) == 2
+    if on_error == "continue":
+        assert code == 0 and len(lines) == 2, err
+        assert lines[0].startswith(f"zerotron: warning: cannot append step 3 to {run / 'metrics.jsonl'}: No space "
+                                   "left on device; training continues (checkpoint.on_error = continue)"), lines
+        assert lines[1] == ("zerotron: metrics.jsonl is written again at step 5 (the records of steps 3-4 had been "
+                            "held in memory)"), lines
+        assert [r["step"] for r in records] == list(range(1, 7)) and "stopped" not in summary
+        assert [r["loss"] for r in records] == [r["loss"] for r in metrics(ref)]
+        return
+    assert code == 3 and len(lines) == 1, err
+    assert lines[0].startswith(f"zerotron: cannot append steps 3-4 to {run / 'metrics.jsonl'}: No space left on "
+                               "device; stopped at step 4 (checkpoint.on_error = stop), checkpoint written ("), lines
+    assert "resume with: " in lines[0] and "are not in metrics.jsonl" not in lines[0], lines
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and [s for s, _ in list_checkpoints(run)] == [4]
+    assert summary["steps"] == 4 and summary["exit_code"] == 3 and summary["stopped"] == lines[0].removeprefix(
+        "zerotron: ")
+    assert main([*common, "--run-dir", str(run), "--resume"]) == 0
+    assert [r["loss"] for r in metrics(run)] == [r["loss"] for r in metrics(ref)]
+
+
 # ---- 7. automatic restart after a dead worker ------------------------------------------------------
 
 def test_restart_after_kill9_equals_uninterrupted(full_run, data_cache):
@@ -756,6 +842,9 @@ def test_disk_full_on_real_tmpfs(tmp_path, data_cache):
     assert sorted(p.name for p in (out_run / "checkpoints").iterdir()) == ["step_2"]
     verify_checkpoint(kept)  # files present, sizes and SHA-256 as recorded
     assert [x["step"] for x in metrics(out_run)] == [1, 2, 3, 4]
+    summary = strict_load(out_run / "summary.json")  # written although the run stopped (issue 35)
+    assert summary["failed_checkpoints"] == [4] and summary["exit_code"] == 3 and summary["steps"] == 4
+    assert summary["stopped"] == line.removeprefix("zerotron: "), summary
 
 
 def test_disk_full_then_freed_on_real_tmpfs(tmp_path, data_cache):
@@ -790,3 +879,68 @@ def test_disk_full_then_freed_on_real_tmpfs(tmp_path, data_cache):
         verify_checkpoint(out_run / "checkpoints" / f"step_{s}")
     assert [x["step"] for x in metrics(out_run)] == list(range(1, 7))
     assert strict_load(out_run / "summary.json")["failed_checkpoints"] == [4]
+
+
+def _wait_lines(n: int) -> str:
+    """Shell: wait until $DISK/run/metrics.jsonl has n lines (or the run ended)."""
+    return (f'while [ ! -e "$RC" ] && [ "$(cat $DISK/run/metrics.jsonl 2>/dev/null | wc -l)" -lt {n} ]; '
+            "do sleep 0.05; done")
+
+
+FILL = "dd if=/dev/zero of=$DISK/filler bs=64k 2>/dev/null || true"
+
+
+def test_metrics_disk_full_then_freed_on_real_tmpfs(tmp_path, data_cache):
+    """A 20 MiB tmpfs filled with dd after step_4 exists (issue 35): the metrics.jsonl append that
+    meets the full disk leaves no torn line; one warning, training goes on (checkpoint.on_error =
+    continue), the save of step 4 is refused by the space check; once the filler is deleted the
+    held records are written, in order, with one note; step 16 is saved; exit 0."""
+    code, err, out_run = _in_tmpfs(
+        tmp_path, "20M", ["--train.steps", "16", "--checkpoint.every", "4", "--checkpoint.keep", "1",
+                          "--data.cache_dir", data_cache],
+        during=f"while [ ! -e $DISK/run/checkpoints/step_4 ] && [ ! -e \"$RC\" ]; do sleep 0.05; done; {FILL}; "
+               'while [ ! -e "$RC" ] && ! grep -q "cannot append" "$ERR"; do sleep 0.05; done; rm -f $DISK/filler',
+        env={"ZEROTRON_FAULT_STEP_SLEEP_S": "0.3"})
+    assert code == 0, err
+    warn = [ln for ln in ours(err) if "cannot append" in ln]
+    note = [ln for ln in ours(err) if "is written again" in ln]
+    assert len(warn) == 1 and len(note) == 1, err
+    assert "No space left on device; training continues (checkpoint.on_error = continue)" in warn[0], warn
+    raw = (out_run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in raw] == list(range(1, 17))  # whole lines, none lost
+    assert sorted(p.name for p in (out_run / "checkpoints").iterdir()) == ["step_16"]
+
+
+def test_metrics_disk_full_stop_then_resume_on_real_tmpfs(tmp_path, data_cache):
+    """Two ranks, checkpoint.on_error = stop, a 20 MiB tmpfs filled with dd after the run resumed
+    from step_2 wrote a line, never freed: the first failed append is agreed by both ranks at the next step, the
+    checkpoint attempt is refused by the space check, one line names both and the resume command,
+    exit 3; metrics.jsonl holds whole lines only. Resumed on a disk with room, the run ends exactly
+    like the uninterrupted two-rank run."""
+    import shlex
+
+    args = ["--nproc", "2", "--checkpoint.every", "0", "--checkpoint.keep", "1", "--checkpoint.on_error", "stop",
+            "--data.cache_dir", data_cache, "--train.eval_every", "0", "--log.progress", "false",
+            "--log.sample_tokens", "0", "--log.plot", "false"]
+    first = [sys.executable, "-m", "zerotron", "train", "--config", "configs/tiny.toml", "--run-dir", "$DISK/run",
+             "--train.steps", "2", *args]
+    code, err, out_run = _in_tmpfs(
+        tmp_path, "20M", ["--resume", "--train.steps", "12", *args],
+        before=shlex.join(first).replace("'$DISK/run'", "$DISK/run") + " 2>/dev/null",
+        during=f"{_wait_lines(3)}; {FILL}", env={"ZEROTRON_FAULT_STEP_SLEEP_S": "0.2"})
+    assert code == 3, err
+    lines = [ln for ln in ours(err) if "metrics" in ln or "checkpoint" in ln]
+    stop = [ln for ln in lines if "stopped" in ln]
+    assert len(stop) == 1, err
+    assert "cannot append step" in stop[0] and "No space left on device (checkpoint.on_error = stop)" in stop[0], stop
+    assert "not writing checkpoint step_" in stop[0] and "--resume" in stop[0].split("resume with: ")[1], stop
+    raw = (out_run / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(ln)["step"] for ln in raw]
+    assert steps == list(range(1, len(steps) + 1)) and 2 <= len(steps) < 12
+    assert [s for s, _ in list_checkpoints(out_run)] == [2]
+    ref = tmp_path / "ref"
+    train = ["train", "--config", "configs/tiny.toml", "--train.steps", "12", *args]
+    cli(*train, "--run-dir", str(ref), check=0)
+    cli(*train, "--run-dir", str(out_run), "--resume", check=0)
+    assert [x["loss"] for x in metrics(out_run)] == [x["loss"] for x in metrics(ref)]
+

@@ -2,13 +2,16 @@
 signal) and fault-injection hooks for tests. The run-directory lock is ``train.run_lock``,
 automatic restarts ``train.restarts``.
 
-Per step every rank contributes two numbers to one small MAX all-reduce over the world
-(:meth:`StepGuard.decide`): "my loss or grad norm is not finite" and "I received signal S".
-All ranks see the same maxima, so they skip the same optimizer steps and stop after the same step.
+Per step every rank contributes three numbers to one small MAX all-reduce over the world
+(:meth:`StepGuard.decide`): "my loss or grad norm is not finite", "I received signal S" and "my
+run files could not be written" (rank 0's metrics.jsonl append of the previous step, with
+checkpoint.on_error = stop). All ranks see the same maxima, so they skip the same optimizer steps
+and stop after the same step.
 
 Exit codes (the ``RunStopped`` family; rank 0 prints the one line that says why):
-    3            stopped by a guard (non-finite limit; a checkpoint that could not be written, with
-                 checkpoint.on_error = stop, or the final one, or the one of a signalled stop)
+    3            stopped by a guard (non-finite limit; a checkpoint or metrics.jsonl line that could
+                 not be written, with checkpoint.on_error = stop, or the final checkpoint, or the one
+                 of a signalled stop, or metrics still unwritten at the end)
     128 + S      stopped by signal S after writing a checkpoint (143 SIGTERM, 129 SIGHUP, 130 SIGINT)
 
 Fault hooks (environment variables, read at the start of ``fit``; for tests):
@@ -166,6 +169,8 @@ class StepGuard:
         self.consecutive = 0
         self.last_skipped = False
         self.stop_signal = 0       # agreed signal number (0 = none)
+        self.io_failed = False     # this rank's run files could not be written (set by the trainer)
+        self.stop_io = False       # agreed: some rank's io_failed (checkpoint.on_error = stop)
         self._nan_steps = _fault_steps()
         nan_rank = os.environ.get("ZEROTRON_FAULT_NAN_RANK", "")
         self._nan_here = not nan_rank or int(nan_rank) == rank
@@ -182,11 +187,14 @@ class StepGuard:
 
     def decide(self, loss: float, grad_norm: float) -> bool:
         """Collective (every rank, every step): True when the step must be skipped because the
-        loss or gradient norm is not finite on *any* rank. Also agrees on a pending signal."""
+        loss or gradient norm is not finite on *any* rank. Also agrees on a pending signal and on
+        :attr:`io_failed` (a failed metrics.jsonl append of the previous step) in the same
+        all-reduce of three float64."""
         bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
         sig = self.signals.pending if self.signals else 0
-        bad_any, sig_any = agree_max([float(bad), float(sig)], self.device)
+        bad_any, sig_any, io_any = agree_max([float(bad), float(sig), float(self.io_failed)], self.device)
         self.stop_signal = int(sig_any)
+        self.stop_io = self.stop_io or io_any > 0
         self.last_skipped = bad_any > 0
         if self.last_skipped:
             self.skipped += 1
@@ -221,6 +229,13 @@ class StepGuard:
         name = signal.Signals(self.stop_signal).name
         return RunStopped(f"stopped by {name} at step {step}; checkpoint written ({saved}); resume with: "
                           f"{resume_command()}", 128 + self.stop_signal)
+
+
+def agree_io(guard: StepGuard) -> bool:
+    """Collective: agree on ``guard.io_failed`` outside a step (after the last one, whose failure
+    no later :meth:`StepGuard.decide` sees). Sets and returns ``guard.stop_io``."""
+    guard.stop_io = guard.stop_io or agree_max([float(guard.io_failed)], guard.device)[0] > 0
+    return guard.stop_io
 
 
 def params_finite(strategy, device: torch.device | None = None) -> bool:

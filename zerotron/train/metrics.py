@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -106,30 +107,96 @@ class MFUMeter:
         return {"mfu": m, "tflops_per_device": achieved / 1e12, "peak_tflops_per_device": self.peak_per_device / 1e12}
 
 
+def _prefix_bytes(raw: bytes, n: int, last_step: int) -> int | None:
+    """Byte length of the first ``n`` records of ``raw`` (blank lines included) when they all have
+    ``step <= last_step`` and end with a newline; None otherwise."""
+    end = seen = 0
+    for line in raw.splitlines(keepends=True):
+        if seen == n:
+            break
+        if line.strip():
+            try:
+                if json.loads(line).get("step", 0) > last_step:
+                    return None
+            except (ValueError, AttributeError):
+                return None
+            seen += 1
+        end += len(line)
+    return end if seen == n and raw[:end].endswith(b"\n") or end == 0 else None
+
+
+class MetricsWriteError(OSError):
+    """Appending to metrics.jsonl failed (disk full, I/O error); nothing torn was left, and the
+    records are held by the writer (:attr:`MetricsWriter.held_steps`) for the next try."""
+
+
 class MetricsWriter:
     """Append one JSON object per optimizer step to ``<run-dir>/metrics.jsonl`` (rank 0 only).
 
     Floats are written with full precision (``json`` uses repr). On resume from step ``k`` the
-    lines with ``step > k`` (written after that checkpoint by a run that then died) are dropped."""
+    lines with ``step > k`` (written after that checkpoint by a run that then died) are dropped.
+    A failed append (ENOSPC, EIO, ...) is cut back to the file's previous length, so the file only
+    ever holds whole lines; the records not written are held in memory, in order, and written
+    before the next record (:meth:`write`, :meth:`retry`, :meth:`close`)."""
 
     def __init__(self, path: str | Path, resume_step: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path, warn=True) if r.get("step", 0) <= resume_step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            tmp.replace(self.path)  # atomic: a crash here leaves the old file or the new one
+            end = _prefix_bytes(self.path.read_bytes(), len(kept), resume_step)
+            if end is not None:  # the kept records are the file's first lines: cut in place (needs no space)
+                os.truncate(self.path, end)
+            else:
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                tmp.replace(self.path)  # atomic: a crash here leaves the old file or the new one
         elif resume_step is None and self.path.exists():
             self.path.unlink()
-        self._f = open(self.path, "a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._held: list[tuple[int, bytes]] = []  # (step, line) not yet written
+
+    @property
+    def held_steps(self) -> list[int]:
+        """Steps of the records not yet written (oldest first)."""
+        return [s for s, _ in self._held]
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(strict_json(record)) + "\n")  # NaN/inf -> null (strict JSON)
-        self._f.flush()
+        """Append ``record`` (after any held ones) as one line; NaN/inf become null (strict JSON).
+        Raises MetricsWriteError, keeping the record held, if the append fails."""
+        self._held.append((record.get("step", 0), (json.dumps(strict_json(record)) + "\n").encode()))
+        self.retry()
+
+    def retry(self) -> None:
+        """Write the held records in one append. Raises MetricsWriteError (they stay held) if it
+        fails; the file is then truncated back to its length before the attempt."""
+        if not self._held:
+            return
+        data = memoryview(b"".join(line for _, line in self._held))
+        start = os.fstat(self._fd).st_size
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, start)  # no torn line: back to whole records
+            except OSError:
+                pass  # read_metrics still drops a torn *last* line on resume
+            steps = self.held_steps
+            span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+            err = MetricsWriteError(f"cannot append {span} to {self.path}: {e.strerror or type(e).__name__}")
+            err.errno = e.errno
+            raise err from None
+        self._held.clear()
 
     def close(self) -> None:
-        self._f.close()
+        """Write the held records (MetricsWriteError if that fails; the file is closed either way)."""
+        try:
+            self.retry()
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 def strict_json(obj):

@@ -7,6 +7,8 @@ writer is opened: every other module imports without it.
 """
 from __future__ import annotations
 
+import sys
+import threading
 from pathlib import Path
 
 from ..config import ConfigError
@@ -41,27 +43,65 @@ def tensorboard_enabled(mode: str) -> bool:
     return ok
 
 
+def _quiet_writer_thread_errors() -> None:
+    """Keep the OSError that kills tensorboard's writer thread (disk full) out of stderr: the
+    thread stores it and :class:`TensorBoardLogger` reports it in one line. Other threads' errors
+    go to the previous hook. Installed once per process."""
+    prev = threading.excepthook
+    if getattr(prev, "_zerotron_tb", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError):
+            return
+        prev(args)
+    hook._zerotron_tb = True
+    threading.excepthook = hook
+
+
 class TensorBoardLogger:
     """A ``SummaryWriter`` on ``run_dir``; ``log(record)`` writes the scalars of one metrics record.
-    On resume (``resume_step`` k) events of steps > k left by a run that died are purged."""
+    On resume (``resume_step`` k) events of steps > k left by a run that died are purged. An event
+    file that cannot be written (disk full) ends the TensorBoard log with one warning line; the
+    run goes on (metrics.jsonl is the run's record, with its own policy)."""
 
     def __init__(self, run_dir: str | Path, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_writer_thread_errors()
         self.writer = SummaryWriter(str(run_dir), purge_step=None if resume_step is None else resume_step + 1)
+
+    def _failed(self, e: OSError, step) -> None:
+        print(f"zerotron: warning: TensorBoard events stop at step {step}: cannot write the event file "
+              f"({e.strerror or e}); metrics.jsonl keeps the records (log.tensorboard)", file=sys.stderr, flush=True)
+        try:
+            self.writer.close()
+        except OSError:
+            pass
+        self.writer = None
 
     def log(self, rec: dict) -> None:
         """Every known scalar of ``rec`` (:data:`TAGS`) and ``comm/<op>/<group>`` bytes at ``rec["step"]``."""
+        if self.writer is None:
+            return
         step = rec["step"]
-        for key, tag in TAGS.items():
-            if rec.get(key) is not None:
-                self.writer.add_scalar(tag, rec[key], step)
-        for op, b in (rec.get("comm_bytes_by_op") or {}).items():
-            self.writer.add_scalar(f"comm/{op}", b, step)
+        try:
+            for key, tag in TAGS.items():
+                if rec.get(key) is not None:
+                    self.writer.add_scalar(tag, rec[key], step)
+            for op, b in (rec.get("comm_bytes_by_op") or {}).items():
+                self.writer.add_scalar(f"comm/{op}", b, step)
+        except OSError as e:
+            self._failed(e, step)
 
     def close(self) -> None:
         """Flush and close the event file."""
-        self.writer.close()
+        if self.writer is None:
+            return
+        try:
+            self.writer.close()
+        except OSError as e:
+            self._failed(e, "the end")
 
 
 def open_tensorboard(mode: str, run_dir: str | Path, resume_step: int | None, lead: bool):

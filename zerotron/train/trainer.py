@@ -24,9 +24,10 @@ from ..parallel.precision import param_dtype
 from ..plan import build_plan
 from . import checkpoint as ckpt
 from . import lifecycle
-from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics, strict_json
+from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics
 from .optim import build_scheduler
 from .progress import Progress
+from .run_log import MetricsLog, write_summary
 from .setup import check_init_vocab, check_resume, check_run_dir, gpt_config, load_data, padding_batch, val_rank_windows
 from .step import evaluate, train_step
 from .tensorboard import open_tensorboard
@@ -185,15 +186,17 @@ class Trainer:
             self.unsaved = None
             return path
         except ckpt.CheckpointWriteError as e:
+            self.failed_saves.append(step)  # (summary.json lists it also when the run stops here)
             if must or self.cfg.checkpoint.on_error == "stop":
                 why = {"final": f"the final checkpoint (step {step} of {self.cfg.train.steps}) could not be written",
-                       "signal": "the run was stopping on a signal"}.get(must, "checkpoint.on_error = stop")
+                       "signal": "the run was stopping on a signal",
+                       "metrics": f"{self._metrics_error()} (checkpoint.on_error = stop)"
+                       }.get(must, "checkpoint.on_error = stop")
                 cks = ckpt.list_checkpoints(self.run_dir)
                 newest, lost = bool(cks), step - (cks[-1][0] if cks else 0)
                 raise lifecycle.RunStopped(f"{e}; stopped: {why}; the last {lost} steps are not saved; free disk "
                                            f"space, then " + (f"resume with: {lifecycle.resume_command()}" if newest
                                                               else "start again")) from None
-            self.failed_saves.append(step)
             self.unsaved = step
             if self.rank == 0:
                 nxt = self.next_save(step)
@@ -201,6 +204,23 @@ class Trainer:
                       + (f"the next save at step {nxt} retries" if nxt else "no later save is scheduled"),
                       file=sys.stderr, flush=True)
             return None
+
+    def _metrics_error(self) -> str:
+        """What failed on rank 0's metrics.jsonl (the line only rank 0 prints)."""
+        log = getattr(self, "metrics_log", None)
+        return str(log.error) if log is not None and log.error is not None else "metrics.jsonl could not be written"
+
+    def _metrics_stop(self, step: int, saved: Path) -> lifecycle.RunStopped:
+        """The exit-3 stop after a failed metrics.jsonl append (checkpoint.on_error = stop), once
+        checkpoint ``saved`` of ``step`` is written."""
+        log, what = getattr(self, "metrics_log", None), self._metrics_error()
+        if log is not None:
+            log.close()  # the held records, if the checkpoint attempt left room for them
+        held = log.held() if log is not None else ""
+        lost = f"; the records of {held} are not in metrics.jsonl" if held else ""
+        return lifecycle.RunStopped(f"{what}; stopped at step {step} (checkpoint.on_error = stop), "
+                                    f"checkpoint written ({saved}){lost}; free disk space, then resume with: "
+                                    f"{lifecycle.resume_command()}")
 
     def _refuse_existing_run(self, device) -> None:
         """ConfigError on every rank if ``run_dir`` already holds a run (metrics or checkpoints).
@@ -240,7 +260,9 @@ class Trainer:
                     "median_tokens_per_s": None, "nothing_to_do": True}
         keep_to = self.start_step if self.resume or self.restart else None  # metrics of steps <= this are kept
         wb = open_wandb(cfg.log.wandb, cfg.log.wandb_project, self.run_dir, cfg.to_dict(), lead)  # first: a missing package stops here
-        writer = MetricsWriter(self.run_dir / "metrics.jsonl", keep_to) if lead else None
+        writer = MetricsLog(MetricsWriter(self.run_dir / "metrics.jsonl", keep_to), cfg.checkpoint.on_error) \
+            if lead else None
+        self.metrics_log = writer
         if lead:
             (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         bar = Progress(t.steps, self.start_step, cfg.log.every) if lead and cfg.log.progress else None
@@ -256,6 +278,13 @@ class Trainer:
             first_val = next((r["val_loss"] for r in old if r.get("val_loss") is not None), None)
             guard.skipped = old[-1].get("skipped_steps", 0) if old else 0
         rates, losses = [], []
+        reached = self.start_step
+        io_stop = cfg.checkpoint.on_error == "stop"  # a failed metrics.jsonl append stops every rank
+
+        def summary_now(**extra) -> dict:
+            return {"steps": reached, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
+                    "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None,
+                    "skipped_steps": guard.skipped, "failed_checkpoints": self.failed_saves, **extra}
         self.model.train()
         signals.install()
         try:  # the loggers are closed (flushed) also when a guard or a signal stops the run
@@ -286,8 +315,10 @@ class Trainer:
                     rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
                     first_val = rec["val_loss"] if first_val is None else first_val
                     last_val = rec["val_loss"]
-                if writer:
+                reached = step + 1
+                if writer:  # never raises: a failed append is held (see run_log.MetricsLog)
                     writer.write(rec)
+                    guard.io_failed = io_stop and writer.error is not None
                 if tb:
                     tb.log(rec)
                 if wb:
@@ -297,16 +328,32 @@ class Trainer:
                 if bar:
                     bar.update(rec)
                 guard.check(out["loss"], out["grad_norm"], ckpt.latest_checkpoint(self.run_dir))  # may stop (exit 3)
+                if io_stop and step + 1 == t.steps:
+                    lifecycle.agree_io(guard)  # the last append: no later step's decide() agrees on it
                 ck_every, saved = cfg.checkpoint.every, None
                 final = step + 1 == t.steps and cfg.checkpoint.save_final
                 if (ck_every and (step + 1) % ck_every == 0) or final:
                     saved = self.save(step + 1, must="final" if final else "")
+                if guard.stop_io:  # metrics.jsonl failed on rank 0, checkpoint.on_error = stop: save, then stop
+                    saved = saved or self.save(step + 1, must="metrics")
+                    raise self._metrics_stop(step + 1, saved)
                 if guard.stop_signal:  # SIGTERM/SIGHUP/SIGINT on some rank, agreed by all: checkpoint, then stop
                     saved = saved or self.save(step + 1, must="signal")
                     signals.done()
                     raise guard.signal_stop(step + 1, saved)
                 if step + 1 == die_at and self.rank == die_rank:
                     os.kill(os.getpid(), signal.SIGKILL)
+        except lifecycle.RunStopped as e:  # every rank stops here together; rank 0 still writes the summary
+            if lead:
+                held = writer.held()
+                if writer.close() is not None:  # the held records, if the disk has room now; else say so
+                    lost, msg = f"; the records of {held} are not in metrics.jsonl (held in memory while it could " \
+                        "not be written)", str(e)
+                    at = msg.find("; free disk space")
+                    e = lifecycle.RunStopped(msg[:at] + lost + msg[at:] if at >= 0 else msg + lost, e.exit_code)
+                write_summary(self.run_dir, summary_now(stopped=str(e), exit_code=e.exit_code))
+                raise e from None
+            raise
         finally:
             for logger in (tb, wb):
                 if logger:
@@ -314,22 +361,33 @@ class Trainer:
         signals.uninstall()
         if bar:
             bar.close()
-        summary = {"steps": t.steps, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
-                   "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None,
-                   "skipped_steps": guard.skipped, "failed_checkpoints": self.failed_saves}
+        summary = summary_now()
         if cfg.log.sample_tokens:  # every rank decodes: sharded strategies gather collectively
             summary["sample"] = self.sample(cfg.log.sample_prompt, cfg.log.sample_tokens)
-        if lead and writer:
-            writer.close()
-            if cfg.log.plot:
-                plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
-            (self.run_dir / "summary.json").write_text(json.dumps(strict_json(summary), indent=1, allow_nan=False))
+        stop = None
         if self.unsaved is not None:  # the last save failed and none after it (checkpoint.save_final = false)
             newest = ckpt.latest_checkpoint(self.run_dir)
-            raise lifecycle.RunStopped(f"training finished at step {t.steps}, but checkpoint step_{self.unsaved} could "
-                                       "not be written and no later save was scheduled (checkpoint.save_final = "
-                                       f"false); the newest checkpoint is {newest}; free disk space, then "
-                                       + (f"resume with: {lifecycle.resume_command()}" if newest else "start again"))
+            stop = lifecycle.RunStopped(f"training finished at step {t.steps}, but checkpoint step_{self.unsaved} could "
+                                        "not be written and no later save was scheduled (checkpoint.save_final = "
+                                        f"false); the newest checkpoint is {newest}; free disk space, then "
+                                        + (f"resume with: {lifecycle.resume_command()}" if newest else "start again"))
+        if lead:
+            held = writer.held()
+            if (err := writer.close()) is not None and stop is None:
+                stop = lifecycle.RunStopped(f"{err}; training finished at step {t.steps} (newest checkpoint "
+                                            f"{ckpt.latest_checkpoint(self.run_dir)}), but the records of {held} are "
+                                            "not in metrics.jsonl: they were held in memory while the disk was full")
+            if cfg.log.plot and err is None:
+                try:
+                    plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+                except OSError as e:
+                    print(f"zerotron: warning: cannot write {self.run_dir / 'loss.png'}: {e.strerror or e}",
+                          file=sys.stderr, flush=True)
+            if stop is not None:
+                summary.update(stopped=str(stop), exit_code=stop.exit_code)
+            write_summary(self.run_dir, summary)
+        if stop is not None:  # (rank 0 alone may hold unwritten metrics: its exit code says so)
+            raise stop
         return summary
 
     def sample(self, prompt: str, n: int) -> str:
