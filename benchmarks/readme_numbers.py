@@ -116,6 +116,9 @@ def compute_figures(bench: Path = HERE) -> dict[str, str]:
     c2 = {r["mode"]: r for r in _load(bench, "serve_continuous_cpu_pp2.json")}["continuous"]  # 2-stage pipeline
     for k in ("output_tokens_per_s", "latency_mean_s", "latency_p95_s"):
         f[f"serve_pp2.ratio_{k}"] = f"{c2['ratio_' + k]:.2f}"
+    dl = {r["dropout"]: r for r in _load(bench, "dropout_layout_cpu.json")}  # dp 2 -> one process at step 4
+    f["dropout.layout_move"] = f"{dl[0.1]['max_rel_loss_diff_steps_5_8']:.1e}"
+    f["dropout.layout_move_off"] = f"{dl[0.0]['max_rel_loss_diff_steps_5_8']:.2g}"
     return f
 
 
