@@ -218,6 +218,10 @@ class Trainer:
             log.close()  # the held records, if the checkpoint attempt left room for them
         held = log.held() if log is not None else ""
         lost = f"; the records of {held} are not in metrics.jsonl" if held else ""
+        if step == self.cfg.train.steps:  # nothing left to resume
+            return lifecycle.RunStopped(f"{what}; training finished at step {step} and its checkpoint is written "
+                                        f"({saved}), but metrics.jsonl could not be written (checkpoint.on_error = "
+                                        f"stop){lost}")
         return lifecycle.RunStopped(f"{what}; stopped at step {step} (checkpoint.on_error = stop), "
                                     f"checkpoint written ({saved}){lost}; free disk space, then resume with: "
                                     f"{lifecycle.resume_command()}")
@@ -244,8 +248,12 @@ class Trainer:
         """Train from ``start_step`` to ``train.steps``; returns a summary dict (rank 0 meaningful).
 
         ``callback(trainer, record)`` is called on every rank after each optimizer step (tests use it
-        to check that replicas stay identical). A Trainer fits once: RuntimeError on a second call
-        (it would write the run's metrics again); build a new one with ``resume=True`` to go on."""
+        to check that replicas stay identical). Rank 0 writes metrics.jsonl (a failed append is
+        held, see ``run_log.MetricsLog``) and, however the run ends, summary.json (with
+        ``stopped`` and ``exit_code`` when lifecycle.RunStopped ends it). RunStopped is raised on
+        every rank together, except for metrics records still unwritten at the end (rank 0 only).
+        A Trainer fits once: RuntimeError on a second call (it would write the run's metrics
+        again); build a new one with ``resume=True`` to go on."""
         if getattr(self, "_fitted", False):
             raise RuntimeError("Trainer.fit() was already called on this trainer; build a new "
                                "Trainer(cfg, run_dir, resume=True) to continue the run")
