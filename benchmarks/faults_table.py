@@ -457,7 +457,6 @@ def run_cases(out: Path, only: set[str] | None) -> list[dict]:
         else:
             code, err, run = got
             c.saw(code, err, "stopped")
-            c.row["all_lines"] = ours(err)
             text = (run / "metrics.jsonl").read_text()
             whole = text.endswith("\n") and all(json.loads(ln) for ln in text.splitlines())
             c.row["sees"] += f" [metrics.jsonl: whole lines {'yes' if whole else 'NO'}, steps 1-{steps_done(run)}; " \
