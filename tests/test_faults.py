@@ -418,12 +418,17 @@ def test_edited_meta_json_is_damage(tmp_path, data_cache, capsys):
     meta = json.loads((ck / "meta.json").read_text())
     assert meta[META_CHECKSUM].startswith("sha256:")
     capsys.readouterr()
-    resealed = {**meta, "step": 5}
-    resealed[META_CHECKSUM] = meta_checksum(resealed)  # consistent in itself, not with its directory
+    def sealed(**changes):  # consistent in itself (a re-computed meta_checksum), wrong otherwise
+        m = {**meta, **changes}
+        m[META_CHECKSUM] = meta_checksum(m)
+        return m
+    resealed = sealed(step=5)
     cases = {"step": ({**meta, "step": 5}, "meta.json does not match its own meta_checksum"),
              "resealed": (resealed, "meta.json says step 5 in directory step_4"),
              "tokens": ({**meta, "tokens_seen": meta["tokens_seen"] + 1}, "meta.json does not match its own meta_checksum"),
-             "torn": (None, "meta.json is unreadable")}
+             "torn": (None, "meta.json is unreadable"),
+             "float-step": (sealed(step=4.0), "meta.json says step 4.0 in directory step_4"),
+             "checksums-list": (sealed(checksums=[]), "meta.json's checksums is not a JSON object")}
     for name, (edited, why) in cases.items():
         bad = tmp_path / name
         shutil.copytree(run, bad)
@@ -943,4 +948,23 @@ def test_metrics_disk_full_stop_then_resume_on_real_tmpfs(tmp_path, data_cache):
     cli(*train, "--run-dir", str(ref), check=0)
     cli(*train, "--run-dir", str(out_run), "--resume", check=0)
     assert [x["loss"] for x in metrics(out_run)] == [x["loss"] for x in metrics(ref)]
+
+
+def test_full_disk_at_resume_start_on_real_tmpfs(tmp_path, data_cache):
+    """A run resumed on a disk that filled up meanwhile cannot even write its run lock: one
+    line naming the lock file and the fix, exit 2, the checkpoint untouched."""
+    import shlex
+
+    first = [sys.executable, "-m", "zerotron", "train", "--config", "configs/tiny.toml", "--run-dir", "$DISK/run",
+             "--train.steps", "2", "--train.eval_every", "0", "--data.cache_dir", data_cache, "--log.progress",
+             "false", "--log.sample_tokens", "0", "--log.plot", "false"]
+    code, err, out_run = _in_tmpfs(tmp_path, "8M", ["--resume", "--train.steps", "4", "--data.cache_dir", data_cache],
+                                   before=shlex.join(first).replace("'$DISK/run'", "$DISK/run") + f" 2>/dev/null; {FILL}")
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0] == (f"zerotron: error: cannot write the run lock {tmp_path / 'disk' / 'run' / '.lock'}: No space "
+                        "left on device; free space on that filesystem (or make it writable), then run again"), lines
+    from zerotron.train.checkpoint import verify_checkpoint
+
+    verify_checkpoint(out_run / "checkpoints" / "step_2")
 

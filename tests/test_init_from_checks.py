@@ -21,12 +21,17 @@ def hf_dir(tmp_path_factory):
     return export_hf_llama(Llama(cfg), None, tmp_path_factory.mktemp("hf") / "base")
 
 
-def _variant(src, dst, **changes):
+def _variant(src, dst, changes):
     dst.mkdir()
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     c = json.loads((src / "config.json").read_text())
-    c.update(changes)
+    if changes is None:
+        c = {"model_type": "llama"}  # HF's defaults: the Llama-2-7B shape
+    elif isinstance(changes, dict):
+        c.update(changes)
+    else:
+        c = changes
     (dst / "config.json").write_text(json.dumps(c))
     return dst
 
@@ -45,11 +50,27 @@ LINEAR = {"rope_type": "linear", "factor": 2.0}
     ("head-dim", {"head_dim": 32}, [], "head_dim=32"),
     ("no-type", {"model_type": "bert"}, [], "model_type 'bert' is not supported"),
     ("tp2-one-kv-head", {}, ["--nproc", "2", "--parallel.tp", "2"], "parallel.tp (2) must divide model.n_kv_head (1)"),
-    ("small-vocab", {"vocab_size": 100}, ["--nproc", "2"], "vocab_size 100 < the tokenizer's 512"),
+    ("small-vocab", {}, ["--nproc", "2"], "vocab_size 100 < the tokenizer's 512"),
+    # transformers reads a legacy rope_scaling beside a default rope_parameters as that scaling
+    ("legacy-rope-linear", {"rope_scaling": LINEAR}, [], "RoPE type 'linear'"),
+    ("rope-disagree", {"rope_scaling": LINEAR, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, [],
+     "rope_parameters ('yarn') and rope_scaling ('linear') disagree"),
+    ("rope-string", {"rope_scaling": "linear", "rope_parameters": None}, [], "rope_scaling must be a dict"),
+    ("rope-theta-inf", {"rope_theta": float("inf"), "rope_parameters": None}, [], "rope_theta=inf"),
+    ("zero-heads", {"num_attention_heads": 0}, ["--nproc", "2"], "cannot be loaded"),
+    # config.json that does not describe the weights: found from the safetensors header alone
+    ("more-layers", {"num_hidden_layers": 3}, ["--nproc", "2"], "model.layers.2."),
+    ("wider", {"intermediate_size": 256}, [], "mlp.gate_proj.weight: got (128, 64), expected (256, 64)"),
+    ("defaults-only", None, ["--nproc", "2"], "does not match the model config"),
+    ("json-list", [1, 2], ["--nproc", "2"], "must hold a JSON object, got list"),
 ])
 def test_unloadable_init_from_refused_in_one_line(hf_dir, tmp_path, data_cache, capsys, name, changes, extra,
                                                   message):
-    src = _variant(hf_dir, tmp_path / name, **changes) if changes else hf_dir
+    src = _variant(hf_dir, tmp_path / name, changes) if changes != {} else hf_dir
+    if name == "small-vocab":  # weights and config agree, the tokenizer has more ids
+        cfg = LlamaConfig(vocab_size=100, block_size=64, n_layer=2, n_head=4, n_kv_head=1, n_embd=64,
+                          intermediate_size=128).validate()
+        src = export_hf_llama(Llama(cfg), None, tmp_path / name)
     run = tmp_path / "run"
     code = main(["train", *COMMON, "--run-dir", str(run), "--model.init_from", str(src),
                  "--data.cache_dir", data_cache, *extra])
@@ -57,7 +78,7 @@ def test_unloadable_init_from_refused_in_one_line(hf_dir, tmp_path, data_cache, 
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith("zerotron: error: ") and message in lines[0], err
-    if changes and name != "small-vocab":
+    if changes != {} and name != "small-vocab":
         assert str(src) in lines[0] and "model.init_from" in lines[0]
     assert not run.exists()  # no lock, no run directory
 

@@ -143,7 +143,8 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[s
         out[name] = t.contiguous()
     wte = out.get("transformer.wte.weight")
     if "lm_head.weight" in out and wte is not None:
-        if out["lm_head.weight"].shape != wte.shape or not torch.equal(out["lm_head.weight"], wte):
+        head = out["lm_head.weight"]
+        if head.shape != wte.shape or not (head.is_meta or torch.equal(head, wte)):  # (meta: shapes only)
             raise ValueError("lm_head.weight differs from transformer.wte.weight; only tied "
                              "GPT-2 checkpoints are supported")
     if wte is not None:
@@ -171,16 +172,33 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
     return out
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Load model.safetensors, or the shards listed by model.safetensors.index.json beside it."""
+def _header_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Meta tensors of the names, shapes and dtypes in a safetensors file's header (no data read)."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(path, framework="pt") as f:
+        for k in f.keys():
+            sl = f.get_slice(k)
+            dtype = getattr(torch, {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                                    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                                    "BOOL": "bool"}.get(sl.get_dtype(), "float32"))
+            out[k] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+    return out
+
+
+def _read_safetensors(path: Path, meta: bool = False) -> dict[str, torch.Tensor]:
+    """Load model.safetensors, or the shards listed by model.safetensors.index.json beside it
+    (``meta``: meta tensors of the headers only)."""
+    load = _header_tensors if meta else load_file
     if path.is_file():
-        return load_file(str(path))
+        return load(str(path))
     index = path.with_name(path.name + ".index.json")
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         sd = {}
         for shard in shards:
-            sd.update(load_file(str(path.with_name(shard))))
+            sd.update(load(str(path.with_name(shard))))
         return sd
     hint = (" Only safetensors is read: convert pytorch_model.bin with "
             "transformers' save_pretrained(..., safe_serialization=True).")
@@ -203,7 +221,10 @@ def read_hf_checkpoint(path: str | Path, what: str = "HF") -> tuple[Path, dict]:
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: a {what} checkpoint needs its "
                                 "config.json next to the weights")
-    return weights, json.loads(config_path.read_text())
+    config = json.loads(config_path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
+    return weights, config
 
 
 def read_hf_weights(weights: Path) -> dict[str, torch.Tensor]:
@@ -212,7 +233,7 @@ def read_hf_weights(weights: Path) -> dict[str, torch.Tensor]:
     return _read_safetensors(weights)
 
 
-def load_hf_gpt2(path: str | Path) -> GPT:
+def load_hf_gpt2(path: str | Path, meta: bool = False) -> GPT:
     """Build a GPT from a HF GPT-2 checkpoint.
 
     ``path``: a directory holding config.json and model.safetensors (or a sharded
@@ -221,17 +242,29 @@ def load_hf_gpt2(path: str | Path) -> GPT:
     Raises FileNotFoundError naming a missing path/file, ValueError for an unsupported config or
     weights that do not match it.
     """
-    return load_hf_model(path, "HF GPT-2", hf_config_to_gpt, state_dict_from_hf, GPT)
+    return load_hf_model(path, "HF GPT-2", hf_config_to_gpt, state_dict_from_hf, GPT, meta=meta)
 
 
-def load_hf_model(path: str | Path, what: str, to_config, to_state_dict, model_cls):
+def load_hf_model(path: str | Path, what: str, to_config, to_state_dict, model_cls, meta: bool = False):
     """Shared loader of every family: ``read_hf_checkpoint(path, what)``, ``cfg = to_config(config
     dict)``, ``to_state_dict(hf tensors, cfg)`` loaded into ``model_cls(cfg)``; returns it in eval
-    mode. A ValueError of the conversion is re-raised naming the weights file."""
+    mode. A ValueError of the conversion is re-raised naming the weights file. ``meta``: read
+    only the safetensors headers and build the model on the meta device (no weight is read or
+    allocated: a launcher's check that config.json and the weights agree in names and shapes);
+    a shape mismatch is then a ValueError too."""
     weights, config = read_hf_checkpoint(path, what)
     cfg = to_config(config)
     try:
-        sd = to_state_dict(_read_safetensors(weights), cfg)
+        sd = to_state_dict(_read_safetensors(weights, meta=meta), cfg)
+        if meta:
+            with torch.device("meta"):
+                model = model_cls(cfg)
+            try:
+                model.load_state_dict(sd)
+            except RuntimeError as e:  # size mismatch for ...: one line of torch's message
+                lines = [ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln]
+                raise ValueError(lines[0] if lines else str(e).splitlines()[0]) from None
+            return model
     except ValueError as e:
         raise ValueError(f"{weights}: {e}") from None
     model = model_cls(cfg)

@@ -10,6 +10,7 @@ scaling keys). Only safetensors files are read (no pickle); ``transformers`` is 
 """
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -28,13 +29,24 @@ _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_
 def _rope_from_hf(c: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either config.json form; ValueError for a RoPE type
     other than default/llama3."""
-    params = c.get("rope_parameters") or {}
-    if params and not isinstance(params, dict):
-        raise ValueError(f"rope_parameters must be a dict, got {params!r}")
-    legacy = c.get("rope_scaling") or {}
-    source = params if params.get("rope_type") or params.get("type") else legacy
+    params, legacy = c.get("rope_parameters") or {}, c.get("rope_scaling") or {}
+    for name, val in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if not isinstance(val, dict):
+            raise ValueError(f"{name} must be a dict, got {val!r}")
+
+    def kind_of(d: dict) -> str:
+        return d.get("rope_type") or d.get("type") or "default"
+    # both forms may be present (transformers 5 writes rope_parameters, 4.x rope_scaling): a
+    # scaling in either one counts, and two different scalings are refused
+    kinds = {kind_of(params), kind_of(legacy)} - {"default"}
+    if len(kinds) > 1:
+        raise ValueError(f"unsupported Llama config setting: rope_parameters ({kind_of(params)!r}) and rope_scaling "
+                         f"({kind_of(legacy)!r}) disagree")
+    source = params if kind_of(params) != "default" else legacy
     theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
-    kind = (source.get("rope_type") or source.get("type") or "default") if source else "default"
+    if not math.isfinite(theta) or theta <= 0:
+        raise ValueError(f"unsupported Llama config setting: rope_theta={theta} (must be a finite number > 0)")
+    kind = kind_of(source)
     if kind == "default":
         return theta, None
     if kind != "llama3":
@@ -133,7 +145,7 @@ def state_dict_from_hf_llama(hf_sd: dict[str, torch.Tensor], cfg: LlamaConfig) -
     emb = out.get("model.embed_tokens.weight")
     if cfg.tie_word_embeddings and emb is not None:
         head = out.get("lm_head.weight")
-        if head is not None and (head.shape != emb.shape or not torch.equal(head, emb)):
+        if head is not None and (head.shape != emb.shape or not (head.is_meta or torch.equal(head, emb))):
             raise ValueError("lm_head.weight differs from model.embed_tokens.weight but config.json says "
                              "tie_word_embeddings=true")
         out["lm_head.weight"] = emb
@@ -150,13 +162,14 @@ def state_dict_to_hf_llama(sd: dict[str, torch.Tensor], cfg: LlamaConfig) -> dic
             if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
 
 
-def load_hf_llama(path: str | Path) -> Llama:
+def load_hf_llama(path: str | Path, meta: bool = False) -> Llama:
     """Build a Llama from a HF Llama checkpoint (a directory with config.json and
     model.safetensors or a sharded model.safetensors.index.json, or a .safetensors file with
     config.json beside it). Returns the model in eval mode (weights cast to its fp32 parameters).
     Raises FileNotFoundError naming a missing path/file, ValueError for an unsupported config or
-    weights that do not match it."""
-    return load_hf_model(path, "HF Llama", hf_config_to_llama, state_dict_from_hf_llama, Llama)
+    weights that do not match it. ``meta``: headers only, a model on the meta device (see
+    ``hf.load_hf_model``)."""
+    return load_hf_model(path, "HF Llama", hf_config_to_llama, state_dict_from_hf_llama, Llama, meta=meta)
 
 
 def export_hf_llama(model_or_state_dict: Llama | dict, cfg: LlamaConfig | None, out_dir: str | Path,

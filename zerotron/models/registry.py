@@ -29,9 +29,9 @@ DEFAULT_ARCH = "gpt2"
 class Arch:
     """One model family: ``config_cls`` (a dataclass with ``validate()``), ``model_cls`` (a
     :class:`CausalLM` taking that config), ``presets`` (name -> config fields), ``hf_model_type``
-    (config.json ``model_type``), ``load_hf(path) -> model``, ``export_hf(model, cfg, out_dir,
-    overwrite=, eos_token_id=) -> Path`` (Hugging Face safetensors directories) and
-    ``hf_to_config(config.json dict) -> config`` (ValueError for a setting the family lacks)."""
+    (config.json ``model_type``), ``load_hf(path, meta=False) -> model`` (meta: headers only, on
+    the meta device) and ``export_hf(model, cfg, out_dir, overwrite=, eos_token_id=) -> Path``
+    (Hugging Face safetensors directories)."""
 
     name: str
     config_cls: type
@@ -40,14 +40,12 @@ class Arch:
     hf_model_type: str
     load_hf: Callable
     export_hf: Callable
-    hf_to_config: Callable
 
 
 ARCHS: dict[str, Arch] = {
-    "gpt2": Arch("gpt2", gpt.GPTConfig, gpt.GPT, gpt.PRESETS, "gpt2", hf.load_hf_gpt2, hf.export_hf_gpt2,
-                 hf.hf_config_to_gpt),
+    "gpt2": Arch("gpt2", gpt.GPTConfig, gpt.GPT, gpt.PRESETS, "gpt2", hf.load_hf_gpt2, hf.export_hf_gpt2),
     "llama": Arch("llama", llama.LlamaConfig, llama.Llama, llama.PRESETS, "llama",
-                  hf_llama.load_hf_llama, hf_llama.export_hf_llama, hf_llama.hf_config_to_llama),
+                  hf_llama.load_hf_llama, hf_llama.export_hf_llama),
 }
 
 
@@ -119,7 +117,10 @@ def hf_arch(path: str | Path) -> str:
     if not config.is_file():
         raise FileNotFoundError(f"{config} not found: a Hugging Face checkpoint needs its config.json "
                                 "next to the weights")
-    model_type = json.loads(config.read_text()).get("model_type", "gpt2")
+    meta = json.loads(config.read_text())
+    if not isinstance(meta, dict):
+        raise ValueError(f"{config} must hold a JSON object, got {type(meta).__name__}")
+    model_type = meta.get("model_type", "gpt2")
     for arch in ARCHS.values():
         if arch.hf_model_type == model_type:
             return arch.name
@@ -128,13 +129,13 @@ def hf_arch(path: str | Path) -> str:
 
 
 def hf_config(path: str | Path):
-    """The validated family config of a HF checkpoint, from its config.json alone (no weights are
-    read): what :func:`load_hf` would build. Raises FileNotFoundError without config.json (or
-    when ``path`` is neither a directory nor a .safetensors file), ValueError for an unknown
-    model_type, a setting the family does not implement, or invalid sizes."""
-    arch = get_arch(hf_arch(path))
-    _, config = hf.read_hf_checkpoint(path, f"HF {arch.name}")
-    return arch.hf_to_config(config)
+    """The validated family config of a HF checkpoint: what :func:`load_hf` would build, checked
+    against the names and shapes of its weights (safetensors headers only, a model on the meta
+    device: no tensor is read). Raises FileNotFoundError without config.json or weights (or when
+    ``path`` is neither a directory nor a .safetensors file), ValueError for an unknown
+    model_type, a setting the family does not implement, invalid sizes, or weights that do not
+    match config.json."""
+    return get_arch(hf_arch(path)).load_hf(path, meta=True).config
 
 
 def load_hf(path: str | Path) -> CausalLM:

@@ -109,9 +109,14 @@ class RunLock:
                              f"{prev.get('start')}; {state})")
         self.record = {"host": host, "pid": os.getpid(), "start": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                        "heartbeat": now, "heartbeat_s": self.heartbeat_s}
-        os.ftruncate(fd, 0)
         self.fd = fd
-        self._write()
+        try:
+            os.ftruncate(fd, 0)
+            self._write()
+        except OSError as e:  # a full or read-only filesystem: nothing can run here
+            self.release(failed_validation=True)
+            raise ConfigError(f"cannot write the run lock {self.path}: {e.strerror or e}; free space on that "
+                              "filesystem (or make it writable), then run again") from None
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="zerotron-lock-heartbeat", daemon=True)
         self._thread.start()

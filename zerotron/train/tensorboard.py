@@ -71,8 +71,8 @@ class TensorBoardLogger:
         _quiet_writer_thread_errors()
         self.writer = SummaryWriter(str(run_dir), purge_step=None if resume_step is None else resume_step + 1)
 
-    def _failed(self, e: OSError, step) -> None:
-        print(f"zerotron: warning: TensorBoard events stop at step {step}: cannot write the event file "
+    def _failed(self, e: OSError, step: str) -> None:
+        print(f"zerotron: warning: TensorBoard events stop {step}: cannot write the event file "
               f"({e.strerror or e}); metrics.jsonl keeps the records (log.tensorboard)", file=sys.stderr, flush=True)
         try:
             self.writer.close()
@@ -92,7 +92,7 @@ class TensorBoardLogger:
             for op, b in (rec.get("comm_bytes_by_op") or {}).items():
                 self.writer.add_scalar(f"comm/{op}", b, step)
         except OSError as e:
-            self._failed(e, step)
+            self._failed(e, f"at step {step}")
 
     def close(self) -> None:
         """Flush and close the event file."""
@@ -101,7 +101,7 @@ class TensorBoardLogger:
         try:
             self.writer.close()
         except OSError as e:
-            self._failed(e, "the end")
+            self._failed(e, "at the end of the run")
 
 
 def open_tensorboard(mode: str, run_dir: str | Path, resume_step: int | None, lead: bool):

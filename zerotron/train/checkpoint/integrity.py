@@ -71,7 +71,8 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
     listed in meta.json's ``checksums`` has that SHA-256 (checkpoints written before checksums
     existed have none and pass). meta.json itself is always checked (it is small): it must parse,
     match its own ``meta_checksum`` (checkpoints saved before that key existed have none and
-    pass), and, for a ``step_<N>`` directory, say ``"step": N``. Raises CheckpointError naming the
+    pass: the check catches accidental change -- an edit, a torn or stale file -- not a
+    deliberate one that also deletes the key), and, for a ``step_<N>`` directory, say ``"step": N``. Raises CheckpointError naming the
     first missing, truncated or mismatching file and, for a ``step_<N>`` of a run, the previous
     complete checkpoint to fall back to (``.reason``: what is wrong, for the fallback)."""
     ckpt = Path(ckpt)
@@ -95,8 +96,10 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
     if META_CHECKSUM in meta and meta_checksum(meta) != meta[META_CHECKSUM]:
         fail("meta.json does not match its own meta_checksum (it was edited after the save)")
     m = STEP_RE.match(ckpt.name)
-    if m and meta.get("step") != int(m.group(1)):
+    if m and (type(meta.get("step")) is not int or meta["step"] != int(m.group(1))):
         fail(f"meta.json says step {meta.get('step')!r} in directory {ckpt.name}")
+    if not isinstance(meta.get("checksums", {}), dict):
+        fail("meta.json's checksums is not a JSON object")
     if not (ckpt / ".metadata").is_file():
         fail("no .metadata from torch.distributed.checkpoint")
     try:
