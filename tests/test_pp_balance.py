@@ -6,7 +6,11 @@ import random
 
 import pytest
 
-from zerotron.layout import (
+from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble
+from zerotron.parallel.pipeline.schedules import bubble_theory, build_schedule, rank_idle_fractions, simulate
+from zerotron.plan import ParallelPlan
+from zerotron.stages import (
+    Placement,
     balanced_counts,
     balanced_counts_v,
     even_counts,
@@ -14,9 +18,6 @@ from zerotron.layout import (
     stage_layer_counts,
     v_rank_costs,
 )
-from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble
-from zerotron.parallel.pipeline.schedules import bubble_theory, build_schedule, rank_idle_fractions, simulate
-from zerotron.plan import ParallelPlan
 
 
 def _brute_minimax(costs, k, first, last):
@@ -62,7 +63,7 @@ def test_balanced_counts_v_balances_each_ranks_pair():
     got = balanced_counts_v(blocks, 4, 0.0, 2.3)
     assert got[0] + got[3] == 3 and sum(got) == 8 and min(got) >= 1
     assert v_rank_costs(stage_costs(got, blocks, 0.0, 2.3)) == pytest.approx([5.3, 5.0])
-    assert stage_layer_counts(8, 4, "auto", (blocks, 0.0, 2.3), vshape=True) == got
+    assert stage_layer_counts(8, 4, "auto", (blocks, 0.0, 2.3), Placement(2, 2, "v")) == got
     # never worse than the stage-balanced split, per rank; random costs, p = 2 and 3
     rng = random.Random(0)
     for _ in range(30):

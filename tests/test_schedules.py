@@ -12,10 +12,9 @@ from zerotron.parallel.pipeline.schedules import (
     bubble_time_theory,
     build_schedule,
     check_schedule,
-    rank_of,
     simulate,
-    stage_of,
 )
+from zerotron.stages import Placement
 
 
 def _cases(kind, p):
@@ -353,12 +352,18 @@ def test_zb_v_placement_validity_and_bubble():
     background sends; at unit costs it idles less than zb-h1 and exactly the synchronous-step bound
     at p = 2, holding at most 2p chunk activations (1F1B's peak of a whole rank's p micro-batches)."""
     for p in range(1, 6):
-        assert sorted(stage_of(r, c, p, True) for r in range(p) for c in (0, 1)) == list(range(2 * p))
-        assert all(rank_of(stage_of(r, c, p, True), p, True) == r for r in range(p) for c in (0, 1))
+        place = Placement(p, 2, "v")
+        assert sorted(place.stage_of(r, c) for r in range(p) for c in (0, 1)) == list(range(2 * p))
+        assert all(place.rank_of(place.stage_of(r, c)) == r for r in range(p) for c in (0, 1))
+        assert place.stages(0) == [0, 2 * p - 1] and place.last_rank == 0
         for m in range(1, 3 * p + 1):
             sched = build_schedule(p, m, "zb-v", 2)
-            check_schedule(sched, p, m, 2, vshape=True)
-            sim = simulate(sched, p, 2, 1.0, 1.0, 1.0, eager_sends=True, vshape=True)
+            assert sched.placement == place
+            check_schedule(sched, p, m, 2)
+            sim = simulate(sched, p, 2, 1.0, 1.0, 1.0, eager_sends=True)
+            if p > 1:  # the same actions read with the loop placement are not a valid schedule
+                with pytest.raises(ValueError):
+                    check_schedule(list(sched), p, m, 2)
             assert max(sim.peak_in_flight) <= 2 * p, (p, m, sim.peak_in_flight)
             if p > 1 and m >= p:
                 h1 = simulate(build_schedule(p, m, "zb-h1"), p, 1, 1.0, 1.0, 1.0, eager_sends=True)
@@ -372,9 +377,9 @@ def test_zb_v_placement_validity_and_bubble():
     assert {a.peer for a in sched[1] if a.kind in ("SEND_F", "RECV_F")} == {0}
     assert not [a for a in sched[1] if a.kind == "SEND_F" and a.chunk == 0]  # stage 1 -> 2 stays on rank 1
     # its order relies on sends completing in the background (gloo): with rendezvous sends (an NCCL
-    # batch) it can deadlock, which is why the runner refuses zb-v on other backends
+    # batch) it can deadlock, which is why the plan refuses zb-v on other backends
     with pytest.raises(RuntimeError, match="deadlock"):
-        simulate(sched, 2, 2, vshape=True)
+        simulate(sched, 2, 2)
     with pytest.raises(ValueError, match="virtual_stages must be 2"):
         build_schedule(2, 4, "zb-v", 1)
 

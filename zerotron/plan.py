@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 from .config import Config, ConfigError, ParallelConfig, TrainConfig
 from .config_checks import check_values
-from .layout import SPLIT_WORDS, stage_layer_counts
+from .dims import ParallelDims
+from .stages import SPLIT_WORDS, Placement, stage_layer_counts
 
 __all__ = ["ParallelDims", "ParallelPlan", "build_plan", "check_values", "DTYPES", "REDUCE_DTYPES",
            "PP_SCHEDULES", "CHUNKED_SCHEDULES", "RUNNERS", "SYNCS"]
@@ -39,55 +40,13 @@ SYNCS = ("ddp", "torch_ddp", "zero", "fsdp2", "dtensor_tp")
 
 # the plan fields that copy a config field of the same name (defaults too: one source)
 _FROM_PARALLEL = ("reduce_dtype", "dp_impl", "bucket_mb", "find_unused_parameters", "zero_stage", "zero_impl", "tp_impl",
-                  "sequence_parallel", "pp_schedule", "pp_impl", "microbatches", "virtual_stages", "pp_split")
-_FROM_TRAIN = ("micro_batch", "global_batch", "dtype", "activation_checkpointing", "seed")
+                  "sequence_parallel", "pp_schedule", "pp_impl", "microbatches", "virtual_stages", "pp_split", "backend")
+_FROM_TRAIN = ("micro_batch", "global_batch", "dtype", "activation_checkpointing", "seed", "device")
 
 
 def _need(cond, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of each parallel dimension; ``dp * tp * pp`` must equal ``world_size``.
-
-    ``dp = 0`` means "derive": world_size // (tp * pp). Raises ConfigError (a ValueError, naming
-    the fix) when the product does not match the world size or a degree is < 1."""
-
-    world_size: int
-    dp: int = 0
-    tp: int = 1
-    pp: int = 1
-    dp_replicate: int = 1
-
-    def __post_init__(self):
-        for name in ("tp", "pp"):
-            _need(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        _need(self.dp >= 0, f"parallel.dp must be >= 1 (or 0 = derive from world size), got {self.dp}")
-        if self.dp == 0:
-            _need(self.world_size % (self.tp * self.pp) == 0,
-                  f"world size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp}; "
-                  "change --nproc or parallel.tp / parallel.pp")
-            object.__setattr__(self, "dp", self.world_size // (self.tp * self.pp))
-        _need(self.dp * self.tp * self.pp == self.world_size,
-              f"parallel.dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.dp * self.tp * self.pp} does not "
-              f"equal the world size {self.world_size}; set parallel.dp = 0 to derive it or change --nproc")
-        _need(self.dp_replicate >= 1 and self.dp % self.dp_replicate == 0,
-              f"parallel.dp_replicate ({self.dp_replicate}) must be >= 1 and divide the dp degree ({self.dp}): "
-              "dp = replicas x shards; change parallel.dp_replicate or --nproc")
-
-    @property
-    def dp_shard(self) -> int:
-        """Shard-group size S = dp / dp_replicate (HSDP; = dp without replication)."""
-        return self.dp // self.dp_replicate
-
-    def coords(self, rank: int) -> dict:
-        """(pp, dp, tp) coordinates of a global rank as a dict (tp innermost, then dp, then pp)."""
-        t = rank % self.tp
-        d = (rank // self.tp) % self.dp
-        p = rank // (self.tp * self.dp)
-        return {"pp": p, "dp": d, "tp": t}
 
 
 @dataclass(frozen=True)
@@ -123,6 +82,8 @@ class ParallelPlan:
     microbatches: int = ParallelConfig.microbatches
     virtual_stages: int = ParallelConfig.virtual_stages
     pp_split: str = ParallelConfig.pp_split
+    backend: str = ParallelConfig.backend
+    device: str = TrainConfig.device
     activation_checkpointing: str = TrainConfig.activation_checkpointing
     dropout: float = 0.0
     seed: int = 0
@@ -173,6 +134,25 @@ class ParallelPlan:
         """Model stages the layers are split into: pp * virtual_stages for interleaved (Narayanan et
         al. 2021, interleaved 1F1B), zb-v (two per rank, in a V) or threads, pp otherwise."""
         return self.pp * (self.virtual_stages if self.pp_schedule in CHUNKED_SCHEDULES or self.runner == "threads" else 1)
+
+    @property
+    def placement(self) -> Placement:
+        """Which pipeline rank holds which model stage (``zerotron.stages.Placement``): zb-v's V,
+        else the loop (Megatron-LM's interleaving when virtual_stages > 1)."""
+        return Placement.for_schedule(self.pp, self.pp_schedule, self.n_model_stages // self.pp)
+
+    @property
+    def collective_backend(self) -> str:
+        """The process-group backend the run will use: ``backend`` when set, else NCCL on CUDA and
+        gloo on CPU (``train.device``; for "auto" whether torch sees a CUDA device -- torch is
+        imported only then, so a plan on an explicit device stays torch-free)."""
+        if self.backend != "auto":
+            return self.backend
+        if self.device != "auto":
+            return "nccl" if self.device == "cuda" else "gloo"
+        import torch  # only for this question
+
+        return "nccl" if torch.cuda.is_available() else "gloo"
 
     @property
     def sync(self) -> str:
@@ -283,6 +263,12 @@ class ParallelPlan:
             _need(self.virtual_stages == 2,
                   f"parallel.pp_schedule = zb-v places two model stages per rank in a V (rank r holds stages r and "
                   f"2*pp-1-r): set parallel.virtual_stages = 2, got {self.virtual_stages}")
+            # the executor posts a comm run as one batch on NCCL, whose sends then wait for their receives;
+            # zb-v's order is deadlock-free only with sends that complete in the background (gloo)
+            _need(pp == 1 or impl != "native" or self.collective_backend == "gloo",
+                  "parallel.pp_schedule = zb-v runs on the gloo backend only (its order needs sends that complete "
+                  "in the background), and this run uses nccl: use parallel.pp_schedule = zb-h1, or "
+                  "parallel.backend = gloo")
         elif interleaved or threads:
             _need(self.virtual_stages >= 2,
                   f"parallel.virtual_stages must be >= 2 for the interleaved schedule or pp_impl = threads (model "

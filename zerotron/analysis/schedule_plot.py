@@ -155,7 +155,6 @@ MAX_ACTIONS = 4096  # pp x microbatches x virtual stages that `zerotron schedule
 
 def _schedule_run(args) -> int:
     v = args.virtual if args.virtual is not None else (2 if args.kind in CHUNKED_SCHEDULES else 1)
-    vshape = args.kind == "zb-v"
     try:
 
         for name, c, lo in (("--f-cost", args.f_cost, 0.0), ("--b-cost", args.b_cost, 0.0), ("--w-cost", args.w_cost, None)):
@@ -170,17 +169,18 @@ def _schedule_run(args) -> int:
         if args.out and not args.out.lower().endswith(".png"):
             raise ValueError(f"--out must name a .png file, got {args.out!r}")
         schedule = build_schedule(args.pp, args.microbatches, args.kind, v)
-        check_schedule(schedule, args.pp, args.microbatches, v, vshape)
+        check_schedule(schedule, args.pp, args.microbatches, v)
         costs = (args.f_cost, args.b_cost, args.w_cost)
-        if not vshape:  # zb-v's order needs background sends (the executor's gloo path; NCCL refuses it)
+        v_shaped = schedule.placement.shape == "v"
+        if not v_shaped:  # zb-v's order needs background sends (the executor's gloo path; the plan refuses NCCL)
             simulate(schedule, args.pp, v, *costs)  # raises on deadlock even if sends were waited for
-        sim = simulate(schedule, args.pp, v, *costs, eager_sends=True, latency=args.latency, vshape=vshape)
+        sim = simulate(schedule, args.pp, v, *costs, eager_sends=True, latency=args.latency)
         split_bw = args.kind in ("zb-h1", "zb-v")
         theory = bubble_theory(args.pp, args.microbatches, v, args.kind)
         if args.kind == "zb-h1":
             idle = bubble_time_theory(args.pp, "zb-h1", *costs)
             theory = idle / (idle + args.microbatches * sum(costs)) if args.microbatches >= args.pp else None
-        if vshape:  # the synchronous-step bound (p-1) T_F / 2 (schedules module docstring)
+        if v_shaped:  # the synchronous-step bound (p-1) T_F / 2 (schedules module docstring)
             idle = (args.pp - 1) * args.f_cost / 2
             theory = idle / (idle + args.microbatches * sum(costs)) if args.microbatches >= args.pp else None
         title = f"{args.kind} pp={args.pp} m={args.microbatches}" + (f" v={v}" if v > 1 else "")

@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from zerotron.config import load_config, parse_overrides
 from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows, prepare_data
+from zerotron.dims import AXES
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distributed, teardown
 from zerotron.launch import in_worker, launch, strip_nproc
@@ -109,31 +110,18 @@ def _peak_mem(dev, reset: bool = False) -> int:
     return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
-class _SubMesh(Mesh):
-    """The ("pp", "dp", "tp") mesh of ranks 0..w-1 (``dm``: their DeviceMesh), with Mesh's interface."""
-
-    def __init__(self, dims, device, dm, rank: int, m4=None):  # no super().__init__(): that one spans the world
-        self.dims, self.device, self.mesh, self.rank, self.coords = dims, device, dm, rank, dims.coords(rank)
-        self._groups = {n: comm.NamedGroup(dm.get_group(n), n) for n in ("pp", "dp", "tp")}
-        self._add_hsdp_groups(lambda shape, names: m4)  # m4: built on all ranks by _mesh
-
-
 def _mesh(cache: dict, dims, n: int, device):
     """Mesh of ``dims`` (cached; collective: built on ALL ranks); None on ranks outside a sub-world."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (dims.world_size, dims.dp, dims.tp, dims.pp, dims.dp_replicate)
+    key = tuple(dims.degrees.values())
     if key not in cache:
         if dims.world_size == n:
             cache[key] = Mesh(dims, device)
-        else:
-            dm = DeviceMesh(device.type, torch.arange(dims.world_size).view(dims.pp, dims.dp, dims.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
-            m4 = None if dims.dp_replicate == 1 else DeviceMesh(  # HSDP groups (collective: all ranks)
-                device.type, torch.arange(dims.world_size).view(dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-                mesh_dim_names=("pp", "dp_rep", "dp_shard", "tp"))
-            rank = dist.get_rank()
-            cache[key] = _SubMesh(dims, device, dm, rank, m4) if rank < dims.world_size else None
+        else:  # the axes of ranks 0..w-1 (collective: all ranks build it and its groups)
+            dm = DeviceMesh(device.type, torch.arange(dims.world_size).view(*key), mesh_dim_names=AXES)
+            mesh = Mesh(dims, device, dm)
+            cache[key] = mesh if mesh.member else None
     return cache[key]
 
 

@@ -1,16 +1,12 @@
-"""Process-group set-up: ``ParallelDims`` -> one DeviceMesh over ("pp", "dp", "tp").
+"""Process-group set-up: ``ParallelDims`` (the axes table, ``zerotron.dims``) -> one DeviceMesh.
 
-The mesh is built once and is the single source of truth for who talks to whom. tp is the innermost
-(fastest-varying) dimension so tensor-parallel peers are neighbouring ranks (same node, fastest
-links), as in Megatron-LM and picotron; pp is outermost.
-
-Global rank of coordinates (p, d, t) = (p * dp + d) * tp + t.
-
-Hierarchical data parallelism (HSDP, ``parallel.dp_replicate = R > 1``): the dp dimension factors
-as R replicas x S = dp / R shards, d = r * S + s, so the shard group (s varies) holds neighbouring
-ranks -- normally one node -- and the replicate group (r varies) crosses nodes. Groups "dp_shard"
-and "dp_rep" (built from a second (pp, dp_rep, dp_shard, tp) DeviceMesh); with R = 1 "dp_shard" is
-the dp group and "dp_rep" is None.
+The mesh is built once over the axes (pp, dp_replicate, dp_shard, cp, tp), outermost to innermost:
+tp varies fastest, so tensor-parallel peers are neighbouring ranks (same node, fastest links), as in
+Megatron-LM and picotron. The engine's combined groups (dp, batch, loss, shard, replicate) are
+flattened out of the same mesh (``DeviceMesh._flatten``, as torchtitan does), so HSDP needs no
+second mesh: with ``parallel.dp_replicate = R > 1`` the dp group factors as R replicas x S shards,
+the shard group holding neighbouring ranks -- normally one node -- and the replicate group crossing
+nodes. Global rank numbering: ``zerotron.dims``.
 """
 from __future__ import annotations
 
@@ -21,8 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..dims import ALIASES, AXES, COMBINED, ParallelDims
 from ..launch import check_multinode_addresses, die_with_parent
-from ..plan import ParallelDims
 from . import comm, inflight
 
 __all__ = ["Mesh", "ParallelDims", "init_distributed", "default_device", "teardown", "destroy"]
@@ -72,55 +68,82 @@ def _check_addresses(backend: str) -> None:
         raise SystemExit(2)
 
 
+# groups are built in this order; a later group spanning the same axes (of degree > 1) as an earlier one is
+# that group (so with dp_replicate = 1 and cp = 1 "shard" is "dp", and comm accounting keeps one label)
+_BUILD_ORDER = ("pp", "tp", "dp", "dp_replicate", "dp_shard", "cp", "batch", "loss", "shard", "replicate")
+_LABELS = {"dp_replicate": "dp_rep"}  # accounting label of the HSDP replica axis (as before the axes table)
+
+
 class Mesh:
-    """The ("pp", "dp", "tp") DeviceMesh plus handy per-dimension accessors.
+    """One torch ``DeviceMesh`` over the axes of ``dims`` (``zerotron.dims.AXES``: pp, dp_replicate,
+    dp_shard, cp, tp) and the combined groups flattened out of it (``zerotron.dims.COMBINED``: dp,
+    batch, loss, shard, replicate), built once; the single source of truth for who talks to whom.
 
-    Attributes: ``dims`` (ParallelDims), ``mesh`` (torch DeviceMesh), ``rank``, ``coords``
-    ({"pp","dp","tp"} -> int), ``device``. ``group(name)`` returns the ProcessGroup of a dimension,
-    ``size(name)``/``local_rank(name)`` its degree and this rank's index in it."""
+    Attributes: ``dims`` (ParallelDims), ``mesh`` (the torch DeviceMesh; ``mesh["dp"]`` etc. are its
+    flattened 1-D sub-meshes), ``rank``, ``coords`` (this rank's coordinates, axes and combined
+    groups: ``coords["dp"]``, ``coords["tp"]``, ...), ``device``, ``hsdp_mesh`` (the 2-D
+    (dp_replicate, dp_shard) sub-mesh for FSDP2's HSDP, or None without replication).
+    ``group(name)`` is the ``comm.NamedGroup`` of an axis or combined group, ``size(name)`` /
+    ``local_rank(name)`` its degree and this rank's index in it, ``peer(**coords)`` a global rank."""
 
-    def __init__(self, dims: ParallelDims, device: torch.device):
+    def __init__(self, dims: ParallelDims, device: torch.device, device_mesh=None):
+        """Collective over the whole default group. ``device_mesh``: a DeviceMesh over ``AXES`` of
+        ranks 0 .. dims.world_size-1 built on every rank (a sub-world of a larger job, as ``zerotron
+        bench`` runs smaller layouts inside its world); ranks outside it take part in creating the
+        groups and are then no member (:meth:`member`)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         self.dims = dims
         self.device = device
         self.rank = dist.get_rank()
-        self.coords = dims.coords(self.rank)
-        self.mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
-        self._groups = {name: comm.NamedGroup(self.mesh.get_group(name), name) for name in ("pp", "dp", "tp")}
-        self._add_hsdp_groups(lambda shape, names: init_device_mesh(device.type, shape, mesh_dim_names=names))
+        inside = self.rank < dims.world_size
+        self.coords = dims.coords(self.rank) if inside else None
+        self.mesh = device_mesh if device_mesh is not None else init_device_mesh(
+            device.type, tuple(dims.degrees.values()), mesh_dim_names=AXES)
+        self._groups: dict[str, comm.NamedGroup] = {}
+        by_axes: dict[tuple, comm.NamedGroup] = {}  # the axes of degree > 1 a group spans -> its group
+        for name in _BUILD_ORDER:  # collective: every rank builds (or aliases) the same groups in order
+            axes = COMBINED.get(name, (name,))
+            key = tuple(a for a in axes if dims.size(a) > 1)
+            if key and key in by_axes:  # the same ranks as a group already built: one group, one label
+                self._groups[name] = by_axes[key]
+                continue
+            sub = self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten(name)
+            self._groups[name] = comm.NamedGroup(sub.get_group() if inside else None, _LABELS.get(name, name))
+            if key:
+                by_axes[key] = self._groups[name]
+        self.hsdp_mesh = self.mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 and inside else None
 
-    def _add_hsdp_groups(self, make) -> None:
-        """Groups "dp_shard"/"dp_rep" (HSDP, see the module doc) and ``hsdp_mesh`` (the 2-D
-        (dp_rep, dp_shard) DeviceMesh of this rank, for FSDP2; None without replication).
-        ``make(shape, names)`` builds a DeviceMesh over this mesh's ranks (collective)."""
-        d = self.dims
-        self.hsdp_mesh = None
-        self._groups["dp_shard"], self._groups["dp_rep"] = self._groups["dp"], None
-        if d.dp_replicate > 1:
-            m4 = make((d.pp, d.dp_replicate, d.dp_shard, d.tp), ("pp", "dp_rep", "dp_shard", "tp"))
-            for name in ("dp_shard", "dp_rep"):
-                self._groups[name] = comm.NamedGroup(m4.get_group(name), name)
-            self.hsdp_mesh = m4["dp_rep", "dp_shard"]
+    @property
+    def member(self) -> bool:
+        """Whether this process is one of the mesh's ranks (always, unless built over a sub-world)."""
+        return self.coords is not None
 
-    def group(self, name: str) -> comm.NamedGroup:
-        """Named process group of dimension ``name`` in {"pp", "dp", "tp", "dp_shard", "dp_rep"}
-        (pass it to comm.*; "dp_rep" is None without HSDP replication)."""
+    def group(self, name: str) -> comm.NamedGroup | None:
+        """Named process group of an axis or combined group (pass it to comm.*). Compatibility
+        names: "dp_rep" is the replicate group or None without HSDP replication (the engine's
+        test for a hierarchical reduction); raises KeyError for an unknown name."""
+        if name == "dp_rep":
+            return self._groups["replicate"] if self.dims.dp_replicate > 1 else None
         return self._groups[name]
 
     def pg(self, name: str):
-        """Raw torch ProcessGroup of dimension ``name`` (for torch's own DDP/FSDP2)."""
-        return self._groups[name].pg
+        """Raw torch ProcessGroup of an axis or combined group (for torch's own DDP/FSDP2)."""
+        return self._groups[ALIASES.get(name, name)].pg
 
     def size(self, name: str) -> int:
-        return {"dp_rep": self.dims.dp_replicate}.get(name) or getattr(self.dims, name)
+        """Degree of an axis or combined group."""
+        return self.dims.size(name)
 
     def local_rank(self, name: str) -> int:
-        return self.coords[name]
+        """This rank's index in the group of an axis or combined group."""
+        return self.coords[ALIASES.get(name, name)]
 
-    def global_rank(self, pp: int, dp: int, tp: int) -> int:
-        """Global rank at coordinates (pp, dp, tp)."""
-        return (pp * self.dims.dp + dp) * self.dims.tp + tp
+    def peer(self, **coords) -> int:
+        """Global rank of the process at this rank's coordinates with ``coords`` replaced, e.g.
+        ``peer(pp=q)`` (same dp, cp, tp on stage q) or ``peer(dp=0)`` (the first data-parallel
+        replica). Raises ValueError for an out-of-range coordinate or unknown axis."""
+        return self.dims.peer(self.rank, **coords)
 
     @property
     def is_logging_rank(self) -> bool:

@@ -45,7 +45,7 @@ def parallelize(model, plan, mesh):
     if mesh.size("tp") > 1:
         tp_group = mesh.group("tp")
         model = apply_tensor_parallel(model, tp_group, plan.sequence_parallel, seed=plan.seed,
-                                      dp_rank=mesh.coords["dp"], pp_rank=mesh.coords["pp"])
+                                      dp_rank=mesh.coords["batch"], pp_rank=mesh.coords["pp"])
     apply_activation_checkpointing(model, plan.activation_checkpointing)  # block forwards only
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
     runners = {"threads": lambda: ThreadedPipeline(model, mesh, plan),  # one process, a thread per stage
@@ -62,9 +62,9 @@ def parallelize(model, plan, mesh):
 def _data_parallel(model, plan, mesh, mask):
     """The plan's gradient synchroniser over the whole model (runner "plain")."""
     group = mesh.group("dp")
-    src = mesh.global_rank(mesh.coords["pp"], 0, mesh.coords["tp"])
-    if plan.sync == "zero":  # HSDP: shard within dp_shard, all-reduce shards over dp_rep
-        return ZeroStrategy(model, mesh.group("dp_shard"), plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
+    src = mesh.peer(dp=0)  # the first data-parallel replica of this rank's (pp, cp, tp) position
+    if plan.sync == "zero":  # HSDP: shard within the shard group, all-reduce shards over the replicas
+        return ZeroStrategy(model, mesh.group("shard"), plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
                             tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,
                             sequence_parallel=plan.sequence_parallel, replicate_group=mesh.group("dp_rep"),
                             dp_group=group)
@@ -72,7 +72,7 @@ def _data_parallel(model, plan, mesh, mask):
         return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype)
     if plan.sync == "ddp":
         return DataParallel(model, group, bucket_mb=plan.bucket_mb, src_rank=src,
-                            shard_group=mesh.group("dp_shard") if mesh.group("dp_rep") else None,
+                            shard_group=mesh.group("shard") if mesh.group("dp_rep") else None,
                             replicate_group=mesh.group("dp_rep"))
     return TorchDDP(model, group, bucket_mb=plan.bucket_mb, find_unused_parameters=plan.find_unused_parameters)
 

@@ -26,7 +26,7 @@ def train_step(strategy, optimizer, scheduler, micro_batches, group, grad_clip: 
     """Forward/backward over this rank's ``micro_batches`` (list of ``(x, y)``, each (b, T) int64),
     gradient sync once per step, clipping, optimizer and LR-scheduler step.
 
-    ``group``: the dp group (token count). ``guard``: a ``lifecycle.StepGuard`` or None; with one,
+    ``group``: the batch group (``Mesh.group("batch")``, dp x cp: the target-token count). ``guard``: a ``lifecycle.StepGuard`` or None; with one,
     all ranks agree (one small all-reduce) whether the loss and grad norm are finite, and a
     non-finite step applies no update and does not advance the LR schedule. Returns ``{"loss":
     global mean loss, "grad_norm", "tokens": N_global, "lr": lr used, "skipped": bool}``. Raises

@@ -302,7 +302,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 guard.step = step + 1
                 comm.set_step(step + 1)  # named by the watchdog if a collective of this step fails
-                out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("dp"),
+                out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("batch"),
                                  t.grad_clip, t.dtype, self.device, guard=guard)
                 dt = time.perf_counter() - t0
                 rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],

@@ -56,7 +56,7 @@ class FSDP2Strategy(Strategy):
             block.unshard()
             block.reshard()
         self.module, self.group, self.loss_groups, self.stage = model, mesh.group("dp"), [mesh.group("dp")], stage
-        self.shard_group = mesh.group("dp_shard")  # the ranks whose local shards are disjoint
+        self.shard_group = mesh.group("shard")  # the ranks whose local shards are disjoint
 
     def forward_backward(self, micro_batches, n_global, dtype, device):
         return super().forward_backward(micro_batches, n_global / self.group.size(), dtype, device)

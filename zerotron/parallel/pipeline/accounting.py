@@ -57,7 +57,7 @@ def predicted_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
             raise ValueError(f"no measured {k} time for model stage(s) {missing} of {n}")
         costs[f"{k.lower()}_cost"] = [stages[s] for s in range(n)]
     res = simulate(build_schedule(pp, microbatches, kind, virtual_stages), pp, virtual_stages, eager_sends=True,
-                   latency=latency_s, vshape=kind == "zb-v", **costs)
+                   latency=latency_s, **costs)
     per_rank = rank_idle_fractions(res)
     return {"per_rank": per_rank, "max": max(per_rank), "mean": res.bubble_fraction, "makespan_s": res.makespan}
 
@@ -122,8 +122,7 @@ def replayed_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
             if not got:
                 raise ValueError(f"no compute events of rank {r} in walk {w}")
             dur.update({tuple(e[2]): e[4] - e[3] for e in got})
-        res = simulate(sched, pp, virtual_stages, eager_sends=True, durations=dur, latency=latency_s,
-                       vshape=kind == "zb-v")
+        res = simulate(sched, pp, virtual_stages, eager_sends=True, durations=dur, latency=latency_s)
         for r, iv in enumerate(res.intervals):
             end = iv[-1][1] if iv else 0.0
             b = sum(e - s for s, e, _ in iv)

@@ -18,14 +18,14 @@ matter for the split):
   (max, subtract, exp, sum, log per logit; an estimate, not a paper's count).
 
 For the default model (C = 128, V = 4096, T = 128) the head costs 2.3 blocks, so two stages of 4
-layers split "3,1", not "2,2". The split itself is :func:`zerotron.layout.balanced_counts` (min-max
+layers split "3,1", not "2,2". The split itself is :func:`zerotron.stages.balanced_counts` (min-max
 contiguous partition, the equal split kept when it is already optimal).
 """
 from __future__ import annotations
 
-from zerotron.layout import stage_costs, stage_layer_counts, v_rank_costs
 from zerotron.models.layout import get_module
 from zerotron.parallel.tensor.layers import is_tp_sharded
+from zerotron.stages import Placement, stage_costs, stage_layer_counts
 
 __all__ = ["layer_costs", "resolve_split", "split_message", "announce_split"]
 
@@ -55,17 +55,19 @@ def layer_costs(model, recompute: str = "none") -> tuple[list[float], float, flo
     return blocks, 2.0 * c, 2.0 * c * v + 5.0 * v
 
 
-def resolve_split(model, n_stages: int, pp_split: str, recompute: str = "none", vshape: bool = False) -> list[int]:
+def resolve_split(model, n_stages: int, pp_split: str, recompute: str = "none",
+                  placement: Placement | None = None) -> list[int]:
     """Layers per model stage for ``parallel.pp_split`` (``"auto"``: balanced over
-    :func:`layer_costs`, per rank's pair of stages under zb-v's V placement with ``vshape``;
-    ``"even"``/``""``; or counts ``"3,5"``): see :func:`zerotron.layout.stage_layer_counts`, whose
+    :func:`layer_costs`, per rank's pair of stages under a V ``placement`` (zb-v);
+    ``"even"``/``""``; or counts ``"3,5"``): see :func:`zerotron.stages.stage_layer_counts`, whose
     ValueErrors it raises."""
     n_layer = len(get_module(model, model.layout().blocks))
     costs = layer_costs(model, recompute) if pp_split.strip() == "auto" else None
-    return stage_layer_counts(n_layer, n_stages, pp_split, costs, vshape)
+    return stage_layer_counts(n_layer, n_stages, pp_split, costs, placement)
 
 
-def split_message(model, counts: list[int], pp_split: str, recompute: str = "none", vshape: bool = False) -> str:
+def split_message(model, counts: list[int], pp_split: str, recompute: str = "none",
+                  placement: Placement | None = None) -> str:
     """One log line naming the split and the estimated cost of each model stage (relative to the
     largest), e.g. for the default model ``pipeline split (parallel.pp_split = auto): layers per
     stage 3,1; estimated stage costs (FLOPs) 0.90, 1.00 (the even split 2,2: 0.60, 1.30, a 1.30x
@@ -75,8 +77,9 @@ def split_message(model, counts: list[int], pp_split: str, recompute: str = "non
     top = max(cost)
     msg = (f"pipeline split (parallel.pp_split = {pp_split or 'even'}): layers per stage "
            f"{','.join(map(str, counts))}; estimated stage costs (FLOPs) " + ", ".join(f"{x / top:.2f}" for x in cost))
-    if vshape:  # zb-v: rank r runs stages r and 2p-1-r
-        msg += "; per rank (V placement) " + ", ".join(f"{x / top:.2f}" for x in v_rank_costs(cost))
+    if placement is not None and placement.v > 1:  # several stages per rank: what each rank runs
+        msg += (f"; per rank ({placement.shape} placement) "
+                + ", ".join(f"{x / top:.2f}" for x in placement.rank_costs(cost)))
     even = stage_layer_counts(len(blocks), len(counts), "even")
     if even != counts:
         ec = stage_costs(even, blocks, first, last)
@@ -85,10 +88,11 @@ def split_message(model, counts: list[int], pp_split: str, recompute: str = "non
     return msg
 
 
-def announce_split(model, counts: list[int], pp_split: str, recompute: str = "none", vshape: bool = False) -> None:
+def announce_split(model, counts: list[int], pp_split: str, recompute: str = "none",
+                   placement: Placement | None = None) -> None:
     """Print :func:`split_message` once per process and distinct split (call it on rank 0 only)."""
-    key = (tuple(counts), pp_split, recompute, len(counts), vshape)
+    key = (tuple(counts), pp_split, recompute, len(counts), placement)
     if key not in _ANNOUNCED:
         _ANNOUNCED.add(key)
-        print("zerotron: " + split_message(model, counts, pp_split, recompute, vshape), flush=True)
+        print("zerotron: " + split_message(model, counts, pp_split, recompute, placement), flush=True)
 

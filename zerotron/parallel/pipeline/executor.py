@@ -1,7 +1,7 @@
 """Pipeline execution: the stage partition, a rank's stage model, the walker of its action list.
 
 ``stage_layer_counts`` splits ``n_layer`` over the pp*v model stages (balanced or ``pp_split``);
-it and ``stage_layer_ranges`` live in ``zerotron.layout`` (pure arithmetic) and are re-exported here.
+it and ``stage_layer_ranges`` live in ``zerotron.stages`` (pure arithmetic) and are re-exported here.
 
 ``StageModel`` keeps this rank's part of a model under the ORIGINAL fully-qualified names (blocks
 in an ``nn.ModuleDict`` keyed by the global layer index), so ``torch.distributed.checkpoint`` state
@@ -33,12 +33,12 @@ import time
 import torch
 import torch.nn as nn
 
-from zerotron.layout import stage_layer_counts, stage_layer_ranges
 from zerotron.models.layout import get_module
 from zerotron.parallel.base import unique_params
 from zerotron.parallel.pipeline.p2p import CommRunPoster
-from zerotron.parallel.pipeline.schedules import COMM, Action, rank_of, stage_of
+from zerotron.parallel.pipeline.schedules import COMM, Action
 from zerotron.parallel.pipeline.split_backward import backward_input, backward_weight
+from zerotron.stages import Placement, stage_layer_counts, stage_layer_ranges
 
 
 def _place(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -130,25 +130,26 @@ class StageModel(nn.Module):
         return x
 
 
-def forward_only_actions(pp: int, v: int, rank: int, vshape: bool = False) -> list[Action]:
-    """Forward-only action list of one batch (eval, generation): per local chunk in stage order,
-    RECV_F (if the stage's input comes from another rank), F, SEND_F (if the output goes to
-    another rank); ``vshape``: zb-v's V placement (``schedules.stage_of``). A chain through the
-    stages, so the executor's one-batch-per-comm-run rule cannot deadlock."""
-    last, acts = pp * v - 1, []
-    for c in sorted(range(v), key=lambda c: stage_of(rank, c, pp, vshape)):
-        s = stage_of(rank, c, pp, vshape)
-        if s > 0 and (q := rank_of(s - 1, pp, vshape)) != rank:
+def forward_only_actions(place: Placement, rank: int) -> list[Action]:
+    """Forward-only action list of one batch (eval, generation) of pipeline ``rank`` under
+    placement ``place``: per local chunk in stage order, RECV_F (if the stage's input comes from
+    another rank), F, SEND_F (if the output goes to another rank). A chain through the stages, so
+    the executor's one-batch-per-comm-run rule cannot deadlock."""
+    last, acts = place.n_stages - 1, []
+    for c in sorted(range(place.v), key=lambda c: place.stage_of(rank, c)):
+        s = place.stage_of(rank, c)
+        if s > 0 and (q := place.rank_of(s - 1)) != rank:
             acts.append(Action("RECV_F", 0, c, q))
         acts.append(Action("F", 0, c))
-        if s < last and (q := rank_of(s + 1, pp, vshape)) != rank:
+        if s < last and (q := place.rank_of(s + 1)) != rank:
             acts.append(Action("SEND_F", 0, c, q))
     return acts
 
 
 class PipelineExecutor:
-    """Runs action lists of one rank. ``peer_rank(pp_index) -> global rank`` maps a pipeline peer to
-    the global rank at this rank's (dp, tp) coordinates; ``group``: the pp ``comm.NamedGroup``.
+    """Runs action lists of pipeline ``rank`` under placement ``place``. ``peer_rank(pp_index) ->
+    global rank`` maps a pipeline peer to the global rank at this rank's other coordinates
+    (``Mesh.peer(pp=q)``); ``group``: the pp ``comm.NamedGroup``.
     ``busy_s``/``idle_s`` accumulate compute time and time spent posting+waiting comm runs (split
     in ``p2p.post_s``, ``p2p.recv_wait_s``, ``p2p.send_wait_s``; ``p2p.events`` has per-message
     timestamps), ``other_s`` the rest of the walks' wall time (the executor's own bookkeeping);
@@ -157,12 +158,11 @@ class PipelineExecutor:
     chunk)]`` the seconds and count of each compute kind ("F", "B", ...) per local chunk
     (per-stage F/B times for the bubble accounting). All in seconds."""
 
-    def __init__(self, stage: StageModel, group, pp: int, rank: int, peer_rank, act_dtype: torch.dtype,
-                 vshape: bool = False):
-        self.stage, self.group, self.pp, self.rank = stage, group, pp, rank
+    def __init__(self, stage: StageModel, group, place: Placement, rank: int, peer_rank, act_dtype: torch.dtype):
+        self.stage, self.group, self.pp, self.rank = stage, group, place.pp, rank
         self.peer_rank, self.act_dtype = peer_rank, act_dtype
         self.n_embd = stage.layout().width
-        self.p2p = CommRunPoster(group, peer_rank, rank, pp, vshape=vshape)
+        self.p2p = CommRunPoster(group, peer_rank, rank, place)
         self.reset_timing()
 
     def reset_timing(self) -> None:

@@ -63,17 +63,18 @@ def comm_runs(actions: list[Action]) -> list[tuple[int, int]]:
 class CommRunPoster:
     """Posts and waits one rank's comm runs (see the module docstring).
 
-    ``group``: the pp ``comm.NamedGroup``; ``peer_rank(pp index) -> global rank``; ``rank``/``pp``:
-    this rank's pp index and the pp size (for message keys); ``prefetch``: post the next run's
+    ``group``: the pp ``comm.NamedGroup``; ``peer_rank(pp index) -> global rank``; ``rank``/``place``:
+    this rank's pp index and the pipeline's ``zerotron.stages.Placement`` (for the message keys of the
+    events); ``prefetch``: post the next run's
     receives early (default: on when the backend is gloo); ``batched``: one ``batch_isend_irecv``
     per run (default: on unless gloo). Receive buffers are allocated by ``alloc(action)`` (the
-    executor's pre-agreed activation shape, so no shape handshake). ``vshape``: the actions use
-    zb-v's V placement (``schedules.stage_of``), for the message keys of the events."""
+    executor's pre-agreed activation shape, so no shape handshake)."""
 
-    def __init__(self, group, peer_rank, rank: int, pp: int, prefetch: bool | None = None,
-                 batched: bool | None = None, vshape: bool = False):
+    def __init__(self, group, peer_rank, rank: int, place, prefetch: bool | None = None,
+                 batched: bool | None = None):
+        pp = place.pp
         gloo = pp > 1 and dist.is_initialized() and dist.get_backend(getattr(group, "pg", group)) == "gloo"
-        self.group, self.peer_rank, self.rank, self.pp, self.vshape = group, peer_rank, rank, pp, vshape
+        self.group, self.peer_rank, self.rank, self.pp, self.place = group, peer_rank, rank, pp, place
         self.batched = (not gloo) if batched is None else batched
         self.prefetch = (gloo and not self.batched) if prefetch is None else (prefetch and not self.batched)
         self.reset()
@@ -123,7 +124,7 @@ class CommRunPoster:
             for k, w in zip(range(i, j), works):
                 if acts[k].kind.startswith("SEND"):
                     self.sending.append((w, outgoing[k]))
-                    self.events.append(("S", walk, message_key(acts[k], self.rank, self.pp, self.vshape), t_post))
+                    self.events.append(("S", walk, message_key(acts[k], self.rank, self.place), t_post))
                 else:
                     self._posted[k] = (w, bufs[k])
         else:
@@ -131,7 +132,7 @@ class CommRunPoster:
                 a = acts[k]
                 if a.kind.startswith("SEND"):
                     t = outgoing[k]
-                    self.events.append(("S", walk, message_key(a, self.rank, self.pp, self.vshape), now()))  # issued
+                    self.events.append(("S", walk, message_key(a, self.rank, self.place), now()))  # issued
                     self.sending.append((comm.isend(t, self.peer_rank(a.peer), group=self.group, tag="pp"), t))
             for k in recvs:
                 if k not in self._posted:
@@ -149,7 +150,7 @@ class CommRunPoster:
             w, buf = self._posted.pop(k)
             tw = now()
             w.wait()
-            self.events.append(("R", walk, message_key(acts[k], self.rank, self.pp, self.vshape), tw, now()))
+            self.events.append(("R", walk, message_key(acts[k], self.rank, self.place), tw, now()))
             got[k] = buf
         self.recv_wait_s += now() - t1
         return got

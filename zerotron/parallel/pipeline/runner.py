@@ -84,7 +84,7 @@ from zerotron.parallel.pipeline.executor import (
     stage_layer_counts,
     stage_layer_ranges,
 )
-from zerotron.parallel.pipeline.schedules import build_schedule, rank_of, stage_of
+from zerotron.parallel.pipeline.schedules import build_schedule
 from zerotron.parallel.pipeline.stage_zero import StageZero
 from zerotron.parallel.pipeline.state import PipelineStateMixin
 from zerotron.parallel.tensor.layers import is_tp_sharded
@@ -114,30 +114,23 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def __init__(self, model, mesh, plan, mask: dict | None = None):
         p = self.plan = plan
         self.kind, self.microbatches = p.pp_schedule, p.microbatches
-        self.v = p.n_model_stages // mesh.size("pp")  # model stages per rank: virtual_stages when chunked
-        self.vshape = self.kind == "zb-v"  # V placement: rank r holds stages r and 2pp-1-r
+        self.placement = place = p.placement  # which rank holds which model stage (loop, or zb-v's V)
+        self.v = place.v  # model stages per rank: virtual_stages when chunked
         self.mesh, self.pp, self.rank = mesh, mesh.size("pp"), mesh.local_rank("pp")
-        n_stages = self.pp * self.v
+        n_stages = place.n_stages
         recompute = p.activation_checkpointing
-        self.split = resolve_split(model, n_stages, p.pp_split, recompute, self.vshape)  # layers per model stage
+        self.split = resolve_split(model, n_stages, p.pp_split, recompute, place)  # layers per model stage
         ranges = stage_layer_ranges(self.split)
         if mesh.rank == 0 and p.pp_split.strip() == "auto":
-            announce_split(model, self.split, p.pp_split, recompute, self.vshape)
+            announce_split(model, self.split, p.pp_split, recompute, place)
         self.dense = model
         self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
-        self.module = StageModel(model, [stage_of(self.rank, c, self.pp, self.vshape) for c in range(self.v)], ranges)
-        self.last_rank = rank_of(n_stages - 1, self.pp, self.vshape)  # pp index of the last model stage
+        self.module = StageModel(model, place.stages(self.rank), ranges)
+        self.last_rank = place.last_rank  # pp index of the last model stage
         self.tp_group = self.module.tp_group
-        d, t = mesh.coords["dp"], mesh.coords["tp"]
-        self._peer = lambda q: mesh.global_rank(q, d, t)  # pp index -> global rank (same dp, tp)
+        self._peer = lambda q: mesh.peer(pp=q)  # pp index -> global rank (same dp, cp, tp)
         self._schedules: dict = {}
         self.pp_group, self.dp_group = mesh.group("pp"), mesh.group("dp")
-        if self.vshape and self.pp > 1 and dist.get_backend(self.pp_group.pg) != "gloo":
-            # the executor posts a comm run as one batch on NCCL, whose sends then wait for their receives:
-            # zb-v's order is deadlock-free only with sends completing in the background (gloo, one op at a time)
-            raise ValueError(f"parallel.pp_schedule = zb-v runs on the gloo backend only (its order needs sends "
-                             f"that complete in the background), not {dist.get_backend(self.pp_group.pg)}: "
-                             "use pp_schedule = zb-h1")
         self.loss_groups = [self.pp_group, self.dp_group]
         self.first, self.last = self.module.holds(0), self.module.holds(n_stages - 1)
         lay = model.layout()
@@ -159,19 +152,16 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                                   stage=p.zero_stage)
         else:
             self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb,
-                                    src_rank=mesh.global_rank(self.rank, 0, t))
+                                    src_rank=mesh.peer(dp=0))
         self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
         self.tied_group = None
-        if self.last_rank != 0 and lay.tied:  # one {pp-first, pp-last} group per (dp, tp) coordinate, made everywhere
-            for dd in range(mesh.size("dp")):
-                for tt in range(mesh.size("tp")):
-                    ranks = [mesh.global_rank(0, dd, tt), mesh.global_rank(self.last_rank, dd, tt)]
-                    pg = dist.new_group(ranks)
-                    if (dd, tt) == (d, t) and (self.first or self.last):
-                        self.tied_group = comm.NamedGroup(pg, "pp_tied")
+        if self.last_rank != 0 and lay.tied:  # one {pp-first, pp-last} group per pipeline, made everywhere
+            for line in mesh.dims.group_ranks("pp"):  # the ranks of one pipeline, by stage
+                pg = dist.new_group([line[0], line[self.last_rank]])
+                if mesh.rank in line and (self.first or self.last):
+                    self.tied_group = comm.NamedGroup(pg, "pp_tied")
         act_dtype = next(iter(self.module.parameters())).dtype
-        self.executor = PipelineExecutor(self.module, self.pp_group, self.pp, self.rank, self._peer, act_dtype,
-                                         vshape=self.vshape)
+        self.executor = PipelineExecutor(self.module, self.pp_group, place, self.rank, self._peer, act_dtype)
         self._timing = {"busy_s": 0.0, "idle_s": 0.0, "bubble_fraction": 0.0}
         own = {id(q) for q in self.module.parameters()}  # other stages' parameters: storage freed
         self._foreign = [q for q in model.parameters() if id(q) not in own] if self.pp > 1 else []
@@ -384,7 +374,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
 
     # ---- checkpoints and full parameters ---------------------------------------------------------
     def _forward_only(self, x: torch.Tensor, on_output, dtype: str, device: torch.device) -> None:
-        acts = forward_only_actions(self.pp, self.v, self.rank, self.vshape)
+        acts = forward_only_actions(self.placement, self.rank)
         self.executor.reset_timing()  # the last step's timing is already in _timing; bound the event list
         with self.zero.full_params(blocks=False) if self.zero is not None else contextlib.nullcontext():
             self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))

@@ -13,9 +13,11 @@ run later to fill what would be the cool-down bubble), "zb-v" (Qi et al. 2024, s
 chunks per rank placed in a V, rank r holding model stages r and 2p-1-r, so the first and the last
 stage live on rank 0 and the turn at stage p-1 -> p stays on rank p-1; B and W split as in zb-h1).
 
-Placement: model stage of (rank r, chunk c) is ``c*pp + r`` (looped) for every kind but zb-v, whose
-V placement is ``r`` for c = 0 and ``2*pp-1-r`` for c = 1 (:func:`stage_of`, :func:`rank_of`; the
-functions below take ``vshape=True`` for it).
+Placement (``zerotron.stages.Placement``): model stage of (rank r, chunk c) is ``c*pp + r`` (the
+loop) for every kind but zb-v, whose V placement is ``r`` for c = 0 and ``2*pp-1-r`` for c = 1.
+:func:`build_schedule` returns a :class:`Schedule`, which carries its placement, so the functions
+that read a schedule (:func:`check_schedule`, :func:`simulate`) need no flag for it; a plain list of
+rank lists is read with the loop placement.
 
 Computes: "F" (forward), "B" (backward; for every kind but zb-h1 the whole backward, for zb-h1 only
 the input gradient) and "W" (weight gradients of a B that had them split off; only zb-h1 has W).
@@ -70,6 +72,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerotron.parallel.pipeline.zb_v_order import zb_v_groups
+from zerotron.stages import Placement
 
 KINDS = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 COMPUTE = ("F", "B", "W")
@@ -142,31 +145,41 @@ def _zb_h1_groups(pp: int, m: int, rank: int) -> list[list[tuple]]:
     return groups + [[("W", i, 0)] for i in owed]
 
 
-def stage_of(rank: int, chunk: int, pp: int, vshape: bool = False) -> int:
-    """Model stage of local ``chunk`` on pipeline ``rank``: ``chunk*pp + rank`` (looped), or with
-    ``vshape`` (zb-v, two chunks) ``rank`` for chunk 0 and ``2*pp-1-rank`` for chunk 1."""
-    return 2 * pp - 1 - rank if vshape and chunk == 1 else chunk * pp + rank
+class Schedule(list):
+    """Per-rank action lists (index = pipeline rank, a list of :class:`Action` each, in execution
+    order) and the :class:`~zerotron.stages.Placement` they assume (``.placement``)."""
+
+    def __init__(self, ranks, placement: Placement):
+        super().__init__(ranks)
+        self.placement = placement
 
 
-def rank_of(stage: int, pp: int, vshape: bool = False) -> int:
-    """Pipeline rank holding model ``stage`` (inverse of :func:`stage_of`)."""
-    return 2 * pp - 1 - stage if vshape and stage >= pp else stage % pp
+def placement_of(schedule, pp: int, virtual_stages: int = 1) -> Placement:
+    """The placement of ``schedule``: its own (a :class:`Schedule`), else the loop of (pp,
+    virtual_stages). Raises ValueError when a Schedule's placement disagrees with pp/virtual_stages."""
+    place = getattr(schedule, "placement", None)
+    if place is None:
+        return Placement(pp, virtual_stages)
+    if (place.pp, place.v) != (pp, virtual_stages):
+        raise ValueError(f"the schedule is for pp={place.pp}, virtual_stages={place.v}; got pp={pp}, "
+                         f"virtual_stages={virtual_stages}")
+    return place
 
 
-def _with_comm(groups, rank: int, pp: int, v: int, vshape: bool = False) -> list[Action]:
+def _with_comm(groups, rank: int, place: Placement) -> list[Action]:
     """Before each group one comm run: SENDs of the previous group's cross-rank outputs, then
     RECVs of this group's cross-rank inputs (each in compute order); the last group's SENDs
     close the list."""
-    last = pp * v - 1
+    last = place.n_stages - 1
 
     def peer(kind: str, chunk: int, out: bool) -> int | None:
         if kind == "W":  # weight gradients: nothing in, nothing out
             return None
-        stage = stage_of(rank, chunk, pp, vshape)
+        stage = place.stage_of(rank, chunk)
         other = stage + (1 if (kind == "F") == out else -1)
-        if not 0 <= other <= last or rank_of(other, pp, vshape) == rank:
+        if not 0 <= other <= last or place.rank_of(other) == rank:
             return None
-        return rank_of(other, pp, vshape)
+        return place.rank_of(other)
 
     actions: list[Action] = []
     for prev, group in zip([[]] + groups, groups + [[]]):
@@ -181,10 +194,10 @@ def _with_comm(groups, rank: int, pp: int, v: int, vshape: bool = False) -> list
 
 
 def build_schedule(pp: int, microbatches: int, kind: str,
-                   virtual_stages: int = 1) -> list[list[Action]]:
+                   virtual_stages: int = 1) -> Schedule:
     """Per-rank action lists (index = pipeline rank), in execution order, for ``kind`` in
-    "naive" | "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v" (sources in the module docstring;
-    zb-v's actions are in its V placement: pass ``vshape=True`` to the functions that read them).
+    "naive" | "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "zb-v" (sources in the module docstring),
+    as a :class:`Schedule` carrying its placement (zb-v: the V).
 
     Raises ValueError for pp < 1 or microbatches < 1; "naive" with microbatches != 1; "zb-v" with
     virtual_stages != 2; another kind but "interleaved" with virtual_stages != 1; "interleaved"
@@ -206,18 +219,20 @@ def build_schedule(pp: int, microbatches: int, kind: str,
     elif kind == "zb-v":
         if virtual_stages != 2:
             raise ValueError(f"zb-v places two chunks per rank in a V: virtual_stages must be 2, got {virtual_stages}")
-        return _fifo_receives([_with_comm(g, r, pp, 2, vshape=True) for r, g in enumerate(zb_v_groups(pp, microbatches))],
-                              pp, True)
+        place = Placement(pp, 2, "v")
+        return Schedule(_fifo_receives([_with_comm(g, r, place) for r, g in enumerate(zb_v_groups(pp, microbatches))],
+                                       place), place)
     elif virtual_stages != 1:
         raise ValueError(f"virtual_stages must be 1 for kind {kind!r} (only 'interleaved' and 'zb-v' use it)")
     if kind == "naive" and microbatches != 1:
         raise ValueError(f"naive runs one batch without micro-batching: microbatches must be 1, "
                          f"got {microbatches} (use 'gpipe' or '1f1b')")
-    return [_with_comm(_compute_groups(pp, microbatches, kind, virtual_stages, r), r, pp,
-                       virtual_stages) for r in range(pp)]
+    place = Placement(pp, virtual_stages)
+    return Schedule([_with_comm(_compute_groups(pp, microbatches, kind, virtual_stages, r), r, place)
+                     for r in range(pp)], place)
 
 
-def _fifo_receives(schedule: list[list[Action]], pp: int, vshape: bool) -> list[list[Action]]:
+def _fifo_receives(schedule: list[list[Action]], place: Placement) -> list[list[Action]]:
     """Move RECVs earlier so each rank receives from each peer in the order the peer sends (FIFO,
     for order-based matching). zb-v needs it: rank 0 -> 1 carries both stage 0's activations and
     stage 2p-1's gradients, whose compute order on rank 1 can differ from their send order. A RECV
@@ -228,17 +243,17 @@ def _fifo_receives(schedule: list[list[Action]], pp: int, vshape: bool) -> list[
     for r, acts in enumerate(schedule):
         for a in acts:
             if a.kind.startswith("SEND"):
-                sent.setdefault((r, a.peer), []).append(message_key(a, r, pp, vshape))
+                sent.setdefault((r, a.peer), []).append(message_key(a, r, place))
     out = []
     for r, acts in enumerate(schedule):
         pending = {q: list(keys) for (q, d), keys in sent.items() if d == r}  # per sender, in send order
-        by_key = {message_key(a, r, pp, vshape): a for a in acts if a.kind.startswith("RECV")}
+        by_key = {message_key(a, r, place): a for a in acts if a.kind.startswith("RECV")}
         posted, new = set(), []
         for a in acts:
             if not a.kind.startswith("RECV"):
                 new.append(a)
                 continue
-            key = message_key(a, r, pp, vshape)
+            key = message_key(a, r, place)
             if key in posted:
                 continue
             queue = pending[a.peer]
@@ -253,26 +268,28 @@ def _fifo_receives(schedule: list[list[Action]], pp: int, vshape: bool) -> list[
     return out
 
 
-def message_key(action: Action, rank: int, pp: int, vshape: bool = False) -> tuple[str, int, int]:
-    """Identity of the tensor a SEND/RECV carries: (direction "F"/"B", microbatch, producer stage).
-    A SEND and a RECV match iff their keys are equal. Raises ValueError for a compute action."""
+def message_key(action: Action, rank: int, place: Placement) -> tuple[str, int, int]:
+    """Identity of the tensor a SEND/RECV of pipeline ``rank`` carries under placement ``place``:
+    (direction "F"/"B", microbatch, producer stage). A SEND and a RECV match iff their keys are
+    equal. Raises ValueError for a compute action."""
     if action.kind not in COMM:
         raise ValueError(f"{action.kind!r} is not a communication action")
     direction = action.kind[-1]
-    stage = stage_of(rank, action.chunk, pp, vshape)
+    stage = place.stage_of(rank, action.chunk)
     if action.kind.startswith("RECV"):
         stage += -1 if direction == "F" else 1
     return direction, action.microbatch, stage
 
 
 def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
-                   virtual_stages: int = 1, vshape: bool = False) -> None:
+                   virtual_stages: int = 1) -> None:
     """Raise ValueError unless ``schedule`` is well formed: one list per rank; each rank runs F and
     B exactly once per (microbatch, chunk), F first, and at most one W, after that B (a split
     backward); every SEND has exactly one matching RECV on its
     peer (see :func:`message_key`) with the right peer fields; each cross-rank input is received
     before its compute and each output sent after it; messages per ordered rank pair are FIFO."""
     v = virtual_stages
+    place = placement_of(schedule, pp, v)
     if len(schedule) != pp:
         raise ValueError(f"expected {pp} rank lists, got {len(schedule)}")
     sends: dict = {}
@@ -291,13 +308,13 @@ def check_schedule(schedule: list[list[Action]], pp: int, microbatches: int,
                     raise ValueError(f"rank {r}: {a} before its input-gradient backward B")
                 seen.add((a.kind, a.microbatch, a.chunk))
                 continue
-            key = message_key(a, r, pp, vshape)
+            key = message_key(a, r, place)
             book = sends if a.kind.startswith("SEND") else recvs
             if key in book:
                 raise ValueError(f"rank {r}: duplicate {a}")
             other = key[2] + (1 if key[0] == "F" else -1) if book is sends else key[2]
-            if a.peer != rank_of(other, pp, vshape):
-                raise ValueError(f"rank {r}: {a} has the wrong peer (expected {rank_of(other, pp, vshape)})")
+            if a.peer != place.rank_of(other):
+                raise ValueError(f"rank {r}: {a} has the wrong peer (expected {place.rank_of(other)})")
             produced = (key[0], a.microbatch, a.chunk) in seen
             if produced != (book is sends):  # SEND after its compute, RECV before its compute
                 raise ValueError(f"rank {r}: {a} is on the wrong side of its compute")
@@ -332,7 +349,7 @@ class SimResult:
 def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
              f_cost: float | list[float] = 1.0, b_cost: float | list[float] = 2.0,
              w_cost: float | list[float] = 0.0, eager_sends: bool = False,
-             durations: dict | None = None, latency: float = 0.0, vshape: bool = False) -> SimResult:
+             durations: dict | None = None, latency: float = 0.0) -> SimResult:
     """Event simulation of ``schedule`` (one list per rank, walked in order, one compute at a time).
 
     Dependencies: F of stage s for micro-batch i after F of stage s-1 for i; B of stage s after B of
@@ -355,7 +372,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
     RECV is satisfied ``latency`` after its SEND was posted (a SEND waiting for its RECV's post,
     without ``eager_sends``, is not delayed), e.g. the p2p latency measured for the run
     (``accounting.recv_wait_split``), so the prediction includes what each message on the critical
-    path costs. ``vshape``: the schedule uses zb-v's V placement (:func:`stage_of`).
+    path costs. Model stages follow the schedule's placement (:func:`placement_of`).
     Raises RuntimeError("deadlock ...") if no rank can
     progress, ValueError for a wrong number of rank lists, v < 1, a negative cost or latency, or a
     cost list of the wrong length.
@@ -364,6 +381,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
         raise ValueError(f"expected {pp} rank lists and virtual_stages >= 1, got "
                          f"{len(schedule)} lists, virtual_stages={virtual_stages}")
     v, last = virtual_stages, pp * virtual_stages - 1
+    place = placement_of(schedule, pp, v)
     split = [{(a.microbatch, a.chunk) for a in acts if a.kind == "W"} for acts in schedule]
 
     def per_stage(c, name):
@@ -388,7 +406,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
             while pos[r] < len(acts):
                 a = acts[pos[r]]
                 if a.kind in COMPUTE:
-                    s, i = stage_of(r, a.chunk, pp, vshape), a.microbatch
+                    s, i = place.stage_of(r, a.chunk), a.microbatch
                     if a.kind == "F":
                         deps = [("F", i, s - 1)] if s > 0 else []
                     elif a.kind == "W":
@@ -411,7 +429,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual_stages: int = 1,
                 while end < len(acts) and acts[end].kind in COMM:
                     end += 1
                 run = acts[pos[r]:end]
-                mine = [(message_key(x, r, pp, vshape), x.kind.startswith("SEND")) for x in run]
+                mine = [(message_key(x, r, place), x.kind.startswith("SEND")) for x in run]
                 for k in mine:
                     if k not in posted:
                         posted[k] = clock[r]

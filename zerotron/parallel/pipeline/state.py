@@ -11,7 +11,6 @@ import torch
 from zerotron.distributed import comm
 from zerotron.models.layout import get_module, retie
 from zerotron.parallel.data.zero_state import canonical_flat_state, load_flat_state
-from zerotron.parallel.pipeline.schedules import rank_of
 from zerotron.parallel.precision import upcast
 from zerotron.parallel.tensor.transform import tp_state_dict_full
 
@@ -126,7 +125,7 @@ class PipelineStateMixin:
                                     seen.add(id(q))
                                     if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
                                         q.data = q.data.to(self.executor.act_dtype)
-                                    comm.broadcast(q.data, src=self._peer(rank_of(s, self.pp, self.vshape)), group=self.pp_group,
+                                    comm.broadcast(q.data, src=self._peer(self.placement.rank_of(s)), group=self.pp_group,
                                                    tag="full_params")
                 if self.tp_group is None:
                     yield self.dense

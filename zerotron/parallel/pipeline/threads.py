@@ -75,7 +75,7 @@ class ThreadedPipeline(DataParallel):
         p = self.plan = plan
         n = p.virtual_stages
         super().__init__(model, mesh.group("dp"), bucket_mb=p.bucket_mb,
-                         src_rank=mesh.global_rank(0, 0, 0))
+                         src_rank=mesh.peer(dp=0))
         recompute = p.activation_checkpointing
         self.split = resolve_split(model, n, p.pp_split, recompute)
         if mesh.rank == 0 and p.pp_split.strip() == "auto":

@@ -1,6 +1,8 @@
-"""Layer-split arithmetic of a pipeline layout: how ``n_layer`` blocks are divided over the pp*v
-model stages. Pure Python (no torch), so ``config`` can check a split without importing
-``parallel``; ``zerotron.parallel.pipeline.executor`` re-exports the split functions.
+"""Model stages of a pipeline layout: which rank holds which stage (:class:`Placement`) and how
+``n_layer`` blocks are divided over the pp*v model stages (the layer split). Pure Python (no torch),
+so the plan can check a split without importing ``parallel``; ``zerotron.parallel.pipeline.executor``
+re-exports the split functions. (This module was ``zerotron.layout``; renamed so that it does not
+share a name with ``zerotron.models.layout``, a model's parallel description.)
 
 ``parallel.pp_split`` values: ``"auto"`` (the default: :func:`balanced_counts` over per-layer cost
 estimates, see ``zerotron.parallel.pipeline.balance``), ``"even"`` (equal layer counts; ``""`` is
@@ -10,11 +12,80 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
-__all__ = ["stage_layer_counts", "stage_layer_ranges", "balanced_counts", "even_counts", "stage_costs",
+__all__ = ["Placement", "stage_layer_counts", "stage_layer_ranges", "balanced_counts", "even_counts", "stage_costs",
            "SPLIT_WORDS"]
 
 SPLIT_WORDS = ("auto", "even", "")  # the non-numeric values of parallel.pp_split
+PLACEMENTS = ("loop", "v")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which pipeline rank holds which model stage: ``pp`` ranks, ``v`` model stages (chunks) per
+    rank, ``pp * v`` model stages in all, in one of two shapes:
+
+    * ``"loop"``: chunk c of rank r is stage ``c*pp + r`` (Megatron-LM's interleaving, Narayanan et
+      al. 2021; with v = 1 simply stage r);
+    * ``"v"``: ZB-V's V (Qi et al. 2024, sec. 6), v = 2: rank r holds stages r and 2pp-1-r, so rank 0
+      has the first and the last stage and the turn from stage pp-1 to pp stays on rank pp-1.
+
+    Built once by the plan (``ParallelPlan.placement``) and carried by a schedule
+    (``schedules.Schedule.placement``). Raises ValueError for pp or v < 1, an unknown shape, or a V
+    with v != 2."""
+
+    pp: int
+    v: int = 1
+    shape: str = "loop"
+
+    def __post_init__(self):
+        if self.pp < 1 or self.v < 1:
+            raise ValueError(f"a placement needs pp >= 1 and v >= 1, got pp={self.pp}, v={self.v}")
+        if self.shape not in PLACEMENTS:
+            raise ValueError(f"placement shape must be one of {PLACEMENTS}, got {self.shape!r}")
+        if self.shape == "v" and self.v != 2:
+            raise ValueError(f"the V placement holds two model stages per rank, got v={self.v}")
+
+    @classmethod
+    def for_schedule(cls, pp: int, kind: str, virtual_stages: int = 1) -> "Placement":
+        """The placement a schedule ``kind`` runs on: the V for "zb-v", the loop otherwise."""
+        return cls(pp, virtual_stages, "v" if kind == "zb-v" else "loop")
+
+    @property
+    def n_stages(self) -> int:
+        """Model stages in all: pp * v."""
+        return self.pp * self.v
+
+    def stage_of(self, rank: int, chunk: int) -> int:
+        """Model stage of local ``chunk`` (0 <= chunk < v) on pipeline ``rank``."""
+        if self.shape == "v" and chunk == 1:
+            return 2 * self.pp - 1 - rank
+        return chunk * self.pp + rank
+
+    def rank_of(self, stage: int) -> int:
+        """Pipeline rank holding model ``stage`` (the inverse of :meth:`stage_of`)."""
+        if self.shape == "v" and stage >= self.pp:
+            return 2 * self.pp - 1 - stage
+        return stage % self.pp
+
+    def stages(self, rank: int) -> list[int]:
+        """The model stages of ``rank``, by chunk."""
+        return [self.stage_of(rank, c) for c in range(self.v)]
+
+    @property
+    def last_rank(self) -> int:
+        """Pipeline rank of the last model stage (the head and the loss)."""
+        return self.rank_of(self.n_stages - 1)
+
+    def rank_costs(self, stage_cost: list[float]) -> list[float]:
+        """Per-rank sum of ``stage_cost`` (one number per model stage, any unit)."""
+        if len(stage_cost) != self.n_stages:
+            raise ValueError(f"{len(stage_cost)} stage costs for {self.n_stages} model stages")
+        out = [0.0] * self.pp
+        for s, c in enumerate(stage_cost):
+            out[self.rank_of(s)] += c
+        return out
 
 
 def even_counts(n_layer: int, n_stages: int) -> list[int]:
@@ -93,9 +164,11 @@ def balanced_counts(block_costs: list[float], n_stages: int, first: float = 0.0,
 
 
 def v_rank_costs(stage_cost: list[float]) -> list[float]:
-    """Per-rank cost under ZB-V's V placement: rank r runs model stages r and 2p-1-r."""
-    n = len(stage_cost)
-    return [stage_cost[r] + stage_cost[n - 1 - r] for r in range(n // 2)]
+    """Per-rank cost under ZB-V's V placement: rank r runs model stages r and 2p-1-r
+    (:meth:`Placement.rank_costs` of the V). Raises ValueError for an odd number of stages."""
+    if len(stage_cost) % 2:
+        raise ValueError(f"the V placement needs an even number of model stages, got {len(stage_cost)}")
+    return Placement(len(stage_cost) // 2, 2, "v").rank_costs(stage_cost)
 
 
 V_SEARCH_LIMIT = 200_000  # splits balanced_counts_v enumerates; above it the stage-balanced split
@@ -140,14 +213,15 @@ def balanced_counts_v(block_costs: list[float], n_stages: int, first: float = 0.
     return [edges[i + 1] - edges[i] for i in range(n_stages)]
 
 
-def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "", costs=None, vshape: bool = False) -> list[int]:
+def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "", costs=None,
+                       placement: Placement | None = None) -> list[int]:
     """Layers per model stage (one per model stage = pp*v) for ``pp_split``:
 
     * ``"3,5"``: those comma-separated counts;
     * ``"even"`` or ``""``: equal counts, the first ``n_layer % n_stages`` stages one extra layer;
     * ``"auto"``: :func:`balanced_counts` of ``costs`` = ``(block_costs, first, last)``
       (per-block, embedding and head costs, any one unit; see
-      ``zerotron.parallel.pipeline.balance.layer_costs``); with ``vshape`` (zb-v)
+      ``zerotron.parallel.pipeline.balance.layer_costs``); for a V ``placement`` (zb-v)
       :func:`balanced_counts_v`, which balances each rank's two stages together.
 
     Raises ValueError if pp_split is malformed, has the wrong length, a count < 1, or does not sum
@@ -161,7 +235,8 @@ def stage_layer_counts(n_layer: int, n_stages: int, pp_split: str = "", costs=No
         if len(blocks) != n_layer:
             raise ValueError(f"{len(blocks)} block costs for n_layer = {n_layer}")
         even_counts(n_layer, n_stages)  # the same error for too few layers
-        return (balanced_counts_v if vshape else balanced_counts)(list(blocks), n_stages, first, last)
+        v_shaped = placement is not None and placement.shape == "v"
+        return (balanced_counts_v if v_shaped else balanced_counts)(list(blocks), n_stages, first, last)
     if word and word != "even":
         try:
             counts = [int(c) for c in pp_split.split(",")]
