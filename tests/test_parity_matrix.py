@@ -22,6 +22,8 @@ FULL = os.environ.get("ZEROTRON_MATRIX", "") == "full"
 WORLDS = {int(w) for w in os.environ.get("ZEROTRON_MATRIX_WORLDS", "").split(",") if w.strip()}
 # ZEROTRON_MATRIX_SCHEDULES=zb-v: only the pipeline layouts of these schedules (a new schedule's part)
 SCHEDULES = {s.strip() for s in os.environ.get("ZEROTRON_MATRIX_SCHEDULES", "").split(",") if s.strip()}
+# ZEROTRON_MATRIX_NAMES=r2-pp,zb-v: only the layouts whose name contains one of these (a new combination's part)
+NAMES = [s.strip() for s in os.environ.get("ZEROTRON_MATRIX_NAMES", "").split(",") if s.strip()]
 CHUNK = 48  # layouts per spawn: a hung spawn costs at most one chunk, and progress is saved per chunk
 
 
@@ -100,6 +102,8 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
         chosen = [lay for lay in chosen if lay.world in WORLDS]
     if SCHEDULES:
         chosen = [lay for lay in chosen if lay.schedule in SCHEDULES]
+    if NAMES:
+        chosen = [lay for lay in chosen if any(n in lay.name for n in NAMES)]
     tmp = tmp_path_factory.mktemp("matrix")
     fam, summaries, by_world = {}, {}, defaultdict(list)
     for family in parity.MODELS:

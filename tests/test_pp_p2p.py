@@ -40,7 +40,7 @@ def _events(sim, pp, t0=0.0, latency=0.0):
             if a.kind in ("F", "B", "W"):
                 prev = ends[(a.kind, a.microbatch, a.chunk * pp + r)]
                 continue
-            key = message_key(a, r, pp)
+            key = message_key(a, r, sched.placement)
             producer = ends[("F" if key[0] == "F" else "B", key[1], key[2])]
             if a.kind.startswith("SEND"):
                 evs[r].append(("S", 1, key, producer))

@@ -224,14 +224,15 @@ class ParallelPlan:
         _need(not self.find_unused_parameters or (self.dp_impl == "torch" and z == 0),
               "parallel.find_unused_parameters applies to parallel.dp_impl = torch with zero_stage = 0 only (native "
               "DDP and ZeRO always skip parameters without gradient); remove it or set parallel.dp_impl = torch")
-        if self.dp_replicate > 1:  # HSDP: native DDP / ZeRO, FSDP2 through its 2-D mesh; no pipeline yet
+        if self.dp_replicate > 1:  # HSDP: native DDP / ZeRO, FSDP2 through its 2-D mesh; a pipeline with DDP
             _need(z > 0 or self.dp_impl == "native",
                   "parallel.dp_replicate > 1 needs parallel.dp_impl = native (hierarchical all-reduce) or a "
                   "parallel.zero_stage; torch DDP reduces over one flat group")
-            _need(self.pp == 1 and self.pp_schedule not in CHUNKED_SCHEDULES and self.pp_impl != "threads",
-                  "parallel.dp_replicate > 1 is not combined with pipeline parallelism (the stage synchronisers "
-                  "shard over the whole dp group; the threaded executor's DDP is flat); set parallel.dp_replicate = 1, "
-                  "or parallel.pp = 1 and parallel.pp_impl = native")
+            _need(self.runner == "plain" or (self.runner == "pipeline" and z == 0),
+                  "parallel.dp_replicate > 1 under pipeline parallelism runs with native DDP (parallel.zero_stage "
+                  "= 0) on parallel.pp_impl = native (the pipeline's ZeRO driver shards over the whole dp group; "
+                  "the threaded and torch executors reduce over one flat group); set parallel.dp_replicate = 1, "
+                  "parallel.zero_stage = 0, or parallel.pp = 1")
 
     def _check_pipeline(self) -> None:
         """Runner x synchroniser compositions, schedule sizes and the layer split."""
