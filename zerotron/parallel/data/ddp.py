@@ -209,8 +209,9 @@ class TorchDDP(Strategy):
     launched bucket reductions on the first that the second never will, so any further collective on
     the dp group would be paired with the wrong one. Instead, the rank(s) that missed the gradient
     raise; a peer that got it is waiting inside its backward for the bucket reduction that will
-    never come and fails as soon as the raising rank's process exits (connection closed; under the
-    launcher, the agent then stops every worker and the ConfigError line is the raising rank's).
+    never come and fails as soon as the raising rank's process exits (gloo: "Connection closed by
+    peer", raised inside torch's backward, so a traceback rather than one line; no hang). The
+    ConfigError line comes from the raising rank.
     When the parameter is missing on every rank (the usual case: the model's own control flow),
     every rank raises the same line together."""
 
