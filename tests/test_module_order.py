@@ -15,6 +15,7 @@ from zerotron.testing import assert_params_close, run_ranks, tiny_config
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
 GLOBAL = 8
+MICRO = 2  # MicroPlanGPT: samples per plan entry (= train.micro_batch of its runs)
 
 
 class _PlanBlock(Block):
@@ -43,6 +44,31 @@ class PlanGPT(GPT):
         return self.head(x)
 
 
+class MicroPlanGPT(PlanGPT):
+    """``plan[step][g]``: the ``(block, mlp)`` pairs run on global micro-batch ``g`` of the step (of
+    ``MICRO`` samples each; this rank's first is ``offset``), so a parameter can get its gradient in
+    some micro-batches of an accumulation window only. Forwards without grad (eval) run
+    ``plan[step][0]``. The same samples meet the same blocks on every layout."""
+
+    offset = 0
+
+    def forward(self, idx, kv_cache=None):
+        if not torch.is_grad_enabled():
+            pairs = self.plan[self.step][0]
+        else:
+            if getattr(self, "_at", None) != self.step:
+                self._at, self._count = self.step, 0
+            assert idx.size(0) == MICRO, "MicroPlanGPT: one micro-batch per plan entry"
+            pairs = self.plan[self.step][self.offset + self._count]
+            self._count += 1
+        x = self.embed(idx)
+        for i, mlp in pairs:
+            blk = self.transformer.h[i]
+            blk.skip_mlp = not mlp
+            x = blk(x)
+        return self.head(x)
+
+
 def _batch(step, rank, dp, micro):
     tok = torch.randint(0, SHAPE["vocab_size"], (GLOBAL, SHAPE["block_size"] + 1),
                         generator=torch.Generator().manual_seed(100 + step))
@@ -65,7 +91,7 @@ def _zero3_invariants(strategy) -> list:
     return bad
 
 
-def _train(lay: dict, plan: list, overrides: dict) -> dict:
+def _train(lay: dict, plan: list, overrides: dict, cls=PlanGPT) -> dict:
     """Train ``PlanGPT`` for ``len(plan)`` steps on this rank (``lay``: config overrides; empty
     with world size 1 = the plain single-process reference). Returns losses, grad norms, the
     canonical parameters and optimizer state, and invariant violations."""
@@ -82,7 +108,7 @@ def _train(lay: dict, plan: list, overrides: dict) -> dict:
                        **overrides, **lay})
     mesh = Mesh(ParallelDims(world), torch.device("cpu"))
     torch.manual_seed(0)
-    model = PlanGPT(GPTConfig(**SHAPE), plan).double()  # fp64: parity at RTOL on any CPU
+    model = cls(GPTConfig(**SHAPE), plan).double()  # fp64: parity at RTOL on any CPU
     out = {"losses": [], "norms": [], "bad": [], "snaps": [],
            "init": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}
     if world == 1:
@@ -93,14 +119,16 @@ def _train(lay: dict, plan: list, overrides: dict) -> dict:
     opt = strategy.build_optimizer(cfg.train, mask)
     sched = build_scheduler(opt, cfg.train)
     dp, rank = mesh.size("dp"), mesh.local_rank("dp")
+    model.offset = rank * (GLOBAL // dp // cfg.train.micro_batch)  # MicroPlanGPT: this rank's first micro-batch
     zero3 = cfg.parallel.zero_stage == 3 and cfg.parallel.zero_impl == "native"
     for step in range(len(plan)):
         model.step = step
         try:
             rec = train_step(strategy, opt, sched, _batch(step, rank, dp, cfg.train.micro_batch), mesh.group("dp"),
                              cfg.train.grad_clip)
-        except ValueError as e:  # ConfigError: a refused layout
-            return {"error": str(e)}
+        except ValueError as e:  # ConfigError: a refused layout; the parameters as the error left them
+            return {"error": str(e), "step": step, "opt_state": len(opt.state),
+                    "at_error": {n: p.detach().clone().numpy() for n, p in model.named_parameters()}}
         out["snaps"].append(_canonical(strategy, opt))
         out["losses"].append(rec["loss"])
         out["norms"].append(rec["grad_norm"])
@@ -224,6 +252,92 @@ def test_unused_parameters_skipped_like_one_process(single_process):
             assert s2[k]["step"] == s1[k]["step"] == 1.0, (what, k)
             for key in ("exp_avg", "exp_avg_sq"):
                 np.testing.assert_array_equal(s2[k][key], s1[k][key], err_msg=f"{what} {k} {key}")
+
+
+# ---- a gradient in some micro-batches of the accumulation window only (issue 27) --------------------
+
+# MicroPlanGPT plans: one entry per global micro-batch of MICRO samples; at dp 2 rank 0 runs entries
+# 0, 1 and rank 1 entries 2, 3, each in that order (entry 1 / 3: the last, synchronised backward).
+ALL = [(0, True), (1, True), (2, True), (3, True)]
+NO1 = [(0, True), (2, True), (3, True)]  # block 1 skipped
+EARLY_PLAN = [[ALL, NO1, ALL, NO1],  # step 1: block 1 only in the first (no_sync) micro-batch of each rank
+              [NO1, ALL, NO1, ALL],  # step 2: only in the last
+              [NO1, NO1, NO1, NO1]]  # step 3: nowhere (grad None: frozen, as on one process)
+LAST_PLAN = [[NO1, ALL, NO1, ALL], [ALL, ALL, ALL, ALL]]  # every parameter in every last micro-batch
+CROSS_PLAN = [[ALL, ALL, ALL, NO1]]  # block 1 in rank 0's last micro-batch, not in rank 1's
+MICRO_RUN = {"train.weight_decay": 0.1, "train.grad_clip": 1.0, "train.micro_batch": MICRO}
+TORCH, FIND = {"parallel.dp_impl": "torch"}, {"parallel.dp_impl": "torch", "parallel.find_unused_parameters": True}
+
+
+def _micro_cases(cases):
+    return [_train(lay, plan, MICRO_RUN, MicroPlanGPT) for lay, plan in cases]
+
+
+def test_torch_ddp_gradient_only_in_earlier_micro_batch(single_process):
+    """torch DDP reduces a bucket only in the window's last backward: a parameter whose gradient came
+    from an earlier (no_sync) micro-batch only is refused at step 1 with the one-line ConfigError,
+    before anything is updated; find_unused_parameters (and native DDP, ZeRO) train it like one
+    process; a window whose every last backward reaches every parameter is no false positive."""
+    ref = _train({}, EARLY_PLAN, MICRO_RUN, MicroPlanGPT)
+    ref_last = _train({}, LAST_PLAN, MICRO_RUN, MicroPlanGPT)
+    cases = [(FIND, EARLY_PLAN), ({}, EARLY_PLAN), ({"parallel.zero_stage": 2}, EARLY_PLAN),
+             (TORCH, LAST_PLAN), ({**TORCH, "parallel.bucket_mb": 0.01}, LAST_PLAN),
+             (TORCH, EARLY_PLAN), ({**TORCH, "parallel.bucket_mb": 0.01}, EARLY_PLAN)]  # refused: last
+    runs = run_ranks(_micro_cases, 2, cases, join_timeout_s=300)
+    early = [k for k in ref["init"] if k.startswith("transformer.h.1.")]
+    assert early and all(not np.array_equal(ref["snaps"][0][0][k], ref["init"][k]) for k in early)  # trained at step 1
+    for k in early:  # step 3 (unused): frozen in the reference
+        np.testing.assert_array_equal(ref["snaps"][2][0][k], ref["snaps"][1][0][k])
+    for (lay, plan), out in zip(cases[:-2], runs[0][:-2]):
+        what = f"{lay} {'early' if plan is EARLY_PLAN else 'last'}"
+        assert "error" not in out, (what, out.get("error"))
+        r = ref if plan is EARLY_PLAN else ref_last
+        _compare(r, out, what)
+        assert {k: v["step"] for k, v in out["state"].items()} == {k: v["step"] for k, v in r["state"].items()}, what
+    for i in range(len(cases) - 2):  # replicas identical
+        np.testing.assert_array_equal(runs[0][i]["norms"], runs[1][i]["norms"])
+        for k, v in runs[0][i]["params"].items():
+            np.testing.assert_array_equal(runs[1][i]["params"][k], v, err_msg=f"{cases[i][0]} {k}")
+    for r in (0, 1):
+        for out in runs[r][-2:]:
+            err = out.get("error", "")
+            assert err.startswith("parameter transformer.h.1.") and "in the last micro-batch" in err, err
+            assert "parallel.find_unused_parameters = true" in err and "parallel.dp_impl = native" in err, err
+            assert "\n" not in err, err
+            assert out["step"] == 0 and out["opt_state"] == 0, out["step"]
+            for k, v in ref["init"].items():  # nothing applied: every parameter at its initial value
+                np.testing.assert_array_equal(out["at_error"][k], v, err_msg=k)
+
+
+def _cross(path):
+    """CROSS_PLAN under torch DDP: each rank writes how it ended to ``path``/rank<r>, then re-raises."""
+    import torch.distributed as dist
+
+    rank, msg = dist.get_rank(), "no error"
+    try:
+        out = _train(TORCH, CROSS_PLAN, MICRO_RUN, MicroPlanGPT)
+        if "error" in out:  # (_train returns a ConfigError as a result)
+            msg = f"ConfigError: {out['error']}"
+            raise ValueError(msg)
+    except BaseException as e:
+        msg = msg if isinstance(e, ValueError) else f"{type(e).__name__}: {e}".splitlines()[0]
+        raise
+    finally:
+        with open(f"{path}/rank{rank}", "w") as f:
+            f.write(msg)
+
+
+def test_torch_ddp_unused_on_one_rank_fails_cleanly(tmp_path):
+    """A parameter used in rank 0's last micro-batch but not in rank 1's: torch DDP has launched on
+    rank 0 a bucket reduction that rank 1 never will (rank 0 waits for it inside backward). Rank 1
+    raises the ConfigError; rank 0 fails as soon as rank 1's process is gone -- no hang."""
+    with pytest.raises(RuntimeError) as info:
+        run_ranks(_cross, 2, str(tmp_path), timeout_s=120, join_timeout_s=120)
+    assert "ConfigError: parameter transformer.h.1." in str(info.value), str(info.value)[-2000:]
+    one = (tmp_path / "rank1").read_text()
+    assert one.startswith("ConfigError: parameter transformer.h.1.") and "in the last micro-batch" in one, one
+    zero = tmp_path / "rank0"  # written within run_ranks' 5 s join after rank 1's error (60 s timeout not reached)
+    assert zero.exists() and zero.read_text() != "no error", zero.read_text() if zero.exists() else "rank 0 hung"
 
 
 def test_find_unused_parameters_config():

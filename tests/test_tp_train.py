@@ -66,6 +66,8 @@ LAYOUTS_2 = [
     {"parallel.tp": 2, "train.micro_batch": 4},
     {"parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 2},
     {"parallel.tp": 2, "parallel.dp_impl": "torch", "train.micro_batch": 8},
+    {"parallel.tp": 2, "parallel.dp_impl": "torch", "parallel.sequence_parallel": "true",  # + accumulation 2:
+     "train.micro_batch": 4},                                                     # no false unused-parameter refusal
     {"parallel.tp": 2, "train.activation_checkpointing": "selective", "train.micro_batch": 4},
     {"parallel.tp": 2, "parallel.tp_impl": "dtensor", "train.micro_batch": 4},   # torch's TP backend
 ]

@@ -26,6 +26,10 @@ hook (routed through ``comm.all_reduce`` so its traffic is counted too), for com
 without gradient needs ``parallel.find_unused_parameters = true`` there (torch then leaves its grad
 None, as on one process); without it torch DDP never completes that bucket and replicas silently
 diverge, so :class:`TorchDDP` refuses the step with a one-line ConfigError naming the parameter.
+What counts is the *final, synchronised* backward of the accumulation window: torch DDP reduces only
+in that one, so a parameter that got its gradient in an earlier (``no_sync``) micro-batch only is
+just as unreduced although its ``grad`` is not None. Post-accumulate-grad hooks record the
+parameters reached while DDP syncs (a set insert each), and the check reads those marks.
 """
 from __future__ import annotations
 
@@ -189,8 +193,27 @@ class TorchDDP(Strategy):
     A comm hook replaces DDP's averaging by a SUM all-reduce through ``comm.all_reduce`` (the trainer
     normalises the loss by the global token count). ``find_unused_parameters``: passed to torch DDP
     (an extra autograd-graph traversal per step); needed when some parameter may get no gradient.
-    Without it, :meth:`finish_grads` raises ConfigError (one line, naming the parameter) for a step
-    in which a parameter got no gradient on this rank, before the desynchronised update happens."""
+
+    Without it, torch DDP reduces a bucket only once each of its parameters got a gradient in the
+    *last* backward of the step (the one outside ``no_sync``); a parameter that got none there --
+    unused in the whole step, or used only in earlier micro-batches of the accumulation window, whose
+    local ``grad`` is then not None -- leaves its bucket unreduced and the replicas would silently
+    diverge (and the next forward fails inside torch). So post-accumulate-grad hooks record, per
+    step, the parameters that got a gradient while DDP was syncing (one set insert per parameter per
+    synchronised backward; nothing in ``no_sync`` backwards), and :meth:`finish_grads` raises
+    ConfigError (one line, naming the first such parameter and the fix) before clipping or the
+    optimizer step touch anything. :meth:`zero_grad` clears the marks.
+
+    The check is per rank, with no communication. An all-reduced verdict would not be safer: when a
+    parameter reached the last backward on one dp rank and not on another, torch DDP has already
+    launched bucket reductions on the first that the second never will, so any further collective on
+    the dp group would be paired with the wrong one. Instead, the rank(s) that missed the gradient
+    raise; a peer that got it is waiting inside its backward for the bucket reduction that will
+    never come and fails as soon as the raising rank's process exits (gloo: "Connection closed by
+    peer", raised inside torch's backward, so a traceback rather than one line; no hang). The
+    ConfigError line comes from the raising rank.
+    When the parameter is missing on every rank (the usual case: the model's own control flow),
+    every rank raises the same line together."""
 
     def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0,
                  find_unused_parameters: bool = False):
@@ -209,28 +232,49 @@ class TorchDDP(Strategy):
             return work.get_future().then(lambda fut: fut.value()[0])
 
         self.ddp.register_comm_hook(None, sum_hook)
+        self._sync = True  # False inside no_sync(): DDP does not reduce that backward
+        self._synced: set[int] = set()  # ids of parameters that got a gradient in a synchronised backward
+        self._hooks = [] if find_unused_parameters else \
+            [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique_params(module)]
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if self._sync:
+            self._synced.add(id(p))
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
 
+    @contextlib.contextmanager
     def no_sync(self):
-        return self.ddp.no_sync()
+        """torch DDP's ``no_sync`` (accumulate locally; non-final micro-batches)."""
+        prev, self._sync = self._sync, False
+        try:
+            with self.ddp.no_sync():
+                yield
+        finally:
+            self._sync = prev
 
     def finish_grads(self) -> None:
         """torch DDP's backward already waited for its reductions; only the sequence-parallel
-        replicated-gradient sum over tp remains. Raises ConfigError if a parameter got no gradient
-        and ``find_unused_parameters`` is off (torch DDP did not reduce its bucket)."""
-        if not self.find_unused:
+        replicated-gradient sum over tp remains. Without ``find_unused_parameters``, raises
+        ConfigError if a parameter got no gradient in this step's synchronised (last) backward on
+        this rank, whether or not earlier micro-batches gave it one: torch DDP did not reduce its
+        bucket. Nothing has been modified then (no tp sum, no clipping, no optimizer step)."""
+        if not self.find_unused and len(self._synced) < len(self._hooks):
             names = {id(p): n for n, p in self.module.named_parameters()}
             for p in unique_params(self.module):
-                if p.grad is None:
-                    raise ConfigError(f"parameter {names[id(p)]} got no gradient in this step; torch DDP would "
+                if id(p) not in self._synced:
+                    when = "in this step" if p.grad is None else \
+                        "in the last micro-batch of this step (only in earlier ones)"
+                    raise ConfigError(f"parameter {names[id(p)]} got no gradient {when}; torch DDP would "
                                       "desynchronise the replicas: set parallel.find_unused_parameters = true "
                                       "(or use parallel.dp_impl = native)")
         self.sync_tp_replicated()
 
     def zero_grad(self) -> None:
         """``grad = None`` (torch DDP re-attaches its bucket views), so a parameter without
-        gradient in a step stays None and the optimizer skips it, as on one process."""
+        gradient in a step stays None and the optimizer skips it, as on one process; clears the
+        marks of the synchronised backward."""
+        self._synced.clear()
         for p in unique_params(self.module):
             p.grad = None
