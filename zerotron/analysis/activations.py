@@ -72,6 +72,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from zerotron.analysis.flops import shape_of
+from zerotron.models.layout import tp_refusal
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
@@ -106,18 +107,20 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     ``norm_saves``: tensors of sbh one norm saves (LayerNorm 1, torch's RMSNorm 2); ``mlp_saves``:
     tensors of sbF the MLP saves (GELU 2, SwiGLU 4); the defaults are GPT-2's (module docstring).
     Exact integer arithmetic. Raises ValueError for a non-positive size, an unknown option,
-    hidden % heads != 0, heads % tp != 0, or sp with seq_len % tp != 0.
+    hidden % heads != 0, or a tp that :func:`zerotron.models.layout.tp_refusal` refuses (heads % tp,
+    or sp with seq_len % tp).
     """
     _positive(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp,
               mask_bytes=mask_bytes)
     _check("recompute", recompute, RECOMPUTE)
     _check("dtype", dtype, DTYPE_BYTES)
     _check("attention", attention, ATTENTION)
-    if hidden % heads or heads % tp:
-        raise ValueError(f"need heads | hidden and tp | heads, got hidden={hidden}, heads={heads}, "
-                         f"tp={tp}")
-    if sp and seq_len % tp:
-        raise ValueError(f"sequence parallel needs tp ({tp}) to divide seq_len ({seq_len})")
+    if hidden % heads:
+        raise ValueError(f"heads ({heads}) must divide hidden ({hidden})")
+    reason = tp_refusal(tp, {"n_head": heads}, seq_len if sp else None, tp_name="tp", seq_name="seq_len",
+                        sp_name="sp")
+    if reason:
+        raise ValueError(reason)
     e, s, b, h, a, t = DTYPE_BYTES[dtype], seq_len, micro_batch, hidden, heads, tp
     dr, mu = int(bool(dropout)), mask_bytes
     sbh, f = s * b * h, 4 * hidden if ffn is None else ffn
@@ -197,6 +200,9 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     if seq_len > getattr(cfg, "block_size", seq_len):
         raise ValueError(f"seq_len ({seq_len}) exceeds the model's block_size ({cfg.block_size})")
     shape = cfg if hasattr(cfg, "block_params") else shape_of(cfg)
+    reason = tp_refusal(tp, shape.tp_sizes(), seq_len if sp else None, tp_name="tp", seq_name="seq_len", sp_name="sp")
+    if reason:
+        raise ValueError(reason)
     dropout = shape.dropout > 0 if dropout is None else dropout
     ns = 2 if shape.rms_norm else 1
     args = dict(tp=tp, sp=sp, dtype=dtype, dropout=dropout, attention=attention,

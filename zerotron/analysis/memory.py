@@ -29,6 +29,7 @@ import sys
 from zerotron.analysis.activations import ATTENTION, RECOMPUTE, SCHEDULES, activation_bytes, stage_layer_counts
 from zerotron.analysis.flops import num_params as config_num_params
 from zerotron.analysis.flops import shape_of
+from zerotron.models.layout import tp_refusal
 
 STAGES = (0, 1, 2, 3)
 
@@ -165,14 +166,15 @@ def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
     tied copy of the token embedding (as ``parallel.pipeline.executor`` does). Layers per stage as
     :func:`zerotron.analysis.activations.stage_layer_counts`, or ``layer_counts`` (one count per
     model stage, as ``parallel.pp_split``). With tp = pp = 1 the sum equals
-    :func:`zerotron.analysis.flops.num_params`. Raises ValueError if tp does not divide n_head,
-    n_kv_head and the MLP width, pp*virtual_stages > n_layer, or ``layer_counts`` does not have
+    :func:`zerotron.analysis.flops.num_params`. Raises ValueError with the reason of
+    :func:`zerotron.models.layout.tp_refusal` (tp must divide n_head, n_kv_head and the SwiGLU
+    width), if pp*virtual_stages > n_layer, or ``layer_counts`` does not have
     pp*virtual_stages positive counts summing to n_layer."""
     s = cfg if hasattr(cfg, "block_params") else shape_of(cfg)
     v = virtual_stages
-    if tp < 1 or s.n_head % tp or s.n_kv_head % tp or s.ffn % tp:
-        raise ValueError(f"tp ({tp}) must be >= 1 and divide n_head ({s.n_head}), n_kv_head ({s.n_kv_head}) "
-                         f"and the MLP width ({s.ffn})")
+    reason = tp_refusal(tp, s.tp_sizes())
+    if reason:
+        raise ValueError(reason)
     counts = stage_layer_counts(s.n_layer, pp * v)
     if layer_counts is not None:
         if len(layer_counts) != pp * v or sum(layer_counts) != s.n_layer or min(layer_counts) < 1:
@@ -278,6 +280,12 @@ def _memory_run(args) -> int:
     try:
         if (args.seq is not None or args.tp != 1 or args.pp != 1) and not args.model:
             raise ValueError("--seq, --tp and --pp need a model shape: use --model PRESET")
+        if args.model:  # the tensor-parallel rule, with this command's option names
+            reason = tp_refusal(args.tp, shape_of(preset_config(args.model)).tp_sizes(),
+                                args.seq if args.sp and args.seq is not None else None,
+                                tp_name="--tp", seq_name="--seq", sp_name="--sp")
+            if reason:
+                raise ValueError(reason)
         num_params = preset_num_params(args.model) if args.model else args.params
         rank_params = num_params
         if args.model and (args.tp != 1 or args.pp != 1):

@@ -70,6 +70,7 @@ from zerotron.analysis.activations import activation_bytes, stage_layer_counts
 from zerotron.analysis.flops import Shape, shape_of
 from zerotron.analysis.hardware import GB, Hardware, collective_time
 from zerotron.analysis.memory import model_state_bytes, stage_num_params
+from zerotron.models.layout import tp_refusal
 
 SCHEDULE_ORDER = ("none", "1f1b", "interleaved", "gpipe")
 RECOMPUTE_ORDER = ("none", "selective", "full")
@@ -244,8 +245,9 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     """Enumerate and rank layouts of the model of ``cfg`` (GPT-2/Llama config or :class:`Shape`) on
     ``gpus`` GPUs with ``gpu_mem`` bytes each.
 
-    Layouts: dp*tp*pp = gpus with tp | n_head, n_kv_head and the MLP width, pp <= n_layer, dp | global_batch (and tp | seq with
-    SP); micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
+    Layouts: dp*tp*pp = gpus with tp accepted by :func:`zerotron.models.layout.tp_refusal` (the rule
+    the plan applies: tp | n_head, n_kv_head and the SwiGLU width, and tp | seq with SP), pp <= n_layer,
+    dp | global_batch; micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
     interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer), "none" for pp = 1; ZeRO 0-3;
     recompute none | selective | full. Each is priced by :func:`evaluate`; those over ``gpu_mem``
     are dropped, and with ``supported_only`` what zerotron's config validation refuses
@@ -267,7 +269,7 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
               for p in range(1, gpus // t + 1) if gpus // t % p == 0]
     cfg = cfg if isinstance(cfg, Shape) else shape_of(cfg)
     for dp, tp, pp in meshes:
-        if cfg.n_head % tp or cfg.n_kv_head % tp or cfg.ffn % tp or global_batch % dp or (cm.sp and seq % tp):
+        if tp_refusal(tp, cfg.tp_sizes(), seq if cm.sp else None) or global_batch % dp:
             dropped["divisibility"] += 1
             continue
         if pp > cfg.n_layer:
