@@ -69,7 +69,8 @@ def test_layout_covers_every_parameter_and_tp_rules():
     assert callable(get_module(model.blocks()[1], lay.attention).dropout_rng)
     lay.check_tp(2)
     odd = Llama(LlamaConfig(**{**CFG.__dict__, "intermediate_size": 51})).layout()
-    for lay_, tp, name in ((lay, 4, "n_kv_head=2"), (lay, 3, "n_head=4"), (odd, 2, "intermediate_size=51")):
+    for lay_, tp, name in ((lay, 4, r"model.n_kv_head \(2\)"), (lay, 3, r"model.n_head \(4\)"),
+                           (odd, 2, r"model.intermediate_size \(51\)")):
         with pytest.raises(ValueError, match=name):
             lay_.check_tp(tp)
     tied = Llama(LlamaConfig(**{**CFG.__dict__, "tie_word_embeddings": True}))

@@ -222,7 +222,7 @@ def _check_model(g, n, r):
         assert tp.sequence_parallel == sp and not tp.parallel_hooks.full_logits
 
     # errors: tp must divide n_head; SP needs T divisible by tp
-    with pytest.raises(ValueError, match="must divide n_head"):
+    with pytest.raises(ValueError, match="must divide model.n_head"):
         _models(g, False, n_head=n + 1, n_embd=8 * (n + 1))
     _, tp = _models(g, True)
     with pytest.raises(ValueError, match="T divisible by tp"):

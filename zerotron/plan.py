@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from .config import Config, ConfigError, ParallelConfig, TrainConfig
 from .config_checks import check_values
 from .dims import ParallelDims
+from .models.layout import tp_refusal
 from .stages import SPLIT_WORDS, Placement, stage_layer_counts
 
 __all__ = ["ParallelDims", "ParallelPlan", "build_plan", "check_values", "DTYPES", "REDUCE_DTYPES",
@@ -324,17 +325,9 @@ class ParallelPlan:
                   "dropout masks would differ across tp ranks); use tp_impl = native for dropout")
         if self.shape is None:
             return
-        s = self.shape
-        kv = s.get("n_kv_head", s["n_head"])
-        _need(s["n_head"] % tp == 0,
-              f"parallel.tp ({tp}) must divide model.n_head ({s['n_head']}): each tp rank holds whole heads")
-        _need(kv % tp == 0, f"parallel.tp ({tp}) must divide model.n_kv_head ({kv}): each tp rank holds "
-                            "whole key/value heads (they are split, not replicated)")
-        ffn = s.get("intermediate_size", tp)
-        _need(ffn % tp == 0, f"parallel.tp ({tp}) must divide model.intermediate_size ({ffn}) (the SwiGLU "
-                             "matrices are split evenly)")
-        _need(not self.sequence_parallel or s["block_size"] % tp == 0,
-              f"parallel.sequence_parallel needs model.block_size ({s['block_size']}) divisible by tp ({tp})")
+        s = self.shape  # heads, kv heads, MLP width, block_size under SP: the one rule (models.layout)
+        reason = tp_refusal(tp, s, s["block_size"] if self.sequence_parallel else None)
+        _need(reason is None, reason)
 
 
 def build_plan(cfg: Config, world_size: int) -> ParallelPlan:

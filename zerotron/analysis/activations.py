@@ -72,11 +72,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from zerotron.analysis.flops import shape_of
+from zerotron.models.layout import tp_refusal
+from zerotron.plan import CHUNKED_SCHEDULES
+from zerotron.stages import Placement
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("math", "flash")
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "naive")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "naive", "zb-h1", "zb-v")
 LOSS_BYTES = 4  # fp32 log-softmax output saved by the cross-entropy
 
 
@@ -106,18 +109,20 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     ``norm_saves``: tensors of sbh one norm saves (LayerNorm 1, torch's RMSNorm 2); ``mlp_saves``:
     tensors of sbF the MLP saves (GELU 2, SwiGLU 4); the defaults are GPT-2's (module docstring).
     Exact integer arithmetic. Raises ValueError for a non-positive size, an unknown option,
-    hidden % heads != 0, heads % tp != 0, or sp with seq_len % tp != 0.
+    hidden % heads != 0, or a tp that :func:`zerotron.models.layout.tp_refusal` refuses (heads % tp,
+    or sp with seq_len % tp).
     """
     _positive(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, heads=heads, tp=tp,
               mask_bytes=mask_bytes)
     _check("recompute", recompute, RECOMPUTE)
     _check("dtype", dtype, DTYPE_BYTES)
     _check("attention", attention, ATTENTION)
-    if hidden % heads or heads % tp:
-        raise ValueError(f"need heads | hidden and tp | heads, got hidden={hidden}, heads={heads}, "
-                         f"tp={tp}")
-    if sp and seq_len % tp:
-        raise ValueError(f"sequence parallel needs tp ({tp}) to divide seq_len ({seq_len})")
+    if hidden % heads:
+        raise ValueError(f"heads ({heads}) must divide hidden ({hidden})")
+    reason = tp_refusal(tp, {"n_head": heads}, seq_len if sp else None, tp_name="tp", seq_name="seq_len",
+                        sp_name="sp")
+    if reason:
+        raise ValueError(reason)
     e, s, b, h, a, t = DTYPE_BYTES[dtype], seq_len, micro_batch, hidden, heads, tp
     dr, mu = int(bool(dropout)), mask_bytes
     sbh, f = s * b * h, 4 * hidden if ffn is None else ffn
@@ -143,33 +148,76 @@ def stage_layer_counts(n_layer: int, n_stages: int) -> list[int]:
     return [q + (i < r) for i in range(n_stages)]
 
 
+def looped_counts(counts: list[int], pp: int, kind: str) -> list[int]:
+    """Layer counts of the model stages re-indexed as ``chunk * pp + rank`` (the looped placement
+    the estimators index by): unchanged for every kind but zb-v, whose rank r holds model stages r
+    and 2pp-1-r (the V of ``zerotron.stages.Placement``), so its second half is reversed."""
+    place = Placement.for_schedule(pp, kind, len(counts) // pp)
+    loop, out = Placement(pp, place.v), [0] * len(counts)
+    for s, c in enumerate(counts):
+        r = place.rank_of(s)
+        out[loop.stage_of(r, place.stages(r).index(s))] = c
+    return out
+
+
 @lru_cache(maxsize=512)
 def _in_flight_states(pp: int, microbatches: int, kind: str, v: int) -> tuple:
-    """(peak_in_flight per rank from ``simulate``, per rank the set of per-chunk live counts seen
-    right after each forward): the schedule's activation occupancy, cached per shape."""
-    from zerotron.parallel.pipeline.schedules import build_schedule, simulate
+    """The schedule's activation occupancy, cached per shape: (peak in-flight (micro-batch,
+    chunk) units per rank, per rank the set of states seen right after each F and each B, a state
+    being the units held per chunk, then per chunk those whose B is done and W pending). A unit's activations are held from
+    its F until its backward ends: the fused B, or, when the backward is split (zb-h1, zb-v), its
+    W -- ``split_backward.backward_input`` runs B with ``retain_graph=True``, so every saved tensor
+    stays until W frees the graph -- and between B and W the gradients captured for W are held
+    too (the "pending" count). ``peak_in_flight`` equals ``simulate(...).peak_in_flight``
+    (tested)."""
+    from zerotron.parallel.pipeline.schedules import build_schedule
 
     sched = build_schedule(pp, microbatches, kind, v)
-    peaks = tuple(simulate(sched, pp, v).peak_in_flight)
-    states = []
+    peaks, states = [], []
     for actions in sched:
-        live, seen = [0] * v, set()
+        split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
+        live, pend, seen, peak = [0] * v, [0] * v, set(), 0
         for a in actions:
+            c = a.chunk
+            if a.kind == "F":
+                live[c] += 1
+            elif a.kind == "B" and (a.microbatch, c) in split:
+                pend[c] += 1
+            elif a.kind in ("B", "W"):
+                live[c] -= 1
+                pend[c] -= a.kind == "W"
+            else:
+                continue
+            peak = max(peak, sum(live))
             if a.kind in ("F", "B"):
-                live[a.chunk] += 1 if a.kind == "F" else -1
-                if a.kind == "F":
-                    seen.add(tuple(live))
+                seen.add((*live, *pend))
+        peaks.append(peak)
         states.append(frozenset(seen))
-    return peaks, tuple(states)
+    return tuple(peaks), tuple(states)
 
 
 def _cap(pp: int, m: int, kind: str, v: int) -> int:
-    """Micro-batches enough to reach the steady-state occupancy (1F1B warm-up <= pp - 1 forwards,
-    interleaved <= (v + 1) pp; a multiple of pp for interleaved); checked against uncapped runs in
-    tests/test_activations.py."""
+    """Micro-batches enough to reach the steady-state occupancy (1F1B and ZB-H1 warm-up <= pp - 1
+    forwards, interleaved <= (v + 1) pp; a multiple of pp for interleaved; ZB-V's list schedule
+    within 3 pp); checked against uncapped runs in tests/test_activations.py."""
     if kind == "interleaved" and m % pp == 0:
         return min(m, pp * (v + 2))
-    return min(m, 2 * pp) if kind == "1f1b" else m
+    return min(m, 2 * pp) if kind in ("1f1b", "zb-h1") else min(m, 3 * pp) if kind == "zb-v" else m
+
+
+def wgrad_layer_bytes(seq_len: int, micro_batch: int, shape, tp: int = 1, sp: bool = False,
+                      dtype: str = "bf16") -> int:
+    """Bytes one layer holds between B and W of a split backward (zb-h1, zb-v), per micro-batch on
+    one tp rank, beyond its activations: the gradients ``split_backward.backward_input`` captures
+    at the output of every op that has weights, for W to resume from: the two norms (sbh each, /t
+    with SP), the column-parallel q/k/v (s b (h + 2 H_kv D)/t) and MLP-in (GELU's fc s b F/t,
+    SwiGLU's gate and up 2 s b F/t) matmuls, and the row-parallel attention-out and MLP-out matmuls
+    (sbh each: their partial sums before the tp reduction), in the activation dtype."""
+    s = shape
+    sbh, t = seq_len * micro_batch * s.n_embd, tp
+    e = DTYPE_BYTES[dtype]
+    col = seq_len * micro_batch * (s.n_embd + 2 * s.kv_dim + (s.mlp_matrices - 1) * s.ffn) // t
+    return e * ((2 * sbh // t if sp else 2 * sbh) + 2 * sbh + col)
 
 
 def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool = False,
@@ -182,12 +230,17 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     count of its family (module docstring: Llama's RMSNorm, SwiGLU; no embedding dropout in Llama).
 
     ``microbatches`` per pipeline flush; ``schedule`` "1f1b" | "gpipe" | "interleaved" (with
-    ``virtual_stages`` >= 2) | "naive"; with pp == 1 and a non-interleaved schedule the micro-batches
-    run forward+backward one after the other (1 in flight). ``dropout`` None = ``cfg.dropout > 0``.
+    ``virtual_stages`` >= 2) | "naive" | "zb-h1" | "zb-v" (``virtual_stages`` = 2, the V placement:
+    :func:`looped_counts`); with pp == 1 and a one-chunk schedule the micro-batches run
+    forward+backward one after the other (1 in flight). Zero-bubble schedules hold a unit's
+    activations until its W, and between its B and W the captured gradients of
+    :func:`wgrad_layer_bytes` (plus, on the last stage, the logits' gradient); the peak is the
+    largest per-rank state of the schedule's action lists. ``dropout`` None = ``cfg.dropout > 0``.
     Other options as in :func:`layer_activation_bytes`.
 
     Returns ``{"per_layer_bytes", "layers_per_stage", "embedding_bytes" (stage 0, per micro-batch),
-    "output_bytes" (last stage, per micro-batch, incl. the loss), "recompute_workspace_bytes",
+    "output_bytes" (last stage, per micro-batch, incl. the loss), "wgrad_bytes" (per model stage and
+    micro-batch between B and W; zeros without a split backward), "recompute_workspace_bytes",
     "peak_in_flight" (micro-batch x chunk units per rank), "per_rank_bytes", "max_bytes",
     "worst_rank"}``, bytes on one tensor-parallel rank. Raises ValueError for bad sizes/options,
     seq_len > block_size, pp*v > n_layer or a schedule that ``build_schedule`` rejects.
@@ -197,6 +250,9 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     if seq_len > getattr(cfg, "block_size", seq_len):
         raise ValueError(f"seq_len ({seq_len}) exceeds the model's block_size ({cfg.block_size})")
     shape = cfg if hasattr(cfg, "block_params") else shape_of(cfg)
+    reason = tp_refusal(tp, shape.tp_sizes(), seq_len if sp else None, tp_name="tp", seq_name="seq_len", sp_name="sp")
+    if reason:
+        raise ValueError(reason)
     dropout = shape.dropout > 0 if dropout is None else dropout
     ns = 2 if shape.rms_norm else 1
     args = dict(tp=tp, sp=sp, dtype=dtype, dropout=dropout, attention=attention,
@@ -205,25 +261,30 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     per_layer = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, recompute=recompute,
                                        **args)
     workspace = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, **args) - per_layer
-    v = virtual_stages if schedule == "interleaved" else 1
+    v = virtual_stages if schedule in CHUNKED_SCHEDULES else 1
     counts = stage_layer_counts(shape.n_layer, pp * v)
     sbh = seq_len * micro_batch * h
     div = t if sp else 1
     emb = int(dropout and shape.learned_positions) * mask_bytes * sbh // div  # GPT-2's embedding dropout
     out = (ns + 1) * e * sbh // div + LOSS_BYTES * seq_len * micro_batch * -(-shape.vocab_size // t)
-    unit = [c * per_layer + (emb if s == 0 else 0) + (out if s == len(counts) - 1 else 0)
-            for s, c in enumerate(counts)]
+    last = len(counts) - 1
+    unit = [c * per_layer + (emb if s == 0 else 0) + (out if s == last else 0) for s, c in enumerate(counts)]
+    split = schedule in ("zb-h1", "zb-v")
+    wlayer = wgrad_layer_bytes(seq_len, micro_batch, shape, tp, sp, dtype) if split else 0
+    wunit = [c * wlayer + (e * seq_len * micro_batch * -(-shape.vocab_size // t) if split and s == last else 0)
+             for s, c in enumerate(counts)]
+    unit, wunit_l = looped_counts(unit, pp, schedule), looped_counts(wunit, pp, schedule)
     if pp == 1 and v == 1:  # plain gradient accumulation: forward+backward per micro-batch
-        peaks, states = (1,), (frozenset({(1,)}),)
+        peaks, states = (1,), (frozenset({(1, 0)}),)
     elif schedule == "gpipe":  # all forwards, then all backwards: every rank holds m
-        peaks, states = (microbatches,) * pp, (frozenset({(microbatches,)}),) * pp
-    else:  # occupancy repeats after the warm-up: simulate at most _cap micro-batches
+        peaks, states = (microbatches,) * pp, (frozenset({(microbatches, 0)}),) * pp
+    else:  # occupancy repeats after the warm-up: walk at most _cap micro-batches
         peaks, states = _in_flight_states(pp, _cap(pp, microbatches, schedule, v), schedule, v)
-    per_rank = [max(sum(n * unit[c * pp + r] for c, n in enumerate(st)) for st in states[r])
-                + workspace for r in range(pp)]
+    per_rank = [max(sum(n * unit[c * pp + r] + k * wunit_l[c * pp + r] for c, (n, k) in enumerate(zip(st[:v], st[v:])))
+                    for st in states[r]) + workspace for r in range(pp)]
     worst = max(range(pp), key=lambda r: (per_rank[r], -r))
     return {"per_layer_bytes": per_layer, "layers_per_stage": counts, "embedding_bytes": emb,
-            "output_bytes": out, "recompute_workspace_bytes": workspace,
+            "output_bytes": out, "wgrad_bytes": wunit, "recompute_workspace_bytes": workspace,
             "peak_in_flight": list(peaks), "per_rank_bytes": per_rank,
             "max_bytes": per_rank[worst], "worst_rank": worst}
 

@@ -43,6 +43,13 @@ class Shape:
     tied: bool = True
     dropout: float = 0.0
 
+    def tp_sizes(self) -> dict:
+        """The sizes the tensor-parallel rule (:func:`zerotron.models.layout.tp_refusal`) checks,
+        named as the model config names them: n_head, n_kv_head and, for SwiGLU, intermediate_size
+        (GELU's 4C needs no entry: n_head | C)."""
+        return {"n_head": self.n_head, "n_kv_head": self.n_kv_head,
+                "intermediate_size": self.ffn if self.mlp_matrices == 3 else None}
+
     @property
     def head_dim(self) -> int:
         """D = C / H."""

@@ -26,9 +26,18 @@ import json
 import re
 import sys
 
-from zerotron.analysis.activations import ATTENTION, RECOMPUTE, SCHEDULES, activation_bytes, stage_layer_counts
+from zerotron.analysis.activations import (
+    ATTENTION,
+    RECOMPUTE,
+    SCHEDULES,
+    activation_bytes,
+    looped_counts,
+    stage_layer_counts,
+)
+from zerotron.analysis.bubble import NCCL_REFUSED, bubble_fraction, pipeline_idle
 from zerotron.analysis.flops import num_params as config_num_params
 from zerotron.analysis.flops import shape_of
+from zerotron.models.layout import tp_refusal
 
 STAGES = (0, 1, 2, 3)
 
@@ -165,14 +174,15 @@ def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
     tied copy of the token embedding (as ``parallel.pipeline.executor`` does). Layers per stage as
     :func:`zerotron.analysis.activations.stage_layer_counts`, or ``layer_counts`` (one count per
     model stage, as ``parallel.pp_split``). With tp = pp = 1 the sum equals
-    :func:`zerotron.analysis.flops.num_params`. Raises ValueError if tp does not divide n_head,
-    n_kv_head and the MLP width, pp*virtual_stages > n_layer, or ``layer_counts`` does not have
+    :func:`zerotron.analysis.flops.num_params`. Raises ValueError with the reason of
+    :func:`zerotron.models.layout.tp_refusal` (tp must divide n_head, n_kv_head and the SwiGLU
+    width), if pp*virtual_stages > n_layer, or ``layer_counts`` does not have
     pp*virtual_stages positive counts summing to n_layer."""
     s = cfg if hasattr(cfg, "block_params") else shape_of(cfg)
     v = virtual_stages
-    if tp < 1 or s.n_head % tp or s.n_kv_head % tp or s.ffn % tp:
-        raise ValueError(f"tp ({tp}) must be >= 1 and divide n_head ({s.n_head}), n_kv_head ({s.n_kv_head}) "
-                         f"and the MLP width ({s.ffn})")
+    reason = tp_refusal(tp, s.tp_sizes())
+    if reason:
+        raise ValueError(reason)
     counts = stage_layer_counts(s.n_layer, pp * v)
     if layer_counts is not None:
         if len(layer_counts) != pp * v or sum(layer_counts) != s.n_layer or min(layer_counts) < 1:
@@ -192,6 +202,20 @@ def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
     return out
 
 
+def _chunks(args) -> int:
+    """Model stages per pipeline rank of the --schedule: --virtual-stages for interleaved and zb-v."""
+    return args.virtual_stages if args.schedule in ("interleaved", "zb-v") else 1
+
+
+def _rank_params(cfg, args) -> list[int]:
+    """Parameters per pipeline rank of the CLI's layout (zb-v: rank r holds stages r and 2pp-1-r)."""
+    v = _chunks(args)
+    if v * args.pp > shape_of(cfg).n_layer:
+        return stage_num_params(cfg, args.tp, args.pp, v)  # (its error names pp * virtual_stages)
+    counts = looped_counts(stage_layer_counts(shape_of(cfg).n_layer, args.pp * v), args.pp, args.schedule)
+    return stage_num_params(cfg, args.tp, args.pp, v, counts)
+
+
 def _add_activation_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("activations (Korthikanti et al. 2022; need --model and --seq)")
     g.add_argument("--seq", type=int, help="sequence length S (tokens)")
@@ -199,9 +223,10 @@ def _add_activation_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
-    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule")
+    g.add_argument("--schedule", "--pp-schedule", dest="schedule", default="1f1b", choices=SCHEDULES,
+                   help="pipeline schedule (parallel.pp_schedule); zb-v needs --virtual-stages 2 and gloo")
     g.add_argument("--microbatches", type=int, help="micro-batches per pipeline flush (default pp)")
-    g.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
+    g.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved, zb-v: 2)")
     g.add_argument("--recompute", default="none", choices=RECOMPUTE, help="activation checkpointing")
     g.add_argument("--attention", default="math", choices=ATTENTION,
                    help="math: the paper's s^2 softmax term; flash: none")
@@ -211,13 +236,13 @@ def _activation_report(args, num_params: int) -> tuple[dict, list]:
     """(activations object, rows with model states of the largest pipeline rank + activations)."""
     cfg = preset_config(args.model)
     kind = args.schedule
-    v = args.virtual_stages if kind == "interleaved" else 1
+    v = _chunks(args)
     m = args.microbatches or args.pp
     act = activation_bytes(cfg, args.micro_batch, args.seq, tp=args.tp, sp=args.sp, pp=args.pp,
                            schedule=kind, microbatches=m, virtual_stages=v,
                            recompute=args.recompute, dtype="fp32" if args.dtype == "fp32" else "bf16",
                            attention=args.attention)
-    params = stage_num_params(cfg, args.tp, args.pp, v)
+    params = _rank_params(cfg, args)
     rows = []
     for stage in STAGES:
         per_rank = [model_state_bytes(p, args.dp, stage, args.dtype, args.optimizer, args.dp_replicate)["total_bytes"]
@@ -227,10 +252,15 @@ def _activation_report(args, num_params: int) -> tuple[dict, list]:
         rows.append({"stage": stage, "rank": r, "model_state_bytes": per_rank[r],
                      "activation_bytes": act["per_rank_bytes"][r], "total_bytes": totals[r]})
     kv = shape_of(cfg).kv_cache_bytes(args.micro_batch, args.seq, 4 if args.dtype == "fp32" else 2, args.tp)
+    # bubble of one flush at uniform stages, T_F = T_B = T_W (zerotron schedule --w-cost 1)
+    idle = pipeline_idle(args.pp, m, "1f1b" if kind == "naive" else kind, v) if args.pp > 1 else 0.0
     inputs = {"seq": args.seq, "micro_batch": args.micro_batch, "tp": args.tp, "sp": args.sp,
               "pp": args.pp, "schedule": kind, "microbatches": m, "virtual_stages": v,
               "recompute": args.recompute, "attention": args.attention,
-              "params_per_rank": params, "kv_cache_bytes": kv}
+              "params_per_rank": params, "kv_cache_bytes": kv,
+              "bubble_fraction": bubble_fraction(args.pp, m, "1f1b" if kind == "naive" else kind, v)
+              if args.pp > 1 else 0.0, "idle_per_rank_t_f": idle,
+              "gloo_only": kind in NCCL_REFUSED}
     return {**inputs, **act, "totals": rows}, rows
 
 
@@ -278,11 +308,16 @@ def _memory_run(args) -> int:
     try:
         if (args.seq is not None or args.tp != 1 or args.pp != 1) and not args.model:
             raise ValueError("--seq, --tp and --pp need a model shape: use --model PRESET")
+        if args.model:  # the tensor-parallel rule, with this command's option names
+            reason = tp_refusal(args.tp, shape_of(preset_config(args.model)).tp_sizes(),
+                                args.seq if args.sp and args.seq is not None else None,
+                                tp_name="--tp", seq_name="--seq", sp_name="--sp")
+            if reason:
+                raise ValueError(reason)
         num_params = preset_num_params(args.model) if args.model else args.params
         rank_params = num_params
         if args.model and (args.tp != 1 or args.pp != 1):
-            v = args.virtual_stages if args.schedule == "interleaved" else 1
-            rank_params = max(stage_num_params(preset_config(args.model), args.tp, args.pp, v))
+            rank_params = max(_rank_params(preset_config(args.model), args))
         rows = zero_table(rank_params, args.dp, args.dtype, args.optimizer, args.dp_replicate)
         act, act_rows = _activation_report(args, num_params) if args.seq is not None else (None, [])
     except (ValueError, ImportError) as exc:
@@ -307,6 +342,14 @@ def _memory_run(args) -> int:
               f"{act['schedule']} m={act['microbatches']}, recompute {args.recompute}, attention "
               f"{args.attention}: {act['per_layer_bytes'] / GB:.4g} GB per layer; per pipeline rank "
               + ", ".join(f"{b / GB:.4g}" for b in act["per_rank_bytes"]) + " GB")
+        if args.pp > 1:
+            unit = "chunks" if act["virtual_stages"] > 1 else "micro-batches"
+            held = "until its W, + captured gradients between B and W" if act["schedule"] in ("zb-h1", "zb-v") \
+                else "until its backward"
+            print(f"pipeline {act['schedule']}: peak in flight per rank {act['peak_in_flight']} ({unit}, each "
+                  f"held {held}); bubble fraction {act['bubble_fraction']:.3f} (idle per rank "
+                  f"{act['idle_per_rank_t_f']:.4g} T_F; uniform stages, T_F = T_B = T_W)"
+                  + ("; gloo only: the runner refuses zb-v on NCCL" if act["gloo_only"] else ""))
         print(f"{'ZeRO stage':>12}  {'rank':>12}  {'states GB':>12}  {'activ. GB':>12}  "
               f"{'total GB':>12}")
         for r in act_rows:

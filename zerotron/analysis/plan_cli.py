@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--sp", action="store_true", help="sequence parallelism when tp > 1")
+    p.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
+                   help="process-group backend: zb-v is proposed on gloo only (the runner refuses it on NCCL)")
     p.add_argument("--attention", default="flash", choices=("flash", "math"),
                    help="flash (SDPA on GPUs): no s^2 activations; math: Korthikanti's count")
     p.add_argument("--compute-eff", type=float, default=0.5, help="achieved/peak FLOP/s")
@@ -75,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 def plan_main(argv: list) -> int:
     """``zerotron plan (--model PRESET | --config F) --gpus G [--gpus-per-node K] [--gpu-mem 80GB]
     --global-batch B [--seq S] [--gpu h100|h200|a100] [--calibrate bench_comm.json] [--top 10]
-    [--json] [--sp] [--attention flash|math] [--compute-eff E] [--comm-eff E] [--overhead 2GB]
+    [--json] [--sp] [--backend nccl|gloo] [--attention flash|math] [--compute-eff E] [--comm-eff E] [--overhead 2GB]
     [--supported-only]``: the best layouts of :func:`plan` as a table, or with ``--json``
     ``{"layouts": [top ones], "dropped": {reason: count}, "feasible": n, "assumptions": {...}}``.
     Defaults: --seq = block_size, --gpu-mem = the GPU's memory, --global-batch from --config.
@@ -107,7 +109,7 @@ def plan_main(argv: list) -> int:
                 print(f"zerotron plan: warning: {warning}", file=sys.stderr)
         mem = parse_memory(args.gpu_mem) if args.gpu_mem else hw.memory
         cm = CostModel(hw, args.gpus_per_node, args.compute_eff, parse_memory(args.overhead),
-                       args.attention, args.sp)
+                       args.attention, args.sp, backend=args.backend)
         seq = args.seq or cfg.block_size
         res = plan(cfg, args.gpus, mem, batch, seq, cm, args.supported_only)
     except (ValueError, ImportError) as e:

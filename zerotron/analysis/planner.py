@@ -66,12 +66,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
 
-from zerotron.analysis.activations import activation_bytes, stage_layer_counts
+from zerotron.analysis.activations import activation_bytes, looped_counts, stage_layer_counts
+from zerotron.analysis.bubble import NCCL_REFUSED, PIPELINE_KINDS, pipeline_idle
 from zerotron.analysis.flops import Shape, shape_of
 from zerotron.analysis.hardware import GB, Hardware, collective_time
 from zerotron.analysis.memory import model_state_bytes, stage_num_params
+from zerotron.models.layout import tp_refusal
 
-SCHEDULE_ORDER = ("none", "1f1b", "interleaved", "gpipe")
+SCHEDULE_ORDER = ("none", "1f1b", "interleaved", "gpipe", "zb-h1", "zb-v")
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
@@ -82,8 +84,9 @@ class CostModel:
     SDPA on GPUs, no s^2 activations; "math": Korthikanti's count), sequence parallelism ``sp``
     whenever tp > 1, ``launch_s`` seconds per layer and micro-batch, ``elem_bytes`` per
     communicated activation/gradient element (2: bf16; 4: fp32 training, e.g. on CPU) and the
-    data-parallel ``bucket_bytes`` (25 MiB, torch DDP's default). Memory is always priced in
-    bf16-mixed (module docstring)."""
+    data-parallel ``bucket_bytes`` (25 MiB, torch DDP's default); the process-group ``backend``
+    ("nccl" on GPUs: zb-v is not proposed there, the runner refuses it; "gloo"). Memory is always
+    priced in bf16-mixed (module docstring)."""
     hw: Hardware
     gpus_per_node: int = 8
     compute_eff: float = 0.5
@@ -93,6 +96,7 @@ class CostModel:
     launch_s: float = 20e-6
     elem_bytes: int = 2
     bucket_bytes: int = 25 << 20
+    backend: str = "nccl"
 
 
 def _link(hw: Hardware, intra: bool) -> tuple[dict, dict]:
@@ -151,16 +155,16 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     n_rep = layout.get("dp_replicate", 1)  # HSDP: replicas x (dp / n_rep) shards
     kind, rec, hw, K, sp = layout["schedule"], layout["recompute"], cm.hw, cm.gpus_per_node, cm.sp
     sp = sp and tp > 1
-    v = 2 if kind == "interleaved" else 1
+    v = 2 if kind in ("interleaved", "zb-v") else 1
     m = global_batch // (dp * b)
     shape = cfg if isinstance(cfg, Shape) else shape_of(cfg)
     h, L, V, S, a, F = shape.n_embd, shape.n_layer, shape.vocab_size, seq, shape.n_head, shape.ffn
     W = shape.block_matmul_params()
     act = _activations(shape, b, S, tp, sp, pp, kind, m, v, rec, cm.attention)
-    params = stage_num_params(shape, tp, pp, v)
+    counts = looped_counts(stage_layer_counts(L, pp * v), pp, kind)  # index chunk * pp + rank
+    params = stage_num_params(shape, tp, pp, v, counts)
     mem = max(model_state_bytes(p, dp, z, "bf16-mixed", "adam", n_rep)["total_bytes"] + a_
               for p, a_ in zip(params, act["per_rank_bytes"])) + cm.overhead
-    counts = stage_layer_counts(L, pp * v)
     tp_link = _link(hw, tp <= K and K % tp == 0)
     shard = dp // n_rep * tp  # ranks spanned by one (shard-group x tp) block
     dp_link = _link(hw, shard <= K and K % shard == 0)
@@ -196,8 +200,12 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
         if stage_times[-1] > stage:
             stage, parts = stage_times[-1], t
     # fill + drain run through every other stage once (in chunks of 1/v with interleaving): for
-    # equal stages this is the bubble (p-1)/(v*m + p-1) of the whole step (bubble_theory)
-    pipe = m * stage + (sum(stage_times) - stage) / v
+    # equal stages this is the bubble (p-1)/(v*m + p-1) of the whole step (bubble_theory); the
+    # schedule's idle per rank relative to 1F1B's, at the F : B : W split of a layer's matmul FLOPs
+    # (zero-bubble schedules: pipeline_idle)
+    t_f, t_b, t_w = 2 * W + 4 * h * S, 2 * W + 8 * h * S + extra, 2 * W
+    rel = pipeline_idle(pp, m, kind, v, t_f, t_b, t_w) / ((pp - 1) * (t_f + t_b + t_w)) if pp > 1 else 0.0
+    pipe = m * stage + (sum(stage_times) - stage) * rel
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
     t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp, dp_link, cm.bucket_bytes, n_rep, rep_link)
     backward = m * (parts["compute"] + parts["vector"]) * 2 / 3
@@ -244,14 +252,18 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     """Enumerate and rank layouts of the model of ``cfg`` (GPT-2/Llama config or :class:`Shape`) on
     ``gpus`` GPUs with ``gpu_mem`` bytes each.
 
-    Layouts: dp*tp*pp = gpus with tp | n_head, n_kv_head and the MLP width, pp <= n_layer, dp | global_batch (and tp | seq with
-    SP); micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
-    interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer), "none" for pp = 1; ZeRO 0-3;
+    Layouts: dp*tp*pp = gpus with tp accepted by :func:`zerotron.models.layout.tp_refusal` (the rule
+    the plan applies: tp | n_head, n_kv_head and the SwiGLU width, and tp | seq with SP), pp <= n_layer,
+    dp | global_batch; micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
+    interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer) | zb-h1 | zb-v (v = 2, only when
+    2pp <= n_layer, and only with ``cm.backend`` = "gloo": the runner refuses it on NCCL), "none"
+    for pp = 1; ZeRO 0-3;
     recompute none | selective | full. Each is priced by :func:`evaluate`; those over ``gpu_mem``
     are dropped, and with ``supported_only`` what zerotron's config validation refuses
     (:func:`_refused`; since pipeline x ZeRO-2/3 runs, nothing the planner proposes). Returns ``{"layouts": feasible ones, best (shortest step) first, ties broken by
     memory then (pp, tp, zero, schedule, -micro_batch, recompute), "dropped": {reason: count}}``:
-    "divisibility" and "layers" count (dp, tp, pp) meshes, the others layouts. Raises ValueError
+    "divisibility" and "layers" count (dp, tp, pp) meshes, the others layouts ("backend": zb-v
+    on NCCL). Raises ValueError
     for non-positive sizes, gpus % gpus_per_node != 0 or seq > block_size."""
     for name, val in (("gpus", gpus), ("gpus_per_node", cm.gpus_per_node),
                       ("global_batch", global_batch), ("seq", seq)):
@@ -261,13 +273,15 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
         raise ValueError(f"gpus ({gpus}) must be a multiple of gpus_per_node ({cm.gpus_per_node})")
     if seq > cfg.block_size:
         raise ValueError(f"seq ({seq}) exceeds the model's block_size ({cfg.block_size})")
-    dropped = dict.fromkeys(("divisibility", "layers", "schedule", "unsupported", "memory"), 0)
+    if cm.backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be nccl or gloo, got {cm.backend!r}")
+    dropped = dict.fromkeys(("divisibility", "layers", "schedule", "backend", "unsupported", "memory"), 0)
     out = []
     meshes = [(gpus // (t * p), t, p) for t in range(1, gpus + 1) if gpus % t == 0
               for p in range(1, gpus // t + 1) if gpus // t % p == 0]
     cfg = cfg if isinstance(cfg, Shape) else shape_of(cfg)
     for dp, tp, pp in meshes:
-        if cfg.n_head % tp or cfg.n_kv_head % tp or cfg.ffn % tp or global_batch % dp or (cm.sp and seq % tp):
+        if tp_refusal(tp, cfg.tp_sizes(), seq if cm.sp else None) or global_batch % dp:
             dropped["divisibility"] += 1
             continue
         if pp > cfg.n_layer:
@@ -276,9 +290,12 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
         per_dp = global_batch // dp
         for b in [1 << i for i in range(per_dp.bit_length()) if per_dp % (1 << i) == 0]:
             m = per_dp // b
-            for kind in ["none"] if pp == 1 else ["1f1b", "gpipe", "interleaved"]:
-                if kind == "interleaved" and (m % pp or 2 * pp > cfg.n_layer):
+            for kind in ["none"] if pp == 1 else PIPELINE_KINDS:
+                if (kind == "interleaved" and m % pp) or (kind in ("interleaved", "zb-v") and 2 * pp > cfg.n_layer):
                     dropped["schedule"] += 12  # 4 ZeRO stages x 3 recompute modes
+                    continue
+                if kind in NCCL_REFUSED and cm.backend == "nccl":
+                    dropped["backend"] += 12
                     continue
                 for z, rec, rep in product(range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm)):
                     if supported_only and _refused(pp, rep):

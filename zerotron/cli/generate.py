@@ -5,6 +5,7 @@ import argparse
 
 from ..cli_help import HelpFormatter, OneLineErrorParser
 from ..launch import strip_nproc
+from ..models.layout import tp_refusal
 from .errors import fail, user_errors
 
 
@@ -43,15 +44,13 @@ def cmd_generate(argv: list[str]) -> int:
             check_sampling_args(args)
             ckpt_dir = resolve_checkpoint(args.checkpoint)
             model_cfg = read_meta(ckpt_dir).get("model_config", {})
-            n_head = model_cfg.get("n_head", 1)
-            n_kv_head = model_cfg.get("n_kv_head", n_head)
             read_prompts(args, load_tokenizer(ckpt_dir / "tokenizer.json"))  # fail once, before the workers
             if args.tp < 1 or args.pp < 1 or args.nproc % (args.tp * args.pp):
                 raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp "
                                  f"({args.tp} x {args.pp})")
-            if n_head % args.tp or n_kv_head % args.tp:
-                raise ValueError(f"--parallel.tp {args.tp} must divide the model's n_head ({n_head}) and "
-                                 f"n_kv_head ({n_kv_head})")
+            reason = tp_refusal(args.tp, model_cfg, tp_name="--parallel.tp")  # the rule the plan applies
+            if reason:
+                raise ValueError(reason)
             return launch(args.nproc, ["generate", *strip_nproc(argv)])
         return generate_main(args)
     except user_errors() as e:

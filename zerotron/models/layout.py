@@ -11,10 +11,51 @@ documented on :class:`zerotron.models.base.CausalLM`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-__all__ = ["TPLinear", "ModelLayout", "get_module", "set_module", "retie"]
+__all__ = ["TPLinear", "ModelLayout", "TP_SIZES", "tp_refusal", "get_module", "set_module", "retie"]
+
+# The model sizes a tensor-parallel degree must divide, in the order they are checked, and why
+# (Shoeybi et al. 2019: attention heads and the MLP's column-parallel width are split evenly).
+TP_SIZES = {
+    "n_head": "each tp rank holds whole attention heads",
+    "n_kv_head": "each tp rank holds whole key/value heads (they are split, not replicated)",
+    "intermediate_size": "the MLP matrices are split evenly",
+}
+
+
+def _divisors(n: int, limit: int = 12) -> str:
+    ds = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, ds[:limit])) + (", ..." if len(ds) > limit else "")
+
+
+def tp_refusal(tp: int, sizes: Mapping[str, int], seq_len: int | None = None, *,
+               tp_name: str = "parallel.tp", seq_name: str = "model.block_size",
+               sp_name: str = "parallel.sequence_parallel") -> str | None:
+    """The tensor-parallel divisibility rule, stated once: why ``tp`` cannot split this model, or
+    None when it can. Every layer that decides it calls this (``ParallelPlan``, the strategies
+    through :meth:`ModelLayout.check_tp`, the memory/activation estimators, the planner, the CLI).
+
+    ``tp`` must be >= 1 and divide each size of ``sizes`` named in :data:`TP_SIZES` (n_head, and
+    for families that have them n_kv_head and intermediate_size; other keys are ignored, so a whole
+    ``config.model_shape`` dict can be passed; GPT-2's MLP width 4C needs no entry: n_head | C).
+    ``seq_len``: under sequence parallelism the sequence length that is split over tp (None = no
+    sequence parallelism). The reason is one line naming the setting (``tp_name``, ``seq_name``,
+    ``sp_name``: how the caller's user spells them) and the fix. Pure Python, no torch."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        return f"{tp_name} must be an int >= 1, got {tp!r}"
+    present = [(name, sizes[name]) for name in TP_SIZES if sizes.get(name) is not None]
+    for name, size in present:
+        if size % tp:
+            g = math.gcd(*(s for _, s in present))
+            return (f"{tp_name} ({tp}) must divide model.{name} ({size}): {TP_SIZES[name]}; choose {tp_name} "
+                    f"among {_divisors(g)}")
+    if seq_len is not None and seq_len % tp:
+        return (f"{sp_name} needs {seq_name} ({seq_len}) divisible by {tp_name} ({tp}) (the sequence is split "
+                f"over the tp ranks): change one of them, or turn {sp_name} off")
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,8 +94,8 @@ class ModelLayout:
         :class:`TPLinear` split; Linear modules not listed stay replicated.
       * ``attention``: the attention submodule of a block (selective recomputation; it exposes the
         ``dropout_rng`` hook, see ``CausalLM``).
-      * ``tp_divides``: named sizes a tensor-parallel degree must divide, e.g. ``{"n_head": 12,
-        "n_kv_head": 4}``; a tp that does not divide one is refused naming it.
+      * ``tp_divides``: the model's sizes a tensor-parallel degree must divide, named as in
+        :data:`TP_SIZES`, e.g. ``{"n_head": 12, "n_kv_head": 4}``; :func:`tp_refusal` decides.
       * ``width``: C, the channels of the activation between blocks (pipeline buffers).
       * ``vocab_size``: V, the real vocabulary (logits beyond it are padding under TP).
     """
@@ -71,12 +112,17 @@ class ModelLayout:
     tied: tuple[tuple[str, str], ...] = ()
     tp_divides: Mapping[str, int] = field(default_factory=dict)
 
+    def __post_init__(self):
+        unknown = set(self.tp_divides) - set(TP_SIZES)
+        if unknown:
+            raise ValueError(f"ModelLayout.tp_divides names {sorted(unknown)}; the tensor-parallel rule "
+                             f"(tp_refusal) knows {list(TP_SIZES)}: add the size there with its reason")
+
     def check_tp(self, tp: int) -> None:
-        """Raise ValueError naming the first size in ``tp_divides`` that ``tp`` does not divide."""
-        for name, size in self.tp_divides.items():
-            if size % tp:
-                raise ValueError(f"tensor parallel degree tp={tp} must divide {name}={size} (each rank "
-                                 f"holds {name}/tp whole parts); choose tp among the divisors of {size}")
+        """Raise ValueError with :func:`tp_refusal`'s reason when ``tp`` cannot split ``tp_divides``."""
+        reason = tp_refusal(tp, self.tp_divides)
+        if reason:
+            raise ValueError(reason)
 
     def tied_owner(self) -> dict[str, str]:
         """alias parameter name -> owner parameter name."""

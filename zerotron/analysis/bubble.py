@@ -1,0 +1,72 @@
+"""Pipeline idle time (the bubble) per rank for every schedule zerotron runs, priced for the
+planner (``zerotron plan``) and ``zerotron memory``: closed forms where they hold (GPipe/1F1B,
+interleaved, ZB-H1 from m = p on), the schedule simulator where they do not (ZB-V; ZB-H1 with
+fewer micro-batches than stages). Sources and formulas: ``zerotron.parallel.pipeline.schedules``
+(module docstring, ``bubble_theory``, ``bubble_time_theory``); every formula here is checked
+against ``schedules.simulate`` in tests/test_zero_bubble_pricing.py.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+PIPELINE_KINDS = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v")  # what the planner prices for pp > 1
+NCCL_REFUSED = ("zb-v",)  # the runner refuses these on NCCL (parallel.pipeline.runner: gloo only)
+
+
+@lru_cache(maxsize=1024)
+def _simulated_idle(pp: int, m: int, kind: str, t_f: float, t_b: float, t_w: float) -> float:
+    from zerotron.parallel.pipeline.schedules import build_schedule, simulate
+
+    v = 2 if kind == "zb-v" else 1
+    res = simulate(build_schedule(pp, m, kind, v), pp, v, t_f, t_b, t_w, eager_sends=True)
+    return max(res.idle)
+
+
+def _zb_v_idle(pp: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """ZB-V's simulated idle per rank; beyond m = 8pp (where a simulation costs seconds)
+    extrapolated linearly from m0 = 6pp + m % pp and m0 + 2pp (its order is list-scheduled at unit
+    costs: with T_B != T_W the idle grows by a fixed amount per micro-batch after the warm-up,
+    and the steps repeat with period pp, nearly: measured against the simulator the bubble
+    fraction is within 0.01, tests/test_zero_bubble_pricing.py)."""
+    key = (round(t_f, 12), round(t_b, 12), round(t_w, 12))
+    if m <= 8 * pp:
+        return _simulated_idle(pp, m, "zb-v", *key)
+    m0 = 6 * pp + m % pp
+    i0, i1 = _simulated_idle(pp, m0, "zb-v", *key), _simulated_idle(pp, m0 + 2 * pp, "zb-v", *key)
+    return i1 + (m - m0 - 2 * pp) * (i1 - i0) / (2 * pp)
+
+
+def pipeline_idle(pp: int, m: int, kind: str, v: int = 1, t_f: float = 1.0, t_b: float = 1.0,
+                  t_w: float = 1.0) -> float:
+    """Idle time per pipeline rank of one flush of ``m`` micro-batches, uniform stages, ``t_f``,
+    ``t_b`` (input gradient), ``t_w`` (weight gradients): a rank's costs per micro-batch (all its
+    chunks), in any time unit; the executor's timing (sends not waited for).
+
+    1f1b / gpipe / naive: (p-1)(T_F+T_B+T_W) (Huang et al. 2019; Narayanan et al. 2021);
+    interleaved with v chunks: that over v (Narayanan et al. 2021); zb-h1: (p-1)(T_F + max(T_B-T_W,
+    0)) for m >= p and T_W <= T_B (Qi et al. 2024, sec. 3.1; ``schedules.bubble_time_theory``), else
+    simulated (at m = p = 2, T = (0.25, 0.35, 0.4) the closed form gives 0.25, the simulator 0.35);
+    zb-v: simulated (``schedules.simulate`` of its list-scheduled order, no closed form: 1 to 1.71
+    times the synchronous-step bound (p-1)T_F/2 at unit costs; with T_B > T_W it grows with m, the
+    order being fixed for unit costs), cached. Tested against ``simulate``.
+    Raises ValueError for an unknown kind."""
+    if kind not in PIPELINE_KINDS + ("naive",):
+        raise ValueError(f"unknown pipeline schedule {kind!r}; known: {', '.join(PIPELINE_KINDS)}")
+    if pp == 1:
+        return 0.0
+    if kind == "zb-v":
+        return _zb_v_idle(pp, m, float(t_f), float(t_b), float(t_w))
+    if kind == "zb-h1":  # the closed form holds from m = pp on when T_W <= T_B; otherwise simulated
+        if m < pp or t_w > t_b:
+            return _simulated_idle(pp, m, kind, float(t_f), float(t_b), float(t_w))
+        return (pp - 1) * (t_f + max(t_b - t_w, 0.0))
+    return (pp - 1) * (t_f + t_b + t_w) / (v if kind == "interleaved" else 1)
+
+
+def bubble_fraction(pp: int, m: int, kind: str, v: int = 1, t_f: float = 1.0, t_b: float = 1.0,
+                    t_w: float = 1.0) -> float:
+    """Idle / (busy + idle) of a rank over one flush: :func:`pipeline_idle` over itself plus m
+    micro-batches of T_F+T_B+T_W (at unit costs for 1f1b, interleaved and zb-h1 the
+    ``schedules.bubble_theory`` fractions)."""
+    idle = pipeline_idle(pp, m, kind, v, t_f, t_b, t_w)
+    return idle / (idle + m * (t_f + t_b + t_w))
