@@ -45,7 +45,8 @@ class Placement:
         if self.shape not in PLACEMENTS:
             raise ValueError(f"placement shape must be one of {PLACEMENTS}, got {self.shape!r}")
         if self.shape == "v" and self.v != 2:
-            raise ValueError(f"the V placement holds two model stages per rank, got v={self.v}")
+            raise ValueError(f"the V placement (zb-v) holds two model stages per rank: virtual_stages must be 2, "
+                             f"got {self.v}")
 
     @classmethod
     def for_schedule(cls, pp: int, kind: str, virtual_stages: int = 1) -> "Placement":
