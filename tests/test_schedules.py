@@ -141,6 +141,22 @@ def test_zb_h1_valid_deadlock_free_and_matches_theory(p):
                 assert sim.makespan == pytest.approx(m * sum(costs) + sim.idle[0])
 
 
+def test_zb_h1_closed_form_at_random_costs():
+    """ZB-H1's worst per-rank idle is (p-1)max(T_F+T_B-T_W, T_F, T_B) for m >= p: the paper's
+    (p-1)(T_F+T_B-T_W) only when T_W <= min(T_F, T_B) (at (0.43, 1.0, 0.88) it would say 2.2 for p = 5,
+    the simulator 4.0)."""
+    import random
+
+    rng = random.Random(1)
+    for _ in range(300):
+        p = rng.randint(2, 6)
+        m = rng.randint(p, 3 * p)
+        costs = tuple(round(rng.uniform(0.05, 2.0), 2) for _ in range(3))
+        sim = simulate(build_schedule(p, m, "zb-h1"), p, 1, *costs, eager_sends=True)
+        assert max(sim.idle) == pytest.approx(bubble_time_theory(p, "zb-h1", *costs)), (p, m, costs)
+    assert bubble_time_theory(5, "zb-h1", 0.43, 1.0, 0.88) == pytest.approx(4.0)
+
+
 def test_zb_h1_acceptance_bubble_time_vs_1f1b():
     """Issue 16 acceptance: p = 4, m = 8, T_F = T_B = T_W: ZB-H1's simulated bubble time is
     <= 0.4x 1F1B's (theory: a third), idle fraction ~0.11 vs ~0.27."""

@@ -43,9 +43,9 @@ def pipeline_idle(pp: int, m: int, kind: str, v: int = 1, t_f: float = 1.0, t_b:
     chunks), in any time unit; the executor's timing (sends not waited for).
 
     1f1b / gpipe / naive: (p-1)(T_F+T_B+T_W) (Huang et al. 2019; Narayanan et al. 2021);
-    interleaved with v chunks: that over v (Narayanan et al. 2021); zb-h1: (p-1)(T_F + max(T_B-T_W,
-    0)) for m >= p and T_W <= T_B (Qi et al. 2024, sec. 3.1; ``schedules.bubble_time_theory``), else
-    simulated (at m = p = 2, T = (0.25, 0.35, 0.4) the closed form gives 0.25, the simulator 0.35);
+    interleaved with v chunks: that over v (Narayanan et al. 2021); zb-h1: (p-1)max(T_F+T_B-T_W,
+    T_F, T_B) for m >= p (Qi et al. 2024, sec. 3.1, for T_W <= min(T_F, T_B);
+    ``schedules.bubble_time_theory``), simulated for m < p;
     zb-v: simulated (``schedules.simulate`` of its list-scheduled order, no closed form: 1 to 1.71
     times the synchronous-step bound (p-1)T_F/2 at unit costs; with T_B > T_W it grows with m, the
     order being fixed for unit costs), cached. Tested against ``simulate``.
@@ -56,10 +56,12 @@ def pipeline_idle(pp: int, m: int, kind: str, v: int = 1, t_f: float = 1.0, t_b:
         return 0.0
     if kind == "zb-v":
         return _zb_v_idle(pp, m, float(t_f), float(t_b), float(t_w))
-    if kind == "zb-h1":  # the closed form holds from m = pp on when T_W <= T_B; otherwise simulated
-        if m < pp or t_w > t_b:
+    if kind == "zb-h1":  # the closed form holds from m = pp on; below, simulated
+        if m < pp:
             return _simulated_idle(pp, m, kind, float(t_f), float(t_b), float(t_w))
-        return (pp - 1) * (t_f + max(t_b - t_w, 0.0))
+        from zerotron.parallel.pipeline.schedules import bubble_time_theory  # (imports torch: lazily)
+
+        return bubble_time_theory(pp, kind, t_f, t_b, t_w)
     return (pp - 1) * (t_f + t_b + t_w) / (v if kind == "interleaved" else 1)
 
 
