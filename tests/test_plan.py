@@ -44,7 +44,8 @@ def test_derived_sizes_follow_their_definitions(world, over):
                  ("zero" if p.zero_impl == "native" else "fsdp2") if p.zero_stage else
                  "ddp" if p.dp_impl == "native" else "torch_ddp")
     assert plan.sync == want_sync
-    assert plan.layout() == {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "grad_accum": plan.grad_accum}
+    assert plan.layout() == {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "grad_accum": plan.grad_accum,
+                             "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "cp": 1}
     for k in _FROM_PARALLEL:  # every copied field is the config's
         assert getattr(plan, k) == getattr(p, k), k
     for k in _FROM_TRAIN:

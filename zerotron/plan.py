@@ -167,8 +167,9 @@ class ParallelPlan:
         return "ddp" if self.dp_impl == "native" else "torch_ddp"
 
     def layout(self) -> dict:
-        """``{"dp", "tp", "pp", "grad_accum"}`` (the record checkpoints keep)."""
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "grad_accum": self.grad_accum}
+        """The record checkpoints keep (meta.json "layout"): the degree of every axis of
+        ``zerotron.dims.AXES``, the combined dp degree and ``grad_accum``."""
+        return {**self.dims.degrees, "dp": self.dp, "grad_accum": self.grad_accum}
 
     # ---- the rules ---------------------------------------------------------------------------
     def __post_init__(self):
