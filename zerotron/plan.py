@@ -205,9 +205,6 @@ class ParallelPlan:
     def _check_data_parallel(self) -> None:
         """Precision of the gradient reduction, ZeRO/FSDP2/DDP choices, HSDP."""
         z, impl = self.zero_stage, self.zero_impl
-        _need(not (self.activation_checkpointing == "full" and z == 3),
-              "train.activation_checkpointing = full is not combined with parallel.zero_stage = 3 (block parameters "
-              "are freed after the forward the recomputation repeats); use selective, or zero_stage <= 2")
         _need(not (self.activation_checkpointing != "none" and self.dropout > 0 and self.tp > 1),
               "activation checkpointing with dropout > 0 and tp > 1 is not supported (the tensor-parallel RNG "
               "tracker is not replayed); set model.dropout = 0 or train.activation_checkpointing = none")
@@ -315,8 +312,6 @@ class ParallelPlan:
         _need(tp > 1 or self.tp_impl == "native",
               "parallel.tp_impl = dtensor chooses torch's tensor parallelism and needs parallel.tp > 1: set "
               "parallel.tp, or remove parallel.tp_impl")
-        _need(tp == 1 or self.zero_impl == "native" or self.zero_stage == 0,
-              "parallel.zero_impl = fsdp2 is not combined with tp > 1; use the native ZeRO implementation")
         if self.tp_impl == "dtensor" and tp > 1:
             _need(self.dp == 1 and self.pp == 1 and self.zero_stage == 0 and not self.sequence_parallel
                   and self.pp_schedule not in CHUNKED_SCHEDULES,

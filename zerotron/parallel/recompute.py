@@ -12,6 +12,15 @@ Implemented with ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` by o
 ``forward`` of the block (or attention) *instance*, so parameter names, state dicts and
 checkpoints are unchanged. Dropout masks are reproduced by checkpoint's RNG-state preservation.
 Generation (a KV cache) and evaluation (no grad) run the plain forward.
+
+Parameter sharding. The recompute calls the block's inner forward, not the module, so no forward
+hook fires on it; it runs when backward first needs the block's saved activations, which is after
+the gradient has passed the block's output. Native ZeRO-3 (``parallel.data.zero_gather``) marks
+that output with a pre-backward identity that all-gathers the block's parameters, so the recompute
+and the backward find them gathered, and the gradient hooks free them once the block's gradients
+are reduced: a block's full parameters exist only around its forward and its recompute+backward
+(Rajbhandari et al. 2020, sec. 5.3). FSDP2 (torch ``fully_shard``) unshards a block before its
+backward in the same way (Zhao et al. 2023); the pipeline's ``StageZero`` uses the same gatherer.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ native ZeRO-1/2/3, FSDP2 stage 2/3), dp degree, tp degree, sequence parallelism,
 pipeline schedule (or "threads": the pp stages as worker threads of each process, GPipe,
 ``parallel.pp_impl = threads``), gradient accumulation (micro-batches per dp rank per step), the pipeline
 split (``parallel.pp_split`` auto | even: on the matrix model "auto" gives 5,3 at pp 2 and 3,2,2,1
-at pp 4, so it runs uneven stages) and HSDP replicas (``parallel.dp_replicate``). Options that cannot
+at pp 4, so it runs uneven stages), HSDP replicas (``parallel.dp_replicate``) and activation
+checkpointing (``train.activation_checkpointing`` none | full: every block recomputed in backward). Options that cannot
 matter are canonicalised away (sequence parallelism only with tp > 1, a schedule and a split only with
 pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
 full product; :func:`covering_layouts` picks a small set in which every pair of factor values

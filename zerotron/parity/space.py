@@ -21,6 +21,7 @@ FACTORS = {
     "acc": (1, 4),
     "split": ("auto", "even"),
     "rep": (1, 2),  # parallel.dp_replicate (HSDP: dp = rep replicas x dp/rep shards)
+    "ac": ("none", "full"),  # train.activation_checkpointing (full: every block recomputed in backward)
 }
 # the torch.distributed.pipelining backend (parallel.pp_impl = torch): matrix schedule -> pp_schedule
 TORCH_KINDS = {"torch-gpipe": "gpipe", "torch-1f1b": "1f1b", "torch-interleaved": "interleaved", "torch-zb": "zb-h1"}
@@ -56,6 +57,7 @@ class Layout:
     acc: int
     split: str | None = None
     rep: int = 1
+    ac: str = "none"
 
     @property
     def world(self) -> int:
@@ -70,13 +72,16 @@ class Layout:
         if self.pp > 1:
             parts.append(f"pp{self.pp}-{self.schedule}" + ("-even" if self.split == "even" else ""))
         parts.append(f"acc{self.acc}")
+        if self.ac != "none":
+            parts.append(f"ac{self.ac}")
         return "-".join(parts)
 
     def overrides(self) -> dict:
         """``{"section.field": value}`` config overrides of this layout (on top of MODEL/TRAIN)."""
         o = {"parallel.dp": self.dp, "parallel.tp": self.tp, "parallel.pp": self.pp,
              "parallel.sequence_parallel": str(self.sp).lower(), "parallel.dp_replicate": self.rep,
-             "train.micro_batch": max(GLOBAL_BATCH // (self.dp * self.acc), 1)}
+             "train.micro_batch": max(GLOBAL_BATCH // (self.dp * self.acc), 1),
+             "train.activation_checkpointing": self.ac}
         if self.sync == "torch_ddp":
             o["parallel.dp_impl"] = "torch"
         elif self.sync.startswith("zero"):
@@ -106,8 +111,9 @@ def all_layouts(max_world: int = MAX_WORLD) -> list[Layout]:
     """Every canonical layout of the FACTORS product on at most ``max_world`` processes, sorted."""
     out = set()
     f = FACTORS
-    for sync, dp, tp, sp, pp, sched, acc, split, rep in itertools.product(*f.values()):
-        lay = Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc, split if pp > 1 else None, rep)
+    for sync, dp, tp, sp, pp, sched, acc, split, rep, ac in itertools.product(*f.values()):
+        lay = Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc, split if pp > 1 else None, rep,
+                     ac)
         if lay.world <= max_world:
             out.add(lay)
     return sorted(out, key=lambda l: (l.world, l.name))
@@ -142,8 +148,6 @@ def expected_refusal(layout: Layout) -> str | None:
         return "HSDP under a pipeline runs with native DDP on the native executor only"
     if layout.pp > 1 and layout.sync in ("fsdp2_2", "fsdp2_3", "torch_ddp"):
         return "pipeline x FSDP2 / torch DDP: their hooks expect one whole-model forward per backward"
-    if layout.sync.startswith("fsdp2") and layout.tp > 1:
-        return "FSDP2 is not combined with tensor parallelism"
     if layout.schedule in TORCH_KINDS and (layout.sync != "ddp" or layout.tp > 1):
         return "the torch.distributed.pipelining backend combines only with native DDP, tp = 1"
     if layout.schedule == "torch-1f1b" and layout.acc < layout.pp:
@@ -168,7 +172,12 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
         "ddp-dp4r2-acc4", "zero3-dp4r2-tp2-acc4", "fsdp2_3-dp4r2-acc1", "ddp-dp4r2-pp2-1f1b-acc4",
         # one per torch.distributed.pipelining schedule, over a real dp group where it fits in 4 ranks
         "ddp-dp2-pp2-torch-gpipe-acc4", "ddp-dp2-pp2-torch-1f1b-acc4", "ddp-dp2-pp2-torch-interleaved-acc4",
-        "ddp-dp2-pp2-torch-zb-acc4")
+        "ddp-dp2-pp2-torch-zb-acc4",
+        # FSDP2 over dp x native tensor parallelism (torchtitan's 2-D layout), stages 2 and 3, +- SP
+        "fsdp2_2-dp2-tp2-acc4", "fsdp2_2-dp2-tp2sp-acc1-acfull", "fsdp2_3-dp2-tp2-acc1", "fsdp2_3-dp2-tp2sp-acc4",
+        # full recomputation under parameter sharding: native ZeRO-3 (the recompute runs between the
+        # block's backward gather and its free), in a pipeline (StageZero), and FSDP2 stage 3
+        "zero3-dp2-acc4-acfull", "zero3-dp2-pp2-1f1b-acc4-acfull", "fsdp2_3-dp2-acc4-acfull")
 
 
 def covering_layouts(layouts: list[Layout]) -> list[Layout]:

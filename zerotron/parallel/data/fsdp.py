@@ -13,6 +13,19 @@ that just ran; no explicit forward prefetch is set), so skipped or reordered blo
 torch 2.13 gap is closed here: a block whose forward never ran has no unsharded parameter, and the
 no_sync post-backward reads it (AttributeError '_unsharded_param'), so every block is unsharded
 once at set-up. As with torch, every dp rank must run the same blocks in the same order.
+
+Tensor parallelism (``parallel.tp > 1``, native TP of ``parallel.tensor``, +- sequence parallel;
+torchtitan's default 2-D layout): ``apply_tensor_parallel`` has already cut every sharded weight to
+its plain tp-local tensor, and FSDP2 then shards each tp-local tensor (its dim 0) over the dp
+sub-mesh of this rank's tp coordinate, so a rank holds a 1/(dp*tp) piece of each sharded tensor and
+a 1/dp piece of each tp-replicated one (Zhao et al. 2023 for FSDP; the same composition as
+torchtitan, without DTensor on the tp side). The vocab-parallel loss and the tp collectives inside
+the layers run as without FSDP2. ``fully_shard`` makes new parameter objects, so the tp shard
+records (``param.tp_shard``) are re-attached by name. After FSDP2's reduce-scatter (complete when
+backward returns), :meth:`finish_grads` sums the tp-replicated gradients' dp shards over tp
+(sequence parallel; each tp rank of one dp coordinate holds the same elements); the gradient norm
+sums squares over the dp shard group and, for tp shards, over tp; checkpoints are the canonical
+dense state, gathered over dp (FSDP2's full state dict) then over tp.
 """
 from __future__ import annotations
 
@@ -24,6 +37,7 @@ from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
 from zerotron.parallel.grad_norm import clip_grad_norm
+from zerotron.parallel.tensor.layers import full_tensor, is_tp_sharded, local_shard
 
 
 class FSDP2Strategy(Strategy):
@@ -31,7 +45,8 @@ class FSDP2Strategy(Strategy):
 
     Args: ``model`` (identically initialised CausalLM; each block of its layout is one FSDP unit), ``mesh`` (zerotron Mesh), ``stage`` (2 or 3),
     ``dtype`` ("fp32" | "bf16": bf16 compute with fp32 sharded parameters | "fp64"), ``reduce_dtype``
-    (see ``parallel.precision``).
+    (see ``parallel.precision``). A tensor-parallel ``model`` (``model.tp_group`` set by
+    ``apply_tensor_parallel``) has its tp-local tensors sharded over dp (see the module docstring).
     Raises ValueError for stage 1 (FSDP2 has no optimizer-only sharding)."""
 
     def __init__(self, model, mesh, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto"):
@@ -45,6 +60,11 @@ class FSDP2Strategy(Strategy):
         # dp_shard, gradient shards all-reduced across dp_rep (torch's hybrid sharding)
         dp_mesh = mesh.hsdp_mesh if mesh.hsdp_mesh is not None else mesh.mesh["dp"]
         reshard = stage == 3
+        tp_group = getattr(model, "tp_group", None)
+        self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
+        # name -> TPShard of every tp-sharded parameter (tied names too): fully_shard drops attributes
+        self._tp_shards = {n: p.tp_shard for n, p in model.named_parameters(remove_duplicate=False)
+                           if is_tp_sharded(p)}
         blocks = list(model.blocks())
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -57,7 +77,19 @@ class FSDP2Strategy(Strategy):
             block.reshard()
         self.module, self.group, self.loss_groups, self.stage = model, mesh.group("dp"), [mesh.group("dp")], stage
         self.shard_group = mesh.group("shard")  # the ranks whose local shards are disjoint
+        self._mark_tp_shards()
 
+    def _mark_tp_shards(self) -> None:
+        """Re-attach ``tp_shard`` to the (DTensor) parameters that replaced the tp-sharded ones."""
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            if n in self._tp_shards:
+                p.tp_shard = self._tp_shards[n]
+
+    def finish_grads(self) -> None:
+        """Sequence parallel: sum the tp-replicated gradients over tp. Their dp shards (DTensor
+        local tensors) are final when backward returns (FSDP2 waits for its reduce-scatter in the
+        root's post-backward), and every tp rank of a dp coordinate holds the same elements."""
+        self.sync_tp_replicated()
     def forward_backward(self, micro_batches, n_global, dtype, device):
         return super().forward_backward(micro_batches, n_global / self.group.size(), dtype, device)
 
@@ -86,9 +118,12 @@ class FSDP2Strategy(Strategy):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm from the DTensor gradient shards (each rank of the shard group -- dp, or
         dp_shard with HSDP -- holds different elements):
-        :func:`zerotron.parallel.grad_norm.clip_grad_norm` over that group; clips in place."""
-        return clip_grad_norm([([p.grad for p in self.parameters() if p.grad is not None], [self.shard_group])],
-                              max_norm)
+        :func:`zerotron.parallel.grad_norm.clip_grad_norm` over that group; clips in place.
+        With tensor parallelism the tp shards' squares are summed over tp too, the tp-replicated
+        parameters' counted once (Megatron-LM's rule, ``parallel.grad_norm``)."""
+        ps = [p for p in self.parameters() if p.grad is not None]
+        return clip_grad_norm([([p.grad for p in ps if is_tp_sharded(p)], [self.shard_group, self.tp_group]),
+                               ([p.grad for p in ps if not is_tp_sharded(p)], [self.shard_group])], max_norm)
 
     def _get(self, optimizer, full: bool):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -104,22 +139,63 @@ class FSDP2Strategy(Strategy):
         set_state_dict(self.module, optimizer or [], model_state_dict=msd, optim_state_dict=osd or {},
                        options=StateDictOptions(full_state_dict=full))
 
+    def _tp_map(self, tensors: dict, fn) -> dict:
+        """``{fqn: fn(param, tensor)}`` for the tp-sharded parameters' entries of ``tensors``, the
+        rest unchanged. Entries that are one tensor (tied names) are converted once."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        done: dict = {}
+        out = {}
+        for k, v in tensors.items():
+            p = params.get(k)
+            if p is None or not is_tp_sharded(p) or not isinstance(v, torch.Tensor) or v.dim() == 0:
+                out[k] = v
+            else:
+                if id(v) not in done:
+                    done[id(v)] = fn(p, v)
+                out[k] = done[id(v)]
+        return out
+
     def state_dict(self, optimizer=None):
-        """Canonical (dense, FQN-keyed) model/optimizer state gathered from the DTensor shards."""
-        return self._get(optimizer, full=True)
+        """Canonical (dense, FQN-keyed) model/optimizer state gathered from the DTensor shards:
+        over dp (FSDP2's full state dict), then, with tensor parallelism, over tp (one all-gather
+        per sharded tensor, tag "tp_export"; padding rows dropped). Collective."""
+        msd, osd = self._get(optimizer, full=True)
+        if self.tp_group is None:
+            return msd, osd
+        gather = lambda p, v: full_tensor(p, self.tp_group, local=v)  # noqa: E731
+        msd = self._tp_map(msd, gather)
+        if osd is not None:
+            osd = {**osd, "state": {fqn: {k: self._tp_map({fqn: v}, gather)[fqn] for k, v in st.items()}
+                                    for fqn, st in osd["state"].items()}}
+        return msd, osd
 
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
-        """Load a canonical dense state; every rank keeps its shards."""
+        """Load a canonical dense state (any layout's :meth:`state_dict`); every rank keeps its
+        shards: its tp slice (no communication), then FSDP2 keeps its dp shard of that."""
+        if self.tp_group is not None:
+            cut = lambda p, v: local_shard(p, v, self.tp_group)  # noqa: E731
+            msd = self._tp_map(msd, cut)
+            if osd is not None:
+                osd = {**osd, "state": {fqn: {k: self._tp_map({fqn: v}, cut)[fqn] for k, v in st.items()}
+                                        for fqn, st in osd["state"].items()}}
         self._set(msd, osd, optimizer, full=True)
+        self._mark_tp_shards()
 
     def checkpoint_state(self, optimizer=None):
         """The DTensor-sharded state (``full_state_dict=False``): each rank hands DCP only its
         shards; DCP records them as chunks of the global FQN-keyed tensors, so any layout (and a
-        plain model) can load the files. Collective."""
+        plain model) can load the files. With tensor parallelism the DTensors would describe
+        tp-local tensors under the dense names, so the canonical dense :meth:`state_dict` is handed
+        over instead (as the native tensor-parallel strategies do; DCP writes each key once).
+        Collective."""
+        if self.tp_group is not None:
+            return self.state_dict(optimizer)
         return self._get(optimizer, full=False)
 
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
-        """Load the sharded state DCP filled into :meth:`checkpoint_state`'s dicts."""
+        """Load the state DCP filled into :meth:`checkpoint_state`'s dicts."""
+        if self.tp_group is not None:
+            return self.load_state_dict(msd, osd, optimizer)
         self._set(msd, osd, optimizer, full=False)
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> float:

@@ -281,11 +281,12 @@ def sync_replicated_grads(model: nn.Module) -> int:
     the dp reduction). Reduces in the gradients' own dtype: the fp32 parameter dtype of the DDP
     layouts that call it (``parallel.reduce_dtype`` must then be fp32, zerotron.plan); ZeRO sums
     its dp shards in the reduce dtype instead. No-op (returns 0) without SP or with tp = 1; else
-    returns elements reduced."""
+    returns elements reduced. FSDP2 (DTensor) gradients: their local dp shards are summed (the same
+    elements on every tp rank of one dp coordinate), after FSDP2's reduce-scatter."""
     group = model.tp_group
     if not model.sequence_parallel or group.size() == 1:
         return 0
-    grads = [p.grad for p in model.parameters() if not is_tp_sharded(p) and p.grad is not None]
+    grads = [_local(p.grad) for p in model.parameters() if not is_tp_sharded(p) and p.grad is not None]
     comm.assert_idle(grads, "sync_replicated_grads")  # e.g. a DDP bucket all-reduce still writing them
     total = 0
     for dtype in sorted({g.dtype for g in grads}, key=str):
@@ -296,6 +297,10 @@ def sync_replicated_grads(model: nn.Module) -> int:
             g.copy_(chunk.view_as(g))
         total += flat.numel()
     return total
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    return g.to_local() if hasattr(g, "to_local") else g  # an FSDP2 (DTensor) gradient: this rank's shard
 
 
 def clip_grad_norm_tp(parameters, max_norm: float, tp_group) -> float:
