@@ -157,10 +157,18 @@ def test_hsdp_checkpoint_resumed_by_one_process(data_cache, single_process, tmp_
 @pytest.mark.parametrize("over,world,needle", [
     ({"parallel.dp_replicate": 3, "parallel.zero_stage": 3}, 4, "must be >= 1 and divide the dp degree"),
     ({"parallel.dp_replicate": 2, "parallel.dp_impl": "torch"}, 4, "dp_impl = native"),
-    ({"parallel.dp_replicate": 2, "parallel.pp": 2}, 8, "pipeline"),
+    ({"parallel.dp_replicate": 2, "parallel.pp": 2, "parallel.zero_stage": 1}, 8, "under pipeline parallelism runs with native DDP"),
+    ({"parallel.dp_replicate": 2, "parallel.pp": 2, "parallel.pp_impl": "torch"}, 8, "under pipeline parallelism"),
     ({"parallel.dp_replicate": 0}, 4, "dp_replicate"),
 ])
 def test_hsdp_refusals_are_one_line(over, world, needle):
     with pytest.raises(ConfigError) as e:
         build_plan(tiny_config({**MODEL, "train.micro_batch": 1, **over}), world)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_hsdp_under_a_pipeline_with_native_ddp_is_planned():
+    """pp 2 x dp 4 = 2 replicas x 2 shards with native DDP: a valid plan (its parity is in the matrix)."""
+    plan = build_plan(tiny_config({**MODEL, "train.micro_batch": 1, "parallel.dp_replicate": 2,
+                                   "parallel.pp": 2}), 8)
+    assert (plan.runner, plan.sync, plan.dp_replicate, plan.dp_shard) == ("pipeline", "ddp", 2, 2)
