@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotron.config import Config, ConfigError, ParallelConfig
-from zerotron.plan import _FROM_PARALLEL, _FROM_TRAIN, ParallelDims, ParallelPlan, build_plan
+from zerotron.config import Config, ConfigError, ParallelConfig, TrainConfig
+from zerotron.plan import ParallelDims, ParallelPlan, build_plan
 from zerotron.testing import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,19 +46,31 @@ def test_derived_sizes_follow_their_definitions(world, over):
     assert plan.sync == want_sync
     assert plan.layout() == {"dp": plan.dp, "tp": plan.tp, "pp": plan.pp, "grad_accum": plan.grad_accum,
                              "dp_replicate": plan.dp_replicate, "dp_shard": plan.dp_shard, "cp": 1}
-    for k in _FROM_PARALLEL:  # every copied field is the config's
-        assert getattr(plan, k) == getattr(p, k), k
-    for k in _FROM_TRAIN:
-        assert getattr(plan, k) == getattr(t, k), k
+    for f in dataclasses.fields(ParallelConfig):  # every setting reads as the config's (dp: resolved)
+        if f.name != "dp":
+            assert getattr(plan, f.name) == getattr(p, f.name), f.name
+    for f in dataclasses.fields(TrainConfig):
+        assert getattr(plan, f.name) == getattr(t, f.name), f.name
     assert plan.shape["n_layer"] == cfg.model.n_layer or cfg.model.n_layer == 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.zero_stage = 1  # built once: nobody patches a plan afterwards
+    before = plan.pp_schedule, plan.micro_batch
+    p.pp_schedule, t.micro_batch = "zb-v", 999  # the plan holds copies of the sections
+    assert (plan.pp_schedule, plan.micro_batch) == before
 
 
 def test_defaults_are_the_configs_and_any_plan_is_valid():
     default, section = ParallelPlan(), ParallelConfig()
-    for k in _FROM_PARALLEL:
-        assert getattr(default, k) == getattr(section, k), k
+    for f in dataclasses.fields(ParallelConfig):
+        if f.name != "dp":  # the resolved degree
+            assert getattr(default, f.name) == getattr(section, f.name), f.name
+    with pytest.raises(TypeError, match="degrees come from dims"):
+        ParallelPlan(tp=2)
+    assert (default.micro_batch, default.global_batch, default.seed) == (1, 0, 0)
+    with pytest.raises(TypeError, match="'zero_stges' is not a parallel"):
+        ParallelPlan(zero_stges=1)
+    with pytest.raises(AttributeError):
+        default.no_such_setting
     assert default.batch == default.micro_batch * default.dp and default.grad_accum == 1
     # constructing a plan directly runs the same rules as build_plan
     for fields, msg in [({"pp_schedule": "zigzag"}, "pp_schedule must be one of"),

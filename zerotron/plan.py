@@ -17,8 +17,9 @@ Pure Python (no torch import), so ``zerotron plan``/``memory`` and config checks
 """
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 from .config import Config, ConfigError, ParallelConfig, TrainConfig
 from .config_checks import check_values
@@ -39,10 +40,9 @@ RUNNERS = ("plain", "pipeline", "threads", "torch")
 SYNCS = ("ddp", "torch_ddp", "zero", "fsdp2", "dtensor_tp")
 
 
-# the plan fields that copy a config field of the same name (defaults too: one source)
-_FROM_PARALLEL = ("reduce_dtype", "dp_impl", "bucket_mb", "find_unused_parameters", "zero_stage", "zero_impl", "tp_impl",
-                  "sequence_parallel", "pp_schedule", "pp_impl", "microbatches", "virtual_stages", "pp_split", "backend")
-_FROM_TRAIN = ("micro_batch", "global_batch", "dtype", "activation_checkpointing", "seed", "device")
+_PARALLEL_FIELDS = frozenset(f.name for f in fields(ParallelConfig))
+_TRAIN_FIELDS = frozenset(f.name for f in fields(TrainConfig))
+_DEGREES = ("dp", "tp", "pp", "dp_replicate")  # the plan's are its dims' (resolved), never the section's
 
 
 def _need(cond, msg: str) -> None:
@@ -50,54 +50,74 @@ def _need(cond, msg: str) -> None:
         raise ConfigError(msg)
 
 
-@dataclass(frozen=True)
+# what a plan built directly (tests, inference) assumes for the train settings it is not given:
+# one micro-batch of one sequence per dp rank and step, seed 0
+_DIRECT_TRAIN = {"micro_batch": 1, "global_batch": 0, "seed": 0}
+
+
+@dataclass(frozen=True, init=False)
 class ParallelPlan:
     """A validated layout: what runs where, and the derived sizes. Built by :func:`build_plan`
-    (from a config) or directly (tests, inference: only the fields that differ from the defaults).
+    (from a config) or directly (tests, inference: only the settings that differ from the
+    defaults, e.g. ``ParallelPlan(dims, pp_schedule="zb-v", virtual_stages=2)``).
 
-    Fields mirror ``parallel.*`` and the layout-relevant ``train.*`` settings (same names, same
-    units: ``bucket_mb`` in MiB; ``global_batch``/``micro_batch`` in sequences; ``global_batch = 0``
-    means one micro-batch per dp rank per step). ``shape`` is the resolved model shape
+    The plan keeps private copies of the config sections it reads -- ``parallel``
+    (:class:`~zerotron.config.ParallelConfig`) and ``train`` (:class:`~zerotron.config.TrainConfig`)
+    -- instead of re-declaring their fields: every setting of either section reads as an attribute
+    of the plan (``plan.zero_stage``, ``plan.micro_batch``, same names and units as the config:
+    ``bucket_mb`` in MiB, ``global_batch``/``micro_batch`` in sequences, ``global_batch = 0``
+    meaning one micro-batch per dp rank per step), so a new setting is declared once, in
+    ``config.py``. The degrees are the resolved ``dims`` (``plan.dp`` is never the "0 = derive" of
+    ``parallel.dp``). ``dropout`` is ``model.dropout``; ``shape`` is the resolved model shape
     (``config.model_shape``: n_layer, n_head, n_embd, block_size, + n_kv_head / intermediate_size
     for families that have them) or None when unknown (then the model-size rules are not checked;
     the strategies still refuse a split the model cannot take).
 
+    Args: ``dims`` (default: one process), ``parallel``/``train`` (sections to copy; defaults: the
+    config defaults, with ``micro_batch = 1, global_batch = 0, seed = 0`` for ``train``),
+    ``dropout``, ``shape``, and any field of either section as a keyword, applied on top.
+
     Raises ConfigError (one line naming the setting and the fix) for every combination the engine
     cannot run: see the rules in ``__post_init__`` (the parity matrix, ``zerotron.parity``, asserts
-    each refusal is the documented one)."""
+    each refusal is the documented one); TypeError for a keyword that names no setting."""
 
-    dims: ParallelDims = field(default_factory=lambda: ParallelDims(1))
-    micro_batch: int = 1
-    global_batch: int = 0
-    dtype: str = TrainConfig.dtype
-    reduce_dtype: str = ParallelConfig.reduce_dtype
-    dp_impl: str = ParallelConfig.dp_impl
-    bucket_mb: float = ParallelConfig.bucket_mb
-    find_unused_parameters: bool = ParallelConfig.find_unused_parameters
-    zero_stage: int = ParallelConfig.zero_stage
-    zero_impl: str = ParallelConfig.zero_impl
-    tp_impl: str = ParallelConfig.tp_impl
-    sequence_parallel: bool = ParallelConfig.sequence_parallel
-    pp_schedule: str = ParallelConfig.pp_schedule
-    pp_impl: str = ParallelConfig.pp_impl
-    microbatches: int = ParallelConfig.microbatches
-    virtual_stages: int = ParallelConfig.virtual_stages
-    pp_split: str = ParallelConfig.pp_split
-    backend: str = ParallelConfig.backend
-    device: str = TrainConfig.device
-    activation_checkpointing: str = TrainConfig.activation_checkpointing
-    dropout: float = 0.0
-    seed: int = 0
-    shape: dict | None = None
+    dims: ParallelDims
+    parallel: ParallelConfig
+    train: TrainConfig
+    dropout: float
+    shape: dict | None
+
+    def __init__(self, dims: ParallelDims | None = None, *, parallel: ParallelConfig | None = None,
+                 train: TrainConfig | None = None, dropout: float = 0.0, shape: dict | None = None, **fields):
+        par = copy.deepcopy(parallel) if parallel is not None else ParallelConfig()
+        tr = copy.deepcopy(train) if train is not None else TrainConfig(**_DIRECT_TRAIN)
+        for name, value in fields.items():
+            if name in _DEGREES:
+                raise TypeError(f"ParallelPlan: the degrees come from dims, not {name}=: pass ParallelDims(...)")
+            section = par if name in _PARALLEL_FIELDS else tr if name in _TRAIN_FIELDS else None
+            if section is None:
+                raise TypeError(f"ParallelPlan: {name!r} is not a parallel.* or train.* setting")
+            setattr(section, name, value)
+        for name, value in (("dims", dims if dims is not None else ParallelDims(1)), ("parallel", par),
+                            ("train", tr), ("dropout", dropout), ("shape", shape)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    def __getattr__(self, name: str):
+        """A setting of the copied ``parallel`` or ``train`` section (only reached for names that
+        are not the plan's own attributes or properties)."""
+        if not name.startswith("__"):
+            for section, names in (("parallel", _PARALLEL_FIELDS), ("train", _TRAIN_FIELDS)):
+                if name in names and section in self.__dict__:
+                    return getattr(self.__dict__[section], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def from_config(cls, cfg: Config, dims: ParallelDims, shape: dict | None = None, **fields) -> "ParallelPlan":
-        """The plan of ``cfg``'s parallel section and layout-relevant train/model settings on
-        ``dims``, with ``fields`` on top (no :func:`check_values`: use :func:`build_plan` for a
-        run). Raises ConfigError as the constructor does."""
-        base = {**{k: getattr(cfg.parallel, k) for k in _FROM_PARALLEL}, **{k: getattr(cfg.train, k) for k in _FROM_TRAIN},
-                "dropout": cfg.model.dropout, "shape": shape}
-        return cls(dims=dims, **{**base, **fields})
+        """The plan of ``cfg``'s parallel and train sections and model dropout on ``dims``, with
+        ``fields`` on top (no :func:`check_values`: use :func:`build_plan` for a run). Raises
+        ConfigError as the constructor does."""
+        return cls(dims, parallel=cfg.parallel, train=cfg.train, dropout=cfg.model.dropout, shape=shape, **fields)
 
     # ---- derived sizes -----------------------------------------------------------------------
     world_size = property(lambda self: self.dims.world_size, doc="processes in the run")
