@@ -50,7 +50,9 @@ def test_dims_refusals():
     for kwargs, msg in [({"world_size": 6, "tp": 4}, "not divisible by tp\\*pp"),
                         ({"world_size": 8, "dp": 3}, "does not equal the world size"),
                         ({"world_size": 8, "dp_replicate": 3}, "must be >= 1 and divide the dp degree"),
-                        ({"world_size": 8, "cp": 0}, "parallel.cp must be >= 1")]:
+                        ({"world_size": 8, "cp": 0}, "parallel.cp must be >= 1"),
+                        ({"world_size": 0}, "world size must be >= 1"),
+                        ({"world_size": 4, "tp": 1.5}, "must be an integer")]:
         with pytest.raises(ConfigError, match=msg):
             ParallelDims(**kwargs)
     d = ParallelDims(8, 0, 2, 2)
@@ -59,6 +61,11 @@ def test_dims_refusals():
             d.rank(**bad)
     with pytest.raises(ValueError, match="outside the world"):
         d.coords(8)
+    for bad in ("bogus", "dp_rank"):
+        with pytest.raises(KeyError, match="unknown group"):
+            d.group_ranks(bad)
+        with pytest.raises(KeyError, match="unknown group"):
+            d.size(bad)
 
 
 def test_placement_from_the_plan():
@@ -80,8 +87,9 @@ def test_zb_v_on_nccl_is_refused_by_the_plan():
     """Before any process group exists (the runner used to find out after building them)."""
     base = {"dims": ParallelDims(2, 1, 1, 2), "pp_schedule": "zb-v", "virtual_stages": 2}
     for extra in ({"backend": "nccl"}, {"device": "cuda"}):
-        with pytest.raises(ConfigError, match="zb-v runs on the gloo backend only"):
+        with pytest.raises(ConfigError, match="zb-v runs on the gloo backend only") as e:
             ParallelPlan(**base, **extra)
+        assert "backend = gloo" not in str(e.value)  # no advice to run a GPU job's pipeline on gloo
     assert ParallelPlan(**base, backend="gloo").collective_backend == "gloo"
     assert ParallelPlan(**base, device="cpu").collective_backend == "gloo"
     assert ParallelPlan(**{**base, "pp_schedule": "zb-h1", "virtual_stages": 1}, backend="nccl")

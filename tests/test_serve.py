@@ -244,6 +244,9 @@ def test_serve_cannot_listen_is_one_line(checkpoint, capsys):
     assert code == 2 and "--batch-window-ms must be a finite number in [0, 60000], got nan" in err, err
     code, err = serve(str(checkpoint), "--host", "no-such-host.invalid", "--port", "0")
     assert code == 2 and "cannot listen on no-such-host.invalid:0" in err and "Traceback" not in err, err
+    # the tiny model has 4 heads: tp 3 is the plan's one-line refusal here too, before any worker
+    code, err = serve(str(checkpoint), "--nproc", "3", "--parallel.tp", "3", "--port", "0")
+    assert code == 2 and err.count("\n") == 1 and "--parallel.tp (3) must divide model.n_head (4)" in err, err
 
 
 def test_stream_text_holds_back_what_may_change():

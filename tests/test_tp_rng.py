@@ -41,7 +41,7 @@ def _train(overrides, run_dir, resume=False):
     with contextlib.redirect_stdout(printed):
         tr = Trainer(cfg, run_dir, resume=resume)
     tracker = next(m.tracker for m in tr.strategy.module.modules() if isinstance(m, TrackedDropout))
-    out = {"coords": dict(tr.mesh.coords), "start": _tracker_digests(tracker), "losses": [],
+    out = {"coords": {k: tr.mesh.coords[k] for k in ("pp", "dp", "tp")}, "start": _tracker_digests(tracker), "losses": [],
            "printed": printed.getvalue()}
     tr.fit(callback=lambda t, rec: out["losses"].append(rec["loss"]))
     out["end"] = _tracker_digests(tracker)

@@ -72,6 +72,11 @@ class ParallelDims:
     cp: int = 1
 
     def __post_init__(self):
+        for name in ("world_size", "dp", "tp", "pp", "dp_replicate", "cp"):
+            value = getattr(self, name)
+            _need(isinstance(value, int) and not isinstance(value, bool),
+                  f"parallel degree {name} must be an integer, got {value!r}")
+        _need(self.world_size >= 1, f"the world size must be >= 1, got {self.world_size}")
         for name in ("tp", "pp", "cp"):
             _need(getattr(self, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         _need(self.dp >= 0, f"parallel.dp must be >= 1 (or 0 = derive from world size), got {self.dp}")
@@ -105,6 +110,8 @@ class ParallelDims:
         name = ALIASES.get(name, name)
         if name in AXES:
             return getattr(self, name)
+        if name not in COMBINED:
+            raise KeyError(f"unknown group {name!r}; axes {AXES}, combined groups {tuple(COMBINED)}")
         out = 1
         for a in COMBINED[name]:
             out *= getattr(self, a)
@@ -166,7 +173,10 @@ class ParallelDims:
     def group_ranks(self, name: str) -> list[list[int]]:
         """Every group of axis or combined group ``name``: a list of global-rank lists (each in
         increasing coordinate order), together covering the world once."""
-        axes = COMBINED.get(ALIASES.get(name, name), (ALIASES.get(name, name),))
+        name = ALIASES.get(name, name)
+        if name not in AXES and name not in COMBINED:
+            raise KeyError(f"unknown group {name!r}; axes {AXES}, combined groups {tuple(COMBINED)}")
+        axes = COMBINED.get(name, (name,))
         others = [a for a in AXES if a not in axes]
         groups: dict = {}
         for r in range(self.world_size):

@@ -247,11 +247,14 @@ class ParallelPlan:
             _need(z > 0 or self.dp_impl == "native",
                   "parallel.dp_replicate > 1 needs parallel.dp_impl = native (hierarchical all-reduce) or a "
                   "parallel.zero_stage; torch DDP reduces over one flat group")
-            _need(self.runner == "plain" or (self.runner == "pipeline" and z == 0),
-                  "parallel.dp_replicate > 1 under pipeline parallelism runs with native DDP (parallel.zero_stage "
-                  "= 0) on parallel.pp_impl = native (the pipeline's ZeRO driver shards over the whole dp group; "
-                  "the threaded and torch executors reduce over one flat group); set parallel.dp_replicate = 1, "
-                  "parallel.zero_stage = 0, or parallel.pp = 1")
+            _need(self.runner in ("plain", "pipeline"),
+                  f"parallel.dp_replicate > 1 under pipeline parallelism runs on parallel.pp_impl = native (the "
+                  f"{self.pp_impl} executor reduces over one flat group); set parallel.pp_impl = native or "
+                  "parallel.dp_replicate = 1")
+            _need(self.runner == "plain" or z == 0,
+                  "parallel.dp_replicate > 1 under pipeline parallelism runs with native DDP (the pipeline's ZeRO "
+                  "driver shards over the whole dp group); set parallel.zero_stage = 0, parallel.dp_replicate = 1, "
+                  "or parallel.pp = 1")
 
     def _check_pipeline(self) -> None:
         """Runner x synchroniser compositions, schedule sizes and the layer split."""
@@ -287,8 +290,8 @@ class ParallelPlan:
             # zb-v's order is deadlock-free only with sends that complete in the background (gloo)
             _need(pp == 1 or impl != "native" or self.collective_backend == "gloo",
                   "parallel.pp_schedule = zb-v runs on the gloo backend only (its order needs sends that complete "
-                  "in the background), and this run uses nccl: use parallel.pp_schedule = zb-h1, or "
-                  "parallel.backend = gloo")
+                  "in the background), and this run uses nccl: use parallel.pp_schedule = zb-h1 (the same split "
+                  "backward, one stage per rank)")
         elif interleaved or threads:
             _need(self.virtual_stages >= 2,
                   f"parallel.virtual_stages must be >= 2 for the interleaved schedule or pp_impl = threads (model "

@@ -45,7 +45,10 @@ def cmd_generate(argv: list[str]) -> int:
             ckpt_dir = resolve_checkpoint(args.checkpoint)
             model_cfg = read_meta(ckpt_dir).get("model_config", {})
             read_prompts(args, load_tokenizer(ckpt_dir / "tokenizer.json"))  # fail once, before the workers
-            if args.tp < 1 or args.pp < 1 or args.nproc % (args.tp * args.pp):
+            for name, value in (("--parallel.tp", args.tp), ("--parallel.pp", args.pp)):
+                if value < 1:
+                    raise ValueError(f"{name} must be >= 1, got {value}")
+            if args.nproc % (args.tp * args.pp):
                 raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp "
                                  f"({args.tp} x {args.pp})")
             reason = tp_refusal(args.tp, model_cfg, tp_name="--parallel.tp")  # the rule the plan applies

@@ -77,6 +77,13 @@ def main(argv: list[str]) -> int:
         # the layout fits the world size: one line here, not a traceback in every rank
         ParallelDims(int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc), 0, args.tp, args.pp)
         ckpt = resolve_checkpoint(args.checkpoint)
+        if not in_worker():  # the model's heads split over tp: the rule the plan applies, before any worker
+            from zerotron.models.layout import tp_refusal
+            from zerotron.train.checkpoint import read_meta
+
+            reason = tp_refusal(args.tp, read_meta(ckpt).get("model_config", {}), tp_name="--parallel.tp")
+            if reason:
+                raise ValueError(reason)
         if not in_worker() or os.environ.get("RANK") == "0":
             check_listen(args.host, args.port)  # before any worker or model is started
         if not in_worker():  # files present and checksums equal, before any worker starts
