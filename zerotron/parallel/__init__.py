@@ -72,9 +72,17 @@ def _data_parallel(model, plan, mesh, mask):
         return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype)
     if plan.sync == "ddp":
         return DataParallel(model, group, bucket_mb=plan.bucket_mb, src_rank=src,
-                            shard_group=mesh.group("shard") if mesh.group("dp_rep") else None,
-                            replicate_group=mesh.group("dp_rep"))
+                            **_hierarchy(mesh))
     return TorchDDP(model, group, bucket_mb=plan.bucket_mb, find_unused_parameters=plan.find_unused_parameters)
+
+
+def _hierarchy(mesh) -> dict:
+    """DDP's HSDP groups: the shard and replicate groups when the dp group has both replicas and
+    shards of more than one rank; else none (with one rank per shard the replicas are the dp group,
+    and one flat all-reduce is the same sum without the reduce-scatter and all-gather over one rank)."""
+    if mesh.group("dp_rep") is None or mesh.size("shard") == 1:
+        return {"shard_group": None, "replicate_group": None}
+    return {"shard_group": mesh.group("shard"), "replicate_group": mesh.group("dp_rep")}
 
 
 __all__ = ["parallelize", "Strategy", "DataParallel", "TorchDDP", "unique_params", "autocast_ctx", "token_loss_sum"]

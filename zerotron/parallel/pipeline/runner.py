@@ -151,10 +151,10 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             self.zero = StageZero(self.module, self.dp_group, mask, self.tied, p.dtype, p.reduce_dtype,
                                   stage=p.zero_stage)
         else:
-            hsdp = mesh.group("dp_rep") is not None  # hierarchical: reduce-scatter / all-reduce / all-gather
+            hsdp = mesh.group("dp_rep") is not None and mesh.size("shard") > 1  # else one flat all-reduce
             self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb, src_rank=mesh.peer(dp=0),
                                     shard_group=mesh.group("shard") if hsdp else None,
-                                    replicate_group=mesh.group("dp_rep"))
+                                    replicate_group=mesh.group("dp_rep") if hsdp else None)
         self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
         self.tied_group = None
         if self.last_rank != 0 and lay.tied:  # one {pp-first, pp-last} group per pipeline, made everywhere
