@@ -306,6 +306,10 @@ def memory_parser() -> argparse.ArgumentParser:
 
 def _memory_run(args) -> int:
     try:
+        for name, value, low in (("--pp", args.pp, 1), ("--virtual-stages", args.virtual_stages, 1),
+                                 ("--microbatches", args.microbatches, 0)):
+            if value is not None and value < low:  # this command's option names, not the estimator's
+                raise ValueError(f"{name} must be >= {low}, got {value}")
         if (args.seq is not None or args.tp != 1 or args.pp != 1) and not args.model:
             raise ValueError("--seq, --tp and --pp need a model shape: use --model PRESET")
         if args.model:  # the tensor-parallel rule, with this command's option names

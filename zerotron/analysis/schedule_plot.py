@@ -207,7 +207,8 @@ def _schedule_run(args) -> int:
     shown = f"{theory:.4f}" if theory is not None else "n/a (m < pp)"
     print(f"bubble simulated {sim.bubble_fraction:.4f}   theory {shown}   "
           f"makespan {sim.makespan:g}   idle per rank {max(sim.idle):g}")
-    print(f"peak in-flight micro-batches per rank: {sim.peak_in_flight}")
+    unit = "(micro-batch, chunk) units" if v > 1 else "micro-batches"  # a chunk holds 1/v of a rank's layers
+    print(f"peak in-flight {unit} per rank: {sim.peak_in_flight}")
     print(ascii_timeline(sim))
     print("(lower case = forward, upper case = backward"
           + (" B, digit = weight gradients W" if split_bw else "") + ", a = micro-batch 0, '.' = idle)")
