@@ -18,6 +18,7 @@ from __future__ import annotations
 from zerotron.parallel.base import Strategy, autocast_ctx, token_loss_sum, unique_params
 from zerotron.parallel.data.ddp import DataParallel, TorchDDP
 from zerotron.parallel.data.fsdp import FSDP2Strategy
+from zerotron.parallel.data.hsdp import ddp_hierarchy
 from zerotron.parallel.data.zero import ZeroStrategy
 from zerotron.parallel.dtensor_tp import DTensorTPStrategy
 from zerotron.parallel.optim import decay_mask_by_name
@@ -72,17 +73,8 @@ def _data_parallel(model, plan, mesh, mask):
         return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype)
     if plan.sync == "ddp":
         return DataParallel(model, group, bucket_mb=plan.bucket_mb, src_rank=src,
-                            **_hierarchy(mesh))
+                            **ddp_hierarchy(mesh))
     return TorchDDP(model, group, bucket_mb=plan.bucket_mb, find_unused_parameters=plan.find_unused_parameters)
-
-
-def _hierarchy(mesh) -> dict:
-    """DDP's HSDP groups: the shard and replicate groups when the dp group has both replicas and
-    shards of more than one rank; else none (with one rank per shard the replicas are the dp group,
-    and one flat all-reduce is the same sum without the reduce-scatter and all-gather over one rank)."""
-    if mesh.group("dp_rep") is None or mesh.size("shard") == 1:
-        return {"shard_group": None, "replicate_group": None}
-    return {"shard_group": mesh.group("shard"), "replicate_group": mesh.group("dp_rep")}
 
 
 __all__ = ["parallelize", "Strategy", "DataParallel", "TorchDDP", "unique_params", "autocast_ctx", "token_loss_sum"]

@@ -109,6 +109,17 @@ class HierarchicalAllReduce:
         self.work, self.stage = None, -1
 
 
+def ddp_hierarchy(mesh) -> dict:
+    """Native DDP's HSDP groups on ``mesh`` (a ``distributed.mesh.Mesh``), as ``DataParallel``
+    keywords: the shard and replicate groups when the dp group has replicas and shards of more than
+    one rank; else none (with one rank per shard the replicas are the dp group, and one flat
+    all-reduce is the same sum without a reduce-scatter and all-gather over one rank). The one rule
+    for the plain and the pipelined DDP."""
+    if mesh.group("dp_rep") is None or mesh.size("shard") == 1:
+        return {"shard_group": None, "replicate_group": None}
+    return {"shard_group": mesh.group("shard"), "replicate_group": mesh.group("dp_rep")}
+
+
 def progress(reducers: list[HierarchicalAllReduce], block: bool = False) -> None:
     """Advance launched :class:`HierarchicalAllReduce` s phase by phase, each phase in list order
     (every rank issues each group's collectives in the same order, as collectives must match): the

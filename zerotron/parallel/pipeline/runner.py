@@ -74,6 +74,7 @@ from zerotron.models.layout import get_module
 from zerotron.parallel.base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
 from zerotron.parallel.data.ddp import DataParallel
 from zerotron.parallel.data.flat_shard import flat_state_bytes
+from zerotron.parallel.data.hsdp import ddp_hierarchy
 from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.optim import build_optimizer, decay_mask
 from zerotron.parallel.pipeline.balance import announce_split, resolve_split
@@ -151,10 +152,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             self.zero = StageZero(self.module, self.dp_group, mask, self.tied, p.dtype, p.reduce_dtype,
                                   stage=p.zero_stage)
         else:
-            hsdp = mesh.group("dp_rep") is not None and mesh.size("shard") > 1  # else one flat all-reduce
             self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb, src_rank=mesh.peer(dp=0),
-                                    shard_group=mesh.group("shard") if hsdp else None,
-                                    replicate_group=mesh.group("dp_rep") if hsdp else None)
+                                    **ddp_hierarchy(mesh))  # HSDP: hierarchical all-reduce per bucket
         self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
         self.tied_group = None
         if self.last_rank != 0 and lay.tied:  # one {pp-first, pp-last} group per pipeline, made everywhere
