@@ -243,7 +243,7 @@ class ParallelPlan:
         _need(not self.find_unused_parameters or (self.dp_impl == "torch" and z == 0),
               "parallel.find_unused_parameters applies to parallel.dp_impl = torch with zero_stage = 0 only (native "
               "DDP and ZeRO always skip parameters without gradient); remove it or set parallel.dp_impl = torch")
-        if self.dp_replicate > 1:  # HSDP: native DDP / ZeRO, FSDP2 through its 2-D mesh; a pipeline with DDP
+        if self.dp_replicate > 1:  # HSDP: native DDP / ZeRO, FSDP2 through its 2-D mesh; a pipeline natively
             _need(z > 0 or self.dp_impl == "native",
                   "parallel.dp_replicate > 1 needs parallel.dp_impl = native (hierarchical all-reduce) or a "
                   "parallel.zero_stage; torch DDP reduces over one flat group")
@@ -251,9 +251,9 @@ class ParallelPlan:
                   f"parallel.dp_replicate > 1 under pipeline parallelism runs on parallel.pp_impl = native (the "
                   f"{self.pp_impl} executor reduces over one flat group); set parallel.pp_impl = native or "
                   "parallel.dp_replicate = 1")
-            _need(self.runner == "plain" or z == 0,
-                  "parallel.dp_replicate > 1 under pipeline parallelism runs with native DDP (the pipeline's ZeRO "
-                  "driver shards over the whole dp group); set parallel.zero_stage = 0, parallel.dp_replicate = 1, "
+            _need(self.runner == "plain" or z == 0 or impl == "native",
+                  "parallel.dp_replicate > 1 under pipeline parallelism runs with native DDP or native ZeRO (FSDP2's "
+                  "2-D HSDP mesh is not split per stage); set parallel.zero_impl = native, parallel.dp_replicate = 1, "
                   "or parallel.pp = 1")
 
     def _check_pipeline(self) -> None:

@@ -226,7 +226,8 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
 def _replicas(dp: int, tp: int, pp: int, cm: CostModel) -> list[int]:
     """HSDP replica counts to price for a (dp, tp, pp) mesh: 1 (flat), and, where the dp x tp
     block spans several nodes, R = dp * tp / gpus_per_node so that each shard group x tp fills one
-    node (the layout HSDP is for); pipeline layouts stay flat (zerotron refuses pp x HSDP)."""
+    node (the layout HSDP is for); pipeline layouts stay flat (pp x native HSDP runs, but the
+    planner does not price it yet)."""
     K = cm.gpus_per_node
     if pp > 1 or dp * tp <= K or K % tp or dp % (K // tp):
         return [1]
@@ -235,10 +236,11 @@ def _replicas(dp: int, tp: int, pp: int, cm: CostModel) -> list[int]:
 
 
 def _refused(pp: int, rep: int) -> bool:
-    """True for a layout zerotron's config validation refuses: pipeline x HSDP (``_replicas``
-    never proposes it). Pipeline x ZeRO-2/3 runs (parallel.pipeline.stage_zero); pipeline x FSDP2
-    and x torch DDP are refused too, but the planner prices native ZeRO/DDP only."""
-    return pp > 1 and rep > 1
+    """True for a layout zerotron's config validation refuses among those the planner prices
+    (native DDP / ZeRO-0..3): none. Pipeline x ZeRO-1/2/3 and pipeline x native HSDP run (one ZeRO
+    driver, ``parallel.data.zero``, per pipeline rank); ``_replicas`` proposes no HSDP under a
+    pipeline yet."""
+    return False
 
 
 def _rank_key(r: dict) -> tuple:

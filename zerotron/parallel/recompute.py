@@ -20,7 +20,7 @@ that output with a pre-backward identity that all-gathers the block's parameters
 and the backward find them gathered, and the gradient hooks free them once the block's gradients
 are reduced: a block's full parameters exist only around its forward and its recompute+backward
 (Rajbhandari et al. 2020, sec. 5.3). FSDP2 (torch ``fully_shard``) unshards a block before its
-backward in the same way (Zhao et al. 2023); the pipeline's ``StageZero`` uses the same gatherer.
+backward in the same way (Zhao et al. 2023); a pipeline's ZeRO-3 is the same driver (``data.zero.ZeroSync``).
 """
 from __future__ import annotations
 

@@ -143,9 +143,9 @@ def expected_refusal(layout: Layout) -> str | None:
         return "HSDP: parallel.dp_replicate must divide dp"
     if layout.rep > 1 and layout.sync == "torch_ddp":
         return "HSDP: torch DDP reduces over one flat group"
-    if layout.rep > 1 and layout.pp > 1 and (layout.sync != "ddp" or layout.schedule == "threads"
-                                             or layout.schedule in TORCH_KINDS):
-        return "HSDP under a pipeline runs with native DDP on the native executor only"
+    if layout.rep > 1 and layout.pp > 1 and (layout.sync not in ("ddp", "zero1", "zero2", "zero3")
+                                             or layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
+        return "HSDP under a pipeline runs with native DDP or native ZeRO on the native executor only"
     if layout.pp > 1 and layout.sync in ("fsdp2_2", "fsdp2_3", "torch_ddp"):
         return "pipeline x FSDP2 / torch DDP: their hooks expect one whole-model forward per backward"
     if layout.schedule in TORCH_KINDS and (layout.sync != "ddp" or layout.tp > 1):
@@ -166,17 +166,21 @@ def expected_refusal(layout: Layout) -> str | None:
 # ZeRO-3 blocks gathered for W) and under DDP buckets with tensor parallelism (buckets fire in W),
 # zb-v's V placement (first and last stage on rank 0, the tied weight local) under ZeRO-3 and
 # under DDP with tensor parallelism, and HSDP (dp 4 = 2 replicas x 2 shards) for ZeRO-2, ZeRO-3 and hierarchical DDP, with accumulation
-# (shard gradients summed locally, one all-reduce across replicas per step), with tp 2 and (DDP) under a 1F1B pipeline
+# (shard gradients summed locally, one all-reduce across replicas per step), with tp 2 and (DDP) under a 1F1B pipeline;
+# pipeline x native HSDP ZeRO (the plain runner's driver per pipeline rank: shard-group reductions
+# per backward action, replica all-reduce in finish_grads): ZeRO-3 over dp 4 = 2 x 2 under 1F1B,
+# ZeRO-1 over dp 2 = 2 replicas x 1 under ZB-H1's split backward
 MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-dp2-pp2-zb-h1-acc4",
         "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4", "zero3-dp2-pp2-zb-v-acc4", "ddp-dp2-tp2sp-pp2-zb-v-acc4", "zero2-dp4r2-acc4", "zero3-dp4r2-acc1",
         "ddp-dp4r2-acc4", "zero3-dp4r2-tp2-acc4", "fsdp2_3-dp4r2-acc1", "ddp-dp4r2-pp2-1f1b-acc4",
+        "zero3-dp4r2-pp2-1f1b-acc4", "zero1-dp2r2-pp2-zb-h1-acc4",
         # one per torch.distributed.pipelining schedule, over a real dp group where it fits in 4 ranks
         "ddp-dp2-pp2-torch-gpipe-acc4", "ddp-dp2-pp2-torch-1f1b-acc4", "ddp-dp2-pp2-torch-interleaved-acc4",
         "ddp-dp2-pp2-torch-zb-acc4",
         # FSDP2 over dp x native tensor parallelism (torchtitan's 2-D layout), stages 2 and 3, +- SP
         "fsdp2_2-dp2-tp2-acc4", "fsdp2_2-dp2-tp2sp-acc1-acfull", "fsdp2_3-dp2-tp2-acc1", "fsdp2_3-dp2-tp2sp-acc4",
         # full recomputation under parameter sharding: native ZeRO-3 (the recompute runs between the
-        # block's backward gather and its free), in a pipeline (StageZero), and FSDP2 stage 3
+        # block's backward gather and its free), in a pipeline (the same driver per rank), and FSDP2 stage 3
         "zero3-dp2-acc4-acfull", "zero3-dp2-pp2-1f1b-acc4-acfull", "fsdp2_3-dp2-acc4-acfull")
 
 

@@ -1,8 +1,8 @@
 """One ZeRO flat buffer (Rajbhandari et al. 2020): the parameters of one unit that share a
 weight-decay flag, padded to a multiple of dp, with this rank's master shard, its shard gradient,
 the reduce-scatter of the gradients and the all-gather of the parameters. Used by
-:class:`~zerotron.parallel.data.zero.ZeroStrategy` (stages 1-3) and the pipeline's ZeRO-1
-(``pipeline.stage_zero.StageZero``)."""
+:class:`~zerotron.parallel.data.zero.ZeroSync` (stages 1-3; the plain runner's and a pipeline
+rank's ZeRO)."""
 from __future__ import annotations
 
 import torch

@@ -5,12 +5,14 @@ shard group holds neighbouring ranks, normally one node; the replicate group cro
 Zhao et al. 2023 ("PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel", hybrid
 sharding), torchtitan's HSDP, DeepSpeed ZeRO++ hpZ (Wang et al. 2023).
 
-* ZeRO-1/2/3 (``ZeroStrategy``) shard every flat buffer within the shard group (1/S of the
-  state per rank, not 1/dp); in the step's last micro-batch, as soon as a flat buffer's
-  shard-group reduce-scatter completes, its accumulated gradient shard of k = ceil(n / S)
-  elements is all-reduced across the replicas (async, overlapping the rest of backward;
-  ``ZeroStrategy._progress_replicate``) -- one all-reduce per flat buffer per step (gradient
-  accumulation sums locally first). ZeRO-3 all-gathers only within the shard group.
+* ZeRO-1/2/3 (``data.zero.ZeroSync``, plain or under a pipeline) shard every flat buffer within
+  the shard group (1/S of the state per rank, not 1/dp); in the step's last micro-batch, as soon
+  as a flat buffer's shard-group reduce-scatter completes, its accumulated gradient shard of
+  k = ceil(n / S) elements is all-reduced across the replicas (async, overlapping the rest of
+  backward; ``ZeroSync._progress_replicate``; a pipeline, whose backward actions do not know
+  which is a unit's last, launches them all in ``finish_grads``) -- one all-reduce per flat
+  buffer per step (gradient accumulation sums locally first). ZeRO-3 all-gathers only within the
+  shard group.
 * Native DDP (``DataParallel``): each bucket's all-reduce becomes :class:`HierarchicalAllReduce`
   -- reduce-scatter within the shard group, all-reduce of the 1/S shard across replicas,
   all-gather within the shard group (the same sum: exact, only reassociated).

@@ -26,7 +26,8 @@ same as for the unsharded parameters.
            must match): a unit is always gathered and waited for before use, a prefetched unit that
            does not run is waited for before its storage is released, and nothing gathered outlives
            the step. The root unit is gathered once per step and kept until the step's gradients
-           are reduced (it is used at both ends of the model).
+           are reduced (it is used at both ends of the model); a pipeline gathers its root units
+           for the step (:meth:`ZeroSync.begin_step` .. :meth:`ZeroSync.end_step`).
 
 Parameters without gradient. Hooks mark each parameter that got a gradient in the step; the marks
 are summed over dp in one small all-reduce per step (one float per parameter). A parameter no dp
@@ -41,6 +42,26 @@ Psi = padded parameter count and e = bytes per element:
   stage 1: reduce-scatter Psi*e + all-gather Psi*e            (= 2 Psi, like an all-reduce)
   stage 2: reduce-scatter A*Psi*e + all-gather Psi*e          (A = micro-batches per step)
   stage 3: all-gather (2A*Psi_blocks + Psi_root)*e + reduce-scatter A*Psi*e   (~3 Psi when A = 1)
+
+One driver for both runners. :class:`ZeroSync` is the gradient synchroniser over any list of
+*units* (root units first, then blocks): the plain runner's :class:`ZeroStrategy` hands it the whole
+model (units: the non-block parameters, then each block), a pipeline rank
+(``pipeline.runner.PipelineStrategy``) its stages (units: the tied weight alone, the other non-block
+parameters, then each block of its chunks). What differs is only *when* the reductions start:
+
+  plain (``eager``)  gradient hooks launch each unit's reduce-scatter as soon as the unit's
+                     gradients are complete, overlapping the rest of backward (``no_sync`` around
+                     all but the last micro-batch at stage 1);
+  pipeline           after each backward action of the schedule (one micro-batch through one
+                     chunk, or a W of a split backward) the runner calls :meth:`ZeroSync.
+                     after_backward` with that chunk's units (stages 2-3; the W pass of stage 3
+                     gathers the chunk's blocks first, :meth:`ZeroSync.gather_blocks`); stage 1
+                     reduce-scatters everything in :meth:`ZeroSync.finish_grads`.
+
+Everything else is the same code on both: used-parameter marks, HSDP's replica all-reduce of the
+shard gradients, the tied-shard sum between a pipeline's first and last stage (``tied_group``), the
+sequence-parallel tp sums, the per-parameter AdamW of partly used buffers, the gradient norm over
+the shards and the model-state bytes.
 
 Mixed precision (``train.dtype = "bf16"``): module parameters (compute copies) are bf16, master
 shards and Adam state fp32; gradients are reduced in ``parallel.reduce_dtype`` (fp32 by default).
@@ -61,85 +82,70 @@ from zerotron.parallel.data.zero_state import ZeroStateMixin
 from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.optim import build_optimizer, decay_mask
 
+__all__ = ["ZeroSync", "ZeroStrategy"]
 
-class ZeroStrategy(ZeroStateMixin, Strategy):
-    """Native ZeRO stage 1/2/3 over the dp group; units: the parameters outside the blocks, then each
-    block of ``model.layout().blocks``.
 
-    Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup; with HSDP the
-    shard group), ``stage`` (1, 2 or 3), ``dtype`` ("fp32" | "bf16" | "fp64": compute copies; see
-    ``parallel.precision``), ``reduce_dtype`` ("auto" | "fp32" | "bf16" | "fp64"),
-    ``replicate_group`` (HSDP, ``parallel.dp_replicate > 1``: the replicas' group; the gradient
-    shards are all-reduced over it once per step, ``parallel.data.hsdp``) and ``dp_group`` (HSDP: the
-    whole dp group, for losses and the used-parameter marks; default ``group``). Raises ValueError for a
-    bad stage or dtype."""
+class ZeroSync:
+    """Native ZeRO stage 1/2/3 gradient synchroniser over ``units`` (lists of Parameters: the
+    ``n_root`` root units first, then one per block); see the module docstring.
 
-    def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
-                 tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None):
+    Args: ``units``; ``names`` (``{id(param): FQN}``, the canonical state's keys); ``mask``
+    (``{id(param): decay?}``); ``group`` (the shard group, a ``comm.NamedGroup``: dp, or with HSDP
+    dp_shard); ``stage`` (1, 2, 3); ``dtype`` ("fp32" | "bf16" | "fp64": compute copies; see
+    ``parallel.precision``), ``reduce_dtype`` ("auto" | "fp32" | "bf16" | "fp64"); ``blocks`` (the
+    block modules of units ``n_root..``, for stage 3's gather hooks); ``tp_group`` and
+    ``sequence_parallel`` (sum the tp-replicated shard gradients over tp); ``replicate_group`` (HSDP,
+    ``parallel.dp_replicate > 1``: the shard gradients are all-reduced over it once per step,
+    ``parallel.data.hsdp``); ``dp_group`` (the whole dp group, for the used-parameter marks; default
+    ``group``); ``tied`` (a pipeline's tied Parameter, alone in its unit, or None) and ``tied_group``
+    (its shard gradient is summed over it: a pipeline's first and last stage); ``count_tied`` (False
+    on a rank whose tied copy the norm counts elsewhere); ``eager`` (True: gradient hooks launch the
+    reductions unit by unit during backward, the plain runner; False: the runner calls
+    :meth:`after_backward`, a pipeline). Attributes: ``flats`` (per unit, its FlatShards),
+    ``all_flats``, ``group``, ``stage``, ``gatherer``. Raises ValueError for a bad stage or dtype."""
+
+    def __init__(self, units: list, names: dict, mask: dict, group, stage: int, dtype: str = "fp32",
+                 reduce_dtype: str = "auto", *, n_root: int = 1, blocks=(), tp_group=None,
+                 sequence_parallel: bool = False, replicate_group=None, dp_group=None, tied=None,
+                 tied_group=None, count_tied: bool = True, eager: bool = True):
         if stage not in (1, 2, 3):
-            raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for ZeroStrategy, got {stage}")
+            raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for native ZeRO, got {stage}")
         compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
-        # HSDP (parallel.dp_replicate > 1): ``group`` is the shard group; ``dp_group`` spans all of dp
-        self.dp_group = dp_group or group
-        self.module, self.group, self.loss_groups, self.stage = model, group, [self.dp_group], stage
+        self.group, self.stage, self.dp_group = group, stage, dp_group or group
         self.replicate_group, self._reduce_dtype = replicate_group, reduce
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        mask = mask or decay_mask(model)
-        blocks = list(model.blocks())
-        in_block = {id(p) for b in blocks for p in b.parameters()}
-        names = {}
-        for n, p in model.named_parameters():  # first FQN of each (tied) parameter
-            names.setdefault(id(p), n)
-        root = [p for p in model.parameters() if id(p) not in in_block]
-        self.units = [root] + [list(b.parameters()) for b in blocks]
-        self.flats: list[list[FlatShard]] = build_flats(self.units, names, mask, stage, group, compute, reduce)
+        self.tied_group, self.count_tied, self.eager, self.n_root = tied_group, count_tied, eager, n_root
+        self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied)
         self.all_flats = [f for fl in self.flats for f in fl]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
         self._used = UsedMarks([p for f in self.all_flats for p in f.params])
         self._ready = [set() for _ in self.flats]
-        self._order = list(range(len(self.flats) - 1, 0, -1)) + [0]  # reduce order: last block .. root
+        # reduce order, the same on every rank of the group: last block .. first block, then the roots
+        self._order = list(range(len(self.flats) - 1, n_root - 1, -1)) + list(range(n_root))
         self._next = 0
         self._sync = True
-        self._in_step = False
-        self._final = True  # this micro-batch is the step's last (HSDP: its reductions go across replicas)
-        self._rep_queue: list = []  # HSDP: flats whose shard-group reduce-scatter of the last micro-batch is out
+        self._final = eager  # reductions now are the step's last (HSDP: then they go across replicas)
+        self._rep_queue: list = []  # HSDP: flats whose last shard-group reduce-scatter is out
         self._rep_work: list = []  # HSDP: (work, buffer, shard_grad) of the replica all-reduces in flight
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for fl in self.flats for f in fl
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for f in self.all_flats
                        for p in f.params]
-        self.gatherer = UnitGatherer(self.flats, n_root=1)  # stage 3: gather before use, free after
+        self.gatherer = UnitGatherer(self.flats, n_root)  # stage 3: gather before use, free after
         if stage == 3:
             self.gatherer.register(blocks)
 
-    # ---- interface -------------------------------------------------------------------------
-    def __call__(self, *args, **kwargs):
-        if self.stage != 3 or self._in_step:
-            return self.module(*args, **kwargs)
-        self._new_forward()
-        with self.full_params(blocks=False):
-            return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def full_params(self, blocks: bool = True):
-        """Stage 3: gather the root unit (and all blocks when ``blocks``) for use outside a
-        training step (evaluation, generation, export); freed on exit."""
-        units = range(len(self.flats)) if blocks else [0]
-        if self.stage == 3:
-            for u in units:
-                self._gather_unit(u)
-            self.gatherer.hold += blocks  # everything gathered: forwards (e.g. generate) keep it
-        try:
-            yield self.module
-        finally:
-            if self.stage == 3:  # also blocks a gradient-free forward prefetched but did not run
-                self.gatherer.hold -= blocks
-                self._release_all()
-
+    # ---- the optimizer's view ----------------------------------------------------------------
     def parameters(self) -> list:
+        """The fp32 (fp64) master shards, one per flat buffer: what the optimizer steps."""
         return [f.master for f in self.all_flats]
+
+    def build_optimizer(self, tcfg, mask: dict | None = None):
+        """AdamW over the master shards; decay flags were fixed per flat buffer at construction
+        (``mask`` is ignored)."""
+        return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Stage 1: accumulate full gradients locally without communicating."""
+        """Stage 1 (eager): accumulate full gradients locally without communicating."""
         prev, self._sync = self._sync, self.stage != 1
         try:
             yield
@@ -151,27 +157,45 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         for f in self.all_flats:
             f.zero_grad()
 
-    def forward_backward(self, micro_batches, n_global, dtype, device):
+    # ---- stage 3 parameters --------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Stage 3: gather the root units for the step (used at both ends of the model)."""
         if self.stage == 3:
-            self._gather_unit(0)
-        self._in_step = True
-        try:
-            total = torch.zeros((), dtype=torch.float64)
-            for i, mb in enumerate(micro_batches):
-                self._final = i == len(micro_batches) - 1
-                self._new_forward()
-                with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
-                    total += super().forward_backward([mb], n_global, dtype, device)
-                    if self._sync:
-                        self._flush()
-        finally:
-            self._in_step = False
-            if self.stage == 3:  # nothing gathered (or still gathering) survives the step
-                self._release_all()
-        return total
+            self.gatherer.gather_roots()
 
-    def _flush(self) -> None:
-        """Launch whatever was not launched (units without gradients) and wait for all."""
+    def end_step(self) -> None:
+        """Stage 3: nothing gathered (or still gathering) survives the step."""
+        if self.stage == 3:
+            self.gatherer.release_all()
+
+    def gather_blocks(self, units) -> None:
+        """Stage 3: all-gather the block units among ``units`` (a W of a split backward reads the
+        weights: saved tensors, recomputation); :meth:`after_backward` frees them. Else nothing."""
+        if self.stage == 3:
+            for u in units:
+                if u >= self.n_root:
+                    self.gatherer.gather(u)
+
+    @contextlib.contextmanager
+    def full_params(self, blocks: bool = True):
+        """Stage 3: the root units (and every block when ``blocks``; otherwise the blocks' forward
+        hooks gather them one at a time) gathered for the context (evaluation, generation, export,
+        state dicts); freed on exit. Stages 1-2: nothing to do (parameters are full at rest)."""
+        if self.stage == 3:
+            for u in range(len(self.flats) if blocks else self.n_root):
+                self.gatherer.gather(u)
+            self.gatherer.hold += blocks  # everything gathered: forwards (e.g. generate) keep it
+        try:
+            yield
+        finally:
+            if self.stage == 3:  # also blocks a gradient-free forward prefetched but did not run
+                self.gatherer.hold -= blocks
+                self.gatherer.release_all()
+
+    # ---- gradients -----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Eager (plain runner), after a synchronised backward: launch whatever was not launched
+        (units without gradients), in the fixed order, and wait for all."""
         while self._next < len(self._order):
             self._launch_unit(self._order[self._next])
             self._next += 1
@@ -182,14 +206,45 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         for s in self._ready:
             s.clear()
 
+    def after_backward(self, units) -> None:
+        """A pipeline, after one backward action that produced weight gradients for ``units`` (its
+        chunk's units: the same on every rank of the group, whatever got a gradient): stages 2-3
+        reduce-scatter them (in ``reduce_dtype``, the fixed order), accumulate into the shards and
+        free the full gradients; stage 3 also frees the gathered blocks. Stage 1: nothing."""
+        if self.stage == 1:
+            return
+        todo = [u for u in self._order if u in units]
+        for u in todo:
+            self._launch_unit(u)
+        for u in todo:
+            for f in self.flats[u]:
+                f.wait_reduce()
+        if self.stage == 3:
+            for u in range(self.n_root, len(self.flats)):
+                self.gatherer.free(u)
+
     def finish_grads(self) -> None:
-        """Sum the per-parameter "got a gradient" marks over dp (one small all-reduce per step,
-        one float per parameter) into each buffer's ``used``; sequence parallel: sum tp-replicated
-        gradient shards over tp; hand the shard gradients to the optimizer."""
+        """Complete the step's reduction: (pipeline) stage 1's reduce-scatters; HSDP's all-reduce
+        of each shard gradient across the replicas; the per-parameter "got a gradient" marks summed
+        over dp (one small all-reduce, one float per parameter) into each buffer's ``used``; the
+        tied shard summed over ``tied_group``; with sequence parallelism the tp-replicated shards
+        summed over tp (every sum in ``reduce_dtype``, on the shards: summing compute-dtype full
+        gradients would ignore an fp32 reduce dtype). Exposes the shard gradients as
+        ``master.grad``."""
         self._used.launch(self.dp_group, self.all_flats[0].master.device)
+        if not self.eager:  # a pipeline: no backward action knows it is a unit's last of the step
+            self._final = True
+            if self.stage == 1:
+                for u in self._order:
+                    self._launch_unit(u)
+            elif self.replicate_group is not None:
+                self._rep_queue.extend(self.all_flats)
+            self._progress_replicate(block=True)
+            for f in self.all_flats:
+                f.wait_reduce()
+            self._final = False
         # HSDP: the shard group's reduce-scatters summed the gradients of this replica; one
-        # all-reduce of each 1/S gradient shard across the replicas (launched as each flat's last
-        # reduce-scatter completed, overlapping the rest of backward) completes the dp sum
+        # all-reduce of each 1/S gradient shard across the replicas completes the dp sum
         for work, buf, t in self._rep_work:
             work.wait()
             if buf is not t:
@@ -199,6 +254,10 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         i = 0
         for f in self.all_flats:
             f.used, i = flags[i:i + len(f.params)], i + len(f.params)
+        if self.tied_group is not None:  # same flat layout and shard on the first and the last stage
+            for f in self.all_flats:
+                if f.is_tied:
+                    comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=self.tied_group, tag="pp_tied")
         if self.tp_group is not None and self.sequence_parallel:
             # replicated parameters saw only this rank's sequence shard: sum their (dp-reduced)
             # gradient shards over tp (Korthikanti et al. 2022); the flat layouts match across tp
@@ -208,17 +267,17 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
         for f in self.all_flats:
             f.master.grad = f.shard_grad
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float, outer=()) -> float:
         """Global norm from the shards (:func:`zerotron.parallel.grad_norm.clip_grad_norm`): every
-        element counted once (padding is zero; tp shards summed over tp, tp-replicated once), then
-        summed over the shard group (dp; with HSDP the replicas hold the same shards and are not
-        summed); identical on every rank. Clips the shard gradients in place."""
-        return clip_grad_norm([([f.shard_grad for f in self.all_flats if f.tp_sharded], [self.tp_group]),
-                               ([f.shard_grad for f in self.all_flats if not f.tp_sharded], [])],
-                              max_norm, outer=[self.group])
-
-    def build_optimizer(self, tcfg, mask: dict):
-        return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
+        element counted once (padding is zero; tp shards summed over tp, tp-replicated once; the
+        tied shard only where ``count_tied``, clipped everywhere), then summed over the shard group
+        (with HSDP the replicas hold the same shards and are not summed) and ``outer`` (a pipeline:
+        the pp group); identical on every rank. Clips the shard gradients in place."""
+        counted = [f for f in self.all_flats if self.count_tied or not f.is_tied]
+        extra = [f.shard_grad for f in self.all_flats if not (self.count_tied or not f.is_tied)]
+        parts = [([f.shard_grad for f in counted if f.tp_sharded], [self.tp_group]),
+                 ([f.shard_grad for f in counted if not f.tp_sharded], [])]
+        return clip_grad_norm(parts, max_norm, outer=[self.group, *outer], also_clip=extra)
 
     def optimizer_step(self, optimizer) -> None:
         """AdamW on the master shards, then (stages 1-2) all-gather the updated parameters.
@@ -248,7 +307,7 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     # ---- hooks -------------------------------------------------------------------------------
     def _on_grad(self, p) -> None:
         self._used.mark(p)
-        if not self._sync:
+        if not (self.eager and self._sync):
             return
         u = self._unit_of[id(p)]
         self._ready[u].add(id(p))
@@ -262,16 +321,16 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
     def _launch_unit(self, u: int) -> None:
         for f in self.flats[u]:
             f.launch_reduce()
-            if self.stage == 3 and u > 0:
+            if self.stage == 3 and u >= self.n_root:
                 f.free()
         if self.replicate_group is not None and self._final:
             self._rep_queue.extend(self.flats[u])
             self._progress_replicate(block=False)
 
     def _progress_replicate(self, block: bool) -> None:
-        """HSDP, last micro-batch: for each queued flat in launch order (the same on every rank, so
-        the replica all-reduces match), once its reduce-scatter is done (``block``: wait for it),
-        accumulate the shard gradient and launch its all-reduce across the replicas (async,
+        """HSDP, the step's last reductions: for each queued flat in launch order (the same on every
+        rank, so the replica all-reduces match), once its reduce-scatter is done (``block``: wait
+        for it), launch the all-reduce of its shard gradient across the replicas (async,
         ``parallel.data.hsdp``); stops at the first still in flight when not ``block``."""
         while self._rep_queue:
             f = self._rep_queue[0]
@@ -283,12 +342,59 @@ class ZeroStrategy(ZeroStateMixin, Strategy):
             work = comm.all_reduce(buf, group=self.replicate_group, async_op=True, tag="grad_rep")
             self._rep_work.append((work, buf, f.shard_grad))
 
-    def _gather_unit(self, u: int, wait: bool = True) -> None:
-        self.gatherer.gather(u, wait)
 
-    def _new_forward(self) -> None:
+class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
+    """The plain runner with native ZeRO stage 1/2/3 over the whole model: :class:`ZeroSync` over
+    the units "parameters outside the blocks", then each block of ``model.layout().blocks``, its
+    reductions launched by gradient hooks during backward.
+
+    Args: ``model`` (identically initialised on every rank), ``group`` (dp NamedGroup; with HSDP the
+    shard group), ``stage`` (1, 2 or 3), ``dtype``, ``reduce_dtype``, ``mask`` (decay flag by
+    ``id(param)``, default ``optim.decay_mask(model)``), ``tp_group``, ``sequence_parallel``,
+    ``replicate_group`` (HSDP) and ``dp_group`` (HSDP: the whole dp group, for losses and the
+    used-parameter marks; default ``group``), as :class:`ZeroSync`. Raises ValueError for a bad
+    stage or dtype."""
+
+    def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
+                 tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None):
+        blocks = list(model.blocks())
+        in_block = {id(p) for b in blocks for p in b.parameters()}
+        names = {}
+        for n, p in model.named_parameters():  # first FQN of each (tied) parameter
+            names.setdefault(id(p), n)
+        units = [[p for p in model.parameters() if id(p) not in in_block]] + [list(b.parameters()) for b in blocks]
+        ZeroSync.__init__(self, units, names, mask or decay_mask(model), group, stage, dtype, reduce_dtype,
+                          n_root=1, blocks=blocks, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                          replicate_group=replicate_group, dp_group=dp_group, eager=True)
+        self.module, self.loss_groups = model, [self.dp_group]
+        self._in_step = False
+
+    def __call__(self, *args, **kwargs):
+        if self.stage != 3 or self._in_step:
+            return self.module(*args, **kwargs)
         self.gatherer.new_forward()
+        with self.full_params(blocks=False):
+            return self.module(*args, **kwargs)
 
-    def _release_all(self) -> None:
-        """Stage 3: free every unit's storage, waiting first for any prefetch still in flight."""
-        self.gatherer.release_all()
+    @contextlib.contextmanager
+    def full_params(self, blocks: bool = True):
+        """:meth:`ZeroSync.full_params`, yielding the model."""
+        with ZeroSync.full_params(self, blocks):
+            yield self.module
+
+    def forward_backward(self, micro_batches, n_global, dtype, device):
+        self.begin_step()
+        self._in_step = True
+        try:
+            total = torch.zeros((), dtype=torch.float64)
+            for i, mb in enumerate(micro_batches):
+                self._final = i == len(micro_batches) - 1
+                self.gatherer.new_forward()
+                with self.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                    total += Strategy.forward_backward(self, [mb], n_global, dtype, device)
+                    if self._sync:
+                        self.flush()
+        finally:
+            self._in_step = False
+            self.end_step()  # nothing gathered (or still gathering) survives the step
+        return total

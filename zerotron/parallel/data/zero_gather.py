@@ -7,8 +7,8 @@ overlaps compute. Forward prefetches the block that followed this one in the pre
 match): a unit is always gathered and waited for before use, a prefetched unit that does not run is
 waited for before its storage is released, and nothing gathered outlives the step. Root units
 (parameters outside the blocks) are gathered by the owner at the start of a step and kept until it
-ends. Used by :class:`~zerotron.parallel.data.zero.ZeroStrategy` and the pipeline's
-``StageZero``. Full activation recomputation (``parallel.recompute``) needs nothing more: the
+ends. Used by :class:`~zerotron.parallel.data.zero.ZeroSync` (the plain runner's and a pipeline
+rank's ZeRO). Full activation recomputation (``parallel.recompute``) needs nothing more: the
 pre-backward gather sits on the block's output, outside the checkpointed region, so it runs before
 the recompute of the block's forward."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checkpoint state of :class:`zerotron.parallel.data.zero.ZeroStrategy` in the canonical per-parameter
+"""Checkpoint state of native ZeRO (:class:`zerotron.parallel.data.zero.ZeroSync`) in the canonical per-parameter
 format (``train.checkpoint``): dense FQN-keyed tensors, loadable by any layout.
 
 Two ways to get it:

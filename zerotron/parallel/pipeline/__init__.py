@@ -2,7 +2,7 @@
 
 ``schedules.py`` action lists (GPipe, 1F1B, interleaved; naive model parallel) and bubble theory;
 ``executor.py`` the stage model (a rank's part of any model, by its layout) and the walker of its
-action list; ``runner.py`` ``PipelineStrategy`` (micro-batches, tied weights, gradient sync, norm)
-and pipelined generation; ``state.py`` canonical checkpoint state and ``full_params``;
-``stage_zero.py`` ZeRO-1/2/3 of a pipeline rank's stages.
+action list; ``runner.py`` ``PipelineStrategy`` (micro-batches, tied weights, gradient sync, norm;
+ZeRO-1/2/3 of a rank's stages through the plain runner's driver, ``data.zero.ZeroSync``) and
+pipelined generation; ``state.py`` canonical checkpoint state and ``full_params``.
 """

@@ -46,17 +46,19 @@ checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
     norm sums squares of tp-sharded gradients over tp, counts tp-replicated ones once, and sums
     over pp; checkpoints are gathered to the dense canonical format (``full_tensor``, collective
     over tp in the fixed state-dict order) and sliced again on load (``shard_tensor``).
-  * ZeRO over dp (``parallel.zero_stage = 1, 2, 3``): the inner DataParallel is replaced by
-    :class:`StageZero` -- the stage's parameters in ``zero.FlatShard`` flat buffers (units: the
-    tied weight alone, the other non-block parameters, each block), full gradients accumulated
-    locally over all flushes, one reduce-scatter per flat buffer, then the tied gradient shard summed
-    between the first and last stage (both in ``parallel.reduce_dtype``), AdamW on the fp32 master
-    shards, one all-gather of the updated parameters. ZeRO-2 (``zero_stage = 2``) reduce-scatters
-    the gradients each backward action produced (one micro-batch through one chunk) right after it
-    and frees them; ZeRO-3 also keeps parameters sharded at rest, gathering blocks around their
-    forward and backward and the root units for the step (``StageZero``). Sequence parallelism: stage boundaries carry (b, T/tp, C) shards, and
-    finish_grads sums the replicated parameters' gradients over tp (ZeRO-1: their dp shards, after
-    the reduce-scatter, in ``parallel.reduce_dtype``).
+  * ZeRO over dp (``parallel.zero_stage = 1, 2, 3``): the inner DataParallel is replaced by the
+    same native ZeRO driver the plain runner uses (``data.zero.ZeroSync``) over this rank's stages
+    (units: the tied weight alone, the other non-block parameters, each block): ZeRO-1 accumulates
+    full gradients locally over all flushes and reduce-scatters each flat buffer in finish_grads;
+    ZeRO-2/3 reduce-scatter the units of the chunk a backward action (one micro-batch through one
+    chunk, or its W) ran right after it and free the gradients; ZeRO-3 also keeps parameters
+    sharded at rest, gathering blocks around their forward and backward (and for a W) and the root
+    units for the step. Then HSDP (``parallel.dp_replicate > 1``: sharded over the shard group,
+    shard gradients all-reduced across the replicas), the tied gradient shard summed between the
+    first and last stage, AdamW on the fp32 master shards (per parameter for partly used buffers),
+    one all-gather of the updated parameters. Sequence parallelism: stage boundaries carry (b, T/tp,
+    C) shards, and finish_grads sums the replicated parameters' gradients over tp (ZeRO: their dp
+    shards, in ``parallel.reduce_dtype``).
 
 Also: ``last_step_timing()`` (measured busy/idle per rank), ``full_params()`` (the dense model with
 every stage's weights broadcast in; collective over pp -- and over tp, which yields a separate
@@ -73,8 +75,8 @@ from zerotron.distributed import comm
 from zerotron.models.layout import get_module
 from zerotron.parallel.base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
 from zerotron.parallel.data.ddp import DataParallel
-from zerotron.parallel.data.flat_shard import flat_state_bytes
 from zerotron.parallel.data.hsdp import ddp_hierarchy
+from zerotron.parallel.data.zero import ZeroSync
 from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.optim import build_optimizer, decay_mask
 from zerotron.parallel.pipeline.balance import announce_split, resolve_split
@@ -86,12 +88,11 @@ from zerotron.parallel.pipeline.executor import (
     stage_layer_ranges,
 )
 from zerotron.parallel.pipeline.schedules import build_schedule
-from zerotron.parallel.pipeline.stage_zero import StageZero
 from zerotron.parallel.pipeline.state import PipelineStateMixin
 from zerotron.parallel.tensor.layers import is_tp_sharded
 from zerotron.parallel.tensor.transform import sync_replicated_grads
 
-__all__ = ["PipelineStrategy", "StageModel", "StageZero", "stage_layer_counts",
+__all__ = ["PipelineStrategy", "StageModel", "stage_layer_counts",
            "stage_layer_ranges"]
 
 
@@ -107,7 +108,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     ``mask`` (weight-decay flag by ``id(param)`` of ``model``; default ``optim.decay_mask(model)``,
     only used by ZeRO-1, which fixes the flag per flat buffer at construction).
     Attributes: ``module`` (this rank's ``StageModel``), ``ddp`` (inner DataParallel over dp, or
-    None with ZeRO-1), ``zero`` (:class:`StageZero` or None), ``tp_group`` (the tp NamedGroup when
+    None with ZeRO-1), ``zero`` (the ZeRO driver ``data.zero.ZeroSync`` over this rank's stages, or None), ``tp_group`` (the tp NamedGroup when
     ``model`` is tensor-parallel, else None), ``loss_groups`` = [pp group, dp group]. Raises
     ValueError for a pp_split the model cannot take or a layout with more than one tied pair (the
     rest of the layout rules are the plan's)."""
@@ -142,31 +143,53 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         if lay.tied and (self.first or self.last):
             owner = lay.tied[0][1].rpartition(".")
             self.tied = getattr(get_module(self.module, owner[0]), owner[2])
-        self.ddp = self.zero = None
-        if p.zero_stage:
-            if mask is None:
-                mask = decay_mask(model)
-            mask = dict(mask)
-            if self.tied is not None:
-                mask[id(self.tied)] = False  # an embedding: never decayed
-            self.zero = StageZero(self.module, self.dp_group, mask, self.tied, p.dtype, p.reduce_dtype,
-                                  stage=p.zero_stage)
-        else:
-            self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb, src_rank=mesh.peer(dp=0),
-                                    **ddp_hierarchy(mesh))  # HSDP: hierarchical all-reduce per bucket
-        self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
         self.tied_group = None
         if self.last_rank != 0 and lay.tied:  # one {pp-first, pp-last} group per pipeline, made everywhere
             for line in mesh.dims.group_ranks("pp"):  # the ranks of one pipeline, by stage
                 pg = dist.new_group([line[0], line[self.last_rank]])
                 if mesh.rank in line and (self.first or self.last):
                     self.tied_group = comm.NamedGroup(pg, "pp_tied")
+        self.ddp = self.zero = None
+        if p.zero_stage:
+            self.zero = self._zero_sync(mesh, mask if mask is not None else decay_mask(model))
+        else:
+            self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb, src_rank=mesh.peer(dp=0),
+                                    **ddp_hierarchy(mesh))  # HSDP: hierarchical all-reduce per bucket
+        self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
         act_dtype = next(iter(self.module.parameters())).dtype
         self.executor = PipelineExecutor(self.module, self.pp_group, place, self.rank, self._peer, act_dtype)
         self._timing = {"busy_s": 0.0, "idle_s": 0.0, "bubble_fraction": 0.0}
         own = {id(q) for q in self.module.parameters()}  # other stages' parameters: storage freed
         self._foreign = [q for q in model.parameters() if id(q) not in own] if self.pp > 1 else []
         self.released_bytes = self._release_foreign()
+
+    def _zero_sync(self, mesh, mask: dict) -> ZeroSync:
+        """The native ZeRO driver over this rank's stages, as the plain runner's over the whole
+        model (same shard / replicate groups, HSDP included). Units: the tied weight alone (so the
+        first and the last stage hold it in flat buffers of the same layout and reduce it with the
+        same arithmetic: the copies stay bitwise equal), the other non-block parameters, then each
+        block; ``self._chunk_units[c]``: the units a backward of chunk c produces gradients for."""
+        names = {}
+        for n, q in self.module.named_parameters():  # first FQN of each (tied) parameter
+            names.setdefault(id(q), n)
+        blocks = list(self.module.blocks_here.items())  # (global block index, module), chunk by chunk
+        in_block = {id(q) for _, b in blocks for q in b.parameters()}
+        root = [q for q in unique_params(self.module) if id(q) not in in_block and q is not self.tied]
+        roots = ([[self.tied]] if self.tied is not None else []) + [root]
+        units = roots + [unique_params(b) for _, b in blocks]
+        ends = (0, self.module.last_stage)  # stages that run root modules (embedding, head)
+        self._chunk_units = [
+            [u for u, (i, _) in enumerate(blocks, start=len(roots)) if int(i) in self.module.layer_ranges[s]]
+            + (list(range(len(roots))) if s in ends else []) for s in self.module.stages]
+        mask = dict(mask)
+        if self.tied is not None:
+            mask[id(self.tied)] = False  # an embedding: never decayed
+        p, sp = self.plan, self.module.sequence_parallel
+        return ZeroSync(units, names, mask, mesh.group("shard"), p.zero_stage, p.dtype, p.reduce_dtype,
+                        n_root=len(roots), blocks=[b for _, b in blocks], tp_group=self.tp_group if sp else None,
+                        sequence_parallel=sp, replicate_group=mesh.group("dp_rep"), dp_group=self.dp_group,
+                        tied=self.tied, tied_group=self.tied_group, count_tied=self.first or not self.last,
+                        eager=False)
 
     # ---- structure ---------------------------------------------------------------------------
     def stage_modules(self) -> dict[int, list[str]]:
@@ -191,7 +214,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     def parameters(self) -> list:
         """The optimizer's parameters: this rank's stage parameters, or ZeRO-1's fp32 master shards."""
         if self.zero is not None:
-            return [f.master for f in self.zero.all_flats]
+            return self.zero.parameters()
         return unique_params(self.module)
 
     def no_sync(self):
@@ -264,7 +287,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
 
             def b_context(mb, chunk):
                 if self.zero is not None:  # ZeRO-2/3: reduce-scatter what this backward produced
-                    return self._after_backward()
+                    return self._after_backward(mb, chunk)
                 sync = final and mb == k - 1 and not (late and chunk == self.v - 1)
                 return contextlib.nullcontext() if sync else self.inner.no_sync()
 
@@ -275,16 +298,16 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                 total += s.double().cpu()
 
     @contextlib.contextmanager
-    def _after_backward(self):
+    def _after_backward(self, mb, chunk):
         yield
-        self.zero.after_backward()
+        self.zero.after_backward(self._chunk_units[chunk])
 
     @contextlib.contextmanager
     def _zero3_weight_pass(self, mb, chunk):
-        """ZeRO-3 around a W (split backward): the blocks gathered, then reduce-scatter and free."""
-        self.zero.gather_blocks()
+        """ZeRO-3 around a W (split backward): the chunk's blocks gathered, then reduce-scatter and free."""
+        self.zero.gather_blocks(self._chunk_units[chunk])
         yield
-        self.zero.after_backward()
+        self.zero.after_backward(self._chunk_units[chunk])
 
     def last_step_timing(self) -> dict:
         """This rank's pipeline timing of the last ``forward_backward``: ``busy_s`` (compute),
@@ -305,11 +328,11 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
 
     def finish_grads(self) -> None:
         """Wait for the dp gradient reduction, then sum the tied embedding/head gradients between
-        the first and last pipeline rank (pp > 1), so both copies get the same update. ZeRO-1:
-        the reduce-scatter over dp first, then the tied (and sequence-parallel) sums of the fp32
-        shards in ``parallel.reduce_dtype`` (see :class:`StageZero`)."""
+        the first and last pipeline rank (pp > 1), so both copies get the same update. ZeRO: the
+        driver's ``finish_grads`` (stage 1's reduce-scatters, HSDP's replica all-reduce, the tied and
+        sequence-parallel sums of the shards in ``parallel.reduce_dtype``)."""
         if self.zero is not None:
-            self.zero.finish_grads(self.tied_group, self.tp_group if self.module.sequence_parallel else None)
+            self.zero.finish_grads()
             return
         self.ddp.finish_grads()  # waits for every bucket all-reduce before the buffers are touched
         self._sync_sp_replicated()
@@ -337,13 +360,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         clipping. ZeRO: computed from the dp shards of the flat gradients (each element counted
         once, squares all-reduced over dp as well). One rule for every strategy:
         :func:`zerotron.parallel.grad_norm.clip_grad_norm`."""
-        if self.zero is not None:
-            skip = self.last and not self.first  # the tied shard is counted by the first stage
-            counted = [f for f in self.zero.all_flats if not (f.is_tied and skip)]
-            extra = [f.shard_grad for f in self.zero.all_flats if f.is_tied and skip]
-            parts = [([f.shard_grad for f in counted if f.tp_sharded], [self.tp_group]),
-                     ([f.shard_grad for f in counted if not f.tp_sharded], [])]
-            return clip_grad_norm(parts, max_norm, outer=[self.dp_group, self.pp_group], also_clip=extra)
+        if self.zero is not None:  # the plain runner's rule over the shards, summed over pp too
+            return self.zero.clip_grad_norm(max_norm, outer=[self.pp_group])
         counted = self._norm_params()
         extra = [q.grad for q in unique_params(self.module) if q.grad is not None and q is self.tied
                  and all(q is not c for c in counted)]
@@ -355,22 +373,22 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         """AdamW over this rank's parameters; ``mask`` (decay by ``id(param)``) may come from the
         dense model or from ``self.module``; the tied copy is never decayed (an embedding)."""
         if self.zero is not None:  # decay flags were fixed per flat buffer at construction
-            return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.zero.all_flats}, tcfg)
+            return self.zero.build_optimizer(tcfg)
         mask = dict(mask)
         if self.tied is not None:
             mask[id(self.tied)] = False
         return build_optimizer(self.parameters(), mask, tcfg)
 
     def optimizer_step(self, optimizer) -> None:
+        if self.zero is not None:  # AdamW on the shards (per parameter where partly used), all-gather
+            return self.zero.optimizer_step(optimizer)
         optimizer.step()
-        if self.zero is not None:
-            self.zero.gather_params()
 
     def model_state_bytes(self, optimizer) -> dict:
-        """Bytes this rank holds (see ``Strategy.model_state_bytes``; ZeRO-1: flat compute buffers,
-        full gradient buffers, Adam state of the master shards, as ``ZeroStrategy`` counts them)."""
+        """Bytes this rank holds (see ``Strategy.model_state_bytes``; ZeRO: the driver's count of its
+        flat buffers, as the plain runner's)."""
         if self.zero is not None:
-            return flat_state_bytes(self.zero.all_flats, optimizer)
+            return self.zero.model_state_bytes(optimizer)
         return super().model_state_bytes(optimizer)
 
     # ---- checkpoints and full parameters ---------------------------------------------------------
