@@ -157,7 +157,8 @@ def test_hsdp_checkpoint_resumed_by_one_process(data_cache, single_process, tmp_
 @pytest.mark.parametrize("over,world,needle", [
     ({"parallel.dp_replicate": 3, "parallel.zero_stage": 3}, 4, "must be >= 1 and divide the dp degree"),
     ({"parallel.dp_replicate": 2, "parallel.dp_impl": "torch"}, 4, "dp_impl = native"),
-    ({"parallel.dp_replicate": 2, "parallel.pp": 2, "parallel.zero_stage": 1}, 8, "under pipeline parallelism runs with native DDP"),
+    ({"parallel.dp_replicate": 2, "parallel.pp": 2, "parallel.zero_stage": 2, "parallel.zero_impl": "fsdp2"}, 8,
+     "under pipeline parallelism runs with native DDP or native ZeRO"),
     ({"parallel.dp_replicate": 2, "parallel.pp": 2, "parallel.pp_impl": "torch"}, 8, "under pipeline parallelism"),
     ({"parallel.dp_replicate": 0}, 4, "dp_replicate"),
 ])
@@ -172,3 +173,54 @@ def test_hsdp_under_a_pipeline_with_native_ddp_is_planned():
     plan = build_plan(tiny_config({**MODEL, "train.micro_batch": 1, "parallel.dp_replicate": 2,
                                    "parallel.pp": 2}), 8)
     assert (plan.runner, plan.sync, plan.dp_replicate, plan.dp_shard) == ("pipeline", "ddp", 2, 2)
+    for z in (1, 2, 3):  # and with native ZeRO: the plain runner's driver on each pipeline rank
+        plan = build_plan(tiny_config({**MODEL, "train.micro_batch": 1, "parallel.dp_replicate": 2,
+                                       "parallel.pp": 2, "parallel.zero_stage": z}), 8)
+        assert (plan.runner, plan.sync, plan.zero_stage, plan.dp_shard) == ("pipeline", "zero", z, 2)
+
+
+PP_HSDP = [{**HSDP, "parallel.pp": 2, "parallel.zero_stage": 3, "train.micro_batch": 2},  # 1F1B, 2 micro-batches
+           {**HSDP, "parallel.pp": 2, "parallel.zero_stage": 1, "train.micro_batch": 1,
+            "parallel.pp_schedule": "zb-h1"}]
+
+
+def _train_pp(overrides: dict, run_dir: str) -> dict:
+    from zerotron.analysis.memory import model_state_bytes, stage_num_params
+    from zerotron.train.trainer import Trainer
+
+    cfg = tiny_config({**MODEL, **overrides})
+    tr = Trainer(cfg, run_dir)
+    comm.STATS.reset()
+    losses, norms = [], []
+    tr.fit(callback=lambda t, rec: (losses.append(rec["loss"]), norms.append(rec["grad_norm"])))
+    s, z = tr.strategy, tr.strategy.zero
+    msd, _ = s.state_dict(tr.optimizer)
+    n_stage = stage_num_params(tr.model_cfg, pp=2, layer_counts=list(s.split))[tr.mesh.coords["pp"]]
+    return {"losses": losses, "norms": norms, "bytes": dict(comm.STATS.bytes),
+            "params": {k: v.detach().double().clone().numpy() for k, v in msd.items()},
+            "measured": s.model_state_bytes(tr.optimizer)["total_bytes"], "n_flats": len(z.all_flats),
+            "estimate": model_state_bytes(n_stage, DP, cfg.parallel.zero_stage, "fp64", dp_replicate=R)["total_bytes"],
+            "shard": sum(f.k for f in z.all_flats), "group_sizes": (z.group.size(), z.dp_group.size())}
+
+
+def _many_pp(tmp, cache):
+    return [_train_pp({**o, "data.cache_dir": cache}, f"{tmp}/pp{i}") for i, o in enumerate(PP_HSDP)]
+
+
+def test_hsdp_zero_under_a_pipeline(reference, data_cache, tmp_path):
+    """pp 2 x dp 4 (= 2 replicas x 2 shards) native ZeRO-3 under 1F1B and ZeRO-1 under ZB-H1 on 8
+    processes: one process's losses, norms and parameters (fp64); each stage's state sharded over the
+    shard group (S = 2), so its per-rank model-state bytes equal the estimator's for that stage's
+    parameters (``stage_num_params``) up to the flat buffers' padding; across the replicas exactly
+    one all-reduce of each 1/S gradient shard per step, nothing over the flat dp group."""
+    runs = run_ranks(_many_pp, 2 * DP, str(tmp_path), data_cache, join_timeout_s=900)
+    for i, lay in enumerate(PP_HSDP):
+        for r, out in enumerate(o[i] for o in runs):
+            np.testing.assert_allclose(out["losses"], reference["losses"], rtol=RTOL, err_msg=str(lay))
+            np.testing.assert_allclose(out["norms"], reference["norms"], rtol=RTOL, err_msg=str(lay))
+            assert_params_close(out["params"], reference["params"], RTOL, f"{lay} rank {r}", True)
+            assert out["group_sizes"] == (S, DP), lay
+            assert _by(out["bytes"], "all_reduce", "dp_rep", "grad_rep") == STEPS * E * out["shard"], (lay, r)
+            assert all(_by(out["bytes"], group="dp", tag=t) == 0 for t in ("grad", "param", "grad_rep")), lay
+            if lay["parallel.zero_stage"] == 3:  # fp64: 8 + 8 + 16 bytes per element, < 1 element of padding per flat
+                assert out["estimate"] <= out["measured"] < out["estimate"] + 32 * out["n_flats"], (lay, r, out)
