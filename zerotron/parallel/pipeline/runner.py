@@ -186,7 +186,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             mask[id(self.tied)] = False  # an embedding: never decayed
         p, sp = self.plan, self.module.sequence_parallel
         return ZeroSync(units, names, mask, mesh.group("shard"), p.zero_stage, p.dtype, p.reduce_dtype,
-                        n_root=len(roots), blocks=[b for _, b in blocks], tp_group=self.tp_group if sp else None,
+                        n_root=len(roots), blocks=[b for _, b in blocks], tp_group=self.tp_group,
                         sequence_parallel=sp, replicate_group=mesh.group("dp_rep"), dp_group=self.dp_group,
                         tied=self.tied, tied_group=self.tied_group, count_tied=self.first or not self.last,
                         eager=False)
