@@ -174,6 +174,8 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
         "zero3-dp2-pp2-zb-h1-acc4", "ddp-dp2-tp2-pp2-zb-h1-acc4", "zero3-dp2-pp2-zb-v-acc4", "ddp-dp2-tp2sp-pp2-zb-v-acc4", "zero2-dp4r2-acc4", "zero3-dp4r2-acc1",
         "ddp-dp4r2-acc4", "zero3-dp4r2-tp2-acc4", "fsdp2_3-dp4r2-acc1", "ddp-dp4r2-pp2-1f1b-acc4",
         "zero3-dp4r2-pp2-1f1b-acc4", "zero1-dp2r2-pp2-zb-h1-acc4",
+        # pipeline ZeRO x tp without SP (the norm sums the tp-sharded shards over tp; only SP sums replicated ones)
+        "zero2-dp1-tp2-pp2-1f1b-acc4",
         # one per torch.distributed.pipelining schedule, over a real dp group where it fits in 4 ranks
         "ddp-dp2-pp2-torch-gpipe-acc4", "ddp-dp2-pp2-torch-1f1b-acc4", "ddp-dp2-pp2-torch-interleaved-acc4",
         "ddp-dp2-pp2-torch-zb-acc4",
