@@ -47,7 +47,7 @@ def cmd_train(argv: list[str]) -> int:
             raise ConfigError("--max-restarts restarts the worker processes of --nproc N: add --nproc (under "
                               "torchrun, pass torchrun --max-restarts instead)")
         world = int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc)
-        build_plan(cfg, world)
+        plan = build_plan(cfg, world)  # every layout rule, before anything is written; the Trainer takes it
         from ..train.tensorboard import tensorboard_enabled
 
         tensorboard_enabled(cfg.log.tensorboard)  # "true" without the package: one line, before any worker
@@ -79,13 +79,15 @@ def cmd_train(argv: list[str]) -> int:
             check_run_dir(run_dir, resume)
         elif not resume and os.environ.get("RANK") == "0" and "ZEROTRON_LOCK_HELD" not in os.environ:
             print(f"zerotron: restart {restart}: no checkpoint yet, starting again from step 0", file=sys.stderr)
-        if args.resume and not restart and (not in_worker() or "ZEROTRON_LOCK_HELD" not in os.environ):
-            # the launcher or a single process (under torchrun: every rank; the launcher's workers
-            # were checked by the launcher)
+        latest = None
+        if resume:  # the one resume check of this process (the Trainer takes its verdict): the newest
+            # good checkpoint; only the launcher or a single process renames damaged ones, and workers
+            # started after it skip re-hashing what it verified (ZEROTRON_CKPT_VERIFIED)
             from ..train.setup import check_resume
 
             latest = check_resume(cfg, run_dir, quarantine=not in_worker())  # shape mismatch: one message
-            refuse_finished_resume(cfg, latest)  # before any worker starts
+            if args.resume and not restart:
+                refuse_finished_resume(cfg, latest)  # before any worker starts
         if (args.nproc > 1 or args.max_restarts) and not in_worker():
             from ..data import prepare_data  # build the token cache once, report data errors once
 
@@ -112,7 +114,7 @@ def cmd_train(argv: list[str]) -> int:
         from ..train.trainer import Trainer
 
         owned = not dist.is_initialized()  # this run creates the process group (a worker, or alone)
-        trainer = Trainer(cfg, run_dir, resume=resume, restart=restart)
+        trainer = Trainer(cfg, run_dir, resume=resume, restart=restart, plan=plan, resume_from=latest)
         summary = trainer.fit()
         if owned:
             mesh.teardown()  # every rank done before any process group goes (no abort at exit)

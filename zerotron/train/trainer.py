@@ -21,7 +21,7 @@ from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
 from ..parallel import parallelize
 from ..parallel.precision import param_dtype
-from ..plan import build_plan
+from ..plan import ParallelPlan, build_plan
 from . import checkpoint as ckpt
 from . import lifecycle
 from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics
@@ -51,18 +51,29 @@ class Trainer:
     died; with ``resume`` it continues from the newest good checkpoint, without one it starts from
     step 0 and replaces the metrics (and TensorBoard events) the failed attempt wrote.
 
+    ``plan`` (the ``ParallelPlan`` of ``cfg`` for this world size) and ``resume_from`` (the
+    checkpoint directory ``train.setup.check_resume`` chose) are what ``zerotron train`` decided
+    before anything was written; each process builds the plan and checks a resume once, there.
+    A library caller may leave them out: the Trainer then builds and checks them itself. Raises
+    ValueError for a plan of another world size.
+
     Must run inside every worker process (torchrun/``--nproc``) or alone (world size 1)."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, restart: int = 0):
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, restart: int = 0,
+                 plan: ParallelPlan | None = None, resume_from: Path | None = None):
         self.cfg, self.run_dir, self.resume, self.restart = cfg, Path(run_dir), resume, restart
-        if resume:
-            self.resume_from = check_resume(cfg, self.run_dir, quarantine=False)
+        if resume:  # ``zerotron train`` passes the verdict of its one check; a library caller gets it here
+            self.resume_from = resume_from or check_resume(cfg, self.run_dir, quarantine=False)
         device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}.get(
             cfg.train.device)
         rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, device)
         if not resume and not restart:  # a fresh run never writes over one (the CLI checks first too)
             self._refuse_existing_run(device)
-        self.plan = build_plan(cfg, world)  # every layout rule, once; the strategies take the plan
+        if plan is None:  # every layout rule, once per process: ``zerotron train`` built it before any write
+            plan = build_plan(cfg, world)
+        elif plan.dims.world_size != world:
+            raise ValueError(f"the plan is for world size {plan.dims.world_size}, this process group has {world}")
+        self.plan = plan  # the strategies take the plan
         self.layout = self.plan.layout()
         self.mesh = Mesh(self.plan.dims, device)
         self.device, self.rank, self.world = device, rank, world
