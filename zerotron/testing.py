@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # modules the fork server imports once for every rank it forks (an import that fails is skipped)
 PRELOAD = ["torch", "torch.distributed", "numpy", "zerotron.train.trainer", "zerotron.parallel.pipeline.torch_backend",
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint", "zerotron.parity",
-           "zerotron.testing"]
+           "zerotron.inference.engine", "zerotron.inference.continuous", "zerotron.generate", "zerotron.testing"]
 
 
 def _context():
