@@ -84,6 +84,25 @@ def test_run_ranks_worker_waits_pending_then_barrier_then_destroy(tmp_path):
     assert r0["sum"] == [3.0] * 1000  # waited for, not torn down under the collective
 
 
+def _env_and_stdout(key):
+    print(f"rank {os.environ['RANK']} writes to the caller's stdout", flush=True)
+    return os.environ.get(key), os.getpid()
+
+
+def test_run_ranks_ranks_get_the_callers_environment_and_stdout(monkeypatch, capfd):
+    """run_ranks forks its ranks from a long-lived fork server (zerotron.testing): each rank must
+    still see the caller's environment as it is at the call (not as it was when the server started)
+    and write to the caller's stdout, as a spawned rank did."""
+    monkeypatch.setenv("ZEROTRON_TEST_RUN_RANKS_ENV", "first")
+    first = run_ranks(_env_and_stdout, 2, "ZEROTRON_TEST_RUN_RANKS_ENV")
+    monkeypatch.setenv("ZEROTRON_TEST_RUN_RANKS_ENV", "second")
+    second = run_ranks(_env_and_stdout, 2, "ZEROTRON_TEST_RUN_RANKS_ENV")
+    assert [v for v, _ in first] == ["first", "first"] and [v for v, _ in second] == ["second", "second"]
+    assert os.getpid() not in {pid for _, pid in first + second}
+    out = capfd.readouterr().out
+    assert out.count("rank 0 writes to the caller's stdout") == 2 and out.count("rank 1 writes") == 2, out
+
+
 def _entry_points(tmp, cache):
     """Run train, bench train, generate and export in this process as one process alone would
     (no process group yet); per command: its exit code and the instrumented teardown events."""

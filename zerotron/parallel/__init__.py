@@ -24,7 +24,6 @@ from zerotron.parallel.dtensor_tp import DTensorTPStrategy
 from zerotron.parallel.optim import decay_mask_by_name
 from zerotron.parallel.pipeline.runner import PipelineStrategy
 from zerotron.parallel.pipeline.threads import ThreadedPipeline
-from zerotron.parallel.pipeline.torch_backend import TorchPipeline
 from zerotron.parallel.recompute import apply_activation_checkpointing
 from zerotron.parallel.tensor.transform import apply_tensor_parallel
 
@@ -50,7 +49,7 @@ def parallelize(model, plan, mesh):
     apply_activation_checkpointing(model, plan.activation_checkpointing)  # block forwards only
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
     runners = {"threads": lambda: ThreadedPipeline(model, mesh, plan),  # one process, a thread per stage
-               "torch": lambda: TorchPipeline(model, mesh, plan, mask),  # torch.distributed.pipelining
+               "torch": lambda: _torch_pipeline(model, mesh, plan, mask),  # torch.distributed.pipelining
                "pipeline": lambda: PipelineStrategy(model, mesh, plan, mask),  # (x tp x dp / ZeRO-1/2/3)
                "plain": lambda: _data_parallel(model, plan, mesh, mask)}
     strategy = runners[plan.runner]()
@@ -75,6 +74,15 @@ def _data_parallel(model, plan, mesh, mask):
         return DataParallel(model, group, bucket_mb=plan.bucket_mb, src_rank=src,
                             **ddp_hierarchy(mesh))
     return TorchDDP(model, group, bucket_mb=plan.bucket_mb, find_unused_parameters=plan.find_unused_parameters)
+
+
+def _torch_pipeline(model, mesh, plan, mask):
+    """The torch.distributed.pipelining runner, imported on first use: that package (with the
+    torch._dynamo and DTensor modules it imports) adds ~0.5 s CPU to every process that imports
+    this one, and only ``parallel.pp_impl = torch`` needs it."""
+    from zerotron.parallel.pipeline.torch_backend import TorchPipeline
+
+    return TorchPipeline(model, mesh, plan, mask)
 
 
 __all__ = ["parallelize", "Strategy", "DataParallel", "TorchDDP", "unique_params", "autocast_ctx", "token_loss_sum"]
