@@ -304,7 +304,6 @@ def test_json_schema_and_config_file(capsys):
         assert LAYOUT_KEYS <= set(r)
         assert isinstance(r["memory_bytes_per_gpu"], int) and 0 < r["predicted_mfu"] < 1
         assert r["predicted_tokens_per_s"] == pytest.approx(8 * 64 / r["predicted_step_time_s"])
-        assert r["pp"] == 1 or r.get("dp_replicate", 1) == 1
     assert set(out["dropped"]) >= {"memory", "divisibility"}
     assert out["assumptions"]["global_batch"] == 8 and out["assumptions"]["seq"] == 64
     # supported_only keeps pipeline x ZeRO-2/3 (it runs) and drops nothing the planner proposes; a
@@ -320,6 +319,8 @@ def test_json_schema_and_config_file(capsys):
     assert ok["dropped"]["unsupported"] == 0 and ok["layouts"] == every["layouts"]
     assert any(r["pp"] > 1 and r["zero_stage"] > 1 for r in ok["layouts"])
     assert any(r.get("dp_replicate", 1) > 1 for r in ok["layouts"])
+    four = plan(cfg, 16, 10**15, 16, 1024, CostModel(hardware("h100"), gpus_per_node=4), True)["layouts"]
+    assert any(r["pp"] == 2 and r["dp"] * r["tp"] == 8 and r.get("dp_replicate") == 2 for r in four)  # pp x HSDP
     for pp, rep in ((2, 1), (1, 2), (2, 2)):
         c = tiny_config({"parallel.pp": pp, "parallel.dp": 4 // pp, "parallel.dp_replicate": rep,
                          "parallel.zero_stage": 3, "train.micro_batch": 1})

@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead", default="2GB", help="fixed framework memory per GPU")
     p.add_argument("--supported-only", action="store_true",
                    help="only layouts zerotron's config validation accepts (every layout the planner prices "
-                        "today: pipeline x ZeRO-2/3 runs, pipeline x HSDP is never proposed)")
+                        "today: pipeline x ZeRO-1/2/3 and pipeline x HSDP run)")
     return p
 
 

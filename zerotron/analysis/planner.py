@@ -226,10 +226,11 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
 def _replicas(dp: int, tp: int, pp: int, cm: CostModel) -> list[int]:
     """HSDP replica counts to price for a (dp, tp, pp) mesh: 1 (flat), and, where the dp x tp
     block spans several nodes, R = dp * tp / gpus_per_node so that each shard group x tp fills one
-    node (the layout HSDP is for); pipeline layouts stay flat (pp x native HSDP runs, but the
-    planner does not price it yet)."""
+    node (the layout HSDP is for). Under a pipeline the same rule holds per stage: pp is the
+    outermost axis, so each stage's dp x tp block is contiguous (pp x native HSDP runs, one ZeRO
+    driver or DDP per pipeline rank)."""
     K = cm.gpus_per_node
-    if pp > 1 or dp * tp <= K or K % tp or dp % (K // tp):
+    if dp * tp <= K or K % tp or dp % (K // tp):
         return [1]
     r = dp // (K // tp)
     return [1, r] if r > 1 else [1]
@@ -238,8 +239,7 @@ def _replicas(dp: int, tp: int, pp: int, cm: CostModel) -> list[int]:
 def _refused(pp: int, rep: int) -> bool:
     """True for a layout zerotron's config validation refuses among those the planner prices
     (native DDP / ZeRO-0..3): none. Pipeline x ZeRO-1/2/3 and pipeline x native HSDP run (one ZeRO
-    driver, ``parallel.data.zero``, per pipeline rank); ``_replicas`` proposes no HSDP under a
-    pipeline yet."""
+    driver, ``parallel.data.zero``, per pipeline rank), and ``_replicas`` proposes HSDP there too."""
     return False
 
 
