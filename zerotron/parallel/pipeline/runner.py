@@ -24,7 +24,9 @@ Step structure: the trainer hands this rank its M micro-batches; ``m = parallel.
 per pipeline flush, M/m flushes (outer gradient accumulation, no rescaling). Gradients are summed
 over dp by an inner ``DataParallel`` whose hooks fire inside the pipeline backward, only in the last
 flush (and only on each chunk's last backward); ``finish_grads`` waits for it and then sums the tied
-embedding/head gradients between the first and last pipeline rank.
+embedding/head gradients between the first and last pipeline rank. With ``parallel.dp_impl = torch``
+(``plan.sync == "torch_ddp"``) each local chunk gets its own torch DDP instead
+(``pipeline.stage_sync.StageTorchDDP``: no_sync before, the reducer armed before the chunk's last backward).
 
 Tied weights (the layout's ``tied`` pair, e.g. a head tied to the token embedding):
 the first stage owns the parameter; the last stage holds its own copy, registered like the dense
