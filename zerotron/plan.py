@@ -305,14 +305,12 @@ class ParallelPlan:
               "parallel.pp > 1 or remove parallel.pp_split")
         if self.runner == "plain":
             return
-        # implemented: pp x dp (native DDP or native ZeRO-1/2/3) x tp (+ sequence parallel)
+        # implemented: pp x dp (native DDP, torch DDP per stage chunk, native ZeRO-1/2/3) x tp (+ sequence
+        # parallel); torch DDP per chunk: parallel.pipeline.stage_sync
         _need(self.zero_stage == 0 or self.zero_impl == "native",
-              "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism (the pipeline drives its own "
-              "stage modules; FSDP2's hooks expect whole-model steps); set parallel.zero_impl = native (ZeRO-1/2/3)")
-        _need(self.zero_stage > 0 or self.dp_impl == "native",
-              f"parallel.dp_impl = {self.dp_impl} is not combined with pipeline parallelism (torch DDP's reducer "
-              "expects one forward of the wrapped module per backward; stages run many partial ones); set "
-              "parallel.dp_impl = native")
+              "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism yet (the per-stage FSDP2 driver, "
+              "parallel.pipeline.stage_sync.StageFSDP2, does not yet keep the tied embedding/head registered "
+              "under both names of the dense model); set parallel.zero_impl = native (ZeRO-1/2/3)")
         _need(n_acc == 0 or n_acc % m_flush == 0,
               f"parallel.microbatches ({self.microbatches}) must divide the micro-batches per step per dp rank "
               f"(train.global_batch / (train.micro_batch * dp) = {n_acc})")

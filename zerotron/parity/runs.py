@@ -22,7 +22,8 @@ def _copies(strategy, mesh) -> dict:
     from zerotron.parallel.tensor.layers import is_tp_sharded
 
     c = mesh.coords
-    dp_sharded = getattr(strategy, "stage", 0) == 3 or type(strategy).__name__ == "FSDP2Strategy"
+    dp_sharded = (getattr(strategy, "stage", 0) == 3 or type(strategy).__name__ == "FSDP2Strategy"
+                  or getattr(strategy, "fsdp2", None) is not None)  # FSDP2 under a pipeline
     shard = c["dp"] % mesh.dims.dp_shard  # HSDP: replicas of one shard must hold the same bits
     out = {}
     for name, p in strategy.module.named_parameters(remove_duplicate=False):

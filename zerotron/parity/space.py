@@ -146,8 +146,9 @@ def expected_refusal(layout: Layout) -> str | None:
     if layout.rep > 1 and layout.pp > 1 and (layout.sync not in ("ddp", "zero1", "zero2", "zero3")
                                              or layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
         return "HSDP under a pipeline runs with native DDP or native ZeRO on the native executor only"
-    if layout.pp > 1 and layout.sync in ("fsdp2_2", "fsdp2_3", "torch_ddp"):
-        return "pipeline x FSDP2 / torch DDP: their hooks expect one whole-model forward per backward"
+    if layout.pp > 1 and layout.sync in ("fsdp2_2", "fsdp2_3") and layout.schedule not in TORCH_KINDS \
+            and layout.schedule != "threads":
+        return "pipeline x FSDP2: the per-stage FSDP2 driver does not yet keep the tied pair registered in the dense model"
     if layout.schedule in TORCH_KINDS and (layout.sync != "ddp" or layout.tp > 1):
         return "the torch.distributed.pipelining backend combines only with native DDP, tp = 1"
     if layout.schedule == "torch-1f1b" and layout.acc < layout.pp:
@@ -183,7 +184,10 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
         "fsdp2_2-dp2-tp2-acc4", "fsdp2_2-dp2-tp2sp-acc1-acfull", "fsdp2_3-dp2-tp2-acc1", "fsdp2_3-dp2-tp2sp-acc4",
         # full recomputation under parameter sharding: native ZeRO-3 (the recompute runs between the
         # block's backward gather and its free), in a pipeline (the same driver per rank), and FSDP2 stage 3
-        "zero3-dp2-acc4-acfull", "zero3-dp2-pp2-1f1b-acc4-acfull", "fsdp2_3-dp2-acc4-acfull")
+        "zero3-dp2-acc4-acfull", "zero3-dp2-pp2-1f1b-acc4-acfull", "fsdp2_3-dp2-acc4-acfull",
+        # torch DDP per pipeline chunk (parallel.pipeline.stage_sync): 1F1B, and zb-v (split backward,
+        # the tied pair on one rank reduced by the first stage's DDP, ignored by the last one's)
+        "torch_ddp-dp2-pp2-1f1b-acc4", "torch_ddp-dp2-pp2-zb-v-acc4")
 
 
 def covering_layouts(layouts: list[Layout]) -> list[Layout]:

@@ -213,13 +213,20 @@ class TorchDDP(Strategy):
     peer", raised inside torch's backward, so a traceback rather than one line; no hang). The
     ConfigError line comes from the raising rank.
     When the parameter is missing on every rank (the usual case: the model's own control flow),
-    every rank raises the same line together."""
+    every rank raises the same line together.
+
+    ``ignore``: names (in ``module``) of parameters this DDP leaves alone (torch's
+    ``_set_params_and_buffers_to_ignore_for_model``): another synchroniser reduces them (a pipeline
+    rank's second chunk sharing the tied weight, ``pipeline.stage_sync``)."""
 
     def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, ignore: list[str] = ()):
         self.module, self.group, self.loss_groups = module, group, [group]
         self.find_unused = find_unused_parameters
         dev = next(module.parameters()).device
+        if ignore:
+            DDP._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
+        skip = {id(p) for n, p in module.named_parameters() if n in set(ignore)}
         with warnings.catch_warnings():  # broadcast_buffers is deprecated in 2.13
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
             self.ddp = DDP(module, process_group=group.pg, bucket_cap_mb=bucket_mb, broadcast_buffers=False,  # buffers are rebuilt identically per rank
@@ -234,8 +241,9 @@ class TorchDDP(Strategy):
         self.ddp.register_comm_hook(None, sum_hook)
         self._sync = True  # False inside no_sync(): DDP does not reduce that backward
         self._synced: set[int] = set()  # ids of parameters that got a gradient in a synchronised backward
+        self._mine = [p for p in unique_params(module) if id(p) not in skip]  # what this DDP reduces
         self._hooks = [] if find_unused_parameters else \
-            [p.register_post_accumulate_grad_hook(self._on_grad) for p in unique_params(module)]
+            [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._mine]
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if self._sync:
@@ -262,7 +270,7 @@ class TorchDDP(Strategy):
         bucket. Nothing has been modified then (no tp sum, no clipping, no optimizer step)."""
         if not self.find_unused and len(self._synced) < len(self._hooks):
             names = {id(p): n for n, p in self.module.named_parameters()}
-            for p in unique_params(self.module):
+            for p in self._mine:
                 if id(p) not in self._synced:
                     when = "in this step" if p.grad is None else \
                         "in the last micro-batch of this step (only in earlier ones)"

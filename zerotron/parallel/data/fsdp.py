@@ -47,9 +47,13 @@ class FSDP2Strategy(Strategy):
     ``dtype`` ("fp32" | "bf16": bf16 compute with fp32 sharded parameters | "fp64"), ``reduce_dtype``
     (see ``parallel.precision``). A tensor-parallel ``model`` (``model.tp_group`` set by
     ``apply_tensor_parallel``) has its tp-local tensors sharded over dp (see the module docstring).
-    Raises ValueError for stage 1 (FSDP2 has no optimizer-only sharding)."""
+    ``units``/``root`` (a pipeline's stage, ``pipeline.stage_sync``): the blocks to shard as units
+    and the module to shard as root instead of ``model.blocks()`` and ``model`` (``model`` then only
+    names the parameters, for state dicts). Raises ValueError for stage 1 (FSDP2 has no
+    optimizer-only sharding)."""
 
-    def __init__(self, model, mesh, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto"):
+    def __init__(self, model, mesh, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto",
+                 units: list | None = None, root=None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if stage not in (2, 3):
@@ -65,10 +69,10 @@ class FSDP2Strategy(Strategy):
         # name -> TPShard of every tp-sharded parameter (tied names too): fully_shard drops attributes
         self._tp_shards = {n: p.tp_shard for n, p in model.named_parameters(remove_duplicate=False)
                            if is_tp_sharded(p)}
-        blocks = list(model.blocks())
+        blocks = list(model.blocks()) if units is None else units
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model if root is None else root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         for block in blocks:
             # torch 2.13's no_sync post-backward reads every block's unsharded parameter, which only
             # exists once the block has been unsharded: a block whose forward never ran (skipped)

@@ -156,13 +156,16 @@ class PipelineExecutor:
     ``walk_start_s``/``walk_end_s`` the ``time.perf_counter()`` at the first walk's start and the
     last walk's end since ``reset_timing``; ``compute_s[(kind, chunk)]`` / ``compute_n[(kind,
     chunk)]`` the seconds and count of each compute kind ("F", "B", ...) per local chunk
-    (per-stage F/B times for the bubble accounting). All in seconds."""
+    (per-stage F/B times for the bubble accounting). All in seconds. ``forward_chunk(chunk, x)``
+    runs one chunk's forward: ``stage.run_chunk`` unless a gradient synchroniser routes it through
+    its wrapper (FSDP2's root, ``pipeline.stage_sync``)."""
 
     def __init__(self, stage: StageModel, group, place: Placement, rank: int, peer_rank, act_dtype: torch.dtype):
         self.stage, self.group, self.pp, self.rank = stage, group, place.pp, rank
         self.peer_rank, self.act_dtype = peer_rank, act_dtype
         self.n_embd = stage.layout().width
         self.p2p = CommRunPoster(group, peer_rank, rank, place)
+        self.forward_chunk = stage.run_chunk
         self.reset_timing()
 
     def reset_timing(self) -> None:
@@ -221,7 +224,7 @@ class PipelineExecutor:
                     if torch.is_grad_enabled():
                         inp.requires_grad_()
                 with autocast():
-                    out = st.run_chunk(a.chunk, tokens[a.microbatch] if s == 0 else inp)
+                    out = self.forward_chunk(a.chunk, tokens[a.microbatch] if s == 0 else inp)
                 if s == last:
                     out = on_output(a.microbatch, out)
                 else:

@@ -24,7 +24,9 @@ Step structure: the trainer hands this rank its M micro-batches; ``m = parallel.
 per pipeline flush, M/m flushes (outer gradient accumulation, no rescaling). Gradients are summed
 over dp by an inner ``DataParallel`` whose hooks fire inside the pipeline backward, only in the last
 flush (and only on each chunk's last backward); ``finish_grads`` waits for it and then sums the tied
-embedding/head gradients between the first and last pipeline rank.
+embedding/head gradients between the first and last pipeline rank. With ``parallel.dp_impl = torch``
+(``plan.sync == "torch_ddp"``) each local chunk gets its own torch DDP instead
+(``pipeline.stage_sync.StageTorchDDP``: no_sync before, the reducer armed before the chunk's last backward).
 
 Tied weights (the layout's ``tied`` pair, e.g. a head tied to the token embedding):
 the first stage owns the parameter; the last stage holds its own copy, registered like the dense
@@ -88,6 +90,7 @@ from zerotron.parallel.pipeline.executor import (
     stage_layer_ranges,
 )
 from zerotron.parallel.pipeline.schedules import build_schedule
+from zerotron.parallel.pipeline.stage_sync import StageFSDP2, StageTorchDDP
 from zerotron.parallel.pipeline.state import PipelineStateMixin
 from zerotron.parallel.tensor.layers import is_tp_sharded
 from zerotron.parallel.tensor.transform import sync_replicated_grads
@@ -149,15 +152,23 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                 pg = dist.new_group([line[0], line[self.last_rank]])
                 if mesh.rank in line and (self.first or self.last):
                     self.tied_group = comm.NamedGroup(pg, "pp_tied")
-        self.ddp = self.zero = None
-        if p.zero_stage:
+        self.ddp = self.zero = self.stage_sync = self.fsdp2 = None
+        if p.sync == "torch_ddp":  # torch's wrappers per stage chunk (pipeline.stage_sync)
+            self.stage_sync = StageTorchDDP(self.module, self.dp_group, p.bucket_mb, p.find_unused_parameters)
+        elif p.sync == "fsdp2":  # refused by the plan for now (the tied pair; see pipeline.stage_sync)
+            self.stage_sync = self.fsdp2 = StageFSDP2(self.module, mesh, p.zero_stage, p.dtype, p.reduce_dtype)
+            if self.tied is not None:  # fully_shard registered a new (DTensor) parameter
+                self.tied = getattr(get_module(self.module, owner[0]), owner[2])
+        elif p.zero_stage:
             self.zero = self._zero_sync(mesh, mask if mask is not None else decay_mask(model))
         else:
             self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb, src_rank=mesh.peer(dp=0),
                                     **ddp_hierarchy(mesh))  # HSDP: hierarchical all-reduce per bucket
-        self.inner = self.zero if self.zero is not None else self.ddp  # no_sync / zero_grad
-        act_dtype = next(iter(self.module.parameters())).dtype
+        self.inner = next(x for x in (self.zero, self.stage_sync, self.ddp) if x is not None)  # no_sync / zero_grad
+        act_dtype = getattr(self.stage_sync, "act_dtype", None) or next(iter(self.module.parameters())).dtype
         self.executor = PipelineExecutor(self.module, self.pp_group, place, self.rank, self._peer, act_dtype)
+        if self.stage_sync is not None:
+            self.executor.forward_chunk = self.stage_sync.forward
         self._timing = {"busy_s": 0.0, "idle_s": 0.0, "bubble_fraction": 0.0}
         own = {id(q) for q in self.module.parameters()}  # other stages' parameters: storage freed
         self._foreign = [q for q in model.parameters() if id(q) not in own] if self.pp > 1 else []
@@ -246,11 +257,16 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         n_flush = M // m
         if self.zero is not None:
             self.zero.begin_step()
+        if self.stage_sync is not None:  # FSDP2 averages over dp: the loss is pre-scaled
+            self.stage_sync.begin_step()
+            n_global = n_global / self.stage_sync.loss_scale
         try:
             self._flushes(micro_batches, m, n_flush, n_global, dtype, device, total)
         finally:
             if self.zero is not None:
                 self.zero.end_step()
+        if self.stage_sync is not None:
+            self.stage_sync.end_step()
         wall = ex.busy_s + ex.idle_s
         per_stage = {}  # kind -> {model stage: mean seconds per micro-batch}
         for (kind, chunk), sec in ex.compute_s.items():
@@ -288,6 +304,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             def b_context(mb, chunk):
                 if self.zero is not None:  # ZeRO-2/3: reduce-scatter what this backward produced
                     return self._after_backward(mb, chunk)
+                if self.stage_sync is not None:  # torch DDP / FSDP2: each chunk its own unit
+                    return self.stage_sync.backward_context(chunk, final and mb == k - 1)
                 sync = final and mb == k - 1 and not (late and chunk == self.v - 1)
                 return contextlib.nullcontext() if sync else self.inner.no_sync()
 
@@ -334,10 +352,11 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         if self.zero is not None:
             self.zero.finish_grads()
             return
-        self.ddp.finish_grads()  # waits for every bucket all-reduce before the buffers are touched
+        (self.ddp or self.stage_sync).finish_grads()  # waits for every reduction before the buffers are touched
         self._sync_sp_replicated()
-        if self.tied_group is not None:
-            comm.all_reduce(self.tied.grad, group=self.tied_group, tag="pp_tied")
+        if self.tied_group is not None:  # FSDP2: both copies are sharded alike over dp: sum the local shards
+            g = self.tied.grad
+            comm.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.tied_group, tag="pp_tied")
 
     def _sync_sp_replicated(self) -> None:
         """Sequence parallel (DDP path): LayerNorm/bias/wpe gradients saw one sequence shard: sum
@@ -365,8 +384,9 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         counted = self._norm_params()
         extra = [q.grad for q in unique_params(self.module) if q.grad is not None and q is self.tied
                  and all(q is not c for c in counted)]
-        parts = [([q.grad for q in counted if is_tp_sharded(q)], [self.tp_group]),
-                 ([q.grad for q in counted if not is_tp_sharded(q)], [])]
+        shard = getattr(self.stage_sync, "shard_group", None)  # FSDP2: the dp shards are disjoint
+        parts = [([q.grad for q in counted if is_tp_sharded(q)], [shard, self.tp_group]),
+                 ([q.grad for q in counted if not is_tp_sharded(q)], [shard])]
         return clip_grad_norm(parts, max_norm, outer=[self.pp_group], also_clip=extra)
 
     def build_optimizer(self, tcfg, mask: dict):
@@ -397,6 +417,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.executor.reset_timing()  # the last step's timing is already in _timing; bound the event list
         with self.zero.full_params(blocks=False) if self.zero is not None else contextlib.nullcontext():
             self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))
+        if self.fsdp2 is not None:  # a gradient-free forward leaves units unsharded (zero_stage 2)
+            self.fsdp2.reshard()
 
     @torch.no_grad()
     def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor, dtype: str, device: torch.device):

@@ -47,6 +47,8 @@ class PipelineStateMixin:
     def _canonical(self, optimizer, owned):
         if self.zero is not None:
             msd, osd = self._zero_state_dict(optimizer, owned)
+        elif self.fsdp2 is not None:  # FSDP2's full state dict (gathered over dp, then tp)
+            msd, osd = self.fsdp2.fsdp.state_dict(optimizer)
         else:
             msd, osd = super().state_dict(optimizer)
         if osd is not None:
@@ -79,6 +81,8 @@ class PipelineStateMixin:
         """Load a canonical state (from ``state_dict`` of any layout: pp, tp, dp, ZeRO) into this
         rank's stages: dense tensors sliced to tp shards (``shard_tensor``), ZeRO dp shards taken
         out of the flat buffers (``zero_state.load_flat_state``)."""
+        if self.fsdp2 is not None:
+            return self.fsdp2.fsdp.load_state_dict(msd, osd, optimizer)
         if self.zero is None:
             return super().load_state_dict(msd, osd, optimizer)
         load_flat_state(self.zero.all_flats, self.zero.group, self.tp_group, msd, osd, optimizer)
@@ -107,6 +111,8 @@ class PipelineStateMixin:
         with contextlib.ExitStack() as stack:
             if self.zero is not None:  # ZeRO-3: this rank's stage parameters gathered for the context
                 stack.enter_context(self.zero.full_params())
+            if self.fsdp2 is not None:  # FSDP2: every unit unsharded (plain parameters on the modules)
+                stack.enter_context(self.fsdp2.gathered())
             try:
                 if self.pp > 1:
                     for q in self._foreign:  # re-allocate (contents arrive by broadcast)
