@@ -140,11 +140,12 @@ def _cli_child(argv, cwd, env, stdio, script=None):
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
             code = 0
-        else:
-            from .cli import main
+        else:  # exactly what `python -m zerotron` runs: zerotron/__main__.py, sys.exit(main())
+            import runpy
 
-            sys.argv = [str(Path(__file__).parent / "__main__.py"), *argv]
-            code = main(argv)
+            sys.argv = ["-m", *argv]  # runpy sets sys.argv[0] to __main__.py's path, as -m does
+            runpy.run_module("zerotron", run_name="__main__", alter_sys=True)
+            code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if e.code is not None and not isinstance(e.code, int):
