@@ -1,17 +1,16 @@
 """`zerotron bench checkpoint`: the cost of checkpoint checksums (issue 13's overhead figure)."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from zerotron.testing import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def bench(*args):
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "zerotron", "bench", "checkpoint", *args], cwd=ROOT, env=e,
-                          capture_output=True, text=True, timeout=300, check=False)
+    return run_cli(["bench", "checkpoint", *args], cwd=ROOT, env=e, timeout=300)  # fork-server child
 
 
 def test_bench_checkpoint_measures_and_cleans_up(tmp_path, data_cache):

@@ -2,14 +2,13 @@
 one 2-process run on one node (intra scope only)."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from zerotron.bench.comm_topo import _plan_calls, cliff, format_topology_table, scope_groups
 from zerotron.bench.topology import format_nodes, node_layout
+from zerotron.testing import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,10 +58,10 @@ def test_cliff_and_table():
 
 def test_one_node_topology_run(tmp_path):
     out = tmp_path / "t.json"
-    r = subprocess.run([sys.executable, "-m", "zerotron", "bench", "comm", "--nproc", "2", "--topology", "on",
-                        "--ops", "all_reduce,reduce_scatter", "--sizes", "4KiB:16KiB", "--iters", "3",
-                        "--warmup", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=200)
+    r = run_cli(["bench", "comm", "--nproc", "2", "--topology", "on",  # fork-server child
+                 "--ops", "all_reduce,reduce_scatter", "--sizes", "4KiB:16KiB", "--iters", "3",
+                 "--warmup", "1", "--json", str(out)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                timeout=200)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert data["groups"] == {"intra": [[0, 1]]}

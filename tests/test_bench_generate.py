@@ -3,10 +3,8 @@ every layout's outputs are equal, weights per rank equal the memory estimator's 
 cache per rank is as the layout implies (no timings are checked)."""
 import json
 import os
-import subprocess
-import sys
 
-from zerotron.testing import ROOT
+from zerotron.testing import ROOT, run_cli
 
 ROW = ("layout", "output_tokens_per_s", "ttft_s", "tpot_s_p50", "tpot_s_p95", "weight_bytes_per_rank",
        "kv_cache_bytes_per_rank", "busy_fraction")
@@ -15,10 +13,9 @@ ROW = ("layout", "output_tokens_per_s", "ttft_s", "tpot_s_p50", "tpot_s_p95", "w
 def test_bench_generate_json(tmp_path):
     out = tmp_path / "g.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "zerotron", "bench", "generate", "--nproc", "2", "--prompts", "5",
-                        "--new-tokens", "4", "--rounds", "2", "--baseline-prompts", "2", "--json", str(out),
-                        "--markdown", str(tmp_path / "g.md")], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    p = run_cli(["bench", "generate", "--nproc", "2", "--prompts", "5",  # fork-server child
+                 "--new-tokens", "4", "--rounds", "2", "--baseline-prompts", "2", "--json", str(out),
+                 "--markdown", str(tmp_path / "g.md")], cwd=ROOT, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["layout"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"single", "dp", "naive-mp", "pp", "tp", "pp-tp", "pp-nocache"}

@@ -5,8 +5,6 @@ run); one 2-process end-to-end run through the CLI (~20 s) whose communication a
 bytes are checked against the exact formulas for the tiny model."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ import pytest
 from zerotron.analysis.flops import gpt_num_params
 from zerotron.bench import train as bt
 from zerotron.config import load_config
-from zerotron.testing import tiny_config
+from zerotron.testing import run_cli, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.toml"
@@ -200,11 +198,11 @@ def test_in_process_skips_unbuildable_layouts(monkeypatch, data_cache, single_pr
 
 def test_two_process_end_to_end(tmp_path, data_cache):
     js, png, md = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "t.md"
-    cmd = [sys.executable, "-m", "zerotron", "bench", "train", "--nproc", "2", "--config", str(TINY), "--steps", "2",
+    cmd = ["bench", "train", "--nproc", "2", "--config", str(TINY), "--steps", "2",
            "--warmup", "1", "--rounds", "1", "--layouts", "dp,dp-torch,single,pp-1f1b", "--json", str(js),
            "--plot", str(png), "--markdown", str(md),
            "--log.progress", "false", "--data.cache_dir", data_cache]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT, env={**os.environ})
+    p = run_cli(cmd, timeout=240, cwd=ROOT, env={**os.environ})  # `python -m zerotron ...` from the fork server
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {r["layout"]: r for r in json.loads(js.read_text())}
     assert list(rows) == ["dp", "dp-torch", "single", "pp-1f1b"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zerotron.cli import main
-from zerotron.testing import checkpoint_flat, run_ranks, tiny_config
+from zerotron.testing import checkpoint_flat, run_cli, run_ranks, tiny_config
 from zerotron.train.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +30,7 @@ def strict_load(path):
 
 def cli(*args, env=None, check=None):
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
-    r = subprocess.run([sys.executable, "-m", "zerotron", *args], cwd=ROOT, env=e, capture_output=True,
-                       text=True, timeout=300, check=False)
+    r = run_cli(list(args), cwd=ROOT, env=e, timeout=300)  # `python -m zerotron ...`, imports preloaded
     if check is not None:
         assert r.returncode == check, f"exit {r.returncode} != {check}:\n{r.stdout}\n{r.stderr}"
     return r

@@ -13,6 +13,7 @@ import torch
 
 from zerotron import config
 from zerotron.cli import main
+from zerotron.testing import run_cli
 from zerotron.train import metrics
 from zerotron.train.progress import Progress, format_eta
 
@@ -273,7 +274,6 @@ def test_tensorboard_events_survive_a_guard_stop(tmp_path, data_cache):
     """A run stopped by the non-finite guard (exit 3, in its own process) still has every step's
     events on disk: the writer is closed (flushed) on the way out, not only after a full run."""
     import os
-    import subprocess
     from pathlib import Path
 
     pytest.importorskip("tensorboard")
@@ -282,11 +282,11 @@ def test_tensorboard_events_survive_a_guard_stop(tmp_path, data_cache):
     root = Path(__file__).resolve().parent.parent
     run = tmp_path / "run"
     env = {**os.environ, "ZEROTRON_FAULT_NAN_AT_STEPS": "3", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "zerotron", "train", "--config", TINY, "--run-dir", str(run),
-                        "--train.steps", "6", "--train.eval_every", "0", "--log.progress", "false",
-                        "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache,
-                        "--log.tensorboard", "true", "--train.nonfinite", "stop", "--checkpoint.save_final", "false"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    r = run_cli(["train", "--config", TINY, "--run-dir", str(run),
+                 "--train.steps", "6", "--train.eval_every", "0", "--log.progress", "false",
+                 "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", data_cache,
+                 "--log.tensorboard", "true", "--train.nonfinite", "stop", "--checkpoint.save_final", "false"],
+                cwd=root, env=env, timeout=120)  # `python -m zerotron train` from the fork server
     assert r.returncode == 3, r.stderr
     recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     ea = EventAccumulator(str(run))

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from zerotron.testing import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -95,15 +95,17 @@ def test_readme_blocks_run(tmp_path, data_cache, report):
         if b["lang"] == "python":
             script = tmp_path / f"readme_block_{b['line_no']}.py"
             script.write_text("\n".join(b["lines"]) + "\n")
-            runs = [([sys.executable, str(script)], f"python block at README line {b['line_no']}")]
+            runs = [(dict(argv=[], script=script), f"python block at README line {b['line_no']}")]
         else:
             runs = []
             for argv in shell_commands(b["lines"]):
                 assert argv[0] == "zerotron", f"README line {b['line_no']}: runnable blocks hold zerotron commands, got {argv}"
-                full = [sys.executable, "-m", "zerotron", *argv[1:]] + (shrink(argv) if argv[1:2] == ["train"] else [])
-                runs.append((full, shlex.join(argv)))
+                full = argv[1:] + (shrink(argv) if argv[1:2] == ["train"] else [])
+                runs.append((dict(argv=full), shlex.join(argv)))
         for cmd, what in runs:
-            r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+            # a child of the fork server: `python -m zerotron ...` / `python block.py` without the
+            # 2-3 s of imports each (--nproc workers are still started fresh by torch elastic)
+            r = run_cli(**cmd, cwd=tmp_path, env=env, timeout=300)
             assert r.returncode == 0, (f"README command failed (exit {r.returncode}): {what}\n"
                                        f"--- stdout ---\n{r.stdout[-3000:]}\n--- stderr ---\n{r.stderr[-3000:]}")
             ran += 1

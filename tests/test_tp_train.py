@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from zerotron.testing import assert_params_close, run_ranks, tiny_config
+from zerotron.testing import assert_params_close, run_cli, run_ranks, tiny_config
 
 STEPS = 10
 BASE = {"train.steps": STEPS, "train.global_batch": 8, "train.eval_every": 0, "checkpoint.save_final": "false",
@@ -147,13 +147,10 @@ def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp
         assert_params_close(out["params"], reference["params"], RTOL, name)
 
     # TP and pipelined generation through the CLI equal single-process greedy decoding
-    import subprocess
-    import sys
 
     def gen(*extra):
-        r = subprocess.run([sys.executable, "-m", "zerotron", "generate", "--checkpoint", str(tmp_path / "tp2"),
-                            "--prompt", "ROMEO:", "--max-new-tokens", "16", *extra],
-                           capture_output=True, text=True, timeout=300)
+        r = run_cli(["generate", "--checkpoint", str(tmp_path / "tp2"),  # fork-server child
+                     "--prompt", "ROMEO:", "--max-new-tokens", "16", *extra], timeout=300)
         assert r.returncode == 0, r.stderr
         return r.stdout
 

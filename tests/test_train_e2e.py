@@ -3,15 +3,13 @@ resume equals an uninterrupted run (bitwise), LR schedule, generation (single an
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from zerotron.config import load_config
-from zerotron.testing import checkpoint_flat
+from zerotron.testing import checkpoint_flat, run_cli
 from zerotron.train.checkpoint import list_checkpoints
 from zerotron.train.optim import lr_at
 
@@ -21,8 +19,7 @@ STEPS = 6
 
 def zerotron(*args, env=None, check=True):
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    r = subprocess.run([sys.executable, "-m", "zerotron", *args], cwd=ROOT, env=e, capture_output=True,
-                       text=True, timeout=300)
+    r = run_cli(list(args), cwd=ROOT, env=e, timeout=300)  # `python -m zerotron ...`, imports preloaded
     if check and r.returncode != 0:
         raise AssertionError(f"zerotron {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r

@@ -36,8 +36,22 @@ from .files import (
     read_meta,
 )
 from .integrity import newest_good_checkpoint, verify_checkpoint
-from .load import load_checkpoint
-from .save import save_checkpoint
+
+_LAZY = {"load_checkpoint": "load", "save_checkpoint": "save"}
+
+
+def __getattr__(name: str):
+    """``load_checkpoint`` / ``save_checkpoint`` import their module (and torch.distributed.checkpoint,
+    ~1 s) on first use: the launcher of ``--nproc``, which only lists and verifies checkpoints,
+    never pays for it."""
+    if name in _LAZY:
+        import importlib
+
+        fn = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = fn
+        return fn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["CheckpointError", "CheckpointSpaceError", "CheckpointWriteError", "latest_checkpoint", "list_checkpoints",
            "load_checkpoint", "newest_good_checkpoint", "read_meta", "save_checkpoint", "verify_checkpoint"]

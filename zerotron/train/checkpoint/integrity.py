@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from .files import STEP_RE, CheckpointError, list_checkpoints, read_meta
 
@@ -102,6 +101,8 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
         fail("meta.json's checksums is not a JSON object")
     if not (ckpt / ".metadata").is_file():
         fail("no .metadata from torch.distributed.checkpoint")
+    import torch.distributed.checkpoint as dcp  # here: 1 s of imports the launcher and --help skip
+
     try:
         md = dcp.FileSystemReader(str(ckpt)).read_metadata()
     except Exception as e:  # noqa: BLE001 - any unreadable metadata is a damaged checkpoint
