@@ -90,12 +90,15 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_
 
     ``timeout_s`` is the collective timeout inside the ranks; ``join_timeout_s`` bounds the whole run.
     Raises RuntimeError with the failing ranks' tracebacks, or on timeout."""
-    ctx = _context()
+    # spawned, not forked from the preloaded server: two CI runs saw a rank die of heap corruption
+    # ("malloc(): unaligned tcache chunk") in an FSDP2 state-dict gather with forked ranks, never
+    # with spawned ones; until that is understood, ranks pay their imports (run_cli keeps the server)
+    ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, fn, args, queue, env,
-                                               (_Fd(1), _Fd(2))), daemon=False)
+                                               ()), daemon=False)  # spawned ranks inherit stdout/stderr
              for r in range(world_size)]
     for p in procs:
         p.start()
