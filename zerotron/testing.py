@@ -5,13 +5,12 @@ group with a short timeout in each, calls ``fn(*args)``, ends each rank with ``m
 every entry point does) and returns the list of per-rank results (index = rank). Any rank's
 exception is re-raised in the caller with its traceback. ``fn`` must be importable (module level).
 
-The ranks are forked from a *fork server* (``multiprocessing``'s "forkserver" start method) that
-imported torch and the training stack once (:data:`PRELOAD`), instead of spawned fresh: a spawned
-rank spends ~3-6 s importing torch, torch.distributed.tensor/pipelining and zerotron before its
-first line, and a test suite starts hundreds of ranks. The fork server is a clean process (no
-process group, no threads of ours, started by exec), so each rank starts in the same state as a
-spawned one: the caller's environment (``os.environ`` at the call) and its stdout/stderr are
-handed over explicitly, arguments and results travel pickled as with "spawn"."""
+``run_ranks`` spawns its ranks (see the comment there: forked ranks once died of heap corruption in
+an FSDP2 gather). ``run_cli`` forks its CLI children from a *fork server* (``multiprocessing``'s
+"forkserver" start method) that imported torch and the training stack once (:data:`PRELOAD`): a
+fresh interpreter spends ~3-6 s importing torch and zerotron before its first line. The fork server
+is a clean process (no process group, no threads of ours, started by exec); the caller's
+environment (``os.environ`` at the call) and its stdout/stderr are handed over explicitly."""
 from __future__ import annotations
 
 import os
