@@ -48,7 +48,10 @@ def _case(group, impl, H, Hkv, dtype, seed, data_layout=None):
     want = [out.detach()] + [t.grad for t in ref]
 
     layout = "contiguous" if impl == "ring-contiguous" else "zigzag"
-    loc = [_local(t, cp, rank, data_layout or layout).to(dtype).requires_grad_() for t in (q, k, v)]
+    # leaves stored (B, T, N, D) and passed as (B, N, T, D) views, non-contiguous as the model's are
+    leaves = [_local(t, cp, rank, data_layout or layout).to(dtype).transpose(1, 2).contiguous().requires_grad_()
+              for t in (q, k, v)]
+    loc = [t.transpose(1, 2) for t in leaves]
     comm.STATS.reset()
     if impl == "a2a":
         got = a2a_attention(*loc, group)
@@ -58,10 +61,11 @@ def _case(group, impl, H, Hkv, dtype, seed, data_layout=None):
         got = ring_attention(*loc, group, layout="contiguous")
     fwd = {(op, tag): n for (op, g, tag), n in comm.STATS.bytes.items() if g == "cp"}
     comm.STATS.reset()
-    got.backward(_local(dout, cp, rank, data_layout or layout).to(dtype))
+    got.backward(_local(dout, cp, rank, data_layout or layout).to(dtype).transpose(1, 2).contiguous().transpose(1, 2))
     bwd = {(op, tag): n for (op, g, tag), n in comm.STATS.bytes.items() if g == "cp"}
-    errs = [_rel(g.double(), _local(w, cp, rank, layout)) for g, w in zip([got.detach()] + [t.grad for t in loc], want)]
-    assert got.dtype == dtype and all(t.grad.dtype == dtype for t in loc)
+    grads = [t.grad.transpose(1, 2) for t in leaves]
+    errs = [_rel(g.double(), _local(w, cp, rank, layout)) for g, w in zip([got.detach()] + grads, want)]
+    assert got.dtype == dtype and all(g.dtype == dtype for g in grads)
     return {"errs": errs, "fwd": fwd, "bwd": bwd}
 
 
@@ -92,6 +96,10 @@ def _all_cases():
     for dtype in (torch.float32, torch.bfloat16):  # lower precision runs (block math in fp32)
         for impl in ("ring-zigzag", "a2a"):
             res[(str(dtype), impl)] = _case(groups[2], impl, 8, 4, dtype, 3)["errs"]
+    from zerotron.bench.context import rank_attention_times
+
+    res["bench"] = [rank_attention_times(groups[4], 64, layout, heads=2, head_dim=8, repeats=2, warmup=0)
+                    for layout in ("zigzag", "contiguous")]
     return res
 
 
@@ -121,6 +129,7 @@ def test_can_fail(results):
 
 def test_lower_precision(results):
     for res in results[:2]:
+        print({k: f"{max(v):.2g}" for k, v in res.items() if isinstance(k, tuple) and len(k) == 2})
         for impl in ("ring-zigzag", "a2a"):
             assert max(res[(str(torch.float32), impl)]) < 1e-5
             assert max(res[(str(torch.bfloat16), impl)]) < 5e-2
@@ -165,3 +174,26 @@ def test_lse_merge():
     assert torch.allclose(out, full, rtol=1e-13, atol=0)
     assert torch.allclose(lse, torch.logsumexp(s, -1), rtol=1e-14, atol=0)
     assert math.isfinite(out.sum().item())
+
+
+def test_rank_work():
+    """The zigzag split gives every rank the same attention work; the contiguous one gives rank r
+    4(r+1) blocks (the last rank (2cp)/(2) = cp times the first's), and both cover the causal
+    triangle (every unmasked pair computed once)."""
+    from zerotron.parallel.context.ring import rank_work
+
+    for cp in (1, 2, 3, 4, 8):
+        assert [rank_work("zigzag", cp, r) for r in range(cp)] == [2 * cp + 1] * cp
+        assert [rank_work("contiguous", cp, r) for r in range(cp)] == [4 * (r + 1) for r in range(cp)]
+        n = 2 * cp  # chunks: n(n-1)/2 full pairs and n diagonal ones in total
+        assert sum(rank_work("zigzag", cp, r) for r in range(cp)) == n * (n - 1) // 2 + n
+
+
+def test_bench_helper(results):
+    """bench.context.rank_attention_times reports per-rank times and the expected work."""
+    for r, res in enumerate(results):
+        zig, cont = res["bench"]
+        assert (zig["rank"], zig["layout"], cont["layout"]) == (r, "zigzag", "contiguous")
+        assert zig["work_blocks"] == 9 and cont["work_blocks"] == 4 * (r + 1)
+        for row in (zig, cont):
+            assert row["compute_s"] > 0 and row["wall_s"] >= row["compute_s"] and row["wait_s"] >= 0

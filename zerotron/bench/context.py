@@ -27,12 +27,14 @@ def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: 
                          repeats: int = 5, warmup: int = 1, seed: int = 0) -> dict:
     """On one rank of the cp ``group`` (all ranks call it): time ring attention forward + backward
     of a local (batch, heads, seq_len/cp, head_dim) block (module doc). Returns a dict of medians
-    over ``repeats`` iterations, in seconds: ``compute_s`` (forward + backward block compute),
+    over ``repeats`` iterations, in seconds: ``compute_s`` (forward + backward block compute;
+    ``compute_min_s`` its minimum, the least disturbed on a shared machine),
     ``forward_compute_s``, ``backward_compute_s``, ``wait_s`` (transfer waits), ``wall_s``;
-    plus ``rank`` (in the group) and ``layout``. Raises ValueError as ring_attention does."""
+    plus ``rank`` (in the group), ``layout`` and ``work_blocks`` (``ring.rank_work``: the
+    computed score blocks, the expected time ratio between ranks). Raises ValueError as ring_attention does."""
     from zerotron.distributed import comm
     from zerotron.distributed.groups import process_group
-    from zerotron.parallel.context.ring import ring_attention
+    from zerotron.parallel.context.ring import rank_work, ring_attention
 
     cp, rank = group.size(), group.rank()
     t = seq_len // cp
@@ -51,8 +53,9 @@ def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: 
         if i >= warmup:
             rows.append(dict(timings, wall_s=wall))
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-    return {"rank": rank, "layout": layout,
-            "compute_s": statistics.median(r["forward_compute_s"] + r["backward_compute_s"] for r in rows),
+    compute = [r["forward_compute_s"] + r["backward_compute_s"] for r in rows]
+    return {"rank": rank, "layout": layout, "work_blocks": rank_work(layout, cp, rank),
+            "compute_s": statistics.median(compute), "compute_min_s": min(compute),
             "forward_compute_s": med["forward_compute_s"], "backward_compute_s": med["backward_compute_s"],
             "wait_s": med["forward_wait_s"] + med["backward_wait_s"], "wall_s": med["wall_s"]}
 
@@ -69,7 +72,8 @@ def _ranks(seq_len, layouts, kwargs):
 def attention_balance(cp: int, seq_len: int, layouts=("zigzag", "contiguous"), **kwargs) -> dict:
     """Spawn ``cp`` local gloo ranks and measure :func:`rank_attention_times` for each layout
     (keyword arguments passed on). Returns ``{layout: {"ranks": [per-rank dict, ...], "imbalance":
-    max/min compute_s over ranks}}``. Raises RuntimeError if a rank fails."""
+    max/min compute_s over ranks, "imbalance_min": the same of compute_min_s, "work_imbalance":
+    max/min of work_blocks}}``. Raises RuntimeError if a rank fails."""
     from zerotron.testing import run_ranks
 
     per_rank = run_ranks(_ranks, cp, seq_len, tuple(layouts), kwargs, timeout_s=600)
@@ -77,13 +81,16 @@ def attention_balance(cp: int, seq_len: int, layouts=("zigzag", "contiguous"), *
     for layout in layouts:
         ranks = [r[layout] for r in per_rank]
         times = [r["compute_s"] for r in ranks]
-        out[layout] = {"ranks": ranks, "imbalance": max(times) / min(times)}
+        best = [r["compute_min_s"] for r in ranks]
+        work = [r["work_blocks"] for r in ranks]
+        out[layout] = {"ranks": ranks, "imbalance": max(times) / min(times), "imbalance_min": max(best) / min(best),
+                       "work_imbalance": max(work) / min(work)}
     return out
 
 
-if __name__ == "__main__":  # python -m zerotron.bench.context [cp] [seq_len]
+if __name__ == "__main__":  # python -m zerotron.bench.context [cp seq_len repeats]
     import json
     import sys
 
-    cp_, seq_ = (int(a) for a in (sys.argv[1:3] if len(sys.argv) > 2 else (2, 2048)))
-    print(json.dumps(attention_balance(cp_, seq_), indent=1))
+    cp_, seq_, reps = (int(a) for a in (sys.argv[1:4] if len(sys.argv) > 3 else (2, 2048, 5)))
+    print(json.dumps(attention_balance(cp_, seq_, repeats=reps), indent=1))

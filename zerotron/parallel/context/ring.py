@@ -42,7 +42,7 @@ from zerotron.distributed.groups import group_ranks, process_group
 
 from .split import check_split
 
-__all__ = ["LAYOUTS", "chunk_layout", "merge", "ring_attention"]
+__all__ = ["LAYOUTS", "chunk_layout", "merge", "rank_work", "ring_attention"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -89,6 +89,16 @@ def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float) -> t
 def _pairs(q_ids: list[int], k_ids: list[int]):
     """The (query chunk slot, key chunk slot, diagonal) pairs that are not fully masked."""
     return [(a, b, qi == kj) for a, qi in enumerate(q_ids) for b, kj in enumerate(k_ids) if qi >= kj]
+
+
+def rank_work(layout: str, cp: int, rank: int) -> int:
+    """The attention work cp rank ``rank`` does in a ring forward (the backward does the same
+    pairs), in (T/(2cp)) x (T/(2cp)) score blocks: the sizes of the (query chunk, key chunk) pairs
+    it computes, fully masked pairs skipped and diagonal ones computed whole. zigzag: 2cp + 1 on
+    every rank; contiguous: 4(rank + 1)."""
+    t_local = 2  # in units of T/(2cp)
+    chunk, mine = chunk_layout(layout, cp, rank, t_local)
+    return sum(chunk * chunk * len(_pairs(mine, chunk_layout(layout, cp, src, t_local)[1])) for src in range(cp))
 
 
 class _Ring:
@@ -203,8 +213,9 @@ class _RingAttention(torch.autograd.Function):
             local = torch.zeros((2, B, Hkv, T, D), dtype=cdt, device=q.device)  # this rank's part for this block
             for a, b, diag in _pairs(my_ids, ring.ids(ring.source(step))):
                 qa, doa = qg[..., ring.slot(a), :], dog[..., ring.slot(a), :]
-                kb, vb = kc[..., ring.slot(b), :].unsqueeze(2), vc[..., ring.slot(b), :].unsqueeze(2)
-                p = torch.exp(_scores(qa, kb.squeeze(2), diag, scale) - lse[..., ring.slot(a)].unsqueeze(-1))
+                kb, vb = kc[..., ring.slot(b), :], vc[..., ring.slot(b), :]
+                p = torch.exp(_scores(qa, kb, diag, scale) - lse[..., ring.slot(a)].unsqueeze(-1))  # probabilities
+                kb, vb = kb.unsqueeze(2), vb.unsqueeze(2)  # (B, H_kv, 1, C, D): broadcast over the rep query heads
                 dp = torch.matmul(doa, vb.transpose(-1, -2))
                 ds = p * (dp - delta[..., ring.slot(a)].unsqueeze(-1))
                 dq[..., ring.slot(a), :] += torch.matmul(ds, kb) * scale
