@@ -29,7 +29,7 @@ def _rel(a, b) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def _case(group, impl, H, Hkv, dtype, seed, data_layout=None, checkpoint=False):
+def _case(group, impl, H, Hkv, dtype, seed, data_layout=None, checkpoint=False, autocast=False):
     """Run one case on this rank: errors of out/dq/dk/dv against the full reference, and the
     traffic (bytes by (op, tag)) of the forward and of the backward."""
     from zerotron.distributed import comm
@@ -59,7 +59,10 @@ def _case(group, impl, H, Hkv, dtype, seed, data_layout=None, checkpoint=False):
     else:
         fn = lambda q, k, v: ring_attention(q, k, v, group, layout="contiguous")  # noqa: E731
     comm.STATS.reset()
-    if checkpoint:  # activation checkpointing: the forward (and its traffic) runs again in the backward
+    if autocast:  # bf16 training: the ring's block math stays in fp32 (autocast off inside)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = fn(*loc)
+    elif checkpoint:  # activation checkpointing: the forward (and its traffic) runs again in the backward
         got = torch.utils.checkpoint.checkpoint(fn, *loc, use_reentrant=False)
     else:
         got = fn(*loc)
@@ -102,6 +105,7 @@ def _all_cases():
     for dtype in (torch.float32, torch.bfloat16):  # lower precision runs (block math in fp32)
         for impl in ("ring-zigzag", "a2a"):
             res[(str(dtype), impl)] = _case(groups[2], impl, 8, 4, dtype, 3)["errs"]
+    res["autocast"] = _case(groups[2], "ring-zigzag", 8, 4, torch.float32, 3, autocast=True)["errs"]
     from zerotron.bench.context import rank_attention_times
 
     res["bench"] = [rank_attention_times(groups[4], 64, layout, heads=2, head_dim=8, repeats=2, warmup=0)
@@ -139,6 +143,7 @@ def test_lower_precision(results):
         for impl in ("ring-zigzag", "a2a"):
             assert max(res[(str(torch.float32), impl)]) < 1e-5
             assert max(res[(str(torch.bfloat16), impl)]) < 5e-2
+        assert max(res["autocast"]) < 1e-5
 
 
 def test_traffic(results):

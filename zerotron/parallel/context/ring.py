@@ -27,7 +27,8 @@ split rank r computes r full pairs and one diagonal one (of size (T/cp)^2), so t
 about (2cp-1)x the first one's work.
 
 Per-block math is plain torch (matmul, exp, masks), in fp32 for bf16/fp16 inputs and in the input
-dtype otherwise, so fp64 results equal single-process attention to rounding.
+dtype otherwise (autocast is switched off inside), so fp64 results equal single-process attention to
+rounding.
 """
 from __future__ import annotations
 
@@ -153,6 +154,17 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, layout, timings):
+        with torch.autocast(q.device.type, enabled=False):  # block math in the compute dtype, not autocast's
+            return _RingAttention._forward(ctx, q, k, v, group, layout, timings)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group, layout, timings):
         ring = _Ring(group, layout, q.size(2))
         B, H, T, D = q.shape
         Hkv = k.size(1)
@@ -187,8 +199,7 @@ class _RingAttention(torch.autograd.Function):
         return out.reshape(B, H, T, D).to(q.dtype)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         B, H, T, D = q.shape
