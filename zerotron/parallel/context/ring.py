@@ -1,0 +1,273 @@
+"""Ring attention: causal attention over a sequence split across the cp ranks, the key/value blocks
+travelling around the ring while each rank keeps its queries (Liu, Zaharia and Abbeel, "Ring
+Attention with Blockwise Transformers for Near-Infinite Context", 2023).
+
+Forward. cp rank r holds its queries, keys and values (the zigzag split of :mod:`.split`, or a
+contiguous split). In step s = 0 .. cp-1 it holds the K/V block of rank (r - s) mod cp; before
+computing with it, it posts the transfer of that block to rank r+1 and the receive of the next one
+from rank r-1 (one ``comm.batch_isend_irecv``), so the transfer overlaps the block's attention. Each
+(query block, key block) result is a partial softmax, merged into the running output with the
+log-sum-exp rule (:func:`merge`; the online softmax of Milakov and Gimelshein 2018, as in
+FlashAttention, Dao et al. 2022). Only the H_kv kv heads travel; grouped-query attention
+(Ainslie et al. 2023) expands them locally by viewing the H = H_kv * rep query heads as
+(H_kv, rep) groups.
+
+Backward (the standard ring backward, e.g. ring-flash-attention and Megatron-LM's context
+parallelism): a second rotation of K/V; each rank recomputes the probabilities of a block from the
+saved per-row log-sum-exp (FlashAttention's backward, Dao et al. 2022), adds dQ locally and adds
+the block's dK/dV into accumulators that travel with their K/V; after cp hops the accumulators are
+home, at the rank that owns those keys.
+
+Masking works at chunk granularity with global positions: a rank's local sequence is a list of
+equal-size chunks with global chunk indices (zigzag: chunks r and 2cp-1-r of 2cp; contiguous: chunk
+r of cp). A (query chunk i, key chunk j) pair is fully visible (i > j), diagonal (i == j: causal
+within the chunk) or fully masked (i < j: skipped, no compute). Under the zigzag split every rank
+computes 2 diagonal and 2cp-1 full (C x C) pairs, the same work on every rank; under the contiguous
+split rank r computes r full pairs and one diagonal one (of size (T/cp)^2), so the last rank does
+about (2cp-1)x the first one's work.
+
+Per-block math is plain torch (matmul, exp, masks), in fp32 for bf16/fp16 inputs and in the input
+dtype otherwise (autocast is switched off inside), so fp64 results equal single-process attention to
+rounding.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from zerotron.distributed import comm
+from zerotron.distributed.groups import group_ranks, process_group
+
+from .split import check_split
+
+__all__ = ["LAYOUTS", "chunk_layout", "merge", "rank_work", "ring_attention"]
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def chunk_layout(layout: str, cp: int, rank: int, t_local: int) -> tuple[int, list[int]]:
+    """``(chunk_size, chunk_ids)``: the global chunk indices of cp rank ``rank``'s local sequence (in
+    local order) and their common size, for a local length ``t_local``. ``"zigzag"``: chunks
+    (rank, 2cp-1-rank) of size t_local/2; ``"contiguous"``: chunk ``rank`` of size t_local.
+    Raises ValueError for an unknown layout or an odd zigzag local length."""
+    if layout == "zigzag":
+        check_split(t_local * cp, cp)
+        return t_local // 2, [rank, 2 * cp - 1 - rank]
+    if layout == "contiguous":
+        return t_local, [rank]
+    raise ValueError(f"unknown ring attention layout {layout!r}; choose one of {LAYOUTS}")
+
+
+def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.Tensor,
+          block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge a block's partial attention into a running one with the log-sum-exp rule.
+
+    ``out``/``block_out`` (..., T, D) are softmax-normalised outputs over disjoint key sets, ``lse``/
+    ``block_lse`` (..., T) the log-sum-exp of their scaled scores; the result is the output and lse
+    over the union: lse' = log(e^lse + e^block_lse), out' = out e^(lse-lse') + block_out
+    e^(block_lse-lse'). ``out is None`` (nothing yet) returns the block. Rows must not have
+    lse = block_lse = -inf (every query row here sees at least itself)."""
+    if out is None:
+        return block_out, block_lse
+    new = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1), new
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores (B, H_kv, rep, Tq, Tk) of grouped queries q (B, H_kv, rep, Tq, D) against keys
+    k (B, H_kv, Tk, D); -inf above the diagonal when ``diagonal`` (query chunk == key chunk)."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if diagonal:
+        tq, tk = s.shape[-2:]
+        future = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    return s
+
+
+def _pairs(q_ids: list[int], k_ids: list[int]):
+    """The (query chunk slot, key chunk slot, diagonal) pairs that are not fully masked."""
+    return [(a, b, qi == kj) for a, qi in enumerate(q_ids) for b, kj in enumerate(k_ids) if qi >= kj]
+
+
+def rank_work(layout: str, cp: int, rank: int) -> int:
+    """The attention work cp rank ``rank`` does in a ring forward (the backward does the same
+    pairs), in (T/(2cp)) x (T/(2cp)) score blocks: the sizes of the (query chunk, key chunk) pairs
+    it computes, fully masked pairs skipped and diagonal ones computed whole. zigzag: 2cp + 1 on
+    every rank; contiguous: 4(rank + 1)."""
+    t_local = 2  # in units of T/(2cp)
+    chunk, mine = chunk_layout(layout, cp, rank, t_local)
+    return sum(chunk * chunk * len(_pairs(mine, chunk_layout(layout, cp, src, t_local)[1])) for src in range(cp))
+
+
+class _Ring:
+    """Who is where on the cp ring: size, this rank's index, the global ranks of the next and
+    previous peers, and the chunk layout of every rank."""
+
+    def __init__(self, group, layout: str, t_local: int):
+        pg = process_group(group)
+        self.group = group
+        self.size = torch.distributed.get_world_size(pg)
+        self.rank = torch.distributed.get_rank(pg)
+        ranks = group_ranks(group) or list(range(self.size))
+        self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
+        self.layout, self.t_local = layout, t_local
+        self.chunk, _ = chunk_layout(layout, self.size, self.rank, t_local)
+
+    def ids(self, rank: int) -> list[int]:
+        """The global chunk indices of cp rank ``rank``'s local sequence."""
+        return chunk_layout(self.layout, self.size, rank, self.t_local)[1]
+
+    def source(self, step: int) -> int:
+        """The cp rank whose K/V block this rank holds at ``step``."""
+        return (self.rank - step) % self.size
+
+    def shift(self, t: torch.Tensor, tag: str):
+        """Post send of ``t`` to the next rank and receive of a same-shape tensor from the previous:
+        ``(received buffer, works)``; wait on the works before reading the buffer."""
+        buf = torch.empty_like(t)
+        works = comm.batch_isend_irecv([("send", t, self.next), ("recv", buf, self.prev)], group=self.group, tag=tag)
+        return buf, works
+
+    def slot(self, i: int) -> slice:
+        return slice(i * self.chunk, (i + 1) * self.chunk)
+
+
+def _wait(works) -> float:
+    """Wait for the works; the seconds spent waiting (transfer time not hidden behind compute)."""
+    t0 = time.perf_counter()
+    for w in works:
+        w.wait()
+    return time.perf_counter() - t0
+
+
+def _add(timings: dict | None, **seconds: float) -> None:
+    if timings is not None:
+        for key, s in seconds.items():
+            timings[key] = timings.get(key, 0.0) + s
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention forward/backward (module doc); inputs q (B,H,T,D), k/v (B,H_kv,T,D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, timings):
+        with torch.autocast(q.device.type, enabled=False):  # block math in the compute dtype, not autocast's
+            return _RingAttention._forward(ctx, q, k, v, group, layout, timings)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group, layout, timings):
+        ring = _Ring(group, layout, q.size(2))
+        B, H, T, D = q.shape
+        Hkv = k.size(1)
+        cdt = torch.promote_types(q.dtype, torch.float32)  # compute dtype: fp32 for bf16/fp16
+        scale = 1.0 / math.sqrt(D)
+        qg = q.to(cdt).reshape(B, Hkv, H // Hkv, T, D)
+        my_ids = ring.ids(ring.rank)
+        outs: list = [None] * len(my_ids)
+        lses: list = [None] * len(my_ids)
+        kv = torch.stack((k, v)).contiguous()  # (2, B, H_kv, T, D): one message per hop
+        spent = waited = 0.0
+        for step in range(ring.size):
+            works = []
+            if step < ring.size - 1:  # post the next block's transfer before computing with this one
+                nxt, works = ring.shift(kv, "cp_kv")
+            t0 = time.perf_counter()
+            kc, vc = kv[0].to(cdt), kv[1].to(cdt)
+            for a, b, diag in _pairs(my_ids, ring.ids(ring.source(step))):
+                s = _scores(qg[..., ring.slot(a), :], kc[..., ring.slot(b), :], diag, scale)
+                blse = torch.logsumexp(s, dim=-1)
+                bout = torch.matmul(torch.exp(s - blse.unsqueeze(-1)), vc[..., ring.slot(b), :].unsqueeze(2))
+                outs[a], lses[a] = merge(outs[a], lses[a], bout, blse)
+            spent += time.perf_counter() - t0
+            if works:
+                waited += _wait(works)
+                kv = nxt
+        out = torch.cat(outs, dim=-2)  # (B, H_kv, rep, T, D)
+        lse = torch.cat(lses, dim=-1)  # (B, H_kv, rep, T)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.timings = ring, timings
+        _add(timings, forward_compute_s=spent, forward_wait_s=waited)
+        return out.reshape(B, H, T, D).to(q.dtype)
+
+    @staticmethod
+    def _backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        B, H, T, D = q.shape
+        Hkv = k.size(1)
+        cdt = out.dtype
+        scale = 1.0 / math.sqrt(D)
+        qg = q.to(cdt).reshape(B, Hkv, H // Hkv, T, D)
+        dog = dout.to(cdt).reshape(B, Hkv, H // Hkv, T, D)
+        delta = (dog * out).sum(-1)  # (B, H_kv, rep, T): rowsum(dO * O) (FlashAttention backward)
+        dq = torch.zeros_like(qg)
+        my_ids = ring.ids(ring.rank)
+        kv = torch.stack((k, v)).contiguous()
+        dkv = None  # the accumulators (2, B, H_kv, T, D) of the K/V block in hand, arriving from prev
+        dkv_works: list = []
+        spent = waited = 0.0
+        for step in range(ring.size):
+            kv_works = []
+            if step < ring.size - 1:
+                nxt, kv_works = ring.shift(kv, "cp_kv")
+            t0 = time.perf_counter()
+            kc, vc = kv[0].to(cdt), kv[1].to(cdt)
+            local = torch.zeros((2, B, Hkv, T, D), dtype=cdt, device=q.device)  # this rank's part for this block
+            for a, b, diag in _pairs(my_ids, ring.ids(ring.source(step))):
+                qa, doa = qg[..., ring.slot(a), :], dog[..., ring.slot(a), :]
+                kb, vb = kc[..., ring.slot(b), :], vc[..., ring.slot(b), :]
+                p = torch.exp(_scores(qa, kb, diag, scale) - lse[..., ring.slot(a)].unsqueeze(-1))  # probabilities
+                kb, vb = kb.unsqueeze(2), vb.unsqueeze(2)  # (B, H_kv, 1, C, D): broadcast over the rep query heads
+                dp = torch.matmul(doa, vb.transpose(-1, -2))
+                ds = p * (dp - delta[..., ring.slot(a)].unsqueeze(-1))
+                dq[..., ring.slot(a), :] += torch.matmul(ds, kb) * scale
+                local[0][..., ring.slot(b), :] += (torch.matmul(ds.transpose(-1, -2), qa) * scale).sum(2)
+                local[1][..., ring.slot(b), :] += torch.matmul(p.transpose(-1, -2), doa).sum(2)
+            spent += time.perf_counter() - t0
+            if dkv_works:  # the accumulators of this block, sent by the previous rank last step
+                waited += _wait(dkv_works)
+                local += dkv
+            if ring.size > 1:  # the accumulators follow their K/V to the next rank
+                dkv, dkv_works = ring.shift(local, "cp_dkv")
+            else:
+                dkv = local
+            if kv_works:
+                waited += _wait(kv_works)
+                kv = nxt
+        waited += _wait(dkv_works)  # after cp hops the accumulators of this rank's own K/V are home
+        _add(ctx.timings, backward_compute_s=spent, backward_wait_s=waited)
+        return (dq.reshape(B, H, T, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str = "zigzag",
+                   timings: dict | None = None) -> torch.Tensor:
+    """Causal attention of this cp rank's queries over the whole sequence by ring attention (module
+    doc): q (B, H, T_local, D), k and v (B, H_kv, T_local, D) with H a multiple of H_kv, fp32, bf16
+    or fp64 -> (B, H, T_local, D) in q's dtype, row for row equal to causal scaled dot-product
+    attention (scale 1/sqrt(D)) over the full sequence of T = cp * T_local tokens.
+
+    ``group``: the cp group (a ``comm.NamedGroup`` or a ProcessGroup; traffic is counted as
+    ``send``/``recv`` with tags ``cp_kv`` (K and V, forward and backward: (cp-1) hops of
+    2 * B * H_kv * T_local * D elements each) and ``cp_dkv`` (the dK/dV accumulators in the
+    backward: cp hops, in the compute dtype: fp32 for bf16 inputs)). ``layout``: how the sequence
+    is split, ``"zigzag"`` (:mod:`.split`, the default and the contract's) or ``"contiguous"`` (rank
+    r holds tokens r*T_local .. (r+1)*T_local-1; for measuring the load balance). ``timings``: a
+    dict to which ``forward_compute_s`` and ``backward_compute_s`` (seconds of block compute on
+    this rank, waits excluded) and ``forward_wait_s`` and ``backward_wait_s`` (seconds waiting for
+    transfers: the part not hidden behind compute) are added; host wall clock, exact on CPU (on
+    CUDA the kernels are asynchronous and these are launch times).
+
+    Differentiable in q, k and v. Raises ValueError for an unknown layout or an odd zigzag T_local."""
+    if q.size(1) % k.size(1) or k.shape != v.shape or q.size(2) != k.size(2):
+        raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match "
+                         "(B, H, T, D) / (B, H_kv, T, D) with H a multiple of H_kv")
+    return _RingAttention.apply(q, k, v, group, layout, timings)
