@@ -309,7 +309,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                 sync = final and mb == k - 1 and not (late and chunk == self.v - 1)
                 return contextlib.nullcontext() if sync else self.inner.no_sync()
 
-            w_context = self._zero3_weight_pass if self.zero is not None and self.zero.stage == 3 else None
+            w_context = (self._zero3_weight_pass if self.zero is not None and self.zero.stage == 3
+                         else self.fsdp2.weight_context if self.fsdp2 is not None else None)
             ex.run(self._actions(k), [x for x, _ in mbs], on_output,
                    lambda: autocast_ctx(dtype, device), b_context, w_context)
             for s in sums:
