@@ -22,8 +22,15 @@ and ``perform_reduce_grad`` in torch/distributed/pipelining/stage.py), but under
   reshard-after-backward (gradients accumulate unsharded, as torch's pipelining does); after the
   step's last backward, :meth:`StageFSDP2.end_step` runs each FSDP unit's post-backward with sync
   on (one reduce-scatter per unit) and FSDP2's final callback. Because the reduction runs after all
-  backwards, a split backward (B now, W later: zb-h1, zb-v) composes. FSDP2 averages over dp, so
-  the loss is pre-scaled by dp (``loss_scale``).
+  backwards, a split backward (B now, W later: zb-h1, zb-v) composes: the split takes its weight
+  targets from the graph (FSDP2 computes with its unsharded parameters, not the modules' DTensors),
+  and :meth:`StageFSDP2.weight_context` gathers the chunk's units again before a W (ZeRO-3 resharded
+  them after any forward since the B). FSDP2 averages over dp, so the loss is pre-scaled by dp
+  (``loss_scale``). The root lists both modules of each tied pair, so FSDP2 registers its sharded
+  parameter under both names (shared parameters are FSDP2's own feature) and the dense model stays
+  tied; :meth:`StageFSDP2.gathered` (``full_params``) swaps full plain copies in and out itself
+  rather than unsharding the units, because FSDP2's state-dict pre-hook re-registers the sharded
+  parameters of a unit it finds unsharded and frees the unsharded storage a caller may hold.
 """
 from __future__ import annotations
 
