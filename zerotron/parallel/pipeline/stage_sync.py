@@ -193,14 +193,16 @@ class StageFSDP2:
 
     @contextlib.contextmanager
     def weight_context(self, mb: int, chunk: int):
-        """Around a W (split backward: zb-h1, zb-v): the chunk's block units and the root gathered
-        again first (with ZeRO-3 a forward since the chunk's B resharded them, and W's saved
-        tensors read the unsharded parameters' storage); the gradients accumulate unsharded as in
-        any backward of the step."""
+        """Around a W (split backward: zb-h1, zb-v): the chunk's block units, and the root when the
+        chunk runs the embedding or the head, gathered again first (with ZeRO-3 a forward since
+        the chunk's B resharded them, and W's saved tensors read the unsharded parameters'
+        storage; a no-op for units still gathered); the gradients accumulate unsharded as in any
+        backward of the step."""
         stage = self.module.stages[chunk]
         for i in self.module.layer_ranges[stage]:
             self.module.blocks_here[str(i)].unshard()
-        self.root.unshard()
+        if stage in (0, self.module.last_stage):
+            self.root.unshard()
         yield
 
     def _units(self):
