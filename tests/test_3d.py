@@ -242,10 +242,13 @@ def test_validate_pipeline_combinations():
     assert build_plan(cfg(**{"parallel.zero_stage": 2}), 4).dp == 2  # pipeline x ZeRO-2 / ZeRO-3
     assert build_plan(cfg(**{"parallel.zero_stage": 3, "parallel.tp": 2, "parallel.sequence_parallel": "true"}),
                     8).dp == 2
-    for kw, msg in [({"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"},
-                     "zero_impl = fsdp2 is not combined with pipeline parallelism"),
-                    ({"parallel.zero_stage": 2, "parallel.zero_impl": "fsdp2"}, "set parallel.zero_impl = native"),
-                    ({"parallel.zero_stage": 1, "parallel.zero_impl": "fsdp2"}, "zero_impl")]:
+    for z in (2, 3):  # pipeline x FSDP2 per pipeline rank (pipeline.stage_sync.StageFSDP2), also x tp
+        assert build_plan(cfg(**{"parallel.zero_stage": z, "parallel.zero_impl": "fsdp2"}), 4).sync == "fsdp2"
+        assert build_plan(cfg(**{"parallel.zero_stage": z, "parallel.zero_impl": "fsdp2", "parallel.tp": 2}),
+                          8).sync == "fsdp2"
+    for kw, msg in [({"parallel.zero_stage": 1, "parallel.zero_impl": "fsdp2"}, "zero_impl"),
+                    ({"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2", "parallel.dp_replicate": 2,
+                      "train.micro_batch": 1}, "FSDP2's 2-D HSDP mesh is not split per stage")]:
         with pytest.raises(ConfigError, match=msg):
             build_plan(cfg(**kw), 4)
     assert build_plan(cfg(**{"parallel.dp_impl": "torch"}), 4).sync == "torch_ddp"  # torch DDP per stage chunk

@@ -75,8 +75,8 @@ def test_defaults_are_the_configs_and_any_plan_is_valid():
     # constructing a plan directly runs the same rules as build_plan
     for fields, msg in [({"pp_schedule": "zigzag"}, "pp_schedule must be one of"),
                         ({"zero_stage": 1, "zero_impl": "fsdp2"}, "fsdp2 supports zero_stage 2"),
-                        ({"dims": ParallelDims(2, 1, 1, 2), "zero_stage": 3, "zero_impl": "fsdp2"},
-                         "not combined with pipeline"),
+                        ({"dims": ParallelDims(8, 4, 1, 2, 2), "zero_stage": 3, "zero_impl": "fsdp2"},
+                         "FSDP2's 2-D HSDP mesh is not split per stage"),
                         ({"dims": ParallelDims(2), "micro_batch": 3, "global_batch": 8}, "divisible by"),
                         ({"dims": ParallelDims(2, 1, 2, 1), "shape": {"n_layer": 2, "n_head": 3, "n_embd": 6,
                                                                     "block_size": 8}}, "must divide model.n_head")]:

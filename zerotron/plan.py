@@ -305,12 +305,8 @@ class ParallelPlan:
               "parallel.pp > 1 or remove parallel.pp_split")
         if self.runner == "plain":
             return
-        # implemented: pp x dp (native DDP, torch DDP per stage chunk, native ZeRO-1/2/3) x tp (+ sequence
-        # parallel); torch DDP per chunk: parallel.pipeline.stage_sync
-        _need(self.zero_stage == 0 or self.zero_impl == "native",
-              "parallel.zero_impl = fsdp2 is not combined with pipeline parallelism yet (the per-stage FSDP2 driver, "
-              "parallel.pipeline.stage_sync.StageFSDP2, does not yet keep the tied embedding/head registered "
-              "under both names of the dense model); set parallel.zero_impl = native (ZeRO-1/2/3)")
+        # implemented: pp x dp (native DDP, torch DDP per stage chunk, native ZeRO-1/2/3, FSDP2 ZeRO-2/3 per
+        # pipeline rank) x tp (+ sequence parallel); torch DDP and FSDP2 per stage: parallel.pipeline.stage_sync
         _need(n_acc == 0 or n_acc % m_flush == 0,
               f"parallel.microbatches ({self.microbatches}) must divide the micro-batches per step per dp rank "
               f"(train.global_batch / (train.micro_batch * dp) = {n_acc})")

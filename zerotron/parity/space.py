@@ -146,9 +146,6 @@ def expected_refusal(layout: Layout) -> str | None:
     if layout.rep > 1 and layout.pp > 1 and (layout.sync not in ("ddp", "zero1", "zero2", "zero3")
                                              or layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
         return "HSDP under a pipeline runs with native DDP or native ZeRO on the native executor only"
-    if layout.pp > 1 and layout.sync in ("fsdp2_2", "fsdp2_3") and layout.schedule not in TORCH_KINDS \
-            and layout.schedule != "threads":
-        return "pipeline x FSDP2: the per-stage FSDP2 driver does not yet keep the tied pair registered in the dense model"
     if layout.schedule in TORCH_KINDS and (layout.sync != "ddp" or layout.tp > 1):
         return "the torch.distributed.pipelining backend combines only with native DDP, tp = 1"
     if layout.schedule == "torch-1f1b" and layout.acc < layout.pp:
@@ -187,7 +184,11 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
         "zero3-dp2-acc4-acfull", "zero3-dp2-pp2-1f1b-acc4-acfull", "fsdp2_3-dp2-acc4-acfull",
         # torch DDP per pipeline chunk (parallel.pipeline.stage_sync): 1F1B, and zb-v (split backward,
         # the tied pair on one rank reduced by the first stage's DDP, ignored by the last one's)
-        "torch_ddp-dp2-pp2-1f1b-acc4", "torch_ddp-dp2-pp2-zb-v-acc4")
+        "torch_ddp-dp2-pp2-1f1b-acc4", "torch_ddp-dp2-pp2-zb-v-acc4",
+        # FSDP2 per pipeline rank (parallel.pipeline.stage_sync.StageFSDP2): ZeRO-3 under 1F1B, ZB-H1's
+        # split backward and ZB-V's V (first and last stage on one rank), interleaved ZeRO-2, ZeRO-2 x tp
+        "fsdp2_3-dp2-pp2-1f1b-acc4", "fsdp2_3-dp2-pp2-zb-h1-acc4", "fsdp2_3-dp2-pp2-zb-v-acc4",
+        "fsdp2_2-dp2-pp2-interleaved-acc4", "fsdp2_2-dp2-pp2-gpipe-acc1", "fsdp2_2-dp1-tp2sp-pp2-1f1b-acc4")
 
 
 def covering_layouts(layouts: list[Layout]) -> list[Layout]:

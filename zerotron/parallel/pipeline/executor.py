@@ -34,7 +34,6 @@ import torch
 import torch.nn as nn
 
 from zerotron.models.layout import get_module
-from zerotron.parallel.base import unique_params
 from zerotron.parallel.pipeline.p2p import CommRunPoster
 from zerotron.parallel.pipeline.schedules import COMM, Action
 from zerotron.parallel.pipeline.split_backward import backward_input, backward_weight
@@ -191,7 +190,6 @@ class PipelineExecutor:
         acts_in, grads_in, saved, send_f, send_b, owed = {}, {}, {}, {}, {}, {}
         st, last = self.stage, self.stage.last_stage
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
-        params = unique_params(st) if split else []
         p2p, dev = self.p2p, tokens[0].device
         p2p.start_walk(actions, lambda a: torch.empty(self._act_shape(tokens[a.microbatch]), dtype=self.act_dtype,
                                                       device=dev))
@@ -239,7 +237,7 @@ class PipelineExecutor:
                 inp, out = saved.pop(key)
                 grad = None if s == last else grads_in.pop(key)
                 if key in split:  # input gradient now, weight gradients at this key's W
-                    dinp, owed[key] = backward_input(out, grad, inp, params)
+                    dinp, owed[key] = backward_input(out, grad, inp)
                 else:
                     with b_context(*key) if b_context else contextlib.nullcontext():
                         torch.autograd.backward(out, grad)

@@ -26,7 +26,11 @@ over dp by an inner ``DataParallel`` whose hooks fire inside the pipeline backwa
 flush (and only on each chunk's last backward); ``finish_grads`` waits for it and then sums the tied
 embedding/head gradients between the first and last pipeline rank. With ``parallel.dp_impl = torch``
 (``plan.sync == "torch_ddp"``) each local chunk gets its own torch DDP instead
-(``pipeline.stage_sync.StageTorchDDP``: no_sync before, the reducer armed before the chunk's last backward).
+(``pipeline.stage_sync.StageTorchDDP``: no_sync before, the reducer armed before the chunk's last backward);
+with ``parallel.zero_impl = fsdp2`` (ZeRO-2/3) FSDP2 shards each local block and one root of the rank's
+other modules over dp (``pipeline.stage_sync.StageFSDP2``: gradients accumulate unsharded over the step,
+one reduce-scatter per unit after the last backward; the tied copies are sharded alike on the first and
+last rank, so ``finish_grads`` sums their local shards over the tied group).
 
 Tied weights (the layout's ``tied`` pair, e.g. a head tied to the token embedding):
 the first stage owns the parameter; the last stage holds its own copy, registered like the dense
@@ -155,7 +159,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.ddp = self.zero = self.stage_sync = self.fsdp2 = None
         if p.sync == "torch_ddp":  # torch's wrappers per stage chunk (pipeline.stage_sync)
             self.stage_sync = StageTorchDDP(self.module, self.dp_group, p.bucket_mb, p.find_unused_parameters)
-        elif p.sync == "fsdp2":  # refused by the plan for now (the tied pair; see pipeline.stage_sync)
+        elif p.sync == "fsdp2":  # fully_shard per block and one root per rank (pipeline.stage_sync)
             self.stage_sync = self.fsdp2 = StageFSDP2(self.module, mesh, p.zero_stage, p.dtype, p.reduce_dtype)
             if self.tied is not None:  # fully_shard registered a new (DTensor) parameter
                 self.tied = getattr(get_module(self.module, owner[0]), owner[2])
@@ -309,7 +313,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                 sync = final and mb == k - 1 and not (late and chunk == self.v - 1)
                 return contextlib.nullcontext() if sync else self.inner.no_sync()
 
-            w_context = self._zero3_weight_pass if self.zero is not None and self.zero.stage == 3 else None
+            w_context = (self._zero3_weight_pass if self.zero is not None and self.zero.stage == 3
+                         else self.fsdp2.weight_context if self.fsdp2 is not None else None)
             ex.run(self._actions(k), [x for x, _ in mbs], on_output,
                    lambda: autocast_ctx(dtype, device), b_context, w_context)
             for s in sums:

@@ -81,9 +81,7 @@ def _groups(params, parents, leaves, input_path) -> list[tuple[list, list]]:
     parameter with several uses touches. Returns [(params, cut nodes)]."""
     groups: list[tuple[list, set]] = []
     for q in params:
-        acc = leaves.get(id(q))
-        if acc is None:
-            continue  # not used in this graph
+        acc = leaves[id(q)]
         cut = _upward([acc], parents, stop=input_path)[1]
         merged = [g for g in groups if g[1] & cut]
         groups = [g for g in groups if not g[1] & cut]
@@ -91,21 +89,22 @@ def _groups(params, parents, leaves, input_path) -> list[tuple[list, list]]:
     return [(ps, list(cut)) for ps, cut in groups]
 
 
-def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: torch.Tensor | None,
-                   params: list[torch.Tensor]) -> tuple[torch.Tensor | None, WeightWork]:
+def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None,
+                   inp: torch.Tensor | None) -> tuple[torch.Tensor | None, WeightWork]:
     """B: the gradient of ``output`` w.r.t. ``inp`` (same shape as ``inp``, e.g. (b, T, C)), given
     ``grad_output`` (shape of ``output``; None for a scalar loss), and the :class:`WeightWork` that
-    :func:`backward_weight` needs for the gradients of ``params`` (this stage's parameters; ones
-    absent from the graph are ignored). ``inp`` None or not requiring grad: returns (None, the
-    whole backward deferred). Raises what ``torch.autograd.grad`` raises (e.g. a graph already
-    freed)."""
-    params = [q for q in params if q.requires_grad]
+    :func:`backward_weight` needs for the weight gradients: those of every leaf tensor of the
+    output's graph other than ``inp``, i.e. the parameter objects the forward computed with (for
+    FSDP2 its unsharded parameters, which are not the module's sharded ones). ``inp`` None or not
+    requiring grad: returns (None, the whole backward deferred). Raises what
+    ``torch.autograd.grad`` raises (e.g. a graph already freed)."""
     if inp is None or not inp.requires_grad or output.grad_fn is None:
         return None, WeightWork(whole=(output, grad_output))
     parents, leaves = _parents(output.grad_fn)
     if id(inp) not in leaves:
         raise ValueError("the stage output does not depend on the stage input")
     input_path, _ = _upward([leaves[id(inp)]], parents)  # every node between output and input
+    params = [n.variable for k, n in leaves.items() if k != id(inp)]  # graph order: deterministic
     groups = _groups(params, parents, leaves, input_path)
     nodes = {n for _, cut in groups for n in cut}
     captured: dict = {}

@@ -22,8 +22,15 @@ and ``perform_reduce_grad`` in torch/distributed/pipelining/stage.py), but under
   reshard-after-backward (gradients accumulate unsharded, as torch's pipelining does); after the
   step's last backward, :meth:`StageFSDP2.end_step` runs each FSDP unit's post-backward with sync
   on (one reduce-scatter per unit) and FSDP2's final callback. Because the reduction runs after all
-  backwards, a split backward (B now, W later: zb-h1, zb-v) composes. FSDP2 averages over dp, so
-  the loss is pre-scaled by dp (``loss_scale``).
+  backwards, a split backward (B now, W later: zb-h1, zb-v) composes: the split takes its weight
+  targets from the graph (FSDP2 computes with its unsharded parameters, not the modules' DTensors),
+  and :meth:`StageFSDP2.weight_context` gathers the chunk's units again before a W (ZeRO-3 resharded
+  them after any forward since the B). FSDP2 averages over dp, so the loss is pre-scaled by dp
+  (``loss_scale``). The root lists both modules of each tied pair, so FSDP2 registers its sharded
+  parameter under both names (shared parameters are FSDP2's own feature) and the dense model stays
+  tied; :meth:`StageFSDP2.gathered` (``full_params``) swaps full plain copies in and out itself
+  rather than unsharding the units, because FSDP2's state-dict pre-hook re-registers the sharded
+  parameters of a unit it finds unsharded and frees the unsharded storage a caller may hold.
 """
 from __future__ import annotations
 
@@ -184,6 +191,20 @@ class StageFSDP2:
         """Every backward alike (no sync until :meth:`end_step`)."""
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def weight_context(self, mb: int, chunk: int):
+        """Around a W (split backward: zb-h1, zb-v): the chunk's block units, and the root when the
+        chunk runs the embedding or the head, gathered again first (with ZeRO-3 a forward since
+        the chunk's B resharded them, and W's saved tensors read the unsharded parameters'
+        storage; a no-op for units still gathered); the gradients accumulate unsharded as in any
+        backward of the step."""
+        stage = self.module.stages[chunk]
+        for i in self.module.layer_ranges[stage]:
+            self.module.blocks_here[str(i)].unshard()
+        if stage in (0, self.module.last_stage):
+            self.root.unshard()
+        yield
+
     def _units(self):
         from torch.distributed.fsdp import FSDPModule
 
@@ -216,35 +237,34 @@ class StageFSDP2:
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every unit unsharded for the context (the plain parameters registered on the modules,
-        tp shard records re-attached), resharded on exit."""
-        units = self._units()
-        for m in units:
-            m.unshard()
-        self._retie(unsharded=True)
-        self.fsdp._mark_tp_shards()
+        """Every DTensor parameter of this rank's modules (the tied pair's two modules included)
+        replaced, for the context, by a plain Parameter holding its full tensor (all-gathered over
+        dp, one collective per parameter in module order, the same on every dp rank; a shared
+        parameter gathered once and registered under each of its names; ``tp_shard`` records kept);
+        the DTensors registered again on exit. FSDP2's own state stays sharded, so its state-dict
+        pre-hook (which re-registers the sharded parameters of a unit it finds unsharded) cannot
+        free a tensor a caller already holds. Collective over dp."""
+        from torch.distributed.tensor import DTensor
+
+        self.reshard()  # FSDP2's state sharded (a no-op after a step or a forward-only pass)
+        full: dict[int, nn.Parameter] = {}
+        swapped = []  # (module, name, DTensor parameter)
         try:
+            for mod in self.root.modules():
+                for name, q in list(mod._parameters.items()):
+                    if not isinstance(q, DTensor):
+                        continue
+                    if id(q) not in full:
+                        t = nn.Parameter(q.full_tensor().detach(), requires_grad=q.requires_grad)
+                        if hasattr(q, "tp_shard"):
+                            t.tp_shard = q.tp_shard
+                        full[id(q)] = t
+                    swapped.append((mod, name, q))
+                    mod._parameters[name] = full[id(q)]
             yield
         finally:
-            for m in units:
-                m.reshard()
-            self._retie(unsharded=False)
-            self.fsdp._mark_tp_shards()
-
-    def _retie(self, unsharded: bool) -> None:
-        """Register one parameter under both names of each tied pair in the dense model: the
-        gathered plain one (``unsharded``) or the DTensor shard (FSDP2 swaps only one of them)."""
-        from zerotron.models.layout import get_module
-
-        dense = self.module._dense
-        for pair in self.module.layout().tied:
-            mods = [(get_module(dense, n.rpartition(".")[0]), n.rpartition(".")[2]) for n in pair]
-            cands = [getattr(m, a) for m, a in mods]
-            pick = [q for q in cands if hasattr(q, "to_local") != unsharded
-                    and (not unsharded or q.untyped_storage().nbytes() >= q.numel() * q.element_size())]
-            if pick:
-                for m, a in mods:
-                    setattr(m, a, pick[0])
+            for mod, name, q in swapped:
+                mod._parameters[name] = q
 
     @contextlib.contextmanager
     def no_sync(self):
