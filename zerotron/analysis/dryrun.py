@@ -34,7 +34,6 @@ non-finite guard, the same strategy calls in the same order.
 """
 from __future__ import annotations
 
-import os
 import resource
 import time
 import warnings
@@ -435,7 +434,6 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     for r in ranks:
         if not 0 <= r < world:
             raise DryRunError(f"--rank {r} is not a rank of world size {world}; choose 0..{world - 1}")
-    os.environ.setdefault("TORCH_DISTRIBUTED_DEBUG", "OFF")
     out = []
     for r in ranks:
         rec = _trace_rank(cfg, plan, r, gpu_mem)

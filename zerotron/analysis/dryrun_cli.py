@@ -39,7 +39,8 @@ def print_record(r: dict) -> None:
     print(f"rank {r['rank']} of {r['world']} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']}): traced in "
           f"{r['wall_s']:.1f} s, process max RSS {r['max_rss_bytes'] / 2**30:.2f} GiB")
     print(f"  peak {_gb(r['peak_bytes_traced'])} GB traced vs {_gb(r['peak_bytes_estimated'])} GB estimated "
-          f"(ratio {_ratio(r['ratios']['peak'])}) at {at.get('phase')} / {at.get('pass')} / {at.get('module')}")
+          f"(ratio {_ratio(r['ratios']['peak'])}) at {at.get('phase')} / {at.get('pass')} / "
+          f"{at.get('module') or ('outside the modules (the loss)' if at.get('phase') == 'forward_backward' else '-')}")
     est = r["estimated"]
     rows = [("parameters", est["model_states"]["params_bytes"]), ("gradients", est["model_states"]["grads_bytes"]),
             ("optimizer", est["model_states"]["optimizer_bytes"]), ("activations", est["activations"]),
