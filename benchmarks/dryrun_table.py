@@ -26,7 +26,8 @@ def collect(d: Path) -> dict:
             slim.append({k: r[k] for k in ("rank", "coords", "world", "peak_bytes_traced", "peak_traced", "peak_at",
                                            "peak_bytes_estimated", "estimated", "model_state_bytes", "ratios",
                                            "comm_bytes_traced", "comm_bytes_planned", "oom", "gpu_mem",
-                                           "setup_peak_bytes", "layer_counts", "wall_s")})
+                                           "setup_peak_bytes", "layer_counts", "wall_s")}
+                         | ({"oom_step": r["oom_step"]} if "oom_step" in r else {}))
         runs[f.stem] = {"records": slim, "process_wall_s": float(m.group(1)) if m else None,
                         "process_max_rss_bytes": int(m.group(2)) * 1024 if m else None}
     return runs
@@ -43,12 +44,15 @@ def table(runs: dict) -> str:
                 p = r["comm_bytes_planned"].get(g)
                 if p:
                     comm.append(f"{g} {r['comm_bytes_traced'].get(g, 0) / p:.2f}")
-            oom = r["oom"]
+            step = r.get("oom_step", r["oom"])
+            step = None if step and step["phase"] == "setup" else step
+            oom = [f"setup ({r['setup_peak_bytes'] / GB:.3g} GB dense)"] if r["setup_peak_bytes"] > r["gpu_mem"] else []
+            oom += [f"{step['phase']}: {step['category']}"] if step else []
             rss = run["process_max_rss_bytes"]
             rows.append(f"| {name} | {r['world']} | {r['rank']} ({r['coords']['pp']}) | "
                         f"{r['peak_bytes_traced'] / GB:.3g} | {r['peak_bytes_estimated'] / GB:.3g} | "
                         f"{r['ratios']['peak']:.2f} | {r['ratios']['model_states']:.3f} | {', '.join(comm) or '-'} | "
-                        + (f"{oom['phase']}: {oom['category']}" if oom else "no")
+                        + ("; ".join(oom) or "no")
                         + f" | {r['wall_s']:.0f} | " + (f"{rss / 2**30:.2f}" if rss else "-") + " |")
     return "\n".join(rows)
 

@@ -418,8 +418,9 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     group), ``comm_traced`` (per group: bytes, calls, bytes per op/tag), ratios traced/estimated,
     ``oom`` (None, or the first moment the total exceeded ``gpu_mem``: phase, module, pass, the
     category that grew, bytes; phase "model states" with the largest category when the states
-    held before the step already exceed it; phase "setup" when only the model build -- the dense
-    model before sharding -- does), ``wall_s`` and ``max_rss_bytes`` (of this process so far).
+    held before the step already exceed it; phase "setup" when the model build -- every rank
+    builds the dense model from the seed before sharding it -- already does, and then
+    ``oom_step`` says what the step would do), ``wall_s`` and ``max_rss_bytes`` (of this process so far).
     Raises DryRunError for a config the plan refuses on ``world`` ranks or a rank outside it."""
     from zerotron.plan import build_plan
 
@@ -447,8 +448,9 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
                            "comm": {g: _ratio(rec["comm_bytes_traced"].get(g, 0), b) for g, b in planned.items()}},
                    max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                    world=world, gpu_mem=gpu_mem)
-        if gpu_mem is not None and rec["oom"] is None and rec["setup_peak_bytes"] > gpu_mem:
-            rec["oom"] = {"phase": "setup", "module": None, "pass": "forward", "category": "parameters",
+        rec["oom_step"] = rec["oom"]
+        if gpu_mem is not None and rec["setup_peak_bytes"] > gpu_mem:  # the first moment: the dense model's build
+            rec["oom"] = {"phase": "setup", "module": None, "pass": None, "category": "parameters",
                           "total_bytes": rec["setup_peak_bytes"]}
         out.append(rec)
     return out

@@ -55,7 +55,8 @@ def print_record(r: dict) -> None:
     for g in sorted(set(r["comm_bytes_traced"]) | set(r["comm_bytes_planned"])):
         t, p = r["comm_bytes_traced"].get(g, 0), r["comm_bytes_planned"].get(g)
         ops = ", ".join(f"{k} {v['bytes'] / 1e6:.4g}" for k, v in r["comm_traced"].get(g, {}).get("ops", {}).items())
-        print(f"  {g:>12} {t / 1e6:>12.4g} {p / 1e6 if p is not None else float('nan'):>12.4g} "
+        planned = f"{p / 1e6:.4g}" if p is not None else "-"
+        print(f"  {g:>12} {t / 1e6:>12.4g} {planned:>12} "
               f"{_ratio(r['ratios']['comm'].get(g)):>8}  {ops}")
     if r["gpu_mem"] is not None:
         o = r["oom"]
