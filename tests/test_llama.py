@@ -186,13 +186,14 @@ def test_init_and_presets():
     model = Llama(LlamaConfig(n_embd=256, n_head=4, n_kv_head=1, intermediate_size=512))
     w = model.model.layers[0].mlp.down_proj.weight
     assert abs(w.std().item() - 0.02) < 1e-3 and torch.equal(model.model.norm.weight, torch.ones(256))
-    expected = {"llama3-8b": 8_030_261_248, "llama2-7b": 6_738_415_616, "llama3.2-1b": 1_235_814_400}
+    expected = {"llama3-8b": 8_030_261_248, "llama2-7b": 6_738_415_616, "llama3.2-1b": 1_235_814_400,
+                "llama3-70b": 70_553_706_496}
     for name, n in expected.items():
         with torch.device("meta"):
             m = Llama(preset_config(name))
         assert m.num_params() == n, name
     assert preset_config("llama3.2-1b").tie_word_embeddings and preset_config("llama3.2-1b").rope_scaling["factor"] == 32
-    assert set(PRESETS) == {"llama-tiny", "llama3.2-1b", "llama2-7b", "llama3-8b"}
+    assert set(PRESETS) == {"llama-tiny", "llama3.2-1b", "llama2-7b", "llama3-8b", "llama3-70b"}
     assert not set(PRESETS) & set(registry.ARCHS["gpt2"].presets)  # a preset names its family
 
 

@@ -224,7 +224,7 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
                      pp: int = 1, schedule: str = "1f1b", microbatches: int = 1,
                      virtual_stages: int = 1, recompute: str = "none", dtype: str = "bf16",
                      attention: str = "math", dropout: bool | None = None,
-                     mask_bytes: int = 1) -> dict:
+                     mask_bytes: int = 1, layer_counts: list[int] | None = None) -> dict:
     """Activation bytes per pipeline rank of the model of ``cfg`` (a ``GPTConfig``,
     ``LlamaConfig`` or :class:`zerotron.analysis.flops.Shape`) for one training step; the layer
     count of its family (module docstring: Llama's RMSNorm, SwiGLU; no embedding dropout in Llama).
@@ -236,6 +236,8 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     activations until its W, and between its B and W the captured gradients of
     :func:`wgrad_layer_bytes` (plus, on the last stage, the logits' gradient); the peak is the
     largest per-rank state of the schedule's action lists. ``dropout`` None = ``cfg.dropout > 0``.
+    ``layer_counts``: layers per model stage (pp * v counts, e.g. the runner's balanced split of
+    ``parallel.pp_split = auto``); None = :func:`stage_layer_counts` (even).
     Other options as in :func:`layer_activation_bytes`.
 
     Returns ``{"per_layer_bytes", "layers_per_stage", "embedding_bytes" (stage 0, per micro-batch),
@@ -262,7 +264,9 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
                                        **args)
     workspace = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, **args) - per_layer
     v = virtual_stages if schedule in CHUNKED_SCHEDULES else 1
-    counts = stage_layer_counts(shape.n_layer, pp * v)
+    counts = list(layer_counts) if layer_counts is not None else stage_layer_counts(shape.n_layer, pp * v)
+    if len(counts) != pp * v or sum(counts) != shape.n_layer:
+        raise ValueError(f"layer_counts {counts} must be {pp * v} counts summing to n_layer ({shape.n_layer})")
     sbh = seq_len * micro_batch * h
     div = t if sp else 1
     emb = int(dropout and shape.learned_positions) * mask_bytes * sbh // div  # GPT-2's embedding dropout

@@ -315,3 +315,51 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     return {"layouts": sorted(out, key=_rank_key), "dropped": dropped}
 
 
+
+
+def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank: int = 0, elem_bytes: int = 2,
+               sp: bool = False, bucket_bytes: int = 25 << 20) -> dict:
+    """Bytes per process group of one step that :func:`evaluate` prices for pipeline rank
+    ``pp_rank`` of ``layout`` (keys dp, tp, pp, zero_stage, micro_batch, schedule, recompute,
+    dp_replicate), in the nccl-tests size convention of ``comm.STATS`` (all-gather: output bytes,
+    reduce-scatter: input bytes), ``elem_bytes`` per element (2: bf16; 4: fp32 training):
+
+    * "tp": per layer and micro-batch 4 all-reduces of b*S*h elements (6 with full recompute; with
+      sequence parallel each an all-gather + a reduce-scatter of that size), one more on the first
+      stage (vocabulary-parallel embedding), and on the last stage 3 of b*S fp32 values (the
+      vocabulary-parallel loss);
+    * "pp": per micro-batch and chunk one activation and one gradient of b*S*h (/tp with SP), i.e.
+      2*v*m*x -- what a first or last stage moves; a middle stage receives and sends both ways,
+      twice that;
+    * "dp" (the rank's gradient bytes G = elem_bytes x its parameters): ZeRO-0 one all-reduce of G;
+      ZeRO-1 a reduce-scatter + an all-gather of G; ZeRO-2 m reduce-scatters + one all-gather;
+      ZeRO-3 2m all-gathers + m reduce-scatters. HSDP (dp_replicate R > 1): these over the shard
+      group "dp_shard" (ZeRO-0: reduce-scatter + all-gather), plus an all-reduce of G/S over the
+      replicas "dp_rep".
+
+    Groups of size 1 are left out; bookkeeping all-reduces (token counts, grad norm, metrics) and
+    the tied-embedding all-reduce of a pipeline are not priced. Returns ``{group: bytes}``."""
+    dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
+    rep, kind, rec = layout.get("dp_replicate", 1), layout["schedule"], layout["recompute"]
+    sp = sp and tp > 1
+    v = 2 if kind in ("interleaved", "zb-v") else 1
+    m = global_batch // (dp * b)
+    counts = looped_counts(stage_layer_counts(shape.n_layer, pp * v), pp, kind)
+    params = stage_num_params(shape, tp, pp, v, counts)[pp_rank]
+    layers = sum(counts[c * pp + pp_rank] for c in range(v))
+    x = b * seq * shape.n_embd * elem_bytes
+    out = {}
+    if tp > 1:
+        calls = m * (layers * (6 if rec == "full" else 4) + (pp_rank == 0))
+        out["tp"] = calls * x * (2 if sp else 1) + (m * 3 * b * seq * 4 if pp_rank == pp - 1 else 0)
+    if pp > 1:
+        out["pp"] = 2 * v * m * (x // tp if sp else x)
+    grad = elem_bytes * params
+    per_dp = {0: grad, 1: 2 * grad, 2: (m + 1) * grad, 3: 3 * m * grad}[z]
+    if rep > 1:
+        s = dp // rep
+        out["dp_shard"] = 2 * grad if z == 0 else per_dp
+        out["dp_rep"] = -(-grad // s)
+    elif dp > 1:
+        out["dp"] = per_dp
+    return out

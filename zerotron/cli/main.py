@@ -16,6 +16,7 @@ COMMANDS = {
     "export": ("zerotron.cli.export", "cmd_export"),
     "memory": ("zerotron.analysis.memory", "memory_main"),
     "plan": ("zerotron.analysis.plan_cli", "plan_main"),
+    "dryrun": ("zerotron.analysis.dryrun_cli", "dryrun_main"),
     "schedule": ("zerotron.analysis.schedule_plot", "schedule_main"),
     "bench": ("zerotron.cli.bench", "cmd_bench"),
 }
@@ -29,6 +30,8 @@ commands:
   export     checkpoint (any layout) -> Hugging Face GPT-2/Llama safetensors (zerotron export --checkpoint runs/X --out hf/)
   memory     ZeRO model-state memory per rank (zerotron memory --model gpt2 --dp 8)
   plan       rank parallel layouts for a cluster (zerotron plan --model gpt2 --gpus 8 --gpus-per-node 8 --gpu-mem 80GB --global-batch 256 --seq 1024)
+  dryrun     trace one step of chosen ranks of a big layout in this process (fake tensors and process group):
+             peak memory and collective bytes vs the estimators (zerotron dryrun --config configs/dryrun_llama3_8b.toml --world 1024)
   schedule   draw a pipeline schedule (zerotron schedule --pp 4 --microbatches 8 --kind 1f1b)
   bench      benchmarks: 'bench comm' (collectives), 'bench train' (layouts side by side),
              'bench plan' (the planner's predicted ranking vs a 'bench train' run) and

@@ -16,12 +16,17 @@ from .watchdog import watch
 
 
 def span(t: torch.Tensor) -> tuple[int, int]:
-    """[start, end) byte addresses a tensor can touch (its whole storage if not contiguous)."""
-    if t.is_contiguous():
-        start = t.data_ptr()
-        return start, start + t.numel() * t.element_size()
+    """[start, end) byte addresses a tensor can touch (its whole storage if not contiguous). A
+    storage without memory (fake or meta tensors of a dry run, ``analysis.dryrun``)
+    is placed at its StorageImpl's address shifted past any real address, so distinct storages stay
+    disjoint and views of one storage overlap as they would in memory."""
     st = t.untyped_storage()
-    return st.data_ptr(), st.data_ptr() + st.nbytes()
+    fake = t.is_meta or getattr(t, "fake_mode", None) is not None
+    base = st._cdata << 64 if fake else st.data_ptr()
+    if t.is_contiguous():
+        start = base + t.storage_offset() * t.element_size()
+        return start, start + t.numel() * t.element_size()
+    return base, base + st.nbytes()
 
 
 class TrackedWork:

@@ -163,6 +163,9 @@ PRESETS: dict[str, dict] = {
     # meta-llama/Meta-Llama-3-8B: 8,030,261,248 parameters
     "llama3-8b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                       block_size=8192, **_L3),
+    # meta-llama/Meta-Llama-3-70B: 70,553,706,496 parameters
+    "llama3-70b": dict(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192, intermediate_size=28672,
+                       block_size=8192, **_L3),
 }
 
 

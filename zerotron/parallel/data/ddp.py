@@ -178,7 +178,7 @@ class DataParallel(Strategy):
             b.buffer.zero_()
             off = 0
             for p in b.params:  # re-attach views if someone set p.grad = None
-                if p.grad is None or p.grad.data_ptr() != b.buffer[off:].data_ptr():
+                if p.grad is None or not _view_at(p.grad, b.buffer, off):
                     p.grad = b.buffer[off:off + p.numel()].view_as(p)
                 off += p.numel()
 
@@ -286,3 +286,11 @@ class TorchDDP(Strategy):
         self._synced.clear()
         for p in unique_params(self.module):
             p.grad = None
+
+
+def _view_at(t, buffer, off: int) -> bool:
+    """Whether ``t`` is a view of ``buffer``'s storage starting at element ``off`` of ``buffer``
+    (by storage identity and offset, so that it also holds for the storage-less fake tensors of a
+    dry run, ``analysis.dryrun``, whose data pointers are all 0)."""
+    return (t.untyped_storage()._cdata == buffer.untyped_storage()._cdata
+            and t.storage_offset() == buffer.storage_offset() + off)

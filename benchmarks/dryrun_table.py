@@ -1,0 +1,71 @@
+"""Collect ``zerotron dryrun --json`` files (one per layout) into benchmarks/dryrun_cluster.json and
+print the README table (traced vs estimated peak and model states, traced vs planned bytes per
+group, wall time and max RSS per layout).
+
+    python benchmarks/dryrun_table.py DIR        # DIR holds NAME.json and time.log from the runs
+    python benchmarks/dryrun_table.py            # re-print from benchmarks/dryrun_cluster.json
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "dryrun_cluster.json"
+GB = 1e9
+
+
+def collect(d: Path) -> dict:
+    log = (d / "time.log").read_text() if (d / "time.log").exists() else ""
+    runs = {}
+    for f in sorted(d.glob("*.json")):
+        m = re.search(rf"^{re.escape(f.stem)} wall ([\d.]+) s maxrss (\d+) KB", log, re.M)
+        slim = []
+        for r in json.loads(f.read_text()):
+            slim.append({k: r[k] for k in ("rank", "coords", "world", "peak_bytes_traced", "peak_traced", "peak_at",
+                                           "peak_bytes_estimated", "estimated", "model_state_bytes", "ratios",
+                                           "comm_bytes_traced", "comm_bytes_planned", "oom", "gpu_mem",
+                                           "setup_peak_bytes", "layer_counts", "wall_s")}
+                         | ({"oom_step": r["oom_step"]} if "oom_step" in r else {}))
+        runs[f.stem] = {"records": slim, "process_wall_s": float(m.group(1)) if m else None,
+                        "process_max_rss_bytes": int(m.group(2)) * 1024 if m else None}
+    return runs
+
+
+def table(runs: dict) -> str:
+    head = ("| layout | world | rank (pp) | peak traced GB | estimated GB | ratio | states ratio | "
+            "dp / tp / pp bytes traced : planned | OOM at 80 GB | s per rank | RSS GiB |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, run in runs.items():
+        for r in run["records"]:
+            comm = []
+            for g in ("dp", "tp", "pp"):
+                p = r["comm_bytes_planned"].get(g)
+                if p:
+                    comm.append(f"{g} {r['comm_bytes_traced'].get(g, 0) / p:.2f}")
+            step = r.get("oom_step", r["oom"])
+            step = None if step and step["phase"] == "setup" else step
+            oom = [f"setup ({r['setup_peak_bytes'] / GB:.3g} GB dense)"] if r["setup_peak_bytes"] > r["gpu_mem"] else []
+            oom += [f"{step['phase']}: {step['category']}"] if step else []
+            rss = run["process_max_rss_bytes"]
+            rows.append(f"| {name} | {r['world']} | {r['rank']} ({r['coords']['pp']}) | "
+                        f"{r['peak_bytes_traced'] / GB:.3g} | {r['peak_bytes_estimated'] / GB:.3g} | "
+                        f"{r['ratios']['peak']:.2f} | {r['ratios']['model_states']:.3f} | {', '.join(comm) or '-'} | "
+                        + ("; ".join(oom) or "no")
+                        + f" | {r['wall_s']:.0f} | " + (f"{rss / 2**30:.2f}" if rss else "-") + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    if argv:
+        runs = collect(Path(argv[0]))
+        OUT.write_text(json.dumps(runs, indent=1) + "\n")
+    else:
+        runs = json.loads(OUT.read_text())
+    print(table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,179 @@
+"""``zerotron dryrun`` (zerotron.analysis.dryrun): one step of a rank of a layout traced in this
+process with fake tensors and the fake process group.
+
+* Against real runs (4 gloo processes, one spawn for all layouts): per traced rank, the collective
+  bytes and calls per (op, group, tag) of the measured step equal ``comm.STATS`` of the real
+  ``train.step.train_step``, and ``Strategy.model_state_bytes`` equals the real rank's.
+* Against the estimators: model states exact up to ZeRO's flat-buffer padding (derived below), the
+  tracker's labelled bytes at the end of the step equal the strategy's own count, and the traced
+  peak lies between the estimate and a derived upper bound.
+* The out-of-memory report and the CLI's one-line errors (exit 2).
+"""
+import json
+
+import pytest
+import torch
+
+from zerotron.testing import run_ranks, tiny_config
+
+WORLD = 4
+BASE = {"train.micro_batch": 2, "train.global_batch": 8, "model.block_size": 32}
+# (name, overrides): every synchroniser and runner family the dry run covers, on 4 ranks
+LAYOUTS = [
+    ("ddp-dp4", {"parallel.dp": 4}),
+    ("zero1-dp2-pp2-1f1b", {"parallel.dp": 2, "parallel.pp": 2, "parallel.zero_stage": 1}),
+    ("zero2-dp2-tp2", {"parallel.dp": 2, "parallel.tp": 2, "parallel.zero_stage": 2}),
+    ("zero3-dp4", {"parallel.dp": 4, "parallel.zero_stage": 3}),
+    ("ddp-tp2-pp2-sp", {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": "true"}),
+    ("fsdp2-dp4", {"parallel.dp": 4, "parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}),
+]
+
+
+def _cfg(overrides):
+    return tiny_config({**BASE, **overrides})
+
+
+def _by_key(stats) -> dict:
+    return {"/".join(k): (stats.calls[k], b) for k, b in stats.bytes.items()}
+
+
+def _real_layouts(layouts):
+    """Every rank: for each layout, the dry run's set-up with real tensors on gloo, two
+    ``train_step``s, the second one's traffic per (op/group/tag) and the model-state bytes."""
+    import torch.distributed as dist
+
+    from zerotron.analysis.dryrun import build_rank, synthetic_batches
+    from zerotron.distributed import comm
+    from zerotron.distributed.mesh import Mesh
+    from zerotron.parity.runs import _destroy_subgroups
+    from zerotron.plan import build_plan
+    from zerotron.train.optim import build_scheduler
+    from zerotron.train.step import train_step
+
+    out = {}
+    for name, ov in layouts:
+        cfg = _cfg(ov)
+        plan = build_plan(cfg, dist.get_world_size())
+        mesh = Mesh(plan.dims, torch.device("cpu"))
+        mcfg, strategy, optimizer = build_rank(cfg, plan, mesh)
+        sched = build_scheduler(optimizer, cfg.train)
+        n_micro = cfg.train.global_batch // (mesh.size("dp") * cfg.train.micro_batch)
+        batches = synthetic_batches(n_micro, cfg.train.micro_batch, mcfg.block_size, mcfg.vocab_size, cfg.train.seed)
+        for i in range(2):
+            comm.STATS.reset()
+            train_step(strategy, optimizer, sched, batches, mesh.group("batch"), cfg.train.grad_clip, cfg.train.dtype)
+        out[name] = {"comm": _by_key(comm.STATS), "states": strategy.model_state_bytes(optimizer)}
+        del strategy, optimizer
+        _destroy_subgroups()
+    return out
+
+
+@pytest.fixture(scope="module")
+def real():
+    return run_ranks(_real_layouts, WORLD, LAYOUTS, join_timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def dry():
+    from zerotron.analysis.dryrun import default_ranks, dry_run
+    from zerotron.distributed import comm
+    from zerotron.plan import build_plan
+
+    # the first and last pipeline stage (default_ranks) and the last rank (other dp/tp coordinates)
+    out = {name: dry_run(_cfg(ov), WORLD, sorted({*default_ranks(build_plan(_cfg(ov), WORLD).dims), WORLD - 1}))
+           for name, ov in LAYOUTS}
+    comm.STATS.reset()
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, _ in LAYOUTS])
+def test_traffic_and_model_states_equal_the_real_run(name, real, dry):
+    for rec in dry[name]:
+        rank = rec["rank"]
+        got = {"{}/{}/{}".format(key.split("/", 1)[0], g, key.split("/", 1)[1]): (c["calls"], c["bytes"])
+               for g, v in rec["comm_traced"].items() for key, c in v["ops"].items()}
+        want = real[rank][name]["comm"]
+        assert got == want, (name, rank, sorted(set(got.items()) ^ set(want.items())))
+        assert rec["model_state_bytes"] == real[rank][name]["states"], (name, rank)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in LAYOUTS])
+def test_estimates_bound_the_trace(name, dry):
+    """Model states: the estimator shards ceil(Psi/N) once; the implementations pad each flat buffer
+    (ZeRO: one per unit and decay group) or each tensor (FSDP2: dim 0 to a multiple of N) to a
+    multiple of N, so per rank they may hold up to N - 1 elements more per padded buffer or tensor,
+    for each of the P + G + K bytes per element -- the tolerance below. The fp32 ZeRO-2/3 gradient
+    shard and ZeRO-1's extra fp32 shard gradient are not in the formula either (bf16 only).
+    The tracker's labels at the end of the step equal the strategy's own count (its optimizer
+    count leaves out AdamW's 0-dim ``step`` tensors: 4 bytes each, at most one per parameter).
+    Peak: at least the estimate's model states + activations of one micro-batch's layers (the
+    estimator is a lower bound: it leaves out the loss temporaries, the gathered ZeRO-3 units and
+    the backward's transient gradients), and at most 3x the estimate at this tiny size (the
+    (b, T, V) logits, their log-softmax and gradient dominate a 4-layer 64-wide model)."""
+    n_layer = tiny_config().model.n_layer
+    buffers = 2 * (n_layer + 2)  # ZeRO: a decay and a no-decay flat per block and per root unit
+    for rec in dry[name]:
+        est, ms = rec["estimated"], rec["model_state_bytes"]
+        dp = rec["estimated"]["dp"]
+        pad = 16 * (dp - 1) * buffers  # (P + G + K) = 4 + 4 + 8 bytes per fp32 element
+        assert abs(ms["total_bytes"] - est["model_states"]["total_bytes"]) <= pad, (name, ms, est)
+        end = rec["end_of_step"]
+        assert end["parameters"] == ms["params_bytes"], (name, end, ms)
+        assert end["gradients"] == ms["grads_bytes"], (name, end, ms)
+        n_params = 16 * (n_layer + 1)  # an upper bound of the parameter tensors (GPT-2: 12 per block + 4)
+        assert 0 <= end["optimizer"] - ms["optimizer_bytes"] <= 4 * n_params, (name, end, ms)
+        assert est["model_states"]["total_bytes"] <= rec["peak_bytes_traced"] <= 3 * est["total"], (name, rec)
+        assert rec["peak_at"]["phase"] in ("forward_backward", "finish_grads", "optimizer_step"), rec["peak_at"]
+
+
+def test_planned_comm_bytes(dry):
+    """The planner's per-group bytes (analysis.planner.comm_bytes) against the trace, fp32: dp of
+    ZeRO-0 equal (one all-reduce of the gradient buffers); tp: the planner's 4 all-reduces per layer
+    + 1 for the embedding, the trace adds the head's input-gradient all-reduce; pp: first and last
+    stage move 2 m activations' worth."""
+    rec = dry["ddp-dp4"][0]
+    assert rec["comm_traced"]["dp"]["ops"]["all_reduce/grad"]["bytes"] == rec["comm_bytes_planned"]["dp"]
+    for rec in dry["zero1-dp2-pp2-1f1b"]:
+        p2p = sum(c["bytes"] for k, c in rec["comm_traced"]["pp"]["ops"].items() if k.split("/")[0] in ("send", "recv"))
+        assert p2p == rec["comm_bytes_planned"]["pp"]
+
+
+def test_out_of_memory_report():
+    """A layout that cannot fit under --gpu-mem is reported out of memory, in the measured step,
+    with the category that grew past the limit."""
+    from zerotron.analysis.dryrun import dry_run
+
+    cfg = _cfg({"parallel.dp": 4})
+    free = dry_run(cfg, WORLD, ranks=[0], gpu_mem=10**9)[0]
+    assert free["oom"] is None
+    states, peak = free["end_of_step"]["total"], free["peak_bytes_traced"]
+    rec = dry_run(cfg, WORLD, ranks=[0], gpu_mem=(states + peak) // 2)[0]  # the states fit, the step does not
+    assert rec["oom"]["total_bytes"] > (states + peak) // 2
+    assert rec["oom"]["phase"] == "forward_backward", rec["oom"]
+    assert rec["oom"]["category"] in ("activations", "temporary"), rec["oom"]
+    rec = dry_run(cfg, WORLD, ranks=[0], gpu_mem=states // 2)[0]  # not even the model states fit
+    assert rec["oom_step"]["phase"] == "model states" and rec["oom_step"]["category"] == "optimizer", rec
+    # the dense model each rank builds before sharding (setup) is reported first where it overflows
+    assert rec["oom"]["phase"] == ("setup" if rec["setup_peak_bytes"] > states // 2 else "model states"), rec
+
+
+def test_cli(tmp_path, capsys):
+    from zerotron.analysis.dryrun_cli import dryrun_main
+
+    out = tmp_path / "d.json"
+    args = ["--config", "configs/tiny.toml", "--world", "4", "--parallel.pp", "2", "--parallel.dp", "2",
+            "--train.global_batch", "8", "--train.micro_batch", "2", "--json", str(out)]
+    assert dryrun_main(args) == 0
+    recs = json.loads(out.read_text())
+    assert [r["rank"] for r in recs] == [0, 2]  # first and last pipeline stage
+    for r in recs:
+        assert {"rank", "coords", "peak_bytes_traced", "peak_bytes_estimated", "comm_bytes_traced",
+                "comm_bytes_planned"} <= set(r)
+    assert "peak" in capsys.readouterr().out
+    assert dryrun_main(args + ["--gpu-mem", "1MB", "--rank", "0"]) == 1  # out of memory
+    for bad, words in ((["--rank", "9"], "--rank 9"), (["--world", "3", "--parallel.dp", "2"], "world size 3"),
+                       (["--parallel.bogus", "1"], "parallel.bogus")):
+        argv = ["--config", "configs/tiny.toml", "--world", "4", "--train.micro_batch", "2"] + bad
+        assert dryrun_main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err

@@ -1,0 +1,456 @@
+"""Dry runs at cluster scale: one training step of one rank of a large layout, traced in this
+process with fake tensors and the fake process group (issue 33).
+
+For a config and a world size (up to thousands of ranks) :func:`dry_run` runs, for each traced
+rank, the *real* zerotron code of a training step -- ``parallelize`` (tensor parallel, activation
+checkpointing, the pipeline runner, the gradient synchroniser), forward and backward over the
+rank's micro-batches, ``finish_grads``, the grad-norm clip, the optimizer step -- with
+
+* ``torch._subclasses.FakeTensorMode``: tensors with shapes, dtypes and storages of the right size
+  but no memory, so a 70B model costs the process a few hundred MB;
+* torch's ``fake`` process-group backend (``torch.testing._internal.distributed.fake_pg``): the
+  default group is created with ``rank = R`` and ``world_size = N``, so the DeviceMesh, every
+  zerotron group and every collective are those of rank R; collectives return at once and move no
+  data, but go through ``zerotron.distributed.comm``, which counts them (``comm.STATS``);
+* a ``torch.distributed._tools.MemTracker`` (a dispatch mode counting the bytes of every live
+  storage by category: parameters, gradients, optimizer state, activations, temporaries of the
+  backward, other) whose peak is the step's peak memory, with the moment it happened (step phase,
+  innermost module, forward or backward).
+
+Values read back from fake tensors (``.item()``: the loss, the grad norm, token counts) are 1: the
+dry run traces shapes and traffic, not numerics. The token ids are synthetic (uniform over the
+preset's vocabulary, no corpus or tokenizer). Two steps run: the first creates the optimizer state
+(lazily, as AdamW does), the second is the one measured (memory and traffic of a steady step).
+
+Beside each traced figure the record holds the estimators' figure for the same rank and layout:
+model states (:func:`zerotron.analysis.memory.model_state_bytes` on
+:func:`~zerotron.analysis.memory.stage_num_params`) + activations
+(:func:`zerotron.analysis.activations.activation_bytes`), and the collective bytes the planner
+prices (:func:`zerotron.analysis.planner.comm_bytes`), per group.
+
+This module imports ``parallel`` (the code it traces) but not ``train`` (``train`` imports
+``analysis``); the step below is ``train.step.train_step`` without the LR scheduler and the
+non-finite guard, the same strategy calls in the same order.
+"""
+from __future__ import annotations
+
+import resource
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from zerotron.analysis.activations import activation_bytes, looped_counts, stage_layer_counts
+from zerotron.analysis.flops import shape_of
+from zerotron.analysis.memory import model_state_bytes, stage_num_params
+from zerotron.config import Config, ConfigError, model_shape
+
+__all__ = ["DryRunError", "default_ranks", "dry_run", "estimate", "build_rank", "synthetic_batches",
+           "CATEGORIES"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "other")
+"""Memory categories of a record (MemTracker's Parameter, Gradient, Optstate, Activation, Temp;
+Buffer and Other together as "other")."""
+
+
+class DryRunError(ValueError):
+    """Bad input to a dry run (unknown rank, a world size the layout does not fit, a config error):
+    one line naming the problem and the fix."""
+
+
+def model_config(cfg: Config):
+    """The model config (GPTConfig / LlamaConfig) of ``cfg``'s model section; the vocabulary is
+    model.vocab_size, else the preset's, else data.vocab_size (a dry run has no tokenizer).
+    Raises DryRunError for an invalid model section."""
+    from zerotron.models.registry import config_from_section
+
+    try:
+        shape = model_shape(cfg.model)
+        vocab = cfg.model.vocab_size or shape.get("vocab_size") or cfg.data.vocab_size
+        return config_from_section(cfg.model, vocab)
+    except (ConfigError, ValueError) as e:
+        raise DryRunError(str(e)) from None
+
+
+def default_ranks(dims) -> list[int]:
+    """One rank per distinct role of ``dims`` (``zerotron.dims.ParallelDims``): the first and the
+    last pipeline stage at data-, context- and tensor-parallel coordinate 0. Tensor-parallel
+    positions hold equal shards (the vocabulary-parallel rows are ceil(V/tp) on every tp rank) and dp
+    positions equal flat shards, so they do not differ in memory or traffic."""
+    return sorted({0, dims.peer(0, pp=dims.pp - 1)})
+
+
+def synthetic_batches(n_micro: int, micro_batch: int, seq: int, vocab: int, seed: int = 0) -> list:
+    """``n_micro`` micro-batches ``(x, y)`` of int64 token ids, each (micro_batch, seq), uniform in
+    [0, vocab) (real tensors: a few KB per rank even for 8k-token sequences)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (micro_batch, seq), generator=g),
+             torch.randint(0, vocab, (micro_batch, seq), generator=g)) for _ in range(n_micro)]
+
+
+def build_rank(cfg: Config, plan, mesh):
+    """(model config, strategy, optimizer) of this rank, as ``train.trainer.Trainer`` builds them:
+    the full model from ``train.seed``, in the parameter dtype, then ``parallelize`` and the
+    strategy's optimizer. Under a FakeTensorMode the model is built with the parameter dtype as
+    the default dtype (``Module.to`` cannot swap fake parameters); for fp32 and bf16 training this
+    is the same model."""
+    from zerotron.models import registry
+    from zerotron.parallel import parallelize
+    from zerotron.parallel.precision import param_dtype
+
+    mcfg = model_config(cfg)
+    torch.manual_seed(cfg.train.seed)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(param_dtype(cfg.train.dtype))
+    try:
+        model = registry.build_model(mcfg)  # on the CPU (fake or real); Module.to cannot swap fake parameters
+    finally:
+        torch.set_default_dtype(before)
+    strategy = parallelize(model, plan, mesh)
+    optimizer = strategy.build_optimizer(cfg.train, strategy.decay_mask)
+    return mcfg, strategy, optimizer
+
+
+# ---- memory tracking ---------------------------------------------------------------------------
+
+def _scalar(t: torch.Tensor):
+    """The stand-in for a value read back from a fake tensor (the dry run traces no numerics)."""
+    if t.dtype == torch.bool:
+        return True
+    return 1.0 if t.dtype.is_floating_point or t.dtype.is_complex else 1
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        """MemTracker that answers ``.item()`` on fake tensors (:func:`_scalar`), records the moment
+        of the peak (``phase`` set by the driver, innermost module, forward/backward) and the first
+        moment the total exceeds ``limit`` bytes (with the category that grew)."""
+
+        def __init__(self, limit: int | None = None):
+            super().__init__()
+            self.phase, self.limit, self.peak_at, self.oom, self._last = "setup", limit, None, None, None
+            self._seen = weakref.WeakSet()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return _scalar(args[0])
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def moment(self) -> dict:
+            mods = [m for m in self._mod_tracker.parents if m != "Global"]
+            return {"phase": self.phase, "module": max(mods, key=lambda m: (m.count("."), m)) if mods else None,
+                    "pass": "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"}
+
+        # module hooks: label each module's parameters (and gradient hooks) once, and mark the
+        # recomputation region (a forward inside the backward); no per-module snapshots (MemTracker's
+        # refuse a module called twice: micro-batches, pipeline chunks)
+        def _pre_fw_hook(self, module, inputs) -> None:
+            if module not in self._seen:
+                self._seen.add(module)
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            elif self._mod_tracker.is_bw and self._ac_mod is None:
+                self._ac_mod, self._in_ac = weakref.ref(module), True
+
+        def _post_fw_hook(self, module, inputs, outputs) -> None:
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod, self._in_ac = None, False
+
+        def _pre_bw_hook(self, module, args) -> None:
+            pass
+
+        def _post_bw_hook(self, module, args) -> None:
+            pass
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap["Total"]:
+                    self._peak_mem[dev] = snap["Total"]
+                    self._peak_mem_snap[dev] = dict(snap)
+                    self.peak_at = self.moment()
+            if self.limit is not None and self.oom is None:
+                now = _categories(self._curr_mem_snap)
+                if now["total"] > self.limit:
+                    last = self._last or dict.fromkeys(now, 0)
+                    grew = max(CATEGORIES, key=lambda c: now[c] - last[c])
+                    self.oom = {**self.moment(), "category": grew, "total_bytes": now["total"], "categories": now}
+                self._last = now
+
+        def categorize(self, t, kind: str) -> None:
+            if t is not None and t.untyped_storage().nbytes():
+                self._update_and_maybe_create_winfos(t, getattr(_MemRefType, kind))
+
+    return Tracker
+
+
+def _categories(snap: dict) -> dict:
+    """Bytes per category of a MemTracker snapshot ({device: {reftype: bytes}}), summed over devices."""
+    out = dict.fromkeys(CATEGORIES, 0)
+    names = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer", "Activation": "activations",
+             "Temp": "temporary", "Buffer": "other", "Other": "other"}
+    total = 0
+    for dev in snap.values():
+        for k, v in dev.items():
+            key = getattr(k, "value", k)
+            if key == "Total":
+                total += v
+            else:
+                out[names[key]] += v
+    out["total"] = total
+    return out
+
+
+def _categorize(tracker, strategy, optimizer) -> None:
+    """Label the storages of the model states, as ``Strategy.model_state_bytes`` counts them:
+    ZeRO flat buffers as ``flat_state_bytes`` (compute copy = parameters; fp32 master = optimizer
+    state, or parameters for stage 3 without a compute copy; full and shard gradients), otherwise
+    the module's parameters, their ``.grad``, the optimizer's own parameters (master copies) and
+    its state tensors."""
+    zero = getattr(strategy, "zero", None) or strategy
+    flats = getattr(zero, "all_flats", None)
+    for st in optimizer.state.values():
+        for t in st.values():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                tracker.categorize(t, "OPT")
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            tracker.categorize(p, "OPT")
+            tracker.categorize(p.grad, "GRAD")
+    if flats:
+        for f in flats:
+            if f.stage == 3 and f.compute_dtype == f.master_dtype:
+                tracker.categorize(f.master, "PARAM")
+            tracker.categorize(f.grad_full, "GRAD")
+            tracker.categorize(f.shard_grad, "GRAD")
+    for p in strategy.module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        tracker.categorize(local, "PARAM")
+        if p.grad is not None:
+            tracker.categorize(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, "GRAD")
+    if flats:
+        for f in flats:
+            tracker.categorize(f.full, "PARAM")
+
+
+# ---- one traced rank -----------------------------------------------------------------------------
+
+def _step(strategy, optimizer, batches, batch_group, tcfg, device, tracker) -> None:
+    """``train.step.train_step`` without scheduler and guard: the token count all-reduce, then
+    forward/backward, finish_grads, clip, loss reduction, optimizer step (``tracker.phase`` set
+    before each)."""
+    from zerotron.distributed import comm
+
+    tracker.phase = "loss_norm"
+    t = torch.tensor([float(sum(y.numel() for _, y in batches))], dtype=torch.float64)
+    comm.all_reduce(t, group=batch_group, tag="loss_norm")
+    n_global = int(sum(y.numel() for _, y in batches)) * max(1, batch_group.size() if batch_group else 1)
+    tracker.phase = "zero_grad"
+    strategy.zero_grad()
+    tracker.phase = "forward_backward"
+    loss_sum = strategy.forward_backward(batches, n_global, tcfg.dtype, device)
+    tracker.phase = "finish_grads"
+    strategy.finish_grads()
+    tracker.phase = "clip_grad_norm"
+    strategy.clip_grad_norm(tcfg.grad_clip)
+    tracker.phase = "reduce_loss"
+    strategy.reduce_loss(loss_sum)
+    tracker.phase = "optimizer_step"
+    strategy.optimizer_step(optimizer)
+
+
+def _comm_by_group(stats) -> dict:
+    """``{group: {"bytes", "calls", "ops": {"op/tag": {"calls", "bytes"}}}}`` from ``comm.STATS``
+    (bytes in its nccl-tests size convention)."""
+    out: dict = {}
+    for (op, group, tag), b in sorted(stats.bytes.items()):
+        g = out.setdefault(group, {"bytes": 0, "calls": 0, "ops": {}})
+        calls = stats.calls[(op, group, tag)]
+        g["bytes"] += b
+        g["calls"] += calls
+        g["ops"][f"{op}/{tag}"] = {"calls": calls, "bytes": b}
+    return dict(sorted(out.items()))
+
+
+def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 2) -> dict:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from zerotron.distributed import comm
+    from zerotron.distributed.mesh import Mesh
+
+    dims = plan.dims
+    t0 = time.perf_counter()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=dims.world_size, store=FakeStore())
+    tracker = _tracker_class()(None)  # the limit applies from the measured step on
+    try:
+        device = torch.device("cpu")
+        mesh = Mesh(dims, device)
+        mcfg = model_config(cfg)
+        n_micro = cfg.train.global_batch // (mesh.size("dp") * cfg.train.micro_batch)
+        batches = synthetic_batches(n_micro, cfg.train.micro_batch, mcfg.block_size, mcfg.vocab_size, cfg.train.seed)
+        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            # MemTracker's gradient hook meets parameters whose .grad the synchroniser cleared
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
+            _, strategy, optimizer = build_rank(cfg, plan, mesh)
+            setup = _categories(tracker.get_tracker_snapshot("peak"))
+            for i in range(steps):
+                if i == steps - 1:  # the measured step: every state exists and is labelled
+                    _categorize(tracker, strategy, optimizer)
+                    tracker._peak_mem = {}
+                    tracker._peak_mem_snap = {}
+                    tracker.peak_at, tracker.limit, tracker._last = None, gpu_mem, None
+                    held = _categories(tracker.get_tracker_snapshot("current"))
+                    if gpu_mem is not None and held["total"] > gpu_mem:  # the states alone do not fit
+                        tracker.oom = {"phase": "model states", "module": None, "pass": None, "total_bytes": held["total"],
+                                       "category": max(CATEGORIES, key=lambda c: held[c]), "categories": held}
+                    comm.STATS.reset()
+                _step(strategy, optimizer, batches, mesh.group("batch"), cfg.train, device, tracker)
+            _categorize(tracker, strategy, optimizer)
+            peak = _categories(tracker.get_tracker_snapshot("peak"))
+            end = _categories(tracker.get_tracker_snapshot("current"))
+            states = strategy.model_state_bytes(optimizer)
+            split = list(getattr(strategy, "split", None) or []) or None  # the pipeline runner's layers per stage
+        traffic = _comm_by_group(comm.STATS)
+        coords = {k: v for k, v in mesh.coords.items()}
+    finally:
+        dist.destroy_process_group()
+    return {"rank": rank, "coords": coords, "peak_bytes_traced": peak["total"], "peak_traced": peak,
+            "peak_at": tracker.peak_at, "end_of_step": end, "setup_peak_bytes": setup["total"],
+            "model_state_bytes": states, "comm_traced": traffic,
+            "comm_bytes_traced": {g: v["bytes"] for g, v in traffic.items()},
+            "oom": tracker.oom, "layer_counts": split, "wall_s": time.perf_counter() - t0}
+
+
+# ---- estimators ----------------------------------------------------------------------------------
+
+_MEM_DTYPE = {"fp32": "fp32", "bf16": "bf16-mixed", "fp64": "fp64"}
+_ACT_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp64": "fp32"}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    dp: int
+    tp: int
+    pp: int
+    dp_replicate: int
+    zero_stage: int
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+    micro_batch: int
+    seq: int
+    recompute: str
+    sp: bool
+    dtype: str
+
+
+def _layout(cfg: Config, plan, mcfg) -> _Layout:
+    p = cfg.parallel
+    dims = plan.dims
+    schedule = p.pp_schedule if dims.pp > 1 else "1f1b"
+    v = p.virtual_stages if schedule in ("interleaved", "zb-v") else 1
+    n_micro = cfg.train.global_batch // (dims.size("dp") * cfg.train.micro_batch)
+    return _Layout(dims.size("dp"), dims.tp, dims.pp, p.dp_replicate, p.zero_stage, schedule,
+                   p.microbatches or n_micro, v, cfg.train.micro_batch, mcfg.block_size,
+                   cfg.train.activation_checkpointing, bool(p.sequence_parallel) and dims.tp > 1, cfg.train.dtype)
+
+
+def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = None) -> dict:
+    """What ``zerotron memory`` computes for pipeline rank ``pp_rank`` of ``cfg``'s layout:
+    ``{"model_states": {params_bytes, grads_bytes, optimizer_bytes, total_bytes}, "activations":
+    bytes, "total": bytes}``; activations in the training dtype (fp32 for fp64 training: the
+    estimator knows no 8-byte activations, so fp64 is under-counted by half), attention "flash"
+    (CPU SDPA with dropout 0 and CUDA flash attention keep no s^2 scores), AdamW state.
+    ``layer_counts``: layers per model stage as the pipeline runner split them (its ``split``;
+    ``parallel.pp_split = auto`` balances by FLOPs), None = the estimators' even split."""
+    mcfg = model_config(cfg)
+    lay = _layout(cfg, plan, mcfg)
+    shape = shape_of(mcfg)
+    split = list(layer_counts) if layer_counts else stage_layer_counts(shape.n_layer, lay.pp * lay.virtual_stages)
+    counts = looped_counts(split, lay.pp, lay.schedule)
+    params = stage_num_params(shape, lay.tp, lay.pp, lay.virtual_stages, counts)[pp_rank]
+    states = model_state_bytes(params, lay.dp, lay.zero_stage, _MEM_DTYPE[lay.dtype], "adam", lay.dp_replicate)
+    act = activation_bytes(shape, lay.micro_batch, lay.seq, tp=lay.tp, sp=lay.sp, pp=lay.pp, schedule=lay.schedule,
+                           microbatches=lay.microbatches, virtual_stages=lay.virtual_stages,
+                           recompute=lay.recompute, dtype=_ACT_DTYPE[lay.dtype], attention="flash",
+                           dropout=cfg.model.dropout > 0, layer_counts=layer_counts)
+    a = act["per_rank_bytes"][pp_rank]
+    return {"params": params, "dp": lay.dp, "model_states": states, "activations": a,
+            "total": states["total_bytes"] + a}
+
+
+def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
+    """Bytes per group of one step the planner prices for pipeline rank ``pp_rank``
+    (:func:`zerotron.analysis.planner.comm_bytes`), in the training dtype's element size."""
+    from zerotron.analysis.planner import comm_bytes
+
+    mcfg = model_config(cfg)
+    lay = _layout(cfg, plan, mcfg)
+    elem = {"fp32": 4, "bf16": 2, "fp64": 8}[lay.dtype]
+    layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage, "micro_batch": lay.micro_batch,
+              "schedule": lay.schedule if lay.pp > 1 else "none", "recompute": lay.recompute,
+              "dp_replicate": lay.dp_replicate}
+    return comm_bytes(shape_of(mcfg), layout, lay.seq, cfg.train.global_batch, pp_rank, elem_bytes=elem,
+                      sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+
+
+# ---- the entry point -----------------------------------------------------------------------------
+
+def _ratio(a, b):
+    return a / b if b else None
+
+
+def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: int | None = None) -> list[dict]:
+    """Trace one training step of each of ``ranks`` (default :func:`default_ranks`) of ``cfg``'s
+    layout on ``world`` ranks, in this process (module docstring). ``gpu_mem``: capacity in bytes
+    for the out-of-memory report. Returns one record per rank: ``rank``, ``coords`` (axes and
+    combined groups), ``peak_bytes_traced`` and ``peak_traced`` (bytes per :data:`CATEGORIES` at
+    the peak of the measured step), ``peak_at`` (phase, module, pass), ``setup_peak_bytes`` (the
+    model build, dense before sharding), ``model_state_bytes`` (the strategy's own count after the
+    step), ``peak_bytes_estimated`` and ``estimated`` (:func:`estimate`), ``comm_bytes_traced`` /
+    ``comm_bytes_planned`` ({group: bytes} of the measured step; the planner's where it prices the
+    group), ``comm_traced`` (per group: bytes, calls, bytes per op/tag), ratios traced/estimated,
+    ``oom`` (None, or the first moment the total exceeded ``gpu_mem``: phase, module, pass, the
+    category that grew, bytes; phase "model states" with the largest category when the states
+    held before the step already exceed it; phase "setup" when the model build -- every rank
+    builds the dense model from the seed before sharding it -- already does, and then
+    ``oom_step`` says what the step would do), ``wall_s`` and ``max_rss_bytes`` (of this process so far).
+    Raises DryRunError for a config the plan refuses on ``world`` ranks or a rank outside it."""
+    from zerotron.plan import build_plan
+
+    try:
+        plan = build_plan(cfg, world)
+    except ConfigError as e:
+        raise DryRunError(f"{e} (world size {world})") from None
+    if plan.runner not in ("plain", "pipeline"):
+        raise DryRunError(f"parallel.pp_impl = {cfg.parallel.pp_impl!r} cannot be dry-run (it runs its stages in "
+                          "threads or through torch.distributed.pipelining); use the native pipeline")
+    ranks = default_ranks(plan.dims) if ranks is None else list(ranks)
+    for r in ranks:
+        if not 0 <= r < world:
+            raise DryRunError(f"--rank {r} is not a rank of world size {world}; choose 0..{world - 1}")
+    out = []
+    for r in ranks:
+        rec = _trace_rank(cfg, plan, r, gpu_mem)
+        pp_rank = rec["coords"]["pp"]
+        est = estimate(cfg, plan, pp_rank, rec["layer_counts"])
+        planned = planned_comm(cfg, plan, pp_rank)
+        rec.update(peak_bytes_estimated=est["total"], estimated=est, comm_bytes_planned=planned,
+                   ratios={"peak": _ratio(rec["peak_bytes_traced"], est["total"]),
+                           "model_states": _ratio(rec["model_state_bytes"]["total_bytes"],
+                                                  est["model_states"]["total_bytes"]),
+                           "comm": {g: _ratio(rec["comm_bytes_traced"].get(g, 0), b) for g, b in planned.items()}},
+                   max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   world=world, gpu_mem=gpu_mem)
+        rec["oom_step"] = rec["oom"]
+        if gpu_mem is not None and rec["setup_peak_bytes"] > gpu_mem:  # the first moment: the dense model's build
+            rec["oom"] = {"phase": "setup", "module": None, "pass": None, "category": "parameters",
+                          "total_bytes": rec["setup_peak_bytes"]}
+        out.append(rec)
+    return out
