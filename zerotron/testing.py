@@ -1,12 +1,13 @@
 """Test helpers: run a function on N local ranks (gloo) and build small configs.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo process
-group with a short timeout in each, calls ``fn(*args)``, ends each rank with ``mesh.teardown()`` (as
-every entry point does) and returns the list of per-rank results (index = rank). Any rank's
-exception is re-raised in the caller with its traceback. ``fn`` must be importable (module level).
+``run_ranks(fn, world_size, *args)`` runs ``fn(*args)`` on ``world_size`` processes, each with a
+fresh gloo process group with a short timeout, ends each rank with ``mesh.teardown()`` (as every
+entry point does) and returns the list of per-rank results (index = rank). Any rank's exception is
+re-raised in the caller with its traceback. ``fn`` must be importable (module level).
 
 ``run_ranks`` spawns its ranks (see the comment there: forked ranks once died of heap corruption in
-an FSDP2 gather). ``run_cli`` forks its CLI children from a *fork server* (``multiprocessing``'s
+an FSDP2 gather) and keeps them as a pool for the next calls, so a pytest session imports torch in
+at most 8 rank processes instead of once per rank per call. ``run_cli`` forks its CLI children from a *fork server* (``multiprocessing``'s
 "forkserver" start method) that imported torch and the training stack once (:data:`PRELOAD`): a
 fresh interpreter spends ~3-6 s importing torch and zerotron before its first line. The fork server
 is a clean process (no process group, no threads of ours, started by exec); the caller's
