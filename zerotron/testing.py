@@ -7,7 +7,8 @@ re-raised in the caller with its traceback. ``fn`` must be importable (module le
 
 ``run_ranks`` spawns its ranks (see the comment there: forked ranks once died of heap corruption in
 an FSDP2 gather) and keeps them as a pool for the next calls, so a pytest session imports torch in
-at most 8 rank processes instead of once per rank per call. ``run_cli`` forks its CLI children from a *fork server* (``multiprocessing``'s
+a few rank processes (new ones only after a failed call or a retired rank) instead of once per rank
+per call. ``run_cli`` forks its CLI children from a *fork server* (``multiprocessing``'s
 "forkserver" start method) that imported torch and the training stack once (:data:`PRELOAD`): a
 fresh interpreter spends ~3-6 s importing torch and zerotron before its first line. The fork server
 is a clean process (no process group, no threads of ours, started by exec); the caller's
