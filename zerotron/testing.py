@@ -213,8 +213,18 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_
     # spawned, not forked from the preloaded server: two CI runs saw a rank die of heap corruption
     # ("malloc(): unaligned tcache chunk") in an FSDP2 state-dict gather with forked ranks, never
     # with spawned ones; until that is understood, ranks pay their imports once per pool
-    if not fresh:
-        return _run_pooled(fn, world_size, args, timeout_s, join_timeout_s)
+    for attempt in range(3):  # free_port's port can be taken before rank 0 listens on it (busy machine)
+        try:
+            if not fresh:
+                return _run_pooled(fn, world_size, args, timeout_s, join_timeout_s)
+            return _run_fresh(fn, world_size, args, timeout_s, join_timeout_s)
+        except RuntimeError as e:  # the store never came up, so fn did not run: try another port
+            if attempt == 2 or "EADDRINUSE" not in str(e):
+                raise
+
+
+def _run_fresh(fn, world_size: int, args: tuple, timeout_s: float, join_timeout_s: float) -> list:
+    """run_ranks on newly spawned ranks (see there)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
