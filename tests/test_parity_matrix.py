@@ -4,8 +4,9 @@ for a documented reason.
 
 By default the pairwise covering array of the valid layouts runs (every pair of factor values at
 least once); ``ZEROTRON_MATRIX=full`` (``make test-matrix``) runs every valid layout, and
-``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors. One spawn per world size
-(chunks of CHUNK layouts), shared by both model families."""
+``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors. The layouts of one world size
+run in a few run_ranks calls (chunks of CHUNK layouts, on run_ranks' pooled ranks), shared by
+both model families."""
 import json
 import os
 import time
@@ -24,7 +25,8 @@ WORLDS = {int(w) for w in os.environ.get("ZEROTRON_MATRIX_WORLDS", "").split(","
 SCHEDULES = {s.strip() for s in os.environ.get("ZEROTRON_MATRIX_SCHEDULES", "").split(",") if s.strip()}
 # ZEROTRON_MATRIX_NAMES=r2-pp,zb-v: only the layouts whose name contains one of these (a new combination's part)
 NAMES = [s.strip() for s in os.environ.get("ZEROTRON_MATRIX_NAMES", "").split(",") if s.strip()]
-CHUNK = 48  # layouts per spawn: a hung spawn costs at most one chunk, and progress is saved per chunk
+CHUNK = 24  # layouts per run_ranks call: a hung call costs at most one chunk, progress is saved per chunk, and
+# a pooled rank retires between chunks once torch's leaked gloo groups (threads) pile up
 
 
 def _partial(out: str | None, family: str) -> tuple[str | None, dict]:
@@ -94,8 +96,8 @@ def _out(family: str) -> str | None:
 @pytest.fixture(scope="module")
 def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     """{family: per-layout summaries} of every chosen layout of every model family. Both families'
-    layouts of one world size share each spawn (chunks of CHUNK layouts, largest world first), so
-    the ranks import torch once for both."""
+    layouts of one world size share each run_ranks call (chunks of CHUNK layouts, largest world
+    first), so the ranks import torch once for both."""
     valid, _ = split
     chosen = valid if FULL else parity.covering_layouts(valid)
     if WORLDS:

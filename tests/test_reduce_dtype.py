@@ -29,11 +29,7 @@ LAYOUTS = {  # name: (overrides, gradient tags that must occur)
 
 
 def _worker(tmp, cache):
-    import torch
-    import torch.distributed as dist
-
     from zerotron.distributed import comm
-    from zerotron.train.trainer import Trainer
 
     seen = []  # (op, tag, dtype of every tensor the collective reduces)
 
@@ -44,8 +40,21 @@ def _worker(tmp, cache):
             return fn(*args, **kw)
         return wrapped
 
+    real = comm.all_reduce, comm.reduce_scatter  # put back at the end: run_ranks' ranks serve later tests
     comm.all_reduce = wrap("all_reduce", comm.all_reduce, 1)
     comm.reduce_scatter = wrap("reduce_scatter", comm.reduce_scatter, 2)  # (output, input)
+    try:
+        return _layouts(tmp, cache, seen)
+    finally:
+        comm.all_reduce, comm.reduce_scatter = real
+
+
+def _layouts(tmp, cache, seen):
+    import torch
+    import torch.distributed as dist
+
+    from zerotron.train.trainer import Trainer
+
     out = {}
     for i, (name, (lay, _)) in enumerate(LAYOUTS.items()):
         seen.clear()

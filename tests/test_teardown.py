@@ -77,7 +77,8 @@ def _unwaited_async(out_dir):
 
 
 def test_run_ranks_worker_waits_pending_then_barrier_then_destroy(tmp_path):
-    assert run_ranks(_unwaited_async, 2, str(tmp_path), timeout_s=30, join_timeout_s=120) == [0, 1]
+    # fresh ranks: rank 0's teardown is instrumented (replaced) for good
+    assert run_ranks(_unwaited_async, 2, str(tmp_path), timeout_s=30, join_timeout_s=120, fresh=True) == [0, 1]
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     assert r0["pending_at_entry"] >= 1  # the all-reduce was still running when rank 0 got there
     assert r0["events"] == ["teardown", "wait_pending", "barrier", "destroy", ["after", 0, False]], r0
@@ -90,9 +91,9 @@ def _env_and_stdout(key):
 
 
 def test_run_ranks_ranks_get_the_callers_environment_and_stdout(monkeypatch, capfd):
-    """run_ranks forks its ranks from a long-lived fork server (zerotron.testing): each rank must
-    still see the caller's environment as it is at the call (not as it was when the server started)
-    and write to the caller's stdout, as a spawned rank did."""
+    """run_ranks reuses its pooled rank processes across calls (zerotron.testing): each rank must
+    still see the caller's environment as it is at the call (not as it was when the pool started)
+    and write to the caller's stdout (this test's capture), as a freshly spawned rank does."""
     monkeypatch.setenv("ZEROTRON_TEST_RUN_RANKS_ENV", "first")
     first = run_ranks(_env_and_stdout, 2, "ZEROTRON_TEST_RUN_RANKS_ENV")
     monkeypatch.setenv("ZEROTRON_TEST_RUN_RANKS_ENV", "second")
@@ -132,7 +133,7 @@ def _entry_points(tmp, cache):
 
 
 def test_every_entry_point_ends_with_teardown(tmp_path, data_cache):
-    out = run_ranks(_entry_points, 1, str(tmp_path), data_cache, timeout_s=60, join_timeout_s=300)[0]
+    out = run_ranks(_entry_points, 1, str(tmp_path), data_cache, timeout_s=60, join_timeout_s=300, fresh=True)[0]
     # per command: exit code 0 and exactly one teardown, at the end, its steps in order; nothing
     # pending and no process group left afterwards
     ordered = ["teardown", "wait_pending", "barrier", "destroy", ("after", 0, False)]

@@ -1,12 +1,14 @@
 """Test helpers: run a function on N local ranks (gloo) and build small configs.
 
-``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo process
-group with a short timeout in each, calls ``fn(*args)``, ends each rank with ``mesh.teardown()`` (as
-every entry point does) and returns the list of per-rank results (index = rank). Any rank's
-exception is re-raised in the caller with its traceback. ``fn`` must be importable (module level).
+``run_ranks(fn, world_size, *args)`` runs ``fn(*args)`` on ``world_size`` processes, each with a
+fresh gloo process group with a short timeout, ends each rank with ``mesh.teardown()`` (as every
+entry point does) and returns the list of per-rank results (index = rank). Any rank's exception is
+re-raised in the caller with its traceback. ``fn`` must be importable (module level).
 
 ``run_ranks`` spawns its ranks (see the comment there: forked ranks once died of heap corruption in
-an FSDP2 gather). ``run_cli`` forks its CLI children from a *fork server* (``multiprocessing``'s
+an FSDP2 gather) and keeps them as a pool for the next calls, so a pytest session imports torch in
+a few rank processes (new ones only after a failed call or a retired rank) instead of once per rank
+per call. ``run_cli`` forks its CLI children from a *fork server* (``multiprocessing``'s
 "forkserver" start method) that imported torch and the training stack once (:data:`PRELOAD`): a
 fresh interpreter spends ~3-6 s importing torch and zerotron before its first line. The fork server
 is a clean process (no process group, no threads of ours, started by exec); the caller's
@@ -61,13 +63,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, timeout_s, fn, args, queue, env=None, stdio=()):
-    if env is not None:  # the caller's environment, not the fork server's (as a spawned rank would see it)
-        os.environ.clear()
-        os.environ.update(env)
-    for fd, target in zip(stdio, (1, 2)):  # the caller's stdout/stderr (pytest's capture of this test)
-        os.dup2(fd, target)
-        os.close(fd)
+def _run_job(rank, world_size, port, timeout_s, fn, args) -> tuple[str, object]:
+    """One rank's part of a run_ranks call in this process: ``("ok", result)`` or ``("error", traceback)``."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -79,19 +76,155 @@ def _worker(rank, world_size, port, timeout_s, fn, args, queue, env=None, stdio=
         mesh.init_distributed("gloo", timeout_s=timeout_s)
         result = fn(*args)
         mesh.teardown()  # as every entry point ends: pending async work, barrier, then destroy
-        queue.put((rank, "ok", result))
+        return "ok", result
     except BaseException:  # noqa: BLE001 - report everything to the parent
-        queue.put((rank, "error", traceback.format_exc()))
+        return "error", traceback.format_exc()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_s: float = 600.0) -> list:
+def _worker(rank, world_size, port, timeout_s, fn, args, queue, env=None, stdio=()):
+    if env is not None:  # the caller's environment, not the fork server's (as a spawned rank would see it)
+        os.environ.clear()
+        os.environ.update(env)
+    for fd, target in zip(stdio, (1, 2)):  # the caller's stdout/stderr (pytest's capture of this test)
+        os.dup2(fd, target)
+        os.close(fd)
+    status, payload = _run_job(rank, world_size, port, timeout_s, fn, args)
+    queue.put((rank, status, payload))
+
+
+def _pool_main(conn) -> None:
+    """Body of a pooled rank (see :func:`run_ranks`): run one job per message
+    ``(rank, world_size, port, timeout_s, fn, args, env, cwd)`` followed by the caller's stdout and
+    stderr descriptors, answer ``(status, payload, retire)``; exit on ``None``, a closed pipe, a
+    failed job or ``retire`` (too many threads left, see :data:`_POOL_MAX_THREADS`). Between jobs the process is put back as a fresh one would start the next: the caller's
+    environment and working directory, torch's default RNG seed, default dtype and grad mode, no
+    process group (the job's teardown destroyed it, with DTensor's caches), comm counters at zero,
+    warnings shown again."""
+    import gc
+    import sys
+    import warnings
+
+    import torch
+
+    from .distributed import comm, inflight
+
+    seed, dtype = torch.initial_seed(), torch.get_default_dtype()
+    home, own = os.getcwd(), (os.dup(1), os.dup(2))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        rank, world_size, port, timeout_s, fn, args, env, cwd = msg
+        stdio = [reduction.recv_handle(conn) for _ in range(2)]
+        os.environ.clear()
+        os.environ.update(env)
+        for fd, target in zip(stdio, (1, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(True)
+        comm.STATS.reset()
+        warnings._filters_mutated()  # "default"/"once" warnings of earlier jobs are shown again
+        try:
+            os.chdir(cwd)
+            status, payload = _run_job(rank, world_size, port, timeout_s, fn, args)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, target in zip(own, (1, 2)):
+                os.dup2(fd, target)
+            os.chdir(home)
+        if status == "ok" and inflight.in_flight():
+            status, payload = "error", f"async collectives left in flight: {inflight.in_flight()}"
+        gc.collect()  # the job's objects in reference cycles may hold process groups (and their threads)
+        retire = len(os.listdir("/proc/self/task")) > _POOL_MAX_THREADS if os.path.isdir("/proc/self/task") else False
+        try:
+            try:
+                conn.send((status, payload, retire))
+            except (BrokenPipeError, ConnectionResetError):  # the caller ended the pool (another rank failed)
+                return
+            except Exception:  # noqa: BLE001 - an unpicklable result: report it (the job is not reused either)
+                conn.send(("error", traceback.format_exc()))
+                return
+        except OSError:
+            return
+        if status != "ok" or retire:
+            return
+
+
+# a pooled rank retires after a job that leaves it more threads than this: torch keeps some destroyed
+# gloo groups alive (e.g. through a torch DDP module it cannot collect), three threads each, one of
+# them waking every 10 ms; a fresh process costs less than hundreds of such threads
+_POOL_MAX_THREADS = 48
+_POOL: list = []  # [(process, connection)] of pooled ranks, index = rank (see run_ranks)
+_EXIT: list = []  # _stop_pool once registered with atexit
+
+
+def _stop_pool() -> None:
+    """End every pooled rank (they exit on the closed pipe; killed if they do not within 5 s)."""
+    procs = [p for p, _ in _POOL]
+    for _, conn in _POOL:
+        conn.close()
+    _POOL.clear()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _pool(world_size: int) -> list:
+    """The first ``world_size`` pooled ranks, spawning the missing ones (a dead one ends the pool)."""
+    import atexit
+
+    if any(not p.is_alive() for p, _ in _POOL):
+        _stop_pool()
+    if not _POOL and _stop_pool not in _EXIT:
+        atexit.register(_stop_pool)  # runs before multiprocessing's exit handler joins its children
+        _EXIT.append(_stop_pool)
+    ctx = mp.get_context("spawn")
+    while len(_POOL) < world_size:
+        parent, child = ctx.Pipe(duplex=True)  # a socket pair: descriptors travel over it
+        p = ctx.Process(target=_pool_main, args=(child,), daemon=False)
+        p.start()
+        child.close()
+        _POOL.append((p, parent))
+    return _POOL[:world_size]
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_s: float = 600.0,
+              fresh: bool = False) -> list:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return ``[result_rank0, ...]``.
 
-    ``timeout_s`` is the collective timeout inside the ranks; ``join_timeout_s`` bounds the whole run.
-    Raises RuntimeError with the failing ranks' tracebacks, or on timeout."""
+    The ranks are spawned processes (never forked: see the comment below). By default they are
+    *pooled*: the processes of one call serve the next calls of this pytest process (each call pays
+    the ~3-6 s of importing torch and the training stack only the first time), with a fresh process
+    group, the caller's environment, working directory, stdout and stderr, and torch's default RNG
+    seed each time (:func:`_pool_main`); a call in which any rank fails or times out ends the whole
+    pool, so no rank that saw an error is reused. ``fresh=True`` spawns new processes for this call
+    alone, for a test about process state (one that replaces module functions in its ranks, say).
+
+    ``timeout_s`` is the collective timeout inside the ranks; ``join_timeout_s`` bounds the wait for
+    each rank's answer. Raises RuntimeError with the failing ranks' tracebacks, or on timeout."""
     # spawned, not forked from the preloaded server: two CI runs saw a rank die of heap corruption
     # ("malloc(): unaligned tcache chunk") in an FSDP2 state-dict gather with forked ranks, never
-    # with spawned ones; until that is understood, ranks pay their imports (run_cli keeps the server)
+    # with spawned ones; until that is understood, ranks pay their imports once per pool
+    for attempt in range(3):  # free_port's port can be taken before rank 0 listens on it (busy machine)
+        try:
+            if not fresh:
+                return _run_pooled(fn, world_size, args, timeout_s, join_timeout_s)
+            return _run_fresh(fn, world_size, args, timeout_s, join_timeout_s)
+        except RuntimeError as e:  # the store never came up, so fn did not run: try another port
+            if attempt == 2 or "EADDRINUSE" not in str(e):
+                raise
+
+
+def _run_fresh(fn, world_size: int, args: tuple, timeout_s: float, join_timeout_s: float) -> list:
+    """run_ranks on newly spawned ranks (see there)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -115,6 +248,42 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_
             p.join(timeout=5 if errors else 60)
             if p.is_alive():
                 p.kill()
+    if errors:
+        raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [results[r] for r in range(world_size)]
+
+
+def _run_pooled(fn, world_size: int, args: tuple, timeout_s: float, join_timeout_s: float) -> list:
+    """run_ranks on the pooled ranks (see there)."""
+    from multiprocessing.connection import wait
+
+    ranks = _pool(world_size)
+    port, env, cwd = free_port(), dict(os.environ), os.getcwd()
+    results, errors, retired = {}, {}, False
+    try:
+        for r, (p, conn) in enumerate(ranks):
+            conn.send((r, world_size, port, timeout_s, fn, args, env, cwd))
+            for fd in (1, 2):  # the caller's stdout/stderr now (pytest's capture of this test)
+                reduction.send_handle(conn, fd, p.pid)
+        waiting = {conn: r for r, (_, conn) in enumerate(ranks)}
+        while waiting and not errors:
+            ready = wait(list(waiting), timeout=join_timeout_s)
+            if not ready:
+                errors[-1] = f"timed out after {join_timeout_s}s waiting for ranks {sorted(waiting.values())}"
+            for conn in ready:
+                r = waiting.pop(conn)
+                try:
+                    status, payload, retire = conn.recv()
+                    retired |= retire
+                except EOFError:  # the rank's process ended (os._exit, a signal)
+                    ranks[r][0].join(timeout=5)
+                    status, payload = "error", f"rank process died (exit code {ranks[r][0].exitcode})"
+                (results if status == "ok" else errors)[r] = payload
+    except BaseException:
+        _stop_pool()
+        raise
+    if errors or retired:
+        _stop_pool()
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]

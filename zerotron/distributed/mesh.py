@@ -151,10 +151,57 @@ class Mesh:
         return self.rank == 0
 
 
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions. They are keyed by specs whose DeviceMesh compares
+    equal by shape and dimension names, so after the process groups are destroyed, a later mesh of
+    the same shape (the next layout of a parity spawn, the next job of a pooled test rank) would get
+    output specs that name the destroyed groups ("Could not resolve the process group"), and the
+    cached redistribute planners keep those groups (and their threads) alive. The caches are
+    private to torch; clears what exists, and nothing when DTensor was never imported."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for fn in (getattr(prop, "propagate_op_sharding", None), getattr(prop, "_propagate_tensor_meta_cached", None),
+               getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    # redistribute planners and mesh topologies hold their DeviceMesh, whose registry holds the
+    # process groups: a destroyed gloo group kept alive keeps three threads, one polling every 10 ms
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
+    from torch.distributed.tensor import _collective_utils
+
+    topo = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
+    if hasattr(topo, "cache_clear"):
+        topo.cache_clear()
+
+
+def release_destroyed_groups() -> None:
+    """Drop torch's last references to destroyed subgroups. ``destroy_process_group(pg)`` leaves a
+    group in the private tag registry (``_world.tags_to_pg``) when it was registered under two
+    tags (torch 2.13), so the group, its gloo device and threads live on: after a few dozen
+    layouts in one process, hundreds of threads each waking every 10 ms take most of the CPU."""
+    from torch.distributed import distributed_c10d as c10d
+
+    live = set(c10d._world.pg_map)
+    for tag, pgs in list(c10d._world.tags_to_pg.items()):
+        pgs[:] = [pg for pg in pgs if pg in live]
+        if not pgs:
+            del c10d._world.tags_to_pg[tag]
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_native is not None:
+        clear_native()
+
+
 def destroy() -> None:
-    """Tear down the default process group if one exists (no synchronisation: after an error)."""
+    """Tear down the default process group (and with it every subgroup) if one exists (no
+    synchronisation: after an error), and DTensor's caches that name those groups."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        clear_dtensor_caches()
 
 
 def teardown() -> None:

@@ -2,8 +2,10 @@
 single-process reference, check the copies, and report (see the package docstring)."""
 from __future__ import annotations
 
+import gc
 import hashlib
 
+from zerotron.distributed.mesh import clear_dtensor_caches, release_destroyed_groups
 from zerotron.parity.space import FACTORS, FP64_RTOL, Layout, config_for
 
 
@@ -154,25 +156,9 @@ def _destroy_subgroups() -> None:
     for pg in list(c10d._world.pg_map):  # private registry: the only list of live groups
         if pg is not c10d.GroupMember.WORLD and pg is not dist.group.WORLD:
             dist.destroy_process_group(pg)
-    _clear_dtensor_caches()
-
-
-def _clear_dtensor_caches() -> None:
-    """DTensor caches sharding decisions keyed by specs whose DeviceMesh compares equal by shape and
-    dimension names, so a later layout with the same mesh shape would get output specs that name
-    the previous layout's (destroyed) process groups ("Could not resolve the process group"). The
-    caches are private; clear what exists."""
-    import torch
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for fn in (getattr(prop, "propagate_op_sharding", None), getattr(prop, "_propagate_tensor_meta_cached", None),
-               getattr(_redistribute, "_gen_transform_infos", None)):
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
-    if clear_native is not None:
-        clear_native()
+    release_destroyed_groups()
+    clear_dtensor_caches()
+    gc.collect()  # the layout's objects in reference cycles hold its groups (a gloo group: 3 threads, one polling)
 
 
 ERRORS = ("loss_err", "norm_err", "val_err", "param_err", "optim_err", "full_err")
