@@ -206,7 +206,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_
     group, the caller's environment, working directory, stdout and stderr, and torch's default RNG
     seed each time (:func:`_pool_main`); a call in which any rank fails or times out ends the whole
     pool, so no rank that saw an error is reused. ``fresh=True`` spawns new processes for this call
-    alone, for a test about process state (one that replaces module functions in its ranks, say).
+    alone, for a test about process state (one that replaces module functions in its ranks, say);
+    the environment variable ``ZEROTRON_TEST_POOL=0`` makes every call fresh.
 
     ``timeout_s`` is the collective timeout inside the ranks; ``join_timeout_s`` bounds the wait for
     each rank's answer. Raises RuntimeError with the failing ranks' tracebacks, or on timeout."""
@@ -215,7 +216,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_
     # with spawned ones; until that is understood, ranks pay their imports once per pool
     for attempt in range(3):  # free_port's port can be taken before rank 0 listens on it (busy machine)
         try:
-            if not fresh:
+            if not fresh and os.environ.get("ZEROTRON_TEST_POOL", "1") != "0":
                 return _run_pooled(fn, world_size, args, timeout_s, join_timeout_s)
             return _run_fresh(fn, world_size, args, timeout_s, join_timeout_s)
         except RuntimeError as e:  # the store never came up, so fn did not run: try another port
