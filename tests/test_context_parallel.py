@@ -97,3 +97,69 @@ def test_dp_derived_with_cp():
     assert (plan.dp, plan.cp, plan.tp) == (2, 2, 2)
     assert plan.layout()["cp"] == 2
     assert _plan({}, 2).cp == 1  # existing configs: cp 1
+
+
+CKPT = {**SMALL, "model.n_layer": 2, "train.steps": 4, "train.global_batch": 4, "train.micro_batch": 2,
+        "train.eval_every": 0, "checkpoint.save_final": "false", "train.grad_clip": 0.5, "train.dtype": "fp64",
+        "checkpoint.every": 2, "checkpoint.keep": 0, "log.tensorboard": "false"}
+CP2 = {"parallel.cp": 2, "parallel.cp_impl": "allgather", "parallel.zero_stage": 1}
+
+
+def _fit(overrides, run_dir, resume=False):
+    from zerotron.train.trainer import Trainer
+
+    tr = Trainer(tiny_config({**CKPT, **overrides}), run_dir, resume=resume)
+    losses = []
+    tr.fit(callback=lambda t, rec: losses.append(rec["loss"]))
+    msd, _ = tr.strategy.state_dict(tr.optimizer)
+    return {"losses": losses, "params": {k: v.detach().double().cpu().clone() for k, v in msd.items()}}
+
+
+def _keep_step(src, dst, step: int) -> None:
+    import shutil
+
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != f"step_{step}"])
+
+
+def _close(out, ref, steps):
+    assert len(out["losses"]) == len(steps)
+    for a, b in zip(out["losses"], [ref["losses"][s] for s in steps]):
+        assert abs(a - b) <= 1e-10 * abs(b), (out["losses"], ref["losses"])
+    for k, v in ref["params"].items():
+        assert float((out["params"][k] - v).norm()) <= 1e-10 * float(v.norm()), k
+
+
+def test_checkpoints_reshard_across_cp(tmp_path, data_cache, single_process):
+    """A cp = 2 (ZeRO-1 over dp x cp) run's step-2 checkpoint resumes in one process (cp = 1) equal to
+    the uninterrupted cp = 2 run, and a one-process checkpoint resumes at cp = 2 equal to the one
+    process run (steps 3-4: losses and final parameters, rtol 1e-10)."""
+    cache = {"data.cache_dir": data_cache}
+    cp2 = run_ranks(_fit, 2, {**CP2, **cache}, str(tmp_path / "cp2"), timeout_s=120)[0]
+    _keep_step(tmp_path / "cp2", tmp_path / "to1", 2)
+    _close(_fit(cache, str(tmp_path / "to1"), resume=True), cp2, [2, 3])
+    one = _fit(cache, str(tmp_path / "one"))
+    _close(cp2, one, [0, 1, 2, 3])  # cp 2 trains like one process
+    _keep_step(tmp_path / "one", tmp_path / "to2", 2)
+    _close(run_ranks(_fit, 2, {**CP2, **cache}, str(tmp_path / "to2"), True, timeout_s=120)[0], one, [2, 3])
+
+
+def _memory(capsys, *argv):
+    import json
+
+    from zerotron.analysis.memory import memory_main
+
+    assert memory_main(["--model", "gpt2", "--dp", "2", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_memory_cp(capsys):
+    """``zerotron memory --cp C``: the activations of seq / C tokens per rank (the cp = 1 estimate at
+    seq / C), ZeRO states sharded over dp x C; a seq the zigzag split cannot take is refused."""
+    one, two, half = (_memory(capsys, "--seq", "1024"), _memory(capsys, "--seq", "1024", "--cp", "2"),
+                      _memory(capsys, "--seq", "512"))
+    assert two["activations"]["max_bytes"] == half["activations"]["max_bytes"] < 0.6 * one["activations"]["max_bytes"]
+    assert two["stages"][3]["total_bytes"] == _memory(capsys, "--dp", "4")["stages"][3]["total_bytes"]
+    from zerotron.analysis.memory import memory_main
+
+    assert memory_main(["--model", "gpt2", "--dp", "2", "--seq", "1020", "--cp", "4"]) == 2
+    assert "--seq divisible by 2*cp" in capsys.readouterr().err
