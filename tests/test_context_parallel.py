@@ -130,11 +130,14 @@ def _close(out, ref, steps):
 
 
 def test_checkpoints_reshard_across_cp(tmp_path, data_cache, single_process):
-    """A cp = 2 run's step-2 checkpoint resumes in one process (cp = 1) equal to
+    """cp replicas of every parameter are bitwise equal after 4 steps; a cp = 2 run's step-2 checkpoint resumes in one process (cp = 1) equal to
     the uninterrupted cp = 2 run, and a one-process checkpoint resumes at cp = 2 equal to the one
     process run (steps 3-4: losses and final parameters, rtol 1e-10)."""
     cache = {"data.cache_dir": data_cache}
-    cp2 = run_ranks(_fit, 2, {**CP2, **cache}, str(tmp_path / "cp2"), timeout_s=120)[0]
+    ranks = run_ranks(_fit, 2, {**CP2, **cache}, str(tmp_path / "cp2"), timeout_s=120)
+    cp2 = ranks[0]
+    for k, v in cp2["params"].items():  # the cp replicas of every (replicated) parameter: the same bits
+        assert (v == ranks[1]["params"][k]).all() and ranks[0]["losses"] == ranks[1]["losses"], k
     import json
 
     rec = json.loads((tmp_path / "cp2" / "metrics.jsonl").read_text().splitlines()[0])
