@@ -151,7 +151,7 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Layout. ``dp = 0`` derives world_size / (tp * pp). ``dp_impl``: native | torch.
+    """Layout. ``dp = 0`` derives world_size / (tp * pp * cp). ``dp_impl``: native | torch.
     ``bucket_mb``: gradient bucket size in MiB. ``timeout_s``: collective timeout in seconds.
     ``zero_stage`` 0-3 over dp (``zero_impl`` native | fsdp2); ``reduce_dtype`` (auto | fp32 | bf16 |
     fp64; auto = fp32, or fp64 with train.dtype fp64): the dtype of every gradient collective -- dp
@@ -167,16 +167,23 @@ class ParallelConfig:
     ``find_unused_parameters``: torch DDP (``dp_impl = torch``) only: allow parameters without a
     gradient in a step (torch's extra graph traversal); native DDP and ZeRO always handle them.
     ``dp_replicate`` (HSDP): the dp group as replicas x shards; ZeRO shards within a shard group and
-    all-reduces its gradient shard across replicas, native DDP all-reduces hierarchically."""
+    all-reduces its gradient shard across replicas, native DDP all-reduces hierarchically.
+    ``cp``/``cp_impl`` (ring | a2a | allgather): context parallelism -- the sequence of every
+    micro-batch split over cp ranks (zigzag, ``zerotron.parallel.context``); losses and gradients
+    are reduced over dp x cp and ZeRO/FSDP shard over dp_shard x cp."""
 
     dp: int = 0
-    """data-parallel degree (0 = world_size / (tp * pp))"""
+    """data-parallel degree (0 = world_size / (tp * pp * cp))"""
     tp: int = 1
     """tensor-parallel degree (divides n_head)"""
     pp: int = 1
     """pipeline-parallel degree (stages)"""
     dp_replicate: int = 1
     """HSDP: dp = dp_replicate replicas x (dp / dp_replicate) shards (shard group innermost, inside a node)"""
+    cp: int = 1
+    """context-parallel degree: the sequence split over cp ranks (2*cp divides model.block_size)"""
+    cp_impl: str = "ring"
+    """context-parallel attention: ring (K/V blocks rotate, p2p) | a2a (Ulysses all-to-all; cp divides the kv heads per tp rank) | allgather (K/V all-gathered, Llama 3)"""
     dp_impl: str = "native"
     """native (bucketed all-reduce) | torch (torch DDP)"""
     bucket_mb: float = 25.0

@@ -14,7 +14,7 @@ uses the same order):
     ``pp``                model       pipeline stage (layers split over ranks)
     ``dp_replicate``      batch       HSDP replica (``parallel.dp_replicate``; 1 without HSDP)
     ``dp_shard``          batch       data-parallel rank inside a replica; ZeRO/FSDP shard over it
-    ``cp``                sequence    context-parallel rank (a sequence chunk; degree 1 for now)
+    ``cp``                sequence    context-parallel rank (two zigzag chunks of every sequence)
     ``tp``                model       tensor-parallel rank (a slice of every weight matrix)
     ====================  ==========  ================================================================
 
@@ -86,7 +86,7 @@ class ParallelDims:
         if self.dp == 0:
             _need(self.world_size % model == 0,
                   f"world size {self.world_size} is not divisible by {names} = {values}; "
-                  "change --nproc or parallel.tp / parallel.pp")
+                  "change --nproc or parallel.tp / parallel.pp" + (" / parallel.cp" if self.cp > 1 else ""))
             object.__setattr__(self, "dp", self.world_size // model)
         _need(self.dp * model == self.world_size,
               f"parallel.dp*{names} = {self.dp}*{values} = {self.dp * model} does not "

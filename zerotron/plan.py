@@ -7,7 +7,7 @@ rules (``ParallelPlan.__post_init__``: a plan that exists is one the engine can 
 strategies of ``zerotron.parallel`` take the plan, never the raw config, and do not re-check it.
 
 What the plan derives (sources for the arithmetic in the docstrings of the properties):
-``dp`` (from ``world_size / (tp * pp)`` when ``parallel.dp = 0``), the HSDP split
+``dp`` (from ``world_size / (tp * pp * cp)`` when ``parallel.dp = 0``), the HSDP split
 ``dp = dp_replicate x dp_shard``, the gradient accumulation ``grad_accum`` (micro-batches per
 optimizer step per dp rank), the micro-batches per pipeline flush, the number of model stages
 ``pp * virtual_stages``, the *runner* (plain, pipeline, threads, torch) and the gradient
@@ -24,15 +24,16 @@ from dataclasses import dataclass, fields
 from .config import Config, ConfigError, ParallelConfig, TrainConfig
 from .config_checks import check_values
 from .dims import ParallelDims
-from .models.layout import tp_refusal
+from .models.layout import a2a_refusal, tp_refusal
 from .stages import SPLIT_WORDS, Placement, stage_layer_counts
 
 __all__ = ["ParallelDims", "ParallelPlan", "build_plan", "check_values", "DTYPES", "REDUCE_DTYPES",
-           "PP_SCHEDULES", "CHUNKED_SCHEDULES", "RUNNERS", "SYNCS"]
+           "PP_SCHEDULES", "CHUNKED_SCHEDULES", "RUNNERS", "SYNCS", "CP_IMPLS"]
 
 DTYPES = ("fp32", "bf16", "fp64")  # = parallel.precision.TRAIN_DTYPES (no torch import here)
 REDUCE_DTYPES = ("auto", "fp32", "bf16", "fp64")
 DP_IMPLS = ("native", "torch")
+CP_IMPLS = ("ring", "a2a", "allgather")  # = parallel.context.attention.IMPLS (no torch import here)
 PP_SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 # schedules that place parallel.virtual_stages model stages on each rank (Megatron-LM's loop; ZB-V's V)
 CHUNKED_SCHEDULES = ("interleaved", "zb-v")
@@ -42,7 +43,7 @@ SYNCS = ("ddp", "torch_ddp", "zero", "fsdp2", "dtensor_tp")
 
 _PARALLEL_FIELDS = frozenset(f.name for f in fields(ParallelConfig))
 _TRAIN_FIELDS = frozenset(f.name for f in fields(TrainConfig))
-_DEGREES = ("dp", "tp", "pp", "dp_replicate")  # the plan's are its dims' (resolved), never the section's
+_DEGREES = ("dp", "tp", "pp", "dp_replicate", "cp")  # the plan's are its dims' (resolved), never the section's
 
 
 def _need(cond, msg: str) -> None:
@@ -126,6 +127,7 @@ class ParallelPlan:
     pp = property(lambda self: self.dims.pp, doc="pipeline-parallel degree (processes per pipeline)")
     dp_replicate = property(lambda self: self.dims.dp_replicate, doc="HSDP replicas of the dp group")
     dp_shard = property(lambda self: self.dims.dp_shard, doc="HSDP shard-group size dp / dp_replicate")
+    cp = property(lambda self: self.dims.cp, doc="context-parallel degree (each sequence split over cp ranks)")
 
     @property
     def batch(self) -> int:
@@ -196,6 +198,7 @@ class ParallelPlan:
         self._check_settings()
         self._check_data_parallel()
         self._check_pipeline()
+        self._check_context_parallel()
         self._check_tensor_parallel()
         per_step = self.micro_batch * self.dp
         _need(self.batch % per_step == 0,
@@ -221,6 +224,7 @@ class ParallelPlan:
               f"parallel.microbatches must be >= 0 (0 = all micro-batches of the step), got {self.microbatches}")
         _need(self.pp_impl in ("native", "threads", "torch"),
               f"parallel.pp_impl must be native, threads or torch, got {self.pp_impl!r}")
+        _need(self.cp_impl in CP_IMPLS, f"parallel.cp_impl must be one of {CP_IMPLS}, got {self.cp_impl!r}")
 
     def _check_data_parallel(self) -> None:
         """Precision of the gradient reduction, ZeRO/FSDP2/DDP choices, HSDP."""
@@ -320,6 +324,30 @@ class ParallelPlan:
             except ValueError as e:
                 raise ConfigError(f"parallel.pp_split / model.n_layer: {e}") from None
 
+    def _check_context_parallel(self) -> None:
+        """Context parallelism (``parallel.cp > 1``): the zigzag split of the sequence, the runners and
+        features it composes with, and the all-to-all head rule (``models.layout.a2a_refusal``)."""
+        cp = self.cp
+        if cp == 1:
+            return
+        _need(self.runner == "plain",
+              f"parallel.cp > 1 does not run under pipeline parallelism yet (the {self.runner} runner neither "
+              "splits sequences nor installs the context-parallel attention per stage); set parallel.pp = 1 "
+              "(and parallel.pp_impl = native) or parallel.cp = 1")
+        _need(self.dropout == 0,
+              f"model.dropout ({self.dropout}) > 0 with parallel.cp > 1 is not supported (the context-parallel "
+              "attention implementations have no attention-probability dropout); set model.dropout = 0 or "
+              "parallel.cp = 1")
+        if self.shape is None:
+            return
+        T = self.shape["block_size"]
+        _need(T % (2 * cp) == 0,
+              f"parallel.cp = {cp} needs model.block_size ({T}) divisible by 2*cp = {2 * cp} (each cp rank holds two "
+              f"of 2*cp equal zigzag chunks of the training sequence); change model.block_size or parallel.cp")
+        if self.cp_impl == "a2a":
+            reason = a2a_refusal(cp, self.tp, self.shape)
+            _need(reason is None, reason)
+
     def _check_tensor_parallel(self) -> None:
         """Head, kv-head, FFN and sequence divisibility; the DTensor comparison backend's limits."""
         tp = self.tp
@@ -330,16 +358,17 @@ class ParallelPlan:
               "parallel.tp_impl = dtensor chooses torch's tensor parallelism and needs parallel.tp > 1: set "
               "parallel.tp, or remove parallel.tp_impl")
         if self.tp_impl == "dtensor" and tp > 1:
-            _need(self.dp == 1 and self.pp == 1 and self.zero_stage == 0 and not self.sequence_parallel
+            _need(self.dp == 1 and self.pp == 1 and self.cp == 1 and self.zero_stage == 0 and not self.sequence_parallel
                   and self.pp_schedule not in CHUNKED_SCHEDULES,
                   "parallel.tp_impl = dtensor (the torch comparison backend) runs tensor parallelism alone: dp = pp "
-                  "= 1, zero_stage = 0, sequence_parallel = false; use tp_impl = native to combine tp with the rest")
+                  "= cp = 1, zero_stage = 0, sequence_parallel = false; use tp_impl = native to combine tp with the rest")
             _need(self.dropout == 0, "parallel.tp_impl = dtensor needs model.dropout = 0 (replicated-region "
                   "dropout masks would differ across tp ranks); use tp_impl = native for dropout")
         if self.shape is None:
             return
         s = self.shape  # heads, kv heads, MLP width, block_size under SP: the one rule (models.layout)
-        reason = tp_refusal(tp, s, s["block_size"] if self.sequence_parallel else None)
+        # under cp, sequence parallelism splits this rank's T / cp tokens (cp outside tp)
+        reason = tp_refusal(tp, s, s["block_size"] // self.cp if self.sequence_parallel else None)
         _need(reason is None, reason)
 
 
@@ -351,7 +380,7 @@ def build_plan(cfg: Config, world_size: int) -> ParallelPlan:
     shape = check_values(cfg)
     p = cfg.parallel
     try:
-        plan = ParallelPlan.from_config(cfg, ParallelDims(world_size, p.dp, p.tp, p.pp, p.dp_replicate), shape)
+        plan = ParallelPlan.from_config(cfg, ParallelDims(world_size, p.dp, p.tp, p.pp, p.dp_replicate, p.cp), shape)
     except ConfigError as e:
         if not cfg.model.init_from or "model." not in str(e):
             raise

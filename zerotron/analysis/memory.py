@@ -223,6 +223,8 @@ def _add_activation_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
+    g.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree (parallel.cp): each rank holds seq/cp tokens; ZeRO shards over dp x cp")
     g.add_argument("--schedule", "--pp-schedule", dest="schedule", default="1f1b", choices=SCHEDULES,
                    help="pipeline schedule (parallel.pp_schedule); zb-v needs --virtual-stages 2 and gloo")
     g.add_argument("--microbatches", type=int, help="micro-batches per pipeline flush (default pp)")
@@ -238,14 +240,17 @@ def _activation_report(args, num_params: int) -> tuple[dict, list]:
     kind = args.schedule
     v = _chunks(args)
     m = args.microbatches or args.pp
-    act = activation_bytes(cfg, args.micro_batch, args.seq, tp=args.tp, sp=args.sp, pp=args.pp,
+    # context parallelism: every layer works on this rank's seq/cp tokens (attention as the ring's
+    # per-step blocks of (seq/cp)^2 scores; the all-gather implementation also keeps the full K and V)
+    act = activation_bytes(cfg, args.micro_batch, args.seq // args.cp, tp=args.tp, sp=args.sp, pp=args.pp,
                            schedule=kind, microbatches=m, virtual_stages=v,
                            recompute=args.recompute, dtype="fp32" if args.dtype == "fp32" else "bf16",
                            attention=args.attention)
     params = _rank_params(cfg, args)
     rows = []
     for stage in STAGES:
-        per_rank = [model_state_bytes(p, args.dp, stage, args.dtype, args.optimizer, args.dp_replicate)["total_bytes"]
+        per_rank = [model_state_bytes(p, args.dp * args.cp, stage, args.dtype, args.optimizer,
+                                      args.dp_replicate)["total_bytes"]
                     for p in params]
         totals = [s + a for s, a in zip(per_rank, act["per_rank_bytes"])]
         r = max(range(len(totals)), key=lambda i: (totals[i], -i))
@@ -254,7 +259,7 @@ def _activation_report(args, num_params: int) -> tuple[dict, list]:
     kv = shape_of(cfg).kv_cache_bytes(args.micro_batch, args.seq, 4 if args.dtype == "fp32" else 2, args.tp)
     # bubble of one flush at uniform stages, T_F = T_B = T_W (zerotron schedule --w-cost 1)
     idle = pipeline_idle(args.pp, m, "1f1b" if kind == "naive" else kind, v) if args.pp > 1 else 0.0
-    inputs = {"seq": args.seq, "micro_batch": args.micro_batch, "tp": args.tp, "sp": args.sp,
+    inputs = {"seq": args.seq, "cp": args.cp, "micro_batch": args.micro_batch, "tp": args.tp, "sp": args.sp,
               "pp": args.pp, "schedule": kind, "microbatches": m, "virtual_stages": v,
               "recompute": args.recompute, "attention": args.attention,
               "params_per_rank": params, "kv_cache_bytes": kv,
@@ -269,13 +274,14 @@ def memory_main(argv: list) -> int:
     [--optimizer adam|sgd] [--json]``: print the ZeRO stage 0..3 model-state table (GB per rank)
     or, with ``--json``, ``{"num_params", "dp", "dtype", "optimizer", "stages": [rows in bytes]}``.
 
-    Activation options (need ``--model``): ``--seq S [--micro-batch B] [--tp T] [--pp P] [--sp]
+    Activation options (need ``--model``): ``--seq S [--micro-batch B] [--tp T] [--pp P] [--sp] [--cp C]
     [--schedule K] [--microbatches M] [--virtual-stages V] [--recompute none|selective|full]
     [--attention math|flash]`` add the activation bytes per pipeline rank
     (:func:`zerotron.analysis.activations.activation_bytes`, activations in fp32 for ``--dtype fp32``,
     bf16 for bf16-mixed) and per ZeRO stage a total = model states + activations of the worst
     pipeline rank; ``--json`` adds an ``"activations"`` object. With tp or pp > 1 the model-state
-    rows are for the largest rank's parameters (:func:`stage_num_params`).
+    rows are for the largest rank's parameters (:func:`stage_num_params`). ``--cp C`` (context
+    parallelism): activations of seq / C tokens per rank, model states sharded over dp x C.
     Returns 0 on success, 2 on a usage or value error (message on stderr)."""
     parser = memory_parser()
     try:
@@ -310,11 +316,14 @@ def _memory_run(args) -> int:
                                  ("--microbatches", args.microbatches, 0)):
             if value is not None and value < low:  # this command's option names, not the estimator's
                 raise ValueError(f"{name} must be >= {low}, got {value}")
+        if args.cp < 1 or (args.seq is not None and args.seq % (2 * args.cp)):
+            raise ValueError(f"--cp must be >= 1 with --seq divisible by 2*cp (the zigzag split), got --cp {args.cp} "
+                             f"--seq {args.seq}")
         if (args.seq is not None or args.tp != 1 or args.pp != 1) and not args.model:
             raise ValueError("--seq, --tp and --pp need a model shape: use --model PRESET")
         if args.model:  # the tensor-parallel rule, with this command's option names
             reason = tp_refusal(args.tp, shape_of(preset_config(args.model)).tp_sizes(),
-                                args.seq if args.sp and args.seq is not None else None,
+                                args.seq // args.cp if args.sp and args.seq is not None else None,
                                 tp_name="--tp", seq_name="--seq", sp_name="--sp")
             if reason:
                 raise ValueError(reason)
@@ -322,26 +331,27 @@ def _memory_run(args) -> int:
         rank_params = num_params
         if args.model and (args.tp != 1 or args.pp != 1):
             rank_params = max(_rank_params(preset_config(args.model), args))
-        rows = zero_table(rank_params, args.dp, args.dtype, args.optimizer, args.dp_replicate)
+        rows = zero_table(rank_params, args.dp * args.cp, args.dtype, args.optimizer, args.dp_replicate)
         act, act_rows = _activation_report(args, num_params) if args.seq is not None else (None, [])
     except (ValueError, ImportError) as exc:
         print(f"zerotron memory: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        out = {"num_params": num_params, "dp": args.dp, "dp_replicate": args.dp_replicate, "dtype": args.dtype,
+        out = {"num_params": num_params, "dp": args.dp, "cp": args.cp, "dp_replicate": args.dp_replicate, "dtype": args.dtype,
                "optimizer": args.optimizer, "stages": rows}
         if act is not None:
             out["activations"] = act
         print(json.dumps(out))
         return 0
     hsdp = f" ({args.dp_replicate} replicas x {args.dp // args.dp_replicate} shards)" if args.dp_replicate > 1 else ""
-    print(f"{num_params:,} parameters, dp={args.dp}{hsdp}, {args.dtype}, {args.optimizer}: "
+    cp = f", cp={args.cp} (sharded over dp x cp)" if args.cp > 1 else ""
+    print(f"{num_params:,} parameters, dp={args.dp}{hsdp}{cp}, {args.dtype}, {args.optimizer}: "
           f"model states per rank (ZeRO, Rajbhandari et al. 2020)")
     if rank_params != num_params:
         print(f"largest model-parallel rank (tp={args.tp}, pp={args.pp}): {rank_params:,} parameters")
     print(format_table(rows))
     if act is not None:
-        print(f"activations (Korthikanti et al. 2022), seq {args.seq}, micro-batch "
+        print(f"activations (Korthikanti et al. 2022), seq {args.seq}" + (f" / cp {args.cp}" if args.cp > 1 else "") + ", micro-batch "
               f"{args.micro_batch}, tp {args.tp}{' +sp' if args.sp else ''}, pp {args.pp} "
               f"{act['schedule']} m={act['microbatches']}, recompute {args.recompute}, attention "
               f"{args.attention}: {act['per_layer_bytes'] / GB:.4g} GB per layer; per pipeline rank "

@@ -12,7 +12,17 @@ engine transforms the modules in place (e.g. a Linear becomes a column-parallel 
   * ``logits(x)``: what ``forward`` returns for the head's output (TP: the vocab shards, or the
     gathered full logits while generating);
   * ``generation()``: a context manager ``generate`` runs in (TP: sequence parallelism off, full
-    logits).
+    logits; CP: context parallelism off, every cp rank decodes the whole sequence);
+  * ``positions(T, device)``: the global positions (1, T) int64 of the T tokens a full-sequence
+    forward (no KV cache) receives, or None for 0 .. T-1 (context parallelism: this rank's zigzag
+    chunks of the sequence); learned position embeddings and RoPE use them;
+  * ``attention(q, k, v, dropout_p, pad)``: the causal attention every attention module calls
+    (dense default :func:`causal_attention`; CP: attention of the local chunks against the whole
+    sequence, ``zerotron.parallel.context``).
+
+The attention modules read ``positions`` and ``attention`` from their own ``parallel_hooks``
+attribute (default the dense hooks), which a transform changing them sets on every
+``layout().attention`` module as well as on the model.
 
 Attention modules compute their local head count from tensor shapes (``view(B, T, -1, D)``), so a
 column-parallel projection that keeps ``H/tp`` heads needs no other change, and draw their
@@ -99,6 +109,15 @@ class ParallelHooks:
     def generation(self):
         """Context of ``generate``."""
         return contextlib.nullcontext()
+
+    def positions(self, T: int, device=None) -> torch.Tensor | None:
+        """Global positions (1, T) int64 of a full-sequence forward's T tokens; None = 0 .. T-1."""
+        return None
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                  pad: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention q (B, H, T, D), k/v (B, H_kv, S, D) -> (B, H, T, D): :func:`causal_attention`."""
+        return causal_attention(q, k, v, dropout_p, pad)
 
 
 DENSE = ParallelHooks()

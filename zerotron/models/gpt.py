@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .base import CausalLM, KVCache, causal_attention
+from .base import DENSE, CausalLM, KVCache
 from .layout import ModelLayout, TPLinear
 
 
@@ -94,6 +94,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout_rng = contextlib.nullcontext  # attention-probability dropout stream (TP: tracked)
+        self.parallel_hooks = DENSE  # its attention (context parallelism: over the cp group)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         qkv = self.c_attn(x)  # (B, T, 3 * H_local * D); T is the full sequence even under SP
@@ -103,7 +104,7 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H, S, D), S = cached + T
         p = self.dropout if self.training else 0.0
         with self.dropout_rng() if p > 0 else contextlib.nullcontext():
-            y = causal_attention(q, k, v, p, kv_cache.pad if kv_cache is not None else None)
+            y = self.parallel_hooks.attention(q, k, v, p, kv_cache.pad if kv_cache is not None else None)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
@@ -192,11 +193,14 @@ class GPT(CausalLM):
         """Token + position embeddings (then dropout): idx (B, T) int64 -> (B, T, C).
 
         Positions are start_pos .. start_pos+T-1, or per row ``positions`` (B, T) int64 (a
-        left-padded batch, see ``KVCache.pad``); under sequence parallelism (``parallel_hooks.
+        left-padded batch, see ``KVCache.pad``), or those of ``parallel_hooks.positions`` (context
+        parallelism: this rank's global positions); under sequence parallelism (``parallel_hooks.
         seq_shard()`` = (i, n)) the token embedding returns this rank's (B, T/n, C) and the positions
         are those of shard i. Raises ValueError if idx is not 2-D or start_pos + T > block_size.
         """
         self.check_positions(idx, start_pos)
+        if positions is None and start_pos == 0:
+            positions = self.parallel_hooks.positions(idx.size(1), idx.device)  # None: 0 .. T-1
         index, count = self.parallel_hooks.seq_shard()
         T = idx.size(1) // count
         start_pos += index * T

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-__all__ = ["TPLinear", "ModelLayout", "TP_SIZES", "tp_refusal", "get_module", "set_module", "retie"]
+__all__ = ["TPLinear", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "get_module", "set_module", "retie"]
 
 # The model sizes a tensor-parallel degree must divide, in the order they are checked, and why
 # (Shoeybi et al. 2019: attention heads and the MLP's column-parallel width are split evenly).
@@ -55,6 +55,24 @@ def tp_refusal(tp: int, sizes: Mapping[str, int], seq_len: int | None = None, *,
     if seq_len is not None and seq_len % tp:
         return (f"{sp_name} needs {seq_name} ({seq_len}) divisible by {tp_name} ({tp}) (the sequence is split "
                 f"over the tp ranks): change one of them, or turn {sp_name} off")
+    return None
+
+
+def a2a_refusal(cp: int, tp: int, sizes: Mapping[str, int]) -> str | None:
+    """The head rule of all-to-all (Ulysses) context parallelism, beside the tp rule it extends: why
+    ``parallel.cp_impl = a2a`` cannot re-shard this model's heads over ``cp``, or None when it can.
+    After tensor parallelism each tp rank holds n_kv_head / tp key/value heads (n_head / tp for a
+    family without grouped-query attention, GPT-2); the all-to-all trades the sequence split for a
+    head split, so ``cp`` must divide that count (Jacobs et al. 2023, "DeepSpeed Ulysses"). Assumes
+    :func:`tp_refusal` passed. Pure Python."""
+    kv = sizes.get("n_kv_head") or sizes.get("n_head")
+    if kv is None or cp <= 1:
+        return None
+    if (kv // tp) % cp:
+        name = "n_kv_head" if sizes.get("n_kv_head") else "n_head"
+        return (f"parallel.cp_impl = a2a needs parallel.cp ({cp}) to divide the key/value heads per tp rank "
+                f"(model.{name} / parallel.tp = {kv} / {tp} = {kv // tp}): the all-to-all re-shards heads over cp; "
+                f"use parallel.cp_impl = ring or allgather, or a cp among {_divisors(kv // tp)}")
     return None
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import CausalLM, KVCache, causal_attention
+from .base import DENSE, CausalLM, KVCache
 from .layout import ModelLayout, TPLinear
 
 __all__ = ["LlamaConfig", "Llama", "PRESETS", "preset_config", "default_intermediate_size",
@@ -270,6 +270,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout_rng = contextlib.nullcontext  # attention-probability dropout stream (TP: tracked)
+        self.parallel_hooks = DENSE  # its positions and attention (context parallelism: global, over cp)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         q = self.q_proj(x)  # (B, T, H_local * D); T is the full sequence even under SP
@@ -282,12 +283,15 @@ class LlamaAttention(nn.Module):
             start, pad = kv_cache.cached(self.layer_idx), kv_cache.pad
             if pad is not None:  # a left-padded batch: per-row positions
                 start = kv_cache.positions(T, self.layer_idx)
+        else:
+            pos = self.parallel_hooks.positions(T, q.device)  # (1, T) global positions, or None: 0 .. T-1
+            start = start if pos is None else pos
         q, k = self.rotary(q, start), self.rotary(k, start)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # (B, H_kv, S, D), S = cached + T
         p = self.dropout if self.training else 0.0
         with self.dropout_rng() if p > 0 else contextlib.nullcontext():
-            y = causal_attention(q, k, v, p, pad)  # kv heads repeated for their query groups
+            y = self.parallel_hooks.attention(q, k, v, p, pad)  # kv heads repeated for their query groups
         return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 

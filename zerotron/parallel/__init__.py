@@ -1,13 +1,15 @@
 """Parallelism transforms. ``parallelize(model, plan, mesh)`` applies them in one fixed order:
 
-    1. tensor / sequence parallel (tp): apply_tensor_parallel on the dense, seeded model
+    1. tensor / sequence parallel (tp): apply_tensor_parallel on the dense, seeded model, then
+       context parallel (cp, outside tp): apply_context_parallel installs the cp positions and attention
     2. activation checkpointing (train.activation_checkpointing: none | selective | full)
     3. the runner (``plan.runner``): the pipeline split (parallel.pp) of the (TP) model, run by the
        native executor, torch.distributed.pipelining (pp_impl = torch) or one worker thread per stage
        in this process (pp_impl = threads); or "plain", the whole model per step
-    4. composed with the gradient synchroniser (``plan.sync``) over "dp": native bucketed DDP, torch
-       DDP, native ZeRO-1/2/3 or FSDP2 (with ``parallel.dp_replicate > 1``, HSDP:
-       ``parallel.data.hsdp``); the pipeline runners carry theirs per stage
+    4. composed with the gradient synchroniser (``plan.sync``) over the batch group dp x cp: native
+       bucketed DDP, torch DDP (all-reduce over it), native ZeRO-1/2/3 or FSDP2 (sharded over
+       dp_shard x cp; with ``parallel.dp_replicate > 1``, HSDP: ``parallel.data.hsdp``); the pipeline
+       runners carry theirs per stage (over dp: the plan refuses cp under a pipeline)
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
 over micro-batches, finish_grads, clip_grad_norm, build_optimizer/optimizer_step, reduce_loss,
@@ -16,6 +18,7 @@ model_state_bytes.
 from __future__ import annotations
 
 from zerotron.parallel.base import Strategy, autocast_ctx, token_loss_sum, unique_params
+from zerotron.parallel.context.transform import apply_context_parallel
 from zerotron.parallel.data.ddp import DataParallel, TorchDDP
 from zerotron.parallel.data.fsdp import FSDP2Strategy
 from zerotron.parallel.data.hsdp import ddp_hierarchy
@@ -46,6 +49,8 @@ def parallelize(model, plan, mesh):
         tp_group = mesh.group("tp")
         model = apply_tensor_parallel(model, tp_group, plan.sequence_parallel, seed=plan.seed,
                                       dp_rank=mesh.coords["batch"], pp_rank=mesh.coords["pp"])
+    if mesh.size("cp") > 1:  # outside tp: the local chunk's tokens go through the (TP) model unchanged
+        apply_context_parallel(model, mesh.group("cp"), plan.cp_impl)
     apply_activation_checkpointing(model, plan.activation_checkpointing)  # block forwards only
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
     runners = {"threads": lambda: ThreadedPipeline(model, mesh, plan),  # one process, a thread per stage
@@ -60,9 +65,11 @@ def parallelize(model, plan, mesh):
 
 
 def _data_parallel(model, plan, mesh, mask):
-    """The plan's gradient synchroniser over the whole model (runner "plain")."""
-    group = mesh.group("dp")
-    src = mesh.peer(dp=0)  # the first data-parallel replica of this rank's (pp, cp, tp) position
+    """The plan's gradient synchroniser over the whole model (runner "plain"): gradients are summed
+    over the batch group dp x cp (every rank holding a different part of the global batch's tokens),
+    sharded over dp_shard x cp ("shard")."""
+    group = mesh.group("batch")  # = "dp" without context parallelism
+    src = mesh.peer(dp=0, cp=0)  # the first batch-group rank of this rank's (pp, tp) position
     if plan.sync == "zero":  # HSDP: shard within the shard group, all-reduce shards over the replicas
         return ZeroStrategy(model, mesh.group("shard"), plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
                             tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,

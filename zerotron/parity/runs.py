@@ -26,7 +26,7 @@ def _copies(strategy, mesh) -> dict:
     c = mesh.coords
     dp_sharded = (getattr(strategy, "stage", 0) == 3 or type(strategy).__name__ == "FSDP2Strategy"
                   or getattr(strategy, "fsdp2", None) is not None)  # FSDP2 under a pipeline
-    shard = c["dp"] % mesh.dims.dp_shard  # HSDP: replicas of one shard must hold the same bits
+    shard = c["shard"]  # dp_shard x cp coordinate; HSDP: replicas of one shard must hold the same bits
     out = {}
     for name, p in strategy.module.named_parameters(remove_duplicate=False):
         d = _digest(p)

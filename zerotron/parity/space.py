@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass
 
 from zerotron.config import ConfigError
+from zerotron.models.layout import a2a_refusal
 from zerotron.plan import CHUNKED_SCHEDULES, build_plan
 
 FACTORS = {
@@ -22,6 +23,8 @@ FACTORS = {
     "split": ("auto", "even"),
     "rep": (1, 2),  # parallel.dp_replicate (HSDP: dp = rep replicas x dp/rep shards)
     "ac": ("none", "full"),  # train.activation_checkpointing (full: every block recomputed in backward)
+    "cp": (1, 2, 4),  # parallel.cp (context parallel: each sequence split over cp ranks, outside tp)
+    "cp_impl": ("ring", "a2a", "allgather"),  # parallel.cp_impl (parallel.context: ring, Ulysses all-to-all, Llama 3 all-gather)
 }
 # the torch.distributed.pipelining backend (parallel.pp_impl = torch): matrix schedule -> pp_schedule
 TORCH_KINDS = {"torch-gpipe": "gpipe", "torch-1f1b": "1f1b", "torch-interleaved": "interleaved", "torch-zb": "zb-h1"}
@@ -46,7 +49,7 @@ TRAIN = {"train.dtype": "fp64", "train.steps": STEPS, "train.global_batch": GLOB
 @dataclass(frozen=True, order=True)
 class Layout:
     """One point of the matrix. ``schedule`` and ``split`` are None when pp == 1; ``sp`` is False
-    when tp == 1."""
+    when tp == 1; ``cp_impl`` is None when cp == 1."""
 
     sync: str
     dp: int
@@ -58,15 +61,19 @@ class Layout:
     split: str | None = None
     rep: int = 1
     ac: str = "none"
+    cp: int = 1
+    cp_impl: str | None = None
 
     @property
     def world(self) -> int:
-        """Processes: dp x tp x pp, except for "threads" (the pp stages are threads of one process)."""
-        return self.dp * self.tp * (1 if self.schedule == "threads" else self.pp)
+        """Processes: dp x cp x tp x pp, except for "threads" (the pp stages are threads of one process)."""
+        return self.dp * self.cp * self.tp * (1 if self.schedule == "threads" else self.pp)
 
     @property
     def name(self) -> str:
         parts = [self.sync, f"dp{self.dp}" + (f"r{self.rep}" if self.rep > 1 else "")]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}-{self.cp_impl}")
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("sp" if self.sp else ""))
         if self.pp > 1:
@@ -81,7 +88,9 @@ class Layout:
         o = {"parallel.dp": self.dp, "parallel.tp": self.tp, "parallel.pp": self.pp,
              "parallel.sequence_parallel": str(self.sp).lower(), "parallel.dp_replicate": self.rep,
              "train.micro_batch": max(GLOBAL_BATCH // (self.dp * self.acc), 1),
-             "train.activation_checkpointing": self.ac}
+             "train.activation_checkpointing": self.ac, "parallel.cp": self.cp}
+        if self.cp > 1:
+            o["parallel.cp_impl"] = self.cp_impl
         if self.sync == "torch_ddp":
             o["parallel.dp_impl"] = "torch"
         elif self.sync.startswith("zero"):
@@ -111,9 +120,9 @@ def all_layouts(max_world: int = MAX_WORLD) -> list[Layout]:
     """Every canonical layout of the FACTORS product on at most ``max_world`` processes, sorted."""
     out = set()
     f = FACTORS
-    for sync, dp, tp, sp, pp, sched, acc, split, rep, ac in itertools.product(*f.values()):
+    for sync, dp, tp, sp, pp, sched, acc, split, rep, ac, cp, cp_impl in itertools.product(*f.values()):
         lay = Layout(sync, dp, tp, sp and tp > 1, pp, sched if pp > 1 else None, acc, split if pp > 1 else None, rep,
-                     ac)
+                     ac, cp, cp_impl if cp > 1 else None)
         if lay.world <= max_world:
             out.add(lay)
     return sorted(out, key=lambda l: (l.world, l.name))
@@ -127,12 +136,21 @@ def config_for(layout: Layout, extra: dict | None = None):
 
 
 def refusal(layout: Layout) -> str | None:
-    """The plan's verdict (``plan.build_plan``): None if the layout runs, else its one-line message."""
-    try:
-        build_plan(config_for(layout), layout.world)
-    except ConfigError as e:
-        return str(e)
+    """The plan's verdict (``plan.build_plan``) for every model family of :data:`MODELS` (a layout
+    runs when each family's does; e.g. all-to-all cp depends on the kv heads): None if it runs,
+    else the first family's one-line message."""
+    for extra in MODELS.values():
+        try:
+            build_plan(config_for(layout, extra), layout.world)
+        except ConfigError as e:
+            return str(e)
     return None
+
+
+def _shape(extra: dict) -> dict:
+    """The head counts of one matrix model family (MODEL + its overrides) as the plan sees them."""
+    m = {**MODEL, **extra}
+    return {"n_head": m["model.n_head"], "n_kv_head": m.get("model.n_kv_head")}
 
 
 def expected_refusal(layout: Layout) -> str | None:
@@ -154,6 +172,10 @@ def expected_refusal(layout: Layout) -> str | None:
         return "interleaved needs micro-batches per flush divisible by pp"
     if layout.schedule == "threads" and (layout.sync != "ddp" or layout.tp > 1):
         return "the threaded executor (pp stages as threads of one process) combines only with native DDP, tp = 1"
+    if layout.cp > 1 and layout.pp > 1:
+        return "context parallelism does not run under a pipeline yet (no runner splits sequences per stage)"
+    if layout.cp_impl == "a2a" and any(a2a_refusal(layout.cp, layout.tp, _shape(e)) for e in MODELS.values()):
+        return "all-to-all context parallelism needs cp to divide the kv heads per tp rank (of every family)"
     return None
 
 
@@ -188,7 +210,19 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
         # FSDP2 per pipeline rank (parallel.pipeline.stage_sync.StageFSDP2): ZeRO-3 under 1F1B, ZB-H1's
         # split backward and ZB-V's V (first and last stage on one rank), interleaved ZeRO-2, ZeRO-2 x tp
         "fsdp2_3-dp2-pp2-1f1b-acc4", "fsdp2_3-dp2-pp2-zb-h1-acc4", "fsdp2_3-dp2-pp2-zb-v-acc4",
-        "fsdp2_2-dp2-pp2-interleaved-acc4", "fsdp2_2-dp2-pp2-gpipe-acc1", "fsdp2_2-dp1-tp2sp-pp2-1f1b-acc4")
+        "fsdp2_2-dp2-pp2-interleaved-acc4", "fsdp2_2-dp2-pp2-gpipe-acc1", "fsdp2_2-dp1-tp2sp-pp2-1f1b-acc4",
+        # context parallelism (all-gather attention): alone (cp 2, cp 4), over native DDP, torch DDP, ZeRO-1,
+        # ZeRO-3 and FSDP2 (batch group dp x cp, shards over dp_shard x cp), HSDP ZeRO-3, tp 2 without and with SP,
+        # and full recomputation (the all-gather rerun in backward)
+        "ddp-dp1-cp2-allgather-acc4", "ddp-dp1-cp4-allgather-acc1", "ddp-dp2-cp2-allgather-acc4",
+        "torch_ddp-dp2-cp2-allgather-acc1", "zero1-dp2-cp2-allgather-acc4", "zero3-dp2-cp2-allgather-acc1",
+        "fsdp2_3-dp2-cp2-allgather-acc4", "fsdp2_2-dp2r2-cp2-allgather-acc1", "zero3-dp2r2-cp2-allgather-acc4",
+        "ddp-dp1-cp2-allgather-tp2-acc4", "zero3-dp1-cp2-allgather-tp2sp-acc1", "fsdp2_3-dp2-cp2-allgather-tp2sp-acc1",
+        "zero2-dp1-cp2-allgather-acc4-acfull",
+        # ring attention (p2p K/V rotation, zigzag chunks) and all-to-all (Ulysses heads <-> sequence)
+        # under the same syncs: alone at cp 2 and 4, over DDP, ZeRO-3, FSDP2 and tp 2 + SP, with recomputation
+        "ddp-dp1-cp2-ring-acc4", "ddp-dp1-cp4-ring-acc1", "zero3-dp2-cp2-ring-acc4", "fsdp2_3-dp2-cp2-ring-tp2sp-acc1",
+        "zero2-dp1-cp2-ring-acc4-acfull", "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-a2a-acc1", "torch_ddp-dp2-cp2-a2a-acc4")
 
 
 def covering_layouts(layouts: list[Layout]) -> list[Layout]:

@@ -20,6 +20,7 @@ from ..distributed import comm
 from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
 from ..parallel import parallelize
+from ..parallel.context.split import split_sequence
 from ..parallel.precision import param_dtype
 from ..plan import ParallelPlan, build_plan
 from . import checkpoint as ckpt
@@ -78,6 +79,7 @@ class Trainer:
         self.mesh = Mesh(self.plan.dims, device)
         self.device, self.rank, self.world = device, rank, world
         self.dp_rank, self.dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
+        self.cp_rank, self.cp = self.mesh.local_rank("cp"), self.mesh.size("cp")
         self.data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
         torch.manual_seed(cfg.train.seed)  # same initial weights on every rank
         if cfg.model.init_from:
@@ -101,8 +103,8 @@ class Trainer:
         # the same number of eval forwards on every dp rank (padding batches count no token)
         val_groups = val_rank_windows(val_idx, self.dp_rank, self.dp, cfg.train.micro_batch)
         self.val_windows = np.concatenate(val_groups)  # this rank's windows, each once
-        self.val_batches = [batch_from_indices(self.data.val, g, self.seq_len, "val") if len(g)
-                            else padding_batch(self.seq_len) for g in val_groups]
+        self.val_batches = [self._cp_local(batch_from_indices(self.data.val, g, self.seq_len, "val") if len(g)
+                                           else padding_batch(self.seq_len)) for g in val_groups]
         self.start_step = 0
         self.failed_saves: list[int] = []  # steps whose checkpoint could not be written (on_error = continue)
         self.unsaved: int | None = None    # the newest of them, while no later save has succeeded
@@ -147,12 +149,20 @@ class Trainer:
         model.load_state_dict(hf.state_dict())
         return model
 
+    def _cp_local(self, batch):
+        """This cp rank's part of a batch ``(x, y)``: both (b, T) -> (b, T / cp), the zigzag chunks
+        of ``parallel.context.split`` (the targets of the local tokens; unchanged without cp)."""
+        x, y = batch
+        return split_sequence(x, self.cp, self.cp_rank), split_sequence(y, self.cp, self.cp_rank)
+
     def _chunks(self, indices, tokens):
         mb = self.cfg.train.micro_batch
-        return [batch_from_indices(tokens, indices[i:i + mb], self.seq_len) for i in range(0, len(indices), mb)]
+        return [self._cp_local(batch_from_indices(tokens, indices[i:i + mb], self.seq_len))
+                for i in range(0, len(indices), mb)]
 
     def micro_batches(self, step: int):
-        """This rank's micro-batches of optimizer step ``step``: list of (x, y), each (micro_batch, T)."""
+        """This rank's micro-batches of optimizer step ``step``: list of (x, y), each (micro_batch, T)
+        (T / cp: this cp rank's zigzag chunks under context parallelism)."""
         return self._chunks(self.sampler.local_indices(step, self.dp_rank, self.dp), self.data.train)
 
     def meta(self, step: int) -> dict:

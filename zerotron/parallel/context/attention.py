@@ -13,16 +13,20 @@ from __future__ import annotations
 
 __all__ = ["IMPLS", "context_attention"]
 
-IMPLS = ("ring", "a2a")  # parallel.cp_impl values; the first is the default
+IMPLS = ("ring", "a2a", "allgather")  # parallel.cp_impl values (= plan.CP_IMPLS); the first is the default
 
 
 def context_attention(q, k, v, group, impl: str = "ring"):
-    """Dispatch to the ``impl`` implementation (``.ring.ring_attention`` or ``.a2a.a2a_attention``);
-    shapes and semantics in the module doc. Raises ValueError for an unknown ``impl``."""
+    """Dispatch to the ``impl`` implementation (``.ring.ring_attention``, ``.a2a.a2a_attention`` or
+    ``.allgather.allgather_attention``); shapes and semantics in the module doc. Raises ValueError
+    for an unknown ``impl``."""
     if impl == "ring":
         from .ring import ring_attention
         return ring_attention(q, k, v, group)
     if impl == "a2a":
         from .a2a import a2a_attention
         return a2a_attention(q, k, v, group)
+    if impl == "allgather":
+        from .allgather import allgather_attention
+        return allgather_attention(q, k, v, group)
     raise ValueError(f"unknown parallel.cp_impl {impl!r}; choose one of {IMPLS}")

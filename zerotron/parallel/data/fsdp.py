@@ -62,7 +62,7 @@ class FSDP2Strategy(Strategy):
                                   reduce_dtype=precision.reduce_dtype(dtype, reduce_dtype))
         # HSDP (parallel.dp_replicate > 1): FSDP2's 2-D (replicate, shard) mesh -- shards within
         # dp_shard, gradient shards all-reduced across dp_rep (torch's hybrid sharding)
-        dp_mesh = mesh.hsdp_mesh if mesh.hsdp_mesh is not None else mesh.mesh["dp"]
+        dp_mesh = mesh.hsdp_mesh if mesh.hsdp_mesh is not None else mesh.device_mesh("shard")  # dp_shard x cp
         reshard = stage == 3
         tp_group = getattr(model, "tp_group", None)
         self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
@@ -79,7 +79,8 @@ class FSDP2Strategy(Strategy):
             # would raise AttributeError '_unsharded_param'. One gather at set-up creates them.
             block.unshard()
             block.reshard()
-        self.module, self.group, self.loss_groups, self.stage = model, mesh.group("dp"), [mesh.group("dp")], stage
+        # the batch group (dp x cp) = FSDP2's whole mesh: the gradient average is over it
+        self.module, self.group, self.loss_groups, self.stage = model, mesh.group("batch"), [mesh.group("batch")], stage
         self.shard_group = mesh.group("shard")  # the ranks whose local shards are disjoint
         self._mark_tp_shards()
 
