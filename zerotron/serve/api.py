@@ -151,7 +151,7 @@ class Front:
             ids = self.tok.encode(text).ids
             if not ids:
                 raise RequestError(f"prompt {i} is empty after tokenization", param="prompt")
-            c["prompt_tokens"] += len(ids) * c["n"]
+            c["prompt_tokens"] += len(ids)
             for j in range(c["n"]):  # choice j of prompt i: seed + i * n + j (zerotron generate's for n = 1)
                 reqs.append(Request(ids, SamplingParams(max_tokens=c["max_tokens"], temperature=float(c["temperature"]),
                                                         top_k=c["top_k"], top_p=float(c["top_p"]),
@@ -184,7 +184,7 @@ class Front:
 
     def answer(self, c: dict, job) -> dict:
         """The JSON answer of a finished job (RequestError 500 if the engine failed). ``usage``
-        counts each prompt once per choice (OpenAI's accounting for ``n`` > 1)."""
+        counts each prompt once, however many choices ``n`` it has, and every choice's tokens."""
         if job.error:
             raise RequestError(job.error, status=500, code="internal_error")
         texts = [(cut_at_stop(self.tok.decode(new), c["stop"])[0], self.finish_reason(new, c["stop"]))
