@@ -191,14 +191,18 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
         idle = http.client.HTTPConnection(host, int(port), timeout=60)
         idle.request("GET", "/health")
         assert idle.getresponse().read()  # now idle, kept alive
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(_post, url, {"prompt": prompts[3], "max_tokens": 40, "temperature": 0})
-            time.sleep(0.5)
-            t_term = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            code, r = fut.result(timeout=120)
-            answer_s = time.monotonic() - t_term
-        assert code == 200 and r["choices"][0]["text"], r
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)  # a stream surely in flight
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompts[3], "max_tokens": 200,
+                                                            "temperature": 0, "stream": True}))
+        resp = conn.getresponse()
+        while not (line := resp.readline()).startswith(b"data: {"):  # its first event: decoding has begun
+            assert line, "the stream ended before its first event"
+        t_term = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = resp.read().decode()
+        answer_s = time.monotonic() - t_term
+        finals = [json.loads(ln[6:])["choices"][0]["finish_reason"] for ln in rest.splitlines() if ln.startswith("data: {")]
+        assert resp.status == 200 and rest.endswith("data: [DONE]\n\n") and finals[-1] in ("stop", "length"), rest
         assert proc.wait(timeout=60) == 0, "".join(lines)
         stop_s = time.monotonic() - t_term
         print(f"\nSIGTERM to exit (2 ranks, window batching, idle keep-alive connection open): {stop_s:.1f} s "
