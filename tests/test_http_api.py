@@ -306,3 +306,24 @@ def test_metrics(server):
     assert n >= 1 and samples['zerotron_time_to_first_token_seconds_bucket{le="+Inf"}'] == n
     buckets = [v for k, v in samples.items() if k.startswith("zerotron_time_to_first_token_seconds_bucket")]
     assert buckets == sorted(buckets)  # cumulative
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    """A checkpoint's tokenizer_config.json chat_template (a string, or named templates) is used;
+    without one, the documented default; a bad file is one ValueError line."""
+    from zerotron.serve.chat import DEFAULT_TEMPLATE, load_chat_template
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert load_chat_template(tmp_path) is None and ChatTemplate(None).source == DEFAULT_TEMPLATE
+    tpl = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}" \
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl}))
+    assert ChatTemplate(load_chat_template(tmp_path), eos="</s>").render(msgs) == "<|user|>Hi</s><|assistant|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "x"}, {"name": "default", "template": tpl}]}))
+    assert load_chat_template(tmp_path) == tpl
+    with pytest.raises(ValueError, match="the chat template failed: no system"):
+        ChatTemplate("{{ raise_exception('no system') }}").render(msgs)
+    (tmp_path / "tokenizer_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_chat_template(tmp_path)

@@ -53,7 +53,13 @@ class ChatTemplate:
 
         self.source = source or DEFAULT_TEMPLATE
         self.builtin = source is None
+        from jinja2 import TemplateError
+
+        def raise_exception(message):  # what Hugging Face templates call to refuse a conversation
+            raise TemplateError(message)
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
         self.template, self.eos = env.from_string(self.source), eos
 
     def render(self, messages: list[dict]) -> str:
