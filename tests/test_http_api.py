@@ -1,7 +1,10 @@
-"""The HTTP layer of ``zerotron serve`` on its own (no ranks, no model): a real ``Listener`` on a
-free port with a stand-in front that answers with the validated request, driven by a real client
-(``http.client``) and raw sockets for what clients rarely send (chunked bodies, no length,
-stalled requests, other methods)."""
+"""The HTTP layer of ``zerotron serve`` without ranks or a model: the real FastAPI app on a real
+uvicorn server (a free port, in a thread), the real :class:`~zerotron.serve.api.Front` with a
+byte-level tokenizer (one token per UTF-8 byte, so multi-byte characters split across tokens and
+stream chunks), and a scripted batcher in place of the engine (each row emits the bytes of
+:data:`SCRIPT` from an offset set by its prompt and seed, ending at max_tokens or a stop string,
+as the engine does). Driven by raw clients (``http.client`` on one keep-alive connection, raw
+sockets) and the official ``openai`` client. One server for the module."""
 import http.client
 import json
 import socket
@@ -10,125 +13,317 @@ import time
 
 import pytest
 
-from zerotron.serve.http_api import Listener, make_handler
-from zerotron.serve.validation import RequestError, parse_completion
+from zerotron.serve.api import Front
+from zerotron.serve.chat import ChatTemplate
+from zerotron.serve.http_api import ServerThread, bind, make_app
+from zerotron.serve.streaming import cut_at_stop
+
+KEY = "sk-test-123"
+SCRIPT = "Grüße, wörld ✓ — 日本語 ok. "
 
 
-class EchoFront:
-    """Answers a completion with the parsed request (what the real front hands to the batcher)."""
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    model_id = "tiny"
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
-    def health(self):
-        return {"status": "ok"}
 
-    def complete(self, body, alive=None):
-        return {"parsed": parse_completion(body, self.model_id)}
+class ScriptedBatcher:
+    """Stands in for the engine: answers every job's rows from SCRIPT (see the module docstring)."""
 
-    def stream(self, body, alive=None):
-        raise RequestError("no streaming here")
+    def __init__(self, front, tok):
+        self.front, self.tok, self.script = front, tok, tok.encode(SCRIPT).ids
+        self.stop = threading.Event()
+
+    def row(self, job, k):
+        r = job.requests[k]
+        sp = r.params
+        off = (sum(r.prompt) + (sp.seed if sp.temperature > 0 else 0)) % len(self.script)
+        out = []
+        while len(out) < sp.max_tokens:
+            out.append(self.script[(off + len(out)) % len(self.script)])
+            job.token(k, out[-1])
+            if cut_at_stop(self.tok.decode(out), list(sp.stop))[1]:
+                break
+        return out
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                job = self.front.jobs.get(timeout=0.05)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                continue
+            for k in range(len(job.requests)):
+                job.result[k] = self.row(job, k)
+            job.finish()
 
 
 @pytest.fixture(scope="module")
 def server():
-    httpd = Listener(("127.0.0.1", 0), make_handler(EchoFront(), max_body_bytes=256, read_timeout_s=0.5))
-    t = threading.Thread(target=httpd.serve_forever, daemon=True)
+    tok = byte_tokenizer()
+    front = Front(tok, tok.token_to_id("<|endoftext|>"), "tiny", "continuous", chat=ChatTemplate(None))
+    sock = bind("127.0.0.1", 0)
+    srv = ServerThread(make_app(front, max_body_bytes=2048, api_key=KEY, read_timeout_s=0.5), sock)
+    srv.start()
+    batcher = ScriptedBatcher(front, tok)
+    t = threading.Thread(target=batcher.run, daemon=True)
     t.start()
-    yield httpd.server_address
-    httpd.shutdown()
-    httpd.server_close()
+    yield sock.getsockname()[:2], front, tok
+    batcher.stop.set()
+    srv.stop()
 
 
-def _request(addr, method, path, body=None, headers=None):
-    c = http.client.HTTPConnection(*addr, timeout=10)
-    c.request(method, path, body=body, headers=headers or {})
-    r = c.getresponse()
-    data = r.read()
-    c.close()
-    return r.status, dict(r.getheaders()), json.loads(data) if data else None
+AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+
+def _ask(conn, method, path, body=None, headers=AUTH):
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body)
+    conn.request(method, path, body=data, headers=headers)
+    r = conn.getresponse()
+    raw = r.read()
+    return r.status, dict(r.getheaders()), raw
 
 
 def _raw(addr, data: bytes) -> bytes:
     with socket.create_connection(addr, timeout=10) as s:
         s.sendall(data)
         out = b""
-        while b"\r\n\r\n" not in out or len(out) < out.find(b"\r\n\r\n") + 4 + _length(out):
-            piece = s.recv(4096)
-            if not piece:
-                break
+        while piece := s.recv(4096):
             out += piece
         return out
 
 
-def _length(head: bytes) -> int:
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            return int(line.split(b":")[1])
-    return 0
+def test_keep_alive_survives_errors(server):
+    """Bugs 1 and 2 of issue 31: after a 404, 405 or 400 the same connection serves the next
+    request; GET /v1/completions is 405 (with Allow), unknown paths 404, all JSON in OpenAI's shape."""
+    addr, _, _ = server
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    ok = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+    steps = [("GET", "/nowhere", None, 404, None), ("POST", "/v1/completions", ok, 200, None),
+             ("GET", "/v1/completions", None, 405, "POST"), ("POST", "/v1/completions", ok, 200, None),
+             ("DELETE", "/health", None, 405, "GET, HEAD"), ("GET", "/health", None, 200, None),
+             ("POST", "/v1/completions", b"{not json", 400, None), ("GET", "/v1/models", None, 200, None),
+             ("POST", "/v1/completions", {"prompt": "x", "n": 0}, 400, None),
+             ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+              200, None),
+             ("PUT", "/v1/chat/completions", None, 405, "POST"), ("POST", "/v1/completions", ok, 200, None)]
+    sock = None
+    for method, path, body, want, allow in steps:
+        code, headers, raw = _ask(conn, method, path, body)
+        assert code == want, (method, path, code, raw)
+        assert headers["content-type"].startswith("application/json"), headers
+        r = json.loads(raw)
+        if code >= 400:
+            assert set(r["error"]) == {"message", "type", "param", "code"} and r["error"]["message"], r
+        if allow:
+            assert set(headers["allow"].split(", ")) == set(allow.split(", ")) and method in r["error"]["message"], r
+        sock = sock or conn.sock
+        assert conn.sock is sock, (method, path)  # one connection throughout: never closed by the server
+    conn.close()
+    for path, status in (("/health", b"200"), ("/v1/completions", b"405"), ("/nope", b"404")):
+        out = _raw(addr, f"HEAD {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                         "Connection: close\r\n\r\n".encode())
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 " + status) and body == b"", out
 
 
 def test_fields_are_checked(server):
+    addr, _, _ = server
+    conn = http.client.HTTPConnection(*addr, timeout=10)
     ok = {"prompt": "hi", "max_tokens": 2, "user": "u-1", "echo": False, "logprobs": None, "best_of": 1,
           "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "suffix": None}
-    code, _, r = _request(server, "POST", "/v1/completions", json.dumps(ok), {"Content-Type": "application/json"})
-    assert code == 200 and r["parsed"]["prompts"] == ["hi"] and r["parsed"]["max_tokens"] == 2, r
-    for field, value, code_want in (("max_token", 3, "unknown_parameter"), ("echo", True, "unsupported_parameter"),
-                                    ("logprobs", 2, "unsupported_parameter"), ("best_of", 3, "unsupported_parameter"),
-                                    ("presence_penalty", 0.5, "unsupported_parameter"),
-                                    ("logit_bias", {"5": 10}, "unsupported_parameter")):
-        code, _, r = _request(server, "POST", "/v1/completions", json.dumps({"prompt": "hi", field: value}))
-        assert code == 400 and r["error"]["param"] == field and r["error"]["code"] == code_want, (field, r)
-        assert field in r["error"]["message"], r
-    code, _, r = _request(server, "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_token": 3}))
-    assert "valid fields: model, prompt, max_tokens" in r["error"]["message"], r
-
-
-def test_chunked_body_is_read(server):
+    assert _ask(conn, "POST", "/v1/completions", ok)[0] == 200
+    bad = [({"max_tokens": 3}, 400, "prompt", None), ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", None),
+           ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", None),
+           ({"prompt": "x", "max_tokens": True}, 400, "max_tokens", None),
+           ({"prompt": "x", "temperature": "hot"}, 400, "temperature", None), ({"prompt": 5}, 400, "prompt", None),
+           ({"prompt": []}, 400, "prompt", None), ({"prompt": ""}, 400, "prompt", None),
+           ({"prompt": "x", "top_p": 0}, 400, "top_p", None), ({"prompt": "x", "n": 17}, 400, "n", None),
+           ({"prompt": "x", "model": "gpt-9"}, 404, "model", "model_not_found"),
+           ({"prompt": "x", "stream": "yes"}, 400, "stream", None),
+           ({"prompt": "\ud800", "max_tokens": 2}, 400, "prompt", None),
+           ({"prompt": "x", "stop": "\udfff"}, 400, "stop", None), ({"prompt": "x", "stop": ["a"] * 5}, 400, "stop", None),
+           ({"prompt": "x", "seed": 10**23}, 400, "seed", None), ({"prompt": "x", "seed": -1}, 400, "seed", None),
+           ({"prompt": "x", "max_token": 3}, 400, "max_token", "unknown_parameter"),
+           ({"prompt": "x", "echo": True}, 400, "echo", "unsupported_parameter"),
+           ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+           ({"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
+           ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
+           ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter")]
+    for body, want, param, code_want in bad:
+        code, _, raw = _ask(conn, "POST", "/v1/completions", body)
+        r = json.loads(raw)["error"]
+        assert code == want and r["param"] == param and r["code"] == code_want, (body, code, r)
+        assert param in r["message"] or want == 404, r
+    code, _, raw = _ask(conn, "POST", "/v1/completions", {"prompt": "hi", "max_token": 3})
+    assert "valid fields: model, max_tokens" in json.loads(raw)["error"]["message"], raw
+    chat_bad = [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+                ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+                ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+                ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4},
+                 "max_tokens"), ({"prompt": "x"}, "messages")]
+    for body, param in chat_bad:
+        code, _, raw = _ask(conn, "POST", "/v1/chat/completions", body)
+        assert code == 400 and json.loads(raw)["error"]["param"] == param, (body, raw)
+    # body size: 413 (and the connection closes: its body is unread); a stalled body: 408
+    code, headers, raw = _ask(conn, "POST", "/v1/completions", {"prompt": "x" * 3000})
+    assert code == 413 and "at most 2048 bytes" in json.loads(raw)["error"]["message"], raw
+    conn.close()
     body = json.dumps({"prompt": "chunked", "max_tokens": 1}).encode()
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7]) for i in range(0, len(body), 7))
-    out = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                       b"Connection: close\r\n\r\n" + chunks + b"0\r\n\r\n")
-    head, _, data = out.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200"), out
-    assert json.loads(data)["parsed"]["prompts"] == ["chunked"]
-    big = b"%x\r\n%s\r\n" % (300, b"x" * 300)  # over max_body_bytes (256) in one chunk
-    out = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + big)
-    assert out.startswith(b"HTTP/1.1 413"), out
-    out = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
-    assert out.startswith(b"HTTP/1.1 400") and b"malformed chunk size" in out, out
-
-
-def test_length_errors(server):
-    out = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert out.startswith(b"HTTP/1.1 411") and b"Content-Length" in out, out
-    out = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n")
-    assert out.startswith(b"HTTP/1.1 400") and b"must be an integer" in out, out
-    code, _, r = _request(server, "POST", "/v1/completions", json.dumps({"prompt": "x" * 400}))
-    assert code == 413 and "at most 256 bytes" in r["error"]["message"], r
-
-
-def test_other_methods_get_json_405(server):
-    for method, path, allow in (("DELETE", "/v1/completions", "POST"), ("PUT", "/health", "GET"),
-                                ("PATCH", "/v1/models", "GET")):
-        code, headers, r = _request(server, method, path)
-        assert code == 405 and headers["Allow"] == allow and method in r["error"]["message"], (method, r)
-    assert _request(server, "GET", "/health")[:1] == (200,)  # still serving
-    # HEAD: the GET answer's status and headers, no body (raw socket: http.client would not read one)
-    for path, status in (("/health", b"200"), ("/v1/completions", b"405"), ("/nope", b"404")):
-        out = _raw(server, f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-        head, _, body = out.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 " + status) and b"Content-Length: " in head and body == b"", out
-
-
-def test_stalled_client_is_dropped(server):
-    """A client that sends half a request and stops: after the read timeout it gets 408 and its
-    connection closes, and the server answers others meanwhile."""
-    with socket.create_connection(server, timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
-        t0 = time.time()
-        assert _request(server, "GET", "/health")[0] == 200
-        reply = b""
-        while piece := s.recv(4096):  # until the server closes the connection
+    out = _raw(addr, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+               b"\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunks + b"0\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200"), out
+    with socket.create_connection(addr, timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Length: 100\r\n\r\n{\"pro")
+        t0, reply = time.time(), b""
+        while piece := s.recv(4096):
             reply += piece
         assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply, reply
         assert time.time() - t0 < 5
+
+
+def test_api_key(server):
+    """Every endpoint but /health needs the key: none or a wrong one is 401 JSON."""
+    addr, _, _ = server
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    for path in ("/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            method = "GET" if path in ("/v1/models", "/metrics") else "POST"
+            code, h, raw = _ask(conn, method, path, {"prompt": "x"} if method == "POST" else None, headers)
+            assert code == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key", (path, headers, raw)
+    assert _ask(conn, "GET", "/health", headers={})[0] == 200
+    assert _ask(conn, "GET", "/v1/models")[0] == 200  # same connection, with the key
+
+
+def _sse(raw: bytes) -> list:
+    events = []
+    for block in raw.decode().split("\n\n"):
+        if block:
+            assert block.startswith("data: "), block
+            events.append(block[6:])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_openai_client_matches_raw_client(server):
+    """The official openai client and a raw client get the same completions, chat completions and
+    streamed text (multi-byte characters split across tokens arrive whole); usage, n, stop and seed
+    as OpenAI documents them."""
+    openai = pytest.importorskip("openai")
+    addr, front, tok = server
+    client = openai.OpenAI(base_url=f"http://{addr[0]}:{addr[1]}/v1", api_key=KEY, max_retries=0)
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://{addr[0]}:{addr[1]}/v1", api_key="nope", max_retries=0).models.list()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+    body = {"model": "tiny", "prompt": ["ab", "c"], "max_tokens": 12, "temperature": 0, "n": 2}
+    r = client.completions.create(**body)
+    raw = json.loads(_ask(conn, "POST", "/v1/completions", body)[2])
+    assert [c.text for c in r.choices] == [c["text"] for c in raw["choices"]] and len(r.choices) == 4
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for i, p in enumerate(["ab", "c"]):  # the scripted rows: what the tokens decode to
+        assert r.choices[2 * i].text == tok.decode([tok.encode(SCRIPT).ids[(sum(tok.encode(p).ids) + j)
+                                                                            % len(tok.encode(SCRIPT).ids)]
+                                                    for j in range(12)])
+    assert r.usage.prompt_tokens == 2 + 1 and r.usage.completion_tokens == 4 * 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert any(ord(ch) > 127 for c in r.choices for ch in c.text)  # multi-byte text came through
+
+    # stop: cut before the stop string, finish_reason "stop", fewer tokens
+    r = client.completions.create(model="tiny", prompt="ab", max_tokens=30, temperature=0, stop=["✓", "日"])
+    full = client.completions.create(model="tiny", prompt="ab", max_tokens=30, temperature=0).choices[0].text
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == cut_at_stop(full, ["✓", "日"])[0]
+    assert r.usage.completion_tokens < 30
+    # seed: the same seed gives the same sampled text, another seed another
+    s = [client.completions.create(model="tiny", prompt="ab", max_tokens=8, temperature=1.0, seed=k).choices[0].text
+         for k in (7, 7, 8)]
+    assert s[0] == s[1] != s[2]
+
+    # streaming: pieces concatenate to the plain text; no piece carries a broken character
+    for stops in ([], ["wör"]):
+        want = client.completions.create(model="tiny", prompt="ab", max_tokens=30, temperature=0, stop=stops or None)
+        pieces = [ch.choices[0].text for ch in client.completions.create(
+            model="tiny", prompt="ab", max_tokens=30, temperature=0, stop=stops or None, stream=True)]
+        code, headers, rawb = _ask(conn, "POST", "/v1/completions", {"prompt": "ab", "max_tokens": 30, "temperature": 0,
+                                                                     "stream": True, **({"stop": stops} if stops else {})})
+        assert code == 200 and headers["content-type"].startswith("text/event-stream")
+        raw_pieces = [e["choices"][0]["text"] for e in _sse(rawb)]
+        assert "".join(pieces) == "".join(raw_pieces) == want.choices[0].text
+        assert len([p for p in pieces if p]) > 3 and all("\ufffd" not in p for p in pieces), pieces
+    chunks = list(client.completions.create(model="tiny", prompt="ab", max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].choices == []
+
+    # chat: the default template renders the messages; same answer both ways, streamed too
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓"}]
+    prompt = "System: Be brief.\n\nUser: Hi ✓\n\nAssistant:"
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    raw = json.loads(_ask(conn, "POST", "/v1/chat/completions", {"messages": msgs, "max_tokens": 10,
+                                                                  "temperature": 0})[2])
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == raw["choices"][0]["message"]["content"] == plain.choices[0].text
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(tok.encode(prompt).ids) and r.choices[0].finish_reason == "length"
+    stream = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == plain.choices[0].text
+    assert stream[-1].choices[0].finish_reason == "length"
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0.8, n=3, seed=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=msgs, logprobs=True)
+    assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x")
+
+
+def test_metrics(server):
+    addr, _, _ = server
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    assert _ask(conn, "POST", "/v1/completions", {"prompt": "ab", "max_tokens": 4})[0] == 200
+    code, headers, raw = _ask(conn, "GET", "/metrics")
+    text = raw.decode()
+    assert code == 200 and headers["content-type"].startswith("text/plain; version=0.0.4"), headers
+    names = {ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE")}
+    assert names == {"zerotron_requests_total", "zerotron_queue_depth", "zerotron_running_rows",
+                     "zerotron_generated_tokens_total", "zerotron_cancelled_rows_total",
+                     "zerotron_time_to_first_token_seconds", "zerotron_time_per_output_token_seconds"}, names
+    samples = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln and not ln.startswith("#")}
+    assert samples['zerotron_requests_total{endpoint="/v1/completions",code="200"}'] >= 1
+    assert samples["zerotron_generated_tokens_total"] >= 4 and samples["zerotron_queue_depth"] == 0
+    n = samples["zerotron_time_to_first_token_seconds_count"]
+    assert n >= 1 and samples['zerotron_time_to_first_token_seconds_bucket{le="+Inf"}'] == n
+    buckets = [v for k, v in samples.items() if k.startswith("zerotron_time_to_first_token_seconds_bucket")]
+    assert buckets == sorted(buckets)  # cumulative
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    """A checkpoint's tokenizer_config.json chat_template (a string, or named templates) is used;
+    without one, the documented default; a bad file is one ValueError line."""
+    from zerotron.serve.chat import DEFAULT_TEMPLATE, load_chat_template
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert load_chat_template(tmp_path) is None and ChatTemplate(None).source == DEFAULT_TEMPLATE
+    tpl = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}" \
+          "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": tpl}))
+    assert ChatTemplate(load_chat_template(tmp_path), eos="</s>").render(msgs) == "<|user|>Hi</s><|assistant|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "x"}, {"name": "default", "template": tpl}]}))
+    assert load_chat_template(tmp_path) == tpl
+    with pytest.raises(ValueError, match="the chat template failed: no system"):
+        ChatTemplate("{{ raise_exception('no system') }}").render(msgs)
+    (tmp_path / "tokenizer_config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_chat_template(tmp_path)

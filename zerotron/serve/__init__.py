@@ -1,18 +1,26 @@
 """``zerotron serve``: an OpenAI-compatible completions server on any inference layout.
 
-Endpoints: ``POST /v1/completions`` (prompt: a string or a list of up to 64 strings; max_tokens
-(16, at most 4096), temperature (1.0), top_p (1.0), top_k (zerotron's extension), n (1..16),
-stop (a string or up to 4), seed (0), model (optional: must be the served id), stream (false)),
-``GET /v1/models``, ``GET /health`` (status, batching, counters: :class:`~zerotron.serve.api.ServeStats`).
-Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` with 400 (bad field, bad
-JSON), 404 (unknown path or model), 413 (body over ``--max-body-bytes``), 503 (draining); the
-server keeps serving.
+Endpoints (FastAPI on uvicorn, :mod:`~zerotron.serve.http_api`): ``POST /v1/completions`` (prompt: a
+string or a list of up to 64 strings; max_tokens (16, at most 4096), temperature (1.0), top_p
+(1.0), top_k (zerotron's extension), n (1..16), stop (a string or up to 4), seed (0), model
+(optional: must be the served id), stream (false), stream_options.include_usage),
+``POST /v1/chat/completions`` (messages rendered by the tokenizer's chat template or the default
+of :mod:`~zerotron.serve.chat`; the same sampling fields, max_tokens default 256),
+``GET /v1/models``, ``GET /health`` (status, batching, counters: :class:`~zerotron.serve.api.ServeStats`),
+``GET /metrics`` (Prometheus text, :mod:`~zerotron.serve.metrics`). Requests and answers are the
+pydantic models of :mod:`~zerotron.serve.schemas`. Errors are JSON ``{"error": {"message", "type",
+"param", "code"}}`` with 400 (bad field, bad JSON), 401 (``--api-key`` set and no or a wrong
+``Authorization: Bearer`` key; ``/health`` needs none), 404 (unknown path or model), 405 (another
+method), 408, 413 (body over ``--max-body-bytes``), 503 (draining); the server keeps serving, and a
+keep-alive connection stays usable after an error.
 
-Modules: :mod:`~zerotron.serve.validation` (request bodies), :mod:`~zerotron.serve.streaming`
-(stop strings, streamed text), :mod:`~zerotron.serve.api` (jobs and OpenAI-shaped answers),
-:mod:`~zerotron.serve.http_api` (routes, server-sent events, the listener),
-:mod:`~zerotron.serve.batching` (window batcher, continuous scheduler),
-:mod:`~zerotron.serve.follow` (the rank-follow protocol), :mod:`~zerotron.serve.command` (CLI).
+Modules: :mod:`~zerotron.serve.validation` (RequestError, settings), :mod:`~zerotron.serve.schemas`
+(pydantic request/response models), :mod:`~zerotron.serve.chat` (chat templates),
+:mod:`~zerotron.serve.streaming` (stop strings, streamed text), :mod:`~zerotron.serve.api` (jobs
+and OpenAI-shaped answers), :mod:`~zerotron.serve.metrics`, :mod:`~zerotron.serve.http_api`
+(routes, server-sent events, the uvicorn thread), :mod:`~zerotron.serve.batching` (window
+batcher, continuous scheduler), :mod:`~zerotron.serve.follow` (the rank-follow protocol),
+:mod:`~zerotron.serve.command` (CLI).
 
 Process layout (DESIGN.md "Serving"): rank 0 runs the HTTP server and the batcher; every piece
 of collective work is broadcast to the other ranks first, which follow. ``--batching continuous``
@@ -37,12 +45,12 @@ batching runs the batch to its end). Prompts longer than the context are cropped
 block_size tokens as in ``zerotron generate``.
 
 SIGTERM (or SIGINT): new requests get 503, queued and running requests finish and are answered,
-the ranks stop, exit code 0 (under ``--nproc`` the launcher reports the signal: 143).
+idle keep-alive connections are closed at once, the ranks stop, exit code 0 (also under ``--nproc``).
 """
-from .api import Front, Job
+from .api import Front, Job, Streamer
 from .command import check_args, main, parser
 from .streaming import StreamText, cut_at_stop
 from .validation import RequestError, parse_completion
 
 __all__ = ["main", "parser", "check_args", "parse_completion", "RequestError", "StreamText", "cut_at_stop",
-           "Front", "Job"]
+           "Front", "Job", "Streamer"]

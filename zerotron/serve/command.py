@@ -3,6 +3,8 @@ serves HTTP and runs the batcher; the other ranks follow, :mod:`zerotron.serve.f
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import os
 import signal
@@ -10,9 +12,11 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["parser", "check_args", "main"]
+__all__ = ["parser", "check_args", "main", "api_key_of"]
 
 BATCHING = ("continuous", "window")
+API_KEY_ENV = "ZEROTRON_API_KEY"
+DRAINED_ENV = "ZEROTRON_SERVE_DRAINED"  # under --nproc: the file rank 0 writes once drained (exit 0)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
                    help="sequences per batch (window) or running together (continuous) at most")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--model-name", default=None, help="the model id (default: the run directory's name)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
+                   f"/health (default: ${API_KEY_ENV}; unset: no key)")
     return p
 
 
@@ -60,6 +66,13 @@ def check_args(args) -> None:
                          "the pipeline one iteration at a time); drop --microbatches or add --batching window")
     if args.nproc > 1 and args.nproc % (args.tp * args.pp):
         raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp ({args.tp} x {args.pp})")
+
+
+def api_key_of(args, env=None) -> str | None:
+    """The API key clients must send: ``--api-key``, else ``$ZEROTRON_API_KEY``; None (no key
+    required) when neither is set or both are empty."""
+    env = os.environ if env is None else env
+    return args.api_key or env.get(API_KEY_ENV) or None
 
 
 def main(argv: list[str]) -> int:
@@ -91,7 +104,7 @@ def main(argv: list[str]) -> int:
 
             ck.verify_checkpoint(ckpt)
         if args.nproc > 1 and not in_worker():
-            return launch(args.nproc, ["serve", *strip_nproc(argv)])
+            return _launch(args.nproc, ["serve", *strip_nproc(argv)], launch)
     except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line
         print(f"zerotron serve: error: {e}", file=sys.stderr)
         return 2
@@ -112,40 +125,66 @@ def main(argv: list[str]) -> int:
     if rank != 0:
         follow(engine)
     else:
-        code = _serve(args, engine, tok, mesh, world, Channel(world), stop)
+        code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt)
     _mesh.teardown()
+    if rank == 0 and code == 0 and os.environ.get(DRAINED_ENV):
+        Path(os.environ[DRAINED_ENV]).write_text("drained\n")
     return code
 
 
-def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event) -> int:
-    """Rank 0: listen, run the batcher until drained; the exit code (2: cannot listen)."""
+def _launch(nproc: int, argv: list[str], launch) -> int:
+    """Start the ``nproc`` workers; a SIGTERM/SIGINT that the workers answered by draining (rank 0
+    wrote the :data:`DRAINED_ENV` file) is a clean stop: exit code 0, not 128 + the signal."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="zerotron-serve-") as d:
+        note = Path(d) / "drained"
+        os.environ[DRAINED_ENV] = str(note)
+        try:
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                code = launch(nproc, argv)
+        finally:
+            os.environ.pop(DRAINED_ENV, None)
+        if code in (128 + signal.SIGTERM, 128 + signal.SIGINT) and note.exists():
+            return 0
+        sys.stderr.write(err.getvalue())
+        return code
+
+
+def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, ckpt) -> int:
+    """Rank 0: listen, run the batcher until drained; the exit code (2: cannot listen or a bad
+    chat template)."""
     from zerotron.generate import eos_id
 
     from .api import Front
     from .batching import ContinuousScheduler, WindowBatcher
-    from .http_api import Listener, make_handler
+    from .chat import ChatTemplate, load_chat_template
+    from .http_api import ServerThread, bind, make_app
 
     model_id = args.model_name or (Path(args.checkpoint).resolve().name)
-    front = Front(tok, eos_id(tok), model_id, args.batching)
     try:
-        httpd = Listener((args.host, args.port), make_handler(front, args.max_body_bytes))
-    except OSError as e:  # taken between the launcher's check and now: one line, the others stop
-        print(f"zerotron serve: error: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose "
-              "another --port (0 = any free one) or a --host address of this machine", file=sys.stderr, flush=True)
+        eos = eos_id(tok)
+        chat = ChatTemplate(load_chat_template(ckpt), tok.id_to_token(eos) if eos is not None else "")
+        sock = bind(args.host, args.port)  # taken between the launcher's check and now: one line, the others stop
+    except Exception as e:  # noqa: BLE001 - ValueError, a template syntax error: one line
+        print(f"zerotron serve: error: {e}", file=sys.stderr, flush=True)
         channel.send({"kind": "stop"})
         return 2
+    front = Front(tok, eos, model_id, args.batching, chat=chat)
+    api_key = api_key_of(args)
+    server = ServerThread(make_app(front, args.max_body_bytes, api_key), sock)
     if args.batching == "window":
         batcher = WindowBatcher(engine, front, channel, args.batch_window_ms, args.max_batch)
     else:
         batcher = ContinuousScheduler(engine, front, channel, args.max_batch)
-    httpd.daemon_threads = False  # server_close waits for responses being written
-    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+    server.start()
     threading.Thread(target=lambda: (stop.wait(), front.draining.set()), daemon=True).start()
-    host, port = httpd.server_address[:2]
+    host, port = sock.getsockname()[:2]
     print(f"zerotron serve: listening on http://{host}:{port} (model {model_id!r}, {world} rank(s): "
-          f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}, {args.batching} batching)", flush=True)
+          f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}, {args.batching} batching"
+          f"{', API key required' if api_key else ''}; chat template: "
+          f"{'built-in default' if chat.builtin else 'the tokenizer' + chr(39) + 's'})", flush=True)
     batcher.run()
-    httpd.shutdown()
-    httpd.server_close()
+    server.stop()  # idle keep-alive connections close now; answers being written finish first
     print("zerotron serve: drained and stopped", flush=True)
     return 0

@@ -1,208 +1,266 @@
-"""The HTTP layer of ``zerotron serve`` (rank 0): routes, JSON errors, server-sent events, on the
-standard library's ``http.server.ThreadingHTTPServer`` (one thread per connection; a maintained
-server, not a hand-written parser: no web framework is a dependency of zerotron).
+"""The HTTP layer of ``zerotron serve`` (rank 0): a FastAPI app (:func:`make_app`) served by
+uvicorn in a thread (:class:`ServerThread`) while the main thread runs the batcher.
 
-A handler waiting for its answer checks about every 0.25 s that its client is still connected
-(:func:`client_alive`: the socket reads as closed); a client that left, or a write that fails
-mid-stream, cancels the job (:class:`~zerotron.serve.api.Front`). A client that half-closes its
-side after sending the request (``shutdown(SHUT_WR)``, rare for HTTP clients: curl, urllib, httpx
-and the openai package keep it open) reads the same as one that left, and is cancelled."""
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text; :mod:`~zerotron.serve.metrics`); HEAD on
+the GET routes. Every error is JSON in OpenAI's shape ``{"error": {"message", "type", "param",
+"code"}}``: 400 bad JSON or a bad field (named in ``param``), 401 a missing or wrong API key,
+404 an unknown path or model, 405 another method (with ``Allow``), 408 a body that stops
+arriving for ``read_timeout_s``, 413 a body over ``max_body_bytes`` (the connection is closed:
+its body is unread), 503 while draining; a keep-alive connection goes on after any of them.
+
+With ``api_key``, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
+
+A waiting handler is woken by the batcher (``Job.wake``) and checks every ``POLL_S`` that its
+client is still connected (``Request.is_disconnected``); a client that left, or a stream that
+can no longer be written, cancels the job."""
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
-import select
 import socket
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import threading
 
-from .api import ClientGone, Front
+from fastapi import Request
+
+from .api import Front, Streamer
 from .validation import RequestError
 
-__all__ = ["Listener", "make_handler", "check_listen", "client_alive"]
+__all__ = ["make_app", "ServerThread", "check_listen", "bind", "POLL_S"]
+
+POLL_S = 0.25  # how often a waiting handler checks that its client is still connected
+ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET",
+          "/metrics": "GET"}
 
 
-def client_alive(sock: socket.socket) -> bool:
-    """False once the peer of ``sock`` has closed or reset the connection (a zero-length peek on a
-    readable socket); True while it is open (also when it sent more bytes, e.g. a next request)."""
-    try:
-        readable = select.select([sock], [], [], 0)[0]
-        if not readable:
-            return True
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-    except BlockingIOError:
+def _error_json(status: int, message: str, param=None, code=None) -> dict:
+    kind = {401: "authentication_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Guard:
+    """ASGI middleware: the API key check (401) and the ``zerotron_requests_total`` count."""
+
+    def __init__(self, app, front: Front, api_key: str | None):
+        self.app, self.front, self.key = app, front, api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in ROUTES else "other"
+        status = [0]
+
+        async def counted(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+                self.front.metrics.request(endpoint, msg["status"])
+            await send(msg)
+
+        if self.key is not None and path != "/health":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not (auth[:7].lower() == b"bearer " and hmac.compare_digest(auth[7:].strip(), self.key)):
+                body = json.dumps(_error_json(401, "a valid API key is required: send 'Authorization: Bearer "
+                                                   "<key>'", code="invalid_api_key")).encode()
+                await _drain(receive)
+                await counted({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body if scope["method"] != "HEAD" else b""})
+                return
+        await self.app(scope, receive, counted)
+
+
+async def _drain(receive) -> None:
+    """Read (and drop) a request body, so the connection can serve the next request."""
+    while True:
+        msg = await receive()
+        if msg["type"] != "http.request" or not msg.get("more_body"):
+            return
+
+
+def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read_timeout_s: float = 60.0):
+    """The ASGI app serving ``front``: bodies of at most ``max_body_bytes`` (413 beyond), a body
+    that stops arriving for ``read_timeout_s`` gets 408, ``api_key``: see the module docstring."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI(title="zerotron serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(e: RequestError, headers=None) -> JSONResponse:
+        return JSONResponse(_error_json(e.status, str(e), e.param, e.code), status_code=e.status, headers=headers)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request, e: RequestError):
+        return error(e, {"Connection": "close"} if e.status in (408, 413) else None)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, e: HTTPException):  # unknown path (404), another method (405)
+        method, path = request.method, request.url.path
+        if e.status_code == 405:
+            msg = f"method {method} is not allowed on {path}; use {ROUTES.get(path, 'GET')}"
+        elif e.status_code == 404:
+            msg = f"no route {method} {path}"
+        else:
+            msg = str(e.detail)
+        return JSONResponse(_error_json(e.status_code, msg), status_code=e.status_code, headers=e.headers)
+
+    async def body_of(request: Request):
+        """The JSON body; RequestError 413 (too large), 408 (stalled), 400 (not JSON)."""
+        too_big = RequestError(f"the body must be at most {max_body_bytes} bytes", status=413)
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            if not length.isdigit():
+                raise RequestError(f"Content-Length must be an integer, got {length!r}"[:200])
+            raise too_big
+
+        async def read() -> bytes:
+            out = bytearray()
+            async for piece in request.stream():
+                out += piece
+                if len(out) > max_body_bytes:
+                    raise too_big
+            return bytes(out)
+        try:
+            raw = await asyncio.wait_for(read(), read_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body did not arrive within {read_timeout_s:g} s", status=408) from None
+        try:
+            return json.loads(raw or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+
+    async def wait(request: Request, job) -> bool:
+        """Wait for ``job`` to end; False (the job cancelled) if the client disconnects first."""
+        loop, woken = asyncio.get_running_loop(), asyncio.Event()
+        job.wake = lambda: loop.call_soon_threadsafe(woken.set)
+        while not job.done.is_set():
+            try:
+                await asyncio.wait_for(woken.wait(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled.set()
+                    front.account(job)
+                    return False
+            woken.clear()
         return True
-    except (OSError, ValueError):
-        return False
 
+    async def completion(request: Request, chat: bool):
+        body = await body_of(request)
+        c, job = front.submit(body, chat=chat)
+        if not c["stream"]:
+            if not await wait(request, job):
+                return JSONResponse({}, status_code=499)  # nobody reads it
+            front.account(job)
+            return front.answer(c, job)
+        return StreamingResponse(events(job, Streamer(front, c, job)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
-def make_handler(front: Front, max_body_bytes: int, read_timeout_s: float = 60.0):
-    """The request handler class serving ``front``: bodies of at most ``max_body_bytes``; a
-    connection whose client sends nothing for ``read_timeout_s`` seconds is closed (socket timeout;
-    waiting for an answer is not reading, so long generations are not cut)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = read_timeout_s  # a client that stops sending mid-request frees its thread
-
-
-        def log_message(self, fmt, *a):  # quiet: one line per request would flood the logs
-            pass
-
-        def _alive(self) -> bool:
-            return client_alive(self.connection)
-
-        def _send(self, status: int, obj: dict) -> None:
-            data = json.dumps(obj).encode()
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":  # a HEAD answer has the GET answer's headers, no content
-                    self.wfile.write(data)
-            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left: nothing to answer
-                pass
-
-        def _error(self, e: RequestError) -> None:
-            kind = "invalid_request_error" if e.status < 500 else "server_error"
-            self._send(e.status, {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}})
-
-        def do_GET(self):
-            if self.path == "/health":
-                self._send(200, front.health())
-            elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": front.model_id, "object": "model",
-                                                              "created": 0, "owned_by": "zerotron"}]})
-            else:
-                self._error(RequestError(f"no route GET {self.path}", status=404))
-
-        def do_POST(self):
-            if self.path != "/v1/completions":
-                self._error(RequestError(f"no route POST {self.path}", status=404))
-                return
-            try:
-                raw = self._body()
-            except TimeoutError:  # the client stopped sending mid-body
-                self.close_connection = True
-                self._error(RequestError(f"the request body did not arrive within {read_timeout_s:g} s", status=408))
-                return
-            except RequestError as e:
-                self.close_connection = True  # the rest of the body is unread: the connection is spent
-                self._error(e)
-                return
-            try:
-                body = json.loads(raw or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                self._error(RequestError(f"the body is not valid JSON: {e}"))
-                return
-            try:
-                if isinstance(body, dict) and body.get("stream") is True:
-                    self._stream(*front.stream(body, self._alive))
-                else:
-                    self._send(200, front.complete(body, self._alive))
-            except RequestError as e:
-                self._error(e)
-            except ClientGone:
-                self.close_connection = True
-
-        def _body(self) -> bytes:
-            """The request body: ``Content-Length`` bytes, or a ``Transfer-Encoding: chunked`` body
-            (HTTP/1.1, RFC 9112 section 7.1) decoded, at most ``max_body_bytes``. RequestError 411
-            without either, 413 when too large, 400 for a malformed length or chunk."""
-            too_big = RequestError(f"the body must be at most {max_body_bytes} bytes", status=413)
-            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                out = b""
-                while True:
-                    line = self.rfile.readline(1024)
-                    try:
-                        size = int(line.split(b";")[0].strip(), 16)
-                    except ValueError:
-                        raise RequestError(f"malformed chunk size line {line[:40]!r}") from None
-                    if size < 0 or len(out) + size > max_body_bytes:
-                        raise too_big
-                    if size == 0:
-                        while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                            pass  # trailer fields
-                        return out
-                    out += self.rfile.read(size)
-                    self.rfile.readline(8)  # the CRLF after the chunk's data
-            if "Content-Length" not in self.headers:
-                raise RequestError("the request needs a Content-Length header (or Transfer-Encoding: chunked)",
-                                   status=411)
-            try:
-                length = int(self.headers["Content-Length"])
-            except ValueError:
-                raise RequestError(f"Content-Length must be an integer, got {self.headers['Content-Length']!r}"[:200])\
-                    from None
-            if length < 0 or length > max_body_bytes:
-                raise too_big
-            return self.rfile.read(length)
-
-        def _not_allowed(self):
-            allow = "POST" if self.path == "/v1/completions" else "GET"
-            data = json.dumps({"error": {"message": f"method {self.command} is not allowed on {self.path}; "
-                                         f"use {allow}", "type": "invalid_request_error", "param": None,
-                                         "code": None}}).encode()
-            self.send_response(405)
-            self.send_header("Allow", allow)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-
-        def do_HEAD(self):
-            """HEAD of a GET route: its status and headers without the body (RFC 9110 9.3.2); of
-            /v1/completions: 405 without a body."""
-            if self.path == "/v1/completions":
-                self._not_allowed()
-            else:
-                self.do_GET()
-
-        do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
-
-        def _stream(self, job, events) -> None:
-            """Server-sent events, HTTP/1.1 chunked: one ``data: {json}`` per event, then [DONE]."""
-            def write(data: bytes) -> None:
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-                self.wfile.flush()
-            try:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                for ev in events:
-                    write(b"data: " + json.dumps(ev).encode() + b"\n\n")
-                if job.cancelled.is_set():  # the client left while waiting: nothing more to write
-                    self.close_connection = True
-                    return
-                write(b"data: [DONE]\n\n")
-                self.wfile.write(b"0\r\n\r\n")
-                self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError, TimeoutError):  # the client left: rows cancelled
+    async def events(job, st: Streamer):
+        """Server-sent events: ``data: {json}`` per event, then ``data: [DONE]``; a client that goes
+        away (the response task is cancelled) cancels the job."""
+        loop, woken = asyncio.get_running_loop(), asyncio.Event()
+        job.wake = lambda: loop.call_soon_threadsafe(woken.set)
+        sse = lambda ev: b"data: " + json.dumps(ev).encode() + b"\n\n"  # noqa: E731
+        try:
+            for ev in st.start():
+                yield sse(ev)
+            while True:
+                try:
+                    item = job.events.get_nowait()
+                except Exception:  # noqa: BLE001 - queue.Empty: wait for the batcher
+                    woken.clear()
+                    if job.events.empty():
+                        await woken.wait()
+                    continue
+                if item is None:
+                    break
+                for ev in st.token(*item):
+                    yield sse(ev)
+            for ev in st.end():
+                yield sse(ev)
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not job.done.is_set():
                 job.cancelled.set()
-                self.close_connection = True
+            front.account(job)
 
-    return Handler
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await completion(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await completion(request, chat=True)
+
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def models():
+        return front.models()
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health():
+        return front.health()
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics():
+        return PlainTextResponse(front.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return _Guard(app, front, api_key)
 
 
-class Listener(ThreadingHTTPServer):
-    """The HTTP server with a listen backlog for bursts of clients (socketserver's default of 5
-    resets connections beyond it)."""
+class ServerThread:
+    """uvicorn serving ``app`` on the bound socket ``sock`` in a daemon thread. :meth:`start`
+    returns once it accepts connections; :meth:`stop` closes the listener and the idle keep-alive
+    connections at once, lets responses being written finish (at most ``grace_s``), and joins."""
 
-    request_queue_size = 256
+    def __init__(self, app, sock: socket.socket, grace_s: float = 30.0):
+        import uvicorn
+
+        self.sock = sock
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=grace_s, timeout_keep_alive=60, backlog=256)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                       name="zerotron-http")
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.thread.start()
+        for _ in range(int(timeout_s / 0.01)):
+            if self.server.started or not self.thread.is_alive():
+                break
+            self.thread.join(0.01)
+        if not self.server.started:
+            raise RuntimeError("the HTTP server did not start")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
 
 
-def check_listen(host: str, port: int) -> None:
-    """Raise ValueError (one line naming the address and the fix) if this process cannot listen
-    on ``host``:``port`` (a port in use, an address of another machine, a name that does not
-    resolve); binds and closes a socket the way ``ThreadingHTTPServer`` does (SO_REUSEADDR)."""
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (0: any free port; SO_REUSEADDR). Raises
+    ValueError (one line naming the address and the fix) when this process cannot listen there
+    (a port in use, an address of another machine, a name that does not resolve)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+        sock = socket.socket(infos[0][0], socket.SOCK_STREAM)
+        try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(infos[0][4])
+            sock.listen(256)
+        except OSError:
+            sock.close()
+            raise
     except OSError as e:
         why = e.strerror or str(e)
         raise ValueError(f"cannot listen on {host}:{port} ({why}); choose another --port (0 = any free one) "
                          "or a --host address of this machine") from None
+    return sock
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise ValueError as :func:`bind` does if this process cannot listen on ``host``:``port``
+    (binds and closes a socket: the launcher's check before any worker starts)."""
+    bind(host, port).close()
