@@ -168,6 +168,16 @@ def test_bad_arguments_exit_2(capsys):
     assert bt.main(["--bogus-flag"]) == 2
 
 
+def test_context_parallel_refused_before_launch(capsys, monkeypatch):
+    """--parallel.cp 2: one line, exit 2, before any worker starts (before: the plan accepted it, the
+    workers built a cp-less mesh and ran plain data parallelism under the cp config)."""
+    monkeypatch.setattr(bt, "launch", lambda *a, **k: pytest.fail("workers launched for a cp plan"))
+    capsys.readouterr()
+    assert bt.main(["--config", str(TINY), "--nproc", "2", "--parallel.cp", "2", "--layouts", "dp"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.cp = 2" in err[0] and "zerotron train --parallel.cp" in err[0], err
+
+
 def test_in_process_skips_unbuildable_layouts(monkeypatch, data_cache, single_process):
     """World size 1: 'single' runs; a config refused by build_plan() and a strategy parallelize() does
     not provide are reported as skipped (with the error), and the run goes on."""

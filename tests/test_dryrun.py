@@ -177,3 +177,30 @@ def test_cli(tmp_path, capsys):
         assert dryrun_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
+
+
+def test_cli_json_path_checked_before_the_trace(tmp_path, capsys, monkeypatch):
+    """--json into a missing directory or onto a directory: one line, exit 2, before any tracing
+    (before: a traceback from open() after the whole trace, exit 1)."""
+    import zerotron.analysis.dryrun as dryrun
+    from zerotron.analysis.dryrun_cli import dryrun_main
+
+    def no_trace(*a, **k):
+        raise AssertionError("traced before the --json path was checked")
+
+    monkeypatch.setattr(dryrun, "dry_run", no_trace)
+    for out in (tmp_path / "missing" / "d.json", tmp_path):
+        argv = ["--config", "configs/tiny.toml", "--world", "2", "--json", str(out)]
+        assert dryrun_main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--json" in err[0] and "existing directory" in err[0], err
+
+
+def test_cli_world_error_names_this_commands_flag(capsys):
+    """A world the layout does not fit: the fix names --world (dryrun's flag), not --nproc, once."""
+    from zerotron.analysis.dryrun_cli import dryrun_main
+
+    assert dryrun_main(["--config", "configs/tiny.toml", "--world", "3", "--parallel.tp", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--world" in err[0] and "--nproc" not in err[0], err
+    assert err[0].count("world size 3") == 1, err

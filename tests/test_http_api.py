@@ -327,3 +327,21 @@ def test_chat_template_from_tokenizer_config(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{oops")
     with pytest.raises(ValueError, match="is not valid JSON"):
         load_chat_template(tmp_path)
+
+
+def test_union_field_errors_name_the_field_not_pydantic_internals():
+    """prompt / stop (a string or a list of strings): the 400 message names the field path a client
+    wrote and the member its input was meant for (before: "'prompt.constrained-str': Input should be
+    a valid string, got []" for an empty list)."""
+    from zerotron.serve.errors import RequestError
+    from zerotron.serve.schemas import CompletionRequest, validate
+
+    for body, words in (({"prompt": []}, "'prompt': List should have at least 1 item"),
+                        ({"prompt": ["a", 3]}, "'prompt.1': Input should be a valid string, got 3"),
+                        ({"prompt": ""}, "'prompt': String should have at least 1 character"),
+                        ({"prompt": 5}, "'prompt': Input should be a valid string, got 5"),
+                        ({"prompt": "a", "stop": [""]}, "'stop.0': String should have at least 1 character")):
+        with pytest.raises(RequestError) as e:
+            validate(CompletionRequest, body)
+        msg = str(e.value)
+        assert words in msg and "constrained" not in msg and e.value.param == next(iter(body.keys() - {"prompt"}), "prompt"), msg

@@ -159,3 +159,14 @@ def test_memory_main_dp_replicate(capsys):
     assert out["dp_replicate"] == 2 and [r["total_bytes"] for r in out["stages"]][3] == 14 * GB
     assert memory_main(["--params", "7e9", "--dp", "16", "--dp-replicate", "3"]) == 2
     assert "dp_replicate" in capsys.readouterr().err
+
+
+def test_cp_errors_name_the_one_problem(capsys):
+    """--cp 0 / -2 and a --seq the zigzag split cannot cut each get one line naming only their problem
+    (before: one message for both, ending in '--seq None' when no --seq was given)."""
+    for argv, words, absent in ((["--cp", "0"], "--cp must be >= 1, got 0", "None"),
+                                (["--cp", "-2"], "--cp must be >= 1, got -2", "None"),
+                                (["--cp", "3", "--seq", "64"], "--seq 64 is not divisible by 2*cp = 6", "got --cp")):
+        assert memory_main(["--model", "gpt2", "--dp", "2"] + argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0] and absent not in err[0], err

@@ -426,8 +426,9 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
 
     try:
         plan = build_plan(cfg, world)
-    except ConfigError as e:
-        raise DryRunError(f"{e} (world size {world})") from None
+    except ConfigError as e:  # the plan speaks of the training launcher's --nproc; here it is --world
+        msg = str(e).replace("--nproc", "--world")
+        raise DryRunError(msg if f"world size {world}" in msg else f"{msg} (world size {world})") from None
     if plan.runner not in ("plain", "pipeline"):
         raise DryRunError(f"parallel.pp_impl = {cfg.parallel.pp_impl!r} cannot be dry-run (it runs its stages in "
                           "threads or through torch.distributed.pipelining); use the native pipeline")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from zerotron.analysis.memory import GB, parse_memory
 
@@ -80,6 +81,12 @@ def dryrun_main(argv: list) -> int:
     try:
         if args.world < 1:
             raise DryRunError(f"--world must be >= 1, got {args.world}")
+        out = args.json_out
+        if out and out != "-" and (Path(out).is_dir() or not Path(out).resolve().parent.is_dir()):
+            # checked before the trace (minutes at scale), as bench checkpoint does; an existing file is
+            # replaced, as every result file of zerotron (bench --json, --markdown) is
+            raise DryRunError(f"--json {out}: not a file path in an existing directory; create the directory "
+                              "or pass e.g. --json dry.json")
         cfg = load_config(args.config, parse_overrides(rest))
         gpu_mem = parse_memory(args.gpu_mem) if args.gpu_mem else None
         records = dry_run(cfg, args.world, args.rank, gpu_mem)

@@ -316,9 +316,11 @@ def _memory_run(args) -> int:
                                  ("--microbatches", args.microbatches, 0)):
             if value is not None and value < low:  # this command's option names, not the estimator's
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        if args.cp < 1 or (args.seq is not None and args.seq % (2 * args.cp)):
-            raise ValueError(f"--cp must be >= 1 with --seq divisible by 2*cp (the zigzag split), got --cp {args.cp} "
-                             f"--seq {args.seq}")
+        if args.cp < 1:
+            raise ValueError(f"--cp must be >= 1, got {args.cp}")
+        if args.seq is not None and args.seq % (2 * args.cp):
+            raise ValueError(f"--seq {args.seq} is not divisible by 2*cp = {2 * args.cp} (each cp rank holds two "
+                             "zigzag chunks of the sequence); change --seq or --cp")
         if (args.seq is not None or args.tp != 1 or args.pp != 1) and not args.model:
             raise ValueError("--seq, --tp and --pp need a model shape: use --model PRESET")
         if args.model:  # the tensor-parallel rule, with this command's option names

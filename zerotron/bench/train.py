@@ -233,6 +233,16 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
             "peak_mem_kind": "cuda max_memory_allocated" if dev.type == "cuda" else "peak RSS (VmHWM)"}
 
 
+def check_runs(plan) -> None:
+    """Refuse (ValueError, one line naming the fix) a plan this benchmark cannot run faithfully: it
+    builds its mesh from (dp, tp, pp, dp_replicate) and slices batches over dp only, so a context-
+    parallel plan (``parallel.cp > 1``) would run as plain data parallelism under the cp label."""
+    if plan.cp > 1:
+        raise ValueError(f"parallel.cp = {plan.cp}: zerotron bench train does not split sequences over a cp "
+                         "group yet; measure context parallelism with 'zerotron train --parallel.cp N' or set "
+                         "parallel.cp = 1")
+
+
 def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, rounds: int, dev, data) -> list[dict]:
     """Every round and layout (collective, on every rank); returns per-(round, layout) records."""
     n, threads, cache, skipped, records = dist.get_world_size(), torch.get_num_threads(), {}, {}, []
@@ -246,7 +256,7 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
                         raise ValueError(f"layout {name!r} needs {w} ranks, the run has {n}")
                     own = [(k, str(v).format(world=n)) for k, v in layout.overrides.items()]
                     cfg = load_config(path, [*overrides, *own])
-                    build_plan(cfg, w)
+                    check_runs(build_plan(cfg, w))
                     mesh = _mesh(cache, ParallelDims(w, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_replicate), n, dev)
                 except ValueError as e:  # ConfigError is a ValueError
                     skipped[name] = {"layout": name, "world_size": w, "skipped": True, "error": str(e)}
@@ -290,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--steps, --rounds and --nproc must be >= 1 and --warmup >= 0")
         overrides = parse_overrides(rest)
         cfg = load_config(args.config, overrides)
-        build_plan(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc)
+        check_runs(build_plan(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc))
         if args.nproc > 1 and not in_worker():
             d = cfg.data  # build the token cache once, before the workers start
             prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,

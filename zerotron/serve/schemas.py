@@ -164,6 +164,17 @@ class ChatRequest(_Sampling):
                                              "response_format": (None, {"type": "text"})}[info.field_name])
 
 
+def _member_tag(x) -> bool:
+    """Whether a pydantic error location part names a union member ("constrained-str",
+    "list[constrained-str]"), not a field or list index: left out of the field path shown."""
+    return isinstance(x, str) and (not x.isidentifier() or x in ("str", "int", "float", "bool", "list", "dict"))
+
+
+def _member_type_mismatch(err: dict) -> bool:
+    return err["type"].endswith("_type") and any(_member_tag(x) for x in err["loc"]) and \
+        not any(isinstance(x, int) for x in err["loc"])
+
+
 def validate(model: type[BaseModel], body) -> BaseModel:
     """``model.model_validate(body)``; raises RequestError 400 naming the first bad field
     (``param``: its top-level name; ``code``: "unknown_parameter" / "unsupported_parameter" / None)."""
@@ -172,7 +183,12 @@ def validate(model: type[BaseModel], body) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
+        errs = e.errors(include_url=False)
+        err = errs[0]
+        # a union field (prompt, stop: a string or a list of them) fails once per member; report the
+        # member the input was meant for (the one not failing on the input's type), not the first
+        same = [x for x in errs if x["loc"][:1] == err["loc"][:1]]
+        err = next((x for x in same if not _member_type_mismatch(x)), err)
         field = str(err["loc"][0]) if err["loc"] else None
         kind = err["type"]
         if kind == "extra_forbidden":
@@ -183,7 +199,7 @@ def validate(model: type[BaseModel], body) -> BaseModel:
             raise RequestError(f"'{field}' is required", param=field) from None
         if kind in ("unsupported_parameter", "unicode"):
             raise RequestError(err["msg"], param=field, code=kind if kind != "unicode" else None) from None
-        where = ".".join(str(x) for x in err["loc"])
+        where = ".".join(str(x) for x in err["loc"] if not _member_tag(x))
         raise RequestError(f"'{where}': {err['msg']}, got {err.get('input')!r}"[:300], param=field) from None
 
 
