@@ -24,6 +24,17 @@ what ``ring_attention(timings=...)`` reports). Hidden fraction = ``1 - wait_s / 
 every transfer finished behind the compute, 0 when the ring waited as long as the transfers take
 alone. It can fall below 0: a wait also holds the time a slower peer needs to post its send
 (imbalance, a loaded machine), which this figure does not separate from transfer time.
+
+``zerotron bench context [--nproc 2] [--config F] [--seq 256,512] [--layouts cp-ring,dp,cp-a2a]
+[--steps K] [--warmup W] [--rounds R] [--repeats N] [--balance] [--json OUT] [--section.field V ...]``:
+for each length, ``model.block_size = seq`` and every layout runs as in ``zerotron bench train``
+(:func:`zerotron.bench.train.run_benchmark`: same global batch for all, tokens/s of the whole
+global batch, peak memory max over ranks), with paired ratios between the layouts of that length;
+then ring attention at the model's attention shape (micro-batch, heads, kv heads, head dim) on
+all ``nproc`` ranks as one cp group gives the hidden transfer fraction, and ``--balance`` adds the
+zigzag vs contiguous balance (:func:`balance_summary`). A command of its own rather than ``bench
+train --seq``: bench train compares layouts at one config, while this sweep changes the model
+shape per row and adds kernel timings that are not training layouts.
 """
 from __future__ import annotations
 
