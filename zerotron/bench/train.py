@@ -12,7 +12,9 @@ reported as skipped with the error (the run goes on).
 Method. Each round runs every layout (order rotated by one per round), built from scratch (same seed
 and initial weights; data from the token cache): ``warmup`` untimed then ``steps`` timed
 ``train_step`` calls on the real global batches of steps 0, 1, ...; a barrier over all ranks starts
-the clock. Per round: tokens/s = steps x global_batch x seq_len / (max over ranks of the elapsed
+the clock. As in the trainer, a layout's mesh is its plan's dims (``plan.build_plan``, cp included):
+each rank trains its dp rank's share of the global batch, cut to its cp rank's zigzag chunks
+(``parallel.context.split``), and target tokens are counted over the batch group (dp x cp). Per round: tokens/s = steps x global_batch x seq_len / (max over ranks of the elapsed
 seconds); step time (s) = median over steps of the max over ranks. Reported: medians over rounds;
 ratios ``vs X`` = median over rounds of the paired ratio tokens/s(layout) / tokens/s(X) of the same
 round. CPU s/step: process CPU seconds (all threads) of the timed steps / steps, summed over ranks
