@@ -168,14 +168,14 @@ def test_bad_arguments_exit_2(capsys):
     assert bt.main(["--bogus-flag"]) == 2
 
 
-def test_context_parallel_refused_before_launch(capsys, monkeypatch):
-    """--parallel.cp 2: one line, exit 2, before any worker starts (before: the plan accepted it, the
-    workers built a cp-less mesh and ran plain data parallelism under the cp config)."""
-    monkeypatch.setattr(bt, "launch", lambda *a, **k: pytest.fail("workers launched for a cp plan"))
+def test_plan_refusal_before_launch(capsys, monkeypatch):
+    """A layout the plan refuses (cp 3 on 2 processes: not a factor of the world): one line, exit 2,
+    before any worker starts."""
+    monkeypatch.setattr(bt, "launch", lambda *a, **k: pytest.fail("workers launched for a refused plan"))
     capsys.readouterr()
-    assert bt.main(["--config", str(TINY), "--nproc", "2", "--parallel.cp", "2", "--layouts", "dp"]) == 2
+    assert bt.main(["--config", str(TINY), "--nproc", "2", "--parallel.cp", "3", "--layouts", "dp"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "parallel.cp = 2" in err[0] and "zerotron train --parallel.cp" in err[0], err
+    assert len(err) == 1 and "cp" in err[0], err
 
 
 def test_in_process_skips_unbuildable_layouts(monkeypatch, data_cache, single_process):
@@ -281,7 +281,7 @@ def test_model_splitting_layouts_on_one_rank_say_so():
     one = SimpleNamespace(dims=SimpleNamespace(world_size=1))
     for name in ("tp", "tp-sp-mb4", "pp-1f1b", "tp-dtensor"):
         with pytest.raises(ValueError, match=r"needs 2 or more ranks \(--nproc 2\)") as e:
-            bt._build(None, one, None, bt.get_layout(name), 1)
+            bt._build(None, None, one, None, bt.get_layout(name), 1)
         assert f"layout {name} sets parallel." in str(e.value)
 
 
@@ -312,3 +312,27 @@ def test_link_bytes_read_from_the_interface_counter(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     want = int(open(f"/sys/class/net/{ifname}/statistics/tx_bytes").read())
     assert want <= bt._link_tx_bytes() <= want + 10**9
+
+
+def test_context_parallel_layouts_count_the_whole_global_batch(tmp_path, data_cache):
+    """cp 2 on 2 processes: the plan's dims build the mesh (the ring and a2a really run: their
+    transfers are counted), each step trains the whole global batch (tokens per step equal dp's,
+    gradients all-reduced over dp x cp), and dp x cp on 2 processes is skipped naming the 4 ranks."""
+    js = tmp_path / "cp.json"
+    cmd = ["bench", "train", "--nproc", "2", "--config", str(TINY), "--steps", "1", "--warmup", "0",
+           "--rounds", "1", "--layouts", "dp,cp-ring,cp-a2a,dp-cp-ring", "--json", str(js),
+           "--log.progress", "false", "--data.cache_dir", data_cache]
+    p = run_cli(cmd, timeout=300, cwd=ROOT, env={**os.environ})
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = {r["layout"]: r for r in json.loads(js.read_text())}
+    dp, ring, a2a = rows["dp"], rows["cp-ring"], rows["cp-a2a"]
+    assert ring["impl"] == "DataParallel x CP2 (ring)" and a2a["impl"] == "DataParallel x CP2 (a2a)", (ring, a2a)
+    for r in (ring, a2a):
+        assert r["world_size"] == 2 and r["tokens_per_step"] == dp["tokens_per_step"] == 8 * 64
+        assert r["comm_bytes_by_tag"]["grad"] == dp["comm_bytes_by_tag"]["grad"]  # one all-reduce over dp x cp
+        assert 0.95 <= r["tokens_per_s"] * r["step_time_s"] / r["tokens_per_step"] <= 1.05  # 1 step: the batch
+    # the ring: per hop one K/V block forward and backward, and as many gradient-accumulator hops
+    assert ring["comm_bytes_by_tag"]["cp_kv"] == ring["comm_bytes_by_tag"]["cp_dkv"] > 0
+    assert a2a["comm_bytes_by_tag"]["cp_a2a"] > 0 and "cp_kv" not in a2a["comm_bytes_by_tag"]
+    assert not any(k.startswith("cp_") for k in dp["comm_bytes_by_tag"])
+    assert rows["dp-cp-ring"]["skipped"] and "needs 4 ranks" in rows["dp-cp-ring"]["error"]

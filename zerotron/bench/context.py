@@ -1,5 +1,7 @@
 """Load balance of ring attention (issue 28): per-rank attention time, forward + backward, under the
-zigzag split and under the plain contiguous split. Not yet wired to the CLI.
+zigzag split and under the plain contiguous split, and how much of the ring's transfer time its
+compute hides; and ``zerotron bench context``, a sequence-length sweep of context parallelism
+against data parallelism (:func:`main`).
 
 Method. Each cp rank builds random q, k, v of its T/cp tokens (``batch``, ``heads``, ``kv_heads``,
 ``head_dim``, ``dtype``), runs ``warmup`` untimed iterations of
@@ -11,6 +13,28 @@ peers, so the wall time cannot show the imbalance; the compute time does). Each 
 the median over the timed iterations. Imbalance = max / min of the ranks' compute times (1.0 is
 perfect balance). Ranks run with one intra-op thread each (``zerotron.testing.run_ranks``): an idle
 machine with a core per rank gives the clean figure.
+
+Hidden transfer fraction. One forward + backward of ring attention on cp ranks moves ``3 cp - 2``
+messages of one K/V block each, (2, batch, kv_heads, T/cp, head_dim) (forward: cp - 1 K/V hops;
+backward: cp - 1 K/V hops and cp hops of the K/V gradient accumulators, in the compute dtype).
+``transfer_s`` = that count x the median seconds of one such hop done alone (send to the next rank,
+receive from the previous, waited at once, no compute running: :func:`ring_hop_seconds`).
+``wait_s`` = the seconds the ring waited for its transfers in the iteration (forward + backward,
+what ``ring_attention(timings=...)`` reports). Hidden fraction = ``1 - wait_s / transfer_s``: 1 when
+every transfer finished behind the compute, 0 when the ring waited as long as the transfers take
+alone. It can fall below 0: a wait also holds the time a slower peer needs to post its send
+(imbalance, a loaded machine), which this figure does not separate from transfer time.
+
+``zerotron bench context [--nproc 2] [--config F] [--seq 256,512] [--layouts cp-ring,dp,cp-a2a]
+[--steps K] [--warmup W] [--rounds R] [--repeats N] [--balance] [--json OUT] [--section.field V ...]``:
+for each length, ``model.block_size = seq`` and every layout runs as in ``zerotron bench train``
+(:func:`zerotron.bench.train.run_benchmark`: same global batch for all, tokens/s of the whole
+global batch, peak memory max over ranks), with paired ratios between the layouts of that length;
+then ring attention at the model's attention shape (micro-batch, heads, kv heads, head dim) on
+all ``nproc`` ranks as one cp group gives the hidden transfer fraction, and ``--balance`` adds the
+zigzag vs contiguous balance (:func:`balance_summary`). A command of its own rather than ``bench
+train --seq``: bench train compares layouts at one config, while this sweep changes the model
+shape per row and adds kernel timings that are not training layouts.
 """
 from __future__ import annotations
 
@@ -19,7 +43,29 @@ import time
 
 import torch
 
-__all__ = ["attention_balance", "rank_attention_times"]
+__all__ = ["attention_balance", "balance_summary", "rank_attention_times", "ring_hop_seconds", "main"]
+
+
+def ring_hop_seconds(group, shape, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Median seconds of one ring hop alone on the cp ``group`` (all ranks call it): post the send
+    of a ``shape`` tensor to the next rank and the receive from the previous, wait for both, nothing
+    else running (a barrier before each). Tag ``cp_hop`` in ``comm.STATS``."""
+    from zerotron.distributed import comm
+    from zerotron.distributed.groups import group_ranks, process_group
+
+    pg = process_group(group)
+    cp, rank = group.size(), group.rank()
+    ranks = group_ranks(group) or list(range(cp))
+    x, times = torch.zeros(shape, dtype=dtype), []
+    for _ in range(repeats + 1):  # the first is a warm-up (connection set-up)
+        comm.barrier(pg)
+        t0 = time.perf_counter()
+        buf = torch.empty_like(x)
+        for w in comm.batch_isend_irecv([("send", x, ranks[(rank + 1) % cp]), ("recv", buf, ranks[(rank - 1) % cp])],
+                                        group=group, tag="cp_hop"):
+            w.wait()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: int = 1, heads: int = 8,
@@ -31,7 +77,9 @@ def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: 
     ``compute_min_s`` its minimum, the least disturbed on a shared machine),
     ``forward_compute_s``, ``backward_compute_s``, ``wait_s`` (transfer waits), ``wall_s``;
     plus ``rank`` (in the group), ``layout`` and ``work_blocks`` (``ring.rank_work``: the
-    computed score blocks, the expected time ratio between ranks). Raises ValueError as ring_attention does."""
+    computed score blocks, the expected time ratio between ranks), ``transfer_s`` (the iteration's
+    3 cp - 2 hops timed alone, :func:`ring_hop_seconds`) and ``hidden_fraction`` = 1 - wait_s /
+    transfer_s (module doc). Raises ValueError as ring_attention does."""
     from zerotron.distributed import comm
     from zerotron.distributed.groups import process_group
     from zerotron.parallel.context.ring import rank_work, ring_attention
@@ -43,6 +91,11 @@ def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: 
     k, v = (torch.randn(batch, kv_heads or heads, t, head_dim, generator=gen).to(dtype).requires_grad_()
             for _ in range(2))
     dout = torch.randn(batch, heads, t, head_dim, generator=gen).to(dtype)
+    cdt = torch.promote_types(dtype, torch.float32)
+    block = (2, batch, kv_heads or heads, t, head_dim)
+    hop_kv = ring_hop_seconds(group, block, dtype, repeats)
+    hop_dkv = hop_kv if cdt == dtype else ring_hop_seconds(group, block, cdt, repeats)
+    transfer = 2 * (cp - 1) * hop_kv + cp * hop_dkv
     rows = []
     for i in range(warmup + repeats):
         comm.barrier(process_group(group))
@@ -54,10 +107,12 @@ def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: 
             rows.append(dict(timings, wall_s=wall))
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     compute = [r["forward_compute_s"] + r["backward_compute_s"] for r in rows]
+    wait = med["forward_wait_s"] + med["backward_wait_s"]
     return {"rank": rank, "layout": layout, "work_blocks": rank_work(layout, cp, rank),
             "compute_s": statistics.median(compute), "compute_min_s": min(compute),
             "forward_compute_s": med["forward_compute_s"], "backward_compute_s": med["backward_compute_s"],
-            "wait_s": med["forward_wait_s"] + med["backward_wait_s"], "wall_s": med["wall_s"]}
+            "wait_s": wait, "wall_s": med["wall_s"], "transfer_s": transfer,
+            "hidden_fraction": 1 - wait / transfer if transfer > 0 else None}
 
 
 def _ranks(seq_len, layouts, kwargs):
@@ -76,7 +131,12 @@ def attention_balance(cp: int, seq_len: int, layouts=("zigzag", "contiguous"), *
     max/min of work_blocks}}``. Raises RuntimeError if a rank fails."""
     from zerotron.testing import run_ranks
 
-    per_rank = run_ranks(_ranks, cp, seq_len, tuple(layouts), kwargs, timeout_s=600)
+    return balance_summary(run_ranks(_ranks, cp, seq_len, tuple(layouts), kwargs, timeout_s=600), layouts)
+
+
+def balance_summary(per_rank: list[dict], layouts) -> dict:
+    """``per_rank[r][layout]``: rank r's :func:`rank_attention_times` of each layout -> what
+    :func:`attention_balance` returns."""
     out = {}
     for layout in layouts:
         ranks = [r[layout] for r in per_rank]
@@ -88,9 +148,169 @@ def attention_balance(cp: int, seq_len: int, layouts=("zigzag", "contiguous"), *
     return out
 
 
-if __name__ == "__main__":  # python -m zerotron.bench.context [cp seq_len repeats]
-    import json
-    import sys
+DEFAULT_LAYOUTS = "cp-ring,dp,cp-a2a"
 
-    cp_, seq_, reps = (int(a) for a in (sys.argv[1:4] if len(sys.argv) > 3 else (2, 2048, 5)))
-    print(json.dumps(attention_balance(cp_, seq_, repeats=reps), indent=1))
+
+def _parser():
+    from zerotron.cli_help import HelpFormatter, OneLineErrorParser
+
+    from .train import DEFAULT_CONFIG
+
+    p = OneLineErrorParser(prog="zerotron bench context", allow_abbrev=False, formatter_class=HelpFormatter,
+                           description="Sequence-length sweep of context parallelism: for each --seq, 'bench train' of "
+                           "--layouts at model.block_size = seq (same global batch), the ring's hidden transfer "
+                           "fraction at the model's attention shape, and with --balance the per-rank attention time "
+                           "under the zigzag and contiguous splits; --section.field VALUE overrides a config field.")
+    p.add_argument("--nproc", type=int, default=2, help="local worker processes (the ring timing runs at cp = nproc)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="TOML config")
+    p.add_argument("--seq", default="256,512", help="comma list of sequence lengths (model.block_size)")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="bench train layouts run at each length")
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per layout and round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
+    p.add_argument("--rounds", type=int, default=2, help="rounds; the layout order rotates every round")
+    p.add_argument("--repeats", type=int, default=3, help="timed ring attention iterations per length")
+    p.add_argument("--balance", action="store_true", help="also time each rank's attention, zigzag vs contiguous split")
+    p.add_argument("--json", help="write the rows here (rank 0)")
+    return p
+
+
+def _attention_shape(cfg, vocab: int) -> dict:
+    """rank_attention_times keywords of the model's attention at ``cfg``: batch = train.micro_batch,
+    heads, kv_heads, head_dim = n_embd / n_head, float32 (float64 under train.dtype fp64)."""
+    from zerotron.train.setup import gpt_config
+
+    m = gpt_config(cfg, vocab)
+    return {"batch": cfg.train.micro_batch, "heads": m.n_head, "kv_heads": getattr(m, "n_kv_head", None) or m.n_head,
+            "head_dim": m.n_embd // m.n_head, "dtype": torch.float64 if cfg.train.dtype == "fp64" else torch.float32}
+
+
+def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance, dev, data) -> list[dict]:
+    """Collective over every rank: per length, the :func:`zerotron.bench.train.summarize` rows of
+    ``names`` (``seq`` added), a ``"ring"`` row (per-rank ring timing on the whole world as the cp
+    group: ``compute_s``, ``wait_s``, ``transfer_s``, ``hidden_fraction`` min over ranks, ``ranks``),
+    and with ``balance`` a ``"balance"`` row (:func:`balance_summary` of zigzag and contiguous)."""
+    import torch.distributed as dist
+
+    from zerotron.config import load_config
+    from zerotron.distributed import comm
+    from zerotron.distributed.comm import NamedGroup
+
+    from .report import paired_ratio, summarize
+    from .train import run_benchmark
+
+    group, rows = NamedGroup(dist.group.WORLD, "cp"), []
+    for seq in seqs:
+        over = [*overrides, ("model.block_size", str(seq))]
+        layer = {r["layout"]: r for r in summarize(run_benchmark(path, over, names, steps, warmup, rounds, dev, data))}
+        for r in layer.values():
+            for base in names:
+                if base != r["layout"] and not r.get("skipped") and not layer[base].get("skipped"):
+                    r[f"ratio_vs_{base}"] = paired_ratio(r["tokens_per_s_rounds"], layer[base]["tokens_per_s_rounds"])
+            rows.append({"seq": seq, "kind": "train", **r})
+        shape = _attention_shape(load_config(path, over), data.vocab_size)
+        layouts = ("zigzag", "contiguous") if balance else ("zigzag",)
+        mine = {lay: rank_attention_times(group, seq, lay, repeats=repeats, **shape) for lay in layouts}
+        per_rank = comm.all_gather_object(mine)
+        ring = [r["zigzag"] for r in per_rank]
+        rows.append({"seq": seq, "kind": "ring", "layout": "ring-attention", "cp": len(ring),
+                     **{k: v for k, v in shape.items() if k != "dtype"}, "dtype": str(shape["dtype"]),
+                     "compute_s": max(r["compute_s"] for r in ring), "wait_s": max(r["wait_s"] for r in ring),
+                     "transfer_s": max(r["transfer_s"] for r in ring),
+                     "hidden_fraction": min(r["hidden_fraction"] for r in ring), "ranks": ring})
+        if balance:
+            rows.append({"seq": seq, "kind": "balance", "layout": "ring-attention", "cp": len(ring),
+                         **balance_summary(per_rank, layouts)})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A markdown table of the sweep: one line per (seq, layout) and per ring/balance row."""
+    out = ["| seq | layout | impl | tokens/s | peak mem MiB (max over ranks) | ratios |", "|---:|---|---|---:|---:|---|"]
+    for r in rows:
+        if r["kind"] == "train" and r.get("skipped"):
+            out.append(f"| {r['seq']} | {r['layout']} | skipped: {r['error']} | | | |")
+        elif r["kind"] == "train":
+            ratios = ", ".join(f"/{k[9:]} {v:.3f}" for k, v in r.items() if k.startswith("ratio_vs_") and v is not None)
+            out.append(f"| {r['seq']} | {r['layout']} | {r['impl']} | {r['tokens_per_s']:,.0f} | "
+                       f"{r['peak_mem_bytes'] / 2**20:,.0f} | {ratios} |")
+    out.append("\n| seq | ring attention fwd+bwd: compute s | wait s | transfer s (alone) | hidden fraction |"
+               "\n|---:|---:|---:|---:|---:|")
+    out += [f"| {r['seq']} | {r['compute_s']:.4f} | {r['wait_s']:.4f} | {r['transfer_s']:.4f} | {r['hidden_fraction']:.3f} |"
+            for r in rows if r["kind"] == "ring"]
+    bal = [r for r in rows if r["kind"] == "balance"]
+    if bal:
+        out.append("\n| seq | split | compute imbalance (max/min over ranks) | of the least disturbed | work imbalance |"
+                   "\n|---:|---|---:|---:|---:|")
+        out += [f"| {r['seq']} | {lay} | {r[lay]['imbalance']:.3f} | {r[lay]['imbalance_min']:.3f} | "
+                f"{r[lay]['work_imbalance']:.3f} |" for r in bal for lay in ("zigzag", "contiguous")]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``zerotron bench context`` (module doc, :func:`sweep`); returns an exit code
+    (2 for bad arguments or a refused config)."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from zerotron.config import load_config, parse_overrides
+    from zerotron.data import prepare_data
+    from zerotron.distributed.mesh import destroy, init_distributed, teardown
+    from zerotron.launch import in_worker, launch, strip_nproc
+    from zerotron.train.setup import load_data
+
+    from .layouts import parse_layouts
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, rest = _parser().parse_known_args(argv)
+        names = parse_layouts(args.layouts)
+        try:
+            seqs = [int(x) for x in args.seq.split(",") if x.strip()]
+        except ValueError:
+            seqs = []
+        if not seqs or min(seqs) < 1:
+            raise ValueError(f"--seq must be a comma list of positive sequence lengths, got {args.seq!r}")
+        if min(args.steps, args.rounds, args.repeats, args.nproc - 1) < 1 or args.warmup < 0:
+            raise ValueError("--steps, --rounds and --repeats must be >= 1, --warmup >= 0 and --nproc >= 2 "
+                             "(the ring needs 2 ranks)")
+        overrides = parse_overrides(rest)
+        cfg = load_config(args.config, overrides)
+        if args.nproc > 1 and not in_worker():
+            d = cfg.data  # build the token cache once, before the workers start
+            prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
+                         d.tokenizer or None)
+            return launch(args.nproc, strip_nproc(argv), module="zerotron.bench.context")
+    except SystemExit as e:  # argparse: --help or a bad option
+        return int(e.code or 0)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError, DataError
+        print(f"zerotron bench context: error: {e}", file=sys.stderr)
+        return 2
+
+    owned = not dist.is_initialized()
+    rank, n, dev = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s,
+                                    torch.device("cpu") if cfg.train.device == "cpu" else None)
+    try:
+        data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
+        rows = sweep(args.config, overrides, seqs, names, args.steps, args.warmup, args.rounds, args.repeats,
+                     args.balance, dev, data)
+    except BaseException:
+        if owned:
+            destroy()
+        raise
+    if owned:
+        teardown()
+    if rank == 0:
+        print(f"zerotron bench context: {n} rank(s), {dev.type}, torch {torch.__version__}\n{format_rows(rows)}")
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":  # python -m zerotron.bench.context (what --nproc launches)
+    sys_exit = main()
+    raise SystemExit(sys_exit)

@@ -48,6 +48,10 @@ LAYOUTS = {x.name: x for x in (
     *(Layout(f"pp-torch-{n}", {"parallel.pp": "{world}", "parallel.pp_impl": "torch", "parallel.pp_schedule": k,
                                **({"parallel.virtual_stages": 2} if k == "interleaved" else {})}, **_NEW)
       for n, k in (("gpipe", "gpipe"), ("1f1b", "1f1b"), ("interleaved", "interleaved"), ("zb", "zb-h1"))),
+    # context parallelism: each sequence split over 2 ranks (zigzag), attention by ring / all-to-all /
+    # all-gather (parallel.cp_impl); dp-cp-ring: 2 data-parallel replicas x cp 2 (4 ranks)
+    *(Layout(f"cp-{k}", {"parallel.cp": 2, "parallel.cp_impl": k}, world=2) for k in ("ring", "a2a", "allgather")),
+    Layout("dp-cp-ring", {"parallel.dp": 2, "parallel.cp": 2, "parallel.cp_impl": "ring"}, world=4),
     # one process, 2 stage threads (GPipe; the in-process executor), against pp-gpipe's 2 processes
     Layout("pp-threads-gpipe", {"parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
                                 "parallel.virtual_stages": 2}, world=1, **_NEW),

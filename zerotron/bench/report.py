@@ -83,15 +83,17 @@ def _base(name: str) -> str:
     return name
 
 
-def impl_name(strategy, dp: int, sequence_parallel: bool = False) -> str:
+def impl_name(strategy, dp: int, sequence_parallel: bool = False, cp: int = 1, cp_impl: str = "ring") -> str:
     """What a layout runs, for the table's impl column: the strategy class, prefixed by
     "TensorParallel" (``+SP``) when the model is tensor-parallel (``strategy.tp_group`` set); a
-    data-parallel wrapper over a single dp rank (the ``tp`` layouts) is not named: it does nothing."""
+    data-parallel wrapper over a single dp rank (the ``tp`` layouts) is not named: it does nothing.
+    Context parallelism (``cp > 1``) adds `` x CP2 (ring)`` (degree and ``parallel.cp_impl``)."""
     name = type(strategy).__name__
+    ctx = f" x CP{cp} ({cp_impl})" if cp > 1 else ""
     if getattr(strategy, "tp_group", None) is None:
-        return name
+        return name + ctx
     tp = "TensorParallel+SP" if sequence_parallel else "TensorParallel"
-    return tp if dp == 1 and name in ("DataParallel", "TorchDDP") else f"{tp} x {name}"
+    return (tp if dp == 1 and name in ("DataParallel", "TorchDDP") else f"{tp} x {name}") + ctx
 
 
 def _f(v, spec: str = ",.0f") -> str:

@@ -12,7 +12,9 @@ reported as skipped with the error (the run goes on).
 Method. Each round runs every layout (order rotated by one per round), built from scratch (same seed
 and initial weights; data from the token cache): ``warmup`` untimed then ``steps`` timed
 ``train_step`` calls on the real global batches of steps 0, 1, ...; a barrier over all ranks starts
-the clock. Per round: tokens/s = steps x global_batch x seq_len / (max over ranks of the elapsed
+the clock. As in the trainer, a layout's mesh is its plan's dims (``plan.build_plan``, cp included):
+each rank trains its dp rank's share of the global batch, cut to its cp rank's zigzag chunks
+(``parallel.context.split``), and target tokens are counted over the batch group (dp x cp). Per round: tokens/s = steps x global_batch x seq_len / (max over ranks of the elapsed
 seconds); step time (s) = median over steps of the max over ranks. Reported: medians over rounds;
 ratios ``vs X`` = median over rounds of the paired ratio tokens/s(layout) / tokens/s(X) of the same
 round. CPU s/step: process CPU seconds (all threads) of the timed steps / steps, summed over ranks
@@ -66,10 +68,11 @@ from zerotron.config import load_config, parse_overrides
 from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows, prepare_data
 from zerotron.dims import AXES
 from zerotron.distributed import comm
-from zerotron.distributed.mesh import Mesh, ParallelDims, destroy, init_distributed, teardown
+from zerotron.distributed.mesh import Mesh, destroy, init_distributed, teardown
 from zerotron.launch import in_worker, launch, strip_nproc
 from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
+from zerotron.parallel.context.split import split_sequence
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.plan import build_plan
 from zerotron.train.optim import build_scheduler
@@ -125,7 +128,7 @@ def _mesh(cache: dict, dims, n: int, device):
     return cache[key]
 
 
-def _build(cfg, mesh, data, layout: Layout, steps: int):
+def _build(cfg, plan, mesh, data, layout: Layout, steps: int):
     """``(strategy, optimizer, scheduler, micro-batches of steps 0..steps-1, n_params, seq_len,
     tokens in one epoch of the train split)``. Raises ValueError for a layout that splits the model
     over the ranks (``"{world}"`` degree) on one rank, NotImplementedError for a strategy
@@ -137,7 +140,7 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     mcfg, t = gpt_config(cfg, data.vocab_size), cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank and layout
     model = build_model(mcfg).to(mesh.device)
-    strategy = parallelize(model, build_plan(cfg, mesh.dims.world_size), mesh)
+    strategy = parallelize(model, plan, mesh)
     if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
         raise NotImplementedError(f"parallelize() returned a plain {type(strategy).__name__} for "
                                   f"{layout.overrides}: this strategy is not implemented yet")
@@ -147,22 +150,24 @@ def _build(cfg, mesh, data, layout: Layout, steps: int):
     opt = strategy.build_optimizer(t, strategy.decay_mask)
     sampler = GlobalBatchSampler(num_windows(len(data.train), mcfg.block_size), t.global_batch, t.seed)
     dpr, dp, mb, batches = mesh.local_rank("dp"), mesh.size("dp"), t.micro_batch, []
-    for s in range(steps):
+    cpr, cp = mesh.local_rank("cp"), mesh.size("cp")
+    for s in range(steps):  # as the trainer: this dp rank's windows, this cp rank's zigzag chunks of each
         idx = sampler.local_indices(s, dpr, dp)
-        batches.append([batch_from_indices(data.train, idx[i:i + mb], mcfg.block_size) for i in range(0, len(idx), mb)])
+        mbs = (batch_from_indices(data.train, idx[i:i + mb], mcfg.block_size) for i in range(0, len(idx), mb))
+        batches.append([(split_sequence(x, cp, cpr), split_sequence(y, cp, cpr)) for x, y in mbs])
     torch.manual_seed(t.seed + 1 + mesh.rank)
     epoch_tokens = num_windows(len(data.train), mcfg.block_size) * mcfg.block_size
     return strategy, opt, build_scheduler(opt, t), batches, model.num_params(), mcfg.block_size, epoch_tokens
 
 
-def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, threads: int, w: int) -> dict:
+def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, dev, threads: int, w: int) -> dict:
     """One round of one layout; collective over the world (ranks with ``mesh`` None just wait).
     Returns the same record on every rank (seconds, tokens/s, bytes) or a skipped record."""
     rec, err, built, local = {"layout": layout.name, "world_size": w}, None, None, None
     _peak_mem(dev, reset=True)
     if mesh is not None:
         try:
-            built = _build(cfg, mesh, data, layout, warmup + steps)
+            built = _build(cfg, plan, mesh, data, layout, warmup + steps)
         except Exception as e:  # noqa: BLE001 - a layout that cannot be built is reported, not fatal
             err = f"{type(e).__name__}: {e}"
     errs = [e for e in comm.all_gather_object(err) if e]
@@ -176,7 +181,7 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
         torch.set_num_threads(threads)
 
         def step(s):
-            train_step(strat, opt, sched, batches[s], mesh.group("dp"), t.grad_clip, t.dtype, dev)
+            train_step(strat, opt, sched, batches[s], mesh.group("batch"), t.grad_clip, t.dtype, dev)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         for s in range(warmup):
@@ -204,7 +209,8 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
         local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev), "link": link,
                  "state": strat.model_state_bytes(opt),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
-                 "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel), "params": n_params, "tokens": t.global_batch * seq_len,
+                 "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel, mesh.size("cp"),
+                                   cfg.parallel.cp_impl), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
                  "stage_times": stage_times, "schedule": pp_sched, "p2p": p2p_steps, "host": socket.gethostname(),
                  "pipe": [mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]], "split": getattr(strat, "split", None),
@@ -233,16 +239,6 @@ def run_layout(layout: Layout, cfg, mesh, data, steps: int, warmup: int, dev, th
             "peak_mem_kind": "cuda max_memory_allocated" if dev.type == "cuda" else "peak RSS (VmHWM)"}
 
 
-def check_runs(plan) -> None:
-    """Refuse (ValueError, one line naming the fix) a plan this benchmark cannot run faithfully: it
-    builds its mesh from (dp, tp, pp, dp_replicate) and slices batches over dp only, so a context-
-    parallel plan (``parallel.cp > 1``) would run as plain data parallelism under the cp label."""
-    if plan.cp > 1:
-        raise ValueError(f"parallel.cp = {plan.cp}: zerotron bench train does not split sequences over a cp "
-                         "group yet; measure context parallelism with 'zerotron train --parallel.cp N' or set "
-                         "parallel.cp = 1")
-
-
 def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, rounds: int, dev, data) -> list[dict]:
     """Every round and layout (collective, on every rank); returns per-(round, layout) records."""
     n, threads, cache, skipped, records = dist.get_world_size(), torch.get_num_threads(), {}, {}, []
@@ -256,11 +252,11 @@ def run_benchmark(path, overrides, names: list[str], steps: int, warmup: int, ro
                         raise ValueError(f"layout {name!r} needs {w} ranks, the run has {n}")
                     own = [(k, str(v).format(world=n)) for k, v in layout.overrides.items()]
                     cfg = load_config(path, [*overrides, *own])
-                    check_runs(build_plan(cfg, w))
-                    mesh = _mesh(cache, ParallelDims(w, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_replicate), n, dev)
+                    plan = build_plan(cfg, w)  # the trainer's plan: its dims (dp, tp, pp, cp, HSDP) make the mesh
+                    mesh = _mesh(cache, plan.dims, n, dev)
                 except ValueError as e:  # ConfigError is a ValueError
                     skipped[name] = {"layout": name, "world_size": w, "skipped": True, "error": str(e)}
-            rec = skipped.get(name) or run_layout(layout, cfg, mesh, data, steps, warmup, dev,
+            rec = skipped.get(name) or run_layout(layout, cfg, plan, mesh, data, steps, warmup, dev,
                                                   threads * n // w if layout.all_threads else threads, w)
             skipped.update({name: rec} if rec["skipped"] else {})
             records.append({**rec, "round": r})
@@ -300,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--steps, --rounds and --nproc must be >= 1 and --warmup >= 0")
         overrides = parse_overrides(rest)
         cfg = load_config(args.config, overrides)
-        check_runs(build_plan(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc))
+        build_plan(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc)  # refused before any launch
         if args.nproc > 1 and not in_worker():
             d = cfg.data  # build the token cache once, before the workers start
             prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,

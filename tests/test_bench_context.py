@@ -1,0 +1,44 @@
+"""Tests for ``zerotron bench context`` (zerotron/bench/context.py): the sequence-length sweep of
+context parallelism, kept tiny (seq 64, 1 round, 1 step): rows per length and layout, the ring's
+hidden transfer fraction and the zigzag/contiguous balance."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from zerotron.bench import context as bc
+from zerotron.testing import run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+@pytest.mark.parametrize("args", [["--seq", "0"], ["--seq", "a,b"], ["--nproc", "1"], ["--layouts", "nope"],
+                                  ["--repeats", "0"], ["--bogus"]])
+def test_bad_arguments_exit_2(args, capsys):
+    assert bc.main(["--config", str(TINY), *args]) == 2
+
+
+def test_sweep_end_to_end(tmp_path, data_cache):
+    js = tmp_path / "c.json"
+    cmd = ["bench", "context", "--nproc", "2", "--config", str(TINY), "--seq", "64", "--layouts", "cp-ring,dp",
+           "--steps", "1", "--warmup", "0", "--rounds", "1", "--repeats", "1", "--balance", "--json", str(js),
+           "--log.progress", "false", "--data.cache_dir", data_cache]
+    p = run_cli(cmd, timeout=300, cwd=ROOT, env={**os.environ})
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(js.read_text())
+    assert [(r["seq"], r["kind"], r["layout"]) for r in rows] == [
+        (64, "train", "cp-ring"), (64, "train", "dp"), (64, "ring", "ring-attention"), (64, "balance", "ring-attention")]
+    ring_train, dp, ring, bal = rows
+    assert ring_train["impl"] == "DataParallel x CP2 (ring)" and ring_train["tokens_per_step"] == dp["tokens_per_step"] == 8 * 64
+    assert ring_train["ratio_vs_dp"] == pytest.approx(ring_train["tokens_per_s"] / dp["tokens_per_s"])
+    assert ring_train["peak_mem_bytes"] > 0 and dp["tokens_per_s"] > 0
+    # tiny.toml attention: micro_batch 4, 4 heads of 16; 3 cp - 2 = 4 hops timed alone
+    assert (ring["cp"], ring["batch"], ring["heads"], ring["kv_heads"], ring["head_dim"]) == (2, 4, 4, 4, 16)
+    assert ring["compute_s"] > 0 and ring["wait_s"] >= 0 and ring["transfer_s"] > 0
+    assert ring["hidden_fraction"] == min(1 - r["wait_s"] / r["transfer_s"] for r in ring["ranks"])
+    # zigzag: equal score blocks per rank; contiguous at cp 2: the last rank computes twice the first's
+    assert bal["zigzag"]["work_imbalance"] == 1.0 and bal["contiguous"]["work_imbalance"] == 2.0
+    assert [r["rank"] for r in bal["zigzag"]["ranks"]] == [0, 1] and bal["zigzag"]["imbalance"] >= 1.0
+    assert "hidden fraction" in p.stdout and "| 64 | cp-ring | DataParallel x CP2 (ring) |" in p.stdout
