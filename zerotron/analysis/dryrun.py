@@ -387,8 +387,10 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
 
 def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
     """Bytes per group of one step the planner prices for pipeline rank ``pp_rank``
-    (:func:`zerotron.analysis.planner.comm_bytes`), in the training dtype's element size."""
+    (:func:`zerotron.analysis.planner.comm_bytes`): the training dtype's element size, gradient
+    reductions in ``parallel.reduce_dtype``'s (``parallel.precision.reduce_dtype``)."""
     from zerotron.analysis.planner import comm_bytes
+    from zerotron.parallel.precision import reduce_dtype
 
     mcfg = model_config(cfg)
     lay = _layout(cfg, plan, mcfg)
@@ -396,8 +398,9 @@ def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
     layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage, "micro_batch": lay.micro_batch,
               "schedule": lay.schedule if lay.pp > 1 else "none", "recompute": lay.recompute,
               "dp_replicate": lay.dp_replicate}
+    red = reduce_dtype(cfg.train.dtype, cfg.parallel.reduce_dtype).itemsize
     return comm_bytes(shape_of(mcfg), layout, lay.seq, cfg.train.global_batch, pp_rank, elem_bytes=elem,
-                      sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+                      sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), reduce_bytes=red)
 
 
 # ---- the entry point -----------------------------------------------------------------------------

@@ -318,11 +318,13 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
 
 
 def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank: int = 0, elem_bytes: int = 2,
-               sp: bool = False, bucket_bytes: int = 25 << 20) -> dict:
+               sp: bool = False, bucket_bytes: int = 25 << 20, reduce_bytes: int | None = None) -> dict:
     """Bytes per process group of one step that :func:`evaluate` prices for pipeline rank
     ``pp_rank`` of ``layout`` (keys dp, tp, pp, zero_stage, micro_batch, schedule, recompute,
     dp_replicate), in the nccl-tests size convention of ``comm.STATS`` (all-gather: output bytes,
-    reduce-scatter: input bytes), ``elem_bytes`` per element (2: bf16; 4: fp32 training):
+    reduce-scatter: input bytes), ``elem_bytes`` per element (2: bf16; 4: fp32 training) and
+    ``reduce_bytes`` per element of the gradient reductions (``parallel.reduce_dtype``: 4 for fp32,
+    zerotron's default under bf16; None: ``elem_bytes``):
 
     * "tp": per layer and micro-batch 4 all-reduces of b*S*h elements (6 with full recompute; with
       sequence parallel each an all-gather + a reduce-scatter of that size), one more on the first
@@ -331,10 +333,11 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
     * "pp": per micro-batch and chunk one activation and one gradient of b*S*h (/tp with SP), i.e.
       2*v*m*x -- what a first or last stage moves; a middle stage receives and sends both ways,
       twice that;
-    * "dp" (the rank's gradient bytes G = elem_bytes x its parameters): ZeRO-0 one all-reduce of G;
-      ZeRO-1 a reduce-scatter + an all-gather of G; ZeRO-2 m reduce-scatters + one all-gather;
-      ZeRO-3 2m all-gathers + m reduce-scatters. HSDP (dp_replicate R > 1): these over the shard
-      group "dp_shard" (ZeRO-0: reduce-scatter + all-gather), plus an all-reduce of G/S over the
+    * "dp" (the rank's P parameters; gradient reductions move G = reduce_bytes x P, parameter
+      all-gathers elem_bytes x P): ZeRO-0 one all-reduce of G; ZeRO-1 a reduce-scatter of G + an
+      all-gather of the parameters; ZeRO-2 m reduce-scatters + one all-gather; ZeRO-3 2m
+      all-gathers + m reduce-scatters. HSDP (dp_replicate R > 1): these over the shard group
+      "dp_shard" (ZeRO-0: reduce-scatter + all-gather of G), plus an all-reduce of G/S over the
       replicas "dp_rep".
 
     Groups of size 1 are left out; bookkeeping all-reduces (token counts, grad norm, metrics) and
@@ -354,8 +357,8 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
         out["tp"] = calls * x * (2 if sp else 1) + (m * 3 * b * seq * 4 if pp_rank == pp - 1 else 0)
     if pp > 1:
         out["pp"] = 2 * v * m * (x // tp if sp else x)
-    grad = elem_bytes * params
-    per_dp = {0: grad, 1: 2 * grad, 2: (m + 1) * grad, 3: 3 * m * grad}[z]
+    grad, gather = (reduce_bytes or elem_bytes) * params, elem_bytes * params
+    per_dp = {0: grad, 1: grad + gather, 2: m * grad + gather, 3: m * (2 * gather + grad)}[z]
     if rep > 1:
         s = dp // rep
         out["dp_shard"] = 2 * grad if z == 0 else per_dp

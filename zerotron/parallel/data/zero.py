@@ -58,6 +58,10 @@ parameters, then each block of its chunks). What differs is only *when* the redu
                      gathers the chunk's blocks first, :meth:`ZeroSync.gather_blocks`); stage 1
                      reduce-scatters everything in :meth:`ZeroSync.finish_grads`.
 
+On both, at most ``ZeroSync.reduce_window`` units' reduce-scatters are in flight: launching one
+finishes the oldest beyond the window and frees its full gradient input, so the backward's peak
+holds the gradient shards plus a window's full buffers, never a full gradient copy per rank.
+
 Everything else is the same code on both: used-parameter marks, HSDP's replica all-reduce of the
 shard gradients, the tied-shard sum between a pipeline's first and last stage (``tied_group``), the
 sequence-parallel tp sums, the per-parameter AdamW of partly used buffers, the gradient norm over
@@ -101,8 +105,11 @@ class ZeroSync:
     (its shard gradient is summed over it: a pipeline's first and last stage); ``count_tied`` (False
     on a rank whose tied copy the norm counts elsewhere); ``eager`` (True: gradient hooks launch the
     reductions unit by unit during backward, the plain runner; False: the runner calls
-    :meth:`after_backward`, a pipeline). Attributes: ``flats`` (per unit, its FlatShards),
+    :meth:`after_backward`, a pipeline). Class attribute ``reduce_window`` (2): how many units'
+    reduce-scatters may be in flight at once (see :meth:`_launch_unit`). Attributes: ``flats`` (per unit, its FlatShards),
     ``all_flats``, ``group``, ``stage``, ``gatherer``. Raises ValueError for a bad stage or dtype."""
+
+    reduce_window = 2
 
     def __init__(self, units: list, names: dict, mask: dict, group, stage: int, dtype: str = "fp32",
                  reduce_dtype: str = "auto", *, n_root: int = 1, blocks=(), tp_group=None,
@@ -123,6 +130,7 @@ class ZeroSync:
         # reduce order, the same on every rank of the group: last block .. first block, then the roots
         self._order = list(range(len(self.flats) - 1, n_root - 1, -1)) + list(range(n_root))
         self._next = 0
+        self._inflight: list[int] = []  # units whose reduce-scatters are out, oldest first
         self._sync = True
         self._final = eager  # reductions now are the step's last (HSDP: then they go across replicas)
         self._rep_queue: list = []  # HSDP: flats whose last shard-group reduce-scatter is out
@@ -200,8 +208,7 @@ class ZeroSync:
             self._launch_unit(self._order[self._next])
             self._next += 1
         self._progress_replicate(block=True)
-        for f in self.all_flats:
-            f.wait_reduce()
+        self._wait_all()
         self._next = 0
         for s in self._ready:
             s.clear()
@@ -216,9 +223,7 @@ class ZeroSync:
         todo = [u for u in self._order if u in units]
         for u in todo:
             self._launch_unit(u)
-        for u in todo:
-            for f in self.flats[u]:
-                f.wait_reduce()
+        self._wait_all()
         if self.stage == 3:
             for u in range(self.n_root, len(self.flats)):
                 self.gatherer.free(u)
@@ -240,8 +245,7 @@ class ZeroSync:
             elif self.replicate_group is not None:
                 self._rep_queue.extend(self.all_flats)
             self._progress_replicate(block=True)
-            for f in self.all_flats:
-                f.wait_reduce()
+            self._wait_all()
             self._final = False
         # HSDP: the shard group's reduce-scatters summed the gradients of this replica; one
         # all-reduce of each 1/S gradient shard across the replicas completes the dp sum
@@ -319,13 +323,30 @@ class ZeroSync:
             self._next += 1
 
     def _launch_unit(self, u: int) -> None:
+        """Launch unit ``u``'s reduce-scatters (async; stage 3 frees its gathered block). First
+        the oldest in flight are finished until fewer than :attr:`reduce_window` units remain,
+        which frees their full gradient inputs (the shard outputs accumulate): at any moment a
+        rank holds its gradient shards plus the full reduce buffers of at most ``reduce_window``
+        units (ZeRO-2's point), while each unit's communication still overlaps the backward of
+        the next ``reduce_window - 1`` units. The waits change only when each shard accumulates,
+        not what or in which order: the sums are bitwise the same."""
+        while len(self._inflight) >= self.reduce_window:
+            for f in self.flats[self._inflight.pop(0)]:
+                f.wait_reduce()
         for f in self.flats[u]:
             f.launch_reduce()
             if self.stage == 3 and u >= self.n_root:
                 f.free()
+        self._inflight.append(u)
         if self.replicate_group is not None and self._final:
             self._rep_queue.extend(self.flats[u])
             self._progress_replicate(block=False)
+
+    def _wait_all(self) -> None:
+        """Finish every reduce-scatter in flight (each accumulates into its shard gradient)."""
+        for f in self.all_flats:
+            f.wait_reduce()
+        self._inflight = []
 
     def _progress_replicate(self, block: bool) -> None:
         """HSDP, the step's last reductions: for each queued flat in launch order (the same on every
