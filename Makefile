@@ -40,8 +40,9 @@ lint: install-dev
 	$(VENV)/bin/ruff check zerotron tests
 	$(VENV)/bin/lint-imports
 
+TESTS ?= tests
 test: lint
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest $(TESTS) $(ARGS)
 
 # every valid layout of the parity matrix (fp64, ~5 min on 2 idle cores); results under benchmarks/
 test-matrix: install-dev

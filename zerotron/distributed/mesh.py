@@ -102,16 +102,19 @@ class Mesh:
             device.type, tuple(dims.degrees.values()), mesh_dim_names=AXES)
         self._groups: dict[str, comm.NamedGroup] = {}
         self._dim_names: dict[str, str] = {}  # group name -> the name of its 1-D mesh dimension in self.mesh
+        self._sub: dict[str, object] = {}  # group name -> its 1-D DeviceMesh (the flattened one as _flatten returned it)
         by_axes: dict[tuple, str] = {}  # the axes of degree > 1 a group spans -> the group built for them
         for name in _BUILD_ORDER:  # collective: every rank builds (or aliases) the same groups in order
             axes = COMBINED.get(name, (name,))
             key = tuple(a for a in axes if dims.size(a) > 1)
             if key and key in by_axes:  # the same ranks as a group already built: one group, one label
                 self._groups[name], self._dim_names[name] = self._groups[by_axes[key]], self._dim_names[by_axes[key]]
+                self._sub[name] = self._sub[by_axes[key]]
                 continue
             sub = self.mesh[axes[0]] if len(axes) == 1 else self.mesh[axes]._flatten(name)
             self._groups[name] = comm.NamedGroup(sub.get_group() if inside else None, _LABELS.get(name, name))
             self._dim_names[name] = axes[0] if len(axes) == 1 else name
+            self._sub[name] = sub
             if key:
                 by_axes[key] = name
         # FSDP2's 2-D (replicate, shard) mesh; the shard dimension is dp_shard x cp (dp_shard without cp)
@@ -133,8 +136,10 @@ class Mesh:
 
     def device_mesh(self, name: str):
         """The 1-D torch DeviceMesh of an axis or combined group (``self.mesh[...]`` under the name it
-        was built with: "shard" is "dp" without cp and HSDP), e.g. for FSDP2's ``fully_shard``."""
-        return self.mesh[self._dim_names[ALIASES.get(name, name)]]
+        was built with: "shard" is "dp" without cp and HSDP), e.g. for FSDP2's ``fully_shard``. The
+        flattened meshes are the ones ``_flatten`` returned (slicing a flattened dimension from the
+        root mesh is deprecated in torch)."""
+        return self._sub[ALIASES.get(name, name)]
 
     def pg(self, name: str):
         """Raw torch ProcessGroup of an axis or combined group (for torch's own DDP/FSDP2)."""
