@@ -174,4 +174,4 @@ def test_memory_cp(capsys):
     from zerotron.analysis.memory import memory_main
 
     assert memory_main(["--model", "gpt2", "--dp", "2", "--seq", "1020", "--cp", "4"]) == 2
-    assert "--seq divisible by 2*cp" in capsys.readouterr().err
+    assert "--seq 1020 is not divisible by 2*cp = 8" in capsys.readouterr().err
