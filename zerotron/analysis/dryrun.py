@@ -45,9 +45,10 @@ import torch
 from zerotron.analysis.activations import activation_bytes, looped_counts, stage_layer_counts
 from zerotron.analysis.flops import shape_of
 from zerotron.analysis.memory import model_state_bytes, stage_num_params
+from zerotron.analysis.trace_time import StepCounter, group_scopes, rank_time, step_time
 from zerotron.config import Config, ConfigError, model_shape
 
-__all__ = ["DryRunError", "default_ranks", "dry_run", "estimate", "build_rank", "synthetic_batches",
+__all__ = ["DryRunError", "default_ranks", "dry_run", "predict_step_time", "estimate", "build_rank", "synthetic_batches",
            "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "other")
@@ -310,7 +311,10 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
                         tracker.oom = {"phase": "model states", "module": None, "pass": None, "total_bytes": held["total"],
                                        "category": max(CATEGORIES, key=lambda c: held[c]), "categories": held}
                     comm.STATS.reset()
-                _step(strategy, optimizer, batches, mesh.group("batch"), cfg.train, device, tracker)
+                    with StepCounter() as counter:
+                        _step(strategy, optimizer, batches, mesh.group("batch"), cfg.train, device, tracker)
+                else:
+                    _step(strategy, optimizer, batches, mesh.group("batch"), cfg.train, device, tracker)
             _categorize(tracker, strategy, optimizer)
             peak = _categories(tracker.get_tracker_snapshot("peak"))
             end = _categories(tracker.get_tracker_snapshot("current"))
@@ -318,13 +322,17 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
             split = list(getattr(strategy, "split", None) or []) or None  # the pipeline runner's layers per stage
         traffic = _comm_by_group(comm.STATS)
         coords = {k: v for k, v in mesh.coords.items()}
+        members = {g: list(comm.STATS.members[g]) for g in traffic}
     finally:
         dist.destroy_process_group()
     return {"rank": rank, "coords": coords, "peak_bytes_traced": peak["total"], "peak_traced": peak,
             "peak_at": tracker.peak_at, "end_of_step": end, "setup_peak_bytes": setup["total"],
             "model_state_bytes": states, "comm_traced": traffic,
             "comm_bytes_traced": {g: v["bytes"] for g, v in traffic.items()},
-            "oom": tracker.oom, "layer_counts": split, "wall_s": time.perf_counter() - t0}
+            "oom": tracker.oom, "layer_counts": split, "group_members": members,
+            "counts_traced": {"flops": counter.flops, "element_passes": counter.element_passes, "ops": counter.ops,
+                              "flops_by_op": dict(sorted(counter.flops_by_op.items()))},
+            "flops_traced": counter.flops, "wall_s": time.perf_counter() - t0}
 
 
 # ---- estimators ----------------------------------------------------------------------------------
@@ -403,13 +411,63 @@ def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
                       sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), reduce_bytes=red)
 
 
+def predict_step_time(cfg: Config, plan, records: list[dict], hw, gpus_per_node: int = 8,
+                      compute_eff: float = 0.5, launch_s: float = 20e-6) -> dict:
+    """The step time of ``cfg``'s layout on ``hw`` (a :class:`~zerotron.analysis.hardware.Hardware`)
+    predicted from the traced ``records`` (:mod:`zerotron.analysis.trace_time`) and by the
+    planner's formula (:func:`zerotron.analysis.planner.evaluate`, same hardware, ``compute_eff``,
+    ``gpus_per_node``, ``launch_s``; None under context parallelism, which the planner does not
+    price). Adds to each record ``time_traced_s`` (its :func:`~zerotron.analysis.trace_time.rank_time`)
+    ``group_scopes`` (:func:`~zerotron.analysis.trace_time.group_scopes` of its ``group_members`` on
+    nodes of ``gpus_per_node`` ranks) and ``flops_formula`` (the planner's matmul + attention FLOPs of that rank's m micro-batches,
+    :func:`zerotron.analysis.planner.m_flops`; None under cp). Returns ``{"hardware", "trace":
+    step_time's dict, "formula": {"step_s", "breakdown_s"} or None, "ratio": trace / formula}``."""
+    from zerotron.analysis.planner import CostModel, evaluate, m_flops, recompute_flops
+
+    mcfg = model_config(cfg)
+    lay = _layout(cfg, plan, mcfg)
+    shape = shape_of(mcfg)
+    cp = plan.dims.cp
+    m = cfg.train.global_batch // (plan.dims.size("dp") * cfg.train.micro_batch)
+    split = [r["layer_counts"] for r in records if r["layer_counts"]]
+    counts = looped_counts(split[0] if split else stage_layer_counts(shape.n_layer, lay.pp * lay.virtual_stages),
+                           lay.pp, lay.schedule)
+    layers = [sum(counts[c * lay.pp + r] for c in range(lay.virtual_stages)) for r in range(lay.pp)]
+    parts = {}
+    for rec in records:
+        rec["group_scopes"] = group_scopes(rec["group_members"], rec["comm_traced"], gpus_per_node)
+        rec["time_traced_s"] = rank_time(rec["counts_traced"], rec["comm_traced"], rec["group_scopes"], hw,
+                                         compute_eff)
+        pp_rank = rec["coords"]["pp"]
+        parts.setdefault(pp_rank, rec["time_traced_s"])
+        rec["flops_formula"] = None if cp > 1 else m * m_flops(shape, lay.micro_batch, lay.seq, layers[pp_rank],
+                                                               pp_rank == lay.pp - 1, lay.tp, lay.recompute)
+    h, W, S = shape.n_embd, shape.block_matmul_params(), lay.seq
+    cost_split = (2 * W + 4 * h * S, 2 * W + 8 * h * S + recompute_flops(shape, S, lay.recompute), 2 * W)
+    trace = step_time(parts, layers, m, lay.schedule if lay.pp > 1 else "none", lay.virtual_stages, cost_split,
+                      hw, launch_s)
+    formula = None
+    if cp == 1:
+        elem = {"fp32": 4, "bf16": 2, "fp64": 8}[lay.dtype]
+        cm = CostModel(hw, gpus_per_node=gpus_per_node, compute_eff=compute_eff, overhead=0, sp=lay.sp,
+                       launch_s=launch_s, elem_bytes=elem, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
+        layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage,
+                  "schedule": lay.schedule if lay.pp > 1 else "none", "micro_batch": lay.micro_batch,
+                  "recompute": lay.recompute, "dp_replicate": lay.dp_replicate}
+        ev = evaluate(shape, layout, S, cfg.train.global_batch, cm)
+        formula = {"step_s": ev["predicted_step_time_s"], "breakdown_s": ev["time_breakdown_s"]}
+    return {"hardware": hw.name, "gpus_per_node": gpus_per_node, "compute_eff": compute_eff, "trace": trace,
+            "formula": formula, "ratio": _ratio(trace["step_s"], formula["step_s"]) if formula else None}
+
+
 # ---- the entry point -----------------------------------------------------------------------------
 
 def _ratio(a, b):
     return a / b if b else None
 
 
-def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: int | None = None) -> list[dict]:
+def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: int | None = None,
+            hw=None, gpus_per_node: int = 8, compute_eff: float = 0.5, launch_s: float = 20e-6) -> list[dict]:
     """Trace one training step of each of ``ranks`` (default :func:`default_ranks`) of ``cfg``'s
     layout on ``world`` ranks, in this process (module docstring). ``gpu_mem``: capacity in bytes
     for the out-of-memory report. Returns one record per rank: ``rank``, ``coords`` (axes and
@@ -423,7 +481,14 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     category that grew, bytes; phase "model states" with the largest category when the states
     held before the step already exceed it; phase "setup" when the model build -- every rank
     builds the dense model from the seed before sharding it -- already does, and then
-    ``oom_step`` says what the step would do), ``wall_s`` and ``max_rss_bytes`` (of this process so far).
+    ``oom_step`` says what the step would do), ``wall_s`` and ``max_rss_bytes`` (of this process so far);
+    ``counts_traced`` (FLOPs, element passes, ops of the measured step:
+    :class:`~zerotron.analysis.trace_time.StepCounter`), ``flops_traced`` beside ``flops_formula``,
+    ``group_members`` (global ranks per traced group), ``group_scopes`` (size, intra-node per
+    traced group on nodes of ``gpus_per_node`` ranks),
+    ``time_traced_s`` and ``step_time`` (:func:`predict_step_time` on ``hw``, default the
+    datasheet H100 preset, at ``compute_eff``, ``launch_s`` seconds per layer and micro-batch; the
+    same dict in every record).
     Raises DryRunError for a config the plan refuses on ``world`` ranks or a rank outside it."""
     from zerotron.plan import build_plan
 
@@ -435,6 +500,9 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     if plan.runner not in ("plain", "pipeline"):
         raise DryRunError(f"parallel.pp_impl = {cfg.parallel.pp_impl!r} cannot be dry-run (it runs its stages in "
                           "threads or through torch.distributed.pipelining); use the native pipeline")
+    if cfg.parallel.dp_impl == "torch" and plan.dims.size("dp") > 1:
+        raise DryRunError("parallel.dp_impl = 'torch' cannot be dry-run (torch DDP checks the parameters' data "
+                          "across ranks at construction; fake tensors have none); use dp_impl = 'native'")
     ranks = default_ranks(plan.dims) if ranks is None else list(ranks)
     for r in ranks:
         if not 0 <= r < world:
@@ -457,4 +525,11 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
             rec["oom"] = {"phase": "setup", "module": None, "pass": None, "category": "parameters",
                           "total_bytes": rec["setup_peak_bytes"]}
         out.append(rec)
+    if hw is None:
+        from zerotron.analysis.hardware import hardware
+        hw = hardware("h100")
+    step = predict_step_time(cfg, plan, out, hw, gpus_per_node, compute_eff, launch_s)
+    for rec in out:
+        rec["step_time"] = step
+        rec["ratios"]["flops"] = _ratio(rec["flops_traced"], rec["flops_formula"]) if rec["flops_formula"] else None
     return out

@@ -21,6 +21,10 @@ def _parser():
     p.add_argument("--rank", type=int, action="append",
                    help="trace this rank (repeatable; default: one per role, the first and last pipeline stage)")
     p.add_argument("--gpu-mem", help="capacity per device for the out-of-memory report, e.g. 80GB")
+    p.add_argument("--hardware", default="h100", help="hardware preset the step time is predicted for "
+                                                      "(h100, h200, a100: datasheet values)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (which groups cross nodes)")
+    p.add_argument("--compute-eff", type=float, default=0.5, help="achieved / peak FLOP/s of the matmuls")
     p.add_argument("--json", dest="json_out", help="write the records as one JSON array to this file ('-': stdout)")
     return p
 
@@ -59,6 +63,11 @@ def print_record(r: dict) -> None:
         planned = f"{p / 1e6:.4g}" if p is not None else "-"
         print(f"  {g:>12} {t / 1e6:>12.4g} {planned:>12} "
               f"{_ratio(r['ratios']['comm'].get(g)):>8}  {ops}")
+    if r.get("flops_traced") is not None:
+        f = r.get("flops_formula")
+        print(f"  FLOPs of the step (matmuls + attention): {r['flops_traced']:.4g} traced"
+              + (f" vs {f:.4g} by 6W + 12hS per token and layer (ratio {_ratio(r['ratios']['flops'])})" if f else "")
+              + f"; {r['counts_traced']['element_passes']:.4g} element passes, {r['counts_traced']['ops']} ops")
     if r["gpu_mem"] is not None:
         o = r["oom"]
         print(f"  out of memory at {_gb(r['gpu_mem'])} GB: " + (
@@ -66,12 +75,26 @@ def print_record(r: dict) -> None:
             f"({_gb(o['total_bytes'])} GB)" if o else "no"))
 
 
+def print_step_time(st: dict) -> None:
+    """The step-time lines of :func:`zerotron.analysis.dryrun.predict_step_time`'s dict."""
+    tr, fo = st["trace"], st["formula"]
+    parts = ", ".join(f"{k} {v * 1e3:.4g}" for k, v in tr["breakdown_s"].items())
+    print(f"step time on {st['hardware']} ({st['gpus_per_node']} per node, compute_eff {st['compute_eff']}): "
+          f"{tr['step_s'] * 1e3:.4g} ms from the trace ({parts} ms)"
+          + (f"; stages {tr['estimated_stages']} scaled from a traced one" if tr["estimated_stages"] else ""))
+    if fo:
+        parts = ", ".join(f"{k} {v * 1e3:.4g}" for k, v in fo["breakdown_s"].items())
+        print(f"  vs {fo['step_s'] * 1e3:.4g} ms by the planner's formula ({parts} ms): trace / formula "
+              f"{_ratio(st['ratio'])}")
+
+
 def dryrun_main(argv: list) -> int:
-    """``zerotron dryrun --config FILE --world N [--rank R ...] [--gpu-mem 80GB] [--json OUT]
-    [--section.field VALUE ...]``: :func:`zerotron.analysis.dryrun.dry_run`, printed per rank, and
+    """``zerotron dryrun --config FILE --world N [--rank R ...] [--gpu-mem 80GB] [--hardware h100]
+    [--gpus-per-node 8] [--compute-eff 0.5] [--json OUT] [--section.field VALUE ...]``: :func:`zerotron.analysis.dryrun.dry_run`, printed per rank, and
     with ``--json`` the records as one JSON array. Returns 0; 1 if a traced rank runs out of memory
     under ``--gpu-mem``; 2 on a usage or config error (one line on stderr)."""
     from zerotron.analysis.dryrun import DryRunError, dry_run
+    from zerotron.analysis.hardware import hardware
     from zerotron.config import ConfigError, load_config, parse_overrides
 
     try:
@@ -89,7 +112,13 @@ def dryrun_main(argv: list) -> int:
                               "or pass e.g. --json dry.json")
         cfg = load_config(args.config, parse_overrides(rest))
         gpu_mem = parse_memory(args.gpu_mem) if args.gpu_mem else None
-        records = dry_run(cfg, args.world, args.rank, gpu_mem)
+        if args.gpus_per_node < 1:
+            raise DryRunError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+        if not 0 < args.compute_eff <= 1:
+            raise DryRunError(f"--compute-eff must be in (0, 1], got {args.compute_eff}")
+        hw = hardware(args.hardware)
+        records = dry_run(cfg, args.world, args.rank, gpu_mem, hw=hw, gpus_per_node=args.gpus_per_node,
+                          compute_eff=args.compute_eff)
     except (DryRunError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"zerotron dryrun: error: {e}", file=sys.stderr)
         return 2
@@ -98,6 +127,7 @@ def dryrun_main(argv: list) -> int:
     else:
         for r in records:
             print_record(r)
+        print_step_time(records[0]["step_time"])
         if args.json_out:
             with open(args.json_out, "w") as f:
                 json.dump(records, f, indent=1)

@@ -14,8 +14,9 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
 * matmuls: FLOPs / (peak FLOP/s x ``compute_eff``): per token and layer 6W + 12hS (PaLM
   appendix B; W = the block's matmul weights, :meth:`Shape.block_matmul_params`: 12h^2 for GPT-2,
   2h^2 + 2h*H_kv*D + 3hF for Llama), the output layer 6hV on the last stage, divided by tp;
-  recomputation adds one forward: full 2W + 4hS, selective 4hS (attention scores/values) per
-  token and layer.
+  recomputation adds one forward: full 2(W - hF) + 4hS, selective 2(h^2 + 2hH_kvD) + 4hS (the
+  q/k/v projections and the attention) per token and layer (torch's checkpoint does not re-run a
+  sub-layer's last matmul: :func:`recompute_flops`).
 * elementwise ("vector") work at ``hw.vector_rate`` element passes/s (roofline's memory-bound
   side): per token and layer, forward + backward, 2 layer norms 4h, the activation 2F (GELU,
   F = 4h: 8h) or 4F (SwiGLU: silu and the gating product) (/tp: it follows the column-parallel
@@ -141,6 +142,53 @@ def _dp_time(z: int, m: int, units: int, grad: float, dp: int, link, bucket: int
     return ct("all_gather", 2 * m * units, 2 * m * grad) + ct("reduce_scatter", m * units, m * grad)
 
 
+def recompute_flops(shape: Shape, S: int, recompute: str) -> float:
+    """FLOPs per token and layer that recomputation adds (``parallel.recompute``): none 0;
+    selective 2(h^2 + 2h H_kv D) + 4hS, the attention sub-layer's q/k/v projections and the
+    attention (scores and values) again; full 2(W - hF) + 4hS, the whole block again but its last
+    matmul (the MLP's down projection, h x F). Neither re-runs its sub-layer's last matmul (the
+    output projection, the down projection): torch's non-reentrant checkpoint stops recomputing as
+    soon as the tensors the backward saved are rebuilt (its early stop), and no backward needs that
+    matmul's output (found by the dry run's FLOP count, ``tests/test_dryrun.py``)."""
+    h = shape.n_embd
+    attn = 2 * (h * h + 2 * h * shape.kv_dim) + 4 * h * S
+    full = 2 * (shape.block_matmul_params() - h * shape.ffn) + 4 * h * S
+    return {"none": 0, "selective": attn, "full": full}[recompute]
+
+
+def m_flops(shape: Shape, b: int, S: int, layers: int, last: bool, tp: int, recompute: str) -> float:
+    """Matmul + attention FLOPs of one micro-batch (``b`` sequences of ``S`` tokens) on a pipeline
+    rank holding ``layers`` transformer blocks (and the output layer if ``last``), forward +
+    backward, per tp rank (module docstring: 6W + 12hS per token and layer, PaLM appendix B;
+    recomputation adds 2W + 4hS (full) or 4hS (selective); the output layer 6hV). The figure a
+    dry run's FLOP counter reads off the traced step (``zerotron.analysis.trace_time``)."""
+    h, W = shape.n_embd, shape.block_matmul_params()
+    extra = recompute_flops(shape, S, recompute)
+    return b * S * (layers * (6 * W + 12 * h * S + extra) + (6 * h * shape.vocab_size if last else 0)) / tp
+
+
+def pipeline_time(stage_times: list[float], m: int, kind: str, v: int, split: tuple) -> float:
+    """Seconds of the pipelined part of a step: ``m`` micro-batches through stages that take
+    ``stage_times`` seconds per micro-batch each (all chunks of a rank), schedule ``kind``
+    ("none" or one of ``PIPELINE_KINDS``) with ``v`` chunks per rank: m x max_r t_r + (sum_r t_r -
+    max_r t_r) x rel, where rel is the schedule's idle (:func:`zerotron.analysis.bubble.pipeline_idle`
+    at the F : B : W cost ``split`` of a layer) relative to 1F1B's (p-1)(T_F+T_B+T_W): the
+    slowest stage runs all m micro-batches, the fill and drain pass once through the others
+    (module docstring, Narayanan et al. 2021). One stage: m x t_0."""
+    pp, stage = len(stage_times), max(stage_times)
+    if pp == 1:
+        return m * stage
+    rel = pipeline_idle(pp, m, kind, v, *split) / ((pp - 1) * sum(split))
+    return m * stage + (sum(stage_times) - stage) * rel
+
+
+def exposed_dp(t_dp: float, compute: float, overlap: float) -> float:
+    """The data-parallel seconds left on the critical path: ``t_dp`` less the fraction ``overlap``
+    of it that hides behind the backward (at most the backward's 2/3 of the step's ``compute``
+    seconds): t_dp - min(overlap x t_dp, 2/3 compute)."""
+    return t_dp - min(overlap * t_dp, compute * 2 / 3)
+
+
 def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> dict:
     """Predicted memory and step time of ``layout`` (keys dp, tp, pp, zero_stage, schedule
     ("none" for pp = 1), micro_batch, recompute) for the model of ``cfg`` (a GPT-2/Llama config or a
@@ -170,7 +218,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     dp_link = _link(hw, shard <= K and K % shard == 0)
     rep_link = _link(hw, dp * tp <= K and K % (dp * tp) == 0)  # the replicas' group spans the dp block
     pp_link = _link(hw, dp * tp * pp <= K)
-    extra = {"none": 0, "selective": 4 * h * S, "full": 2 * W + 4 * h * S}[rec]
+    extra = recompute_flops(shape, S, rec)
     rep = 1 / tp if sp else 1  # share of the layer norms / residuals each tp rank computes
     act_vec = 2 * (shape.mlp_matrices - 1) * F  # GELU 2F, SwiGLU 4F (forward + backward)
     vec_layer = (4 * h + 2 * h) * rep + act_vec / tp + (2 * a * S / tp if cm.attention == "math" else 0)
@@ -188,7 +236,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     for r in range(pp):
         layers = sum(counts[c * pp + r] for c in range(v))
         first, last = r == 0, r == pp - 1
-        flops = b * S * (layers * (6 * W + 12 * h * S + extra) + (6 * h * V if last else 0)) / tp
+        flops = m_flops(shape, b, S, layers, last, tp, rec)
         vec = b * S * (layers * vec_layer + (2 * V / tp if last else 0))
         t = {"compute": flops / (hw.peak_flops * cm.compute_eff), "vector": vec / hw.vector_rate,
              "overhead": layers * cm.launch_s,
@@ -203,13 +251,10 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     # equal stages this is the bubble (p-1)/(v*m + p-1) of the whole step (bubble_theory); the
     # schedule's idle per rank relative to 1F1B's, at the F : B : W split of a layer's matmul FLOPs
     # (zero-bubble schedules: pipeline_idle)
-    t_f, t_b, t_w = 2 * W + 4 * h * S, 2 * W + 8 * h * S + extra, 2 * W
-    rel = pipeline_idle(pp, m, kind, v, t_f, t_b, t_w) / ((pp - 1) * (t_f + t_b + t_w)) if pp > 1 else 0.0
-    pipe = m * stage + (sum(stage_times) - stage) * rel
+    pipe = pipeline_time(stage_times, m, kind, v, (2 * W + 4 * h * S, 2 * W + 8 * h * S + extra, 2 * W))
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
     t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp, dp_link, cm.bucket_bytes, n_rep, rep_link)
-    backward = m * (parts["compute"] + parts["vector"]) * 2 / 3
-    t_dp -= min(hw.overlap * t_dp, backward)
+    t_dp = exposed_dp(t_dp, m * (parts["compute"] + parts["vector"]), hw.overlap)
     step = pipe + t_dp
     tokens = global_batch * S
     model_flops = (6 * shape.flop_params() + 12 * L * h * S) * tokens

@@ -149,9 +149,40 @@ def predict(rows: list[dict], cfg, global_batch: int, micro_batch: int, hw, comp
     return out
 
 
-def correlation(preds: list[dict], measured: str = "measured_tokens_per_s") -> float:
-    """Spearman of predicted vs ``measured`` (a key of the records) tokens/s."""
-    return spearman([p["predicted_tokens_per_s"] for p in preds], [p[measured] for p in preds])
+def trace_predictions(preds: list[dict], config: str, hw, compute_eff: float, launch_s: float) -> None:
+    """Add to each record of :func:`predict` the step time predicted from a dry run of its layout
+    (:func:`zerotron.analysis.dryrun.dry_run` on its world size, the layout's overrides on ``config``,
+    every rank on one node, the same ``hw``, ``compute_eff`` and per-layer ``launch_s``;
+    :mod:`zerotron.analysis.trace_time`): ``trace_step_time_s``, ``trace_tokens_per_s``,
+    ``trace_breakdown_s``, ``trace_flops`` (FLOPs of rank 0's step) and ``trace_wall_s`` (seconds the
+    dry run took). A layout the dry run cannot trace gets ``trace_error``."""
+    import time
+
+    from zerotron.analysis.dryrun import DryRunError, dry_run
+    from zerotron.config import ConfigError
+
+    for p in preds:
+        lay = get_layout(p["layout"])
+        own = [(k, str(v).format(world=p["world_size"])) for k, v in lay.overrides.items()]
+        t0 = time.perf_counter()
+        try:
+            cfg = load_config(config, own)
+            recs = dry_run(cfg, p["world_size"], hw=hw, gpus_per_node=p["world_size"], compute_eff=compute_eff,
+                           launch_s=launch_s)
+        except (DryRunError, ConfigError, ValueError) as e:
+            p["trace_error"] = str(e)
+            continue
+        st = recs[0]["step_time"]["trace"]
+        tokens = cfg.train.global_batch * cfg.model.block_size
+        p.update(trace_step_time_s=st["step_s"], trace_tokens_per_s=tokens / st["step_s"],
+                 trace_breakdown_s=st["breakdown_s"], trace_flops=recs[0]["flops_traced"],
+                 trace_wall_s=time.perf_counter() - t0)
+
+
+def correlation(preds: list[dict], measured: str = "measured_tokens_per_s",
+                predicted: str = "predicted_tokens_per_s") -> float:
+    """Spearman of ``predicted`` vs ``measured`` (keys of the records) tokens/s."""
+    return spearman([p[predicted] for p in preds], [p[measured] for p in preds])
 
 
 def correlations(preds: list[dict]) -> dict:
@@ -168,15 +199,22 @@ def correlations(preds: list[dict]) -> dict:
            "base_layouts": correlation(base) if 3 <= len(base) < len(preds) else None, "base_layouts_n": len(base)}
     if all(p.get("measured_best_round_tokens_per_s") for p in preds):
         out["best_round"] = correlation(preds, "measured_best_round_tokens_per_s")
+    traced = [p for p in preds if "trace_tokens_per_s" in p]
+    if len(traced) >= 3:  # the dry-run trace's prediction (bench plan --trace), on the layouts it traced
+        out["trace"] = correlation(traced, predicted="trace_tokens_per_s")
+        out["formula_on_traced"] = correlation(traced)
+        out["trace_n"] = len(traced)
     return out
 
 
 def format_table(preds: list[dict]) -> str:
     mr = ranks([-p["measured_tokens_per_s"] for p in preds])
     pr = ranks([-p["predicted_tokens_per_s"] for p in preds])
+    trace = any("trace_tokens_per_s" in p for p in preds)
     out = ["| layout | world | planner layout | measured tok/s | predicted tok/s | predicted/measured | "
-           "measured rank | predicted rank | predicted compute ms | comm ms | bubble ms |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "measured rank | predicted rank | predicted compute ms | comm ms | bubble ms |"
+           + (" trace tok/s | trace/measured |" if trace else ""),
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if trace else "")]
     for p, a, b in zip(preds, mr, pr):
         lay, bd = p["planner_layout"], p["predicted_breakdown_s"]
         desc = (f"dp{lay['dp']} tp{lay['tp']}{'+sp' if lay['sp'] else ''} pp{lay['pp']} z{lay['zero_stage']} "
@@ -186,7 +224,9 @@ def format_table(preds: list[dict]) -> str:
         out.append(f"| {p['layout']} | {p['world_size']} | {desc} | {p['measured_tokens_per_s']:,.0f} | "
                    f"{p['predicted_tokens_per_s']:,.0f} | "
                    f"{p['predicted_tokens_per_s'] / p['measured_tokens_per_s']:.2f} | {a:g} | {b:g} | {(bd['compute'] + bd['vector'] + bd['overhead']) * 1e3:.1f} | {comm_s * 1e3:.1f} | "
-                   f"{bd['bubble'] * 1e3:.1f} |")
+                   f"{bd['bubble'] * 1e3:.1f} |"
+                   + ((f" {p['trace_tokens_per_s']:,.0f} | {p['trace_tokens_per_s'] / p['measured_tokens_per_s']:.2f} |"
+                       if "trace_tokens_per_s" in p else " - | - |") if trace else ""))
     return "\n".join(out)
 
 
@@ -205,6 +245,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-flops", type=float, help="per-rank peak FLOP/s (default: measured now)")
     p.add_argument("--threads", type=int, help="intra-op threads for the peak (default: the bench run's)")
     p.add_argument("--compute-eff", type=float, help="achieved/peak FLOP/s (default: measured on the model's MLP matmul)")
+    p.add_argument("--profile", help="take the CPU profile (peak FLOP/s, compute_eff, vector rate, per-layer "
+                                     "overhead) from an earlier 'bench plan --json' file instead of measuring it now "
+                                     "(a loaded machine measures too low)")
+    p.add_argument("--trace", action="store_true",
+                   help="also predict each layout's step time from a dry run of its real code (zerotron dryrun's "
+                        "FLOP, element-pass and collective counts on the same profile) and rank those")
     p.add_argument("--out", help="write a markdown report here")
     p.add_argument("--json", help="write the predictions and the correlation here")
     return p
@@ -242,11 +288,16 @@ def main(argv: list[str] | None = None) -> int:
                              f"{global_batch * cfg.block_size} tokens/step vs {ran[0]['num_params']:,} and "
                              f"{ran[0]['tokens_per_step']}")
         threads = args.threads or int(ran[0].get("threads", 1))
-        prof = measure_profile(cfg, micro_batch, threads, args.peak_flops)
+        if args.profile:
+            prof = dict(json.loads(Path(args.profile).read_text())["profile"])
+            if args.peak_flops:
+                prof["peak_flops"] = args.peak_flops
+        else:
+            prof = measure_profile(cfg, micro_batch, threads, args.peak_flops)
         if args.compute_eff:
             prof["compute_eff"] = args.compute_eff
         peak = prof["peak_flops"]
-        how = ("given (--peak-flops)" if args.peak_flops else
+        how = ("given (--peak-flops)" if args.peak_flops else f"from {args.profile}" if args.profile else
                f"measured now: best of 10 fp32 1024^3 matmuls, {threads} thread(s)")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         hw, comm_world, nodes = cpu_hardware(comm_bench, peak, memory, prof["vector_rate"])
@@ -255,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(preds) < 3:
             raise ValueError(f"only {len(preds)} measured layout(s) of the bench train file have a planner "
                              "counterpart; a rank correlation needs >= 3 (see planner_layout)")
+        if args.trace:
+            trace_predictions(preds, args.config, hw, prof["compute_eff"], prof["launch_s"])
         rhos = correlations(preds)
     except KeyError as e:
         print(f"zerotron bench plan: error: field {e} missing from a record of {args.bench_train!r}; pass a file "
@@ -278,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         others.append(f"{rhos['base_layouts_n']} strategy layouts without -mb/-ac variants: {rhos['base_layouts']:.3f}")
     if "best_round" in rhos:
         others.append(f"vs the best round's tokens/s: {rhos['best_round']:.3f}")
+    if "trace" in rhos:
+        others.append(f"the dry-run trace's prediction over the {rhos['trace_n']} layouts it traced: "
+                      f"{rhos['trace']:.3f} (the formula on the same layouts: {rhos['formula_on_traced']:.3f})")
     summary2 = "Also: " + "; ".join(others)
     print(f"{table}\n{summary}\n{summary2}")
     busbw = ", ".join(f"{op} {hw.intra[op] / 1e9:.3f} GB/s + {hw.latency_intra[op] * 1e6:.0f} us" for op in OPS)

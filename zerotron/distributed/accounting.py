@@ -15,24 +15,46 @@ from dataclasses import dataclass, field
 from .groups import group_name
 
 
+def _ranks(group) -> tuple:
+    """Global ranks of ``group`` (a NamedGroup, a ProcessGroup or None = the default group); () when
+    torch.distributed is not initialised."""
+    import torch.distributed as dist
+
+    from .groups import process_group
+
+    if not dist.is_initialized():
+        return ()
+    pg = process_group(group)
+    if pg is None or pg is dist.GroupMember.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(pg))
+
+
 @dataclass
 class CommStats:
     """Counts of collective calls and bytes, keyed by ``(op, group_name, tag)``.
 
-    ``calls[key]`` is an int; ``bytes[key]`` is an int (bytes, nccl-tests size convention).
+    ``calls[key]`` is an int; ``bytes[key]`` is an int (bytes, nccl-tests size convention);
+    ``members[group_name]``: the global ranks of the group counted under that name since the last
+    reset (which links a group crosses: ``zerotron.analysis.trace_time``).
     """
 
     calls: dict = field(default_factory=lambda: defaultdict(int))
     bytes: dict = field(default_factory=lambda: defaultdict(int))
+    members: dict = field(default_factory=dict)
 
     def record(self, op: str, group, tensor_bytes: int, tag: str = "") -> None:
-        key = (op, group_name(group), tag)
+        name = group_name(group)
+        key = (op, name, tag)
         self.calls[key] += 1
         self.bytes[key] += int(tensor_bytes)
+        if name not in self.members:
+            self.members[name] = _ranks(group)
 
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+        self.members.clear()
 
     def total_bytes(self, op: str | None = None, group: str | None = None, tag: str | None = None) -> int:
         """Sum of bytes over keys matching the given filters (``None`` matches anything)."""
