@@ -22,7 +22,7 @@ from zerotron.distributed import comm
 from zerotron.distributed.groups import process_group
 from zerotron.models.base import causal_attention
 
-from .docmask import doc_attention
+from .documents import doc_attention
 from .split import unsplit_order
 
 __all__ = ["a2a_attention", "heads_to_seq", "seq_to_heads"]

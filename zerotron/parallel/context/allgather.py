@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.distributed import comm
-from zerotron.parallel.context.docmask import allowed_mask
+from zerotron.parallel.context.documents import allowed_mask
 from zerotron.parallel.context.split import unsplit_order, zigzag_positions
 
 __all__ = ["allgather_attention"]

@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 from zerotron.distributed import comm
 from zerotron.distributed.groups import group_ranks, process_group
 
+from .documents import allowed_mask
 from .split import check_split
 
 __all__ = ["LAYOUTS", "chunk_layout", "merge", "rank_work", "ring_attention"]
@@ -128,7 +129,6 @@ class _Ring:
         chunk ``kj`` (same document and not in the future), or None without documents."""
         if self.doc is None:
             return None
-        from .docmask import allowed_mask
         q, k = torch.arange(qi * self.chunk, (qi + 1) * self.chunk), torch.arange(kj * self.chunk, (kj + 1) * self.chunk)
         return allowed_mask(self.doc[:, q], self.doc[:, k], q, k).to(self.doc.device)
 
