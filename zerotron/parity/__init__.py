@@ -35,6 +35,7 @@ directions), never trained silently wrong.
 """
 from zerotron.parity.runs import ERRORS, check, compare, markdown, reference, run_jobs, run_many, train_layout
 from zerotron.parity.space import (
+                                   DOC_MASK,
                                    FACTORS,
                                    FP64_RTOL,
                                    GLOBAL_BATCH,
@@ -49,10 +50,12 @@ from zerotron.parity.space import (
                                    all_layouts,
                                    config_for,
                                    covering_layouts,
+                                   doc_corpus,
+                                   doc_mask_layouts,
                                    expected_refusal,
                                    refusal,
 )
 
-__all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "FACTORS",
+__all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
-           "Layout", "all_layouts", "config_for", "covering_layouts", "expected_refusal", "refusal"]
+           "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal"]
