@@ -141,3 +141,39 @@ def test_refusals(tmp_path):
             build_plan(tiny_config({"data.doc_mask": "true", **over}), world)
         assert needle in str(e.value) and "\n" not in str(e.value) and "data.doc_mask" in str(e.value), str(e.value)
         build_plan(tiny_config({"data.doc_mask": "false", **over}), world) if needle != "no <|endoftext|>" else None
+
+
+def test_cli_refuses_in_one_line(tmp_path, capsys):
+    """``zerotron train`` with doc masking and a tokenizer without a separator: exit 2, one line,
+    nothing written."""
+    from zerotron.cli.main import main
+
+    tok = tmp_path / "tok.json"
+    tok.write_text(json.dumps({"added_tokens": [], "model": {"vocab": {"a": 0}}}))
+    run = tmp_path / "run"
+    code = main(["train", "--config", "configs/tiny.toml", "--run-dir", str(run), "--data.doc_mask", "true",
+                 "--data.tokenizer", str(tok)])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code == 2 and len(err) == 1 and "data.doc_mask needs a document separator token" in err[0], err
+    assert not run.exists()
+
+
+def test_trainer_masks_documents(tmp_path, single_process):
+    """The Trainer installs the masks: on the short-document corpus of the parity witnesses (most
+    16-token windows hold a separator) one step's loss and grad norm differ with and without
+    ``data.doc_mask``; validation runs through the masked evaluation path."""
+    from zerotron import parity
+    from zerotron.train.trainer import Trainer
+
+    docs = {"data.corpus": "files", "data.path": parity.doc_corpus(str(tmp_path / "docs.jsonl"), 1500),
+            "data.cache_dir": str(tmp_path / "cache"), "model.n_layer": 1, "model.n_embd": 32,
+            "model.block_size": 16, "train.steps": 1, "train.global_batch": 4, "train.micro_batch": 2,
+            "train.eval_every": 1, "train.eval_batches": 1, "train.dtype": "fp64",
+            "checkpoint.save_final": "false", "log.tensorboard": "false"}
+    recs = {}
+    for dm in ("true", "false"):
+        tr = Trainer(tiny_config({**docs, "data.doc_mask": dm}), tmp_path / f"run-{dm}")
+        assert (tr.strategy.documents is not None) == (dm == "true")
+        tr.fit(callback=lambda t, rec, dm=dm: recs.setdefault(dm, rec))
+    assert recs["true"]["loss"] != pytest.approx(recs["false"]["loss"], rel=1e-9)
+    assert recs["true"]["grad_norm"] != pytest.approx(recs["false"]["grad_norm"], rel=1e-9)

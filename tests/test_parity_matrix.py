@@ -66,6 +66,8 @@ def test_refusals_are_the_documented_ones(split, report):
         assert parity.expected_refusal(lay) is not None, f"{lay.name} is refused unexpectedly: {msg}"
         assert msg and "\n" not in msg and ("parallel." in msg or "train." in msg), (lay.name, msg)
     assert len(valid) + len(refused) == len(parity.all_layouts())
+    docs = parity.doc_mask_layouts(valid)  # the document-masking witnesses: valid layouts, run with the masks
+    assert len(docs) == len(parity.DOC_MASK) and all(parity.refusal(lay) is None for lay in docs)
     report(f"parity matrix: {len(valid) + len(refused)} layouts <= {parity.MAX_WORLD} processes, "
            f"{len(valid)} valid, {len(refused)} refused (each for a documented reason)")
 

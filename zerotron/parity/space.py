@@ -234,12 +234,11 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
 
 # document masking (data.doc_mask), trained with the masks on a corpus of short documents
 # (:func:`doc_corpus`) against one process with the masks: these layouts run once more with
-# doc_mask = true -- dp 2, tp 2 + SP, a 1F1B pipeline (and ZeRO-3 + full recomputation under it:
-# the recompute in backward re-reads the micro-batch's documents), cp 2 ring (and with
-# recomputation), cp 2 all-to-all, cp 2 all-gather over dp 2
-DOC_MASK = ("ddp-dp2-acc4", "ddp-dp1-tp2sp-acc1", "ddp-dp1-pp2-1f1b-acc4", "zero3-dp2-pp2-1f1b-acc4-acfull",
-            "ddp-dp1-cp2-ring-acc4", "zero2-dp1-cp2-ring-acc4-acfull", "ddp-dp1-cp2-a2a-acc4",
-            "zero1-dp2-cp2-allgather-acc4")
+# doc_mask = true -- dp 2, tp 2 + SP, a 1F1B pipeline with full recomputation (the recompute in
+# a B action re-reads its micro-batch's documents), cp 2 ring with recomputation, cp 2 all-to-all,
+# cp 2 all-gather over dp 2 (ZeRO-1 over the batch group dp x cp)
+DOC_MASK = ("ddp-dp2-acc4", "ddp-dp1-tp2sp-acc1", "ddp-dp1-pp2-1f1b-acc4-acfull", "zero2-dp1-cp2-ring-acc4-acfull",
+            "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-allgather-acc4")
 
 
 def doc_mask_layouts(layouts: list[Layout]) -> list[Layout]:
