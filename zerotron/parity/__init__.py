@@ -27,6 +27,10 @@ same configuration (:func:`reference`):
   bits on every rank, the training dtype, and the reference values (plain tensor parallelism
   yields its TP model, which decodes on its shards, and is checked through the canonical state).
 
+Document masking (``data.doc_mask``) is not a factor: the :data:`DOC_MASK` witnesses (dp, tp + SP,
+pp, cp ring / a2a / allgather) run once more with the masks on a corpus of short documents
+(:func:`doc_corpus`), against a single-process reference with the masks.
+
 In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
 :data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)
 moves these numbers by >= 1e-7. Config validation decides which layouts run; every refused one

@@ -129,8 +129,10 @@ class _Ring:
         chunk ``kj`` (same document and not in the future), or None without documents."""
         if self.doc is None:
             return None
-        q, k = torch.arange(qi * self.chunk, (qi + 1) * self.chunk), torch.arange(kj * self.chunk, (kj + 1) * self.chunk)
-        return allowed_mask(self.doc[:, q], self.doc[:, k], q, k).to(self.doc.device)
+        dev = self.doc.device
+        q = torch.arange(qi * self.chunk, (qi + 1) * self.chunk, device=dev)
+        k = torch.arange(kj * self.chunk, (kj + 1) * self.chunk, device=dev)
+        return allowed_mask(self.doc[:, q], self.doc[:, k], q, k)
 
     def blocks(self, step: int):
         """(query slot, key slot, diagonal, allowed mask) of the block pairs this rank computes at
