@@ -168,14 +168,20 @@ def test_bad_arguments_exit_2(capsys):
     assert bt.main(["--bogus-flag"]) == 2
 
 
-def test_plan_refusal_before_launch(capsys, monkeypatch):
+@pytest.mark.parametrize("command", ["train", "context"])
+def test_plan_refusal_before_launch(capsys, monkeypatch, command):
     """A layout the plan refuses (cp 3 on 2 processes: not a factor of the world): one line, exit 2,
-    before any worker starts."""
-    monkeypatch.setattr(bt, "launch", lambda *a, **k: pytest.fail("workers launched for a refused plan"))
+    before any worker starts -- in ``bench train`` and ``bench context`` alike (their shared
+    prologue, ``bench.entry``)."""
+    from zerotron.bench import context as bc
+    from zerotron.bench import entry
+
+    monkeypatch.setattr(entry, "launch", lambda *a, **k: pytest.fail("workers launched for a refused plan"))
     capsys.readouterr()
-    assert bt.main(["--config", str(TINY), "--nproc", "2", "--parallel.cp", "3", "--layouts", "dp"]) == 2
+    main = bt.main if command == "train" else bc.main
+    assert main(["--config", str(TINY), "--nproc", "2", "--parallel.cp", "3", "--layouts", "dp"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cp" in err[0], err
+    assert len(err) == 1 and err[0].startswith(f"zerotron bench {command}: error: ") and "cp" in err[0], err
 
 
 def test_in_process_skips_unbuildable_layouts(monkeypatch, data_cache, single_process):

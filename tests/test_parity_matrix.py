@@ -66,6 +66,8 @@ def test_refusals_are_the_documented_ones(split, report):
         assert parity.expected_refusal(lay) is not None, f"{lay.name} is refused unexpectedly: {msg}"
         assert msg and "\n" not in msg and ("parallel." in msg or "train." in msg), (lay.name, msg)
     assert len(valid) + len(refused) == len(parity.all_layouts())
+    docs = parity.doc_mask_layouts(valid)  # the document-masking witnesses: valid layouts, run with the masks
+    assert len(docs) == len(parity.DOC_MASK) and all(parity.refusal(lay) is None for lay in docs)
     report(f"parity matrix: {len(valid) + len(refused)} layouts <= {parity.MAX_WORLD} processes, "
            f"{len(valid)} valid, {len(refused)} refused (each for a documented reason)")
 
@@ -97,9 +99,10 @@ def _out(family: str) -> str | None:
 def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     """{family: per-layout summaries} of every chosen layout of every model family. Both families'
     layouts of one world size share each run_ranks call (chunks of CHUNK layouts, largest world
-    first), so the ranks import torch once for both."""
+    first), so the ranks import torch once for both. The document-masking witnesses
+    (``parity.DOC_MASK``) train on the short-document corpus against a reference with the masks."""
     valid, _ = split
-    chosen = valid if FULL else parity.covering_layouts(valid)
+    chosen = (valid if FULL else parity.covering_layouts(valid)) + parity.doc_mask_layouts(valid)
     if WORLDS:
         chosen = [lay for lay in chosen if lay.world in WORLDS]
     if SCHEDULES:
@@ -107,26 +110,29 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     if NAMES:
         chosen = [lay for lay in chosen if any(n in lay.name for n in NAMES)]
     tmp = tmp_path_factory.mktemp("matrix")
+    docs = {"data.corpus": "files", "data.path": parity.doc_corpus(str(tmp / "docs.jsonl")), "data.doc_mask": "true"}
     fam, summaries, by_world = {}, {}, defaultdict(list)
     for family in parity.MODELS:
-        extra = {"data.cache_dir": data_cache, **parity.MODELS[family]}
-        ref = parity.reference(str(tmp / f"reference-{family}"), extra)
-        assert ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
-        assert any(".self_attn.q_proj." in k for k in ref["params"]) == (family == "llama"), sorted(ref["params"])[:4]
-        ref_path = str(tmp / f"reference-{family}.pt")
-        torch.save(ref, ref_path)
         partial, done = _partial(_out(family), family)
-        fam[family] = (extra, ref_path, (set(ref["params"]), set(ref["optim"])), partial)
         summaries[family] = [done[lay.name] for lay in chosen if lay.name in done]
+        for dm in sorted({lay.doc_mask for lay in chosen}):
+            key = (family, dm)  # a job: the family's layouts with or without document masking
+            extra = {"data.cache_dir": data_cache, **parity.MODELS[family], **(docs if dm else {})}
+            ref = parity.reference(str(tmp / f"reference-{family}-{dm}"), extra)
+            assert ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
+            assert any(".self_attn.q_proj." in k for k in ref["params"]) == (family == "llama"), sorted(ref["params"])[:4]
+            ref_path = str(tmp / f"reference-{family}-{dm}.pt")
+            torch.save(ref, ref_path)
+            fam[key] = (extra, ref_path, (set(ref["params"]), set(ref["optim"])), partial)
         for lay in chosen:
             if lay.name not in done:
-                by_world[lay.world].append((family, lay.as_dict()))
+                by_world[lay.world].append(((family, lay.doc_mask), lay.as_dict()))
     for world, items in sorted(by_world.items(), key=lambda kv: -kv[0]):  # the largest (slowest) first
         for c in range(0, len(items), CHUNK):
             part = items[c:c + CHUNK]
-            names = [family for family in parity.MODELS if any(f == family for f, _ in part)]
-            jobs = [([d for f, d in part if f == family], fam[family][1], str(tmp / f"{family}-w{world}-{c}"),
-                     fam[family][0]) for family in names]
+            names = [key for key in fam if any(f == key for f, _ in part)]
+            jobs = [([d for f, d in part if f == key], fam[key][1], str(tmp / f"{key[0]}-{key[1]}-w{world}-{c}"),
+                     fam[key][0]) for key in names]
             t_chunk = time.time()
             if world == 1:  # in this process (world-size-1 group)
                 per_rank = [parity.run_jobs(jobs)]
@@ -134,18 +140,19 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
                 per_rank = run_ranks(parity.run_jobs, world, jobs, timeout_s=120,
                                      join_timeout_s=60 * len(part) + 300)
             per_layout = round((time.time() - t_chunk) / len(part), 2)  # chunk time per layout
-            for j, (family, (lays, *_)) in enumerate(zip(names, jobs)):
+            for j, (key, (lays, *_)) in enumerate(zip(names, jobs)):
                 new = []
                 for i, d in enumerate(lays):
                     records = [per_rank[r][j][i] for r in range(world)]
                     assert all(rec["name"] == d["name"] for rec in records)
-                    new.append({**d, **parity.check(d["name"], records, fam[family][2], parity.FP64_RTOL),
+                    new.append({**d, **parity.check(d["name"], records, fam[key][2], parity.FP64_RTOL),
                                 "seconds": per_layout})
-                summaries[family] += new
-                if fam[family][3]:
-                    with open(fam[family][3], "a") as f:
+                summaries[key[0]] += new
+                if fam[key][3]:
+                    with open(fam[key][3], "a") as f:
                         f.writelines(json.dumps(x) + "\n" for x in new)
-    return {family: (sorted(summaries[family], key=lambda x: (x["world"], x["name"])), len(chosen), fam[family][3])
+    return {family: (sorted(summaries[family], key=lambda x: (x["world"], x["name"])), len(chosen),
+                       next(v[3] for k, v in fam.items() if k[0] == family))
             for family in parity.MODELS}
 
 

@@ -94,6 +94,8 @@ class DataConfig:
     """fraction of the tokens held out for validation, in (0, 0.5]"""
     cache_dir: str = ".cache/zerotron"
     """token cache directory (built once, shared by the workers)"""
+    doc_mask: bool = False
+    """document masking: attention never crosses an end-of-text separator, positions restart per document"""
 
 
 @dataclass

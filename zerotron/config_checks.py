@@ -76,6 +76,8 @@ def check_values(cfg: Config) -> dict:
                                                "or dataset name)")
     _need(0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
     _need(d.vocab_size >= 260 or d.tokenizer, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
+    if d.doc_mask:
+        _check_doc_mask(d)
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
     _need(cfg.checkpoint.on_error in ("continue", "stop"),
           f"checkpoint.on_error must be continue or stop, got {cfg.checkpoint.on_error!r}")
@@ -100,3 +102,31 @@ def check_values(cfg: Config) -> dict:
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
     return shape
+
+
+EOT = "<|endoftext|>"  # = data.tokenizer.EOT (no tokenizers import here)
+
+
+def _check_doc_mask(d) -> None:
+    """``data.doc_mask`` needs document boundaries: a separator token in the tokenizer (``data.
+    tokenizer``; a trained BPE always has one) and a corpus of more than one document (a single
+    ``.txt`` file under ``data.corpus = files`` is one document). Raises ConfigError."""
+    if d.tokenizer:
+        import json
+
+        path = Path(d.tokenizer).expanduser()
+        try:
+            spec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            spec = None  # unreadable: the data loader names the problem
+        if spec is not None:
+            added = {t.get("content") for t in spec.get("added_tokens") or []}
+            vocab = (spec.get("model") or {}).get("vocab") or {}
+            _need(EOT in added or (isinstance(vocab, dict) and EOT in vocab),
+                  f"data.doc_mask needs a document separator token, and data.tokenizer {str(path)!r} has no {EOT}; "
+                  "use a tokenizer that defines it (or leave data.tokenizer unset to train one), or set "
+                  "data.doc_mask = false")
+    if d.corpus == "files" and d.path and Path(d.path).suffix == ".txt" and not Path(d.path).is_dir():
+        _need(False, f"data.doc_mask masks attention at document boundaries, and data.path {d.path!r} is one .txt "
+                     "file, one document with no boundary; give a .jsonl/.parquet file or a directory of documents, "
+                     "or set data.doc_mask = false")

@@ -69,7 +69,7 @@ class ParallelPlan:
     ``bucket_mb`` in MiB, ``global_batch``/``micro_batch`` in sequences, ``global_batch = 0``
     meaning one micro-batch per dp rank per step), so a new setting is declared once, in
     ``config.py``. The degrees are the resolved ``dims`` (``plan.dp`` is never the "0 = derive" of
-    ``parallel.dp``). ``dropout`` is ``model.dropout``; ``shape`` is the resolved model shape
+    ``parallel.dp``). ``dropout`` is ``model.dropout``, ``doc_mask`` ``data.doc_mask``; ``shape`` is the resolved model shape
     (``config.model_shape``: n_layer, n_head, n_embd, block_size, + n_kv_head / intermediate_size
     for families that have them) or None when unknown (then the model-size rules are not checked;
     the strategies still refuse a split the model cannot take).
@@ -87,9 +87,11 @@ class ParallelPlan:
     train: TrainConfig
     dropout: float
     shape: dict | None
+    doc_mask: bool
 
     def __init__(self, dims: ParallelDims | None = None, *, parallel: ParallelConfig | None = None,
-                 train: TrainConfig | None = None, dropout: float = 0.0, shape: dict | None = None, **fields):
+                 train: TrainConfig | None = None, dropout: float = 0.0, shape: dict | None = None,
+                 doc_mask: bool = False, **fields):
         par = copy.deepcopy(parallel) if parallel is not None else ParallelConfig()
         tr = copy.deepcopy(train) if train is not None else TrainConfig(**_DIRECT_TRAIN)
         for name, value in fields.items():
@@ -100,7 +102,7 @@ class ParallelPlan:
                 raise TypeError(f"ParallelPlan: {name!r} is not a parallel.* or train.* setting")
             setattr(section, name, value)
         for name, value in (("dims", dims if dims is not None else ParallelDims(1)), ("parallel", par),
-                            ("train", tr), ("dropout", dropout), ("shape", shape)):
+                            ("train", tr), ("dropout", dropout), ("shape", shape), ("doc_mask", doc_mask)):
             object.__setattr__(self, name, value)
         self.__post_init__()
 
@@ -118,7 +120,8 @@ class ParallelPlan:
         """The plan of ``cfg``'s parallel and train sections and model dropout on ``dims``, with
         ``fields`` on top (no :func:`check_values`: use :func:`build_plan` for a run). Raises
         ConfigError as the constructor does."""
-        return cls(dims, parallel=cfg.parallel, train=cfg.train, dropout=cfg.model.dropout, shape=shape, **fields)
+        return cls(dims, parallel=cfg.parallel, train=cfg.train, dropout=cfg.model.dropout, shape=shape,
+                   doc_mask=cfg.data.doc_mask, **fields)
 
     # ---- derived sizes -----------------------------------------------------------------------
     world_size = property(lambda self: self.dims.world_size, doc="processes in the run")
@@ -200,6 +203,7 @@ class ParallelPlan:
         self._check_pipeline()
         self._check_context_parallel()
         self._check_tensor_parallel()
+        self._check_doc_mask()
         per_step = self.micro_batch * self.dp
         _need(self.batch % per_step == 0,
               f"train.global_batch ({self.batch}) must be divisible by train.micro_batch * dp "
@@ -347,6 +351,19 @@ class ParallelPlan:
         if self.cp_impl == "a2a":
             reason = a2a_refusal(cp, self.tp, self.shape)
             _need(reason is None, reason)
+
+    def _check_doc_mask(self) -> None:
+        """Document masking (``data.doc_mask``) needs a runner that hands each micro-batch's tokens to
+        the attention of every stage (plain and the native pipeline executor) and attention that
+        takes a mask (not torch's DTensor tensor parallelism)."""
+        if not self.doc_mask:
+            return
+        _need(self.runner in ("plain", "pipeline"),
+              f"data.doc_mask does not run with parallel.pp_impl = {self.pp_impl} (that runner does not pass each "
+              "micro-batch's documents to its stages' attention); use parallel.pp_impl = native or data.doc_mask = false")
+        _need(self.tp_impl == "native" or self.tp == 1,
+              "data.doc_mask does not run with parallel.tp_impl = dtensor (torch's tensor parallelism; its attention "
+              "takes no document mask); use parallel.tp_impl = native or data.doc_mask = false")
 
     def _check_tensor_parallel(self) -> None:
         """Head, kv-head, FFN and sequence divisibility; the DTensor comparison backend's limits."""

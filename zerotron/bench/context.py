@@ -250,59 +250,35 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zerotron bench context`` (module doc, :func:`sweep`); returns an exit code
     (2 for bad arguments or a refused config)."""
     import json
-    import os
     import sys
     from pathlib import Path
 
-    import torch.distributed as dist
-
-    from zerotron.config import load_config, parse_overrides
-    from zerotron.data import prepare_data
-    from zerotron.distributed.mesh import destroy, init_distributed, teardown
-    from zerotron.launch import in_worker, launch, strip_nproc
-    from zerotron.train.setup import load_data
-
+    from .entry import prologue, run_body
     from .layouts import parse_layouts
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def parse(argv):
         args, rest = _parser().parse_known_args(argv)
-        names = parse_layouts(args.layouts)
+        args.names = parse_layouts(args.layouts)
         try:
-            seqs = [int(x) for x in args.seq.split(",") if x.strip()]
+            args.seqs = [int(x) for x in args.seq.split(",") if x.strip()]
         except ValueError:
-            seqs = []
-        if not seqs or min(seqs) < 1:
+            args.seqs = []
+        if not args.seqs or min(args.seqs) < 1:
             raise ValueError(f"--seq must be a comma list of positive sequence lengths, got {args.seq!r}")
         if min(args.steps, args.rounds, args.repeats, args.nproc - 1) < 1 or args.warmup < 0:
             raise ValueError("--steps, --rounds and --repeats must be >= 1, --warmup >= 0 and --nproc >= 2 "
                              "(the ring needs 2 ranks)")
-        overrides = parse_overrides(rest)
-        cfg = load_config(args.config, overrides)
-        if args.nproc > 1 and not in_worker():
-            d = cfg.data  # build the token cache once, before the workers start
-            prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
-                         d.tokenizer or None)
-            return launch(args.nproc, strip_nproc(argv), module="zerotron.bench.context")
-    except SystemExit as e:  # argparse: --help or a bad option
-        return int(e.code or 0)
-    except (ValueError, FileNotFoundError) as e:  # ConfigError, DataError
-        print(f"zerotron bench context: error: {e}", file=sys.stderr)
-        return 2
+        return args, rest
 
-    owned = not dist.is_initialized()
-    rank, n, dev = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s,
-                                    torch.device("cpu") if cfg.train.device == "cpu" else None)
-    try:
-        data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
-        rows = sweep(args.config, overrides, seqs, names, args.steps, args.warmup, args.rounds, args.repeats,
-                     args.balance, dev, data)
-    except BaseException:
-        if owned:
-            destroy()
-        raise
-    if owned:
-        teardown()
+    got = prologue("bench context", "zerotron.bench.context", argv, parse)
+    if isinstance(got, int):
+        return got
+    args, overrides, cfg = got
+    rank, n, dev, rows = run_body(cfg, lambda dev, data: sweep(
+        args.config, overrides, args.seqs, args.names, args.steps, args.warmup, args.rounds, args.repeats,
+        args.balance, dev, data))
     if rank == 0:
         print(f"zerotron bench context: {n} rank(s), {dev.type}, torch {torch.__version__}\n{format_rows(rows)}")
         if args.json:

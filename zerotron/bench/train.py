@@ -64,22 +64,23 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zerotron.config import load_config, parse_overrides
-from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows, prepare_data
+from zerotron.config import load_config
+from zerotron.data import GlobalBatchSampler, batch_from_indices, num_windows
 from zerotron.dims import AXES
 from zerotron.distributed import comm
-from zerotron.distributed.mesh import Mesh, destroy, init_distributed, teardown
-from zerotron.launch import in_worker, launch, strip_nproc
+from zerotron.distributed.mesh import Mesh
+from zerotron.launch import strip_nproc
 from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
 from zerotron.parallel.context.split import split_sequence
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.plan import build_plan
 from zerotron.train.optim import build_scheduler
-from zerotron.train.setup import gpt_config, load_data
+from zerotron.train.setup import gpt_config
 from zerotron.train.step import train_step
 
 from .bubble import P2P_KEYS, idle_split, simulated
+from .entry import prologue, run_body
 from .layouts import DEFAULT_LAYOUTS, LAYOUTS, Layout, get_layout, parse_layouts  # noqa: F401 (API)
 from .report import BASELINES, format_table, impl_name, markdown_report, paired_ratio, plot, summarize  # noqa: F401 (API)
 
@@ -289,38 +290,21 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zerotron bench train``; returns an exit code (2 for bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def parse(argv):
         args, rest = _parser().parse_known_args(argv)
-        names = parse_layouts(args.layouts)
+        args.names = parse_layouts(args.layouts)
         if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.nproc < 1:
             raise ValueError("--steps, --rounds and --nproc must be >= 1 and --warmup >= 0")
-        overrides = parse_overrides(rest)
-        cfg = load_config(args.config, overrides)
-        build_plan(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc)  # refused before any launch
-        if args.nproc > 1 and not in_worker():
-            d = cfg.data  # build the token cache once, before the workers start
-            prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
-                         d.tokenizer or None)
-            return launch(args.nproc, strip_nproc(argv), module="zerotron.bench.train")
-    except SystemExit as e:  # argparse: --help or a bad option
-        return int(e.code or 0)
-    except (ValueError, FileNotFoundError) as e:  # ConfigError, DataError
-        print(f"zerotron bench train: error: {e}", file=sys.stderr)
-        return 2
+        return args, rest
 
-    owned = not dist.is_initialized()
-    rank, n, dev = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s,
-                                    torch.device("cpu") if cfg.train.device == "cpu" else None)
-    try:
-        data = load_data(cfg, int(os.environ.get("LOCAL_RANK", 0)))
-        records = run_benchmark(args.config, overrides, names, args.steps, args.warmup, args.rounds, dev, data)
-        backend = dist.get_backend()
-    except BaseException:
-        if owned:
-            destroy()  # after an error: no barrier (a peer may be gone)
-        raise
-    if owned:
-        teardown()  # every rank done before any process group goes (no abort at exit)
+    got = prologue("bench train", "zerotron.bench.train", argv, parse)
+    if isinstance(got, int):
+        return got
+    args, overrides, cfg = got
+    rank, n, dev, (records, backend) = run_body(cfg, lambda dev, data: (
+        run_benchmark(args.config, overrides, args.names, args.steps, args.warmup, args.rounds, dev, data),
+        dist.get_backend()))
     if rank != 0:
         return 0
     rows = summarize(records)

@@ -64,6 +64,12 @@ class Strategy:
     module: torch.nn.Module
     loss_groups: list = []
     tp_group = None  # comm.NamedGroup of the tp dimension when the module is tensor-parallel
+    documents = None  # data.doc_mask: ``DocMaskHooks.documents`` (tokens -> context of one micro-batch)
+
+    def doc_context(self, x: torch.Tensor):
+        """The context every forward (and backward) of the micro-batch with tokens ``x`` runs in:
+        its documents under ``data.doc_mask`` (``parallel.context.docmask``), else nothing."""
+        return self.documents(x) if self.documents is not None else contextlib.nullcontext()
 
     def __init__(self, module: torch.nn.Module | None = None):
         """A bare strategy around a plain module (single process, no gradient sync)."""
@@ -107,7 +113,7 @@ class Strategy:
         last = len(micro_batches) - 1
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with self.no_sync() if i < last else contextlib.nullcontext():
+            with self.no_sync() if i < last else contextlib.nullcontext(), self.doc_context(x):
                 with autocast_ctx(dtype, device):
                     logits = self(x)
                 loss = self.loss_sum(logits, y)
@@ -121,7 +127,7 @@ class Strategy:
         Both are summed over ``loss_groups`` by the caller (pipeline stages other than the last
         return zeros)."""
         x, y = x.to(device), y.to(device)
-        with autocast_ctx(dtype, device):
+        with autocast_ctx(dtype, device), self.doc_context(x):
             logits = self(x)
         return (self.loss_sum(logits, y).double().cpu(),
                 torch.tensor(float((y != IGNORE_INDEX).sum()), dtype=torch.float64))

@@ -27,6 +27,10 @@ same configuration (:func:`reference`):
   bits on every rank, the training dtype, and the reference values (plain tensor parallelism
   yields its TP model, which decodes on its shards, and is checked through the canonical state).
 
+Document masking (``data.doc_mask``) is not a factor: the :data:`DOC_MASK` witnesses (dp, tp + SP,
+pp, cp ring / a2a / allgather) run once more with the masks on a corpus of short documents
+(:func:`doc_corpus`), against a single-process reference with the masks.
+
 In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
 :data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)
 moves these numbers by >= 1e-7. Config validation decides which layouts run; every refused one
@@ -35,6 +39,7 @@ directions), never trained silently wrong.
 """
 from zerotron.parity.runs import ERRORS, check, compare, markdown, reference, run_jobs, run_many, train_layout
 from zerotron.parity.space import (
+                                   DOC_MASK,
                                    FACTORS,
                                    FP64_RTOL,
                                    GLOBAL_BATCH,
@@ -49,10 +54,12 @@ from zerotron.parity.space import (
                                    all_layouts,
                                    config_for,
                                    covering_layouts,
+                                   doc_corpus,
+                                   doc_mask_layouts,
                                    expected_refusal,
                                    refusal,
 )
 
-__all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "FACTORS",
+__all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
-           "Layout", "all_layouts", "config_for", "covering_layouts", "expected_refusal", "refusal"]
+           "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal"]

@@ -63,6 +63,7 @@ class Layout:
     ac: str = "none"
     cp: int = 1
     cp_impl: str | None = None
+    doc_mask: bool = False  # data.doc_mask (not a factor: the DOC_MASK witnesses, on a corpus of short documents)
 
     @property
     def world(self) -> int:
@@ -81,6 +82,8 @@ class Layout:
         parts.append(f"acc{self.acc}")
         if self.ac != "none":
             parts.append(f"ac{self.ac}")
+        if self.doc_mask:
+            parts.append("docmask")
         return "-".join(parts)
 
     def overrides(self) -> dict:
@@ -91,6 +94,8 @@ class Layout:
              "train.activation_checkpointing": self.ac, "parallel.cp": self.cp}
         if self.cp > 1:
             o["parallel.cp_impl"] = self.cp_impl
+        if self.doc_mask:
+            o["data.doc_mask"] = "true"
         if self.sync == "torch_ddp":
             o["parallel.dp_impl"] = "torch"
         elif self.sync.startswith("zero"):
@@ -174,6 +179,8 @@ def expected_refusal(layout: Layout) -> str | None:
         return "the threaded executor (pp stages as threads of one process) combines only with native DDP, tp = 1"
     if layout.cp > 1 and layout.pp > 1:
         return "context parallelism does not run under a pipeline yet (no runner splits sequences per stage)"
+    if layout.doc_mask and (layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
+        return "document masking runs on the plain runner and the native pipeline executor only"
     if layout.cp_impl == "a2a" and any(a2a_refusal(layout.cp, layout.tp, _shape(e)) for e in MODELS.values()):
         return "all-to-all context parallelism needs cp to divide the kv heads per tp rank (of every family)"
     return None
@@ -223,6 +230,35 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
         # under the same syncs: alone at cp 2 and 4, over DDP, ZeRO-3, FSDP2 and tp 2 + SP, with recomputation
         "ddp-dp1-cp2-ring-acc4", "ddp-dp1-cp4-ring-acc1", "zero3-dp2-cp2-ring-acc4", "fsdp2_3-dp2-cp2-ring-tp2sp-acc1",
         "zero2-dp1-cp2-ring-acc4-acfull", "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-a2a-acc1", "torch_ddp-dp2-cp2-a2a-acc4")
+
+
+# document masking (data.doc_mask), trained with the masks on a corpus of short documents
+# (:func:`doc_corpus`) against one process with the masks: these layouts run once more with
+# doc_mask = true -- dp 2, tp 2 + SP, a 1F1B pipeline with full recomputation (the recompute in
+# a B action re-reads its micro-batch's documents), cp 2 ring with recomputation, cp 2 all-to-all,
+# cp 2 all-gather over dp 2 (ZeRO-1 over the batch group dp x cp)
+DOC_MASK = ("ddp-dp2-acc4", "ddp-dp1-tp2sp-acc1", "ddp-dp1-pp2-1f1b-acc4-acfull", "zero2-dp1-cp2-ring-acc4-acfull",
+            "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-allgather-acc4")
+
+
+def doc_mask_layouts(layouts: list[Layout]) -> list[Layout]:
+    """The :data:`DOC_MASK` witnesses among ``layouts``, with ``doc_mask`` on."""
+    return [dataclasses.replace(l, doc_mask=True) for l in layouts if l.name in DOC_MASK]
+
+
+def doc_corpus(path: str, lines: int = 4000) -> str:
+    """Write the document-masking corpus to ``path`` (a .jsonl, one document per line): the first
+    ``lines`` non-empty lines of the first Shakespeare play, each a document of a few tokens, so
+    most 16-token windows of the matrix hold several documents. Returns ``path``."""
+    import json
+
+    from zerotron.data.corpus import load_corpus
+
+    text = load_corpus("shakespeare", None, "text")[0]
+    docs = [ln.strip() for ln in text.splitlines() if ln.strip()][:lines]
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    return path
 
 
 def covering_layouts(layouts: list[Layout]) -> list[Layout]:

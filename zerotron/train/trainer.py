@@ -20,6 +20,7 @@ from ..distributed import comm
 from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
 from ..parallel import parallelize
+from ..parallel.context.docmask import apply_doc_mask
 from ..parallel.context.split import split_sequence
 from ..parallel.precision import param_dtype
 from ..plan import ParallelPlan, build_plan
@@ -94,6 +95,8 @@ class Trainer:
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
         self.state_bytes, self.state_tensors = sum(v.numel() * v.element_size() for v in dense.values()), len(dense)
         self.strategy = parallelize(self.model, self.plan, self.mesh)
+        if cfg.data.doc_mask:  # outermost hooks; every runner wraps each micro-batch in its documents
+            self.strategy.documents = apply_doc_mask(self.model, self.data.eot_id).documents
         self.optimizer = self.strategy.build_optimizer(cfg.train, self.strategy.decay_mask)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
         self.sampler = GlobalBatchSampler(num_windows(len(self.data.train), self.seq_len),

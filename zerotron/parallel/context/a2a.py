@@ -22,6 +22,7 @@ from zerotron.distributed import comm
 from zerotron.distributed.groups import process_group
 from zerotron.models.base import causal_attention
 
+from .documents import doc_attention
 from .split import unsplit_order
 
 __all__ = ["a2a_attention", "heads_to_seq", "seq_to_heads"]
@@ -88,7 +89,7 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _HeadsToSeq.apply(x, group)
 
 
-def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, doc: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's zigzag tokens over the whole sequence by all-to-all head
     re-sharding (module doc): q (B, H, T_local, D), k and v (B, H_kv, T_local, D) -> (B, H, T_local, D),
     row for row equal to causal scaled dot-product attention over the full sequence
@@ -96,14 +97,17 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> t
 
     Traffic per rank, forward (and the same again in the backward): four ``all_to_all`` calls with
     tag ``cp_a2a`` over ``group``, of q's, k's, v's and the output's bytes.
+    ``doc``: None, or the document indices (B, T) of the whole sequence (natural order): the
+    attention over the re-sharded sequence is then document-masked (``docmask.doc_attention``).
     Raises ValueError when cp does not divide H_kv (the plan refuses such a layout first)."""
     cp = _size(group)
     H, Hkv = q.size(1), k.size(1)
     if Hkv % cp or H % Hkv:
         raise ValueError(f"all-to-all context attention needs cp ({cp}) to divide the kv heads ({Hkv}); "
                          "use parallel.cp_impl = 'ring' or a cp that divides them")
+    attend = causal_attention if doc is None else (lambda q, k, v, p: doc_attention(q, k, v, doc.to(q.device), p))
     if cp == 1:
-        return causal_attention(q, k, v, 0.0)
-    out = causal_attention(seq_to_heads(q.contiguous(), group), seq_to_heads(k.contiguous(), group),
-                           seq_to_heads(v.contiguous(), group), 0.0)
+        return attend(q, k, v, 0.0)
+    out = attend(seq_to_heads(q.contiguous(), group), seq_to_heads(k.contiguous(), group),
+                 seq_to_heads(v.contiguous(), group), 0.0)
     return heads_to_seq(out.contiguous(), group)

@@ -16,17 +16,18 @@ __all__ = ["IMPLS", "context_attention"]
 IMPLS = ("ring", "a2a", "allgather")  # parallel.cp_impl values (= plan.CP_IMPLS); the first is the default
 
 
-def context_attention(q, k, v, group, impl: str = "ring"):
+def context_attention(q, k, v, group, impl: str = "ring", doc=None):
     """Dispatch to the ``impl`` implementation (``.ring.ring_attention``, ``.a2a.a2a_attention`` or
-    ``.allgather.allgather_attention``); shapes and semantics in the module doc. Raises ValueError
-    for an unknown ``impl``."""
+    ``.allgather.allgather_attention``); shapes and semantics in the module doc. ``doc``: None, or
+    the document indices (B, T) of the whole sequence in natural order (``.docmask``): a query then
+    sees only the keys of its own document. Raises ValueError for an unknown ``impl``."""
     if impl == "ring":
         from .ring import ring_attention
-        return ring_attention(q, k, v, group)
+        return ring_attention(q, k, v, group, doc=doc)
     if impl == "a2a":
         from .a2a import a2a_attention
-        return a2a_attention(q, k, v, group)
+        return a2a_attention(q, k, v, group, doc=doc)
     if impl == "allgather":
         from .allgather import allgather_attention
-        return allgather_attention(q, k, v, group)
+        return allgather_attention(q, k, v, group, doc=doc)
     raise ValueError(f"unknown parallel.cp_impl {impl!r}; choose one of {IMPLS}")

@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 from zerotron.distributed import comm
 from zerotron.distributed.groups import group_ranks, process_group
 
+from .documents import allowed_mask
 from .split import check_split
 
 __all__ = ["LAYOUTS", "chunk_layout", "merge", "rank_work", "ring_attention"]
@@ -68,19 +69,25 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, block_out: torch.T
     ``out``/``block_out`` (..., T, D) are softmax-normalised outputs over disjoint key sets, ``lse``/
     ``block_lse`` (..., T) the log-sum-exp of their scaled scores; the result is the output and lse
     over the union: lse' = log(e^lse + e^block_lse), out' = out e^(lse-lse') + block_out
-    e^(block_lse-lse'). ``out is None`` (nothing yet) returns the block. Rows must not have
-    lse = block_lse = -inf (every query row here sees at least itself)."""
+    e^(block_lse-lse'). ``out is None`` (nothing yet) returns the block. A row may have lse = -inf
+    (no key seen yet: document masking) as long as its output there is 0; it stays so while both
+    are -inf (every query row sees at least itself by the end)."""
     if out is None:
         return block_out, block_lse
     new = torch.logaddexp(lse, block_lse)
-    return out * torch.exp(lse - new).unsqueeze(-1) + block_out * torch.exp(block_lse - new).unsqueeze(-1), new
+    ref = new.masked_fill(torch.isinf(new), 0.0)  # rows with nothing seen yet: weights exp(-inf) = 0
+    return out * torch.exp(lse - ref).unsqueeze(-1) + block_out * torch.exp(block_lse - ref).unsqueeze(-1), new
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float,
+            allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled scores (B, H_kv, rep, Tq, Tk) of grouped queries q (B, H_kv, rep, Tq, D) against keys
-    k (B, H_kv, Tk, D); -inf above the diagonal when ``diagonal`` (query chunk == key chunk)."""
+    k (B, H_kv, Tk, D); -inf above the diagonal when ``diagonal`` (query chunk == key chunk), or,
+    when given, wherever the boolean ``allowed`` (B, 1, Tq, Tk) (document masking) is False."""
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if diagonal:
+    if allowed is not None:
+        s = s.masked_fill(~allowed[:, :, None], float("-inf"))
+    elif diagonal:
         tq, tk = s.shape[-2:]
         future = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(future, float("-inf"))
@@ -106,7 +113,7 @@ class _Ring:
     """Who is where on the cp ring: size, this rank's index, the global ranks of the next and
     previous peers, and the chunk layout of every rank."""
 
-    def __init__(self, group, layout: str, t_local: int):
+    def __init__(self, group, layout: str, t_local: int, doc: torch.Tensor | None = None):
         pg = process_group(group)
         self.group = group
         self.size = torch.distributed.get_world_size(pg)
@@ -115,6 +122,26 @@ class _Ring:
         self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
         self.layout, self.t_local = layout, t_local
         self.chunk, _ = chunk_layout(layout, self.size, self.rank, t_local)
+        self.doc = doc  # (B, T) document indices of the whole sequence, or None
+
+    def allowed(self, qi: int, kj: int) -> torch.Tensor | None:
+        """Document masking: the boolean mask (B, 1, C, C) of global query chunk ``qi`` against key
+        chunk ``kj`` (same document and not in the future), or None without documents."""
+        if self.doc is None:
+            return None
+        dev = self.doc.device
+        q = torch.arange(qi * self.chunk, (qi + 1) * self.chunk, device=dev)
+        k = torch.arange(kj * self.chunk, (kj + 1) * self.chunk, device=dev)
+        return allowed_mask(self.doc[:, q], self.doc[:, k], q, k)
+
+    def blocks(self, step: int):
+        """(query slot, key slot, diagonal, allowed mask) of the block pairs this rank computes at
+        ``step``: causally visible, and with documents at least one allowed score."""
+        mine, theirs = self.ids(self.rank), self.ids(self.source(step))
+        for a, b, diag in _pairs(mine, theirs):
+            allowed = self.allowed(mine[a], theirs[b])
+            if allowed is None or bool(allowed.any()):
+                yield a, b, diag, allowed
 
     def ids(self, rank: int) -> list[int]:
         """The global chunk indices of cp rank ``rank``'s local sequence."""
@@ -153,9 +180,9 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention forward/backward (module doc); inputs q (B,H,T,D), k/v (B,H_kv,T,D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, timings):
+    def forward(ctx, q, k, v, group, layout, timings, doc):
         with torch.autocast(q.device.type, enabled=False):  # block math in the compute dtype, not autocast's
-            return _RingAttention._forward(ctx, q, k, v, group, layout, timings)
+            return _RingAttention._forward(ctx, q, k, v, group, layout, timings, doc)
 
     @staticmethod
     @once_differentiable
@@ -164,8 +191,8 @@ class _RingAttention(torch.autograd.Function):
             return _RingAttention._backward(ctx, dout)
 
     @staticmethod
-    def _forward(ctx, q, k, v, group, layout, timings):
-        ring = _Ring(group, layout, q.size(2))
+    def _forward(ctx, q, k, v, group, layout, timings, doc):
+        ring = _Ring(group, layout, q.size(2), doc)
         B, H, T, D = q.shape
         Hkv = k.size(1)
         cdt = torch.promote_types(q.dtype, torch.float32)  # compute dtype: fp32 for bf16/fp16
@@ -182,10 +209,11 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works = ring.shift(kv, "cp_kv")
             t0 = time.perf_counter()
             kc, vc = kv[0].to(cdt), kv[1].to(cdt)
-            for a, b, diag in _pairs(my_ids, ring.ids(ring.source(step))):
-                s = _scores(qg[..., ring.slot(a), :], kc[..., ring.slot(b), :], diag, scale)
-                blse = torch.logsumexp(s, dim=-1)
-                bout = torch.matmul(torch.exp(s - blse.unsqueeze(-1)), vc[..., ring.slot(b), :].unsqueeze(2))
+            for a, b, diag, allowed in ring.blocks(step):
+                s = _scores(qg[..., ring.slot(a), :], kc[..., ring.slot(b), :], diag, scale, allowed)
+                blse = torch.logsumexp(s, dim=-1)  # -inf on a row that sees no key of this block
+                p = torch.exp(s - blse.masked_fill(torch.isinf(blse), 0.0).unsqueeze(-1))
+                bout = torch.matmul(p, vc[..., ring.slot(b), :].unsqueeze(2))
                 outs[a], lses[a] = merge(outs[a], lses[a], bout, blse)
             spent += time.perf_counter() - t0
             if works:
@@ -210,7 +238,6 @@ class _RingAttention(torch.autograd.Function):
         dog = dout.to(cdt).reshape(B, Hkv, H // Hkv, T, D)
         delta = (dog * out).sum(-1)  # (B, H_kv, rep, T): rowsum(dO * O) (FlashAttention backward)
         dq = torch.zeros_like(qg)
-        my_ids = ring.ids(ring.rank)
         kv = torch.stack((k, v)).contiguous()
         dkv = None  # the accumulators (2, B, H_kv, T, D) of the K/V block in hand, arriving from prev
         dkv_works: list = []
@@ -222,10 +249,10 @@ class _RingAttention(torch.autograd.Function):
             t0 = time.perf_counter()
             kc, vc = kv[0].to(cdt), kv[1].to(cdt)
             local = torch.zeros((2, B, Hkv, T, D), dtype=cdt, device=q.device)  # this rank's part for this block
-            for a, b, diag in _pairs(my_ids, ring.ids(ring.source(step))):
+            for a, b, diag, allowed in ring.blocks(step):
                 qa, doa = qg[..., ring.slot(a), :], dog[..., ring.slot(a), :]
                 kb, vb = kc[..., ring.slot(b), :], vc[..., ring.slot(b), :]
-                p = torch.exp(_scores(qa, kb, diag, scale) - lse[..., ring.slot(a)].unsqueeze(-1))  # probabilities
+                p = torch.exp(_scores(qa, kb, diag, scale, allowed) - lse[..., ring.slot(a)].unsqueeze(-1))  # probabilities
                 kb, vb = kb.unsqueeze(2), vb.unsqueeze(2)  # (B, H_kv, 1, C, D): broadcast over the rep query heads
                 dp = torch.matmul(doa, vb.transpose(-1, -2))
                 ds = p * (dp - delta[..., ring.slot(a)].unsqueeze(-1))
@@ -245,11 +272,11 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         waited += _wait(dkv_works)  # after cp hops the accumulators of this rank's own K/V are home
         _add(ctx.timings, backward_compute_s=spent, backward_wait_s=waited)
-        return (dq.reshape(B, H, T, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None)
+        return (dq.reshape(B, H, T, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str = "zigzag",
-                   timings: dict | None = None) -> torch.Tensor:
+                   timings: dict | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries over the whole sequence by ring attention (module
     doc): q (B, H, T_local, D), k and v (B, H_kv, T_local, D) with H a multiple of H_kv, fp32, bf16
     or fp64 -> (B, H, T_local, D) in q's dtype, row for row equal to causal scaled dot-product
@@ -266,8 +293,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, lay
     transfers: the part not hidden behind compute) are added; host wall clock, exact on CPU (on
     CUDA the kernels are asynchronous and these are launch times).
 
+    ``doc``: None, or the document indices (B, T) of the whole sequence in natural order
+    (``.docmask``): each (query chunk, key chunk) block is then masked to same-document pairs (its
+    mask built from the chunks' global positions, nothing extra travels) and a block with no
+    allowed pair is skipped.
+
     Differentiable in q, k and v. Raises ValueError for an unknown layout or an odd zigzag T_local."""
     if q.size(1) % k.size(1) or k.shape != v.shape or q.size(2) != k.size(2):
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match "
                          "(B, H, T, D) / (B, H_kv, T, D) with H a multiple of H_kv")
-    return _RingAttention.apply(q, k, v, group, layout, timings)
+    return _RingAttention.apply(q, k, v, group, layout, timings, doc)

@@ -176,7 +176,7 @@ class PipelineExecutor:
         self.p2p.reset()
 
     def run(self, actions: list[Action], tokens: list[torch.Tensor], on_output, autocast,
-            b_context=None, w_context=None) -> None:
+            b_context=None, w_context=None, documents=None) -> None:
         """Walk ``actions`` over micro-batches ``tokens[i]`` ((b_i, T_i) int64, known on every rank).
 
         ``on_output(mb, logits)`` is called with the last stage's logits (b, T, V) and returns the
@@ -184,11 +184,13 @@ class PipelineExecutor:
         of every forward; ``b_context(mb, chunk)`` the context of each backward that produces
         weight gradients (a whole B, or a W; e.g. DDP no_sync); ``w_context(mb, chunk)``, when
         given, replaces it around a W (e.g. ZeRO-3 gathers the blocks first). A split B (input
-        gradient only) runs in no context: it accumulates nothing. Raises RuntimeError if a stage
+        gradient only) runs in no context: it accumulates nothing. ``documents(tokens)``, when given
+        (``data.doc_mask``), is the context of every F, B and W of that micro-batch (a backward may
+        recompute the forward). Raises RuntimeError if a stage
         output has an unexpected shape/dtype or the walk ends with undelivered tensors or pending
         W's (a malformed schedule)."""
         acts_in, grads_in, saved, send_f, send_b, owed = {}, {}, {}, {}, {}, {}
-        st, last = self.stage, self.stage.last_stage
+        st = self.stage
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
         p2p, dev = self.p2p, tokens[0].device
         p2p.start_walk(actions, lambda a: torch.empty(self._act_shape(tokens[a.microbatch]), dtype=self.act_dtype,
@@ -215,43 +217,9 @@ class PipelineExecutor:
             a = actions[i]
             key, s = (a.microbatch, a.chunk), st.stages[a.chunk]
             t0 = time.perf_counter()
-            if a.kind == "F":
-                inp = None
-                if s > 0:
-                    inp = acts_in.pop(key)
-                    if torch.is_grad_enabled():
-                        inp.requires_grad_()
-                with autocast():
-                    out = self.forward_chunk(a.chunk, tokens[a.microbatch] if s == 0 else inp)
-                if s == last:
-                    out = on_output(a.microbatch, out)
-                else:
-                    self._check(out, tokens[a.microbatch])
-                    if st.holds(s + 1):  # local hand-off to the chunk of stage s + 1
-                        acts_in[(a.microbatch, st.stages.index(s + 1))] = out.detach()
-                    else:
-                        send_f[key] = out.detach()
-                if torch.is_grad_enabled() and out is not None:
-                    saved[key] = (inp, out)
-            elif a.kind == "B":
-                inp, out = saved.pop(key)
-                grad = None if s == last else grads_in.pop(key)
-                if key in split:  # input gradient now, weight gradients at this key's W
-                    dinp, owed[key] = backward_input(out, grad, inp)
-                else:
-                    with b_context(*key) if b_context else contextlib.nullcontext():
-                        torch.autograd.backward(out, grad)
-                    dinp = inp.grad if s > 0 else None
-                if s > 0:
-                    if st.holds(s - 1):
-                        grads_in[(a.microbatch, st.stages.index(s - 1))] = dinp
-                    else:
-                        send_b[key] = dinp
-                del inp, out, grad, dinp  # free this micro-batch's activations now (split: after W)
-            else:  # "W"
-                ctx = w_context or b_context
-                with ctx(*key) if ctx else contextlib.nullcontext():
-                    backward_weight(owed.pop(key))
+            with documents(tokens[a.microbatch]) if documents else contextlib.nullcontext():
+                self._compute(a, key, s, tokens, on_output, autocast, b_context, w_context, split,
+                              (acts_in, grads_in, saved, send_f, send_b, owed))
             t1 = time.perf_counter()
             dt, k = t1 - t0, (a.kind, a.chunk)
             p2p.events.append(("C", p2p.walks, (a.kind, a.microbatch, s), t0, t1))
@@ -267,6 +235,48 @@ class PipelineExecutor:
         self.walk_end_s = t_end
         if acts_in or grads_in or send_f or send_b or owed or (saved and any(a.kind == "B" for a in actions)):
             raise RuntimeError("pipeline walk ended with undelivered tensors: malformed schedule")
+
+    def _compute(self, a: Action, key, s: int, tokens, on_output, autocast, b_context, w_context, split, state) -> None:
+        """One F, B or W action of :meth:`run` (``state``: its dicts of tensors in flight)."""
+        acts_in, grads_in, saved, send_f, send_b, owed = state
+        st, last = self.stage, self.stage.last_stage
+        if a.kind == "F":
+            inp = None
+            if s > 0:
+                inp = acts_in.pop(key)
+                if torch.is_grad_enabled():
+                    inp.requires_grad_()
+            with autocast():
+                out = self.forward_chunk(a.chunk, tokens[a.microbatch] if s == 0 else inp)
+            if s == last:
+                out = on_output(a.microbatch, out)
+            else:
+                self._check(out, tokens[a.microbatch])
+                if st.holds(s + 1):  # local hand-off to the chunk of stage s + 1
+                    acts_in[(a.microbatch, st.stages.index(s + 1))] = out.detach()
+                else:
+                    send_f[key] = out.detach()
+            if torch.is_grad_enabled() and out is not None:
+                saved[key] = (inp, out)
+        elif a.kind == "B":
+            inp, out = saved.pop(key)
+            grad = None if s == last else grads_in.pop(key)
+            if key in split:  # input gradient now, weight gradients at this key's W
+                dinp, owed[key] = backward_input(out, grad, inp)
+            else:
+                with b_context(*key) if b_context else contextlib.nullcontext():
+                    torch.autograd.backward(out, grad)
+                dinp = inp.grad if s > 0 else None
+            if s > 0:
+                if st.holds(s - 1):
+                    grads_in[(a.microbatch, st.stages.index(s - 1))] = dinp
+                else:
+                    send_b[key] = dinp
+            del inp, out, grad, dinp  # free this micro-batch's activations now (split: after W)
+        else:  # "W"
+            ctx = w_context or b_context
+            with ctx(*key) if ctx else contextlib.nullcontext():
+                backward_weight(owed.pop(key))
 
     def _act_shape(self, tok: torch.Tensor) -> tuple:
         """Stage-boundary activation of micro-batch ``tok`` (b, T): (b, T, C), or this rank's

@@ -316,7 +316,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             w_context = (self._zero3_weight_pass if self.zero is not None and self.zero.stage == 3
                          else self.fsdp2.weight_context if self.fsdp2 is not None else None)
             ex.run(self._actions(k), [x for x, _ in mbs], on_output,
-                   lambda: autocast_ctx(dtype, device), b_context, w_context)
+                   lambda: autocast_ctx(dtype, device), b_context, w_context, self.documents)
             for s in sums:
                 total += s.double().cpu()
 
@@ -421,7 +421,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         acts = forward_only_actions(self.placement, self.rank)
         self.executor.reset_timing()  # the last step's timing is already in _timing; bound the event list
         with self.zero.full_params(blocks=False) if self.zero is not None else contextlib.nullcontext():
-            self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device))
+            self.executor.run(acts, [x], on_output, lambda: autocast_ctx(dtype, device), documents=self.documents)
         if self.fsdp2 is not None:  # a gradient-free forward leaves units unsharded (zero_stage 2)
             self.fsdp2.reshard()
 
