@@ -155,6 +155,14 @@ def all_to_all(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bo
     return track(work, "all_to_all", tag, output, inp, group=group)
 
 
+def count(op: str, group, nbytes: int, tag: str = "") -> None:
+    """Record a collective that another library issues itself (torch FSDP2's all-gathers and
+    reduce-scatters, through ``zerotron.parallel.data.fsdp_comm``): ``op`` (all_gather,
+    reduce_scatter, ...), ``group`` (a NamedGroup), ``nbytes`` in the nccl-tests convention of the
+    module docstring. Counts only; the caller runs the collective."""
+    STATS.record(op, group, int(nbytes), tag)
+
+
 def send(t: torch.Tensor, dst: int, group=None, tag: str = "") -> None:
     """Blocking point-to-point send to global rank ``dst``."""
     STATS.record("send", group, _check(t, "send"), tag)

@@ -6,7 +6,9 @@ LM head, final LayerNorm), over the dp sub-mesh. Stage 3 = ``reshard_after_forwa
 semantics = ``reshard_after_forward=False`` (parameters stay gathered between forward and backward).
 FSDP2 averages gradients over dp (gloo has no PREMUL_SUM for a custom divide factor), so the loss is
 divided by ``N_global / dp`` instead of ``N_global``: the average of dp-scaled gradients is the sum
-zerotron's loss normalisation needs. Its collectives are torch's own, so they are not in ``comm.STATS``.
+zerotron's loss normalisation needs. Its collectives are torch's own; its all-gathers and
+reduce-scatters are counted in ``comm.STATS`` through FSDP2's custom-comm hooks
+(``parallel.data.fsdp_comm``, tag "fsdp2"; HSDP's replica all-reduce is not).
 
 Module order: FSDP2 prefetches only what it recorded (backward follows the reverse of the forward
 that just ran; no explicit forward prefetch is set), so skipped or reordered blocks are safe. One
@@ -36,6 +38,7 @@ import torch
 from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
+from zerotron.parallel.data.fsdp_comm import count_fsdp_collectives
 from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.tensor.layers import full_tensor, is_tp_sharded, local_shard
 
@@ -73,6 +76,7 @@ class FSDP2Strategy(Strategy):
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model if root is None else root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        count_fsdp_collectives([*blocks, model if root is None else root], mesh.group("shard"))
         for block in blocks:
             # torch 2.13's no_sync post-backward reads every block's unsharded parameter, which only
             # exists once the block has been unsharded: a block whose forward never ran (skipped)
