@@ -34,7 +34,8 @@ def test_never_violates_divisibility_or_memory(preset, gpus, per_node, mem, batc
     res = plan(cfg, gpus, mem, batch, seq, CostModel(hardware("h100"), per_node))
     assert res["layouts"], res["dropped"]
     for r in res["layouts"]:
-        assert r["dp"] * r["tp"] * r["pp"] == gpus
+        assert r["dp"] * r.get("cp", 1) * r["tp"] * r["pp"] == gpus
+        assert r.get("cp", 1) == 1 or seq % (2 * r["cp"]) == 0
         assert cfg.n_head % r["tp"] == 0 and r["pp"] <= cfg.n_layer
         per_dp = batch // r["dp"]
         assert batch % r["dp"] == 0 and per_dp % r["micro_batch"] == 0
@@ -507,3 +508,42 @@ def test_bench_plan_keeps_the_inter_node_link_of_a_two_node_run():
     one = {"results": [r for r in res if r["scope"] == "intra"], "topology": {"world_size": 2}}
     hw1, _, n1 = cpu_hardware(one, 1e10, 1 << 34, 1e9)
     assert n1 == 1 and hw1.inter == hw1.intra
+
+
+def test_context_parallel_priced():
+    """cp (ring attention): a rank of dp 1 x cp 2 computes what a rank of dp 2 does (S/2 tokens of
+    twice the micro-batches, each query against all S keys); memory = states over dp x cp +
+    activations at S/cp; the ring's exposed transfer on a machine where attention takes no time
+    is L x (alpha per message + bytes / busbw) of ``ring_messages``; the data-parallel reduction
+    runs over dp x cp; and for long sequences the planner proposes cp."""
+    from zerotron.analysis.activations import activation_bytes
+    from zerotron.analysis.flops import shape_of
+    from zerotron.analysis.planner import ring_messages
+
+    cfg = preset_config("gpt2")
+    S, L, h = 1024, cfg.n_layer, cfg.n_embd
+    hw = custom_hardware("t", peak_flops=1e15, memory=10**12, busbw=1e9, vector_rate=1e12, latency=1e-5)
+    cm = CostModel(hw, gpus_per_node=8, compute_eff=1.0, overhead=0, launch_s=0.0)
+    base = dict(tp=1, pp=1, zero_stage=1, schedule="none", micro_batch=2, recompute="none")
+    dp2 = evaluate(cfg, dict(base, dp=2), S, 16, cm)
+    cp2 = evaluate(cfg, dict(base, dp=1, cp=2), S, 16, cm)
+    assert cp2["time_breakdown_s"]["compute"] == pytest.approx(dp2["time_breakdown_s"]["compute"], rel=1e-12)
+    assert cp2["microbatches"] == 2 * dp2["microbatches"]
+    shape = shape_of(cfg)
+    act = activation_bytes(shape, 2, S // 2, tp=1, sp=False, pp=1, schedule="1f1b", microbatches=8,
+                           virtual_stages=1, recompute="none", dtype="bf16", attention="flash")["per_rank_bytes"][0]
+    states = model_state_bytes(stage_num_params(shape, 1, 1, 1, [L])[0], 2, 1, "bf16-mixed", "adam")["total_bytes"]
+    assert cp2["memory_bytes_per_gpu"] == states + act
+    r = ring_messages(shape, 2, S, 2, "none", 2)
+    assert (r["kv"], r["dkv"], r["kv_bytes"]) == (2, 2, 2 * 2 * (S // 2) * h * 2) and r["dkv_bytes"] == 2 * r["kv_bytes"]
+    msgs, nbytes = r["kv"] + r["dkv"], r["kv"] * r["kv_bytes"] + r["dkv"] * r["dkv_bytes"]
+    attn = 2 * S / 2 * 12 * h * S / 1e15  # the attention the transfer hides behind, per layer
+    assert cp2["time_breakdown_s"]["cp_comm"] == pytest.approx(8 * L * (msgs * 1e-5 + nbytes / 1e9 - attn), rel=1e-9)
+    # ZeRO-1 over dp x cp = 2 ranks: the same reduce-scatter + all-gather as dp 2
+    assert cp2["time_breakdown_s"]["dp_comm"] == pytest.approx(dp2["time_breakdown_s"]["dp_comm"], rel=1e-12)
+    # Llama-3-8B at 64K tokens on 8 H100: only context parallelism fits without deep recomputation
+    from zerotron.models.registry import preset_config as any_preset
+
+    llama = any_preset("llama3-8b", block_size=65536)
+    best = plan(llama, 8, 80 * GB, 8, 65536, CostModel(hardware("h100"), 8))["layouts"][0]
+    assert best.get("cp", 1) > 1, best

@@ -295,6 +295,11 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
         mcfg = model_config(cfg)
         n_micro = cfg.train.global_batch // (mesh.size("dp") * cfg.train.micro_batch)
         batches = synthetic_batches(n_micro, cfg.train.micro_batch, mcfg.block_size, mcfg.vocab_size, cfg.train.seed)
+        if dims.cp > 1:  # as the trainer: this cp rank's zigzag chunks of every sequence
+            from zerotron.parallel.context.split import split_sequence
+
+            cp, r = mesh.size("cp"), mesh.local_rank("cp")
+            batches = [(split_sequence(x, cp, r), split_sequence(y, cp, r)) for x, y in batches]
         with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
             # MemTracker's gradient hook meets parameters whose .grad the synchroniser cleared
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
@@ -383,8 +388,9 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
     split = list(layer_counts) if layer_counts else stage_layer_counts(shape.n_layer, lay.pp * lay.virtual_stages)
     counts = looped_counts(split, lay.pp, lay.schedule)
     params = stage_num_params(shape, lay.tp, lay.pp, lay.virtual_stages, counts)[pp_rank]
-    states = model_state_bytes(params, lay.dp, lay.zero_stage, _MEM_DTYPE[lay.dtype], "adam", lay.dp_replicate)
-    act = activation_bytes(shape, lay.micro_batch, lay.seq, tp=lay.tp, sp=lay.sp, pp=lay.pp, schedule=lay.schedule,
+    cp = plan.dims.cp  # context parallel: states sharded over dp x cp, each rank seq / cp tokens
+    states = model_state_bytes(params, lay.dp * cp, lay.zero_stage, _MEM_DTYPE[lay.dtype], "adam", lay.dp_replicate)
+    act = activation_bytes(shape, lay.micro_batch, lay.seq // cp, tp=lay.tp, sp=lay.sp, pp=lay.pp, schedule=lay.schedule,
                            microbatches=lay.microbatches, virtual_stages=lay.virtual_stages,
                            recompute=lay.recompute, dtype=_ACT_DTYPE[lay.dtype], attention="flash",
                            dropout=cfg.model.dropout > 0, layer_counts=layer_counts)
@@ -405,10 +411,13 @@ def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
     elem = {"fp32": 4, "bf16": 2, "fp64": 8}[lay.dtype]
     layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage, "micro_batch": lay.micro_batch,
               "schedule": lay.schedule if lay.pp > 1 else "none", "recompute": lay.recompute,
-              "dp_replicate": lay.dp_replicate}
+              "dp_replicate": lay.dp_replicate, "cp": plan.dims.cp}
     red = reduce_dtype(cfg.train.dtype, cfg.parallel.reduce_dtype).itemsize
-    return comm_bytes(shape_of(mcfg), layout, lay.seq, cfg.train.global_batch, pp_rank, elem_bytes=elem,
+    out = comm_bytes(shape_of(mcfg), layout, lay.seq, cfg.train.global_batch, pp_rank, elem_bytes=elem,
                       sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), reduce_bytes=red)
+    if plan.dims.cp > 1 and cfg.parallel.cp_impl != "ring":  # the planner prices ring attention's messages only
+        out.pop("cp", None)
+    return out
 
 
 def predict_step_time(cfg: Config, plan, records: list[dict], hw, gpus_per_node: int = 8,
@@ -416,11 +425,11 @@ def predict_step_time(cfg: Config, plan, records: list[dict], hw, gpus_per_node:
     """The step time of ``cfg``'s layout on ``hw`` (a :class:`~zerotron.analysis.hardware.Hardware`)
     predicted from the traced ``records`` (:mod:`zerotron.analysis.trace_time`) and by the
     planner's formula (:func:`zerotron.analysis.planner.evaluate`, same hardware, ``compute_eff``,
-    ``gpus_per_node``, ``launch_s``; None under context parallelism, which the planner does not
-    price). Adds to each record ``time_traced_s`` (its :func:`~zerotron.analysis.trace_time.rank_time`)
+    ``gpus_per_node``, ``launch_s``; None under context parallelism with cp_impl a2a or
+    allgather: the planner prices ring attention only). Adds to each record ``time_traced_s`` (its :func:`~zerotron.analysis.trace_time.rank_time`)
     ``group_scopes`` (:func:`~zerotron.analysis.trace_time.group_scopes` of its ``group_members`` on
     nodes of ``gpus_per_node`` ranks) and ``flops_formula`` (the planner's matmul + attention FLOPs of that rank's m micro-batches,
-    :func:`zerotron.analysis.planner.m_flops`; None under cp). Returns ``{"hardware", "trace":
+    :func:`zerotron.analysis.planner.m_flops`, / cp under context parallelism). Returns ``{"hardware", "trace":
     step_time's dict, "formula": {"step_s", "breakdown_s"} or None, "ratio": trace / formula}``."""
     from zerotron.analysis.planner import CostModel, evaluate, m_flops, recompute_flops
 
@@ -440,20 +449,20 @@ def predict_step_time(cfg: Config, plan, records: list[dict], hw, gpus_per_node:
                                          compute_eff)
         pp_rank = rec["coords"]["pp"]
         parts.setdefault(pp_rank, rec["time_traced_s"])
-        rec["flops_formula"] = None if cp > 1 else m * m_flops(shape, lay.micro_batch, lay.seq, layers[pp_rank],
-                                                               pp_rank == lay.pp - 1, lay.tp, lay.recompute)
+        rec["flops_formula"] = m * m_flops(shape, lay.micro_batch, lay.seq, layers[pp_rank], pp_rank == lay.pp - 1,
+                                           lay.tp, lay.recompute) / cp  # each rank: S/cp queries against S keys
     h, W, S = shape.n_embd, shape.block_matmul_params(), lay.seq
     cost_split = (2 * W + 4 * h * S, 2 * W + 8 * h * S + recompute_flops(shape, S, lay.recompute), 2 * W)
     trace = step_time(parts, layers, m, lay.schedule if lay.pp > 1 else "none", lay.virtual_stages, cost_split,
                       hw, launch_s)
     formula = None
-    if cp == 1:
+    if cp == 1 or cfg.parallel.cp_impl == "ring":  # the planner prices ring attention only
         elem = {"fp32": 4, "bf16": 2, "fp64": 8}[lay.dtype]
         cm = CostModel(hw, gpus_per_node=gpus_per_node, compute_eff=compute_eff, overhead=0, sp=lay.sp,
                        launch_s=launch_s, elem_bytes=elem, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
         layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage,
                   "schedule": lay.schedule if lay.pp > 1 else "none", "micro_batch": lay.micro_batch,
-                  "recompute": lay.recompute, "dp_replicate": lay.dp_replicate}
+                  "recompute": lay.recompute, "dp_replicate": lay.dp_replicate, "cp": cp}
         ev = evaluate(shape, layout, S, cfg.train.global_batch, cm)
         formula = {"step_s": ev["predicted_step_time_s"], "breakdown_s": ev["time_breakdown_s"]}
     return {"hardware": hw.name, "gpus_per_node": gpus_per_node, "compute_eff": compute_eff, "trace": trace,

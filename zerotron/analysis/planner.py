@@ -182,6 +182,21 @@ def pipeline_time(stage_times: list[float], m: int, kind: str, v: int, split: tu
     return m * stage + (sum(stage_times) - stage) * rel
 
 
+def ring_messages(shape: Shape, b: int, S: int, cp: int, recompute: str, elem_bytes: int) -> dict:
+    """Point-to-point messages each cp rank sends per layer and micro-batch under ring attention
+    (``parallel.context.ring``; Liu et al. 2023): forward cp - 1 hops of its K/V block (once more
+    when recomputation re-runs the attention), backward cp - 1 hops of K/V and cp hops of the dK/dV
+    accumulators. A K/V message is 2 x b x (S/cp) x H_kv*D elements of ``elem_bytes``; the
+    accumulators are fp32 under bf16 (``elem_bytes`` 2), else ``elem_bytes``. Returns ``{"kv":
+    count, "dkv": count, "kv_bytes": bytes each, "dkv_bytes": bytes each}`` (all 0 for cp = 1)."""
+    if cp == 1:
+        return {"kv": 0, "dkv": 0, "kv_bytes": 0, "dkv_bytes": 0}
+    n = 2 * b * (S // cp) * shape.kv_dim
+    again = recompute in ("full", "selective")
+    return {"kv": (cp - 1) * (2 + again), "dkv": cp, "kv_bytes": n * elem_bytes,
+            "dkv_bytes": n * (4 if elem_bytes == 2 else elem_bytes)}
+
+
 def exposed_dp(t_dp: float, compute: float, overlap: float) -> float:
     """The data-parallel seconds left on the critical path: ``t_dp`` less the fraction ``overlap``
     of it that hides behind the backward (at most the backward's 2/3 of the step's ``compute``
@@ -191,7 +206,9 @@ def exposed_dp(t_dp: float, compute: float, overlap: float) -> float:
 
 def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> dict:
     """Predicted memory and step time of ``layout`` (keys dp, tp, pp, zero_stage, schedule
-    ("none" for pp = 1), micro_batch, recompute) for the model of ``cfg`` (a GPT-2/Llama config or a
+    ("none" for pp = 1), micro_batch, recompute; optional dp_replicate (HSDP) and cp: context
+    parallel with ring attention, each rank S/cp tokens, model states sharded over dp x cp, the
+    ring's exposed transfer in ``cp_comm``) for the model of ``cfg`` (a GPT-2/Llama config or a
     :class:`Shape`), ``global_batch`` sequences of
     ``seq`` tokens per step (cost model of the module docstring). Returns the layout plus
     ``microbatches``, ``virtual_stages``, ``sp``, ``memory_bytes_per_gpu`` (bytes),
@@ -201,6 +218,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     impossible layout."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
     n_rep = layout.get("dp_replicate", 1)  # HSDP: replicas x (dp / n_rep) shards
+    cp = layout.get("cp", 1)  # context parallel: each rank holds S / cp tokens of every sequence
     kind, rec, hw, K, sp = layout["schedule"], layout["recompute"], cm.hw, cm.gpus_per_node, cm.sp
     sp = sp and tp > 1
     v = 2 if kind in ("interleaved", "zb-v") else 1
@@ -208,23 +226,26 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     shape = cfg if isinstance(cfg, Shape) else shape_of(cfg)
     h, L, V, S, a, F = shape.n_embd, shape.n_layer, shape.vocab_size, seq, shape.n_head, shape.ffn
     W = shape.block_matmul_params()
-    act = _activations(shape, b, S, tp, sp, pp, kind, m, v, rec, cm.attention)
+    act = _activations(shape, b, S // cp, tp, sp, pp, kind, m, v, rec, cm.attention)
     counts = looped_counts(stage_layer_counts(L, pp * v), pp, kind)  # index chunk * pp + rank
     params = stage_num_params(shape, tp, pp, v, counts)
-    mem = max(model_state_bytes(p, dp, z, "bf16-mixed", "adam", n_rep)["total_bytes"] + a_
+    mem = max(model_state_bytes(p, dp * cp, z, "bf16-mixed", "adam", n_rep)["total_bytes"] + a_
               for p, a_ in zip(params, act["per_rank_bytes"])) + cm.overhead
+    # ranks are ordered (pp, dp, cp, tp), tp innermost: a group fits a node iff its block does
     tp_link = _link(hw, tp <= K and K % tp == 0)
-    shard = dp // n_rep * tp  # ranks spanned by one (shard-group x tp) block
+    cp_link = _link(hw, cp * tp <= K and K % (cp * tp) == 0)
+    shard = dp // n_rep * cp * tp  # ranks spanned by one (shard-group x cp x tp) block
     dp_link = _link(hw, shard <= K and K % shard == 0)
-    rep_link = _link(hw, dp * tp <= K and K % (dp * tp) == 0)  # the replicas' group spans the dp block
-    pp_link = _link(hw, dp * tp * pp <= K)
+    rep_link = _link(hw, dp * cp * tp <= K and K % (dp * cp * tp) == 0)  # the replicas' group spans the dp block
+    pp_link = _link(hw, dp * cp * tp * pp <= K)
+    ring = ring_messages(shape, b, S, cp, rec, cm.elem_bytes)
     extra = recompute_flops(shape, S, rec)
     rep = 1 / tp if sp else 1  # share of the layer norms / residuals each tp rank computes
     act_vec = 2 * (shape.mlp_matrices - 1) * F  # GELU 2F, SwiGLU 4F (forward + backward)
     vec_layer = (4 * h + 2 * h) * rep + act_vec / tp + (2 * a * S / tp if cm.attention == "math" else 0)
     if rec == "full":
         vec_layer += (2 * h + 2 * h) * rep + act_vec / 2 / tp
-    x = b * S * h * cm.elem_bytes  # bytes of one (b, S, h) activation (bf16 by default)
+    x = b * S // cp * h * cm.elem_bytes  # bytes of one (b, S/cp, h) activation (bf16 by default)
     n_coll = 6 if rec == "full" else 4
 
     def tp_coll(nbytes, calls):
@@ -236,14 +257,19 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     for r in range(pp):
         layers = sum(counts[c * pp + r] for c in range(v))
         first, last = r == 0, r == pp - 1
-        flops = m_flops(shape, b, S, layers, last, tp, rec)
-        vec = b * S * (layers * vec_layer + (2 * V / tp if last else 0))
+        flops = m_flops(shape, b, S, layers, last, tp, rec) / cp  # S/cp queries, each against all S keys
+        vec = b * S / cp * (layers * vec_layer + (2 * V / tp if last else 0))
+        # the ring's hops overlap the attention of the block in hand: exposed = transfer - attention
+        attn_s = b * S / cp * (12 + 4 * (rec != "none")) * h * S / tp / (hw.peak_flops * cm.compute_eff)
+        hops = collective_time(ring["kv"] * ring["kv_bytes"] + ring["dkv"] * ring["dkv_bytes"], "p2p",
+                               2 if cp > 1 else 1, *cp_link, calls=ring["kv"] + ring["dkv"])
         t = {"compute": flops / (hw.peak_flops * cm.compute_eff), "vector": vec / hw.vector_rate,
              "overhead": layers * cm.launch_s,
              "pp_comm": collective_time(2 * v * (x / tp if sp else x), "p2p", 2 if pp > 1 else 1,
                                         *pp_link, calls=2 * v),
              "tp_comm": tp_coll(x, layers * n_coll + first)
-             + (collective_time(3 * b * S * 4, "all_reduce", tp, *tp_link, calls=3) if last else 0.0)}
+             + (collective_time(3 * b * S // cp * 4, "all_reduce", tp, *tp_link, calls=3) if last else 0.0),
+             "cp_comm": layers * max(0.0, hops - attn_s)}
         stage_times.append(sum(t.values()))
         if stage_times[-1] > stage:
             stage, parts = stage_times[-1], t
@@ -253,7 +279,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     # (zero-bubble schedules: pipeline_idle)
     pipe = pipeline_time(stage_times, m, kind, v, (2 * W + 4 * h * S, 2 * W + 8 * h * S + extra, 2 * W))
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
-    t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp, dp_link, cm.bucket_bytes, n_rep, rep_link)
+    t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp * cp, dp_link, cm.bucket_bytes, n_rep, rep_link)
     t_dp = exposed_dp(t_dp, m * (parts["compute"] + parts["vector"]), hw.overlap)
     step = pipe + t_dp
     tokens = global_batch * S
@@ -264,7 +290,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
             "stage_time_s": stage_times,
             "memory_bytes_per_gpu": int(mem), "predicted_step_time_s": step,
             "predicted_tokens_per_s": tokens / step,
-            "predicted_mfu": model_flops / (step * dp * tp * pp * hw.peak_flops),
+            "predicted_mfu": model_flops / (step * dp * cp * tp * pp * hw.peak_flops),
             "time_breakdown_s": breakdown}
 
 
@@ -289,7 +315,7 @@ def _refused(pp: int, rep: int) -> bool:
 
 
 def _rank_key(r: dict) -> tuple:
-    return (r["predicted_step_time_s"], r["memory_bytes_per_gpu"], r["pp"], r["tp"],
+    return (r["predicted_step_time_s"], r["memory_bytes_per_gpu"], r["pp"], r["tp"], r.get("cp", 1),
             r["zero_stage"], SCHEDULE_ORDER.index(r["schedule"]), -r["micro_batch"],
             RECOMPUTE_ORDER.index(r["recompute"]))
 
@@ -299,7 +325,8 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     """Enumerate and rank layouts of the model of ``cfg`` (GPT-2/Llama config or :class:`Shape`) on
     ``gpus`` GPUs with ``gpu_mem`` bytes each.
 
-    Layouts: dp*tp*pp = gpus with tp accepted by :func:`zerotron.models.layout.tp_refusal` (the rule
+    Layouts: dp*cp*tp*pp = gpus (cp: context parallel with ring attention, seq divisible by 2 cp)
+    with tp accepted by :func:`zerotron.models.layout.tp_refusal` (the rule
     the plan applies: tp | n_head, n_kv_head and the SwiGLU width, and tp | seq with SP), pp <= n_layer,
     dp | global_batch; micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
     interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer) | zb-h1 | zb-v (v = 2, only when
@@ -324,11 +351,14 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
         raise ValueError(f"backend must be nccl or gloo, got {cm.backend!r}")
     dropped = dict.fromkeys(("divisibility", "layers", "schedule", "backend", "unsupported", "memory"), 0)
     out = []
-    meshes = [(gpus // (t * p), t, p) for t in range(1, gpus + 1) if gpus % t == 0
-              for p in range(1, gpus // t + 1) if gpus // t % p == 0]
+    meshes = [(gpus // (t * p * c), t, p, c) for t in range(1, gpus + 1) if gpus % t == 0
+              for p in range(1, gpus // t + 1) if gpus // t % p == 0
+              for c in range(1, gpus // (t * p) + 1) if gpus // (t * p) % c == 0]
     cfg = cfg if isinstance(cfg, Shape) else shape_of(cfg)
-    for dp, tp, pp in meshes:
-        if tp_refusal(tp, cfg.tp_sizes(), seq if cm.sp else None) or global_batch % dp:
+    for dp, tp, pp, cp in meshes:
+        # cp: the zigzag split needs seq divisible by 2 cp; sequence parallel splits seq / cp over tp
+        if (seq % (2 * cp) if cp > 1 else 0) or tp_refusal(tp, cfg.tp_sizes(), seq // cp if cm.sp else None) \
+                or global_batch % dp:
             dropped["divisibility"] += 1
             continue
         if pp > cfg.n_layer:
@@ -344,7 +374,7 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                 if kind in NCCL_REFUSED and cm.backend == "nccl":
                     dropped["backend"] += 12
                     continue
-                for z, rec, rep in product(range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm)):
+                for z, rec, rep in product(range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm) if cp == 1 else [1]):
                     if supported_only and _refused(pp, rep):
                         dropped["unsupported"] += 1
                         continue
@@ -352,6 +382,8 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                            "micro_batch": b, "recompute": rec}
                     if rep > 1:
                         lay["dp_replicate"] = rep
+                    if cp > 1:
+                        lay["cp"] = cp
                     res = evaluate(cfg, lay, seq, global_batch, cm)
                     if res["memory_bytes_per_gpu"] > gpu_mem:
                         dropped["memory"] += 1
@@ -383,31 +415,37 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
       all-gather of the parameters; ZeRO-2 m reduce-scatters + one all-gather; ZeRO-3 2m
       all-gathers + m reduce-scatters. HSDP (dp_replicate R > 1): these over the shard group
       "dp_shard" (ZeRO-0: reduce-scatter + all-gather of G), plus an all-reduce of G/S over the
-      replicas "dp_rep".
+      replicas "dp_rep". Under context parallelism (``layout["cp"]`` > 1) each rank's activations
+      are b*S/cp*h, the dp figures are over the dp x cp group "batch", and "cp" holds the ring
+      attention's messages (:func:`ring_messages`) sent and received.
 
     Groups of size 1 are left out; bookkeeping all-reduces (token counts, grad norm, metrics) and
     the tied-embedding all-reduce of a pipeline are not priced. Returns ``{group: bytes}``."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
     rep, kind, rec = layout.get("dp_replicate", 1), layout["schedule"], layout["recompute"]
+    cp = layout.get("cp", 1)
     sp = sp and tp > 1
     v = 2 if kind in ("interleaved", "zb-v") else 1
     m = global_batch // (dp * b)
     counts = looped_counts(stage_layer_counts(shape.n_layer, pp * v), pp, kind)
     params = stage_num_params(shape, tp, pp, v, counts)[pp_rank]
     layers = sum(counts[c * pp + pp_rank] for c in range(v))
-    x = b * seq * shape.n_embd * elem_bytes
+    x = b * seq // cp * shape.n_embd * elem_bytes
     out = {}
     if tp > 1:
         calls = m * (layers * (6 if rec == "full" else 4) + (pp_rank == 0))
-        out["tp"] = calls * x * (2 if sp else 1) + (m * 3 * b * seq * 4 if pp_rank == pp - 1 else 0)
+        out["tp"] = calls * x * (2 if sp else 1) + (m * 3 * b * seq // cp * 4 if pp_rank == pp - 1 else 0)
     if pp > 1:
         out["pp"] = 2 * v * m * (x // tp if sp else x)
+    if cp > 1:  # ring attention: every message counted at its sender and its receiver (send + recv)
+        r = ring_messages(shape, b, seq, cp, rec, elem_bytes)
+        out["cp"] = 2 * m * layers * (r["kv"] * r["kv_bytes"] + r["dkv"] * r["dkv_bytes"])
     grad, gather = (reduce_bytes or elem_bytes) * params, elem_bytes * params
     per_dp = {0: grad, 1: grad + gather, 2: m * grad + gather, 3: m * (2 * gather + grad)}[z]
     if rep > 1:
         s = dp // rep
         out["dp_shard"] = 2 * grad if z == 0 else per_dp
         out["dp_rep"] = -(-grad // s)
-    elif dp > 1:
-        out["dp"] = per_dp
+    elif dp * cp > 1:  # gradients are reduced over dp x cp (the "batch" group) under cp
+        out["batch" if cp > 1 else "dp"] = per_dp
     return out

@@ -220,7 +220,7 @@ def format_table(preds: list[dict]) -> str:
         desc = (f"dp{lay['dp']} tp{lay['tp']}{'+sp' if lay['sp'] else ''} pp{lay['pp']} z{lay['zero_stage']} "
                 f"{lay['schedule']} mb{lay['micro_batch']}"
                 + (f" ac-{lay['recompute']}" if lay.get("recompute", "none") != "none" else ""))
-        comm_s = bd["dp_comm"] + bd["tp_comm"] + bd["pp_comm"]
+        comm_s = bd["dp_comm"] + bd["tp_comm"] + bd["pp_comm"] + bd.get("cp_comm", 0.0)
         out.append(f"| {p['layout']} | {p['world_size']} | {desc} | {p['measured_tokens_per_s']:,.0f} | "
                    f"{p['predicted_tokens_per_s']:,.0f} | "
                    f"{p['predicted_tokens_per_s'] / p['measured_tokens_per_s']:.2f} | {a:g} | {b:g} | {(bd['compute'] + bd['vector'] + bd['overhead']) * 1e3:.1f} | {comm_s * 1e3:.1f} | "
