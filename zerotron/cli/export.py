@@ -24,17 +24,20 @@ def cmd_export(argv: list[str]) -> int:
     try:
         import torch
 
-        from ..data.tokenizer import EOT
+        from ..data.tokenizer import read_special_tokens, write_special_files
         from ..distributed import mesh
         from ..generate import load_model
         from ..models.registry import export_hf
 
         owned = not torch.distributed.is_initialized()
         mesh.init_distributed(timeout_s=600, device=torch.device("cpu"))
+        from ..generate import resolve_checkpoint
+
         model, tok, _ = load_model(args.checkpoint, torch.device("cpu"))
-        # the checkpoint's tokenizer.json (load_tokenizer checked it defines <|endoftext|>)
-        out = export_hf(model, args.out, overwrite=args.overwrite, eos_token_id=tok.token_to_id(EOT))
+        specials = read_special_tokens(resolve_checkpoint(args.checkpoint), tok)  # the checkpoint's own
+        out = export_hf(model, args.out, overwrite=args.overwrite, eos_token_id=specials.eos_id)
         tok.save(str(Path(out) / "tokenizer.json"))
+        write_special_files(out, specials)  # bos/eos/pad ids (every stop id) and the chat template
         if owned:
             mesh.teardown()
         files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))

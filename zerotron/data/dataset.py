@@ -28,7 +28,15 @@ import torch
 from tokenizers import Tokenizer
 
 from .corpus import DataError, check_val_fraction, corpus_fingerprint, load_corpus, split_documents
-from .tokenizer import EOT, check_vocab_size, load_tokenizer, train_bpe
+from .tokenizer import (
+    SpecialTokens,
+    check_vocab_size,
+    load_tokenizer,
+    read_special_tokens,
+    tokenizer_file,
+    train_bpe,
+    write_special_files,
+)
 
 FORMAT_VERSION = 1
 ENCODE_CHUNK_CHARS = 8_000_000  # documents are encoded in batches of about this many characters
@@ -48,7 +56,7 @@ class TokenData:
         tokenizer: the ``tokenizers.Tokenizer`` that produced the ids.
         tokenizer_path: its ``tokenizer.json`` inside the cache.
         vocab_size: number of token ids (may be below the requested size on tiny corpora).
-        eot_id: id of ``<|endoftext|>``.
+        eot_id: id of the end token that separates documents (``specials.eos_id``).
         cache_dir: the cache's own directory, ``<cache_dir>/<key>``.
         meta: the parsed ``meta.json`` (token/document counts, key inputs, ...).
     """
@@ -61,6 +69,8 @@ class TokenData:
     eot_id: int
     cache_dir: Path
     meta: dict = field(default_factory=dict, repr=False)
+    specials: SpecialTokens | None = None
+    """the tokenizer's special tokens and chat template (read from the cache's own files)"""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -75,25 +85,28 @@ def _file_sha256(path: Path) -> str:
 
 def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
               text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
-              tokenizer_path: str | Path | None = None) -> tuple[str, dict]:
+              tokenizer_path: str | Path | None = None, special_tokens: dict | None = None) -> tuple[str, dict]:
     """Compute the cache key of :func:`prepare_data`'s arguments without reading text.
 
     Returns:
         ``(key, inputs)``: a 16-hex-digit key and the JSON-able dict it hashes
         (format version, corpus fingerprint with file sizes/mtimes, vocab_size or
-        None when a tokenizer file is given, val_fraction, tokenizer file SHA-256).
+        None when a tokenizer file is given, val_fraction, tokenizer file SHA-256, the resolved
+        special tokens when a tokenizer is given, the config's ``special_tokens`` overrides).
         An ``"hf"`` corpus is keyed by its name only: a changed hub dataset reuses
         the old cache until you delete it.
     Raises:
         DataError: bad corpus/path, val_fraction, vocab_size or tokenizer_path.
     """
     val_fraction = check_val_fraction(val_fraction)
-    tok_hash = None
+    tok_hash, specials = None, None
+    overrides = {k: v for k, v in (special_tokens or {}).items() if v}
     if tokenizer_path is None:
         check_vocab_size(vocab_size)
     else:
-        load_tokenizer(tokenizer_path)  # validates the file
-        tok_hash = _file_sha256(Path(tokenizer_path).expanduser())
+        sp = read_special_tokens(tokenizer_path, None, overrides)  # validates the files
+        tok_hash = _file_sha256(tokenizer_file(tokenizer_path))
+        specials = {**sp.tokenizer_config(), **sp.generation_config()}
     inputs = {
         "format_version": FORMAT_VERSION,
         "source": corpus_fingerprint(corpus, path, text_field),
@@ -101,6 +114,8 @@ def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
         "val_fraction": val_fraction,
         "tokenizer_sha256": tok_hash,
     }
+    if specials is not None or overrides:  # (absent: the keys of caches built before them stay valid)
+        inputs["special_tokens"] = specials or overrides
     blob = json.dumps(inputs, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16], inputs
 
@@ -108,7 +123,7 @@ def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
 def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
                  text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
                  cache_dir: str | Path = ".cache/zerotron",
-                 tokenizer_path: str | Path | None = None) -> TokenData:
+                 tokenizer_path: str | Path | None = None, special_tokens: dict | None = None) -> TokenData:
     """Build (or reuse) the token cache of a corpus and open it.
 
     Steps: load the corpus, split each document (tail to validation), train a BPE
@@ -124,14 +139,18 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
         vocab_size: BPE vocabulary size (int >= 257).
         val_fraction: share of each document's characters for validation, (0, 0.5].
         cache_dir: root directory of token caches.
-        tokenizer_path: optional existing tokenizer JSON to use instead of training.
+        tokenizer_path: optional existing tokenizer (a tokenizer.json or a directory holding one,
+            see :func:`zerotron.data.tokenizer.load_tokenizer`) to use instead of training.
+        special_tokens: config overrides of the special tokens (``data.bos_token``, ...; see
+            :func:`zerotron.data.tokenizer.read_special_tokens`); the resolved tokens are written to
+            the cache's tokenizer_config.json / generation_config.json.
     Returns:
         :class:`TokenData` with memory-mapped splits.
     Raises:
         DataError: any bad input (see load_corpus, split_documents, train_bpe,
             load_tokenizer) or a corrupt existing cache.
     """
-    key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path)
+    key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path, special_tokens)
     root = Path(cache_dir).expanduser()
     final = root / key
     if final.exists():
@@ -146,7 +165,7 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
     tmp: Path | None = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         _build(tmp, key, inputs, corpus, path, text_field, vocab_size, val_fraction,
-               tokenizer_path)
+               tokenizer_path, special_tokens)
         os.chmod(tmp, 0o755)
         try:
             os.replace(tmp, final)
@@ -162,17 +181,20 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
 
 
 def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str,
-           vocab_size: int, val_fraction: float, tokenizer_path) -> None:
-    """Write tokenizer.json, train.bin, val.bin and finally meta.json into ``out``."""
+           vocab_size: int, val_fraction: float, tokenizer_path, special_tokens=None) -> None:
+    """Write tokenizer.json, its tokenizer_config.json and generation_config.json, train.bin,
+    val.bin and finally meta.json into ``out``."""
     start = time.perf_counter()
     docs = load_corpus(corpus, path, text_field)
     train_docs, val_docs = split_documents(docs, val_fraction)
     if tokenizer_path is None:
         tok = train_bpe(train_docs, vocab_size, out / "tokenizer.json")
     else:
-        shutil.copyfile(Path(tokenizer_path).expanduser(), out / "tokenizer.json")
+        shutil.copyfile(tokenizer_file(tokenizer_path), out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")
-    vocab, eot = tok.get_vocab_size(), tok.token_to_id(EOT)
+    sp = read_special_tokens(tokenizer_path or out / "tokenizer.json", tok, special_tokens)
+    write_special_files(out, sp)
+    vocab, eot = tok.get_vocab_size(), sp.eos_id
     dtype = token_dtype(vocab)
     counts = {name: _encode_to_file(tok, split, eot, dtype, out / f"{name}.bin")
               for name, split in (("train", train_docs), ("val", val_docs))}
@@ -273,12 +295,14 @@ def load_token_data(path: str | Path) -> TokenData:
         raise DataError(f"{path} has cache format {meta.get('format_version')!r}, this version "
                         f"reads {FORMAT_VERSION}; delete it and run prepare_data again")
     tok = load_tokenizer(path / "tokenizer.json")
+    specials = read_special_tokens(path / "tokenizer.json", tok)
     dtype = np.dtype(meta["dtype"])
     return TokenData(
         train=_open_tokens(path / "train.bin", dtype, meta["train_tokens"]),
         val=_open_tokens(path / "val.bin", dtype, meta["val_tokens"]),
         tokenizer=tok, tokenizer_path=path / "tokenizer.json",
         vocab_size=meta["vocab_size"], eot_id=meta["eot_id"], cache_dir=path, meta=meta,
+        specials=specials,
     )
 
 

@@ -126,15 +126,22 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
                           "in a new run: zerotron export the checkpoint and pass the exported directory as "
                           "--model.init_from")
     if not cfg.data.tokenizer and (latest / "tokenizer.json").is_file():
-        cfg.data.tokenizer = str(latest / "tokenizer.json")
+        cfg.data.tokenizer = str(latest)  # the directory: its tokenizer_config.json comes along
     return latest
+
+
+def special_overrides(cfg: Config) -> dict:
+    """The config's special-token overrides (``data.bos_token``, ``eos_token``, ``pad_token``,
+    ``chat_template``; "" = the tokenizer's own)."""
+    return {k: getattr(cfg.data, k) for k in ("bos_token", "eos_token", "pad_token", "chat_template")}
 
 
 def load_data(cfg: Config, local_rank: int):
     """Build/open the token cache: local rank 0 builds it first, the others then open it."""
     d = cfg.data
     kwargs = dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
-                  val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None)
+                  val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None,
+                  special_tokens=special_overrides(cfg))
     if local_rank == 0:
         data = prepare_data(**kwargs)
     comm.wait_barrier(comm.IO_TIMEOUT_S, tag="token_cache")  # may take minutes: its own long timeout
