@@ -98,6 +98,8 @@ class DataConfig:
     """padding token; "" = the tokenizer's own, else the end token"""
     chat_template: str = ""
     """Jinja chat template (text or a .jinja file); "" = the tokenizer's own"""
+    format: str = "text"
+    """text (documents) | chat (rows with messages) | prompt_completion; the last two: loss on answers only"""
     vocab_size: int = 8192
     """size of the BPE trained when data.tokenizer is "" (>= 260)"""
     val_fraction: float = 0.05

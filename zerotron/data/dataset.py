@@ -9,7 +9,9 @@ so readers never see a half-written one and racing builders are harmless.
 
 A split of N tokens holds ``num_windows(N, S) = (N - 1) // S`` windows; window i is
 tokens ``[i*S, i*S + S + 1)``, whose first S tokens are the inputs and last S the
-targets.
+targets. Instruction data (``data.format`` chat / prompt_completion, :mod:`zerotron.data.sft`)
+adds a loss mask per split (``train.mask``, ``val.mask``: one uint8 per token) and lays out one
+row per window, so its cache also depends on S.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from . import sft
 from .corpus import DataError, check_val_fraction, corpus_fingerprint, load_corpus, split_documents
 from .tokenizer import (
     SpecialTokens,
@@ -71,6 +74,10 @@ class TokenData:
     meta: dict = field(default_factory=dict, repr=False)
     specials: SpecialTokens | None = None
     """the tokenizer's special tokens and chat template (read from the cache's own files)"""
+    train_mask: np.ndarray | None = None
+    """instruction data: 1 where a token of ``train`` is a training target (uint8), else None"""
+    val_mask: np.ndarray | None = None
+    """the same for ``val``"""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -85,7 +92,8 @@ def _file_sha256(path: Path) -> str:
 
 def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
               text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
-              tokenizer_path: str | Path | None = None, special_tokens: dict | None = None) -> tuple[str, dict]:
+              tokenizer_path: str | Path | None = None, special_tokens: dict | None = None,
+              format: str = "text", seq_len: int | None = None) -> tuple[str, dict]:
     """Compute the cache key of :func:`prepare_data`'s arguments without reading text.
 
     Returns:
@@ -116,6 +124,12 @@ def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
     }
     if specials is not None or overrides:  # (absent: the keys of caches built before them stay valid)
         inputs["special_tokens"] = specials or overrides
+    if format != "text":
+        if format not in sft.FORMATS:
+            raise DataError(f"data.format must be one of {sft.FORMATS}, got {format!r}")
+        if not seq_len or seq_len < 2:
+            raise DataError(f"data.format = {format} lays out one row per window and needs seq_len >= 2, got {seq_len!r}")
+        inputs["format"], inputs["seq_len"] = format, int(seq_len)
     blob = json.dumps(inputs, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16], inputs
 
@@ -123,7 +137,8 @@ def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
 def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
                  text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
                  cache_dir: str | Path = ".cache/zerotron",
-                 tokenizer_path: str | Path | None = None, special_tokens: dict | None = None) -> TokenData:
+                 tokenizer_path: str | Path | None = None, special_tokens: dict | None = None,
+                 format: str = "text", seq_len: int | None = None) -> TokenData:
     """Build (or reuse) the token cache of a corpus and open it.
 
     Steps: load the corpus, split each document (tail to validation), train a BPE
@@ -144,13 +159,17 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
         special_tokens: config overrides of the special tokens (``data.bos_token``, ...; see
             :func:`zerotron.data.tokenizer.read_special_tokens`); the resolved tokens are written to
             the cache's tokenizer_config.json / generation_config.json.
+        format: "text" (documents), "chat" or "prompt_completion" (rows of a .jsonl/.parquet
+            ``path``, one per window of ``seq_len`` tokens, with a loss mask; see :mod:`zerotron.data.sft`).
+        seq_len: the window length S (the model's block_size); needed by the instruction formats.
     Returns:
         :class:`TokenData` with memory-mapped splits.
     Raises:
         DataError: any bad input (see load_corpus, split_documents, train_bpe,
             load_tokenizer) or a corrupt existing cache.
     """
-    key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path, special_tokens)
+    key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path, special_tokens,
+                            format, seq_len)
     root = Path(cache_dir).expanduser()
     final = root / key
     if final.exists():
@@ -165,7 +184,7 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
     tmp: Path | None = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         _build(tmp, key, inputs, corpus, path, text_field, vocab_size, val_fraction,
-               tokenizer_path, special_tokens)
+               tokenizer_path, special_tokens, format, seq_len)
         os.chmod(tmp, 0o755)
         try:
             os.replace(tmp, final)
@@ -181,10 +200,14 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
 
 
 def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str,
-           vocab_size: int, val_fraction: float, tokenizer_path, special_tokens=None) -> None:
+           vocab_size: int, val_fraction: float, tokenizer_path, special_tokens=None, format: str = "text",
+           seq_len: int | None = None) -> None:
     """Write tokenizer.json, its tokenizer_config.json and generation_config.json, train.bin,
     val.bin and finally meta.json into ``out``."""
     start = time.perf_counter()
+    if format != "text":
+        return _build_rows(out, key, inputs, path, vocab_size, val_fraction, tokenizer_path, special_tokens,
+                           format, seq_len, start)
     docs = load_corpus(corpus, path, text_field)
     train_docs, val_docs = split_documents(docs, val_fraction)
     if tokenizer_path is None:
@@ -207,6 +230,43 @@ def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str
         "train_chars": sum(map(len, train_docs)), "val_chars": sum(map(len, val_docs)),
         "build_seconds": round(time.perf_counter() - start, 3),
     }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _row_texts(row: dict) -> list[str]:
+    """The strings of a row (message contents, prompt, completion): what a tokenizer trains on."""
+    out = [m.get("content") for m in row.get("messages") or [] if isinstance(m, dict)]
+    return [t for t in out + [row.get("prompt"), row.get("completion")] if isinstance(t, str) and t]
+
+
+def _build_rows(out: Path, key: str, inputs: dict, path, vocab_size: int, val_fraction: float, tokenizer_path,
+                special_tokens, format: str, seq_len: int, start: float) -> None:
+    """The instruction-data cache: rows split (the last ``round(n * val_fraction)`` to
+    validation, at least one of two or more), laid out one per window with masks (:mod:`.sft`)."""
+    rows = sft.read_rows(path)
+    n_val = min(max(round(len(rows) * val_fraction), 1), len(rows) - 1) if len(rows) > 1 else 0
+    splits = {"train": rows[:len(rows) - n_val], "val": rows[len(rows) - n_val:]}
+    if tokenizer_path is None:
+        tok = train_bpe([t for _, r in splits["train"] for t in _row_texts(r)], vocab_size, out / "tokenizer.json")
+    else:
+        shutil.copyfile(tokenizer_file(tokenizer_path), out / "tokenizer.json")
+        tok = load_tokenizer(out / "tokenizer.json")
+    sp = read_special_tokens(tokenizer_path or out / "tokenizer.json", tok, special_tokens)
+    write_special_files(out, sp)
+    dtype = token_dtype(tok.get_vocab_size())
+    meta = {"format_version": FORMAT_VERSION, "key": key, "inputs": inputs, "vocab_size": tok.get_vocab_size(),
+            "eot_id": sp.eos_id, "dtype": dtype.name, "format": format, "seq_len": seq_len}
+    for name, part in splits.items():
+        if not part:
+            ids, mask, counts = np.zeros(0, np.int64), np.zeros(0, np.uint8), {"rows": 0, "truncated_rows": 0,
+                                                                               "dropped_rows": 0, "target_tokens": 0}
+        else:
+            ids, mask, counts = sft.build_windows(tok, part, format, sp, seq_len, sp.chat_template)
+        ids.astype(dtype).tofile(out / f"{name}.bin")
+        mask.tofile(out / f"{name}.mask")
+        meta[f"{name}_tokens"] = int(ids.size)
+        meta.update({f"{name}_{k}": v for k, v in counts.items()})
+    meta["build_seconds"] = round(time.perf_counter() - start, 3)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -297,12 +357,14 @@ def load_token_data(path: str | Path) -> TokenData:
     tok = load_tokenizer(path / "tokenizer.json")
     specials = read_special_tokens(path / "tokenizer.json", tok)
     dtype = np.dtype(meta["dtype"])
+    masks = {s: _open_tokens(path / f"{s}.mask", np.dtype(np.uint8), meta[f"{s}_tokens"])
+             for s in ("train", "val")} if meta.get("format", "text") != "text" else {}
     return TokenData(
         train=_open_tokens(path / "train.bin", dtype, meta["train_tokens"]),
         val=_open_tokens(path / "val.bin", dtype, meta["val_tokens"]),
         tokenizer=tok, tokenizer_path=path / "tokenizer.json",
         vocab_size=meta["vocab_size"], eot_id=meta["eot_id"], cache_dir=path, meta=meta,
-        specials=specials,
+        specials=specials, train_mask=masks.get("train"), val_mask=masks.get("val"),
     )
 
 
@@ -317,8 +379,8 @@ def num_windows(num_tokens: int, seq_len: int) -> int:
     return max((int(num_tokens) - 1) // int(seq_len), 0)
 
 
-def batch_from_indices(tokens: np.ndarray, indices, seq_len: int,
-                       split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+def batch_from_indices(tokens: np.ndarray, indices, seq_len: int, split: str = "train",
+                       mask: np.ndarray | None = None, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather windows of a token split into an input/target batch.
 
     Args:
@@ -326,9 +388,13 @@ def batch_from_indices(tokens: np.ndarray, indices, seq_len: int,
         indices: 1-D window indices (B,), each in ``[0, num_windows(len(tokens), seq_len))``.
         seq_len: S, tokens per window input.
         split: split name used in error messages.
+        mask: optional loss mask aligned with ``tokens`` (instruction data): a target whose
+            mask is 0 becomes ``ignore_index``.
+        ignore_index: the target id the loss skips (the strategies' ``IGNORE_INDEX``).
     Returns:
         ``(x, y)``: contiguous ``torch.int64`` tensors of shape (B, S) with
-        ``x[b] = tokens[i*S : i*S+S]`` and ``y[b] = tokens[i*S+1 : i*S+S+1]``, i = indices[b].
+        ``x[b] = tokens[i*S : i*S+S]`` and ``y[b] = tokens[i*S+1 : i*S+S+1]``, i = indices[b]
+        (``y`` = ignore_index where ``mask[i*S+1 : i*S+S+1]`` is 0).
     Raises:
         DataError: the split is too small for one window, indices are not 1-D, or
             an index is out of range.
@@ -344,6 +410,10 @@ def batch_from_indices(tokens: np.ndarray, indices, seq_len: int,
     if idx.size and (idx.min() < 0 or idx.max() >= n):
         raise DataError(f"window index out of range [0, {n}) for the {split} split "
                         f"(min {idx.min()}, max {idx.max()}); use the sampler's indices")
-    rows = tokens[idx[:, None] * seq_len + np.arange(seq_len + 1)]
-    windows = torch.from_numpy(np.array(rows, dtype=np.int64))
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    pos = idx[:, None] * seq_len + np.arange(seq_len + 1)
+    windows = torch.from_numpy(np.array(tokens[pos], dtype=np.int64))
+    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    if mask is not None:
+        keep = torch.from_numpy(np.array(mask[pos[:, 1:]], dtype=np.bool_))
+        y = torch.where(keep, y, torch.full_like(y, ignore_index)).contiguous()
+    return x, y

@@ -90,7 +90,7 @@ def padding_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # the data.* settings that decide which tokens train and validate (vocab_size and the tokenizer
 # are checked against the checkpoint's tokenizer; cache_dir is only where the tokens are kept)
-DATA_STREAM_KEYS = ("corpus", "path", "text_field", "val_fraction")
+DATA_STREAM_KEYS = ("corpus", "path", "text_field", "val_fraction", "format")
 
 
 def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
@@ -136,12 +136,21 @@ def special_overrides(cfg: Config) -> dict:
     return {k: getattr(cfg.data, k) for k in ("bos_token", "eos_token", "pad_token", "chat_template")}
 
 
+def seq_len_of(cfg: Config) -> int:
+    """The training sequence length: the block_size of model.init_from's config.json, else of
+    the model section (fields, preset, defaults)."""
+    if cfg.model.init_from:
+        return int(registry.config_meta(registry.hf_config(cfg.model.init_from))["block_size"])
+    return int(model_shape(cfg.model)["block_size"])
+
+
 def load_data(cfg: Config, local_rank: int):
     """Build/open the token cache: local rank 0 builds it first, the others then open it."""
     d = cfg.data
     kwargs = dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
                   val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None,
-                  special_tokens=special_overrides(cfg))
+                  special_tokens=special_overrides(cfg), format=d.format,
+                  seq_len=seq_len_of(cfg) if d.format != "text" else None)
     if local_rank == 0:
         data = prepare_data(**kwargs)
     comm.wait_barrier(comm.IO_TIMEOUT_S, tag="token_cache")  # may take minutes: its own long timeout
