@@ -41,7 +41,24 @@ def _force_next(model, k: int) -> None:
         model.lm_head.weight[k, 0] = 1.0
 
 
-def test_llama3_tokenizer_end_to_end(tmp_path, llama3_dir, single_process):
+def _llama3_args(root, cache) -> list[str]:
+    return ["--config", "configs/llama_tiny.toml", "--train.steps", "1", "--model.n_layer", "2",
+            "--train.eval_every", "0", "--log.progress", "false", "--log.sample_tokens", "0", "--log.plot", "false",
+            "--data.cache_dir", str(cache), "--data.corpus", "files", "--data.path", str(root / "corpus.txt"),
+            "--data.tokenizer", str(root / "tok")]
+
+
+@pytest.fixture(scope="module")
+def llama3_run(llama3_dir):
+    """A run (1 step, full fine-tuning) of a 2-layer Llama on the Llama-3-style tokenizer."""
+    from zerotron.cli import main
+
+    run = llama3_dir / "run"
+    assert main(["train", *_llama3_args(llama3_dir, llama3_dir / "cache"), "--run-dir", str(run)]) == 0
+    return run
+
+
+def test_llama3_tokenizer_end_to_end(tmp_path, llama3_dir, llama3_run, single_process):
     """Train on a Llama-3-style tokenizer directory, generate (stops at each eos id, not at
     another token), export (generation_config with both ids), transformers reload stops alike."""
     import copy
@@ -52,19 +69,14 @@ def test_llama3_tokenizer_end_to_end(tmp_path, llama3_dir, single_process):
     from zerotron.generate import load_model, stop_ids
     from zerotron.inference import Engine, Request, SamplingParams
 
-    tokdir, run, out = llama3_dir / "tok", tmp_path / "run", tmp_path / "hf"
+    tokdir, run, out = llama3_dir / "tok", llama3_run, tmp_path / "hf"
     sp = read_special_tokens(tokdir)
     assert (sp.eos, sp.eos_id, sp.eos_ids, sp.bos_id) == ("<|end_of_text|>", 1, (1, 4), 0)
     assert sp.chat_template and EOT not in (sp.eos, sp.bos)
-    assert main(["train", "--config", "configs/llama_tiny.toml", "--run-dir", str(run), "--train.steps", "1",
-                 "--model.n_layer", "2", "--train.eval_every", "0", "--log.progress", "false",
-                 "--log.sample_tokens", "0", "--log.plot", "false", "--data.cache_dir", str(tmp_path / "cache"),
-                 "--data.corpus", "files", "--data.path", str(llama3_dir / "corpus.txt"),
-                 "--data.tokenizer", str(tokdir)]) == 0
     # documents separated by the tokenizer's own end token (one document: one end token at its end)
     from zerotron.data import load_token_data
 
-    cache = next(p for p in (tmp_path / "cache").iterdir() if not p.name.startswith("."))
+    cache = next(p for p in (llama3_dir / "cache").iterdir() if not p.name.startswith("."))
     td = load_token_data(cache)
     assert td.eot_id == 1 and td.train[-1] == 1 and int((td.train == 1).sum()) == 1
     ckpt = sorted((run / "checkpoints").iterdir())[-1]
@@ -176,10 +188,10 @@ def chat_tokenizer(tmp_path_factory):
     return llama3_style_tokenizer([t for _, r in read_rows(CHAT) for t in _row_texts(r)], 1000, out)
 
 
-# the default suite runs two representative layouts (dp with ZeRO-3 sharding, tp with sequence
-# parallelism); ZEROTRON_SFT_FULL=1 adds plain dp2 and pp2 (make test-finetune)
-SFT_LAYOUTS = ("zero3-dp2-acc4", "ddp-dp1-tp2sp-acc4") + (
-    ("ddp-dp2-acc4", "ddp-dp1-pp2-1f1b-acc4") if os.environ.get("ZEROTRON_SFT_FULL") else ())
+# the default suite runs one representative layout (tp with sequence parallelism: the vocab-parallel
+# loss skips masked targets); ZEROTRON_SFT_FULL=1 adds dp2, ZeRO-3 dp2 and pp2 (make test-finetune)
+SFT_LAYOUTS = ("ddp-dp1-tp2sp-acc4",) + (
+    ("ddp-dp2-acc4", "zero3-dp2-acc4", "ddp-dp1-pp2-1f1b-acc4") if os.environ.get("ZEROTRON_SFT_FULL") else ())
 
 
 def test_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report):
@@ -202,3 +214,110 @@ def test_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report):
         worst[d["name"]] = max(s[k] for k in parity.ERRORS)
     report("SFT parity fp64 (chat, masked loss), worst relative error: "
            + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
+
+
+def test_lora_targets_are_the_layouts_projections():
+    """PROJECTIONS (plain data the plan checks) names exactly each family's block Linear layers;
+    target names resolve by full path or last part; unknown ones and unsupported layouts are
+    refused by the plan in one line."""
+    from zerotron.config import ConfigError
+    from zerotron.models import registry
+    from zerotron.models.layout import PROJECTIONS, lora_targets
+    from zerotron.plan import build_plan
+    from zerotron.testing import tiny_config
+
+    for arch, preset in (("gpt2", "tiny"), ("llama", "llama-tiny")):
+        model = registry.build_model(registry.config_from_section(tiny_config({"model.arch": arch, "model.preset": preset}).model, 300))
+        assert set(model.layout().block_tp) == set(PROJECTIONS[arch]), arch
+    assert lora_targets("llama", "") == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+    assert lora_targets("gpt2", "c_proj") == ("attn.c_proj", "mlp.c_proj")
+    lora = {"train.lora_rank": 4}
+    build_plan(tiny_config({**lora, "parallel.pp": 2, "parallel.dp": 1}), 2)  # a pipeline over dp runs
+    for extra, world, msg in (({"train.lora_targets": "q_proj"}, 1, "does not have"),
+                              ({"parallel.tp": 2}, 2, "parallel.tp = 1"),
+                              ({"parallel.zero_stage": 3}, 2, "zero_stage = 0"),
+                              ({"train.lora_dropout": 1.0}, 1, "lora_dropout")):
+        with pytest.raises(ConfigError, match=msg) as e:
+            build_plan(tiny_config({**lora, **extra}), world)
+        assert "\n" not in str(e.value)
+
+
+LORA = {"train.lora_rank": 4, "train.lora_targets": "q_proj,v_proj,down_proj", "train.lr": 0.05}
+LORA_LAYOUTS = ("ddp-dp2-acc4",) + (("ddp-dp1-pp2-1f1b-acc4",) if os.environ.get("ZEROTRON_SFT_FULL") else ())
+
+
+def test_lora_parity_fp64_and_frozen_base(tmp_path, data_cache, single_process, report):
+    """LoRA (rank 4 on q, v and down projections of the matrix's Llama) in fp64: dp2 (and pp2 under
+    ZEROTRON_SFT_FULL=1) equal one process (rtol 1e-10); the base weights are bitwise unchanged,
+    the adapters moved, and the per-step gradient / optimizer bytes are those of the adapters only."""
+    from zerotron import parity
+    from zerotron.models import registry
+    from zerotron.parity.space import MODELS, Layout, config_for
+    from zerotron.testing import run_ranks
+    from zerotron.train.setup import gpt_config
+
+    extra = {"data.cache_dir": data_cache, **MODELS["llama"], **LORA}
+    ref = parity.reference(str(tmp_path / "ref"), extra)
+    cfg = config_for(Layout("ddp", 1, 1, False, 1, None, 1), extra)
+    torch.manual_seed(cfg.train.seed)  # the initial weights, as the Trainer builds them
+    init = registry.build_model(gpt_config(cfg, ref["params"]["model.embed_tokens.weight"].shape[0]))
+    init = {k: v.double() for k, v in init.state_dict().items()}
+    adapters = [k for k in ref["params"] if "lora_" in k]
+    assert len(adapters) == 2 * 3 * 8 and set(ref["params"]) - set(adapters) == set(init)
+    assert all(torch.equal(init[k], ref["params"][k]) for k in init)  # bitwise unchanged
+    assert all(ref["params"][k].abs().max() > 0 for k in adapters if k.endswith("lora_B"))  # trained from 0
+    assert set(ref["optim"]) == set(adapters)  # optimizer state: adapters only
+    n_adapter = sum(ref["params"][k].numel() for k in adapters)
+    rec = [json.loads(line) for line in (tmp_path / "ref" / "metrics.jsonl").read_text().splitlines()]
+    states = [r["model_state_breakdown"] for r in rec if "model_state_breakdown" in r][-1]
+    assert states["grads_bytes"] == 8 * n_adapter and states["optimizer_bytes"] == 2 * 8 * n_adapter  # fp64, Adam
+    assert states["params_bytes"] == 8 * sum(v.numel() for v in ref["params"].values())
+    ref_path = str(tmp_path / "ref.pt")
+    torch.save(ref, ref_path)
+    lays = [lay.as_dict() for lay in parity.all_layouts() if lay.name in LORA_LAYOUTS]
+    per_rank = run_ranks(parity.run_many, 2, lays, ref_path, str(tmp_path / "w2"), extra, timeout_s=120)
+    worst = {}
+    for i, d in enumerate(lays):
+        recs = [per_rank[r][i] for r in range(2)]
+        s = parity.check(d["name"], recs, (set(ref["params"]), set(ref["optim"])), parity.FP64_RTOL)
+        worst[d["name"]] = max(s[k] for k in parity.ERRORS)
+    report("LoRA parity fp64 (rank 4), worst relative error: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
+
+
+def test_lora_export_merged_and_peft_adapter(tmp_path, llama3_dir, llama3_run, report):
+    """A LoRA run on a Llama with a Llama-3-style tokenizer: export merged, and --adapter (base +
+    peft adapter directory): peft's logits on the exported base equal zerotron's (fp32) and the
+    merged export's; an adapter export of a run without LoRA is one line, exit 2."""
+    peft = pytest.importorskip("peft")
+    from zerotron.cli import main
+    from zerotron.generate import load_model
+    from zerotron.testing import run_cli
+
+    common = _llama3_args(llama3_dir, llama3_dir / "cache")
+    run = tmp_path / "run"
+    assert main(["train", *common, "--run-dir", str(run), "--train.lora_rank", "4", "--train.lr", "0.05"]) == 0
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "base"),
+                 "--adapter", str(tmp_path / "adapter")]) == 0
+    ours, tok, _ = load_model(run, torch.device("cpu"), merge=False)
+    x = torch.tensor([tok.encode("ROMEO: what light through yonder window breaks").ids])
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        want = ours(x)
+        want = want[0] if isinstance(want, tuple) else want
+        got = peft_model(x).logits
+        got_merged = merged(x).logits
+    d_peft, d_merged = (got - want).abs().max().item(), (got_merged - want).abs().max().item()
+    assert d_peft < 1e-4 and d_merged < 1e-4, (d_peft, d_merged)
+    with torch.no_grad():
+        plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()(x).logits
+    assert (plain - want).abs().max().item() > 1e-3  # the adapters change the model (the test can fail)
+    report(f"LoRA export: peft-loaded adapter vs zerotron logits max abs diff {d_peft:.2e} (fp32), "
+           f"merged export {d_merged:.2e}")
+    r = run_cli(["export", "--checkpoint", str(llama3_run), "--out", str(tmp_path / "x"), "--adapter", str(tmp_path / "y")])
+    assert r.returncode == 2 and "no LoRA adapters" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = run_cli(["train", *common, "--run-dir", str(tmp_path / "bad"), "--train.lora_rank", "4",
+                 "--train.lora_targets", "c_attn"])
+    assert r.returncode == 2 and "does not have" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -159,6 +159,14 @@ class TrainConfig:
     """consecutive skipped steps after which the run stops (exit 3)"""
     stop_grace_s: float = 25.0
     """seconds a signalled run has to finish its step and write a checkpoint"""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on lora_targets, base weights frozen (0 = off: train every weight)"""
+    lora_alpha: float = 0.0
+    """LoRA scale numerator: the update is (alpha / rank) B A (0 = 2 x rank)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in [0, 1)"""
+    lora_targets: str = ""
+    """comma-separated projections of a block (model layout names, e.g. q_proj,v_proj); "" = attention's"""
 
 
 @dataclass

@@ -36,14 +36,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_model(path: str | Path, device: torch.device):
+def load_model(path: str | Path, device: torch.device, merge: bool = True):
     """Build the model of a checkpoint (its family from ``model_config["arch"]``, GPT-2 when absent)
-    and load its weights; returns ``(model, tokenizer, meta)``."""
+    and load its weights; returns ``(model, tokenizer, meta)``. A LoRA run's adapters
+    (``train.lora_rank`` in its config) are loaded and, with ``merge``, folded into the weights
+    (``models.lora.merge_lora``; ``merge=False`` keeps them, e.g. for ``export --adapter``)."""
     path = resolve_checkpoint(path)
     ckpt.verify_checkpoint(path)  # files present and checksums equal, else CheckpointError naming the file
     meta = ckpt.read_meta(path)
     model = registry.build_model(registry.config_from_meta(meta["model_config"])).to(device)
+    train = meta.get("config", {}).get("train", {})
+    if train.get("lora_rank"):  # a LoRA run: the adapters are part of the checkpoint
+        from .models.lora import apply_lora, lora_kwargs
+
+        apply_lora(model, registry.arch_of(model), **lora_kwargs(train))
     ckpt.load_checkpoint(path, model, restore_rng=False)
+    if merge and train.get("lora_rank"):
+        from .models.lora import merge_lora
+
+        merge_lora(model)
     model.eval()
     return model, load_tokenizer(path / "tokenizer.json"), meta
 

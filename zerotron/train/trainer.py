@@ -89,6 +89,10 @@ class Trainer:
             self.model_cfg = gpt_config(cfg, self.data.vocab_size)
             self.model = registry.build_model(self.model_cfg).to(device)
         self.model.to(dtype=param_dtype(cfg.train.dtype))  # fp64 mode: every parameter in float64
+        if cfg.train.lora_rank:  # base frozen, adapters trained (the plan checked the layout and targets)
+            from ..models.lora import apply_lora, lora_kwargs
+
+            apply_lora(self.model, registry.arch_of(self.model), **lora_kwargs(dataclasses.asdict(cfg.train)))
         self.seq_len = self.model_cfg.block_size
         self.num_params = self.model.num_params()  # dense count, before any sharding
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
