@@ -280,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides = parse_overrides(rest)
         cfg = load_config(args.config, overrides)
         if args.nproc > 1 and not in_worker():
-            d = cfg.data  # build the token cache once, before the workers start
-            prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
-                         d.tokenizer or None)
+            from zerotron.train.setup import data_kwargs
+
+            prepare_data(**data_kwargs(cfg))  # build the token cache once, before the workers start
             return launch(args.nproc, strip_nproc(argv), module="zerotron.bench.context")
     except SystemExit as e:  # argparse: --help or a bad option
         return int(e.code or 0)

@@ -144,13 +144,19 @@ def seq_len_of(cfg: Config) -> int:
     return int(model_shape(cfg.model)["block_size"])
 
 
+def data_kwargs(cfg: Config) -> dict:
+    """``prepare_data``'s arguments for the data section of ``cfg`` (the launcher and every worker
+    must build and open the same cache)."""
+    d = cfg.data
+    return dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
+                val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None,
+                special_tokens=special_overrides(cfg), format=d.format,
+                seq_len=seq_len_of(cfg) if d.format != "text" else None)
+
+
 def load_data(cfg: Config, local_rank: int):
     """Build/open the token cache: local rank 0 builds it first, the others then open it."""
-    d = cfg.data
-    kwargs = dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
-                  val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None,
-                  special_tokens=special_overrides(cfg), format=d.format,
-                  seq_len=seq_len_of(cfg) if d.format != "text" else None)
+    kwargs = data_kwargs(cfg)
     if local_rank == 0:
         data = prepare_data(**kwargs)
     comm.wait_barrier(comm.IO_TIMEOUT_S, tag="token_cache")  # may take minutes: its own long timeout
