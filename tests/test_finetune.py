@@ -272,6 +272,10 @@ def test_lora_parity_fp64_and_frozen_base(tmp_path, data_cache, single_process, 
     states = [r["model_state_breakdown"] for r in rec if "model_state_breakdown" in r][-1]
     assert states["grads_bytes"] == 8 * n_adapter and states["optimizer_bytes"] == 2 * 8 * n_adapter  # fp64, Adam
     assert states["params_bytes"] == 8 * sum(v.numel() for v in ref["params"].values())
+    from zerotron.analysis.memory import model_state_bytes
+
+    est = model_state_bytes(sum(v.numel() for v in ref["params"].values()), 1, 0, "fp64", trainable=n_adapter)
+    assert {k: est[k] for k in states} == states  # the estimator counts the frozen and trainable parts
     ref_path = str(tmp_path / "ref.pt")
     torch.save(ref, ref_path)
     lays = [lay.as_dict() for lay in parity.all_layouts() if lay.name in LORA_LAYOUTS]
@@ -285,21 +289,29 @@ def test_lora_parity_fp64_and_frozen_base(tmp_path, data_cache, single_process, 
 
 
 def test_lora_export_merged_and_peft_adapter(tmp_path, llama3_dir, llama3_run, report):
-    """A LoRA run on a Llama with a Llama-3-style tokenizer: export merged, and --adapter (base +
-    peft adapter directory): peft's logits on the exported base equal zerotron's (fp32) and the
-    merged export's; an adapter export of a run without LoRA is one line, exit 2."""
+    """A LoRA run on a Llama with a Llama-3-style tokenizer (fp64 training) resumes equal to an
+    uninterrupted run; export merged, and --adapter (base + peft adapter directory): peft's logits
+    on the exported base equal zerotron's (fp32) and the merged export's; an adapter export of a run
+    without LoRA and an unknown LoRA target are one line, exit 2."""
     peft = pytest.importorskip("peft")
     from zerotron.cli import main
     from zerotron.generate import load_model
     from zerotron.testing import run_cli
 
     common = _llama3_args(llama3_dir, llama3_dir / "cache")
-    run = tmp_path / "run"
-    assert main(["train", *common, "--run-dir", str(run), "--train.lora_rank", "4", "--train.lr", "0.05"]) == 0
+    run, half = tmp_path / "run", tmp_path / "half"
+    lora = ["--train.lora_rank", "4", "--train.lr", "0.05", "--train.dtype", "fp64"]
+    assert main(["train", *common, "--run-dir", str(run), *lora, "--train.steps", "2"]) == 0
+    assert main(["train", *common, "--run-dir", str(half), *lora, "--train.steps", "1"]) == 0
+    assert main(["train", *common, "--run-dir", str(half), *lora, "--train.steps", "2", "--resume"]) == 0
+    losses = [[json.loads(line)["loss"] for line in (r / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+              for r in (run, half)]
+    assert losses[0] == losses[1] and len(losses[0]) == 2  # a resumed LoRA run equals an uninterrupted one
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "merged")]) == 0
     assert main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "base"),
                  "--adapter", str(tmp_path / "adapter")]) == 0
     ours, tok, _ = load_model(run, torch.device("cpu"), merge=False)
+    ours.float()
     x = torch.tensor([tok.encode("ROMEO: what light through yonder window breaks").ids])
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
     peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
