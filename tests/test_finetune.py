@@ -83,6 +83,11 @@ def test_llama3_tokenizer_end_to_end(tmp_path, llama3_dir, llama3_run, single_pr
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (ckpt / name).is_file(), name
     assert stop_ids(run) == (1, 4)
+    from zerotron.serve.chat import ChatTemplate, load_chat_template  # what serve renders chat requests with
+
+    prompt_text = ChatTemplate(load_chat_template(ckpt), sp.eos).render([{"role": "user", "content": "Hi"}])
+    assert prompt_text == "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>" \
+                          "<|start_header_id|>assistant<|end_header_id|>\n\n"  # (bos: the post-processor adds it)
     model, tok, _ = load_model(run, torch.device("cpu"))
     mesh = Mesh(ParallelDims(1, 0, 1, 1), torch.device("cpu"))
     prompt = tok.encode("ROMEO:").ids
