@@ -8,7 +8,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix bench-two-nodes clean FORCE
+.PHONY: install install-dev train lint test test-matrix test-finetune bench-two-nodes clean FORCE
 
 FORCE:
 
@@ -48,6 +48,10 @@ test: lint
 test-matrix: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
 		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
+
+# fine-tuning parity over every layout the default suite samples (SFT: dp2, ZeRO-3 dp2, tp2+SP, pp2)
+test-finetune: install-dev
+	ZEROTRON_SFT_FULL=1 $(PY) -m pytest tests/test_finetune.py $(ARGS)
 
 # bench comm --topology across the two-node network-namespace harness (root), 200 Mbit/s link:
 # benchmarks/comm_two_nodes.{json,md,png} (~2 min)

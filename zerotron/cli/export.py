@@ -16,7 +16,46 @@ def export_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
+    p.add_argument("--adapter", default="", help="a LoRA run (Llama): write --out as the base model (adapters not "
+                                                 "merged) and this directory as a peft adapter (adapter_config.json + "
+                                                 "adapter_model.safetensors); without it a LoRA run is exported merged")
     return p
+
+
+def _split_adapter(model, meta: dict, args):
+    """``--adapter``: the adapters' peft state and config, removed from ``model`` (which becomes
+    the unmerged base). Raises ValueError (one line) for a checkpoint without adapters or a
+    family whose module names are not Hugging Face's (GPT-2 fuses and transposes them)."""
+    from ..models import registry
+    from ..models.lora import adapter_state, has_lora, lora_kwargs, lora_modules, peft_config
+
+    if not has_lora(model):
+        raise ValueError(f"--adapter: the checkpoint {args.checkpoint!r} has no LoRA adapters (trained with "
+                         "train.lora_rank = 0), so there is no adapter to write for a base; export it without --adapter")
+    if registry.arch_of(model) != "llama":
+        raise ValueError("--adapter writes peft adapters for Llama models (GPT-2's fused, transposed projections "
+                         "do not match Hugging Face's module names); export the merged model without --adapter")
+    kw = lora_kwargs(meta["config"]["train"])
+    state, config = adapter_state(model), peft_config(model, kw["rank"], kw["alpha"], kw["dropout"])
+    for m in lora_modules(model).values():  # the base: adapters removed, weights as trained (frozen)
+        m.lora_handle.remove()
+        del m.lora_A, m.lora_B
+    return state, config
+
+
+def _write_adapter(out_dir: str, state: dict, config: dict, base: str, overwrite: bool) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise FileExistsError(f"--adapter {out_dir!r} exists and is not an empty directory; choose a new one or pass "
+                              "--overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}, indent=2) + "\n")
 
 
 def cmd_export(argv: list[str]) -> int:
@@ -24,17 +63,23 @@ def cmd_export(argv: list[str]) -> int:
     try:
         import torch
 
-        from ..data.tokenizer import EOT
+        from ..data.tokenizer import read_special_tokens, write_special_files
         from ..distributed import mesh
         from ..generate import load_model
         from ..models.registry import export_hf
 
         owned = not torch.distributed.is_initialized()
         mesh.init_distributed(timeout_s=600, device=torch.device("cpu"))
-        model, tok, _ = load_model(args.checkpoint, torch.device("cpu"))
-        # the checkpoint's tokenizer.json (load_tokenizer checked it defines <|endoftext|>)
-        out = export_hf(model, args.out, overwrite=args.overwrite, eos_token_id=tok.token_to_id(EOT))
+        from ..generate import resolve_checkpoint
+
+        model, tok, meta = load_model(args.checkpoint, torch.device("cpu"), merge=not args.adapter)
+        specials = read_special_tokens(resolve_checkpoint(args.checkpoint), tok)  # the checkpoint's own
+        adapter = _split_adapter(model, meta, args) if args.adapter else None
+        out = export_hf(model, args.out, overwrite=args.overwrite, eos_token_id=specials.eos_id)
         tok.save(str(Path(out) / "tokenizer.json"))
+        write_special_files(out, specials)  # bos/eos/pad ids (every stop id) and the chat template
+        if adapter is not None:
+            _write_adapter(args.adapter, *adapter, base=str(Path(out).resolve()), overwrite=args.overwrite)
         if owned:
             mesh.teardown()
         files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))

@@ -90,10 +90,9 @@ def cmd_train(argv: list[str]) -> int:
                 refuse_finished_resume(cfg, latest)  # before any worker starts
         if (args.nproc > 1 or args.max_restarts) and not in_worker():
             from ..data import prepare_data  # build the token cache once, report data errors once
+            from ..train.setup import data_kwargs
 
-            d = cfg.data
-            data = prepare_data(d.corpus, d.path or None, d.text_field, d.vocab_size, d.val_fraction, d.cache_dir,
-                                d.tokenizer or None)
+            data = prepare_data(**data_kwargs(cfg))
             if cfg.model.init_from:  # the checkpoint's config was read by build_plan: its vocabulary too
                 from ..models.registry import hf_config
                 from ..train.setup import check_init_vocab

@@ -9,11 +9,11 @@ Typical use::
 from .corpus import DataError, corpus_fingerprint, load_corpus, split_documents
 from .dataset import TokenData, batch_from_indices, cache_key, load_token_data, num_windows, prepare_data, token_dtype
 from .sampler import GlobalBatchSampler
-from .tokenizer import EOT, load_tokenizer, train_bpe
+from .tokenizer import EOT, SpecialTokens, load_tokenizer, read_special_tokens, train_bpe
 
 __all__ = [
     "DataError", "load_corpus", "split_documents", "corpus_fingerprint",
-    "EOT", "train_bpe", "load_tokenizer",
+    "EOT", "train_bpe", "load_tokenizer", "SpecialTokens", "read_special_tokens",
     "TokenData", "prepare_data", "load_token_data", "cache_key", "token_dtype",
     "num_windows", "batch_from_indices",
     "GlobalBatchSampler",

@@ -9,7 +9,9 @@ so readers never see a half-written one and racing builders are harmless.
 
 A split of N tokens holds ``num_windows(N, S) = (N - 1) // S`` windows; window i is
 tokens ``[i*S, i*S + S + 1)``, whose first S tokens are the inputs and last S the
-targets.
+targets. Instruction data (``data.format`` chat / prompt_completion, :mod:`zerotron.data.sft`)
+adds a loss mask per split (``train.mask``, ``val.mask``: one uint8 per token) and lays out one
+row per window, so its cache also depends on S.
 """
 from __future__ import annotations
 
@@ -27,8 +29,17 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from . import sft
 from .corpus import DataError, check_val_fraction, corpus_fingerprint, load_corpus, split_documents
-from .tokenizer import EOT, check_vocab_size, load_tokenizer, train_bpe
+from .tokenizer import (
+    SpecialTokens,
+    check_vocab_size,
+    load_tokenizer,
+    read_special_tokens,
+    tokenizer_file,
+    train_bpe,
+    write_special_files,
+)
 
 FORMAT_VERSION = 1
 ENCODE_CHUNK_CHARS = 8_000_000  # documents are encoded in batches of about this many characters
@@ -48,7 +59,7 @@ class TokenData:
         tokenizer: the ``tokenizers.Tokenizer`` that produced the ids.
         tokenizer_path: its ``tokenizer.json`` inside the cache.
         vocab_size: number of token ids (may be below the requested size on tiny corpora).
-        eot_id: id of ``<|endoftext|>``.
+        eot_id: id of the end token that separates documents (``specials.eos_id``).
         cache_dir: the cache's own directory, ``<cache_dir>/<key>``.
         meta: the parsed ``meta.json`` (token/document counts, key inputs, ...).
     """
@@ -61,6 +72,12 @@ class TokenData:
     eot_id: int
     cache_dir: Path
     meta: dict = field(default_factory=dict, repr=False)
+    specials: SpecialTokens | None = None
+    """the tokenizer's special tokens and chat template (read from the cache's own files)"""
+    train_mask: np.ndarray | None = None
+    """instruction data: 1 where a token of ``train`` is a training target (uint8), else None"""
+    val_mask: np.ndarray | None = None
+    """the same for ``val``"""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -75,25 +92,29 @@ def _file_sha256(path: Path) -> str:
 
 def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
               text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
-              tokenizer_path: str | Path | None = None) -> tuple[str, dict]:
+              tokenizer_path: str | Path | None = None, special_tokens: dict | None = None,
+              format: str = "text", seq_len: int | None = None) -> tuple[str, dict]:
     """Compute the cache key of :func:`prepare_data`'s arguments without reading text.
 
     Returns:
         ``(key, inputs)``: a 16-hex-digit key and the JSON-able dict it hashes
         (format version, corpus fingerprint with file sizes/mtimes, vocab_size or
-        None when a tokenizer file is given, val_fraction, tokenizer file SHA-256).
+        None when a tokenizer file is given, val_fraction, tokenizer file SHA-256, the resolved
+        special tokens when a tokenizer is given, the config's ``special_tokens`` overrides).
         An ``"hf"`` corpus is keyed by its name only: a changed hub dataset reuses
         the old cache until you delete it.
     Raises:
         DataError: bad corpus/path, val_fraction, vocab_size or tokenizer_path.
     """
     val_fraction = check_val_fraction(val_fraction)
-    tok_hash = None
+    tok_hash, specials = None, None
+    overrides = {k: v for k, v in (special_tokens or {}).items() if v}
     if tokenizer_path is None:
         check_vocab_size(vocab_size)
     else:
-        load_tokenizer(tokenizer_path)  # validates the file
-        tok_hash = _file_sha256(Path(tokenizer_path).expanduser())
+        sp = read_special_tokens(tokenizer_path, None, overrides)  # validates the files
+        tok_hash = _file_sha256(tokenizer_file(tokenizer_path))
+        specials = {**sp.tokenizer_config(), **sp.generation_config()}
     inputs = {
         "format_version": FORMAT_VERSION,
         "source": corpus_fingerprint(corpus, path, text_field),
@@ -101,6 +122,14 @@ def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
         "val_fraction": val_fraction,
         "tokenizer_sha256": tok_hash,
     }
+    if specials is not None or overrides:  # (absent: the keys of caches built before them stay valid)
+        inputs["special_tokens"] = specials or overrides
+    if format != "text":
+        if format not in sft.FORMATS:
+            raise DataError(f"data.format must be one of {sft.FORMATS}, got {format!r}")
+        if not seq_len or seq_len < 2:
+            raise DataError(f"data.format = {format} lays out one row per window and needs seq_len >= 2, got {seq_len!r}")
+        inputs["format"], inputs["seq_len"] = format, int(seq_len)
     blob = json.dumps(inputs, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16], inputs
 
@@ -108,7 +137,8 @@ def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
 def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
                  text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
                  cache_dir: str | Path = ".cache/zerotron",
-                 tokenizer_path: str | Path | None = None) -> TokenData:
+                 tokenizer_path: str | Path | None = None, special_tokens: dict | None = None,
+                 format: str = "text", seq_len: int | None = None) -> TokenData:
     """Build (or reuse) the token cache of a corpus and open it.
 
     Steps: load the corpus, split each document (tail to validation), train a BPE
@@ -124,14 +154,22 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
         vocab_size: BPE vocabulary size (int >= 257).
         val_fraction: share of each document's characters for validation, (0, 0.5].
         cache_dir: root directory of token caches.
-        tokenizer_path: optional existing tokenizer JSON to use instead of training.
+        tokenizer_path: optional existing tokenizer (a tokenizer.json or a directory holding one,
+            see :func:`zerotron.data.tokenizer.load_tokenizer`) to use instead of training.
+        special_tokens: config overrides of the special tokens (``data.bos_token``, ...; see
+            :func:`zerotron.data.tokenizer.read_special_tokens`); the resolved tokens are written to
+            the cache's tokenizer_config.json / generation_config.json.
+        format: "text" (documents), "chat" or "prompt_completion" (rows of a .jsonl/.parquet
+            ``path``, one per window of ``seq_len`` tokens, with a loss mask; see :mod:`zerotron.data.sft`).
+        seq_len: the window length S (the model's block_size); needed by the instruction formats.
     Returns:
         :class:`TokenData` with memory-mapped splits.
     Raises:
         DataError: any bad input (see load_corpus, split_documents, train_bpe,
             load_tokenizer) or a corrupt existing cache.
     """
-    key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path)
+    key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path, special_tokens,
+                            format, seq_len)
     root = Path(cache_dir).expanduser()
     final = root / key
     if final.exists():
@@ -146,7 +184,7 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
     tmp: Path | None = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         _build(tmp, key, inputs, corpus, path, text_field, vocab_size, val_fraction,
-               tokenizer_path)
+               tokenizer_path, special_tokens, format, seq_len)
         os.chmod(tmp, 0o755)
         try:
             os.replace(tmp, final)
@@ -162,17 +200,24 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
 
 
 def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str,
-           vocab_size: int, val_fraction: float, tokenizer_path) -> None:
-    """Write tokenizer.json, train.bin, val.bin and finally meta.json into ``out``."""
+           vocab_size: int, val_fraction: float, tokenizer_path, special_tokens=None, format: str = "text",
+           seq_len: int | None = None) -> None:
+    """Write tokenizer.json, its tokenizer_config.json and generation_config.json, train.bin,
+    val.bin and finally meta.json into ``out``."""
     start = time.perf_counter()
+    if format != "text":
+        return _build_rows(out, key, inputs, path, vocab_size, val_fraction, tokenizer_path, special_tokens,
+                           format, seq_len, start)
     docs = load_corpus(corpus, path, text_field)
     train_docs, val_docs = split_documents(docs, val_fraction)
     if tokenizer_path is None:
         tok = train_bpe(train_docs, vocab_size, out / "tokenizer.json")
     else:
-        shutil.copyfile(Path(tokenizer_path).expanduser(), out / "tokenizer.json")
+        shutil.copyfile(tokenizer_file(tokenizer_path), out / "tokenizer.json")
         tok = load_tokenizer(out / "tokenizer.json")
-    vocab, eot = tok.get_vocab_size(), tok.token_to_id(EOT)
+    sp = read_special_tokens(tokenizer_path or out / "tokenizer.json", tok, special_tokens)
+    write_special_files(out, sp)
+    vocab, eot = tok.get_vocab_size(), sp.eos_id
     dtype = token_dtype(vocab)
     counts = {name: _encode_to_file(tok, split, eot, dtype, out / f"{name}.bin")
               for name, split in (("train", train_docs), ("val", val_docs))}
@@ -185,6 +230,43 @@ def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str
         "train_chars": sum(map(len, train_docs)), "val_chars": sum(map(len, val_docs)),
         "build_seconds": round(time.perf_counter() - start, 3),
     }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _row_texts(row: dict) -> list[str]:
+    """The strings of a row (message contents, prompt, completion): what a tokenizer trains on."""
+    out = [m.get("content") for m in row.get("messages") or [] if isinstance(m, dict)]
+    return [t for t in out + [row.get("prompt"), row.get("completion")] if isinstance(t, str) and t]
+
+
+def _build_rows(out: Path, key: str, inputs: dict, path, vocab_size: int, val_fraction: float, tokenizer_path,
+                special_tokens, format: str, seq_len: int, start: float) -> None:
+    """The instruction-data cache: rows split (the last ``round(n * val_fraction)`` to
+    validation, at least one of two or more), laid out one per window with masks (:mod:`.sft`)."""
+    rows = sft.read_rows(path)
+    n_val = min(max(round(len(rows) * val_fraction), 1), len(rows) - 1) if len(rows) > 1 else 0
+    splits = {"train": rows[:len(rows) - n_val], "val": rows[len(rows) - n_val:]}
+    if tokenizer_path is None:
+        tok = train_bpe([t for _, r in splits["train"] for t in _row_texts(r)], vocab_size, out / "tokenizer.json")
+    else:
+        shutil.copyfile(tokenizer_file(tokenizer_path), out / "tokenizer.json")
+        tok = load_tokenizer(out / "tokenizer.json")
+    sp = read_special_tokens(tokenizer_path or out / "tokenizer.json", tok, special_tokens)
+    write_special_files(out, sp)
+    dtype = token_dtype(tok.get_vocab_size())
+    meta = {"format_version": FORMAT_VERSION, "key": key, "inputs": inputs, "vocab_size": tok.get_vocab_size(),
+            "eot_id": sp.eos_id, "dtype": dtype.name, "format": format, "seq_len": seq_len}
+    for name, part in splits.items():
+        if not part:
+            ids, mask, counts = np.zeros(0, np.int64), np.zeros(0, np.uint8), {"rows": 0, "truncated_rows": 0,
+                                                                               "dropped_rows": 0, "target_tokens": 0}
+        else:
+            ids, mask, counts = sft.build_windows(tok, part, format, sp, seq_len, sp.chat_template)
+        ids.astype(dtype).tofile(out / f"{name}.bin")
+        mask.tofile(out / f"{name}.mask")
+        meta[f"{name}_tokens"] = int(ids.size)
+        meta.update({f"{name}_{k}": v for k, v in counts.items()})
+    meta["build_seconds"] = round(time.perf_counter() - start, 3)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -273,12 +355,16 @@ def load_token_data(path: str | Path) -> TokenData:
         raise DataError(f"{path} has cache format {meta.get('format_version')!r}, this version "
                         f"reads {FORMAT_VERSION}; delete it and run prepare_data again")
     tok = load_tokenizer(path / "tokenizer.json")
+    specials = read_special_tokens(path / "tokenizer.json", tok)
     dtype = np.dtype(meta["dtype"])
+    masks = {s: _open_tokens(path / f"{s}.mask", np.dtype(np.uint8), meta[f"{s}_tokens"])
+             for s in ("train", "val")} if meta.get("format", "text") != "text" else {}
     return TokenData(
         train=_open_tokens(path / "train.bin", dtype, meta["train_tokens"]),
         val=_open_tokens(path / "val.bin", dtype, meta["val_tokens"]),
         tokenizer=tok, tokenizer_path=path / "tokenizer.json",
         vocab_size=meta["vocab_size"], eot_id=meta["eot_id"], cache_dir=path, meta=meta,
+        specials=specials, train_mask=masks.get("train"), val_mask=masks.get("val"),
     )
 
 
@@ -293,8 +379,8 @@ def num_windows(num_tokens: int, seq_len: int) -> int:
     return max((int(num_tokens) - 1) // int(seq_len), 0)
 
 
-def batch_from_indices(tokens: np.ndarray, indices, seq_len: int,
-                       split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+def batch_from_indices(tokens: np.ndarray, indices, seq_len: int, split: str = "train",
+                       mask: np.ndarray | None = None, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather windows of a token split into an input/target batch.
 
     Args:
@@ -302,9 +388,13 @@ def batch_from_indices(tokens: np.ndarray, indices, seq_len: int,
         indices: 1-D window indices (B,), each in ``[0, num_windows(len(tokens), seq_len))``.
         seq_len: S, tokens per window input.
         split: split name used in error messages.
+        mask: optional loss mask aligned with ``tokens`` (instruction data): a target whose
+            mask is 0 becomes ``ignore_index``.
+        ignore_index: the target id the loss skips (the strategies' ``IGNORE_INDEX``).
     Returns:
         ``(x, y)``: contiguous ``torch.int64`` tensors of shape (B, S) with
-        ``x[b] = tokens[i*S : i*S+S]`` and ``y[b] = tokens[i*S+1 : i*S+S+1]``, i = indices[b].
+        ``x[b] = tokens[i*S : i*S+S]`` and ``y[b] = tokens[i*S+1 : i*S+S+1]``, i = indices[b]
+        (``y`` = ignore_index where ``mask[i*S+1 : i*S+S+1]`` is 0).
     Raises:
         DataError: the split is too small for one window, indices are not 1-D, or
             an index is out of range.
@@ -320,6 +410,10 @@ def batch_from_indices(tokens: np.ndarray, indices, seq_len: int,
     if idx.size and (idx.min() < 0 or idx.max() >= n):
         raise DataError(f"window index out of range [0, {n}) for the {split} split "
                         f"(min {idx.min()}, max {idx.max()}); use the sampler's indices")
-    rows = tokens[idx[:, None] * seq_len + np.arange(seq_len + 1)]
-    windows = torch.from_numpy(np.array(rows, dtype=np.int64))
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    pos = idx[:, None] * seq_len + np.arange(seq_len + 1)
+    windows = torch.from_numpy(np.array(tokens[pos], dtype=np.int64))
+    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+    if mask is not None:
+        keep = torch.from_numpy(np.array(mask[pos[:, 1:]], dtype=np.bool_))
+        y = torch.where(keep, y, torch.full_like(y, ignore_index)).contiguous()
+    return x, y

@@ -43,17 +43,27 @@ class Request:
     params: SamplingParams
 
 
+def is_eos(token: int, eos) -> bool:
+    """True if ``token`` ends a row: ``eos`` is one end id, a collection of them (a checkpoint
+    may have several, e.g. Llama 3's ``<|end_of_text|>`` and ``<|eot_id|>``), or None (never)."""
+    if eos is None:
+        return False
+    if isinstance(eos, int):
+        return token == eos
+    return token in eos
+
+
 class DecodeBatch:
     """Decoding state of requests ``requests`` (indices ``index`` in the caller's list): their token
     lists, done flags, generators (``params.seed`` each) and the KV cache of the layers this rank
-    holds. ``eos_id``: end-of-text token (None: never stop early). ``block_size``: the model's
+    holds. ``eos_id``: end token id, or a tuple of them (see :func:`is_eos`; None: never stop early). ``block_size``: the model's
     context. ``decode``: token ids -> text, for requests with ``params.stop`` strings (a row ends at
     the token after which its decoded new text contains one). ``on_token(i, token)``: called for
     every token appended to request ``index[b]`` = i, as it is appended (streaming). Raises
     ValueError for an empty prompt, or stop strings without ``decode``."""
 
     def __init__(self, requests: list[Request], index: list[int], n_layer: int, block_size: int,
-                 eos_id: int | None, device: torch.device, decode=None, on_token=None):
+                 eos_id: int | tuple | None, device: torch.device, decode=None, on_token=None):
         for i, r in zip(index, requests):
             if not r.prompt:
                 raise ValueError(f"request {i} has an empty prompt; every prompt needs at least one token")
@@ -134,7 +144,7 @@ class DecodeBatch:
             if self.on_token is not None:
                 self.on_token(self.index[b], t)
             p = self.requests[b].params
-            if len(self.new[b]) >= p.max_tokens or (p.stop_at_eos and t == self.eos_id) or \
+            if len(self.new[b]) >= p.max_tokens or (p.stop_at_eos and is_eos(t, self.eos_id)) or \
                     (p.stop and self._hit_stop(b, p.stop)):
                 self.done[b] = True
 

@@ -41,7 +41,7 @@ import torch
 
 from zerotron.distributed import comm
 
-from .batch import PAD_ID, Request
+from .batch import PAD_ID, Request, is_eos
 from .forward import forward_layers
 from .kvcache import PooledKVCache, StaticKVCache
 from .sampling import make_generator, sample_rows
@@ -153,7 +153,7 @@ class ContinuousDecoder:
 
     def _ends(self, row: _Row, tok: int) -> bool:
         p = row.request.params
-        if len(row.new) >= p.max_tokens or (p.stop_at_eos and tok == self.engine.eos_id):
+        if len(row.new) >= p.max_tokens or (p.stop_at_eos and is_eos(tok, self.engine.eos_id)):
             return True
         return bool(p.stop) and any(s in self.engine.decode(row.new) for s in p.stop)
 

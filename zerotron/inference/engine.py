@@ -34,7 +34,7 @@ class Engine:
     and in eval mode) over ``mesh``. tp > 1: the model is made tensor-parallel here; pp > 1: split
     into pipeline stages with ``microbatches`` micro-batches in flight (1 = naive model parallel).
     ``max_batch``: requests decoded together per replica (None: all; on a pipeline this is the
-    batch split into micro-batches). ``eos_id``: end-of-text token id (None: only max_tokens stops).
+    batch split into micro-batches). ``eos_id``: end token id or a tuple of them (None: only max_tokens stops).
     ``pp_split``: layers per pipeline stage ("" = equal counts; "decode" = balanced for decoding,
     the head counted as V / (12 C) blocks: :func:`zerotron.inference.pipelined.decode_split`; or
     counts such as "3,1"). ``decode``: token ids -> text (the tokenizer's), needed by requests with
@@ -42,7 +42,7 @@ class Engine:
     ValueError for microbatches < 1, max_batch < 1 or a bad split."""
 
     def __init__(self, model, mesh, microbatches: int = 1, max_batch: int | None = None,
-                 eos_id: int | None = None, pp_split: str = "", decode=None):
+                 eos_id: int | tuple | None = None, pp_split: str = "", decode=None):
         if microbatches < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError(f"need microbatches >= 1 and max_batch >= 1, got {microbatches}, {max_batch}")
         self.mesh, self.microbatches, self.max_batch, self.eos_id = mesh, microbatches, max_batch, eos_id

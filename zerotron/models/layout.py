@@ -93,6 +93,34 @@ class TPLinear:
     granule: int = 1
 
 
+# the Linear projections of a block per model family (paths relative to the block): what LoRA may
+# adapt; each family's ModelLayout.block_tp names exactly these (tests/test_finetune.py checks it).
+# Plain data (no torch) so the plan can check train.lora_targets before any process exists.
+PROJECTIONS = {
+    "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+    "llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+}
+ATTENTION_PREFIX = {"gpt2": "attn.", "llama": "self_attn."}
+
+
+def lora_targets(arch: str, spec: str) -> tuple[str, ...]:
+    """The block projections ``spec`` names (comma-separated; a name matches a projection's
+    full path, e.g. ``mlp.c_proj``, or its last part, e.g. ``q_proj`` or ``c_proj`` = both);
+    "" = the attention projections. Raises ValueError (one line) for a name no projection has."""
+    allp = PROJECTIONS[arch]
+    if not spec.strip():
+        return tuple(p for p in allp if p.startswith(ATTENTION_PREFIX[arch]))
+    out = []
+    for name in (s.strip() for s in spec.split(",") if s.strip()):
+        hit = [p for p in allp if p == name or p.rsplit(".", 1)[-1] == name]
+        if not hit:
+            raise ValueError(f"train.lora_targets names {name!r}, which the {arch} model layout does not have; "
+                             f"use some of {', '.join(allp)} (or their last parts)")
+        out += [p for p in hit if p not in out]
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ModelLayout:
     """The parallel-facing description of a decoder-only causal LM.

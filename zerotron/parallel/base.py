@@ -149,13 +149,14 @@ class Strategy:
         optimizer.step()
 
     def model_state_bytes(self, optimizer) -> dict:
-        """Bytes this rank holds for parameters, gradients and optimizer state (storage sizes;
-        of the local shard for DTensors, as FSDP2 and DTensor TP hold them)."""
+        """Bytes this rank holds for parameters (frozen ones too), gradients and optimizer state
+        (storage sizes; of the local shard for DTensors, as FSDP2 and DTensor TP hold them);
+        gradients and optimizer state exist for trainable parameters only (LoRA: the adapters)."""
         def nbytes(t):
             t = t.to_local() if hasattr(t, "to_local") else t
             return t.numel() * t.element_size()
         params = self.parameters()
-        p_bytes = sum(nbytes(p) for p in params)
+        p_bytes = sum(nbytes(p) for p in {id(q): q for q in self.module.parameters()}.values())
         g_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
         o_bytes = sum(nbytes(t) for s in optimizer.state.values() for t in s.values()
                       if isinstance(t, torch.Tensor) and t.dim() > 0)

@@ -36,8 +36,11 @@ def build_optimizer(params: list[nn.Parameter], mask: dict[int, bool], tcfg) -> 
     """AdamW over ``params`` with two groups: decayed (``mask[id(p)]``) and not decayed.
 
     ``tcfg``: TrainConfig (lr, beta1, beta2, eps, weight_decay). Group order is fixed (decay first)
-    so optimizer state dicts line up across layouts."""
+    so optimizer state dicts line up across layouts. An empty group is left out (LoRA trains only
+    2-D adapters: no group without decay), since torch.distributed.checkpoint matches groups by
+    their parameters' names and cannot restore one without any."""
     decay = [p for p in params if mask.get(id(p), False)]
     no_decay = [p for p in params if not mask.get(id(p), False)]
     groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]] or groups
     return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps)

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 
+from ..inference.batch import is_eos
 from .schemas import (
     ChatChoice,
     ChatChunk,
@@ -108,7 +109,8 @@ class Front:
         if self._chat is None:
             from .chat import ChatTemplate
 
-            eos = self.tok.id_to_token(self.eos_id) if self.tok is not None and self.eos_id is not None else ""
+            first = self.eos_id if isinstance(self.eos_id, int) or self.eos_id is None else next(iter(self.eos_id), None)
+            eos = self.tok.id_to_token(first) if self.tok is not None and first is not None else ""
             self._chat = ChatTemplate(None, eos or "")
         return self._chat
 
@@ -170,7 +172,7 @@ class Front:
 
     def finish_reason(self, new: list[int], stops: list[str]) -> str:
         stopped = cut_at_stop(self.tok.decode(new), stops)[1]
-        return "stop" if stopped or (bool(new) and new[-1] == self.eos_id) else "length"
+        return "stop" if stopped or (bool(new) and is_eos(new[-1], self.eos_id)) else "length"
 
     def head(self, chat: bool) -> dict:
         self.counter += 1

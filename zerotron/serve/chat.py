@@ -49,18 +49,11 @@ class ChatTemplate:
     token's text. :meth:`render` returns the prompt; template errors raise ValueError."""
 
     def __init__(self, source: str | None = None, eos: str = ""):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from ..data.sft import compile_template  # the one sandboxed Jinja environment (training data too)
 
         self.source = source or DEFAULT_TEMPLATE
         self.builtin = source is None
-        from jinja2 import TemplateError
-
-        def raise_exception(message):  # what Hugging Face templates call to refuse a conversation
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        self.template, self.eos = env.from_string(self.source), eos
+        self.template, self.eos = compile_template(self.source), eos
 
     def render(self, messages: list[dict]) -> str:
         """``messages``: ``[{"role", "content"}]`` -> the prompt text ending where the assistant speaks."""

@@ -77,7 +77,7 @@ def api_key_of(args, env=None) -> str | None:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``zerotron serve``; returns an exit code (2 for bad arguments)."""
-    from zerotron.generate import eos_id, load_model, resolve_checkpoint
+    from zerotron.generate import load_model, resolve_checkpoint, stop_ids
     from zerotron.launch import in_worker, launch, strip_nproc
 
     from .http_api import check_listen
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
     model, tok, _ = load_model(ckpt, device)
-    engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=eos_id(tok), decode=tok.decode)
+    engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=stop_ids(ckpt, tok), decode=tok.decode)
     code = 0
     if rank != 0:
         follow(engine)
@@ -154,7 +154,7 @@ def _launch(nproc: int, argv: list[str], launch) -> int:
 def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, ckpt) -> int:
     """Rank 0: listen, run the batcher until drained; the exit code (2: cannot listen or a bad
     chat template)."""
-    from zerotron.generate import eos_id
+    from zerotron.generate import stop_ids
 
     from .api import Front
     from .batching import ContinuousScheduler, WindowBatcher
@@ -163,14 +163,14 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
 
     model_id = args.model_name or (Path(args.checkpoint).resolve().name)
     try:
-        eos = eos_id(tok)
-        chat = ChatTemplate(load_chat_template(ckpt), tok.id_to_token(eos) if eos is not None else "")
+        eos = stop_ids(ckpt, tok)
+        chat = ChatTemplate(load_chat_template(ckpt), tok.id_to_token(eos[0]) if eos else "")
         sock = bind(args.host, args.port)  # taken between the launcher's check and now: one line, the others stop
     except Exception as e:  # noqa: BLE001 - ValueError, a template syntax error: one line
         print(f"zerotron serve: error: {e}", file=sys.stderr, flush=True)
         channel.send({"kind": "stop"})
         return 2
-    front = Front(tok, eos, model_id, args.batching, chat=chat)
+    front = Front(tok, eos or None, model_id, args.batching, chat=chat)
     api_key = api_key_of(args)
     server = ServerThread(make_app(front, args.max_body_bytes, api_key), sock)
     if args.batching == "window":

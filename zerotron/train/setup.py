@@ -90,7 +90,7 @@ def padding_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # the data.* settings that decide which tokens train and validate (vocab_size and the tokenizer
 # are checked against the checkpoint's tokenizer; cache_dir is only where the tokens are kept)
-DATA_STREAM_KEYS = ("corpus", "path", "text_field", "val_fraction")
+DATA_STREAM_KEYS = ("corpus", "path", "text_field", "val_fraction", "format")
 
 
 def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
@@ -126,15 +126,37 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
                           "in a new run: zerotron export the checkpoint and pass the exported directory as "
                           "--model.init_from")
     if not cfg.data.tokenizer and (latest / "tokenizer.json").is_file():
-        cfg.data.tokenizer = str(latest / "tokenizer.json")
+        cfg.data.tokenizer = str(latest)  # the directory: its tokenizer_config.json comes along
     return latest
+
+
+def special_overrides(cfg: Config) -> dict:
+    """The config's special-token overrides (``data.bos_token``, ``eos_token``, ``pad_token``,
+    ``chat_template``; "" = the tokenizer's own)."""
+    return {k: getattr(cfg.data, k) for k in ("bos_token", "eos_token", "pad_token", "chat_template")}
+
+
+def seq_len_of(cfg: Config) -> int:
+    """The training sequence length: the block_size of model.init_from's config.json, else of
+    the model section (fields, preset, defaults)."""
+    if cfg.model.init_from:
+        return int(registry.config_meta(registry.hf_config(cfg.model.init_from))["block_size"])
+    return int(model_shape(cfg.model)["block_size"])
+
+
+def data_kwargs(cfg: Config) -> dict:
+    """``prepare_data``'s arguments for the data section of ``cfg`` (the launcher and every worker
+    must build and open the same cache)."""
+    d = cfg.data
+    return dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
+                val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None,
+                special_tokens=special_overrides(cfg), format=d.format,
+                seq_len=seq_len_of(cfg) if d.format != "text" else None)
 
 
 def load_data(cfg: Config, local_rank: int):
     """Build/open the token cache: local rank 0 builds it first, the others then open it."""
-    d = cfg.data
-    kwargs = dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
-                  val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None)
+    kwargs = data_kwargs(cfg)
     if local_rank == 0:
         data = prepare_data(**kwargs)
     comm.wait_barrier(comm.IO_TIMEOUT_S, tag="token_cache")  # may take minutes: its own long timeout

@@ -31,7 +31,7 @@ from .optim import build_scheduler
 from .progress import Progress
 from .run_log import MetricsLog, write_summary
 from .setup import check_init_vocab, check_resume, check_run_dir, gpt_config, load_data, padding_batch, val_rank_windows
-from .step import evaluate, train_step
+from .step import IGNORE_INDEX, evaluate, train_step
 from .tensorboard import open_tensorboard
 from .wandb_log import open_wandb
 
@@ -90,6 +90,10 @@ class Trainer:
             self.model_cfg = gpt_config(cfg, self.data.vocab_size)
             self.model = registry.build_model(self.model_cfg).to(device)
         self.model.to(dtype=param_dtype(cfg.train.dtype))  # fp64 mode: every parameter in float64
+        if cfg.train.lora_rank:  # base frozen, adapters trained (the plan checked the layout and targets)
+            from ..models.lora import apply_lora, lora_kwargs
+
+            apply_lora(self.model, registry.arch_of(self.model), **lora_kwargs(dataclasses.asdict(cfg.train)))
         self.seq_len = self.model_cfg.block_size
         self.num_params = self.model.num_params()  # dense count, before any sharding
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
@@ -106,7 +110,8 @@ class Trainer:
         # the same number of eval forwards on every dp rank (padding batches count no token)
         val_groups = val_rank_windows(val_idx, self.dp_rank, self.dp, cfg.train.micro_batch)
         self.val_windows = np.concatenate(val_groups)  # this rank's windows, each once
-        self.val_batches = [self._cp_local(batch_from_indices(self.data.val, g, self.seq_len, "val") if len(g)
+        self.val_batches = [self._cp_local(batch_from_indices(self.data.val, g, self.seq_len, "val", self.data.val_mask,
+                                                              IGNORE_INDEX) if len(g)
                                            else padding_batch(self.seq_len)) for g in val_groups]
         self.start_step = 0
         self.failed_saves: list[int] = []  # steps whose checkpoint could not be written (on_error = continue)
@@ -158,15 +163,16 @@ class Trainer:
         x, y = batch
         return split_sequence(x, self.cp, self.cp_rank), split_sequence(y, self.cp, self.cp_rank)
 
-    def _chunks(self, indices, tokens):
+    def _chunks(self, indices, tokens, mask=None):
         mb = self.cfg.train.micro_batch
-        return [self._cp_local(batch_from_indices(tokens, indices[i:i + mb], self.seq_len))
+        return [self._cp_local(batch_from_indices(tokens, indices[i:i + mb], self.seq_len, "train", mask, IGNORE_INDEX))
                 for i in range(0, len(indices), mb)]
 
     def micro_batches(self, step: int):
         """This rank's micro-batches of optimizer step ``step``: list of (x, y), each (micro_batch, T)
         (T / cp: this cp rank's zigzag chunks under context parallelism)."""
-        return self._chunks(self.sampler.local_indices(step, self.dp_rank, self.dp), self.data.train)
+        return self._chunks(self.sampler.local_indices(step, self.dp_rank, self.dp), self.data.train,
+                            self.data.train_mask)
 
     def meta(self, step: int) -> dict:
         return {"config": self.cfg.to_dict(), "world_size": self.world, "layout": self.layout,

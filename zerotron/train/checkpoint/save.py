@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from zerotron.data.tokenizer import copy_tokenizer
 from zerotron.parallel.tensor.transform import find_rng_tracker, tracker_checkpoint_state
 
 from .files import CheckpointSpaceError, CheckpointWriteError, latest_checkpoint, list_checkpoints
@@ -103,8 +104,8 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
             torch.save(rng, tmp / "rng" / f"rank_{rank}.pt")
             if rank == 0:
                 torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
-                if tokenizer_path:
-                    shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+                if tokenizer_path:  # with its special-token files (tokenizer_config.json, ...)
+                    copy_tokenizer(tokenizer_path, tmp)
         except OSError as e:
             err = e
     check(err)
