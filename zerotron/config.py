@@ -230,6 +230,8 @@ class CheckpointConfig:
     """save a checkpoint after the last step"""
     on_error: str = "continue"
     """a save that fails or does not fit the free space: continue (default: training goes on and the next save retries, so a disk that fills for a while costs no work; the final save still exits 3) or stop (exit 3 at once)"""
+    async_save: bool = False
+    """periodic saves are staged into host memory and written by a background thread while training goes on (at most one in flight; the final save, a signal stop and the end of training wait for it)"""
 
 
 @dataclass
