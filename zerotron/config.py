@@ -147,6 +147,8 @@ class TrainConfig:
     """consecutive skipped steps after which the run stops (exit 3)"""
     stop_grace_s: float = 25.0
     """seconds a signalled run has to finish its step and write a checkpoint"""
+    offload: str = "none"
+    """none | optimizer: native ZeRO-1/2/3 keep the fp32 master shards and Adam state in host memory and run the optimizer step there (ZeRO-Offload)"""
 
 
 @dataclass

@@ -175,7 +175,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"zerotron bench checkpoint: error: {e}", file=sys.stderr)
         return 2
-    label = Path(args.config).stem if args.config else (cfg.model.preset or "default")
+    label = cfg.model.preset or (Path(args.config).stem if args.config else "default")
     table = markdown_blocking(res, label) if args.blocking else markdown(res, label)
     print(table, end="")
     if args.json:
