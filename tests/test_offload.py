@@ -110,3 +110,18 @@ def test_offload_refused(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
+
+
+def test_offload_estimator():
+    """``model_state_bytes(offload="optimizer")``: the optimizer's share moves to the host, 16 bytes per
+    shard element for Adam (fp32 master + m + v + host gradient); the 7B / N = 8 table; stage 0 refused."""
+    from zerotron.analysis.memory import model_state_bytes, zero_table
+
+    rows = zero_table(7 * 10**9, 8, "fp32", "adam", offload="optimizer")
+    assert [(r["stage"], r["total_bytes"], r["host_bytes"], r["optimizer_bytes"]) for r in rows] == [
+        (1, 56 * 10**9, 14 * 10**9, 0), (2, 31.5 * 10**9, 14 * 10**9, 0), (3, 7 * 10**9, 14 * 10**9, 0)]
+    mixed = model_state_bytes(8000, 8, 1, "bf16-mixed", offload="optimizer")
+    assert mixed["host_bytes"] == 1000 * 16 and mixed["total_bytes"] == 8000 * 4
+    assert model_state_bytes(8000, 8, 1, "fp64", offload="optimizer")["host_bytes"] == 1000 * 32
+    with pytest.raises(ValueError, match="offload"):
+        model_state_bytes(8000, 8, 0, offload="optimizer")
