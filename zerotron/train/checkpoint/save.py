@@ -162,7 +162,7 @@ def write_checkpoint(run_dir: str | Path, staged: StagedCheckpoint, tokenizer_pa
             err = e
     check(err)
     try:
-        dcp.save(staged.state, checkpoint_id=str(tmp), process_group=group)
+        dcp.save(staged.state, checkpoint_id=str(tmp), **({} if group is None else {"process_group": group}))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
         err = e
     if err is None:
