@@ -34,6 +34,7 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._result: tuple[Path | None, BaseException | None] = (None, None)
         self.pending_step: int | None = None
+        self._buffers: dict = {}  # host staging buffers, reused by the next save (after the pending one)
 
     @property
     def pending(self) -> bool:
@@ -48,7 +49,7 @@ class AsyncSaver:
         if self._thread is not None:
             raise RuntimeError("AsyncSaver.start: a save is pending; call wait() first")
         t0 = time.perf_counter()
-        staged = stage_checkpoint(step, strategy, optimizer, scheduler, meta, copy_state=True)
+        staged = stage_checkpoint(step, strategy, optimizer, scheduler, meta, copy_state=True, buffers=self._buffers)
         self._result = (None, None)
 
         def run():

@@ -75,25 +75,35 @@ class StagedCheckpoint:
     meta: dict
 
 
-def _host_copy(obj):
+def _host_copy(obj, cache: dict | None = None, key: str = ""):
     """``obj`` with every tensor replaced by a detached copy in host memory (DTensors stay
-    DTensors: their local shard is copied); other values are shared."""
+    DTensors: their local shard is copied); other values are deep-copied. ``cache`` ({path: tensor},
+    kept by the caller between saves): a plain tensor is copied into the buffer of the same path,
+    shape and dtype from the previous save instead of a fresh allocation (no page faults on the
+    second and later saves; the caller must know that the previous copy is no longer read)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        if cache is None or type(obj) is not torch.Tensor:
+            return obj.detach().to("cpu", copy=True)
+        buf = cache.get(key)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+            buf = cache[key] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu",
+                                           pin_memory=obj.device.type == "cuda")
+        return buf.copy_(obj.detach())
     if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
+        return {k: _host_copy(v, cache, f"{key}/{k}") for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v) for v in obj)
+        return type(obj)(_host_copy(v, cache, f"{key}/{i}") for i, v in enumerate(obj))
     return copy.deepcopy(obj)
 
 
-def stage_checkpoint(step: int, strategy, optimizer, scheduler, meta: dict, copy_state: bool = False
-                     ) -> StagedCheckpoint:
+def stage_checkpoint(step: int, strategy, optimizer, scheduler, meta: dict, copy_state: bool = False,
+                     buffers: dict | None = None) -> StagedCheckpoint:
     """Collectively take checkpoint ``step`` out of the training state (all ranks must call; the
     strategy's ``checkpoint_state`` may gather). ``copy_state``: the model and optimizer tensors are
     copied into host memory (bytes: this rank's share of the checkpoint), so training can go on
     changing the live ones while the copy is written; without it the write must finish before the
-    next optimizer step. RNG and scheduler states are always copies."""
+    next optimizer step. RNG and scheduler states are always copies. ``buffers``: host buffers
+    reused between saves (see :func:`_host_copy`)."""
     msd, osd = strategy.checkpoint_state(optimizer)  # ZeRO: this rank's share of the canonical keys
     state = {"model": msd, "optim": osd}
     rng = rng_state()
@@ -101,7 +111,7 @@ def stage_checkpoint(step: int, strategy, optimizer, scheduler, meta: dict, copy
     if tracker is not None:
         rng["tp_rng"] = tracker_checkpoint_state(tracker)
     trainer = {"scheduler": copy.deepcopy(scheduler.state_dict()), "step": step}
-    return StagedCheckpoint(step, _host_copy(state) if copy_state else state, _host_copy(rng), trainer,
+    return StagedCheckpoint(step, _host_copy(state, buffers) if copy_state else state, _host_copy(rng), trainer,
                             copy.deepcopy(meta))
 
 
