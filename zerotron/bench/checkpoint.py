@@ -84,13 +84,13 @@ def _blocking_rank(cfg, rounds: int, tmp: str) -> list[dict]:
 
     trainer = Trainer(cfg, Path(tmp) / "run")
     init_optimizer_state(trainer.optimizer)
-    rows = []
+    rows, saver = [], AsyncSaver()  # collective: its process group
     for r in range(rounds):
         trainer.saver = None
         path = trainer.save(2 * r + 1)
         sync = trainer.ckpt_blocked_s
         size = dir_bytes(path)
-        trainer.saver = trainer.saver or AsyncSaver()  # collective, once
+        trainer.saver = saver
         trainer.save(2 * r + 2)
         blocked = trainer.ckpt_blocked_s
         t = time.perf_counter()
