@@ -169,6 +169,8 @@ class TrainConfig:
     """dropout on the adapters' input, in [0, 1)"""
     lora_targets: str = ""
     """comma-separated projections of a block (model layout names, e.g. q_proj,v_proj); "" = attention's"""
+    offload: str = "none"
+    """none | optimizer: native ZeRO-1/2/3 keep the fp32 master shards and Adam state in host memory and run the optimizer step there (ZeRO-Offload)"""
 
 
 @dataclass
@@ -252,6 +254,8 @@ class CheckpointConfig:
     """save a checkpoint after the last step"""
     on_error: str = "continue"
     """a save that fails or does not fit the free space: continue (default: training goes on and the next save retries, so a disk that fills for a while costs no work; the final save still exits 3) or stop (exit 3 at once)"""
+    async_save: bool = False
+    """periodic saves are staged into host memory and written by a background thread while training goes on (at most one in flight; the final save, a signal stop and the end of training wait for it)"""
 
 
 @dataclass

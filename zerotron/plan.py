@@ -248,6 +248,13 @@ class ParallelPlan:
         _need(not (impl == "fsdp2" and z == 0),
               "parallel.zero_impl = fsdp2 is a ZeRO implementation and does nothing without a zero stage: set "
               "parallel.zero_stage = 2 or 3, or remove parallel.zero_impl")
+        _need(self.offload in ("none", "optimizer"),
+              f"train.offload must be none or optimizer, got {self.offload!r}")
+        _need(self.offload == "none" or (z >= 1 and impl == "native"),
+              f"train.offload = {self.offload} needs native ZeRO (parallel.zero_stage 1, 2 or 3 with "
+              f"parallel.zero_impl = native): {'FSDP2' if impl == 'fsdp2' and z else 'DDP'} keeps the optimizer "
+              "state with its own buffers; set parallel.zero_stage = 1 (or 2, 3) and parallel.zero_impl = native, "
+              "or train.offload = none")
         _need(not self.find_unused_parameters or (self.dp_impl == "torch" and z == 0),
               "parallel.find_unused_parameters applies to parallel.dp_impl = torch with zero_stage = 0 only (native "
               "DDP and ZeRO always skip parameters without gradient); remove it or set parallel.dp_impl = torch")

@@ -52,6 +52,7 @@ _BYTES = {
 }
 DTYPES = tuple(_BYTES)
 OPTIMIZERS = ("adam", "sgd")
+OFFLOADS = ("none", "optimizer")  # train.offload values the estimator prices
 GB = 10**9  # the tables use decimal gigabytes, as the ZeRO paper does
 
 
@@ -69,7 +70,8 @@ def _validate(num_params: int, dp: int, stage: int, dtype: str, optimizer: str) 
 
 
 def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
-                      optimizer: str = "adam", dp_replicate: int = 1, trainable: int | None = None) -> dict:
+                      optimizer: str = "adam", dp_replicate: int = 1, trainable: int | None = None,
+                      offload: str = "none") -> dict:
     """Model-state bytes held by one data-parallel rank under ZeRO stage ``stage``.
 
     Returns ``{"params_bytes", "grads_bytes", "optimizer_bytes", "total_bytes"}``, ints in bytes
@@ -88,8 +90,15 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
     ``trainable``: the parameters that train (LoRA: the adapters; None = all): only they have
     gradients and optimizer state; all ``num_params`` are held as parameters.
 
-    Raises ValueError, naming the valid values, for a bad num_params, dp, stage, dtype or optimizer,
-    a dp_replicate that does not divide dp, or trainable outside [0, num_params].
+    ``offload = "optimizer"`` (``train.offload``, ZeRO-Offload, Ren et al. 2021; stages 1-3): the
+    optimizer's share moves to host memory -- ``optimizer_bytes`` is 0 and ``host_bytes`` holds the
+    master shard, the optimizer state and the host copy of the gradient shard (master dtype: fp32,
+    fp64 in fp64), per shard element 4 + 8 + 4 = 16 bytes for Adam in fp32 or bf16-mixed; the
+    result also has ``disk_bytes`` (0). The device keeps the parameters and gradients.
+
+    Raises ValueError, naming the valid values, for a bad num_params, dp, stage, dtype, optimizer or
+    offload (offload needs stage >= 1), a dp_replicate that does not divide dp, or trainable outside
+    [0, num_params].
     """
     _validate(num_params, dp, stage, dtype, optimizer)
     if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1 or dp % dp_replicate:
@@ -106,16 +115,26 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
     params = p_bytes * (shard if stage >= 3 else num_params)
     grads = g_bytes * (t_shard if stage >= 2 else n_train)
     optim = k_bytes * (t_shard if stage >= 1 else n_train)
+    if offload not in OFFLOADS or (offload != "none" and stage < 1):
+        raise ValueError(f"offload must be one of {list(OFFLOADS)} (not none only with stage >= 1), got {offload!r} "
+                         f"at stage {stage}")
+    if offload == "optimizer":
+        master = 8 if dtype == "fp64" else 4  # host master (and host gradient) dtype
+        host = t_shard * (master + (k_bytes if dtype == "bf16-mixed" else master + k_bytes))
+        return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": 0, "total_bytes": params + grads,
+                "host_bytes": host, "disk_bytes": 0}
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optim,
             "total_bytes": params + grads + optim}
 
 
 def zero_table(num_params: int, dp: int, dtype: str = "fp32", optimizer: str = "adam",
-               dp_replicate: int = 1) -> list:
-    """Rows for ZeRO stages 0..3: ``[{"stage", "params_bytes", "grads_bytes", "optimizer_bytes",
-    "total_bytes"}, ...]`` (bytes per rank, see :func:`model_state_bytes`; ``dp_replicate``: HSDP
-    replicas). Raises ValueError for bad arguments (same rules as :func:`model_state_bytes`)."""
-    return [{"stage": s, **model_state_bytes(num_params, dp, s, dtype, optimizer, dp_replicate)} for s in STAGES]
+               dp_replicate: int = 1, offload: str = "none") -> list:
+    """Rows for ZeRO stages 0..3 (1..3 with an ``offload``): ``[{"stage", "params_bytes",
+    "grads_bytes", "optimizer_bytes", "total_bytes"[, "host_bytes", "disk_bytes"]}, ...]`` (bytes
+    per rank, see :func:`model_state_bytes`; ``dp_replicate``: HSDP replicas). Raises ValueError
+    for bad arguments (same rules as :func:`model_state_bytes`)."""
+    return [{"stage": s, **model_state_bytes(num_params, dp, s, dtype, optimizer, dp_replicate, offload)}
+            for s in STAGES if offload == "none" or s >= 1]
 
 
 def format_table(rows: list) -> str:
@@ -123,6 +142,9 @@ def format_table(rows: list) -> str:
     rank, 4 significant digits. Raises KeyError if a row lacks one of the byte keys."""
     cols = [("stage", "ZeRO stage"), ("params_bytes", "params GB"), ("grads_bytes", "grads GB"),
             ("optimizer_bytes", "optimizer GB"), ("total_bytes", "total GB")]
+    if rows and "host_bytes" in rows[0]:  # offload: the device total, then host memory
+        cols[-1] = ("total_bytes", "device GB")
+        cols.append(("host_bytes", "host GB"))
     lines = ["  ".join(f"{title:>12}" for _, title in cols)]
     for row in rows:
         cells = [f"{row['stage']:>12}"]
@@ -314,6 +336,8 @@ def memory_parser() -> argparse.ArgumentParser:
                         help="HSDP replicas R (parallel.dp_replicate): state sharded over N/R ranks")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES, help="training precision")
     parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS, help="optimizer (its state bytes)")
+    parser.add_argument("--offload", default="none", choices=OFFLOADS,
+                        help="train.offload: optimizer = master shards and optimizer state in host memory (stages 1-3)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     _add_activation_args(parser)
     return parser
@@ -342,21 +366,22 @@ def _memory_run(args) -> int:
         rank_params = num_params
         if args.model and (args.tp != 1 or args.pp != 1):
             rank_params = max(_rank_params(preset_config(args.model), args))
-        rows = zero_table(rank_params, args.dp * args.cp, args.dtype, args.optimizer, args.dp_replicate)
+        rows = zero_table(rank_params, args.dp * args.cp, args.dtype, args.optimizer, args.dp_replicate, args.offload)
         act, act_rows = _activation_report(args, num_params) if args.seq is not None else (None, [])
     except (ValueError, ImportError) as exc:
         print(f"zerotron memory: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
         out = {"num_params": num_params, "dp": args.dp, "cp": args.cp, "dp_replicate": args.dp_replicate, "dtype": args.dtype,
-               "optimizer": args.optimizer, "stages": rows}
+               "optimizer": args.optimizer, "offload": args.offload, "stages": rows}
         if act is not None:
             out["activations"] = act
         print(json.dumps(out))
         return 0
     hsdp = f" ({args.dp_replicate} replicas x {args.dp // args.dp_replicate} shards)" if args.dp_replicate > 1 else ""
     cp = f", cp={args.cp} (sharded over dp x cp)" if args.cp > 1 else ""
-    print(f"{num_params:,} parameters, dp={args.dp}{hsdp}{cp}, {args.dtype}, {args.optimizer}: "
+    off = f", offload {args.offload} (ZeRO-Offload, Ren et al. 2021)" if args.offload != "none" else ""
+    print(f"{num_params:,} parameters, dp={args.dp}{hsdp}{cp}, {args.dtype}, {args.optimizer}{off}: "
           f"model states per rank (ZeRO, Rajbhandari et al. 2020)")
     if rank_params != num_params:
         print(f"largest model-parallel rank (tp={args.tp}, pp={args.pp}): {rank_params:,} parameters")

@@ -155,6 +155,8 @@ class MetricsWriter:
             self.path.unlink()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._held: list[tuple[int, bytes]] = []  # (step, line) not yet written
+        self._last: tuple[int, dict] | None = None  # (file offset, record) of the newest record written
+        self._pending_last: dict = {}  # the newest record passed to write()
 
     @property
     def held_steps(self) -> list[int]:
@@ -165,7 +167,25 @@ class MetricsWriter:
         """Append ``record`` (after any held ones) as one line; NaN/inf become null (strict JSON).
         Raises MetricsWriteError, keeping the record held, if the append fails."""
         self._held.append((record.get("step", 0), (json.dumps(strict_json(record)) + "\n").encode()))
+        self._pending_last = dict(record)
         self.retry()
+
+    def amend(self, extra: dict) -> None:
+        """Add the fields of ``extra`` to the newest record (e.g. ``ckpt_blocked_s``, known only
+        after the step's checkpoint): a held record is changed in memory, a written one is cut
+        off the file's end and appended again with the fields added (the file only ever holds
+        whole lines; a failed rewrite holds the amended record, as :meth:`write` does). Raises
+        MetricsWriteError like :meth:`write`; no-op before the first record."""
+        if self._held:
+            step, _ = self._held[-1]
+            self._pending_last = {**self._pending_last, **extra}
+            self._held[-1] = (step, (json.dumps(strict_json(self._pending_last)) + "\n").encode())
+            return
+        if self._last is None:
+            return
+        start, record = self._last
+        os.ftruncate(self._fd, start)
+        self.write({**record, **extra})
 
     def retry(self) -> None:
         """Write the held records in one append. Raises MetricsWriteError (they stay held) if it
@@ -174,6 +194,7 @@ class MetricsWriter:
             return
         data = memoryview(b"".join(line for _, line in self._held))
         start = os.fstat(self._fd).st_size
+        last_start = start + sum(len(line) for _, line in self._held[:-1])
         try:
             while data:
                 data = data[os.write(self._fd, data):]
@@ -188,6 +209,7 @@ class MetricsWriter:
             err.errno = e.errno
             raise err from None
         self._held.clear()
+        self._last = (last_start, self._pending_last)
 
     def close(self) -> None:
         """Write the held records (MetricsWriteError if that fails; the file is closed either way)."""

@@ -51,6 +51,14 @@ class MetricsLog:
                       f"{_span(held)} had been held in memory)", file=sys.stderr, flush=True)
             self.error = None
 
+    def amend(self, extra: dict) -> None:
+        """Add ``extra``'s fields to the newest record (:meth:`MetricsWriter.amend`); a failure is
+        handled as in :meth:`write` (never raises MetricsWriteError)."""
+        try:
+            self.writer.amend(extra)
+        except MetricsWriteError as e:
+            self.error = e
+
     def held(self) -> str:
         """'step N' / 'steps A-B' of the records not written yet ('' if none)."""
         steps = self.writer.held_steps

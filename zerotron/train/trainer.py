@@ -26,6 +26,7 @@ from ..parallel.precision import param_dtype
 from ..plan import ParallelPlan, build_plan
 from . import checkpoint as ckpt
 from . import lifecycle
+from .checkpoint import background as ckpt_background
 from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics
 from .optim import build_scheduler
 from .progress import Progress
@@ -116,6 +117,8 @@ class Trainer:
         self.start_step = 0
         self.failed_saves: list[int] = []  # steps whose checkpoint could not be written (on_error = continue)
         self.unsaved: int | None = None    # the newest of them, while no later save has succeeded
+        self.ckpt_blocked_s = 0.0          # seconds the latest save blocked training
+        self.saver = ckpt_background.AsyncSaver() if cfg.checkpoint.async_save else None  # collective
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
         if resume:
             latest = self.resume_from
@@ -196,7 +199,14 @@ class Trainer:
         return steps if self.cfg.checkpoint.save_final and step < steps else None
 
     def save(self, step: int, must: str = "") -> Path | None:
-        """Collectively write checkpoint ``step``; returns its directory.
+        """Collectively write checkpoint ``step``; returns its directory. Sets :attr:`ckpt_blocked_s`
+        (the seconds this call kept training from going on).
+
+        With ``checkpoint.async_save`` and no ``must``, the state is staged into host memory and
+        written by a background thread (``checkpoint.background``); the call first waits for a
+        pending save (at most one in flight), whose failure is handled here as below, and returns
+        the directory the new checkpoint will have once written. A ``must`` save (and every save
+        without ``async_save``) is written before the call returns, after any pending one.
 
         A save refused by the free-space check or failed while writing (the partial directory is
         removed, the previous checkpoints are kept): with ``checkpoint.on_error = continue`` and no
@@ -206,34 +216,70 @@ class Trainer:
         says why this save cannot be skipped ("final": the end of training; "signal": a stop on a
         signal), raises lifecycle.RunStopped (exit 3) on every rank. A non-finite parameter
         always raises RunStopped."""
-        if not lifecycle.params_finite(self.strategy, self.device):
-            raise lifecycle.RunStopped(f"refusing to write checkpoint step_{step}: a parameter is not finite; "
-                                       f"the newest good checkpoint is {ckpt.latest_checkpoint(self.run_dir)}")
+        t0 = time.perf_counter()
+        self.ckpt_blocked_s = 0.0
         try:
-            path = ckpt.save_checkpoint(self.run_dir, step, self.strategy, self.optimizer, self.scheduler,
-                                        self.meta(step), self.data.tokenizer_path, keep=self.cfg.checkpoint.keep,
-                                        expected_bytes=self.expected_checkpoint_bytes())
+            self.finish_pending()
+            if not lifecycle.params_finite(self.strategy, self.device):
+                raise lifecycle.RunStopped(f"refusing to write checkpoint step_{step}: a parameter is not finite; "
+                                           f"the newest good checkpoint is {ckpt.latest_checkpoint(self.run_dir)}")
+            args = (self.run_dir, step, self.strategy, self.optimizer, self.scheduler, self.meta(step),
+                    self.data.tokenizer_path)
+            opts = {"keep": self.cfg.checkpoint.keep, "expected_bytes": self.expected_checkpoint_bytes()}
+            if self.saver is not None and not must:
+                self.saver.start(*args, **opts)
+                return self.run_dir / "checkpoints" / f"step_{step}"
+            try:
+                path = ckpt.save_checkpoint(*args, **opts)
+                self.unsaved = None
+                return path
+            except ckpt.CheckpointWriteError as e:
+                return self._save_failed(step, must, e)
+        finally:
+            self.ckpt_blocked_s = time.perf_counter() - t0
+
+    def finish_pending(self) -> Path | None:
+        """Wait for the pending background save (``checkpoint.async_save``), if any; returns its
+        directory, or None when there was none or it failed (handled as :meth:`save` handles a
+        failed save without ``must``: a warning, or RunStopped with ``on_error = stop``)."""
+        if self.saver is None or not self.saver.pending:
+            return None
+        step = self.saver.pending_step
+        path, err, _ = self.saver.wait()
+        if err is None:
             self.unsaved = None
             return path
-        except ckpt.CheckpointWriteError as e:
-            self.failed_saves.append(step)  # (summary.json lists it also when the run stops here)
-            if must or self.cfg.checkpoint.on_error == "stop":
-                why = {"final": f"the final checkpoint (step {step} of {self.cfg.train.steps}) could not be written",
-                       "signal": "the run was stopping on a signal",
-                       "metrics": f"{self._metrics_error()} (checkpoint.on_error = stop)"
-                       }.get(must, "checkpoint.on_error = stop")
-                cks = ckpt.list_checkpoints(self.run_dir)
-                newest, lost = bool(cks), step - (cks[-1][0] if cks else 0)
-                raise lifecycle.RunStopped(f"{e}; stopped: {why}; the last {lost} steps are not saved; free disk "
-                                           f"space, then " + (f"resume with: {lifecycle.resume_command()}" if newest
-                                                              else "start again")) from None
-            self.unsaved = step
-            if self.rank == 0:
-                nxt = self.next_save(step)
-                print(f"zerotron: warning: {e}; training continues (checkpoint.on_error = continue), "
-                      + (f"the next save at step {nxt} retries" if nxt else "no later save is scheduled"),
-                      file=sys.stderr, flush=True)
-            return None
+        if isinstance(err, ckpt.CheckpointWriteError):
+            return self._save_failed(step, "", err)
+        raise err
+
+    def _save_failed(self, step: int, must: str, e: Exception) -> None:
+        """The outcome of a failed save of ``step`` (see :meth:`save`): None, or RunStopped."""
+        self.failed_saves.append(step)  # (summary.json lists it also when the run stops here)
+        if must or self.cfg.checkpoint.on_error == "stop":
+            why = {"final": f"the final checkpoint (step {step} of {self.cfg.train.steps}) could not be written",
+                   "signal": "the run was stopping on a signal",
+                   "metrics": f"{self._metrics_error()} (checkpoint.on_error = stop)"
+                   }.get(must, "checkpoint.on_error = stop")
+            cks = ckpt.list_checkpoints(self.run_dir)
+            newest, lost = bool(cks), step - (cks[-1][0] if cks else 0)
+            raise lifecycle.RunStopped(f"{e}; stopped: {why}; the last {lost} steps are not saved; free disk "
+                                       f"space, then " + (f"resume with: {lifecycle.resume_command()}" if newest
+                                                          else "start again")) from None
+        self.unsaved = step
+        if self.rank == 0:
+            nxt = self.next_save(step)
+            print(f"zerotron: warning: {e}; training continues (checkpoint.on_error = continue), "
+                  + (f"the next save at step {nxt} retries" if nxt else "no later save is scheduled"),
+                  file=sys.stderr, flush=True)
+        return None
+
+    def _log_blocked(self, writer) -> None:
+        """Add ``ckpt_blocked_s`` (and ``ckpt_async``) of the save just made to the step's record
+        in metrics.jsonl (rank 0)."""
+        if writer is not None:
+            writer.amend({"ckpt_blocked_s": self.ckpt_blocked_s,
+                          "ckpt_async": self.saver is not None and self.saver.pending})
 
     def _metrics_error(self) -> str:
         """What failed on rank 0's metrics.jsonl (the line only rank 0 prints)."""
@@ -372,16 +418,26 @@ class Trainer:
                 final = step + 1 == t.steps and cfg.checkpoint.save_final
                 if (ck_every and (step + 1) % ck_every == 0) or final:
                     saved = self.save(step + 1, must="final" if final else "")
+                    self._log_blocked(writer)
+                if guard.stop_io or guard.stop_signal:  # a pending background save completes first
+                    this_step = self.saver is not None and self.saver.pending_step == step + 1
+                    done = self.finish_pending()
+                    saved = done if this_step else saved
                 if guard.stop_io:  # metrics.jsonl failed on rank 0, checkpoint.on_error = stop: save, then stop
                     saved = saved or self.save(step + 1, must="metrics")
                     raise self._metrics_stop(step + 1, saved)
                 if guard.stop_signal:  # SIGTERM/SIGHUP/SIGINT on some rank, agreed by all: checkpoint, then stop
-                    saved = saved or self.save(step + 1, must="signal")
+                    if not saved:
+                        saved = self.save(step + 1, must="signal")
+                        self._log_blocked(writer)
                     signals.done()
                     raise guard.signal_stop(step + 1, saved)
                 if step + 1 == die_at and self.rank == die_rank:
                     os.kill(os.getpid(), signal.SIGKILL)
+            self.finish_pending()  # the end of training waits for a background save (may raise RunStopped)
         except lifecycle.RunStopped as e:  # every rank stops here together; rank 0 still writes the summary
+            if self.saver is not None and self.saver.pending:  # a background save completes (or fails) first
+                self.saver.wait()
             if lead:
                 held = writer.held()
                 if writer.close() is not None:  # the held records, if the disk has room now; else say so

@@ -18,9 +18,18 @@ class FlatShard:
     Attributes: ``names`` (FQNs), ``params``, ``offsets``, ``numel`` (unpadded), ``padded``, ``k``
     (shard size), ``full`` (padded flat compute copy; module params are views into it),
     ``master`` (shard in ``master_dtype``: float32, or float64 when the compute dtype is; an
-    ``nn.Parameter`` given to the optimizer)."""
+    ``nn.Parameter`` given to the optimizer).
 
-    def __init__(self, names, params, decay: bool, stage: int, group, compute_dtype, reduce_dtype):
+    ``offload = "optimizer"`` (``train.offload``; ZeRO-Offload, Ren et al. 2021): the master shard
+    lives in its own host-memory buffer (pinned on CUDA), never a view of ``full``, so the
+    optimizer's Adam state is created on the host too; ``host_grad`` (host) receives the reduced,
+    clipped shard gradient before the step (:meth:`grad_to_host`) and the updated master is copied
+    back into the device's compute shard (:meth:`master_to_device`: ``full[lo:hi]`` at stages
+    1-2, ``dev_shard`` at stage 3, which gathers from it). On a CPU-only machine host and device are
+    the same memory: the mechanism runs as the same copies between distinct buffers."""
+
+    def __init__(self, names, params, decay: bool, stage: int, group, compute_dtype, reduce_dtype,
+                 offload: str = "none"):
         self.names, self.params, self.decay, self.stage, self.group = names, params, decay, stage, group
         self.dp, self.rank = group.size(), group.rank()
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
@@ -37,15 +46,27 @@ class FlatShard:
                 self.full[off:off + n].copy_(p.detach().reshape(-1))
                 p.data = self.full[off:off + n].view_as(p)
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        self.aliased = compute_dtype == self.master_dtype and stage < 3  # master is a view of `full`
-        shard = self.full[lo:hi] if self.aliased else self.full[lo:hi].to(self.master_dtype).clone()
+        self.offload = offload == "optimizer"
+        # master is a view of `full` (no offload, same dtype, parameters full at rest)
+        self.aliased = compute_dtype == self.master_dtype and stage < 3 and not self.offload
+        self.dev_shard = self.host_grad = None
+        if self.offload:
+            host = torch.device("cpu")
+            shard = torch.empty(self.k, dtype=self.master_dtype, device=host, pin_memory=dev.type == "cuda")
+            shard.copy_(self.full[lo:hi])
+            self.host_grad = torch.zeros_like(shard)
+            if stage == 3:  # the compute shard the all-gathers read (parameters at rest on the device)
+                self.dev_shard = self.full[lo:hi].clone()
+        else:
+            shard = self.full[lo:hi] if self.aliased else self.full[lo:hi].to(self.master_dtype).clone()
         self.master = nn.Parameter(shard)
         self.grad_full = None
         if stage == 1:  # full gradients accumulate in place (param.grad views)
             self.grad_full = torch.zeros(self.padded, dtype=compute_dtype, device=dev)
             self.attach_grad_views()
         self.shard_grad = torch.zeros(self.k, dtype=self.master_dtype, device=dev)
-        if self.aliased and stage == 1:
+        self.grad_aliased = compute_dtype == self.master_dtype and stage == 1  # shard_grad: a view of grad_full
+        if self.grad_aliased:
             self.shard_grad = self.grad_full[lo:hi]
         self.pending = None  # (work, input, output) of an in-flight reduce-scatter
         self.gather_work = None
@@ -125,7 +146,11 @@ class FlatShard:
         if self.stage == 3 and self.full.untyped_storage().size() > 0:
             return  # already gathered
         self._set_storage(self.full.numel() * self.full.element_size())
-        src = self.master.detach() if self.master.dtype == self.compute_dtype else self.master.detach().to(self.compute_dtype)
+        if self.offload:  # the device's compute shard (:meth:`master_to_device`), not the host master
+            src = self.dev_shard if self.stage == 3 else self.full[self.rank * self.k:(self.rank + 1) * self.k].clone()
+        else:
+            src = self.master.detach() if self.master.dtype == self.compute_dtype else \
+                self.master.detach().to(self.compute_dtype)
         if self.aliased:
             src = src.clone()  # input must not alias the output buffer
         self.gather_work = (comm.all_gather(self.full, src, group=self.group, async_op=True, tag="param"), src)
@@ -134,6 +159,26 @@ class FlatShard:
         if self.gather_work is not None:
             self.gather_work[0].wait()
             self.gather_work = None
+
+    @torch.no_grad()
+    def grad_to_host(self) -> None:
+        """Offload: copy the (reduced, clipped) device shard gradient into ``host_grad``, the
+        master's gradient for the host step. No-op without offload."""
+        if self.offload:
+            self.host_grad.copy_(self.shard_grad, non_blocking=self.host_grad.is_pinned())
+            if self.host_grad.is_pinned():
+                torch.cuda.current_stream().synchronize()
+
+    @torch.no_grad()
+    def master_to_device(self) -> None:
+        """Offload: copy the host master (after a step or a load) into the device's compute shard
+        that the next all-gather reads (``full[lo:hi]`` at stages 1-2, ``dev_shard`` at 3)."""
+        if not self.offload:
+            return
+        if self.stage == 3:
+            self.dev_shard.copy_(self.master)
+        elif self.full.untyped_storage().size() > 0:
+            self.full[self.rank * self.k:(self.rank + 1) * self.k].copy_(self.master)
 
     def free(self) -> None:
         """Release ``full``'s storage (stage 3). An all-gather still writing into it (a prefetch
@@ -203,6 +248,7 @@ class FlatShard:
         (compute copies) are not re-gathered."""
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
         self.master.copy_(flat[lo:hi])
+        self.master_to_device()
         if step is not None:
             state = optimizer.state[self.master]
             steps = [int(x) for x in torch.as_tensor(step, dtype=torch.float64).reshape(-1).tolist()]
@@ -218,12 +264,13 @@ class FlatShard:
 
 
 def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, compute_dtype, reduce_dtype,
-                tied=None) -> list[list[FlatShard]]:
+                tied=None, offload: str = "none") -> list[list[FlatShard]]:
     """The flat buffers of each unit (a list of Parameters): one per (weight-decay flag, tp-sharded)
     pair present, in that fixed order (decay first, tp-sharded first), so tensor-parallel shards and
     tp-replicated parameters never share a buffer. ``names``: ``{id(param): FQN}``; ``mask``:
     ``{id(param): decay?}``; ``tied``: the Parameter marked ``is_tied`` (its unit should hold it
-    alone). Each FlatShard gets ``tp_sharded`` and ``is_tied``. Collective-free."""
+    alone); ``offload``: ``train.offload`` (see :class:`FlatShard`). Each FlatShard gets ``tp_sharded``
+    and ``is_tied``. Collective-free."""
     out = []
     with torch.no_grad():
         for params in units:
@@ -233,7 +280,7 @@ def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, c
                     ps = [p for p in params if mask.get(id(p), False) == decay and is_tp_sharded(p) == sharded]
                     if ps:
                         f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, group, compute_dtype,
-                                      reduce_dtype)
+                                      reduce_dtype, offload)
                         f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied
                         flats.append(f)
             out.append(flats)
@@ -244,11 +291,21 @@ def flat_state_bytes(flats: list, optimizer) -> dict:
     """Bytes held now by ZeRO flat buffers ``flats``: parameters (compute copies; the fp32 master
     too when it is the parameter itself), gradients (full buffers of stage 1 or fp32 shards),
     optimizer (Adam state + fp32 master shards of mixed precision). Returns ``{"params_bytes",
-    "grads_bytes", "optimizer_bytes", "total_bytes"}`` (ints, bytes)."""
-    p = g = o = 0
+    "grads_bytes", "optimizer_bytes", "total_bytes"}`` (ints, bytes, on the device); with
+    ``train.offload = optimizer`` also ``host_bytes`` (master shards, their Adam state and the host
+    gradient shards) and ``disk_bytes`` (0), and ``optimizer_bytes`` is 0."""
+    p = g = o = h = 0
     for f in flats:
         p += f.full.untyped_storage().size()
         master = f.master.numel() * f.master.element_size()
+        if f.offload:
+            p += f.dev_shard.numel() * f.dev_shard.element_size() if f.dev_shard is not None else 0
+            g += 0 if f.grad_aliased else f.shard_grad.numel() * f.shard_grad.element_size()
+            g += f.grad_full.numel() * f.grad_full.element_size() if f.grad_full is not None else 0
+            h += master + f.host_grad.numel() * f.host_grad.element_size() + sum(
+                t.numel() * t.element_size() for t in optimizer.state.get(f.master, {}).values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
+            continue
         if f.stage == 3 and f.compute_dtype == f.master_dtype:
             p += master
         elif not f.aliased:
@@ -260,4 +317,7 @@ def flat_state_bytes(flats: list, optimizer) -> dict:
         for t in optimizer.state.get(f.master, {}).values():
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 o += t.numel() * t.element_size()
-    return {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
+    out = {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
+    if any(f.offload for f in flats):
+        out.update(host_bytes=h, disk_bytes=0)
+    return out

@@ -105,7 +105,8 @@ class ZeroSync:
     (its shard gradient is summed over it: a pipeline's first and last stage); ``count_tied`` (False
     on a rank whose tied copy the norm counts elsewhere); ``eager`` (True: gradient hooks launch the
     reductions unit by unit during backward, the plain runner; False: the runner calls
-    :meth:`after_backward`, a pipeline). Class attribute ``reduce_window`` (2): how many units'
+    :meth:`after_backward`, a pipeline); ``offload`` (``train.offload``: "none" or "optimizer", master
+    shards and Adam state in host memory, the step on the host: ``flat_shard.FlatShard``). Class attribute ``reduce_window`` (2): how many units'
     reduce-scatters may be in flight at once (see :meth:`_launch_unit`). Attributes: ``flats`` (per unit, its FlatShards),
     ``all_flats``, ``group``, ``stage``, ``gatherer``. Raises ValueError for a bad stage or dtype."""
 
@@ -114,7 +115,7 @@ class ZeroSync:
     def __init__(self, units: list, names: dict, mask: dict, group, stage: int, dtype: str = "fp32",
                  reduce_dtype: str = "auto", *, n_root: int = 1, blocks=(), tp_group=None,
                  sequence_parallel: bool = False, replicate_group=None, dp_group=None, tied=None,
-                 tied_group=None, count_tied: bool = True, eager: bool = True):
+                 tied_group=None, count_tied: bool = True, eager: bool = True, offload: str = "none"):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for native ZeRO, got {stage}")
         compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
@@ -122,7 +123,8 @@ class ZeroSync:
         self.replicate_group, self._reduce_dtype = replicate_group, reduce
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tied_group, self.count_tied, self.eager, self.n_root = tied_group, count_tied, eager, n_root
-        self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied)
+        self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied,
+                                                             offload)
         self.all_flats = [f for fl in self.flats for f in fl]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
         self._used = UsedMarks([p for f in self.all_flats for p in f.params])
@@ -148,8 +150,13 @@ class ZeroSync:
 
     def build_optimizer(self, tcfg, mask: dict | None = None):
         """AdamW over the master shards; decay flags were fixed per flat buffer at construction
-        (``mask`` is ignored)."""
-        return build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
+        (``mask`` is ignored). Offloaded masters (host tensors) step with torch's multi-tensor
+        (foreach) AdamW, which torch would not pick by itself for CPU tensors."""
+        opt = build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
+        if any(f.offload for f in self.all_flats):
+            for g in opt.param_groups:
+                g["foreach"] = True
+        return opt
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -268,8 +275,8 @@ class ZeroSync:
             for f in self.all_flats:
                 if not f.tp_sharded:
                     comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=self.tp_group, tag="tp_grad")
-        for f in self.all_flats:
-            f.master.grad = f.shard_grad
+        for f in self.all_flats:  # offload: the host copy, filled after clipping (optimizer_step)
+            f.master.grad = f.host_grad if f.offload else f.shard_grad
 
     def clip_grad_norm(self, max_norm: float, outer=()) -> float:
         """Global norm from the shards (:func:`zerotron.parallel.grad_norm.clip_grad_norm`): every
@@ -289,7 +296,12 @@ class ZeroSync:
         A parameter that no dp rank used in this step is skipped exactly as torch's optimizer
         skips a grad-None parameter on one process: a buffer nobody used is left out
         (``master.grad = None``); a buffer used in part, or whose parameters' step counts
-        differ, is updated per parameter (:meth:`FlatShard.adamw_step`). Otherwise torch's AdamW."""
+        differ, is updated per parameter (:meth:`FlatShard.adamw_step`). Otherwise torch's AdamW.
+        Offload: each shard gradient is first copied to its host buffer, the step runs on the host
+        masters, and the updated masters are copied back to the device before the all-gather."""
+        for f in self.all_flats:
+            if f.master.grad is not None:
+                f.grad_to_host()
         for f in self.all_flats:
             if f.master.grad is None or (f.steps is None and all(f.used)):
                 continue
@@ -297,6 +309,8 @@ class ZeroSync:
                 f.adamw_step(optimizer)
             f.master.grad = None  # left out of optimizer.step()
         optimizer.step()
+        for f in self.all_flats:
+            f.master_to_device()
         if self.stage < 3:
             with torch.no_grad():
                 for f in self.all_flats:
@@ -373,11 +387,12 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
     shard group), ``stage`` (1, 2 or 3), ``dtype``, ``reduce_dtype``, ``mask`` (decay flag by
     ``id(param)``, default ``optim.decay_mask(model)``), ``tp_group``, ``sequence_parallel``,
     ``replicate_group`` (HSDP) and ``dp_group`` (HSDP: the whole dp group, for losses and the
-    used-parameter marks; default ``group``), as :class:`ZeroSync`. Raises ValueError for a bad
-    stage or dtype."""
+    used-parameter marks; default ``group``) and ``offload``, as :class:`ZeroSync`. Raises
+    ValueError for a bad stage or dtype."""
 
     def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
-                 tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None):
+                 tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None,
+                 offload: str = "none"):
         blocks = list(model.blocks())
         in_block = {id(p) for b in blocks for p in b.parameters()}
         names = {}
@@ -386,7 +401,7 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
         units = [[p for p in model.parameters() if id(p) not in in_block]] + [list(b.parameters()) for b in blocks]
         ZeroSync.__init__(self, units, names, mask or decay_mask(model), group, stage, dtype, reduce_dtype,
                           n_root=1, blocks=blocks, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                          replicate_group=replicate_group, dp_group=dp_group, eager=True)
+                          replicate_group=replicate_group, dp_group=dp_group, eager=True, offload=offload)
         self.module, self.loss_groups = model, [self.dp_group]
         self._in_step = False
 

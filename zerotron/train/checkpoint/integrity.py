@@ -46,12 +46,13 @@ def own_files(ckpt: Path, rank: int) -> list[Path]:
     return sorted([*ckpt.glob(f"__{rank}_*.distcp"), *(ckpt / "rng").glob(f"rank_{rank}.pt")])
 
 
-def gather_checksums(mine: dict[str, str]) -> dict[str, str]:
+def gather_checksums(mine: dict[str, str], group=None) -> dict[str, str]:
     """Collective: every rank passes ``mine``, the checksums of the files it wrote itself
     (:func:`own_files`: hashing is spread over the ranks, and on a multi-node run each node reads
-    its own page cache); returns their union (on every rank)."""
-    descs = [None] * dist.get_world_size()
-    dist.all_gather_object(descs, mine)  # checkpoint I/O, like DCP: not through comm.py
+    its own page cache); returns their union (on every rank). ``group``: the process group (None:
+    the default one)."""
+    descs = [None] * dist.get_world_size(group)
+    dist.all_gather_object(descs, mine, group=group)  # checkpoint I/O, like DCP: not through comm.py
     return {k: v for d in descs for k, v in d.items()}
 
 

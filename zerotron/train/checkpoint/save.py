@@ -1,11 +1,20 @@
 """Saving a checkpoint collectively: written into ``.tmp_step_<N>``, checksummed, renamed to
-``step_<N>`` by rank 0, then older checkpoints rotated (see the package docstring)."""
+``step_<N>`` by rank 0, then older checkpoints rotated (see the package docstring).
+
+A save has two halves: :func:`stage_checkpoint` takes what the checkpoint holds out of the live
+training state (the model and optimizer tensors as host copies when ``copy`` is set, the RNG
+states, the scheduler state), and :func:`write_checkpoint` writes a staged state. The synchronous
+:func:`save_checkpoint` runs both at once; ``background.AsyncSaver`` runs the second in a thread,
+with every collective of the write on a process group of its own (``group``)."""
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,15 +31,16 @@ from .rng import rng_state
 from .space import space_report, space_shortfall
 
 
-def _agree_error(err: BaseException | None) -> str | None:
-    """Collective: None if no rank failed, else the first failing rank's one-line description."""
+def _agree_error(err: BaseException | None, group=None) -> str | None:
+    """Collective over ``group`` (None: the default group, all ranks): None if no rank failed,
+    else the first failing rank's one-line description."""
     flag = torch.tensor([0.0 if err is None else 1.0], dtype=torch.float64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # checkpoint I/O: like DCP, not through comm.py
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # checkpoint I/O: like DCP, not through comm.py
     if flag.item() == 0:
         return None
-    descs = [None] * dist.get_world_size()
+    descs = [None] * dist.get_world_size(group)
     mine = None if err is None else (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
-    dist.all_gather_object(descs, mine)
+    dist.all_gather_object(descs, mine, group=group)
     return next(f"rank {r}: {d}" for r, d in enumerate(descs) if d is not None)
 
 
@@ -44,6 +54,68 @@ def _fault_write(step: int, rank: int, path: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
 
 
+def _fault_slow_write(step: int) -> None:
+    """Fault hook for tests: ZEROTRON_FAULT_SLOW_SAVE_S=x makes every rank's write of a checkpoint
+    take ``x`` seconds longer (a slow disk), after the DCP files and before the rename, so that a
+    test can signal or kill a run while a background write is pending."""
+    delay = float(os.environ.get("ZEROTRON_FAULT_SLOW_SAVE_S", "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
+@dataclass
+class StagedCheckpoint:
+    """What one checkpoint holds, taken out of the live training state by :func:`stage_checkpoint`:
+    ``state`` ({"model": ..., "optim": ...}, the dicts handed to DCP), ``rng`` (this rank's RNG
+    states), ``trainer`` (scheduler state and step, written by rank 0), ``step`` and ``meta``."""
+
+    step: int
+    state: dict
+    rng: dict
+    trainer: dict
+    meta: dict
+
+
+def _host_copy(obj, cache: dict | None = None, key: str = ""):
+    """``obj`` with every tensor replaced by a detached copy in host memory (DTensors stay
+    DTensors: their local shard is copied); other values are deep-copied. ``cache`` ({path: tensor},
+    kept by the caller between saves): a plain tensor is copied into the buffer of the same path,
+    shape and dtype from the previous save instead of a fresh allocation (no page faults on the
+    second and later saves; the caller must know that the previous copy is no longer read)."""
+    if isinstance(obj, torch.Tensor):
+        if cache is None or type(obj) is not torch.Tensor:
+            return obj.detach().to("cpu", copy=True)
+        buf = cache.get(key)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+            buf = cache[key] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu",
+                                           pin_memory=obj.device.type == "cuda")
+        return buf.copy_(obj.detach())
+    if isinstance(obj, dict):
+        return {k: _host_copy(v, cache, f"{key}/{k}") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v, cache, f"{key}/{i}") for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
+
+
+def stage_checkpoint(step: int, strategy, optimizer, scheduler, meta: dict, copy_state: bool = False,
+                     buffers: dict | None = None) -> StagedCheckpoint:
+    """Collectively take checkpoint ``step`` out of the training state (all ranks must call; the
+    strategy's ``checkpoint_state`` may gather). ``copy_state``: the model and optimizer tensors are
+    copied into host memory (bytes: this rank's share of the checkpoint), so training can go on
+    changing the live ones while the copy is written; without it the write must finish before the
+    next optimizer step. RNG and scheduler states are always copies. ``buffers``: host buffers
+    reused between saves (see :func:`_host_copy`)."""
+    msd, osd = strategy.checkpoint_state(optimizer)  # ZeRO: this rank's share of the canonical keys
+    state = {"model": msd, "optim": osd}
+    rng = rng_state()
+    tracker = find_rng_tracker(strategy.module)
+    if tracker is not None:
+        rng["tp_rng"] = tracker_checkpoint_state(tracker)
+    trainer = {"scheduler": copy.deepcopy(scheduler.state_dict()), "step": step}
+    return StagedCheckpoint(step, _host_copy(state, buffers) if copy_state else state, _host_copy(rng), trainer,
+                            copy.deepcopy(meta))
+
+
 def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, scheduler, meta: dict,
                     tokenizer_path: str | Path | None = None, keep: int = 0,
                     expected_bytes: int | None = None) -> Path:
@@ -51,6 +123,17 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
 
     ``strategy``: a ``parallel.base.Strategy`` (its ``state_dict`` gives the canonical FQN-keyed
     model/optimizer state, so any layout can load the checkpoint); ``meta``: JSON-able dict.
+    :func:`stage_checkpoint` then :func:`write_checkpoint` (its errors, return value)."""
+    staged = stage_checkpoint(step, strategy, optimizer, scheduler, meta)
+    return write_checkpoint(run_dir, staged, tokenizer_path, keep, expected_bytes)
+
+
+def write_checkpoint(run_dir: str | Path, staged: StagedCheckpoint, tokenizer_path: str | Path | None = None,
+                     keep: int = 0, expected_bytes: int | None = None, group=None) -> Path:
+    """Collectively write a staged checkpoint (all ranks of ``group`` must call; None: the default
+    group; every collective of the write, DCP's included, runs on it -- a background write passes
+    a group of its own, so it never interleaves with training's collectives).
+
     Keeps the newest ``keep`` checkpoints (0 = all); rotation runs only after the new checkpoint
     is complete, so the newest good checkpoint is never deleted. Returns the final directory.
     Raises CheckpointSpaceError on every rank, before anything is written, when the checkpoint
@@ -59,17 +142,17 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
     any rank (the partial directory is removed; earlier checkpoints are kept). Both messages
     (rank 0's) name the path, the bytes free and the bytes needed, and say what is kept; what to
     do next is the caller's to say."""
-    rank = dist.get_rank()
+    rank, step = dist.get_rank(), staged.step
     root = Path(run_dir) / "checkpoints"
     tmp, final = root / f".tmp_step_{step}", root / f"step_{step}"
 
     def check(err):
-        what = _agree_error(err)
+        what = _agree_error(err, group)
         if what is None:
             return
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=group)
         prev = latest_checkpoint(run_dir)
         space = space_report(root, run_dir, what, expected_bytes) if rank == 0 else ""
         raise CheckpointWriteError(f"cannot write checkpoint {tmp} ({what}){space}; removed the partial directory; "
@@ -78,7 +161,7 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
     # the free-space check, before anything is written (rank 0: the directory is shared by all ranks)
     skip = os.environ.get("ZEROTRON_FAULT_NO_SPACE_CHECK") == "1"  # fault hook: a disk filled after the check
     short = space_shortfall(root, final.name, run_dir, expected_bytes) if rank == 0 and not skip else None
-    refused = _agree_error(None if short is None else CheckpointSpaceError(short))
+    refused = _agree_error(None if short is None else CheckpointSpaceError(short), group)
     if refused is not None:
         raise CheckpointSpaceError(short or refused)
     err = None
@@ -89,37 +172,33 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
         except OSError as e:
             err = e
     check(err)
-    msd, osd = strategy.checkpoint_state(optimizer)  # ZeRO: this rank's share of the canonical keys
     try:
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+        dcp.save(staged.state, checkpoint_id=str(tmp), **({} if group is None else {"process_group": group}))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises on every rank
         err = e
     if err is None:
         try:
-            rng = rng_state()
-            tracker = find_rng_tracker(strategy.module)
-            if tracker is not None:
-                rng["tp_rng"] = tracker_checkpoint_state(tracker)
             _fault_write(step, rank, tmp / "rng" / f"rank_{rank}.pt")
-            torch.save(rng, tmp / "rng" / f"rank_{rank}.pt")
+            torch.save(staged.rng, tmp / "rng" / f"rank_{rank}.pt")
             if rank == 0:
-                torch.save({"scheduler": scheduler.state_dict(), "step": step}, tmp / "trainer.pt")
+                torch.save(staged.trainer, tmp / "trainer.pt")
                 if tokenizer_path:  # with its special-token files (tokenizer_config.json, ...)
                     copy_tokenizer(tokenizer_path, tmp)
         except OSError as e:
             err = e
     check(err)
+    _fault_slow_write(step)
     mine: dict[str, str] = {}
     try:  # each rank hashes what it wrote
         mine = {str(f.relative_to(tmp)): file_checksum(f) for f in own_files(tmp, rank)}
     except OSError as e:
         err = e
     check(err)
-    known = gather_checksums(mine)
+    known = gather_checksums(mine, group)
     if rank == 0:
         try:  # meta.json last: it lists the checksums of every file written above
             sums = complete_checksums(tmp, known)
-            full = {"step": step, **meta, "checksums": sums}
+            full = {"step": step, **staged.meta, "checksums": sums}
             full[META_CHECKSUM] = meta_checksum(full)  # meta.json covers itself
             (tmp / "meta.json").write_text(json.dumps(full, indent=1))
             if final.exists():  # re-saving the same step (e.g. after resume): replace it
@@ -131,7 +210,5 @@ def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, schedul
     if rank == 0 and keep > 0:
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=group)
     return final
-
-

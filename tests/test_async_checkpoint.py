@@ -1,0 +1,141 @@
+"""Asynchronous checkpoints (issue 32, ``checkpoint.async_save``): the same files as a synchronous
+save, ``ckpt_blocked_s`` in metrics.jsonl for every save, a kill -9 during the background write
+leaves the previous checkpoint as the newest one (and resume equals an uninterrupted run bitwise),
+and SIGTERM while a write is pending completes it and the stop's own checkpoint."""
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from zerotron.testing import checkpoint_flat, run_cli, run_ranks
+from zerotron.train.checkpoint import list_checkpoints, verify_checkpoint
+from zerotron.train.metrics import MetricsWriter, read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 6
+
+
+def args(run, cache, *extra):
+    return ["train", "--config", "configs/tiny.toml", "--nproc", "2", "--run-dir", str(run),
+            "--train.steps", str(STEPS), "--train.micro_batch", "2", "--parallel.zero_stage", "1",
+            "--checkpoint.every", "2", "--checkpoint.keep", "0", "--data.cache_dir", cache,
+            "--log.progress", "false", "--log.sample_tokens", "0", "--log.plot", "false", *extra]
+
+
+def env(**extra):
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def same_state(a_dir, b_dir, tmp):
+    a, b = checkpoint_flat(a_dir, tmp / "a.pt"), checkpoint_flat(b_dir, tmp / "b.pt")
+    assert a.keys() == b.keys() and any("exp_avg_sq" in k for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
+
+
+def test_metrics_amend_written_and_held(tmp_path, monkeypatch):
+    """``MetricsWriter.amend`` adds fields to the newest record: rewritten in place when it is on
+    disk (whole lines only), changed in memory when it is held after a failed append."""
+    w = MetricsWriter(tmp_path / "m.jsonl")
+    w.write({"step": 1, "loss": 2.0})
+    w.write({"step": 2, "loss": 1.5})
+    w.amend({"ckpt_blocked_s": 0.25})
+    assert read_metrics(tmp_path / "m.jsonl") == [{"step": 1, "loss": 2.0},
+                                                  {"step": 2, "loss": 1.5, "ckpt_blocked_s": 0.25}]
+    real = os.write
+
+    def full(fd, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "write", full)
+    try:
+        w.write({"step": 3, "loss": 1.0})
+    except Exception as e:  # noqa: BLE001 - MetricsWriteError
+        assert "step 3" in str(e)
+    w.amend({"ckpt_blocked_s": 0.5})
+    assert w.held_steps == [3]
+    monkeypatch.setattr(os, "write", real)
+    w.close()
+    assert read_metrics(tmp_path / "m.jsonl")[-1] == {"step": 3, "loss": 1.0, "ckpt_blocked_s": 0.5}
+
+
+def _train(run_dir, cache, async_save, resume=False):
+    """2-rank in-process run of the same config as :func:`args` (the pool's ranks)."""
+    from zerotron.testing import tiny_config
+    from zerotron.train.trainer import Trainer
+
+    cfg = tiny_config({"log.progress": "false", "log.plot": "false", "log.sample_tokens": "0", "train.steps": STEPS,
+                       "train.micro_batch": 2, "data.cache_dir": cache, "checkpoint.every": 2, "checkpoint.keep": 0,
+                       "parallel.zero_stage": 1, "checkpoint.async_save": str(async_save).lower()})
+    Trainer(cfg, run_dir, resume=resume).fit()
+
+
+def test_async_save_kill9_then_resume(tmp_path, data_cache):
+    """2 ranks, ZeRO-1, a checkpoint every 2 steps. A synchronous reference run; an async
+    `zerotron train` whose writes are slowed (ZEROTRON_FAULT_SLOW_SAVE_S) is kill -9'd (rank 0)
+    after step 5, while the background write of step 4 is pending: step_2 stays the newest
+    checkpoint (step 4's files lie in ``.tmp_step_4``, never renamed); the async resume ends with
+    every checkpoint equal to the reference bitwise, and each save's ``ckpt_blocked_s`` is in
+    metrics.jsonl (async for the periodic saves, not for the final one)."""
+    ref, run = tmp_path / "ref", tmp_path / "async"
+    run_ranks(_train, 2, str(ref), data_cache, False)
+    r = run_cli(args(run, data_cache, "--checkpoint.async_save", "true"), cwd=ROOT, timeout=300,
+                env=env(ZEROTRON_FAULT_SLOW_SAVE_S="3", ZEROTRON_FAULT_KILL_AT_STEP="5", ZEROTRON_FAULT_KILL_RANK="0"))
+    assert r.returncode != 0 and "worker 0 failed first (killed by SIGKILL" in r.stderr, r.stderr
+    assert [s for s, _ in list_checkpoints(run)] == [2], r.stderr
+    assert list((run / "checkpoints" / ".tmp_step_4").rglob("*.distcp"))  # the killed write: files, no rename
+    verify_checkpoint(run / "checkpoints" / "step_2")
+    run_ranks(_train, 2, str(run), data_cache, True, True)
+    assert [s for s, _ in list_checkpoints(run)] == [2, 4, 6]
+    for s in (2, 4, 6):
+        same_state(ref / "checkpoints" / f"step_{s}", run / "checkpoints" / f"step_{s}", tmp_path)
+    recs, refs = read_metrics(run / "metrics.jsonl"), read_metrics(ref / "metrics.jsonl")
+    assert [x["loss"] for x in recs] == [x["loss"] for x in refs] and len(refs) == STEPS
+    assert [(x["step"], x["ckpt_async"]) for x in recs if "ckpt_blocked_s" in x] == [(2, True), (4, True), (6, False)]
+    assert [x["step"] for x in refs if "ckpt_blocked_s" in x and not x["ckpt_async"]] == [2, 4, 6]
+
+
+def _sigterm_run(run_dir, cache):
+    """Rank 0 sends itself SIGTERM in the callback of step 3, while the background write of step 2
+    (slowed by ZEROTRON_FAULT_SLOW_SAVE_S) is pending."""
+    import torch.distributed as dist
+
+    from zerotron.testing import tiny_config
+    from zerotron.train.lifecycle import RunStopped
+    from zerotron.train.trainer import Trainer
+
+    cfg = tiny_config({"log.progress": "false", "log.plot": "false", "log.sample_tokens": "0", "train.steps": 6,
+                       "train.micro_batch": 2, "data.cache_dir": cache, "checkpoint.every": 2,
+                       "checkpoint.async_save": "true"})
+    tr = Trainer(cfg, run_dir)
+    pending = []
+
+    def cb(t, rec):
+        if rec["step"] == 3:
+            pending.append(t.saver.pending_step)
+            if dist.get_rank() == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+    try:
+        tr.fit(callback=cb)
+    except RunStopped as e:
+        return pending, e.exit_code, str(e)
+    return pending, 0, ""
+
+
+def test_sigterm_waits_for_pending_save(tmp_path, data_cache, monkeypatch):
+    """SIGTERM while an async write is pending (2 ranks): the pending checkpoint and the stop's own
+    are both complete and valid, nothing is left half-written, exit 143."""
+    monkeypatch.setenv("ZEROTRON_FAULT_SLOW_SAVE_S", "2")
+    run = tmp_path / "run"
+    (p0, code, msg), (p1, _, _) = run_ranks(_sigterm_run, 2, str(run), data_cache)
+    assert p0 == p1 == [2]  # step 2's write was still in flight when the signal came
+    assert code == 143 and "stopped by SIGTERM" in msg, msg
+    n = int(msg.split("at step ")[1].split(";")[0])
+    assert n >= 3 and [s for s, _ in list_checkpoints(run)] == [2, n]
+    for s in (2, n):
+        verify_checkpoint(run / "checkpoints" / f"step_{s}")
+    assert not list((run / "checkpoints").glob(".tmp_step_*"))
+    recs = read_metrics(run / "metrics.jsonl")
+    assert [x["step"] for x in recs if "ckpt_blocked_s" in x] == [2, n]
+    assert json.loads((run / "summary.json").read_text())["exit_code"] == 143

@@ -1,0 +1,127 @@
+"""Optimizer offload for native ZeRO (issue 32, ``train.offload = optimizer``): the master shards and
+Adam state live in host buffers of their own and the step runs there. On this CPU-only machine host
+and device are the same memory, so the same copies run between distinct buffers and the result must
+equal the layout without offload bitwise (same arithmetic, same order: only where the numbers live
+changes; torch's foreach AdamW on the host gives the same bits as its single-tensor loop here).
+``ZEROTRON_OFFLOAD_FULL=1`` adds the 4-process layouts (pp2 x dp2 ZeRO-1, tp2 x dp2 ZeRO-3)."""
+import os
+
+import pytest
+import torch
+
+from zerotron.cli import main
+from zerotron.testing import run_ranks
+
+FULL = os.environ.get("ZEROTRON_OFFLOAD_FULL", "") == "1"
+
+
+def _runs(base_dir, cache, cases):
+    """Each case ``(name, overrides)``: train 4 fp64 steps (checkpoint at 2) and return per case
+    (losses, grad norms, breakdown of the last step, final dense parameters)."""
+    from zerotron.testing import tiny_config
+    from zerotron.train.trainer import Trainer
+
+    out = {}
+    for name, over in cases:
+        cfg = tiny_config({"log.progress": "false", "log.plot": "false", "log.sample_tokens": "0", "train.steps": 4,
+                           "train.micro_batch": 2, "data.cache_dir": cache, "checkpoint.every": 2,
+                           "checkpoint.save_final": "false", "train.dtype": "fp64", "train.eval_every": 0,
+                           **{k: v for k, v in over.items() if k != "resume"}})
+        run_dir = f"{base_dir}/{name}"
+        if "resume" in over:  # resume the checkpoint of another case's run at step 2
+            import shutil
+            from pathlib import Path
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            if torch.distributed.get_rank() == 0:
+                shutil.copytree(f"{base_dir}/{over['resume']}/checkpoints", f"{run_dir}/checkpoints")
+                for f in ("checkpoints/step_4",):
+                    shutil.rmtree(f"{run_dir}/{f}", ignore_errors=True)
+            torch.distributed.barrier()
+        recs = []
+        tr = Trainer(cfg, run_dir, resume="resume" in over)
+        tr.fit(callback=lambda t, r: recs.append((r["loss"], r["grad_norm"], r["model_state_breakdown"])))
+        with tr.strategy.full_params() as m:
+            params = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        out[name] = ([r[:2] for r in recs], recs[-1][2], params)
+    return out
+
+
+def _check(res, a, b):
+    (la, _, pa), (lb, _, pb) = res[a], res[b]
+    assert la == lb, (a, b, la, lb)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), (a, b, k)
+
+
+def test_offload_equals_no_offload_dp2(tmp_path, data_cache):
+    """dp 2, ZeRO-1/2/3 with and without offload: losses, grad norms and final parameters bitwise;
+    the device's optimizer_bytes is 0 and host_bytes holds masters + Adam state + host gradient
+    (4 shard-sized fp64 buffers); resuming a run without offload with offload (and back) equals the
+    uninterrupted run bitwise."""
+    cases = []
+    for z in (1, 2, 3):
+        cases += [(f"z{z}", {"parallel.zero_stage": z}), (f"z{z}-off", {"parallel.zero_stage": z, "train.offload": "optimizer"})]
+    cases += [("z1-resume-off", {"parallel.zero_stage": 1, "train.offload": "optimizer", "resume": "z1"}),
+              ("z3-resume-none", {"parallel.zero_stage": 3, "resume": "z3-off"})]
+    res = run_ranks(_runs, 2, str(tmp_path), data_cache, cases)[0]
+    for z in (1, 2, 3):
+        _check(res, f"z{z}", f"z{z}-off")
+        off, ref = res[f"z{z}-off"][1], res[f"z{z}"][1]
+        assert off["optimizer_bytes"] == 0 and ref["optimizer_bytes"] > 0 and "host_bytes" not in ref
+        shard_bytes = ref["optimizer_bytes"] // 2  # fp64: exp_avg + exp_avg_sq (master aliased/param at stage 3)
+        assert off["host_bytes"] == 4 * shard_bytes and off["disk_bytes"] == 0
+        assert off["params_bytes"] == ref["params_bytes"] and off["grads_bytes"] == ref["grads_bytes"]
+    for resumed, ref in (("z1-resume-off", "z1"), ("z3-resume-none", "z3")):
+        assert res[resumed][0] == res[ref][0][2:]  # steps 3-4
+        for k, v in res[ref][2].items():
+            assert torch.equal(v, res[resumed][2][k]), (resumed, k)
+
+
+@pytest.mark.skipif(not FULL, reason="4-process layouts: set ZEROTRON_OFFLOAD_FULL=1")
+def test_offload_equals_no_offload_4ranks(tmp_path, data_cache):
+    """pp 2 x dp 2 ZeRO-1 and tp 2 x dp 2 ZeRO-3, with and without offload: bitwise."""
+    cases = []
+    for name, over in (("pp2z1", {"parallel.pp": 2, "parallel.zero_stage": 1}),
+                       ("tp2z3", {"parallel.tp": 2, "parallel.zero_stage": 3})):
+        cases += [(name, over), (name + "-off", {**over, "train.offload": "optimizer"})]
+    res = run_ranks(_runs, 4, str(tmp_path), data_cache, cases)
+    for r in res:
+        for name in ("pp2z1", "tp2z3"):
+            _check(r, name, name + "-off")
+
+
+def test_offload_single_process(tmp_path, data_cache, single_process):
+    """One process, ZeRO-1 over dp 1: the same bitwise equality."""
+    res = _runs(str(tmp_path), data_cache, [("z1", {"parallel.zero_stage": 1}),
+                                            ("z1-off", {"parallel.zero_stage": 1, "train.offload": "optimizer"})])
+    _check(res, "z1", "z1-off")
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "train.offload = optimizer needs native ZeRO"),
+    (["--parallel.dp_impl", "torch"], "train.offload = optimizer needs native ZeRO"),
+    (["--parallel.zero_stage", "3", "--parallel.zero_impl", "fsdp2"], "FSDP2 keeps the optimizer state"),
+    (["--parallel.zero_stage", "1", "--train.offload", "gpu"], "train.offload must be none or optimizer"),
+])
+def test_offload_refused(argv, message, capsys, tmp_path):
+    code = main(["train", "--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), "--nproc", "2",
+                 "--train.offload", "optimizer", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_offload_estimator():
+    """``model_state_bytes(offload="optimizer")``: the optimizer's share moves to the host, 16 bytes per
+    shard element for Adam (fp32 master + m + v + host gradient); the 7B / N = 8 table; stage 0 refused."""
+    from zerotron.analysis.memory import model_state_bytes, zero_table
+
+    rows = zero_table(7 * 10**9, 8, "fp32", "adam", offload="optimizer")
+    assert [(r["stage"], r["total_bytes"], r["host_bytes"], r["optimizer_bytes"]) for r in rows] == [
+        (1, 56 * 10**9, 14 * 10**9, 0), (2, 31.5 * 10**9, 14 * 10**9, 0), (3, 7 * 10**9, 14 * 10**9, 0)]
+    mixed = model_state_bytes(8000, 8, 1, "bf16-mixed", offload="optimizer")
+    assert mixed["host_bytes"] == 1000 * 16 and mixed["total_bytes"] == 8000 * 4
+    assert model_state_bytes(8000, 8, 1, "fp64", offload="optimizer")["host_bytes"] == 1000 * 32
+    with pytest.raises(ValueError, match="offload"):
+        model_state_bytes(8000, 8, 0, offload="optimizer")
