@@ -133,7 +133,7 @@ def zero_table(num_params: int, dp: int, dtype: str = "fp32", optimizer: str = "
     "grads_bytes", "optimizer_bytes", "total_bytes"[, "host_bytes", "disk_bytes"]}, ...]`` (bytes
     per rank, see :func:`model_state_bytes`; ``dp_replicate``: HSDP replicas). Raises ValueError
     for bad arguments (same rules as :func:`model_state_bytes`)."""
-    return [{"stage": s, **model_state_bytes(num_params, dp, s, dtype, optimizer, dp_replicate, offload)}
+    return [{"stage": s, **model_state_bytes(num_params, dp, s, dtype, optimizer, dp_replicate, offload=offload)}
             for s in STAGES if offload == "none" or s >= 1]
 
 
