@@ -194,6 +194,8 @@ class ParallelConfig:
     """HSDP: dp = dp_replicate replicas x (dp / dp_replicate) shards (shard group innermost, inside a node)"""
     cp: int = 1
     """context-parallel degree: the sequence split over cp ranks (2*cp divides model.block_size)"""
+    ep: int = 1
+    """expert-parallel degree: each MoE layer's experts split over ep ranks carved out of dp (divides dp and model.n_experts)"""
     cp_impl: str = "ring"
     """context-parallel attention: ring (K/V blocks rotate, p2p) | a2a (Ulysses all-to-all; cp divides the kv heads per tp rank) | allgather (K/V all-gathered, Llama 3)"""
     dp_impl: str = "native"
