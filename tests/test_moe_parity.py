@@ -50,6 +50,8 @@ def _run(world, layouts, moe_ref, ep_of=None):
     out = []
     for j, lay in enumerate(layouts):
         recs = [per_rank[r][j][0] for r in range(world)]
+        ep = (ep_of or {}).get(lay.name, 1)  # expert-parallel: expert tensors are keyed by ep range
+        assert any(k[2] == ("ep", 0, ep) for k in recs[0]["copies"]) == (ep > 1), lay.name
         out.append(parity.check(lay.name, recs, keys, parity.FP64_RTOL))
     return out
 
@@ -59,3 +61,15 @@ def test_moe_layouts_match_one_process(moe_ref, report):
     res = _run(2, W2, moe_ref) + (_run(4, W4, moe_ref) if W4 else [])
     worst = max(max(r[k] for k in parity.ERRORS) for r in res)
     report(f"moe parity (ep 1): {len(res)} layouts, worst relative error {worst:.3g}")
+
+
+def test_expert_parallel_matches_one_process(moe_ref, report):
+    """ep 2 over dp 2 and dp 4, ep 4 over dp 4 (DDP), and ZeRO-1 where the plan takes it."""
+    from zerotron.distributed import comm
+
+    w2 = [L("ddp", 2, 1, False, 1, None, 4)]
+    w4 = [L("ddp", 4, 1, False, 1, None, 2), L("ddp", 4, 1, False, 1, None, 1)]
+    res = _run(2, w2, moe_ref, {w2[0].name: 2})
+    res += _run(4, w4, moe_ref, {w4[0].name: 2, w4[1].name: 4})
+    worst = max(max(r[k] for k in parity.ERRORS) for r in res)
+    report(f"moe parity (ep 2, 4): {len(res)} layouts, worst relative error {worst:.3g}")

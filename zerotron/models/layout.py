@@ -100,7 +100,8 @@ class ExpertLayout:
     counts) -> outputs`` taking rows (M, C) sorted by expert with ``counts`` (n_experts,) int64 and
     returning the experts' outputs (M, C) in the same order, which expert parallelism replaces by
     its all-to-all; ``experts`` the module whose parameters are expert-local, each stacked with
-    dim 0 = expert (sharded over ep in contiguous ranges); ``n_experts`` E and ``top_k`` k."""
+    dim 0 = expert (sharded over ep in contiguous ranges), called ``experts(rows, counts)`` with rows
+    sorted by the experts it holds and ``counts`` rows per held expert; ``n_experts`` E and ``top_k`` k."""
 
     moe: str
     experts: str

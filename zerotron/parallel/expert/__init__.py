@@ -1,0 +1,12 @@
+"""Expert parallelism (``parallel.ep``): the experts of each MoE layer divided over ep ranks carved
+out of the data-parallel group, tokens carried to their experts and back by all-to-all.
+
+  * :mod:`.dispatch`: the router-agnostic dispatch/combine installed as each MoE layer's
+    ``dispatch`` hook (``models.layout.ExpertLayout``): counts first, then the uneven payload;
+  * :mod:`.strategy`: :class:`ExpertDataParallel`, native DDP for the non-expert parameters over dp
+    and the expert parameters sharded over ep and summed over dp/ep.
+"""
+from zerotron.parallel.expert.dispatch import AllToAllDispatch, shard_experts
+from zerotron.parallel.expert.strategy import ExpertDataParallel, expert_groups
+
+__all__ = ["AllToAllDispatch", "shard_experts", "ExpertDataParallel", "expert_groups"]
