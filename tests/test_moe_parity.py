@@ -9,6 +9,7 @@ token sets, weighed them differently or synchronised expert gradients over the w
 Every layout runs at the same ``train.micro_batch`` (2): the load-balancing loss is per micro-batch.
 ``ZEROTRON_MOE_PARITY=full`` adds more layouts (slow).
 """
+import json
 import os
 
 import pytest
@@ -37,6 +38,10 @@ def moe_ref(data_cache, single_process, tmp_path_factory):
     extra = {"data.cache_dir": data_cache, **MOE}
     ref = parity.reference(str(tmp / "ref"), extra)
     assert any(".mlp.experts.gate_proj" in k for k in ref["params"])
+    recs = [json.loads(ln) for ln in open(tmp / "ref" / "metrics.jsonl") if ln.strip()]
+    for r in recs:  # the router's metrics (aux ~ k = 2 near balance; one load ratio per layer)
+        assert 1.5 < r["moe_aux_loss"] < 4 and r["moe_z_loss"] > 0, r
+        assert len(r["moe_load_max_mean"]) == 4 and all(v >= 1 for v in r["moe_load_max_mean"]), r
     path = str(tmp / "ref.pt")
     torch.save(ref, path)
     return tmp, extra, path, (set(ref["params"]), set(ref["optim"]))
@@ -65,7 +70,6 @@ def test_moe_layouts_match_one_process(moe_ref, report):
 
 def test_expert_parallel_matches_one_process(moe_ref, report):
     """ep 2 over dp 2 and dp 4, ep 4 over dp 4 (DDP), and ZeRO-1 where the plan takes it."""
-    from zerotron.distributed import comm
 
     w2 = [L("ddp", 2, 1, False, 1, None, 4)]
     w4 = [L("ddp", 4, 1, False, 1, None, 2), L("ddp", 4, 1, False, 1, None, 1)]

@@ -97,7 +97,7 @@ PRESETS: dict[str, dict] = {
     # a test size: 8 experts top-2, every tp/pp of 1, 2 and ep of 1, 2, 4, 8
     "mixtral-tiny": dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96,
                          block_size=64, n_experts=8, experts_top_k=2),
-    # mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 parameters, 12,879,921,152 active per token
+    # mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 parameters, 12,879,925,248 active per token (top-2 of 8)
     "mixtral-8x7b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                          block_size=32768, vocab_size=32000, rope_theta=1e6, rms_norm_eps=1e-5,
                          n_experts=8, experts_top_k=2),
