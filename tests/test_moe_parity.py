@@ -72,8 +72,8 @@ def test_expert_parallel_matches_one_process(moe_ref, report):
     """ep 2 over dp 2 and dp 4, ep 4 over dp 4 (DDP), and ZeRO-1 where the plan takes it."""
 
     w2 = [L("ddp", 2, 1, False, 1, None, 4)]
-    w4 = [L("ddp", 4, 1, False, 1, None, 2), L("ddp", 4, 1, False, 1, None, 1)]
-    res = _run(2, w2, moe_ref, {w2[0].name: 2})
-    res += _run(4, w4, moe_ref, {w4[0].name: 2, w4[1].name: 4})
+    w4 = [L("ddp", 4, 1, False, 1, None, 2), L("ddp", 4, 1, False, 1, None, 1), L("zero1", 4, 1, False, 1, None, 2)]
+    res = _run(2, w2 + [L("zero1", 2, 1, False, 1, None, 4)], moe_ref, {w2[0].name: 2, "zero1-dp2-acc4": 2})
+    res += _run(4, w4, moe_ref, {w4[0].name: 2, w4[1].name: 4, w4[2].name: 2})
     worst = max(max(r[k] for k in parity.ERRORS) for r in res)
     report(f"moe parity (ep 2, 4): {len(res)} layouts, worst relative error {worst:.3g}")
