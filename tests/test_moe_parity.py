@@ -77,3 +77,36 @@ def test_expert_parallel_matches_one_process(moe_ref, report):
     res += _run(4, w4, moe_ref, {w4[0].name: 2, w4[1].name: 4, w4[2].name: 2})
     worst = max(max(r[k] for k in parity.ERRORS) for r in res)
     report(f"moe parity (ep 2, 4): {len(res)} layouts, worst relative error {worst:.3g}")
+
+
+def _one_step(tmp, extra, ep):
+    """One step of the dp 2 layout at ``ep``: this rank's all-to-all bytes and expert state bytes."""
+    from zerotron.train.trainer import Trainer
+
+    cfg = parity.config_for(L("ddp", 2, 1, False, 1, None, 4), {**extra, "parallel.ep": ep, "train.steps": 1})
+    tr = Trainer(cfg, f"{tmp}/bytes-ep{ep}")
+    recs = []
+    tr.fit(callback=lambda t, r: recs.append(r))
+    experts = [p for n, p in tr.strategy.module.named_parameters() if ".experts." in n]
+    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+    state = sum(nb(p) for p in experts) + sum(nb(t) for p in experts for t in tr.optimizer.state[p].values()
+                                              if t.dim() > 0)
+    return recs[0]["comm_bytes_by_op"].get("all_to_all/ep", 0), state, recs[0]["model_state_bytes"]
+
+
+def test_expert_parallel_bytes_and_memory(moe_ref, report):
+    """The all-to-all bytes of one step (comm accounting, summed over the ep group) equal the
+    formula n_layer * micro-batches * (4 * rows * k * C * 8 + E * 8): dispatch and combine in the
+    forward and again in the backward, each moving every token's k rows once; the counts (E int64)
+    once per forward. Expert parameter + Adam bytes per rank halve from ep 1 to ep 2 (dp 2)."""
+    tmp, extra, _, _ = moe_ref
+    ep1 = run_ranks(_one_step, 2, str(tmp), extra, 1, timeout_s=120)
+    ep2 = run_ranks(_one_step, 2, str(tmp), extra, 2, timeout_s=120)
+    n_layer, E, k, C = 4, 4, 2, 32
+    rows, micro_batches = 2 * 16, 16 // 2  # micro_batch x block_size; global_batch / micro_batch
+    want = n_layer * micro_batches * (4 * rows * k * C * 8 + E * 8)
+    got = sum(b for b, _, _ in ep2)
+    assert got == want and all(b == 0 for b, _, _ in ep1), (got, want)
+    assert all(s2 * 2 == s1 for (_, s1, _), (_, s2, _) in zip(ep1, ep2)), (ep1, ep2)
+    report(f"moe ep 2 (dp 2): all-to-all {got} bytes per step = formula; expert params + Adam per rank "
+           f"{ep1[0][1]} -> {ep2[0][1]} bytes; model state per rank {ep1[0][2]} -> {ep2[0][2]} bytes")
