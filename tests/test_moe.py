@@ -156,3 +156,17 @@ def test_moe_tiny_config_and_presets():
         big = Mixtral(registry.preset_config("mixtral-8x7b"))
     assert big.num_params() == 46_702_792_704 and big.num_active_params() == 12_879_925_248
     assert registry.arch_of(big) == "mixtral" and registry.arch_of(registry.preset_config("llama-tiny")) == "llama"
+
+
+def test_estimators_count_total_and_active_parameters():
+    """analysis.flops.Shape of a Mixtral config: num_params = the model's count, active_params =
+    Mixtral.num_active_params, and the 6N FLOP rule takes the active ones (for mixtral-8x7b too)."""
+    from zerotron.analysis.flops import shape_of
+
+    for cfg in (MixtralConfig(**SMALL, n_experts=4, experts_top_k=2, moe_shared_intermediate_size=8),
+                registry.preset_config("mixtral-8x7b")):
+        with torch.device("meta"):
+            m = Mixtral(cfg)
+        s = shape_of(cfg)
+        assert (s.num_params(), s.active_params()) == (m.num_params(), m.num_active_params())
+        assert s.flop_params() == m.num_active_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.n_embd)
