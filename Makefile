@@ -8,7 +8,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix bench-two-nodes clean FORCE
+.PHONY: install install-dev train lint test test-matrix test-moe bench-two-nodes clean FORCE
 
 FORCE:
 
@@ -48,6 +48,10 @@ test: lint
 test-matrix: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
 		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
+
+# the MoE family under every layout it runs (ep 1, 2, 4 over dp 2 and 4; fp64 against one process)
+test-moe: install-dev
+	ZEROTRON_MOE_PARITY=full $(PY) -m pytest -s tests/test_moe_parity.py $(ARGS)
 
 # bench comm --topology across the two-node network-namespace harness (root), 200 Mbit/s link:
 # benchmarks/comm_two_nodes.{json,md,png} (~2 min)

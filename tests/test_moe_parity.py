@@ -22,14 +22,19 @@ MOE = {"model.arch": "mixtral", "model.n_layer": 4, "model.n_kv_head": 2, "model
        "model.n_experts": 4, "model.experts_top_k": 2, "model.moe_aux_loss_coef": 0.1,
        "model.moe_z_loss_coef": 0.01, "model.rope_theta": 10000.0, "train.micro_batch": 2}
 L = parity.Layout
-W2 = [L("ddp", 2, 1, False, 1, None, 4), L("zero1", 2, 1, False, 1, None, 4),
-      L("zero3", 2, 1, False, 1, None, 4, ac="full"), L("ddp", 1, 2, False, 1, None, 4),
-      L("ddp", 1, 1, False, 2, "1f1b", 4, split="even")]
+FULL = os.environ.get("ZEROTRON_MOE_PARITY") == "full"
+# (layout, ep) at 2 processes in the default suite: recomputation under ZeRO-3, a 1F1B pipeline, and
+# expert parallelism under DDP and ZeRO-1; the rest with ZEROTRON_MOE_PARITY=full (make test-moe)
+W2 = [(L("zero3", 2, 1, False, 1, None, 4, ac="full"), 1), (L("ddp", 1, 1, False, 2, "1f1b", 4, split="even"), 1),
+      (L("ddp", 2, 1, False, 1, None, 4), 2), (L("zero1", 2, 1, False, 1, None, 4), 2)]
 W4 = []
-if os.environ.get("ZEROTRON_MOE_PARITY") == "full":
-    W2 += [L("torch_ddp", 2, 1, False, 1, None, 4), L("fsdp2_3", 2, 1, False, 1, None, 4),
-           L("zero2", 2, 1, False, 1, None, 4)]
-    W4 += [L("ddp", 2, 2, False, 1, None, 4), L("zero3", 2, 1, False, 2, "1f1b", 4, split="even")]
+if FULL:
+    W2 += [(L("ddp", 2, 1, False, 1, None, 4), 1), (L("zero1", 2, 1, False, 1, None, 4), 1),
+           (L("ddp", 1, 2, False, 1, None, 4), 1), (L("torch_ddp", 2, 1, False, 1, None, 4), 1),
+           (L("fsdp2_3", 2, 1, False, 1, None, 4), 1), (L("zero2", 2, 1, False, 1, None, 4), 1)]
+    W4 += [(L("ddp", 4, 1, False, 1, None, 2), 2), (L("ddp", 4, 1, False, 1, None, 1), 4),
+           (L("zero1", 4, 1, False, 1, None, 2), 2), (L("ddp", 2, 2, False, 1, None, 4), 1),
+           (L("zero3", 2, 1, False, 2, "1f1b", 4, split="even"), 1)]
 
 
 @pytest.fixture(scope="module")
@@ -47,36 +52,27 @@ def moe_ref(data_cache, single_process, tmp_path_factory):
     return tmp, extra, path, (set(ref["params"]), set(ref["optim"]))
 
 
-def _run(world, layouts, moe_ref, ep_of=None):
+def _run(world, items, moe_ref):
+    """Train each (layout, ep) of ``items`` on ``world`` ranks (one spawn) and check it."""
     tmp, extra, path, keys = moe_ref
-    jobs = [([lay.as_dict()], path, str(tmp / f"{lay.name}-ep{(ep_of or {}).get(lay.name, 1)}"),
-             {**extra, "parallel.ep": (ep_of or {}).get(lay.name, 1)}) for lay in layouts]
+    jobs = [([lay.as_dict()], path, str(tmp / f"{lay.name}-ep{ep}"), {**extra, "parallel.ep": ep}) for lay, ep in items]
     per_rank = run_ranks(parity.run_jobs, world, jobs, timeout_s=120, join_timeout_s=120 * len(jobs) + 300)
     out = []
-    for j, lay in enumerate(layouts):
+    for j, (lay, ep) in enumerate(items):
         recs = [per_rank[r][j][0] for r in range(world)]
-        ep = (ep_of or {}).get(lay.name, 1)  # expert-parallel: expert tensors are keyed by ep range
+        # expert-parallel: expert tensors are keyed by their ep range (ep_shard), i.e. really sharded
         assert any(k[2] == ("ep", 0, ep) for k in recs[0]["copies"]) == (ep > 1), lay.name
-        out.append(parity.check(lay.name, recs, keys, parity.FP64_RTOL))
+        out.append({**parity.check(lay.name, recs, keys, parity.FP64_RTOL), "ep": ep})
     return out
 
 
 def test_moe_layouts_match_one_process(moe_ref, report):
-    """ep = 1: the MoE model under data, tensor and pipeline parallelism and recomputation."""
+    """Every (layout, ep) of W2 (and W4 in the full mode) trains like one process."""
     res = _run(2, W2, moe_ref) + (_run(4, W4, moe_ref) if W4 else [])
-    worst = max(max(r[k] for k in parity.ERRORS) for r in res)
-    report(f"moe parity (ep 1): {len(res)} layouts, worst relative error {worst:.3g}")
-
-
-def test_expert_parallel_matches_one_process(moe_ref, report):
-    """ep 2 over dp 2 and dp 4, ep 4 over dp 4 (DDP), and ZeRO-1 where the plan takes it."""
-
-    w2 = [L("ddp", 2, 1, False, 1, None, 4)]
-    w4 = [L("ddp", 4, 1, False, 1, None, 2), L("ddp", 4, 1, False, 1, None, 1), L("zero1", 4, 1, False, 1, None, 2)]
-    res = _run(2, w2 + [L("zero1", 2, 1, False, 1, None, 4)], moe_ref, {w2[0].name: 2, "zero1-dp2-acc4": 2})
-    res += _run(4, w4, moe_ref, {w4[0].name: 2, w4[1].name: 4, w4[2].name: 2})
-    worst = max(max(r[k] for k in parity.ERRORS) for r in res)
-    report(f"moe parity (ep 2, 4): {len(res)} layouts, worst relative error {worst:.3g}")
+    for ep in sorted({r["ep"] for r in res}):
+        sub = [r for r in res if r["ep"] == ep]
+        worst = max(max(r[k] for k in parity.ERRORS) for r in sub)
+        report(f"moe parity (ep {ep}): {', '.join(r['name'] for r in sub)}: worst relative error {worst:.3g}")
 
 
 def _one_step(tmp, extra, ep):
