@@ -31,7 +31,7 @@ W4 = []
 if FULL:
     W2 += [(L("ddp", 2, 1, False, 1, None, 4), 1), (L("zero1", 2, 1, False, 1, None, 4), 1),
            (L("ddp", 1, 2, False, 1, None, 4), 1), (L("torch_ddp", 2, 1, False, 1, None, 4), 1),
-           (L("fsdp2_3", 2, 1, False, 1, None, 4), 1), (L("zero2", 2, 1, False, 1, None, 4), 1)]
+           (L("zero2", 2, 1, False, 1, None, 4), 1)]
     W4 += [(L("ddp", 4, 1, False, 1, None, 2), 2), (L("ddp", 4, 1, False, 1, None, 1), 4),
            (L("zero1", 4, 1, False, 1, None, 2), 2), (L("ddp", 2, 2, False, 1, None, 4), 1),
            (L("zero3", 2, 1, False, 2, "1f1b", 4, split="even"), 1)]
