@@ -8,7 +8,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix test-finetune bench-two-nodes clean FORCE
+.PHONY: install install-dev train lint test test-matrix test-finetune test-moe bench-two-nodes clean FORCE
 
 FORCE:
 
@@ -52,6 +52,10 @@ test-matrix: install-dev
 # fine-tuning parity over every layout the default suite samples (SFT: dp2, ZeRO-3 dp2, tp2+SP, pp2)
 test-finetune: install-dev
 	ZEROTRON_SFT_FULL=1 $(PY) -m pytest tests/test_finetune.py $(ARGS)
+
+# the MoE family under every layout it runs (ep 1, 2, 4 over dp 2 and 4; fp64 against one process)
+test-moe: install-dev
+	ZEROTRON_MOE_PARITY=full $(PY) -m pytest -s tests/test_moe_parity.py $(ARGS)
 
 # bench comm --topology across the two-node network-namespace harness (root), 200 Mbit/s link:
 # benchmarks/comm_two_nodes.{json,md,png} (~2 min)

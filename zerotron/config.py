@@ -25,7 +25,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """Model family and shape. ``arch``: gpt2 | llama (default gpt2, or the preset's family);
+    """Model family and shape. ``arch``: gpt2 | llama | mixtral (default gpt2, or the preset's family);
     ``preset`` (e.g. "tiny", "gpt2", "llama-tiny", "llama3-8b") fills the sizes; non-zero fields
     override it (0 = take the preset's value, or the built-in default n_layer 4, n_head 4, n_embd
     128, block_size 128 without a preset). ``vocab_size = 0`` takes the tokenizer's vocabulary size.
@@ -36,7 +36,7 @@ class ModelConfig:
     these dense weights per rank."""
 
     arch: str = "gpt2"
-    """model family: gpt2 | llama (left unset, the preset's family)"""
+    """model family: gpt2 | llama | mixtral (left unset, the preset's family)"""
     preset: str = ""
     """named shape filling the sizes below (e.g. "tiny", "gpt2", "llama-tiny", "llama3-8b"); "" = built-in default"""
     n_layer: int = 0
@@ -65,8 +65,20 @@ class ModelConfig:
     """llama: RMSNorm epsilon (0 = from the preset, else 1e-5)"""
     tie_word_embeddings: bool = False
     """llama: share the output head with the token embedding (unset = the preset's; gpt2 always ties)"""
+    n_experts: int = 0
+    """mixtral: experts per MoE layer (0 = from the preset, else 8)"""
+    experts_top_k: int = 0
+    """mixtral: experts each token is routed to, <= n_experts (0 = from the preset, else 2)"""
+    moe_router: str = ""
+    """mixtral: topk_softmax (Mixtral: softmax over the top-k logits) | softmax_topk (Qwen-MoE, norm_topk_prob false) ("" = the preset's, else topk_softmax)"""
+    moe_shared_intermediate_size: int = 0
+    """mixtral: width of a shared SwiGLU expert every token passes (0 = none)"""
+    moe_aux_loss_coef: float = 0.01
+    """mixtral: weight of the Switch load-balancing loss E*sum(f_i*P_i) (unset = the preset's)"""
+    moe_z_loss_coef: float = 0.0
+    """mixtral: weight of the router z-loss mean(logsumexp(logits)^2) (unset = the preset's)"""
     init_from: str = ""
-    """Hugging Face GPT-2 or Llama directory to start from (family, shape and weights); "" = random init"""
+    """Hugging Face GPT-2, Llama or Mixtral directory to start from (family, shape and weights); "" = random init"""
 
     def given(self, name: str) -> bool:
         """True if field ``name`` was set from a TOML file or the command line (:func:`apply`), or
@@ -206,6 +218,8 @@ class ParallelConfig:
     """HSDP: dp = dp_replicate replicas x (dp / dp_replicate) shards (shard group innermost, inside a node)"""
     cp: int = 1
     """context-parallel degree: the sequence split over cp ranks (2*cp divides model.block_size)"""
+    ep: int = 1
+    """expert-parallel degree: each MoE layer's experts split over ep ranks carved out of dp (divides dp and model.n_experts)"""
     cp_impl: str = "ring"
     """context-parallel attention: ring (K/V blocks rotate, p2p) | a2a (Ulysses all-to-all; cp divides the kv heads per tp rank) | allgather (K/V all-gathered, Llama 3)"""
     dp_impl: str = "native"

@@ -204,6 +204,7 @@ class ParallelPlan:
         self._check_context_parallel()
         self._check_tensor_parallel()
         self._check_doc_mask()
+        self._check_experts()
         per_step = self.micro_batch * self.dp
         _need(self.batch % per_step == 0,
               f"train.global_batch ({self.batch}) must be divisible by train.micro_batch * dp "
@@ -394,6 +395,45 @@ class ParallelPlan:
         # under cp, sequence parallelism splits this rank's T / cp tokens (cp outside tp)
         reason = tp_refusal(tp, s, s["block_size"] // self.cp if self.sequence_parallel else None)
         _need(reason is None, reason)
+
+
+    def _check_experts(self) -> None:
+        """Mixture-of-experts models (``shape["n_experts"]``) and expert parallelism (``parallel.ep``,
+        carved out of dp: ``zerotron.parallel.expert``). The router's auxiliary losses are taken over
+        each micro-batch's tokens; a layout that shows a MoE layer only part of them (sequence or
+        context parallelism) is refused rather than changing the loss."""
+        ep, moe = self.ep, self.shape is not None and bool(self.shape.get("n_experts"))
+        _need(isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1, f"parallel.ep must be an int >= 1, got {ep!r}")
+        if moe:
+            _need(not self.sequence_parallel,
+                  "parallel.sequence_parallel with a mixture-of-experts model is not supported (each tp rank would "
+                  "route only its sequence shard, changing the load-balancing loss); set parallel.sequence_parallel = false")
+            _need(self.cp == 1,
+                  "parallel.cp > 1 with a mixture-of-experts model is not supported (each cp rank would route only its "
+                  "chunk of the sequence, changing the load-balancing loss); set parallel.cp = 1")
+            _need(not (self.zero_stage and self.zero_impl == "fsdp2"),
+                  "parallel.zero_impl = fsdp2 with a mixture-of-experts model is not supported yet (its fp64 parity "
+                  "against one process fails); use parallel.zero_impl = native")
+            _need(not (self.tp > 1 and self.tp_impl == "dtensor"),
+                  "parallel.tp_impl = dtensor does not know the MoE layers; use parallel.tp_impl = native")
+        if ep == 1:
+            return
+        _need(self.shape is None or moe,
+              f"parallel.ep = {ep} splits the experts of a mixture-of-experts model, and this model has none; set "
+              "model.arch = 'mixtral' or parallel.ep = 1")
+        _need(self.dp % ep == 0,
+              f"parallel.ep ({ep}) must divide the data-parallel degree ({self.dp}): the ep group is carved out of the "
+              "dp ranks; change parallel.ep or the world size")
+        if moe:
+            E = self.shape["n_experts"]
+            _need(E % ep == 0, f"parallel.ep ({ep}) must divide model.n_experts ({E}): each ep rank holds E/ep whole "
+                               "experts; change parallel.ep or model.n_experts")
+        _need(self.runner == "plain" and self.tp == 1 and self.dp_replicate == 1,
+              "parallel.ep > 1 runs with data parallelism only so far (no pipeline, tp or HSDP replication); set "
+              "parallel.pp = 1, parallel.tp = 1, parallel.dp_replicate = 1, or parallel.ep = 1")
+        _need(self.dp_impl == "native" and (self.zero_stage == 0 or (self.zero_stage == 1 and self.zero_impl == "native")),
+              "parallel.ep > 1 composes with native DDP and native ZeRO-1 so far (the expert gradients are reduced over "
+              "dp/ep, the rest over dp); set parallel.dp_impl = native and parallel.zero_stage 0 or 1")
 
 
 def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:

@@ -42,11 +42,16 @@ class Shape:
     learned_positions: bool = True
     tied: bool = True
     dropout: float = 0.0
+    n_experts: int = 0  # mixture of experts (0 = dense): E SwiGLU experts of width ffn per block
+    top_k: int = 0  # experts per token
+    shared_ffn: int = 0  # width of a shared SwiGLU expert (0 = none)
 
     def tp_sizes(self) -> dict:
         """The sizes the tensor-parallel rule (:func:`zerotron.models.layout.tp_refusal`) checks,
         named as the model config names them: n_head, n_kv_head and, for SwiGLU, intermediate_size
         (GELU's 4C needs no entry: n_head | C)."""
+        if self.n_experts:  # experts replicated over tp, a shared expert split
+            return {"n_head": self.n_head, "n_kv_head": self.n_kv_head, "intermediate_size": self.shared_ffn or None}
         return {"n_head": self.n_head, "n_kv_head": self.n_kv_head,
                 "intermediate_size": self.ffn if self.mlp_matrices == 3 else None}
 
@@ -67,8 +72,12 @@ class Shape:
 
     def block_matmul_params(self) -> int:
         """Weights of one block's matmuls: q C*C + k, v 2*C*H_kv*D + o C*C + MLP m*C*F
-        (GPT-2: 12C^2)."""
+        (GPT-2: 12C^2); a MoE block counts what one token uses: router C*E + k experts 3*C*F + the
+        shared expert 3*C*F_shared."""
         c = self.n_embd
+        if self.n_experts:
+            return (2 * c * c + 2 * c * self.kv_dim + c * self.n_experts + self.top_k * 3 * c * self.ffn
+                    + 3 * c * self.shared_ffn)
         return 2 * c * c + 2 * c * self.kv_dim + self.mlp_matrices * c * self.ffn
 
     def block_params(self, tp: int = 1) -> int:
@@ -77,6 +86,10 @@ class Shape:
         row-parallel o/last MLP weights divided by tp; row-parallel biases and norms replicated.
         Exact when tp divides H, H_kv and F (what tensor parallelism requires)."""
         c, f, m = self.n_embd, self.ffn, self.mlp_matrices
+        if self.n_experts:  # attention split, router and experts replicated, shared expert split
+            s = self.shared_ffn
+            return ((c * (c + 2 * self.kv_dim) + c * c + 3 * c * s) // tp + c * self.n_experts
+                    + self.n_experts * 3 * c * f + 2 * self.norm_params)
         col_w = c * (c + 2 * self.kv_dim) + (m - 1) * c * f
         row_w = c * c + f * c
         col_b = c + 2 * self.kv_dim + (m - 1) * f if self.bias else 0
@@ -97,11 +110,17 @@ class Shape:
         return (self.embedding_params() + self.n_layer * self.block_params() + self.norm_params
                 + self.output_params())
 
+    def active_params(self) -> int:
+        """Parameters one token uses: :meth:`num_params` less the (E - k) experts per block it skips
+        (equal to num_params for a dense model)."""
+        skipped = (self.n_experts - self.top_k) * 3 * self.n_embd * self.ffn if self.n_experts else 0
+        return self.num_params() - self.n_layer * skipped
+
     def flop_params(self) -> int:
-        """N of the 6N FLOP rule: :meth:`num_params` without an untied token embedding (a lookup,
-        not a matmul; a tied one is the output layer's matmul and stays). GPT-2's small position
-        table stays in, as in the published GPT-2 counts."""
-        return self.num_params() - (0 if self.tied else self.vocab_size * self.n_embd)
+        """N of the 6N FLOP rule: :meth:`active_params` (a MoE token runs k experts, not E) without
+        an untied token embedding (a lookup, not a matmul; a tied one is the output layer's matmul
+        and stays). GPT-2's small position table stays in, as in the published GPT-2 counts."""
+        return self.active_params() - (0 if self.tied else self.vocab_size * self.n_embd)
 
     def kv_cache_bytes(self, batch: int, seq: int, bytes_per_elem: int = 2, tp: int = 1) -> int:
         """Bytes of the inference KV cache for ``batch`` sequences of ``seq`` tokens on one of
@@ -112,7 +131,8 @@ class Shape:
 
 def shape_of(cfg) -> Shape:
     """The :class:`Shape` of a model config: a Llama config (it has ``intermediate_size``) gets
-    SwiGLU, RMSNorm, RoPE, its n_kv_head and tie_word_embeddings; a GPT-2 config the 4C GELU MLP,
+    SwiGLU, RMSNorm, RoPE, its n_kv_head and tie_word_embeddings (a Mixtral config also its
+    n_experts, experts_top_k and shared expert); a GPT-2 config the 4C GELU MLP,
     LayerNorm, learned positions, a tied head and n_kv_head = n_head. Raises ValueError for
     non-positive sizes, n_head not dividing n_embd or n_kv_head not dividing n_head."""
     llama = getattr(cfg, "intermediate_size", None) is not None
@@ -122,7 +142,9 @@ def shape_of(cfg) -> Shape:
         ffn=cfg.intermediate_size if llama else 4 * cfg.n_embd, mlp_matrices=3 if llama else 2,
         bias=bool(getattr(cfg, "bias", not llama)) and not llama, rms_norm=llama,
         learned_positions=not llama, tied=bool(getattr(cfg, "tie_word_embeddings", True)) if llama else True,
-        dropout=float(getattr(cfg, "dropout", 0.0)))
+        dropout=float(getattr(cfg, "dropout", 0.0)), n_experts=int(getattr(cfg, "n_experts", 0) or 0),
+        top_k=int(getattr(cfg, "experts_top_k", 0) or 0),
+        shared_ffn=int(getattr(cfg, "moe_shared_intermediate_size", 0) or 0))
     _check_positive(n_layer=shape.n_layer, n_head=shape.n_head, n_kv_head=shape.n_kv_head,
                     n_embd=shape.n_embd, vocab_size=shape.vocab_size, block_size=shape.block_size,
                     ffn=shape.ffn)

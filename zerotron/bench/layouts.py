@@ -52,6 +52,11 @@ LAYOUTS = {x.name: x for x in (
     # all-gather (parallel.cp_impl); dp-cp-ring: 2 data-parallel replicas x cp 2 (4 ranks)
     *(Layout(f"cp-{k}", {"parallel.cp": 2, "parallel.cp_impl": k}, world=2) for k in ("ring", "a2a", "allgather")),
     Layout("dp-cp-ring", {"parallel.dp": 2, "parallel.cp": 2, "parallel.cp_impl": "ring"}, world=4),
+    # Mixtral-style MoE (8 experts, top-2) on the config's shape: data parallel (every expert on every rank)
+    # vs expert parallel over all ranks (ep = N, carved out of dp = N; N must divide 8)
+    Layout("moe-dp", {"model.arch": "mixtral", "model.n_experts": 8, "model.experts_top_k": 2}),
+    Layout("moe-ep", {"model.arch": "mixtral", "model.n_experts": 8, "model.experts_top_k": 2,
+                      "parallel.ep": "{world}"}),
     # one process, 2 stage threads (GPipe; the in-process executor), against pp-gpipe's 2 processes
     Layout("pp-threads-gpipe", {"parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
                                 "parallel.virtual_stages": 2}, world=1, **_NEW),

@@ -70,6 +70,7 @@ from zerotron.dims import AXES
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh
 from zerotron.launch import strip_nproc
+from zerotron.models.mixtral import set_step_rows
 from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
 from zerotron.parallel.context.split import split_sequence
@@ -141,6 +142,7 @@ def _build(cfg, plan, mesh, data, layout: Layout, steps: int):
     mcfg, t = gpt_config(cfg, data.vocab_size), cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank and layout
     model = build_model(mcfg).to(mesh.device)
+    set_step_rows(model, t.global_batch)  # MoE: the trainer's aux-loss weighting
     strategy = parallelize(model, plan, mesh)
     if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
         raise NotImplementedError(f"parallelize() returned a plain {type(strategy).__name__} for "

@@ -48,7 +48,7 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1; the HSDP layouts (hsdp-zeroS, fsdp2-hsdp,
     dp-hier) as their ZeRO stage with ``dp_replicate = 2`` (on an even world); pp-zb-h1, pp-zb-v and
     pp-threads-gpipe and pp-torch-* have none (the planner prices neither the ZB-H1 schedule, threads
-    nor torch's pipelining backend), nor do the context-parallel layouts (cp-*, dp-cp-*). Suffixes ``-mbN`` / ``-ac...``
+    nor torch's pipelining backend), nor do the context-parallel layouts (cp-*, dp-cp-*) and the MoE ones (moe-*). Suffixes ``-mbN`` / ``-ac...``
     (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``
     is the config's otherwise."""
     try:

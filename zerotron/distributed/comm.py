@@ -44,7 +44,7 @@ from .watchdog import set_step, watch
 
 # with the collectives, the names the parallel code and the trainer use as comm.X (defined beside)
 __all__ = ["IO_TIMEOUT_S", "STATS", "NamedGroup", "ReduceOp", "all_gather", "all_gather_object", "all_reduce",
-           "all_reduce_in", "all_to_all", "assert_idle", "barrier", "batch_isend_irecv", "broadcast",
+           "all_reduce_in", "all_to_all", "all_to_all_v", "assert_idle", "barrier", "batch_isend_irecv", "broadcast",
            "broadcast_object", "irecv", "isend", "recv", "reduce_scatter", "send", "set_step", "wait_barrier"]
 
 ReduceOp = dist.ReduceOp
@@ -161,6 +161,21 @@ def count(op: str, group, nbytes: int, tag: str = "") -> None:
     reduce_scatter, ...), ``group`` (a NamedGroup), ``nbytes`` in the nccl-tests convention of the
     module docstring. Counts only; the caller runs the collective."""
     STATS.record(op, group, int(nbytes), tag)
+
+
+def all_to_all_v(output: torch.Tensor, inp: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                 group=None, tag: str = "") -> None:
+    """Uneven all-to-all along dim 0 (blocking): rank r sends rows ``input_splits[j]`` (a
+    contiguous block, in rank order) of ``inp`` to rank j and receives ``output_splits[j]`` rows
+    from rank j into ``output``. Both sides must agree on the splits (exchange the counts first,
+    e.g. with :func:`all_to_all`). Counted as the bytes this rank sends. gloo (torch 2.13) and NCCL
+    take split sizes in ``all_to_all_single``; gloo's list form needs equal sizes."""
+    nbytes = _check(inp, "all_to_all_v input")
+    _check(output, "all_to_all_v output")
+    STATS.record("all_to_all", group, nbytes, tag)
+    with _w("all_to_all", group, tag):
+        dist.all_to_all_single(output, inp, output_split_sizes=list(output_splits),
+                               input_split_sizes=list(input_splits), group=_pg(group))
 
 
 def send(t: torch.Tensor, dst: int, group=None, tag: str = "") -> None:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-__all__ = ["TPLinear", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "get_module", "set_module", "retie"]
+__all__ = ["TPLinear", "ExpertLayout", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "get_module", "set_module", "retie"]
 
 # The model sizes a tensor-parallel degree must divide, in the order they are checked, and why
 # (Shoeybi et al. 2019: attention heads and the MLP's column-parallel width are split evenly).
@@ -122,6 +122,22 @@ def lora_targets(arch: str, spec: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """What expert parallelism needs to know about a mixture-of-experts model (paths relative to a
+    block): ``moe`` the MoE module -- it has a ``dispatch`` attribute, a callable ``(experts, rows,
+    counts) -> outputs`` taking rows (M, C) sorted by expert with ``counts`` (n_experts,) int64 and
+    returning the experts' outputs (M, C) in the same order, which expert parallelism replaces by
+    its all-to-all; ``experts`` the module whose parameters are expert-local, each stacked with
+    dim 0 = expert (sharded over ep in contiguous ranges), called ``experts(rows, counts)`` with rows
+    sorted by the experts it holds and ``counts`` rows per held expert; ``n_experts`` E and ``top_k`` k."""
+
+    moe: str
+    experts: str
+    n_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
 class ModelLayout:
     """The parallel-facing description of a decoder-only causal LM.
 
@@ -144,6 +160,7 @@ class ModelLayout:
         :data:`TP_SIZES`, e.g. ``{"n_head": 12, "n_kv_head": 4}``; :func:`tp_refusal` decides.
       * ``width``: C, the channels of the activation between blocks (pipeline buffers).
       * ``vocab_size``: V, the real vocabulary (logits beyond it are padding under TP).
+      * ``experts``: an :class:`ExpertLayout` for a mixture-of-experts model, else None.
     """
 
     blocks: str
@@ -157,6 +174,7 @@ class ModelLayout:
     vocab_size: int
     tied: tuple[tuple[str, str], ...] = ()
     tp_divides: Mapping[str, int] = field(default_factory=dict)
+    experts: ExpertLayout | None = None
 
     def __post_init__(self):
         unknown = set(self.tp_divides) - set(TP_SIZES)

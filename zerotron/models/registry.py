@@ -1,4 +1,4 @@
-"""Model families by name: ``"gpt2"`` and ``"llama"`` -> config class, model class, presets and HF
+"""Model families by name: ``"gpt2"``, ``"llama"`` and ``"mixtral"`` -> config class, model class, presets and HF
 converters. The CLI, trainer, generation, export and the estimators go through here instead of
 naming a model class, so a new family is one entry (its module keeps the layout description).
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from . import gpt, hf, hf_llama, llama
+from . import gpt, hf, hf_llama, hf_mixtral, llama, mixtral
 from .base import CausalLM
 
 __all__ = ["Arch", "ARCHS", "DEFAULT_ARCH", "get_arch", "arch_of", "preset_arch", "all_presets",
@@ -46,6 +46,8 @@ ARCHS: dict[str, Arch] = {
     "gpt2": Arch("gpt2", gpt.GPTConfig, gpt.GPT, gpt.PRESETS, "gpt2", hf.load_hf_gpt2, hf.export_hf_gpt2),
     "llama": Arch("llama", llama.LlamaConfig, llama.Llama, llama.PRESETS, "llama",
                   hf_llama.load_hf_llama, hf_llama.export_hf_llama),
+    "mixtral": Arch("mixtral", mixtral.MixtralConfig, mixtral.Mixtral, mixtral.PRESETS, "mixtral",
+                    hf_mixtral.load_hf_mixtral, hf_mixtral.export_hf_mixtral),
 }
 
 
@@ -59,8 +61,8 @@ def get_arch(name: str) -> Arch:
 def arch_of(cfg_or_model) -> str:
     """Family name of a config or model instance. Raises TypeError for anything else."""
     cfg = getattr(cfg_or_model, "config", cfg_or_model)
-    for arch in ARCHS.values():
-        if isinstance(cfg, arch.config_cls):
+    for arch in ARCHS.values():  # the exact class: MixtralConfig is a LlamaConfig
+        if type(cfg) is arch.config_cls:
             return arch.name
     raise TypeError(f"not a zerotron model or model config: {type(cfg_or_model).__name__}")
 
@@ -156,6 +158,10 @@ def export_hf(model: CausalLM, out_dir: str | Path, *, overwrite: bool = False,
 DEFAULT_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
 SIZE_FIELDS = tuple(DEFAULT_SHAPE)
 LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps")
+MOE_FIELDS = ("n_experts", "experts_top_k", "moe_router", "moe_shared_intermediate_size", "moe_aux_loss_coef",
+              "moe_z_loss_coef")
+MOE_DEFAULTS = {"n_experts": 8, "experts_top_k": 2, "moe_router": "topk_softmax", "moe_shared_intermediate_size": 0,
+                "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.0}
 
 
 def _given(m, name: str) -> bool:
@@ -199,6 +205,10 @@ def resolve_shape(m) -> dict:
     for key in SIZE_FIELDS:
         if getattr(m, key):
             shape[key] = getattr(m, key)
+    moe_given = [f"model.{f}" for f in MOE_FIELDS if _given(m, f)]
+    if arch != "mixtral" and moe_given:
+        raise ValueError(f"{', '.join(moe_given)} applies to model.arch = 'mixtral' only; remove it or set "
+                         "model.arch = 'mixtral'")
     if arch == "gpt2":
         extra = [f"model.{f}" for f in LLAMA_FIELDS if getattr(m, f)]
         if extra:
@@ -227,6 +237,11 @@ def resolve_shape(m) -> dict:
             raise ValueError(f"model.{e}") from None
     if _given(m, "tie_word_embeddings"):
         shape["tie_word_embeddings"] = m.tie_word_embeddings
+    if arch == "mixtral":  # set fields (non-zero / given), then the preset, then MOE_DEFAULTS
+        for key, default in MOE_DEFAULTS.items():
+            shape.setdefault(key, default)
+            if _given(m, key) and (getattr(m, key) or key.endswith("_coef")):
+                shape[key] = getattr(m, key)
     return {**shape, "bias": False}
 
 

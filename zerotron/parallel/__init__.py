@@ -8,7 +8,8 @@
        in this process (pp_impl = threads); or "plain", the whole model per step
     4. composed with the gradient synchroniser (``plan.sync``) over the batch group dp x cp: native
        bucketed DDP, torch DDP (all-reduce over it), native ZeRO-1/2/3 or FSDP2 (sharded over
-       dp_shard x cp; with ``parallel.dp_replicate > 1``, HSDP: ``parallel.data.hsdp``); the pipeline
+       dp_shard x cp; with ``parallel.dp_replicate > 1``, HSDP: ``parallel.data.hsdp``; with ``parallel.ep > 1``,
+       expert parallelism: ``parallel.expert``, experts sharded over ep carved out of dp); the pipeline
        runners carry theirs per stage (over dp: the plan refuses cp under a pipeline)
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
@@ -24,6 +25,7 @@ from zerotron.parallel.data.fsdp import FSDP2Strategy
 from zerotron.parallel.data.hsdp import ddp_hierarchy
 from zerotron.parallel.data.zero import ZeroStrategy
 from zerotron.parallel.dtensor_tp import DTensorTPStrategy
+from zerotron.parallel.expert import ExpertDataParallel, ExpertZero1
 from zerotron.parallel.optim import decay_mask_by_name
 from zerotron.parallel.pipeline.runner import PipelineStrategy
 from zerotron.parallel.pipeline.threads import ThreadedPipeline
@@ -70,6 +72,8 @@ def _data_parallel(model, plan, mesh, mask):
     sharded over dp_shard x cp ("shard")."""
     group = mesh.group("batch")  # = "dp" without context parallelism
     src = mesh.peer(dp=0, cp=0)  # the first batch-group rank of this rank's (pp, tp) position
+    if plan.sync == "zero" and plan.ep > 1:  # ZeRO-1 x experts sharded over ep (parallel.expert)
+        return ExpertZero1(model, group, plan.ep, plan.dtype, plan.reduce_dtype, mask)
     if plan.sync == "zero":  # HSDP: shard within the shard group, all-reduce shards over the replicas
         return ZeroStrategy(model, mesh.group("shard"), plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
                             tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,
@@ -77,6 +81,8 @@ def _data_parallel(model, plan, mesh, mask):
                             dp_group=group, offload=plan.offload)
     if plan.sync == "fsdp2":
         return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype)
+    if plan.sync == "ddp" and plan.ep > 1:  # experts sharded over ep, summed over dp/ep (parallel.expert)
+        return ExpertDataParallel(model, group, plan.ep, bucket_mb=plan.bucket_mb, src_rank=src)
     if plan.sync == "ddp":
         return DataParallel(model, group, bucket_mb=plan.bucket_mb, src_rank=src,
                             **ddp_hierarchy(mesh))

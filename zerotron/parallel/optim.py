@@ -10,15 +10,17 @@ __all__ = ["decay_mask", "decay_mask_by_name", "build_optimizer"]
 
 
 def decay_mask(module: nn.Module) -> dict[int, bool]:
-    """Map ``id(param) -> apply weight decay?``: True for weight matrices of Linear layers only;
-    False for biases, LayerNorm parameters and embeddings (GPT-2/nanoGPT convention).
-    Tied parameters count once (the embedding wins, so the tied LM head is not decayed)."""
+    """Map ``id(param) -> apply weight decay?``: True for weight matrices -- Linear weights and any
+    other parameter of >= 2 dimensions (stacked MoE expert matrices) -- False for biases, norm
+    parameters and embeddings (GPT-2/nanoGPT convention). Tied parameters count once (the
+    embedding wins, so the tied LM head is not decayed)."""
     mask: dict[int, bool] = {}
     for mod in module.modules():
         for name, p in mod.named_parameters(recurse=False):
             if id(p) in mask and not mask[id(p)]:
                 continue
-            mask[id(p)] = isinstance(mod, nn.Linear) and name == "weight" and not isinstance(mod, nn.Embedding)
+            linear = isinstance(mod, nn.Linear) and name == "weight"
+            mask[id(p)] = (linear or (not isinstance(mod, nn.Linear) and p.dim() >= 2)) and not isinstance(mod, nn.Embedding)
     for mod in module.modules():  # embeddings override (tied LM head shares the embedding weight)
         if isinstance(mod, nn.Embedding):
             mask[id(mod.weight)] = False

@@ -32,7 +32,9 @@ def _copies(strategy, mesh) -> dict:
         d = _digest(p)
         if not d:
             continue
-        key = (name, c["tp"] if is_tp_sharded(p) else None, shard if dp_sharded else None)
+        ep_shard = getattr(p, "ep_shard", None)  # expert parallelism: a range of experts per ep rank
+        key = (name, c["tp"] if is_tp_sharded(p) else None,
+               shard if dp_sharded else (("ep",) + ep_shard if ep_shard else None))
         out[key] = d
     return out
 

@@ -17,7 +17,8 @@ MODES = ("auto", "true", "false")
 TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
         "tflops_per_device": "perf/tflops_per_device", "model_state_bytes": "memory/model_state_bytes",
-        "comm_bytes": "comm/bytes_total", "pp_bubble_fraction": "perf/pp_bubble_fraction"}
+        "comm_bytes": "comm/bytes_total", "pp_bubble_fraction": "perf/pp_bubble_fraction",
+        "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_load_max_mean_avg": "moe/load_max_mean"}
 
 
 def tensorboard_available() -> bool:
@@ -81,7 +82,8 @@ class TensorBoardLogger:
         self.writer = None
 
     def log(self, rec: dict) -> None:
-        """Every known scalar of ``rec`` (:data:`TAGS`) and ``comm/<op>/<group>`` bytes at ``rec["step"]``."""
+        """Every known scalar of ``rec`` (:data:`TAGS`), ``comm/<op>/<group>`` bytes and (MoE) the
+        per-layer expert load ``moe/load_max_mean/layer<i>`` at ``rec["step"]``."""
         if self.writer is None:
             return
         step = rec["step"]
@@ -91,6 +93,8 @@ class TensorBoardLogger:
                     self.writer.add_scalar(tag, rec[key], step)
             for op, b in (rec.get("comm_bytes_by_op") or {}).items():
                 self.writer.add_scalar(f"comm/{op}", b, step)
+            for layer, v in enumerate(rec.get("moe_load_max_mean") or []):  # MoE: per-layer expert load
+                self.writer.add_scalar(f"moe/load_max_mean/layer{layer}", v, step)
         except OSError as e:
             self._failed(e, f"at step {step}")
 

@@ -19,6 +19,7 @@ from ..data import GlobalBatchSampler, batch_from_indices, num_windows
 from ..distributed import comm
 from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
+from ..models.mixtral import set_step_rows, take_router_stats
 from ..parallel import parallelize
 from ..parallel.context.docmask import apply_doc_mask
 from ..parallel.context.split import split_sequence
@@ -99,6 +100,7 @@ class Trainer:
         self.num_params = self.model.num_params()  # dense count, before any sharding
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
         self.state_bytes, self.state_tensors = sum(v.numel() * v.element_size() for v in dense.values()), len(dense)
+        set_step_rows(self.model, cfg.train.global_batch)  # MoE: a micro-batch's aux-loss weight b / global_batch
         self.strategy = parallelize(self.model, self.plan, self.mesh)
         if cfg.data.doc_mask:  # outermost hooks; every runner wraps each micro-batch in its documents
             self.strategy.documents = apply_doc_mask(self.model, self.data.eot_id).documents
@@ -149,6 +151,22 @@ class Trainer:
         self.peak_flops_total = float(peak)
         self.mfu_meter = MFUMeter(self.flops_per_token, world, self.peak_flops_total / world, device,
                                   TRAIN_DTYPES[cfg.train.dtype], warn=rank == 0, source=source)
+
+    def _router_metrics(self) -> dict:
+        """MoE models: the step's router statistics summed over dp and pp (tp ranks hold copies) -> ``moe_aux_loss``, ``moe_z_loss`` (means over layers and micro-batches, before
+        their weights), ``moe_load_max_mean`` (max / mean assignments per expert, per layer) and its
+        mean over layers ``moe_load_max_mean_avg``; {} for a dense model."""
+        cfg = self.model_cfg
+        stats = take_router_stats(self.model, cfg.n_layer, getattr(cfg, "n_experts", 0))
+        if stats is None:
+            return {}
+        for axis in ("batch", "pp"):
+            if self.mesh.size(axis) > 1:
+                comm.all_reduce(stats, group=self.mesh.group(axis), tag="metrics")
+        counts = stats[:, :-2]
+        load = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
+        return {"moe_aux_loss": float(stats[:, -2].mean()), "moe_z_loss": float(stats[:, -1].mean()),
+                "moe_load_max_mean": load, "moe_load_max_mean_avg": sum(load) / len(load)}
 
     def _from_hf(self, path):
         """Dense model with the family, shape and weights of a HF GPT-2 or Llama checkpoint
@@ -388,6 +406,7 @@ class Trainer:
                        "comm_bytes_by_op": _bytes_by_op(before),
                        "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1),
                        "skipped_steps": guard.skipped}
+                rec.update(self._router_metrics())
                 if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
                     rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
                 states = self.strategy.model_state_bytes(self.optimizer)

@@ -75,15 +75,17 @@ class DataParallel(Strategy):
             within ``shard_group``, all-reduce across ``replicate_group``, all-gather within), the
             reduce-scatter launched from the hooks, each next collective as the previous completes
             (during backward, in bucket order), the rest in :meth:`finish_grads`.
+        exclude: ids of parameters this DDP neither broadcasts nor reduces (expert parallelism
+            reduces the expert-local ones over its own group, ``parallel.expert``).
     Attributes: ``module``, ``buckets``.
     Raises ValueError if the module has no trainable parameters."""
 
     def __init__(self, module: nn.Module, group: comm.NamedGroup, bucket_mb: float = 25.0, src_rank: int = 0,
-                 shard_group=None, replicate_group=None):
+                 shard_group=None, replicate_group=None, exclude=frozenset()):
         self.module, self.group, self.loss_groups = module, group, [group]
         self.hierarchical = replicate_group is not None
         pad = shard_group.size() if self.hierarchical else 1
-        params = unique_params(module)
+        params = [p for p in unique_params(module) if id(p) not in exclude]
         if not params:
             raise ValueError("DataParallel: the module has no trainable parameters")
         with torch.no_grad():

@@ -387,18 +387,20 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
     shard group), ``stage`` (1, 2 or 3), ``dtype``, ``reduce_dtype``, ``mask`` (decay flag by
     ``id(param)``, default ``optim.decay_mask(model)``), ``tp_group``, ``sequence_parallel``,
     ``replicate_group`` (HSDP) and ``dp_group`` (HSDP: the whole dp group, for losses and the
-    used-parameter marks; default ``group``) and ``offload``, as :class:`ZeroSync`. Raises
-    ValueError for a bad stage or dtype."""
+    used-parameter marks; default ``group``) and ``offload``, as :class:`ZeroSync`; ``exclude``: ids
+    of parameters left out of the flat buffers (expert parallelism keeps the expert-local ones
+    itself, ``parallel.expert``). Raises ValueError for a bad stage or dtype."""
 
     def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
                  tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None,
-                 offload: str = "none"):
+                 offload: str = "none", exclude=frozenset()):
         blocks = list(model.blocks())
         in_block = {id(p) for b in blocks for p in b.parameters()}
         names = {}
         for n, p in model.named_parameters():  # first FQN of each (tied) parameter
             names.setdefault(id(p), n)
-        units = [[p for p in model.parameters() if id(p) not in in_block]] + [list(b.parameters()) for b in blocks]
+        units = [[p for p in model.parameters() if id(p) not in in_block and id(p) not in exclude]] + \
+            [[p for p in b.parameters() if id(p) not in exclude] for b in blocks]
         ZeroSync.__init__(self, units, names, mask or decay_mask(model), group, stage, dtype, reduce_dtype,
                           n_root=1, blocks=blocks, tp_group=tp_group, sequence_parallel=sequence_parallel,
                           replicate_group=replicate_group, dp_group=dp_group, eager=True, offload=offload)

@@ -1,0 +1,337 @@
+"""Mixtral-style mixture-of-experts decoder (Mixtral 8x7B, Qwen-MoE / Qwen3-MoE shapes), written to be read.
+
+Architecture (Jiang et al. 2024, "Mixtral of Experts"; HF ``MixtralForCausalLM``): the Llama block
+of :mod:`zerotron.models.llama` (RMSNorm, RoPE + GQA attention) with its SwiGLU MLP replaced by a
+sparse MoE layer -- a linear router (C -> E logits), top-k selection, and E SwiGLU experts; each
+token's output is the router-weighted sum of its k experts' outputs (Shazeer et al. 2017, "Outrageously
+Large Neural Networks"). Routing rules (``moe_router``):
+
+  * ``"topk_softmax"`` (Mixtral): softmax over the k largest logits (= softmax over all, top-k,
+    renormalised: Qwen-MoE with ``norm_topk_prob = true``);
+  * ``"softmax_topk"`` (Qwen-MoE with ``norm_topk_prob = false``): softmax over all E logits, the k
+    largest probabilities used as they are.
+
+Optionally a shared expert (a dense SwiGLU MLP every token passes, DeepSeekMoE, Dai et al. 2024;
+``moe_shared_intermediate_size`` > 0), added to the routed output. Dropless: every token reaches its
+k experts (no capacity). Auxiliary losses, per MoE layer over the tokens of one forward (one
+micro-batch):
+
+  * load balancing (Switch Transformer, Fedus et al. 2021, eq. 4): ``E * sum_i f_i * P_i`` with f_i
+    the fraction of the N*k token-to-expert assignments sent to expert i times k (so sum f_i = k,
+    HF's ``load_balancing_loss_func`` convention) and P_i the mean router probability of expert i;
+    k at perfect balance;
+  * router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)^2.
+
+The step objective is cross-entropy + ``moe_aux_loss_coef`` * aux + ``moe_z_loss_coef`` * z with
+aux and z each the mean over MoE layers and over the step's micro-batches (a micro-batch of b rows
+weighs b / rows-per-step, :func:`set_step_rows`). Their gradient enters through the layer's output
+(:class:`_AddAuxGrad`, the trick of Megatron-Core's ``MoEAuxLossAutoScaler``): the losses need no
+path to the trainer, so pipeline stages, recomputation and every gradient synchroniser carry them
+unchanged, and the result does not depend on the layout (micro-batches are contiguous slices of the
+global batch at a fixed ``train.micro_batch``). Router statistics (counts per expert, aux, z) are
+summed per layer in ``MoE.stats`` for metrics (:func:`take_router_stats`).
+
+Expert compute is batched per expert: the N*k assignments are sorted by expert (stable), each
+expert runs its SwiGLU on one contiguous slice (torch 2.13's ``torch._grouped_mm`` takes no float64
+and needs 16-byte-aligned strides on CPU, so a loop over experts), and the outputs are scattered
+back weighted. Expert parallelism replaces the step "sorted rows -> expert outputs" through the
+``dispatch`` hook the layout names (:class:`zerotron.models.layout.ExpertLayout`).
+
+Shapes: B batch, T positions, C = n_embd, E = n_experts, k = experts_top_k, F = intermediate_size
+(per expert), N = B*T tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import KVCache
+from .layout import ExpertLayout, ModelLayout, TPLinear
+from .llama import Llama, LlamaAttention, LlamaBlock, LlamaConfig, LlamaMLP, RotaryEmbedding
+
+__all__ = ["MixtralConfig", "Mixtral", "MoE", "Experts", "PRESETS", "ROUTERS", "set_step_rows",
+           "take_router_stats", "local_experts"]
+
+ROUTERS = ("topk_softmax", "softmax_topk")
+
+
+@dataclass
+class MixtralConfig(LlamaConfig):
+    """Llama's fields (``intermediate_size`` is each expert's F) plus the MoE ones.
+
+    ``n_experts`` E >= 1; ``experts_top_k`` 1 <= k <= E; ``moe_router`` one of :data:`ROUTERS`;
+    ``moe_shared_intermediate_size`` width of the shared expert (0 = none);
+    ``moe_aux_loss_coef`` / ``moe_z_loss_coef`` >= 0, weights of the auxiliary losses."""
+
+    n_experts: int = 8
+    experts_top_k: int = 2
+    moe_router: str = "topk_softmax"
+    moe_shared_intermediate_size: int = 0
+    moe_aux_loss_coef: float = 0.01
+    moe_z_loss_coef: float = 0.0
+
+    def validate(self) -> "MixtralConfig":
+        """Llama's checks and the MoE ones; ValueError naming the field."""
+        super().validate()
+        for name in ("n_experts", "experts_top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MixtralConfig.{name} must be a positive int, got {value!r}")
+        if self.experts_top_k > self.n_experts:
+            raise ValueError(f"model.experts_top_k ({self.experts_top_k}) exceeds model.n_experts "
+                             f"({self.n_experts}): each token picks k distinct experts; lower experts_top_k")
+        if self.moe_router not in ROUTERS:
+            raise ValueError(f"model.moe_router {self.moe_router!r} is unknown; valid: {', '.join(ROUTERS)}")
+        if self.moe_shared_intermediate_size < 0:
+            raise ValueError("model.moe_shared_intermediate_size must be >= 0 (0 = no shared expert)")
+        if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
+            raise ValueError("model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
+        return self
+
+
+PRESETS: dict[str, dict] = {
+    # a test size: 8 experts top-2, every tp/pp of 1, 2 and ep of 1, 2, 4, 8
+    "mixtral-tiny": dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=64, intermediate_size=96,
+                         block_size=64, n_experts=8, experts_top_k=2),
+    # mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 parameters, 12,879,925,248 active per token (top-2 of 8)
+    "mixtral-8x7b": dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+                         block_size=32768, vocab_size=32000, rope_theta=1e6, rms_norm_eps=1e-5,
+                         n_experts=8, experts_top_k=2),
+    # Qwen/Qwen3-30B-A3B shapes (128 experts, top-8, no shared expert); Qwen3's q/k norms and
+    # head_dim 128 != C/H are not modelled, so the count differs from the published 30.5B (3.3B active)
+    "qwen3-moe-30b-a3b": dict(n_layer=48, n_head=32, n_kv_head=4, n_embd=2048, intermediate_size=768,
+                              block_size=40960, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6,
+                              n_experts=128, experts_top_k=8, moe_router="topk_softmax",
+                              moe_aux_loss_coef=0.001),
+}
+
+
+class _AddAuxGrad(torch.autograd.Function):
+    """Identity on ``x`` that, in the backward, also sends gradient 1 into ``aux`` (a scalar already
+    scaled by its weight): the auxiliary loss joins the objective wherever ``x``'s backward runs."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.aux_shape = aux.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_ones(ctx.aux_shape)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored stacked: ``gate_proj``/``up_proj`` (E, F, C), ``down_proj`` (E, C, F).
+
+    ``forward(x, counts)``: x (M, C) rows sorted by expert, ``counts`` (E,) int64 rows per expert
+    (sum M) -> (M, C), expert e applied to its slice: down_e(silu(gate_e x) * up_e x). Every expert
+    runs (an empty slice too), so every parameter takes part in each backward. Expert parallelism
+    keeps a contiguous range of experts here (``local_experts``)."""
+
+    def __init__(self, n_experts: int, n_embd: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, hidden, n_embd))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, hidden, n_embd))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, n_embd, hidden))
+
+    @property
+    def n_local(self) -> int:
+        """Experts held here."""
+        return self.gate_proj.size(0)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            xe = x[start:start + n]
+            h = F.silu(xe @ self.gate_proj[e].t()) * (xe @ self.up_proj[e].t())
+            outs.append(h @ self.down_proj[e].t())
+            start += n
+        return torch.cat(outs, dim=0)
+
+
+def local_experts(experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The dense dispatch: every expert is here, rows go straight to :meth:`Experts.forward`."""
+    return experts(x, counts)
+
+
+class MoE(nn.Module):
+    """Sparse MoE feed-forward: (B, T, C) -> (B, T, C). ``gate`` (C -> E, no bias) is the router,
+    ``experts`` an :class:`Experts`, ``shared_expert`` a SwiGLU MLP or absent.
+
+    ``dispatch(experts, rows, counts) -> outputs`` runs the experts on rows sorted by expert
+    (default :func:`local_experts`; expert parallelism installs its all-to-all). ``step_rows``:
+    sequences per optimizer step (None: this forward is the whole step), setting the auxiliary
+    losses' weight b / step_rows. ``stats``: per-layer sums since the last :func:`take_router_stats`
+    (float64 (E + 2,): assignments per expert, weighted aux, weighted z), training forwards only
+    (not recomputation)."""
+
+    def __init__(self, cfg: MixtralConfig, layer_idx: int = 0):
+        super().__init__()
+        self.n_experts, self.top_k, self.router = cfg.n_experts, cfg.experts_top_k, cfg.moe_router
+        self.aux_coef, self.z_coef, self.layer_idx = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, layer_idx
+        self.n_moe_layers = cfg.n_layer
+        self.gate = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg.n_experts, cfg.n_embd, cfg.intermediate_size)
+        if cfg.moe_shared_intermediate_size:
+            self.shared_expert = LlamaMLP(dataclasses.replace(cfg, intermediate_size=cfg.moe_shared_intermediate_size))
+        else:
+            self.shared_expert = None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.dispatch = local_experts
+        self.step_rows: int | None = None
+        self.stats: torch.Tensor | None = None
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits (N, E) -> (weights (N, k), expert ids (N, k) int64) by ``moe_router``."""
+        if self.router == "topk_softmax":
+            top, idx = torch.topk(logits, self.top_k, dim=-1)
+            return F.softmax(top, dim=-1), idx
+        return torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        h = x.reshape(-1, C)
+        logits = self.gate(h)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # routing in >= fp32
+        weights, idx = self.route(logits)  # (N, k)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # assignments sorted by expert
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        token = order // self.top_k
+        y = self.dispatch(self.experts, h[token], counts)  # (N*k, C), in sorted order
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        out = torch.zeros_like(h).index_add_(0, token, y)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(h)
+        out = self.dropout(out.view(B, T, C))
+        if self.training:
+            out = self._aux(out, logits, counts, B)
+        return out
+
+    def _aux(self, out: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """Attach the weighted auxiliary losses of this forward to ``out`` and record the stats."""
+        n = logits.size(0)
+        probs = F.softmax(logits, dim=-1).mean(0)  # P_i
+        frac = counts.to(probs.dtype) / n  # f_i (sums to k)
+        aux = self.n_experts * (frac * probs).sum()
+        z = torch.logsumexp(logits, dim=-1).square().mean()
+        weight = rows / self.step_rows if self.step_rows else 1.0
+        if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
+            scaled = (self.aux_coef * aux + self.z_coef * z) * (weight / self.n_moe_layers)
+            out = _AddAuxGrad.apply(out, scaled)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
+            rec = torch.cat([counts.double().cpu(), torch.stack([aux, z]).detach().double().cpu() * weight])
+            self.stats = rec if self.stats is None else self.stats + rec
+        return out
+
+
+class MixtralBlock(LlamaBlock):
+    """Pre-RMSNorm residual block: x + attn(norm(x)), then x + moe(norm(x)). (B,T,C) -> (B,T,C)."""
+
+    def __init__(self, cfg: MixtralConfig, rotary: RotaryEmbedding, layer_idx: int = 0):
+        nn.Module.__init__(self)
+        self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary, layer_idx)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps)
+        self.mlp = MoE(cfg, layer_idx)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Mixtral(Llama):
+    """Mixtral language model: token ids (B, T) -> next-token logits (B, T, V).
+
+    Module names follow HF ``MixtralForCausalLM`` (transformers 5: ``model.layers.N.mlp.gate``,
+    experts stacked; ``zerotron.models.hf_mixtral`` converts to and from the checkpoint format).
+    Raises ValueError if ``cfg`` is invalid."""
+
+    def __init__(self, cfg: MixtralConfig):
+        nn.Module.__init__(self)
+        self.config = cfg.validate()
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta, cfg.rope_scaling)
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            layers=nn.ModuleList([MixtralBlock(cfg, rotary, i) for i in range(cfg.n_layer)]),
+            norm=nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """HF init (``initializer_range`` 0.02): Linear, Embedding and expert weights N(0, 0.02),
+        RMSNorm weights 1, in module order; then the RoPE tables."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, Experts):
+                for p in (module.gate_proj, module.up_proj, module.down_proj):
+                    nn.init.normal_(p, mean=0.0, std=0.02)
+        self.init_buffers()
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all but the (E - k) experts it skips in each layer."""
+        cfg = self.config
+        per_expert = 3 * cfg.n_embd * cfg.intermediate_size
+        return self.num_params() - cfg.n_layer * (cfg.n_experts - cfg.experts_top_k) * per_expert
+
+    def layout(self) -> ModelLayout:
+        """Llama's layout with the MLP replaced: attention column/row parallel under tp, the router
+        and experts replicated over tp (and the shared expert: column/row parallel); the experts
+        declared for expert parallelism (``mlp``, its ``experts``, dim 0 = expert)."""
+        if getattr(self, "_layout", None) is None:
+            cfg = self.config
+            col = TPLinear("column", granule=cfg.head_dim)
+            block_tp = {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
+                        "self_attn.o_proj": TPLinear("row")}
+            divides = {"n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head}
+            if cfg.moe_shared_intermediate_size:
+                block_tp.update({"mlp.shared_expert.gate_proj": TPLinear("column"),
+                                 "mlp.shared_expert.up_proj": TPLinear("column"),
+                                 "mlp.shared_expert.down_proj": TPLinear("row")})
+                divides["intermediate_size"] = cfg.moe_shared_intermediate_size
+            self._layout = ModelLayout(
+                blocks="model.layers", embedding=("model.embed_tokens",), head=("model.norm", "lm_head"),
+                token_embedding="model.embed_tokens", output="lm_head",
+                tied=(("lm_head.weight", "model.embed_tokens.weight"),) if cfg.tie_word_embeddings else (),
+                block_tp=block_tp, attention="self_attn", width=cfg.n_embd, vocab_size=cfg.vocab_size,
+                tp_divides=divides,
+                experts=ExpertLayout(moe="mlp", experts="mlp.experts", n_experts=cfg.n_experts,
+                                     top_k=cfg.experts_top_k))
+        return self._layout
+
+
+def _moe_layers(module: nn.Module):
+    return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def set_step_rows(module: nn.Module, rows: int | None) -> None:
+    """Tell every MoE layer of ``module`` how many sequences one optimizer step has (the weight of
+    a micro-batch's auxiliary losses is its rows / ``rows``; None: each forward is a whole step)."""
+    for m in _moe_layers(module):
+        m.step_rows = rows
+
+
+def take_router_stats(module: nn.Module, n_layer: int, n_experts: int) -> torch.Tensor | None:
+    """The router statistics the MoE layers of ``module`` summed since the last call, and reset:
+    float64 (n_layer, E + 2) -- per global layer index: assignments per expert, then the weighted
+    aux and z losses (rows of layers this module does not hold are 0) -- or None without MoE layers."""
+    layers = _moe_layers(module)
+    if not layers:
+        return None
+    out = torch.zeros(n_layer, n_experts + 2, dtype=torch.float64)
+    for m in layers:
+        if m.stats is not None:
+            out[m.layer_idx] += m.stats
+            m.stats = None
+    return out
