@@ -47,14 +47,14 @@ def test_joining_rows_equal_alone_single_process(single_process):
         for sampled in (False, True):
             reqs = _requests(sampled)
             alone = [eng.generate([r])[0] for r in reqs]
-            dec = ContinuousDecoder(eng)
+            dec = ContinuousDecoder(eng, page=4)
             out, streamed, steps = _drive(dec, reqs)
             assert [out[i] for i in range(4)] == alone, (preset, sampled)
             assert all(streamed[i] == alone[i] for i in range(4))
-            assert dec.running == 0 and dec.cache.B == 0 and dec.order == []
+            assert dec.running == 0 and dec.order == [] and dec.blocks_used() == 0
             assert steps < sum(len(a) for a in alone)  # rows really shared iterations
             # every request arriving at once, and one by one in reverse: the same tokens
-            out2, _, _ = _drive(ContinuousDecoder(eng), reqs, {0: [3, 2, 1, 0]})
+            out2, _, _ = _drive(ContinuousDecoder(eng, page=4), reqs, {0: [3, 2, 1, 0]})
             assert [out2[i] for i in range(4)] == alone
 
 
@@ -63,24 +63,24 @@ def test_cancel_eos_stop_and_zero_tokens(single_process):
     eng = _local_engine(model)
     reqs = _requests(False)
     alone = [eng.generate([r])[0] for r in reqs]
-    dec = ContinuousDecoder(eng)
+    dec = ContinuousDecoder(eng, page=4)
     out, streamed, _ = _drive(dec, reqs, cancel_at=(4, 1))  # request 1 joined at step 2: 2 tokens, then gone
     assert 1 not in out and streamed[1] == alone[1][:2]
     assert [out[i] for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
-    assert dec.running == 0 and dec.cache.B == 0
+    assert dec.running == 0 and dec.blocks_used() == 0
     # eos and stop strings end a row where they end it alone; max_tokens 0 finishes at join
     eos = alone[1][3]
     e_eng = _local_engine(model, eos_id=eos)
-    out, _, _ = _drive(ContinuousDecoder(e_eng), reqs)
+    out, _, _ = _drive(ContinuousDecoder(e_eng, page=4), reqs)
     assert [out[i] for i in range(4)] == [e_eng.generate([r])[0] for r in reqs]
     decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
     stop = (f"{alone[2][1]}><{alone[2][2]}>",)
     s_reqs = [Request(r.prompt, dataclasses.replace(r.params, stop=stop)) for r in reqs]
     s_eng = _local_engine(model, decode=decode)
-    out, _, _ = _drive(ContinuousDecoder(s_eng), s_reqs)
+    out, _, _ = _drive(ContinuousDecoder(s_eng, page=4), s_reqs)
     assert [out[i] for i in range(4)] == [s_eng.generate([r])[0] for r in s_reqs] and len(out[2]) < len(alone[2])
     z = [Request(reqs[0].prompt, dataclasses.replace(reqs[0].params, max_tokens=0))] + reqs[1:]
-    out, _, _ = _drive(ContinuousDecoder(eng), z)
+    out, _, _ = _drive(ContinuousDecoder(eng, page=4), z)
     assert out[0] == [] and [out[i] for i in (1, 2, 3)] == alone[1:]
 
 
@@ -133,7 +133,7 @@ def _layouts_worker():
                 continue
             eng = Engine(copy.deepcopy(dense), Mesh(ParallelDims(dist.get_world_size(), dp, tp, pp), torch.device("cpu")))
             for sampled in (False, True):
-                out, streamed, _ = _drive(ContinuousDecoder(eng), _requests(sampled), cancel_at=(4, 1))
+                out, streamed, _ = _drive(ContinuousDecoder(eng, page=4), _requests(sampled), cancel_at=(4, 1))
                 res[(preset, name, sampled)] = (out, streamed[1])
     return res
 
