@@ -177,11 +177,13 @@ class ContinuousDecoder:
             own = [r for r in decode if self.rows[r].replica == self.replica]
             if own:
                 mine.update(self._decode(own))
-            own = [r for r in fills if self.rows[r].replica == self.replica]
+            own = [(r, n) for r, n in fills if self.rows[r].replica == self.replica]
             if own:
                 mine.update(self._prefill(own, forks))
-        for rid in decode + fills:
-            self._advance(rid)
+        for rid in decode:
+            self._advance(rid, 1)
+        for rid, n in fills:
+            self._advance(rid, n)
         for fork, lead in forks.items():
             f, lr = self.rows[fork], self.rows[lead]
             f.table, f.base, f.cached = [self.alloc[f.replica].share(b) for b in lr.table], lr.base, lr.cached
@@ -226,11 +228,13 @@ class ContinuousDecoder:
         self.preemptions += 1
 
     def _schedule(self):
-        """Decide this iteration: (decoding rows, rows to prefill, {fork: its leader}, block
-        copies (src, dst) to make first, preempted rows)."""
+        """Decide this iteration: (decoding rows, [(row, tokens to prefill)], {fork: its leader},
+        block copies (replica, src, dst) to make first, preempted rows). Budget per dp replica:
+        decoding rows first, then the next chunks of rows part-way through their prefill, then
+        newcomers (first come, first served)."""
         bs, p = self.cfg.block_size, self.page
         decode, fills, preempted, copies = [], [], [], []
-        budget = self.max_step_tokens
+        budget = [self.max_step_tokens] * len(self.alloc)
         for rid in list(self.order):  # oldest first: the newest is preempted when blocks run out
             if rid not in self.order:
                 continue  # preempted for an older row
@@ -243,6 +247,8 @@ class ContinuousDecoder:
                 self.waiting.insert(0, rid)
                 continue
             s = row.cached
+            if len(row.tokens) - row.base - s > 1:
+                continue  # part-way through its prefill: its blocks are held, its chunk comes below
             need = s % p == 0 or a.refs[row.table[-1]] > 1
             while need and a.available < 1:
                 victim = [r for r in self.order if self.rows[r].replica == row.replica][-1]
@@ -261,7 +267,14 @@ class ContinuousDecoder:
                 else:
                     row.table.append(b)
             decode.append(rid)
-            budget -= 1
+            budget[row.replica] -= 1
+        for rid in self.order:  # chunked prefill (split-fuse): the next chunk of each started prompt
+            row = self.rows[rid]
+            pending = len(row.tokens) - row.base - row.cached
+            if pending > 1 and rid not in decode and budget[row.replica] > 0:
+                n = min(pending, budget[row.replica])
+                fills.append((rid, n))
+                budget[row.replica] -= n
         forks: dict[int, int] = {}
         leaders: dict[tuple, int] = {}
         blocked: set[int] = set()  # replicas whose queue head does not fit: later rows wait behind it
@@ -281,8 +294,7 @@ class ContinuousDecoder:
                 continue
             total = math.ceil(len(seq) / p)
             hit = a.match(seq, len(seq) - 1)
-            cost = len(seq) - len(hit) * p
-            if total - len(hit) > a.available or (fills and cost > budget):
+            if total - len(hit) > a.available or budget[row.replica] < 1:
                 a.release(hit)  # not admitted now: the lookup is counted when the row is
                 a.hits -= len(hit)
                 a.misses -= (len(seq) - 1) // p - len(hit) if a.prefix_caching else 0
@@ -290,20 +302,23 @@ class ContinuousDecoder:
                 continue
             row.table = hit + [a.allocate() for _ in range(total - len(hit))]
             row.cached = len(hit) * p
-            budget -= cost
-            leaders[key] = rid
+            n = min(len(seq) - row.cached, budget[row.replica])
+            budget[row.replica] -= n
+            if n == len(seq) - row.cached:
+                leaders[key] = rid  # rows with this prompt behind it share its blocks
             self.waiting.remove(rid)
             self.order.append(rid)
-            fills.append(rid)
+            fills.append((rid, n))
         return decode, fills, forks, copies, preempted
 
-    def _advance(self, rid: int) -> None:
-        """After the forward: the row's slots up to its newest token are written; full blocks get
-        their prefix keys."""
+    def _advance(self, rid: int, n: int) -> None:
+        """After the forward: ``n`` more slots of the row are written; full blocks get their
+        prefix keys."""
         row = self.rows[rid]
         seq = row.tokens[row.base:]
-        start, row.cached = row.cached, len(seq)
-        self.alloc[row.replica].register(row.table, seq, start, len(seq))
+        start = row.cached
+        row.cached += n
+        self.alloc[row.replica].register(row.table, seq, start, row.cached)
 
     # ---- compute (this rank's replica only) -------------------------------------------------------------
     def _decode(self, rids: list[int]) -> dict[int, int]:
@@ -312,19 +327,26 @@ class ContinuousDecoder:
         view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], [1] * len(rows), self.device)
         return self._sample(rids, self._forward(x, view))
 
-    def _prefill(self, rids: list[int], forks: dict[int, int]) -> dict[int, int]:
+    def _prefill(self, fills: list[tuple[int, int]], forks: dict[int, int]) -> dict[int, int]:
+        """Prefill chunks ``fills`` = [(row, tokens)] together; the rows whose prompt is then
+        complete (and their forks) sample their first token."""
+        rids = [r for r, _ in fills]
         rows = [self.rows[r] for r in rids]
-        news = [len(r.tokens) - r.base - r.cached for r in rows]
+        news = [n for _, n in fills]
         T = max(news)
-        x = torch.tensor([[PAD_ID] * (T - n) + r.tokens[len(r.tokens) - n:] for r, n in zip(rows, news)],
-                         device=self.device)
+        x = []
+        for r, n in zip(rows, news):
+            lo = r.base + r.cached
+            x.append([PAD_ID] * (T - n) + r.tokens[lo:lo + n])
         view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device)
-        logits = self._forward(x, view)
+        logits = self._forward(torch.tensor(x, device=self.device), view)
         if logits is None:
             return {}
-        at = {r: i for i, r in enumerate(rids)}
+        at = {r: i for i, (r, row, n) in enumerate(zip(rids, rows, news))
+              if row.cached + n == len(row.tokens) - row.base}
         fk = [f for f, lead in forks.items() if lead in at]
-        return self._sample(rids + fk, torch.cat([logits, logits[[at[forks[f]] for f in fk]]]) if fk else logits)
+        keep = list(at) + fk
+        return self._sample(keep, logits[[at[r] for r in at] + [at[forks[f]] for f in fk]])
 
     def _forward(self, x: torch.Tensor, cache) -> torch.Tensor | None:
         """This rank's span of the model on x: token ids (b, T) on the first stage, else the
