@@ -55,11 +55,24 @@ from .forward import forward_layers
 from .paged import BlockAllocator, BlockPool, PagedView
 from .sampling import make_generator, sample_rows
 
-__all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS"]
+__all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS", "kv_block_bytes"]
 
 DEFAULT_PAGE = 16  # slots per KV block (vLLM's default block size)
 DEFAULT_ROWS = 32  # the default pool holds this many full-context rows
 DEFAULT_STEP_TOKENS = 2048  # the default token budget of one iteration
+
+
+def kv_block_bytes(engine, page: int) -> int:
+    """Bytes of one KV block of ``page`` slots on the rank of ``engine``'s mesh that holds the
+    most: keys and values of its pipeline stage's layers (the largest stage), its share of the kv
+    heads (ceil(H_kv / tp)), ``head_dim`` each, in the model's dtype. Every rank computes the same
+    figure (the block count must agree on every rank)."""
+    cfg = engine.config
+    pl = engine.pipeline
+    layers = max(len(r) for r in pl.stage.layer_ranges) if pl is not None else cfg.n_layer
+    heads = math.ceil(getattr(cfg, "n_kv_head", cfg.n_head) / engine.tp)
+    elem = next(iter(engine.model.parameters())).element_size()
+    return 2 * page * layers * heads * (cfg.n_embd // cfg.n_head) * elem
 
 
 @dataclass
