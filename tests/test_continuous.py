@@ -8,12 +8,15 @@ import dataclasses
 
 import torch
 from test_inference import _local_engine, _model, _requests
+from test_paged import _mixed
 
 from zerotron.inference.batch import Request
 from zerotron.inference.continuous import ContinuousDecoder
 from zerotron.testing import run_ranks
 
 ARRIVALS = {0: [0], 2: [1, 2], 5: [3]}  # step -> requests that join then (3 joins mid-decode)
+MIXED_ARRIVALS = {0: list(range(12)), 3: [12, 13], 7: [14, 15]}
+MIXED_LAYOUTS = ("tp2xdp2", "pp2xtp2", "pp4")  # dp, tp, pp x tp, naive model parallel (pp4)
 
 
 def _drive(dec: ContinuousDecoder, reqs, arrivals=ARRIVALS, cancel_at=None):
@@ -36,7 +39,7 @@ def _drive(dec: ContinuousDecoder, reqs, arrivals=ARRIVALS, cancel_at=None):
         assert not set(res.finished) & cancelled
         out.update(res.finished)
         step += 1
-        assert step < 100
+        assert step < 400
     return out, streamed, step
 
 
@@ -135,18 +138,29 @@ def _layouts_worker():
             for sampled in (False, True):
                 out, streamed, _ = _drive(ContinuousDecoder(eng, page=4), _requests(sampled), cancel_at=(4, 1))
                 res[(preset, name, sampled)] = (out, streamed[1])
+            if preset == "tiny" and name in MIXED_LAYOUTS:  # 16 concurrent mixed-length requests on a small paged pool (preemptions)
+                dec = ContinuousDecoder(eng, num_blocks=max(4, 12 // dp), page=4, max_step_tokens=10)
+                out, _, _ = _drive(dec, _mixed(False), MIXED_ARRIVALS)
+                res[("mixed", name)] = ([out[i] for i in range(16)], dec.preemptions, sum(a.hits for a in dec.alloc))
     return res
 
 
 def test_every_layout_equals_alone(single_process):
+    """Each layout (naive model parallel: pp4 and pp2 here, one stage busy at a time) gives each
+    request its tokens alone; 16 concurrent mixed-length greedy requests on a pool too small for
+    them all (preemptions, prefix hits, forks) give the single-process tokens."""
     ref = {}
     for preset in ("tiny", "llama-tiny"):
         eng = _local_engine(_model(preset))
         for sampled in (False, True):
             ref[(preset, sampled)] = [eng.generate([r])[0] for r in _requests(sampled)]
-    results = run_ranks(_layouts_worker, 4, timeout_s=120)
+    mixed = _local_engine(_model("tiny")).generate(_mixed(False))
+    results = run_ranks(_layouts_worker, 4, timeout_s=180)
     for rank, res in enumerate(results):
-        assert len(res) == 2 * len(LAYOUTS) + 2 * (len(LAYOUTS) - 1)
+        assert len(res) == 2 * len(LAYOUTS) + 2 * (len(LAYOUTS) - 1) + len(MIXED_LAYOUTS)
+        for name in MIXED_LAYOUTS:
+            out, preempted, hits = res.pop(("mixed", name))
+            assert out == mixed and preempted > 0 and hits > 0, (rank, name, preempted, hits)
         for (preset, name, sampled), (out, cut) in res.items():
             alone = ref[(preset, sampled)]
             assert {i: out[i] for i in (0, 2, 3)} == {i: alone[i] for i in (0, 2, 3)} and 1 not in out, (rank, name)
