@@ -34,8 +34,8 @@ def _drive(dec: ContinuousDecoder, reqs, arrivals=ARRIVALS, cancel_at=None):
         cancel = [cancel_at[1]] if cancel_at and step == cancel_at[0] else []
         cancelled.update(cancel)
         res = dec.step(joins, cancel)
-        for rid, tok in res.tokens.items():
-            streamed[rid].append(tok)
+        for rid, toks in res.tokens.items():
+            streamed[rid] += toks
         assert not set(res.finished) & cancelled
         out.update(res.finished)
         step += 1

@@ -101,7 +101,13 @@ def test_sixteen_mixed_requests_small_pool_equal_alone(single_process):
             assert preempted == dec.preemptions > 0 and dec.blocks_used() == 0 and not dec.rows
             a = dec.alloc[0]
             assert a.hits > 0 and a.misses > 0, (a.hits, a.misses)
-            if sampled or preset != "tiny":
+            if sampled:
+                continue
+            # speculative decoding (prompt lookup, 3 tokens): greedy output unchanged, drafts accepted
+            spec = ContinuousDecoder(eng, num_blocks=12, page=4, max_step_tokens=10, speculative=3)
+            out3, steps3, _ = _run(spec, reqs, arrivals)
+            assert [out3[i] for i in range(16)] == alone and spec.accepted > 0 and spec.blocks_used() == 0, preset
+            if preset != "tiny":
                 continue
             # a big pool and budget: no preemption, the same tokens, fewer steps
             big = ContinuousDecoder(eng, num_blocks=16 * 4, page=4)
@@ -132,3 +138,41 @@ def test_pool_must_hold_one_row(single_process):
     eng = _local_engine(_model("tiny"))
     with pytest.raises(ValueError, match="cannot hold one full-context row"):
         ContinuousDecoder(eng, num_blocks=3, page=4)
+
+
+def test_ngram_proposer():
+    from zerotron.inference.speculative import ngram_propose
+
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]  # after the earlier "1 2 3"
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 9) == [9, 1, 2, 3]  # as many as follow
+    assert ngram_propose([4, 2, 7, 5, 2], 3) == [7, 5, 2]  # only the 1-gram "2" occurs before
+    assert ngram_propose([1, 2, 3], 3) == [] and ngram_propose([1, 1], 0) == [] and ngram_propose([7], 2) == []
+
+
+def test_accept_drafts_keeps_the_target_distribution():
+    """Rejection sampling with point-mass proposals: the first emitted token is distributed as the
+    target's p_0 whatever the draft, the second (after an accepted draft) as p_1; greedy rows
+    accept exactly the argmax prefix (Leviathan et al. 2023)."""
+    from zerotron.inference.speculative import accept_drafts
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 1.5, 0.2, 0.3, 1.0], [1, 1, 1, 1, 1.]],
+                          dtype=torch.float64)
+    p = torch.softmax(logits, -1)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=3, temperature=1.0)
+    N = 6000
+    first, second, lengths = torch.zeros(5), torch.zeros(5), []
+    for _ in range(N):
+        out = accept_drafts(logits, [1, 4], params, g)
+        lengths.append(len(out))
+        first[out[0]] += 1
+        if out[0] == 1:
+            second[out[1]] += 1
+    assert (first / N - p[0]).abs().sum() < 0.05, (first / N, p[0])
+    assert (second / second.sum() - p[1]).abs().sum() < 0.08, (second / second.sum(), p[1])
+    assert set(lengths) == {1, 2, 3}
+    greedy = SamplingParams(max_tokens=3)
+    assert accept_drafts(logits, [0, 2], greedy, None) == [0, 1]  # 0 accepted, 2 rejected: argmax 1
+    assert accept_drafts(logits, [0, 1], greedy, None) == [0, 1, 0]  # both accepted, then the argmax of row 2
+    assert accept_drafts(logits, [3, 1], greedy, None) == [0]
+    assert accept_drafts(logits[:2], [0], greedy, None) == [0, 1]

@@ -54,6 +54,7 @@ from .batch import PAD_ID, Request
 from .forward import forward_layers
 from .paged import BlockAllocator, BlockPool, PagedView
 from .sampling import make_generator, sample_rows
+from .speculative import accept_drafts, ngram_propose
 
 __all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS", "kv_block_bytes"]
 
@@ -89,12 +90,13 @@ class _Row:
 
 @dataclass
 class StepResult:
-    """One iteration's outcome, identical on every rank: ``tokens`` {row id: its new token};
+    """One iteration's outcome, identical on every rank: ``tokens`` {row id: its new tokens (one,
+    or with speculative decoding up to k + 1)};
     ``finished`` {row id: all its new tokens} for the rows that ended (eos, max_tokens, stop
     string, or a max_tokens of 0 at join) and left the batch; cancelled rows appear in neither;
     ``preempted``: row ids preempted in this step (they get tokens again once recomputed)."""
 
-    tokens: dict[int, int]
+    tokens: dict[int, list[int]]
     finished: dict[int, list[int]]
     preempted: list[int] = field(default_factory=list)
 
@@ -104,12 +106,13 @@ class ContinuousDecoder:
     its tensor-parallel model or pipeline stage, ``eos_id`` and ``decode`` are reused), on a paged
     KV cache of ``num_blocks`` blocks of ``page`` slots per layer and dp replica (None:
     :data:`DEFAULT_ROWS` full-context rows); ``prefix_caching``: reuse cached prefix blocks;
-    ``max_step_tokens``: the token budget of one iteration. Keeps every row's tokens and every
+    ``max_step_tokens``: the token budget of one iteration; ``speculative``: k tokens proposed per
+    decoding row by prompt lookup (:mod:`zerotron.inference.speculative`; 0: off). Keeps every row's tokens and every
     replica's block bookkeeping (on every rank) and this rank's blocks. Raises ValueError when
     the pool cannot hold one full-context row (``ceil(block_size / page)`` blocks)."""
 
     def __init__(self, engine, num_blocks: int | None = None, page: int = DEFAULT_PAGE,
-                 prefix_caching: bool = True, max_step_tokens: int = DEFAULT_STEP_TOKENS):
+                 prefix_caching: bool = True, max_step_tokens: int = DEFAULT_STEP_TOKENS, speculative: int = 0):
         self.engine, self.mesh = engine, engine.mesh
         self.cfg, self.device = engine.config, engine.device
         self.replica = self.mesh.local_rank("dp")
@@ -135,6 +138,11 @@ class ContinuousDecoder:
         self.order: list[int] = []  # running rows (every replica), oldest first
         self.waiting: list[int] = []  # admitted by the scheduler, not running (preempted ones first)
         self.steps = self.preemptions = self.recomputed_tokens = 0
+        if speculative < 0:
+            raise ValueError(f"speculative must be >= 0 tokens, got {speculative}")
+        self.speculative = speculative
+        self.drafts: dict[int, list[int]] = {}  # this step's proposals per decoding row
+        self.proposed = self.accepted = 0  # draft tokens proposed / accepted
 
     @property
     def running(self) -> int:
@@ -182,7 +190,7 @@ class ContinuousDecoder:
             self.rows[rid] = _Row(req, rep, list(req.prompt), generator=make_generator(req.params.seed, self.device))
             self.waiting.append(rid)
         decode, fills, forks, copies, preempted = self._schedule()  # copies: (replica, src, dst)
-        mine: dict[int, int] = {}
+        mine: dict[int, list[int]] = {}
         with self.engine.model.parallel_hooks.generation():
             for rep, src, dst in copies:
                 if rep == self.replica:
@@ -193,25 +201,34 @@ class ContinuousDecoder:
             own = [(r, n) for r, n in fills if self.rows[r].replica == self.replica]
             if own:
                 mine.update(self._prefill(own, forks))
-        for rid in decode:
-            self._advance(rid, 1)
         for rid, n in fills:
             self._advance(rid, n)
         for fork, lead in forks.items():
             f, lr = self.rows[fork], self.rows[lead]
             f.table, f.base, f.cached = [self.alloc[f.replica].share(b) for b in lr.table], lr.base, lr.cached
-        tokens: dict[int, int] = {}
+        tokens: dict[int, list[int]] = {}
         parts = comm.all_gather_object(mine if self.sampler else {}) if self.world > 1 else [mine]
         for part in parts:
             tokens.update(part)
         done = []
-        for rid, tok in tokens.items():
+        for rid, toks in tokens.items():
             row = self.rows[rid]
-            row.tokens.append(tok)
-            row.new.append(tok)
-            if self._ends(row, tok):
-                done.append(rid)
-                finished[rid] = row.new
+            drafts = self.drafts.pop(rid, [])
+            self.proposed += len(drafts)
+            self.accepted += len(toks) - 1
+            for k, tok in enumerate(toks):
+                row.tokens.append(tok)
+                row.new.append(tok)
+                if self._ends(row, tok):
+                    del toks[k + 1:]  # accepted drafts after the end are dropped
+                    done.append(rid)
+                    finished[rid] = row.new
+                    break
+            if rid in decode and rid not in finished:  # the last token and the accepted drafts are cached
+                self._advance(rid, len(toks))
+                a, keep = self.alloc[row.replica], math.ceil(row.cached / self.page)
+                a.release(row.table[keep:])  # blocks of rejected drafts
+                del row.table[keep:]
         self._leave(done)
         return StepResult(tokens, finished, preempted)
 
@@ -262,7 +279,15 @@ class ContinuousDecoder:
             s = row.cached
             if len(row.tokens) - row.base - s > 1:
                 continue  # part-way through its prefill: its blocks are held, its chunk comes below
-            need = s % p == 0 or a.refs[row.table[-1]] > 1
+            cow = s % p != 0 and a.refs[row.table[-1]] > 1
+            if self.speculative:  # proposals that fit the context, the row's max_tokens and free blocks
+                room = min(self.speculative, bs - s - 1, row.request.params.max_tokens - len(row.new) - 1)
+                d = ngram_propose(row.tokens, room)
+                extra = math.ceil((s + 1 + len(d)) / p) - len(row.table) - (s % p == 0)
+                if d and extra + (s % p == 0) + cow <= a.available:
+                    self.drafts[rid] = d
+                    row.table += [a.allocate() for _ in range(extra)]
+            need = s % p == 0 or cow
             while need and a.available < 1:
                 victim = [r for r in self.order if self.rows[r].replica == row.replica][-1]
                 self._preempt(victim)
@@ -278,9 +303,9 @@ class ContinuousDecoder:
                     a.release([row.table[-1]])
                     row.table[-1] = b
                 else:
-                    row.table.append(b)
+                    row.table.insert(s // p, b)
             decode.append(rid)
-            budget[row.replica] -= 1
+            budget[row.replica] -= 1 + len(self.drafts.get(rid, ()))
         for rid in self.order:  # chunked prefill (split-fuse): the next chunk of each started prompt
             row = self.rows[rid]
             pending = len(row.tokens) - row.base - row.cached
@@ -334,11 +359,22 @@ class ContinuousDecoder:
         self.alloc[row.replica].register(row.table, seq, start, row.cached)
 
     # ---- compute (this rank's replica only) -------------------------------------------------------------
-    def _decode(self, rids: list[int]) -> dict[int, int]:
+    def _decode(self, rids: list[int]) -> dict[int, list[int]]:
+        """One decoding step of ``rids``: each row's last token (and its draft tokens, verified)."""
         rows = [self.rows[r] for r in rids]
-        x = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
-        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], [1] * len(rows), self.device)
-        return self._sample(rids, self._forward(x, view))
+        drafts = [self.drafts.get(r, []) for r in rids]
+        news = [1 + len(d) for d in drafts]
+        T = max(news)
+        x = torch.tensor([[PAD_ID] * (T - n) + [r.tokens[-1]] + d for r, d, n in zip(rows, drafts, news)],
+                         device=self.device)
+        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device)
+        if T == 1:
+            return {r: [t] for r, t in self._sample(rids, self._forward(x, view)).items()}
+        logits = self._forward(x, view, all_logits=True)
+        if logits is None:
+            return {}
+        return {rid: accept_drafts(logits[b, T - n:], d, r.request.params, r.generator)
+                for b, (rid, r, d, n) in enumerate(zip(rids, rows, drafts, news))}
 
     def _prefill(self, fills: list[tuple[int, int]], forks: dict[int, int]) -> dict[int, int]:
         """Prefill chunks ``fills`` = [(row, tokens)] together; the rows whose prompt is then
@@ -359,9 +395,10 @@ class ContinuousDecoder:
               if row.cached + n == len(row.tokens) - row.base}
         fk = [f for f, lead in forks.items() if lead in at]
         keep = list(at) + fk
-        return self._sample(keep, logits[[at[r] for r in at] + [at[forks[f]] for f in fk]])
+        out = self._sample(keep, logits[[at[r] for r in at] + [at[forks[f]] for f in fk]])
+        return {r: [t] for r, t in out.items()}
 
-    def _forward(self, x: torch.Tensor, cache) -> torch.Tensor | None:
+    def _forward(self, x: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor | None:
         """This rank's span of the model on x: token ids (b, T) on the first stage, else the
         previous stage's activations (b, T, C), received here; returns logits (b, V) on the last
         stage, else sends the activations on and returns None."""
@@ -370,7 +407,7 @@ class ContinuousDecoder:
             buf = torch.empty(x.size(0), x.size(1), pl.width, dtype=pl.act_dtype, device=self.device)
             comm.recv(buf, pl.prev, group=pl.group, tag="decode")
             x = buf
-        y = forward_layers(self.engine.model, self.blocks, self.layers, x, cache, self.first, self.last)
+        y = forward_layers(self.engine.model, self.blocks, self.layers, x, cache, self.first, self.last, all_logits)
         if not self.last:
             comm.send(y.to(pl.act_dtype).contiguous(), pl.next, group=pl.group, tag="decode")
             return None

@@ -164,9 +164,10 @@ class ContinuousScheduler:
                 self._fail_all(f"{type(e).__name__}: {e}")
                 self._account()
                 continue
-            for rid, tok in res.tokens.items():
+            for rid, toks in res.tokens.items():
                 j, k = self.live[rid]
-                j.token(k, tok)
+                for tok in toks:
+                    j.token(k, tok)
             for rid, new in res.finished.items():
                 j, k = self.live.pop(rid)
                 j.result[k] = new
