@@ -140,6 +140,30 @@ def test_pool_must_hold_one_row(single_process):
         ContinuousDecoder(eng, num_blocks=3, page=4)
 
 
+def test_draft_model_speculation_equals_plain_greedy(single_process):
+    """--speculative draft: a small draft model's greedy guesses, verified by the target: the
+    target's greedy tokens exactly; the target itself as its own draft has every guess accepted."""
+    from test_inference import BLOCK
+
+    from zerotron.models import registry
+
+    eng = _local_engine(_model("tiny"))
+    reqs = _mixed(False)[:4]
+    alone = eng.generate(reqs)
+    torch.manual_seed(1)
+    other = registry.build_model(registry.preset_config("tiny", vocab_size=VOCAB, block_size=BLOCK, n_layer=1))
+    for w in other.parameters():  # far from the target: many guesses rejected
+        w.data.normal_(0, 1)
+    for draft, all_accepted in ((other.double().eval(), False), (_model("tiny"), True)):
+        dec = ContinuousDecoder(eng, num_blocks=40, page=4, speculative=4, draft_model=draft)
+        out, _, _ = _run(dec, reqs, {0: list(range(4))})
+        assert [out[i] for i in range(4)] == alone and dec.proposed > 0
+        assert (dec.accepted == dec.proposed) == all_accepted, (dec.accepted, dec.proposed)
+    with pytest.raises(ValueError, match="vocabulary"):
+        ContinuousDecoder(eng, speculative=2, draft_model=registry.build_model(registry.preset_config(
+            "tiny", vocab_size=VOCAB + 1, block_size=BLOCK)))
+
+
 def test_ngram_proposer():
     from zerotron.inference.speculative import ngram_propose
 

@@ -418,6 +418,10 @@ def test_batching_options_are_checked():
     assert err("--kv-page", "0") == "--kv-page must be >= 1, got 0"
     assert err("--kv-cache-mb", "-1") == "--kv-cache-mb must be a finite number >= 0, got -1.0"
     assert err("--max-step-tokens", "0") == "--max-step-tokens must be >= 1, got 0"
+    assert err("--speculative", "ngram") is None and err("--speculative", "draft:/x") is None
+    assert err("--speculative", "eagle") == "--speculative must be 'ngram' or 'draft:DIR', got 'eagle'"
+    assert err("--speculative", "ngram", "--batching", "window").startswith("--speculative needs --batching continuous")
+    assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
 
 
 def test_api_key_option_and_env():

@@ -107,12 +107,16 @@ class ContinuousDecoder:
     KV cache of ``num_blocks`` blocks of ``page`` slots per layer and dp replica (None:
     :data:`DEFAULT_ROWS` full-context rows); ``prefix_caching``: reuse cached prefix blocks;
     ``max_step_tokens``: the token budget of one iteration; ``speculative``: k tokens proposed per
-    decoding row by prompt lookup (:mod:`zerotron.inference.speculative`; 0: off). Keeps every row's tokens and every
+    decoding row by prompt lookup (:mod:`zerotron.inference.speculative`; 0: off) or, given a
+    ``draft_model`` (a dense ``CausalLM`` with the same vocabulary, in eval mode, on every rank),
+    by its greedy continuation (run by the row's replica only: the bookkeeping needs only the
+    count, which is fixed). Keeps every row's tokens and every
     replica's block bookkeeping (on every rank) and this rank's blocks. Raises ValueError when
     the pool cannot hold one full-context row (``ceil(block_size / page)`` blocks)."""
 
     def __init__(self, engine, num_blocks: int | None = None, page: int = DEFAULT_PAGE,
-                 prefix_caching: bool = True, max_step_tokens: int = DEFAULT_STEP_TOKENS, speculative: int = 0):
+                 prefix_caching: bool = True, max_step_tokens: int = DEFAULT_STEP_TOKENS, speculative: int = 0,
+                 draft_model=None):
         self.engine, self.mesh = engine, engine.mesh
         self.cfg, self.device = engine.config, engine.device
         self.replica = self.mesh.local_rank("dp")
@@ -140,7 +144,10 @@ class ContinuousDecoder:
         self.steps = self.preemptions = self.recomputed_tokens = 0
         if speculative < 0:
             raise ValueError(f"speculative must be >= 0 tokens, got {speculative}")
-        self.speculative = speculative
+        self.speculative, self.draft_model = speculative, draft_model
+        if draft_model is not None and draft_model.config.vocab_size != self.cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) differs from the "
+                             f"target's ({self.cfg.vocab_size}): use a draft trained with the same tokenizer")
         self.drafts: dict[int, list[int]] = {}  # this step's proposals per decoding row
         self.proposed = self.accepted = 0  # draft tokens proposed / accepted
 
@@ -282,7 +289,7 @@ class ContinuousDecoder:
             cow = s % p != 0 and a.refs[row.table[-1]] > 1
             if self.speculative:  # proposals that fit the context, the row's max_tokens and free blocks
                 room = min(self.speculative, bs - s - 1, row.request.params.max_tokens - len(row.new) - 1)
-                d = ngram_propose(row.tokens, room)
+                d = ngram_propose(row.tokens, room) if self.draft_model is None else [PAD_ID] * max(room, 0)
                 extra = math.ceil((s + 1 + len(d)) / p) - len(row.table) - (s % p == 0)
                 if d and extra + (s % p == 0) + cow <= a.available:
                     self.drafts[rid] = d
@@ -363,6 +370,11 @@ class ContinuousDecoder:
         """One decoding step of ``rids``: each row's last token (and its draft tokens, verified)."""
         rows = [self.rows[r] for r in rids]
         drafts = [self.drafts.get(r, []) for r in rids]
+        if self.draft_model is not None:  # the counts were fixed by the schedule; the draft fills them in
+            for rid, r, d in zip(rids, rows, drafts):
+                if d:
+                    ctx = torch.tensor([r.tokens], device=self.device)
+                    d[:] = self.draft_model.generate(ctx, len(d), temperature=0)[0, -len(d):].tolist()
         news = [1 + len(d) for d in drafts]
         T = max(news)
         x = torch.tensor([[PAD_ID] * (T - n) + [r.tokens[-1]] + d for r, d, n in zip(rows, drafts, news)],

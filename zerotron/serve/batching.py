@@ -83,7 +83,7 @@ class ContinuousScheduler:
         self.engine, self.front, self.channel, self.max_batch = engine, front, channel, max_batch
         self.paged = paged or {}  # ContinuousDecoder options: the followers get the same
         self.decoder = ContinuousDecoder(engine, **self.paged)
-        self.preempt_base = self.hit_base = self.miss_base = 0  # counts of replaced decoders
+        self.preempt_base = self.hit_base = self.miss_base = self.prop_base = self.acc_base = 0  # replaced decoders
         self._account()
         self.waiting: collections.deque = collections.deque()  # (job, row of the job)
         self.live: dict = {}  # row id -> (job, row of the job)
@@ -139,6 +139,7 @@ class ContinuousScheduler:
         s.preemptions = self.preempt_base + d.preemptions
         s.prefix_hits = self.hit_base + sum(a.hits for a in d.alloc)
         s.prefix_misses = self.miss_base + sum(a.misses for a in d.alloc)
+        s.spec_proposed, s.spec_accepted = self.prop_base + d.proposed, self.acc_base + d.accepted
 
     def run(self) -> None:
         stats = self.front.stats
@@ -161,6 +162,7 @@ class ContinuousScheduler:
             except Exception as e:  # noqa: BLE001 - the rows' jobs answer 500; the followers reset alike
                 s = self.front.stats
                 self.preempt_base, self.hit_base, self.miss_base = s.preemptions, s.prefix_hits, s.prefix_misses
+                self.prop_base, self.acc_base = s.spec_proposed, s.spec_accepted
                 self._fail_all(f"{type(e).__name__}: {e}")
                 self._account()
                 continue

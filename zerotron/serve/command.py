@@ -46,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
                    help="token budget of one continuous-batching step: decoding rows first, then chunked prefill")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not reuse the KV blocks of prompt prefixes seen before")
+    p.add_argument("--speculative", default="", help="speculative decoding (--batching continuous): 'ngram' "
+                   "(prompt lookup, no draft model) or 'draft:DIR' (a small checkpoint with the same tokenizer)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per decoding row and step")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--model-name", default=None, help="the model id (default: the run directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
@@ -72,6 +75,12 @@ def check_args(args) -> None:
             ("--max-body-bytes", args.max_body_bytes, args.max_body_bytes >= 1, ">= 1")):
         if not ok:
             raise ValueError(f"{name} must be {want}, got {val}")
+    if args.speculative and not (args.speculative == "ngram" or args.speculative.startswith("draft:")):
+        raise ValueError(f"--speculative must be 'ngram' or 'draft:DIR', got {args.speculative!r}")
+    if args.speculative and args.batching != "continuous":
+        raise ValueError("--speculative needs --batching continuous; drop --speculative or --batching window")
+    if args.num_speculative_tokens < 1:
+        raise ValueError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if args.batching == "continuous" and args.microbatches > 1:
         raise ValueError(f"--microbatches {args.microbatches} needs --batching window (continuous batching walks "
                          "the pipeline one iteration at a time); drop --microbatches or add --batching window")
@@ -101,6 +110,8 @@ def main(argv: list[str]) -> int:
         # the layout fits the world size: one line here, not a traceback in every rank
         ParallelDims(int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc), 0, args.tp, args.pp)
         ckpt = resolve_checkpoint(args.checkpoint)
+        if args.speculative.startswith("draft:"):
+            resolve_checkpoint(args.speculative[len("draft:"):])  # there: one line now, not in every rank
         if not in_worker():  # the model's heads split over tp: the rule the plan applies, before any worker
             from zerotron.models.layout import tp_refusal
             from zerotron.train.checkpoint import read_meta
@@ -133,6 +144,8 @@ def main(argv: list[str]) -> int:
     model, tok, _ = load_model(ckpt, device)
     engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=eos_id(tok), decode=tok.decode)
     paged = paged_options(args, engine)
+    if args.speculative.startswith("draft:"):
+        paged["draft_model"] = load_model(resolve_checkpoint(args.speculative[len("draft:"):]), device)[0].eval()
     code = 0
     if rank != 0:
         follow(engine, paged)
@@ -153,7 +166,8 @@ def paged_options(args, engine) -> dict:
     if args.kv_cache_mb > 0:
         blocks = int(args.kv_cache_mb * 2**20) // kv_block_bytes(engine, args.kv_page)
     return {"num_blocks": blocks, "page": args.kv_page, "prefix_caching": args.prefix_cache,
-            "max_step_tokens": args.max_step_tokens}
+            "max_step_tokens": args.max_step_tokens,
+            "speculative": args.num_speculative_tokens if args.speculative else 0}
 
 
 def _launch(nproc: int, argv: list[str], launch) -> int:
@@ -211,7 +225,8 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
         d = batcher.decoder
         kv_line = (f"\nzerotron serve: KV cache: {d.num_blocks} blocks of {d.page} tokens per dp replica "
                    f"({d.num_blocks * kv_block_bytes(engine, d.page) / 2**20:.1f} MiB on the fullest rank; "
-                   f"{d.num_blocks * d.page} tokens), prefix caching {'on' if args.prefix_cache else 'off'}")
+                   f"{d.num_blocks * d.page} tokens), prefix caching {'on' if args.prefix_cache else 'off'}"
+                   + (f", speculative {args.speculative} x {args.num_speculative_tokens}" if args.speculative else ""))
     server = ServerThread(make_app(front, args.max_body_bytes, api_key), sock)
     server.start()
     threading.Thread(target=lambda: (stop.wait(), front.draining.set()), daemon=True).start()

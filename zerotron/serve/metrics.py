@@ -12,6 +12,8 @@
 * ``zerotron_prefix_cache_hits_total`` / ``zerotron_prefix_cache_misses_total`` (counters): full
   prompt blocks found / not found in the prefix cache;
 * ``zerotron_preemptions_total`` (counter): rows preempted when the pool ran out (recomputed later);
+* ``zerotron_spec_proposed_tokens_total`` / ``zerotron_spec_accepted_tokens_total`` (counters) and
+  ``zerotron_spec_acceptance_rate`` (gauge, accepted / proposed): speculative decoding;
 * ``zerotron_time_to_first_token_seconds`` (histogram): submit -> the row's first token;
 * ``zerotron_time_per_output_token_seconds`` (histogram): (last token - first token) / (tokens - 1)
   per row of at least 2 tokens.
@@ -103,7 +105,13 @@ class Metrics:
                     ("zerotron_prefix_cache_misses_total", "counter",
                      "Full prompt blocks not found in the prefix cache.", getattr(stats, "prefix_misses", 0)),
                     ("zerotron_preemptions_total", "counter", "Rows preempted when the KV pool ran out.",
-                     getattr(stats, "preemptions", 0))):
+                     getattr(stats, "preemptions", 0)),
+                    ("zerotron_spec_proposed_tokens_total", "counter", "Draft tokens proposed (speculative decoding).",
+                     getattr(stats, "spec_proposed", 0)),
+                    ("zerotron_spec_accepted_tokens_total", "counter", "Draft tokens accepted by the target model.",
+                     getattr(stats, "spec_accepted", 0)),
+                    ("zerotron_spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens (0 before any).",
+                     _num(getattr(stats, "spec_accepted", 0) / max(getattr(stats, "spec_proposed", 0), 1)))):
                 out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {v}"]
             out += self.ttft.lines() + self.tpot.lines()
         return "\n".join(out) + "\n"
