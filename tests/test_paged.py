@@ -132,6 +132,12 @@ def test_forks_share_blocks_copy_on_write(single_process):
     out, _, _ = _run(dec, reqs, {})
     assert [out[i] for i in range(3)] == alone
     assert len(copies) == 2 and dec.blocks_used() == 0  # two forks copied block 1; the last wrote it in place
+    # greedy forks with speculative decoding: the drafts' blocks come after the copied one
+    greedy = [Request(prompt * 2, SamplingParams(max_tokens=7)) for _ in range(3)]
+    ref = eng.generate(greedy[:1])[0]
+    spec = ContinuousDecoder(eng, num_blocks=12, page=4, speculative=3)
+    out, _, _ = _run(spec, greedy, {0: [0, 1, 2]})
+    assert [out[i] for i in range(3)] == [ref] * 3 and spec.proposed > 0 and spec.blocks_used() == 0
 
 
 def test_pool_must_hold_one_row(single_process):

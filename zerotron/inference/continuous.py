@@ -286,7 +286,7 @@ class ContinuousDecoder:
             s = row.cached
             if len(row.tokens) - row.base - s > 1:
                 continue  # part-way through its prefill: its blocks are held, its chunk comes below
-            cow = s % p != 0 and a.refs[row.table[-1]] > 1
+            cow = s % p != 0 and a.refs[row.table[s // p]] > 1
             if self.speculative:  # proposals that fit the context, the row's max_tokens and free blocks
                 room = min(self.speculative, bs - s - 1, row.request.params.max_tokens - len(row.new) - 1)
                 d = ngram_propose(row.tokens, room) if self.draft_model is None else [PAD_ID] * max(room, 0)
@@ -305,10 +305,11 @@ class ContinuousDecoder:
                 continue
             if need:
                 b = a.allocate()
-                if s % p:  # copy-on-write of a shared last block
-                    copies.append((row.replica, row.table[-1], b))
-                    a.release([row.table[-1]])
-                    row.table[-1] = b
+                if s % p:  # copy-on-write of the shared, partly filled block of slot s
+                    i = s // p
+                    copies.append((row.replica, row.table[i], b))
+                    a.release([row.table[i]])
+                    row.table[i] = b
                 else:
                     row.table.insert(s // p, b)
             decode.append(rid)
