@@ -176,6 +176,7 @@ def test_ngram_proposer():
     assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]  # after the earlier "1 2 3"
     assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 9) == [9, 1, 2, 3]  # as many as follow
     assert ngram_propose([4, 2, 7, 5, 2], 3) == [7, 5, 2]  # only the 1-gram "2" occurs before
+    assert ngram_propose([5, 5, 5, 5, 5], 3) == [5, 5]  # the earliest 3-gram match: 2 tokens follow it, not 1
     assert ngram_propose([1, 2, 3], 3) == [] and ngram_propose([1, 1], 0) == [] and ngram_propose([7], 2) == []
 
 

@@ -23,16 +23,22 @@ __all__ = ["ngram_propose", "accept_drafts"]
 
 def ngram_propose(tokens: list[int], k: int, max_n: int = 3) -> list[int]:
     """Up to ``k`` proposed next tokens of the sequence ``tokens``: those that followed the most
-    recent earlier occurrence of its last n tokens, for the largest n <= ``max_n`` that occurs
-    before; [] if none (or k < 1)."""
+    recent earlier occurrence of its last n tokens that has k tokens after it (else the occurrence
+    with the most), for the largest n <= ``max_n`` that occurs before; [] if none (or k < 1)."""
     L = len(tokens)
     if k < 1:
         return []
     for n in range(min(max_n, L - 1), 0, -1):
-        tail = tokens[L - n:]
+        tail, best = tokens[L - n:], []
         for j in range(L - n - 1, -1, -1):  # start of an earlier occurrence (not the suffix itself)
             if tokens[j:j + n] == tail:
-                return tokens[j + n:j + n + k]
+                follow = tokens[j + n:j + n + k]
+                if len(follow) > len(best):
+                    best = follow
+                if len(best) == k:
+                    break
+        if best:
+            return best
     return []
 
 
