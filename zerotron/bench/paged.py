@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     row_blocks = -(-args.context // 16)  # one full-context row (the pool is zeroed when first used: keep it small)
     res = {"spec_ratio": [], "acceptance": [], "prefix_ttft_ratio": [], "kv_waste": [], "preemptions": [],
            "recomputed_tokens": [], "max_wait_steps": [], "completed": []}
+    _steps(ContinuousDecoder(eng, num_blocks=row_blocks, speculative=4), {0: [0]}, rep)  # warm-up
     for rnd in range(args.rounds):
         order = (0, 1) if rnd % 2 == 0 else (1, 0)
         tps = {}
