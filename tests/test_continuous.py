@@ -8,12 +8,15 @@ import dataclasses
 
 import torch
 from test_inference import _local_engine, _model, _requests
+from test_paged import _mixed
 
 from zerotron.inference.batch import Request
 from zerotron.inference.continuous import ContinuousDecoder
 from zerotron.testing import run_ranks
 
 ARRIVALS = {0: [0], 2: [1, 2], 5: [3]}  # step -> requests that join then (3 joins mid-decode)
+MIXED_ARRIVALS = {0: list(range(12)), 3: [12, 13], 7: [14, 15]}
+MIXED_LAYOUTS = ("tp2xdp2", "pp2xtp2", "pp4")  # dp, tp, pp x tp, naive model parallel (pp4)
 
 
 def _drive(dec: ContinuousDecoder, reqs, arrivals=ARRIVALS, cancel_at=None):
@@ -31,12 +34,12 @@ def _drive(dec: ContinuousDecoder, reqs, arrivals=ARRIVALS, cancel_at=None):
         cancel = [cancel_at[1]] if cancel_at and step == cancel_at[0] else []
         cancelled.update(cancel)
         res = dec.step(joins, cancel)
-        for rid, tok in res.tokens.items():
-            streamed[rid].append(tok)
+        for rid, toks in res.tokens.items():
+            streamed[rid] += toks
         assert not set(res.finished) & cancelled
         out.update(res.finished)
         step += 1
-        assert step < 100
+        assert step < 400
     return out, streamed, step
 
 
@@ -47,14 +50,14 @@ def test_joining_rows_equal_alone_single_process(single_process):
         for sampled in (False, True):
             reqs = _requests(sampled)
             alone = [eng.generate([r])[0] for r in reqs]
-            dec = ContinuousDecoder(eng)
+            dec = ContinuousDecoder(eng, page=4)
             out, streamed, steps = _drive(dec, reqs)
             assert [out[i] for i in range(4)] == alone, (preset, sampled)
             assert all(streamed[i] == alone[i] for i in range(4))
-            assert dec.running == 0 and dec.cache.B == 0 and dec.order == []
+            assert dec.running == 0 and dec.order == [] and dec.blocks_used() == 0
             assert steps < sum(len(a) for a in alone)  # rows really shared iterations
             # every request arriving at once, and one by one in reverse: the same tokens
-            out2, _, _ = _drive(ContinuousDecoder(eng), reqs, {0: [3, 2, 1, 0]})
+            out2, _, _ = _drive(ContinuousDecoder(eng, page=4), reqs, {0: [3, 2, 1, 0]})
             assert [out2[i] for i in range(4)] == alone
 
 
@@ -63,24 +66,24 @@ def test_cancel_eos_stop_and_zero_tokens(single_process):
     eng = _local_engine(model)
     reqs = _requests(False)
     alone = [eng.generate([r])[0] for r in reqs]
-    dec = ContinuousDecoder(eng)
+    dec = ContinuousDecoder(eng, page=4)
     out, streamed, _ = _drive(dec, reqs, cancel_at=(4, 1))  # request 1 joined at step 2: 2 tokens, then gone
     assert 1 not in out and streamed[1] == alone[1][:2]
     assert [out[i] for i in (0, 2, 3)] == [alone[i] for i in (0, 2, 3)]
-    assert dec.running == 0 and dec.cache.B == 0
+    assert dec.running == 0 and dec.blocks_used() == 0
     # eos and stop strings end a row where they end it alone; max_tokens 0 finishes at join
     eos = alone[1][3]
     e_eng = _local_engine(model, eos_id=eos)
-    out, _, _ = _drive(ContinuousDecoder(e_eng), reqs)
+    out, _, _ = _drive(ContinuousDecoder(e_eng, page=4), reqs)
     assert [out[i] for i in range(4)] == [e_eng.generate([r])[0] for r in reqs]
     decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
     stop = (f"{alone[2][1]}><{alone[2][2]}>",)
     s_reqs = [Request(r.prompt, dataclasses.replace(r.params, stop=stop)) for r in reqs]
     s_eng = _local_engine(model, decode=decode)
-    out, _, _ = _drive(ContinuousDecoder(s_eng), s_reqs)
+    out, _, _ = _drive(ContinuousDecoder(s_eng, page=4), s_reqs)
     assert [out[i] for i in range(4)] == [s_eng.generate([r])[0] for r in s_reqs] and len(out[2]) < len(alone[2])
     z = [Request(reqs[0].prompt, dataclasses.replace(reqs[0].params, max_tokens=0))] + reqs[1:]
-    out, _, _ = _drive(ContinuousDecoder(eng), z)
+    out, _, _ = _drive(ContinuousDecoder(eng, page=4), z)
     assert out[0] == [] and [out[i] for i in (1, 2, 3)] == alone[1:]
 
 
@@ -133,20 +136,37 @@ def _layouts_worker():
                 continue
             eng = Engine(copy.deepcopy(dense), Mesh(ParallelDims(dist.get_world_size(), dp, tp, pp), torch.device("cpu")))
             for sampled in (False, True):
-                out, streamed, _ = _drive(ContinuousDecoder(eng), _requests(sampled), cancel_at=(4, 1))
+                out, streamed, _ = _drive(ContinuousDecoder(eng, page=4), _requests(sampled), cancel_at=(4, 1))
                 res[(preset, name, sampled)] = (out, streamed[1])
+            if preset == "tiny" and name in MIXED_LAYOUTS:  # 16 concurrent mixed-length requests on a small paged pool (preemptions)
+                # (and speculative decoding: 3 prompt-lookup tokens per row and step)
+                dec = ContinuousDecoder(eng, num_blocks=6 if dp == 1 else 4, page=4, max_step_tokens=10, speculative=3)
+                out, _, _ = _drive(dec, _mixed(False), MIXED_ARRIVALS)
+                res[("mixed", name)] = ([out[i] for i in range(16)], dec.preemptions, sum(a.hits for a in dec.alloc),
+                                        dec.accepted)
     return res
 
 
 def test_every_layout_equals_alone(single_process):
+    """Each layout (naive model parallel: pp4 and pp2 here, one stage busy at a time) gives each
+    request its tokens alone; 16 concurrent mixed-length greedy requests on a pool too small for
+    them all (preemptions, prefix hits, forks), with speculative decoding, give the single-process
+    tokens."""
     ref = {}
     for preset in ("tiny", "llama-tiny"):
         eng = _local_engine(_model(preset))
         for sampled in (False, True):
             ref[(preset, sampled)] = [eng.generate([r])[0] for r in _requests(sampled)]
-    results = run_ranks(_layouts_worker, 4, timeout_s=120)
+    mixed = _local_engine(_model("tiny")).generate(_mixed(False))
+    results = run_ranks(_layouts_worker, 4, timeout_s=180)
     for rank, res in enumerate(results):
-        assert len(res) == 2 * len(LAYOUTS) + 2 * (len(LAYOUTS) - 1)
+        assert len(res) == 2 * len(LAYOUTS) + 2 * (len(LAYOUTS) - 1) + len(MIXED_LAYOUTS)
+        hits = 0
+        for name in MIXED_LAYOUTS:
+            out, preempted, h, accepted = res.pop(("mixed", name))
+            assert out == mixed and preempted > 0 and accepted > 0, (rank, name, preempted, accepted)
+            hits += h
+        assert hits > 0  # (under dp2 the shared-prefix rows meet on a pool of 4 blocks: maybe none there)
         for (preset, name, sampled), (out, cut) in res.items():
             alone = ref[(preset, sampled)]
             assert {i: out[i] for i in (0, 2, 3)} == {i: alone[i] for i in (0, 2, 3)} and 1 not in out, (rank, name)

@@ -297,7 +297,11 @@ def test_metrics(server):
     names = {ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE")}
     assert names == {"zerotron_requests_total", "zerotron_queue_depth", "zerotron_running_rows",
                      "zerotron_generated_tokens_total", "zerotron_cancelled_rows_total",
-                     "zerotron_time_to_first_token_seconds", "zerotron_time_per_output_token_seconds"}, names
+                     "zerotron_time_to_first_token_seconds", "zerotron_time_per_output_token_seconds",
+                     "zerotron_kv_blocks_used", "zerotron_kv_blocks_free", "zerotron_prefix_cache_hits_total",
+                     "zerotron_prefix_cache_misses_total", "zerotron_preemptions_total",
+                     "zerotron_spec_proposed_tokens_total", "zerotron_spec_accepted_tokens_total",
+                     "zerotron_spec_acceptance_rate"}, names
     samples = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                if ln and not ln.startswith("#")}
     assert samples['zerotron_requests_total{endpoint="/v1/completions",code="200"}'] >= 1

@@ -316,7 +316,7 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompts[3], "--max-new-tokens", "40"]) == 0
     ref_long = capsys.readouterr().out[:-1]
-    proc, lines, base = _start(checkpoint, "--parallel.pp", "2")
+    proc, lines, base = _start(checkpoint, "--parallel.pp", "2", "--kv-page", "4")
     url = base + "/v1/completions"
     body = lambda p, n=NEW: {"prompt": p, "max_tokens": n, "temperature": 0}  # noqa: E731
     try:
@@ -375,6 +375,13 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
         assert plain["choices"][0]["text"] == chat.choices[0].message.content
         metrics = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
         assert "zerotron_time_to_first_token_seconds_count" in metrics and "zerotron_running_rows 0" in metrics
+        # the paged KV cache: every block back in the pool, the repeated prompts' blocks found cached
+        fig = dict(ln.split(" ") for ln in metrics.splitlines() if ln.startswith("zerotron_") and "{" not in ln)
+        assert fig["zerotron_kv_blocks_used"] == "0" and int(fig["zerotron_kv_blocks_free"]) > 0, fig
+        assert int(fig["zerotron_prefix_cache_hits_total"]) > 0 and "zerotron_preemptions_total" in fig, fig
+        assert any("KV cache:" in ln and "blocks of 4 tokens" in ln for ln in lines), "".join(lines)
+        code, r = _post(url, body("to be or not " * 2000))  # longer than the model's context: refused
+        assert code == 400 and "block_size" in r["error"]["message"] and r["error"]["param"] == "prompt", r
 
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             fut = ex.submit(_post, url, body(prompts[3], 40))
@@ -408,6 +415,13 @@ def test_batching_options_are_checked():
     msg = err("--microbatches", "2")
     assert msg.startswith("--microbatches 2 needs --batching window") and "\n" not in msg
     assert err("--microbatches", "1") is None  # one micro-batch = the whole batch: fine either way
+    assert err("--kv-page", "0") == "--kv-page must be >= 1, got 0"
+    assert err("--kv-cache-mb", "-1") == "--kv-cache-mb must be a finite number >= 0, got -1.0"
+    assert err("--max-step-tokens", "0") == "--max-step-tokens must be >= 1, got 0"
+    assert err("--speculative", "ngram") is None and err("--speculative", "draft:/x") is None
+    assert err("--speculative", "eagle") == "--speculative must be 'ngram' or 'draft:DIR', got 'eagle'"
+    assert err("--speculative", "ngram", "--batching", "window").startswith("--speculative needs --batching continuous")
+    assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
 
 
 def test_api_key_option_and_env():

@@ -1,40 +1,49 @@
-"""Continuous (iteration-level) batching: :class:`ContinuousDecoder`.
+"""Continuous (iteration-level) batching over a paged KV cache: :class:`ContinuousDecoder`.
 
 Orca (Yu et al., OSDI 2022) and vLLM schedule per decoding *iteration* instead of per batch: between
 two decode steps finished rows leave and waiting requests join, so a request that arrives while
 others are decoding starts at the next step instead of waiting for the whole batch to finish.
 
-:meth:`ContinuousDecoder.step` is one iteration, collective over the whole mesh (every rank calls
-it with the same ``joins`` and ``cancel``, which rank 0's scheduler decides and broadcasts):
+Keys and values live in a paged cache (:mod:`zerotron.inference.paged`, PagedAttention, Kwon et al.
+SOSP 2023): one pool of ``num_blocks`` blocks of ``page`` slots per layer on this rank (its pipeline
+stage's layers, its tensor-parallel kv heads, its dp replica's rows), a block table per row, prefix
+blocks shared by hash, copy-on-write for rows forked from one prompt (``n > 1``).
 
-1. cancelled rows leave (their cache rows are dropped: they consume no more decode steps);
-2. the rows already running on this rank's dp replica take one decode step (their last token with
-   the KV cache; past ``block_size`` the cache is rebuilt from the last block_size tokens of every
-   row, as in :mod:`zerotron.inference.batch`);
-3. the rows joining this replica are prefilled together (left-padded among themselves, their
-   prompts cropped to the last block_size tokens) and sample their first token; their keys and
-   values are copied into the running batch's :class:`~zerotron.inference.kvcache.PooledKVCache`
-   after the running rows (right-aligned at the common last slot, per-row left padding, so the
-   positions ``slot - pad`` stay each row's own; the running rows are not copied);
-4. the sampled tokens are all-gathered over the world, so every rank knows every row's tokens and
+:meth:`ContinuousDecoder.step` is one iteration, collective over the whole mesh (every rank calls
+it with the same ``joins`` and ``cancel``, which rank 0's scheduler decides and broadcasts; the
+block bookkeeping of every replica is kept, identically, on every rank):
+
+1. cancelled rows leave (their blocks are released);
+2. *schedule* (per dp replica): each running row, oldest first, gets the block its next slot needs
+   (a fresh one at a block boundary, a private copy of a shared last block); when the pool has none
+   left the newest running row is *preempted* (its blocks freed, its tokens kept: it waits at the
+   head of the queue and is recomputed when blocks are free again); then waiting rows are admitted
+   first come, first served, while their blocks fit and the step's token budget
+   (``max_step_tokens``: one per decoding row, the uncached prompt tokens of each newcomer; the
+   first newcomer of a step is always admitted when its blocks fit) lasts; the queue's head is
+   never overtaken, so every row runs once the rows before it are done (no starvation);
+3. the running rows decode one token (their last token through the cache); rows whose context
+   reached ``block_size`` are recomputed from their last block_size tokens, as in
+   :mod:`zerotron.inference.batch`;
+4. admitted rows are prefilled together (only the tokens after their longest cached prefix; rows
+   with a prompt equal to an earlier newcomer's share its blocks) and sample their first token;
+5. the sampled tokens are all-gathered over the world, so every rank knows every row's tokens and
    ends rows identically (eos, max_tokens, stop strings: the same rule as
-   :class:`~zerotron.inference.batch.DecodeBatch`); finished rows leave the cache (rows from the
-   end fill their places; when the common slot reaches block_size, the slots that are padding in
-   every row are dropped first).
+   :class:`~zerotron.inference.batch.DecodeBatch`).
 
 Layouts: the same as :class:`~zerotron.inference.Engine` (single process, tp, dp, pp, any product):
 rows are assigned to a dp replica by the scheduler; tp ranks decode the same rows on their head
 shards (logits gathered by the model's hooks, identical generators, so identical tokens); with pp
 the iteration walks the stages (stage s receives the activations of the span before it, the last
-stage samples), one stage busy at a time: micro-batches in flight are a feature of the window
-batcher's :class:`~zerotron.inference.pipelined.PipelinedDecoder`, not of continuous batching.
+stage samples), one stage busy at a time.
 
 A row computes what it would alone (greedy: equal to ``Engine.generate`` of the request alone, in
-fp64; sampling: each row has its own generator seeded with its ``params.seed``, one draw per step),
-whoever shares its batch and whenever it joined.
+fp64; sampling: each row has its own generator seeded with its ``params.seed``, one draw per
+sampled token), whoever shares its batch, whenever it joined, however often it was preempted.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -43,10 +52,28 @@ from zerotron.distributed import comm
 
 from .batch import PAD_ID, Request, is_eos
 from .forward import forward_layers
-from .kvcache import PooledKVCache, StaticKVCache
+from .paged import BlockAllocator, BlockPool, PagedView
 from .sampling import make_generator, sample_rows
+from .speculative import accept_drafts, ngram_propose
 
-__all__ = ["ContinuousDecoder", "StepResult"]
+__all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS", "kv_block_bytes"]
+
+DEFAULT_PAGE = 16  # slots per KV block (vLLM's default block size)
+DEFAULT_ROWS = 32  # the default pool holds this many full-context rows
+DEFAULT_STEP_TOKENS = 2048  # the default token budget of one iteration
+
+
+def kv_block_bytes(engine, page: int) -> int:
+    """Bytes of one KV block of ``page`` slots on the rank of ``engine``'s mesh that holds the
+    most: keys and values of its pipeline stage's layers (the largest stage), its share of the kv
+    heads (ceil(H_kv / tp)), ``head_dim`` each, in the model's dtype. Every rank computes the same
+    figure (the block count must agree on every rank)."""
+    cfg = engine.config
+    pl = engine.pipeline
+    layers = max(len(r) for r in pl.stage.layer_ranges) if pl is not None else cfg.n_layer
+    heads = math.ceil(getattr(cfg, "n_kv_head", cfg.n_head) / engine.tp)
+    elem = next(iter(engine.model.parameters())).element_size()
+    return 2 * page * layers * heads * (cfg.n_embd // cfg.n_head) * elem
 
 
 @dataclass
@@ -56,24 +83,40 @@ class _Row:
     tokens: list[int]
     new: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    table: list[int] = field(default_factory=list)  # block ids of the slots tokens[base:]
+    base: int = 0  # the cache holds tokens[base:] (> 0 once the context passed block_size)
+    cached: int = 0  # slots written
 
 
 @dataclass
 class StepResult:
-    """One iteration's outcome, identical on every rank: ``tokens`` {row id: its new token};
+    """One iteration's outcome, identical on every rank: ``tokens`` {row id: its new tokens (one,
+    or with speculative decoding up to k + 1)};
     ``finished`` {row id: all its new tokens} for the rows that ended (eos, max_tokens, stop
-    string, or a max_tokens of 0 at join) and left the batch; cancelled rows appear in neither."""
+    string, or a max_tokens of 0 at join) and left the batch; cancelled rows appear in neither;
+    ``preempted``: row ids preempted in this step (they get tokens again once recomputed)."""
 
-    tokens: dict[int, int]
+    tokens: dict[int, list[int]]
     finished: dict[int, list[int]]
+    preempted: list[int] = field(default_factory=list)
 
 
 class ContinuousDecoder:
     """Iteration-level batching over ``engine``'s model and mesh (an :class:`~zerotron.inference.Engine`;
-    its tensor-parallel model or pipeline stage, ``eos_id`` and ``decode`` are reused). Keeps every
-    running row's tokens (on every rank) and this rank's replica's KV cache."""
+    its tensor-parallel model or pipeline stage, ``eos_id`` and ``decode`` are reused), on a paged
+    KV cache of ``num_blocks`` blocks of ``page`` slots per layer and dp replica (None:
+    :data:`DEFAULT_ROWS` full-context rows); ``prefix_caching``: reuse cached prefix blocks;
+    ``max_step_tokens``: the token budget of one iteration; ``speculative``: k tokens proposed per
+    decoding row by prompt lookup (:mod:`zerotron.inference.speculative`; 0: off) or, given a
+    ``draft_model`` (a dense ``CausalLM`` with the same vocabulary, in eval mode, on every rank),
+    by its greedy continuation (run by the row's replica only: the bookkeeping needs only the
+    count, which is fixed). Keeps every row's tokens and every
+    replica's block bookkeeping (on every rank) and this rank's blocks. Raises ValueError when
+    the pool cannot hold one full-context row (``ceil(block_size / page)`` blocks)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, num_blocks: int | None = None, page: int = DEFAULT_PAGE,
+                 prefix_caching: bool = True, max_step_tokens: int = DEFAULT_STEP_TOKENS, speculative: int = 0,
+                 draft_model=None):
         self.engine, self.mesh = engine, engine.mesh
         self.cfg, self.device = engine.config, engine.device
         self.replica = self.mesh.local_rank("dp")
@@ -86,70 +129,115 @@ class ContinuousDecoder:
         self.pl = pl
         self.sampler = self.last and self.mesh.local_rank("tp") == 0  # reports this replica's tokens
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        per_row = math.ceil(self.cfg.block_size / page) if page >= 1 else 0
+        num_blocks = DEFAULT_ROWS * per_row if num_blocks is None else num_blocks
+        if page < 1 or num_blocks < per_row or max_step_tokens < 1:
+            raise ValueError(f"the KV pool of {num_blocks} blocks of {page} slots cannot hold one full-context row "
+                             f"(block_size {self.cfg.block_size} needs {per_row} blocks; max_step_tokens "
+                             f"{max_step_tokens}): give more KV cache memory or a smaller page")
+        self.page, self.num_blocks, self.max_step_tokens = page, num_blocks, max_step_tokens
+        self.alloc = [BlockAllocator(num_blocks, page, prefix_caching) for _ in range(self.mesh.size("dp"))]
+        self.pool = BlockPool(self.cfg.n_layer, num_blocks, page)
         self.rows: dict[int, _Row] = {}
-        self.order: list[int] = []  # this replica's rows, in cache order
-        self.cache = PooledKVCache(self.cfg.n_layer, self.cfg.block_size)
-        self.steps = 0
+        self.order: list[int] = []  # running rows (every replica), oldest first
+        self.waiting: list[int] = []  # admitted by the scheduler, not running (preempted ones first)
+        self.steps = self.preemptions = self.recomputed_tokens = 0
+        if speculative < 0:
+            raise ValueError(f"speculative must be >= 0 tokens, got {speculative}")
+        self.speculative, self.draft_model = speculative, draft_model
+        if draft_model is not None and draft_model.config.vocab_size != self.cfg.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) differs from the "
+                             f"target's ({self.cfg.vocab_size}): use a draft trained with the same tokenizer")
+        self.drafts: dict[int, list[int]] = {}  # this step's proposals per decoding row
+        self.proposed = self.accepted = 0  # draft tokens proposed / accepted
 
     @property
     def running(self) -> int:
-        """Rows running on every replica together."""
+        """Rows on every replica together (running or waiting for blocks)."""
         return len(self.rows)
 
     def replica_load(self) -> list[int]:
-        """Running rows per dp replica."""
+        """Rows (running or waiting) per dp replica."""
         load = [0] * self.mesh.size("dp")
         for r in self.rows.values():
             load[r.replica] += 1
         return load
+
+    def blocks_used(self) -> int:
+        """KV blocks referenced by rows, all replicas together."""
+        return sum(a.used for a in self.alloc)
+
+    def blocks_free(self) -> int:
+        """KV blocks not referenced (free, or holding evictable cached prefixes), all replicas."""
+        return sum(a.available for a in self.alloc)
 
     # ---- one iteration --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, joins: list[tuple[int, int, Request]], cancel: list[int]) -> StepResult:
         """One iteration (collective over the mesh; every rank passes the same arguments): rows
         ``cancel`` leave, the running rows decode one token, ``joins`` = [(row id, dp replica,
-        request)] are prefilled and sample their first token. Raises ValueError (before any
-        collective) for a row id already running, a replica out of range, an empty prompt,
-        invalid sampling parameters, or stop strings without the engine's ``decode``."""
+        request)] queue up and are admitted (prefilled, first token sampled) as blocks and the
+        token budget allow. Raises ValueError (before any collective) for a row id already known,
+        a replica out of range, an empty prompt, invalid sampling parameters, or stop strings
+        without the engine's ``decode``."""
         for rid, rep, req in joins:
             req.params.validate()
             if rid in self.rows or not 0 <= rep < self.mesh.size("dp") or not req.prompt:
-                raise ValueError(f"bad join: row {rid} (running: {rid in self.rows}), replica {rep}, "
+                raise ValueError(f"bad join: row {rid} (known: {rid in self.rows}), replica {rep}, "
                                  f"prompt of {len(req.prompt)} tokens")
             if req.params.stop and self.engine.decode is None:
                 raise ValueError("requests with stop strings need an Engine built with decode= (the tokenizer)")
         self.steps += 1
         self._leave([r for r in cancel if r in self.rows])
         finished: dict[int, list[int]] = {}
-        newcomers = []
         for rid, rep, req in joins:
             if req.params.max_tokens == 0:
                 finished[rid] = []
                 continue
             self.rows[rid] = _Row(req, rep, list(req.prompt), generator=make_generator(req.params.seed, self.device))
-            if rep == self.replica:
-                newcomers.append(rid)
-        mine: dict[int, int] = {}
+            self.waiting.append(rid)
+        decode, fills, forks, copies, preempted = self._schedule()  # copies: (replica, src, dst)
+        mine: dict[int, list[int]] = {}
         with self.engine.model.parallel_hooks.generation():
-            if self.order:
-                mine.update(self._decode())
-            if newcomers:
-                mine.update(self._prefill(newcomers))
-        self.order += newcomers
-        tokens: dict[int, int] = {}
+            for rep, src, dst in copies:
+                if rep == self.replica:
+                    self.pool.copy_block(src, dst)
+            own = [r for r in decode if self.rows[r].replica == self.replica]
+            if own:
+                mine.update(self._decode(own))
+            own = [(r, n) for r, n in fills if self.rows[r].replica == self.replica]
+            if own:
+                mine.update(self._prefill(own, forks))
+        for rid, n in fills:
+            self._advance(rid, n)
+        for fork, lead in forks.items():
+            f, lr = self.rows[fork], self.rows[lead]
+            f.table, f.base, f.cached = [self.alloc[f.replica].share(b) for b in lr.table], lr.base, lr.cached
+        tokens: dict[int, list[int]] = {}
         parts = comm.all_gather_object(mine if self.sampler else {}) if self.world > 1 else [mine]
         for part in parts:
             tokens.update(part)
         done = []
-        for rid, tok in tokens.items():
+        for rid, toks in tokens.items():
             row = self.rows[rid]
-            row.tokens.append(tok)
-            row.new.append(tok)
-            if self._ends(row, tok):
-                done.append(rid)
-                finished[rid] = row.new
+            drafts = self.drafts.pop(rid, [])
+            self.proposed += len(drafts)
+            self.accepted += len(toks) - 1
+            for k, tok in enumerate(toks):
+                row.tokens.append(tok)
+                row.new.append(tok)
+                if self._ends(row, tok):
+                    del toks[k + 1:]  # accepted drafts after the end are dropped
+                    done.append(rid)
+                    finished[rid] = row.new
+                    break
+            if rid in decode and rid not in finished:  # the last token and the accepted drafts are cached
+                self._advance(rid, len(toks))
+                a, keep = self.alloc[row.replica], math.ceil(row.cached / self.page)
+                a.release(row.table[keep:])  # blocks of rejected drafts
+                del row.table[keep:]
         self._leave(done)
-        return StepResult(tokens, finished)
+        return StepResult(tokens, finished, preempted)
 
     def _ends(self, row: _Row, tok: int) -> bool:
         p = row.request.params
@@ -159,44 +247,171 @@ class ContinuousDecoder:
 
     def _leave(self, rids: list[int]) -> None:
         gone = set(rids)
-        if not gone:
-            return
-        drop = [i for i, r in enumerate(self.order) if r in gone]
-        if drop:
-            self.order = [self.order[i] for i in self.cache.remove(drop)]
         for r in gone:
-            self.rows.pop(r, None)
+            row = self.rows.pop(r, None)
+            if row is not None:
+                self.alloc[row.replica].release(row.table)
+        self.order = [r for r in self.order if r not in gone]
+        self.waiting = [r for r in self.waiting if r not in gone]
 
-    def _decode(self) -> dict[int, int]:
-        c, bs = self.cache, self.cfg.block_size
-        if c.S + 1 > bs:
-            c.trim()  # slots that became padding in every row (their rows left)
-        if c.S + 1 <= bs:
-            x = torch.tensor([[self.rows[r].tokens[-1]] for r in self.order], device=self.device)
-            logits = self._forward(x, c)
-        else:  # the context is full: rebuild from the last block_size tokens of every row
-            x, pad = self._padded(self.order)
-            fresh = StaticKVCache(self.cfg.n_layer, pad, x.size(1))
-            logits = self._forward(x, fresh)
-            c.remove(list(range(c.B)))
-            c.append(fresh)
-        return self._sample(self.order, logits)
+    # ---- scheduling (deterministic: the same on every rank) --------------------------------------------
+    def _preempt(self, rid: int) -> None:
+        row = self.rows[rid]
+        self.alloc[row.replica].release(row.table)
+        self.recomputed_tokens += row.cached
+        row.table, row.cached = [], 0
+        self.order.remove(rid)
+        self.waiting.insert(0, rid)
+        self.preemptions += 1
 
-    def _prefill(self, rids: list[int]) -> dict[int, int]:
-        x, pad = self._padded(rids)
-        fresh = StaticKVCache(self.cfg.n_layer, pad, x.size(1))
-        logits = self._forward(x, fresh)
-        out = self._sample(rids, logits)
-        self.cache.append(fresh)  # the newcomers' rows after the running ones (self.order += rids)
-        return out
+    def _schedule(self):
+        """Decide this iteration: (decoding rows, [(row, tokens to prefill)], {fork: its leader},
+        block copies (replica, src, dst) to make first, preempted rows). Budget per dp replica:
+        decoding rows first, then the next chunks of rows part-way through their prefill, then
+        newcomers (first come, first served)."""
+        bs, p = self.cfg.block_size, self.page
+        decode, fills, preempted, copies = [], [], [], []
+        budget = [self.max_step_tokens] * len(self.alloc)
+        for rid in list(self.order):  # oldest first: the newest is preempted when blocks run out
+            if rid not in self.order:
+                continue  # preempted for an older row
+            row = self.rows[rid]
+            a = self.alloc[row.replica]
+            if len(row.tokens) - row.base > bs:  # the context is full: recompute the last block_size tokens
+                a.release(row.table)
+                row.table, row.cached, row.base = [], 0, len(row.tokens) - bs
+                self.order.remove(rid)
+                self.waiting.insert(0, rid)
+                continue
+            s = row.cached
+            if len(row.tokens) - row.base - s > 1:
+                continue  # part-way through its prefill: its blocks are held, its chunk comes below
+            cow = s % p != 0 and a.refs[row.table[s // p]] > 1
+            if self.speculative:  # proposals that fit the context, the row's max_tokens and free blocks
+                room = min(self.speculative, bs - s - 1, row.request.params.max_tokens - len(row.new) - 1)
+                d = ngram_propose(row.tokens, room) if self.draft_model is None else [PAD_ID] * max(room, 0)
+                extra = math.ceil((s + 1 + len(d)) / p) - len(row.table) - (s % p == 0)
+                if d and extra + (s % p == 0) + cow <= a.available:
+                    self.drafts[rid] = d
+                    row.table += [a.allocate() for _ in range(extra)]
+            need = s % p == 0 or cow
+            while need and a.available < 1:
+                victim = [r for r in self.order if self.rows[r].replica == row.replica][-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim == rid:
+                    break
+            if rid not in self.order:
+                continue
+            if need:
+                b = a.allocate()
+                if s % p:  # copy-on-write of the shared, partly filled block of slot s
+                    i = s // p
+                    copies.append((row.replica, row.table[i], b))
+                    a.release([row.table[i]])
+                    row.table[i] = b
+                else:
+                    row.table.insert(s // p, b)
+            decode.append(rid)
+            budget[row.replica] -= 1 + len(self.drafts.get(rid, ()))
+        for rid in self.order:  # chunked prefill (split-fuse): the next chunk of each started prompt
+            row = self.rows[rid]
+            pending = len(row.tokens) - row.base - row.cached
+            if pending > 1 and rid not in decode and budget[row.replica] > 0:
+                n = min(pending, budget[row.replica])
+                fills.append((rid, n))
+                budget[row.replica] -= n
+        forks: dict[int, int] = {}
+        leaders: dict[tuple, int] = {}
+        blocked: set[int] = set()  # replicas whose queue head does not fit: later rows wait behind it
+        for rid in list(self.waiting):
+            row = self.rows[rid]
+            if row.replica in blocked:
+                continue
+            a = self.alloc[row.replica]
+            if len(row.tokens) - row.base > bs:
+                row.base = len(row.tokens) - bs
+            seq = row.tokens[row.base:]
+            key = (row.replica, tuple(seq))
+            if key in leaders:
+                forks[rid] = leaders[key]
+                self.waiting.remove(rid)
+                self.order.append(rid)
+                continue
+            total = math.ceil(len(seq) / p)
+            hit = a.match(seq, len(seq) - 1)
+            if total - len(hit) > a.available or budget[row.replica] < 1:
+                a.release(hit)  # not admitted now: the lookup is counted when the row is
+                a.hits -= len(hit)
+                a.misses -= (len(seq) - 1) // p - len(hit) if a.prefix_caching else 0
+                blocked.add(row.replica)
+                continue
+            row.table = hit + [a.allocate() for _ in range(total - len(hit))]
+            row.cached = len(hit) * p
+            n = min(len(seq) - row.cached, budget[row.replica])
+            budget[row.replica] -= n
+            if n == len(seq) - row.cached:
+                leaders[key] = rid  # rows with this prompt behind it share its blocks
+            self.waiting.remove(rid)
+            self.order.append(rid)
+            fills.append((rid, n))
+        return decode, fills, forks, copies, preempted
 
-    def _padded(self, rids) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [self.rows[r].tokens[-self.cfg.block_size:] for r in rids]
-        L = max(len(r) for r in rows)
-        idx = torch.tensor([[PAD_ID] * (L - len(r)) + r for r in rows], device=self.device)
-        return idx, torch.tensor([L - len(r) for r in rows], device=self.device)
+    def _advance(self, rid: int, n: int) -> None:
+        """After the forward: ``n`` more slots of the row are written; full blocks get their
+        prefix keys."""
+        row = self.rows[rid]
+        seq = row.tokens[row.base:]
+        start = row.cached
+        row.cached += n
+        self.alloc[row.replica].register(row.table, seq, start, row.cached)
 
-    def _forward(self, x: torch.Tensor, cache) -> torch.Tensor | None:
+    # ---- compute (this rank's replica only) -------------------------------------------------------------
+    def _decode(self, rids: list[int]) -> dict[int, list[int]]:
+        """One decoding step of ``rids``: each row's last token (and its draft tokens, verified)."""
+        rows = [self.rows[r] for r in rids]
+        drafts = [self.drafts.get(r, []) for r in rids]
+        if self.draft_model is not None:  # the counts were fixed by the schedule; the draft fills them in
+            for rid, r, d in zip(rids, rows, drafts):
+                if d:
+                    ctx = torch.tensor([r.tokens], device=self.device)
+                    d[:] = self.draft_model.generate(ctx, len(d), temperature=0)[0, -len(d):].tolist()
+        news = [1 + len(d) for d in drafts]
+        T = max(news)
+        x = torch.tensor([[PAD_ID] * (T - n) + [r.tokens[-1]] + d for r, d, n in zip(rows, drafts, news)],
+                         device=self.device)
+        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device)
+        if T == 1:
+            return {r: [t] for r, t in self._sample(rids, self._forward(x, view)).items()}
+        logits = self._forward(x, view, all_logits=True)
+        if logits is None:
+            return {}
+        return {rid: accept_drafts(logits[b, T - n:], d, r.request.params, r.generator)
+                for b, (rid, r, d, n) in enumerate(zip(rids, rows, drafts, news))}
+
+    def _prefill(self, fills: list[tuple[int, int]], forks: dict[int, int]) -> dict[int, int]:
+        """Prefill chunks ``fills`` = [(row, tokens)] together; the rows whose prompt is then
+        complete (and their forks) sample their first token."""
+        rids = [r for r, _ in fills]
+        rows = [self.rows[r] for r in rids]
+        news = [n for _, n in fills]
+        T = max(news)
+        x = []
+        for r, n in zip(rows, news):
+            lo = r.base + r.cached
+            x.append([PAD_ID] * (T - n) + r.tokens[lo:lo + n])
+        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device)
+        logits = self._forward(torch.tensor(x, device=self.device), view)
+        if logits is None:
+            return {}
+        at = {r: i for i, (r, row, n) in enumerate(zip(rids, rows, news))
+              if row.cached + n == len(row.tokens) - row.base}
+        fk = [f for f, lead in forks.items() if lead in at]
+        keep = list(at) + fk
+        out = self._sample(keep, logits[[at[r] for r in at] + [at[forks[f]] for f in fk]])
+        return {r: [t] for r, t in out.items()}
+
+    def _forward(self, x: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor | None:
         """This rank's span of the model on x: token ids (b, T) on the first stage, else the
         previous stage's activations (b, T, C), received here; returns logits (b, V) on the last
         stage, else sends the activations on and returns None."""
@@ -205,16 +420,14 @@ class ContinuousDecoder:
             buf = torch.empty(x.size(0), x.size(1), pl.width, dtype=pl.act_dtype, device=self.device)
             comm.recv(buf, pl.prev, group=pl.group, tag="decode")
             x = buf
-        y = forward_layers(self.engine.model, self.blocks, self.layers, x, cache, self.first, self.last)
-        if isinstance(cache, PooledKVCache):
-            cache.commit(x.size(1))
+        y = forward_layers(self.engine.model, self.blocks, self.layers, x, cache, self.first, self.last, all_logits)
         if not self.last:
             comm.send(y.to(pl.act_dtype).contiguous(), pl.next, group=pl.group, tag="decode")
             return None
         return y
 
     def _sample(self, rids, logits) -> dict[int, int]:
-        if not self.last:
+        if not self.last or logits is None:
             return {}
         rows = [self.rows[r] for r in rids]
         toks = sample_rows(logits, [r.request.params for r in rows], [r.generator for r in rows]).tolist()

@@ -45,16 +45,20 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return n
 
 
-def forward_layers(model, blocks, layers, x: torch.Tensor, cache, first: bool, last: bool) -> torch.Tensor:
+def forward_layers(model, blocks, layers, x: torch.Tensor, cache, first: bool, last: bool,
+                   all_logits: bool = False) -> torch.Tensor:
     """One forward of a span of the model: tokens (b, T) if ``first`` (run ``model.embed`` at the
     cache's per-row positions), else activations (b, T, C); then blocks ``layers`` (global indices
     into ``blocks``) with ``cache``; if ``last`` the head on the last position only, returning full
-    logits (b, V) (gathered over tp by the model's hooks), else activations (b, T, C)."""
+    logits (b, V) (gathered over tp by the model's hooks; ``all_logits``: of every position,
+    (b, T, V)), else activations (b, T, C)."""
     if first:
         T = x.size(1)
         x = model.embed(x, start_pos=cache.cached(layers[0]), positions=cache.positions(T, layers[0]))
     for i in layers:
         x = blocks[i](x, cache)
-    if last:
+    if last and all_logits:
+        x = model.parallel_hooks.logits(model.head(x))
+    elif last:
         x = model.parallel_hooks.logits(model.head(x[:, -1:, :]))[:, -1, :]
     return x

@@ -37,10 +37,15 @@ class ServeStats:
     """Counters shown by ``GET /health``: ``requests`` (requests answered by the batcher),
     ``batches`` (window batches decoded, or continuous iterations that admitted rows), ``steps``
     (continuous iterations), ``running`` (rows in the continuous batch now), ``cancelled_rows``
-    (rows that left the batch because their client disconnected)."""
+    (rows that left the batch because their client disconnected); paged KV cache (continuous
+    batching): ``kv_blocks_used``/``kv_blocks_free`` (all dp replicas), ``prefix_hits``/
+    ``prefix_misses`` (full prompt blocks found / not found cached), ``preemptions``; speculative
+    decoding: ``spec_proposed``/``spec_accepted`` (draft tokens)."""
 
     def __init__(self):
         self.requests = self.batches = self.steps = self.running = self.cancelled_rows = 0
+        self.kv_blocks_used = self.kv_blocks_free = self.prefix_hits = self.prefix_misses = self.preemptions = 0
+        self.spec_proposed = self.spec_accepted = 0
 
 
 class Job:
@@ -90,9 +95,10 @@ class Job:
 class Front:
     """Rank 0's request side: validation, the job queue ``jobs`` the batcher reads, answers.
     ``tokenizer``: a ``tokenizers.Tokenizer`` (None in ``bench serve``, which builds jobs itself);
-    ``chat``: a :class:`~zerotron.serve.chat.ChatTemplate` (None: the default template)."""
+    ``chat``: a :class:`~zerotron.serve.chat.ChatTemplate` (None: the default template);
+    ``context``: the model's block_size (longer prompts get 400; None: no limit)."""
 
-    def __init__(self, tokenizer, eos_id, model_id: str, batching: str, chat=None):
+    def __init__(self, tokenizer, eos_id, model_id: str, batching: str, chat=None, context: int | None = None):
         from .metrics import Metrics
 
         self.tok, self.eos_id, self.model_id, self.batching = tokenizer, eos_id, model_id, batching
@@ -103,6 +109,7 @@ class Front:
         self.live: set = set()  # jobs submitted and not yet accounted (queue depth)
         self.counter = 0
         self._chat = chat
+        self.context = context
 
     @property
     def chat(self):
@@ -126,7 +133,7 @@ class Front:
 
     def render_metrics(self) -> str:
         depth = sum(j.waiting_rows() for j in list(self.live))
-        return self.metrics.render(depth, self.stats.running, self.stats.cancelled_rows)
+        return self.metrics.render(depth, self.stats.running, self.stats.cancelled_rows, self.stats)
 
     def submit(self, body, chat: bool = False):
         """Validate ``body`` (a completions or, with ``chat``, a chat completions body) and enqueue
@@ -153,6 +160,10 @@ class Front:
             ids = self.tok.encode(text).ids
             if not ids:
                 raise RequestError(f"prompt {i} is empty after tokenization", param="prompt")
+            if self.context is not None and len(ids) > self.context:
+                raise RequestError(f"prompt {i} has {len(ids)} tokens, more than the model's context of "
+                                   f"{self.context} tokens (block_size): shorten it",
+                                   param="messages" if chat else "prompt")
             c["prompt_tokens"] += len(ids)
             for j in range(c["n"]):  # choice j of prompt i: seed + i * n + j (zerotron generate's for n = 1)
                 reqs.append(Request(ids, SamplingParams(max_tokens=c["max_tokens"], temperature=float(c["temperature"]),

@@ -9,7 +9,9 @@
   (Orca, Yu et al. OSDI 2022; vLLM): before every decode iteration, waiting rows join (first come,
   first served, up to ``--max-batch`` rows running, each to the least-loaded dp replica), rows of
   cancelled jobs (the client disconnected) leave, and finished rows are answered as soon as they
-  end. See :mod:`zerotron.inference.continuous`.
+  end. Keys and values live in a paged cache (``--kv-cache-mb``, ``--kv-page``); rows wait for
+  blocks, and the newest is preempted (recomputed later) when the pool runs out. See
+  :mod:`zerotron.inference.continuous`.
 
 Both send every piece of collective work over the :class:`~zerotron.serve.follow.Channel` first.
 """
@@ -75,11 +77,14 @@ class WindowBatcher:
 class ContinuousScheduler:
     """``--batching continuous`` over ``engine`` (see the module docstring)."""
 
-    def __init__(self, engine, front, channel, max_batch: int):
+    def __init__(self, engine, front, channel, max_batch: int, paged: dict | None = None):
         from zerotron.inference.continuous import ContinuousDecoder
 
         self.engine, self.front, self.channel, self.max_batch = engine, front, channel, max_batch
-        self.decoder = ContinuousDecoder(engine)
+        self.paged = paged or {}  # ContinuousDecoder options: the followers get the same
+        self.decoder = ContinuousDecoder(engine, **self.paged)
+        self.preempt_base = self.hit_base = self.miss_base = self.prop_base = self.acc_base = 0  # replaced decoders
+        self._account()
         self.waiting: collections.deque = collections.deque()  # (job, row of the job)
         self.live: dict = {}  # row id -> (job, row of the job)
         self.next_id = 0
@@ -125,7 +130,16 @@ class ContinuousScheduler:
         for j in {j for j, _ in self.live.values()}:
             j.finish(err)
         self.live.clear()
-        self.decoder = ContinuousDecoder(self.engine)
+        self.decoder = ContinuousDecoder(self.engine, **self.paged)
+
+    def _account(self) -> None:
+        """The paged cache's figures into the front's stats (``/metrics``)."""
+        d, s = self.decoder, self.front.stats
+        s.kv_blocks_used, s.kv_blocks_free = d.blocks_used(), d.blocks_free()
+        s.preemptions = self.preempt_base + d.preemptions
+        s.prefix_hits = self.hit_base + sum(a.hits for a in d.alloc)
+        s.prefix_misses = self.miss_base + sum(a.misses for a in d.alloc)
+        s.spec_proposed, s.spec_accepted = self.prop_base + d.proposed, self.acc_base + d.accepted
 
     def run(self) -> None:
         stats = self.front.stats
@@ -146,11 +160,16 @@ class ContinuousScheduler:
             try:
                 res = self.decoder.step(joins, cancel)
             except Exception as e:  # noqa: BLE001 - the rows' jobs answer 500; the followers reset alike
+                s = self.front.stats
+                self.preempt_base, self.hit_base, self.miss_base = s.preemptions, s.prefix_hits, s.prefix_misses
+                self.prop_base, self.acc_base = s.spec_proposed, s.spec_accepted
                 self._fail_all(f"{type(e).__name__}: {e}")
+                self._account()
                 continue
-            for rid, tok in res.tokens.items():
+            for rid, toks in res.tokens.items():
                 j, k = self.live[rid]
-                j.token(k, tok)
+                for tok in toks:
+                    j.token(k, tok)
             for rid, new in res.finished.items():
                 j, k = self.live.pop(rid)
                 j.result[k] = new
@@ -159,5 +178,6 @@ class ContinuousScheduler:
                     stats.requests += 1
                     j.finish()
             stats.running = len(self.live)
+            self._account()
         self.channel.send({"kind": "stop"})
         _refuse_rest(self.front.jobs)

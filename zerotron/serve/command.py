@@ -39,6 +39,16 @@ def parser() -> argparse.ArgumentParser:
                    help="--batching window: requests this close together share a batch")
     p.add_argument("--max-batch", type=int, default=32,
                    help="sequences per batch (window) or running together (continuous) at most")
+    p.add_argument("--kv-cache-mb", type=float, default=0.0,
+                   help="paged KV cache per rank, MiB (--batching continuous; 0: room for 32 full-context rows)")
+    p.add_argument("--kv-page", type=int, default=16, help="tokens per KV cache block (page)")
+    p.add_argument("--max-step-tokens", type=int, default=2048,
+                   help="token budget of one continuous-batching step: decoding rows first, then chunked prefill")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not reuse the KV blocks of prompt prefixes seen before")
+    p.add_argument("--speculative", default="", help="speculative decoding (--batching continuous): 'ngram' "
+                   "(prompt lookup, no draft model) or 'draft:DIR' (a small checkpoint with the same tokenizer)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per decoding row and step")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--model-name", default=None, help="the model id (default: the run directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
@@ -56,11 +66,21 @@ def check_args(args) -> None:
             ("--parallel.tp", args.tp, args.tp >= 1, ">= 1"), ("--parallel.pp", args.pp, args.pp >= 1, ">= 1"),
             ("--microbatches", args.microbatches, args.microbatches >= 0, ">= 0"),
             ("--max-batch", args.max_batch, args.max_batch >= 1, ">= 1"),
+            ("--kv-cache-mb", args.kv_cache_mb, math.isfinite(args.kv_cache_mb) and args.kv_cache_mb >= 0,
+             "a finite number >= 0"),
+            ("--kv-page", args.kv_page, args.kv_page >= 1, ">= 1"),
+            ("--max-step-tokens", args.max_step_tokens, args.max_step_tokens >= 1, ">= 1"),
             ("--batch-window-ms", args.batch_window_ms,
              math.isfinite(args.batch_window_ms) and 0 <= args.batch_window_ms <= 60000, "a finite number in [0, 60000]"),
             ("--max-body-bytes", args.max_body_bytes, args.max_body_bytes >= 1, ">= 1")):
         if not ok:
             raise ValueError(f"{name} must be {want}, got {val}")
+    if args.speculative and not (args.speculative == "ngram" or args.speculative.startswith("draft:")):
+        raise ValueError(f"--speculative must be 'ngram' or 'draft:DIR', got {args.speculative!r}")
+    if args.speculative and args.batching != "continuous":
+        raise ValueError("--speculative needs --batching continuous; drop --speculative or --batching window")
+    if args.num_speculative_tokens < 1:
+        raise ValueError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if args.batching == "continuous" and args.microbatches > 1:
         raise ValueError(f"--microbatches {args.microbatches} needs --batching window (continuous batching walks "
                          "the pipeline one iteration at a time); drop --microbatches or add --batching window")
@@ -90,6 +110,8 @@ def main(argv: list[str]) -> int:
         # the layout fits the world size: one line here, not a traceback in every rank
         ParallelDims(int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc), 0, args.tp, args.pp)
         ckpt = resolve_checkpoint(args.checkpoint)
+        if args.speculative.startswith("draft:"):
+            resolve_checkpoint(args.speculative[len("draft:"):])  # there: one line now, not in every rank
         if not in_worker():  # the model's heads split over tp: the rule the plan applies, before any worker
             from zerotron.models.layout import tp_refusal
             from zerotron.train.checkpoint import read_meta
@@ -121,15 +143,31 @@ def main(argv: list[str]) -> int:
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
     model, tok, _ = load_model(ckpt, device)
     engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=stop_ids(ckpt, tok), decode=tok.decode)
+    paged = paged_options(args, engine)
+    if args.speculative.startswith("draft:"):
+        paged["draft_model"] = load_model(resolve_checkpoint(args.speculative[len("draft:"):]), device)[0].eval()
     code = 0
     if rank != 0:
-        follow(engine)
+        follow(engine, paged)
     else:
-        code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt)
+        code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt, paged)
     _mesh.teardown()
     if rank == 0 and code == 0 and os.environ.get(DRAINED_ENV):
         Path(os.environ[DRAINED_ENV]).write_text("drained\n")
     return code
+
+
+def paged_options(args, engine) -> dict:
+    """The ``ContinuousDecoder`` options of ``args`` (the same on every rank): the block count
+    that ``--kv-cache-mb`` holds on the rank with the most KV per block (0: the decoder's default)."""
+    from zerotron.inference.continuous import kv_block_bytes
+
+    blocks = None
+    if args.kv_cache_mb > 0:
+        blocks = int(args.kv_cache_mb * 2**20) // kv_block_bytes(engine, args.kv_page)
+    return {"num_blocks": blocks, "page": args.kv_page, "prefix_caching": args.prefix_cache,
+            "max_step_tokens": args.max_step_tokens,
+            "speculative": args.num_speculative_tokens if args.speculative else 0}
 
 
 def _launch(nproc: int, argv: list[str], launch) -> int:
@@ -151,7 +189,7 @@ def _launch(nproc: int, argv: list[str], launch) -> int:
         return code
 
 
-def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, ckpt) -> int:
+def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, ckpt, paged: dict) -> int:
     """Rank 0: listen, run the batcher until drained; the exit code (2: cannot listen or a bad
     chat template)."""
     from zerotron.generate import stop_ids
@@ -170,20 +208,33 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
         print(f"zerotron serve: error: {e}", file=sys.stderr, flush=True)
         channel.send({"kind": "stop"})
         return 2
-    front = Front(tok, eos or None, model_id, args.batching, chat=chat)
+    front = Front(tok, eos or None, model_id, args.batching, chat=chat, context=engine.config.block_size)
     api_key = api_key_of(args)
-    server = ServerThread(make_app(front, args.max_body_bytes, api_key), sock)
+    kv_line = ""
     if args.batching == "window":
         batcher = WindowBatcher(engine, front, channel, args.batch_window_ms, args.max_batch)
     else:
-        batcher = ContinuousScheduler(engine, front, channel, args.max_batch)
+        from zerotron.inference.continuous import kv_block_bytes
+
+        try:
+            batcher = ContinuousScheduler(engine, front, channel, args.max_batch, paged)
+        except ValueError as e:  # the pool cannot hold one row: one line, the others stop
+            print(f"zerotron serve: error: --kv-cache-mb {args.kv_cache_mb:g}: {e}", file=sys.stderr, flush=True)
+            channel.send({"kind": "stop"})
+            return 2
+        d = batcher.decoder
+        kv_line = (f"\nzerotron serve: KV cache: {d.num_blocks} blocks of {d.page} tokens per dp replica "
+                   f"({d.num_blocks * kv_block_bytes(engine, d.page) / 2**20:.1f} MiB on the fullest rank; "
+                   f"{d.num_blocks * d.page} tokens), prefix caching {'on' if args.prefix_cache else 'off'}"
+                   + (f", speculative {args.speculative} x {args.num_speculative_tokens}" if args.speculative else ""))
+    server = ServerThread(make_app(front, args.max_body_bytes, api_key), sock)
     server.start()
     threading.Thread(target=lambda: (stop.wait(), front.draining.set()), daemon=True).start()
     host, port = sock.getsockname()[:2]
     print(f"zerotron serve: listening on http://{host}:{port} (model {model_id!r}, {world} rank(s): "
           f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}, {args.batching} batching"
           f"{', API key required' if api_key else ''}; chat template: "
-          f"{'built-in default' if chat.builtin else 'the tokenizer' + chr(39) + 's'})", flush=True)
+          f"{'built-in default' if chat.builtin else 'the tokenizer' + chr(39) + 's'}){kv_line}", flush=True)
     batcher.run()
     server.stop()  # idle keep-alive connections close now; answers being written finish first
     print("zerotron serve: drained and stopped", flush=True)

@@ -32,8 +32,10 @@ class Channel:
             comm.broadcast_object(msg, src=0)
 
 
-def follow(engine) -> None:
-    """Every rank but 0: receive rank 0's messages and do the work they name, until ``stop``."""
+def follow(engine, paged: dict | None = None) -> None:
+    """Every rank but 0: receive rank 0's messages and do the work they name, until ``stop``.
+    ``paged``: the ``ContinuousDecoder`` options (pool size, page, prefix caching, step budget),
+    the same as rank 0's."""
     from zerotron.distributed import comm
     from zerotron.inference.continuous import ContinuousDecoder
 
@@ -49,8 +51,8 @@ def follow(engine) -> None:
             except Exception:  # noqa: BLE001 - rank 0 fails the same way and answers 500
                 pass
         elif kind == "step":
-            decoder = decoder or ContinuousDecoder(engine)
+            decoder = decoder or ContinuousDecoder(engine, **(paged or {}))
             try:
                 decoder.step(msg["join"], msg["cancel"])
             except Exception:  # noqa: BLE001 - as on rank 0: the rows are dropped, a fresh decoder
-                decoder = ContinuousDecoder(engine)
+                decoder = ContinuousDecoder(engine, **(paged or {}))

@@ -7,6 +7,13 @@
 * ``zerotron_running_rows`` (gauge): rows in the continuous batch now;
 * ``zerotron_generated_tokens_total`` (counter): tokens generated for answered requests;
 * ``zerotron_cancelled_rows_total`` (counter): rows dropped because their client disconnected;
+* ``zerotron_kv_blocks_used`` / ``zerotron_kv_blocks_free`` (gauges): paged KV cache blocks
+  referenced by rows / not referenced (free or holding evictable cached prefixes), all dp replicas;
+* ``zerotron_prefix_cache_hits_total`` / ``zerotron_prefix_cache_misses_total`` (counters): full
+  prompt blocks found / not found in the prefix cache;
+* ``zerotron_preemptions_total`` (counter): rows preempted when the pool ran out (recomputed later);
+* ``zerotron_spec_proposed_tokens_total`` / ``zerotron_spec_accepted_tokens_total`` (counters) and
+  ``zerotron_spec_acceptance_rate`` (gauge, accepted / proposed): speculative decoding;
 * ``zerotron_time_to_first_token_seconds`` (histogram): submit -> the row's first token;
 * ``zerotron_time_per_output_token_seconds`` (histogram): (last token - first token) / (tokens - 1)
   per row of at least 2 tokens.
@@ -75,7 +82,8 @@ class Metrics:
                     if job.ntok[k] > 1:
                         self.tpot.observe((job.last[k] - job.first[k]) / (job.ntok[k] - 1))
 
-    def render(self, queue_depth: int, running: int, cancelled: int) -> str:
+    def render(self, queue_depth: int, running: int, cancelled: int, stats=None) -> str:
+        """The exposition text; ``stats``: the front's ``ServeStats`` (paged-cache figures)."""
         with self.lock:
             out = ["# HELP zerotron_requests_total HTTP requests answered, by endpoint and status code.",
                    "# TYPE zerotron_requests_total counter"]
@@ -87,7 +95,23 @@ class Metrics:
                     ("zerotron_generated_tokens_total", "counter", "Tokens generated for answered requests.",
                      self.tokens),
                     ("zerotron_cancelled_rows_total", "counter", "Rows dropped: their client disconnected.",
-                     cancelled)):
+                     cancelled),
+                    ("zerotron_kv_blocks_used", "gauge", "Paged KV cache blocks referenced by rows.",
+                     getattr(stats, "kv_blocks_used", 0)),
+                    ("zerotron_kv_blocks_free", "gauge", "Paged KV cache blocks free or holding evictable prefixes.",
+                     getattr(stats, "kv_blocks_free", 0)),
+                    ("zerotron_prefix_cache_hits_total", "counter", "Full prompt blocks found in the prefix cache.",
+                     getattr(stats, "prefix_hits", 0)),
+                    ("zerotron_prefix_cache_misses_total", "counter",
+                     "Full prompt blocks not found in the prefix cache.", getattr(stats, "prefix_misses", 0)),
+                    ("zerotron_preemptions_total", "counter", "Rows preempted when the KV pool ran out.",
+                     getattr(stats, "preemptions", 0)),
+                    ("zerotron_spec_proposed_tokens_total", "counter", "Draft tokens proposed (speculative decoding).",
+                     getattr(stats, "spec_proposed", 0)),
+                    ("zerotron_spec_accepted_tokens_total", "counter", "Draft tokens accepted by the target model.",
+                     getattr(stats, "spec_accepted", 0)),
+                    ("zerotron_spec_acceptance_rate", "gauge", "Accepted / proposed draft tokens (0 before any).",
+                     _num(getattr(stats, "spec_accepted", 0) / max(getattr(stats, "spec_proposed", 0), 1)))):
                 out += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {v}"]
             out += self.ttft.lines() + self.tpot.lines()
         return "\n".join(out) + "\n"

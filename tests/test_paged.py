@@ -1,0 +1,209 @@
+"""The paged KV cache (zerotron.inference.paged) under continuous batching: the allocator's free
+list, reference counts, prefix keys and LRU eviction; 16 concurrent requests of mixed lengths
+(shared prefixes, forks of one prompt, contexts past block_size) through a pool too small for all
+of them, with a token budget that chunks prefills, give every request exactly the tokens it gets
+alone (greedy and sampled, fp64, GPT-2 and Llama), with preemptions, prefix hits and
+copy-on-write copies counted. Multi-process layouts: tests/test_continuous.py."""
+import dataclasses
+
+import pytest
+import torch
+from test_inference import VOCAB, _local_engine, _model
+
+from zerotron.inference.batch import Request
+from zerotron.inference.continuous import ContinuousDecoder
+from zerotron.inference.paged import BlockAllocator, OutOfBlocks, PagedView
+from zerotron.inference.sampling import SamplingParams
+
+
+def test_allocator_free_list_refs_prefix_and_lru():
+    a = BlockAllocator(4, 2)
+    t = [a.allocate(), a.allocate()]
+    assert t == [0, 1] and a.used == 2 and a.available == 2
+    a.register(t, [5, 6, 7, 8], 0, 4)  # both blocks full: keyed
+    a.release(t)
+    assert a.used == 0 and list(a.lru) == [1, 0] and list(a.free) == [2, 3]  # tail released first
+    hit = a.match([5, 6, 7, 8, 9], 4)
+    assert hit == [0, 1] and a.hits == 2 and a.refs[0] == 1 and not a.lru
+    assert a.match([5, 6, 1, 1], 4) == [0] and (a.hits, a.misses) == (3, 1)  # second block differs
+    assert a.match([1, 6, 7, 8], 4) == [] and a.misses == 3  # same block, another prefix: no hit
+    a.release([0])
+    a.release(hit)
+    x = [a.allocate(), a.allocate(), a.allocate()]  # free ones first, then the LRU cached one
+    assert x == [2, 3, 1] and a.evictions == 1 and a.match([5, 6, 7, 8], 4) == [0]  # block 1's key is gone
+    a2 = BlockAllocator(1, 2)
+    a2.allocate()
+    with pytest.raises(OutOfBlocks):
+        a2.allocate()
+    with pytest.raises(ValueError):
+        BlockAllocator(0, 2)
+
+
+def test_paged_view_reads_through_tables():
+    """Rows with cached slots in scattered blocks plus right-aligned new tokens: the view gives the
+    left-padded (B, H, S, D) keys the model expects, and positions continue each row's own."""
+    from zerotron.inference.paged import BlockPool
+
+    pool = BlockPool(1, 6, 2)
+    k0 = torch.arange(3 * 2 * 1., dtype=torch.float64).view(1, 2, 3, 1)  # row 0: 3 slots in blocks 4, 1
+    PagedView(pool, [[4, 1]], [0], [3], "cpu").update(0, k0, k0)
+    view = PagedView(pool, [[4, 1], [2]], [3, 0], [1, 2], "cpu")
+    assert view.S0 == 2 and view.pad.tolist() == [0, 2]  # S = 4 slots: row 0 3 + 1, row 1 2 padding + 2
+    assert view.positions(2, 0).tolist() == [[2, 3], [0, 1]]  # row 0's first input is padding
+    new = torch.full((2, 2, 2, 1), 9., dtype=torch.float64)
+    k, _ = view.update(0, new, new)
+    assert k.shape == (2, 2, 4, 1)
+    assert torch.equal(k[0], torch.cat([k0[0], new[0, :, 1:]], 1)) and torch.equal(k[1, :, 2:], new[1])
+    assert torch.equal(pool.keys[0][8:10, :, 0], k0[0, :, :2, 0].T)  # slots 0, 1 of row 0 live in block 4
+
+
+def _mixed(sampled: bool):
+    """16 requests: mixed prompt lengths (some past block_size 16 when done), four sharing an
+    8-token prefix, two equal prompts (forks), max_tokens 1..12."""
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, VOCAB, (8,), generator=g).tolist()
+    out = []
+    for i in range(16):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        prompt = torch.randint(1, VOCAB, (n,), generator=g).tolist()
+        if i % 4 == 1:
+            prompt = shared + prompt[:4]
+        if i == 15:
+            prompt = list(out[3].prompt)
+        sp = SamplingParams(max_tokens=1 + (i * 5) % 12)
+        if sampled:
+            sp = dataclasses.replace(sp, temperature=0.9, top_k=40, seed=11 + i)
+        out.append(Request(prompt, sp))
+    return out
+
+
+def _run(dec, reqs, arrivals):
+    out, steps, preempted = {}, 0, 0
+    while len(out) < len(reqs):
+        res = dec.step([(i, 0, reqs[i]) for i in arrivals.get(steps, [])], [])
+        out.update(res.finished)
+        preempted += len(res.preempted)
+        steps += 1
+        assert steps < 400
+    return out, steps, preempted
+
+
+def test_sixteen_mixed_requests_small_pool_equal_alone(single_process):
+    arrivals = {0: list(range(12)), 3: [12, 13], 7: [14, 15]}
+    for preset, sampled in (("tiny", False), ("tiny", True), ("llama-tiny", False)):
+        eng = _local_engine(_model(preset))
+        if True:
+            reqs = _mixed(sampled)
+            alone = eng.generate(reqs)  # the batched engine equals one-by-one (tests/test_inference.py)
+            dec = ContinuousDecoder(eng, num_blocks=12, page=4, max_step_tokens=10)
+            out, steps, preempted = _run(dec, reqs, arrivals)
+            assert [out[i] for i in range(16)] == alone, (preset, sampled)
+            assert preempted == dec.preemptions > 0 and dec.blocks_used() == 0 and not dec.rows
+            a = dec.alloc[0]
+            assert a.hits > 0 and a.misses > 0, (a.hits, a.misses)
+            if sampled:
+                continue
+            # speculative decoding (prompt lookup, 3 tokens): greedy output unchanged, drafts accepted
+            spec = ContinuousDecoder(eng, num_blocks=12, page=4, max_step_tokens=10, speculative=3)
+            out3, steps3, _ = _run(spec, reqs, arrivals)
+            assert [out3[i] for i in range(16)] == alone and spec.accepted > 0 and spec.blocks_used() == 0, preset
+            if preset != "tiny":
+                continue
+            # a big pool and budget: no preemption, the same tokens, fewer steps
+            big = ContinuousDecoder(eng, num_blocks=16 * 4, page=4)
+            out2, steps2, pre2 = _run(big, reqs, arrivals)
+            assert [out2[i] for i in range(16)] == alone and pre2 == 0 and steps2 < steps
+
+
+def test_forks_share_blocks_copy_on_write(single_process):
+    """n = 3 samples of one 6-token prompt (page 4): one prefill, the prompt's blocks shared, the
+    partly filled last block copied on each fork's first write; each sample equals it alone."""
+    eng = _local_engine(_model("tiny"))
+    prompt = [5, 9, 2, 7, 3, 8]
+    reqs = [Request(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=s)) for s in (1, 2, 3)]
+    alone = [eng.generate([r])[0] for r in reqs]
+    dec = ContinuousDecoder(eng, num_blocks=8, page=4)
+    copies = []
+    orig = dec.pool.copy_block
+    dec.pool.copy_block = lambda s, d: (copies.append((s, d)), orig(s, d))
+    res = dec.step([(i, 0, r) for i, r in enumerate(reqs)], [])
+    assert len(res.tokens) == 3 and dec.blocks_used() == 2  # three rows, two blocks
+    assert [dec.rows[i].table for i in range(3)] == [[0, 1]] * 3 and dec.alloc[0].refs[:2] == [3, 3]
+    out, _, _ = _run(dec, reqs, {})
+    assert [out[i] for i in range(3)] == alone
+    assert len(copies) == 2 and dec.blocks_used() == 0  # two forks copied block 1; the last wrote it in place
+    # greedy forks with speculative decoding: the drafts' blocks come after the copied one
+    greedy = [Request(prompt * 2, SamplingParams(max_tokens=7)) for _ in range(3)]
+    ref = eng.generate(greedy[:1])[0]
+    spec = ContinuousDecoder(eng, num_blocks=12, page=4, speculative=3)
+    out, _, _ = _run(spec, greedy, {0: [0, 1, 2]})
+    assert [out[i] for i in range(3)] == [ref] * 3 and spec.proposed > 0 and spec.blocks_used() == 0
+
+
+def test_pool_must_hold_one_row(single_process):
+    eng = _local_engine(_model("tiny"))
+    with pytest.raises(ValueError, match="cannot hold one full-context row"):
+        ContinuousDecoder(eng, num_blocks=3, page=4)
+
+
+def test_draft_model_speculation_equals_plain_greedy(single_process):
+    """--speculative draft: a small draft model's greedy guesses, verified by the target: the
+    target's greedy tokens exactly; the target itself as its own draft has every guess accepted."""
+    from test_inference import BLOCK
+
+    from zerotron.models import registry
+
+    eng = _local_engine(_model("tiny"))
+    reqs = _mixed(False)[:4]
+    alone = eng.generate(reqs)
+    torch.manual_seed(1)
+    other = registry.build_model(registry.preset_config("tiny", vocab_size=VOCAB, block_size=BLOCK, n_layer=1))
+    for w in other.parameters():  # far from the target: many guesses rejected
+        w.data.normal_(0, 1)
+    for draft, all_accepted in ((other.double().eval(), False), (_model("tiny"), True)):
+        dec = ContinuousDecoder(eng, num_blocks=40, page=4, speculative=4, draft_model=draft)
+        out, _, _ = _run(dec, reqs, {0: list(range(4))})
+        assert [out[i] for i in range(4)] == alone and dec.proposed > 0
+        assert (dec.accepted == dec.proposed) == all_accepted, (dec.accepted, dec.proposed)
+    with pytest.raises(ValueError, match="vocabulary"):
+        ContinuousDecoder(eng, speculative=2, draft_model=registry.build_model(registry.preset_config(
+            "tiny", vocab_size=VOCAB + 1, block_size=BLOCK)))
+
+
+def test_ngram_proposer():
+    from zerotron.inference.speculative import ngram_propose
+
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]  # after the earlier "1 2 3"
+    assert ngram_propose([1, 2, 3, 9, 1, 2, 3], 9) == [9, 1, 2, 3]  # as many as follow
+    assert ngram_propose([4, 2, 7, 5, 2], 3) == [7, 5, 2]  # only the 1-gram "2" occurs before
+    assert ngram_propose([5, 5, 5, 5, 5], 3) == [5, 5]  # the earliest 3-gram match: 2 tokens follow it, not 1
+    assert ngram_propose([1, 2, 3], 3) == [] and ngram_propose([1, 1], 0) == [] and ngram_propose([7], 2) == []
+
+
+def test_accept_drafts_keeps_the_target_distribution():
+    """Rejection sampling with point-mass proposals: the first emitted token is distributed as the
+    target's p_0 whatever the draft, the second (after an accepted draft) as p_1; greedy rows
+    accept exactly the argmax prefix (Leviathan et al. 2023)."""
+    from zerotron.inference.speculative import accept_drafts
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 1.5, 0.2, 0.3, 1.0], [1, 1, 1, 1, 1.]],
+                          dtype=torch.float64)
+    p = torch.softmax(logits, -1)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=3, temperature=1.0)
+    N = 6000
+    first, second, lengths = torch.zeros(5), torch.zeros(5), []
+    for _ in range(N):
+        out = accept_drafts(logits, [1, 4], params, g)
+        lengths.append(len(out))
+        first[out[0]] += 1
+        if out[0] == 1:
+            second[out[1]] += 1
+    assert (first / N - p[0]).abs().sum() < 0.05, (first / N, p[0])
+    assert (second / second.sum() - p[1]).abs().sum() < 0.08, (second / second.sum(), p[1])
+    assert set(lengths) == {1, 2, 3}
+    greedy = SamplingParams(max_tokens=3)
+    assert accept_drafts(logits, [0, 2], greedy, None) == [0, 1]  # 0 accepted, 2 rejected: argmax 1
+    assert accept_drafts(logits, [0, 1], greedy, None) == [0, 1, 0]  # both accepted, then the argmax of row 2
+    assert accept_drafts(logits, [3, 1], greedy, None) == [0]
+    assert accept_drafts(logits[:2], [0], greedy, None) == [0, 1]

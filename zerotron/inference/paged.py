@@ -1,0 +1,211 @@
+"""A paged KV cache (PagedAttention, Kwon et al., SOSP 2023): :class:`BlockAllocator` (the
+bookkeeping: free list, reference counts, prefix cache) and :class:`BlockPool` (the tensors: one
+preallocated pool of fixed-size blocks per layer) with :class:`PagedView` (one forward's
+``KVCache`` reading through the rows' block tables).
+
+Each sequence owns a *block table*: the ids of the blocks holding its keys/values in order, block
+j holding the sequence's slots ``j * page .. (j + 1) * page - 1``. A sequence only ever appends, so
+only its last block can be partly filled; a block shared by several tables (reference count > 1)
+is copied before it is written (copy-on-write), which is how ``n > 1`` samples of one prompt
+share the prompt's blocks.
+
+Prefix caching (vLLM's automatic prefix caching; SGLang's RadixAttention, Zheng et al. 2024, keeps
+the same reuse in a radix tree): a *full* block is keyed by ``hash((key of the block before it,
+its page tokens))``, so equal keys mean equal tokens from slot 0 on, hence equal keys and values.
+A new sequence takes the cached blocks of its longest matching run of full blocks (reference count
++1); a block whose count drops to 0 keeps its key and stays reusable, on a least-recently-used
+list, until the allocator needs its storage.
+
+The allocator is plain Python and deterministic: every rank keeps the same bookkeeping (for every
+dp replica), so rank 0's scheduling decisions are every rank's without a message.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+__all__ = ["BlockAllocator", "BlockPool", "PagedView", "OutOfBlocks", "blocks_for_budget"]
+
+
+class OutOfBlocks(RuntimeError):
+    """No free block and no unreferenced cached block to evict."""
+
+
+class BlockAllocator:
+    """Block ids 0 .. ``num_blocks`` - 1 of ``page`` slots each. ``free``: ids never used or
+    released without a prefix key (a deque, taken from the left); ``lru``: unreferenced blocks that
+    still carry a prefix key (oldest first; evicted when ``free`` is empty). Counters:
+    ``hits``/``misses`` (full prompt blocks found / not found in the prefix cache),
+    ``evictions``. Raises ValueError for num_blocks < 1 or page < 1."""
+
+    def __init__(self, num_blocks: int, page: int, prefix_caching: bool = True):
+        if num_blocks < 1 or page < 1:
+            raise ValueError(f"need num_blocks >= 1 and page >= 1, got {num_blocks}, {page}")
+        self.num_blocks, self.page, self.prefix_caching = num_blocks, page, prefix_caching
+        self.free: collections.deque[int] = collections.deque(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self.key: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # prefix key -> block id
+        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+
+    @property
+    def available(self) -> int:
+        """Blocks that :meth:`allocate` can hand out now (free + evictable)."""
+        return len(self.free) + len(self.lru)
+
+    @property
+    def used(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - self.available
+
+    def allocate(self) -> int:
+        """A block id with reference count 1 (a free one, else the least recently used cached
+        one, whose key is dropped). Raises :class:`OutOfBlocks`."""
+        if self.free:
+            b = self.free.popleft()
+        elif self.lru:
+            b, _ = self.lru.popitem(last=False)
+            del self.cached[self.key[b]]
+            self.key[b] = None
+            self.evictions += 1
+        else:
+            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        self.refs[b] = 1
+        return b
+
+    def share(self, b: int) -> int:
+        """One more reference to block ``b`` (a fork, or a prefix-cache hit); returns b."""
+        if self.refs[b] == 0:
+            self.lru.pop(b, None)
+        self.refs[b] += 1
+        return b
+
+    def release(self, table: list[int]) -> None:
+        """Drop one reference to each block of ``table``; unreferenced blocks become free (or,
+        with a prefix key, most recently used evictable)."""
+        for b in reversed(table):  # the tail first: it is the least likely to be shared again
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if self.key[b] is not None:
+                    self.lru[b] = None
+                else:
+                    self.free.append(b)
+
+    @staticmethod
+    def chain(prev: int | None, tokens) -> int:
+        """The prefix key of a full block of ``tokens`` after the block whose key is ``prev``."""
+        return hash((prev, tuple(tokens)))
+
+    def match(self, tokens: list[int], limit: int) -> list[int]:
+        """The cached blocks of the longest run of full blocks of ``tokens`` (covering at most
+        ``limit`` tokens) with a prefix-cache entry; each gets a reference; hits/misses count the
+        full blocks of ``tokens[:limit]`` found / not found."""
+        if not self.prefix_caching:
+            return []
+        out, prev, p = [], None, self.page
+        for j in range(limit // p):
+            prev = self.chain(prev, tokens[j * p:(j + 1) * p])
+            b = self.cached.get(prev)
+            if b is None:
+                self.misses += limit // p - j
+                break
+            out.append(self.share(b))
+            self.hits += 1
+        return out
+
+    def register(self, table: list[int], tokens: list[int], start: int, end: int) -> None:
+        """The blocks of ``table`` that became full while slots ``start`` .. ``end`` - 1 were
+        written (``tokens``: the sequence from slot 0) get their prefix keys (a block already
+        cached under the same key keeps the entry)."""
+        if not self.prefix_caching:
+            return
+        p = self.page
+        prev = None
+        for j in range(end // p):
+            prev = self.chain(prev, tokens[j * p:(j + 1) * p])
+            if (j + 1) * p <= start:
+                continue
+            b = table[j]
+            if self.key[b] is None and prev not in self.cached:
+                self.key[b], self.cached[prev] = prev, b
+
+
+def blocks_for_budget(budget_bytes: int, page: int, layers: int, kv_heads: int, head_dim: int,
+                      elem_bytes: int) -> int:
+    """Blocks of ``page`` slots that ``budget_bytes`` hold on a rank with ``layers`` layers of
+    ``kv_heads`` local key/value heads of ``head_dim`` (keys and values, ``elem_bytes`` each)."""
+    return budget_bytes // (2 * page * layers * kv_heads * head_dim * elem_bytes)
+
+
+class BlockPool:
+    """The tensors of a paged cache on this rank: per layer ``keys[i]``/``values[i]``
+    (num_blocks * page, H_kv, D) (H_kv: this rank's kv heads; allocated, zeroed, at the layer's
+    first write: the shape comes from the model), for the layers this rank holds."""
+
+    def __init__(self, n_layer: int, num_blocks: int, page: int):
+        self.num_blocks, self.page = num_blocks, page
+        self.keys: list[torch.Tensor | None] = [None] * n_layer
+        self.values: list[torch.Tensor | None] = [None] * n_layer
+
+    def nbytes(self) -> int:
+        """Bytes allocated so far."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: block ``dst`` gets block ``src``'s keys and values in every layer."""
+        p = self.page
+        for t in self.keys + self.values:
+            if t is not None:
+                t[dst * p:(dst + 1) * p].copy_(t[src * p:(src + 1) * p])
+
+
+class PagedView:
+    """One forward's ``KVCache`` over ``pool`` for rows b = 0 .. B-1 with block tables
+    ``tables[b]`` (covering the slots to be written), ``lens[b]`` slots cached before, and
+    ``news[b]`` new tokens right-aligned in the forward's T input slots (T = max news; the first
+    T - news[b] inputs of row b are padding).
+
+    The model sees the usual left-padded ``KVCache``: the keys of row b are its lens[b] + news[b]
+    slots gathered through its block table (:meth:`update` returns (B, H_kv, S, D) with
+    S = cached + T, cached = max(lens - (T - news))), right-aligned with ``pad[b]`` leading slots
+    masked by attention; positions ``slot - pad`` are each row's own (lens[b] onward)."""
+
+    def __init__(self, pool: BlockPool, tables: list[list[int]], lens: list[int], news: list[int], device):
+        self.pool, p = pool, pool.page
+        T = max(news)
+        self.S0 = max(n - (T - m) for n, m in zip(lens, news))
+        S = self.S0 + T
+        self.pad = torch.tensor([self.S0 - n + (T - m) for n, m in zip(lens, news)], dtype=torch.long, device=device)
+        src_b, src_t, dst, gather = [], [], [], []
+        for b, (tab, n, m) in enumerate(zip(tables, lens, news)):
+            slots = [tab[s // p] * p + s % p for s in range(n + m)]
+            src_b += [b] * m
+            src_t += range(T - m, T)
+            dst += slots[n:]
+            lead = S - n - m
+            gather.append([slots[0]] * lead + slots)  # padding reads a real slot: masked, finite
+        self.src = (torch.tensor(src_b, device=device), torch.tensor(src_t, device=device))
+        self.dst = torch.tensor(dst, dtype=torch.long, device=device)
+        self.gather = torch.tensor(gather, dtype=torch.long, device=device)  # (B, S)
+
+    def cached(self, layer: int) -> int:
+        return self.S0
+
+    def positions(self, T: int, layer: int) -> torch.Tensor:
+        pos = torch.arange(self.S0, self.S0 + T, device=self.pad.device)[None, :] - self.pad[:, None]
+        return pos.clamp_(min=0)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Write the real new slots of k, v (B, H_kv, T, D) into their blocks; return every row's
+        keys and values gathered through its table, (B, H_kv, S, D)."""
+        pool = self.pool
+        if pool.keys[layer] is None:
+            n = pool.num_blocks * pool.page
+            pool.keys[layer] = k.new_zeros(n, k.size(1), k.size(3))
+            pool.values[layer] = v.new_zeros(n, v.size(1), v.size(3))
+        K, V = pool.keys[layer], pool.values[layer]
+        K[self.dst] = k.transpose(1, 2)[self.src]
+        V[self.dst] = v.transpose(1, 2)[self.src]
+        return K[self.gather].transpose(1, 2), V[self.gather].transpose(1, 2)
