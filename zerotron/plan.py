@@ -225,6 +225,18 @@ class ParallelPlan:
         _need(self.pp_impl in ("native", "threads", "torch"),
               f"parallel.pp_impl must be native, threads or torch, got {self.pp_impl!r}")
         _need(self.cp_impl in CP_IMPLS, f"parallel.cp_impl must be one of {CP_IMPLS}, got {self.cp_impl!r}")
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        """What ``train.compile`` (regional compilation, ``parallel.compile``) cannot run on."""
+        if not self.compile:
+            return
+        _need(self.tp_impl != "dtensor" or self.tp == 1,
+              "train.compile does not compile parallel.tp_impl = dtensor (torch's DTensor TP path is left eager); "
+              "use parallel.tp_impl = native or train.compile = false")
+        _need(self.pp_impl != "threads",
+              "train.compile cannot run parallel.pp_impl = threads (torch.compile's frame hooks and caches are "
+              "process-global, not thread-safe); use parallel.pp_impl = native or train.compile = false")
 
     def _check_data_parallel(self) -> None:
         """Precision of the gradient reduction, ZeRO/FSDP2/DDP choices, HSDP."""

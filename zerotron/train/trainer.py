@@ -20,6 +20,7 @@ from ..distributed import comm
 from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
 from ..parallel import parallelize
+from ..parallel.compile import compile_stats, use_cache_dir
 from ..parallel.context.split import split_sequence
 from ..parallel.precision import param_dtype
 from ..plan import ParallelPlan, build_plan
@@ -29,7 +30,16 @@ from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_los
 from .optim import build_scheduler
 from .progress import Progress
 from .run_log import MetricsLog, write_summary
-from .setup import check_init_vocab, check_resume, check_run_dir, gpt_config, load_data, padding_batch, val_rank_windows
+from .setup import (
+    check_init_vocab,
+    check_resume,
+    check_run_dir,
+    gpt_config,
+    load_data,
+    pad_rows,
+    padding_batch,
+    val_rank_windows,
+)
 from .step import evaluate, train_step
 from .tensorboard import open_tensorboard
 from .wandb_log import open_wandb
@@ -93,6 +103,8 @@ class Trainer:
         self.num_params = self.model.num_params()  # dense count, before any sharding
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
         self.state_bytes, self.state_tensors = sum(v.numel() * v.element_size() for v in dense.values()), len(dense)
+        if cfg.train.compile:  # before the first compile: the ranks and a resumed run share Inductor's cache
+            use_cache_dir(str(self.run_dir / "inductor_cache"))
         self.strategy = parallelize(self.model, self.plan, self.mesh)
         self.optimizer = self.strategy.build_optimizer(cfg.train, self.strategy.decay_mask)
         self.scheduler = build_scheduler(self.optimizer, cfg.train)
@@ -105,6 +117,8 @@ class Trainer:
         self.val_windows = np.concatenate(val_groups)  # this rank's windows, each once
         self.val_batches = [self._cp_local(batch_from_indices(self.data.val, g, self.seq_len, "val") if len(g)
                                            else padding_batch(self.seq_len)) for g in val_groups]
+        if cfg.train.compile:  # one static evaluation shape: no recompile for a short or padding batch
+            self.val_batches = [pad_rows(b, cfg.train.micro_batch) for b in self.val_batches]
         self.start_step = 0
         self.failed_saves: list[int] = []  # steps whose checkpoint could not be written (on_error = continue)
         self.unsaved: int | None = None    # the newest of them, while no later save has succeeded
@@ -344,6 +358,12 @@ class Trainer:
                     rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
                     first_val = rec["val_loss"] if first_val is None else first_val
                     last_val = rec["val_loss"]
+                if t.compile:  # Dynamo's counters: flat after the first step (training + evaluation entries)
+                    rec.update(compile_stats())
+                    if lead and step == self.start_step:
+                        print(f"zerotron: compiled the blocks in {rec['compile_time_s']:.1f} s during the first step "
+                              f"({rec['graphs']} graphs, {rec['graph_breaks']} graph breaks; Inductor cache "
+                              f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", flush=True)
                 reached = step + 1
                 if writer:  # never raises: a failed append is held (see run_log.MetricsLog)
                     writer.write(rec)
