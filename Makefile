@@ -8,7 +8,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix bench-two-nodes clean FORCE
+.PHONY: install install-dev train lint test test-matrix test-compile bench-two-nodes clean FORCE
 
 FORCE:
 
@@ -48,6 +48,11 @@ test: lint
 test-matrix: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
 		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
+
+# train.compile: compiled vs eager (fp64, 1e-10) for dp2, ZeRO-3, tp2+SP, pp2 1F1B / ZB-H1, recomputation
+# on GPT-2 and Llama (Inductor compiles C++ kernels: several minutes on 2 cores)
+test-compile: install-dev
+	ZEROTRON_COMPILE=full $(PY) -m pytest -s tests/test_compile.py $(ARGS)
 
 # bench comm --topology across the two-node network-namespace harness (root), 200 Mbit/s link:
 # benchmarks/comm_two_nodes.{json,md,png} (~2 min)

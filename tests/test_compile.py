@@ -101,3 +101,25 @@ def test_refused_combinations(over, needle):
     with pytest.raises(ConfigError, match="train.compile") as e:
         ParallelPlan(dims, compile=True, **over, **extra)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bench_compile_suffix_and_rows():
+    """``zerotron bench train`` layouts take ``-compile``; rows pair compiled with eager per round and
+    show compile time and timed recompiles."""
+    from zerotron.bench.layouts import get_layout
+    from zerotron.bench.report import format_table, summarize
+
+    assert get_layout("zero3-compile").overrides == {"parallel.zero_stage": 3, "train.compile": "true"}
+    assert get_layout("pp-1f1b-mb2-compile").overrides["train.micro_batch"] == "2"
+    assert get_layout("dp").overrides.get("train.compile") is None
+    base = {"skipped": False, "impl": "DataParallel", "world_size": 2, "step_time_s": 1.0, "step_times_s": [1.0],
+            "cpu_s_per_step": 1.0, "comm_bytes_per_step": 0, "peak_mem_bytes": 0, "model_state_bytes": 0}
+    recs = [{**base, "layout": "dp", "round": r, "tokens_per_s": 100.0 + r} for r in range(2)]
+    recs += [{**base, "layout": "dp-compile", "round": r, "tokens_per_s": 150.0 + 3 * r, "compile_time_s": 30.0 - 30 * r,
+              "recompiles": 0, "warmup_s": 40.0} for r in range(2)]
+    rows = {r["layout"]: r for r in summarize(recs)}
+    assert rows["dp-compile"]["compile_time_s"] == 30.0 and rows["dp-compile"]["recompiles"] == 0
+    assert rows["dp-compile"]["ratio_vs_eager"] == pytest.approx((1.5 + 153 / 101) / 2)
+    assert "ratio_vs_eager" not in rows["dp"]
+    table = format_table(list(rows.values()))
+    assert "compiled / eager" in table and "recompiles (timed)" in table

@@ -13,8 +13,9 @@ checkpointing (step 2b), before the runner and the gradient synchroniser. Only t
 block module stays eager and runs exactly as without compilation: ZeRO-3's and FSDP2's
 gather/free forward hooks around each block, DDP's gradient-bucket hooks (on the parameters,
 fired by AOTAutograd's backward through AccumulateGrad), a pipeline's split backward (B and W
-each run the compiled backward node; W runs it again from the captured gradients: same values,
-more compute). Inside the compiled region:
+each run the compiled backward node; W runs it again from the captured gradients with
+``retain_graph``: same values, more compute; AOTAutograd's donated buffers are therefore turned
+off). Inside the compiled region:
 
 * tensor / sequence parallelism's f/g operators (``parallel.tensor.ops``: autograd Functions
   around gloo/NCCL collectives with byte accounting) are *graph breaks by design*: Dynamo splits
@@ -62,10 +63,16 @@ def _entries(mode: str | None):
     """The two compiled entries (training, evaluation), created once per process and mode: every
     block of every model of this process shares them (one cache entry each)."""
     if mode not in _compiled:
+        import torch._dynamo.config
+        import torch._functorch.config
         # never silently eager: past the recompile limit Dynamo would fall back to the eager frame;
         # raise instead (a run compiles 1-2 graphs per entry; tests of many layouts in one process more)
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # a zero-bubble pipeline runs each compiled backward twice (B, then W with retain_graph):
+        # AOTAutograd's donated buffers (freed by the first backward) forbid that; off for every
+        # layout, since the compiled entry is shared by every model of the process
+        torch._functorch.config.donated_buffer = False
         _compiled[mode] = (torch.compile(_train_entry, mode=mode, dynamic=False),
                            torch.compile(_eval_entry, mode=mode, dynamic=False))
     return _compiled[mode]
@@ -98,14 +105,18 @@ def apply_compile(model, enabled: bool, mode: str | None = None):
 
 def compile_stats() -> dict:
     """This process's compilation so far, from TorchDynamo's counters: ``graph_breaks`` (graph
-    breaks traced, e.g. at tensor-parallel collectives), ``recompiles`` (compiled frames beyond
-    the first one of each compiled entry: a guard failed, e.g. a new shape), ``graphs`` (distinct
+    breaks traced, e.g. at tensor-parallel collectives), ``recompiles`` (cache entries beyond the
+    first of every frame Dynamo compiled -- the entries and the resume functions after graph
+    breaks: each is a guard that failed, e.g. a new shape), ``graphs`` (distinct
     graphs compiled) and ``compile_time_s`` (seconds in Dynamo tracing + AOTAutograd + Inductor,
     forward and backward). All zero when nothing was compiled."""
+    from torch._dynamo.convert_frame import input_codes
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import compilation_time_metrics, counters
 
-    entries = [len(_debug_get_cache_entry_list(fn.__code__)) for fn in (_train_entry, _eval_entry)]
+    # every frame Dynamo has seen: the two entries and the resume functions after graph breaks
+    codes = [c for c in (ref() for ref in list(input_codes.seen)) if c is not None]
+    entries = [len(_debug_get_cache_entry_list(c)) for c in codes]
     secs = sum(sum(v) for k, v in compilation_time_metrics.items()
                if k == "_compile.compile_inner" or k.endswith("bw_compiler"))
     return {"graph_breaks": int(sum(counters["graph_break"].values())),
