@@ -6,6 +6,7 @@ Inductor compiles C++ kernels on this CPU (tens of seconds per graph on 2 loaded
 default suite runs ONE small compiled case (the single process, both compiled entries: training
 and evaluation); ``ZEROTRON_COMPILE=full`` (``make test-compile``) adds dp2, ZeRO-3 dp2, tp2+SP,
 pp2-1f1b, pp2-zb-h1 and activation checkpointing on GPT-2 and Llama."""
+import json
 import os
 
 import pytest
@@ -30,6 +31,11 @@ def _run_compiled(layouts, ref_path, tmp, extra):
 
     recs = parity.run_many(layouts, ref_path, tmp, extra)
     return recs, compile_stats()
+
+
+def _metrics(run_dir) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _check(records, ref_keys, name):
@@ -59,9 +65,7 @@ def test_compiled_single_process_equals_eager(data_cache, single_process, tmp_pa
     assert after["recompiles"] == 0 and after["graph_breaks"] == before["graph_breaks"], after
     assert after["compile_time_s"] > before["compile_time_s"]
     # the run's metrics carry the counters, flat after the first step
-    import json
-    rows = [json.loads(line) for line in open(tmp_path / "c" / lay.name / "metrics.jsonl")]
-    steps = [r for r in rows if "loss" in r]
+    steps = [r for r in _metrics(tmp_path / "c" / lay.name) if "loss" in r]
     assert all(r["recompiles"] == 0 for r in steps) and steps[0]["compile_time_s"] > 0, steps
     assert steps[-1]["compile_time_s"] == steps[0]["compile_time_s"], steps  # nothing compiled after step 1
     report(f"compile: single process fp64 compiled vs eager worst rel err {worst:.3g}; "
@@ -85,6 +89,9 @@ def test_compiled_layouts_equal_eager(family, data_cache, single_process, tmp_pa
     worst = {}
     for i, name in enumerate(lays):
         worst[name] = _check([per_rank[r][0][i] for r in range(2)], (set(ref["params"]), set(ref["optim"])), name)
+    for name in lays:  # no recompile after the first step (rank 0's metrics: its counters per step)
+        steps = [r for r in _metrics(tmp_path / "c" / name) if "loss" in r]
+        assert len(steps) == parity.STEPS and len({(r["recompiles"], r["graphs"]) for r in steps}) == 1, (name, steps)
     stats = [s for _, s in per_rank]
     assert all(s["graphs"] > 0 for s in stats), stats
     report(f"compile {family}: compiled vs eager worst rel err {worst}; per-rank counters {stats}")

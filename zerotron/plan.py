@@ -234,6 +234,10 @@ class ParallelPlan:
         _need(self.tp_impl != "dtensor" or self.tp == 1,
               "train.compile does not compile parallel.tp_impl = dtensor (torch's DTensor TP path is left eager); "
               "use parallel.tp_impl = native or train.compile = false")
+        _need(self.cp == 1,
+              "train.compile does not run with parallel.cp > 1 (context parallel attention's collectives are not yet "
+              "made opaque to the compiler, so their byte counters would recompile every call); set parallel.cp = 1 "
+              "or train.compile = false")
         _need(self.pp_impl != "threads",
               "train.compile cannot run parallel.pp_impl = threads (torch.compile's frame hooks and caches are "
               "process-global, not thread-safe); use parallel.pp_impl = native or train.compile = false")

@@ -18,8 +18,10 @@ each run the compiled backward node; W runs it again from the captured gradients
 off). Inside the compiled region:
 
 * tensor / sequence parallelism's f/g operators (``parallel.tensor.ops``: autograd Functions
-  around gloo/NCCL collectives with byte accounting) are *graph breaks by design*: Dynamo splits
-  the block around each collective and compiles the pieces between (counted as ``graph_breaks``);
+  around gloo/NCCL collectives with byte accounting) are *graph breaks by design*
+  (``ops.opaque_to_compiler``: ``torch.compiler.disable``): Dynamo splits the block around each
+  collective, runs it eagerly and compiles the pieces between (counted as ``graph_breaks``).
+  Traced, the Python byte counters became guards that failed at every call (a recompile per call);
 * activation checkpointing (``torch.utils.checkpoint``, non-reentrant) is traced as a higher-order
   op and recomputed by the compiled backward;
 * dropout draws from the same generator; fp64/fp32/bf16 autocast are traced as they are.
@@ -44,6 +46,7 @@ import os
 import torch
 
 from zerotron.models.layout import get_module
+from zerotron.parallel.tensor import ops as tensor_ops
 
 __all__ = ["apply_compile", "compile_stats", "use_cache_dir"]
 
@@ -73,6 +76,7 @@ def _entries(mode: str | None):
         # AOTAutograd's donated buffers (freed by the first backward) forbid that; off for every
         # layout, since the compiled entry is shared by every model of the process
         torch._functorch.config.donated_buffer = False
+        tensor_ops.opaque_to_compiler()  # tp/SP collectives: graph breaks, run eagerly (never traced)
         _compiled[mode] = (torch.compile(_train_entry, mode=mode, dynamic=False),
                            torch.compile(_eval_entry, mode=mode, dynamic=False))
     return _compiled[mode]
