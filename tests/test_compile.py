@@ -100,10 +100,11 @@ def test_compiled_layouts_equal_eager(family, data_cache, single_process, tmp_pa
 @pytest.mark.parametrize("over,needle", [
     ({"tp_impl": "dtensor"}, "parallel.tp_impl = dtensor"),
     ({"pp_impl": "threads"}, "parallel.pp_impl = threads"),
+    ({}, "parallel.cp > 1"),
 ])
 def test_refused_combinations(over, needle):
     """What cannot be compiled is refused by the plan with the reason, never run eager silently."""
-    dims = ParallelDims(2, tp=2) if "tp_impl" in over else ParallelDims(1)
+    dims = ParallelDims(2, tp=2) if "tp_impl" in over else ParallelDims(1) if over else ParallelDims(2, cp=2)
     extra = {"virtual_stages": 2, "pp_schedule": "gpipe"} if over.get("pp_impl") == "threads" else {}
     with pytest.raises(ConfigError, match="train.compile") as e:
         ParallelPlan(dims, compile=True, **over, **extra)

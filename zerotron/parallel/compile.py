@@ -32,7 +32,11 @@ compiles once. Evaluation (no gradient: a different graph without saved activati
 compiled entry, compiled at the first evaluation; the trainer pads every validation batch to
 micro_batch rows (``train.setup.pad_rows``: rows without targets, no loss counted), so a short
 last batch or a padding batch does not recompile. Another shape (a caller's own batch) compiles
-once more and shows in ``recompiles``. Decoding with a KV cache (generation, serving) runs the eager forward.
+once more and shows in ``recompiles``. Under tensor parallelism the frames after each graph break
+(Dynamo's resume functions, and module forwards entered from them) are compiled on their own:
+they compile once per distinct shape (q vs k/v projections of grouped-query attention) and once
+more for evaluation, all during the first step; ``recompiles`` counts them and stays flat after it
+(the tests assert so). Decoding with a KV cache (generation, serving) runs the eager forward.
 
 :func:`compile_stats` reads Dynamo's counters for the metrics (``graph_breaks``, ``recompiles``,
 ``compile_time_s``). Inductor's caches are process-wide; the trainer points them at a directory
