@@ -3,9 +3,9 @@ train like the eager single process in float64 (rtol 1e-10, the parity matrix's 
 machinery), with no recompile after the first step.
 
 Inductor compiles C++ kernels on this CPU (tens of seconds per graph on 2 loaded cores), so the
-default suite runs ONE small compiled case (the single process, both compiled entries: training
-and evaluation); ``ZEROTRON_COMPILE=full`` (``make test-compile``) adds dp2, ZeRO-3 dp2, tp2+SP,
-pp2-1f1b, pp2-zb-h1 and activation checkpointing on GPT-2 and Llama."""
+default suite runs ONE small compiled case (the single process, the training entry);
+``ZEROTRON_COMPILE=full`` (``make test-compile``) adds dp2, ZeRO-3 dp2, tp2+SP,
+pp2-1f1b, pp2-zb-h1 and activation checkpointing on GPT-2 and Llama, with evaluation."""
 import json
 import os
 
@@ -46,13 +46,15 @@ def _check(records, ref_keys, name):
 
 
 def test_compiled_single_process_equals_eager(data_cache, single_process, tmp_path, report, monkeypatch):
-    """The whole training path compiled (blocks of the matrix GPT-2, fp64, 2 steps with evaluation
-    at both) equals the eager run to 1e-10; the counters show compiled graphs, no graph break and
-    no recompile (training and evaluation each compiled once, 8 blocks sharing the entries)."""
+    """The whole training path compiled (blocks of the matrix GPT-2, fp64, 2 steps) equals the eager
+    run to 1e-10; the counters show a compiled graph, no graph break and no recompile (8 blocks and
+    4 micro-batches share the training entry). Evaluation is off here to keep the default suite
+    within its budget (one graph to compile, not two); the ``make test-compile`` layouts evaluate
+    (compiled evaluation entry, padded batches) and assert the counters flat after step 1."""
     from zerotron.parallel.compile import compile_stats
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    extra = {"data.cache_dir": data_cache}
+    extra = {"data.cache_dir": data_cache, "train.eval_every": 0}
     ref = parity.reference(str(tmp_path / "ref"), extra)
     ref_path = str(tmp_path / "ref.pt")
     torch.save(ref, ref_path)
@@ -61,7 +63,7 @@ def test_compiled_single_process_equals_eager(data_cache, single_process, tmp_pa
     rec = parity.run_many([lay.as_dict()], ref_path, str(tmp_path / "c"), {**extra, **COMPILED})[0]
     after = compile_stats()
     worst = _check([rec], (set(ref["params"]), set(ref["optim"])), lay.name)
-    assert after["graphs"] - before["graphs"] >= 2, (before, after)  # training + evaluation graphs
+    assert after["graphs"] - before["graphs"] >= 1, (before, after)  # the training graph
     assert after["recompiles"] == 0 and after["graph_breaks"] == before["graph_breaks"], after
     assert after["compile_time_s"] > before["compile_time_s"]
     # the run's metrics carry the counters, flat after the first step
