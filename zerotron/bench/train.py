@@ -167,7 +167,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
     rec, err, built, local = {"layout": layout.name, "world_size": w}, None, None, None
     _peak_mem(dev, reset=True)
     compiled = cfg.train.compile
-    c0 = compile_stats() if compiled else None  # Dynamo's counters: process-wide, so deltas per round
+    cs0 = compile_stats() if compiled else None  # Dynamo's counters: process-wide, so deltas per round
     if mesh is not None:
         try:
             built = _build(cfg, plan, mesh, data, layout, warmup + steps)
@@ -191,7 +191,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
         for s in range(warmup):
             step(s)
         t_warm = time.perf_counter() - t_warm
-        c1 = compile_stats() if compiled else None
+        cs1 = compile_stats() if compiled else None
     comm.barrier()  # the clock starts together on every rank
     if built:
         before, t0, c0 = dict(comm.STATS.bytes), time.perf_counter(), time.process_time()
@@ -222,11 +222,11 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
                  "pipe": [mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]], "split": getattr(strat, "split", None),
                  "bubble_theory": bubble_theory(pp_sched[0], pp_sched[1], pp_sched[3], pp_sched[2]) if timing is not None else None}
         if compiled:  # compile time of this round's warm-up; recompiles/graph breaks in the timed steps (want 0)
-            c2 = compile_stats()
-            local["compile"] = {"compile_time_s": c1["compile_time_s"] - c0["compile_time_s"], "warmup_s": t_warm,
-                                "recompiles": c2["recompiles"] - c1["recompiles"],
-                                "graph_breaks": c1["graph_breaks"] - c0["graph_breaks"],
-                                "graphs": c1["graphs"] - c0["graphs"]}
+            cs2 = compile_stats()
+            local["compile"] = {"compile_time_s": cs1["compile_time_s"] - cs0["compile_time_s"], "warmup_s": t_warm,
+                                "recompiles": cs2["recompiles"] - cs1["recompiles"],
+                                "graph_breaks": cs1["graph_breaks"] - cs0["graph_breaks"],
+                                "graphs": cs1["graphs"] - cs0["graphs"]}
         torch.set_num_threads(prev)
         del built, strat, opt, sched, batches, step
     got = [x for x in comm.all_gather_object(local) if x]
