@@ -8,7 +8,7 @@ ARGS ?=
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix test-finetune test-moe bench-two-nodes clean FORCE
+.PHONY: install install-dev train lint test test-matrix test-finetune test-moe test-compile bench-two-nodes clean FORCE
 
 FORCE:
 
@@ -56,6 +56,11 @@ test-finetune: install-dev
 # the MoE family under every layout it runs (ep 1, 2, 4 over dp 2 and 4; fp64 against one process)
 test-moe: install-dev
 	ZEROTRON_MOE_PARITY=full $(PY) -m pytest -s tests/test_moe_parity.py $(ARGS)
+
+# train.compile: compiled vs eager (fp64, 1e-10) for dp2, ZeRO-3, tp2+SP, pp2 1F1B / ZB-H1, recomputation
+# on GPT-2 and Llama (Inductor compiles C++ kernels: several minutes on 2 cores)
+test-compile: install-dev
+	ZEROTRON_COMPILE=full $(PY) -m pytest -s tests/test_compile.py $(ARGS)
 
 # bench comm --topology across the two-node network-namespace harness (root), 200 Mbit/s link:
 # benchmarks/comm_two_nodes.{json,md,png} (~2 min)

@@ -167,6 +167,8 @@ class TrainConfig:
     """validation size in global batches"""
     activation_checkpointing: str = "none"
     """none | selective | full (recompute block activations in the backward)"""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation, see parallel.compile)"""
     nonfinite: str = "skip"
     """skip | stop: what a non-finite loss or gradient norm does (skip: no update, counted)"""
     nonfinite_limit: int = 3

@@ -230,6 +230,28 @@ class ParallelPlan:
         _need(self.pp_impl in ("native", "threads", "torch"),
               f"parallel.pp_impl must be native, threads or torch, got {self.pp_impl!r}")
         _need(self.cp_impl in CP_IMPLS, f"parallel.cp_impl must be one of {CP_IMPLS}, got {self.cp_impl!r}")
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        """What ``train.compile`` (regional compilation, ``parallel.compile``) cannot run on."""
+        if not self.compile:
+            return
+        _need(self.tp_impl != "dtensor" or self.tp == 1,
+              "train.compile does not compile parallel.tp_impl = dtensor (torch's DTensor TP path is left eager); "
+              "use parallel.tp_impl = native or train.compile = false")
+        _need(self.cp == 1,
+              "train.compile does not run with parallel.cp > 1 (context parallel attention's collectives are not yet "
+              "made opaque to the compiler, so their byte counters would recompile every call); set parallel.cp = 1 "
+              "or train.compile = false")
+        _need(self.pp_impl != "threads",
+              "train.compile cannot run parallel.pp_impl = threads (torch.compile's frame hooks and caches are "
+              "process-global, not thread-safe); use parallel.pp_impl = native or train.compile = false")
+        _need(not self.doc_mask,
+              "train.compile with data.doc_mask is not supported yet (the per-micro-batch document masks reach the "
+              "attention outside the compiled block's inputs; untested under the compiler); set one of them false")
+        _need(not (self.shape and self.shape.get("n_experts")),
+              "train.compile with a mixture-of-experts model is not supported yet (the token-to-expert routing has "
+              "data-dependent shapes: a recompile per routing); use train.compile = false")
 
     def _check_data_parallel(self) -> None:
         """Precision of the gradient reduction, ZeRO/FSDP2/DDP choices, HSDP."""
@@ -444,6 +466,8 @@ def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:
     _need(t.lora_rank >= 0, f"train.lora_rank must be >= 0 (0 = off), got {t.lora_rank}")
     if not t.lora_rank:
         return
+    _need(not t.compile, "train.lora_rank with train.compile is not supported yet (the adapters are untested under "
+                         "the compiler); set train.compile = false or train.lora_rank = 0")
     _need(t.lora_alpha >= 0, f"train.lora_alpha must be >= 0 (0 = 2 x rank), got {t.lora_alpha}")
     _need(0 <= t.lora_dropout < 1, f"train.lora_dropout must be in [0, 1), got {t.lora_dropout}")
     try:

@@ -49,6 +49,9 @@ def summarize(records: list[dict]) -> list[dict]:
                 row[k] = statistics.median(vals) if vals else float("nan")
         if all("link_tx_bytes_per_step" in r for r in rs):
             row["link_tx_bytes_per_step"] = statistics.median(r["link_tx_bytes_per_step"] for r in rs)
+        if "compile_time_s" in rs[0]:  # -compile layouts: the first round compiles, the later ones reuse
+            row.update(compile_time_s=max(r["compile_time_s"] for r in rs), recompiles=sum(r["recompiles"] for r in rs),
+                       warmup_s=max(r["warmup_s"] for r in rs))
         if "epoch_tokens" in rs[0]:
             row["epoch_time_s"] = rs[0]["epoch_tokens"] / row["tokens_per_s"]
         if "bubble_measured" in rs[0]:
@@ -72,6 +75,9 @@ def summarize(records: list[dict]) -> list[dict]:
             row["ratio_vs_flat"] = paired_ratio(row["tokens_per_s_rounds"], flat.get("tokens_per_s_rounds"))
             if "link_tx_bytes_per_step" in row and flat.get("link_tx_bytes_per_step"):
                 row["link_bytes_vs_flat"] = row["link_tx_bytes_per_step"] / flat["link_tx_bytes_per_step"]
+        eager = by_name.get(row["layout"].removesuffix("-compile")) if row["layout"].endswith("-compile") else None
+        if eager is not None and not row["skipped"] and not eager["skipped"]:  # paired per round
+            row["ratio_vs_eager"] = paired_ratio(row["tokens_per_s_rounds"], eager.get("tokens_per_s_rounds"))
     return rows
 
 
@@ -110,7 +116,8 @@ def format_table(rows: list[dict]) -> str:
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
     extra = [k for k in ("epoch_time_s", "pp_split", "bubble_measured", "idle_dependency", "idle_transfer",
                          "idle_post", "start_skew_ms", "p2p_latency_ms", "bubble_simulated", "bubble_overhead_ratio", "bubble_replayed",
-                         "bubble_replay_ratio", "bubble_sim_latency", "latency_ratio", "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat")
+                         "bubble_replay_ratio", "bubble_sim_latency", "latency_ratio", "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat",
+                         "compile_time_s", "recompiles", "ratio_vs_eager")
              if any(k in r for r in rows)]
     names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
              "bubble_simulated": ("bubble sim (measured F/B)", ".3f"), "bubble_overhead_ratio": ("measured / sim", ".2f"),
@@ -123,7 +130,9 @@ def format_table(rows: list[dict]) -> str:
              "latency_ratio": ("measured / (sim + latency)", ".2f"),
              "pp_split": ("split", "s"), "bubble_theory": ("bubble theory", ".3f"),
              "ratio_vs_flat": ("tokens/s vs flat", ".3f"),
-             "link_tx_bytes_per_step": ("link bytes/step", ",.0f"), "link_bytes_vs_flat": ("link bytes vs flat", ".3f")}
+             "link_tx_bytes_per_step": ("link bytes/step", ",.0f"), "link_bytes_vs_flat": ("link bytes vs flat", ".3f"),
+             "compile_time_s": ("compile s (first round)", ".1f"), "recompiles": ("recompiles (timed)", "d"),
+             "ratio_vs_eager": ("compiled / eager", ".3f")}
     head = ["layout", "impl", "world", "tokens/s median", "min-max", "step ms median", *[f"vs {b}" for b in bases],
             "CPU s/step", "comm bytes/step", "model-state bytes/rank", "peak mem MiB",
             *[names[k][0] for k in extra]]

@@ -73,6 +73,7 @@ from zerotron.launch import strip_nproc
 from zerotron.models.mixtral import set_step_rows
 from zerotron.models.registry import build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
+from zerotron.parallel.compile import compile_stats
 from zerotron.parallel.context.split import split_sequence
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.plan import build_plan
@@ -168,6 +169,8 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
     Returns the same record on every rank (seconds, tokens/s, bytes) or a skipped record."""
     rec, err, built, local = {"layout": layout.name, "world_size": w}, None, None, None
     _peak_mem(dev, reset=True)
+    compiled = cfg.train.compile
+    cs0 = compile_stats() if compiled else None  # Dynamo's counters: process-wide, so deltas per round
     if mesh is not None:
         try:
             built = _build(cfg, plan, mesh, data, layout, warmup + steps)
@@ -187,8 +190,11 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
             train_step(strat, opt, sched, batches[s], mesh.group("batch"), t.grad_clip, t.dtype, dev)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
+        t_warm = time.perf_counter()
         for s in range(warmup):
             step(s)
+        t_warm = time.perf_counter() - t_warm
+        cs1 = compile_stats() if compiled else None
     comm.barrier()  # the clock starts together on every rank
     if built:
         before, t0, c0 = dict(comm.STATS.bytes), time.perf_counter(), time.process_time()
@@ -218,6 +224,12 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
                  "stage_times": stage_times, "schedule": pp_sched, "p2p": p2p_steps, "host": socket.gethostname(),
                  "pipe": [mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]], "split": getattr(strat, "split", None),
                  "bubble_theory": bubble_theory(pp_sched[0], pp_sched[1], pp_sched[3], pp_sched[2]) if timing is not None else None}
+        if compiled:  # compile time of this round's warm-up; recompiles/graph breaks in the timed steps (want 0)
+            cs2 = compile_stats()
+            local["compile"] = {"compile_time_s": cs1["compile_time_s"] - cs0["compile_time_s"], "warmup_s": t_warm,
+                                "recompiles": cs2["recompiles"] - cs1["recompiles"],
+                                "graph_breaks": cs1["graph_breaks"] - cs0["graph_breaks"],
+                                "graphs": cs1["graphs"] - cs0["graphs"]}
         torch.set_num_threads(prev)
         del built, strat, opt, sched, batches, step
     got = [x for x in comm.all_gather_object(local) if x]
@@ -229,6 +241,11 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
         pipe = {"bubble_measured": statistics.median(max(b) for b in zip(*(g["bubbles"] for g in got))),
                 "bubble_measured_steps": [max(b) for b in zip(*(g["bubbles"] for g in got))],
                 "bubble_theory": g0["bubble_theory"], **simulated(got, steps), **idle_split(got, steps)}
+    if "compile" in g0:  # the slowest rank's compile, every rank's recompiles in the timed steps
+        cs = [g["compile"] for g in got]
+        pipe.update(compile_time_s=max(c["compile_time_s"] for c in cs), recompiles=sum(c["recompiles"] for c in cs),
+                    graph_breaks=max(c["graph_breaks"] for c in cs), compiled_graphs=max(c["graphs"] for c in cs),
+                    warmup_s=max(c["warmup_s"] for c in cs))
     links = [g["link"] for g in got if g["link"] is not None]  # one per node
     link = {"link_tx_bytes_per_step": sum(links), "link_nodes": len(links)} if links else {}
     return {**rec, **link, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
@@ -280,7 +297,8 @@ def _parser() -> argparse.ArgumentParser:
                    "= N), -acselective | -acfull (train.activation_checkpointing), -even | -auto (parallel.pp_split) and, on "
                    "native pipeline layouts, -p2pbatched | -p2peager (the executor's p2p posting: one batch per comm run / "
                    "per op without early receives; default per op with the next run's receives posted early), "
-                   "e.g. zero2-mb4-acfull, pp-1f1b-even-mb2")
+                   "-compile (train.compile: rows add compile time and recompiles), e.g. zero2-mb4-acfull, "
+                   "pp-1f1b-even-mb2, dp-compile")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     p.add_argument("--rounds", type=int, default=8, help="rounds; the layout order rotates every round")

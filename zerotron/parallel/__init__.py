@@ -2,7 +2,8 @@
 
     1. tensor / sequence parallel (tp): apply_tensor_parallel on the dense, seeded model, then
        context parallel (cp, outside tp): apply_context_parallel installs the cp positions and attention
-    2. activation checkpointing (train.activation_checkpointing: none | selective | full)
+    2. activation checkpointing (train.activation_checkpointing: none | selective | full), then
+       regional compilation of each block's forward (train.compile; ``parallel.compile``)
     3. the runner (``plan.runner``): the pipeline split (parallel.pp) of the (TP) model, run by the
        native executor, torch.distributed.pipelining (pp_impl = torch) or one worker thread per stage
        in this process (pp_impl = threads); or "plain", the whole model per step
@@ -19,6 +20,7 @@ model_state_bytes.
 from __future__ import annotations
 
 from zerotron.parallel.base import Strategy, autocast_ctx, token_loss_sum, unique_params
+from zerotron.parallel.compile import apply_compile
 from zerotron.parallel.context.transform import apply_context_parallel
 from zerotron.parallel.data.ddp import DataParallel, TorchDDP
 from zerotron.parallel.data.fsdp import FSDP2Strategy
@@ -54,6 +56,7 @@ def parallelize(model, plan, mesh):
     if mesh.size("cp") > 1:  # outside tp: the local chunk's tokens go through the (TP) model unchanged
         apply_context_parallel(model, mesh.group("cp"), plan.cp_impl)
     apply_activation_checkpointing(model, plan.activation_checkpointing)  # block forwards only
+    apply_compile(model, plan.compile)  # the (checkpointed) block forwards; hooks stay eager
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
     runners = {"threads": lambda: ThreadedPipeline(model, mesh, plan),  # one process, a thread per stage
                "torch": lambda: _torch_pipeline(model, mesh, plan, mask),  # torch.distributed.pipelining

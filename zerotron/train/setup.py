@@ -88,6 +88,18 @@ def padding_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full((1, seq_len), IGNORE_INDEX, dtype=torch.int64))
 
 
+def pad_rows(batch: tuple[torch.Tensor, torch.Tensor], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` (x, y), each (b, T) int64, with ``rows - b`` rows of :func:`padding_batch` appended
+    (token 0, every target ``IGNORE_INDEX``: no loss, no token counted), so every evaluation batch
+    has the same shape (``train.compile``: one static evaluation graph). Unchanged if b >= rows."""
+    x, y = batch
+    extra = rows - x.size(0)
+    if extra <= 0:
+        return batch
+    return (torch.cat([x, x.new_zeros(extra, x.size(1))]),
+            torch.cat([y, y.new_full((extra, y.size(1)), IGNORE_INDEX)]))
+
+
 # the data.* settings that decide which tokens train and validate (vocab_size and the tokenizer
 # are checked against the checkpoint's tokenizer; cache_dir is only where the tokens are kept)
 DATA_STREAM_KEYS = ("corpus", "path", "text_field", "val_fraction", "format")

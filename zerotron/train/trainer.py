@@ -21,6 +21,7 @@ from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
 from ..models.mixtral import set_step_rows, take_router_stats
 from ..parallel import parallelize
+from ..parallel.compile import compile_stats, use_cache_dir
 from ..parallel.context.docmask import apply_doc_mask
 from ..parallel.context.split import split_sequence
 from ..parallel.precision import param_dtype
@@ -32,7 +33,16 @@ from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_los
 from .optim import build_scheduler
 from .progress import Progress
 from .run_log import MetricsLog, write_summary
-from .setup import check_init_vocab, check_resume, check_run_dir, gpt_config, load_data, padding_batch, val_rank_windows
+from .setup import (
+    check_init_vocab,
+    check_resume,
+    check_run_dir,
+    gpt_config,
+    load_data,
+    pad_rows,
+    padding_batch,
+    val_rank_windows,
+)
 from .step import IGNORE_INDEX, evaluate, train_step
 from .tensorboard import open_tensorboard
 from .wandb_log import open_wandb
@@ -101,6 +111,8 @@ class Trainer:
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
         self.state_bytes, self.state_tensors = sum(v.numel() * v.element_size() for v in dense.values()), len(dense)
         set_step_rows(self.model, cfg.train.global_batch)  # MoE: a micro-batch's aux-loss weight b / global_batch
+        if cfg.train.compile:  # before the first compile: the ranks and a resumed run share Inductor's cache
+            use_cache_dir(str(self.run_dir / "inductor_cache"))
         self.strategy = parallelize(self.model, self.plan, self.mesh)
         if cfg.data.doc_mask:  # outermost hooks; every runner wraps each micro-batch in its documents
             self.strategy.documents = apply_doc_mask(self.model, self.data.eot_id).documents
@@ -116,6 +128,8 @@ class Trainer:
         self.val_batches = [self._cp_local(batch_from_indices(self.data.val, g, self.seq_len, "val", self.data.val_mask,
                                                               IGNORE_INDEX) if len(g)
                                            else padding_batch(self.seq_len)) for g in val_groups]
+        if cfg.train.compile:  # one static evaluation shape: no recompile for a short or padding batch
+            self.val_batches = [pad_rows(b, cfg.train.micro_batch) for b in self.val_batches]
         self.start_step = 0
         self.failed_saves: list[int] = []  # steps whose checkpoint could not be written (on_error = continue)
         self.unsaved: int | None = None    # the newest of them, while no later save has succeeded
@@ -418,6 +432,12 @@ class Trainer:
                     rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
                     first_val = rec["val_loss"] if first_val is None else first_val
                     last_val = rec["val_loss"]
+                if t.compile:  # Dynamo's counters: flat after the first step (training + evaluation entries)
+                    rec.update(compile_stats())
+                    if lead and step == self.start_step:
+                        print(f"zerotron: compiled the blocks in {rec['compile_time_s']:.1f} s during the first step "
+                              f"({rec['graphs']} graphs, {rec['graph_breaks']} graph breaks; Inductor cache "
+                              f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", flush=True)
                 reached = step + 1
                 if writer:  # never raises: a failed append is held (see run_log.MetricsLog)
                     writer.write(rec)

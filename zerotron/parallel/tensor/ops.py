@@ -117,47 +117,63 @@ class _SplitDim(torch.autograd.Function):
         return _gather_dim(g, ctx.dim, ctx.group, ctx.tag + "_bwd"), None, None, None
 
 
+def _eager_apply(op, *args):
+    return op.apply(*args)
+
+
+_apply = _eager_apply  # how the f/g operators below run their autograd Function (see opaque_to_compiler)
+
+
+def opaque_to_compiler() -> None:
+    """Make every f/g operator of this module a graph break under ``torch.compile`` (called once by
+    ``parallel.compile`` for ``train.compile``): the operator runs eagerly with Dynamo off, so the
+    collective and its byte accounting (``comm.STATS``, Python counters that change every call)
+    are never traced -- traced, each call's new counter values failed a guard and recompiled."""
+    global _apply
+    _apply = torch.compiler.disable(_eager_apply, reason="tensor-parallel collective: a graph break by design")
+
+
 def copy_to_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """Megatron's f (Shoeybi et al. 2019, sec. 3): identity forward, all-reduce of the gradient in
     backward. Any shape; used before a column-parallel layer whose input is replicated."""
-    return x if group.size() == 1 else _CopyToTP.apply(x, group, tag)
+    return x if group.size() == 1 else _apply(_CopyToTP, x, group, tag)
 
 
 def reduce_from_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """Megatron's g (Shoeybi et al. 2019, sec. 3): all-reduce (sum) forward, identity backward.
     Any shape; used after a row-parallel layer (partial sums -> replicated output)."""
-    return x if group.size() == 1 else _ReduceFromTP.apply(x, group, tag)
+    return x if group.size() == 1 else _apply(_ReduceFromTP, x, group, tag)
 
 
 def gather_from_sp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """Sequence-parallel f (Korthikanti et al. 2022, sec. 4.2.2): (B, T/tp, C) -> (B, T, C) by
     all-gather along dim 1; backward reduce-scatters the gradient (B, T, C) -> (B, T/tp, C).
     Every rank must hold the same T/tp."""
-    return x if group.size() == 1 else _GatherDim.apply(x, 1, group, tag, True)
+    return x if group.size() == 1 else _apply(_GatherDim, x, 1, group, tag, True)
 
 
 def reduce_scatter_to_sp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """Sequence-parallel g (Korthikanti et al. 2022, sec. 4.2.2): partial sums (B, T, C) ->
     reduced shard (B, T/tp, C); backward all-gathers the gradient. Raises ValueError if T % tp."""
-    return x if group.size() == 1 else _ReduceScatterDim.apply(x, 1, group, tag)
+    return x if group.size() == 1 else _apply(_ReduceScatterDim, x, 1, group, tag)
 
 
 def scatter_to_sp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """Keep this rank's sequence shard of a replicated (B, T, C) tensor -> (B, T/tp, C) (no
     communication); backward all-gathers the gradient (Korthikanti et al. 2022). Raises ValueError
     if T is not divisible by tp."""
-    return x if group.size() == 1 else _SplitDim.apply(x, 1, group, tag)
+    return x if group.size() == 1 else _apply(_SplitDim, x, 1, group, tag)
 
 
 def gather_from_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """All-gather along the last dim: (..., N/tp) -> (..., N) in rank order; backward keeps this
     rank's slice of the (replicated) gradient (Megatron's gather_output, Shoeybi et al. 2019).
     Every rank must hold the same N/tp (gloo cannot gather uneven sizes)."""
-    return x if group.size() == 1 else _GatherDim.apply(x, x.dim() - 1, group, tag, False)
+    return x if group.size() == 1 else _apply(_GatherDim, x, x.dim() - 1, group, tag, False)
 
 
 def scatter_to_tp(x: torch.Tensor, group, tag: str = "tp") -> torch.Tensor:
     """This rank's slice of the last dim: (..., N) -> (..., N/tp); backward all-gathers (Megatron's
     scatter for a row-parallel layer whose input is replicated). Raises ValueError if tp does not
     divide N."""
-    return x if group.size() == 1 else _SplitDim.apply(x, x.dim() - 1, group, tag)
+    return x if group.size() == 1 else _apply(_SplitDim, x, x.dim() - 1, group, tag)
