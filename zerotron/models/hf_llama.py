@@ -122,6 +122,19 @@ def llama_to_hf_config(cfg: LlamaConfig, eos_token_id: int | None = None) -> dic
     }
 
 
+def tie_head(out: dict, tied: bool) -> None:
+    """HF import of a tied config (Llama and its descendants): a missing ``lm_head.weight`` in
+    ``out`` (HF key names) is filled with ``model.embed_tokens.weight``; a present one must equal it
+    (or be on the meta device). Raises ValueError when it differs."""
+    emb = out.get("model.embed_tokens.weight")
+    if tied and emb is not None:
+        head = out.get("lm_head.weight")
+        if head is not None and (head.shape != emb.shape or not (head.is_meta or torch.equal(head, emb))):
+            raise ValueError("lm_head.weight differs from model.embed_tokens.weight but config.json says "
+                             "tie_word_embeddings=true")
+        out["lm_head.weight"] = emb
+
+
 def _expected_shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
     """Our state-dict key -> shape, from a Llama built on the meta device (no memory used)."""
     with torch.device("meta"):
@@ -142,13 +155,7 @@ def state_dict_from_hf_llama(hf_sd: dict[str, torch.Tensor], cfg: LlamaConfig) -
             continue
         name = key if key.startswith(("model.", "lm_head.")) else "model." + key
         out[name] = t.contiguous()
-    emb = out.get("model.embed_tokens.weight")
-    if cfg.tie_word_embeddings and emb is not None:
-        head = out.get("lm_head.weight")
-        if head is not None and (head.shape != emb.shape or not (head.is_meta or torch.equal(head, emb))):
-            raise ValueError("lm_head.weight differs from model.embed_tokens.weight but config.json says "
-                             "tie_word_embeddings=true")
-        out["lm_head.weight"] = emb
+    tie_head(out, cfg.tie_word_embeddings)
     _check_keys(out, _expected_shapes(cfg), "HF Llama state dict")
     return out
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .hf import _check_keys, _eos_id, load_hf_model, write_hf_dir
-from .hf_llama import _ROPE_BUFFER, _rope_from_hf, llama_to_hf_config
+from .hf_llama import _ROPE_BUFFER, _rope_from_hf, llama_to_hf_config, tie_head
 from .mixtral import Mixtral, MixtralConfig
 
 __all__ = ["hf_config_to_mixtral", "mixtral_to_hf_config", "state_dict_from_hf_mixtral",
@@ -128,13 +128,7 @@ def state_dict_from_hf_mixtral(hf_sd: dict[str, torch.Tensor], cfg: MixtralConfi
             raise ValueError(f"{layer}: experts {sorted(per)} found, expected 0..{cfg.n_experts - 1} "
                              "(num_local_experts in config.json)")
         out[f"{layer}.mlp.experts.{stacked}"] = torch.stack([per[e] for e in range(cfg.n_experts)])
-    emb = out.get("model.embed_tokens.weight")
-    if cfg.tie_word_embeddings and emb is not None:
-        head = out.get("lm_head.weight")
-        if head is not None and (head.shape != emb.shape or not (head.is_meta or torch.equal(head, emb))):
-            raise ValueError("lm_head.weight differs from model.embed_tokens.weight but config.json says "
-                             "tie_word_embeddings=true")
-        out["lm_head.weight"] = emb
+    tie_head(out, cfg.tie_word_embeddings)
     _check_keys(out, _expected_shapes(cfg), "HF Mixtral state dict")
     return out
 
