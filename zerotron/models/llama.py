@@ -334,13 +334,15 @@ class Llama(CausalLM):
     ``tie_word_embeddings`` ``lm_head.weight`` is the same Parameter as ``model.embed_tokens.weight``.
     Raises ValueError if ``cfg`` is invalid."""
 
+    block_class = LlamaBlock  # a descendant family (Mixtral) swaps the block: (cfg, rotary, layer index)
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg.validate()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta, cfg.rope_scaling)
         self.model = nn.ModuleDict(dict(
             embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            layers=nn.ModuleList([LlamaBlock(cfg, rotary, i) for i in range(cfg.n_layer)]),
+            layers=nn.ModuleList([self.block_class(cfg, rotary, i) for i in range(cfg.n_layer)]),
             norm=nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)

@@ -251,19 +251,7 @@ class Mixtral(Llama):
     experts stacked; ``zerotron.models.hf_mixtral`` converts to and from the checkpoint format).
     Raises ValueError if ``cfg`` is invalid."""
 
-    def __init__(self, cfg: MixtralConfig):
-        nn.Module.__init__(self)
-        self.config = cfg.validate()
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta, cfg.rope_scaling)
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.n_embd),
-            layers=nn.ModuleList([MixtralBlock(cfg, rotary, i) for i in range(cfg.n_layer)]),
-            norm=nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps),
-        ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.reset_parameters()
+    block_class = MixtralBlock  # Llama's __init__ builds the model with it
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
