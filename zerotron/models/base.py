@@ -123,6 +123,38 @@ class ParallelHooks:
 DENSE = ParallelHooks()
 
 
+class WrappingHooks(ParallelHooks):
+    """Hooks layered over ``inner`` (installed before them, e.g. tensor parallelism's): the shard
+    and logits hooks delegate to ``inner``, and ``generation()`` runs inside ``inner``'s with
+    ``self.active`` False, so a wrapper that changes full-sequence training forwards (context
+    parallelism, document masking) steps aside while decoding. Positions and attention stay
+    ``inner``'s unless a subclass overrides them."""
+
+    def __init__(self, inner: ParallelHooks):
+        self.inner, self.active = inner, True
+
+    def seq_shard(self) -> tuple[int, int]:
+        return self.inner.seq_shard()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.logits(x)
+
+    @contextlib.contextmanager
+    def generation(self):
+        self.active = False
+        try:
+            with self.inner.generation():
+                yield
+        finally:
+            self.active = True
+
+    def positions(self, T: int, device=None) -> torch.Tensor | None:
+        return self.inner.positions(T, device)
+
+    def attention(self, q, k, v, dropout_p: float, pad=None):
+        return self.inner.attention(q, k, v, dropout_p, pad)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                      pad: torch.Tensor | None = None) -> torch.Tensor:
     """Causal scaled dot-product attention of the T newest queries over S >= T keys: q (B, H, T, D),

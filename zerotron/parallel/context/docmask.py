@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from zerotron.distributed import comm
-from zerotron.models.base import ParallelHooks
+from zerotron.models.base import ParallelHooks, WrappingHooks
 from zerotron.models.layout import get_module
 
 from .attention import context_attention
@@ -55,7 +55,7 @@ class Documents:
     local_pos: torch.Tensor
 
 
-class DocMaskHooks(ParallelHooks):
+class DocMaskHooks(WrappingHooks):
     """The hooks of a document-masked model (module doc), outermost over ``inner`` (dense, tensor-
     or context-parallel hooks). ``sep``: the separator token id; ``group``/``impl``: the cp group
     and ``parallel.cp_impl`` when the model is context parallel (else None). Inside
@@ -64,23 +64,8 @@ class DocMaskHooks(ParallelHooks):
     (a runner that forgot the micro-batch's documents would silently attend across them)."""
 
     def __init__(self, inner: ParallelHooks, sep: int, group=None, impl: str = "ring"):
-        self.inner, self.sep, self.group, self.impl = inner, sep, group, impl
-        self.active, self.docs = True, None
-
-    def seq_shard(self) -> tuple[int, int]:
-        return self.inner.seq_shard()
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.logits(x)
-
-    @contextlib.contextmanager
-    def generation(self):
-        self.active = False
-        try:
-            with self.inner.generation():
-                yield
-        finally:
-            self.active = True
+        super().__init__(inner)
+        self.sep, self.group, self.impl, self.docs = sep, group, impl, None
 
     def doc_info(self, x: torch.Tensor) -> Documents:
         """The :class:`Documents` of tokens ``x`` (B, T_local), this rank's part of the micro-batch

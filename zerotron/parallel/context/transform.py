@@ -10,11 +10,9 @@ what they do not change.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from zerotron.models.base import ParallelHooks
+from zerotron.models.base import ParallelHooks, WrappingHooks
 from zerotron.models.layout import get_module
 from zerotron.parallel.context.attention import context_attention
 from zerotron.parallel.context.split import zigzag_positions
@@ -22,29 +20,15 @@ from zerotron.parallel.context.split import zigzag_positions
 __all__ = ["CPHooks", "apply_context_parallel"]
 
 
-class CPHooks(ParallelHooks):
+class CPHooks(WrappingHooks):
     """The hooks of a context-parallel model over ``group`` (a ``comm.NamedGroup``, the cp group)
     with implementation ``impl`` (``parallel.cp_impl``), on top of ``inner`` (the hooks installed
     before, e.g. tensor parallelism's). Inside ``generation()`` context parallelism is off: every
     cp rank holds the whole model and decodes the whole sequence itself."""
 
     def __init__(self, inner: ParallelHooks, group, impl: str):
-        self.inner, self.group, self.impl, self.active = inner, group, impl, True
-
-    def seq_shard(self) -> tuple[int, int]:
-        return self.inner.seq_shard()
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.logits(x)
-
-    @contextlib.contextmanager
-    def generation(self):
-        self.active = False
-        try:
-            with self.inner.generation():
-                yield
-        finally:
-            self.active = True
+        super().__init__(inner)
+        self.group, self.impl = group, impl
 
     def positions(self, T: int, device=None) -> torch.Tensor | None:
         """(1, T) global positions of this rank's T = T_global / cp local tokens (zigzag)."""
