@@ -299,3 +299,13 @@ def test_context_parallel_dry_run():
     assert rec["comm_bytes_traced"]["batch"] - rec["comm_bytes_planned"]["batch"] < 1024, rec["comm_traced"]
     assert rec["ratios"]["model_states"] == 1.0
     assert rec["step_time"]["formula"] is not None and rec["step_time"]["formula"]["breakdown_s"]["cp_comm"] >= 0
+
+
+def test_moe_refused_in_one_line(capsys):
+    """A mixture-of-experts config: one line, exit 2 (its routing has data-dependent shapes that
+    fake tensors cannot trace), not a traceback."""
+    from zerotron.analysis.dryrun_cli import dryrun_main
+
+    assert dryrun_main(["--config", "configs/moe_tiny.toml", "--world", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mixture-of-experts" in err[0], err

@@ -421,6 +421,9 @@ def test_batching_options_are_checked():
     assert err("--speculative", "ngram") is None and err("--speculative", "draft:/x") is None
     assert err("--speculative", "eagle") == "--speculative must be 'ngram' or 'draft:DIR', got 'eagle'"
     assert err("--speculative", "ngram", "--batching", "window").startswith("--speculative needs --batching continuous")
+    # the paged cache's options do nothing under window batching: refused, not ignored
+    assert err("--batching", "window", "--kv-cache-mb", "64").startswith("--kv-cache-mb configures the paged KV cache")
+    assert "--kv-page, --no-prefix-cache configure" in err("--batching", "window", "--kv-page", "8", "--no-prefix-cache")
     assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
 
 

@@ -509,6 +509,9 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     if plan.runner not in ("plain", "pipeline"):
         raise DryRunError(f"parallel.pp_impl = {cfg.parallel.pp_impl!r} cannot be dry-run (it runs its stages in "
                           "threads or through torch.distributed.pipelining); use the native pipeline")
+    if plan.shape and plan.shape.get("n_experts"):
+        raise DryRunError("mixture-of-experts models cannot be dry-run yet (the router's per-expert token counts are "
+                          "data-dependent shapes, which fake tensors do not have); dry-run a dense model")
     if cfg.parallel.dp_impl == "torch" and plan.dims.size("dp") > 1:
         raise DryRunError("parallel.dp_impl = 'torch' cannot be dry-run (torch DDP checks the parameters' data "
                           "across ranks at construction; fake tensors have none); use dp_impl = 'native'")

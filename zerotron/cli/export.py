@@ -85,6 +85,9 @@ def cmd_export(argv: list[str]) -> int:
         files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))
         print(f"wrote {out}: {files} (transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}), "
               f"PreTrainedTokenizerFast(tokenizer_file={str(Path(out) / 'tokenizer.json')!r}))")
+        if adapter is not None:
+            print(f"wrote {args.adapter}: adapter_config.json, adapter_model.safetensors (peft: "
+                  f"PeftModel.from_pretrained(base, {args.adapter!r}))")
         return 0
     except user_errors() as e:
         return fail(str(e))

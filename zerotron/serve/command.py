@@ -79,6 +79,13 @@ def check_args(args) -> None:
         raise ValueError(f"--speculative must be 'ngram' or 'draft:DIR', got {args.speculative!r}")
     if args.speculative and args.batching != "continuous":
         raise ValueError("--speculative needs --batching continuous; drop --speculative or --batching window")
+    paged = [o for o, on in (("--kv-cache-mb", args.kv_cache_mb != 0.0), ("--kv-page", args.kv_page != 16),
+                             ("--max-step-tokens", args.max_step_tokens != 2048),
+                             ("--no-prefix-cache", not args.prefix_cache)) if on]
+    if paged and args.batching != "continuous":
+        raise ValueError(f"{', '.join(paged)} {'configure' if len(paged) > 1 else 'configures'} the paged KV cache "
+                         "of --batching continuous; drop "
+                         f"{'them' if len(paged) > 1 else 'it'} or use --batching continuous")
     if args.num_speculative_tokens < 1:
         raise ValueError(f"--num-speculative-tokens must be >= 1, got {args.num_speculative_tokens}")
     if args.batching == "continuous" and args.microbatches > 1:
