@@ -309,3 +309,18 @@ def test_moe_refused_in_one_line(capsys):
     assert dryrun_main(["--config", "configs/moe_tiny.toml", "--world", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "mixture-of-experts" in err[0], err
+
+
+def test_caller_process_group_survives(single_process):
+    """A dry run in a process that holds a world-1 default group (a test's reference runs, then
+    later tests) gives it back: the fake group is only there during the trace."""
+    import torch.distributed as dist
+
+    from zerotron.analysis.dryrun import dry_run
+
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    dry_run(_cfg({"parallel.dp": 2}), 2, ranks=[0])
+    assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+    t = torch.ones(3)
+    dist.all_reduce(t)  # a working group, not the fake one
+    assert t.tolist() == [1.0, 1.0, 1.0]

@@ -498,7 +498,10 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     ``time_traced_s`` and ``step_time`` (:func:`predict_step_time` on ``hw``, default the
     datasheet H100 preset, at ``compute_eff``, ``launch_s`` seconds per layer and micro-batch; the
     same dict in every record).
-    Raises DryRunError for a config the plan refuses on ``world`` ranks or a rank outside it."""
+    A world-size-1 default process group of the caller (e.g. a test's) is replaced by the fake one
+    during the trace and re-created afterwards (same backend); one of more ranks is refused.
+    Raises DryRunError for a config the plan refuses on ``world`` ranks, a rank outside it, or a
+    caller inside a multi-rank job."""
     from zerotron.plan import build_plan
 
     try:
@@ -519,9 +522,22 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     for r in ranks:
         if not 0 <= r < world:
             raise DryRunError(f"--rank {r} is not a rank of world size {world}; choose 0..{world - 1}")
+    import torch.distributed as dist
+
+    held = dist.get_backend() if dist.is_initialized() else None  # the caller's default group
+    if held is not None and dist.get_world_size() > 1:
+        raise DryRunError("a dry run replaces this process's default process group with a fake one; run it in a "
+                          f"process of its own, not inside a {dist.get_world_size()}-rank job")
     out = []
-    for r in ranks:
-        rec = _trace_rank(cfg, plan, r, gpu_mem)
+    try:
+        for r in ranks:
+            out.append(_trace_rank(cfg, plan, r, gpu_mem))
+    finally:
+        if held is not None and not dist.is_initialized():  # give a world-1 caller its group back
+            from zerotron.distributed.mesh import init_distributed
+
+            init_distributed(held)
+    for rec in out:
         pp_rank = rec["coords"]["pp"]
         est = estimate(cfg, plan, pp_rank, rec["layer_counts"])
         planned = planned_comm(cfg, plan, pp_rank)
@@ -536,7 +552,6 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
         if gpu_mem is not None and rec["setup_peak_bytes"] > gpu_mem:  # the first moment: the dense model's build
             rec["oom"] = {"phase": "setup", "module": None, "pass": None, "category": "parameters",
                           "total_bytes": rec["setup_peak_bytes"]}
-        out.append(rec)
     if hw is None:
         from zerotron.analysis.hardware import hardware
         hw = hardware("h100")
