@@ -37,6 +37,7 @@ def cmd_train(argv: list[str]) -> int:
     from ..train.lifecycle import RunStopped
 
     lock = None
+    owned = True  # whether this call creates the process group (then it also destroys it)
     try:
         cfg = load_config(args.config, parse_overrides(rest))
         if args.nproc < 0:
@@ -131,7 +132,7 @@ def cmd_train(argv: list[str]) -> int:
             print(f"zerotron: {e}", file=sys.stderr, flush=True)
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        if owned and dist.is_initialized():  # not a caller's group (a library or test process keeps its own)
             from ..distributed import mesh
 
             mesh.teardown()
