@@ -326,8 +326,12 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
         code, alone = _post(url, sampled)
         assert code == 200
         with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            steps0 = _get(base + "/health")[1]["steps"]
             long = ex.submit(_stream_events, base, body(prompts[3], 40))
-            while _get(base + "/health")[1]["running"] == 0:  # the long row is decoding
+            # the long row is decoding: admitted, and two engine steps (its prefill, which streams the
+            # first token, and one decode step) done; "running" alone counts a row the paged scheduler
+            # is still prefilling
+            while (h := _get(base + "/health")[1])["running"] == 0 or h["steps"] < steps0 + 2:
                 time.sleep(0.01)
             t_short = time.monotonic()
             short, shared = ex.submit(_post, url, body(prompts[0])), ex.submit(_post, url, sampled)
