@@ -26,9 +26,13 @@ computes 2 diagonal and 2cp-1 full (C x C) pairs, the same work on every rank; u
 split rank r computes r full pairs and one diagonal one (of size (T/cp)^2), so the last rank does
 about (2cp-1)x the first one's work.
 
-Per-block math is plain torch (matmul, exp, masks), in fp32 for bf16/fp16 inputs and in the input
-dtype otherwise (autocast is switched off inside), so fp64 results equal single-process attention to
-rounding.
+Per-block kernels. A block without a document mask runs torch's fused attention kernel with its
+log-sum-exp (on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which
+takes the *merged* output and log-sum-exp, as FlashAttention's backward does): no (C x C) score
+matrix is materialised, a diagonal block skips its masked half, and grouped-query heads are read in
+place. A block with a document mask runs plain torch (matmul, exp, masks). Both in fp32 for
+bf16/fp16 inputs and in the input dtype otherwise (autocast is switched off inside), so fp64 results
+equal single-process attention to rounding.
 """
 from __future__ import annotations
 
@@ -92,6 +96,58 @@ def _scores(q: torch.Tensor, k: torch.Tensor, diagonal: bool, scale: float,
         future = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(future, float("-inf"))
     return s
+
+
+def _fused(q: torch.Tensor):
+    """(forward, backward) of torch's fused attention kernel with log-sum-exp for q's device, or
+    None where torch has none (then blocks run plain torch)."""
+    ops = torch.ops.aten
+    if q.device.type == "cpu" and hasattr(ops, "_scaled_dot_product_flash_attention_for_cpu"):
+        return (ops._scaled_dot_product_flash_attention_for_cpu,
+                ops._scaled_dot_product_flash_attention_for_cpu_backward)
+    return None
+
+
+def _grouped(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, T, D) -> (B, H_kv, rep, T, D): query head h belongs to kv head h // rep."""
+    b, h, n, d = t.shape
+    return t.reshape(b, hkv, h // hkv, n, d)
+
+
+def _block_forward(q, k, v, diagonal: bool, scale: float, allowed=None):
+    """One (query chunk, key chunk) block: q (B, H, C, D), k and v (B, H_kv, C, D) ->
+    (softmax output (B, H, C, D), log-sum-exp of the scaled scores (B, H, C)); causal within
+    the block when ``diagonal``; masked by ``allowed`` (B, 1, C, C) when given (-inf lse and a
+    zero output on a row with no allowed key)."""
+    fused = _fused(q)
+    if fused is not None and allowed is None:
+        out, lse = fused[0](q, k, v, 0.0, diagonal, scale=scale)
+        return out, lse
+    hkv = k.size(1)
+    s = _scores(_grouped(q, hkv), k, diagonal, scale, allowed)
+    lse = torch.logsumexp(s, dim=-1)  # -inf on a row that sees no key of this block
+    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+    out = torch.matmul(p, v.unsqueeze(2))
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _block_backward(dout, q, k, v, out, lse, delta, diagonal: bool, scale: float, allowed=None):
+    """Gradients (dq (B, H, C, D), dk, dv (B, H_kv, C, D)) of one block's share of the loss, given
+    the *merged* output ``out`` (B, H, C, D) and log-sum-exp ``lse`` (B, H, C) of its query rows and
+    ``delta`` = rowsum(dout * out) (B, H, C) (FlashAttention's backward, Dao et al. 2022)."""
+    fused = _fused(q)
+    if fused is not None and allowed is None:
+        dq, dk, dv = fused[1](dout, q, k, v, out, lse, 0.0, diagonal, scale=scale)
+        return dq, dk, dv
+    hkv = k.size(1)
+    qg, dog = _grouped(q, hkv), _grouped(dout, hkv)
+    p = torch.exp(_scores(qg, k, diagonal, scale, allowed) - _grouped(lse.unsqueeze(-1), hkv))  # probabilities
+    kb, vb = k.unsqueeze(2), v.unsqueeze(2)  # (B, H_kv, 1, C, D): broadcast over the rep query heads
+    ds = p * (torch.matmul(dog, vb.transpose(-1, -2)) - _grouped(delta.unsqueeze(-1), hkv))
+    dq = (torch.matmul(ds, kb) * scale).flatten(1, 2)
+    dk = (torch.matmul(ds.transpose(-1, -2), qg) * scale).sum(2)
+    dv = torch.matmul(p.transpose(-1, -2), dog).sum(2)
+    return dq, dk, dv
 
 
 def _pairs(q_ids: list[int], k_ids: list[int]):
@@ -193,11 +249,10 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, group, layout, timings, doc):
         ring = _Ring(group, layout, q.size(2), doc)
-        B, H, T, D = q.shape
-        Hkv = k.size(1)
+        D = q.size(-1)
         cdt = torch.promote_types(q.dtype, torch.float32)  # compute dtype: fp32 for bf16/fp16
         scale = 1.0 / math.sqrt(D)
-        qg = q.to(cdt).reshape(B, Hkv, H // Hkv, T, D)
+        qc = q.to(cdt)
         my_ids = ring.ids(ring.rank)
         outs: list = [None] * len(my_ids)
         lses: list = [None] * len(my_ids)
@@ -210,21 +265,19 @@ class _RingAttention(torch.autograd.Function):
             t0 = time.perf_counter()
             kc, vc = kv[0].to(cdt), kv[1].to(cdt)
             for a, b, diag, allowed in ring.blocks(step):
-                s = _scores(qg[..., ring.slot(a), :], kc[..., ring.slot(b), :], diag, scale, allowed)
-                blse = torch.logsumexp(s, dim=-1)  # -inf on a row that sees no key of this block
-                p = torch.exp(s - blse.masked_fill(torch.isinf(blse), 0.0).unsqueeze(-1))
-                bout = torch.matmul(p, vc[..., ring.slot(b), :].unsqueeze(2))
+                bout, blse = _block_forward(qc[..., ring.slot(a), :], kc[..., ring.slot(b), :],
+                                            vc[..., ring.slot(b), :], diag, scale, allowed)
                 outs[a], lses[a] = merge(outs[a], lses[a], bout, blse)
             spent += time.perf_counter() - t0
             if works:
                 waited += _wait(works)
                 kv = nxt
-        out = torch.cat(outs, dim=-2)  # (B, H_kv, rep, T, D)
-        lse = torch.cat(lses, dim=-1)  # (B, H_kv, rep, T)
+        out = torch.cat(outs, dim=-2)  # (B, H, T, D)
+        lse = torch.cat(lses, dim=-1)  # (B, H, T)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.timings = ring, timings
         _add(timings, forward_compute_s=spent, forward_wait_s=waited)
-        return out.reshape(B, H, T, D).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def _backward(ctx, dout):
@@ -234,10 +287,9 @@ class _RingAttention(torch.autograd.Function):
         Hkv = k.size(1)
         cdt = out.dtype
         scale = 1.0 / math.sqrt(D)
-        qg = q.to(cdt).reshape(B, Hkv, H // Hkv, T, D)
-        dog = dout.to(cdt).reshape(B, Hkv, H // Hkv, T, D)
-        delta = (dog * out).sum(-1)  # (B, H_kv, rep, T): rowsum(dO * O) (FlashAttention backward)
-        dq = torch.zeros_like(qg)
+        qc, dc = q.to(cdt), dout.to(cdt)
+        delta = (dc * out).sum(-1)  # (B, H, T): rowsum(dO * O) (FlashAttention backward)
+        dq = torch.zeros_like(qc)
         kv = torch.stack((k, v)).contiguous()
         dkv = None  # the accumulators (2, B, H_kv, T, D) of the K/V block in hand, arriving from prev
         dkv_works: list = []
@@ -250,15 +302,12 @@ class _RingAttention(torch.autograd.Function):
             kc, vc = kv[0].to(cdt), kv[1].to(cdt)
             local = torch.zeros((2, B, Hkv, T, D), dtype=cdt, device=q.device)  # this rank's part for this block
             for a, b, diag, allowed in ring.blocks(step):
-                qa, doa = qg[..., ring.slot(a), :], dog[..., ring.slot(a), :]
-                kb, vb = kc[..., ring.slot(b), :], vc[..., ring.slot(b), :]
-                p = torch.exp(_scores(qa, kb, diag, scale, allowed) - lse[..., ring.slot(a)].unsqueeze(-1))  # probabilities
-                kb, vb = kb.unsqueeze(2), vb.unsqueeze(2)  # (B, H_kv, 1, C, D): broadcast over the rep query heads
-                dp = torch.matmul(doa, vb.transpose(-1, -2))
-                ds = p * (dp - delta[..., ring.slot(a)].unsqueeze(-1))
-                dq[..., ring.slot(a), :] += torch.matmul(ds, kb) * scale
-                local[0][..., ring.slot(b), :] += (torch.matmul(ds.transpose(-1, -2), qa) * scale).sum(2)
-                local[1][..., ring.slot(b), :] += torch.matmul(p.transpose(-1, -2), doa).sum(2)
+                sa, sb = ring.slot(a), ring.slot(b)
+                dqa, dkb, dvb = _block_backward(dc[..., sa, :], qc[..., sa, :], kc[..., sb, :], vc[..., sb, :],
+                                                out[..., sa, :], lse[..., sa], delta[..., sa], diag, scale, allowed)
+                dq[..., sa, :] += dqa
+                local[0][..., sb, :] += dkb
+                local[1][..., sb, :] += dvb
             spent += time.perf_counter() - t0
             if dkv_works:  # the accumulators of this block, sent by the previous rank last step
                 waited += _wait(dkv_works)
@@ -272,7 +321,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         waited += _wait(dkv_works)  # after cp hops the accumulators of this rank's own K/V are home
         _add(ctx.timings, backward_compute_s=spent, backward_wait_s=waited)
-        return (dq.reshape(B, H, T, D).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str = "zigzag",
