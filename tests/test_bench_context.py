@@ -34,6 +34,11 @@ def test_sweep_end_to_end(tmp_path, data_cache):
     assert ring_train["impl"] == "DataParallel x CP2 (ring)" and ring_train["tokens_per_step"] == dp["tokens_per_step"] == 8 * 64
     assert ring_train["ratio_vs_dp"] == pytest.approx(ring_train["tokens_per_s"] / dp["tokens_per_s"])
     assert ring_train["peak_mem_bytes"] > 0 and dp["tokens_per_s"] > 0
+    assert 0 < ring_train["peak_above_floor_bytes"] < ring_train["peak_mem_bytes"]
+    # the estimate: model states over dp x cp (DDP: replicated, 16 bytes per fp32 parameter with Adam)
+    # + activations of seq / cp tokens; cp 2 holds half of dp 2's activations at the same micro-batch
+    assert ring_train["estimate_states_bytes"] == dp["estimate_states_bytes"] == 16 * dp["num_params"]
+    assert ring_train["estimate_activation_bytes"] * 2 == pytest.approx(dp["estimate_activation_bytes"], rel=0.05)
     # tiny.toml attention: micro_batch 4, 4 heads of 16; 3 cp - 2 = 4 hops timed alone
     assert (ring["cp"], ring["batch"], ring["heads"], ring["kv_heads"], ring["head_dim"]) == (2, 4, 4, 4, 16)
     assert ring["compute_s"] > 0 and ring["wait_s"] >= 0 and ring["transfer_s"] > 0

@@ -29,7 +29,11 @@ alone. It can fall below 0: a wait also holds the time a slower peer needs to po
 [--steps K] [--warmup W] [--rounds R] [--repeats N] [--balance] [--json OUT] [--section.field V ...]``:
 for each length, ``model.block_size = seq`` and every layout runs as in ``zerotron bench train``
 (:func:`zerotron.bench.train.run_benchmark`: same global batch for all, tokens/s of the whole
-global batch, peak memory max over ranks), with paired ratios between the layouts of that length;
+global batch, peak memory max over ranks), with paired ratios between the layouts of that length, and memory per rank three ways: the peak
+(``peak_mem_bytes``), the peak above the floor the layout started from (``peak_above_floor_bytes``:
+the resident set right after the peak reset, before the model is built: interpreter, libraries,
+corpus, process-group buffers, which no estimator models) and the estimators' model states +
+activations (:func:`memory_estimate`);
 then ring attention at the model's attention shape (micro-batch, heads, kv heads, head dim) on
 all ``nproc`` ranks as one cp group gives the hidden transfer fraction, and ``--balance`` adds the
 zigzag vs contiguous balance (:func:`balance_summary`). A command of its own rather than ``bench
@@ -184,6 +188,36 @@ def _attention_shape(cfg, vocab: int) -> dict:
             "head_dim": m.n_embd // m.n_head, "dtype": torch.float64 if cfg.train.dtype == "fp64" else torch.float32}
 
 
+def memory_estimate(path, overrides, name: str, world: int, num_params: int, vocab: int) -> dict | None:
+    """The estimators' bytes per rank for layout ``name`` of ``zerotron bench train`` at ``overrides``
+    on ``world`` ranks: model states (:func:`zerotron.analysis.memory.model_state_bytes`, sharded over
+    dp x cp) + activations of one micro-batch of seq/cp tokens
+    (:func:`zerotron.analysis.activations.activation_bytes`: torch's CPU SDPA runs its flash kernel
+    without dropout, which saves what ring attention saves: q, k, v, output, log-sum-exp). Returns
+    ``{"estimate_states_bytes", "estimate_activation_bytes", "estimate_bytes"}``, or None for a
+    layout outside that model (pipelines, fp64 training)."""
+    from zerotron.analysis.activations import DTYPE_BYTES, activation_bytes
+    from zerotron.analysis.memory import model_state_bytes
+    from zerotron.config import load_config
+    from zerotron.plan import build_plan
+    from zerotron.train.setup import gpt_config
+
+    from .layouts import get_layout
+
+    layout = get_layout(name)
+    cfg = load_config(path, [*overrides, *((k, str(v).format(world=world)) for k, v in layout.overrides.items())])
+    plan, t = build_plan(cfg, layout.world or world), cfg.train
+    act_dtype = {"fp32": "fp32", "bf16-mixed": "bf16"}.get(t.dtype)
+    if plan.pp > 1 or act_dtype not in DTYPE_BYTES:
+        return None
+    m = gpt_config(cfg, vocab)
+    act = activation_bytes(m, t.micro_batch, m.block_size // plan.cp, tp=plan.tp, sp=plan.sequence_parallel,
+                           dtype=act_dtype, attention="math" if m.dropout > 0 else "flash",
+                           recompute=t.activation_checkpointing)["max_bytes"]
+    states = model_state_bytes(num_params, plan.dp * plan.cp, plan.zero_stage, t.dtype)["total_bytes"]
+    return {"estimate_states_bytes": states, "estimate_activation_bytes": act, "estimate_bytes": states + act}
+
+
 def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance, dev, data) -> list[dict]:
     """Collective over every rank: per length, the :func:`zerotron.bench.train.summarize` rows of
     ``names`` (``seq`` added), a ``"ring"`` row (per-rank ring timing on the whole world as the cp
@@ -206,7 +240,9 @@ def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance,
             for base in names:
                 if base != r["layout"] and not r.get("skipped") and not layer[base].get("skipped"):
                     r[f"ratio_vs_{base}"] = paired_ratio(r["tokens_per_s_rounds"], layer[base]["tokens_per_s_rounds"])
-            rows.append({"seq": seq, "kind": "train", **r})
+            est = None if r.get("skipped") else memory_estimate(path, over, r["layout"], r["world_size"],
+                                                                 r["num_params"], data.vocab_size)
+            rows.append({"seq": seq, "kind": "train", **r, **(est or {})})
         shape = _attention_shape(load_config(path, over), data.vocab_size)
         layouts = ("zigzag", "contiguous") if balance else ("zigzag",)
         mine = {lay: rank_attention_times(group, seq, lay, repeats=repeats, **shape) for lay in layouts}
@@ -225,14 +261,19 @@ def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance,
 
 def format_rows(rows: list[dict]) -> str:
     """A markdown table of the sweep: one line per (seq, layout) and per ring/balance row."""
-    out = ["| seq | layout | impl | tokens/s | peak mem MiB (max over ranks) | ratios |", "|---:|---|---|---:|---:|---|"]
+    out = ["| seq | layout | impl | tokens/s | peak mem MiB (max over ranks) | above floor MiB | estimate MiB "
+           "| above floor / estimate | ratios |", "|---:|---|---|---:|---:|---:|---:|---:|---|"]
+    mib = 2 ** 20
     for r in rows:
         if r["kind"] == "train" and r.get("skipped"):
-            out.append(f"| {r['seq']} | {r['layout']} | skipped: {r['error']} | | | |")
+            out.append(f"| {r['seq']} | {r['layout']} | skipped: {r['error']} | | | | | | |")
         elif r["kind"] == "train":
             ratios = ", ".join(f"/{k[9:]} {v:.3f}" for k, v in r.items() if k.startswith("ratio_vs_") and v is not None)
+            above, est = r.get("peak_above_floor_bytes"), r.get("estimate_bytes")
+            mem = (f"{above / mib:,.0f} | {est / mib:,.0f} | {above / est:.3f}" if above is not None and est
+                   else f"{above / mib:,.0f} | | " if above is not None else " | | ")
             out.append(f"| {r['seq']} | {r['layout']} | {r['impl']} | {r['tokens_per_s']:,.0f} | "
-                       f"{r['peak_mem_bytes'] / 2**20:,.0f} | {ratios} |")
+                       f"{r['peak_mem_bytes'] / mib:,.0f} | {mem} | {ratios} |")
     out.append("\n| seq | ring attention fwd+bwd: compute s | wait s | transfer s (alone) | hidden fraction |"
                "\n|---:|---:|---:|---:|---:|")
     out += [f"| {r['seq']} | {r['compute_s']:.4f} | {r['wait_s']:.4f} | {r['transfer_s']:.4f} | {r['hidden_fraction']:.3f} |"

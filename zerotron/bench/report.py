@@ -35,6 +35,8 @@ def summarize(records: list[dict]) -> list[dict]:
                    step_times_s_rounds=[r["step_times_s"] for r in rs],
                    comm_bytes_per_step=max(r["comm_bytes_per_step"] for r in rs),
                    peak_mem_bytes=max(r["peak_mem_bytes"] for r in rs), rounds=len(rs))
+        if all("peak_above_floor_bytes" in r for r in rs):
+            row["peak_above_floor_bytes"] = max(r["peak_above_floor_bytes"] for r in rs)
         row.pop("bubble_measured_steps", None)
         row.pop("bubble_simulated_steps", None)
         row.pop("idle_split_steps", None)

@@ -116,6 +116,15 @@ def _peak_mem(dev, reset: bool = False) -> int:
     return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
+def _mem_now(dev) -> int:
+    """Memory in use now (bytes): CUDA ``memory_allocated``; CPU the resident set (VmRSS). Taken right
+    after the peak reset, it is the floor the layout's own tensors add to (interpreter, libraries,
+    the loaded corpus, process-group buffers)."""
+    if dev.type == "cuda":
+        return int(torch.cuda.memory_allocated(dev))
+    return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
 def _mesh(cache: dict, dims, n: int, device):
     """Mesh of ``dims`` (cached; collective: built on ALL ranks); None on ranks outside a sub-world."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -169,6 +178,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
     Returns the same record on every rank (seconds, tokens/s, bytes) or a skipped record."""
     rec, err, built, local = {"layout": layout.name, "world_size": w}, None, None, None
     _peak_mem(dev, reset=True)
+    floor = _mem_now(dev)
     compiled = cfg.train.compile
     cs0 = compile_stats() if compiled else None  # Dynamo's counters: process-wide, so deltas per round
     if mesh is not None:
@@ -215,7 +225,8 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
         link = None if link0 is None or link1 is None else (link1 - link0) / steps
         for (op, g, tag), v in comm.STATS.bytes.items():
             by_tag[tag or "-"] = by_tag.get(tag or "-", 0) + v - before.get((op, g, tag), 0)
-        local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev), "link": link,
+        local = {"elapsed": elapsed, "cpu": cpu, "times": times, "peak": _peak_mem(dev), "floor": floor, "link": link,
+                 "degrees": mesh.dims.degrees,
                  "state": strat.model_state_bytes(opt),
                  "by_tag": {k: v // steps if v % steps == 0 else v / steps for k, v in by_tag.items() if v},
                  "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel, mesh.size("cp"),
@@ -256,6 +267,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
             "comm_bytes_per_step": max(sum(g["by_tag"].values()) for g in got), "comm_bytes_by_tag": g0["by_tag"],
             "model_state_bytes": state["total_bytes"], "model_state": state,
             "peak_mem_bytes": max(g["peak"] for g in got),
+            "peak_above_floor_bytes": max(g["peak"] - g["floor"] for g in got), "degrees": g0["degrees"],
             "peak_mem_kind": "cuda max_memory_allocated" if dev.type == "cuda" else "peak RSS (VmHWM)"}
 
 
