@@ -163,7 +163,7 @@ def data_kwargs(cfg: Config) -> dict:
     return dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
                 val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None,
                 special_tokens=special_overrides(cfg), format=d.format,
-                seq_len=seq_len_of(cfg) if d.format != "text" else None)
+                seq_len=seq_len_of(cfg) if d.format != "text" else None, pack=d.doc_mask and d.format != "text")
 
 
 def load_data(cfg: Config, local_rank: int):
