@@ -42,7 +42,7 @@ def gpt(tmp_path_factory):
     from zerotron.data import load_corpus
 
     root = tmp_path_factory.mktemp("adapters")
-    (root / "corpus.txt").write_text(load_corpus("shakespeare")[0][:60_000])
+    (root / "corpus.txt").write_text(load_corpus("shakespeare")[0][:20_000])
     base, base_hf = root / "base", root / "base_hf"
     assert main(["train", *_common(root), "--run-dir", str(base), "--train.steps", "1"]) == 0
     assert main(["export", "--checkpoint", str(base), "--out", str(base_hf)]) == 0
@@ -103,14 +103,20 @@ def test_gpt2_adapter_export_loads_in_peft(gpt, tmp_path, report, capsys):
     plain = (_logits(transformers.AutoModelForCausalLM.from_pretrained(out).eval(), x) - want).abs().max().item()
     assert d < 1e-4 and plain > 1e-3, (d, plain)  # equal, and the adapters matter (the test can fail)
     report(f"GPT-2 adapter export: peft-loaded vs zerotron logits max abs diff {d:.2e} (fp32; without the adapter {plain:.2g})")
-    # the exported adapter served on the run's base checkpoint: generate equals the LoRA run merged
+    # the exported adapter on the run's base checkpoint (what generate/serve --adapter load) equals the
+    # LoRA run merged: logits and greedy text
+    on_base = load_model(gpt["base"], torch.device("cpu"), adapter=adapter)[0]
+    merged = load_model(gpt["lora"], torch.device("cpu"))[0].float()
+    d_merged = (_logits(on_base, x) - _logits(merged, x)).abs().max().item()
+    assert d_merged < 1e-5, d_merged
     texts = {}
     for key, argv in (("adapter", ["--checkpoint", str(gpt["base"]), "--adapter", str(adapter)]),
-                      ("merged", ["--checkpoint", str(gpt["lora"])]), ("plain", ["--checkpoint", str(gpt["base"])])):
+                      ("merged", ["--checkpoint", str(gpt["lora"])])):
         capsys.readouterr()
         assert main(["generate", *argv, "--prompt", PROMPT, "--max-new-tokens", "16"]) == 0
         texts[key] = capsys.readouterr().out
-    assert texts["adapter"] == texts["merged"] != texts["plain"], texts
+    assert texts["adapter"] == texts["merged"], texts
+    report(f"GPT-2 exported adapter on the base checkpoint vs the LoRA run merged: logits max abs diff {d_merged:.2e}")
 
 
 def _peft_adapter(base_hf, out):
