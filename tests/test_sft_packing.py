@@ -153,7 +153,7 @@ def test_packed_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report
     from zerotron.train.setup import data_kwargs
 
     extra = {"data.corpus": "files", "data.path": CHAT, "data.format": "chat", "data.tokenizer": str(chat_tokenizer),
-             "data.cache_dir": str(tmp_path / "cache"), "model.block_size": 64, "model.n_layer": 4,
+             "data.cache_dir": str(tmp_path / "cache"), "model.block_size": 128, "model.n_layer": 4,
              "data.doc_mask": "true"}
     meta = prepare_data(**data_kwargs(parity.config_for(parity.Layout("ddp", 1, 1, False, 1, None, 1), extra))).meta
     assert meta["train_windows"] < meta["train_rows"], meta  # packed: windows hold several conversations
