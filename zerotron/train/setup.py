@@ -132,6 +132,9 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
     was = meta.get("config", {}).get("data", {})
     diff = [f"data.{k} {was[k]!r} (checkpoint) vs {getattr(cfg.data, k)!r} (now)" for k in DATA_STREAM_KEYS
             if k in was and was[k] != getattr(cfg.data, k)]
+    if cfg.data.format != "text" and was.get("doc_mask", cfg.data.doc_mask) != cfg.data.doc_mask:  # packed vs padded rows
+        diff.append(f"data.doc_mask {was['doc_mask']!r} (checkpoint) vs {cfg.data.doc_mask!r} (now; it packs or pads "
+                    f"the {cfg.data.format} rows)")
     if diff:
         raise ConfigError(f"--resume: the training data differs from that of the checkpoint {str(latest)!r}: "
                           f"{'; '.join(diff)}; resume with the checkpoint's data settings, or train on the new data "
