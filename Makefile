@@ -49,9 +49,10 @@ test-matrix: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
 		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
 
-# fine-tuning parity over every layout the default suite samples (SFT: dp2, ZeRO-3 dp2, tp2+SP, pp2)
+# fine-tuning parity over every layout the default suite samples (SFT: dp2, ZeRO-3 dp2, tp2+SP, pp2;
+# packed SFT with document masks: cp2, dp2, tp2+SP, pp2)
 test-finetune: install-dev
-	ZEROTRON_SFT_FULL=1 $(PY) -m pytest tests/test_finetune.py $(ARGS)
+	ZEROTRON_SFT_FULL=1 $(PY) -m pytest tests/test_finetune.py tests/test_sft_packing.py $(ARGS)
 
 # the MoE family under every layout it runs (ep 1, 2, 4 over dp 2 and 4; fp64 against one process)
 test-moe: install-dev

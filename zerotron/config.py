@@ -119,7 +119,7 @@ class DataConfig:
     cache_dir: str = ".cache/zerotron"
     """token cache directory (built once, shared by the workers)"""
     doc_mask: bool = False
-    """document masking: attention never crosses an end-of-text separator, positions restart per document"""
+    """document masking: attention never crosses an end-of-text separator, positions restart per document (chat / prompt_completion: several rows packed per window)"""
 
 
 @dataclass

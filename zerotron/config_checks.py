@@ -114,12 +114,10 @@ EOT = "<|endoftext|>"  # = data.tokenizer.EOT (no tokenizers import here)
 def _check_doc_mask(d) -> None:
     """``data.doc_mask`` needs document boundaries: a separator token in the tokenizer (``data.
     tokenizer``; a trained BPE always has one) and a corpus of more than one document (a single
-    ``.txt`` file under ``data.corpus = files`` is one document), and packed text (``data.format =
-    text``: chat and prompt-completion rows are padded one per window). The separator is the end
+    ``.txt`` file under ``data.corpus = files`` is one document). With ``data.format`` chat /
+    prompt_completion it packs several rows per window (``data.sft``). The separator is the end
     token: ``data.eos_token``, else the tokenizer's own (its tokenizer_config.json), else
     ``<|endoftext|>``. Raises ConfigError."""
-    _need(d.format == "text", f"data.doc_mask masks packed documents (data.format = text); data.format = "
-                              f"{d.format!r} pads one row per window, nothing to mask: set data.doc_mask = false")
     if d.tokenizer and not d.eos_token:
         import json
 

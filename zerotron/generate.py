@@ -36,11 +36,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return latest
 
 
-def load_model(path: str | Path, device: torch.device, merge: bool = True):
+def load_model(path: str | Path, device: torch.device, merge: bool = True, adapter: str | Path | None = None):
     """Build the model of a checkpoint (its family from ``model_config["arch"]``, GPT-2 when absent)
     and load its weights; returns ``(model, tokenizer, meta)``. A LoRA run's adapters
     (``train.lora_rank`` in its config) are loaded and, with ``merge``, folded into the weights
-    (``models.lora.merge_lora``; ``merge=False`` keeps them, e.g. for ``export --adapter``)."""
+    (``models.lora.merge_lora``; ``merge=False`` keeps them, e.g. for ``export --adapter``).
+    ``adapter``: a peft LoRA directory folded into the (merged) weights afterwards
+    (``models.peft_adapter.merge_adapter``; ValueError, one line, if it does not fit)."""
     path = resolve_checkpoint(path)
     ckpt.verify_checkpoint(path)  # files present and checksums equal, else CheckpointError naming the file
     meta = ckpt.read_meta(path)
@@ -55,6 +57,12 @@ def load_model(path: str | Path, device: torch.device, merge: bool = True):
         from .models.lora import merge_lora
 
         merge_lora(model)
+    if adapter:
+        from .models.peft_adapter import merge_adapter
+
+        if not merge and train.get("lora_rank"):
+            raise ValueError("--adapter needs the checkpoint's own LoRA adapters merged first")
+        merge_adapter(model, adapter)
     model.eval()
     return model, load_tokenizer(path / "tokenizer.json"), meta
 
@@ -89,6 +97,18 @@ def read_prompts(args, tokenizer) -> list[str]:
             where = f"prompt {i + 1} of --prompts-file" if args.prompts_file else "the prompt"
             raise ValueError(f"{where} is empty after tokenization; give a non-empty --prompt")
     return prompts
+
+
+def check_adapter(checkpoint: str | Path, adapter: str | Path) -> None:
+    """Check a peft adapter directory against a checkpoint's model without loading weights (the
+    model built on the meta device): raises ValueError (one line, see ``models.peft_adapter``), so
+    a multi-process command fails once, before any worker starts."""
+    from .models.peft_adapter import adapter_deltas, read_adapter
+
+    meta = ckpt.read_meta(resolve_checkpoint(checkpoint))
+    with torch.device("meta"):
+        model = registry.build_model(registry.config_from_meta(meta["model_config"]))
+    adapter_deltas(model, *read_adapter(adapter))
 
 
 def check_sampling_args(args) -> None:
@@ -140,7 +160,7 @@ def generate_main(args) -> int:
     owned = not torch.distributed.is_initialized()
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, tp, pp), device)
-    model, tok, _ = load_model(args.checkpoint, device)
+    model, tok, _ = load_model(args.checkpoint, device, adapter=getattr(args, "adapter", "") or None)
     prompts = read_prompts(args, tok)
     engine = Engine(model, mesh, microbatches=getattr(args, "microbatches", 0) or pp, eos_id=stop_ids(args.checkpoint, tok))
     reqs = requests_for(prompts, tok, args.max_new_tokens, args.temperature, args.top_k,

@@ -16,7 +16,7 @@ def export_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="a run directory (newest checkpoint) or checkpoints/step_N")
     p.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
-    p.add_argument("--adapter", default="", help="a LoRA run (Llama): write --out as the base model (adapters not "
+    p.add_argument("--adapter", default="", help="a LoRA run (GPT-2 or Llama): write --out as the base model (adapters not "
                                                  "merged) and this directory as a peft adapter (adapter_config.json + "
                                                  "adapter_model.safetensors); without it a LoRA run is exported merged")
     return p
@@ -25,18 +25,22 @@ def export_parser() -> argparse.ArgumentParser:
 def _split_adapter(model, meta: dict, args):
     """``--adapter``: the adapters' peft state and config, removed from ``model`` (which becomes
     the unmerged base). Raises ValueError (one line) for a checkpoint without adapters or a
-    family whose module names are not Hugging Face's (GPT-2 fuses and transposes them)."""
+    family other than GPT-2 and Llama."""
     from ..models import registry
     from ..models.lora import adapter_state, has_lora, lora_kwargs, lora_modules, peft_config
 
     if not has_lora(model):
         raise ValueError(f"--adapter: the checkpoint {args.checkpoint!r} has no LoRA adapters (trained with "
                          "train.lora_rank = 0), so there is no adapter to write for a base; export it without --adapter")
-    if registry.arch_of(model) != "llama":
-        raise ValueError("--adapter writes peft adapters for Llama models (GPT-2's fused, transposed projections "
-                         "do not match Hugging Face's module names); export the merged model without --adapter")
+    arch = registry.arch_of(model)
+    if arch not in ("gpt2", "llama"):
+        raise ValueError(f"--adapter writes peft adapters for GPT-2 and Llama models, not {arch}; export the merged "
+                         "model without --adapter")
     kw = lora_kwargs(meta["config"]["train"])
-    state, config = adapter_state(model), peft_config(model, kw["rank"], kw["alpha"], kw["dropout"])
+    # GPT-2: HF's layers are Conv1D (weight (in, out)); peft keeps A (r, in), B (out, r) and marks
+    # them fan_in_fan_out; c_attn's output columns are [q | k | v] as in zerotron's fused Linear
+    state = adapter_state(model)
+    config = peft_config(model, kw["rank"], kw["alpha"], kw["dropout"], fan_in_fan_out=arch == "gpt2")
     for m in lora_modules(model).values():  # the base: adapters removed, weights as trained (frozen)
         m.lora_handle.remove()
         del m.lora_A, m.lora_B

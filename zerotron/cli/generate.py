@@ -27,6 +27,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches in flight (0 = pp)")
+    p.add_argument("--adapter", default="", help="a peft LoRA adapter directory (adapter_config.json + "
+                   "adapter_model.safetensors) folded into the checkpoint's weights")
     return p
 
 
@@ -36,6 +38,10 @@ def cmd_generate(argv: list[str]) -> int:
     from ..launch import in_worker, launch
 
     try:
+        if args.adapter and not in_worker():  # one line before any worker or weight is loaded
+            from ..generate import check_adapter
+
+            check_adapter(args.checkpoint, args.adapter)
         if args.nproc > 1 and not in_worker():
             from ..data import load_tokenizer
             from ..generate import check_sampling_args, read_prompts, resolve_checkpoint

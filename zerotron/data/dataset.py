@@ -93,7 +93,7 @@ def _file_sha256(path: Path) -> str:
 def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
               text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
               tokenizer_path: str | Path | None = None, special_tokens: dict | None = None,
-              format: str = "text", seq_len: int | None = None) -> tuple[str, dict]:
+              format: str = "text", seq_len: int | None = None, pack: bool = False) -> tuple[str, dict]:
     """Compute the cache key of :func:`prepare_data`'s arguments without reading text.
 
     Returns:
@@ -130,6 +130,8 @@ def cache_key(corpus: str = "shakespeare", path: str | Path | None = None,
         if not seq_len or seq_len < 2:
             raise DataError(f"data.format = {format} lays out one row per window and needs seq_len >= 2, got {seq_len!r}")
         inputs["format"], inputs["seq_len"] = format, int(seq_len)
+        if pack:  # (absent when off: the keys of padded caches built before packing stay valid)
+            inputs["pack"] = True
     blob = json.dumps(inputs, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16], inputs
 
@@ -138,7 +140,7 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
                  text_field: str = "text", vocab_size: int = 8192, val_fraction: float = 0.05,
                  cache_dir: str | Path = ".cache/zerotron",
                  tokenizer_path: str | Path | None = None, special_tokens: dict | None = None,
-                 format: str = "text", seq_len: int | None = None) -> TokenData:
+                 format: str = "text", seq_len: int | None = None, pack: bool = False) -> TokenData:
     """Build (or reuse) the token cache of a corpus and open it.
 
     Steps: load the corpus, split each document (tail to validation), train a BPE
@@ -162,6 +164,8 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
         format: "text" (documents), "chat" or "prompt_completion" (rows of a .jsonl/.parquet
             ``path``, one per window of ``seq_len`` tokens, with a loss mask; see :mod:`zerotron.data.sft`).
         seq_len: the window length S (the model's block_size); needed by the instruction formats.
+        pack: instruction formats only: pack several rows per window, each ended by the end token
+            (``data.doc_mask``; see :mod:`zerotron.data.sft`); False: one padded row per window.
     Returns:
         :class:`TokenData` with memory-mapped splits.
     Raises:
@@ -169,7 +173,7 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
             load_tokenizer) or a corrupt existing cache.
     """
     key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path, special_tokens,
-                            format, seq_len)
+                            format, seq_len, pack)
     root = Path(cache_dir).expanduser()
     final = root / key
     if final.exists():
@@ -184,7 +188,7 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
     tmp: Path | None = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
     try:
         _build(tmp, key, inputs, corpus, path, text_field, vocab_size, val_fraction,
-               tokenizer_path, special_tokens, format, seq_len)
+               tokenizer_path, special_tokens, format, seq_len, pack)
         os.chmod(tmp, 0o755)
         try:
             os.replace(tmp, final)
@@ -201,13 +205,13 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
 
 def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str,
            vocab_size: int, val_fraction: float, tokenizer_path, special_tokens=None, format: str = "text",
-           seq_len: int | None = None) -> None:
+           seq_len: int | None = None, pack: bool = False) -> None:
     """Write tokenizer.json, its tokenizer_config.json and generation_config.json, train.bin,
     val.bin and finally meta.json into ``out``."""
     start = time.perf_counter()
     if format != "text":
         return _build_rows(out, key, inputs, path, vocab_size, val_fraction, tokenizer_path, special_tokens,
-                           format, seq_len, start)
+                           format, seq_len, start, pack)
     docs = load_corpus(corpus, path, text_field)
     train_docs, val_docs = split_documents(docs, val_fraction)
     if tokenizer_path is None:
@@ -240,7 +244,7 @@ def _row_texts(row: dict) -> list[str]:
 
 
 def _build_rows(out: Path, key: str, inputs: dict, path, vocab_size: int, val_fraction: float, tokenizer_path,
-                special_tokens, format: str, seq_len: int, start: float) -> None:
+                special_tokens, format: str, seq_len: int, start: float, pack: bool = False) -> None:
     """The instruction-data cache: rows split (the last ``round(n * val_fraction)`` to
     validation, at least one of two or more), laid out one per window with masks (:mod:`.sft`)."""
     rows = sft.read_rows(path)
@@ -259,9 +263,10 @@ def _build_rows(out: Path, key: str, inputs: dict, path, vocab_size: int, val_fr
     for name, part in splits.items():
         if not part:
             ids, mask, counts = np.zeros(0, np.int64), np.zeros(0, np.uint8), {"rows": 0, "truncated_rows": 0,
-                                                                               "dropped_rows": 0, "target_tokens": 0}
+                                                                               "dropped_rows": 0, "target_tokens": 0,
+                                                                               **({"windows": 0} if pack else {})}
         else:
-            ids, mask, counts = sft.build_windows(tok, part, format, sp, seq_len, sp.chat_template)
+            ids, mask, counts = sft.build_windows(tok, part, format, sp, seq_len, sp.chat_template, pack)
         ids.astype(dtype).tofile(out / f"{name}.bin")
         mask.tofile(out / f"{name}.mask")
         meta[f"{name}_tokens"] = int(ids.size)

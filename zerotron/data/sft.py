@@ -25,6 +25,17 @@ than S tokens keeps its first S tokens (counted as ``truncated_rows``); a row wi
 in its first S tokens is dropped (counted as ``dropped_rows``). The loss is normalised by the
 global count of targets (``train.step``), so every layout matches one process. Validation takes
 the last ``round(n * val_fraction)`` rows (at least one when there are two or more).
+
+Packing (``data.doc_mask = true``): each row ends with the end token (the document separator of
+:mod:`zerotron.parallel.context.docmask`; appended, not a target, unless the row already ends with
+it, as prompt/completion rows do), and rows are laid out greedily in order: a row joins the
+current window if it fits in what is left, else the window is padded to S and the row starts the
+next one. With the document masks no row attends to another and each row's positions start at 0,
+so a packed window trains exactly like its rows run alone. A row whose tokens hold the end token
+before their last is refused (the mask would cut the conversation there; the chat template
+renders it). The truncation rule is the same (a row longer than S keeps its first S tokens, its
+end token included only if it fits, and fills a window alone); ``counts["windows"]`` is the
+number of windows.
 """
 from __future__ import annotations
 
@@ -154,29 +165,50 @@ def row_tokens(tok, row: dict, fmt: str, template, sp: SpecialTokens, where: str
 
 
 def build_windows(tok, rows: list[tuple[str, dict]], fmt: str, sp: SpecialTokens, seq_len: int,
-                  chat_template: str | None) -> tuple[np.ndarray, np.ndarray, dict]:
+                  chat_template: str | None, pack: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
     """Lay the rows out as windows (see the module): ``(ids (n*S+1,) int64, mask (n*S+1,) uint8,
-    counts)`` with counts ``rows``, ``truncated_rows``, ``dropped_rows``, ``target_tokens``.
-    Raises DataError (a bad row, no chat template for chat data, no row left)."""
+    counts)`` with counts ``rows``, ``truncated_rows``, ``dropped_rows``, ``target_tokens`` (and
+    ``windows`` with ``pack``: several rows per window, each ended by ``sp.eos_id``).
+    Raises DataError (a bad row, no chat template for chat data, no row left, with ``pack`` a row
+    holding the end token before its last token)."""
     if fmt == "chat" and not chat_template:
         raise DataError("data.format = chat needs a chat template: the tokenizer has none; set data.chat_template")
     template = compile_template(chat_template) if fmt == "chat" else None
-    S, pad = seq_len, sp.pad_or_eos
-    ids_rows, mask_rows, truncated, dropped = [], [], 0, 0
+    S, pad, sep = seq_len, sp.pad_or_eos, sp.eos_id
+    windows_ids, windows_mask, truncated, dropped, placed = [], [], 0, 0, 0
+    cur_ids: list[int] = []
+    cur_mask: list[int] = []
+
+    def close():
+        if cur_ids:
+            windows_ids.append(cur_ids + [pad] * (S - len(cur_ids)))
+            windows_mask.append(cur_mask + [0] * (S - len(cur_mask)))
+        return [], []
+
     for where, row in rows:
         ids, mask = row_tokens(tok, row, fmt, template, sp, where)
+        if pack and ids:
+            if sep in ids[:-1]:
+                raise DataError(f"{where}: the row holds the end token {sp.eos!r} (the document separator of "
+                                "data.doc_mask) inside itself, so packing would cut it there; use a chat template "
+                                "that does not render it inside a conversation, or set data.doc_mask = false")
+            if ids[-1] != sep:
+                ids, mask = ids + [sep], mask + [0]
         if len(ids) > S:
             truncated += 1
             ids, mask = ids[:S], mask[:S]
-        mask[0] = 0  # a row's first token is never a target (it follows the previous window)
+        mask[0] = 0  # a row's first token is never a target (it follows the previous row or window)
         if not any(mask):
             dropped += 1
             continue
-        ids_rows.append(ids + [pad] * (S - len(ids)))
-        mask_rows.append(mask + [0] * (S - len(mask)))
-    if not ids_rows:
+        if not pack or len(cur_ids) + len(ids) > S:
+            cur_ids, cur_mask = close()
+        cur_ids, cur_mask = cur_ids + ids, cur_mask + mask
+        placed += 1
+    close()
+    if not windows_ids:
         raise DataError(f"no row has a target token within seq_len {S}; raise model.block_size or shorten the rows")
-    ids = np.asarray([t for r in ids_rows for t in r] + [pad], dtype=np.int64)
-    mask = np.asarray([t for r in mask_rows for t in r] + [0], dtype=np.uint8)
-    return ids, mask, {"rows": len(ids_rows), "truncated_rows": truncated, "dropped_rows": dropped,
-                       "target_tokens": int(mask.sum())}
+    ids = np.asarray([t for r in windows_ids for t in r] + [pad], dtype=np.int64)
+    mask = np.asarray([t for r in windows_mask for t in r] + [0], dtype=np.uint8)
+    counts = {"rows": placed, "truncated_rows": truncated, "dropped_rows": dropped, "target_tokens": int(mask.sum())}
+    return ids, mask, {**counts, "windows": len(windows_ids)} if pack else counts

@@ -30,12 +30,16 @@ def lora_kwargs(train: dict) -> dict:
             "seed": int(train.get("seed", 0))}
 
 
-def peft_config(model: nn.Module, rank: int, alpha: float, dropout: float, base: str = "") -> dict:
+def peft_config(model: nn.Module, rank: int, alpha: float, dropout: float, base: str = "",
+                fan_in_fan_out: bool = False) -> dict:
     """``adapter_config.json`` of ``model``'s adapters for the ``peft`` library (LORA, CAUSAL_LM;
-    target_modules: the adapted projections' last names)."""
-    targets = sorted({n.rsplit(".", 1)[-1] for n in lora_modules(model)})
+    target_modules: the shortest name suffixes that select exactly the adapted projections, see
+    ``peft_adapter.peft_targets``; ``fan_in_fan_out`` true for GPT-2, whose HF layers are Conv1D)."""
+    from .peft_adapter import peft_targets
+
+    targets = peft_targets(model, list(lora_modules(model)))
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2.0 * rank,
-            "lora_dropout": dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
+            "lora_dropout": dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": fan_in_fan_out,
             "inference_mode": True, "base_model_name_or_path": base, "init_lora_weights": True,
             "use_rslora": False, "use_dora": False, "modules_to_save": None}
 
@@ -106,7 +110,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters as the ``peft`` library names them in ``adapter_model.safetensors``:
     ``base_model.model.<module>.lora_A.weight`` (r, in) and ``...lora_B.weight`` (out, r),
-    contiguous CPU copies. Valid for models whose module names are Hugging Face's (Llama)."""
+    contiguous CPU copies. Valid for models whose module names are Hugging Face's (GPT-2, Llama; GPT-2's
+    Conv1D layers take the same (r, in) / (out, r) shapes, see ``peft_adapter``)."""
     out = {}
     for n, m in lora_modules(model).items():
         out[f"base_model.model.{n}.lora_A.weight"] = m.lora_A.detach().cpu().contiguous().clone()

@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", default="", help="speculative decoding (--batching continuous): 'ngram' "
                    "(prompt lookup, no draft model) or 'draft:DIR' (a small checkpoint with the same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per decoding row and step")
+    p.add_argument("--adapter", default="", help="a peft LoRA adapter directory (adapter_config.json + "
+                   "adapter_model.safetensors: peft save_pretrained or zerotron export --adapter) folded into the "
+                   "checkpoint's weights before serving")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--model-name", default=None, help="the model id (default: the run directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
@@ -132,6 +135,10 @@ def main(argv: list[str]) -> int:
             from zerotron.train import checkpoint as ck
 
             ck.verify_checkpoint(ckpt)
+            if args.adapter:  # names, shapes and ranks fit the checkpoint's model: one line, no worker
+                from zerotron.generate import check_adapter
+
+                check_adapter(ckpt, args.adapter)
         if args.nproc > 1 and not in_worker():
             return _launch(args.nproc, ["serve", *strip_nproc(argv)], launch)
     except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line
@@ -148,7 +155,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, lambda *_: stop.set())
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
-    model, tok, _ = load_model(ckpt, device)
+    model, tok, _ = load_model(ckpt, device, adapter=args.adapter or None)
     engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=stop_ids(ckpt, tok), decode=tok.decode)
     paged = paged_options(args, engine)
     if args.speculative.startswith("draft:"):
@@ -240,6 +247,7 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
     host, port = sock.getsockname()[:2]
     print(f"zerotron serve: listening on http://{host}:{port} (model {model_id!r}, {world} rank(s): "
           f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}, {args.batching} batching"
+          f"{', LoRA adapter ' + repr(args.adapter) + ' merged' if args.adapter else ''}"
           f"{', API key required' if api_key else ''}; chat template: "
           f"{'built-in default' if chat.builtin else 'the tokenizer' + chr(39) + 's'}){kv_line}", flush=True)
     batcher.run()

@@ -132,6 +132,9 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
     was = meta.get("config", {}).get("data", {})
     diff = [f"data.{k} {was[k]!r} (checkpoint) vs {getattr(cfg.data, k)!r} (now)" for k in DATA_STREAM_KEYS
             if k in was and was[k] != getattr(cfg.data, k)]
+    if cfg.data.format != "text" and was.get("doc_mask", cfg.data.doc_mask) != cfg.data.doc_mask:  # packed vs padded rows
+        diff.append(f"data.doc_mask {was['doc_mask']!r} (checkpoint) vs {cfg.data.doc_mask!r} (now; it packs or pads "
+                    f"the {cfg.data.format} rows)")
     if diff:
         raise ConfigError(f"--resume: the training data differs from that of the checkpoint {str(latest)!r}: "
                           f"{'; '.join(diff)}; resume with the checkpoint's data settings, or train on the new data "
@@ -163,7 +166,7 @@ def data_kwargs(cfg: Config) -> dict:
     return dict(corpus=d.corpus, path=d.path or None, text_field=d.text_field, vocab_size=d.vocab_size,
                 val_fraction=d.val_fraction, cache_dir=d.cache_dir, tokenizer_path=d.tokenizer or None,
                 special_tokens=special_overrides(cfg), format=d.format,
-                seq_len=seq_len_of(cfg) if d.format != "text" else None)
+                seq_len=seq_len_of(cfg) if d.format != "text" else None, pack=d.doc_mask and d.format != "text")
 
 
 def load_data(cfg: Config, local_rank: int):
