@@ -248,11 +248,13 @@ def moe_estimate(cfg, dp: int, ep: int = 1, stage: int = 0, dtype: str = "fp32",
         stage-0 formula of :func:`model_state_bytes` on the local expert count; ep composes with DDP
         and ZeRO-1, where the expert optimizer state is not sharded further);
       * ``dense_state_bytes`` per rank: the ZeRO ``stage`` formula for the dense parameters over dp;
-      * ``all_to_all_bytes`` per rank and optimizer step (ep > 1 and ``seq`` given): for each of
-        the ``microbatches`` micro-batches of ``micro_batch`` x ``seq`` tokens and each layer, the
-        token rows passed to the dispatch and the combine in the forward and again in the backward
-        (4 x tokens x k x C elements of the parameter dtype, rows kept on this rank counted too, as
-        ``comm.all_to_all_v`` counts them) + the per-expert counts (E int64).
+      * ``all_to_all_bytes`` per rank and optimizer step, the mean over the ep group (ep > 1 and
+        ``seq`` given): for each of the ``microbatches`` micro-batches of ``micro_batch`` x ``seq``
+        tokens and each layer, the token rows sent by the dispatch and the combine in the forward and
+        again in the backward (4 x tokens x k x C elements of the parameter dtype, rows kept on this
+        rank counted too, as ``comm.all_to_all_v`` counts them) + the per-expert counts (E int64).
+        A single rank sends its own N*k rows in the dispatch but, in the combine, the rows its
+        experts received: that half depends on the routing; the sum over the group is exact.
     Raises ValueError for a dense model, ep < 1 or an ep that does not divide E or dp."""
     s = shape_of(cfg)
     E, k = s.n_experts, s.top_k
