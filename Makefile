@@ -56,7 +56,7 @@ test-finetune: install-dev
 
 # the MoE family under every layout it runs (ep 1, 2, 4 over dp 2 and 4; fp64 against one process)
 test-moe: install-dev
-	ZEROTRON_MOE_PARITY=full $(PY) -m pytest -s tests/test_moe_parity.py $(ARGS)
+	ZEROTRON_MOE_PARITY=full $(PY) -m pytest -s tests/test_moe_parity.py tests/test_moe_inference.py tests/test_moe_capacity.py $(ARGS)
 
 # train.compile: compiled vs eager (fp64, 1e-10) for dp2, ZeRO-3, tp2+SP, pp2 1F1B / ZB-H1, recomputation
 # on GPT-2 and Llama (Inductor compiles C++ kernels: several minutes on 2 cores)

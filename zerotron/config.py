@@ -77,6 +77,10 @@ class ModelConfig:
     """mixtral: weight of the Switch load-balancing loss E*sum(f_i*P_i) (unset = the preset's)"""
     moe_z_loss_coef: float = 0.0
     """mixtral: weight of the router z-loss mean(logsumexp(logits)^2) (unset = the preset's)"""
+    moe_capacity_factor: float = 0.0
+    """mixtral: 0 = dropless; else training forwards keep at most ceil(factor*tokens*k/E) assignments per expert, first come first served"""
+    moe_bias_update_rate: float = 0.0
+    """mixtral: 0 = off; else DeepSeek-V3 auxiliary-loss-free balancing, bias += rate*sign(mean load - load) per step"""
     init_from: str = ""
     """Hugging Face GPT-2, Llama or Mixtral directory to start from (family, shape and weights); "" = random init"""
 

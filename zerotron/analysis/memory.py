@@ -233,6 +233,50 @@ def stage_num_params(cfg, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
     return out
 
 
+def moe_estimate(cfg, dp: int, ep: int = 1, stage: int = 0, dtype: str = "fp32", optimizer: str = "adam",
+                 seq: int | None = None, micro_batch: int = 1, microbatches: int = 1) -> dict:
+    """What a mixture-of-experts model costs per rank under expert parallelism ``ep`` carved out of
+    ``dp`` data-parallel ranks (``zerotron.parallel.expert``), from the shape of ``cfg`` (any config
+    :func:`shape_of` reads, with ``n_experts`` > 0). Pure arithmetic. Returns a dict of ints:
+
+      * ``total_params``, ``active_params`` (one token: router + k of E experts per layer, the rest),
+        ``expert_params`` (all layers, all E experts), ``dense_params`` (total - expert);
+      * ``flops_per_token``: training FLOPs from the active parameters, 6 N_active + 12 L C S
+        (PaLM appendix B with N the matmul parameters a token meets; needs ``seq``, else 6 N_active);
+      * ``expert_params_per_rank`` = expert_params / ep and ``expert_state_bytes`` per rank: params +
+        grads + optimizer of those experts, replicated over the dp / ep ranks of an expert (the
+        stage-0 formula of :func:`model_state_bytes` on the local expert count; ep composes with DDP
+        and ZeRO-1, where the expert optimizer state is not sharded further);
+      * ``dense_state_bytes`` per rank: the ZeRO ``stage`` formula for the dense parameters over dp;
+      * ``all_to_all_bytes`` per rank and optimizer step, the mean over the ep group (ep > 1 and
+        ``seq`` given): for each of the ``microbatches`` micro-batches of ``micro_batch`` x ``seq``
+        tokens and each layer, the token rows sent by the dispatch and the combine in the forward and
+        again in the backward (4 x tokens x k x C elements of the parameter dtype, rows kept on this
+        rank counted too, as ``comm.all_to_all_v`` counts them) + the per-expert counts (E int64).
+        A single rank sends its own N*k rows in the dispatch but, in the combine, the rows its
+        experts received: that half depends on the routing; the sum over the group is exact.
+    Raises ValueError for a dense model, ep < 1 or an ep that does not divide E or dp."""
+    s = shape_of(cfg)
+    E, k = s.n_experts, s.top_k
+    if not E:
+        raise ValueError("moe_estimate needs a mixture-of-experts model (n_experts > 0)")
+    if ep < 1 or E % ep or dp % ep:
+        raise ValueError(f"--ep ({ep}) must be >= 1 and divide n_experts ({E}) and the dp degree ({dp})")
+    expert = s.n_layer * E * 3 * s.n_embd * s.ffn
+    total, active = s.num_params(), s.active_params()
+    flops = 6 * s.flop_params() + (12 * s.n_layer * s.n_embd * seq if seq else 0)
+    elem = {"fp32": 4, "fp64": 8}.get(dtype, 2)  # the activations' dtype (bf16-mixed: 2)
+    a2a = 0
+    if ep > 1 and seq:
+        a2a = s.n_layer * microbatches * (4 * micro_batch * seq * k * s.n_embd * elem + 8 * E)
+    local = expert // ep
+    return {"total_params": total, "active_params": active, "expert_params": expert, "dense_params": total - expert,
+            "flops_per_token": flops, "expert_params_per_rank": local,
+            "expert_state_bytes": model_state_bytes(local, 1, 0, dtype, optimizer)["total_bytes"],
+            "dense_state_bytes": model_state_bytes(total - expert, dp, stage, dtype, optimizer)["total_bytes"],
+            "all_to_all_bytes": a2a}
+
+
 def _chunks(args) -> int:
     """Model stages per pipeline rank of the --schedule: --virtual-stages for interleaved and zb-v."""
     return args.virtual_stages if args.schedule in ("interleaved", "zb-v") else 1
@@ -339,8 +383,28 @@ def memory_parser() -> argparse.ArgumentParser:
     parser.add_argument("--offload", default="none", choices=OFFLOADS,
                         help="train.offload: optimizer = master shards and optimizer state in host memory (stages 1-3)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
+    parser.add_argument("--ep", type=int, default=1, help="mixture-of-experts models: expert-parallel degree "
+                        "(experts split over ep, carved out of dp); prints total vs active parameters, expert "
+                        "memory per rank and all-to-all bytes per step (with --seq and --global-batch)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="sequences per optimizer step (MoE all-to-all bytes; default dp x micro-batch)")
     _add_activation_args(parser)
     return parser
+
+
+def _moe_report(args) -> dict | None:
+    """:func:`moe_estimate` for the CLI's --model (None for a dense one with --ep 1)."""
+    cfg = preset_config(args.model) if args.model else None
+    if cfg is None or not getattr(cfg, "n_experts", 0):
+        if args.ep != 1:
+            raise ValueError(f"--ep {args.ep} splits the experts of a mixture-of-experts --model; this one has none")
+        return None
+    if args.global_batch is not None and args.global_batch % (args.dp * args.micro_batch):
+        raise ValueError(f"--global-batch {args.global_batch} must be a multiple of --dp x --micro-batch")
+    m = (args.global_batch // (args.dp * args.micro_batch)) if args.global_batch else 1
+    out = moe_estimate(cfg, args.dp, args.ep, 0, args.dtype, args.optimizer, args.seq, args.micro_batch, m)
+    out["dense_state_bytes_zero1"] = moe_estimate(cfg, args.dp, args.ep, 1, args.dtype, args.optimizer)["dense_state_bytes"]
+    return out
 
 
 def _memory_run(args) -> int:
@@ -368,6 +432,7 @@ def _memory_run(args) -> int:
             rank_params = max(_rank_params(preset_config(args.model), args))
         rows = zero_table(rank_params, args.dp * args.cp, args.dtype, args.optimizer, args.dp_replicate, args.offload)
         act, act_rows = _activation_report(args, num_params) if args.seq is not None else (None, [])
+        moe = _moe_report(args)
     except (ValueError, ImportError) as exc:
         print(f"zerotron memory: error: {exc}", file=sys.stderr)
         return 2
@@ -376,6 +441,8 @@ def _memory_run(args) -> int:
                "optimizer": args.optimizer, "offload": args.offload, "stages": rows}
         if act is not None:
             out["activations"] = act
+        if moe is not None:
+            out["moe"] = moe
         print(json.dumps(out))
         return 0
     hsdp = f" ({args.dp_replicate} replicas x {args.dp // args.dp_replicate} shards)" if args.dp_replicate > 1 else ""
@@ -386,6 +453,14 @@ def _memory_run(args) -> int:
     if rank_params != num_params:
         print(f"largest model-parallel rank (tp={args.tp}, pp={args.pp}): {rank_params:,} parameters")
     print(format_table(rows))
+    if moe is not None:
+        print(f"mixture of experts: {moe['total_params']:,} parameters, {moe['active_params']:,} active per token; "
+              f"training FLOPs per token {moe['flops_per_token']:.4g} (6 x active matmul parameters"
+              + (" + attention" if args.seq else "") + f"); ep {args.ep}: {moe['expert_params_per_rank']:,} expert "
+              f"parameters per rank, expert params + grads + optimizer {moe['expert_state_bytes'] / GB:.4g} GB, "
+              f"dense states over dp {moe['dense_state_bytes'] / GB:.4g} GB (DDP), "
+              f"{moe['dense_state_bytes_zero1'] / GB:.4g} GB (ZeRO-1)"
+              + (f"; all-to-all {moe['all_to_all_bytes'] / GB:.4g} GB per rank and step" if moe["all_to_all_bytes"] else ""))
     if act is not None:
         print(f"activations (Korthikanti et al. 2022), seq {args.seq}" + (f" / cp {args.cp}" if args.cp > 1 else "") + ", micro-batch "
               f"{args.micro_batch}, tp {args.tp}{' +sp' if args.sp else ''}, pp {args.pp} "

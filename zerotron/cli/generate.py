@@ -5,7 +5,7 @@ import argparse
 
 from ..cli_help import HelpFormatter, OneLineErrorParser
 from ..launch import strip_nproc
-from ..models.layout import tp_refusal
+from ..models.layout import ep_inference_refusal, tp_refusal
 from .errors import fail, user_errors
 
 
@@ -29,6 +29,8 @@ def generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=0, help="pipeline micro-batches in flight (0 = pp)")
     p.add_argument("--adapter", default="", help="a peft LoRA adapter directory (adapter_config.json + "
                    "adapter_model.safetensors) folded into the checkpoint's weights")
+    p.add_argument("--parallel.ep", dest="ep", type=int, default=1,
+                   help="expert-parallel degree (mixture-of-experts models: each of ep ranks holds E/ep experts)")
     return p
 
 
@@ -58,6 +60,9 @@ def cmd_generate(argv: list[str]) -> int:
                 raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp "
                                  f"({args.tp} x {args.pp})")
             reason = tp_refusal(args.tp, model_cfg, tp_name="--parallel.tp")  # the rule the plan applies
+            if reason:
+                raise ValueError(reason)
+            reason = ep_inference_refusal(args.ep, args.nproc, args.tp, args.pp, model_cfg)
             if reason:
                 raise ValueError(reason)
             return launch(args.nproc, ["generate", *strip_nproc(argv)])

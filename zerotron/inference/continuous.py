@@ -32,7 +32,7 @@ block bookkeeping of every replica is kept, identically, on every rank):
    :class:`~zerotron.inference.batch.DecodeBatch`).
 
 Layouts: the same as :class:`~zerotron.inference.Engine` (single process, tp, dp, pp, any product):
-rows are assigned to a dp replica by the scheduler; tp ranks decode the same rows on their head
+rows are assigned to a replica (dp, or dp / ep under expert parallelism: the ep ranks of a replica decode the same rows, each with its E/ep experts) by the scheduler; tp ranks decode the same rows on their head
 shards (logits gathered by the model's hooks, identical generators, so identical tokens); with pp
 the iteration walks the stages (stage s receives the activations of the span before it, the last
 stage samples), one stage busy at a time.
@@ -119,7 +119,7 @@ class ContinuousDecoder:
                  draft_model=None):
         self.engine, self.mesh = engine, engine.mesh
         self.cfg, self.device = engine.config, engine.device
-        self.replica = self.mesh.local_rank("dp")
+        self.replica = engine.replica
         pl = engine.pipeline
         if pl is None:
             self.blocks, self.layers = engine.model.blocks(), list(range(self.cfg.n_layer))
@@ -127,7 +127,7 @@ class ContinuousDecoder:
         else:
             self.blocks, self.layers, self.first, self.last = pl.blocks, pl.layers, pl.first, pl.last
         self.pl = pl
-        self.sampler = self.last and self.mesh.local_rank("tp") == 0  # reports this replica's tokens
+        self.sampler = self.last and self.mesh.local_rank("tp") == 0 and engine.ep_rank == 0  # reports this replica's tokens
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         per_row = math.ceil(self.cfg.block_size / page) if page >= 1 else 0
         num_blocks = DEFAULT_ROWS * per_row if num_blocks is None else num_blocks
@@ -136,7 +136,7 @@ class ContinuousDecoder:
                              f"(block_size {self.cfg.block_size} needs {per_row} blocks; max_step_tokens "
                              f"{max_step_tokens}): give more KV cache memory or a smaller page")
         self.page, self.num_blocks, self.max_step_tokens = page, num_blocks, max_step_tokens
-        self.alloc = [BlockAllocator(num_blocks, page, prefix_caching) for _ in range(self.mesh.size("dp"))]
+        self.alloc = [BlockAllocator(num_blocks, page, prefix_caching) for _ in range(self.engine.replicas)]
         self.pool = BlockPool(self.cfg.n_layer, num_blocks, page)
         self.rows: dict[int, _Row] = {}
         self.order: list[int] = []  # running rows (every replica), oldest first
@@ -158,7 +158,7 @@ class ContinuousDecoder:
 
     def replica_load(self) -> list[int]:
         """Rows (running or waiting) per dp replica."""
-        load = [0] * self.mesh.size("dp")
+        load = [0] * self.engine.replicas
         for r in self.rows.values():
             load[r.replica] += 1
         return load
@@ -182,7 +182,7 @@ class ContinuousDecoder:
         without the engine's ``decode``."""
         for rid, rep, req in joins:
             req.params.validate()
-            if rid in self.rows or not 0 <= rep < self.mesh.size("dp") or not req.prompt:
+            if rid in self.rows or not 0 <= rep < self.engine.replicas or not req.prompt:
                 raise ValueError(f"bad join: row {rid} (known: {rid in self.rows}), replica {rep}, "
                                  f"prompt of {len(req.prompt)} tokens")
             if req.params.stop and self.engine.decode is None:

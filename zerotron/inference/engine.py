@@ -10,6 +10,10 @@ Layouts (the mesh's dims and ``microbatches``):
   * **pipeline** (pp > 1, any tp): the layers (and their KV cache) are split over the stages and
     the batch into ``microbatches`` micro-batches in flight (``zerotron.inference.pipelined``);
     ``microbatches=1`` is naive model parallelism (one stage busy at a time).
+  * **expert parallel** (``ep`` > 1, mixture-of-experts models, tp = pp = 1): the dp ranks form
+    groups of ep consecutive ranks; a group is one replica whose ranks decode the same rows, each
+    holding E/ep experts of every MoE layer (``zerotron.parallel.expert.inference``); requests go
+    to the dp / ep replicas.
 
 A request's output depends only on its prompt, :class:`SamplingParams` and seed, never on the
 layout, the batch or the micro-batch split (greedy: bitwise in fp64; sampling: up to rounding of
@@ -39,16 +43,28 @@ class Engine:
     the head counted as V / (12 C) blocks: :func:`zerotron.inference.pipelined.decode_split`; or
     counts such as "3,1"). ``decode``: token ids -> text (the tokenizer's), needed by requests with
     ``stop`` strings; identical on every rank, so every rank stops a row at the same token. Raises
-    ValueError for microbatches < 1, max_batch < 1 or a bad split."""
+    ValueError for microbatches < 1, max_batch < 1 or a bad split. ``ep``: expert-parallel degree
+    (``zerotron.models.layout.ep_inference_refusal`` gives the ValueError's reason). ``replicas`` /
+    ``replica``: independent decoding groups (dp / ep) and this rank's; ``ep_rank``: 0 without ep."""
 
     def __init__(self, model, mesh, microbatches: int = 1, max_batch: int | None = None,
-                 eos_id: int | tuple | None = None, pp_split: str = "", decode=None):
+                 eos_id: int | tuple | None = None, pp_split: str = "", decode=None, ep: int = 1):
         if microbatches < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError(f"need microbatches >= 1 and max_batch >= 1, got {microbatches}, {max_batch}")
         self.mesh, self.microbatches, self.max_batch, self.eos_id = mesh, microbatches, max_batch, eos_id
         self.decode = decode
         self.tp, self.pp, self.dp = mesh.size("tp"), mesh.size("pp"), mesh.size("dp")
         self.config = model.config
+        self.ep, self.ep_rank = ep, 0
+        if ep != 1:
+            from zerotron.models.layout import ep_inference_refusal
+            reason = ep_inference_refusal(ep, self.dp * self.tp * self.pp, self.tp, self.pp,
+                                          {"n_experts": getattr(self.config, "n_experts", 0)}, ep_name="ep")
+            if reason:
+                raise ValueError(reason)
+            from zerotron.parallel.expert.inference import shard_for_inference
+            self.ep_rank = shard_for_inference(model, mesh.group("dp"), ep)
+        self.replicas, self.replica = self.dp // ep, mesh.local_rank("dp") // ep
         model.eval()
         if self.tp > 1:
             from zerotron.parallel.tensor.transform import apply_tensor_parallel
@@ -89,8 +105,7 @@ class Engine:
                 raise ValueError("requests with stop strings need an Engine built with decode= (the tokenizer)")
         t0, c0 = time.perf_counter(), time.process_time()
         self.stats = stats = RunStats()
-        dp_rank = self.mesh.local_rank("dp")
-        mine = [i for i in range(len(requests)) if i % self.dp == dp_rank]
+        mine = [i for i in range(len(requests)) if i % self.replicas == self.replica]
         out: dict[int, list[int]] = {}
         step = self.max_batch or max(len(mine), 1)
         with self.model.parallel_hooks.generation():

@@ -85,6 +85,9 @@ def mixtral_to_hf_config(cfg: MixtralConfig, eos_token_id: int | None = None) ->
     if cfg.moe_shared_intermediate_size or cfg.moe_router != "topk_softmax":
         raise ValueError("MixtralForCausalLM has no shared expert and only the topk_softmax router: set "
                          "model.moe_shared_intermediate_size = 0 and model.moe_router = 'topk_softmax' to export")
+    if cfg.moe_bias_update_rate:
+        raise ValueError("MixtralForCausalLM has no expert-selection bias (model.moe_bias_update_rate > 0 trained one, "
+                         "which changes the routing): export a model trained with model.moe_bias_update_rate = 0")
     out = llama_to_hf_config(cfg, eos_token_id)
     for key in ("pretraining_tp", "mlp_bias", "attention_bias"):
         out.pop(key, None)

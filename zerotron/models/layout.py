@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-__all__ = ["TPLinear", "ExpertLayout", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "get_module", "set_module", "retie"]
+__all__ = ["TPLinear", "ExpertLayout", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "ep_inference_refusal", "get_module", "set_module", "retie"]
 
 # The model sizes a tensor-parallel degree must divide, in the order they are checked, and why
 # (Shoeybi et al. 2019: attention heads and the MLP's column-parallel width are split evenly).
@@ -73,6 +73,32 @@ def a2a_refusal(cp: int, tp: int, sizes: Mapping[str, int]) -> str | None:
         return (f"parallel.cp_impl = a2a needs parallel.cp ({cp}) to divide the key/value heads per tp rank "
                 f"(model.{name} / parallel.tp = {kv} / {tp} = {kv // tp}): the all-to-all re-shards heads over cp; "
                 f"use parallel.cp_impl = ring or allgather, or a cp among {_divisors(kv // tp)}")
+    return None
+
+
+def ep_inference_refusal(ep: int, world: int, tp: int, pp: int, sizes: Mapping[str, int], *,
+                         ep_name: str = "--parallel.ep") -> str | None:
+    """Why generation/serving cannot split this model's experts over ``ep`` ranks of a ``world``
+    of processes with ``tp`` x ``pp`` model parallelism, or None when it can (the inference rule
+    beside the training one in ``ParallelPlan._check_experts``). ``ep`` must be an int >= 1; for
+    ep > 1 the model must have experts (``sizes["n_experts"]``), ep must divide them, tp and pp
+    must be 1 (the ep groups are carved out of the data-parallel ranks, as in training) and ep must
+    divide the world size. One line naming the option and the fix. Pure Python."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        return f"{ep_name} must be an int >= 1, got {ep!r}"
+    if ep == 1:
+        return None
+    n = sizes.get("n_experts") or 0
+    if not n:
+        return f"{ep_name} {ep} splits the experts of a mixture-of-experts model, and this model has none; drop {ep_name}"
+    if n % ep:
+        return (f"{ep_name} ({ep}) must divide model.n_experts ({n}): each ep rank holds E/ep whole experts; "
+                f"choose {ep_name} among {_divisors(n)}")
+    if tp != 1 or pp != 1:
+        return (f"{ep_name} > 1 runs with data parallelism only so far (no --parallel.tp or --parallel.pp); "
+                f"set them to 1 or drop {ep_name}")
+    if world % ep:
+        return f"{ep_name} ({ep}) must divide the number of processes ({world}): the ep groups are carved out of them; change --nproc"
     return None
 
 

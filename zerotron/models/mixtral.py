@@ -12,9 +12,15 @@ Large Neural Networks"). Routing rules (``moe_router``):
     largest probabilities used as they are.
 
 Optionally a shared expert (a dense SwiGLU MLP every token passes, DeepSeekMoE, Dai et al. 2024;
-``moe_shared_intermediate_size`` > 0), added to the routed output. Dropless: every token reaches its
-k experts (no capacity). Auxiliary losses, per MoE layer over the tokens of one forward (one
-micro-batch):
+``moe_shared_intermediate_size`` > 0), added to the routed output. Dropless by default: every token
+reaches its k experts. Capacity mode (``moe_capacity_factor`` > 0, training forwards only; eval and
+generation stay dropless): each expert takes at most ceil(factor * N * k / E) of one forward's N*k
+assignments, first come first served in (token, slot) order (:meth:`MoE.capacity_keep`); the rest
+are dropped. N is the forward's own token count, so the set dropped depends on how the step's
+rows are cut into forwards: equal on every layout with the same ``train.micro_batch`` rows per
+forward (dp, ep, tp, pp), not across micro-batch sizes. Optional auxiliary-loss-free balancing
+(``moe_bias_update_rate``, :func:`update_expert_bias`). Auxiliary losses, per MoE layer over the
+tokens of one forward (one micro-batch):
 
   * load balancing (Switch Transformer, Fedus et al. 2021, eq. 4): ``E * sum_i f_i * P_i`` with f_i
     the fraction of the N*k token-to-expert assignments sent to expert i times k (so sum f_i = k,
@@ -43,6 +49,7 @@ Shapes: B batch, T positions, C = n_embd, E = n_experts, k = experts_top_k, F = 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +61,7 @@ from .layout import ExpertLayout, ModelLayout, TPLinear
 from .llama import Llama, LlamaAttention, LlamaBlock, LlamaConfig, LlamaMLP, RotaryEmbedding
 
 __all__ = ["MixtralConfig", "Mixtral", "MoE", "Experts", "PRESETS", "ROUTERS", "set_step_rows",
-           "take_router_stats", "local_experts"]
+           "take_router_stats", "local_experts", "update_expert_bias"]
 
 ROUTERS = ("topk_softmax", "softmax_topk")
 
@@ -65,7 +72,11 @@ class MixtralConfig(LlamaConfig):
 
     ``n_experts`` E >= 1; ``experts_top_k`` 1 <= k <= E; ``moe_router`` one of :data:`ROUTERS`;
     ``moe_shared_intermediate_size`` width of the shared expert (0 = none);
-    ``moe_aux_loss_coef`` / ``moe_z_loss_coef`` >= 0, weights of the auxiliary losses."""
+    ``moe_aux_loss_coef`` / ``moe_z_loss_coef`` >= 0, weights of the auxiliary losses;
+    ``moe_capacity_factor`` >= 0 (0 = dropless; else training forwards keep at most
+    ceil(factor * N * k / E) assignments per expert, :meth:`MoE.capacity_keep`);
+    ``moe_bias_update_rate`` >= 0 (0 = off; else the auxiliary-loss-free balancing bias,
+    :func:`update_expert_bias`)."""
 
     n_experts: int = 8
     experts_top_k: int = 2
@@ -73,6 +84,8 @@ class MixtralConfig(LlamaConfig):
     moe_shared_intermediate_size: int = 0
     moe_aux_loss_coef: float = 0.01
     moe_z_loss_coef: float = 0.0
+    moe_capacity_factor: float = 0.0
+    moe_bias_update_rate: float = 0.0
 
     def validate(self) -> "MixtralConfig":
         """Llama's checks and the MoE ones; ValueError naming the field."""
@@ -90,6 +103,11 @@ class MixtralConfig(LlamaConfig):
             raise ValueError("model.moe_shared_intermediate_size must be >= 0 (0 = no shared expert)")
         if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
             raise ValueError("model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0")
+        for name in ("moe_capacity_factor", "moe_bias_update_rate"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+                    and value < float("inf")):
+                raise ValueError(f"model.{name} must be a finite number >= 0 (0 = off), got {value!r}")
         return self
 
 
@@ -184,13 +202,42 @@ class MoE(nn.Module):
         self.dispatch = local_experts
         self.step_rows: int | None = None
         self.stats: torch.Tensor | None = None
+        self.capacity_factor, self.bias_rate = cfg.moe_capacity_factor, cfg.moe_bias_update_rate
+        self.dropped = 0  # assignments over capacity since the last take_router_stats
+        if self.bias_rate:  # part of the state (checkpoints) only when the balancing is on
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits (N, E) -> (weights (N, k), expert ids (N, k) int64) by ``moe_router``."""
+        """Router logits (N, E) -> (weights (N, k), expert ids (N, k) int64) by ``moe_router``.
+        With the balancing bias (``expert_bias``, DeepSeek-V3, Liu et al. 2024, sec. 2.1.2) the
+        bias is added to the scores for the top-k *selection* only; the weights are those of the
+        unbiased scores of the selected experts."""
+        bias = getattr(self, "expert_bias", None)
         if self.router == "topk_softmax":
-            top, idx = torch.topk(logits, self.top_k, dim=-1)
+            if bias is None:
+                top, idx = torch.topk(logits, self.top_k, dim=-1)
+            else:
+                idx = torch.topk(logits + bias.to(logits.dtype), self.top_k, dim=-1).indices
+                top = logits.gather(-1, idx)
             return F.softmax(top, dim=-1), idx
-        return torch.topk(F.softmax(logits, dim=-1), self.top_k, dim=-1)
+        probs = F.softmax(logits, dim=-1)
+        if bias is None:
+            return torch.topk(probs, self.top_k, dim=-1)
+        idx = torch.topk(probs + bias.to(probs.dtype), self.top_k, dim=-1).indices
+        return probs.gather(-1, idx), idx
+
+    def capacity_keep(self, flat: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Capacity mode (GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021): a
+        bool mask over the expert-sorted assignments ``order`` (N*k,) of the expert ids ``flat``
+        (N*k,) keeping at most C = ceil(capacity_factor * N * k / E) per expert. Rule: first come,
+        first served in the order of the flattened (token, slot) pairs of this forward -- tokens
+        in row-major (batch row, position) order, a token's k slots in rank order (the stable sort
+        keeps that order within an expert). A dropped assignment adds nothing (the residual
+        carries the token; its other experts' weights are not renormalised)."""
+        cap = math.ceil(self.capacity_factor * flat.numel() / self.n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(order.numel(), device=order.device) - starts[flat[order]]
+        return pos < cap
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -201,8 +248,15 @@ class MoE(nn.Module):
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments sorted by expert
         counts = torch.bincount(flat, minlength=self.n_experts)
+        routed = counts
+        if self.capacity_factor and self.training:
+            keep = self.capacity_keep(flat, order, counts)
+            order = order[keep]
+            routed = torch.bincount(flat[order], minlength=self.n_experts)
+            if torch._C._current_graph_task_id() == -1:
+                self.dropped += int(flat.numel() - order.numel())
         token = order // self.top_k
-        y = self.dispatch(self.experts, h[token], counts)  # (N*k, C), in sorted order
+        y = self.dispatch(self.experts, h[token], routed)  # (M, C), in sorted order
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(h).index_add_(0, token, y)
         if self.shared_expert is not None:
@@ -310,10 +364,13 @@ def set_step_rows(module: nn.Module, rows: int | None) -> None:
         m.step_rows = rows
 
 
-def take_router_stats(module: nn.Module, n_layer: int, n_experts: int) -> torch.Tensor | None:
+def take_router_stats(module: nn.Module, n_layer: int, n_experts: int,
+                      dropped: torch.Tensor | None = None) -> torch.Tensor | None:
     """The router statistics the MoE layers of ``module`` summed since the last call, and reset:
-    float64 (n_layer, E + 2) -- per global layer index: assignments per expert, then the weighted
-    aux and z losses (rows of layers this module does not hold are 0) -- or None without MoE layers."""
+    float64 (n_layer, E + 2) -- per global layer index: assignments per expert (routing decisions,
+    before any capacity drop), then the weighted aux and z losses (rows of layers this module does
+    not hold are 0) -- or None without MoE layers. The assignments dropped over capacity since the
+    last call (:attr:`MoE.dropped`) go to ``dropped`` (n_layer,) when given, and are reset too."""
     layers = _moe_layers(module)
     if not layers:
         return None
@@ -322,4 +379,22 @@ def take_router_stats(module: nn.Module, n_layer: int, n_experts: int) -> torch.
         if m.stats is not None:
             out[m.layer_idx] += m.stats
             m.stats = None
+        if dropped is not None:
+            dropped[m.layer_idx] += m.dropped
+        m.dropped = 0
     return out
+
+
+@torch.no_grad()
+def update_expert_bias(module: nn.Module, counts: torch.Tensor) -> None:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3, Liu et al. 2024, sec. 2.1.2): after each
+    optimizer step, every MoE layer of ``module`` with ``moe_bias_update_rate`` u > 0 moves its
+    ``expert_bias`` by b_i += u * sign(mean(c) - c_i), c = ``counts[layer_idx]``, the step's
+    assignments per expert of that layer over the *whole* batch (``counts``: float64 (n_layer, E),
+    summed over the data-parallel ranks and micro-batches by the caller, so every layout applies
+    the same update). Overloaded experts become less likely to be selected, underloaded ones more."""
+    for m in _moe_layers(module):
+        if not m.bias_rate:
+            continue
+        c = counts[m.layer_idx]
+        m.expert_bias += (m.bias_rate * torch.sign(c.mean() - c)).to(m.expert_bias.dtype)

@@ -159,9 +159,10 @@ DEFAULT_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
 SIZE_FIELDS = tuple(DEFAULT_SHAPE)
 LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps")
 MOE_FIELDS = ("n_experts", "experts_top_k", "moe_router", "moe_shared_intermediate_size", "moe_aux_loss_coef",
-              "moe_z_loss_coef")
+              "moe_z_loss_coef", "moe_capacity_factor", "moe_bias_update_rate")
 MOE_DEFAULTS = {"n_experts": 8, "experts_top_k": 2, "moe_router": "topk_softmax", "moe_shared_intermediate_size": 0,
-                "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.0}
+                "moe_aux_loss_coef": 0.01, "moe_z_loss_coef": 0.0, "moe_capacity_factor": 0.0,
+                "moe_bias_update_rate": 0.0}
 
 
 def _given(m, name: str) -> bool:

@@ -31,6 +31,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=0, help="N local processes (dp x tp x pp)")
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree")
+    p.add_argument("--parallel.ep", dest="ep", type=int, default=1,
+                   help="expert-parallel degree (mixture-of-experts models: each of ep ranks holds E/ep experts)")
     p.add_argument("--batching", default="continuous", help="continuous: rows join and leave between decode "
                    "steps (Orca/vLLM); window: requests within --batch-window-ms form one batch run to its end")
     p.add_argument("--microbatches", type=int, default=0,
@@ -123,10 +125,12 @@ def main(argv: list[str]) -> int:
         if args.speculative.startswith("draft:"):
             resolve_checkpoint(args.speculative[len("draft:"):])  # there: one line now, not in every rank
         if not in_worker():  # the model's heads split over tp: the rule the plan applies, before any worker
-            from zerotron.models.layout import tp_refusal
+            from zerotron.models.layout import ep_inference_refusal, tp_refusal
             from zerotron.train.checkpoint import read_meta
 
-            reason = tp_refusal(args.tp, read_meta(ckpt).get("model_config", {}), tp_name="--parallel.tp")
+            model_cfg = read_meta(ckpt).get("model_config", {})
+            reason = (tp_refusal(args.tp, model_cfg, tp_name="--parallel.tp")
+                      or ep_inference_refusal(args.ep, max(1, args.nproc), args.tp, args.pp, model_cfg))
             if reason:
                 raise ValueError(reason)
         if not in_worker() or os.environ.get("RANK") == "0":
@@ -156,7 +160,8 @@ def main(argv: list[str]) -> int:
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
     model, tok, _ = load_model(ckpt, device, adapter=args.adapter or None)
-    engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=stop_ids(ckpt, tok), decode=tok.decode)
+    engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=stop_ids(ckpt, tok), decode=tok.decode,
+                    ep=args.ep)
     paged = paged_options(args, engine)
     if args.speculative.startswith("draft:"):
         paged["draft_model"] = load_model(resolve_checkpoint(args.speculative[len("draft:"):]), device)[0].eval()
@@ -246,7 +251,7 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
     threading.Thread(target=lambda: (stop.wait(), front.draining.set()), daemon=True).start()
     host, port = sock.getsockname()[:2]
     print(f"zerotron serve: listening on http://{host}:{port} (model {model_id!r}, {world} rank(s): "
-          f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}, {args.batching} batching"
+          f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}" + (f" (ep {args.ep})" if args.ep > 1 else "") + f", {args.batching} batching"
           f"{', LoRA adapter ' + repr(args.adapter) + ' merged' if args.adapter else ''}"
           f"{', API key required' if api_key else ''}; chat template: "
           f"{'built-in default' if chat.builtin else 'the tokenizer' + chr(39) + 's'}){kv_line}", flush=True)

@@ -19,7 +19,7 @@ from ..data import GlobalBatchSampler, batch_from_indices, num_windows
 from ..distributed import comm
 from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
-from ..models.mixtral import set_step_rows, take_router_stats
+from ..models.mixtral import set_step_rows, take_router_stats, update_expert_bias
 from ..parallel import parallelize
 from ..parallel.compile import compile_stats, use_cache_dir
 from ..parallel.context.docmask import apply_doc_mask
@@ -167,20 +167,29 @@ class Trainer:
                                   TRAIN_DTYPES[cfg.train.dtype], warn=rank == 0, source=source)
 
     def _router_metrics(self) -> dict:
-        """MoE models: the step's router statistics summed over dp and pp (tp ranks hold copies) -> ``moe_aux_loss``, ``moe_z_loss`` (means over layers and micro-batches, before
+        """MoE models: the step's router statistics summed over dp and pp (tp ranks hold copies); moves
+        the auxiliary-loss-free balancing bias by the step's global load (``update_expert_bias``) -> ``moe_aux_loss``, ``moe_z_loss`` (means over layers and micro-batches, before
         their weights), ``moe_load_max_mean`` (max / mean assignments per expert, per layer) and its
-        mean over layers ``moe_load_max_mean_avg``; {} for a dense model."""
+        mean over layers ``moe_load_max_mean_avg``; with a capacity, ``moe_dropped`` (assignments
+        dropped over capacity this step, all layers) and ``moe_dropped_frac``; {} for a dense model."""
         cfg = self.model_cfg
-        stats = take_router_stats(self.model, cfg.n_layer, getattr(cfg, "n_experts", 0))
+        dropped = torch.zeros(cfg.n_layer, 1, dtype=torch.float64)
+        stats = take_router_stats(self.model, cfg.n_layer, getattr(cfg, "n_experts", 0), dropped[:, 0])
         if stats is None:
             return {}
+        stats = torch.cat([stats, dropped], dim=1)  # one reduction for both
         for axis in ("batch", "pp"):
             if self.mesh.size(axis) > 1:
                 comm.all_reduce(stats, group=self.mesh.group(axis), tag="metrics")
-        counts = stats[:, :-2]
+        counts = stats[:, :-3]
+        update_expert_bias(self.model, counts)  # the global load: every layout moves the bias alike
         load = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
-        return {"moe_aux_loss": float(stats[:, -2].mean()), "moe_z_loss": float(stats[:, -1].mean()),
-                "moe_load_max_mean": load, "moe_load_max_mean_avg": sum(load) / len(load)}
+        out = {"moe_aux_loss": float(stats[:, -3].mean()), "moe_z_loss": float(stats[:, -2].mean()),
+               "moe_load_max_mean": load, "moe_load_max_mean_avg": sum(load) / len(load)}
+        if getattr(cfg, "moe_capacity_factor", 0):
+            out["moe_dropped"] = int(stats[:, -1].sum())  # assignments over capacity, all layers, this step
+            out["moe_dropped_frac"] = float(stats[:, -1].sum() / counts.sum().clamp_min(1))
+        return out
 
     def _from_hf(self, path):
         """Dense model with the family, shape and weights of a HF GPT-2 or Llama checkpoint
