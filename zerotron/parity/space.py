@@ -314,8 +314,21 @@ MOE_MUST = ("zero3-dp2-acc4-acfull", "ddp-dp1-pp2-1f1b-even-acc8", "fsdp2_3-dp2-
 def moe_layouts(max_world: int = 4) -> list[Layout]:
     """The MoE family's layout space: every layout of :func:`all_layouts` with ``acc`` fixed by
     :data:`MOE_MICRO_BATCH` (duplicates merged) times every ep of :data:`EP` dividing its dp, sorted."""
-    out = {dataclasses.replace(l, acc=max(GLOBAL_BATCH // (l.dp * MOE_MICRO_BATCH), 1), ep=ep)
-           for l in all_layouts(max_world) for ep in EP if l.dp % ep == 0}
+    # the product without the factors that only matter when another is > 1 (as :func:`all_layouts`
+    # canonicalises them), which are expanded where they do: 20x fewer combinations
+    inner = {"schedule": "pp", "split": "pp", "cp_impl": "cp", "sp": "tp"}
+    outer = [k for k in FACTORS if k not in inner and k != "acc"]
+    out = set()
+    for values in itertools.product(*(FACTORS[k] for k in outer)):
+        base = dict(zip(outer, values))
+        if base["dp"] * base["cp"] * base["tp"] > max_world:
+            continue
+        opts = [[(k, v) for v in (FACTORS[k] if base[on] > 1 else (False if k == "sp" else None,))]
+                for k, on in inner.items()]
+        for extra in itertools.product(*opts):
+            lay = Layout(**base, **dict(extra), acc=max(GLOBAL_BATCH // (base["dp"] * MOE_MICRO_BATCH), 1))
+            if lay.world <= max_world:
+                out.update(dataclasses.replace(lay, ep=ep) for ep in EP if lay.dp % ep == 0)
     return sorted(out, key=lambda l: (l.world, l.name))
 
 
