@@ -64,7 +64,7 @@ def moe_ref(data_cache, single_process, tmp_path_factory):
     ref = parity.reference(str(tmp / "ref"), extra)
     assert any(".mlp.experts.gate_proj" in k for k in ref["params"])
     recs = [json.loads(ln) for ln in open(tmp / "ref" / "metrics.jsonl") if ln.strip()]
-    n_layer = parity.MODEL["model.n_layer"]
+    n_layer = parity.MOE_MODEL["model.n_layer"]
     for r in recs:  # the router's metrics (aux ~ k = 2 near balance; one load ratio per layer)
         assert 1.5 < r["moe_aux_loss"] < 4 and r["moe_z_loss"] > 0, r
         assert len(r["moe_load_max_mean"]) == n_layer and all(v >= 1 for v in r["moe_load_max_mean"]), r
@@ -130,7 +130,7 @@ def test_expert_parallel_bytes_and_memory(moe_ref, report):
     tmp, extra, _, _ = moe_ref
     ep1 = run_ranks(_one_step, 2, str(tmp), extra, 1, timeout_s=120)
     ep2 = run_ranks(_one_step, 2, str(tmp), extra, 2, timeout_s=120)
-    n_layer, E, k, C = parity.MODEL["model.n_layer"], 4, 2, parity.MODEL["model.n_embd"]
+    n_layer, E, k, C = parity.MOE_MODEL["model.n_layer"], 4, 2, parity.MODEL["model.n_embd"]
     rows, micro_batches = 2 * 16, 16 // 2  # micro_batch x block_size; global_batch / micro_batch
     want = n_layer * micro_batches * (4 * rows * k * C * 8 + E * 8)
     got = sum(b for b, _, _ in ep2)
