@@ -129,10 +129,11 @@ def test_hf_unsupported_router_refused_in_one_line(tmp_path, data_cache, capsys)
     ({"model.arch": "llama", "parallel.ep": 2}, 2, "this model has none"),
     ({"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "parallel.sequence_parallel with a mixture-of-experts"),
     ({"parallel.cp": 2}, 2, "parallel.cp > 1 with a mixture-of-experts"),
-    ({"parallel.ep": 2, "parallel.zero_stage": 3}, 2, "parallel.ep > 1 composes with native DDP"),
-    ({"parallel.ep": 2, "parallel.pp": 2}, 4, "parallel.ep > 1 runs with data parallelism only"),
+    ({"parallel.ep": 2, "parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}, 2,
+     "parallel.ep > 1 composes with native DDP and native ZeRO-1/2/3"),
+    ({"parallel.ep": 2, "parallel.dp_impl": "torch"}, 2, "parallel.ep > 1 composes with native DDP"),
+    ({"parallel.ep": 2, "parallel.pp": 2}, 4, "parallel.ep > 1 runs on the plain runner over dp (x tp) only"),
     ({"model.arch": "llama", "model.n_experts": 4}, 1, "applies to model.arch = 'mixtral' only"),
-    ({"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}, 2, "parallel.zero_impl = fsdp2 with a mixture"),
 ])
 def test_plan_refusals_one_line(overrides, world, message):
     base = {k: v for k, v in {"model.arch": "mixtral", "model.n_experts": 8, "model.experts_top_k": 2,

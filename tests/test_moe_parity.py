@@ -1,16 +1,19 @@
 """The Mixtral-style MoE family under the parallel layouts, fp64 against one process (rtol 1e-10).
 
-The generated matrix (test_parity_matrix.py) runs gpt2 and llama; a third family there would add
-its whole covering array to CI. The MoE family runs here instead, on witnesses of every composition
-the plan accepts for it: native DDP, torch DDP, ZeRO-1/3, FSDP2, tp (no SP), a 1F1B pipeline, full
-recomputation, and expert parallelism (ep 2 and 4 over dp 2 and 4, DDP and ZeRO-1). The auxiliary
-losses are on (weights 0.1 and 0.01) and enter the gradients, so a layout that took them over other
-token sets, weighed them differently or synchronised expert gradients over the wrong group fails.
-Every layout runs at the same ``train.micro_batch`` (2): the load-balancing loss is per micro-batch.
-``ZEROTRON_MOE_PARITY=full`` adds more layouts (slow).
+The family's layout space is the matrix's (``parity.moe_layouts``: the dense factors with ``acc``
+fixed by ``train.micro_batch`` 2, the load-balancing loss being per micro-batch, times ep in {1, 2,
+4}); the plan refuses what cannot run for a documented reason (``parity.moe_expected_refusal``,
+checked in both directions). The default suite trains the witnesses ``parity.MOE_MUST`` (ZeRO-3 with
+recomputation, a 1F1B pipeline, FSDP2, ep 2 under DDP, ZeRO-1, ZeRO-3 and ZeRO-2 over 2 expert
+replicas); ``ZEROTRON_MOE_PARITY=full`` or ``ZEROTRON_MATRIX=full`` (``make test-moe``) adds a
+pairwise covering array of the valid MoE layouts with ep as a factor (slow). The auxiliary losses
+are on (weights 0.1 and 0.01) and enter the gradients, so a layout that took them over other token
+sets, weighed them differently or synchronised expert gradients over the wrong group fails.
+``ZEROTRON_MATRIX_NAMES`` selects layouts by name as for the dense matrix.
 """
 import json
 import os
+from collections import defaultdict
 
 import pytest
 import torch
@@ -18,68 +21,97 @@ import torch
 from zerotron import parity
 from zerotron.testing import run_ranks
 
-MOE = {"model.arch": "mixtral", "model.n_layer": 4, "model.n_kv_head": 2, "model.intermediate_size": 24,
-       "model.n_experts": 4, "model.experts_top_k": 2, "model.moe_aux_loss_coef": 0.1,
-       "model.moe_z_loss_coef": 0.01, "model.rope_theta": 10000.0, "train.micro_batch": 2}
+FULL = "full" in (os.environ.get("ZEROTRON_MOE_PARITY"), os.environ.get("ZEROTRON_MATRIX"))
+NAMES = [s.strip() for s in os.environ.get("ZEROTRON_MATRIX_NAMES", "").split(",") if s.strip()]
 L = parity.Layout
-FULL = os.environ.get("ZEROTRON_MOE_PARITY") == "full"
-# (layout, ep) at 2 processes in the default suite: recomputation under ZeRO-3, a 1F1B pipeline, and
-# expert parallelism under DDP and ZeRO-1; the rest with ZEROTRON_MOE_PARITY=full (make test-moe)
-W2 = [(L("zero3", 2, 1, False, 1, None, 4, ac="full"), 1), (L("ddp", 1, 1, False, 2, "1f1b", 4, split="even"), 1),
-      (L("ddp", 2, 1, False, 1, None, 4), 2), (L("zero1", 2, 1, False, 1, None, 4), 2)]
-W4 = []
-if FULL:
-    W2 += [(L("ddp", 2, 1, False, 1, None, 4), 1), (L("zero1", 2, 1, False, 1, None, 4), 1),
-           (L("ddp", 1, 2, False, 1, None, 4), 1), (L("torch_ddp", 2, 1, False, 1, None, 4), 1),
-           (L("zero2", 2, 1, False, 1, None, 4), 1)]
-    W4 += [(L("ddp", 4, 1, False, 1, None, 2), 2), (L("ddp", 4, 1, False, 1, None, 1), 4),
-           (L("zero1", 4, 1, False, 1, None, 2), 2), (L("ddp", 2, 2, False, 1, None, 4), 1),
-           (L("zero3", 2, 1, False, 2, "1f1b", 4, split="even"), 1)]
+
+
+@pytest.fixture(scope="module")
+def moe_space():
+    """(valid, {refused layout: message}) of the MoE family's layouts on at most 4 processes (full
+    mode), or (default, ~5 s of plans) of those on at most 2 the dense matrix accepts (the dense
+    refusals are test_parity_matrix's) plus the witnesses."""
+    valid, refused = [], {}
+    space = parity.moe_layouts(4)
+    if not FULL:
+        space = [l for l in space if (l.world <= 2 and parity.expected_refusal(l) is None) or l.name in parity.MOE_MUST]
+    for lay in space:
+        why = parity.moe_refusal(lay)
+        if why is None:
+            valid.append(lay)
+        else:
+            refused[lay] = why
+    return valid, refused
+
+
+def test_moe_refusals_are_the_documented_ones(moe_space, report):
+    """The plan refuses exactly the MoE layouts with a documented reason (both directions), each in one line."""
+    valid, refused = moe_space
+    wrong = [l.name for l in valid if parity.moe_expected_refusal(l)][:5]
+    assert not wrong, f"accepted although documented as refused: {wrong}"
+    wrong = [(l.name, m) for l, m in refused.items() if not parity.moe_expected_refusal(l)][:3]
+    assert not wrong, f"refused without a documented reason: {wrong}"
+    assert all("\n" not in m for m in refused.values())
+    assert {n for n in parity.MOE_MUST} <= {l.name for l in valid}
+    report(f"moe layout space ({'<= 4' if FULL else 'dense-valid <= 2'} processes + witnesses, ep 1/2/4): "
+           f"{len(valid)} valid, {len(refused)} refused as documented")
 
 
 @pytest.fixture(scope="module")
 def moe_ref(data_cache, single_process, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_parity")
-    extra = {"data.cache_dir": data_cache, **MOE}
+    extra = {"data.cache_dir": data_cache, **parity.MOE_MODEL}
     ref = parity.reference(str(tmp / "ref"), extra)
     assert any(".mlp.experts.gate_proj" in k for k in ref["params"])
     recs = [json.loads(ln) for ln in open(tmp / "ref" / "metrics.jsonl") if ln.strip()]
+    n_layer = parity.MOE_MODEL["model.n_layer"]
     for r in recs:  # the router's metrics (aux ~ k = 2 near balance; one load ratio per layer)
         assert 1.5 < r["moe_aux_loss"] < 4 and r["moe_z_loss"] > 0, r
-        assert len(r["moe_load_max_mean"]) == 4 and all(v >= 1 for v in r["moe_load_max_mean"]), r
+        assert len(r["moe_load_max_mean"]) == n_layer and all(v >= 1 for v in r["moe_load_max_mean"]), r
     path = str(tmp / "ref.pt")
     torch.save(ref, path)
     return tmp, extra, path, (set(ref["params"]), set(ref["optim"]))
 
 
 def _run(world, items, moe_ref):
-    """Train each (layout, ep) of ``items`` on ``world`` ranks (one spawn) and check it."""
+    """Train the layouts ``items`` on ``world`` ranks (one spawn) and check each."""
     tmp, extra, path, keys = moe_ref
-    jobs = [([lay.as_dict()], path, str(tmp / f"{lay.name}-ep{ep}"), {**extra, "parallel.ep": ep}) for lay, ep in items]
-    per_rank = run_ranks(parity.run_jobs, world, jobs, timeout_s=120, join_timeout_s=120 * len(jobs) + 300)
+    jobs = [([lay.as_dict() for lay in items], path, str(tmp / f"w{world}"), extra)]
+    per_rank = run_ranks(parity.run_jobs, world, jobs, timeout_s=120, join_timeout_s=120 * len(items) + 300)
     out = []
-    for j, (lay, ep) in enumerate(items):
-        recs = [per_rank[r][j][0] for r in range(world)]
-        # expert-parallel: expert tensors are keyed by their ep range (ep_shard), i.e. really sharded
-        assert any(k[2] == ("ep", 0, ep) for k in recs[0]["copies"]) == (ep > 1), lay.name
-        out.append({**parity.check(lay.name, recs, keys, parity.FP64_RTOL), "ep": ep})
+    for i, lay in enumerate(items):
+        recs = [per_rank[r][0][i] for r in range(world)]
+        assert all(rec["name"] == lay.name for rec in recs)
+        if lay.sync != "zero3":  # expert tensors keyed by their ep range (ep_shard): really sharded
+            assert any(k[2] == ("ep", 0, lay.ep) for k in recs[0]["copies"]) == (lay.ep > 1), lay.name
+        out.append({**parity.check(lay.name, recs, keys, parity.FP64_RTOL), "ep": lay.ep})
     return out
 
 
-def test_moe_layouts_match_one_process(moe_ref, report):
-    """Every (layout, ep) of W2 (and W4 in the full mode) trains like one process."""
-    res = _run(2, W2, moe_ref) + (_run(4, W4, moe_ref) if W4 else [])
+def test_moe_layouts_match_one_process(moe_space, moe_ref, report):
+    """Every chosen MoE layout (the witnesses; in the full mode a covering array) trains like one process."""
+    valid, _ = moe_space
+    chosen = (parity.covering_layouts(valid, must=parity.MOE_MUST, extra_keys=("ep",)) if FULL
+              else [l for l in valid if l.name in parity.MOE_MUST])
+    if NAMES:
+        chosen = [l for l in chosen if any(n in l.name for n in NAMES)]
+    by_world = defaultdict(list)
+    for lay in chosen:
+        by_world[lay.world].append(lay)
+    res = [r for w, lays in sorted(by_world.items()) for r in _run(w, lays, moe_ref)]
+    assert len(res) == len(chosen)
     for ep in sorted({r["ep"] for r in res}):
         sub = [r for r in res if r["ep"] == ep]
         worst = max(max(r[k] for k in parity.ERRORS) for r in sub)
-        report(f"moe parity (ep {ep}): {', '.join(r['name'] for r in sub)}: worst relative error {worst:.3g}")
+        report(f"moe parity (ep {ep}): {len(sub)} layouts ({', '.join(r['name'] for r in sub[:8])}"
+               f"{', ...' if len(sub) > 8 else ''}): worst relative error {worst:.3g}")
 
 
 def _one_step(tmp, extra, ep):
     """One step of the dp 2 layout at ``ep``: this rank's all-to-all bytes and expert state bytes."""
     from zerotron.train.trainer import Trainer
 
-    cfg = parity.config_for(L("ddp", 2, 1, False, 1, None, 4), {**extra, "parallel.ep": ep, "train.steps": 1})
+    cfg = parity.config_for(L("ddp", 2, 1, False, 1, None, 4, ep=ep), {**extra, "train.steps": 1})
     tr = Trainer(cfg, f"{tmp}/bytes-ep{ep}")
     recs = []
     tr.fit(callback=lambda t, r: recs.append(r))
@@ -98,7 +130,7 @@ def test_expert_parallel_bytes_and_memory(moe_ref, report):
     tmp, extra, _, _ = moe_ref
     ep1 = run_ranks(_one_step, 2, str(tmp), extra, 1, timeout_s=120)
     ep2 = run_ranks(_one_step, 2, str(tmp), extra, 2, timeout_s=120)
-    n_layer, E, k, C = 4, 4, 2, 32
+    n_layer, E, k, C = parity.MOE_MODEL["model.n_layer"], 4, 2, parity.MODEL["model.n_embd"]
     rows, micro_batches = 2 * 16, 16 // 2  # micro_batch x block_size; global_batch / micro_batch
     want = n_layer * micro_batches * (4 * rows * k * C * 8 + E * 8)
     got = sum(b for b, _, _ in ep2)
@@ -106,3 +138,38 @@ def test_expert_parallel_bytes_and_memory(moe_ref, report):
     assert all(s2 * 2 == s1 for (_, s1, _), (_, s2, _) in zip(ep1, ep2)), (ep1, ep2)
     report(f"moe ep 2 (dp 2): all-to-all {got} bytes per step = formula; expert params + Adam per rank "
            f"{ep1[0][1]} -> {ep2[0][1]} bytes; model state per rank {ep1[0][2]} -> {ep2[0][2]} bytes")
+
+
+def _ckpt_run(run_dir, lay, extra, resume):
+    """Train ``lay`` for 3 steps (a checkpoint after each) or resume it; losses and final canonical params."""
+    from zerotron.train.trainer import Trainer
+
+    cfg = parity.config_for(lay, {**extra, "train.steps": 3, "checkpoint.every": 1, "checkpoint.keep": 0})
+    tr = Trainer(cfg, run_dir, resume=resume)
+    losses = []
+    tr.fit(callback=lambda t, r: losses.append(r["loss"]))
+    msd, _ = tr.strategy.state_dict(tr.optimizer)
+    return losses, {k: v.detach().double().cpu().clone() for k, v in msd.items()}
+
+
+def test_expert_parallel_checkpoint_reshards(moe_ref, report):
+    """A ZeRO-2 dp 4 = ep 2 x 2 replicas checkpoint of step 2 resumes under DDP at ep 4 and under
+    ZeRO-3 at ep 1 (dp 2): step 3's loss and the final parameters equal the uninterrupted run's."""
+    import shutil
+
+    tmp, extra, _, _ = moe_ref
+    src = tmp / "ckpt-ep2"
+    full_losses, full_params = run_ranks(_ckpt_run, 4, str(src), L("zero2", 4, 1, False, 1, None, 2, ep=2),
+                                         extra, False, timeout_s=120)[0]
+    worst = 0.0
+    for lay in (L("ddp", 4, 1, False, 1, None, 2, ep=4), L("zero3", 2, 1, False, 1, None, 4)):
+        dst = tmp / f"resume-{lay.name}"
+        shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != "step_2"])
+        losses, params = run_ranks(_ckpt_run, lay.world, str(dst), lay, extra, True, timeout_s=120)[0]
+        assert len(losses) == 1 and abs(losses[0] - full_losses[2]) <= 1e-10 * abs(full_losses[2]), (lay.name, losses)
+        assert set(params) == set(full_params)
+        err = max(float((params[k] - v).norm() / v.norm().clamp_min(1e-300)) for k, v in full_params.items())
+        assert err <= 1e-10, (lay.name, err)
+        worst = max(worst, err, abs(losses[0] - full_losses[2]) / abs(full_losses[2]))
+    report(f"moe checkpoint: zero2 dp4 ep2 step 2 resumed as ddp dp4 ep4 and zero3 dp2 ep1: step-3 loss and "
+           f"final params equal, worst relative error {worst:.3g}")

@@ -433,9 +433,6 @@ class ParallelPlan:
             _need(self.cp == 1,
                   "parallel.cp > 1 with a mixture-of-experts model is not supported (each cp rank would route only its "
                   "chunk of the sequence, changing the load-balancing loss); set parallel.cp = 1")
-            _need(not (self.zero_stage and self.zero_impl == "fsdp2"),
-                  "parallel.zero_impl = fsdp2 with a mixture-of-experts model is not supported yet (its fp64 parity "
-                  "against one process fails); use parallel.zero_impl = native")
             _need(not (self.tp > 1 and self.tp_impl == "dtensor"),
                   "parallel.tp_impl = dtensor does not know the MoE layers; use parallel.tp_impl = native")
         if ep == 1:
@@ -450,12 +447,13 @@ class ParallelPlan:
             E = self.shape["n_experts"]
             _need(E % ep == 0, f"parallel.ep ({ep}) must divide model.n_experts ({E}): each ep rank holds E/ep whole "
                                "experts; change parallel.ep or model.n_experts")
-        _need(self.runner == "plain" and self.tp == 1 and self.dp_replicate == 1,
-              "parallel.ep > 1 runs with data parallelism only so far (no pipeline, tp or HSDP replication); set "
-              "parallel.pp = 1, parallel.tp = 1, parallel.dp_replicate = 1, or parallel.ep = 1")
-        _need(self.dp_impl == "native" and (self.zero_stage == 0 or (self.zero_stage == 1 and self.zero_impl == "native")),
-              "parallel.ep > 1 composes with native DDP and native ZeRO-1 so far (the expert gradients are reduced over "
-              "dp/ep, the rest over dp); set parallel.dp_impl = native and parallel.zero_stage 0 or 1")
+        _need(self.runner == "plain" and self.dp_replicate == 1,
+              "parallel.ep > 1 runs on the plain runner over dp (x tp) only so far (no pipeline or HSDP replication); "
+              "set parallel.pp = 1 and parallel.dp_replicate = 1, or parallel.ep = 1")
+        _need(self.dp_impl == "native" and (self.zero_stage == 0 or self.zero_impl == "native"),
+              "parallel.ep > 1 composes with native DDP and native ZeRO-1/2/3 so far (the expert parameters are sharded "
+              "over dp/ep, the rest over dp; torch DDP and FSDP2 would treat experts as replicated over dp); set "
+              "parallel.dp_impl = native and parallel.zero_impl = native")
 
 
 def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-__all__ = ["TPLinear", "ExpertLayout", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "ep_inference_refusal", "get_module", "set_module", "retie"]
+__all__ = ["TPLinear", "ExpertLayout", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "ep_inference_refusal",
+           "get_module", "set_module", "retie", "scale_aux_losses"]
 
 # The model sizes a tensor-parallel degree must divide, in the order they are checked, and why
 # (Shoeybi et al. 2019: attention heads and the MLP's column-parallel width are split evenly).
@@ -155,7 +156,9 @@ class ExpertLayout:
     returning the experts' outputs (M, C) in the same order, which expert parallelism replaces by
     its all-to-all; ``experts`` the module whose parameters are expert-local, each stacked with
     dim 0 = expert (sharded over ep in contiguous ranges), called ``experts(rows, counts)`` with rows
-    sorted by the experts it holds and ``counts`` rows per held expert; ``n_experts`` E and ``top_k`` k."""
+    sorted by the experts it holds and ``counts`` rows per held expert; ``n_experts`` E and ``top_k`` k.
+    The ``moe`` module also has ``aux_loss_scale`` (float, 1 by default), the factor the gradient of
+    its auxiliary losses is multiplied by (:func:`scale_aux_losses`)."""
 
     moe: str
     experts: str
@@ -217,6 +220,20 @@ class ModelLayout:
     def tied_owner(self) -> dict[str, str]:
         """alias parameter name -> owner parameter name."""
         return dict(self.tied)
+
+
+def scale_aux_losses(root, factor: float) -> int:
+    """Multiply the gradient of every auxiliary loss under ``root`` (each module with an
+    ``aux_loss_scale``, the MoE layers of :class:`ExpertLayout`) by ``factor``: a synchroniser that
+    pre-scales the token loss (FSDP2 averages gradients over dp, so the loss is divided by
+    N_global / dp) must scale the losses a layer adds inside the backward alike, or their gradient
+    would be averaged, not summed, over dp. Returns the number of modules set."""
+    n = 0
+    for m in root.modules():
+        if hasattr(m, "aux_loss_scale"):
+            m.aux_loss_scale = float(factor)
+            n += 1
+    return n
 
 
 def get_module(root, path: str):

@@ -183,7 +183,8 @@ class MoE(nn.Module):
     ``dispatch(experts, rows, counts) -> outputs`` runs the experts on rows sorted by expert
     (default :func:`local_experts`; expert parallelism installs its all-to-all). ``step_rows``:
     sequences per optimizer step (None: this forward is the whole step), setting the auxiliary
-    losses' weight b / step_rows. ``stats``: per-layer sums since the last :func:`take_router_stats`
+    losses' weight b / step_rows. ``aux_loss_scale``: the factor their gradient is multiplied by
+    (1; FSDP2 sets dp, see ``models.layout.scale_aux_losses``); the recorded stats are unscaled. ``stats``: per-layer sums since the last :func:`take_router_stats`
     (float64 (E + 2,): assignments per expert, weighted aux, weighted z), training forwards only
     (not recomputation)."""
 
@@ -201,6 +202,7 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.dispatch = local_experts
         self.step_rows: int | None = None
+        self.aux_loss_scale = 1.0  # set by a synchroniser that scales the token loss (models.layout)
         self.stats: torch.Tensor | None = None
         self.capacity_factor, self.bias_rate = cfg.moe_capacity_factor, cfg.moe_bias_update_rate
         self.dropped = 0  # assignments over capacity since the last take_router_stats
@@ -275,7 +277,7 @@ class MoE(nn.Module):
         z = torch.logsumexp(logits, dim=-1).square().mean()
         weight = rows / self.step_rows if self.step_rows else 1.0
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
-            scaled = (self.aux_coef * aux + self.z_coef * z) * (weight / self.n_moe_layers)
+            scaled = (self.aux_coef * aux + self.z_coef * z) * (weight / self.n_moe_layers * self.aux_loss_scale)
             out = _AddAuxGrad.apply(out, scaled)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
             rec = torch.cat([counts.double().cpu(), torch.stack([aux, z]).detach().double().cpu() * weight])

@@ -27,7 +27,7 @@ from zerotron.parallel.data.fsdp import FSDP2Strategy
 from zerotron.parallel.data.hsdp import ddp_hierarchy
 from zerotron.parallel.data.zero import ZeroStrategy
 from zerotron.parallel.dtensor_tp import DTensorTPStrategy
-from zerotron.parallel.expert import ExpertDataParallel, ExpertZero1
+from zerotron.parallel.expert import ExpertDataParallel, ExpertZero
 from zerotron.parallel.optim import decay_mask_by_name
 from zerotron.parallel.pipeline.runner import PipelineStrategy
 from zerotron.parallel.pipeline.threads import ThreadedPipeline
@@ -75,8 +75,10 @@ def _data_parallel(model, plan, mesh, mask):
     sharded over dp_shard x cp ("shard")."""
     group = mesh.group("batch")  # = "dp" without context parallelism
     src = mesh.peer(dp=0, cp=0)  # the first batch-group rank of this rank's (pp, tp) position
-    if plan.sync == "zero" and plan.ep > 1:  # ZeRO-1 x experts sharded over ep (parallel.expert)
-        return ExpertZero1(model, group, plan.ep, plan.dtype, plan.reduce_dtype, mask)
+    tp = mesh.group("tp") if mesh.size("tp") > 1 else None
+    if plan.sync == "zero" and plan.ep > 1:  # ZeRO-1/2/3 x experts sharded over ep (parallel.expert)
+        return ExpertZero(model, group, plan.ep, plan.zero_stage, plan.dtype, plan.reduce_dtype, mask, plan.offload,
+                          tp_group=tp, lines=mesh.dims.group_ranks("dp"))
     if plan.sync == "zero":  # HSDP: shard within the shard group, all-reduce shards over the replicas
         return ZeroStrategy(model, mesh.group("shard"), plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
                             tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,
@@ -85,7 +87,8 @@ def _data_parallel(model, plan, mesh, mask):
     if plan.sync == "fsdp2":
         return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype)
     if plan.sync == "ddp" and plan.ep > 1:  # experts sharded over ep, summed over dp/ep (parallel.expert)
-        return ExpertDataParallel(model, group, plan.ep, bucket_mb=plan.bucket_mb, src_rank=src)
+        return ExpertDataParallel(model, group, plan.ep, bucket_mb=plan.bucket_mb, src_rank=src,
+                                  lines=mesh.dims.group_ranks("dp"))
     if plan.sync == "ddp":
         return DataParallel(model, group, bucket_mb=plan.bucket_mb, src_rank=src,
                             **ddp_hierarchy(mesh))

@@ -46,6 +46,8 @@ from zerotron.parity.space import (
                                    MAX_WORLD,
                                    MODEL,
                                    MODELS,
+                                   MOE_MODEL,
+                                   MOE_MUST,
                                    MUST,
                                    STEPS,
                                    TORCH_KINDS,
@@ -57,9 +59,13 @@ from zerotron.parity.space import (
                                    doc_corpus,
                                    doc_mask_layouts,
                                    expected_refusal,
+                                   moe_expected_refusal,
+                                   moe_layouts,
+                                   moe_refusal,
                                    refusal,
 )
 
 __all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
-           "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal"]
+           "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
+           "MOE_MODEL", "MOE_MUST", "moe_layouts", "moe_refusal", "moe_expected_refusal"]

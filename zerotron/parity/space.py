@@ -64,6 +64,7 @@ class Layout:
     cp: int = 1
     cp_impl: str | None = None
     doc_mask: bool = False  # data.doc_mask (not a factor: the DOC_MASK witnesses, on a corpus of short documents)
+    ep: int = 1  # parallel.ep (the MoE family's factor, :func:`moe_layouts`; carved out of dp: no extra ranks)
 
     @property
     def world(self) -> int:
@@ -84,6 +85,8 @@ class Layout:
             parts.append(f"ac{self.ac}")
         if self.doc_mask:
             parts.append("docmask")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         return "-".join(parts)
 
     def overrides(self) -> dict:
@@ -96,6 +99,8 @@ class Layout:
             o["parallel.cp_impl"] = self.cp_impl
         if self.doc_mask:
             o["data.doc_mask"] = "true"
+        if self.ep > 1:
+            o["parallel.ep"] = self.ep
         if self.sync == "torch_ddp":
             o["parallel.dp_impl"] = "torch"
         elif self.sync.startswith("zero"):
@@ -261,19 +266,20 @@ def doc_corpus(path: str, lines: int = 4000) -> str:
     return path
 
 
-def covering_layouts(layouts: list[Layout]) -> list[Layout]:
+def covering_layouts(layouts: list[Layout], must: tuple = MUST, extra_keys: tuple = ()) -> list[Layout]:
     """A greedy pairwise covering array: a subset of ``layouts`` in which every pair of (factor,
-    value) assignments that occurs in ``layouts`` occurs at least once, plus the :data:`MUST`
-    witnesses. Ties go to fewer processes, then to the name, so the choice is deterministic."""
-    keys = list(FACTORS)
+    value) assignments that occurs in ``layouts`` occurs at least once, plus the ``must`` witnesses
+    (:data:`MUST`); ``extra_keys``: Layout fields that count as factors too (the MoE family's
+    "ep"). Ties go to fewer processes, then to the name, so the choice is deterministic."""
+    keys = list(FACTORS) + list(extra_keys)
 
     def pairs(l: Layout):
         v = [(k, getattr(l, k)) for k in keys]
         return {(a, b) for a, b in itertools.combinations(v, 2)}
 
     todo = set().union(*(pairs(l) for l in layouts)) if layouts else set()
-    chosen = [l for l in layouts if l.name in MUST]
-    rest = sorted((l for l in layouts if l.name not in MUST), key=lambda l: (l.world, l.name))
+    chosen = [l for l in layouts if l.name in must]
+    rest = sorted((l for l in layouts if l.name not in must), key=lambda l: (l.world, l.name))
     for l in chosen:
         todo -= pairs(l)
     while todo:
@@ -282,3 +288,74 @@ def covering_layouts(layouts: list[Layout]) -> list[Layout]:
         todo -= pairs(best)
         rest.remove(best)
     return sorted(chosen, key=lambda l: (l.world, l.name))
+
+
+# ---- the mixture-of-experts family (issue 29) ------------------------------------------------
+# Mixtral-style blocks on the matrix model, 4 of them (half the cost; pp 4 with two stages per rank
+# is then refused): 4 experts, top-2, both auxiliary losses on (weights 0.1
+# and 0.01; their gradients enter the parameters, so a layout that took them over other tokens,
+# weighed them differently or synchronised expert gradients over the wrong group fails). The
+# load-balancing loss is per micro-batch, so every MoE layout (and the one-process reference) runs
+# at train.micro_batch = MOE_MICRO_BATCH: a layout's ``acc`` is then GLOBAL_BATCH / (dp x 2).
+MOE_MICRO_BATCH = 2
+MOE_MODEL = {"model.arch": "mixtral", "model.n_layer": 4, "model.n_kv_head": 2, "model.intermediate_size": 24, "model.n_experts": 4,
+             "model.experts_top_k": 2, "model.moe_aux_loss_coef": 0.1, "model.moe_z_loss_coef": 0.01,
+             "model.rope_theta": 10000.0, "train.micro_batch": MOE_MICRO_BATCH}
+EP = (1, 2, 4)  # parallel.ep: experts split over ep ranks carved out of dp (ep must divide dp)
+# in the default suite: recomputation under ZeRO-3 (router statistics not counted twice), a 1F1B
+# pipeline, FSDP2 stage 3 (its gradient average over dp once missed the auxiliary losses' share),
+# expert parallelism under ZeRO-1 at ep = dp = 2, ZeRO-2 at dp 4 = 2 expert replicas x ep 2 (expert
+# flat buffers sharded over the replica group), and dp 2 x tp 2 with ep 2 (one ep group per tp
+# coordinate, experts tp-replicated) under DDP and ZeRO-3
+MOE_MUST = ("zero3-dp2-acc4-acfull", "ddp-dp1-pp2-1f1b-even-acc8", "fsdp2_3-dp2-acc4", "zero1-dp2-acc4-ep2",
+            "zero2-dp4-acc2-ep2", "ddp-dp2-tp2-acc4-ep2", "zero3-dp2-tp2-acc4-ep2")
+
+
+def moe_layouts(max_world: int = 4) -> list[Layout]:
+    """The MoE family's layout space: every layout of :func:`all_layouts` with ``acc`` fixed by
+    :data:`MOE_MICRO_BATCH` (duplicates merged) times every ep of :data:`EP` dividing its dp, sorted."""
+    # the product without the factors that only matter when another is > 1 (as :func:`all_layouts`
+    # canonicalises them), which are expanded where they do: 20x fewer combinations
+    inner = {"schedule": "pp", "split": "pp", "cp_impl": "cp", "sp": "tp"}
+    outer = [k for k in FACTORS if k not in inner and k != "acc"]
+    out = set()
+    for values in itertools.product(*(FACTORS[k] for k in outer)):
+        base = dict(zip(outer, values))
+        if base["dp"] * base["cp"] * base["tp"] > max_world:
+            continue
+        opts = [[(k, v) for v in (FACTORS[k] if base[on] > 1 else (False if k == "sp" else None,))]
+                for k, on in inner.items()]
+        for extra in itertools.product(*opts):
+            lay = Layout(**base, **dict(extra), acc=max(GLOBAL_BATCH // (base["dp"] * MOE_MICRO_BATCH), 1))
+            if lay.world <= max_world:
+                out.update(dataclasses.replace(lay, ep=ep) for ep in EP if lay.dp % ep == 0)
+    return sorted(out, key=lambda l: (l.world, l.name))
+
+
+def moe_refusal(layout: Layout) -> str | None:
+    """The plan's verdict on ``layout`` for the MoE family (None: it runs)."""
+    try:
+        build_plan(config_for(layout, MOE_MODEL), layout.world)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def moe_expected_refusal(layout: Layout) -> str | None:
+    """The documented reason an MoE layout cannot run (None: it must run): the dense family's
+    (:func:`expected_refusal`), then the router's (each rank must see whole micro-batches: no sequence
+    or context parallelism), then expert parallelism's (carved out of dp, composed with native DDP
+    and native ZeRO-1/2/3 on the plain runner, tp-replicated experts under tp, so far)."""
+    why = expected_refusal(layout)
+    if why:
+        return why
+    chunked = layout.schedule in CHUNKED_SCHEDULES or layout.schedule == "torch-interleaved"
+    if layout.pp * (2 if chunked else 1) > MOE_MODEL["model.n_layer"]:
+        return "the MoE model's 4 layers cannot fill pp x 2 model stages"
+    if layout.sp or layout.cp > 1:
+        return "MoE: sequence and context parallelism would route only part of each micro-batch's tokens"
+    if layout.ep > 1 and (layout.pp > 1 or layout.rep > 1):
+        return "expert parallelism runs on the plain runner over dp (x tp) only (no pipeline or HSDP yet)"
+    if layout.ep > 1 and layout.sync in ("torch_ddp", "fsdp2_2", "fsdp2_3"):
+        return "expert parallelism composes with native DDP and native ZeRO (torch DDP and FSDP2 see experts as replicated)"
+    return None

@@ -264,25 +264,33 @@ class FlatShard:
 
 
 def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, compute_dtype, reduce_dtype,
-                tied=None, offload: str = "none") -> list[list[FlatShard]]:
-    """The flat buffers of each unit (a list of Parameters): one per (weight-decay flag, tp-sharded)
-    pair present, in that fixed order (decay first, tp-sharded first), so tensor-parallel shards and
-    tp-replicated parameters never share a buffer. ``names``: ``{id(param): FQN}``; ``mask``:
-    ``{id(param): decay?}``; ``tied``: the Parameter marked ``is_tied`` (its unit should hold it
-    alone); ``offload``: ``train.offload`` (see :class:`FlatShard`). Each FlatShard gets ``tp_sharded``
-    and ``is_tied``. Collective-free."""
+                tied=None, offload: str = "none", group_of: dict | None = None) -> list[list[FlatShard]]:
+    """The flat buffers of each unit (a list of Parameters): one per (weight-decay flag, tp-sharded,
+    shard group) triple present, in that fixed order (decay first, tp-sharded first, ``group``
+    first, then the other groups in the order their parameters appear), so tensor-parallel shards,
+    tp-replicated parameters and parameters sharded over different groups never share a buffer.
+    ``names``: ``{id(param): FQN}``; ``mask``: ``{id(param): decay?}``; ``tied``: the Parameter
+    marked ``is_tied`` (its unit should hold it alone); ``offload``: ``train.offload`` (see
+    :class:`FlatShard`); ``group_of``: ``{id(param): group}`` for parameters sharded over another
+    group than ``group`` (expert parameters over their expert-replica group, ``parallel.expert``).
+    Each FlatShard gets ``tp_sharded`` and ``is_tied``. Collective-free."""
+    group_of = group_of or {}
     out = []
     with torch.no_grad():
         for params in units:
             flats = []
+            groups = [group] + list({id(g): g for g in (group_of[id(p)] for p in params if id(p) in group_of)
+                                     if g is not group}.values())
             for decay in (True, False):
                 for sharded in (True, False):
-                    ps = [p for p in params if mask.get(id(p), False) == decay and is_tp_sharded(p) == sharded]
-                    if ps:
-                        f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, group, compute_dtype,
-                                      reduce_dtype, offload)
-                        f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied
-                        flats.append(f)
+                    for g in groups:
+                        ps = [p for p in params if mask.get(id(p), False) == decay and is_tp_sharded(p) == sharded
+                              and group_of.get(id(p), group) is g]
+                        if ps:
+                            f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, g, compute_dtype,
+                                          reduce_dtype, offload)
+                            f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied
+                            flats.append(f)
             out.append(flats)
     return out
 

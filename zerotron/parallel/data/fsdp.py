@@ -36,6 +36,7 @@ import contextlib
 import torch
 
 from zerotron.distributed import comm
+from zerotron.models.layout import scale_aux_losses
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
 from zerotron.parallel.data.fsdp_comm import count_fsdp_collectives
@@ -86,6 +87,9 @@ class FSDP2Strategy(Strategy):
         # the batch group (dp x cp) = FSDP2's whole mesh: the gradient average is over it
         self.module, self.group, self.loss_groups, self.stage = model, mesh.group("batch"), [mesh.group("batch")], stage
         self.shard_group = mesh.group("shard")  # the ranks whose local shards are disjoint
+        # the token loss is divided by N_global / dp (below): the MoE auxiliary losses, whose gradient
+        # enters inside the backward, are scaled by dp alike (else averaged, not summed, over dp)
+        scale_aux_losses(model, self.group.size())
         self._mark_tp_shards()
 
     def _mark_tp_shards(self) -> None:

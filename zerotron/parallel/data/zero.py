@@ -106,7 +106,11 @@ class ZeroSync:
     on a rank whose tied copy the norm counts elsewhere); ``eager`` (True: gradient hooks launch the
     reductions unit by unit during backward, the plain runner; False: the runner calls
     :meth:`after_backward`, a pipeline); ``offload`` (``train.offload``: "none" or "optimizer", master
-    shards and Adam state in host memory, the step on the host: ``flat_shard.FlatShard``). Class attribute ``reduce_window`` (2): how many units'
+    shards and Adam state in host memory, the step on the host: ``flat_shard.FlatShard``); ``group_of``
+    (``{id(param): group}``: parameters sharded over a sub-group of ``group`` instead -- expert
+    parallelism's expert parameters over dp/ep, ``parallel.expert``; their flats reduce-scatter and
+    all-gather over it, and the norm still sums every shard over ``group``, in which the shards of
+    both sets are disjoint). Class attribute ``reduce_window`` (2): how many units'
     reduce-scatters may be in flight at once (see :meth:`_launch_unit`). Attributes: ``flats`` (per unit, its FlatShards),
     ``all_flats``, ``group``, ``stage``, ``gatherer``. Raises ValueError for a bad stage or dtype."""
 
@@ -115,7 +119,8 @@ class ZeroSync:
     def __init__(self, units: list, names: dict, mask: dict, group, stage: int, dtype: str = "fp32",
                  reduce_dtype: str = "auto", *, n_root: int = 1, blocks=(), tp_group=None,
                  sequence_parallel: bool = False, replicate_group=None, dp_group=None, tied=None,
-                 tied_group=None, count_tied: bool = True, eager: bool = True, offload: str = "none"):
+                 tied_group=None, count_tied: bool = True, eager: bool = True, offload: str = "none",
+                 group_of: dict | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for native ZeRO, got {stage}")
         compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
@@ -124,7 +129,7 @@ class ZeroSync:
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tied_group, self.count_tied, self.eager, self.n_root = tied_group, count_tied, eager, n_root
         self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied,
-                                                             offload)
+                                                             offload, group_of)
         self.all_flats = [f for fl in self.flats for f in fl]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
         self._used = UsedMarks([p for f in self.all_flats for p in f.params])
@@ -389,11 +394,12 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
     ``replicate_group`` (HSDP) and ``dp_group`` (HSDP: the whole dp group, for losses and the
     used-parameter marks; default ``group``) and ``offload``, as :class:`ZeroSync`; ``exclude``: ids
     of parameters left out of the flat buffers (expert parallelism keeps the expert-local ones
-    itself, ``parallel.expert``). Raises ValueError for a bad stage or dtype."""
+    itself under DDP) and ``group_of`` (as :class:`ZeroSync`: expert parallelism's expert parameters
+    sharded over dp/ep). Raises ValueError for a bad stage or dtype."""
 
     def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
                  tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None,
-                 offload: str = "none", exclude=frozenset()):
+                 offload: str = "none", exclude=frozenset(), group_of: dict | None = None):
         blocks = list(model.blocks())
         in_block = {id(p) for b in blocks for p in b.parameters()}
         names = {}
@@ -403,7 +409,8 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
             [[p for p in b.parameters() if id(p) not in exclude] for b in blocks]
         ZeroSync.__init__(self, units, names, mask or decay_mask(model), group, stage, dtype, reduce_dtype,
                           n_root=1, blocks=blocks, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                          replicate_group=replicate_group, dp_group=dp_group, eager=True, offload=offload)
+                          replicate_group=replicate_group, dp_group=dp_group, eager=True, offload=offload,
+                          group_of=group_of)
         self.module, self.loss_groups = model, [self.dp_group]
         self._in_step = False
 

@@ -28,14 +28,16 @@ _ADAM = ("exp_avg", "exp_avg_sq")
 def gather_flats(flats: list, group, optimizer, owned) -> tuple[dict, dict]:
     """``({fqn: full-over-dp tensor (this rank's tp layout)}, {fqn: {"step", "exp_avg",
     "exp_avg_sq"}})`` of the flat buffers ``i`` with ``owned(i)``. Every buffer is all-gathered
-    over ``group`` (collective, fixed order); only the owned ones are kept (one buffer in flight)."""
+    over its own shard group (``group``, or a buffer's sub-group of it: expert parameters, whose
+    values are then this rank's expert range; collective, fixed order); only the owned ones are
+    kept (one buffer in flight)."""
     vals, ostate = {}, {}
     for i, f in enumerate(flats):
-        full = {"param": _gather_full(f.master.detach(), group)}
+        full = {"param": _gather_full(f.master.detach(), f.group)}
         st = optimizer.state.get(f.master, {}) if optimizer is not None else {}
         for key in _ADAM:
             if key in st:
-                full[key] = _gather_full(st[key], group)
+                full[key] = _gather_full(st[key], f.group)
         if not owned(i):
             continue
         for j, (name, p, off, n) in enumerate(zip(f.names, f.params, f.offsets, f.numels)):

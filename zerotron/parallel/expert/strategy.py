@@ -1,17 +1,19 @@
 """Expert parallelism composed with a data-parallel synchroniser: :class:`ExpertDataParallel`
-(native DDP) and :class:`ExpertZero1` (native ZeRO-1).
+(native DDP) and :class:`ExpertZero` (native ZeRO-1/2/3, one driver with a shard group per
+parameter set).
 
 Groups (carved out of the dp group, as torchtitan does): dp rank d has ep coordinate ``d % ep``;
 the ep group of d is ``{d - d % ep, ..., d - d % ep + ep - 1}`` (consecutive dp ranks: the all-to-all
 stays among neighbours), its expert-replica group ``{d' : d' % ep == d % ep}`` (dp/ep ranks holding
-the same experts). Non-expert parameters are data parallel over all of dp (DDP buckets, or ZeRO-1's
-flat buffers with optimizer state sharded over dp); expert parameters are sharded over ep (their
-optimizer state with them: 1/ep per rank) and their gradients summed over the replica group --
-after the dispatch backward they already hold the sum over their ep group's tokens, so the result
-is the sum over every dp rank's tokens, with the loss normalised by the global target count as
-everywhere (``parallel.base``). Gradient norm: expert shards' squares summed over ep (disjoint),
-the rest as the synchroniser counts them. The canonical state (checkpoints, parity) holds full
-expert tensors, gathered over ep.
+the same experts). Non-expert parameters are data parallel over all of dp (DDP buckets, or ZeRO's
+flat buffers sharded over dp); expert parameters are sharded over ep (their optimizer state with
+them: 1/ep per rank) and data parallel over the replica group (DDP: their gradients all-reduced
+over it; ZeRO: flat buffers of their own sharded over it, so 1/dp per rank) -- after the dispatch
+backward they already hold the sum over their ep group's tokens, so the result is the sum over
+every dp rank's tokens, with the loss normalised by the global target count as everywhere
+(``parallel.base``). Gradient norm: expert shards' squares summed over ep (DDP) or, with ZeRO,
+every shard's over dp (disjoint there), each element once. The canonical state (checkpoints,
+parity) holds full expert tensors, gathered over ep.
 
 The groups live here while ep composes with data parallelism alone (the plan refuses pp, tp, cp,
 HSDP with ep); they belong in ``distributed.mesh`` once it does.
@@ -28,26 +30,33 @@ from zerotron.parallel.data.ddp import DataParallel
 from zerotron.parallel.data.zero import ZeroStrategy
 from zerotron.parallel.expert.dispatch import local_dispatch, shard_experts
 from zerotron.parallel.grad_norm import clip_grad_norm
+from zerotron.parallel.tensor.layers import is_tp_sharded
 
-__all__ = ["ExpertDataParallel", "ExpertZero1", "expert_groups"]
+__all__ = ["ExpertDataParallel", "ExpertZero", "expert_groups"]
 
 
-def expert_groups(dp_group, ep: int):
+def expert_groups(dp_group, ep: int, lines: list | None = None):
     """``(ep_group, replica_group, ep_rank)`` of this rank, as ``comm.NamedGroup``s ("ep",
-    "ep_rep"), built from the ranks of ``dp_group`` (every rank of the world creates every group, in
-    the same order, so the world must be made of dp groups of the same layout: the plan ensures it)."""
-    ranks = dist.get_process_group_ranks(dp_group.pg)
-    dp, d = len(ranks), ranks.index(dist.get_rank())
+    "ep_rep"), carved out of each dp group: ``lines`` lists the global ranks of every dp group of
+    the world (``Dims.group_ranks("dp")``: one per tensor-parallel coordinate), default the ranks
+    of ``dp_group`` alone (a world that is one dp group). Every rank creates every group, in the
+    same order, as ``dist.new_group`` requires."""
+    me = dist.get_rank()
+    lines = lines or [dist.get_process_group_ranks(dp_group.pg)]
     mine = {}
-    for start in range(0, dp, ep):
-        g = dist.new_group([ranks[i] for i in range(start, start + ep)])
-        if start <= d < start + ep:
-            mine["ep"] = comm.NamedGroup(g, "ep")
-    for c in range(ep):
-        g = dist.new_group([ranks[i] for i in range(c, dp, ep)])
-        if d % ep == c:
-            mine["ep_rep"] = comm.NamedGroup(g, "ep_rep")
-    return mine["ep"], mine["ep_rep"], d % ep
+    for ranks in lines:
+        dp = len(ranks)
+        for start in range(0, dp, ep):
+            members = [ranks[i] for i in range(start, start + ep)]
+            g = dist.new_group(members)
+            if me in members:
+                mine["ep"], mine["rank"] = comm.NamedGroup(g, "ep"), members.index(me)
+        for c in range(ep):
+            members = [ranks[i] for i in range(c, dp, ep)]
+            g = dist.new_group(members)
+            if me in members:
+                mine["ep_rep"] = comm.NamedGroup(g, "ep_rep")
+    return mine["ep"], mine["ep_rep"], mine["rank"]
 
 
 class _ExpertShards:
@@ -55,15 +64,19 @@ class _ExpertShards:
     local Parameter): one flat gradient buffer (grads are views), its sum over the replica group,
     gathering/slicing over ep, and :meth:`full_params`."""
 
-    def _shard(self, model, dp_group, ep: int) -> frozenset:
-        self.ep_group, self.rep_group, self.ep_rank = expert_groups(dp_group, ep)
+    def _shard(self, model, dp_group, ep: int, lines=None) -> frozenset:
+        """Build the groups (:func:`expert_groups`), keep this rank's experts; returns their ids."""
+        self.ep_group, self.rep_group, self.ep_rank = expert_groups(dp_group, ep, lines)
         self.ep = ep
         self.expert_params = shard_experts(model, model.layout(), self.ep_rank, ep, self.ep_group)
         self._expert_ids = frozenset(id(p) for p in self.expert_params.values())
+        return self._expert_ids
+
+    def _grad_buffer(self) -> None:
+        """DDP: one flat gradient buffer for the expert parameters (their grads are views)."""
         plist = list(self.expert_params.values())
         self._ebuf = torch.zeros(sum(p.numel() for p in plist), dtype=plist[0].dtype, device=plist[0].device)
         self._attach()
-        return self._expert_ids
 
     def _attach(self) -> None:
         off = 0
@@ -102,23 +115,6 @@ class _ExpertShards:
                                       for k, v in optimizer.state[p].items()}
         return msd, osd
 
-    @torch.no_grad()
-    def _load_experts(self, msd, osd, optimizer) -> None:
-        for name, p in self.expert_params.items():
-            if name in msd:
-                p.data.copy_(self._slice(msd[name]))
-            if osd is not None and optimizer is not None and name in osd.get("state", {}):
-                optimizer.state[p] = {k: self._slice(v).to(p.dtype) if isinstance(v, torch.Tensor) and v.dim() > 0
-                                      else (v.clone() if isinstance(v, torch.Tensor) else v)
-                                      for k, v in osd["state"][name].items()}
-
-    def _expert_bytes(self, optimizer) -> dict:
-        plist = list(self.expert_params.values())
-        nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-        o = sum(nb(t) for p in plist for t in optimizer.state.get(p, {}).values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return {"params_bytes": sum(nb(p) for p in plist), "grads_bytes": nb(self._ebuf), "optimizer_bytes": o}
-
     @contextlib.contextmanager
     def _full_experts(self, module):
         """``module`` with every expert on this rank and the local dispatch; gathered over ep on
@@ -148,8 +144,9 @@ class ExpertDataParallel(_ExpertShards, DataParallel):
     ``ep`` (module docstring). Args: ``model`` (dense, identically initialised on every rank: it is
     sharded here), ``dp_group``, ``ep``, ``bucket_mb``, ``src_rank`` as DataParallel."""
 
-    def __init__(self, model, dp_group, ep: int, bucket_mb: float = 25.0, src_rank: int = 0):
-        ids = self._shard(model, dp_group, ep)
+    def __init__(self, model, dp_group, ep: int, bucket_mb: float = 25.0, src_rank: int = 0, lines=None):
+        ids = self._shard(model, dp_group, ep, lines)
+        self._grad_buffer()
         DataParallel.__init__(self, model, dp_group, bucket_mb=bucket_mb, src_rank=src_rank, exclude=ids)
 
     def zero_grad(self) -> None:
@@ -162,8 +159,11 @@ class ExpertDataParallel(_ExpertShards, DataParallel):
         self._reduce_expert_grads()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        dense = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in self._expert_ids]
-        return clip_grad_norm([(dense, []), (self._expert_grads(), [self.ep_group])], max_norm)
+        """Expert shards' squares summed over ep; the rest as DDP counts them (tp shards over tp)."""
+        dense = [(p.grad, p) for p in self.parameters() if p.grad is not None and id(p) not in self._expert_ids]
+        return clip_grad_norm([([g for g, p in dense if is_tp_sharded(p)], [self.tp_group]),
+                               ([g for g, p in dense if not is_tp_sharded(p)], []),
+                               (self._expert_grads(), [self.ep_group])], max_norm)
 
     def state_dict(self, optimizer=None):
         """Canonical state: expert parameters and their Adam moments gathered over ep."""
@@ -184,66 +184,72 @@ class ExpertDataParallel(_ExpertShards, DataParallel):
         return self._full_experts(self.module)
 
 
-class ExpertZero1(_ExpertShards, ZeroStrategy):
-    """Native ZeRO-1 over ``dp_group`` for the non-expert parameters (flat buffers, optimizer state
-    sharded over dp), expert parameters sharded over ``ep`` with their full Adam state in an extra
-    optimizer group (module docstring). Args as :class:`ZeroStrategy` (stage 1) plus ``ep``."""
+class ExpertZero(_ExpertShards, ZeroStrategy):
+    """Native ZeRO stage 1, 2 or 3 with experts sharded over ``ep``: one ZeRO driver
+    (:class:`~zerotron.parallel.data.zero.ZeroSync`) over every parameter, the non-expert ones in
+    flat buffers sharded over ``dp_group``, the expert ones (this rank's E/ep experts) in flat
+    buffers of their own sharded over the expert-replica group (dp/ep ranks holding the same
+    experts; ``group_of``). Their gradients already hold the sum over the ep group's tokens (the
+    dispatch backward), so the reduce-scatter over the replica group completes the sum over dp; the
+    optimizer state (and at stage 2 the gradients, at stage 3 the parameters) of an expert is
+    1/dp of it per rank (1/ep from ep, 1/(dp/ep) from ZeRO). The gradient norm sums the squares of
+    every shard over dp, in which expert and non-expert shards are both disjoint.
 
-    def __init__(self, model, dp_group, ep: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None):
-        ids = self._shard(model, dp_group, ep)
-        ZeroStrategy.__init__(self, model, dp_group, 1, dtype, reduce_dtype, mask, exclude=ids)
-        self._attach()
+    Args as :class:`ZeroStrategy` (``stage`` 1, 2 or 3, ``offload``, ``tp_group``: tensor
+    parallelism without SP, the experts tp-replicated) plus ``ep`` and ``lines`` (:func:`expert_groups`). The canonical state (and a
+    checkpoint: every rank hands over the full state, DCP writes each key once) holds the full
+    expert tensors, gathered over the replica group and then over ep."""
 
-    def zero_grad(self) -> None:
-        ZeroStrategy.zero_grad(self)
-        self._zero_expert_grads()
+    def __init__(self, model, dp_group, ep: int, stage: int = 1, dtype: str = "fp32", reduce_dtype: str = "auto",
+                 mask=None, offload: str = "none", tp_group=None, lines=None):
+        before = dict(model.named_parameters())
+        self._shard(model, dp_group, ep, lines)
+        if mask is not None:  # the expert shards are new Parameters: the dense ones' decay flags
+            mask = {**mask, **{id(q): mask.get(id(before[n]), q.dim() >= 2) for n, q in self.expert_params.items()}}
+        group_of = {id(p): self.rep_group for p in self.expert_params.values()}
+        ZeroStrategy.__init__(self, model, dp_group, stage, dtype, reduce_dtype, mask, tp_group=tp_group,
+                              offload=offload, group_of=group_of)
 
-    def finish_grads(self) -> None:
-        ZeroStrategy.finish_grads(self)
-        self._reduce_expert_grads()
-
-    def build_optimizer(self, tcfg, mask: dict | None = None):
-        """ZeRO's AdamW over the master shards plus the expert parameters, grouped by their decay
-        flag in ``mask`` (by id; matrices decay, ``parallel.optim.decay_mask``)."""
-        opt = ZeroStrategy.build_optimizer(self, tcfg, mask)
-        mask = mask or {}
-        for decay in (True, False):
-            ps = [p for p in self.expert_params.values() if mask.get(id(p), p.dim() >= 2) == decay]
-            if ps:
-                opt.add_param_group({"params": ps, "weight_decay": tcfg.weight_decay if decay else 0.0})
-        return opt
-
-    def clip_grad_norm(self, max_norm: float, outer=()) -> float:
-        """ZeRO's shards summed over dp, the expert shards over ep; tp is 1 under ep (the plan)."""
-        counted = [f for f in self.all_flats if self.count_tied or not f.is_tied]
-        extra = [f.shard_grad for f in self.all_flats if not (self.count_tied or not f.is_tied)]
-        parts = [([f.shard_grad for f in counted], [self.group]), (self._expert_grads(), [self.ep_group])]
-        return clip_grad_norm(parts, max_norm, also_clip=extra)
-
-    def model_state_bytes(self, optimizer) -> dict:
-        out = dict(ZeroStrategy.model_state_bytes(self, optimizer))
-        for k, v in self._expert_bytes(optimizer).items():
-            out[k] = out.get(k, 0) + v
-        out["total_bytes"] = out["params_bytes"] + out["grads_bytes"] + out["optimizer_bytes"]
-        return out
+    def _full_expert_state(self, msd, osd):
+        """Expert entries of a canonical state (this ep rank's range) gathered over ep."""
+        for name in self.expert_params:
+            if name in msd:
+                msd[name] = self._gather(msd[name])
+            if osd is not None and name in osd["state"]:
+                osd["state"][name] = {k: self._gather(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                      for k, v in osd["state"][name].items()}
+        return msd, osd
 
     def state_dict(self, optimizer=None):
-        msd, osd = ZeroStrategy.state_dict(self, optimizer)
-        return self._with_full_experts(msd, osd, optimizer)
+        """ZeRO's canonical state, expert tensors gathered over ep. Collective over dp."""
+        return self._full_expert_state(*ZeroStrategy.state_dict(self, optimizer))
 
     def checkpoint_state(self, optimizer=None):
-        msd, osd = ZeroStrategy.checkpoint_state(self, optimizer)
-        return self._with_full_experts(msd, osd, optimizer)
+        """The whole canonical state on every rank (the expert buffers' owners would hold only their
+        ep range): DCP writes each key once, so the files equal any layout's."""
+        return self.state_dict(optimizer)
 
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
+        """A canonical state (any layout): this rank's expert range, then ZeRO keeps its shards."""
+        msd = {k: self._slice(v) if k in self.expert_params else v for k, v in msd.items()}
+        if osd is not None:
+            osd = {**osd, "state": {k: ({n: self._slice(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+                                         for n, x in st.items()} if k in self.expert_params else st)
+                                    for k, st in osd["state"].items()}}
         ZeroStrategy.load_state_dict(self, msd, osd, optimizer)
-        self._load_experts(msd, osd, optimizer)
 
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
-        ZeroStrategy.load_checkpoint_state(self, msd, osd, optimizer)
-        self._load_experts(msd, osd, optimizer)
+        """Load what :meth:`checkpoint_state` described (the full state)."""
+        self.load_state_dict(msd, osd, optimizer)
 
     @contextlib.contextmanager
     def full_params(self, blocks: bool = True):
-        with ZeroStrategy.full_params(self, blocks) as module, self._full_experts(module) as m:
-            yield m
+        """ZeRO's full parameters; with ``blocks`` also every expert on this rank (gathered over ep,
+        the local dispatch: evaluation, generation, export). ``blocks=False`` is ZeRO-3's per-step
+        root gather (the experts stay sharded, the all-to-all dispatch in place)."""
+        with ZeroStrategy.full_params(self, blocks) as module:
+            if not blocks:
+                yield module
+                return
+            with self._full_experts(module) as m:
+                yield m
