@@ -111,7 +111,7 @@ def _ep_step(tmp, extra):
     tr = Trainer(cfg, f"{tmp}/mem-ep2")
     recs = []
     tr.fit(callback=lambda t, r: recs.append(r))
-    return (tr.model_cfg, sum(tr.strategy._expert_bytes(tr.optimizer).values()), recs[0]["model_state_breakdown"],
+    return (tr.model_cfg, tr.strategy.expert_state_bytes(tr.optimizer)["total_bytes"], recs[0]["model_state_breakdown"],
             recs[0]["comm_bytes_by_op"].get("all_to_all/ep", 0))
 
 

@@ -210,6 +210,15 @@ class ExpertZero(_ExpertShards, ZeroStrategy):
         ZeroStrategy.__init__(self, model, dp_group, stage, dtype, reduce_dtype, mask, tp_group=tp_group,
                               offload=offload, group_of=group_of)
 
+    def expert_state_bytes(self, optimizer) -> dict:
+        """Bytes held now by the expert flat buffers (this rank's E/ep experts, sharded over the
+        replica group): :func:`~zerotron.parallel.data.flat_shard.flat_state_bytes` of those
+        buffers (``params_bytes``, ``grads_bytes``, ``optimizer_bytes``, ``total_bytes``)."""
+        from zerotron.parallel.data.flat_shard import flat_state_bytes
+
+        return flat_state_bytes([f for f in self.all_flats if any(id(p) in self._expert_ids for p in f.params)],
+                                optimizer)
+
     def _full_expert_state(self, msd, osd):
         """Expert entries of a canonical state (this ep rank's range) gathered over ep."""
         for name in self.expert_params:
