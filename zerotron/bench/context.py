@@ -174,6 +174,9 @@ def _parser():
     p.add_argument("--rounds", type=int, default=2, help="rounds; the layout order rotates every round")
     p.add_argument("--repeats", type=int, default=3, help="timed ring attention iterations per length")
     p.add_argument("--balance", action="store_true", help="also time each rank's attention, zigzag vs contiguous split")
+    p.add_argument("--exact-memory", action="store_true",
+                   help="CPU: fix glibc's mmap threshold (bench.train.exact_cpu_memory) so peak RSS follows the "
+                        "live tensor bytes, not the heap's high-water mark; slower: its tokens/s are not comparable")
     p.add_argument("--json", help="write the rows here (rank 0)")
     return p
 
@@ -218,7 +221,8 @@ def memory_estimate(path, overrides, name: str, world: int, num_params: int, voc
     return {"estimate_states_bytes": states, "estimate_activation_bytes": act, "estimate_bytes": states + act}
 
 
-def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance, dev, data) -> list[dict]:
+def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance, dev, data,
+          exact_memory: bool = False) -> list[dict]:
     """Collective over every rank: per length, the :func:`zerotron.bench.train.summarize` rows of
     ``names`` (``seq`` added), a ``"ring"`` row (per-rank ring timing on the whole world as the cp
     group: ``compute_s``, ``wait_s``, ``transfer_s``, ``hidden_fraction`` min over ranks, ``ranks``),
@@ -230,9 +234,10 @@ def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance,
     from zerotron.distributed.comm import NamedGroup
 
     from .report import paired_ratio, summarize
-    from .train import run_benchmark
+    from .train import exact_cpu_memory, run_benchmark
 
     group, rows = NamedGroup(dist.group.WORLD, "cp"), []
+    exact = exact_memory and dev.type == "cpu" and exact_cpu_memory()
     for seq in seqs:
         over = [*overrides, ("model.block_size", str(seq))]
         layer = {r["layout"]: r for r in summarize(run_benchmark(path, over, names, steps, warmup, rounds, dev, data))}
@@ -242,7 +247,7 @@ def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance,
                     r[f"ratio_vs_{base}"] = paired_ratio(r["tokens_per_s_rounds"], layer[base]["tokens_per_s_rounds"])
             est = None if r.get("skipped") else memory_estimate(path, over, r["layout"], r["world_size"],
                                                                  r["num_params"], data.vocab_size)
-            rows.append({"seq": seq, "kind": "train", **r, **(est or {})})
+            rows.append({"seq": seq, "kind": "train", **r, **(est or {}), "exact_memory": exact})
         shape = _attention_shape(load_config(path, over), data.vocab_size)
         layouts = ("zigzag", "contiguous") if balance else ("zigzag",)
         mine = {lay: rank_attention_times(group, seq, lay, repeats=repeats, **shape) for lay in layouts}
@@ -319,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides, cfg = got
     rank, n, dev, rows = run_body(cfg, lambda dev, data: sweep(
         args.config, overrides, args.seqs, args.names, args.steps, args.warmup, args.rounds, args.repeats,
-        args.balance, dev, data))
+        args.balance, dev, data, args.exact_memory))
     if rank == 0:
         print(f"zerotron bench context: {n} rank(s), {dev.type}, torch {torch.__version__}\n{format_rows(rows)}")
         if args.json:

@@ -116,6 +116,20 @@ def _peak_mem(dev, reset: bool = False) -> int:
     return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
+def exact_cpu_memory(threshold: int = 128 * 1024) -> bool:
+    """Make this process's resident set follow its live tensor bytes: glibc's ``mallopt``
+    ``M_MMAP_THRESHOLD`` fixed at ``threshold`` bytes, so every block of that size or more is its own
+    mapping, returned to the system when freed (glibc otherwise raises the threshold as large blocks
+    are freed, up to 32 MiB, and keeps freed heap pages resident: a peak RSS then measures the heap's
+    high-water mark, not the tensors alive at once). Costs a page fault per page of each new large
+    block, so a run timed with it is not comparable to one without. Returns False where glibc's
+    mallopt is not available (nothing changed)."""
+    try:
+        return bool(ctypes.CDLL(None).mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        return False
+
+
 def _mem_now(dev) -> int:
     """Memory in use now (bytes): CUDA ``memory_allocated``; CPU the resident set (VmRSS). Taken right
     after the peak reset, it is the floor the layout's own tensors add to (interpreter, libraries,
