@@ -297,8 +297,8 @@ def _parser() -> argparse.ArgumentParser:
                    "= N), -acselective | -acfull (train.activation_checkpointing), -even | -auto (parallel.pp_split) and, on "
                    "native pipeline layouts, -p2pbatched | -p2peager (the executor's p2p posting: one batch per comm run / "
                    "per op without early receives; default per op with the next run's receives posted early), "
-                   "-compile (train.compile: rows add compile time and recompiles), e.g. zero2-mb4-acfull, "
-                   "pp-1f1b-even-mb2, dp-compile")
+                   "-compile (train.compile: rows add compile time and recompiles), -lora|-loraN (LoRA adapters of rank 8|N, "
+                   "train.lora_rank), e.g. zero2-mb4-acfull, pp-1f1b-even-mb2, dp-compile, dp-lora")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     p.add_argument("--rounds", type=int, default=8, help="rounds; the layout order rotates every round")
