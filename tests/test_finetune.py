@@ -367,14 +367,13 @@ def _lora_state_bytes(cache: str, tmp: str, syncs: list[str]) -> list[dict]:
 
 
 def test_lora_zero_state_bytes_equal_the_estimator(tmp_path, data_cache, report):
-    """LoRA under native ZeRO-1 and ZeRO-3 over dp 2 (fp64): per rank, the bytes the flat buffers
+    """LoRA under native ZeRO-3 (and ZeRO-1, FSDP2 stage 3 under ZEROTRON_SFT_FULL=1) over dp 2 (fp64): per rank, the bytes the flat buffers
     hold for parameters (frozen base too), gradients and optimizer state (adapters only) equal the
     memory estimator's ``trainable`` formula (every flat buffer's size is even here, so the
-    per-buffer padding is zero). FSDP2 stage 3 runs under ZEROTRON_SFT_FULL=1 (it pads per
-    parameter's dim 0; equal here too)."""
+    per-buffer padding is zero; FSDP2 pads each parameter's dim 0, also zero here)."""
     from zerotron.testing import run_ranks
 
-    syncs = ["zero1", "zero3"] + (["fsdp2_3"] if os.environ.get("ZEROTRON_SFT_FULL") else [])
+    syncs = ["zero3"] + (["zero1", "fsdp2_3"] if os.environ.get("ZEROTRON_SFT_FULL") else [])
     per_rank = run_ranks(_lora_state_bytes, 2, data_cache, str(tmp_path), syncs, timeout_s=120)
     lines = []
     for i, sync in enumerate(syncs):

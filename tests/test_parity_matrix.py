@@ -107,8 +107,9 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     first), so the ranks import torch once for both. The document-masking witnesses
     (``parity.DOC_MASK``) train on the short-document corpus against a reference with the masks."""
     valid, _ = split
+    lora_names = parity.LORA if FULL or os.environ.get("ZEROTRON_SFT_FULL") else parity.LORA_CI
     chosen = (valid if FULL else parity.covering_layouts(valid)) + parity.doc_mask_layouts(valid) + \
-        parity.lora_layouts(valid)
+        parity.lora_layouts(valid, lora_names)
     if WORLDS:
         chosen = [lay for lay in chosen if lay.world in WORLDS]
     if SCHEDULES:

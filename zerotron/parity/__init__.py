@@ -47,6 +47,7 @@ from zerotron.parity.space import (
                                    FP64_RTOL,
                                    GLOBAL_BATCH,
                                    LORA,
+                                   LORA_CI,
                                    LORA_TRAIN,
                                    MAX_WORLD,
                                    MODEL,
@@ -69,4 +70,4 @@ from zerotron.parity.space import (
 __all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
            "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
-           "LORA", "LORA_TRAIN", "lora_layouts"]
+           "LORA", "LORA_CI", "LORA_TRAIN", "lora_layouts"]

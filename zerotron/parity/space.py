@@ -257,11 +257,15 @@ LORA_TRAIN = {"train.lora_rank": 4, "train.lr": 0.05}
 LORA = ("ddp-dp2-acc4", "zero1-dp2-acc4", "zero3-dp2-acc4-acfull", "zero3-dp2-acc1", "fsdp2_3-dp2-acc4",
         "fsdp2_2-dp2-acc1", "ddp-dp1-tp2-acc4", "ddp-dp1-tp2sp-acc1", "zero3-dp1-tp2sp-acc4",
         "fsdp2_3-dp2-tp2sp-acc1", "ddp-dp2-pp2-1f1b-acc4", "zero3-dp2-pp2-1f1b-acc4")
+# the LoRA witnesses of the default suite (the rest under ZEROTRON_SFT_FULL=1): ZeRO-3 over dp 2 with
+# recomputation, tp 2 + SP, FSDP2 x tp 2 + SP, and a 1F1B pipeline over ZeRO-3 dp 2
+LORA_CI = ("zero3-dp2-acc4-acfull", "ddp-dp1-tp2sp-acc1", "fsdp2_3-dp2-tp2sp-acc1", "zero3-dp2-pp2-1f1b-acc4")
 
 
-def lora_layouts(layouts: list[Layout]) -> list[Layout]:
-    """The :data:`LORA` witnesses among ``layouts``, with ``lora`` on."""
-    return [dataclasses.replace(l, lora=True) for l in layouts if l.name in LORA]
+def lora_layouts(layouts: list[Layout], names=LORA) -> list[Layout]:
+    """The LoRA witnesses ``names`` (default :data:`LORA`; :data:`LORA_CI`) among ``layouts``, with
+    ``lora`` on."""
+    return [dataclasses.replace(l, lora=True) for l in layouts if l.name in names]
 
 
 def doc_mask_layouts(layouts: list[Layout]) -> list[Layout]:
