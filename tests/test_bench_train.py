@@ -40,6 +40,12 @@ def test_parse_layouts():
             bt.parse_layouts(bad)
     with pytest.raises(ValueError, match="valid layouts"):
         bt.parse_layouts("pp-1f1b-p2pfast")
+    # LoRA adapters: -lora (rank 8) or -loraN
+    assert bt.get_layout("dp-lora").overrides == {"parallel.dp_impl": "native", "train.lora_rank": "8"}
+    assert bt.get_layout("zero3-lora4-mb2").overrides == {"parallel.zero_stage": 3, "train.lora_rank": "4",
+                                                          "train.micro_batch": "2"}
+    with pytest.raises(ValueError, match="valid layouts"):
+        bt.parse_layouts("dp-lora0")
 
 
 @pytest.mark.parametrize("name", list(bt.LAYOUTS))

@@ -7,6 +7,7 @@ least once); ``ZEROTRON_MATRIX=full`` (``make test-matrix``) runs every valid la
 ``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors. The layouts of one world size
 run in a few run_ranks calls (chunks of CHUNK layouts, on run_ranks' pooled ranks), shared by
 both model families."""
+import dataclasses
 import json
 import os
 import time
@@ -68,6 +69,10 @@ def test_refusals_are_the_documented_ones(split, report):
     assert len(valid) + len(refused) == len(parity.all_layouts())
     docs = parity.doc_mask_layouts(valid)  # the document-masking witnesses: valid layouts, run with the masks
     assert len(docs) == len(parity.DOC_MASK) and all(parity.refusal(lay) is None for lay in docs)
+    loras = parity.lora_layouts(valid)  # the LoRA witnesses: valid layouts, run with adapters
+    assert len(loras) == len(parity.LORA) and all(parity.refusal(lay) is None for lay in loras)
+    lora_cp = dataclasses.replace(next(lay for lay in valid if lay.cp > 1), lora=True)
+    assert parity.refusal(lora_cp) and parity.expected_refusal(lora_cp)  # LoRA x cp: refused, documented
     report(f"parity matrix: {len(valid) + len(refused)} layouts <= {parity.MAX_WORLD} processes, "
            f"{len(valid)} valid, {len(refused)} refused (each for a documented reason)")
 
@@ -102,7 +107,9 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     first), so the ranks import torch once for both. The document-masking witnesses
     (``parity.DOC_MASK``) train on the short-document corpus against a reference with the masks."""
     valid, _ = split
-    chosen = (valid if FULL else parity.covering_layouts(valid)) + parity.doc_mask_layouts(valid)
+    lora_names = parity.LORA if FULL or os.environ.get("ZEROTRON_SFT_FULL") else parity.LORA_CI
+    chosen = (valid if FULL else parity.covering_layouts(valid)) + parity.doc_mask_layouts(valid) + \
+        parity.lora_layouts(valid, lora_names)
     if WORLDS:
         chosen = [lay for lay in chosen if lay.world in WORLDS]
     if SCHEDULES:
@@ -115,23 +122,26 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     for family in parity.MODELS:
         partial, done = _partial(_out(family), family)
         summaries[family] = [done[lay.name] for lay in chosen if lay.name in done]
-        for dm in sorted({lay.doc_mask for lay in chosen}):
-            key = (family, dm)  # a job: the family's layouts with or without document masking
-            extra = {"data.cache_dir": data_cache, **parity.MODELS[family], **(docs if dm else {})}
-            ref = parity.reference(str(tmp / f"reference-{family}-{dm}"), extra)
-            assert ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
+        for dm, lora in sorted({(lay.doc_mask, lay.lora) for lay in chosen}):
+            key = (family, dm, lora)  # a job: the family's layouts with or without document masking, LoRA
+            extra = {"data.cache_dir": data_cache, **parity.MODELS[family], **(docs if dm else {}),
+                     **(parity.LORA_TRAIN if lora else {})}
+            ref = parity.reference(str(tmp / f"reference-{family}-{dm}-{lora}"), extra)
+            assert lora or ref["norms"][0] > 0.5  # train.grad_clip = 0.5: clipping is active
             assert any(".self_attn.q_proj." in k for k in ref["params"]) == (family == "llama"), sorted(ref["params"])[:4]
-            ref_path = str(tmp / f"reference-{family}-{dm}.pt")
+            if lora:  # adapters only in the optimizer; the base weights as initialised (checked per layout)
+                assert ref["optim"] and all(".lora_" in k for k in ref["optim"]), sorted(ref["optim"])[:4]
+            ref_path = str(tmp / f"reference-{family}-{dm}-{lora}.pt")
             torch.save(ref, ref_path)
             fam[key] = (extra, ref_path, (set(ref["params"]), set(ref["optim"])), partial)
         for lay in chosen:
             if lay.name not in done:
-                by_world[lay.world].append(((family, lay.doc_mask), lay.as_dict()))
+                by_world[lay.world].append(((family, lay.doc_mask, lay.lora), lay.as_dict()))
     for world, items in sorted(by_world.items(), key=lambda kv: -kv[0]):  # the largest (slowest) first
         for c in range(0, len(items), CHUNK):
             part = items[c:c + CHUNK]
             names = [key for key in fam if any(f == key for f, _ in part)]
-            jobs = [([d for f, d in part if f == key], fam[key][1], str(tmp / f"{key[0]}-{key[1]}-w{world}-{c}"),
+            jobs = [([d for f, d in part if f == key], fam[key][1], str(tmp / f"{key[0]}-{key[1]}-{key[2]}-w{world}-{c}"),
                      fam[key][0]) for key in names]
             t_chunk = time.time()
             if world == 1:  # in this process (world-size-1 group)

@@ -457,10 +457,12 @@ class ParallelPlan:
 
 
 def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:
-    """LoRA settings and the layouts LoRA runs on: no tensor parallelism (adapters are not split
-    over tp), no ZeRO/FSDP2 (their flat buffers hold every parameter's gradient and optimizer
-    shard), no context parallelism, and the native runners (plain, pipeline); DDP and torch DDP
-    skip frozen weights (no gradient, no sync, no optimizer state)."""
+    """LoRA settings and the layouts LoRA runs on: DDP, torch DDP, native ZeRO-1/2/3 and FSDP2
+    (frozen base weights: no gradient, no sync, no optimizer state; ZeRO keeps them in their own
+    flat buffers, sharded at stage 3), native tensor parallelism +- SP (adapters split like their
+    base layer, ``parallel.tensor.adapters``) and the native runners (plain, pipeline). Refused:
+    context parallelism (untested with adapters), DTensor TP (its plan does not know the adapters),
+    the compiler (untested)."""
     _need(t.lora_rank >= 0, f"train.lora_rank must be >= 0 (0 = off), got {t.lora_rank}")
     if not t.lora_rank:
         return
@@ -472,11 +474,10 @@ def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:
         lora_targets(arch, t.lora_targets)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    why = "LoRA (train.lora_rank > 0) runs with DDP, torch DDP and pipelines over dp; "
-    _need(plan.tp == 1, why + "its adapters are not split over tensor parallelism yet: set parallel.tp = 1")
+    why = "LoRA (train.lora_rank > 0) runs with DDP, ZeRO/FSDP2, native tensor and pipeline parallelism; "
+    _need(plan.tp == 1 or plan.tp_impl == "native", why + "parallel.tp_impl = dtensor does not split the adapters: "
+                                                          "set parallel.tp_impl = native")
     _need(plan.cp == 1, why + "context parallelism is not tested with it: set parallel.cp = 1")
-    _need(plan.zero_stage == 0, why + "ZeRO and FSDP2 flat buffers would hold the frozen weights' gradients and "
-                                      "optimizer shards: set parallel.zero_stage = 0")
     _need(plan.runner in ("plain", "pipeline"), why + f"not the {plan.runner!r} pipeline runner: set "
                                                       "parallel.pp_impl = native")
 

@@ -1,5 +1,5 @@
 """Layouts of ``zerotron bench train``: a name plus config overrides (:data:`LAYOUTS`), with
-``-mbN`` / ``-acselective|-acfull`` / ``-even|-auto`` / ``-compile`` / ``-p2pbatched|-p2peager`` suffixes
+``-mbN`` / ``-acselective|-acfull`` / ``-even|-auto`` / ``-compile`` / ``-lora[N]`` / ``-p2pbatched|-p2peager`` suffixes
 (:func:`get_layout`)."""
 from __future__ import annotations
 
@@ -64,14 +64,15 @@ LAYOUTS = {x.name: x for x in (
 DEFAULT_LAYOUTS = "dp,dp-torch,single"
 
 
-_SUFFIX = re.compile(r"-(mb)([1-9][0-9]*)$|-(ac)(selective|full)$|-(even|auto)$|-p2p(batched|eager)$|-(compile)$")
+_SUFFIX = re.compile(r"-(mb)([1-9][0-9]*)$|-(ac)(selective|full)$|-(even|auto)$|-p2p(batched|eager)$|-(compile)$|-(lora)([1-9][0-9]*)?$")
 
 
 def get_layout(name: str) -> Layout:
     """The :class:`Layout` of ``name``: a key of ``LAYOUTS`` followed by optional suffixes
     ``-mbN`` (``train.micro_batch = N``), ``-acselective`` / ``-acfull``
     (``train.activation_checkpointing``), ``-even`` / ``-auto`` (``parallel.pp_split``) and
-    ``-compile`` (``train.compile = true``), e.g. ``zero2-mb4-acfull``, ``pp-1f1b-even-mb2``, ``dp-compile``; ``-p2pbatched`` / ``-p2peager`` set
+    ``-compile`` (``train.compile = true``), ``-lora`` / ``-loraN`` (LoRA adapters of rank 8 / N on the
+    default targets, ``train.lora_rank``), e.g. ``zero2-mb4-acfull``, ``pp-1f1b-even-mb2``, ``dp-compile``, ``dp-lora``; ``-p2pbatched`` / ``-p2peager`` set
     :attr:`Layout.p2p` (native pipeline layouts). Raises ValueError naming the valid layouts and
     suffixes."""
     base, extra, p2p = name, {}, None
@@ -83,16 +84,16 @@ def get_layout(name: str) -> Layout:
             base = base[:m.start()]
             continue
         key = "train.micro_batch" if m.group(1) else "train.activation_checkpointing" if m.group(3) \
-            else "train.compile" if m.group(7) else "parallel.pp_split"
+            else "train.compile" if m.group(7) else "train.lora_rank" if m.group(8) else "parallel.pp_split"
         if key in extra:
             break
-        extra[key] = "true" if m.group(7) else m.group(2) or m.group(4) or m.group(5)
+        extra[key] = "true" if m.group(7) else (m.group(9) or "8") if m.group(8) else m.group(2) or m.group(4) or m.group(5)
         base = base[:m.start()]
     if base not in LAYOUTS:
         raise ValueError(f"unknown layout {name!r}; valid layouts: {', '.join(LAYOUTS)}, each optionally "
                          "followed by -mbN (micro-batch), -acselective|-acfull (activation checkpointing), -even|-auto "
-                         "(parallel.pp_split), -compile (train.compile) and -p2pbatched|-p2peager (pipeline executor "
-                         "p2p posting)")
+                         "(parallel.pp_split), -compile (train.compile), -lora|-loraN (train.lora_rank, default 8) and "
+                         "-p2pbatched|-p2peager (pipeline executor p2p posting)")
     lay = LAYOUTS[base]
     if p2p is not None and (not base.startswith("pp-") or base.startswith(("pp-torch", "pp-threads"))):
         raise ValueError(f"layout {name!r}: -p2p{p2p} applies to the native multi-process pipeline layouts "
@@ -115,6 +116,6 @@ def parse_layouts(spec: str) -> list[str]:
             bad.append(n)
     if bad or not names:
         raise ValueError(f"unknown layout(s) {', '.join(bad) or repr(spec)}; valid layouts: {', '.join(LAYOUTS)} "
-                         "(each optionally followed by -mbN, -acselective|-acfull, -even|-auto, -compile and "
+                         "(each optionally followed by -mbN, -acselective|-acfull, -even|-auto, -compile, -lora[N] and "
                          "-p2pbatched|-p2peager)")
     return names

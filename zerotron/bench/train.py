@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import json
 import os
@@ -70,8 +71,9 @@ from zerotron.dims import AXES
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh
 from zerotron.launch import strip_nproc
+from zerotron.models.lora import apply_lora, lora_kwargs
 from zerotron.models.mixtral import set_step_rows
-from zerotron.models.registry import build_model
+from zerotron.models.registry import arch_of, build_model
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
 from zerotron.parallel.compile import compile_stats
 from zerotron.parallel.context.split import split_sequence
@@ -166,6 +168,8 @@ def _build(cfg, plan, mesh, data, layout: Layout, steps: int):
     mcfg, t = gpt_config(cfg, data.vocab_size), cfg.train
     torch.manual_seed(t.seed)  # same initial weights on every rank and layout
     model = build_model(mcfg).to(mesh.device)
+    if t.lora_rank:  # LoRA (the -lora layouts): base frozen, adapters trained, as the trainer does
+        apply_lora(model, arch_of(model), **lora_kwargs(dataclasses.asdict(t)))
     set_step_rows(model, t.global_batch)  # MoE: the trainer's aux-loss weighting
     strategy = parallelize(model, plan, mesh)
     if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
@@ -323,8 +327,8 @@ def _parser() -> argparse.ArgumentParser:
                    "= N), -acselective | -acfull (train.activation_checkpointing), -even | -auto (parallel.pp_split) and, on "
                    "native pipeline layouts, -p2pbatched | -p2peager (the executor's p2p posting: one batch per comm run / "
                    "per op without early receives; default per op with the next run's receives posted early), "
-                   "-compile (train.compile: rows add compile time and recompiles), e.g. zero2-mb4-acfull, "
-                   "pp-1f1b-even-mb2, dp-compile")
+                   "-compile (train.compile: rows add compile time and recompiles), -lora|-loraN (LoRA adapters of rank 8|N, "
+                   "train.lora_rank), e.g. zero2-mb4-acfull, pp-1f1b-even-mb2, dp-compile, dp-lora")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per layout and round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     p.add_argument("--rounds", type=int, default=8, help="rounds; the layout order rotates every round")

@@ -29,7 +29,10 @@ same configuration (:func:`reference`):
 
 Document masking (``data.doc_mask``) is not a factor: the :data:`DOC_MASK` witnesses (dp, tp + SP,
 pp, cp ring / a2a / allgather) run once more with the masks on a corpus of short documents
-(:func:`doc_corpus`), against a single-process reference with the masks.
+(:func:`doc_corpus`), against a single-process reference with the masks. LoRA is not a factor
+either: the :data:`LORA` witnesses (dp, ZeRO-1/3, FSDP2, tp +- SP, pp) train adapters
+(:data:`LORA_TRAIN`) against a single-process LoRA reference; parameters the reference never
+stepped (the frozen base) must stay bitwise the reference's.
 
 In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
 :data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)
@@ -43,6 +46,9 @@ from zerotron.parity.space import (
                                    FACTORS,
                                    FP64_RTOL,
                                    GLOBAL_BATCH,
+                                   LORA,
+                                   LORA_CI,
+                                   LORA_TRAIN,
                                    MAX_WORLD,
                                    MODEL,
                                    MODELS,
@@ -59,6 +65,7 @@ from zerotron.parity.space import (
                                    doc_corpus,
                                    doc_mask_layouts,
                                    expected_refusal,
+                                   lora_layouts,
                                    moe_expected_refusal,
                                    moe_layouts,
                                    moe_refusal,
@@ -68,4 +75,5 @@ from zerotron.parity.space import (
 __all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
            "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
-           "MOE_MODEL", "MOE_MUST", "moe_layouts", "moe_refusal", "moe_expected_refusal"]
+           "MOE_MODEL", "MOE_MUST", "moe_layouts", "moe_refusal", "moe_expected_refusal",
+           "LORA", "LORA_CI", "LORA_TRAIN", "lora_layouts"]

@@ -51,6 +51,9 @@ def _state_errors(msd, osd, ref) -> dict:
     import torch
 
     perr = max((_rel(v, ref["params"][k]) for k, v in msd.items()), default=0.0)
+    # parameters the reference never stepped (LoRA's frozen base): bitwise the reference's
+    unstepped = sorted(k for k, v in msd.items() if k in ref["params"] and k not in ref["optim"]
+                       and not torch.equal(v.to(ref["params"][k].dtype).cpu(), ref["params"][k]))
     oerr, step_ok = 0.0, True
     for fqn, st in osd["state"].items():
         rs = ref["optim"][fqn]
@@ -58,7 +61,7 @@ def _state_errors(msd, osd, ref) -> dict:
             oerr = max(oerr, _rel(st[k], rs[k]))
         step_ok &= float(torch.as_tensor(st["step"])) == float(torch.as_tensor(rs["step"]))
     return {"param_err": perr, "optim_err": oerr, "step_ok": step_ok,
-            "param_keys": sorted(msd), "optim_keys": sorted(osd["state"]),
+            "param_keys": sorted(msd), "optim_keys": sorted(osd["state"]), "unstepped_changed": unstepped,
             "unknown_keys": sorted((set(msd) - set(ref["params"])) | (set(osd["state"]) - set(ref["optim"])))}
 
 
@@ -132,7 +135,8 @@ def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = 
     ref = torch.load(ref_path, weights_only=False)
     res = []
     for d in layouts:
-        lay = Layout(**{k: d[k] for k in FACTORS}, doc_mask=d.get("doc_mask", False), ep=d.get("ep", 1))
+        lay = Layout(**{k: d[k] for k in FACTORS}, doc_mask=d.get("doc_mask", False), ep=d.get("ep", 1),
+                     lora=d.get("lora", False))
         run_dir = f"{tmp}/{lay.name}"
         out = train_layout(lay, run_dir, extra)
         res.append({"name": lay.name, **compare(out, ref)})
@@ -178,6 +182,8 @@ def check(layout_name: str, records: list[dict], ref_keys: tuple[set, set], rtol
     assert all(r["step_ok"] for r in records), f"{layout_name}: optimizer step count differs from one process"
     assert all(r["full_dtype_ok"] for r in records), f"{layout_name}: full_params() changes the parameter dtype"
     assert not any(r["missing_full"] for r in records), f"{layout_name}: full_params() lacks parameters"
+    changed = sorted({k for r in records for k in r.get("unstepped_changed", [])})
+    assert not changed, f"{layout_name}: parameters the reference never stepped changed (frozen?): {changed[:4]}"
     for r in records:
         assert not r["unknown_keys"], f"{layout_name}: keys not in the reference {r['unknown_keys'][:4]}"
     pkeys = set().union(*(r["param_keys"] for r in records))

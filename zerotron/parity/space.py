@@ -65,6 +65,7 @@ class Layout:
     cp_impl: str | None = None
     doc_mask: bool = False  # data.doc_mask (not a factor: the DOC_MASK witnesses, on a corpus of short documents)
     ep: int = 1  # parallel.ep (the MoE family's factor, :func:`moe_layouts`; carved out of dp: no extra ranks)
+    lora: bool = False  # LoRA adapters (not a factor: the LORA witnesses, against a LoRA reference, :data:`LORA_TRAIN`)
 
     @property
     def world(self) -> int:
@@ -87,6 +88,8 @@ class Layout:
             parts.append("docmask")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.lora:
+            parts.append("lora")
         return "-".join(parts)
 
     def overrides(self) -> dict:
@@ -101,6 +104,8 @@ class Layout:
             o["data.doc_mask"] = "true"
         if self.ep > 1:
             o["parallel.ep"] = self.ep
+        if self.lora:
+            o.update(LORA_TRAIN)
         if self.sync == "torch_ddp":
             o["parallel.dp_impl"] = "torch"
         elif self.sync.startswith("zero"):
@@ -184,6 +189,8 @@ def expected_refusal(layout: Layout) -> str | None:
         return "the threaded executor (pp stages as threads of one process) combines only with native DDP, tp = 1"
     if layout.cp > 1 and layout.pp > 1:
         return "context parallelism does not run under a pipeline yet (no runner splits sequences per stage)"
+    if layout.lora and (layout.cp > 1 or layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
+        return "LoRA runs without context parallelism, on the plain runner and the native pipeline executor"
     if layout.doc_mask and (layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
         return "document masking runs on the plain runner and the native pipeline executor only"
     if layout.cp_impl == "a2a" and any(a2a_refusal(layout.cp, layout.tp, _shape(e)) for e in MODELS.values()):
@@ -244,6 +251,26 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
 # cp 2 all-gather over dp 2 (ZeRO-1 over the batch group dp x cp)
 DOC_MASK = ("ddp-dp2-acc4", "ddp-dp1-tp2sp-acc1", "ddp-dp1-pp2-1f1b-acc4-acfull", "zero2-dp1-cp2-ring-acc4-acfull",
             "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-allgather-acc4")
+
+
+# LoRA (train.lora_rank; the default targets, attention projections: a column-parallel [q|k|v] or q, k, v
+# and a row-parallel output projection), trained against one process with the same adapters: frozen
+# base weights in their own ZeRO flat buffers (ZeRO-1, ZeRO-3, with recomputation, under a pipeline),
+# FSDP2 units mixing frozen and trainable parameters, adapters split over tp with and without SP
+# (alone, under ZeRO-3 and FSDP2), dp 2 and a 1F1B pipeline over native DDP
+LORA_TRAIN = {"train.lora_rank": 4, "train.lr": 0.05}
+LORA = ("ddp-dp2-acc4", "zero1-dp2-acc4", "zero3-dp2-acc4-acfull", "zero3-dp2-acc1", "fsdp2_3-dp2-acc4",
+        "fsdp2_2-dp2-acc1", "ddp-dp1-tp2-acc4", "ddp-dp1-tp2sp-acc1", "zero3-dp1-tp2sp-acc4",
+        "fsdp2_3-dp2-tp2sp-acc1", "ddp-dp2-pp2-1f1b-acc4", "zero3-dp2-pp2-1f1b-acc4")
+# the LoRA witnesses of the default suite (the rest under ZEROTRON_SFT_FULL=1): ZeRO-3 over dp 2 with
+# recomputation, tp 2 + SP, FSDP2 x tp 2 + SP, and a 1F1B pipeline over ZeRO-3 dp 2
+LORA_CI = ("zero3-dp2-acc4-acfull", "ddp-dp1-tp2sp-acc1", "fsdp2_3-dp2-tp2sp-acc1", "zero3-dp2-pp2-1f1b-acc4")
+
+
+def lora_layouts(layouts: list[Layout], names=LORA) -> list[Layout]:
+    """The LoRA witnesses ``names`` (default :data:`LORA`; :data:`LORA_CI`) among ``layouts``, with
+    ``lora`` on."""
+    return [dataclasses.replace(l, lora=True) for l in layouts if l.name in names]
 
 
 def doc_mask_layouts(layouts: list[Layout]) -> list[Layout]:

@@ -5,6 +5,8 @@ the reduce-scatter of the gradients and the all-gather of the parameters. Used b
 rank's ZeRO)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn as nn
 
@@ -26,14 +28,26 @@ class FlatShard:
     clipped shard gradient before the step (:meth:`grad_to_host`) and the updated master is copied
     back into the device's compute shard (:meth:`master_to_device`: ``full[lo:hi]`` at stages
     1-2, ``dev_shard`` at stage 3, which gathers from it). On a CPU-only machine host and device are
-    the same memory: the mechanism runs as the same copies between distinct buffers."""
+    the same memory: the mechanism runs as the same copies between distinct buffers.
+
+    ``frozen`` (the parameters have ``requires_grad = False``: a LoRA base): the buffer still holds
+    and shards the parameters (stage 3 gathers them for compute), but has no gradient (``grad_full``
+    None, an empty ``shard_grad``), no reduce-scatter, no optimizer state and no offload; its
+    ``master`` is the compute-dtype shard (the all-gather source at stage 3), never given to the
+    optimizer (``ZeroSync.grad_flats`` leaves it out)."""
 
     def __init__(self, names, params, decay: bool, stage: int, group, compute_dtype, reduce_dtype,
                  offload: str = "none"):
+        if len({p.requires_grad for p in params}) > 1:
+            raise ValueError(f"a ZeRO flat buffer mixes frozen and trainable parameters: {names[0]} ...")
         self.names, self.params, self.decay, self.stage, self.group = names, params, decay, stage, group
         self.dp, self.rank = group.size(), group.rank()
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
-        self.master_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        self.frozen = not params[0].requires_grad
+        if self.frozen:
+            offload = "none"
+        self.master_dtype = compute_dtype if self.frozen else \
+            torch.float64 if compute_dtype == torch.float64 else torch.float32
         self.numels = [p.numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)
@@ -59,13 +73,13 @@ class FlatShard:
                 self.dev_shard = self.full[lo:hi].clone()
         else:
             shard = self.full[lo:hi] if self.aliased else self.full[lo:hi].to(self.master_dtype).clone()
-        self.master = nn.Parameter(shard)
+        self.master = nn.Parameter(shard, requires_grad=not self.frozen)
         self.grad_full = None
-        if stage == 1:  # full gradients accumulate in place (param.grad views)
+        if stage == 1 and not self.frozen:  # full gradients accumulate in place (param.grad views)
             self.grad_full = torch.zeros(self.padded, dtype=compute_dtype, device=dev)
             self.attach_grad_views()
-        self.shard_grad = torch.zeros(self.k, dtype=self.master_dtype, device=dev)
-        self.grad_aliased = compute_dtype == self.master_dtype and stage == 1  # shard_grad: a view of grad_full
+        self.shard_grad = torch.zeros(0 if self.frozen else self.k, dtype=self.master_dtype, device=dev)
+        self.grad_aliased = compute_dtype == self.master_dtype and stage == 1 and not self.frozen  # a view of grad_full
         if self.grad_aliased:
             self.shard_grad = self.grad_full[lo:hi]
         self.pending = None  # (work, input, output) of an in-flight reduce-scatter
@@ -97,7 +111,9 @@ class FlatShard:
 
     def zero_grad(self) -> None:
         """Clear the shard gradient and the parameters' gradients (stage 1: zero the full buffer and
-        re-attach the ``param.grad`` views into it; stages 2-3: ``param.grad = None``)."""
+        re-attach the ``param.grad`` views into it; stages 2-3: ``param.grad = None``). Frozen: nothing."""
+        if self.frozen:
+            return
         self.shard_grad.zero_()
         self.master.grad = None
         if self.stage == 1:
@@ -113,7 +129,10 @@ class FlatShard:
 
     # ---- gradients -------------------------------------------------------------------------
     def launch_reduce(self) -> None:
-        """Reduce-scatter this buffer's gradient (async); stage 2/3 free the full gradients."""
+        """Reduce-scatter this buffer's gradient (async); stage 2/3 free the full gradients.
+        Frozen: nothing (no gradient)."""
+        if self.frozen:
+            return
         if self.stage == 1:
             inp = self.grad_full if self.grad_full.dtype == self.reduce_dtype else self.grad_full.to(self.reduce_dtype)
         else:
@@ -249,7 +268,7 @@ class FlatShard:
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
         self.master.copy_(flat[lo:hi])
         self.master_to_device()
-        if step is not None:
+        if step is not None and not self.frozen:
             state = optimizer.state[self.master]
             steps = [int(x) for x in torch.as_tensor(step, dtype=torch.float64).reshape(-1).tolist()]
             steps = steps * len(self.params) if len(steps) == 1 else steps
@@ -265,15 +284,16 @@ class FlatShard:
 
 def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, compute_dtype, reduce_dtype,
                 tied=None, offload: str = "none", group_of: dict | None = None) -> list[list[FlatShard]]:
-    """The flat buffers of each unit (a list of Parameters): one per (weight-decay flag, tp-sharded,
-    shard group) triple present, in that fixed order (decay first, tp-sharded first, ``group``
-    first, then the other groups in the order their parameters appear), so tensor-parallel shards,
-    tp-replicated parameters and parameters sharded over different groups never share a buffer.
-    ``names``: ``{id(param): FQN}``; ``mask``: ``{id(param): decay?}``; ``tied``: the Parameter
-    marked ``is_tied`` (its unit should hold it alone); ``offload``: ``train.offload`` (see
-    :class:`FlatShard`); ``group_of``: ``{id(param): group}`` for parameters sharded over another
-    group than ``group`` (expert parameters over their expert-replica group, ``parallel.expert``).
-    Each FlatShard gets ``tp_sharded`` and ``is_tied``. Collective-free."""
+    """The flat buffers of each unit (a list of Parameters): one per (trainable, weight-decay flag,
+    tp-sharded, shard group) present, in that fixed order (trainable first, decay first, tp-sharded
+    first, ``group`` first, then the other groups in the order their parameters appear), so
+    tensor-parallel shards and tp-replicated parameters, frozen (LoRA base) and trainable parameters,
+    and parameters sharded over different groups never share a buffer. ``names``: ``{id(param):
+    FQN}``; ``mask``: ``{id(param): decay?}``; ``tied``: the Parameter marked ``is_tied`` (its unit
+    should hold it alone); ``offload``: ``train.offload`` (see :class:`FlatShard`); ``group_of``:
+    ``{id(param): group}`` for parameters sharded over another group than ``group`` (expert
+    parameters over their expert-replica group, ``parallel.expert``). Each FlatShard gets
+    ``tp_sharded`` and ``is_tied``. Collective-free."""
     group_of = group_of or {}
     out = []
     with torch.no_grad():
@@ -281,16 +301,15 @@ def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, c
             flats = []
             groups = [group] + list({id(g): g for g in (group_of[id(p)] for p in params if id(p) in group_of)
                                      if g is not group}.values())
-            for decay in (True, False):
-                for sharded in (True, False):
-                    for g in groups:
-                        ps = [p for p in params if mask.get(id(p), False) == decay and is_tp_sharded(p) == sharded
-                              and group_of.get(id(p), group) is g]
-                        if ps:
-                            f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, g, compute_dtype,
-                                          reduce_dtype, offload)
-                            f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied
-                            flats.append(f)
+            for train, decay, sharded in itertools.product((True, False), repeat=3):
+                for g in groups:
+                    ps = [p for p in params if p.requires_grad == train and mask.get(id(p), False) == decay
+                          and is_tp_sharded(p) == sharded and group_of.get(id(p), group) is g]
+                    if ps:
+                        f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, g, compute_dtype,
+                                      reduce_dtype, offload)
+                        f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied
+                        flats.append(f)
             out.append(flats)
     return out
 

@@ -67,6 +67,14 @@ shard gradients, the tied-shard sum between a pipeline's first and last stage (`
 sequence-parallel tp sums, the per-parameter AdamW of partly used buffers, the gradient norm over
 the shards and the model-state bytes.
 
+Frozen parameters (LoRA: ``requires_grad = False``). They live in their own flat buffers
+(``FlatShard.frozen``): sharded at stage 3 and gathered for compute like every parameter, but with no
+gradient, no reduce-scatter, no used-parameter mark and no optimizer state (:attr:`ZeroSync.grad_flats`
+are the trainable buffers, :attr:`ZeroSync.all_flats` every buffer: the model state). A unit counts
+as complete when its trainable parameters have their gradients; at stage 3 its frozen buffers can
+still be needed by the rest of the unit's backward (the input gradient through a frozen weight), so
+they are freed at the next unit's pre-backward gather (``UnitGatherer.defer_free``), not then.
+
 Mixed precision (``train.dtype = "bf16"``): module parameters (compute copies) are bf16, master
 shards and Adam state fp32; gradients are reduced in ``parallel.reduce_dtype`` (fp32 by default).
 """
@@ -112,7 +120,8 @@ class ZeroSync:
     all-gather over it, and the norm still sums every shard over ``group``, in which the shards of
     both sets are disjoint). Class attribute ``reduce_window`` (2): how many units'
     reduce-scatters may be in flight at once (see :meth:`_launch_unit`). Attributes: ``flats`` (per unit, its FlatShards),
-    ``all_flats``, ``group``, ``stage``, ``gatherer``. Raises ValueError for a bad stage or dtype."""
+    ``all_flats`` (every buffer), ``grad_flats`` (the trainable ones: gradients, optimizer), ``group``,
+    ``stage``, ``gatherer``. Raises ValueError for a bad stage or dtype."""
 
     reduce_window = 2
 
@@ -131,8 +140,9 @@ class ZeroSync:
         self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied,
                                                              offload, group_of)
         self.all_flats = [f for fl in self.flats for f in fl]
+        self.grad_flats = [f for f in self.all_flats if not f.frozen]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
-        self._used = UsedMarks([p for f in self.all_flats for p in f.params])
+        self._used = UsedMarks([p for f in self.grad_flats for p in f.params])
         self._ready = [set() for _ in self.flats]
         # reduce order, the same on every rank of the group: last block .. first block, then the roots
         self._order = list(range(len(self.flats) - 1, n_root - 1, -1)) + list(range(n_root))
@@ -142,7 +152,7 @@ class ZeroSync:
         self._final = eager  # reductions now are the step's last (HSDP: then they go across replicas)
         self._rep_queue: list = []  # HSDP: flats whose last shard-group reduce-scatter is out
         self._rep_work: list = []  # HSDP: (work, buffer, shard_grad) of the replica all-reduces in flight
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for f in self.all_flats
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for f in self.grad_flats
                        for p in f.params]
         self.gatherer = UnitGatherer(self.flats, n_root)  # stage 3: gather before use, free after
         if stage == 3:
@@ -151,7 +161,7 @@ class ZeroSync:
     # ---- the optimizer's view ----------------------------------------------------------------
     def parameters(self) -> list:
         """The fp32 (fp64) master shards, one per flat buffer: what the optimizer steps."""
-        return [f.master for f in self.all_flats]
+        return [f.master for f in self.grad_flats]
 
     def build_optimizer(self, tcfg, mask: dict | None = None):
         """AdamW over the master shards; decay flags were fixed per flat buffer at construction
@@ -221,6 +231,8 @@ class ZeroSync:
             self._next += 1
         self._progress_replicate(block=True)
         self._wait_all()
+        if self.stage == 3:
+            self.gatherer.free_deferred()
         self._next = 0
         for s in self._ready:
             s.clear()
@@ -239,6 +251,7 @@ class ZeroSync:
         if self.stage == 3:
             for u in range(self.n_root, len(self.flats)):
                 self.gatherer.free(u)
+            self.gatherer.deferred = []
 
     def finish_grads(self) -> None:
         """Complete the step's reduction: (pipeline) stage 1's reduce-scatters; HSDP's all-reduce
@@ -249,13 +262,14 @@ class ZeroSync:
         gradients would ignore an fp32 reduce dtype). Exposes the shard gradients as
         ``master.grad``."""
         self._used.launch(self.dp_group, self.all_flats[0].master.device)
+        flats = self.grad_flats
         if not self.eager:  # a pipeline: no backward action knows it is a unit's last of the step
             self._final = True
             if self.stage == 1:
                 for u in self._order:
                     self._launch_unit(u)
             elif self.replicate_group is not None:
-                self._rep_queue.extend(self.all_flats)
+                self._rep_queue.extend(flats)
             self._progress_replicate(block=True)
             self._wait_all()
             self._final = False
@@ -268,19 +282,19 @@ class ZeroSync:
         self._rep_work = []
         flags = self._used.result()
         i = 0
-        for f in self.all_flats:
+        for f in flats:
             f.used, i = flags[i:i + len(f.params)], i + len(f.params)
         if self.tied_group is not None:  # same flat layout and shard on the first and the last stage
-            for f in self.all_flats:
+            for f in flats:
                 if f.is_tied:
                     comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=self.tied_group, tag="pp_tied")
         if self.tp_group is not None and self.sequence_parallel:
             # replicated parameters saw only this rank's sequence shard: sum their (dp-reduced)
             # gradient shards over tp (Korthikanti et al. 2022); the flat layouts match across tp
-            for f in self.all_flats:
+            for f in flats:
                 if not f.tp_sharded:
                     comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=self.tp_group, tag="tp_grad")
-        for f in self.all_flats:  # offload: the host copy, filled after clipping (optimizer_step)
+        for f in flats:  # offload: the host copy, filled after clipping (optimizer_step)
             f.master.grad = f.host_grad if f.offload else f.shard_grad
 
     def clip_grad_norm(self, max_norm: float, outer=()) -> float:
@@ -289,8 +303,8 @@ class ZeroSync:
         tied shard only where ``count_tied``, clipped everywhere), then summed over the shard group
         (with HSDP the replicas hold the same shards and are not summed) and ``outer`` (a pipeline:
         the pp group); identical on every rank. Clips the shard gradients in place."""
-        counted = [f for f in self.all_flats if self.count_tied or not f.is_tied]
-        extra = [f.shard_grad for f in self.all_flats if not (self.count_tied or not f.is_tied)]
+        counted = [f for f in self.grad_flats if self.count_tied or not f.is_tied]
+        extra = [f.shard_grad for f in self.grad_flats if not (self.count_tied or not f.is_tied)]
         parts = [([f.shard_grad for f in counted if f.tp_sharded], [self.tp_group]),
                  ([f.shard_grad for f in counted if not f.tp_sharded], [])]
         return clip_grad_norm(parts, max_norm, outer=[self.group, *outer], also_clip=extra)
@@ -304,23 +318,23 @@ class ZeroSync:
         differ, is updated per parameter (:meth:`FlatShard.adamw_step`). Otherwise torch's AdamW.
         Offload: each shard gradient is first copied to its host buffer, the step runs on the host
         masters, and the updated masters are copied back to the device before the all-gather."""
-        for f in self.all_flats:
+        for f in self.grad_flats:
             if f.master.grad is not None:
                 f.grad_to_host()
-        for f in self.all_flats:
+        for f in self.grad_flats:
             if f.master.grad is None or (f.steps is None and all(f.used)):
                 continue
             if any(f.used):
                 f.adamw_step(optimizer)
             f.master.grad = None  # left out of optimizer.step()
         optimizer.step()
-        for f in self.all_flats:
+        for f in self.grad_flats:
             f.master_to_device()
-        if self.stage < 3:
+        if self.stage < 3:  # frozen buffers did not change
             with torch.no_grad():
-                for f in self.all_flats:
+                for f in self.grad_flats:
                     f.launch_gather()
-                for f in self.all_flats:
+                for f in self.grad_flats:
                     f.wait_gather()
 
     def model_state_bytes(self, optimizer) -> dict:
@@ -336,7 +350,7 @@ class ZeroSync:
         self._ready[u].add(id(p))
         while self._next < len(self._order):
             unit = self._order[self._next]
-            if len(self._ready[unit]) < sum(len(f.params) for f in self.flats[unit]):
+            if len(self._ready[unit]) < sum(len(f.params) for f in self.flats[unit] if not f.frozen):
                 return
             self._launch_unit(unit)
             self._next += 1
@@ -354,11 +368,13 @@ class ZeroSync:
                 f.wait_reduce()
         for f in self.flats[u]:
             f.launch_reduce()
-            if self.stage == 3 and u >= self.n_root:
+            if self.stage == 3 and u >= self.n_root and not f.frozen:
                 f.free()
+        if self.stage == 3 and u >= self.n_root and any(f.frozen for f in self.flats[u]):
+            self.gatherer.defer_free(u)
         self._inflight.append(u)
         if self.replicate_group is not None and self._final:
-            self._rep_queue.extend(self.flats[u])
+            self._rep_queue.extend(f for f in self.flats[u] if not f.frozen)
             self._progress_replicate(block=False)
 
     def _wait_all(self) -> None:

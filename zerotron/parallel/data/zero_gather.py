@@ -43,6 +43,7 @@ class UnitGatherer:
         self.fwd_units: list[int] = []  # block units in the order their forward ran
         self.fwd_next: dict[int, int] = {}  # unit -> unit whose forward followed it last time (-1: none)
         self.hold = 0  # > 0 inside a full-parameters context: forwards do not free their unit
+        self.deferred: list[int] = []  # units whose backward may still read their (frozen) buffers
 
     def register(self, blocks) -> None:
         for u, b in enumerate(blocks, start=self.n_root):
@@ -65,8 +66,26 @@ class UnitGatherer:
         for f in self.flats[u]:
             f.free()
 
+    def defer_free(self, u: int) -> None:
+        """Free unit ``u`` at the next pre-backward gather of another unit (by then ``u``'s
+        backward is over: its input gradient is complete) or at :meth:`free_deferred`. For units
+        with frozen buffers, whose trainable gradients can be complete before the input gradient
+        through the frozen weights is computed."""
+        if u not in self.deferred:
+            self.deferred.append(u)
+
+    def free_deferred(self, keep: int = -1) -> None:
+        """Free the deferred units (except ``keep``, which stays deferred)."""
+        if self.hold:
+            return
+        for u in self.deferred:
+            if u != keep:
+                self.free(u)
+        self.deferred = [u for u in self.deferred if u == keep]
+
     def release_all(self) -> None:
         """Free every unit's storage, waiting first for any prefetch still in flight."""
+        self.deferred = []
         for fl in self.flats:
             for f in fl:
                 f.free()
@@ -100,6 +119,7 @@ class UnitGatherer:
                 prev = order[-2] if len(order) >= 2 and order[-1] == u else None  # backward runs it next
 
                 def pre_backward():
+                    self.free_deferred(keep=u)
                     self.gather(u)
                     if prev is not None and prev != u:
                         self.gather(prev, wait=False)  # prefetch the block that ran before

@@ -359,7 +359,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             return
         (self.ddp or self.stage_sync).finish_grads()  # waits for every reduction before the buffers are touched
         self._sync_sp_replicated()
-        if self.tied_group is not None:  # FSDP2: both copies are sharded alike over dp: sum the local shards
+        if self.tied_group is not None and self.tied.requires_grad:  # FSDP2: both copies sharded alike over dp
+            # (a frozen tied pair, LoRA's base, has no gradient: nothing to sum)
             g = self.tied.grad
             comm.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.tied_group, tag="pp_tied")
 

@@ -48,6 +48,9 @@ __all__ = ["copy_to_tp", "reduce_from_tp", "gather_from_sp", "reduce_scatter_to_
            "VocabParallelEmbedding"]
 
 
+# names of the tp RNG tracker's states (``transform.RNGStatesTracker``): tp-sharded regions, replicated ones
+MODEL_PARALLEL, REPLICATED = "model-parallel", "replicated"
+
 # ----------------------------------------------------------------------------- shard metadata
 @dataclass(frozen=True)
 class TPShard:

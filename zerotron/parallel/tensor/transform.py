@@ -38,7 +38,10 @@ from zerotron.distributed import comm
 from zerotron.models.base import CausalLM, ParallelHooks
 from zerotron.models.layout import get_module, set_module
 from zerotron.parallel.grad_norm import clip_grad_norm
+from zerotron.parallel.tensor.adapters import shard_adapter
 from zerotron.parallel.tensor.layers import (
+    MODEL_PARALLEL,
+    REPLICATED,
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -49,7 +52,6 @@ from zerotron.parallel.tensor.layers import (
     vocab_parallel_cross_entropy,
 )
 
-MODEL_PARALLEL, REPLICATED = "model-parallel", "replicated"
 _TP_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
@@ -217,6 +219,7 @@ def apply_tensor_parallel(model: CausalLM, tp_group, sequence_parallel: bool = F
     its slices, so the weights equal the dense model's. The token embedding becomes vocab-parallel,
     the output head a column-parallel projection over the same (padded) vocabulary shard (tied to the
     embedding when the layout ties them), every Linear of ``layout.block_tp`` column/row parallel,
+    each LoRA adapter split like its base (``tensor.adapters``), frozen parameters kept frozen,
     every ``nn.Dropout`` a :class:`TrackedDropout`, each attention's ``dropout_rng`` the
     "model-parallel" stream, and ``model.parallel_hooks`` a :class:`TPHooks`. Sets
     ``model.tp_group``, ``model.tp_rng_tracker``, ``model.sequence_parallel``. ``seed``,
@@ -229,6 +232,7 @@ def apply_tensor_parallel(model: CausalLM, tp_group, sequence_parallel: bool = F
         raise ValueError("model is already tensor-parallel")
     lay, n, rank = model.layout(), tp_group.size(), tp_group.rank()
     lay.check_tp(n)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     emb = get_module(model, lay.token_embedding)
     tracker = RNGStatesTracker(emb.weight.device)
     tracker.seed, tracker.coords = int(seed), {"tp": n, "tp_rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank}
@@ -254,11 +258,15 @@ def apply_tensor_parallel(model: CausalLM, tp_group, sequence_parallel: bool = F
             else:
                 layer = RowParallelLinear.from_dense(dense, tp_group, sequence_parallel=sp)
             layer.comm_tag = "tp_block"
+            shard_adapter(dense, layer, rule.style, rule.chunks, tp_group, tracker)  # LoRA: split like its base
             set_module(block, path, layer)
         get_module(block, lay.attention).dropout_rng = _model_parallel_fork(tracker)
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Dropout):
             set_module(model, name, TrackedDropout(m.p, tracker, sp))
+    for name, p in model.named_parameters(remove_duplicate=False):  # frozen (LoRA base) stays frozen
+        if name in frozen:
+            p.requires_grad_(False)
     model.tp_group, model.tp_rng_tracker, model.sequence_parallel = tp_group, tracker, sp
     model.parallel_hooks = TPHooks(model, tp_group, lay.vocab_size, vemb)
     return model
