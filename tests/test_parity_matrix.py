@@ -68,6 +68,8 @@ def test_refusals_are_the_documented_ones(split, report):
     assert len(valid) + len(refused) == len(parity.all_layouts())
     docs = parity.doc_mask_layouts(valid)  # the document-masking witnesses: valid layouts, run with the masks
     assert len(docs) == len(parity.DOC_MASK) and all(parity.refusal(lay) is None for lay in docs)
+    offs = parity.offload_layouts(valid)  # the optimizer-offload witnesses: valid layouts, run with offload
+    assert len(offs) == len(parity.OFFLOAD) and all(parity.refusal(lay) is None for lay in offs)
     report(f"parity matrix: {len(valid) + len(refused)} layouts <= {parity.MAX_WORLD} processes, "
            f"{len(valid)} valid, {len(refused)} refused (each for a documented reason)")
 
@@ -102,7 +104,8 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     first), so the ranks import torch once for both. The document-masking witnesses
     (``parity.DOC_MASK``) train on the short-document corpus against a reference with the masks."""
     valid, _ = split
-    chosen = (valid if FULL else parity.covering_layouts(valid)) + parity.doc_mask_layouts(valid)
+    chosen = (valid if FULL else parity.covering_layouts(valid)) + parity.doc_mask_layouts(valid) + \
+        parity.offload_layouts(valid)
     if WORLDS:
         chosen = [lay for lay in chosen if lay.world in WORLDS]
     if SCHEDULES:

@@ -29,7 +29,9 @@ same configuration (:func:`reference`):
 
 Document masking (``data.doc_mask``) is not a factor: the :data:`DOC_MASK` witnesses (dp, tp + SP,
 pp, cp ring / a2a / allgather) run once more with the masks on a corpus of short documents
-(:func:`doc_corpus`), against a single-process reference with the masks.
+(:func:`doc_corpus`), against a single-process reference with the masks. Optimizer offload
+(``train.offload``) is not a factor either: the :data:`OFFLOAD` witnesses run once more with their
+offload mode against the same reference.
 
 In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
 :data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)
@@ -47,6 +49,7 @@ from zerotron.parity.space import (
                                    MODEL,
                                    MODELS,
                                    MUST,
+                                   OFFLOAD,
                                    STEPS,
                                    TORCH_KINDS,
                                    TRAIN,
@@ -57,9 +60,11 @@ from zerotron.parity.space import (
                                    doc_corpus,
                                    doc_mask_layouts,
                                    expected_refusal,
+                                   offload_layouts,
                                    refusal,
 )
 
 __all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
-           "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal"]
+           "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
+           "OFFLOAD", "offload_layouts"]

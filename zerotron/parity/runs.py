@@ -132,7 +132,7 @@ def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = 
     ref = torch.load(ref_path, weights_only=False)
     res = []
     for d in layouts:
-        lay = Layout(**{k: d[k] for k in FACTORS}, doc_mask=d.get("doc_mask", False))
+        lay = Layout(**{k: d[k] for k in FACTORS}, doc_mask=d.get("doc_mask", False), offload=d.get("offload", "none"))
         run_dir = f"{tmp}/{lay.name}"
         out = train_layout(lay, run_dir, extra)
         res.append({"name": lay.name, **compare(out, ref)})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import tempfile
 from dataclasses import dataclass
 
 from zerotron.config import ConfigError
@@ -64,6 +66,7 @@ class Layout:
     cp: int = 1
     cp_impl: str | None = None
     doc_mask: bool = False  # data.doc_mask (not a factor: the DOC_MASK witnesses, on a corpus of short documents)
+    offload: str = "none"  # train.offload (not a factor: the OFFLOAD witnesses)
 
     @property
     def world(self) -> int:
@@ -84,6 +87,8 @@ class Layout:
             parts.append(f"ac{self.ac}")
         if self.doc_mask:
             parts.append("docmask")
+        if self.offload != "none":
+            parts.append({"optimizer": "offopt", "optimizer-disk": "offdisk"}[self.offload])
         return "-".join(parts)
 
     def overrides(self) -> dict:
@@ -96,6 +101,10 @@ class Layout:
             o["parallel.cp_impl"] = self.cp_impl
         if self.doc_mask:
             o["data.doc_mask"] = "true"
+        if self.offload != "none":
+            o["train.offload"] = self.offload
+        if self.offload == "optimizer-disk":  # the state files are unlinked once mapped: one shared folder
+            o["train.offload_dir"] = os.path.join(tempfile.gettempdir(), "zerotron-parity-offload")
         if self.sync == "torch_ddp":
             o["parallel.dp_impl"] = "torch"
         elif self.sync.startswith("zero"):
@@ -239,6 +248,19 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
 # cp 2 all-gather over dp 2 (ZeRO-1 over the batch group dp x cp)
 DOC_MASK = ("ddp-dp2-acc4", "ddp-dp1-tp2sp-acc1", "ddp-dp1-pp2-1f1b-acc4-acfull", "zero2-dp1-cp2-ring-acc4-acfull",
             "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-allgather-acc4")
+
+
+# optimizer offload (train.offload), not a factor: the master shards and Adam state in host buffers
+# (optimizer) or in memory-mapped files stepped chunk by chunk (optimizer-disk) -- HSDP ZeRO-2 in
+# host memory, pipeline ZeRO-1 (1F1B) and ZeRO-3 x tp 2 on disk
+OFFLOAD = (("zero2-dp4r2-acc4", "optimizer"), ("zero1-dp2-pp2-1f1b-acc4", "optimizer-disk"),
+           ("zero3-dp2-tp2-acc1", "optimizer-disk"))
+
+
+def offload_layouts(layouts: list[Layout]) -> list[Layout]:
+    """The :data:`OFFLOAD` witnesses among ``layouts``, with their ``offload`` mode."""
+    modes = dict(OFFLOAD)
+    return [dataclasses.replace(l, offload=modes[l.name]) for l in layouts if l.name in modes]
 
 
 def doc_mask_layouts(layouts: list[Layout]) -> list[Layout]:
