@@ -1,5 +1,6 @@
 """Optimizer offload for native ZeRO (issue 32, ``train.offload = optimizer``): the master shards and
-Adam state live in host buffers of their own and the step runs there. On this CPU-only machine host
+Adam state live in host buffers of their own and the step runs there; ``optimizer-disk`` keeps them in
+memory-mapped files under ``train.offload_dir`` and steps them chunk by chunk. On this CPU-only machine host
 and device are the same memory, so the same copies run between distinct buffers and the result must
 equal the layout without offload bitwise (same arithmetic, same order: only where the numbers live
 changes; torch's foreach AdamW on the host gives the same bits as its single-tensor loop here).
@@ -26,6 +27,8 @@ def _runs(base_dir, cache, cases):
         cfg = tiny_config({"log.progress": "false", "log.plot": "false", "log.sample_tokens": "0", "train.steps": 4,
                            "train.micro_batch": 2, "data.cache_dir": cache, "checkpoint.every": 2,
                            "checkpoint.save_final": "false", "train.dtype": "fp64", "train.eval_every": 0,
+                           **({"train.offload_dir": f"{base_dir}/offload"}
+                              if over.get("train.offload") == "optimizer-disk" else {}),
                            **{k: v for k, v in over.items() if k != "resume"}})
         run_dir = f"{base_dir}/{name}"
         if "resume" in over:  # resume the checkpoint of another case's run at step 2
@@ -61,18 +64,28 @@ def test_offload_equals_no_offload_dp2(tmp_path, data_cache):
     uninterrupted run bitwise."""
     cases = []
     for z in (1, 2, 3):
-        cases += [(f"z{z}", {"parallel.zero_stage": z}), (f"z{z}-off", {"parallel.zero_stage": z, "train.offload": "optimizer"})]
+        cases += [(f"z{z}", {"parallel.zero_stage": z}), (f"z{z}-off", {"parallel.zero_stage": z, "train.offload": "optimizer"}),
+                  (f"z{z}-disk", {"parallel.zero_stage": z, "train.offload": "optimizer-disk"})]
     cases += [("z1-resume-off", {"parallel.zero_stage": 1, "train.offload": "optimizer", "resume": "z1"}),
-              ("z3-resume-none", {"parallel.zero_stage": 3, "resume": "z3-off"})]
+              ("z3-resume-none", {"parallel.zero_stage": 3, "resume": "z3-off"}),
+              ("z2-resume-disk", {"parallel.zero_stage": 2, "train.offload": "optimizer-disk", "resume": "z2-off"}),
+              ("z1-resume-none-from-disk", {"parallel.zero_stage": 1, "resume": "z1-disk"})]
     res = run_ranks(_runs, 2, str(tmp_path), data_cache, cases)[0]
     for z in (1, 2, 3):
         _check(res, f"z{z}", f"z{z}-off")
-        off, ref = res[f"z{z}-off"][1], res[f"z{z}"][1]
+        _check(res, f"z{z}", f"z{z}-disk")
+        off, ref, disk = res[f"z{z}-off"][1], res[f"z{z}"][1], res[f"z{z}-disk"][1]
         assert off["optimizer_bytes"] == 0 and ref["optimizer_bytes"] > 0 and "host_bytes" not in ref
         shard_bytes = ref["optimizer_bytes"] // 2  # fp64: exp_avg + exp_avg_sq (master aliased/param at stage 3)
         assert off["host_bytes"] == 4 * shard_bytes and off["disk_bytes"] == 0
         assert off["params_bytes"] == ref["params_bytes"] and off["grads_bytes"] == ref["grads_bytes"]
-    for resumed, ref in (("z1-resume-off", "z1"), ("z3-resume-none", "z3")):
+        # the disk tier: master + Adam state in the files, no host gradient on a CPU-only machine
+        assert disk["optimizer_bytes"] == 0 and disk["host_bytes"] == 0 and disk["disk_bytes"] == 3 * shard_bytes
+        assert disk["params_bytes"] == ref["params_bytes"] and disk["grads_bytes"] == ref["grads_bytes"]
+    for rank in (0, 1):  # the state files are unlinked once mapped: nothing is left behind
+        assert os.listdir(tmp_path / "offload" / f"rank-{rank}") == []
+    for resumed, ref in (("z1-resume-off", "z1"), ("z3-resume-none", "z3"), ("z2-resume-disk", "z2"),
+                         ("z1-resume-none-from-disk", "z1")):
         assert res[resumed][0] == res[ref][0][2:]  # steps 3-4
         for k, v in res[ref][2].items():
             assert torch.equal(v, res[resumed][2][k]), (resumed, k)
@@ -84,25 +97,32 @@ def test_offload_equals_no_offload_4ranks(tmp_path, data_cache):
     cases = []
     for name, over in (("pp2z1", {"parallel.pp": 2, "parallel.zero_stage": 1}),
                        ("tp2z3", {"parallel.tp": 2, "parallel.zero_stage": 3})):
-        cases += [(name, over), (name + "-off", {**over, "train.offload": "optimizer"})]
+        cases += [(name, over), (name + "-off", {**over, "train.offload": "optimizer"}),
+                  (name + "-disk", {**over, "train.offload": "optimizer-disk"})]
     res = run_ranks(_runs, 4, str(tmp_path), data_cache, cases)
     for r in res:
         for name in ("pp2z1", "tp2z3"):
             _check(r, name, name + "-off")
+            _check(r, name, name + "-disk")
 
 
 def test_offload_single_process(tmp_path, data_cache, single_process):
     """One process, ZeRO-1 over dp 1: the same bitwise equality."""
     res = _runs(str(tmp_path), data_cache, [("z1", {"parallel.zero_stage": 1}),
-                                            ("z1-off", {"parallel.zero_stage": 1, "train.offload": "optimizer"})])
+                                            ("z1-off", {"parallel.zero_stage": 1, "train.offload": "optimizer"}),
+                                            ("z1-disk", {"parallel.zero_stage": 1, "train.offload": "optimizer-disk"})])
     _check(res, "z1", "z1-off")
+    _check(res, "z1", "z1-disk")
 
 
 @pytest.mark.parametrize("argv,message", [
     ([], "train.offload = optimizer needs native ZeRO"),
     (["--parallel.dp_impl", "torch"], "train.offload = optimizer needs native ZeRO"),
     (["--parallel.zero_stage", "3", "--parallel.zero_impl", "fsdp2"], "FSDP2 keeps the optimizer state"),
-    (["--parallel.zero_stage", "1", "--train.offload", "gpu"], "train.offload must be none or optimizer"),
+    (["--parallel.zero_stage", "1", "--train.offload", "gpu"], "train.offload must be none, optimizer or optimizer-disk"),
+    (["--parallel.zero_stage", "1", "--train.offload_dir", "/tmp"], "train.offload_dir is used by train.offload = "
+                                                                     "optimizer-disk only"),
+    (["--parallel.zero_stage", "1", "--train.offload", "optimizer-disk"], "needs train.offload_dir"),
 ])
 def test_offload_refused(argv, message, capsys, tmp_path):
     code = main(["train", "--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), "--nproc", "2",
@@ -125,3 +145,77 @@ def test_offload_estimator():
     assert model_state_bytes(8000, 8, 1, "fp64", offload="optimizer")["host_bytes"] == 1000 * 32
     with pytest.raises(ValueError, match="offload"):
         model_state_bytes(8000, 8, 0, offload="optimizer")
+    # the disk tier: master + Adam state (12 bytes per shard element) on disk, the host gradient (4) in memory
+    rows = zero_table(7 * 10**9, 8, "fp32", "adam", offload="optimizer-disk")
+    assert [(r["stage"], r["total_bytes"], r["host_bytes"], r["disk_bytes"]) for r in rows] == [
+        (1, 56 * 10**9, 3.5 * 10**9, 10.5 * 10**9), (2, 31.5 * 10**9, 3.5 * 10**9, 10.5 * 10**9),
+        (3, 7 * 10**9, 3.5 * 10**9, 10.5 * 10**9)]
+    mixed = model_state_bytes(8000, 8, 1, "bf16-mixed", offload="optimizer-disk")
+    assert mixed["host_bytes"] == 1000 * 4 and mixed["disk_bytes"] == 1000 * 12
+
+
+def _disk_argv(tmp_path, offload_dir):
+    return ["train", "--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), "--nproc", "2",
+            "--parallel.zero_stage", "1", "--train.offload", "optimizer-disk", "--train.offload_dir", str(offload_dir)]
+
+
+def test_offload_dir_refused(capsys, tmp_path, monkeypatch):
+    """The disk tier's folder, checked before any process starts: missing, read-only (no write bit;
+    refused even for root), too small for the files (free space faked) -- one line each, exit 2,
+    nothing written (no run directory, the folder left empty)."""
+    import shutil
+
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    small = tmp_path / "small"
+    small.mkdir()
+    real = shutil.disk_usage
+    for folder, message, fake_free in ((tmp_path / "missing", "does not exist", None), (ro, "is read-only", None),
+                                       (small, "bytes free, the optimizer state files need about", 1000)):
+        if fake_free is not None:
+            monkeypatch.setattr(shutil, "disk_usage", lambda p, r=real: r(p)._replace(free=fake_free))
+        code = main(_disk_argv(tmp_path, folder))
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "r").exists() and (not folder.exists() or not any(folder.iterdir()))
+    ro.chmod(0o755)
+
+
+def test_disk_state_release():
+    """``DiskState``: values written through the mapping survive ``release`` (MADV_DONTNEED on a
+    shared file mapping), which takes the pages out of the process's resident set; the chunked
+    step gives the same bits as one torch AdamW step over the whole vector."""
+    import tempfile
+
+    from zerotron.parallel.data.disk_state import DiskState, chunked_step
+
+    def rss_file_kb():
+        with open("/proc/self/status") as f:
+            return sum(int(ln.split()[1]) for ln in f if ln.startswith(("RssFile:", "RssShmem:")))
+
+    n = 3 * (1 << 20) + 17  # 3 chunks and a ragged tail
+    with tempfile.TemporaryDirectory() as d:
+        disk = DiskState(f"{d}/x.bin", n, torch.float64)
+        assert os.listdir(d) == []  # unlinked once mapped
+        vals = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        before = rss_file_kb()
+        disk.tensors["master"].copy_(vals)
+        grown = rss_file_kb() - before
+        disk.release()
+        assert grown > 0.9 * n * 8 / 1024 and rss_file_kb() - before < 0.1 * grown, (grown, rss_file_kb() - before)
+        assert torch.equal(disk.tensors["master"], vals)
+
+        ref = torch.nn.Parameter(vals.clone())
+        ref_opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.1)
+        p = torch.nn.Parameter(disk.tensors["master"])
+        opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.1, foreach=True)
+        opt.state[p].update(step=torch.tensor(0.0), exp_avg=disk.tensors["exp_avg"], exp_avg_sq=disk.tensors["exp_avg_sq"])
+        for i in range(2):
+            g = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(i + 1))
+            ref.grad = g.clone()
+            ref_opt.step()
+            chunked_step(opt, p, g, disk)
+        assert torch.equal(p.detach(), ref.detach()) and p.grad is None
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][k], ref_opt.state[ref][k]), k
+        assert opt.state[p]["exp_avg"].data_ptr() == disk.tensors["exp_avg"].data_ptr()

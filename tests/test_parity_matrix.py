@@ -73,6 +73,8 @@ def test_refusals_are_the_documented_ones(split, report):
     assert len(loras) == len(parity.LORA) and all(parity.refusal(lay) is None for lay in loras)
     lora_cp = dataclasses.replace(next(lay for lay in valid if lay.cp > 1), lora=True)
     assert parity.refusal(lora_cp) and parity.expected_refusal(lora_cp)  # LoRA x cp: refused, documented
+    offs = parity.offload_layouts(valid)  # the optimizer-offload witnesses: valid layouts, run with offload
+    assert len(offs) == len(parity.OFFLOAD) and all(parity.refusal(lay) is None for lay in offs)
     report(f"parity matrix: {len(valid) + len(refused)} layouts <= {parity.MAX_WORLD} processes, "
            f"{len(valid)} valid, {len(refused)} refused (each for a documented reason)")
 
@@ -109,7 +111,7 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     valid, _ = split
     lora_names = parity.LORA if FULL or os.environ.get("ZEROTRON_SFT_FULL") else parity.LORA_CI
     chosen = (valid if FULL else parity.covering_layouts(valid)) + parity.doc_mask_layouts(valid) + \
-        parity.lora_layouts(valid, lora_names)
+        parity.lora_layouts(valid, lora_names) + parity.offload_layouts(valid)
     if WORLDS:
         chosen = [lay for lay in chosen if lay.world in WORLDS]
     if SCHEDULES:

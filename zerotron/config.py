@@ -188,7 +188,9 @@ class TrainConfig:
     lora_targets: str = ""
     """comma-separated projections of a block (model layout names, e.g. q_proj,v_proj); "" = attention's"""
     offload: str = "none"
-    """none | optimizer: native ZeRO-1/2/3 keep the fp32 master shards and Adam state in host memory and run the optimizer step there (ZeRO-Offload)"""
+    """none | optimizer: native ZeRO-1/2/3 keep the fp32 master shards and Adam state in host memory and run the optimizer step there (ZeRO-Offload) | optimizer-disk: the same in memory-mapped files under offload_dir (ZeRO-Infinity)"""
+    offload_dir: str = ""
+    """folder for train.offload = optimizer-disk (must exist and be writable; one rank-N subfolder per rank)"""
 
 
 @dataclass

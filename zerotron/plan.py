@@ -271,8 +271,14 @@ class ParallelPlan:
         _need(not (impl == "fsdp2" and z == 0),
               "parallel.zero_impl = fsdp2 is a ZeRO implementation and does nothing without a zero stage: set "
               "parallel.zero_stage = 2 or 3, or remove parallel.zero_impl")
-        _need(self.offload in ("none", "optimizer"),
-              f"train.offload must be none or optimizer, got {self.offload!r}")
+        _need(self.offload in ("none", "optimizer", "optimizer-disk"),
+              f"train.offload must be none, optimizer or optimizer-disk, got {self.offload!r}")
+        _need(self.offload == "optimizer-disk" or not self.offload_dir,
+              f"train.offload_dir is used by train.offload = optimizer-disk only (offload is {self.offload!r}): "
+              "remove train.offload_dir or set train.offload = optimizer-disk")
+        _need(self.offload != "optimizer-disk" or self.offload_dir,
+              "train.offload = optimizer-disk needs train.offload_dir, a folder on a local disk for the optimizer "
+              "state files: set --train.offload_dir PATH")
         _need(self.offload == "none" or (z >= 1 and impl == "native"),
               f"train.offload = {self.offload} needs native ZeRO (parallel.zero_stage 1, 2 or 3 with "
               f"parallel.zero_impl = native): {'FSDP2' if impl == 'fsdp2' and z else 'DDP'} keeps the optimizer "

@@ -52,7 +52,7 @@ _BYTES = {
 }
 DTYPES = tuple(_BYTES)
 OPTIMIZERS = ("adam", "sgd")
-OFFLOADS = ("none", "optimizer")  # train.offload values the estimator prices
+OFFLOADS = ("none", "optimizer", "optimizer-disk")  # train.offload values the estimator prices
 GB = 10**9  # the tables use decimal gigabytes, as the ZeRO paper does
 
 
@@ -95,6 +95,10 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
     master shard, the optimizer state and the host copy of the gradient shard (master dtype: fp32,
     fp64 in fp64), per shard element 4 + 8 + 4 = 16 bytes for Adam in fp32 or bf16-mixed; the
     result also has ``disk_bytes`` (0). The device keeps the parameters and gradients.
+    ``offload = "optimizer-disk"`` (the disk tier, ZeRO-Infinity, Rajbhandari et al. 2021): the
+    master shard and the optimizer state move to ``disk_bytes`` (4 + 8 = 12 bytes per shard element
+    for Adam; fp64: 24), ``host_bytes`` keeps only the host copy of the gradient shard (4; on a
+    CPU-only machine the run reads the device gradient directly and holds none).
 
     Raises ValueError, naming the valid values, for a bad num_params, dp, stage, dtype, optimizer or
     offload (offload needs stage >= 1), a dp_replicate that does not divide dp, or trainable outside
@@ -118,11 +122,12 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
     if offload not in OFFLOADS or (offload != "none" and stage < 1):
         raise ValueError(f"offload must be one of {list(OFFLOADS)} (not none only with stage >= 1), got {offload!r} "
                          f"at stage {stage}")
-    if offload == "optimizer":
+    if offload != "none":
         master = 8 if dtype == "fp64" else 4  # host master (and host gradient) dtype
-        host = t_shard * (master + (k_bytes if dtype == "bf16-mixed" else master + k_bytes))
+        state = t_shard * (k_bytes if dtype == "bf16-mixed" else master + k_bytes)  # master + optimizer state
+        disk = state if offload == "optimizer-disk" else 0
         return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": 0, "total_bytes": params + grads,
-                "host_bytes": host, "disk_bytes": 0}
+                "host_bytes": t_shard * master + state - disk, "disk_bytes": disk}
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optim,
             "total_bytes": params + grads + optim}
 
@@ -145,12 +150,53 @@ def format_table(rows: list) -> str:
     if rows and "host_bytes" in rows[0]:  # offload: the device total, then host memory
         cols[-1] = ("total_bytes", "device GB")
         cols.append(("host_bytes", "host GB"))
+        if any(r.get("disk_bytes") for r in rows):
+            cols.append(("disk_bytes", "disk GB"))
     lines = ["  ".join(f"{title:>12}" for _, title in cols)]
     for row in rows:
         cells = [f"{row['stage']:>12}"]
         cells += [f"{row[key] / GB:>12.4g}" for key, _ in cols[1:]]
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def offload_dir_refusal(cfg, plan, local_ranks: int | None = None) -> str | None:
+    """The check of ``train.offload_dir`` for ``train.offload = optimizer-disk`` before any process
+    starts: None when it is usable, else the one line that refuses it -- the folder is missing (or
+    not a folder), read-only (a read-only mount, no write permission, or no write bit at all), or
+    has less free space than the files need. Needed bytes: :func:`model_state_bytes`' ``disk_bytes``
+    for the largest model-parallel rank's parameters (:func:`stage_num_params`, sharded over dp_shard x cp)
+    times ``local_ranks`` (the processes on this machine; default ``LOCAL_WORLD_SIZE`` or the
+    world size). Writes nothing. Raises nothing for an unknown model (then only the folder checks)."""
+    import os
+    import shutil
+
+    if plan.offload != "optimizer-disk":
+        return None
+    d = plan.offload_dir
+    if not os.path.isdir(d):
+        return (f"train.offload_dir {d!r} does not exist or is not a folder: create it (mkdir -p {d}) or point "
+                "train.offload_dir at an existing folder")
+    if (os.statvfs(d).f_flag & os.ST_RDONLY) or not os.access(d, os.W_OK | os.X_OK) or not os.stat(d).st_mode & 0o222:
+        return (f"train.offload_dir {d!r} is read-only: make it writable (chmod u+w {d}) or choose another folder")
+    try:
+        dtype = {"fp64": "fp64", "bf16": "bf16-mixed"}.get(plan.dtype, "fp32")
+        from zerotron.config import model_shape
+        from zerotron.models.registry import config_from_section
+
+        shape = model_shape(cfg.model)
+        mcfg = config_from_section(cfg.model, cfg.model.vocab_size or shape.get("vocab_size") or cfg.data.vocab_size)
+        share = max(stage_num_params(mcfg, plan.tp, plan.pp))
+        per_rank = model_state_bytes(share, plan.dp_shard * plan.cp, max(plan.zero_stage, 1), dtype,
+                                     offload="optimizer-disk")["disk_bytes"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size))
+    need, free = per_rank * ranks, shutil.disk_usage(d).free
+    if free < need:
+        return (f"train.offload_dir {d!r} has {free:,} bytes free, the optimizer state files need about {need:,} "
+                f"bytes ({per_rank:,} per rank x {ranks} ranks): free space or choose a larger disk")
+    return None
 
 
 def _count(text: str) -> int:
@@ -381,7 +427,8 @@ def memory_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="fp32", choices=DTYPES, help="training precision")
     parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS, help="optimizer (its state bytes)")
     parser.add_argument("--offload", default="none", choices=OFFLOADS,
-                        help="train.offload: optimizer = master shards and optimizer state in host memory (stages 1-3)")
+                        help="train.offload: optimizer = master shards and optimizer state in host memory, "
+                             "optimizer-disk = in files on disk (stages 1-3)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     parser.add_argument("--ep", type=int, default=1, help="mixture-of-experts models: expert-parallel degree "
                         "(experts split over ep, carved out of dp); prints total vs active parameters, expert "
@@ -447,7 +494,8 @@ def _memory_run(args) -> int:
         return 0
     hsdp = f" ({args.dp_replicate} replicas x {args.dp // args.dp_replicate} shards)" if args.dp_replicate > 1 else ""
     cp = f", cp={args.cp} (sharded over dp x cp)" if args.cp > 1 else ""
-    off = f", offload {args.offload} (ZeRO-Offload, Ren et al. 2021)" if args.offload != "none" else ""
+    off = {"none": "", "optimizer": ", offload optimizer (ZeRO-Offload, Ren et al. 2021)",
+           "optimizer-disk": ", offload optimizer-disk (ZeRO-Infinity, Rajbhandari et al. 2021)"}[args.offload]
     print(f"{num_params:,} parameters, dp={args.dp}{hsdp}{cp}, {args.dtype}, {args.optimizer}{off}: "
           f"model states per rank (ZeRO, Rajbhandari et al. 2020)")
     if rank_params != num_params:

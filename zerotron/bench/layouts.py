@@ -3,7 +3,9 @@
 (:func:`get_layout`)."""
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 
 
@@ -33,6 +35,11 @@ LAYOUTS = {x.name: x for x in (
     Layout("single-mt", {"parallel.dp_impl": "native"}, world=1, all_threads=True),
     *(Layout(f"zero{s}", {"parallel.zero_stage": s}, **_NEW) for s in (1, 2, 3)),
     *(Layout(f"fsdp2-zero{s}", {"parallel.zero_stage": s, "parallel.zero_impl": "fsdp2"}, **_NEW) for s in (2, 3)),
+    # optimizer offload (train.offload): host memory, and the disk tier in $ZEROTRON_OFFLOAD_DIR (default: the temp dir)
+    *(Layout(f"zero{s}-offload", {"parallel.zero_stage": s, "train.offload": "optimizer"}, **_NEW) for s in (1, 2, 3)),
+    *(Layout(f"zero{s}-offdisk", {"parallel.zero_stage": s, "train.offload": "optimizer-disk",
+                                  "train.offload_dir": os.environ.get("ZEROTRON_OFFLOAD_DIR", tempfile.gettempdir())},
+             **_NEW) for s in (1, 2, 3)),
     # HSDP: 2 replicas (normally 2 nodes) x world/2 shards; "dp-hier": hierarchical DDP all-reduce
     *(Layout(f"hsdp-zero{s}", {"parallel.zero_stage": s, "parallel.dp_replicate": 2}, **_NEW) for s in (2, 3)),
     Layout("fsdp2-hsdp", {"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2", "parallel.dp_replicate": 2}, **_NEW),

@@ -49,6 +49,11 @@ def cmd_train(argv: list[str]) -> int:
                               "torchrun, pass torchrun --max-restarts instead)")
         world = int(os.environ["WORLD_SIZE"]) if in_worker() else max(1, args.nproc)
         plan = build_plan(cfg, world)  # every layout rule, before anything is written; the Trainer takes it
+        from ..analysis.memory import offload_dir_refusal
+
+        refusal = offload_dir_refusal(cfg, plan)  # the disk tier's folder: exists, writable, large enough
+        if refusal:
+            raise ConfigError(refusal)
         from ..train.tensorboard import tensorboard_enabled
 
         tensorboard_enabled(cfg.log.tensorboard)  # "true" without the package: one line, before any worker

@@ -78,12 +78,12 @@ def _data_parallel(model, plan, mesh, mask):
     tp = mesh.group("tp") if mesh.size("tp") > 1 else None
     if plan.sync == "zero" and plan.ep > 1:  # ZeRO-1/2/3 x experts sharded over ep (parallel.expert)
         return ExpertZero(model, group, plan.ep, plan.zero_stage, plan.dtype, plan.reduce_dtype, mask, plan.offload,
-                          tp_group=tp, lines=mesh.dims.group_ranks("dp"))
+                          tp_group=tp, lines=mesh.dims.group_ranks("dp"), offload_dir=plan.offload_dir)
     if plan.sync == "zero":  # HSDP: shard within the shard group, all-reduce shards over the replicas
         return ZeroStrategy(model, mesh.group("shard"), plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
                             tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,
                             sequence_parallel=plan.sequence_parallel, replicate_group=mesh.group("dp_rep"),
-                            dp_group=group, offload=plan.offload)
+                            dp_group=group, offload=plan.offload, offload_dir=plan.offload_dir)
     if plan.sync == "fsdp2":
         return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype)
     if plan.sync == "ddp" and plan.ep > 1:  # experts sharded over ep, summed over dp/ep (parallel.expert)

@@ -33,6 +33,9 @@ pp, cp ring / a2a / allgather) run once more with the masks on a corpus of short
 either: the :data:`LORA` witnesses (dp, ZeRO-1/3, FSDP2, tp +- SP, pp) train adapters
 (:data:`LORA_TRAIN`) against a single-process LoRA reference; parameters the reference never
 stepped (the frozen base) must stay bitwise the reference's.
+Optimizer offload
+(``train.offload``) is not a factor either: the :data:`OFFLOAD` witnesses run once more with their
+offload mode against the same reference.
 
 In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
 :data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)
@@ -55,6 +58,7 @@ from zerotron.parity.space import (
                                    MOE_MODEL,
                                    MOE_MUST,
                                    MUST,
+                                   OFFLOAD,
                                    STEPS,
                                    TORCH_KINDS,
                                    TRAIN,
@@ -69,6 +73,7 @@ from zerotron.parity.space import (
                                    moe_expected_refusal,
                                    moe_layouts,
                                    moe_refusal,
+                                   offload_layouts,
                                    refusal,
 )
 
@@ -76,4 +81,5 @@ __all__ = ["ERRORS", "check", "compare", "markdown", "reference", "run_jobs", "r
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
            "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
            "MOE_MODEL", "MOE_MUST", "moe_layouts", "moe_refusal", "moe_expected_refusal",
-           "LORA", "LORA_CI", "LORA_TRAIN", "lora_layouts"]
+           "LORA", "LORA_CI", "LORA_TRAIN", "lora_layouts",
+           "OFFLOAD", "offload_layouts"]

@@ -136,7 +136,7 @@ def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = 
     res = []
     for d in layouts:
         lay = Layout(**{k: d[k] for k in FACTORS}, doc_mask=d.get("doc_mask", False), ep=d.get("ep", 1),
-                     lora=d.get("lora", False))
+                     lora=d.get("lora", False), offload=d.get("offload", "none"))
         run_dir = f"{tmp}/{lay.name}"
         out = train_layout(lay, run_dir, extra)
         res.append({"name": lay.name, **compare(out, ref)})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import tempfile
 from dataclasses import dataclass
 
 from zerotron.config import ConfigError
@@ -66,6 +68,7 @@ class Layout:
     doc_mask: bool = False  # data.doc_mask (not a factor: the DOC_MASK witnesses, on a corpus of short documents)
     ep: int = 1  # parallel.ep (the MoE family's factor, :func:`moe_layouts`; carved out of dp: no extra ranks)
     lora: bool = False  # LoRA adapters (not a factor: the LORA witnesses, against a LoRA reference, :data:`LORA_TRAIN`)
+    offload: str = "none"  # train.offload (not a factor: the OFFLOAD witnesses)
 
     @property
     def world(self) -> int:
@@ -90,6 +93,8 @@ class Layout:
             parts.append(f"ep{self.ep}")
         if self.lora:
             parts.append("lora")
+        if self.offload != "none":
+            parts.append({"optimizer": "offopt", "optimizer-disk": "offdisk"}[self.offload])
         return "-".join(parts)
 
     def overrides(self) -> dict:
@@ -106,6 +111,10 @@ class Layout:
             o["parallel.ep"] = self.ep
         if self.lora:
             o.update(LORA_TRAIN)
+        if self.offload != "none":
+            o["train.offload"] = self.offload
+        if self.offload == "optimizer-disk":  # the state files are unlinked once mapped: one shared folder
+            o["train.offload_dir"] = os.path.join(tempfile.gettempdir(), "zerotron-parity-offload")
         if self.sync == "torch_ddp":
             o["parallel.dp_impl"] = "torch"
         elif self.sync.startswith("zero"):
@@ -271,6 +280,19 @@ def lora_layouts(layouts: list[Layout], names=LORA) -> list[Layout]:
     """The LoRA witnesses ``names`` (default :data:`LORA`; :data:`LORA_CI`) among ``layouts``, with
     ``lora`` on."""
     return [dataclasses.replace(l, lora=True) for l in layouts if l.name in names]
+
+
+# optimizer offload (train.offload), not a factor: the master shards and Adam state in host buffers
+# (optimizer) or in memory-mapped files stepped chunk by chunk (optimizer-disk) -- HSDP ZeRO-2 in
+# host memory, pipeline ZeRO-1 (1F1B) and ZeRO-3 x tp 2 on disk
+OFFLOAD = (("zero2-dp4r2-acc4", "optimizer"), ("zero1-dp2-pp2-1f1b-acc4", "optimizer-disk"),
+           ("zero3-dp2-tp2-acc1", "optimizer-disk"))
+
+
+def offload_layouts(layouts: list[Layout]) -> list[Layout]:
+    """The :data:`OFFLOAD` witnesses among ``layouts``, with their ``offload`` mode."""
+    modes = dict(OFFLOAD)
+    return [dataclasses.replace(l, offload=modes[l.name]) for l in layouts if l.name in modes]
 
 
 def doc_mask_layouts(layouts: list[Layout]) -> list[Layout]:

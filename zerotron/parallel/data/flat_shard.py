@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from zerotron.distributed import comm
+from zerotron.parallel.data.disk_state import DiskState
 from zerotron.parallel.tensor.layers import is_tp_sharded
 
 
@@ -30,6 +31,12 @@ class FlatShard:
     1-2, ``dev_shard`` at stage 3, which gathers from it). On a CPU-only machine host and device are
     the same memory: the mechanism runs as the same copies between distinct buffers.
 
+    ``offload = "optimizer-disk"`` (the disk tier, ZeRO-Infinity, Rajbhandari et al. 2021): the same,
+    but the master shard and its Adam moments are vectors of a memory-mapped file at ``disk_path``
+    (``disk``, a :class:`~zerotron.parallel.data.disk_state.DiskState`), stepped chunk by chunk and
+    released from memory after use; on a CPU-only machine the gradient is read from ``shard_grad``
+    directly (no ``host_grad``).
+
     ``frozen`` (the parameters have ``requires_grad = False``: a LoRA base): the buffer still holds
     and shards the parameters (stage 3 gathers them for compute), but has no gradient (``grad_full``
     None, an empty ``shard_grad``), no reduce-scatter, no optimizer state and no offload; its
@@ -37,7 +44,7 @@ class FlatShard:
     optimizer (``ZeroSync.grad_flats`` leaves it out)."""
 
     def __init__(self, names, params, decay: bool, stage: int, group, compute_dtype, reduce_dtype,
-                 offload: str = "none"):
+                 offload: str = "none", disk_path: str | None = None):
         if len({p.requires_grad for p in params}) > 1:
             raise ValueError(f"a ZeRO flat buffer mixes frozen and trainable parameters: {names[0]} ...")
         self.names, self.params, self.decay, self.stage, self.group = names, params, decay, stage, group
@@ -60,15 +67,23 @@ class FlatShard:
                 self.full[off:off + n].copy_(p.detach().reshape(-1))
                 p.data = self.full[off:off + n].view_as(p)
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        self.offload = offload == "optimizer"
+        self.offload = offload in ("optimizer", "optimizer-disk")
         # master is a view of `full` (no offload, same dtype, parameters full at rest)
         self.aliased = compute_dtype == self.master_dtype and stage < 3 and not self.offload
-        self.dev_shard = self.host_grad = None
+        self.dev_shard = self.host_grad = self.disk = None
         if self.offload:
             host = torch.device("cpu")
-            shard = torch.empty(self.k, dtype=self.master_dtype, device=host, pin_memory=dev.type == "cuda")
+            if offload == "optimizer-disk":
+                self.disk = DiskState(disk_path, self.k, self.master_dtype)
+                shard = self.disk.tensors["master"]
+            else:
+                shard = torch.empty(self.k, dtype=self.master_dtype, device=host, pin_memory=dev.type == "cuda")
             shard.copy_(self.full[lo:hi])
-            self.host_grad = torch.zeros_like(shard)
+            if self.disk is not None:
+                self.disk.release()
+            if self.disk is None or dev.type != "cpu":  # the disk tier on the host device reads shard_grad
+                self.host_grad = torch.zeros(self.k, dtype=self.master_dtype, device=host,
+                                             pin_memory=dev.type == "cuda")
             if stage == 3:  # the compute shard the all-gathers read (parameters at rest on the device)
                 self.dev_shard = self.full[lo:hi].clone()
         else:
@@ -183,7 +198,7 @@ class FlatShard:
     def grad_to_host(self) -> None:
         """Offload: copy the (reduced, clipped) device shard gradient into ``host_grad``, the
         master's gradient for the host step. No-op without offload."""
-        if self.offload:
+        if self.host_grad is not None:
             self.host_grad.copy_(self.shard_grad, non_blocking=self.host_grad.is_pinned())
             if self.host_grad.is_pinned():
                 torch.cuda.current_stream().synchronize()
@@ -198,6 +213,23 @@ class FlatShard:
             self.dev_shard.copy_(self.master)
         elif self.full.untyped_storage().size() > 0:
             self.full[self.rank * self.k:(self.rank + 1) * self.k].copy_(self.master)
+        self.release_disk()
+
+    def release_disk(self) -> None:
+        """The disk tier: drop the mapped master and Adam state from memory (they stay in the
+        file; :meth:`DiskState.release`). No-op otherwise."""
+        if self.disk is not None:
+            self.disk.release()
+
+    def init_state(self, state: dict) -> None:
+        """Create the AdamW state torch creates lazily (step 0, zero moments) in ``state`` if empty:
+        the disk tier's moments are the mapped vectors."""
+        if state:
+            return
+        state["step"] = torch.tensor(0.0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = self.disk.tensors[key] if self.disk is not None else \
+                torch.zeros_like(self.master, memory_format=torch.preserve_format)
 
     def free(self) -> None:
         """Release ``full``'s storage (stage 3). An all-gather still writing into it (a prefetch
@@ -216,10 +248,7 @@ class FlatShard:
         if group.get("amsgrad") or group.get("maximize"):
             raise ValueError("ZeRO per-parameter AdamW step: amsgrad/maximize are not supported")
         state = optimizer.state[self.master]
-        if not state:  # the state torch's AdamW creates lazily
-            state["step"] = torch.tensor(0.0)
-            for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = torch.zeros_like(self.master, memory_format=torch.preserve_format)
+        self.init_state(state)  # the state torch's AdamW creates lazily
         steps = list(self.steps) if self.steps is not None else [int(state["step"])] * len(self.params)
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         lo, grad = self.rank * self.k, self.master.grad
@@ -275,7 +304,12 @@ class FlatShard:
             self.steps = steps if len(set(steps)) > 1 else None
             state["step"] = torch.tensor(float(max(steps)))
             for k in st:
-                state[k] = st[k][lo:hi].clone().to(self.master.device)
+                if self.disk is not None:  # into the mapped vectors
+                    state[k] = self.disk.tensors[k]
+                    state[k].copy_(st[k][lo:hi])
+                else:
+                    state[k] = st[k][lo:hi].clone().to(self.master.device)
+        self.release_disk()
 
     def load_canonical(self, params: dict, opt_state: dict, optimizer) -> None:
         """:meth:`load_flat` of :meth:`canonical_to_flat` (every rank holds the full state)."""
@@ -283,17 +317,19 @@ class FlatShard:
 
 
 def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, compute_dtype, reduce_dtype,
-                tied=None, offload: str = "none", group_of: dict | None = None) -> list[list[FlatShard]]:
+                tied=None, offload: str = "none", group_of: dict | None = None,
+                disk_dir: str | None = None) -> list[list[FlatShard]]:
     """The flat buffers of each unit (a list of Parameters): one per (trainable, weight-decay flag,
     tp-sharded, shard group) present, in that fixed order (trainable first, decay first, tp-sharded
     first, ``group`` first, then the other groups in the order their parameters appear), so
     tensor-parallel shards and tp-replicated parameters, frozen (LoRA base) and trainable parameters,
     and parameters sharded over different groups never share a buffer. ``names``: ``{id(param):
     FQN}``; ``mask``: ``{id(param): decay?}``; ``tied``: the Parameter marked ``is_tied`` (its unit
-    should hold it alone); ``offload``: ``train.offload`` (see :class:`FlatShard`); ``group_of``:
-    ``{id(param): group}`` for parameters sharded over another group than ``group`` (expert
-    parameters over their expert-replica group, ``parallel.expert``). Each FlatShard gets
-    ``tp_sharded`` and ``is_tied``. Collective-free."""
+    should hold it alone); ``offload``: ``train.offload`` (see :class:`FlatShard`; ``optimizer-disk``
+    maps ``disk_dir/flat-<i>.bin`` for the i-th buffer); ``group_of``: ``{id(param): group}`` for
+    parameters sharded over another group than ``group`` (expert parameters over their
+    expert-replica group, ``parallel.expert``). Each FlatShard gets ``tp_sharded`` and ``is_tied``.
+    Collective-free."""
     group_of = group_of or {}
     out = []
     with torch.no_grad():
@@ -306,8 +342,9 @@ def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, c
                     ps = [p for p in params if p.requires_grad == train and mask.get(id(p), False) == decay
                           and is_tp_sharded(p) == sharded and group_of.get(id(p), group) is g]
                     if ps:
+                        path = f"{disk_dir}/flat-{sum(map(len, out)) + len(flats)}.bin" if disk_dir else None
                         f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, g, compute_dtype,
-                                      reduce_dtype, offload)
+                                      reduce_dtype, offload, path)
                         f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied
                         flats.append(f)
             out.append(flats)
@@ -320,8 +357,10 @@ def flat_state_bytes(flats: list, optimizer) -> dict:
     optimizer (Adam state + fp32 master shards of mixed precision). Returns ``{"params_bytes",
     "grads_bytes", "optimizer_bytes", "total_bytes"}`` (ints, bytes, on the device); with
     ``train.offload = optimizer`` also ``host_bytes`` (master shards, their Adam state and the host
-    gradient shards) and ``disk_bytes`` (0), and ``optimizer_bytes`` is 0."""
-    p = g = o = h = 0
+    gradient shards) and ``disk_bytes`` (0), and ``optimizer_bytes`` is 0; with ``optimizer-disk``
+    the master shards and Adam state count as ``disk_bytes`` (the file's vectors, unpadded) and
+    ``host_bytes`` holds only host gradient shards (none on a CPU-only machine)."""
+    p = g = o = h = d = 0
     for f in flats:
         p += f.full.untyped_storage().size()
         master = f.master.numel() * f.master.element_size()
@@ -329,9 +368,12 @@ def flat_state_bytes(flats: list, optimizer) -> dict:
             p += f.dev_shard.numel() * f.dev_shard.element_size() if f.dev_shard is not None else 0
             g += 0 if f.grad_aliased else f.shard_grad.numel() * f.shard_grad.element_size()
             g += f.grad_full.numel() * f.grad_full.element_size() if f.grad_full is not None else 0
-            h += master + f.host_grad.numel() * f.host_grad.element_size() + sum(
-                t.numel() * t.element_size() for t in optimizer.state.get(f.master, {}).values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0)
+            h += f.host_grad.numel() * f.host_grad.element_size() if f.host_grad is not None else 0
+            if f.disk is not None:
+                d += 3 * master
+                continue
+            h += master + sum(t.numel() * t.element_size() for t in optimizer.state.get(f.master, {}).values()
+                              if isinstance(t, torch.Tensor) and t.dim() > 0)
             continue
         if f.stage == 3 and f.compute_dtype == f.master_dtype:
             p += master
@@ -346,5 +388,5 @@ def flat_state_bytes(flats: list, optimizer) -> dict:
                 o += t.numel() * t.element_size()
     out = {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
     if any(f.offload for f in flats):
-        out.update(host_bytes=h, disk_bytes=0)
+        out.update(host_bytes=h, disk_bytes=d)
     return out

@@ -81,12 +81,15 @@ shards and Adam state fp32; gradients are reduced in ``parallel.reduce_dtype`` (
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+import torch.distributed as dist
 
 from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
+from zerotron.parallel.data.disk_state import chunked_step
 from zerotron.parallel.data.flat_shard import FlatShard, build_flats, flat_state_bytes
 from zerotron.parallel.data.used import UsedMarks
 from zerotron.parallel.data.zero_gather import UnitGatherer
@@ -118,7 +121,8 @@ class ZeroSync:
     (``{id(param): group}``: parameters sharded over a sub-group of ``group`` instead -- expert
     parallelism's expert parameters over dp/ep, ``parallel.expert``; their flats reduce-scatter and
     all-gather over it, and the norm still sums every shard over ``group``, in which the shards of
-    both sets are disjoint). Class attribute ``reduce_window`` (2): how many units'
+    both sets are disjoint); "optimizer-disk": the same as "optimizer" in memory-mapped files under
+    ``offload_dir/rank-<global rank>`` (``disk_state``). Class attribute ``reduce_window`` (2): how many units'
     reduce-scatters may be in flight at once (see :meth:`_launch_unit`). Attributes: ``flats`` (per unit, its FlatShards),
     ``all_flats`` (every buffer), ``grad_flats`` (the trainable ones: gradients, optimizer), ``group``,
     ``stage``, ``gatherer``. Raises ValueError for a bad stage or dtype."""
@@ -129,7 +133,7 @@ class ZeroSync:
                  reduce_dtype: str = "auto", *, n_root: int = 1, blocks=(), tp_group=None,
                  sequence_parallel: bool = False, replicate_group=None, dp_group=None, tied=None,
                  tied_group=None, count_tied: bool = True, eager: bool = True, offload: str = "none",
-                 group_of: dict | None = None):
+                 group_of: dict | None = None, offload_dir: str = ""):
         if stage not in (1, 2, 3):
             raise ValueError(f"parallel.zero_stage must be 1, 2 or 3 for native ZeRO, got {stage}")
         compute, reduce = precision.compute_dtype(dtype), precision.reduce_dtype(dtype, reduce_dtype)
@@ -137,8 +141,12 @@ class ZeroSync:
         self.replicate_group, self._reduce_dtype = replicate_group, reduce
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tied_group, self.count_tied, self.eager, self.n_root = tied_group, count_tied, eager, n_root
+        disk_dir = None
+        if offload == "optimizer-disk":
+            disk_dir = os.path.join(offload_dir, f"rank-{dist.get_rank() if dist.is_initialized() else 0}")
+            os.makedirs(disk_dir, exist_ok=True)
         self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied,
-                                                             offload, group_of)
+                                                             offload, group_of, disk_dir)
         self.all_flats = [f for fl in self.flats for f in fl]
         self.grad_flats = [f for f in self.all_flats if not f.frozen]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
@@ -295,7 +303,7 @@ class ZeroSync:
                 if not f.tp_sharded:
                     comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=self.tp_group, tag="tp_grad")
         for f in flats:  # offload: the host copy, filled after clipping (optimizer_step)
-            f.master.grad = f.host_grad if f.offload else f.shard_grad
+            f.master.grad = f.host_grad if f.host_grad is not None else f.shard_grad
 
     def clip_grad_norm(self, max_norm: float, outer=()) -> float:
         """Global norm from the shards (:func:`zerotron.parallel.grad_norm.clip_grad_norm`): every
@@ -326,8 +334,16 @@ class ZeroSync:
                 continue
             if any(f.used):
                 f.adamw_step(optimizer)
+                f.release_disk()
             f.master.grad = None  # left out of optimizer.step()
+        # the disk tier steps one buffer at a time, chunk by chunk (disk_state.chunked_step)
+        on_disk = [(f, f.master.grad) for f in self.grad_flats if f.disk is not None and f.master.grad is not None]
+        for f, _ in on_disk:
+            f.master.grad = None
         optimizer.step()
+        for f, grad in on_disk:
+            f.init_state(optimizer.state[f.master])
+            chunked_step(optimizer, f.master, grad, f.disk)
         for f in self.grad_flats:
             f.master_to_device()
         if self.stage < 3:  # frozen buffers did not change
@@ -408,14 +424,14 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
     shard group), ``stage`` (1, 2 or 3), ``dtype``, ``reduce_dtype``, ``mask`` (decay flag by
     ``id(param)``, default ``optim.decay_mask(model)``), ``tp_group``, ``sequence_parallel``,
     ``replicate_group`` (HSDP) and ``dp_group`` (HSDP: the whole dp group, for losses and the
-    used-parameter marks; default ``group``) and ``offload``, as :class:`ZeroSync`; ``exclude``: ids
+    used-parameter marks; default ``group``), ``offload`` and ``offload_dir``, as :class:`ZeroSync`; ``exclude``: ids
     of parameters left out of the flat buffers (expert parallelism keeps the expert-local ones
     itself under DDP) and ``group_of`` (as :class:`ZeroSync`: expert parallelism's expert parameters
     sharded over dp/ep). Raises ValueError for a bad stage or dtype."""
 
     def __init__(self, model, group, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto", mask=None,
                  tp_group=None, sequence_parallel: bool = False, replicate_group=None, dp_group=None,
-                 offload: str = "none", exclude=frozenset(), group_of: dict | None = None):
+                 offload: str = "none", exclude=frozenset(), group_of: dict | None = None, offload_dir: str = ""):
         blocks = list(model.blocks())
         in_block = {id(p) for b in blocks for p in b.parameters()}
         names = {}
@@ -426,7 +442,7 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
         ZeroSync.__init__(self, units, names, mask or decay_mask(model), group, stage, dtype, reduce_dtype,
                           n_root=1, blocks=blocks, tp_group=tp_group, sequence_parallel=sequence_parallel,
                           replicate_group=replicate_group, dp_group=dp_group, eager=True, offload=offload,
-                          group_of=group_of)
+                          group_of=group_of, offload_dir=offload_dir)
         self.module, self.loss_groups = model, [self.dp_group]
         self._in_step = False
 

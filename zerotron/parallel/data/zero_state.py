@@ -38,6 +38,7 @@ def gather_flats(flats: list, group, optimizer, owned) -> tuple[dict, dict]:
         for key in _ADAM:
             if key in st:
                 full[key] = _gather_full(st[key], f.group)
+        f.release_disk()  # the disk tier: the mapped state read for the gather leaves memory again
         if not owned(i):
             continue
         for j, (name, p, off, n) in enumerate(zip(f.names, f.params, f.offsets, f.numels)):

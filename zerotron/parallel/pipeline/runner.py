@@ -204,7 +204,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
                         n_root=len(roots), blocks=[b for _, b in blocks], tp_group=self.tp_group,
                         sequence_parallel=sp, replicate_group=mesh.group("dp_rep"), dp_group=self.dp_group,
                         tied=self.tied, tied_group=self.tied_group, count_tied=self.first or not self.last,
-                        eager=False, offload=p.offload)
+                        eager=False, offload=p.offload, offload_dir=p.offload_dir)
 
     # ---- structure ---------------------------------------------------------------------------
     def stage_modules(self) -> dict[int, list[str]]:
