@@ -283,6 +283,9 @@ def test_openai_client_matches_raw_client(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=msgs, logprobs=True)
     assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:  # completions' logprobs too: refused, the field named
+        client.completions.create(model="tiny", prompt="x", logprobs=2)
+    assert e.value.body["param"] == "logprobs" and e.value.status_code == 400
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x")
 
