@@ -18,8 +18,8 @@ mkdir -p "$OUT"
     --log.sample_tokens 0 --log.progress false
 $ZT bench serve --checkpoint "$RUN" --peer transformers --concurrency 16,64 --workloads random,shared-prefix \
     --max-tokens 256 --json "$OUT/serve_vs_transformers.json" --markdown "$OUT/serve_vs_transformers.md"
-# pool exhaustion: 1024-token context, 16-token blocks: 64 blocks hold one full-context row; 128 blocks
-# (2 MiB at 16 KiB a block) against ~1,300 blocks that 64 rows of up to 128 + 512 tokens need at their end
+# pool exhaustion: 1024-token context, 16-token blocks of 64 KiB: 64 blocks hold one full-context row; 256 blocks
+# (16 MiB) against ~1,300 blocks that 64 rows of 16..128 + 256 tokens need at their end
 $ZT bench serve --checkpoint "$RUN" --peer none --concurrency 64 --workloads random --max-tokens 512 \
-    --serve-args "--kv-cache-mb 2" --json "$OUT/serve_pool_exhaustion.json" --markdown "$OUT/serve_pool_exhaustion.md"
+    --serve-args="--kv-cache-mb 16" --json "$OUT/serve_pool_exhaustion.json" --markdown "$OUT/serve_pool_exhaustion.md"
 echo "written to $OUT"

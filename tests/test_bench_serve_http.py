@@ -19,26 +19,26 @@ def checkpoint(tmp_path_factory, data_cache):
 
 
 def test_pool_exhaustion_over_http(checkpoint, tmp_path):
-    """8 clients, 2 requests each, 40 new tokens, on a pool of 20 blocks of 4 slots (one
-    full-context row needs 16; all rows at once about 100): every request completes, rows were
+    """6 clients, 40 new tokens each, on a pool of 20 blocks of 4 slots (one full-context row
+    needs 16; all rows at once about 70): every request completes, rows were
     preempted and recomputed, and the bench reports TTFT/TPOT and the KV waste."""
     pytest.importorskip("openai")
     from zerotron.bench.serve_http import main
 
     out = tmp_path / "rows.json"
     # 2 layers x 4 heads x 16 dims x 4 slots x 2 (k, v) x 4 bytes = 4096 bytes a block: 20 blocks
-    assert main(["--checkpoint", str(checkpoint), "--peer", "none", "--concurrency", "8", "--workloads", "random",
-                 "--max-tokens", "40", "--prompt-tokens", "4,12", "--requests-per-client", "2", "--threads", "1",
-                 "--serve-args", f"--kv-page 4 --kv-cache-mb {20 * 4096 / 2**20}", "--json", str(out)]) == 0
+    assert main(["--checkpoint", str(checkpoint), "--peer", "none", "--concurrency", "6", "--workloads", "random",
+                 "--max-tokens", "40", "--prompt-tokens", "4,12", "--requests-per-client", "1", "--threads", "1",
+                 f"--serve-args=--kv-page 4 --kv-cache-mb {20 * 4096 / 2**20}", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
-    assert row["server"] == "zerotron" and row["concurrency"] == 8 and row["kv_blocks_pool"] == 20, row
-    assert row["completed"] == row["requests"] == 16 and row["failed"] == 0, row
+    assert row["server"] == "zerotron" and row["concurrency"] == 6 and row["kv_blocks_pool"] == 20, row
+    assert row["completed"] == row["requests"] == 6 and row["failed"] == 0, row
     assert row["preemptions"] > 0 and row["kv_blocks_peak"] <= 20, row
     assert 0 <= row["kv_waste"] < 0.5 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0, row
-    assert row["output_tokens"] >= 16 and row["output_tokens_per_s"] > 0, row
+    assert row["output_tokens"] >= 6 and row["output_tokens_per_s"] > 0, row
 
 
-def test_slots_filled_counts_shared_blocks_once():
+def test_slots_filled_counts_shared_blocks_once(single_process):
     """``ContinuousDecoder.slots_filled``: two rows with the same 10-token prompt share its blocks
     (page 4: two full blocks shared through the prefix cache, the partial third written by each
     row); the slots holding a token, counted once per block, never exceed the slots allocated."""

@@ -16,6 +16,9 @@ greedy, ``max_tokens`` = ``--max-tokens``; the prompts are the same for both ser
   to text;
 * ``shared-prefix``: one ``--shared-prefix``-token random system prompt, then 16 tokens per request.
 
+Every (workload, concurrency) run has prompts (and a system prompt) of its own, so no run finds
+another's prefixes cached.
+
 Per request: TTFT = first non-empty text chunk - send; TPOT = (last chunk - first chunk) /
 (completion tokens - 1); completion tokens from the stream's final ``usage`` (``stream_options
 include_usage``). Per run: output_tokens_per_s = all completion tokens / (last answer - first
@@ -53,6 +56,7 @@ __all__ = ["main", "run_clients", "start_server"]
 
 WORKLOADS = ("random", "shared-prefix")
 PEERS = ("transformers", "none")
+PEER_ARGS = "--cb-num-blocks 2048 --cb-block-size 16 --cb-max-batch-tokens 2048"
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -245,7 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineErrorParser(prog="zerotron bench serve", allow_abbrev=False, formatter_class=HelpFormatter,
                            description="zerotron serve vs transformers serve over HTTP (same weights, same prompts).")
     p.add_argument("--checkpoint", required=True, help="a zerotron run directory (served by zerotron serve)")
-    p.add_argument("--hf", default=None, help="its zerotron export (default: exported to a temporary directory)")
+    p.add_argument("--hf", default=None, help="its zerotron export (exported there if missing; default: a "
+                   "temporary directory)")
     p.add_argument("--concurrency", default="16,64", help="comma list of concurrent clients")
     p.add_argument("--peer", default="transformers", help="transformers (transformers serve --continuous-batching) "
                    "or none")
@@ -254,8 +259,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", default="16,128", help="MIN,MAX tokens of a random prompt")
     p.add_argument("--shared-prefix", type=int, default=512, help="tokens of the shared system prompt")
     p.add_argument("--requests-per-client", type=int, default=1, help="requests each client sends in turn")
-    p.add_argument("--serve-args", default="", help="extra options for zerotron serve (one string)")
-    p.add_argument("--peer-args", default="", help="extra options for transformers serve (one string)")
+    p.add_argument("--serve-args", default="", help="extra options for zerotron serve (one string: --serve-args=\"--kv-page 8\")")
+    p.add_argument("--peer-args", default=PEER_ARGS, help="extra options for transformers serve (one string; the "
+                   "default gives it zerotron serve's default pool at context 1024: 32 full-context rows of "
+                   "16-token blocks, and the same 2048-token step budget; without --cb-num-blocks it sizes its "
+                   "cache from memory and, on this CPU machine, its process died at the first request, no error)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per server (0: the CPU count)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--json", help="write the rows here (a JSON array)")
@@ -314,18 +322,19 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     tmp = tempfile.TemporaryDirectory(prefix="zerotron-bench-serve-")
-    hf = args.hf
-    if hf is None:
+    hf = args.hf or str(Path(tmp.name) / "hf")
+    if not (Path(hf) / "tokenizer.json").exists():
         from zerotron.cli import main as cli
 
-        hf = str(Path(tmp.name) / "hf")
         if cli(["export", "--checkpoint", args.checkpoint, "--out", hf]) != 0:
             print("zerotron bench serve: error: zerotron export failed", file=sys.stderr)
             return 1
     tok = Tokenizer.from_file(str(Path(hf) / "tokenizer.json"))
     threads = args.threads or os.cpu_count() or 1
-    n = max(conc) * args.requests_per_client
-    prompts = {w: make_prompts(tok, w, n, lo, hi, args.shared_prefix, args.seed + i) for i, w in enumerate(workloads)}
+    k = args.requests_per_client  # each (workload, concurrency) run has prompts of its own: no run warms another's cache
+    prompts = {(w, c): make_prompts(tok, w, c * k, lo, hi, args.shared_prefix, args.seed + 1000 * i + c)
+               for i, w in enumerate(workloads) for c in conc}
+    warm = make_prompts(tok, "random", 1, lo, hi, args.shared_prefix, args.seed - 1)
     rows, notes = [], []
     load0 = os.getloadavg()[0]
     servers = ["zerotron"] + (["transformers"] if args.peer == "transformers" else [])
@@ -338,11 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"zerotron bench serve: {e}", file=sys.stderr)
             continue
         try:
-            run_clients(srv, [[prompts[workloads[0]][0]]], 4)  # warm-up: one short request
+            run_clients(srv, [warm], 4)  # warm-up: one short request
             for w in workloads:
                 for c in conc:
-                    k = args.requests_per_client
-                    row = run_clients(srv, [prompts[w][i * k:(i + 1) * k] for i in range(c)], args.max_tokens)
+                    row = run_clients(srv, [prompts[w, c][i * k:(i + 1) * k] for i in range(c)], args.max_tokens)
                     rows.append({"server": kind, "workload": w, "concurrency": c, **row,
                                  "load_avg": os.getloadavg()[0]})
                     print(_table(rows[-1:]).splitlines()[-1], flush=True)
