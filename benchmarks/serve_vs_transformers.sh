@@ -16,10 +16,12 @@ mkdir -p "$OUT"
 [ -d "$RUN" ] || $ZT train --config configs/tiny.toml --run-dir "$RUN" --model.block_size 1024 --model.n_embd 128 \
     --train.steps 2 --train.micro_batch 1 --train.global_batch 2 --train.eval_every 0 --log.plot false \
     --log.sample_tokens 0 --log.progress false
-$ZT bench serve --checkpoint "$RUN" --peer transformers --concurrency 16,64 --workloads random,shared-prefix \
-    --max-tokens 256 --json "$OUT/serve_vs_transformers.json" --markdown "$OUT/serve_vs_transformers.md"
+# the committed run: random prompts, 128 new tokens, one torch thread per server (2 shared cores);
+# the full sweep of the issue: --concurrency 1,4,16,64 --workloads random,shared-prefix --max-tokens 256
+$ZT bench serve --checkpoint "$RUN" --peer transformers --concurrency 16,64 --workloads random --threads 1 \
+    --max-tokens 128 --json "$OUT/serve_vs_transformers.json" --markdown "$OUT/serve_vs_transformers.md"
 # pool exhaustion: 1024-token context, 16-token blocks of 64 KiB: 64 blocks hold one full-context row; 256 blocks
 # (16 MiB) against ~1,300 blocks that 64 rows of 16..128 + 256 tokens need at their end
-$ZT bench serve --checkpoint "$RUN" --peer none --concurrency 64 --workloads random --max-tokens 512 \
+$ZT bench serve --checkpoint "$RUN" --peer none --concurrency 64 --workloads random --max-tokens 256 --threads 1 \
     --serve-args="--kv-cache-mb 16" --json "$OUT/serve_pool_exhaustion.json" --markdown "$OUT/serve_pool_exhaustion.md"
 echo "written to $OUT"

@@ -301,7 +301,8 @@ def test_metrics(server):
     assert names == {"zerotron_requests_total", "zerotron_queue_depth", "zerotron_running_rows",
                      "zerotron_generated_tokens_total", "zerotron_cancelled_rows_total",
                      "zerotron_time_to_first_token_seconds", "zerotron_time_per_output_token_seconds",
-                     "zerotron_kv_blocks_used", "zerotron_kv_blocks_free", "zerotron_prefix_cache_hits_total",
+                     "zerotron_kv_blocks_used", "zerotron_kv_blocks_free", "zerotron_kv_slots_allocated",
+                     "zerotron_kv_slots_filled", "zerotron_prefix_cache_hits_total",
                      "zerotron_prefix_cache_misses_total", "zerotron_preemptions_total",
                      "zerotron_spec_proposed_tokens_total", "zerotron_spec_accepted_tokens_total",
                      "zerotron_spec_acceptance_rate"}, names
