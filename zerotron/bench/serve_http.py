@@ -324,9 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.TemporaryDirectory(prefix="zerotron-bench-serve-")
     hf = args.hf or str(Path(tmp.name) / "hf")
     if not (Path(hf) / "tokenizer.json").exists():
-        from zerotron.cli import main as cli
-
-        if cli(["export", "--checkpoint", args.checkpoint, "--out", hf]) != 0:
+        if subprocess.run([sys.executable, "-m", "zerotron", "export", "--checkpoint", args.checkpoint, "--out",
+                           hf]).returncode != 0:
             print("zerotron bench serve: error: zerotron export failed", file=sys.stderr)
             return 1
     tok = Tokenizer.from_file(str(Path(hf) / "tokenizer.json"))
