@@ -103,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
     p = OneLineErrorParser(prog="zerotron bench serve", allow_abbrev=False, formatter_class=HelpFormatter,
-                                description="Continuous vs window batching under staggered arrivals, paired.")
+                                description="Continuous vs window batching under staggered arrivals, paired. With "
+                                "--checkpoint DIR: zerotron serve vs transformers serve over HTTP (options: "
+                                "zerotron bench serve --checkpoint DIR --help).")
     p.add_argument("--nproc", type=int, default=1, help="local ranks (dp x tp x pp)")
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree")
