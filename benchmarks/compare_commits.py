@@ -1,4 +1,5 @@
-"""Throughput of two checkouts of zerotron side by side: ``bench train`` rounds alternated between them.
+"""Throughput of two checkouts of zerotron side by side: ``bench train`` (or, with ``--bench
+generate``, ``bench generate``: output tokens/s per inference layout) rounds alternated between them.
 
 Usage (both trees share one venv; each run imports the tree it is given):
 
@@ -23,32 +24,37 @@ import tempfile
 from pathlib import Path
 
 
-def _run(tree: str, layouts: str, nproc: int, steps: int, extra: list[str]) -> dict:
+def _run(tree: str, layouts: str, nproc: int, steps: int, extra: list[str], bench: str = "train") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-        cmd = [sys.executable, "-m", "zerotron", "bench", "train", "--nproc", str(nproc), "--layouts", layouts,
-               "--rounds", "1", "--steps", str(steps), "--json", str(out), *extra]
+        cmd = [sys.executable, "-m", "zerotron", "bench", bench, "--nproc", str(nproc), "--layouts", layouts,
+               "--rounds", "1", *(["--steps", str(steps)] if bench == "train" else []), "--json", str(out), *extra]
         subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
         rows = json.loads(out.read_text())
-    return {r["layout"]: r["tokens_per_s"] for r in rows if not r.get("skipped")}
+    key = "tokens_per_s" if bench == "train" else "output_tokens_per_s"
+    return {r["layout"]: r[key] for r in rows if not r.get("skipped")}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", required=True, help="the reference tree (e.g. a worktree of the previous commit)")
     ap.add_argument("--new", default=".", help="the tree under test (default: .)")
-    ap.add_argument("--layouts", default="dp,zero3,tp,pp-1f1b")
+    ap.add_argument("--bench", default="train", choices=("train", "generate"), help="the zerotron bench to run")
+    ap.add_argument("--layouts", default=None, help="default: dp,zero3,tp,pp-1f1b (train), "
+                    "single,dp,naive-mp,pp,tp (generate)")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the per-round values and ratios here")
     args, extra = ap.parse_known_args(argv)
+    if args.layouts is None:
+        args.layouts = "dp,zero3,tp,pp-1f1b" if args.bench == "train" else "single,dp,naive-mp,pp,tp"
     per = {"old": [], "new": []}
     for r in range(args.rounds):
         order = ("old", "new") if r % 2 == 0 else ("new", "old")
         for which in order:
-            per[which].append(_run(getattr(args, which), args.layouts, args.nproc, args.steps, extra))
+            per[which].append(_run(getattr(args, which), args.layouts, args.nproc, args.steps, extra, args.bench))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{lay} {per['new'][-1][lay] / per['old'][-1][lay]:.3f}" for lay in per["new"][-1]), flush=True)
     rows = []
@@ -57,9 +63,9 @@ def main(argv=None) -> int:
         rows.append({"layout": lay, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                      "ratio_max": max(ratios), "old_tokens_per_s": [o[lay] for o in per["old"]],
                      "new_tokens_per_s": [n[lay] for n in per["new"]]})
-    lines = [f"# Throughput, new tree vs old tree ({args.rounds} paired rounds, `bench train --nproc {args.nproc}`)",
+    lines = [f"# Throughput, new tree vs old tree ({args.rounds} paired rounds, `bench {args.bench} --nproc {args.nproc}`)",
              "", f"old: `{args.old}`, new: `{args.new}`, extra overrides: `{' '.join(extra) or 'none'}`", "",
-             "| layout | tokens/s old (median) | tokens/s new (median) | paired ratio new/old (median) | range |",
+             f"| layout | {'output ' * (args.bench == 'generate')}tokens/s old (median) | tokens/s new (median) | paired ratio new/old (median) | range |",
              "|---|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(f"| {row['layout']} | {statistics.median(row['old_tokens_per_s']):,.0f} | "

@@ -283,6 +283,9 @@ def test_openai_client_matches_raw_client(server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=msgs, logprobs=True)
     assert e.value.body["param"] == "logprobs"
+    with pytest.raises(openai.BadRequestError) as e:  # completions' logprobs too: refused, the field named
+        client.completions.create(model="tiny", prompt="x", logprobs=2)
+    assert e.value.body["param"] == "logprobs" and e.value.status_code == 400
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="x")
 
@@ -298,7 +301,8 @@ def test_metrics(server):
     assert names == {"zerotron_requests_total", "zerotron_queue_depth", "zerotron_running_rows",
                      "zerotron_generated_tokens_total", "zerotron_cancelled_rows_total",
                      "zerotron_time_to_first_token_seconds", "zerotron_time_per_output_token_seconds",
-                     "zerotron_kv_blocks_used", "zerotron_kv_blocks_free", "zerotron_prefix_cache_hits_total",
+                     "zerotron_kv_blocks_used", "zerotron_kv_blocks_free", "zerotron_kv_slots_allocated",
+                     "zerotron_kv_slots_filled", "zerotron_prefix_cache_hits_total",
                      "zerotron_prefix_cache_misses_total", "zerotron_preemptions_total",
                      "zerotron_spec_proposed_tokens_total", "zerotron_spec_accepted_tokens_total",
                      "zerotron_spec_acceptance_rate"}, names

@@ -1,4 +1,6 @@
-"""``zerotron bench serve``: continuous vs window batching under staggered arrivals, paired.
+"""``zerotron bench serve``: continuous vs window batching under staggered arrivals, paired; with
+``--checkpoint DIR``: real servers over HTTP, zerotron vs ``transformers serve``
+(:mod:`zerotron.bench.serve_http`).
 
 Usage: ``zerotron bench serve [--nproc N --parallel.tp T --parallel.pp P] [--requests 32]
 [--interval-ms 40] [--max-tokens 8,96,24,64] [--window-ms 20] [--max-batch 32] [--rounds 3]
@@ -101,7 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     from zerotron.cli_help import HelpFormatter, OneLineErrorParser
 
     p = OneLineErrorParser(prog="zerotron bench serve", allow_abbrev=False, formatter_class=HelpFormatter,
-                                description="Continuous vs window batching under staggered arrivals, paired.")
+                                description="Continuous vs window batching under staggered arrivals, paired. With "
+                                "--checkpoint DIR: zerotron serve vs transformers serve over HTTP (options: "
+                                "zerotron bench serve --checkpoint DIR --help).")
     p.add_argument("--nproc", type=int, default=1, help="local ranks (dp x tp x pp)")
     p.add_argument("--parallel.tp", dest="tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree")
@@ -119,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``zerotron bench serve``; returns an exit code (2 for bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--checkpoint" or a.startswith("--checkpoint=") for a in argv):
+        from zerotron.bench.serve_http import main as http_main
+
+        return http_main(argv)
     try:
         args = _parser().parse_args(argv)
         lens = [int(x) if x.strip().isdigit() else -1 for x in args.max_tokens.split(",")]

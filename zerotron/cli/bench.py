@@ -10,7 +10,8 @@ BENCH_USAGE = """usage: zerotron bench comm|train|plan|context|generate|serve|pa
   plan    the planner's predicted ranking vs a 'bench train' run (Spearman correlation)
   context sequence-length sweep of context parallelism: cp ring vs dp vs a2a, ring overlap (zerotron bench context)
   generate  batched generation throughput of inference layouts (zerotron bench generate --nproc 2)
-  serve   continuous vs window batching of zerotron serve under staggered arrivals (zerotron bench serve)
+  serve   continuous vs window batching of zerotron serve under staggered arrivals; with --checkpoint:
+          zerotron serve vs transformers serve over HTTP (zerotron bench serve)
   paged   the paged KV cache: speculative decoding, prefix caching, preemption, KV waste (zerotron bench paged)
   checkpoint  what checkpoint checksums cost: save / hash / verify / load seconds (zerotron bench checkpoint)
 

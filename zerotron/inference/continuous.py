@@ -167,6 +167,20 @@ class ContinuousDecoder:
         """KV blocks referenced by rows, all replicas together."""
         return sum(a.used for a in self.alloc)
 
+    def slots_filled(self) -> int:
+        """Slots holding a cached token in the KV blocks rows reference, all replicas; a block
+        shared by several rows (prefix cache, forks) is counted once, with its fullest row's
+        fill. ``1 - slots_filled() / (blocks_used() * page)`` is the pool's waste (vLLM's measure:
+        reserved but unwritten slots, Kwon et al. 2023 section 2.3): partly filled last blocks,
+        blocks reserved for a prompt whose chunked prefill is not done, speculative slots."""
+        fill: dict[tuple[int, int], int] = {}
+        for r in self.rows.values():
+            for i, b in enumerate(r.table):
+                n = min(self.page, r.cached - i * self.page)
+                if n > fill.get((r.replica, b), 0):
+                    fill[(r.replica, b)] = n
+        return sum(fill.values())
+
     def blocks_free(self) -> int:
         """KV blocks not referenced (free, or holding evictable cached prefixes), all replicas."""
         return sum(a.available for a in self.alloc)

@@ -39,13 +39,16 @@ class ServeStats:
     (continuous iterations), ``running`` (rows in the continuous batch now), ``cancelled_rows``
     (rows that left the batch because their client disconnected); paged KV cache (continuous
     batching): ``kv_blocks_used``/``kv_blocks_free`` (all dp replicas), ``prefix_hits``/
-    ``prefix_misses`` (full prompt blocks found / not found cached), ``preemptions``; speculative
+    ``prefix_misses`` (full prompt blocks found / not found cached), ``preemptions``,
+    ``kv_slots_allocated``/``kv_slots_filled`` (slots of the blocks in use / of those, slots
+    holding a cached token: the KV waste is 1 - filled / allocated); speculative
     decoding: ``spec_proposed``/``spec_accepted`` (draft tokens)."""
 
     def __init__(self):
         self.requests = self.batches = self.steps = self.running = self.cancelled_rows = 0
         self.kv_blocks_used = self.kv_blocks_free = self.prefix_hits = self.prefix_misses = self.preemptions = 0
         self.spec_proposed = self.spec_accepted = 0
+        self.kv_slots_allocated = self.kv_slots_filled = 0
 
 
 class Job:

@@ -136,6 +136,7 @@ class ContinuousScheduler:
         """The paged cache's figures into the front's stats (``/metrics``)."""
         d, s = self.decoder, self.front.stats
         s.kv_blocks_used, s.kv_blocks_free = d.blocks_used(), d.blocks_free()
+        s.kv_slots_allocated, s.kv_slots_filled = s.kv_blocks_used * d.page, d.slots_filled()
         s.preemptions = self.preempt_base + d.preemptions
         s.prefix_hits = self.hit_base + sum(a.hits for a in d.alloc)
         s.prefix_misses = self.miss_base + sum(a.misses for a in d.alloc)

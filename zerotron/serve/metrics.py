@@ -9,6 +9,9 @@
 * ``zerotron_cancelled_rows_total`` (counter): rows dropped because their client disconnected;
 * ``zerotron_kv_blocks_used`` / ``zerotron_kv_blocks_free`` (gauges): paged KV cache blocks
   referenced by rows / not referenced (free or holding evictable cached prefixes), all dp replicas;
+* ``zerotron_kv_slots_allocated`` / ``zerotron_kv_slots_filled`` (gauges): token slots of the
+  blocks in use / of those, slots holding a cached token (each shared block once): the KV waste
+  is 1 - filled / allocated;
 * ``zerotron_prefix_cache_hits_total`` / ``zerotron_prefix_cache_misses_total`` (counters): full
   prompt blocks found / not found in the prefix cache;
 * ``zerotron_preemptions_total`` (counter): rows preempted when the pool ran out (recomputed later);
@@ -100,6 +103,11 @@ class Metrics:
                      getattr(stats, "kv_blocks_used", 0)),
                     ("zerotron_kv_blocks_free", "gauge", "Paged KV cache blocks free or holding evictable prefixes.",
                      getattr(stats, "kv_blocks_free", 0)),
+                    ("zerotron_kv_slots_allocated", "gauge", "Token slots of the KV blocks referenced by rows.",
+                     getattr(stats, "kv_slots_allocated", 0)),
+                    ("zerotron_kv_slots_filled", "gauge",
+                     "Token slots holding a cached token in the KV blocks referenced by rows.",
+                     getattr(stats, "kv_slots_filled", 0)),
                     ("zerotron_prefix_cache_hits_total", "counter", "Full prompt blocks found in the prefix cache.",
                      getattr(stats, "prefix_hits", 0)),
                     ("zerotron_prefix_cache_misses_total", "counter",
