@@ -52,7 +52,12 @@ def _state_errors(msd, osd, ref) -> dict:
 
     perr = max((_rel(v, ref["params"][k]) for k, v in msd.items()), default=0.0)
     # parameters the reference never stepped (LoRA's frozen base): bitwise the reference's
+    # (a tied alias, e.g. lm_head.weight = wte.weight, has no optimizer state of its own under its
+    # name but the value of a stepped parameter: not frozen)
+    stepped = [ref["params"][j] for j in ref["optim"] if j in ref["params"]]
     unstepped = sorted(k for k, v in msd.items() if k in ref["params"] and k not in ref["optim"]
+                       and not any(r.shape == ref["params"][k].shape and torch.equal(r, ref["params"][k])
+                                   for r in stepped)
                        and not torch.equal(v.to(ref["params"][k].dtype).cpu(), ref["params"][k]))
     oerr, step_ok = 0.0, True
     for fqn, st in osd["state"].items():
