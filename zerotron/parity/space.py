@@ -177,8 +177,8 @@ def expected_refusal(layout: Layout) -> str | None:
         return "interleaved needs micro-batches per flush divisible by pp"
     if layout.schedule == "threads" and (layout.sync != "ddp" or layout.tp > 1):
         return "the threaded executor (pp stages as threads of one process) combines only with native DDP, tp = 1"
-    if layout.cp > 1 and layout.pp > 1:
-        return "context parallelism does not run under a pipeline yet (no runner splits sequences per stage)"
+    if layout.cp > 1 and (layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
+        return "context parallelism under a pipeline runs on the native executor only"
     if layout.doc_mask and (layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
         return "document masking runs on the plain runner and the native pipeline executor only"
     if layout.cp_impl == "a2a" and any(a2a_refusal(layout.cp, layout.tp, _shape(e)) for e in MODELS.values()):
