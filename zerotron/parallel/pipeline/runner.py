@@ -116,7 +116,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     only used by ZeRO-1, which fixes the flag per flat buffer at construction).
     Attributes: ``module`` (this rank's ``StageModel``), ``ddp`` (inner DataParallel over dp, or
     None with ZeRO-1), ``zero`` (the ZeRO driver ``data.zero.ZeroSync`` over this rank's stages, or None), ``tp_group`` (the tp NamedGroup when
-    ``model`` is tensor-parallel, else None), ``loss_groups`` = [pp group, dp group]. Raises
+    ``model`` is tensor-parallel, else None), ``loss_groups`` = [pp group, batch group] (``dp_group`` is the batch group dp x cp: under context
+    parallelism each stage's gradients are summed, and ZeRO/FSDP2 shard, over it). Raises
     ValueError for a pp_split the model cannot take or a layout with more than one tied pair (the
     rest of the layout rules are the plan's)."""
 
