@@ -67,9 +67,10 @@ def _plan(o, world):
 
 @pytest.mark.parametrize("o,world,words", [
     ({"parallel.cp": 3}, 3, "divisible by 2*cp = 6"),
-    ({"parallel.cp": 2, "parallel.pp": 2}, 4, "pipeline"),
+    ({"parallel.cp": 2, "parallel.pp": 2}, 4, None),  # the native pipeline runner: cp per stage
     ({"parallel.cp": 2, "parallel.pp_impl": "threads", "parallel.pp_schedule": "gpipe",
-      "parallel.virtual_stages": 2}, 2, "pipeline"),
+      "parallel.virtual_stages": 2}, 2, "parallel.pp_impl = threads"),
+    ({"parallel.cp": 2, "parallel.pp": 2, "parallel.pp_impl": "torch"}, 4, "parallel.pp_impl = torch"),
     ({"parallel.cp": 2, "model.dropout": 0.1}, 2, "model.dropout"),
     ({"parallel.cp": 4, "parallel.cp_impl": "a2a", "parallel.tp": 2}, 8, "model.n_head / parallel.tp = 4 / 2 = 2"),
     ({"parallel.cp": 2, "parallel.cp_impl": "a2a", "parallel.tp": 2, **LLAMA}, 4, "model.n_kv_head / parallel.tp"),
@@ -83,7 +84,7 @@ def _plan(o, world):
 def test_plan_rules(o, world, words):
     if words is None:
         plan = _plan(o, world)
-        assert plan.cp == o["parallel.cp"] and plan.dp * plan.tp * plan.cp == world
+        assert plan.cp == o["parallel.cp"] and plan.dp * plan.tp * plan.cp * plan.pp == world
         return
     with pytest.raises(ConfigError) as e:
         _plan(o, world)

@@ -370,10 +370,9 @@ class ParallelPlan:
         cp = self.cp
         if cp == 1:
             return
-        _need(self.runner == "plain",
-              f"parallel.cp > 1 does not run under pipeline parallelism yet (the {self.runner} runner neither "
-              "splits sequences nor installs the context-parallel attention per stage); set parallel.pp = 1 "
-              "(and parallel.pp_impl = native) or parallel.cp = 1")
+        _need(self.runner in ("plain", "pipeline"),
+              f"parallel.cp > 1 does not run with parallel.pp_impl = {self.pp_impl} (the {self.runner} runner "
+              "reduces gradients over dp only); use parallel.pp_impl = native or parallel.cp = 1")
         _need(self.dropout == 0,
               f"model.dropout ({self.dropout}) > 0 with parallel.cp > 1 is not supported (the context-parallel "
               "attention implementations have no attention-probability dropout); set model.dropout = 0 or "

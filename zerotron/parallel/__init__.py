@@ -11,7 +11,7 @@
        bucketed DDP, torch DDP (all-reduce over it), native ZeRO-1/2/3 or FSDP2 (sharded over
        dp_shard x cp; with ``parallel.dp_replicate > 1``, HSDP: ``parallel.data.hsdp``; with ``parallel.ep > 1``,
        expert parallelism: ``parallel.expert``, experts sharded over ep carved out of dp); the pipeline
-       runners carry theirs per stage (over dp: the plan refuses cp under a pipeline)
+       runners carry theirs per stage (over dp x cp on the native executor; the threads/torch runners refuse cp)
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
 over micro-batches, finish_grads, clip_grad_norm, build_optimizer/optimizer_step, reduce_loss,

@@ -196,8 +196,8 @@ def expected_refusal(layout: Layout) -> str | None:
         return "interleaved needs micro-batches per flush divisible by pp"
     if layout.schedule == "threads" and (layout.sync != "ddp" or layout.tp > 1):
         return "the threaded executor (pp stages as threads of one process) combines only with native DDP, tp = 1"
-    if layout.cp > 1 and layout.pp > 1:
-        return "context parallelism does not run under a pipeline yet (no runner splits sequences per stage)"
+    if layout.cp > 1 and (layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
+        return "context parallelism under a pipeline runs on the native executor only"
     if layout.lora and (layout.cp > 1 or layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
         return "LoRA runs without context parallelism, on the plain runner and the native pipeline executor"
     if layout.doc_mask and (layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
@@ -250,16 +250,23 @@ MUST = ("ddp-dp2-tp2sp-pp2-1f1b-acc4", "zero3-dp2-pp2-interleaved-acc4", "zero2-
         # ring attention (p2p K/V rotation, zigzag chunks) and all-to-all (Ulysses heads <-> sequence)
         # under the same syncs: alone at cp 2 and 4, over DDP, ZeRO-3, FSDP2 and tp 2 + SP, with recomputation
         "ddp-dp1-cp2-ring-acc4", "ddp-dp1-cp4-ring-acc1", "zero3-dp2-cp2-ring-acc4", "fsdp2_3-dp2-cp2-ring-tp2sp-acc1",
-        "zero2-dp1-cp2-ring-acc4-acfull", "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-a2a-acc1", "torch_ddp-dp2-cp2-a2a-acc4")
+        "zero2-dp1-cp2-ring-acc4-acfull", "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-a2a-acc1", "torch_ddp-dp2-cp2-a2a-acc4",
+        # context parallelism under the native pipeline (each stage's attention over the cp group, p2p activations
+        # (b, T/cp, C) between the same cp coordinates, gradients over dp x cp per stage): ring under 1F1B and
+        # all-to-all under ZB-H1's split backward, both with full recomputation (the attention's traffic rerun in B
+        # and W), and tp 2 + SP under 1F1B (8 ranks; the covering array adds dp 2 x cp 2 x pp 2 and the other schedules)
+        "ddp-dp1-cp2-ring-pp2-1f1b-acc4-acfull", "ddp-dp1-cp2-a2a-pp2-zb-h1-acc4-acfull",
+        "ddp-dp1-cp2-ring-tp2sp-pp2-1f1b-acc4-acfull")
 
 
 # document masking (data.doc_mask), trained with the masks on a corpus of short documents
 # (:func:`doc_corpus`) against one process with the masks: these layouts run once more with
 # doc_mask = true -- dp 2, tp 2 + SP, a 1F1B pipeline with full recomputation (the recompute in
 # a B action re-reads its micro-batch's documents), cp 2 ring with recomputation, cp 2 all-to-all,
-# cp 2 all-gather over dp 2 (ZeRO-1 over the batch group dp x cp)
+# cp 2 all-gather over dp 2 (ZeRO-1 over the batch group dp x cp), cp 2 ring under a 1F1B pipeline
+# (each stage's attention gathers the micro-batch's documents over cp)
 DOC_MASK = ("ddp-dp2-acc4", "ddp-dp1-tp2sp-acc1", "ddp-dp1-pp2-1f1b-acc4-acfull", "zero2-dp1-cp2-ring-acc4-acfull",
-            "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-allgather-acc4")
+            "ddp-dp1-cp2-a2a-acc4", "zero1-dp2-cp2-allgather-acc4", "ddp-dp1-cp2-ring-pp2-1f1b-acc4-acfull")
 
 
 # LoRA (train.lora_rank; the default targets, attention projections: a column-parallel [q|k|v] or q, k, v

@@ -116,7 +116,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     only used by ZeRO-1, which fixes the flag per flat buffer at construction).
     Attributes: ``module`` (this rank's ``StageModel``), ``ddp`` (inner DataParallel over dp, or
     None with ZeRO-1), ``zero`` (the ZeRO driver ``data.zero.ZeroSync`` over this rank's stages, or None), ``tp_group`` (the tp NamedGroup when
-    ``model`` is tensor-parallel, else None), ``loss_groups`` = [pp group, dp group]. Raises
+    ``model`` is tensor-parallel, else None), ``loss_groups`` = [pp group, batch group] (``dp_group`` is the batch group dp x cp: under context
+    parallelism each stage's gradients are summed, and ZeRO/FSDP2 shard, over it). Raises
     ValueError for a pp_split the model cannot take or a layout with more than one tied pair (the
     rest of the layout rules are the plan's)."""
 
@@ -139,7 +140,9 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.tp_group = self.module.tp_group
         self._peer = lambda q: mesh.peer(pp=q)  # pp index -> global rank (same dp, cp, tp)
         self._schedules: dict = {}
-        self.pp_group, self.dp_group = mesh.group("pp"), mesh.group("dp")
+        # the batch group dp x cp (= dp without context parallelism): every rank of a stage holding a
+        # different part of the global batch's tokens; gradients are summed, ZeRO/FSDP shard, over it
+        self.pp_group, self.dp_group = mesh.group("pp"), mesh.group("batch")
         self.loss_groups = [self.pp_group, self.dp_group]
         self.first, self.last = self.module.holds(0), self.module.holds(n_stages - 1)
         lay = model.layout()
@@ -166,7 +169,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         elif p.zero_stage:
             self.zero = self._zero_sync(mesh, mask if mask is not None else decay_mask(model))
         else:
-            self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb, src_rank=mesh.peer(dp=0),
+            self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb, src_rank=mesh.peer(dp=0, cp=0),
                                     **ddp_hierarchy(mesh))  # HSDP: hierarchical all-reduce per bucket
         self.inner = next(x for x in (self.zero, self.stage_sync, self.ddp) if x is not None)  # no_sync / zero_grad
         act_dtype = getattr(self.stage_sync, "act_dtype", None) or next(iter(self.module.parameters())).dtype
