@@ -23,6 +23,19 @@ def single_process():
     yield
 
 
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """A Llama-3-style tokenizer trained on the shipped chat rows (``configs/chat_example.jsonl``),
+    built once per session (test_finetune, test_sft_packing)."""
+    from zerotron.data.dataset import _row_texts
+    from zerotron.data.example import llama3_style_tokenizer
+    from zerotron.data.sft import read_rows
+
+    out = tmp_path_factory.mktemp("chat_tok")
+    return llama3_style_tokenizer([t for _, r in read_rows("configs/chat_example.jsonl") for t in _row_texts(r)],
+                                  1000, out)
+
+
 _SUMMARY: list[str] = []
 
 

@@ -182,17 +182,6 @@ def _sft_extra(tmp_path, tokdir):
             "data.cache_dir": str(tmp_path / "cache"), "model.block_size": 64, "model.n_layer": 4}
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    """A Llama-3-style tokenizer trained on the shipped chat rows."""
-    from zerotron.data.dataset import _row_texts
-    from zerotron.data.example import llama3_style_tokenizer
-    from zerotron.data.sft import read_rows
-
-    out = tmp_path_factory.mktemp("chat_tok")
-    return llama3_style_tokenizer([t for _, r in read_rows(CHAT) for t in _row_texts(r)], 1000, out)
-
-
 # the default suite runs one representative layout (tp with sequence parallelism: the vocab-parallel
 # loss skips masked targets); ZEROTRON_SFT_FULL=1 adds dp2, ZeRO-3 dp2 and pp2 (make test-finetune)
 SFT_LAYOUTS = ("ddp-dp1-tp2sp-acc4",) + (

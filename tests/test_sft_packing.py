@@ -127,17 +127,6 @@ def test_packed_equals_each_conversation_alone():
     assert abs(plain - ref_loss) > 1e-6
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    """A Llama-3-style tokenizer trained on the shipped chat rows."""
-    from zerotron.data.dataset import _row_texts
-    from zerotron.data.example import llama3_style_tokenizer
-    from zerotron.data.sft import read_rows
-
-    out = tmp_path_factory.mktemp("chat_tok")
-    return llama3_style_tokenizer([t for _, r in read_rows(CHAT) for t in _row_texts(r)], 1000, out)
-
-
 # the default suite runs cp 2 (ring attention with the documents of each packed window);
 # ZEROTRON_SFT_FULL=1 adds dp2, tp2+SP and pp2 1F1B (make test-finetune)
 PACK_LAYOUTS = ("ddp-dp1-cp2-ring-acc4",) + (
