@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
-import threading
-import time
 import urllib.request
 
 import pytest
 import torch
 
-from zerotron.testing import ROOT, checkpoint_flat, run_cli
+from zerotron.testing import ROOT, checkpoint_flat, run_cli, start_serve
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -152,19 +147,9 @@ def test_serve_peft_adapter(gpt, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(gpt["base"]), "--adapter", str(adapter), "--prompt", PROMPT,
                  "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out == want + "\n"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(gpt["base"]), "--port", "0",
-                             "--adapter", str(adapter)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
+    proc, lines, base = start_serve(gpt["base"], "--adapter", str(adapter))
     try:
-        deadline = time.time() + 120
-        while not any("listening on" in ln for ln in lines):
-            assert proc.poll() is None and time.time() < deadline, "".join(lines)
-            time.sleep(0.2)
         assert "LoRA adapter" in "".join(lines)
-        base = re.search(r"listening on (http://\S+)", "".join(lines)).group(1)
         body = json.dumps({"prompt": PROMPT, "max_tokens": NEW, "temperature": 0}).encode()
         req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:

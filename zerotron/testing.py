@@ -419,3 +419,29 @@ def checkpoint_flat(ckpt_dir, out) -> dict:
 
     walk("", torch.load(out, weights_only=False))
     return flat
+
+
+def start_serve(checkpoint, *extra: str, timeout_s: float = 120.0):
+    """Start ``zerotron serve --checkpoint CHECKPOINT --port 0 EXTRA...`` as a subprocess (one torch
+    thread per process) and wait until it prints its "listening on" line. Returns ``(process, its
+    output lines so far and to come (a list a reader thread keeps appending to), base URL)``.
+    Raises AssertionError with the output if the server exits or does not listen within
+    ``timeout_s`` seconds (the process is killed)."""
+    import re
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+                             *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
+    deadline = time.time() + timeout_s
+    while not any("listening on" in ln for ln in lines):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise AssertionError("".join(lines))
+        time.sleep(0.2)
+    return proc, lines, re.search(r"listening on (http://\S+)", "".join(lines)).group(1)
