@@ -177,18 +177,19 @@ class PagedView:
         T = max(news)
         self.S0 = max(n - (T - m) for n, m in zip(lens, news))
         S = self.S0 + T
-        self.pad = torch.tensor([self.S0 - n + (T - m) for n, m in zip(lens, news)], dtype=torch.long, device=device)
-        src_b, src_t, dst, gather = [], [], [], []
-        for b, (tab, n, m) in enumerate(zip(tables, lens, news)):
-            slots = [tab[s // p] * p + s % p for s in range(n + m)]
-            src_b += [b] * m
-            src_t += range(T - m, T)
-            dst += slots[n:]
-            lead = S - n - m
-            gather.append([slots[0]] * lead + slots)  # padding reads a real slot: masked, finite
-        self.src = (torch.tensor(src_b, device=device), torch.tensor(src_t, device=device))
-        self.dst = torch.tensor(dst, dtype=torch.long, device=device)
-        self.gather = torch.tensor(gather, dtype=torch.long, device=device)  # (B, S)
+        width = max(len(t) for t in tables)
+        # one (B, width) block table (short rows padded with block 0, never read) and the slot
+        # arithmetic as tensor ops: O(B * blocks) Python, not O(B * slots)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+        L = torch.tensor(lens, dtype=torch.long, device=device)
+        M = torch.tensor(news, dtype=torch.long, device=device)
+        self.pad = self.S0 - L + (T - M)  # (B,) leading padding slots per row
+        # column j of row b holds the row's slot j - pad[b]; padding reads the row's slot 0
+        # (masked by attention, finite)
+        s = (torch.arange(S, device=device)[None, :] - self.pad[:, None]).clamp_(min=0)  # (B, S)
+        self.gather = table.gather(1, s // p) * p + s % p  # (B, S) pool slots
+        self.real = torch.arange(T, device=device)[None, :] >= (T - M)[:, None]  # (B, T) new, not padding
+        self.dst = self.gather[:, self.S0:][self.real]  # pool slots of the real new tokens, row-major
 
     def cached(self, layer: int) -> int:
         return self.S0
@@ -206,6 +207,8 @@ class PagedView:
             pool.keys[layer] = k.new_zeros(n, k.size(1), k.size(3))
             pool.values[layer] = v.new_zeros(n, v.size(1), v.size(3))
         K, V = pool.keys[layer], pool.values[layer]
-        K[self.dst] = k.transpose(1, 2)[self.src]
-        V[self.dst] = v.transpose(1, 2)[self.src]
-        return K[self.gather].transpose(1, 2), V[self.gather].transpose(1, 2)
+        K.index_copy_(0, self.dst, k.transpose(1, 2)[self.real])
+        V.index_copy_(0, self.dst, v.transpose(1, 2)[self.real])
+        shape = (*self.gather.shape, K.size(1), K.size(2))  # (B, S, H_kv, D)
+        idx = self.gather.view(-1)  # index_select: one pass, several times faster than K[gather] on CPU
+        return K.index_select(0, idx).view(shape).transpose(1, 2), V.index_select(0, idx).view(shape).transpose(1, 2)
