@@ -115,16 +115,26 @@ class BlockAllocator:
             self.hits += 1
         return out
 
-    def register(self, table: list[int], tokens: list[int], start: int, end: int) -> None:
+    def register(self, table: list[int], tokens: list[int], start: int, end: int, keys: list[int] | None = None,
+                 base: int = 0) -> None:
         """The blocks of ``table`` that became full while slots ``start`` .. ``end`` - 1 were
-        written (``tokens``: the sequence from slot 0) get their prefix keys (a block already
-        cached under the same key keeps the entry)."""
+        written (slot s holds ``tokens[base + s]``) get their prefix keys (a block already cached
+        under the same key keeps the entry). ``keys``: the prefix keys of the sequence's first
+        full blocks, computed by earlier calls (a sequence only appends, so they stay valid) and
+        extended here in place; then a call hashes only the blocks that became full (O(new
+        tokens)), else every full block from slot 0 (O(end))."""
         if not self.prefix_caching:
             return
         p = self.page
-        prev = None
-        for j in range(end // p):
-            prev = self.chain(prev, tokens[j * p:(j + 1) * p])
+        keys = [] if keys is None else keys
+        j0 = min(start // p, len(keys))  # the first block that may have become full
+        prev = keys[j0 - 1] if j0 else None
+        for j in range(j0, end // p):
+            if j < len(keys):
+                prev = keys[j]
+            else:
+                prev = self.chain(prev, tokens[base + j * p:base + (j + 1) * p])
+                keys.append(prev)
             if (j + 1) * p <= start:
                 continue
             b = table[j]
