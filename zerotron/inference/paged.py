@@ -151,8 +151,10 @@ def blocks_for_budget(budget_bytes: int, page: int, layers: int, kv_heads: int, 
 
 class BlockPool:
     """The tensors of a paged cache on this rank: per layer ``keys[i]``/``values[i]``
-    (num_blocks * page, H_kv, D) (H_kv: this rank's kv heads; allocated, zeroed, at the layer's
-    first write: the shape comes from the model), for the layers this rank holds."""
+    (H_kv, num_blocks * page, D) (H_kv: this rank's kv heads; allocated, zeroed, at the layer's
+    first write: the shape comes from the model), for the layers this rank holds. Heads outermost:
+    a gather through the block tables then gives each (row, head) its S keys contiguously, the
+    layout attention reads fastest (about twice as fast as heads interleaved, measured on CPU)."""
 
     def __init__(self, n_layer: int, num_blocks: int, page: int):
         self.num_blocks, self.page = num_blocks, page
@@ -168,7 +170,7 @@ class BlockPool:
         p = self.page
         for t in self.keys + self.values:
             if t is not None:
-                t[dst * p:(dst + 1) * p].copy_(t[src * p:(src + 1) * p])
+                t[:, dst * p:(dst + 1) * p].copy_(t[:, src * p:(src + 1) * p])
 
 
 class PagedView:
@@ -214,11 +216,11 @@ class PagedView:
         pool = self.pool
         if pool.keys[layer] is None:
             n = pool.num_blocks * pool.page
-            pool.keys[layer] = k.new_zeros(n, k.size(1), k.size(3))
-            pool.values[layer] = v.new_zeros(n, v.size(1), v.size(3))
+            pool.keys[layer] = k.new_zeros(k.size(1), n, k.size(3))
+            pool.values[layer] = v.new_zeros(v.size(1), n, v.size(3))
         K, V = pool.keys[layer], pool.values[layer]
-        K.index_copy_(0, self.dst, k.transpose(1, 2)[self.real])
-        V.index_copy_(0, self.dst, v.transpose(1, 2)[self.real])
-        shape = (*self.gather.shape, K.size(1), K.size(2))  # (B, S, H_kv, D)
+        K.index_copy_(1, self.dst, k.transpose(1, 2)[self.real].transpose(0, 1))
+        V.index_copy_(1, self.dst, v.transpose(1, 2)[self.real].transpose(0, 1))
+        shape = (K.size(0), *self.gather.shape, K.size(2))  # (H_kv, B, S, D)
         idx = self.gather.view(-1)  # index_select: one pass, several times faster than K[gather] on CPU
-        return K.index_select(0, idx).view(shape).transpose(1, 2), V.index_select(0, idx).view(shape).transpose(1, 2)
+        return K.index_select(1, idx).view(shape).transpose(0, 1), V.index_select(1, idx).view(shape).transpose(0, 1)
