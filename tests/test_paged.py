@@ -54,7 +54,46 @@ def test_paged_view_reads_through_tables():
     k, _ = view.update(0, new, new)
     assert k.shape == (2, 2, 4, 1)
     assert torch.equal(k[0], torch.cat([k0[0], new[0, :, 1:]], 1)) and torch.equal(k[1, :, 2:], new[1])
-    assert torch.equal(pool.keys[0][8:10, :, 0], k0[0, :, :2, 0].T)  # slots 0, 1 of row 0 live in block 4
+    assert torch.equal(pool.keys[0][:, 8:10, 0], k0[0, :, :2, 0])  # slots 0, 1 of row 0 live in block 4
+
+
+def test_paged_view_indices_and_incremental_prefix_keys_match_slot_by_slot():
+    """Random block tables and lengths: the view's gather (B, S) and destination slots equal the
+    slot-by-slot construction (padding reads the row's slot 0); registering a sequence's blocks a
+    few tokens at a time with its kept prefix keys gives the same keys and cache as one call."""
+    from zerotron.inference.paged import BlockPool
+
+    g = torch.Generator().manual_seed(5)
+    p, B = 4, 7
+    pool = BlockPool(1, 64, p)
+    lens = torch.randint(0, 30, (B,), generator=g).tolist()
+    news = torch.randint(1, 6, (B,), generator=g).tolist()
+    perm = torch.randperm(64, generator=g).tolist()
+    tables, at = [], 0
+    for n, m in zip(lens, news):
+        k = -(-(n + m) // p)
+        tables.append(perm[at:at + k])
+        at += k
+    view = PagedView(pool, tables, lens, news, "cpu")
+    T, S = max(news), view.S0 + max(news)
+    gather, dst = [], []
+    for tab, n, m in zip(tables, lens, news):
+        slots = [tab[s // p] * p + s % p for s in range(n + m)]
+        gather.append([slots[0]] * (S - n - m) + slots)
+        dst += slots[n:]
+    assert view.gather.tolist() == gather and view.dst.tolist() == dst
+    assert view.real.sum(1).tolist() == news and T == view.real.size(1)
+    toks = torch.randint(0, 9, (40,), generator=g).tolist()
+    one, inc = BlockAllocator(12, p), BlockAllocator(12, p)
+    table = [one.allocate() for _ in range(10)]
+    assert [inc.allocate() for _ in range(10)] == table
+    one.register(table, [7] * 3 + toks, 0, 37, base=3)
+    keys, start = [], 0
+    for end in (1, 5, 8, 9, 21, 37):
+        inc.register(table, [7] * 3 + toks, start, end, keys, base=3)
+        start = end
+    assert inc.key == one.key and inc.cached == one.cached and len(keys) == 9
+    assert one.cached and inc.key[table[8]] == keys[8] == BlockAllocator(1, p).chain(keys[7], toks[32:36])
 
 
 def _mixed(sampled: bool):

@@ -86,6 +86,8 @@ class _Row:
     table: list[int] = field(default_factory=list)  # block ids of the slots tokens[base:]
     base: int = 0  # the cache holds tokens[base:] (> 0 once the context passed block_size)
     cached: int = 0  # slots written
+    keys: list[int] = field(default_factory=list)  # prefix keys of the full blocks of tokens[keys_base:]
+    keys_base: int = 0
 
 
 @dataclass
@@ -375,10 +377,11 @@ class ContinuousDecoder:
         """After the forward: ``n`` more slots of the row are written; full blocks get their
         prefix keys."""
         row = self.rows[rid]
-        seq = row.tokens[row.base:]
+        if row.keys_base != row.base:  # the context moved: the cached prefix keys are another sequence's
+            row.keys, row.keys_base = [], row.base
         start = row.cached
         row.cached += n
-        self.alloc[row.replica].register(row.table, seq, start, row.cached)
+        self.alloc[row.replica].register(row.table, row.tokens, start, row.cached, row.keys, row.base)
 
     # ---- compute (this rank's replica only) -------------------------------------------------------------
     def _decode(self, rids: list[int]) -> dict[int, list[int]]:

@@ -115,16 +115,26 @@ class BlockAllocator:
             self.hits += 1
         return out
 
-    def register(self, table: list[int], tokens: list[int], start: int, end: int) -> None:
+    def register(self, table: list[int], tokens: list[int], start: int, end: int, keys: list[int] | None = None,
+                 base: int = 0) -> None:
         """The blocks of ``table`` that became full while slots ``start`` .. ``end`` - 1 were
-        written (``tokens``: the sequence from slot 0) get their prefix keys (a block already
-        cached under the same key keeps the entry)."""
+        written (slot s holds ``tokens[base + s]``) get their prefix keys (a block already cached
+        under the same key keeps the entry). ``keys``: the prefix keys of the sequence's first
+        full blocks, computed by earlier calls (a sequence only appends, so they stay valid) and
+        extended here in place; then a call hashes only the blocks that became full (O(new
+        tokens)), else every full block from slot 0 (O(end))."""
         if not self.prefix_caching:
             return
         p = self.page
-        prev = None
-        for j in range(end // p):
-            prev = self.chain(prev, tokens[j * p:(j + 1) * p])
+        keys = [] if keys is None else keys
+        j0 = min(start // p, len(keys))  # the first block that may have become full
+        prev = keys[j0 - 1] if j0 else None
+        for j in range(j0, end // p):
+            if j < len(keys):
+                prev = keys[j]
+            else:
+                prev = self.chain(prev, tokens[base + j * p:base + (j + 1) * p])
+                keys.append(prev)
             if (j + 1) * p <= start:
                 continue
             b = table[j]
@@ -141,8 +151,10 @@ def blocks_for_budget(budget_bytes: int, page: int, layers: int, kv_heads: int, 
 
 class BlockPool:
     """The tensors of a paged cache on this rank: per layer ``keys[i]``/``values[i]``
-    (num_blocks * page, H_kv, D) (H_kv: this rank's kv heads; allocated, zeroed, at the layer's
-    first write: the shape comes from the model), for the layers this rank holds."""
+    (H_kv, num_blocks * page, D) (H_kv: this rank's kv heads; allocated, zeroed, at the layer's
+    first write: the shape comes from the model), for the layers this rank holds. Heads outermost:
+    a gather through the block tables then gives each (row, head) its S keys contiguously, the
+    layout attention reads fastest (about twice as fast as heads interleaved, measured on CPU)."""
 
     def __init__(self, n_layer: int, num_blocks: int, page: int):
         self.num_blocks, self.page = num_blocks, page
@@ -158,7 +170,7 @@ class BlockPool:
         p = self.page
         for t in self.keys + self.values:
             if t is not None:
-                t[dst * p:(dst + 1) * p].copy_(t[src * p:(src + 1) * p])
+                t[:, dst * p:(dst + 1) * p].copy_(t[:, src * p:(src + 1) * p])
 
 
 class PagedView:
@@ -177,18 +189,19 @@ class PagedView:
         T = max(news)
         self.S0 = max(n - (T - m) for n, m in zip(lens, news))
         S = self.S0 + T
-        self.pad = torch.tensor([self.S0 - n + (T - m) for n, m in zip(lens, news)], dtype=torch.long, device=device)
-        src_b, src_t, dst, gather = [], [], [], []
-        for b, (tab, n, m) in enumerate(zip(tables, lens, news)):
-            slots = [tab[s // p] * p + s % p for s in range(n + m)]
-            src_b += [b] * m
-            src_t += range(T - m, T)
-            dst += slots[n:]
-            lead = S - n - m
-            gather.append([slots[0]] * lead + slots)  # padding reads a real slot: masked, finite
-        self.src = (torch.tensor(src_b, device=device), torch.tensor(src_t, device=device))
-        self.dst = torch.tensor(dst, dtype=torch.long, device=device)
-        self.gather = torch.tensor(gather, dtype=torch.long, device=device)  # (B, S)
+        width = max(len(t) for t in tables)
+        # one (B, width) block table (short rows padded with block 0, never read) and the slot
+        # arithmetic as tensor ops: O(B * blocks) Python, not O(B * slots)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+        L = torch.tensor(lens, dtype=torch.long, device=device)
+        M = torch.tensor(news, dtype=torch.long, device=device)
+        self.pad = self.S0 - L + (T - M)  # (B,) leading padding slots per row
+        # column j of row b holds the row's slot j - pad[b]; padding reads the row's slot 0
+        # (masked by attention, finite)
+        s = (torch.arange(S, device=device)[None, :] - self.pad[:, None]).clamp_(min=0)  # (B, S)
+        self.gather = table.gather(1, s // p) * p + s % p  # (B, S) pool slots
+        self.real = torch.arange(T, device=device)[None, :] >= (T - M)[:, None]  # (B, T) new, not padding
+        self.dst = self.gather[:, self.S0:][self.real]  # pool slots of the real new tokens, row-major
 
     def cached(self, layer: int) -> int:
         return self.S0
@@ -203,9 +216,11 @@ class PagedView:
         pool = self.pool
         if pool.keys[layer] is None:
             n = pool.num_blocks * pool.page
-            pool.keys[layer] = k.new_zeros(n, k.size(1), k.size(3))
-            pool.values[layer] = v.new_zeros(n, v.size(1), v.size(3))
+            pool.keys[layer] = k.new_zeros(k.size(1), n, k.size(3))
+            pool.values[layer] = v.new_zeros(v.size(1), n, v.size(3))
         K, V = pool.keys[layer], pool.values[layer]
-        K[self.dst] = k.transpose(1, 2)[self.src]
-        V[self.dst] = v.transpose(1, 2)[self.src]
-        return K[self.gather].transpose(1, 2), V[self.gather].transpose(1, 2)
+        K.index_copy_(1, self.dst, k.transpose(1, 2)[self.real].transpose(0, 1))
+        V.index_copy_(1, self.dst, v.transpose(1, 2)[self.real].transpose(0, 1))
+        shape = (K.size(0), *self.gather.shape, K.size(2))  # (H_kv, B, S, D)
+        idx = self.gather.view(-1)  # index_select: one pass, several times faster than K[gather] on CPU
+        return K.index_select(1, idx).view(shape).transpose(0, 1), V.index_select(1, idx).view(shape).transpose(0, 1)
