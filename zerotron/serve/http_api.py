@@ -30,6 +30,7 @@ from .validation import RequestError
 __all__ = ["make_app", "ServerThread", "check_listen", "bind", "POLL_S"]
 
 POLL_S = 0.25  # how often a waiting handler checks that its client is still connected
+DRAIN_BYTES = 8 << 20  # a declared body over the limit but at most this is read and dropped before the 413
 ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET", "/health": "GET",
           "/metrics": "GET"}
 
@@ -107,6 +108,10 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
             msg = str(e.detail)
         return JSONResponse(_error_json(e.status_code, msg), status_code=e.status_code, headers=e.headers)
 
+    async def _drain(request: Request) -> None:
+        async for _ in request.stream():
+            pass
+
     async def body_of(request: Request):
         """The JSON body; RequestError 413 (too large), 408 (stalled), 400 (not JSON)."""
         too_big = RequestError(f"the body must be at most {max_body_bytes} bytes", status=413)
@@ -114,6 +119,11 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
         if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
             if not length.isdigit():
                 raise RequestError(f"Content-Length must be an integer, got {length!r}"[:200])
+            if int(length) <= DRAIN_BYTES:  # read it first: a close with the body unread resets the
+                try:                         # connection, and the client can lose the 413 with it
+                    await asyncio.wait_for(_drain(request), read_timeout_s)
+                except asyncio.TimeoutError:
+                    pass
             raise too_big
 
         async def read() -> bytes:
