@@ -401,9 +401,11 @@ def test_validate_plan_spearman_and_layout_map():
     for a, b in (([1, 2], [1, 2]), ([1, 2, 3], [1, 2]), ([1, 1, 1], [1, 2, 3])):
         with pytest.raises(ValueError):
             spearman(a, b)
-    # the planner prices neither the zero-bubble schedules, threads, torch's pipelining backend, cp nor MoE yet
+    # the planner prices neither the zero-bubble schedules, threads, torch's pipelining backend, cp, MoE nor
+    # optimizer offload (the host link) yet
     unpriced = ({"pp-zb-h1", "pp-zb-v", "pp-threads-gpipe"} | {n for n in bt.LAYOUTS if n.startswith("pp-torch-")}
-                | {n for n in bt.LAYOUTS if "cp-" in n} | {n for n in bt.LAYOUTS if n.startswith("moe-")})
+                | {n for n in bt.LAYOUTS if "cp-" in n} | {n for n in bt.LAYOUTS if n.startswith("moe-")}
+                | {n for n in bt.LAYOUTS if n.endswith(("-offload", "-offdisk"))})
     for name in unpriced:
         assert name in bt.LAYOUTS and planner_layout(name, 2, 8) is None
     for name in set(bt.LAYOUTS) - unpriced:  # every other bench layout has a planner counterpart on 2 ranks

@@ -48,12 +48,15 @@ def planner_layout(name: str, world: int, micro_batch: int) -> tuple[dict, bool]
     fsdp2-zeroS as ZeRO-S; single / single-mt as dp = 1; the HSDP layouts (hsdp-zeroS, fsdp2-hsdp,
     dp-hier) as their ZeRO stage with ``dp_replicate = 2`` (on an even world); pp-zb-h1, pp-zb-v and
     pp-threads-gpipe and pp-torch-* have none (the planner prices neither the ZB-H1 schedule, threads
-    nor torch's pipelining backend), nor do the context-parallel layouts (cp-*, dp-cp-*) and the MoE ones (moe-*). Suffixes ``-mbN`` / ``-ac...``
+    nor torch's pipelining backend), nor do the context-parallel layouts (cp-*, dp-cp-*), the MoE ones (moe-*) and the optimizer-offload ones
+    (zeroS-offload, zeroS-offdisk: the planner does not price the host link yet). Suffixes ``-mbN`` / ``-ac...``
     (:func:`zerotron.bench.layouts.get_layout`) set the micro-batch and recompute; ``micro_batch``
     is the config's otherwise."""
     try:
         over = get_layout(name).overrides
     except ValueError:
+        return None
+    if over.get("train.offload", "none") != "none":
         return None
     mb = int(over.get("train.micro_batch", micro_batch))
     base = dict(dp=world, tp=1, pp=1, zero_stage=0, schedule="none", micro_batch=mb,
