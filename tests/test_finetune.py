@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from zerotron.data.example import word_level_tokenizer
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -116,20 +118,6 @@ def test_llama3_tokenizer_end_to_end(tmp_path, llama3_dir, llama3_run, single_pr
 CHAT = "configs/chat_example.jsonl"
 
 
-def _word_tokenizer(words):
-    """A WordLevel tokenizer (one token per whitespace-separated word) with Llama 3's specials,
-    so target counts can be done by hand."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from zerotron.data.example import SPECIALS
-
-    vocab = {w: i for i, w in enumerate([*SPECIALS, "[UNK]", *words])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.add_special_tokens(list(SPECIALS))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tok
-
-
 def test_masked_targets_equal_a_hand_count():
     """The assistant spans of a chat row (found by rendering message prefixes) and of a
     prompt/completion row, counted by hand on a word-level tokenizer; truncation and dropping
@@ -139,7 +127,7 @@ def test_masked_targets_equal_a_hand_count():
     from zerotron.data.tokenizer import SpecialTokens
 
     words = "system user assistant be brief hi there hello friend a b c d e f g why so".split()
-    tok = _word_tokenizer(words)
+    tok = word_level_tokenizer(words)
     sp = SpecialTokens(eos="<|end_of_text|>", eos_id=1, eos_ids=(1, 4), bos="<|begin_of_text|>", bos_id=0)
     # header, role, end header, content words, end of turn -- spaces between, as words
     tmpl = ("{{ bos_token }}{% for m in messages %} <|start_header_id|> {{ m['role'] }} <|end_header_id|> "

@@ -13,30 +13,18 @@ import os
 import pytest
 import torch
 
+from zerotron.data.example import word_level_tokenizer
+
 CHAT = "configs/chat_example.jsonl"
 TMPL = ("{{ bos_token }}{% for m in messages %} <|start_header_id|> {{ m['role'] }} <|end_header_id|> "
         "{{ m['content'] }} <|eot_id|>{% endfor %}"
         "{% if add_generation_prompt %} <|start_header_id|> assistant <|end_header_id|> {% endif %}")
 
 
-def _word_tokenizer(words):
-    """A WordLevel tokenizer (one token per word) with Llama 3's specials (ids 0..4; the end token
-    <|end_of_text|> = 1 is the document separator), so the layout can be counted by hand."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from zerotron.data.example import SPECIALS
-
-    vocab = {w: i for i, w in enumerate([*SPECIALS, "[UNK]", *words])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.add_special_tokens(list(SPECIALS))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tok
-
-
 def _fixture():
     from zerotron.data.tokenizer import SpecialTokens
 
-    tok = _word_tokenizer("system user assistant be brief hi there hello friend a b c d e f g why so".split())
+    tok = word_level_tokenizer("system user assistant be brief hi there hello friend a b c d e f g why so".split())
     sp = SpecialTokens(eos="<|end_of_text|>", eos_id=1, eos_ids=(1, 4), bos="<|begin_of_text|>", bos_id=0)
     m = lambda r, c: {"role": r, "content": c}  # noqa: E731
     rows = [("r1", {"messages": [m("system", "be brief"), m("user", "hi there"), m("assistant", "hello friend")]}),

@@ -53,3 +53,16 @@ def llama3_style_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Pat
            "eos_token_id": [tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot_id|>")]}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
+
+
+def word_level_tokenizer(words: list[str]):
+    """A ``tokenizers.Tokenizer`` with one token per whitespace-separated word of ``words`` (ids from
+    len(SPECIALS) + 1 on; "[UNK]" for any other word) and Llama 3's special tokens :data:`SPECIALS`
+    (ids 0..4: <|end_of_text|> = 1), so token counts of a fixture can be done by hand (tests)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate([*SPECIALS, "[UNK]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(list(SPECIALS))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
