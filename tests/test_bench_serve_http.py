@@ -34,7 +34,9 @@ def test_pool_exhaustion_over_http(checkpoint, tmp_path):
     assert row["server"] == "zerotron" and row["concurrency"] == 6 and row["kv_blocks_pool"] == 20, row
     assert row["completed"] == row["requests"] == 6 and row["failed"] == 0, row
     assert row["preemptions"] > 0 and row["kv_blocks_peak"] <= 20, row
-    assert 0 <= row["kv_waste"] < 0.5 and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0, row
+    # kv_waste comes from /metrics samples taken every 0.25 s while rows are in flight: a run that fast
+    # may catch none (null); the slot counting itself is checked below (test_slots_filled_...)
+    assert (row["kv_waste"] is None or 0 <= row["kv_waste"] < 0.5) and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0, row
     assert row["output_tokens"] >= 6 and row["output_tokens_per_s"] > 0, row
 
 
