@@ -180,20 +180,13 @@ def test_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report):
     """Masked-loss (chat) training in fp64 over dp2, ZeRO-3 dp2, tp2+SP and pp2 equals one process
     (rtol 1e-10): the loss is normalised by the global count of unmasked targets."""
     from zerotron import parity
-    from zerotron.testing import run_ranks
+    from zerotron.testing import parity_worst
 
     extra = _sft_extra(tmp_path, chat_tokenizer)
     ref = parity.reference(str(tmp_path / "ref"), extra)
-    ref_path = str(tmp_path / "ref.pt")
-    torch.save(ref, ref_path)
     lays = [lay.as_dict() for lay in parity.all_layouts() if lay.name in SFT_LAYOUTS]
     assert len(lays) == len(SFT_LAYOUTS)
-    per_rank = run_ranks(parity.run_many, 2, lays, ref_path, str(tmp_path / "w2"), extra, timeout_s=120)
-    worst = {}
-    for i, d in enumerate(lays):
-        recs = [per_rank[r][i] for r in range(2)]
-        s = parity.check(d["name"], recs, (set(ref["params"]), set(ref["optim"])), parity.FP64_RTOL)
-        worst[d["name"]] = max(s[k] for k in parity.ERRORS)
+    worst = parity_worst(lays, ref, tmp_path, extra)
     report("SFT parity fp64 (chat, masked loss), worst relative error: "
            + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
 
@@ -238,7 +231,7 @@ def test_lora_parity_fp64_and_frozen_base(tmp_path, data_cache, single_process, 
     from zerotron import parity
     from zerotron.models import registry
     from zerotron.parity.space import MODELS, Layout, config_for
-    from zerotron.testing import run_ranks
+    from zerotron.testing import parity_worst
     from zerotron.train.setup import gpt_config
 
     extra = {"data.cache_dir": data_cache, **MODELS["llama"], **LORA}
@@ -261,15 +254,8 @@ def test_lora_parity_fp64_and_frozen_base(tmp_path, data_cache, single_process, 
 
     est = model_state_bytes(sum(v.numel() for v in ref["params"].values()), 1, 0, "fp64", trainable=n_adapter)
     assert {k: est[k] for k in states} == states  # the estimator counts the frozen and trainable parts
-    ref_path = str(tmp_path / "ref.pt")
-    torch.save(ref, ref_path)
     lays = [lay.as_dict() for lay in parity.all_layouts() if lay.name in LORA_LAYOUTS]
-    per_rank = run_ranks(parity.run_many, 2, lays, ref_path, str(tmp_path / "w2"), extra, timeout_s=120)
-    worst = {}
-    for i, d in enumerate(lays):
-        recs = [per_rank[r][i] for r in range(2)]
-        s = parity.check(d["name"], recs, (set(ref["params"]), set(ref["optim"])), parity.FP64_RTOL)
-        worst[d["name"]] = max(s[k] for k in parity.ERRORS)
+    worst = parity_worst(lays, ref, tmp_path, extra)
     report("LoRA parity fp64 (rank 4), worst relative error: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
 
 

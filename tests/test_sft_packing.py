@@ -126,7 +126,7 @@ def test_packed_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report
     one process (rtol 1e-10)."""
     from zerotron import parity
     from zerotron.data import prepare_data
-    from zerotron.testing import run_ranks
+    from zerotron.testing import parity_worst
     from zerotron.train.setup import data_kwargs
 
     extra = {"data.corpus": "files", "data.path": CHAT, "data.format": "chat", "data.tokenizer": str(chat_tokenizer),
@@ -135,15 +135,8 @@ def test_packed_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report
     meta = prepare_data(**data_kwargs(parity.config_for(parity.Layout("ddp", 1, 1, False, 1, None, 1), extra))).meta
     assert meta["train_windows"] < meta["train_rows"], meta  # packed: windows hold several conversations
     ref = parity.reference(str(tmp_path / "ref"), extra)
-    ref_path = str(tmp_path / "ref.pt")
-    torch.save(ref, ref_path)
     lays = [dataclasses.replace(lay, doc_mask=True).as_dict() for lay in parity.all_layouts() if lay.name in PACK_LAYOUTS]
     assert len(lays) == len(PACK_LAYOUTS)
-    per_rank = run_ranks(parity.run_many, 2, lays, ref_path, str(tmp_path / "w2"), extra, timeout_s=120)
-    worst = {}
-    for i, d in enumerate(lays):
-        recs = [per_rank[r][i] for r in range(2)]
-        s = parity.check(d["name"], recs, (set(ref["params"]), set(ref["optim"])), parity.FP64_RTOL)
-        worst[d["name"]] = max(s[k] for k in parity.ERRORS)
+    worst = parity_worst(lays, ref, tmp_path, extra)
     report(f"packed SFT parity fp64 (chat, doc masks, {meta['train_rows']} rows in {meta['train_windows']} windows), "
            "worst relative error: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
