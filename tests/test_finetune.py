@@ -180,13 +180,12 @@ def test_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report):
     """Masked-loss (chat) training in fp64 over dp2, ZeRO-3 dp2, tp2+SP and pp2 equals one process
     (rtol 1e-10): the loss is normalised by the global count of unmasked targets."""
     from zerotron import parity
-    from zerotron.testing import parity_worst
 
     extra = _sft_extra(tmp_path, chat_tokenizer)
     ref = parity.reference(str(tmp_path / "ref"), extra)
     lays = [lay.as_dict() for lay in parity.all_layouts() if lay.name in SFT_LAYOUTS]
     assert len(lays) == len(SFT_LAYOUTS)
-    worst = parity_worst(lays, ref, tmp_path, extra)
+    worst = parity.parity_worst(lays, ref, tmp_path, extra)
     report("SFT parity fp64 (chat, masked loss), worst relative error: "
            + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
 
@@ -231,7 +230,6 @@ def test_lora_parity_fp64_and_frozen_base(tmp_path, data_cache, single_process, 
     from zerotron import parity
     from zerotron.models import registry
     from zerotron.parity.space import MODELS, Layout, config_for
-    from zerotron.testing import parity_worst
     from zerotron.train.setup import gpt_config
 
     extra = {"data.cache_dir": data_cache, **MODELS["llama"], **LORA}
@@ -255,7 +253,7 @@ def test_lora_parity_fp64_and_frozen_base(tmp_path, data_cache, single_process, 
     est = model_state_bytes(sum(v.numel() for v in ref["params"].values()), 1, 0, "fp64", trainable=n_adapter)
     assert {k: est[k] for k in states} == states  # the estimator counts the frozen and trainable parts
     lays = [lay.as_dict() for lay in parity.all_layouts() if lay.name in LORA_LAYOUTS]
-    worst = parity_worst(lays, ref, tmp_path, extra)
+    worst = parity.parity_worst(lays, ref, tmp_path, extra)
     report("LoRA parity fp64 (rank 4), worst relative error: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))
 
 

@@ -126,7 +126,6 @@ def test_packed_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report
     one process (rtol 1e-10)."""
     from zerotron import parity
     from zerotron.data import prepare_data
-    from zerotron.testing import parity_worst
     from zerotron.train.setup import data_kwargs
 
     extra = {"data.corpus": "files", "data.path": CHAT, "data.format": "chat", "data.tokenizer": str(chat_tokenizer),
@@ -137,6 +136,6 @@ def test_packed_sft_parity_fp64(tmp_path, chat_tokenizer, single_process, report
     ref = parity.reference(str(tmp_path / "ref"), extra)
     lays = [dataclasses.replace(lay, doc_mask=True).as_dict() for lay in parity.all_layouts() if lay.name in PACK_LAYOUTS]
     assert len(lays) == len(PACK_LAYOUTS)
-    worst = parity_worst(lays, ref, tmp_path, extra)
+    worst = parity.parity_worst(lays, ref, tmp_path, extra)
     report(f"packed SFT parity fp64 (chat, doc masks, {meta['train_rows']} rows in {meta['train_windows']} windows), "
            "worst relative error: " + ", ".join(f"{k} {v:.2g}" for k, v in worst.items()))

@@ -446,21 +446,3 @@ def start_serve(checkpoint, *extra: str, timeout_s: float = 120.0):
         time.sleep(0.2)
     return proc, lines, re.search(r"listening on (http://\S+)", "".join(lines)).group(1)
 
-
-def parity_worst(layouts: list[dict], ref: dict, tmp, extra: dict | None = None, world: int = 2) -> dict:
-    """Train ``layouts`` (``parity.Layout.as_dict()`` records) on ``world`` spawned ranks against the
-    single-process reference ``ref`` (:func:`zerotron.parity.reference`, saved under ``tmp``) and
-    check each with :func:`zerotron.parity.check` at ``parity.FP64_RTOL``. Returns ``{layout name:
-    worst relative error over parity.ERRORS}``; raises AssertionError naming the layout that fails."""
-    import torch
-
-    from zerotron import parity
-
-    ref_path = str(Path(tmp) / "ref.pt")
-    torch.save(ref, ref_path)
-    per_rank = run_ranks(parity.run_many, world, layouts, ref_path, str(Path(tmp) / f"w{world}"), extra, timeout_s=120)
-    keys, worst = (set(ref["params"]), set(ref["optim"])), {}
-    for i, d in enumerate(layouts):
-        s = parity.check(d["name"], [per_rank[r][i] for r in range(world)], keys, parity.FP64_RTOL)
-        worst[d["name"]] = max(s[k] for k in parity.ERRORS)
-    return worst

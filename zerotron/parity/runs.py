@@ -204,6 +204,27 @@ def check(layout_name: str, records: list[dict], ref_keys: tuple[set, set], rtol
     return {"name": layout_name, "world": len(records), **worst}
 
 
+def parity_worst(layouts: list[dict], ref: dict, tmp, extra: dict | None = None, world: int = 2) -> dict:
+    """Train ``layouts`` (``parity.Layout.as_dict()`` records) on ``world`` spawned ranks against the
+    single-process reference ``ref`` (:func:`reference`, saved under ``tmp``) and
+    check each with :func:`check` at ``FP64_RTOL``. Returns ``{layout name:
+    worst relative error over ERRORS}``; raises AssertionError naming the layout that fails."""
+    from pathlib import Path
+
+    import torch
+
+    from zerotron.testing import run_ranks
+
+    ref_path = str(Path(tmp) / "ref.pt")
+    torch.save(ref, ref_path)
+    per_rank = run_ranks(run_many, world, layouts, ref_path, str(Path(tmp) / f"w{world}"), extra, timeout_s=120)
+    keys, worst = (set(ref["params"]), set(ref["optim"])), {}
+    for i, d in enumerate(layouts):
+        s = check(d["name"], [per_rank[r][i] for r in range(world)], keys, FP64_RTOL)
+        worst[d["name"]] = max(s[k] for k in ERRORS)
+    return worst
+
+
 def markdown(result: dict) -> str:
     """A Markdown report of a matrix run (the JSON that ``ZEROTRON_MATRIX_OUT`` writes)."""
     w = result["worst"]
