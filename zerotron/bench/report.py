@@ -30,6 +30,7 @@ def summarize(records: list[dict]) -> list[dict]:
         row.update(tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
                    tokens_per_s_rounds=[r["tokens_per_s"] for r in rs],
                    step_time_s=statistics.median(r["step_time_s"] for r in rs),
+                   **({"mfu": statistics.median(r["mfu"] for r in rs)} if all("mfu" in r for r in rs) else {}),
                    cpu_s_per_step=statistics.median(r["cpu_s_per_step"] for r in rs),
                    step_time_s_rounds=[r["step_time_s"] for r in rs],
                    step_times_s_rounds=[r["step_times_s"] for r in rs],
@@ -116,12 +117,12 @@ def format_table(rows: list[dict]) -> str:
     ``bubble_replayed``, ``bubble_replay_ratio``, ``bubble_sim_latency``, ``latency_ratio``,
     ``bubble_theory``)."""
     bases = [b for b in BASELINES if any(r["layout"] == b and not r["skipped"] for r in rows)]
-    extra = [k for k in ("epoch_time_s", "pp_split", "bubble_measured", "idle_dependency", "idle_transfer",
+    extra = [k for k in ("mfu", "epoch_time_s", "pp_split", "bubble_measured", "idle_dependency", "idle_transfer",
                          "idle_post", "start_skew_ms", "p2p_latency_ms", "bubble_simulated", "bubble_overhead_ratio", "bubble_replayed",
                          "bubble_replay_ratio", "bubble_sim_latency", "latency_ratio", "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat",
                          "compile_time_s", "recompiles", "ratio_vs_eager")
              if any(k in r for r in rows)]
-    names = {"epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
+    names = {"mfu": ("MFU (measured matmul peak)", ".3f"), "epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
              "bubble_simulated": ("bubble sim (measured F/B)", ".3f"), "bubble_overhead_ratio": ("measured / sim", ".2f"),
              "bubble_replayed": ("bubble replay (per-action times)", ".3f"),
              "bubble_replay_ratio": ("measured / replay", ".2f"),
@@ -193,7 +194,9 @@ def markdown_report(rows: list[dict], command: str, machine: str) -> str:
         f"{_f(r0.get('tokens_per_step'), ',')} tokens per optimizer step; {r0.get('rounds', 0)} rounds of "
         f"{r0.get('warmup', 0)} untimed + {r0.get('steps', 0)} timed steps per layout, order rotated each round.", "",
         format_table(rows), "", "tokens/s: median over rounds (min-max over rounds beside it). `vs X`: median over "
-        "rounds of the paired per-round ratio tokens/s(layout) / tokens/s(X). CPU s/step: process CPU seconds per "
+        "rounds of the paired per-round ratio tokens/s(layout) / tokens/s(X). MFU: tokens/s x model training "
+        "FLOPs per token (6N + 12LCS, recomputation not counted) / the sum over the layout's ranks of each rank's "
+        "measured matmul peak (best of >= 8 fp32 1024^2 products, per process; median over rounds). CPU s/step: process CPU seconds per "
         "step summed over ranks (median over rounds). comm bytes/step: counted by "
         "zerotron.distributed.comm (nccl-tests size; not shown for 1 rank, where the all-reduces move nothing; FSDP2's and "
         "DTensor TP's own collectives bypass it and are not counted). peak mem: "

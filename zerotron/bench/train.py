@@ -79,6 +79,7 @@ from zerotron.parallel.compile import compile_stats
 from zerotron.parallel.context.split import split_sequence
 from zerotron.parallel.pipeline.schedules import bubble_theory
 from zerotron.plan import build_plan
+from zerotron.train.metrics import TRAIN_DTYPES, mfu, peak_flops
 from zerotron.train.optim import build_scheduler
 from zerotron.train.setup import gpt_config
 from zerotron.train.step import train_step
@@ -191,6 +192,15 @@ def _build(cfg, plan, mesh, data, layout: Layout, steps: int):
     return strategy, opt, build_scheduler(opt, t), batches, model.num_params(), mcfg.block_size, epoch_tokens
 
 
+def _flops_per_token(cfg, vocab_size: int, seq_len: int) -> int:
+    """Model training FLOPs per token of ``cfg``'s model (6N + 12LCS, ``analysis.flops``; recomputation
+    not counted): the numerator of the MFU column, as the trainer's metrics."""
+    from zerotron.analysis.flops import shape_of, training_flops_per_token
+
+    mcfg = gpt_config(cfg, vocab_size)
+    return training_flops_per_token(shape_of(mcfg).flop_params(), mcfg.n_layer, mcfg.n_embd, seq_len)
+
+
 def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, dev, threads: int, w: int) -> dict:
     """One round of one layout; collective over the world (ranks with ``mesh`` None just wait).
     Returns the same record on every rank (seconds, tokens/s, bytes) or a skipped record."""
@@ -251,6 +261,8 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
                                    cfg.parallel.cp_impl), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
                  "stage_times": stage_times, "schedule": pp_sched, "p2p": p2p_steps, "host": socket.gethostname(),
+                 "peak_flops": peak_flops(dev, TRAIN_DTYPES[cfg.train.dtype])[0],  # measured once per process
+                 "flops_per_token": _flops_per_token(cfg, data.vocab_size, seq_len),
                  "pipe": [mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]], "split": getattr(strat, "split", None),
                  "bubble_theory": bubble_theory(pp_sched[0], pp_sched[1], pp_sched[3], pp_sched[2]) if timing is not None else None}
         if compiled:  # compile time of this round's warm-up; recompiles/graph breaks in the timed steps (want 0)
@@ -265,6 +277,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
     times = [max(ts) for ts in zip(*(g["times"] for g in got))]
     state, g0 = max((g["state"] for g in got), key=lambda s: s["total_bytes"]), got[0]
     tps = g0["tokens"] * steps / max(g["elapsed"] for g in got)
+    mfu_val = mfu(tps, g0["flops_per_token"], sum(g["peak_flops"] for g in got))  # over the layout's ranks
     pipe = {}
     if g0["bubbles"] is not None:  # max over (pp) ranks per step, median over steps
         pipe = {"bubble_measured": statistics.median(max(b) for b in zip(*(g["bubbles"] for g in got))),
@@ -279,7 +292,8 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
     link = {"link_tx_bytes_per_step": sum(links), "link_nodes": len(links)} if links else {}
     return {**rec, **link, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,
             "num_params": g0["params"], "tokens_per_step": g0["tokens"],
-            "tokens_per_s": tps, "epoch_tokens": g0["epoch_tokens"], "epoch_time_s": g0["epoch_tokens"] / tps, **pipe,
+            "tokens_per_s": tps, "mfu": mfu_val, "peak_flops_per_rank": statistics.mean(g["peak_flops"] for g in got),
+            "epoch_tokens": g0["epoch_tokens"], "epoch_time_s": g0["epoch_tokens"] / tps, **pipe,
             "step_time_s": statistics.median(times), "step_times_s": times,
             "cpu_s_per_step": sum(g["cpu"] for g in got) / steps,
             "comm_bytes_per_step": max(sum(g["by_tag"].values()) for g in got), "comm_bytes_by_tag": g0["by_tag"],
