@@ -9,8 +9,11 @@ process drops with the same key.
 (c) activation checkpointing: a cp 2 model with every dropout on gives bitwise the gradients of the
     same model without recomputation (the recompute regenerates the masks);
 (b) a training witness, statistical: embedding and residual dropout act on each rank's local tokens
-    with its own RNG stream, so cp 2 with dropout 0.1 trains *like* one process, not bitwise.
+    with its own RNG stream, so cp 2 with dropout 0.1 trains *like* one process, not bitwise
+    (``ZEROTRON_CP_FULL=1``: two trainings).
 One spawn of 2 ranks runs (a), (a') and (c)."""
+import os
+
 import pytest
 import torch
 
@@ -234,14 +237,17 @@ def _fit(overrides, run_dir):
     return {"losses": losses, "params": {k: v.detach().double().cpu().numpy().copy() for k, v in msd.items()}}
 
 
+@pytest.mark.skipif(os.environ.get("ZEROTRON_CP_FULL") != "1", reason="~50-100 s on 2 cores: make test-cp")
 def test_training_witness_statistical(tmp_path, data_cache, single_process):
-    """(b) cp 2 (ring) with model.dropout 0.1 against one process with dropout 0.1, 6 fp64 steps.
+    """(b) cp 2 (ring) with model.dropout 0.1 against one process with dropout 0.1, 4 fp64 steps.
     Statistical, not exact: attention masks are coordinate functions, but embedding and residual
     dropout draw from each rank's stream over its local tokens (and the attention keys come from
     streams that those draws advance), so the masks differ from one process's. Checks: cp replicas
-    bitwise equal, the losses within 3 % of one process's, and not equal to them (dropout is on)."""
+    bitwise equal, the losses within 1 % of one process's (measured: 0.3 % at most), and not equal
+    to them (dropout is on). Two trainings: ``ZEROTRON_CP_FULL=1`` (``make test-cp``); the default
+    suite has the exact model-level check (``test_models_equal_one_process``)."""
     base = {"model.n_layer": 2, "model.n_head": 4, "model.n_embd": 32, "model.block_size": 16,
-            "model.dropout": 0.1, "train.steps": 6, "train.global_batch": 4, "train.micro_batch": 2,
+            "model.dropout": 0.1, "train.steps": 4, "train.global_batch": 4, "train.micro_batch": 2,
             "train.eval_every": 0, "checkpoint.save_final": "false", "checkpoint.every": 0,
             "train.dtype": "fp64", "log.tensorboard": "false", "data.cache_dir": data_cache}
     ranks = run_ranks(_fit, 2, {**base, "parallel.cp": 2}, str(tmp_path / "cp2"), timeout_s=120)
@@ -249,7 +255,8 @@ def test_training_witness_statistical(tmp_path, data_cache, single_process):
         assert (v == ranks[1]["params"][k]).all(), k
     one = _fit(base, str(tmp_path / "one"))
     cp2 = ranks[0]["losses"]
-    assert len(cp2) == len(one["losses"]) == 6
+    assert len(cp2) == len(one["losses"]) == 4
     assert cp2 != one["losses"]
+    print("cp2 / one-process losses (dropout 0.1):", cp2, one["losses"])
     for a, b in zip(cp2, one["losses"]):
-        assert abs(a - b) <= 0.03 * b, (cp2, one["losses"])
+        assert abs(a - b) <= 0.01 * b, (cp2, one["losses"])
