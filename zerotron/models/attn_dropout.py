@@ -63,6 +63,13 @@ def _fold(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return _mix(h ^ (x & _M32))
 
 
+def _mix_(h: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix` in place (the full-size (B, H, Tq, Tk) stage: no new tensor per op)."""
+    h.bitwise_xor_(h >> 16).mul_(_MUL).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 15).mul_(_MUL).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
+
+
 @dataclass(frozen=True)
 class AttnDropout:
     """One attention call's dropout: probability ``p`` in (0, 1), the 62-bit ``key``, and the global
@@ -101,14 +108,14 @@ def keep_mask(key: int, p: float, rows: torch.Tensor, heads: torch.Tensor, qpos:
     h = _fold(h, rows.long())[:, None, None, None]          # (B, 1, 1, 1)
     h = _fold(h, heads.long()[None, :, None, None])        # (B, H, 1, 1)
     h = _fold(h, qpos.long()[None, None, :, None])         # (B, H, Tq, 1)
-    h = _fold(h, kpos.long()[None, None, None, :])         # (B, H, Tq, Tk)
+    h = _mix_(h ^ (kpos.long() & _M32)[None, None, None, :])  # (B, H, Tq, Tk), in place
     return h >= int(round(p * 2 ** 32))
 
 
 def apply_keep(probs: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
     """Inverted dropout of probabilities ``probs`` with the boolean ``keep`` (broadcastable):
     probs * keep / (1 - p)."""
-    return probs * keep.to(probs.dtype) * (1.0 / (1.0 - p))
+    return torch.where(keep, probs * (1.0 / (1.0 - p)), 0.0)
 
 
 def coordinate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
