@@ -54,6 +54,11 @@ test-matrix: install-dev
 test-finetune: install-dev
 	ZEROTRON_SFT_FULL=1 $(PY) -m pytest tests/test_finetune.py tests/test_sft_packing.py $(ARGS)
 
+# context parallelism's slow checks: checkpoints resharded across cp under a pipeline (cp2 x pp2 ->
+# cp1 x pp2 and cp2 x pp1), besides the default cp and cp-dropout tests (~4 min on 2 cores)
+test-cp: install-dev
+	ZEROTRON_CP_FULL=1 $(PY) -m pytest tests/test_context_parallel.py tests/test_cp_dropout.py $(ARGS)
+
 # the MoE family under every layout it runs (ep 1, 2, 4 over dp 2 and 4; fp64 against one process)
 test-moe: install-dev
 	ZEROTRON_MOE_PARITY=full $(PY) -m pytest -s tests/test_moe_parity.py tests/test_moe_inference.py tests/test_moe_capacity.py $(ARGS)

@@ -373,10 +373,6 @@ class ParallelPlan:
         _need(self.runner in ("plain", "pipeline"),
               f"parallel.cp > 1 does not run with parallel.pp_impl = {self.pp_impl} (the {self.runner} runner "
               "reduces gradients over dp only); use parallel.pp_impl = native or parallel.cp = 1")
-        _need(self.dropout == 0,
-              f"model.dropout ({self.dropout}) > 0 with parallel.cp > 1 is not supported (the context-parallel "
-              "attention implementations have no attention-probability dropout); set model.dropout = 0 or "
-              "parallel.cp = 1")
         if self.shape is None:
             return
         T = self.shape["block_size"]

@@ -36,7 +36,9 @@ corpus, process-group buffers, which no estimator models) and the estimators' mo
 activations (:func:`memory_estimate`);
 then ring attention at the model's attention shape (micro-batch, heads, kv heads, head dim) on
 all ``nproc`` ranks as one cp group gives the hidden transfer fraction, and ``--balance`` adds the
-zigzag vs contiguous balance (:func:`balance_summary`). A command of its own rather than ``bench
+zigzag vs contiguous balance (:func:`balance_summary`); with ``--model.dropout P`` that ring
+timing runs attention dropout with the coordinate mask (plain-torch blocks), so two sweeps give the
+cost of dropout under cp. A command of its own rather than ``bench
 train --seq``: bench train compares layouts at one config, while this sweep changes the model
 shape per row and adds kernel timings that are not training layouts.
 """
@@ -74,7 +76,7 @@ def ring_hop_seconds(group, shape, dtype: torch.dtype = torch.float32, repeats: 
 
 def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: int = 1, heads: int = 8,
                          kv_heads: int | None = None, head_dim: int = 64, dtype: torch.dtype = torch.float32,
-                         repeats: int = 5, warmup: int = 1, seed: int = 0) -> dict:
+                         repeats: int = 5, warmup: int = 1, seed: int = 0, dropout: float = 0.0) -> dict:
     """On one rank of the cp ``group`` (all ranks call it): time ring attention forward + backward
     of a local (batch, heads, seq_len/cp, head_dim) block (module doc). Returns a dict of medians
     over ``repeats`` iterations, in seconds: ``compute_s`` (forward + backward block compute;
@@ -83,9 +85,12 @@ def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: 
     plus ``rank`` (in the group), ``layout`` and ``work_blocks`` (``ring.rank_work``: the
     computed score blocks, the expected time ratio between ranks), ``transfer_s`` (the iteration's
     3 cp - 2 hops timed alone, :func:`ring_hop_seconds`) and ``hidden_fraction`` = 1 - wait_s /
-    transfer_s (module doc). Raises ValueError as ring_attention does."""
+    transfer_s (module doc). ``dropout`` > 0: attention dropout with the coordinate mask
+    (``models.attn_dropout``; its blocks run plain torch, not the fused kernel), to measure that
+    cost. Raises ValueError as ring_attention does."""
     from zerotron.distributed import comm
     from zerotron.distributed.groups import process_group
+    from zerotron.models.attn_dropout import AttnDropout
     from zerotron.parallel.context.ring import rank_work, ring_attention
 
     cp, rank = group.size(), group.rank()
@@ -105,14 +110,15 @@ def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: 
         comm.barrier(process_group(group))
         timings: dict = {}
         t0 = time.perf_counter()
-        ring_attention(q, k, v, group, layout=layout, timings=timings).backward(dout)
+        drop = AttnDropout(dropout, 12345 + i) if dropout > 0 else None
+        ring_attention(q, k, v, group, layout=layout, timings=timings, drop=drop).backward(dout)
         wall = time.perf_counter() - t0
         if i >= warmup:
             rows.append(dict(timings, wall_s=wall))
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     compute = [r["forward_compute_s"] + r["backward_compute_s"] for r in rows]
     wait = med["forward_wait_s"] + med["backward_wait_s"]
-    return {"rank": rank, "layout": layout, "work_blocks": rank_work(layout, cp, rank),
+    return {"rank": rank, "layout": layout, "work_blocks": rank_work(layout, cp, rank), "dropout": dropout,
             "compute_s": statistics.median(compute), "compute_min_s": min(compute),
             "forward_compute_s": med["forward_compute_s"], "backward_compute_s": med["backward_compute_s"],
             "wait_s": wait, "wall_s": med["wall_s"], "transfer_s": transfer,
@@ -248,12 +254,14 @@ def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance,
             est = None if r.get("skipped") else memory_estimate(path, over, r["layout"], r["world_size"],
                                                                  r["num_params"], data.vocab_size)
             rows.append({"seq": seq, "kind": "train", **r, **(est or {}), "exact_memory": exact})
-        shape = _attention_shape(load_config(path, over), data.vocab_size)
+        cfg = load_config(path, over)
+        shape = _attention_shape(cfg, data.vocab_size)
         layouts = ("zigzag", "contiguous") if balance else ("zigzag",)
-        mine = {lay: rank_attention_times(group, seq, lay, repeats=repeats, **shape) for lay in layouts}
+        mine = {lay: rank_attention_times(group, seq, lay, repeats=repeats, dropout=cfg.model.dropout, **shape)
+                for lay in layouts}
         per_rank = comm.all_gather_object(mine)
         ring = [r["zigzag"] for r in per_rank]
-        rows.append({"seq": seq, "kind": "ring", "layout": "ring-attention", "cp": len(ring),
+        rows.append({"seq": seq, "kind": "ring", "layout": "ring-attention", "cp": len(ring), "dropout": cfg.model.dropout,
                      **{k: v for k, v in shape.items() if k != "dtype"}, "dtype": str(shape["dtype"]),
                      "compute_s": max(r["compute_s"] for r in ring), "wait_s": max(r["wait_s"] for r in ring),
                      "transfer_s": max(r["transfer_s"] for r in ring),

@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import attn_dropout
 from .layout import ModelLayout
 
 __all__ = ["KVCache", "ParallelHooks", "CausalLM"]
@@ -162,8 +163,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     each kv head serves H/H_kv query heads) -> (B, H, T, D). Query i sits at absolute position
     S - T + i and sees keys 0 .. S - T + i; scores scaled by 1/sqrt(D) (Vaswani et al. 2017).
     ``pad`` (B,) int64 (left padding, see :class:`KVCache`): row b's keys 0 .. pad[b]-1 are masked
-    (a padding query still sees itself, so no row of the softmax is empty)."""
+    (a padding query still sees itself, so no row of the softmax is empty). ``dropout_p`` > 0: torch's
+    fused dropout, or the coordinate-function mask of :mod:`.attn_dropout` (slots as positions)
+    when that is forced (``attn_dropout.forced()``)."""
     T, S = q.size(2), k.size(2)
+    if dropout_p > 0 and attn_dropout.forced():  # coordinate-function dropout mask (models.attn_dropout)
+        slots = torch.arange(S, device=q.device)
+        allowed = slots[None, :] <= slots[S - T:, None]  # (T, S) causal over the slots
+        if pad is not None:
+            allowed = (allowed[None] & (slots[None, None, :] >= pad[:, None, None])) | (slots[None, :] == slots[S - T:, None])
+            allowed = allowed[:, None]
+        drop = attn_dropout.AttnDropout(dropout_p, attn_dropout.draw_key())
+        return attn_dropout.coordinate_attention(q, k, v, allowed, drop, slots[S - T:], slots)
     if k.size(1) != q.size(1):
         rep = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

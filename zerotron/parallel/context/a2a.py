@@ -20,6 +20,7 @@ import torch
 
 from zerotron.distributed import comm
 from zerotron.distributed.groups import process_group
+from zerotron.models.attn_dropout import AttnDropout, coordinate_attention
 from zerotron.models.base import causal_attention
 
 from .documents import doc_attention
@@ -89,7 +90,19 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _HeadsToSeq.apply(x, group)
 
 
-def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, doc: torch.Tensor | None = None) -> torch.Tensor:
+def _attend(q, k, v, doc, drop):
+    """Attention over the whole sequence (natural order) of the heads in hand: causal, document
+    masked with ``doc``, and with coordinate dropout ``drop`` (heads offset by the caller)."""
+    if drop is None:
+        return causal_attention(q, k, v, 0.0) if doc is None else doc_attention(q, k, v, doc.to(q.device), 0.0)
+    if doc is not None:
+        return doc_attention(q, k, v, doc.to(q.device), drop=drop)
+    t = torch.arange(q.size(2), device=q.device)
+    return coordinate_attention(q, k, v, t[None, :] <= t[:, None], drop, t, t)
+
+
+def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, doc: torch.Tensor | None = None,
+                  drop: AttnDropout | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's zigzag tokens over the whole sequence by all-to-all head
     re-sharding (module doc): q (B, H, T_local, D), k and v (B, H_kv, T_local, D) -> (B, H, T_local, D),
     row for row equal to causal scaled dot-product attention over the full sequence
@@ -99,15 +112,19 @@ def a2a_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, doc:
     tag ``cp_a2a`` over ``group``, of q's, k's, v's and the output's bytes.
     ``doc``: None, or the document indices (B, T) of the whole sequence (natural order): the
     attention over the re-sharded sequence is then document-masked (``docmask.doc_attention``).
+    ``drop``: None, or the attention dropout of this call (``models.attn_dropout.AttnDropout``, key
+    shared by the cp group): after the re-shard this rank holds query heads cp_rank*H/cp .., so its
+    coordinate mask is taken with the head offset shifted by that much (plain torch attention).
     Raises ValueError when cp does not divide H_kv (the plan refuses such a layout first)."""
     cp = _size(group)
     H, Hkv = q.size(1), k.size(1)
     if Hkv % cp or H % Hkv:
         raise ValueError(f"all-to-all context attention needs cp ({cp}) to divide the kv heads ({Hkv}); "
                          "use parallel.cp_impl = 'ring' or a cp that divides them")
-    attend = causal_attention if doc is None else (lambda q, k, v, p: doc_attention(q, k, v, doc.to(q.device), p))
     if cp == 1:
-        return attend(q, k, v, 0.0)
-    out = attend(seq_to_heads(q.contiguous(), group), seq_to_heads(k.contiguous(), group),
-                 seq_to_heads(v.contiguous(), group), 0.0)
+        return _attend(q, k, v, doc, drop)
+    rank = torch.distributed.get_rank(process_group(group))
+    drop = drop.shifted(rank * (H // cp)) if drop is not None else None
+    out = _attend(seq_to_heads(q.contiguous(), group), seq_to_heads(k.contiguous(), group),
+                  seq_to_heads(v.contiguous(), group), doc, drop)
     return heads_to_seq(out.contiguous(), group)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from zerotron.distributed import comm
+from zerotron.models.attn_dropout import AttnDropout, coordinate_attention
 from zerotron.parallel.context.documents import allowed_mask
 from zerotron.parallel.context.split import unsplit_order, zigzag_positions
 
@@ -45,13 +46,15 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
-                        doc: torch.Tensor | None = None) -> torch.Tensor:
+                        doc: torch.Tensor | None = None, drop: AttnDropout | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's zigzag chunks against the whole sequence (the contract of
     :mod:`.attention`): q (B, H, T_local, D), k/v (B, H_kv, T_local, D), H a multiple of H_kv ->
     (B, H, T_local, D), scale 1/sqrt(D). ``group``: the cp group (a ``comm.NamedGroup``); traffic:
     one all-gather of K and V per call and one reduce-scatter of their gradients in backward,
     tagged "cp_attn". ``doc``: None, or the document indices (B, T) of the whole sequence in natural
-    order (``.docmask``): keys of other documents are masked too. Raises ValueError when q, k, v disagree in batch, length or head dim."""
+    order (``.docmask``): keys of other documents are masked too. ``drop``: None, or the attention
+    dropout of this call (``models.attn_dropout.AttnDropout``, key shared by the cp group): the
+    coordinate mask at the queries' zigzag positions against all keys (plain torch attention). Raises ValueError when q, k, v disagree in batch, length or head dim."""
     B, H, Tl, D = q.shape
     if k.shape != v.shape or k.size(0) != B or k.size(2) != Tl or k.size(3) != D or H % k.size(1):
         raise ValueError(f"allgather_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
@@ -70,4 +73,6 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     else:  # (B, 1, T_local, T): same document and not in the future
         doc = doc.to(q.device)
         mask = allowed_mask(doc.index_select(1, qpos), doc, qpos, torch.arange(T, device=q.device))
+    if drop is not None:
+        return coordinate_attention(q, kf, vf, mask, drop, qpos, torch.arange(T, device=q.device))
     return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask)

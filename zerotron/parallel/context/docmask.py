@@ -38,7 +38,7 @@ from zerotron.distributed import comm
 from zerotron.models.base import ParallelHooks, WrappingHooks
 from zerotron.models.layout import get_module
 
-from .attention import context_attention
+from .attention import context_attention, shared_dropout
 from .documents import doc_attention, document_ids
 from .split import split_sequence, unsplit_order
 
@@ -112,7 +112,8 @@ class DocMaskHooks(WrappingHooks):
             return self.inner.attention(q, k, v, dropout_p, pad)
         docs = self._need()
         if self.group is not None and self.group.size() > 1:
-            return context_attention(q, k, v, self.group, self.impl, doc=docs.doc)
+            drop = shared_dropout(dropout_p, self.group) if dropout_p > 0 else None
+            return context_attention(q, k, v, self.group, self.impl, doc=docs.doc, drop=drop)
         return doc_attention(q, k, v, docs.doc.to(q.device), dropout_p)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from zerotron.models import attn_dropout
+
 __all__ = ["allowed_mask", "doc_attention", "document_ids"]
 
 
@@ -32,12 +34,18 @@ def allowed_mask(qdoc: torch.Tensor, kdoc: torch.Tensor, qpos: torch.Tensor, kpo
 
 
 def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor,
-                  dropout_p: float = 0.0) -> torch.Tensor:
+                  dropout_p: float = 0.0, drop: attn_dropout.AttnDropout | None = None) -> torch.Tensor:
     """Document-masked causal attention over a whole sequence: q (B, H, T, D), k/v (B, H_kv, T, D)
     (H a multiple of H_kv), ``doc`` (B, T) document indices -> (B, H, T, D); SDPA with the boolean
-    mask of :func:`allowed_mask` (every row sees at least itself)."""
+    mask of :func:`allowed_mask` (every row sees at least itself). ``dropout_p`` > 0: torch's fused
+    dropout, or the coordinate mask (``models.attn_dropout``) when forced or when ``drop`` (an
+    ``AttnDropout``: the key and this tensor's first row and head) is given."""
+    t = torch.arange(q.size(2), device=q.device)
+    if drop is None and dropout_p > 0 and attn_dropout.forced():
+        drop = attn_dropout.AttnDropout(dropout_p, attn_dropout.draw_key())
+    if drop is not None:
+        return attn_dropout.coordinate_attention(q, k, v, allowed_mask(doc, doc, t, t), drop, t, t)
     if k.size(1) != q.size(1):
         rep = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    t = torch.arange(q.size(2), device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_mask(doc, doc, t, t), dropout_p=dropout_p)

@@ -30,7 +30,9 @@ Per-block kernels. A block without a document mask runs torch's fused attention 
 log-sum-exp (on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, which
 takes the *merged* output and log-sum-exp, as FlashAttention's backward does): no (C x C) score
 matrix is materialised, a diagonal block skips its masked half, and grouped-query heads are read in
-place. A block with a document mask runs plain torch (matmul, exp, masks). Both in fp32 for
+place. A block with a document mask or attention dropout (``models.attn_dropout``: the mask a
+function of the block's global coordinates, regenerated in the backward) runs plain torch (matmul,
+exp, masks). Both in fp32 for
 bf16/fp16 inputs and in the input dtype otherwise (autocast is switched off inside), so fp64 results
 equal single-process attention to rounding.
 """
@@ -44,6 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from zerotron.distributed import comm
 from zerotron.distributed.groups import group_ranks, process_group
+from zerotron.models.attn_dropout import AttnDropout, apply_keep
 
 from .documents import allowed_mask
 from .split import check_split
@@ -114,39 +117,51 @@ def _grouped(t: torch.Tensor, hkv: int) -> torch.Tensor:
     return t.reshape(b, hkv, h // hkv, n, d)
 
 
-def _block_forward(q, k, v, diagonal: bool, scale: float, allowed=None):
+def _block_forward(q, k, v, diagonal: bool, scale: float, allowed=None, keep=None, p: float = 0.0):
     """One (query chunk, key chunk) block: q (B, H, C, D), k and v (B, H_kv, C, D) ->
     (softmax output (B, H, C, D), log-sum-exp of the scaled scores (B, H, C)); causal within
     the block when ``diagonal``; masked by ``allowed`` (B, 1, C, C) when given (-inf lse and a
-    zero output on a row with no allowed key)."""
+    zero output on a row with no allowed key). ``keep`` (B, H_kv, rep, C, C) bool: attention
+    dropout ``p`` (``models.attn_dropout``) on the block's probabilities, the lse staying the one of
+    the undropped scores (so the log-sum-exp merge of dropped blocks is exact)."""
     fused = _fused(q)
-    if fused is not None and allowed is None:
+    if fused is not None and allowed is None and keep is None:
         out, lse = fused[0](q, k, v, 0.0, diagonal, scale=scale)
         return out, lse
     hkv = k.size(1)
     s = _scores(_grouped(q, hkv), k, diagonal, scale, allowed)
     lse = torch.logsumexp(s, dim=-1)  # -inf on a row that sees no key of this block
-    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
-    out = torch.matmul(p, v.unsqueeze(2))
+    probs = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
+    if keep is not None:
+        probs = apply_keep(probs, keep, p)
+    out = torch.matmul(probs, v.unsqueeze(2))
     return out.flatten(1, 2), lse.flatten(1, 2)
 
 
-def _block_backward(dout, q, k, v, out, lse, delta, diagonal: bool, scale: float, allowed=None):
+def _block_backward(dout, q, k, v, out, lse, delta, diagonal: bool, scale: float, allowed=None, keep=None,
+                    p: float = 0.0):
     """Gradients (dq (B, H, C, D), dk, dv (B, H_kv, C, D)) of one block's share of the loss, given
     the *merged* output ``out`` (B, H, C, D) and log-sum-exp ``lse`` (B, H, C) of its query rows and
-    ``delta`` = rowsum(dout * out) (B, H, C) (FlashAttention's backward, Dao et al. 2022)."""
+    ``delta`` = rowsum(dout * out) (B, H, C) (FlashAttention's backward, Dao et al. 2022). With
+    dropout (``keep``, ``p``): dV from the dropped probabilities, dP masked and scaled like them,
+    and delta unchanged (rowsum(dP_dropped * P_dropped) = rowsum(dout * out), as FlashAttention's
+    dropout backward uses)."""
     fused = _fused(q)
-    if fused is not None and allowed is None:
+    if fused is not None and allowed is None and keep is None:
         dq, dk, dv = fused[1](dout, q, k, v, out, lse, 0.0, diagonal, scale=scale)
         return dq, dk, dv
     hkv = k.size(1)
     qg, dog = _grouped(q, hkv), _grouped(dout, hkv)
-    p = torch.exp(_scores(qg, k, diagonal, scale, allowed) - _grouped(lse.unsqueeze(-1), hkv))  # probabilities
+    probs = torch.exp(_scores(qg, k, diagonal, scale, allowed) - _grouped(lse.unsqueeze(-1), hkv))
     kb, vb = k.unsqueeze(2), v.unsqueeze(2)  # (B, H_kv, 1, C, D): broadcast over the rep query heads
-    ds = p * (torch.matmul(dog, vb.transpose(-1, -2)) - _grouped(delta.unsqueeze(-1), hkv))
+    dprobs = torch.matmul(dog, vb.transpose(-1, -2))
+    dropped = probs
+    if keep is not None:
+        dropped, dprobs = apply_keep(probs, keep, p), apply_keep(dprobs, keep, p)
+    ds = probs * (dprobs - _grouped(delta.unsqueeze(-1), hkv))
     dq = (torch.matmul(ds, kb) * scale).flatten(1, 2)
     dk = (torch.matmul(ds.transpose(-1, -2), qg) * scale).sum(2)
-    dv = torch.matmul(p.transpose(-1, -2), dog).sum(2)
+    dv = torch.matmul(dropped.transpose(-1, -2), dog).sum(2)
     return dq, dk, dv
 
 
@@ -169,7 +184,8 @@ class _Ring:
     """Who is where on the cp ring: size, this rank's index, the global ranks of the next and
     previous peers, and the chunk layout of every rank."""
 
-    def __init__(self, group, layout: str, t_local: int, doc: torch.Tensor | None = None):
+    def __init__(self, group, layout: str, t_local: int, doc: torch.Tensor | None = None,
+                 drop: AttnDropout | None = None, device=None):
         pg = process_group(group)
         self.group = group
         self.size = torch.distributed.get_world_size(pg)
@@ -179,6 +195,7 @@ class _Ring:
         self.layout, self.t_local = layout, t_local
         self.chunk, _ = chunk_layout(layout, self.size, self.rank, t_local)
         self.doc = doc  # (B, T) document indices of the whole sequence, or None
+        self.drop, self.device = drop, device  # attention dropout (key, first row and head), or None
 
     def allowed(self, qi: int, kj: int) -> torch.Tensor | None:
         """Document masking: the boolean mask (B, 1, C, C) of global query chunk ``qi`` against key
@@ -190,14 +207,27 @@ class _Ring:
         k = torch.arange(kj * self.chunk, (kj + 1) * self.chunk, device=dev)
         return allowed_mask(self.doc[:, q], self.doc[:, k], q, k)
 
-    def blocks(self, step: int):
-        """(query slot, key slot, diagonal, allowed mask) of the block pairs this rank computes at
-        ``step``: causally visible, and with documents at least one allowed score."""
+    def keep(self, qi: int, kj: int, B: int, H: int, hkv: int) -> torch.Tensor | None:
+        """Attention dropout: the keep mask (B, H_kv, H/H_kv, C, C) of global query chunk ``qi``
+        against key chunk ``kj`` (``models.attn_dropout.keep_mask`` at the chunks' global positions,
+        grouped like the queries), or None without dropout."""
+        if self.drop is None:
+            return None
+        dev = self.device
+        q = torch.arange(qi * self.chunk, (qi + 1) * self.chunk, device=dev)
+        k = torch.arange(kj * self.chunk, (kj + 1) * self.chunk, device=dev)
+        keep = self.drop.keep(B, H, q, k)
+        return keep.view(B, hkv, H // hkv, self.chunk, self.chunk)
+
+    def blocks(self, step: int, B: int = 0, H: int = 0, hkv: int = 1):
+        """(query slot, key slot, diagonal, allowed mask, keep mask) of the block pairs this rank
+        computes at ``step``: causally visible, and with documents at least one allowed score; the
+        keep mask (dropout, for B rows and H query heads over hkv kv heads) or None."""
         mine, theirs = self.ids(self.rank), self.ids(self.source(step))
         for a, b, diag in _pairs(mine, theirs):
             allowed = self.allowed(mine[a], theirs[b])
             if allowed is None or bool(allowed.any()):
-                yield a, b, diag, allowed
+                yield a, b, diag, allowed, self.keep(mine[a], theirs[b], B, H, hkv)
 
     def ids(self, rank: int) -> list[int]:
         """The global chunk indices of cp rank ``rank``'s local sequence."""
@@ -236,9 +266,9 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention forward/backward (module doc); inputs q (B,H,T,D), k/v (B,H_kv,T,D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, timings, doc):
+    def forward(ctx, q, k, v, group, layout, timings, doc, drop):
         with torch.autocast(q.device.type, enabled=False):  # block math in the compute dtype, not autocast's
-            return _RingAttention._forward(ctx, q, k, v, group, layout, timings, doc)
+            return _RingAttention._forward(ctx, q, k, v, group, layout, timings, doc, drop)
 
     @staticmethod
     @once_differentiable
@@ -247,8 +277,10 @@ class _RingAttention(torch.autograd.Function):
             return _RingAttention._backward(ctx, dout)
 
     @staticmethod
-    def _forward(ctx, q, k, v, group, layout, timings, doc):
-        ring = _Ring(group, layout, q.size(2), doc)
+    def _forward(ctx, q, k, v, group, layout, timings, doc, drop):
+        ring = _Ring(group, layout, q.size(2), doc, drop, q.device)
+        B, H, Hkv = q.size(0), q.size(1), k.size(1)
+        p = drop.p if drop is not None else 0.0
         D = q.size(-1)
         cdt = torch.promote_types(q.dtype, torch.float32)  # compute dtype: fp32 for bf16/fp16
         scale = 1.0 / math.sqrt(D)
@@ -264,9 +296,9 @@ class _RingAttention(torch.autograd.Function):
                 nxt, works = ring.shift(kv, "cp_kv")
             t0 = time.perf_counter()
             kc, vc = kv[0].to(cdt), kv[1].to(cdt)
-            for a, b, diag, allowed in ring.blocks(step):
+            for a, b, diag, allowed, keep in ring.blocks(step, B, H, Hkv):
                 bout, blse = _block_forward(qc[..., ring.slot(a), :], kc[..., ring.slot(b), :],
-                                            vc[..., ring.slot(b), :], diag, scale, allowed)
+                                            vc[..., ring.slot(b), :], diag, scale, allowed, keep, p)
                 outs[a], lses[a] = merge(outs[a], lses[a], bout, blse)
             spent += time.perf_counter() - t0
             if works:
@@ -287,6 +319,7 @@ class _RingAttention(torch.autograd.Function):
         Hkv = k.size(1)
         cdt = out.dtype
         scale = 1.0 / math.sqrt(D)
+        p = ring.drop.p if ring.drop is not None else 0.0
         qc, dc = q.to(cdt), dout.to(cdt)
         delta = (dc * out).sum(-1)  # (B, H, T): rowsum(dO * O) (FlashAttention backward)
         dq = torch.zeros_like(qc)
@@ -301,10 +334,11 @@ class _RingAttention(torch.autograd.Function):
             t0 = time.perf_counter()
             kc, vc = kv[0].to(cdt), kv[1].to(cdt)
             local = torch.zeros((2, B, Hkv, T, D), dtype=cdt, device=q.device)  # this rank's part for this block
-            for a, b, diag, allowed in ring.blocks(step):
+            for a, b, diag, allowed, keep in ring.blocks(step, B, H, Hkv):
                 sa, sb = ring.slot(a), ring.slot(b)
                 dqa, dkb, dvb = _block_backward(dc[..., sa, :], qc[..., sa, :], kc[..., sb, :], vc[..., sb, :],
-                                                out[..., sa, :], lse[..., sa], delta[..., sa], diag, scale, allowed)
+                                                out[..., sa, :], lse[..., sa], delta[..., sa], diag, scale, allowed,
+                                                keep, p)
                 dq[..., sa, :] += dqa
                 local[0][..., sb, :] += dkb
                 local[1][..., sb, :] += dvb
@@ -321,11 +355,12 @@ class _RingAttention(torch.autograd.Function):
                 kv = nxt
         waited += _wait(dkv_works)  # after cp hops the accumulators of this rank's own K/V are home
         _add(ctx.timings, backward_compute_s=spent, backward_wait_s=waited)
-        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None)
+        return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str = "zigzag",
-                   timings: dict | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
+                   timings: dict | None = None, doc: torch.Tensor | None = None,
+                   drop: AttnDropout | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries over the whole sequence by ring attention (module
     doc): q (B, H, T_local, D), k and v (B, H_kv, T_local, D) with H a multiple of H_kv, fp32, bf16
     or fp64 -> (B, H, T_local, D) in q's dtype, row for row equal to causal scaled dot-product
@@ -347,8 +382,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, lay
     mask built from the chunks' global positions, nothing extra travels) and a block with no
     allowed pair is skipped.
 
+    ``drop``: None, or the attention dropout of this call (``models.attn_dropout.AttnDropout``: p,
+    the key shared by the cp group, the first batch row and head): every block's probabilities are
+    dropped with the coordinate-function mask of its global (row, head, query position, key
+    position), in the forward and again in the backward, so the result equals one process's
+    ``coordinate_attention`` with the same key. Dropout blocks run plain torch (the fused CPU kernel
+    takes no external mask).
+
     Differentiable in q, k and v. Raises ValueError for an unknown layout or an odd zigzag T_local."""
     if q.size(1) % k.size(1) or k.shape != v.shape or q.size(2) != k.size(2):
         raise ValueError(f"ring_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match "
                          "(B, H, T, D) / (B, H_kv, T, D) with H a multiple of H_kv")
-    return _RingAttention.apply(q, k, v, group, layout, timings, doc)
+    return _RingAttention.apply(q, k, v, group, layout, timings, doc, drop)

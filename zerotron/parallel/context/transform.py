@@ -14,7 +14,7 @@ import torch
 
 from zerotron.models.base import ParallelHooks, WrappingHooks
 from zerotron.models.layout import get_module
-from zerotron.parallel.context.attention import context_attention
+from zerotron.parallel.context.attention import context_attention, shared_dropout
 from zerotron.parallel.context.split import zigzag_positions
 
 __all__ = ["CPHooks", "apply_context_parallel"]
@@ -38,15 +38,16 @@ class CPHooks(WrappingHooks):
         return zigzag_positions(T * cp, cp, self.group.rank(), device=device)[None]
 
     def attention(self, q, k, v, dropout_p: float, pad=None):
-        """:func:`context_attention` over the cp group. Raises ValueError for what it does not
-        support: a KV cache (k longer than q), left padding or attention dropout (the plan refuses
-        dropout under cp)."""
+        """:func:`context_attention` over the cp group; ``dropout_p`` > 0: coordinate-function
+        attention dropout with a key shared over cp (:func:`.attention.shared_dropout`). Raises
+        ValueError for what it does not support: a KV cache (k longer than q) or left padding."""
         if not self.active:
             return self.inner.attention(q, k, v, dropout_p, pad)
-        if pad is not None or k.size(2) != q.size(2) or dropout_p > 0:
-            raise ValueError("context-parallel attention runs full-sequence forwards without KV cache, padding or "
-                             "attention dropout; decode inside model.parallel_hooks.generation()")
-        return context_attention(q, k, v, self.group, self.impl)
+        if pad is not None or k.size(2) != q.size(2):
+            raise ValueError("context-parallel attention runs full-sequence forwards without KV cache or padding; "
+                             "decode inside model.parallel_hooks.generation()")
+        drop = shared_dropout(dropout_p, self.group) if dropout_p > 0 else None
+        return context_attention(q, k, v, self.group, self.impl, drop=drop)
 
 
 def apply_context_parallel(model, group, impl: str):
