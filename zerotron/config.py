@@ -378,6 +378,19 @@ def apply(cfg: Config, section: str, name: str, value, from_cli: bool = False) -
     obj.__dict__.setdefault("_given", set()).add(name)  # ModelConfig.given: set, even to the default
 
 
+def _parse_toml(text: str) -> dict:
+    """``tomllib.loads(text)``, a fresh copy each call, the parse cached by text (tests and the
+    parity matrix build tens of thousands of configs from one file). Raises TOMLDecodeError."""
+    import copy
+
+    return copy.deepcopy(_parse_toml_cached(text))
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_toml_cached(text: str) -> dict:
+    return tomllib.loads(text)
+
+
 def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]] | None = None) -> Config:
     """Build a Config from defaults, then a TOML file, then ``(dotted_key, value)`` overrides.
 
@@ -389,7 +402,7 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
             raise ConfigError(f"config file {str(p)!r} not found; pass an existing TOML file to --config "
                               "(see configs/ for examples)")
         try:
-            data = tomllib.loads(p.read_text())
+            data = _parse_toml(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
         for section, values in data.items():

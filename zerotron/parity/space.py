@@ -326,23 +326,33 @@ def covering_layouts(layouts: list[Layout], must: tuple = MUST, extra_keys: tupl
     """A greedy pairwise covering array: a subset of ``layouts`` in which every pair of (factor,
     value) assignments that occurs in ``layouts`` occurs at least once, plus the ``must`` witnesses
     (:data:`MUST`); ``extra_keys``: Layout fields that count as factors too (the MoE family's
-    "ep"). Ties go to fewer processes, then to the name, so the choice is deterministic."""
+    "ep"). Each round takes the layout that covers the most pairs still missing; ties go to fewer
+    processes, then to the name, so the choice is deterministic. The count of missing pairs per
+    layout is kept in one array and lowered as pairs get covered (the same choice as recounting
+    every layout's pairs each round, which took ~10 s on the 10,968 valid layouts)."""
+    import numpy as np
+
     keys = list(FACTORS) + list(extra_keys)
-
-    def pairs(l: Layout):
-        v = [(k, getattr(l, k)) for k in keys]
-        return {(a, b) for a, b in itertools.combinations(v, 2)}
-
-    todo = set().union(*(pairs(l) for l in layouts)) if layouts else set()
     chosen = [l for l in layouts if l.name in must]
     rest = sorted((l for l in layouts if l.name not in must), key=lambda l: (l.world, l.name))
-    for l in chosen:
-        todo -= pairs(l)
-    while todo:
-        best = max(rest, key=lambda l: (len(pairs(l) & todo), -l.world))
-        chosen.append(best)
-        todo -= pairs(best)
-        rest.remove(best)
+    ids: dict = {}  # (factor, value) pair -> column
+    rows = [[ids.setdefault(pair, len(ids)) for pair in itertools.combinations([(k, getattr(l, k)) for k in keys], 2)]
+            for l in chosen + rest]
+    has = np.zeros((len(rows), len(ids)), dtype=np.int64)  # layout x pair: 1 where the layout holds the pair
+    for i, cols in enumerate(rows):
+        has[i, cols] = 1
+    n0 = len(chosen)
+    todo = ~has[:n0].any(axis=0)  # the pairs the witnesses leave missing
+    # rank of each remaining layout: 16 x missing pairs it holds - its processes (world <= MAX_WORLD < 16)
+    score = has[n0:] @ todo.astype(np.int64) * 16 - np.array([l.world for l in rest], dtype=np.int64)
+    low = np.iinfo(np.int64).min
+    while todo.any():
+        b = int(np.argmax(score))  # the first maximum in (world, name) order: the tie rule
+        chosen.append(rest[b])
+        covered = todo & (has[n0 + b] > 0)
+        todo &= ~covered
+        score -= has[n0:] @ covered.astype(np.int64) * 16
+        score[b] = low
     return sorted(chosen, key=lambda l: (l.world, l.name))
 
 
