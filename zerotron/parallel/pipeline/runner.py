@@ -155,10 +155,15 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             self.tied = getattr(get_module(self.module, owner[0]), owner[2])
         self.tied_group = None
         if self.last_rank != 0 and lay.tied:  # one {pp-first, pp-last} group per pipeline, made everywhere
-            for line in mesh.dims.group_ranks("pp"):  # the ranks of one pipeline, by stage
-                pg = dist.new_group([line[0], line[self.last_rank]])
-                if mesh.rank in line and (self.first or self.last):
-                    self.tied_group = comm.NamedGroup(pg, "pp_tied")
+            lines = mesh.dims.group_ranks("pp")  # the ranks of one pipeline, by stage
+            if len(lines[0]) == 2:  # two pp ranks: the pp group is that pair (no new group, no more gloo threads)
+                if self.first or self.last:
+                    self.tied_group = comm.NamedGroup(self.pp_group.pg, "pp_tied")
+            else:
+                for line in lines:
+                    pg = dist.new_group([line[0], line[self.last_rank]])
+                    if mesh.rank in line and (self.first or self.last):
+                        self.tied_group = comm.NamedGroup(pg, "pp_tied")
         self.ddp = self.zero = self.stage_sync = self.fsdp2 = None
         if p.sync == "torch_ddp":  # torch's wrappers per stage chunk (pipeline.stage_sync)
             self.stage_sync = StageTorchDDP(self.module, self.dp_group, p.bucket_mb, p.find_unused_parameters)
