@@ -4,9 +4,12 @@ memory-mapped files under ``train.offload_dir`` and steps them chunk by chunk. O
 and device are the same memory, so the same copies run between distinct buffers and the result must
 equal the layout without offload bitwise (same arithmetic, same order: only where the numbers live
 changes; torch's foreach AdamW on the host gives the same bits as its single-tensor loop here).
-``ZEROTRON_OFFLOAD_FULL=1`` adds the 4-process layouts (pp2 x dp2 ZeRO-1, tp2 x dp2 ZeRO-3)."""
+``train.offload = params`` (native ZeRO-3) also keeps the parameter shards at rest on the host and copies
+each to a fresh device buffer for its all-gather: bitwise too; with FSDP2 it is torch's CPUOffloadPolicy.
+``ZEROTRON_OFFLOAD_FULL=1`` adds the 4-process layouts (pp2 x dp2 ZeRO-1 and ZeRO-3, tp2 x dp2 ZeRO-3)."""
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,8 +46,9 @@ def _runs(base_dir, cache, cases):
         recs = []
         tr = Trainer(cfg, run_dir, resume="resume" in over)
         tr.fit(callback=lambda t, r: recs.append((r["loss"], r["grad_norm"], r["model_state_breakdown"])))
-        with tr.strategy.full_params() as m:
-            params = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        # canonical, dense; numpy arrays travel back by value (no shared-memory file descriptors to a
+        # rank that may be gone by the time the parent unpickles them)
+        params = {k: v.detach().cpu().clone().numpy() for k, v in tr.strategy.state_dict()[0].items()}
         out[name] = ([r[:2] for r in recs], recs[-1][2], params)
     return out
 
@@ -54,7 +58,7 @@ def _check(res, a, b):
     assert la == lb, (a, b, la, lb)
     assert pa.keys() == pb.keys()
     for k in pa:
-        assert torch.equal(pa[k], pb[k]), (a, b, k)
+        assert pa[k].dtype == pb[k].dtype and np.array_equal(pa[k], pb[k]), (a, b, k)
 
 
 def test_offload_equals_no_offload_dp2(tmp_path, data_cache):
@@ -66,6 +70,11 @@ def test_offload_equals_no_offload_dp2(tmp_path, data_cache):
     for z in (1, 2, 3):
         cases += [(f"z{z}", {"parallel.zero_stage": z}), (f"z{z}-off", {"parallel.zero_stage": z, "train.offload": "optimizer"}),
                   (f"z{z}-disk", {"parallel.zero_stage": z, "train.offload": "optimizer-disk"})]
+    z3p = {"parallel.zero_stage": 3, "train.offload": "params"}
+    f3 = {"parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}
+    cases += [("z3-params", z3p), ("z3-resume-params", {**z3p, "resume": "z3-off"}),
+              ("z3-resume-none-from-params", {"parallel.zero_stage": 3, "resume": "z3-params"}),
+              ("f3", f3), ("f3-params", {**f3, "train.offload": "params"})]
     cases += [("z1-resume-off", {"parallel.zero_stage": 1, "train.offload": "optimizer", "resume": "z1"}),
               ("z3-resume-none", {"parallel.zero_stage": 3, "resume": "z3-off"}),
               ("z2-resume-disk", {"parallel.zero_stage": 2, "train.offload": "optimizer-disk", "resume": "z2-off"}),
@@ -82,44 +91,65 @@ def test_offload_equals_no_offload_dp2(tmp_path, data_cache):
         # the disk tier: master + Adam state in the files, no host gradient on a CPU-only machine
         assert disk["optimizer_bytes"] == 0 and disk["host_bytes"] == 0 and disk["disk_bytes"] == 3 * shard_bytes
         assert disk["params_bytes"] == ref["params_bytes"] and disk["grads_bytes"] == ref["grads_bytes"]
+    # parameter offload: bitwise; nothing of the parameters on the device at rest, the host holds the
+    # compute shard (the fp64 master itself) + Adam state + host gradient
+    _check(res, "z3", "z3-params")
+    par, ref = res["z3-params"][1], res["z3"][1]
+    assert par["params_bytes"] == 0 and ref["params_bytes"] > 0 and par["optimizer_bytes"] == 0
+    assert par["host_params_bytes"] == ref["params_bytes"] and par["host_bytes"] == 2 * ref["params_bytes"] + \
+        ref["optimizer_bytes"] and par["host_optimizer_bytes"] == ref["optimizer_bytes"]
+    assert par["grads_bytes"] == ref["grads_bytes"] and par["disk_bytes"] == 0
+    _check(res, "f3", "f3-params")  # FSDP2 with torch's CPUOffloadPolicy
     for rank in (0, 1):  # the state files are unlinked once mapped: nothing is left behind
         assert os.listdir(tmp_path / "offload" / f"rank-{rank}") == []
     for resumed, ref in (("z1-resume-off", "z1"), ("z3-resume-none", "z3"), ("z2-resume-disk", "z2"),
-                         ("z1-resume-none-from-disk", "z1")):
+                         ("z1-resume-none-from-disk", "z1"), ("z3-resume-params", "z3"),
+                         ("z3-resume-none-from-params", "z3")):
         assert res[resumed][0] == res[ref][0][2:]  # steps 3-4
         for k, v in res[ref][2].items():
-            assert torch.equal(v, res[resumed][2][k]), (resumed, k)
+            assert np.array_equal(v, res[resumed][2][k]), (resumed, k)
 
 
 @pytest.mark.skipif(not FULL, reason="4-process layouts: set ZEROTRON_OFFLOAD_FULL=1")
 def test_offload_equals_no_offload_4ranks(tmp_path, data_cache):
-    """pp 2 x dp 2 ZeRO-1 and tp 2 x dp 2 ZeRO-3, with and without offload: bitwise."""
+    """pp 2 x dp 2 ZeRO-1 and tp 2 x dp 2 ZeRO-3, with and without offload: bitwise; parameter offload
+    with tp 2 x dp 2 ZeRO-3 and pp 2 x dp 2 ZeRO-3 (1F1B)."""
     cases = []
     for name, over in (("pp2z1", {"parallel.pp": 2, "parallel.zero_stage": 1}),
                        ("tp2z3", {"parallel.tp": 2, "parallel.zero_stage": 3})):
         cases += [(name, over), (name + "-off", {**over, "train.offload": "optimizer"}),
                   (name + "-disk", {**over, "train.offload": "optimizer-disk"})]
+    pp2z3 = {"parallel.pp": 2, "parallel.zero_stage": 3}
+    cases += [("tp2z3-params", {"parallel.tp": 2, "parallel.zero_stage": 3, "train.offload": "params"}),
+              ("pp2z3", pp2z3), ("pp2z3-params", {**pp2z3, "train.offload": "params"})]
     res = run_ranks(_runs, 4, str(tmp_path), data_cache, cases)
     for r in res:
         for name in ("pp2z1", "tp2z3"):
             _check(r, name, name + "-off")
             _check(r, name, name + "-disk")
+        _check(r, "tp2z3", "tp2z3-params")
+        _check(r, "pp2z3", "pp2z3-params")
 
 
 def test_offload_single_process(tmp_path, data_cache, single_process):
-    """One process, ZeRO-1 over dp 1: the same bitwise equality."""
+    """One process, ZeRO-1 and ZeRO-3 (parameter offload) over dp 1: the same bitwise equality."""
     res = _runs(str(tmp_path), data_cache, [("z1", {"parallel.zero_stage": 1}),
                                             ("z1-off", {"parallel.zero_stage": 1, "train.offload": "optimizer"}),
-                                            ("z1-disk", {"parallel.zero_stage": 1, "train.offload": "optimizer-disk"})])
+                                            ("z1-disk", {"parallel.zero_stage": 1, "train.offload": "optimizer-disk"}),
+                                            ("z3", {"parallel.zero_stage": 3}),
+                                            ("z3-params", {"parallel.zero_stage": 3, "train.offload": "params"})])
     _check(res, "z1", "z1-off")
     _check(res, "z1", "z1-disk")
+    _check(res, "z3", "z3-params")
 
 
 @pytest.mark.parametrize("argv,message", [
     ([], "train.offload = optimizer needs native ZeRO"),
     (["--parallel.dp_impl", "torch"], "train.offload = optimizer needs native ZeRO"),
     (["--parallel.zero_stage", "3", "--parallel.zero_impl", "fsdp2"], "FSDP2 keeps the optimizer state"),
-    (["--parallel.zero_stage", "1", "--train.offload", "gpu"], "train.offload must be none, optimizer or optimizer-disk"),
+    (["--parallel.zero_stage", "1", "--train.offload", "gpu"], "train.offload must be none, optimizer, optimizer-disk or params"),
+    (["--parallel.zero_stage", "2", "--train.offload", "params"], "train.offload = params needs parameters sharded at rest"),
+    (["--train.offload", "params"], "DDP keeps the full parameters on every rank"),
     (["--parallel.zero_stage", "1", "--train.offload_dir", "/tmp"], "train.offload_dir is used by train.offload = "
                                                                      "optimizer-disk only"),
     (["--parallel.zero_stage", "1", "--train.offload", "optimizer-disk"], "needs train.offload_dir"),
@@ -152,6 +182,13 @@ def test_offload_estimator():
         (3, 7 * 10**9, 3.5 * 10**9, 10.5 * 10**9)]
     mixed = model_state_bytes(8000, 8, 1, "bf16-mixed", offload="optimizer-disk")
     assert mixed["host_bytes"] == 1000 * 4 and mixed["disk_bytes"] == 1000 * 12
+    # parameter offload (stage 3 only): no parameter bytes on the device, the bf16 shard (2) joins the host's 16
+    rows = zero_table(7 * 10**9, 8, "bf16-mixed", "adam", offload="params")
+    assert [(r["stage"], r["params_bytes"], r["total_bytes"], r["host_bytes"]) for r in rows] == [
+        (3, 0, 1.75 * 10**9, 15.75 * 10**9)]
+    assert model_state_bytes(8000, 8, 3, "fp32", offload="params")["host_bytes"] == 1000 * 16  # master = compute shard
+    with pytest.raises(ValueError, match="params only with stage 3"):
+        model_state_bytes(8000, 8, 2, offload="params")
 
 
 def _disk_argv(tmp_path, offload_dir):
@@ -219,3 +256,35 @@ def test_disk_state_release():
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(opt.state[p][k], ref_opt.state[ref][k]), k
         assert opt.state[p]["exp_avg"].data_ptr() == disk.tensors["exp_avg"].data_ptr()
+
+
+def test_plan_prices_host_link():
+    """``zerotron plan --host-link``: a layout that does not fit is priced again with offload; its
+    device memory is the estimator's with offload, and the host link's seconds are its bytes
+    (6 per shard element for optimizer offload, 4 + 4m for params) over the link's bandwidth."""
+    from zerotron.analysis.hardware import HOST_LINKS, hardware
+    from zerotron.analysis.planner import CostModel, evaluate, host_bytes, plan
+    from zerotron.models.registry import preset_config
+
+    cfg = preset_config("llama3-8b")
+    cm = CostModel(hardware("h100"), host_link=HOST_LINKS["pcie4"])
+    plain = plan(cfg, 8, 24 * 10**9, 64, 2048, CostModel(hardware("h100")))
+    offl = plan(cfg, 8, 24 * 10**9, 64, 2048, cm)
+    assert not any("offload" in r for r in plain["layouts"])
+    assert len(offl["layouts"]) > len(plain["layouts"]) and any(r.get("offload") for r in offl["layouts"])
+    assert all(r["memory_bytes_per_gpu"] <= 24 * 10**9 for r in offl["layouts"])
+    lay = {"dp": 8, "tp": 1, "pp": 1, "zero_stage": 3, "schedule": "none", "micro_batch": 1, "recompute": "full"}
+    base, par = evaluate(cfg, lay, 2048, 64, cm), evaluate(cfg, {**lay, "offload": "params"}, 2048, 64, cm)
+    shard = -(-cfg_params(cfg) // 8)
+    assert par["host_bytes_per_step"] == host_bytes("params", shard, 8) == (4 + 32) * shard
+    assert abs(par["time_breakdown_s"]["host_comm"] - par["host_bytes_per_step"] / 31.5e9) < 1e-12
+    assert base["memory_bytes_per_gpu"] - par["memory_bytes_per_gpu"] == 2 * shard + 12 * shard  # bf16 shard, K=12
+    code = main(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "64", "--seq", "2048",
+                 "--gpu-mem", "24GB", "--host-link", "pcie5", "--top", "1"])
+    assert code == 0
+
+
+def cfg_params(cfg) -> int:
+    from zerotron.analysis.memory import stage_num_params
+
+    return max(stage_num_params(cfg, 1, 1))

@@ -188,7 +188,7 @@ class TrainConfig:
     lora_targets: str = ""
     """comma-separated projections of a block (model layout names, e.g. q_proj,v_proj); "" = attention's"""
     offload: str = "none"
-    """none | optimizer: native ZeRO-1/2/3 keep the fp32 master shards and Adam state in host memory and run the optimizer step there (ZeRO-Offload) | optimizer-disk: the same in memory-mapped files under offload_dir (ZeRO-Infinity)"""
+    """none | optimizer: native ZeRO-1/2/3 keep the fp32 master shards and Adam state in host memory and run the optimizer step there (ZeRO-Offload) | optimizer-disk: the same in memory-mapped files under offload_dir (ZeRO-Infinity) | params: optimizer offload plus the parameter shards at rest on the host, copied to the device per unit for its all-gather (native ZeRO-3, ZeRO-Infinity offload_param; FSDP2: torch's CPUOffloadPolicy)"""
     offload_dir: str = ""
     """folder for train.offload = optimizer-disk (must exist and be writable; one rank-N subfolder per rank)"""
 

@@ -271,15 +271,19 @@ class ParallelPlan:
         _need(not (impl == "fsdp2" and z == 0),
               "parallel.zero_impl = fsdp2 is a ZeRO implementation and does nothing without a zero stage: set "
               "parallel.zero_stage = 2 or 3, or remove parallel.zero_impl")
-        _need(self.offload in ("none", "optimizer", "optimizer-disk"),
-              f"train.offload must be none, optimizer or optimizer-disk, got {self.offload!r}")
+        _need(self.offload in ("none", "optimizer", "optimizer-disk", "params"),
+              f"train.offload must be none, optimizer, optimizer-disk or params, got {self.offload!r}")
+        _need(self.offload != "params" or (z == 3 and impl == "native") or (z and impl == "fsdp2"),
+              f"train.offload = params needs parameters sharded at rest: parallel.zero_stage = 3 (native) or "
+              f"parallel.zero_impl = fsdp2 (CPUOffloadPolicy); {'DDP' if not z else f'ZeRO-{z}'} keeps the full "
+              "parameters on every rank: set parallel.zero_stage = 3, or train.offload = optimizer")
         _need(self.offload == "optimizer-disk" or not self.offload_dir,
               f"train.offload_dir is used by train.offload = optimizer-disk only (offload is {self.offload!r}): "
               "remove train.offload_dir or set train.offload = optimizer-disk")
         _need(self.offload != "optimizer-disk" or self.offload_dir,
               "train.offload = optimizer-disk needs train.offload_dir, a folder on a local disk for the optimizer "
               "state files: set --train.offload_dir PATH")
-        _need(self.offload == "none" or (z >= 1 and impl == "native"),
+        _need(self.offload in ("none", "params") or (z >= 1 and impl == "native"),
               f"train.offload = {self.offload} needs native ZeRO (parallel.zero_stage 1, 2 or 3 with "
               f"parallel.zero_impl = native): {'FSDP2' if impl == 'fsdp2' and z else 'DDP'} keeps the optimizer "
               "state with its own buffers; set parallel.zero_stage = 1 (or 2, 3) and parallel.zero_impl = native, "

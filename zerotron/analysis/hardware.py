@@ -32,6 +32,10 @@ GPUS = {
     "a100": dict(peak_flops=312e12, memory=80 * GB, hbm=2.039e12, nvlink=300e9, network=25e9),
 }
 INTRA_LATENCY_S = 10e-6
+# The host link a device's offload traffic crosses, bytes/s per direction (datasheets): PCIe Gen4 x16
+# 16 GT/s x 16 lanes x 128b/130b = 31.5 GB/s, Gen5 x16 63 GB/s; NVLink-C2C (Grace Hopper) 900 GB/s in
+# both directions, 450 GB/s each way. Offload priced by the planner crosses it (``--host-link``).
+HOST_LINKS = {"pcie4": 31.5e9, "pcie5": 63e9, "nvlink-c2c": 450e9}
 _MAX_GBPS = 1e6  # a busbw above 1 PB/s in a calibration file is an error, not a measurement
 INTER_LATENCY_S = 20e-6
 

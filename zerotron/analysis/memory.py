@@ -52,7 +52,7 @@ _BYTES = {
 }
 DTYPES = tuple(_BYTES)
 OPTIMIZERS = ("adam", "sgd")
-OFFLOADS = ("none", "optimizer", "optimizer-disk")  # train.offload values the estimator prices
+OFFLOADS = ("none", "optimizer", "optimizer-disk", "params")  # train.offload values the estimator prices
 GB = 10**9  # the tables use decimal gigabytes, as the ZeRO paper does
 
 
@@ -99,9 +99,13 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
     master shard and the optimizer state move to ``disk_bytes`` (4 + 8 = 12 bytes per shard element
     for Adam; fp64: 24), ``host_bytes`` keeps only the host copy of the gradient shard (4; on a
     CPU-only machine the run reads the device gradient directly and holds none).
+    ``offload = "params"`` (stage 3 only; ZeRO-Infinity's parameter offload): ``"optimizer"`` plus the
+    parameter shard at rest on the host -- ``params_bytes`` is 0 (the unit gathered for compute is
+    transient, not model state) and ``host_bytes`` adds the compute-dtype shard (bf16-mixed: 2 bytes
+    per shard element; fp32/fp64: the master is the compute shard, so only frozen parameters add).
 
     Raises ValueError, naming the valid values, for a bad num_params, dp, stage, dtype, optimizer or
-    offload (offload needs stage >= 1), a dp_replicate that does not divide dp, or trainable outside
+    offload (offload needs stage >= 1, params stage 3), a dp_replicate that does not divide dp, or trainable outside
     [0, num_params].
     """
     _validate(num_params, dp, stage, dtype, optimizer)
@@ -119,15 +123,19 @@ def model_state_bytes(num_params: int, dp: int, stage: int, dtype: str = "fp32",
     params = p_bytes * (shard if stage >= 3 else num_params)
     grads = g_bytes * (t_shard if stage >= 2 else n_train)
     optim = k_bytes * (t_shard if stage >= 1 else n_train)
-    if offload not in OFFLOADS or (offload != "none" and stage < 1):
-        raise ValueError(f"offload must be one of {list(OFFLOADS)} (not none only with stage >= 1), got {offload!r} "
-                         f"at stage {stage}")
+    if offload not in OFFLOADS or (offload != "none" and stage < 1) or (offload == "params" and stage != 3):
+        raise ValueError(f"offload must be one of {list(OFFLOADS)} (not none only with stage >= 1, params only with "
+                         f"stage 3), got {offload!r} at stage {stage}")
     if offload != "none":
         master = 8 if dtype == "fp64" else 4  # host master (and host gradient) dtype
         state = t_shard * (k_bytes if dtype == "bf16-mixed" else master + k_bytes)  # master + optimizer state
         disk = state if offload == "optimizer-disk" else 0
+        host_params = 0
+        if offload == "params":  # the compute shard moves to the host (the master where the dtypes agree)
+            host_params = p_bytes * (shard if dtype == "bf16-mixed" else shard - t_shard)
+            params = 0
         return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": 0, "total_bytes": params + grads,
-                "host_bytes": t_shard * master + state - disk, "disk_bytes": disk}
+                "host_bytes": t_shard * master + state - disk + host_params, "disk_bytes": disk}
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optim,
             "total_bytes": params + grads + optim}
 
@@ -139,7 +147,7 @@ def zero_table(num_params: int, dp: int, dtype: str = "fp32", optimizer: str = "
     per rank, see :func:`model_state_bytes`; ``dp_replicate``: HSDP replicas). Raises ValueError
     for bad arguments (same rules as :func:`model_state_bytes`)."""
     return [{"stage": s, **model_state_bytes(num_params, dp, s, dtype, optimizer, dp_replicate, offload=offload)}
-            for s in STAGES if offload == "none" or s >= 1]
+            for s in STAGES if offload == "none" or s >= (3 if offload == "params" else 1)]
 
 
 def format_table(rows: list) -> str:
@@ -428,7 +436,8 @@ def memory_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizer", default="adam", choices=OPTIMIZERS, help="optimizer (its state bytes)")
     parser.add_argument("--offload", default="none", choices=OFFLOADS,
                         help="train.offload: optimizer = master shards and optimizer state in host memory, "
-                             "optimizer-disk = in files on disk (stages 1-3)")
+                             "optimizer-disk = in files on disk (stages 1-3), params = optimizer plus the parameter "
+                             "shards at rest on the host (stage 3)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
     parser.add_argument("--ep", type=int, default=1, help="mixture-of-experts models: expert-parallel degree "
                         "(experts split over ep, carved out of dp); prints total vs active parameters, expert "
@@ -495,7 +504,8 @@ def _memory_run(args) -> int:
     hsdp = f" ({args.dp_replicate} replicas x {args.dp // args.dp_replicate} shards)" if args.dp_replicate > 1 else ""
     cp = f", cp={args.cp} (sharded over dp x cp)" if args.cp > 1 else ""
     off = {"none": "", "optimizer": ", offload optimizer (ZeRO-Offload, Ren et al. 2021)",
-           "optimizer-disk": ", offload optimizer-disk (ZeRO-Infinity, Rajbhandari et al. 2021)"}[args.offload]
+           "optimizer-disk": ", offload optimizer-disk (ZeRO-Infinity, Rajbhandari et al. 2021)",
+           "params": ", offload params + optimizer (ZeRO-Infinity, Rajbhandari et al. 2021; stage 3)"}[args.offload]
     print(f"{num_params:,} parameters, dp={args.dp}{hsdp}{cp}, {args.dtype}, {args.optimizer}{off}: "
           f"model states per rank (ZeRO, Rajbhandari et al. 2020)")
     if rank_params != num_params:

@@ -7,7 +7,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from zerotron.analysis.hardware import GB, GPUS, calibrate, hardware
+from zerotron.analysis.hardware import GB, GPUS, HOST_LINKS, calibrate, hardware
 from zerotron.analysis.memory import parse_memory
 from zerotron.analysis.planner import CostModel, plan
 from zerotron.config import ConfigError, load_config, model_shape
@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-eff", type=float, default=0.5, help="achieved/peak FLOP/s")
     p.add_argument("--comm-eff", type=float, default=0.8, help="achieved/datasheet bw")
     p.add_argument("--overhead", default="2GB", help="fixed framework memory per GPU")
+    p.add_argument("--host-link", default="none", choices=("none", *HOST_LINKS),
+                   help="device-host link for offload (train.offload): layouts that do not fit otherwise are "
+                        "priced with optimizer (then, at ZeRO-3, params) offload and its host traffic per step")
     p.add_argument("--supported-only", action="store_true",
                    help="only layouts zerotron's config validation accepts (every layout the planner prices "
                         "today: pipeline x ZeRO-1/2/3 and pipeline x HSDP run)")
@@ -109,7 +112,8 @@ def plan_main(argv: list) -> int:
                 print(f"zerotron plan: warning: {warning}", file=sys.stderr)
         mem = parse_memory(args.gpu_mem) if args.gpu_mem else hw.memory
         cm = CostModel(hw, args.gpus_per_node, args.compute_eff, parse_memory(args.overhead),
-                       args.attention, args.sp, backend=args.backend)
+                       args.attention, args.sp, backend=args.backend,
+                       host_link=HOST_LINKS.get(args.host_link, 0.0))
         seq = args.seq or cfg.block_size
         res = plan(cfg, args.gpus, mem, batch, seq, cm, args.supported_only)
     except (ValueError, ImportError) as e:
@@ -141,7 +145,8 @@ def plan_main(argv: list) -> int:
     for r in top:
         print(" ".join(f"{v:>11}" for v in (
             f"{r['dp']}r{r['dp_replicate']}" if r.get("dp_replicate", 1) > 1 else r["dp"],  # HSDP: R replicas
-            r.get("cp", 1), r["tp"], r["pp"], r["zero_stage"], r["schedule"], r["micro_batch"],
+            r.get("cp", 1), r["tp"], r["pp"],
+            f"{r['zero_stage']}+{r['offload']}" if r.get("offload") else r["zero_stage"], r["schedule"], r["micro_batch"],
             r["recompute"], f"{r['memory_bytes_per_gpu'] / GB:.3f}",
             f"{r['predicted_step_time_s']:.4g}", f"{r['predicted_tokens_per_s']:.4g}",
             f"{r['predicted_mfu']:.3f}")))

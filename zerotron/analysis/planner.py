@@ -53,6 +53,13 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   the R replicas on the inter-node link per unit and step (ZeRO-0: reduce-scatter + all-gather
   over S, all-reduce of 1/S over R per bucket).
 * a per-layer, per-micro-batch launch overhead (``launch_s``, 20 us), so larger micro-batches win.
+* offload (``train.offload``; only with a host link, ``host_link`` bytes/s per direction, e.g.
+  ``hardware.HOST_LINKS``; proposed only for layouts that do not fit without it): the device holds
+  ``memory.model_state_bytes(offload=...)``; per step the host link carries, per shard element of
+  the largest rank, optimizer offload (ZeRO-1/2/3) the fp32 gradient shard to the host (4 bytes) and
+  the updated bf16 shard back (2), params offload (ZeRO-3) the gradient shard (4) and the bf16 shard
+  of every all-gather (2 per micro-batch forward and backward: 4m), not overlapped (``host_comm``).
+  The host's optimizer step itself is not priced.
 Links: ranks are ordered (pp, dp, tp), tp innermost, nodes hold ``gpus_per_node`` consecutive
 ranks. A group uses the intra-node link (NVLink) iff it fits in aligned node-local blocks, else the
 inter-node link (one NIC per GPU). Hardware (:mod:`zerotron.analysis.hardware`): datasheet values
@@ -98,6 +105,14 @@ class CostModel:
     elem_bytes: int = 2
     bucket_bytes: int = 25 << 20
     backend: str = "nccl"
+    host_link: float = 0.0  # bytes/s per direction of the device-host link; 0: offload not priced
+
+
+def host_bytes(offload: str, shard: int, m: int) -> int:
+    """Bytes one rank moves over the host link per step for ``offload`` ("none", "optimizer",
+    "params") with ``shard`` trainable shard elements and ``m`` micro-batches (module docstring:
+    4 + 2 bytes per element for optimizer offload, 4 + 4m for params offload, bf16-mixed)."""
+    return {"none": 0, "optimizer": 6 * shard, "params": (4 + 4 * m) * shard}[offload]
 
 
 def _link(hw: Hardware, intra: bool) -> tuple[dict, dict]:
@@ -229,7 +244,8 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     act = _activations(shape, b, S // cp, tp, sp, pp, kind, m, v, rec, cm.attention)
     counts = looped_counts(stage_layer_counts(L, pp * v), pp, kind)  # index chunk * pp + rank
     params = stage_num_params(shape, tp, pp, v, counts)
-    mem = max(model_state_bytes(p, dp * cp, z, "bf16-mixed", "adam", n_rep)["total_bytes"] + a_
+    off = layout.get("offload", "none")
+    mem = max(model_state_bytes(p, dp * cp, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"] + a_
               for p, a_ in zip(params, act["per_rank_bytes"])) + cm.overhead
     # ranks are ordered (pp, dp, cp, tp), tp innermost: a group fits a node iff its block does
     tp_link = _link(hw, tp <= K and K % tp == 0)
@@ -281,14 +297,21 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
     t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp * cp, dp_link, cm.bucket_bytes, n_rep, rep_link)
     t_dp = exposed_dp(t_dp, m * (parts["compute"] + parts["vector"]), hw.overlap)
-    step = pipe + t_dp
+    host = host_bytes(off, -(-max(params) // (dp * cp // n_rep)), m)
+    if host and not cm.host_link:
+        raise ValueError(f"offload {off!r} needs a host link to price (CostModel.host_link, --host-link)")
+    t_host = host / cm.host_link if host else 0.0
+    step = pipe + t_dp + t_host
     tokens = global_batch * S
     model_flops = (6 * shape.flop_params() + 12 * L * h * S) * tokens
     breakdown = {k: m * val for k, val in parts.items()}
     breakdown.update(bubble=pipe - m * stage, dp_comm=t_dp)
+    if off != "none":
+        breakdown["host_comm"] = t_host
     return {**layout, "microbatches": m, "virtual_stages": v, "sp": sp,
             "stage_time_s": stage_times,
             "memory_bytes_per_gpu": int(mem), "predicted_step_time_s": step,
+            **({"host_bytes_per_step": host} if off != "none" else {}),
             "predicted_tokens_per_s": tokens / step,
             "predicted_mfu": model_flops / (step * dp * cp * tp * pp * hw.peak_flops),
             "time_breakdown_s": breakdown}
@@ -331,7 +354,8 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     dp | global_batch; micro-batch a power of two dividing global_batch/dp; for pp > 1 schedule 1f1b | gpipe |
     interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer) | zb-h1 | zb-v (v = 2, only when
     2pp <= n_layer, and only with ``cm.backend`` = "gloo": the runner refuses it on NCCL), "none"
-    for pp = 1; ZeRO 0-3;
+    for pp = 1; ZeRO 0-3 (with ``cm.host_link``, a layout over ``gpu_mem`` is priced again with
+    ``offload`` "optimizer", then at ZeRO-3 "params", and kept if that fits);
     recompute none | selective | full. Each is priced by :func:`evaluate`; those over ``gpu_mem``
     are dropped, and with ``supported_only`` what zerotron's config validation refuses
     (:func:`_refused`; since pipeline x ZeRO-2/3 runs, nothing the planner proposes). Returns ``{"layouts": feasible ones, best (shortest step) first, ties broken by
@@ -385,6 +409,11 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                     if cp > 1:
                         lay["cp"] = cp
                     res = evaluate(cfg, lay, seq, global_batch, cm)
+                    # with a host link: offload where the layout does not fit otherwise (optimizer, then params)
+                    for off in (("optimizer", "params") if z == 3 else ("optimizer",)) if z and cm.host_link else ():
+                        if res["memory_bytes_per_gpu"] <= gpu_mem:
+                            break
+                        res = evaluate(cfg, {**lay, "offload": off}, seq, global_batch, cm)
                     if res["memory_bytes_per_gpu"] > gpu_mem:
                         dropped["memory"] += 1
                     else:

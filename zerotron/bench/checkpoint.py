@@ -84,7 +84,7 @@ def _blocking_rank(cfg, rounds: int, tmp: str) -> list[dict]:
 
     trainer = Trainer(cfg, Path(tmp) / "run")
     init_optimizer_state(trainer.optimizer)
-    rows, saver = [], AsyncSaver()  # collective: its process group
+    rows, saver = [], AsyncSaver(trainer.strategy)  # collective: its process groups
     for r in range(rounds):
         trainer.saver = None
         path = trainer.save(2 * r + 1)

@@ -9,6 +9,7 @@ naming op, tag, group, peer ranks and step.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch.distributed as dist
 
@@ -25,6 +26,7 @@ class CollectiveError(RuntimeError):
 
 
 _CURRENT: tuple | None = None
+_LOCAL = threading.local()
 _STEP: int | None = None
 
 
@@ -56,10 +58,25 @@ def describe_op(op: dict) -> str:
 
 
 @contextlib.contextmanager
+def unwatched():
+    """In this thread, for the block: collectives do not take the slot (:func:`current_op` keeps
+    describing the training thread's collective)."""
+    prev, _LOCAL.off = getattr(_LOCAL, "off", False), True
+    try:
+        yield
+    finally:
+        _LOCAL.off = prev
+
+
+@contextlib.contextmanager
 def watch(op: str, group, tag: str = ""):
     """Record ``op`` as this rank's collective in progress while the block runs; re-raise its
-    failure as a one-line CollectiveError."""
+    failure as a one-line CollectiveError. Inside :func:`unwatched` (a background checkpoint
+    writer's thread, on groups of its own) the slot is left alone."""
     global _CURRENT
+    if getattr(_LOCAL, "off", False):
+        yield
+        return
     saved = _CURRENT
     _CURRENT = (op, tag, group, _STEP)  # a tuple: no lookups per call
     try:

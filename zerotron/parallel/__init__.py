@@ -85,7 +85,7 @@ def _data_parallel(model, plan, mesh, mask):
                             sequence_parallel=plan.sequence_parallel, replicate_group=mesh.group("dp_rep"),
                             dp_group=group, offload=plan.offload, offload_dir=plan.offload_dir)
     if plan.sync == "fsdp2":
-        return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype)
+        return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype, offload=plan.offload == "params")
     if plan.sync == "ddp" and plan.ep > 1:  # experts sharded over ep, summed over dp/ep (parallel.expert)
         return ExpertDataParallel(model, group, plan.ep, bucket_mb=plan.bucket_mb, src_rank=src,
                                   lines=mesh.dims.group_ranks("dp"))

@@ -33,9 +33,9 @@ pp, cp ring / a2a / allgather) run once more with the masks on a corpus of short
 either: the :data:`LORA` witnesses (dp, ZeRO-1/3, FSDP2, tp +- SP, pp) train adapters
 (:data:`LORA_TRAIN`) against a single-process LoRA reference; parameters the reference never
 stepped (the frozen base) must stay bitwise the reference's.
-Optimizer offload
-(``train.offload``) is not a factor either: the :data:`OFFLOAD` witnesses run once more with their
-offload mode against the same reference.
+Offload
+(``train.offload``: optimizer, optimizer-disk, params) is not a factor either: the :data:`OFFLOAD`
+witnesses run once more with their offload mode against the same reference.
 
 In float64 the reassociation noise of a correct layout is ~1e-16 per operation, so the bound
 :data:`FP64_RTOL` = 1e-10 holds on any CPU, while a wrong gradient (a missing sum, a race)

@@ -94,7 +94,7 @@ class Layout:
         if self.lora:
             parts.append("lora")
         if self.offload != "none":
-            parts.append({"optimizer": "offopt", "optimizer-disk": "offdisk"}[self.offload])
+            parts.append({"optimizer": "offopt", "optimizer-disk": "offdisk", "params": "offparam"}[self.offload])
         return "-".join(parts)
 
     def overrides(self) -> dict:
@@ -291,9 +291,11 @@ def lora_layouts(layouts: list[Layout], names=LORA) -> list[Layout]:
 
 # optimizer offload (train.offload), not a factor: the master shards and Adam state in host buffers
 # (optimizer) or in memory-mapped files stepped chunk by chunk (optimizer-disk) -- HSDP ZeRO-2 in
-# host memory, pipeline ZeRO-1 (1F1B) and ZeRO-3 x tp 2 on disk
+# host memory, pipeline ZeRO-1 (1F1B) and ZeRO-3 x tp 2 on disk; parameter offload (params: the stage-3
+# shards at rest on the host) under a 1F1B pipeline of native ZeRO-3 and with FSDP2's CPUOffloadPolicy
 OFFLOAD = (("zero2-dp4r2-acc4", "optimizer"), ("zero1-dp2-pp2-1f1b-acc4", "optimizer-disk"),
-           ("zero3-dp2-tp2-acc1", "optimizer-disk"))
+           ("zero3-dp2-tp2-acc1", "optimizer-disk"), ("zero3-dp2-pp2-1f1b-acc4", "params"),
+           ("fsdp2_3-dp2-acc4", "params"))
 
 
 def offload_layouts(layouts: list[Layout]) -> list[Layout]:

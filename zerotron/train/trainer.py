@@ -134,7 +134,7 @@ class Trainer:
         self.failed_saves: list[int] = []  # steps whose checkpoint could not be written (on_error = continue)
         self.unsaved: int | None = None    # the newest of them, while no later save has succeeded
         self.ckpt_blocked_s = 0.0          # seconds the latest save blocked training
-        self.saver = ckpt_background.AsyncSaver() if cfg.checkpoint.async_save else None  # collective
+        self.saver = ckpt_background.AsyncSaver(self.strategy) if cfg.checkpoint.async_save else None  # collective
         torch.manual_seed(cfg.train.seed + 1 + rank)  # per-rank stream for dropout
         if resume:
             latest = self.resume_from

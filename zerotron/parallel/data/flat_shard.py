@@ -37,6 +37,14 @@ class FlatShard:
     released from memory after use; on a CPU-only machine the gradient is read from ``shard_grad``
     directly (no ``host_grad``).
 
+    ``offload = "params"`` (stage 3 only; ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021):
+    everything of ``"optimizer"``, and the compute-dtype parameter shard rests on the host too
+    (``host_shard``, pinned on CUDA; the master itself when the compute dtype is the master dtype, so
+    fp32 and fp64 keep one host copy) instead of the device's ``dev_shard``: each all-gather first
+    copies it into a fresh device buffer (:meth:`launch_gather`), so between uses the device holds
+    nothing of the buffer. ``params_offload`` is True then (also for a frozen buffer, whose
+    compute-dtype ``master`` is then the host shard).
+
     ``frozen`` (the parameters have ``requires_grad = False``: a LoRA base): the buffer still holds
     and shards the parameters (stage 3 gathers them for compute), but has no gradient (``grad_full``
     None, an empty ``shard_grad``), no reduce-scatter, no optimizer state and no offload; its
@@ -51,6 +59,7 @@ class FlatShard:
         self.dp, self.rank = group.size(), group.rank()
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self.frozen = not params[0].requires_grad
+        self.params_offload = offload == "params" and stage == 3
         if self.frozen:
             offload = "none"
         self.master_dtype = compute_dtype if self.frozen else \
@@ -67,25 +76,31 @@ class FlatShard:
                 self.full[off:off + n].copy_(p.detach().reshape(-1))
                 p.data = self.full[off:off + n].view_as(p)
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        self.offload = offload in ("optimizer", "optimizer-disk")
+        self.offload = offload in ("optimizer", "optimizer-disk", "params")
         # master is a view of `full` (no offload, same dtype, parameters full at rest)
         self.aliased = compute_dtype == self.master_dtype and stage < 3 and not self.offload
-        self.dev_shard = self.host_grad = self.disk = None
+        self.dev_shard = self.host_grad = self.disk = self.host_shard = None
+        host, pin = torch.device("cpu"), dev.type == "cuda"
         if self.offload:
-            host = torch.device("cpu")
             if offload == "optimizer-disk":
                 self.disk = DiskState(disk_path, self.k, self.master_dtype)
                 shard = self.disk.tensors["master"]
             else:
-                shard = torch.empty(self.k, dtype=self.master_dtype, device=host, pin_memory=dev.type == "cuda")
+                shard = torch.empty(self.k, dtype=self.master_dtype, device=host, pin_memory=pin)
             shard.copy_(self.full[lo:hi])
             if self.disk is not None:
                 self.disk.release()
             if self.disk is None or dev.type != "cpu":  # the disk tier on the host device reads shard_grad
                 self.host_grad = torch.zeros(self.k, dtype=self.master_dtype, device=host,
                                              pin_memory=dev.type == "cuda")
-            if stage == 3:  # the compute shard the all-gathers read (parameters at rest on the device)
+            if self.params_offload:  # the compute shard the all-gathers read, at rest on the host
+                self.host_shard = shard if compute_dtype == self.master_dtype else \
+                    torch.empty(self.k, dtype=compute_dtype, device=host, pin_memory=pin).copy_(self.full[lo:hi])
+            elif stage == 3:  # the compute shard the all-gathers read (parameters at rest on the device)
                 self.dev_shard = self.full[lo:hi].clone()
+        elif self.params_offload:  # frozen: the compute-dtype master is the host shard
+            shard = self.host_shard = torch.empty(self.k, dtype=compute_dtype, device=host,
+                                                  pin_memory=pin).copy_(self.full[lo:hi])
         else:
             shard = self.full[lo:hi] if self.aliased else self.full[lo:hi].to(self.master_dtype).clone()
         self.master = nn.Parameter(shard, requires_grad=not self.frozen)
@@ -174,13 +189,18 @@ class FlatShard:
 
     # ---- parameters ------------------------------------------------------------------------
     def launch_gather(self) -> None:
-        """All-gather the master shards into ``full`` (async). Stage 3: re-allocates ``full``."""
+        """All-gather the master shards into ``full`` (async). Stage 3: re-allocates ``full``;
+        ``params_offload``: the host shard is first copied into a fresh device buffer (the
+        all-gather's input, freed with the gather)."""
         if self.gather_work is not None:
             return
         if self.stage == 3 and self.full.untyped_storage().size() > 0:
             return  # already gathered
         self._set_storage(self.full.numel() * self.full.element_size())
-        if self.offload:  # the device's compute shard (:meth:`master_to_device`), not the host master
+        if self.params_offload:  # host -> device, then gather on the device
+            src = torch.empty(self.k, dtype=self.compute_dtype, device=self.full.device)
+            src.copy_(self.host_shard, non_blocking=self.host_shard.is_pinned())
+        elif self.offload:  # the device's compute shard (:meth:`master_to_device`), not the host master
             src = self.dev_shard if self.stage == 3 else self.full[self.rank * self.k:(self.rank + 1) * self.k].clone()
         else:
             src = self.master.detach() if self.master.dtype == self.compute_dtype else \
@@ -205,11 +225,15 @@ class FlatShard:
 
     @torch.no_grad()
     def master_to_device(self) -> None:
-        """Offload: copy the host master (after a step or a load) into the device's compute shard
-        that the next all-gather reads (``full[lo:hi]`` at stages 1-2, ``dev_shard`` at 3)."""
+        """Offload: copy the host master (after a step or a load) into the compute shard that the
+        next all-gather reads (``full[lo:hi]`` at stages 1-2, ``dev_shard`` at 3; ``params_offload``:
+        ``host_shard``, nothing to do when it is the master itself)."""
         if not self.offload:
             return
-        if self.stage == 3:
+        if self.params_offload:
+            if self.host_shard is not self.master and self.host_shard.data_ptr() != self.master.data_ptr():
+                self.host_shard.copy_(self.master)
+        elif self.stage == 3:
             self.dev_shard.copy_(self.master)
         elif self.full.untyped_storage().size() > 0:
             self.full[self.rank * self.k:(self.rank + 1) * self.k].copy_(self.master)
@@ -359,21 +383,32 @@ def flat_state_bytes(flats: list, optimizer) -> dict:
     ``train.offload = optimizer`` also ``host_bytes`` (master shards, their Adam state and the host
     gradient shards) and ``disk_bytes`` (0), and ``optimizer_bytes`` is 0; with ``optimizer-disk``
     the master shards and Adam state count as ``disk_bytes`` (the file's vectors, unpadded) and
-    ``host_bytes`` holds only host gradient shards (none on a CPU-only machine)."""
-    p = g = o = h = d = 0
+    ``host_bytes`` holds only host gradient shards (none on a CPU-only machine). Offloaded, the host
+    bytes are also split by part: ``host_params_bytes`` (``train.offload = params``: the host compute
+    shards, the master when it is the compute shard), ``host_grads_bytes``, ``host_optimizer_bytes``
+    (masters and Adam state); they sum to ``host_bytes``."""
+    p = g = o = hp = hg = ho = d = 0
     for f in flats:
         p += f.full.untyped_storage().size()
         master = f.master.numel() * f.master.element_size()
+        if f.params_offload and f.frozen:  # the compute-dtype master is the host shard
+            hp += master
+            continue
         if f.offload:
             p += f.dev_shard.numel() * f.dev_shard.element_size() if f.dev_shard is not None else 0
             g += 0 if f.grad_aliased else f.shard_grad.numel() * f.shard_grad.element_size()
             g += f.grad_full.numel() * f.grad_full.element_size() if f.grad_full is not None else 0
-            h += f.host_grad.numel() * f.host_grad.element_size() if f.host_grad is not None else 0
+            hg += f.host_grad.numel() * f.host_grad.element_size() if f.host_grad is not None else 0
             if f.disk is not None:
                 d += 3 * master
                 continue
-            h += master + sum(t.numel() * t.element_size() for t in optimizer.state.get(f.master, {}).values()
-                              if isinstance(t, torch.Tensor) and t.dim() > 0)
+            if f.host_shard is not None:  # params offload: the master serves as the compute shard, or a copy
+                hp += master if f.host_shard is f.master or f.host_shard.data_ptr() == f.master.data_ptr() \
+                    else f.host_shard.numel() * f.host_shard.element_size()
+            shares = f.host_shard is not None and f.host_shard.data_ptr() == f.master.data_ptr()
+            ho += (0 if shares else master) + sum(t.numel() * t.element_size()
+                                                  for t in optimizer.state.get(f.master, {}).values()
+                                                  if isinstance(t, torch.Tensor) and t.dim() > 0)
             continue
         if f.stage == 3 and f.compute_dtype == f.master_dtype:
             p += master
@@ -387,6 +422,7 @@ def flat_state_bytes(flats: list, optimizer) -> dict:
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 o += t.numel() * t.element_size()
     out = {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
-    if any(f.offload for f in flats):
-        out.update(host_bytes=h, disk_bytes=d)
+    if any(f.offload or f.params_offload for f in flats):
+        out.update(host_bytes=hp + hg + ho, disk_bytes=d, host_params_bytes=hp, host_grads_bytes=hg,
+                   host_optimizer_bytes=ho)
     return out

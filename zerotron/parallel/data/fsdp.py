@@ -53,12 +53,15 @@ class FSDP2Strategy(Strategy):
     ``apply_tensor_parallel``) has its tp-local tensors sharded over dp (see the module docstring).
     ``units``/``root`` (a pipeline's stage, ``pipeline.stage_sync``): the blocks to shard as units
     and the module to shard as root instead of ``model.blocks()`` and ``model`` (``model`` then only
-    names the parameters, for state dicts). Raises ValueError for stage 1 (FSDP2 has no
+    names the parameters, for state dicts). ``offload`` (``train.offload = params``): every unit
+    gets torch's ``CPUOffloadPolicy`` (sharded parameters, their gradients and the optimizer step
+    on the host, pinned on CUDA; FSDP2 copies a unit's shards to the device for its all-gather and
+    its gradient shards back after the reduce-scatter). Raises ValueError for stage 1 (FSDP2 has no
     optimizer-only sharding)."""
 
     def __init__(self, model, mesh, stage: int, dtype: str = "fp32", reduce_dtype: str = "auto",
-                 units: list | None = None, root=None):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+                 units: list | None = None, root=None, offload: bool = False):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if stage not in (2, 3):
             raise ValueError("parallel.zero_impl = fsdp2 supports zero_stage 2 or 3")
@@ -68,6 +71,7 @@ class FSDP2Strategy(Strategy):
         # dp_shard, gradient shards all-reduced across dp_rep (torch's hybrid sharding)
         dp_mesh = mesh.hsdp_mesh if mesh.hsdp_mesh is not None else mesh.device_mesh("shard")  # dp_shard x cp
         reshard = stage == 3
+        policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
         tp_group = getattr(model, "tp_group", None)
         self.tp_group = tp_group if tp_group is not None and tp_group.size() > 1 else None
         # name -> TPShard of every tp-sharded parameter (tied names too): fully_shard drops attributes
@@ -75,8 +79,9 @@ class FSDP2Strategy(Strategy):
                            if is_tp_sharded(p)}
         blocks = list(model.blocks()) if units is None else units
         for block in blocks:
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(model if root is None else root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
+        fully_shard(model if root is None else root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=policy)
         count_fsdp_collectives([*blocks, model if root is None else root], mesh.group("shard"))
         for block in blocks:
             # torch 2.13's no_sync post-backward reads every block's unsharded parameter, which only

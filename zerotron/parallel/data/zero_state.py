@@ -13,6 +13,13 @@ Two ways to get it:
   the same as from :meth:`state_dict`. Loading reverses it: each rank loads its keys from disk,
   then every buffer is broadcast from its owner over dp, one buffer at a time, and each rank keeps
   its own shard.
+
+An asynchronous checkpoint (``checkpoint.async_save``) splits :meth:`ZeroStateMixin.checkpoint_state`
+in two: :meth:`ZeroStateMixin.checkpoint_snapshot` copies this rank's shards (masters, Adam moments,
+step counts, the optimizer's groups) into host buffers -- no collective, the only part that blocks
+training -- and returns a function that the background writer calls later with process groups of
+its own (the same ranks as the shard and tp groups, made for checkpoints) to gather the copies into
+the same canonical state, so the gathers never interleave with training's collectives.
 """
 from __future__ import annotations
 
@@ -25,25 +32,62 @@ from zerotron.parallel.tensor.layers import full_tensor, local_shard
 _ADAM = ("exp_avg", "exp_avg_sq")
 
 
-def gather_flats(flats: list, group, optimizer, owned) -> tuple[dict, dict]:
+def snapshot_flats(flats: list, optimizer, buffers: dict | None = None) -> list[dict]:
+    """Per flat buffer, host copies of this rank's shard: ``{"param", "exp_avg", "exp_avg_sq"
+    (those the optimizer has), "step" (the state's scalar), "steps" (per-parameter counts or
+    None)}``. No collective. ``buffers`` ({key: tensor}, kept by the caller): copies go into the
+    buffers of the previous snapshot of the same shape (the caller must know it is no longer read)."""
+    def copy(key, t):
+        t = t.detach()
+        buf = None if buffers is None else buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+            if buffers is not None:
+                buffers[key] = buf
+        return buf.copy_(t)
+
+    out = []
+    for i, f in enumerate(flats):
+        st = optimizer.state.get(f.master, {}) if optimizer is not None else {}
+        snap = {"param": copy(f"{i}/param", f.master), "steps": list(f.steps) if f.steps is not None else None,
+                "step": st["step"].clone() if "step" in st else None}
+        for key in _ADAM:
+            if key in st:
+                snap[key] = copy(f"{i}/{key}", st[key])
+        f.release_disk()
+        out.append(snap)
+    return out
+
+
+def gather_flats(flats: list, group, optimizer, owned, snaps: list | None = None, groups: dict | None = None
+                 ) -> tuple[dict, dict]:
     """``({fqn: full-over-dp tensor (this rank's tp layout)}, {fqn: {"step", "exp_avg",
     "exp_avg_sq"}})`` of the flat buffers ``i`` with ``owned(i)``. Every buffer is all-gathered
     over its own shard group (``group``, or a buffer's sub-group of it: expert parameters, whose
     values are then this rank's expert range; collective, fixed order); only the owned ones are
-    kept (one buffer in flight)."""
+    kept (one buffer in flight). ``snaps`` (:func:`snapshot_flats`): gather these copies instead of
+    the live shards; ``groups`` ({id(group): stand-in group}): gather over the stand-ins (a
+    background writer's own groups with the same ranks)."""
     vals, ostate = {}, {}
     for i, f in enumerate(flats):
-        full = {"param": _gather_full(f.master.detach(), f.group)}
-        st = optimizer.state.get(f.master, {}) if optimizer is not None else {}
+        g = (groups or {}).get(id(f.group), f.group)
+        live = snaps is None
+        st = (optimizer.state.get(f.master, {}) if optimizer is not None else {}) if live else snaps[i]
+        full = {"param": _gather_full(f.master.detach() if live else st["param"], g)}
         for key in _ADAM:
             if key in st:
-                full[key] = _gather_full(st[key], f.group)
-        f.release_disk()  # the disk tier: the mapped state read for the gather leaves memory again
+                full[key] = _gather_full(st[key], g)
+        if live:
+            f.release_disk()  # the disk tier: the mapped state read for the gather leaves memory again
         if not owned(i):
             continue
         for j, (name, p, off, n) in enumerate(zip(f.names, f.params, f.offsets, f.numels)):
             vals[name] = full["param"][off:off + n].view(p.shape).clone()
-            step = f.param_step(j, st) if "exp_avg" in full else None
+            if live:
+                step = f.param_step(j, st) if "exp_avg" in full else None
+            else:
+                step = (torch.tensor(float(st["steps"][j])) if st["steps"] is not None else st["step"].clone()) \
+                    if "exp_avg" in full else None
             if step is not None and step > 0:  # never stepped (no gradient yet): no state, as in torch
                 ostate[name] = {"step": step,
                                 **{k: full[k][off:off + n].view(p.shape).clone() for k in _ADAM}}
@@ -53,7 +97,7 @@ def gather_flats(flats: list, group, optimizer, owned) -> tuple[dict, dict]:
 def _gather_full(shard: torch.Tensor, group) -> torch.Tensor:
     dt = torch.float64 if shard.dtype == torch.float64 else torch.float32
     out = torch.empty(shard.numel() * group.size(), dtype=dt, device=shard.device)
-    comm.all_gather(out, shard.to(dt).contiguous(), group=group, tag="checkpoint")
+    comm.all_gather(out, shard.to(dt).contiguous(), group=group, async_op=True, tag="checkpoint").wait()
     return out
 
 
@@ -86,7 +130,9 @@ def _flat_params(flats: list) -> dict:
     return {n: q for f in flats for n, q in zip(f.names, f.params)}
 
 
-def canonical_flat_state(flats: list, group, tp_group, optimizer, owned, values: dict | None = None) -> tuple:
+def canonical_flat_state(flats: list, group, tp_group, optimizer, owned, values: dict | None = None,
+                         snaps: list | None = None, groups: dict | None = None, param_groups: list | None = None
+                         ) -> tuple:
     """The one path from flat buffers to the canonical state, shared by ZeRO over the whole model
     (:class:`ZeroStateMixin`) and by the pipeline stages' ZeRO (``pipeline.state``).
 
@@ -96,12 +142,16 @@ def canonical_flat_state(flats: list, group, tp_group, optimizer, owned, values:
     fixed flat order on every tp rank). ``values`` ({fqn: tensor, this rank's tp layout}) replaces
     the gather for parameters-only states whose compute copies are already full over dp.
     ``param_groups``: the optimizer's groups with the FQNs of every flat buffer (owned or not) in
-    place of the master shards (``[]`` without an optimizer). Collective over dp (and tp)."""
+    place of the master shards (``[]`` without an optimizer). Collective over dp (and tp).
+    ``snaps``, ``groups``: see :func:`gather_flats` (``groups`` also stands in for ``tp_group``);
+    ``param_groups``: the optimizer's groups as :func:`snapshot_param_groups` took them (with
+    ``snaps``: the live ones may have changed since)."""
     if values is None:
-        vals, ostate = gather_flats(flats, group, optimizer, owned)
+        vals, ostate = gather_flats(flats, group, optimizer, owned, snaps, groups)
     else:
         vals, ostate = dict(values), {}
     if tp_group is not None:
+        tp_group = (groups or {}).get(id(tp_group), tp_group)
         for name, q in _flat_params(flats).items():
             if name not in vals:  # not owned here (the same names on every tp peer)
                 continue
@@ -109,11 +159,17 @@ def canonical_flat_state(flats: list, group, tp_group, optimizer, owned, values:
             for k, v in ostate.get(name, {}).items():
                 if v.dim() > 0:
                     ostate[name][k] = full_tensor(q, tp_group, local=v)
+    return vals, ostate, snapshot_param_groups(flats, optimizer) if param_groups is None else param_groups
+
+
+def snapshot_param_groups(flats: list, optimizer) -> list:
+    """The optimizer's groups (hyper-parameters copied) with the FQNs of every flat buffer in place
+    of the master shards (``[]`` without an optimizer)."""
     groups = []
     for g in optimizer.param_groups if optimizer is not None else []:
         names = [n for f in flats if any(f.master is q for q in g["params"]) for n in f.names]
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
-    return vals, ostate, groups
+    return groups
 
 
 @torch.no_grad()
@@ -154,8 +210,9 @@ class ZeroStateMixin:
         """dp rank that writes and reads flat buffer ``i`` in a checkpoint."""
         return i % self.group.size()
 
-    def _canonical(self, optimizer, owned) -> tuple[dict, dict]:
-        msd, osd_state, groups = canonical_flat_state(self.all_flats, self.group, self.tp_group, optimizer, owned)
+    def _canonical(self, optimizer, owned, **snapshot) -> tuple[dict, dict]:
+        msd, osd_state, groups = canonical_flat_state(self.all_flats, self.group, self.tp_group, optimizer, owned,
+                                                      **snapshot)
         for alias, owner in self.module.layout().tied:  # tied entries, as in the dense state dict
             if owner in msd:
                 msd[alias] = msd[owner]
@@ -172,6 +229,26 @@ class ZeroStateMixin:
         1/dp share of :meth:`state_dict`'s; ``param_groups`` list every name. Collective."""
         rank = self.group.rank()
         return self._canonical(optimizer, lambda i: self._owner(i) == rank)
+
+    def checkpoint_groups(self) -> list:
+        """The groups :meth:`checkpoint_state` gathers over (the shard groups of the flat buffers
+        and the tp group): a background writer makes stand-ins with the same ranks."""
+        return list({id(g): g for g in [f.group for f in self.all_flats] + [self.tp_group] if g is not None}.values())
+
+    def checkpoint_snapshot(self, optimizer, buffers: dict | None = None):
+        """:meth:`checkpoint_state` in two halves (module docstring): host copies of this rank's
+        shards now (:func:`snapshot_flats`, into ``buffers``; no collective), and the returned
+        function ``finish(groups)`` ({id(group): stand-in} for :meth:`checkpoint_groups`) that
+        gathers them later, collectively over the stand-ins, into what :meth:`checkpoint_state`
+        would have returned at the snapshot."""
+        snaps = snapshot_flats(self.all_flats, optimizer, buffers)
+        param_groups = snapshot_param_groups(self.all_flats, optimizer)
+        rank = self.group.rank()
+
+        def finish(groups: dict) -> tuple[dict, dict]:
+            return self._canonical(optimizer, lambda i: self._owner(i) == rank, snaps=snaps, groups=groups,
+                                   param_groups=param_groups)
+        return finish
 
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""

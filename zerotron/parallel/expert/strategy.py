@@ -233,6 +233,8 @@ class ExpertZero(_ExpertShards, ZeroStrategy):
         """ZeRO's canonical state, expert tensors gathered over ep. Collective over dp."""
         return self._full_expert_state(*ZeroStrategy.state_dict(self, optimizer))
 
+    checkpoint_snapshot = None  # an async save stages checkpoint_state (it gathers over ep too) in the foreground
+
     def checkpoint_state(self, optimizer=None):
         """The whole canonical state on every rank (the expert buffers' owners would hold only their
         ep range): DCP writes each key once, so the files equal any layout's."""

@@ -168,7 +168,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         if p.sync == "torch_ddp":  # torch's wrappers per stage chunk (pipeline.stage_sync)
             self.stage_sync = StageTorchDDP(self.module, self.dp_group, p.bucket_mb, p.find_unused_parameters)
         elif p.sync == "fsdp2":  # fully_shard per block and one root per rank (pipeline.stage_sync)
-            self.stage_sync = self.fsdp2 = StageFSDP2(self.module, mesh, p.zero_stage, p.dtype, p.reduce_dtype)
+            self.stage_sync = self.fsdp2 = StageFSDP2(self.module, mesh, p.zero_stage, p.dtype, p.reduce_dtype,
+                                                          offload=p.offload == "params")
             if self.tied is not None:  # fully_shard registered a new (DTensor) parameter
                 self.tied = getattr(get_module(self.module, owner[0]), owner[2])
         elif p.zero_stage:

@@ -167,18 +167,19 @@ class StageFSDP2:
     """FSDP2 (``fully_shard``) over the dp group of ``mesh`` for this rank's stages; see the module
     docstring. Args: ``stage_model`` (the StageModel; its blocks and a :class:`RankModule` root
     are sharded, its parameters become DTensors), ``mesh``, ``stage`` (2: reshard_after_forward
-    False, 3: True), ``dtype``, ``reduce_dtype``. Attributes: ``fsdp`` (the
+    False, 3: True), ``dtype``, ``reduce_dtype``, ``offload`` (CPUOffloadPolicy, as
+    :class:`~zerotron.parallel.data.fsdp.FSDP2Strategy`). Attributes: ``fsdp`` (the
     :class:`~zerotron.parallel.data.fsdp.FSDP2Strategy` whose state-dict/norm helpers are reused),
     ``root``, ``shard_group``, ``loss_scale`` (dp: FSDP2 averages, the loss is divided by
     N_global / dp)."""
 
-    def __init__(self, stage_model, mesh, stage: int, dtype: str, reduce_dtype: str):
+    def __init__(self, stage_model, mesh, stage: int, dtype: str, reduce_dtype: str, offload: bool = False):
         from zerotron.parallel.data.fsdp import FSDP2Strategy
 
         self.module = stage_model
         self.root = RankModule(stage_model)
         self.fsdp = FSDP2Strategy(stage_model, mesh, stage, dtype, reduce_dtype,
-                                  units=list(stage_model.blocks_here.values()), root=self.root)
+                                  units=list(stage_model.blocks_here.values()), root=self.root, offload=offload)
         self.shard_group = self.fsdp.shard_group
         self.loss_scale = self.fsdp.group.size()
         self.act_dtype = torch.bfloat16 if dtype == "bf16" else None  # stage outputs in FSDP2's param dtype

@@ -8,6 +8,12 @@ Every collective of the background write (DCP's own, the error agreement, the ch
 the barriers) runs on a gloo process group made for checkpoints only, so it never interleaves with
 the training thread's collectives on the other groups. At most one save is in flight: starting
 the next one first waits for the pending one (the same rule as torchtitan's async DCP mode).
+
+A strategy whose checkpoint state is gathered across ranks (native ZeRO: each dp rank holds a
+shard) offers ``checkpoint_snapshot``: the foreground then only copies this rank's shards into host
+buffers, and the background thread gathers them into the canonical state before writing, over
+stand-ins of the strategy's groups (``checkpoint_groups``: the same ranks, gloo groups made for
+checkpoints when the saver is built), so the gather leaves the training thread too.
 """
 from __future__ import annotations
 
@@ -17,20 +23,39 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from zerotron.distributed.groups import NamedGroup, group_ranks
+from zerotron.distributed.watchdog import unwatched
+
 from .save import stage_checkpoint, write_checkpoint
+
+
+def stand_in_groups(groups: list) -> dict:
+    """``{id(group): NamedGroup}``: for each of ``groups`` (NamedGroups; this rank's, any number) a
+    new gloo group with the same global ranks, named ``ckpt_<name>``. Collective over the world:
+    every rank's rank lists are gathered and every distinct one is created in the same order on
+    all ranks (``new_group`` must be called by every rank)."""
+    mine = [tuple(group_ranks(g)) for g in groups]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    made = {t: dist.new_group(list(t), backend="gloo") for t in sorted({t for lst in every for t in lst})}
+    return {id(g): NamedGroup(made[t], f"ckpt_{g.name}") for g, t in zip(groups, mine)}
 
 
 class AsyncSaver:
     """One background checkpoint writer per run (every rank builds one, collectively: the
-    constructor creates the checkpoint process group).
+    constructor creates the checkpoint process group, and for a ``strategy`` with
+    ``checkpoint_snapshot`` the stand-ins of its ``checkpoint_groups``).
 
     :meth:`start` stages and launches a save and returns the seconds the caller was blocked
     (waiting for the previous save, then staging); :meth:`wait` blocks until the pending save
     is done and returns ``(path, error, seconds waited)`` of that save (``path`` None when it
     failed; ``error`` the CheckpointWriteError (or other exception) it raised on this rank)."""
 
-    def __init__(self):
+    def __init__(self, strategy=None):
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.stand_ins = None  # {id(group): stand-in}: the snapshot's gathers run in the background
+        if getattr(strategy, "checkpoint_snapshot", None) is not None and dist.is_initialized():
+            self.stand_ins = stand_in_groups(strategy.checkpoint_groups())
         self._thread: threading.Thread | None = None
         self._result: tuple[Path | None, BaseException | None] = (None, None)
         self.pending_step: int | None = None
@@ -49,13 +74,18 @@ class AsyncSaver:
         if self._thread is not None:
             raise RuntimeError("AsyncSaver.start: a save is pending; call wait() first")
         t0 = time.perf_counter()
-        staged = stage_checkpoint(step, strategy, optimizer, scheduler, meta, copy_state=True, buffers=self._buffers)
+        staged = stage_checkpoint(step, strategy, optimizer, scheduler, meta, copy_state=True, buffers=self._buffers,
+                                  defer=self.stand_ins is not None)
         self._result = (None, None)
 
         def run():
             try:
-                self._result = (write_checkpoint(run_dir, staged, tokenizer_path, keep, expected_bytes,
-                                                 group=self.group), None)
+                with unwatched():
+                    if staged.finish is not None:  # the gather of the snapshot, on the stand-in groups
+                        msd, osd = staged.finish(self.stand_ins)
+                        staged.state, staged.finish = {"model": msd, "optim": osd}, None
+                    self._result = (write_checkpoint(run_dir, staged, tokenizer_path, keep, expected_bytes,
+                                                     group=self.group), None)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
                 self._result = (None, e)
 

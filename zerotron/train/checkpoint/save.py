@@ -67,13 +67,16 @@ def _fault_slow_write(step: int) -> None:
 class StagedCheckpoint:
     """What one checkpoint holds, taken out of the live training state by :func:`stage_checkpoint`:
     ``state`` ({"model": ..., "optim": ...}, the dicts handed to DCP), ``rng`` (this rank's RNG
-    states), ``trainer`` (scheduler state and step, written by rank 0), ``step`` and ``meta``."""
+    states), ``trainer`` (scheduler state and step, written by rank 0), ``step`` and ``meta``;
+    ``finish`` (a deferred stage: ``state`` is empty until the writer calls it, see
+    :func:`stage_checkpoint`)."""
 
     step: int
     state: dict
     rng: dict
     trainer: dict
     meta: dict
+    finish: object = None  # defer: callable(stand-in groups) -> (model, optim) state, run before the write
 
 
 def _host_copy(obj, cache: dict | None = None, key: str = ""):
@@ -98,22 +101,29 @@ def _host_copy(obj, cache: dict | None = None, key: str = ""):
 
 
 def stage_checkpoint(step: int, strategy, optimizer, scheduler, meta: dict, copy_state: bool = False,
-                     buffers: dict | None = None) -> StagedCheckpoint:
+                     buffers: dict | None = None, defer: bool = False) -> StagedCheckpoint:
     """Collectively take checkpoint ``step`` out of the training state (all ranks must call; the
     strategy's ``checkpoint_state`` may gather). ``copy_state``: the model and optimizer tensors are
     copied into host memory (bytes: this rank's share of the checkpoint), so training can go on
     changing the live ones while the copy is written; without it the write must finish before the
     next optimizer step. RNG and scheduler states are always copies. ``buffers``: host buffers
-    reused between saves (see :func:`_host_copy`)."""
-    msd, osd = strategy.checkpoint_state(optimizer)  # ZeRO: this rank's share of the canonical keys
-    state = {"model": msd, "optim": osd}
+    reused between saves (see :func:`_host_copy`). ``defer`` (with ``copy_state``, for a strategy
+    with ``checkpoint_snapshot``, native ZeRO): only this rank's shards are copied now, no
+    collective; ``state`` stays empty and ``finish(stand-in groups)`` gathers the copies later."""
+    snapshot = getattr(strategy, "checkpoint_snapshot", None) if defer and copy_state else None
+    finish = None
+    if snapshot is not None:
+        finish = snapshot(optimizer, buffers)
+        state = {}
+    else:
+        msd, osd = strategy.checkpoint_state(optimizer)  # ZeRO: this rank's share of the canonical keys
+        state = _host_copy({"model": msd, "optim": osd}, buffers) if copy_state else {"model": msd, "optim": osd}
     rng = rng_state()
     tracker = find_rng_tracker(strategy.module)
     if tracker is not None:
         rng["tp_rng"] = tracker_checkpoint_state(tracker)
     trainer = {"scheduler": copy.deepcopy(scheduler.state_dict()), "step": step}
-    return StagedCheckpoint(step, _host_copy(state, buffers) if copy_state else state, _host_copy(rng), trainer,
-                            copy.deepcopy(meta))
+    return StagedCheckpoint(step, state, _host_copy(rng), trainer, copy.deepcopy(meta), finish)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, strategy, optimizer, scheduler, meta: dict,
