@@ -117,7 +117,8 @@ def test_offload_single_process(tmp_path, data_cache, single_process):
 
 @pytest.mark.parametrize("argv,message", [
     ([], "train.offload = optimizer needs native ZeRO"),
-    (["--parallel.dp_impl", "torch"], "train.offload = optimizer needs native ZeRO"),
+    (["--parallel.dp_impl", "torch"], "needs native ZeRO (parallel.zero_stage 1, 2 or 3 with parallel.zero_impl "
+                                      "= native): torch DDP keeps"),
     (["--parallel.zero_stage", "3", "--parallel.zero_impl", "fsdp2"], "FSDP2 keeps the optimizer state"),
     (["--parallel.zero_stage", "1", "--train.offload", "gpu"], "train.offload must be none, optimizer or optimizer-disk"),
     (["--parallel.zero_stage", "1", "--train.offload_dir", "/tmp"], "train.offload_dir is used by train.offload = "
