@@ -30,8 +30,8 @@ def _init_from_shape(path: str) -> dict:
         return registry.config_meta(registry.hf_config(path))
     except (OSError, ValueError, TypeError, AttributeError, ArithmeticError, KeyError) as e:  # any bad field
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"model.init_from {path!r} cannot be loaded: {why}; give a Hugging Face GPT-2 or "
-                          "Llama directory with settings zerotron implements, or train without model.init_from"
+        raise ConfigError(f"model.init_from {path!r} cannot be loaded: {why}; give a Hugging Face GPT-2, "
+                          "Llama or Mixtral directory with settings zerotron implements, or train without model.init_from"
                           ) from None
 
 

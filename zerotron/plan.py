@@ -285,7 +285,8 @@ class ParallelPlan:
               "state files: set --train.offload_dir PATH")
         _need(self.offload in ("none", "params") or (z >= 1 and impl == "native"),
               f"train.offload = {self.offload} needs native ZeRO (parallel.zero_stage 1, 2 or 3 with "
-              f"parallel.zero_impl = native): {'FSDP2' if impl == 'fsdp2' and z else 'DDP'} keeps the optimizer "
+              f"parallel.zero_impl = native): {'FSDP2' if impl == 'fsdp2' and z else 'torch DDP' if self.dp_impl == 'torch' else 'DDP'} keeps the "
+              "optimizer "
               "state with its own buffers; set parallel.zero_stage = 1 (or 2, 3) and parallel.zero_impl = native, "
               "or train.offload = none")
         _need(not self.find_unused_parameters or (self.dp_impl == "torch" and z == 0),

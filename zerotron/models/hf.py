@@ -173,11 +173,18 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], cfg: GPTConfig) -> dict[str, t
 
 
 def _header_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Meta tensors of the names, shapes and dtypes in a safetensors file's header (no data read)."""
-    from safetensors import safe_open
+    """Meta tensors of the names, shapes and dtypes in a safetensors file's header (no data read).
+    Raises ValueError (one line naming the file) for a file whose header cannot be read (truncated,
+    overwritten, not safetensors)."""
+    from safetensors import SafetensorError, safe_open
 
     out = {}
-    with safe_open(path, framework="pt") as f:
+    try:
+        f = safe_open(path, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"not a readable safetensors file, truncated or damaged ({str(e).strip().splitlines()[0]}) "
+                         f"in {path}") from None
+    with f:
         for k in f.keys():
             sl = f.get_slice(k)
             dtype = getattr(torch, {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",

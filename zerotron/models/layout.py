@@ -134,7 +134,11 @@ ATTENTION_PREFIX = {"gpt2": "attn.", "llama": "self_attn."}
 def lora_targets(arch: str, spec: str) -> tuple[str, ...]:
     """The block projections ``spec`` names (comma-separated; a name matches a projection's
     full path, e.g. ``mlp.c_proj``, or its last part, e.g. ``q_proj`` or ``c_proj`` = both);
-    "" = the attention projections. Raises ValueError (one line) for a name no projection has."""
+    "" = the attention projections. Raises ValueError (one line) for a name no projection has, or
+    for a family without LoRA support (mixtral: its MLP is the experts)."""
+    if arch not in PROJECTIONS:
+        raise ValueError(f"train.lora_rank > 0 (LoRA) supports the dense families {' and '.join(PROJECTIONS)}, "
+                         f"not model.arch = {arch!r}; set train.lora_rank = 0")
     allp = PROJECTIONS[arch]
     if not spec.strip():
         return tuple(p for p in allp if p.startswith(ATTENTION_PREFIX[arch]))

@@ -129,6 +129,7 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
         if diff:
             raise ConfigError(f"--resume: the model shape differs from the checkpoint {str(latest)!r}: "
                               f"{'; '.join(diff)}; resume with the checkpoint's model settings")
+    check_resume_lora(cfg, meta.get("config", {}).get("train", {}), latest)
     was = meta.get("config", {}).get("data", {})
     diff = [f"data.{k} {was[k]!r} (checkpoint) vs {getattr(cfg.data, k)!r} (now)" for k in DATA_STREAM_KEYS
             if k in was and was[k] != getattr(cfg.data, k)]
@@ -143,6 +144,35 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
     if not cfg.data.tokenizer and (latest / "tokenizer.json").is_file():
         cfg.data.tokenizer = str(latest)  # the directory: its tokenizer_config.json comes along
     return latest
+
+
+def check_resume_lora(cfg: Config, saved_train: dict, latest: Path) -> None:
+    """Refuse a ``--resume`` whose LoRA adapters differ from the checkpoint's: ``train.lora_rank``
+    (0 = none) and, when both have adapters, the projections ``train.lora_targets`` resolves to
+    (:func:`zerotron.models.layout.lora_targets`). Either decides which state-dict keys and shapes
+    the checkpoint holds, so a mismatch would otherwise fail inside every worker's load. A
+    checkpoint that recorded no ``lora_rank`` (older runs) is not compared. Raises ConfigError
+    (one line naming both values and the fix)."""
+    if "lora_rank" not in saved_train:
+        return
+    fix = ("resume with the checkpoint's LoRA settings, or start a new run from it: zerotron export the "
+           "checkpoint (merged) and pass the exported directory as --model.init_from")
+    was, now = int(saved_train["lora_rank"]), cfg.train.lora_rank
+    if was != now:
+        raise ConfigError(f"--resume: train.lora_rank {was} (checkpoint {str(latest)!r}) vs {now} (now); {fix}")
+    if not now:
+        return
+    from ..models.layout import lora_targets  # plain data, no torch
+
+    family = "gpt2" if model_shape(cfg.model).get("arch", "gpt2") == "gpt2" else "llama"
+    try:
+        a, b = (lora_targets(family, str(saved_train.get("lora_targets", ""))),
+                lora_targets(family, cfg.train.lora_targets))
+    except (ValueError, KeyError):
+        return  # the plan reports a bad spec of its own
+    if a != b:
+        raise ConfigError(f"--resume: train.lora_targets {','.join(a)} (checkpoint {str(latest)!r}) vs "
+                          f"{','.join(b)} (now); {fix}")
 
 
 def special_overrides(cfg: Config) -> dict:

@@ -144,9 +144,15 @@ class ZeroSync:
         disk_dir = None
         if offload == "optimizer-disk":
             disk_dir = os.path.join(offload_dir, f"rank-{dist.get_rank() if dist.is_initialized() else 0}")
+            made = not os.path.isdir(disk_dir)
             os.makedirs(disk_dir, exist_ok=True)
         self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied,
                                                              offload, group_of, disk_dir)
+        if disk_dir is not None and made:  # every file is unlinked once mapped: drop the folder we made
+            try:
+                os.rmdir(disk_dir)
+            except OSError:
+                pass
         self.all_flats = [f for fl in self.flats for f in fl]
         self.grad_flats = [f for f in self.all_flats if not f.frozen]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
