@@ -110,7 +110,7 @@ class Trainer:
         self.num_params = self.model.num_params()  # dense count, before any sharding
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
         self.state_bytes, self.state_tensors = sum(v.numel() * v.element_size() for v in dense.values()), len(dense)
-        set_step_rows(self.model, cfg.train.global_batch)  # MoE: a micro-batch's aux-loss weight b / global_batch
+        set_step_rows(self.model, cfg.train.global_batch, cfg.train.micro_batch)  # MoE: aux-loss weight b / global_batch, per micro-batch
         if cfg.train.compile:  # before the first compile: the ranks and a resumed run share Inductor's cache
             use_cache_dir(str(self.run_dir / "inductor_cache"))
         self.strategy = parallelize(self.model, self.plan, self.mesh)
