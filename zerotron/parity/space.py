@@ -367,8 +367,10 @@ MOE_MUST = ("zero3-dp2-acc4-acfull", "ddp-dp1-pp2-1f1b-even-acc8", "fsdp2_3-dp2-
             "zero2-dp4-acc2-ep2", "ddp-dp2-tp2-acc4-ep2", "zero3-dp2-tp2-acc4-ep2",
             # expert parallelism under a pipeline (each stage's all-to-all in its F and B; ZB-H1's W of the
             # expert weights local, ZeRO-3 gathering the stage's expert shards for it), and sequence
-            # parallelism (router statistics summed over the tp shards of each micro-batch) with ep 2
-            "ddp-dp2-pp2-1f1b-acc4-ep2", "zero3-dp2-pp2-zb-h1-acc4-ep2", "zero1-dp2-tp2sp-acc4-ep2")
+            # parallelism (router statistics summed over the tp shards of each micro-batch) with ep 2, and
+            # context parallelism (the same sums over the cp chunks; ring attention)
+            "ddp-dp2-pp2-1f1b-acc4-ep2", "zero3-dp2-pp2-zb-h1-acc4-ep2", "zero1-dp2-tp2sp-acc4-ep2",
+            "ddp-dp1-cp2-ring-acc8")
 
 
 def moe_layouts(max_world: int = 4) -> list[Layout]:

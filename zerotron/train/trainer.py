@@ -167,7 +167,7 @@ class Trainer:
                                   TRAIN_DTYPES[cfg.train.dtype], warn=rank == 0, source=source)
 
     def _router_metrics(self) -> dict:
-        """MoE models: the step's router statistics summed over dp and pp (tp ranks hold copies); moves
+        """MoE models: the step's router statistics summed over dp and pp (tp and cp ranks hold copies); moves
         the auxiliary-loss-free balancing bias by the step's global load (``update_expert_bias``) -> ``moe_aux_loss``, ``moe_z_loss`` (means over layers and micro-batches, before
         their weights), ``moe_load_max_mean`` (max / mean assignments per expert, per layer) and its
         mean over layers ``moe_load_max_mean_avg``; with a capacity, ``moe_dropped`` (assignments
@@ -178,7 +178,7 @@ class Trainer:
         if stats is None:
             return {}
         stats = torch.cat([stats, dropped], dim=1)  # one reduction for both
-        for axis in ("batch", "pp"):
+        for axis in ("dp", "pp"):  # cp and SP ranks already summed their shards (MoE.token_sum): copies
             if self.mesh.size(axis) > 1:
                 comm.all_reduce(stats, group=self.mesh.group(axis), tag="metrics")
         counts = stats[:, :-3]
