@@ -162,7 +162,6 @@ def test_hf_unsupported_router_refused_in_one_line(tmp_path, data_cache, capsys)
     ({"parallel.ep": 2, "parallel.dp_impl": "torch"}, 2, "parallel.ep > 1 composes with native DDP"),
     ({"parallel.ep": 2, "parallel.pp": 2, "parallel.pp_impl": "torch", "parallel.pp_schedule": "gpipe"}, 4,
      "parallel.ep > 1 runs on the plain runner and the native pipeline executor"),
-    ({"parallel.ep": 2, "parallel.pp": 2, "parallel.tp": 2}, 8, "parallel.ep > 1 under pipeline parallelism runs with tp = 1"),
     ({"model.arch": "llama", "model.n_experts": 4}, 1, "applies to model.arch = 'mixtral' only"),
 ])
 def test_plan_refusals_one_line(overrides, world, message):

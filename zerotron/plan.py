@@ -458,9 +458,6 @@ class ParallelPlan:
         _need(self.cp == 1,
               "parallel.ep > 1 with parallel.cp > 1 is not supported yet (the ep group is carved out of dp, not dp x cp); "
               "set parallel.cp = 1 or parallel.ep = 1")
-        _need(not (self.runner == "pipeline" and self.tp > 1),
-              "parallel.ep > 1 under pipeline parallelism runs with tp = 1 so far (untested with tensor parallelism); "
-              "set parallel.tp = 1 or parallel.pp = 1")
         _need(self.dp_impl == "native" and (self.zero_stage == 0 or self.zero_impl == "native"),
               "parallel.ep > 1 composes with native DDP and native ZeRO-1/2/3 so far (the expert parameters are sharded "
               "over dp/ep, the rest over dp; torch DDP and FSDP2 would treat experts as replicated over dp); set "

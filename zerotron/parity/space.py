@@ -419,8 +419,6 @@ def moe_expected_refusal(layout: Layout) -> str | None:
         return "expert parallelism is carved out of dp, not dp x cp, so far"
     if layout.ep > 1 and (layout.rep > 1 or layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
         return "expert parallelism runs on the plain runner and the native pipeline executor, without HSDP"
-    if layout.ep > 1 and layout.pp > 1 and layout.tp > 1:
-        return "expert parallelism under a pipeline runs with tp = 1 so far"
     if layout.ep > 1 and layout.sync in ("torch_ddp", "fsdp2_2", "fsdp2_3"):
         return "expert parallelism composes with native DDP and native ZeRO (torch DDP and FSDP2 see experts as replicated)"
     return None

@@ -66,7 +66,7 @@ checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
     C) shards, and finish_grads sums the replicated parameters' gradients over tp (ZeRO: their dp
     shards, in ``parallel.reduce_dtype``).
 
-Expert parallelism (``parallel.ep > 1``, tp = 1): every block's experts are sharded over ep before the
+Expert parallelism (``parallel.ep > 1``): every block's experts are sharded over ep before the
 split (``parallel.expert.stages.StageExperts``: ep groups carved out of each stage's dp group, so the ranks
 of one ep group hold the same stage and walk the same action list; their all-to-alls meet in F, in B,
 and in W where W is the whole backward of model stage 0; the expert weight gradients of a W are local
