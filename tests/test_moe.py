@@ -10,7 +10,7 @@ from zerotron.cli import main
 from zerotron.config import ConfigError
 from zerotron.models import registry
 from zerotron.models.hf_mixtral import export_hf_mixtral, hf_config_to_mixtral
-from zerotron.models.mixtral import Mixtral, MixtralConfig, MoE, take_router_stats
+from zerotron.models.mixtral import Mixtral, MixtralConfig, MoE, set_step_rows, take_router_stats
 from zerotron.plan import build_plan
 from zerotron.testing import tiny_config
 
@@ -80,6 +80,32 @@ def test_aux_losses_enter_the_gradient_exactly():
     assert stats[:, :-2].sum(1).tolist() == [24 * 2] * cfg.n_layer  # N tokens x k assignments per layer
 
 
+def test_aux_losses_per_micro_batch_in_one_forward():
+    """A forward over two micro-batches concatenated (the naive pipeline's flush) takes the
+    auxiliary losses per micro-batch of ``micro_rows`` rows: gradients and recorded stats equal two
+    forwards of one micro-batch each; without ``micro_rows`` (f_i, P_i over both) they differ."""
+    torch.manual_seed(2)
+    cfg = MixtralConfig(**SMALL, n_experts=4, experts_top_k=2, moe_aux_loss_coef=0.3, moe_z_loss_coef=0.05)
+    m = Mixtral(cfg).double().train()
+    x, y = torch.randint(0, 61, (4, 12)), torch.randint(0, 61, (4, 12))
+
+    def run(parts, micro):
+        set_step_rows(m, 4, micro)
+        m.zero_grad()
+        for i, j in parts:
+            F.cross_entropy(m(x[i:j]).reshape(-1, 61), y[i:j].reshape(-1), reduction="sum").backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters()}, take_router_stats(m, cfg.n_layer, cfg.n_experts)
+
+    split, s_split = run([(0, 2), (2, 4)], 2)
+    joined, s_joined = run([(0, 4)], 2)
+    whole, _ = run([(0, 4)], None)
+    for n in split:
+        torch.testing.assert_close(joined[n], split[n], rtol=1e-10, atol=1e-13, msg=n)
+    torch.testing.assert_close(s_joined, s_split, rtol=1e-12, atol=1e-15)
+    gate = "model.layers.0.mlp.gate.weight"
+    assert (whole[gate] - split[gate]).abs().max() > 1e-8
+
+
 @pytest.mark.parametrize("experts,top_k,tied", [(4, 1, False), (8, 2, True), (4, 2, False)])
 def test_hf_mixtral_logits_and_bitwise_roundtrip(tmp_path, experts, top_k, tied, report):
     """zerotron -> HF: transformers' MixtralForCausalLM gives the same logits (fp32 rounding);
@@ -127,12 +153,15 @@ def test_hf_unsupported_router_refused_in_one_line(tmp_path, data_cache, capsys)
     ({"parallel.ep": 4}, 2, "parallel.ep (4) must divide the data-parallel degree (2)"),
     ({"model.experts_top_k": 9}, 1, "model.experts_top_k (9) exceeds model.n_experts (8)"),
     ({"model.arch": "llama", "parallel.ep": 2}, 2, "this model has none"),
-    ({"parallel.tp": 2, "parallel.sequence_parallel": True}, 2, "parallel.sequence_parallel with a mixture-of-experts"),
-    ({"parallel.cp": 2}, 2, "parallel.cp > 1 with a mixture-of-experts"),
+    ({"parallel.tp": 2, "parallel.sequence_parallel": True, "model.moe_capacity_factor": 1.25}, 2,
+     "model.moe_capacity_factor with parallel.sequence_parallel"),
+    ({"parallel.cp": 2, "model.moe_capacity_factor": 1.0}, 2, "model.moe_capacity_factor with parallel.sequence_parallel or parallel.cp"),
+    ({"parallel.cp": 2, "parallel.ep": 2}, 4, "parallel.ep > 1 with parallel.cp > 1 is not supported yet"),
     ({"parallel.ep": 2, "parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}, 2,
      "parallel.ep > 1 composes with native DDP and native ZeRO-1/2/3"),
     ({"parallel.ep": 2, "parallel.dp_impl": "torch"}, 2, "parallel.ep > 1 composes with native DDP"),
-    ({"parallel.ep": 2, "parallel.pp": 2}, 4, "parallel.ep > 1 runs on the plain runner over dp (x tp) only"),
+    ({"parallel.ep": 2, "parallel.pp": 2, "parallel.pp_impl": "torch", "parallel.pp_schedule": "gpipe"}, 4,
+     "parallel.ep > 1 runs on the plain runner and the native pipeline executor"),
     ({"model.arch": "llama", "model.n_experts": 4}, 1, "applies to model.arch = 'mixtral' only"),
 ])
 def test_plan_refusals_one_line(overrides, world, message):

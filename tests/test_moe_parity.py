@@ -173,3 +173,37 @@ def test_expert_parallel_checkpoint_reshards(moe_ref, report):
         worst = max(worst, err, abs(losses[0] - full_losses[2]) / abs(full_losses[2]))
     report(f"moe checkpoint: zero2 dp4 ep2 step 2 resumed as ddp dp4 ep4 and zero3 dp2 ep1: step-3 loss and "
            f"final params equal, worst relative error {worst:.3g}")
+
+
+def test_expert_parallel_checkpoint_reshards_under_pp(moe_ref, report):
+    """(``make test-moe``) A ZeRO-1 pp 2 x dp 2 = ep 2 (1F1B) checkpoint of step 2 resumes as DDP
+    dp 4 at ep 4 (no pipeline) and as DDP pp 2 x ep 2 under ZB-H1: step 3's loss and the final
+    parameters equal the uninterrupted run's (the pipeline ranks' canonical parts merged)."""
+    import shutil
+
+    if not FULL:
+        pytest.skip("three 4-rank spawns: ZEROTRON_MOE_PARITY=full (make test-moe)")
+    tmp, extra, _, _ = moe_ref
+
+    def merged(per_rank):
+        losses = per_rank[-1][0]  # the last pipeline stage's rank reports the loss (all do: reduced)
+        params = {}
+        for _, p in per_rank:
+            params.update(p)
+        return losses, params
+
+    src = tmp / "ckpt-pp2-ep2"
+    full_losses, full_params = merged(run_ranks(_ckpt_run, 4, str(src), L("zero1", 2, 1, False, 2, "1f1b", 4, "auto",
+                                                                         ep=2), extra, False, timeout_s=120))
+    worst = 0.0
+    for lay in (L("ddp", 4, 1, False, 1, None, 2, ep=4), L("ddp", 2, 1, False, 2, "zb-h1", 4, "auto", ep=2)):
+        dst = tmp / f"resume-pp-{lay.name}"
+        shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != "step_2"])
+        losses, params = merged(run_ranks(_ckpt_run, lay.world, str(dst), lay, extra, True, timeout_s=120))
+        assert len(losses) == 1 and abs(losses[0] - full_losses[2]) <= 1e-10 * abs(full_losses[2]), (lay.name, losses)
+        assert set(params) == set(full_params)
+        err = max(float((params[k] - v).norm() / v.norm().clamp_min(1e-300)) for k, v in full_params.items())
+        assert err <= 1e-10, (lay.name, err)
+        worst = max(worst, err, abs(losses[0] - full_losses[2]) / abs(full_losses[2]))
+    report(f"moe checkpoint under pp: zero1 pp2 dp2 ep2 step 2 resumed as ddp dp4 ep4 and ddp pp2 ep2 zb-h1: "
+           f"step-3 loss and final params equal, worst relative error {worst:.3g}")

@@ -428,17 +428,16 @@ class ParallelPlan:
     def _check_experts(self) -> None:
         """Mixture-of-experts models (``shape["n_experts"]``) and expert parallelism (``parallel.ep``,
         carved out of dp: ``zerotron.parallel.expert``). The router's auxiliary losses are taken over
-        each micro-batch's tokens; a layout that shows a MoE layer only part of them (sequence or
-        context parallelism) is refused rather than changing the loss."""
+        each micro-batch's tokens: under sequence (context) parallelism each tp (cp) rank routes its
+        sequence shard and the statistics are summed over tp (cp) (``models.layout.add_token_sum``); capacity mode, which
+        caps each forward's own assignments, is refused there rather than changing what is dropped."""
         ep, moe = self.ep, self.shape is not None and bool(self.shape.get("n_experts"))
         _need(isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1, f"parallel.ep must be an int >= 1, got {ep!r}")
         if moe:
-            _need(not self.sequence_parallel,
-                  "parallel.sequence_parallel with a mixture-of-experts model is not supported (each tp rank would "
-                  "route only its sequence shard, changing the load-balancing loss); set parallel.sequence_parallel = false")
-            _need(self.cp == 1,
-                  "parallel.cp > 1 with a mixture-of-experts model is not supported (each cp rank would route only its "
-                  "chunk of the sequence, changing the load-balancing loss); set parallel.cp = 1")
+            _need(not ((self.sequence_parallel or self.cp > 1) and self.shape.get("moe_capacity_factor")),
+                  "model.moe_capacity_factor with parallel.sequence_parallel or parallel.cp > 1 is not supported (each "
+                  "rank would cap the assignments of its sequence shard only); set model.moe_capacity_factor = 0 "
+                  "(dropless), or parallel.sequence_parallel = false and parallel.cp = 1")
             _need(not (self.tp > 1 and self.tp_impl == "dtensor"),
                   "parallel.tp_impl = dtensor does not know the MoE layers; use parallel.tp_impl = native")
         if ep == 1:
@@ -453,9 +452,13 @@ class ParallelPlan:
             E = self.shape["n_experts"]
             _need(E % ep == 0, f"parallel.ep ({ep}) must divide model.n_experts ({E}): each ep rank holds E/ep whole "
                                "experts; change parallel.ep or model.n_experts")
-        _need(self.runner == "plain" and self.dp_replicate == 1,
-              "parallel.ep > 1 runs on the plain runner over dp (x tp) only so far (no pipeline or HSDP replication); "
-              "set parallel.pp = 1 and parallel.dp_replicate = 1, or parallel.ep = 1")
+        _need(self.runner in ("plain", "pipeline") and self.dp_replicate == 1,
+              "parallel.ep > 1 runs on the plain runner and the native pipeline executor over dp (x tp), without HSDP "
+              "replication (parallel.pp_impl threads / torch do not shard experts); set parallel.pp_impl = native and "
+              "parallel.dp_replicate = 1, or parallel.ep = 1")
+        _need(self.cp == 1,
+              "parallel.ep > 1 with parallel.cp > 1 is not supported yet (the ep group is carved out of dp, not dp x cp); "
+              "set parallel.cp = 1 or parallel.ep = 1")
         _need(self.dp_impl == "native" and (self.zero_stage == 0 or self.zero_impl == "native"),
               "parallel.ep > 1 composes with native DDP and native ZeRO-1/2/3 so far (the expert parameters are sharded "
               "over dp/ep, the rest over dp; torch DDP and FSDP2 would treat experts as replicated over dp); set "

@@ -171,7 +171,7 @@ def _build(cfg, plan, mesh, data, layout: Layout, steps: int):
     model = build_model(mcfg).to(mesh.device)
     if t.lora_rank:  # LoRA (the -lora layouts): base frozen, adapters trained, as the trainer does
         apply_lora(model, arch_of(model), **lora_kwargs(dataclasses.asdict(t)))
-    set_step_rows(model, t.global_batch)  # MoE: the trainer's aux-loss weighting
+    set_step_rows(model, t.global_batch, t.micro_batch)  # MoE: the trainer's aux-loss weighting
     strategy = parallelize(model, plan, mesh)
     if layout.new_strategy and type(strategy) in (DataParallel, TorchDDP) and strategy.tp_group is None:
         raise NotImplementedError(f"parallelize() returned a plain {type(strategy).__name__} for "

@@ -45,7 +45,7 @@ from .watchdog import set_step, watch
 # with the collectives, the names the parallel code and the trainer use as comm.X (defined beside)
 __all__ = ["IO_TIMEOUT_S", "STATS", "NamedGroup", "ReduceOp", "all_gather", "all_gather_object", "all_reduce",
            "all_reduce_in", "all_to_all", "all_to_all_v", "assert_idle", "barrier", "batch_isend_irecv", "broadcast",
-           "broadcast_object", "irecv", "isend", "recv", "reduce_scatter", "send", "set_step", "wait_barrier"]
+           "broadcast_object", "irecv", "isend", "recv", "reduce_scatter", "send", "set_step", "summer", "wait_barrier"]
 
 ReduceOp = dist.ReduceOp
 
@@ -240,3 +240,14 @@ def broadcast_object(obj, src: int = 0, group=None):
     with watch("broadcast_object", group):
         dist.broadcast_object_list(box, src=src, group=_pg(group))
     return box[0]
+
+
+def summer(group, tag: str = ""):
+    """A callable ``t -> sum of t over group`` (a new tensor, ``t`` untouched, no gradient): one
+    synchronous all-reduce per call, e.g. the per-micro-batch router statistics of the MoE layers
+    under sequence / context parallelism (``models.layout.add_token_sum``)."""
+    def total(t: torch.Tensor) -> torch.Tensor:
+        out = t.detach().clone(memory_format=torch.contiguous_format)
+        all_reduce(out, group=group, tag=tag)
+        return out
+    return total

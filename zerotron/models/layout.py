@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 __all__ = ["TPLinear", "ExpertLayout", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "ep_inference_refusal",
-           "get_module", "set_module", "retie", "scale_aux_losses"]
+           "get_module", "set_module", "retie", "scale_aux_losses", "add_token_sum"]
 
 # The model sizes a tensor-parallel degree must divide, in the order they are checked, and why
 # (Shoeybi et al. 2019: attention heads and the MLP's column-parallel width are split evenly).
@@ -236,6 +236,22 @@ def scale_aux_losses(root, factor: float) -> int:
     for m in root.modules():
         if hasattr(m, "aux_loss_scale"):
             m.aux_loss_scale = float(factor)
+            n += 1
+    return n
+
+
+def add_token_sum(root, total) -> int:
+    """Tell every module under ``root`` that takes statistics over a forward's tokens (each with a
+    ``token_sum`` attribute: the MoE layers of :class:`ExpertLayout`, whose auxiliary losses need
+    f_i and P_i over each micro-batch's tokens) that this rank holds only part of the positions of
+    its sequences: ``total(t) -> t'`` sums a tensor over the ranks holding the rest (sequence
+    parallelism over tp, context parallelism over cp; not differentiable). Composes with one
+    already set (cp outside tp: both sums). Returns the number of modules set."""
+    n = 0
+    for m in root.modules():
+        if hasattr(m, "token_sum"):
+            prev = m.token_sum
+            m.token_sum = total if prev is None else (lambda t, f=total, g=prev: f(g(t)))
             n += 1
     return n
 

@@ -20,7 +20,9 @@ are dropped. N is the forward's own token count, so the set dropped depends on h
 rows are cut into forwards: equal on every layout with the same ``train.micro_batch`` rows per
 forward (dp, ep, tp, pp), not across micro-batch sizes. Optional auxiliary-loss-free balancing
 (``moe_bias_update_rate``, :func:`update_expert_bias`). Auxiliary losses, per MoE layer over the
-tokens of one forward (one micro-batch):
+tokens of one micro-batch (a forward of several, the naive pipeline's flush, is taken in groups of
+``train.micro_batch`` rows; under sequence or context parallelism each rank routes its shard of the
+sequences and the statistics are summed over the shards, ``MoE.token_sum``):
 
   * load balancing (Switch Transformer, Fedus et al. 2021, eq. 4): ``E * sum_i f_i * P_i`` with f_i
     the fraction of the N*k token-to-expert assignments sent to expert i times k (so sum f_i = k,
@@ -183,7 +185,13 @@ class MoE(nn.Module):
     ``dispatch(experts, rows, counts) -> outputs`` runs the experts on rows sorted by expert
     (default :func:`local_experts`; expert parallelism installs its all-to-all). ``step_rows``:
     sequences per optimizer step (None: this forward is the whole step), setting the auxiliary
-    losses' weight b / step_rows. ``aux_loss_scale``: the factor their gradient is multiplied by
+    losses' weight b / step_rows; ``micro_rows``: rows of one micro-batch (None: the forward's), so a
+    forward of several micro-batches (the naive pipeline's concatenated flush) takes its auxiliary
+    losses per micro-batch. ``token_sum``: None, or a (not differentiable) sum of a tensor over the
+    ranks holding the other positions of this forward's sequences (sequence / context
+    parallelism, :func:`zerotron.models.layout.add_token_sum`): f_i, P_i and the z-loss are then
+    taken over the whole micro-batch, each rank back-propagating its own tokens' share (the
+    synchroniser sums those gradients over the shards, as for any replicated parameter). ``aux_loss_scale``: the factor their gradient is multiplied by
     (1; FSDP2 sets dp, see ``models.layout.scale_aux_losses``); the recorded stats are unscaled. ``stats``: per-layer sums since the last :func:`take_router_stats`
     (float64 (E + 2,): assignments per expert, weighted aux, weighted z), training forwards only
     (not recomputation)."""
@@ -202,6 +210,8 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.dispatch = local_experts
         self.step_rows: int | None = None
+        self.micro_rows: int | None = None  # rows of one micro-batch (set_step_rows)
+        self.token_sum = None  # sum over the ranks holding the rest of these sequences (models.layout.add_token_sum)
         self.aux_loss_scale = 1.0  # set by a synchroniser that scales the token loss (models.layout)
         self.stats: torch.Tensor | None = None
         self.capacity_factor, self.bias_rate = cfg.moe_capacity_factor, cfg.moe_bias_update_rate
@@ -265,22 +275,36 @@ class MoE(nn.Module):
             out = out + self.shared_expert(h)
         out = self.dropout(out.view(B, T, C))
         if self.training:
-            out = self._aux(out, logits, counts, B)
+            out = self._aux(out, logits, idx, B)
         return out
 
-    def _aux(self, out: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
-        """Attach the weighted auxiliary losses of this forward to ``out`` and record the stats."""
-        n = logits.size(0)
-        probs = F.softmax(logits, dim=-1).mean(0)  # P_i
-        frac = counts.to(probs.dtype) / n  # f_i (sums to k)
-        aux = self.n_experts * (frac * probs).sum()
-        z = torch.logsumexp(logits, dim=-1).square().mean()
-        weight = rows / self.step_rows if self.step_rows else 1.0
+    def _aux(self, out: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
+        """Attach the weighted auxiliary losses of this forward to ``out`` and record the stats.
+        ``logits`` (N, E) and ``idx`` (N, k) of this rank's N tokens of ``rows`` sequences, taken in
+        groups of ``micro_rows`` rows (one group per micro-batch); with ``token_sum`` the counts,
+        token numbers and probability sums of each group are summed over the sequence shards first."""
+        E, mr = self.n_experts, self.micro_rows
+        G = rows // mr if mr and rows > mr and rows % mr == 0 else 1
+        lg = logits.view(G, -1, E)  # (G, n, E): each micro-batch's tokens held here
+        psum = F.softmax(lg, dim=-1).sum(1)  # (G, E)
+        lse2 = torch.logsumexp(lg, dim=-1).square().sum(1)  # (G,)
+        ix = idx.reshape(G, -1)
+        cnt = psum.new_zeros(G, E).scatter_add_(1, ix, torch.ones_like(ix, dtype=psum.dtype))  # assignments
+        local = torch.cat([cnt, psum.new_full((G, 1), float(lg.size(1))), psum.detach(), lse2.detach()[:, None]], 1)
+        tot = self.token_sum(local) if self.token_sum is not None else local
+        cnt_t, n_t, p_t, z_t = tot[:, :E], tot[:, E], tot[:, E + 1:2 * E + 1], tot[:, 2 * E + 1]
+        frac = cnt_t / n_t[:, None]  # f_i over each micro-batch's tokens (sums to k)
+        aux_here = E * (frac * psum).sum(1) / n_t  # this rank's tokens' share of E sum f_i P_i, (G,)
+        z_here = lse2 / n_t
+        weight = (rows / G) / self.step_rows if self.step_rows else 1.0 / G  # per micro-batch
         if torch.is_grad_enabled() and (self.aux_coef or self.z_coef):
-            scaled = (self.aux_coef * aux + self.z_coef * z) * (weight / self.n_moe_layers * self.aux_loss_scale)
+            scaled = (self.aux_coef * aux_here + self.z_coef * z_here).sum() * (
+                weight / self.n_moe_layers * self.aux_loss_scale)
             out = _AddAuxGrad.apply(out, scaled)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside a backward
-            rec = torch.cat([counts.double().cpu(), torch.stack([aux, z]).detach().double().cpu() * weight])
+            aux = E * (frac * p_t).sum(1) / n_t
+            rec = torch.cat([cnt_t.sum(0), torch.stack([aux.sum(), (z_t / n_t).sum()]) * weight])
+            rec = rec.detach().double().cpu()
             self.stats = rec if self.stats is None else self.stats + rec
         return out
 
@@ -359,11 +383,13 @@ def _moe_layers(module: nn.Module):
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def set_step_rows(module: nn.Module, rows: int | None) -> None:
+def set_step_rows(module: nn.Module, rows: int | None, micro_rows: int | None = None) -> None:
     """Tell every MoE layer of ``module`` how many sequences one optimizer step has (the weight of
-    a micro-batch's auxiliary losses is its rows / ``rows``; None: each forward is a whole step)."""
+    a micro-batch's auxiliary losses is its rows / ``rows``; None: each forward is a whole step)
+    and, with ``micro_rows``, how many one micro-batch has (a forward of several micro-batches
+    takes its auxiliary losses per micro-batch, in row order: as one process running them one by one)."""
     for m in _moe_layers(module):
-        m.step_rows = rows
+        m.step_rows, m.micro_rows = rows, micro_rows
 
 
 def take_router_stats(module: nn.Module, n_layer: int, n_experts: int,

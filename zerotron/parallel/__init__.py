@@ -78,7 +78,8 @@ def _data_parallel(model, plan, mesh, mask):
     tp = mesh.group("tp") if mesh.size("tp") > 1 else None
     if plan.sync == "zero" and plan.ep > 1:  # ZeRO-1/2/3 x experts sharded over ep (parallel.expert)
         return ExpertZero(model, group, plan.ep, plan.zero_stage, plan.dtype, plan.reduce_dtype, mask, plan.offload,
-                          tp_group=tp, lines=mesh.dims.group_ranks("dp"), offload_dir=plan.offload_dir)
+                          tp_group=tp, lines=mesh.dims.group_ranks("dp"), offload_dir=plan.offload_dir,
+                          sequence_parallel=plan.sequence_parallel)
     if plan.sync == "zero":  # HSDP: shard within the shard group, all-reduce shards over the replicas
         return ZeroStrategy(model, mesh.group("shard"), plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
                             tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,

@@ -78,11 +78,13 @@ def train_layout(layout: Layout, run_dir: str, extra: dict | None = None) -> dic
     from zerotron.train.trainer import Trainer
 
     tr = Trainer(config_for(layout, extra), run_dir)
-    out = {"losses": [], "norms": [], "val": {}}
+    out = {"losses": [], "norms": [], "val": {}, "aux": []}
 
     def cb(t, rec):
         out["losses"].append(rec["loss"])
         out["norms"].append(rec["grad_norm"])
+        if "moe_aux_loss" in rec:  # MoE: the router's auxiliary losses (load balancing, z)
+            out["aux"] += [rec["moe_aux_loss"], rec["moe_z_loss"]]
         if "val_loss" in rec:
             out["val"][rec["step"]] = rec["val_loss"]
 
@@ -105,7 +107,7 @@ def reference(run_dir: str, extra: dict | None = None) -> dict:
     {exp_avg, exp_avg_sq, step}}}`` (CPU tensors). Needs a world-size-1 process group."""
     out = train_layout(Layout("ddp", 1, 1, False, 1, None, 1), run_dir, extra)
     clone = lambda v: v.detach().cpu().clone() if hasattr(v, "detach") else v  # noqa: E731
-    return {"losses": out["losses"], "norms": out["norms"], "val": out["val"],
+    return {"losses": out["losses"], "norms": out["norms"], "val": out["val"], "aux": out["aux"],
             "params": {k: clone(v) for k, v in out["msd"].items()},
             "optim": {k: {n: clone(x) for n, x in st.items()} for k, st in out["osd"]["state"].items()}}
 
@@ -120,6 +122,7 @@ def compare(out: dict, ref: dict) -> dict:
     vsteps = sorted(ref["val"])
     e = {"loss_err": _rel_list(out["losses"], ref["losses"]),
          "norm_err": _rel_list(out["norms"], ref["norms"]),
+         "aux_err": _rel_list(out.get("aux", []), ref.get("aux", [])),
          "val_err": _rel_list([out["val"].get(s, float("nan")) for s in vsteps], [ref["val"][s] for s in vsteps]),
          "coords": out["coords"], "copies": out["copies"]}
     e.update(_state_errors(out["msd"], out["osd"], ref))
@@ -175,7 +178,7 @@ def _destroy_subgroups() -> None:
         gc.freeze()  # what survived stays (imports, caches): the next layout's collection skips it (0.15-0.4 s each)
 
 
-ERRORS = ("loss_err", "norm_err", "val_err", "param_err", "optim_err", "full_err")
+ERRORS = ("loss_err", "norm_err", "aux_err", "val_err", "param_err", "optim_err", "full_err")
 
 
 def check(layout_name: str, records: list[dict], ref_keys: tuple[set, set], rtol) -> dict:
@@ -185,7 +188,7 @@ def check(layout_name: str, records: list[dict], ref_keys: tuple[set, set], rtol
     and the value."""
     worst = {k: max(r[k] for r in records) for k in ERRORS}
     for k, v in worst.items():
-        tol = rtol[k] if isinstance(rtol, dict) else rtol
+        tol = rtol.get(k, rtol.get("loss_err")) if isinstance(rtol, dict) else rtol  # aux: as the losses
         assert v <= tol, f"{layout_name}: {k} {v:.3g} > {tol:g}"
     assert all(r["step_ok"] for r in records), f"{layout_name}: optimizer step count differs from one process"
     assert all(r["full_dtype_ok"] for r in records), f"{layout_name}: full_params() changes the parameter dtype"
@@ -237,8 +240,8 @@ def markdown(result: dict) -> str:
              f"{result['seconds']:.0f} s on this machine.", "",
              "Worst relative error over all layouts: " + ", ".join(f"{k} {v:.2g}" for k, v in w.items())
              + f" (bound {FP64_RTOL:g}).", "",
-             "| layout | world | loss | grad norm | val loss | params | Adam state | full_params |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| layout | world | loss | grad norm | MoE aux losses | val loss | params | Adam state | full_params |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in result["layouts"]:
         lines.append(f"| {s['name']} | {s['world']} | " + " | ".join(f"{s[k]:.1e}" for k in ERRORS) + " |")
     reasons: dict = {}

@@ -376,7 +376,13 @@ EP = (1, 2, 4)  # parallel.ep: experts split over ep ranks carved out of dp (ep 
 # flat buffers sharded over the replica group), and dp 2 x tp 2 with ep 2 (one ep group per tp
 # coordinate, experts tp-replicated) under DDP and ZeRO-3
 MOE_MUST = ("zero3-dp2-acc4-acfull", "ddp-dp1-pp2-1f1b-even-acc8", "fsdp2_3-dp2-acc4", "zero1-dp2-acc4-ep2",
-            "zero2-dp4-acc2-ep2", "ddp-dp2-tp2-acc4-ep2", "zero3-dp2-tp2-acc4-ep2")
+            "zero2-dp4-acc2-ep2", "ddp-dp2-tp2-acc4-ep2", "zero3-dp2-tp2-acc4-ep2",
+            # expert parallelism under a pipeline (each stage's all-to-all in its F and B; ZB-H1's W of the
+            # expert weights local, ZeRO-3 gathering the stage's expert shards for it), and sequence
+            # parallelism (router statistics summed over the tp shards of each micro-batch) with ep 2, and
+            # context parallelism (the same sums over the cp chunks; ring attention)
+            "ddp-dp2-pp2-1f1b-acc4-ep2", "zero3-dp2-pp2-zb-h1-acc4-ep2", "zero1-dp2-tp2sp-acc4-ep2",
+            "ddp-dp1-cp2-ring-acc8")
 
 
 def moe_layouts(max_world: int = 4) -> list[Layout]:
@@ -411,19 +417,20 @@ def moe_refusal(layout: Layout) -> str | None:
 
 def moe_expected_refusal(layout: Layout) -> str | None:
     """The documented reason an MoE layout cannot run (None: it must run): the dense family's
-    (:func:`expected_refusal`), then the router's (each rank must see whole micro-batches: no sequence
-    or context parallelism), then expert parallelism's (carved out of dp, composed with native DDP
-    and native ZeRO-1/2/3 on the plain runner, tp-replicated experts under tp, so far)."""
+    (:func:`expected_refusal`), then the router's (each rank must see whole micro-batches or, under
+    sequence / context parallelism, sum the router statistics over tp / cp), then expert
+    parallelism's (carved out of dp, composed with native DDP and native ZeRO-1/2/3 on the plain
+    runner and the native pipeline executor, tp-replicated experts under tp, so far)."""
     why = expected_refusal(layout)
     if why:
         return why
     chunked = layout.schedule in CHUNKED_SCHEDULES or layout.schedule == "torch-interleaved"
     if layout.pp * (2 if chunked else 1) > MOE_MODEL["model.n_layer"]:
         return "the MoE model's 4 layers cannot fill pp x 2 model stages"
-    if layout.sp or layout.cp > 1:
-        return "MoE: sequence and context parallelism would route only part of each micro-batch's tokens"
-    if layout.ep > 1 and (layout.pp > 1 or layout.rep > 1):
-        return "expert parallelism runs on the plain runner over dp (x tp) only (no pipeline or HSDP yet)"
+    if layout.cp > 1 and layout.ep > 1:
+        return "expert parallelism is carved out of dp, not dp x cp, so far"
+    if layout.ep > 1 and (layout.rep > 1 or layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
+        return "expert parallelism runs on the plain runner and the native pipeline executor, without HSDP"
     if layout.ep > 1 and layout.sync in ("torch_ddp", "fsdp2_2", "fsdp2_3"):
         return "expert parallelism composes with native DDP and native ZeRO (torch DDP and FSDP2 see experts as replicated)"
     return None

@@ -110,7 +110,7 @@ class Trainer:
         self.num_params = self.model.num_params()  # dense count, before any sharding
         dense = self.model.state_dict()  # dense, before any sharding: what a checkpoint holds once
         self.state_bytes, self.state_tensors = sum(v.numel() * v.element_size() for v in dense.values()), len(dense)
-        set_step_rows(self.model, cfg.train.global_batch)  # MoE: a micro-batch's aux-loss weight b / global_batch
+        set_step_rows(self.model, cfg.train.global_batch, cfg.train.micro_batch)  # MoE: aux-loss weight b / global_batch, per micro-batch
         if cfg.train.compile:  # before the first compile: the ranks and a resumed run share Inductor's cache
             use_cache_dir(str(self.run_dir / "inductor_cache"))
         self.strategy = parallelize(self.model, self.plan, self.mesh)
@@ -167,7 +167,7 @@ class Trainer:
                                   TRAIN_DTYPES[cfg.train.dtype], warn=rank == 0, source=source)
 
     def _router_metrics(self) -> dict:
-        """MoE models: the step's router statistics summed over dp and pp (tp ranks hold copies); moves
+        """MoE models: the step's router statistics summed over dp and pp (tp and cp ranks hold copies); moves
         the auxiliary-loss-free balancing bias by the step's global load (``update_expert_bias``) -> ``moe_aux_loss``, ``moe_z_loss`` (means over layers and micro-batches, before
         their weights), ``moe_load_max_mean`` (max / mean assignments per expert, per layer) and its
         mean over layers ``moe_load_max_mean_avg``; with a capacity, ``moe_dropped`` (assignments
@@ -178,7 +178,7 @@ class Trainer:
         if stats is None:
             return {}
         stats = torch.cat([stats, dropped], dim=1)  # one reduction for both
-        for axis in ("batch", "pp"):
+        for axis in ("dp", "pp"):  # cp and SP ranks already summed their shards (MoE.token_sum): copies
             if self.mesh.size(axis) > 1:
                 comm.all_reduce(stats, group=self.mesh.group(axis), tag="metrics")
         counts = stats[:, :-3]

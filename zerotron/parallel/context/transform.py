@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from zerotron.distributed import comm
 from zerotron.models.base import ParallelHooks, WrappingHooks
-from zerotron.models.layout import get_module
+from zerotron.models.layout import add_token_sum, get_module
 from zerotron.parallel.context.attention import context_attention, shared_dropout
 from zerotron.parallel.context.split import zigzag_positions
 
@@ -54,7 +55,8 @@ def apply_context_parallel(model, group, impl: str):
     """Make ``model`` (a ``CausalLM`` with a ``layout()``; dense or tensor-parallel) context
     parallel over ``group`` in place: a :class:`CPHooks` on the model and on every block's
     ``layout().attention`` module. Parameters are untouched (replicated over cp; the gradient
-    synchroniser reduces them over dp x cp). Sets ``model.cp_group``. Returns the model. Raises
+    synchroniser reduces them over dp x cp); modules taking statistics over a forward's tokens (MoE
+    routers) sum them over cp (``models.layout.add_token_sum``). Sets ``model.cp_group``. Returns the model. Raises
     ValueError if the model is already context parallel."""
     if getattr(model, "cp_group", None) is not None:
         raise ValueError("model is already context-parallel")
@@ -63,5 +65,6 @@ def apply_context_parallel(model, group, impl: str):
     model.parallel_hooks = hooks
     for block in get_module(model, lay.blocks):
         get_module(block, lay.attention).parallel_hooks = hooks
+    add_token_sum(model, comm.summer(group, "moe_aux"))  # MoE routers: statistics over every cp chunk
     model.cp_group = group
     return model

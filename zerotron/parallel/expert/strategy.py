@@ -196,19 +196,22 @@ class ExpertZero(_ExpertShards, ZeroStrategy):
     every shard over dp, in which expert and non-expert shards are both disjoint.
 
     Args as :class:`ZeroStrategy` (``stage`` 1, 2 or 3, ``offload``, ``offload_dir``, ``tp_group``: tensor
-    parallelism without SP, the experts tp-replicated) plus ``ep`` and ``lines`` (:func:`expert_groups`). The canonical state (and a
+    parallelism, the experts tp-replicated; ``sequence_parallel``: their shard gradients, and every
+    tp-replicated one, summed over tp) plus ``ep`` and ``lines`` (:func:`expert_groups`). The canonical state (and a
     checkpoint: every rank hands over the full state, DCP writes each key once) holds the full
     expert tensors, gathered over the replica group and then over ep."""
 
     def __init__(self, model, dp_group, ep: int, stage: int = 1, dtype: str = "fp32", reduce_dtype: str = "auto",
-                 mask=None, offload: str = "none", tp_group=None, lines=None, offload_dir: str = ""):
+                 mask=None, offload: str = "none", tp_group=None, lines=None, offload_dir: str = "",
+                 sequence_parallel: bool = False):
         before = dict(model.named_parameters())
         self._shard(model, dp_group, ep, lines)
         if mask is not None:  # the expert shards are new Parameters: the dense ones' decay flags
             mask = {**mask, **{id(q): mask.get(id(before[n]), q.dim() >= 2) for n, q in self.expert_params.items()}}
         group_of = {id(p): self.rep_group for p in self.expert_params.values()}
         ZeroStrategy.__init__(self, model, dp_group, stage, dtype, reduce_dtype, mask, tp_group=tp_group,
-                              offload=offload, group_of=group_of, offload_dir=offload_dir)
+                              sequence_parallel=sequence_parallel, offload=offload, group_of=group_of,
+                              offload_dir=offload_dir)
 
     def expert_state_bytes(self, optimizer) -> dict:
         """Bytes held now by the expert flat buffers (this rank's E/ep experts, sharded over the

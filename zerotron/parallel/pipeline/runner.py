@@ -66,6 +66,16 @@ checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
     C) shards, and finish_grads sums the replicated parameters' gradients over tp (ZeRO: their dp
     shards, in ``parallel.reduce_dtype``).
 
+Expert parallelism (``parallel.ep > 1``): every block's experts are sharded over ep before the
+split (``parallel.expert.stages.StageExperts``: ep groups carved out of each stage's dp group, so the ranks
+of one ep group hold the same stage and walk the same action list; their all-to-alls meet in F, in B,
+and in W where W is the whole backward of model stage 0; the expert weight gradients of a W are local
+matmuls). DDP leaves the expert shards out of its buckets and sums their flat gradient buffer over
+the replica group dp/ep in ``finish_grads``; ZeRO shards their flat buffers over that group
+(``ZeroSync``'s ``group_of``); the norm sums the expert shards' squares over ep; the canonical state
+gathers them over ep. The auxiliary losses need no path across stages: each MoE layer injects its
+own into its output's backward, weighted per micro-batch (``models.mixtral``).
+
 Also: ``last_step_timing()`` (measured busy/idle per rank), ``full_params()`` (the dense model with
 every stage's weights broadcast in; collective over pp -- and over tp, which yields a separate
 dense model rebuilt from the gathered shards), ``pipeline.generate.pipeline_generate`` (greedy decoding).
@@ -83,6 +93,7 @@ from zerotron.parallel.base import IGNORE_INDEX, Strategy, autocast_ctx, unique_
 from zerotron.parallel.data.ddp import DataParallel
 from zerotron.parallel.data.hsdp import ddp_hierarchy
 from zerotron.parallel.data.zero import ZeroSync
+from zerotron.parallel.expert.stages import StageExperts
 from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.optim import build_optimizer, decay_mask
 from zerotron.parallel.pipeline.balance import announce_split, resolve_split
@@ -133,6 +144,9 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         ranges = stage_layer_ranges(self.split)
         if mesh.rank == 0 and p.pp_split.strip() == "auto":
             announce_split(model, self.split, p.pp_split, recompute, place)
+        self.experts, before = None, dict(model.named_parameters())
+        if p.ep > 1:  # every block's experts sharded over ep before the split (parallel.expert.stages)
+            self.experts = StageExperts(model, mesh.group("batch"), p.ep, mesh.dims.group_ranks("dp"))
         self.dense = model
         self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
         self.module = StageModel(model, place.stages(self.rank), ranges)
@@ -145,6 +159,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.pp_group, self.dp_group = mesh.group("pp"), mesh.group("batch")
         self.loss_groups = [self.pp_group, self.dp_group]
         self.first, self.last = self.module.holds(0), self.module.holds(n_stages - 1)
+        expert_ids = self.experts.keep(self.module) if self.experts is not None else frozenset()
         lay = model.layout()
         if len(lay.tied) > 1:
             raise ValueError(f"pipeline parallelism supports at most one tied parameter pair, the layout has "
@@ -173,10 +188,15 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             if self.tied is not None:  # fully_shard registered a new (DTensor) parameter
                 self.tied = getattr(get_module(self.module, owner[0]), owner[2])
         elif p.zero_stage:
-            self.zero = self._zero_sync(mesh, mask if mask is not None else decay_mask(model))
+            mask = mask if mask is not None else decay_mask(model)
+            if self.experts is not None:  # the expert shards are new Parameters: the dense ones' flags
+                mask = self.experts.decay_flags(mask, before)
+            self.zero = self._zero_sync(mesh, mask)
         else:
             self.ddp = DataParallel(self.module, self.dp_group, bucket_mb=p.bucket_mb, src_rank=mesh.peer(dp=0, cp=0),
-                                    **ddp_hierarchy(mesh))  # HSDP: hierarchical all-reduce per bucket
+                                    exclude=expert_ids, **ddp_hierarchy(mesh))  # HSDP: hierarchical all-reduce per bucket
+            if self.experts is not None:  # one flat gradient buffer, summed over the replicas in finish_grads
+                self.experts.attach_grads()
         self.inner = next(x for x in (self.zero, self.stage_sync, self.ddp) if x is not None)  # no_sync / zero_grad
         act_dtype = getattr(self.stage_sync, "act_dtype", None) or next(iter(self.module.parameters())).dtype
         self.executor = PipelineExecutor(self.module, self.pp_group, place, self.rank, self._peer, act_dtype)
@@ -209,11 +229,13 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         if self.tied is not None:
             mask[id(self.tied)] = False  # an embedding: never decayed
         p, sp = self.plan, self.module.sequence_parallel
+        group_of = ({id(q): self.experts.rep_group for q in self.experts.expert_params.values()}
+                    if self.experts is not None else None)  # expert shards: sharded over dp/ep
         return ZeroSync(units, names, mask, mesh.group("shard"), p.zero_stage, p.dtype, p.reduce_dtype,
                         n_root=len(roots), blocks=[b for _, b in blocks], tp_group=self.tp_group,
                         sequence_parallel=sp, replicate_group=mesh.group("dp_rep"), dp_group=self.dp_group,
                         tied=self.tied, tied_group=self.tied_group, count_tied=self.first or not self.last,
-                        eager=False, offload=p.offload, offload_dir=p.offload_dir)
+                        eager=False, offload=p.offload, offload_dir=p.offload_dir, group_of=group_of)
 
     # ---- structure ---------------------------------------------------------------------------
     def stage_modules(self) -> dict[int, list[str]]:
@@ -246,6 +268,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
+        if self.ddp is not None and self.experts is not None:
+            self.experts.zero_grads()
 
     def flush_size(self, M: int) -> int:
         """Micro-batches per pipeline flush for ``M`` micro-batches per step: parallel.microbatches,
@@ -367,6 +391,8 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             self.zero.finish_grads()
             return
         (self.ddp or self.stage_sync).finish_grads()  # waits for every reduction before the buffers are touched
+        if self.experts is not None:  # expert shards: summed over the dp ranks holding the same experts
+            self.experts.reduce_grads()
         self._sync_sp_replicated()
         if self.tied_group is not None and self.tied.requires_grad:  # FSDP2: both copies sharded alike over dp
             # (a frozen tied pair, LoRA's base, has no gradient: nothing to sum)
@@ -400,8 +426,11 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         extra = [q.grad for q in unique_params(self.module) if q.grad is not None and q is self.tied
                  and all(q is not c for c in counted)]
         shard = getattr(self.stage_sync, "shard_group", None)  # FSDP2: the dp shards are disjoint
-        parts = [([q.grad for q in counted if is_tp_sharded(q)], [shard, self.tp_group]),
-                 ([q.grad for q in counted if not is_tp_sharded(q)], [shard])]
+        ex = self.experts.ids if self.experts is not None else frozenset()
+        parts = [([q.grad for q in counted if is_tp_sharded(q) and id(q) not in ex], [shard, self.tp_group]),
+                 ([q.grad for q in counted if not is_tp_sharded(q) and id(q) not in ex], [shard])]
+        if ex:  # expert shards: disjoint over ep (tp-replicated)
+            parts.append(([q.grad for q in counted if id(q) in ex], [self.experts.ep_group]))
         return clip_grad_norm(parts, max_norm, outer=[self.pp_group], also_clip=extra)
 
     def build_optimizer(self, tcfg, mask: dict):

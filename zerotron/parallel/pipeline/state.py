@@ -30,8 +30,10 @@ class PipelineStateMixin:
     def checkpoint_state(self, optimizer=None):
         """What this rank hands to DCP: :meth:`state_dict`, except that with ZeRO-1 each dp rank
         keeps only the flat buffers it owns (buffer i -> dp rank i mod dp), so the Adam state is
-        never held in full. Collective over pp, dp (and tp)."""
-        if self.zero is None:
+        never held in full (not with expert parallelism: the ep ranks of an expert buffer would own
+        different keys; every rank then hands over the whole state, DCP writes each key once).
+        Collective over pp, dp (and tp, ep)."""
+        if self.zero is None or self.experts is not None:
             return self.state_dict(optimizer)
         rank, n = self.zero.group.rank(), self.zero.group.size()
         return self._canonical(optimizer, lambda i: i % n == rank)
@@ -39,7 +41,7 @@ class PipelineStateMixin:
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
         """Load what DCP filled into :meth:`checkpoint_state`'s dicts (ZeRO-1: broadcast from the
         owners). Collective."""
-        if self.zero is None:
+        if self.zero is None or self.experts is not None:
             return self.load_state_dict(msd, osd, optimizer)
         n = self.zero.group.size()
         load_flat_state(self.zero.all_flats, self.zero.group, self.tp_group, msd, osd, optimizer, lambda i: i % n)
@@ -51,6 +53,8 @@ class PipelineStateMixin:
             msd, osd = self.fsdp2.fsdp.state_dict(optimizer)
         else:
             msd, osd = super().state_dict(optimizer)
+        if self.experts is not None:  # this ep rank's expert range -> the full tensors
+            msd, osd = self.experts.gather_entries(msd, osd)
         if osd is not None:
             everyone = comm.all_gather_object([g["params"] for g in osd["param_groups"]], group=self.pp_group)
             for i, g in enumerate(osd["param_groups"]):
@@ -80,7 +84,9 @@ class PipelineStateMixin:
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """Load a canonical state (from ``state_dict`` of any layout: pp, tp, dp, ZeRO) into this
         rank's stages: dense tensors sliced to tp shards (``shard_tensor``), ZeRO dp shards taken
-        out of the flat buffers (``zero_state.load_flat_state``)."""
+        out of the flat buffers (``zero_state.load_flat_state``); expert tensors cut to this ep rank's range."""
+        if self.experts is not None:
+            msd, osd = self.experts.slice_entries(msd, osd)
         if self.fsdp2 is not None:
             return self.fsdp2.fsdp.load_state_dict(msd, osd, optimizer)
         if self.zero is None:
@@ -113,6 +119,7 @@ class PipelineStateMixin:
                 stack.enter_context(self.zero.full_params())
             if self.fsdp2 is not None:  # FSDP2: every unit unsharded (plain parameters on the modules)
                 stack.enter_context(self.fsdp2.gathered())
+            experts = contextlib.ExitStack()
             try:
                 if self.pp > 1:
                     for q in self._foreign:  # re-allocate (contents arrive by broadcast)
@@ -133,6 +140,8 @@ class PipelineStateMixin:
                                         q.data = q.data.to(self.executor.act_dtype)
                                     comm.broadcast(q.data, src=self._peer(self.placement.rank_of(s)), group=self.pp_group,
                                                    tag="full_params")
+                if self.experts is not None:  # every expert gathered over ep, the local dispatch
+                    experts.enter_context(self.experts.full_model(self.dense))
                 if self.tp_group is None:
                     yield self.dense
                     return
@@ -150,6 +159,7 @@ class PipelineStateMixin:
                 self._dense_copy.train(self.dense.training)
                 yield self._dense_copy
             finally:
+                experts.close()  # the shards back before their storage is freed
                 self._release_foreign()
 
     # ---- forward only ------------------------------------------------------------------------

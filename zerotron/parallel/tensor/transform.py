@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from zerotron.distributed import comm
 from zerotron.models.base import CausalLM, ParallelHooks
-from zerotron.models.layout import get_module, set_module
+from zerotron.models.layout import add_token_sum, get_module, set_module
 from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.tensor.adapters import shard_adapter
 from zerotron.parallel.tensor.layers import (
@@ -224,7 +224,8 @@ def apply_tensor_parallel(model: CausalLM, tp_group, sequence_parallel: bool = F
     "model-parallel" stream, and ``model.parallel_hooks`` a :class:`TPHooks`. Sets
     ``model.tp_group``, ``model.tp_rng_tracker``, ``model.sequence_parallel``. ``seed``,
     ``dp_rank``, ``pp_rank`` (this rank's mesh coordinates) seed the dropout RNG tracker
-    (:func:`tp_rng_seeds`). Raises ValueError if tp does not divide a size of ``layout.tp_divides``
+    (:func:`tp_rng_seeds`). With SP, modules taking statistics over a forward's tokens (MoE
+    routers) sum them over tp (``models.layout.add_token_sum``). Raises ValueError if tp does not divide a size of ``layout.tp_divides``
     or the model is already tensor-parallel, TypeError if it has no layout."""
     if not callable(getattr(model, "layout", None)):
         raise TypeError(f"apply_tensor_parallel expects a model with a layout(), got {type(model).__name__}")
@@ -269,6 +270,8 @@ def apply_tensor_parallel(model: CausalLM, tp_group, sequence_parallel: bool = F
             p.requires_grad_(False)
     model.tp_group, model.tp_rng_tracker, model.sequence_parallel = tp_group, tracker, sp
     model.parallel_hooks = TPHooks(model, tp_group, lay.vocab_size, vemb)
+    if sp:  # per-micro-batch token statistics (MoE routers) over the sequence shards of the tp group
+        add_token_sum(model, comm.summer(tp_group, "moe_aux"))
     return model
 
 

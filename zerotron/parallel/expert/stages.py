@@ -1,0 +1,111 @@
+"""Expert parallelism under the native pipeline executor (``parallel.pipeline.runner``): each
+stage's experts divided over the ep ranks of its dp group, the all-to-all inside the stage's forward
+and backward (B of a split backward: the expert weight gradients of W are local matmuls).
+
+The ep groups are carved out of every dp group of the world (one per (pp, tp) coordinate,
+:func:`~zerotron.parallel.expert.strategy.expert_groups`), so the ranks of one ep group hold the
+same pipeline stage and walk the same action list: their all-to-alls (forward, B, W of model stage
+0, recomputation) meet in the same order. The dense model is sharded before the split
+(:class:`StageExperts`), every block's experts (the other stages' storage is freed as usual and
+broadcast back over pp by ``full_params`` at its shard size). Gradients: the stage's non-expert
+parameters as the runner syncs them (DDP buckets or ZeRO's flat buffers over dp), the expert ones
+summed over the replica group (DDP: one flat buffer, :meth:`StageExperts.reduce_grads`; ZeRO:
+their flat buffers sharded over it, ``ZeroSync``'s ``group_of``). Canonical state: expert tensors
+gathered over ep (:meth:`StageExperts.gather_entries`), sliced again on load."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from zerotron.parallel.expert.dispatch import local_dispatch
+from zerotron.parallel.expert.strategy import _ExpertShards
+
+__all__ = ["StageExperts"]
+
+
+class StageExperts(_ExpertShards):
+    """The expert shards of one pipeline rank. Args: ``model`` the dense (or tensor-parallel)
+    model before the pipeline split, identical on every rank (sharded here, in place: each MoE
+    layer keeps experts ``ep_rank*E/ep .. (ep_rank+1)*E/ep - 1`` and gets the all-to-all
+    dispatch); ``dp_group`` this rank's dp group; ``ep`` (divides dp and E); ``lines`` the global
+    ranks of every dp group (``Dims.group_ranks("dp")``). Collective over the world (group creation).
+
+    Attributes: ``ep_group``, ``rep_group``, ``ep_rank``, ``ep``; ``every`` {FQN: local shard} of
+    every block; after :meth:`keep`, ``expert_params`` those of this rank's stages."""
+
+    def __init__(self, model, dp_group, ep: int, lines):
+        self._shard(model, dp_group, ep, lines)
+        self.every = dict(self.expert_params)
+
+    def keep(self, stage_module) -> frozenset:
+        """Restrict ``expert_params`` to the parameters of ``stage_module``; returns their ids."""
+        own = {id(q) for q in stage_module.parameters()}
+        self.expert_params = {n: q for n, q in self.every.items() if id(q) in own}
+        self._expert_ids = frozenset(id(q) for q in self.expert_params.values())
+        return self._expert_ids
+
+    @property
+    def ids(self) -> frozenset:
+        return self._expert_ids
+
+    def decay_flags(self, mask: dict, before: dict) -> dict:
+        """``mask`` (decay flag by ``id(param)`` of the unsharded model, ``before``: its
+        {FQN: Parameter}) extended to the expert shards (new Parameters)."""
+        return {**mask, **{id(q): mask.get(id(before[n]), q.dim() >= 2) for n, q in self.every.items()}}
+
+    # ---- native DDP: one flat gradient buffer for the stage's experts, summed over the replicas
+    def attach_grads(self) -> None:
+        self._grad_buffer()
+
+    def zero_grads(self) -> None:
+        self._zero_expert_grads()
+
+    def reduce_grads(self) -> None:
+        """Sum the expert gradients over the replica group (after the last backward of the step)."""
+        self._reduce_expert_grads()
+
+    # ---- canonical state ---------------------------------------------------------------------
+    def gather_entries(self, msd: dict, osd: dict | None):
+        """This stage's expert entries of a canonical state (this ep rank's range) gathered over ep
+        to the full (E, ...) tensors. Collective over ep (the same names on every ep rank)."""
+        for name in self.expert_params:
+            if name in msd:
+                msd[name] = self._gather(msd[name])
+            if osd is not None and name in osd["state"]:
+                osd["state"][name] = {k: self._gather(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                      for k, v in osd["state"][name].items()}
+        return msd, osd
+
+    def slice_entries(self, msd: dict, osd: dict | None):
+        """A canonical state with this stage's expert tensors cut to this ep rank's range."""
+        msd = {k: self._slice(v) if k in self.expert_params else v for k, v in msd.items()}
+        if osd is not None:
+            osd = {**osd, "state": {k: ({n: self._slice(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+                                         for n, x in st.items()} if k in self.expert_params else st)
+                                    for k, st in osd["state"].items()}}
+        return msd, osd
+
+    @contextlib.contextmanager
+    def full_model(self, dense):
+        """``dense`` (every block's expert shards present, e.g. inside the pipeline's ``full_params``)
+        with every expert of every layer gathered over ep and the local dispatch; restored on exit.
+        Collective over ep."""
+        from zerotron.models.layout import get_module
+
+        layout = dense.layout()
+        moes = [get_module(b, layout.experts.moe) for b in get_module(dense, layout.blocks)]
+        hooks = [m.dispatch for m in moes]
+        local = {n: q.data for n, q in self.every.items()}
+        full = {n: self._gather(q.data) for n, q in self.every.items()}
+        try:
+            for n, q in self.every.items():
+                q.data = full[n]
+            for m in moes:
+                m.dispatch = local_dispatch
+            yield dense
+        finally:
+            for n, q in self.every.items():
+                q.data = local[n]
+            for m, hook in zip(moes, hooks):
+                m.dispatch = hook
