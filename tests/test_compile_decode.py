@@ -3,7 +3,7 @@ the eager engine's, and once a (batch bucket, length bucket) pair has compiled, 
 and batch sizes inside it compile nothing (TorchDynamo's counters, as ``train.compile``'s tests).
 
 Inductor compiles C++ on this CPU (tens of seconds per graph on 2 loaded cores): the default suite
-compiles ONE step graph (GPT-2 tiny, fp64, batch bucket 2, length bucket 16);
+compiles ONE step graph (GPT-2 tiny with 2 layers, fp64, batch bucket 2, length bucket 16);
 ``ZEROTRON_COMPILE=full`` (``make test-compile``) adds GPT-2 fp32 and Llama fp32/fp64 with rows
 leaving the batch (buckets 4 -> 2 -> 1) and a context that passes block_size (eager re-prefill)."""
 import os
@@ -21,8 +21,8 @@ VOCAB = 97
 
 
 def _model(preset: str, dtype, block: int):
-    torch.manual_seed(0)
-    model = registry.build_model(registry.preset_config(preset, vocab_size=VOCAB, block_size=block))
+    torch.manual_seed(0)  # 2 layers: the compile time grows with the graph (the whole model is one graph)
+    model = registry.build_model(registry.preset_config(preset, vocab_size=VOCAB, block_size=block, n_layer=2))
     return model.to(dtype).eval()
 
 
