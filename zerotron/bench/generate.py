@@ -202,6 +202,7 @@ def summarize(records: list[dict]) -> list[dict]:
             row[k] = statistics.median(vals) if vals else None
         row["output_tokens_per_s_rounds"] = [r["output_tokens_per_s"] for r in rs]
         row["decode_tokens_per_s_rounds"] = [r.get("decode_tokens_per_s") for r in rs]
+        row["compile_s"] = max(r.get("compile_s", 0.0) for r in rs)  # the first round compiles, later ones reuse it
         row["rounds"] = len(rs)
         rows.append(row)
     by = {r["layout"]: r for r in rows if not r["skipped"]}
