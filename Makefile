@@ -64,9 +64,10 @@ test-moe: install-dev
 	ZEROTRON_MOE_PARITY=full $(PY) -m pytest -s tests/test_moe_parity.py tests/test_moe_inference.py tests/test_moe_capacity.py $(ARGS)
 
 # train.compile: compiled vs eager (fp64, 1e-10) for dp2, ZeRO-3, tp2+SP, pp2 1F1B / ZB-H1, recomputation
-# on GPT-2 and Llama (Inductor compiles C++ kernels: several minutes on 2 cores)
+# on GPT-2 and Llama; compiled decoding (generate --compile) on GPT-2 and Llama, fp32 and fp64
+# (Inductor compiles C++ kernels: several minutes on 2 cores)
 test-compile: install-dev
-	ZEROTRON_COMPILE=full $(PY) -m pytest -s tests/test_compile.py $(ARGS)
+	ZEROTRON_COMPILE=full $(PY) -m pytest -s tests/test_compile.py tests/test_compile_decode.py $(ARGS)
 
 # bench comm --topology across the two-node network-namespace harness (root), 200 Mbit/s link:
 # benchmarks/comm_two_nodes.{json,md,png} (~2 min)

@@ -173,6 +173,8 @@ class TrainConfig:
     """none | selective | full (recompute block activations in the backward)"""
     compile: bool = False
     """torch.compile each transformer block (regional compilation, see parallel.compile)"""
+    optimizer_impl: str = "fused"
+    """fused | foreach | loop: torch AdamW's kernel (fused: one kernel over every tensor; loop: one parameter at a time)"""
     nonfinite: str = "skip"
     """skip | stop: what a non-finite loss or gradient norm does (skip: no update, counted)"""
     nonfinite_limit: int = 3

@@ -50,6 +50,8 @@ def check_values(cfg: Config) -> dict:
     _need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
     _need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
+    _need(t.optimizer_impl in ("fused", "foreach", "loop"),
+          f"train.optimizer_impl must be fused, foreach or loop, got {t.optimizer_impl!r}")
     _need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     for key in ("steps", "global_batch", "micro_batch"):
         _need(getattr(t, key) >= 1, f"train.{key} must be >= 1, got {getattr(t, key)}")

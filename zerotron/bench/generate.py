@@ -12,6 +12,13 @@ requests split), ``naive-mp`` (N pipeline stages, the batch as one micro-batch),
 ``--microbatches`` micro-batches in flight, default one per stage), ``tp`` (N-way tensor parallel), ``pp-tp`` (2 stages x
 N/2-way tp; needs N >= 4, else skipped), and ``pp-nocache`` (today's ``pipeline_generate``: greedy,
 no KV cache, one prompt at a time over N stages, on the first ``--baseline-prompts`` prompts).
+``single-compile`` / ``dp-compile``: the same with compiled decode steps (``Engine(compile=True)``,
+``zerotron.inference.compiled``); their warm-up is one untimed generate of all the prompts (it
+compiles every bucket the timed run uses), and the row reports the seconds compiled in it
+(``compile_s``), the recompiles during the timed run (``recompiles_timed``, 0 expected) and the
+ratio to the eager layout of each round (``ratio_vs_eager``, per round then the median).
+decode_tokens_per_s: tokens sampled by decode steps / the time of those steps (the prefill's
+first token left out).
 
 Method: each round runs every layout (order rotated by one per round) on a fresh copy of the same
 model: one untimed warm-up generate (2 prompts x 4 tokens), a barrier, then the timed generate of
@@ -48,7 +55,7 @@ from zerotron.launch import in_worker, launch, strip_nproc
 
 from .train import _mesh
 
-LAYOUTS = ("single", "dp", "naive-mp", "pp", "tp", "pp-tp", "pp-nocache")
+LAYOUTS = ("single", "dp", "naive-mp", "pp", "tp", "pp-tp", "pp-nocache", "single-compile", "dp-compile")
 DEFAULT_LAYOUTS = "single,dp,naive-mp,pp,tp,pp-tp,pp-nocache"
 ROW_KEYS = ("layout", "output_tokens_per_s", "ttft_s", "tpot_s_p50", "tpot_s_p95", "weight_bytes_per_rank",
             "kv_cache_bytes_per_rank", "busy_fraction")
@@ -58,6 +65,8 @@ def layout_dims(name: str, n: int, microbatches: int) -> tuple[ParallelDims, int
     """(ParallelDims, micro-batches) of layout ``name`` on ``n`` ranks (``pp-mK`` / ``pp-tp-mK``: K
     micro-batches instead of ``microbatches``). Raises ValueError for an unknown name or one that
     does not fit n."""
+    if name in ("single-compile", "dp-compile"):
+        return layout_dims(name[:-len("-compile")], n, microbatches)
     m = re.fullmatch(r"(pp|pp-tp)-m([1-9][0-9]*)", name)
     if m:
         return layout_dims(m.group(1), n, int(m.group(2)))
@@ -133,16 +142,27 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
                 comm.barrier()
             out, local = _nocache(copy.deepcopy(model), mesh, requests)
         else:
-            eng = Engine(copy.deepcopy(model), mesh, microbatches=m, pp_split=pp_split if dims.pp > 1 else "")
-            eng.generate([Request(r.prompt, SamplingParams(max_tokens=4)) for r in requests[:2]])  # warm-up
+            compiled = name.endswith("-compile")
+            eng = Engine(copy.deepcopy(model), mesh, microbatches=m, pp_split=pp_split if dims.pp > 1 else "",
+                         compile=compiled)
+            from zerotron.parallel.compile import compile_stats
+            c0 = compile_stats()
+            if compiled:  # warm-up: every bucket of the timed run compiles here
+                eng.generate(requests)
+            else:
+                eng.generate([Request(r.prompt, SamplingParams(max_tokens=4)) for r in requests[:2]])
+            c1 = compile_stats()
             if dims.world_size == n:  # the clock starts together on every rank of the layout
                 comm.barrier()
             out = eng.generate(requests)
             s = eng.stats
+            c2 = compile_stats()
             local = {"wall": s.wall_s, "busy": s.busy_fraction, "cpu": s.cpu_s / s.wall_s if s.wall_s else None, "first": s.first_token_s, "steps": s.step_s,
                      "weights": eng.weight_bytes(), "kv": s.kv_cache_bytes,
                      "estimated": estimated_weight_bytes(eng.config, eng.holder, mesh,
-                                                         eng.pipeline.stage.layer_ranges if eng.pipeline else None), "sampler": s.first_token_s is not None}
+                                                         eng.pipeline.stage.layer_ranges if eng.pipeline else None), "sampler": s.first_token_s is not None,
+                     "compile_s": c1["compile_time_s"] - c0["compile_time_s"],
+                     "recompiles_timed": c2["recompiles"] - c1["recompiles"] + c2["graphs"] - c1["graphs"]}
         local["tokens"] = sum(len(o) for o in out)
         local["out"] = out
     got = [g for g in comm.all_gather_object(local) if g]
@@ -156,7 +176,16 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
             "ttft_s": max(firsts) if firsts else None, "tpot_s_p50": _pct(steps, 0.5), "tpot_s_p95": _pct(steps, 0.95),
             "weight_bytes_per_rank": [g["weights"] for g in got],
             "estimated_weight_bytes_per_rank": [g["estimated"] for g in got], "kv_cache_bytes_per_rank": [g["kv"] for g in got],
-            "busy_fraction": [g["busy"] for g in got], "cpu_fraction": [g["cpu"] for g in got], "outputs": got[0]["out"]}
+            "busy_fraction": [g["busy"] for g in got], "cpu_fraction": [g["cpu"] for g in got], "outputs": got[0]["out"],
+            "decode_tokens_per_s": _decode_rate(got, len(requests)),
+            "compile_s": max(g.get("compile_s", 0.0) for g in got),
+            "recompiles_timed": max(g.get("recompiles_timed", 0) for g in got)}
+
+
+def _decode_rate(got: list[dict], requests: int) -> float | None:
+    """Tokens of decode steps per second of decode steps, over the ranks that decode."""
+    secs = max(sum(g.get("steps", ())) for g in got)
+    return (got[0]["tokens"] - requests) / secs if secs > 0 else None
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -168,10 +197,12 @@ def summarize(records: list[dict]) -> list[dict]:
             rows.append({k: v for k, v in rs[0].items() if k != "round"})
             continue
         row = {k: v for k, v in rs[-1].items() if k not in ("round", "outputs")}
-        for k in ("output_tokens_per_s", "ttft_s", "tpot_s_p50", "tpot_s_p95", "wall_s"):
+        for k in ("output_tokens_per_s", "ttft_s", "tpot_s_p50", "tpot_s_p95", "wall_s", "decode_tokens_per_s"):
             vals = [r[k] for r in rs if r[k] is not None]
             row[k] = statistics.median(vals) if vals else None
         row["output_tokens_per_s_rounds"] = [r["output_tokens_per_s"] for r in rs]
+        row["decode_tokens_per_s_rounds"] = [r.get("decode_tokens_per_s") for r in rs]
+        row["compile_s"] = max(r.get("compile_s", 0.0) for r in rs)  # the first round compiles, later ones reuse it
         row["rounds"] = len(rs)
         rows.append(row)
     by = {r["layout"]: r for r in rows if not r["skipped"]}
@@ -180,6 +211,12 @@ def summarize(records: list[dict]) -> list[dict]:
             if base in by and not row["skipped"]:
                 a, b = row["output_tokens_per_s_rounds"], by[base]["output_tokens_per_s_rounds"]
                 row[f"ratio_vs_{base}"] = statistics.median(x / y for x, y in zip(a, b))
+        eager = row["layout"][:-len("-compile")] if row["layout"].endswith("-compile") else None
+        if eager in by and not row["skipped"]:  # paired per round (the order rotates every round)
+            a, b = row["decode_tokens_per_s_rounds"], by[eager]["decode_tokens_per_s_rounds"]
+            pairs = [x / y for x, y in zip(a, b) if x and y]
+            row["decode_ratio_vs_eager"] = statistics.median(pairs) if pairs else None
+            row["decode_ratio_vs_eager_rounds"] = pairs
     return rows
 
 
@@ -190,12 +227,13 @@ def _mib(xs) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The comparison table (one row per layout) in markdown."""
     head = ("| layout | ranks (dp x tp x pp, m) | output tokens/s | vs naive-mp | TTFT s | TPOT p50 ms | TPOT p95 ms "
-            "| weights MiB/rank (estimator) | KV cache MiB/rank | busy fraction/rank | CPU fraction/rank |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+            "| weights MiB/rank (estimator) | KV cache MiB/rank | busy fraction/rank | CPU fraction/rank "
+            "| decode tokens/s | decode vs eager | compile s (timed recompiles) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if r["skipped"]:
-            lines.append(f"| {r['layout']} | skipped: {r['error']} ||||||||||")
+            lines.append(f"| {r['layout']} | skipped: {r['error']} |||||||||||||")
             continue
         def f(v, scale=1.0, d=3):
             return "n/a" if v is None else f"{v * scale:.{d}f}"
@@ -204,7 +242,9 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {r['layout']} | {r['dp']}x{r['tp']}x{r['pp']}, m={r['microbatches']} | "
                      f"{r['output_tokens_per_s']:.0f} | {f(r.get('ratio_vs_naive-mp'), d=2)} | {f(r['ttft_s'])} | "
                      f"{f(r['tpot_s_p50'], 1e3, 2)} | {f(r['tpot_s_p95'], 1e3, 2)} | {_mib(r['weight_bytes_per_rank'])} ({_mib(r['estimated_weight_bytes_per_rank'])}) | "
-                     f"{_mib(r['kv_cache_bytes_per_rank'])} | {busy} | {cpu} |")
+                     f"{_mib(r['kv_cache_bytes_per_rank'])} | {busy} | {cpu} | {f(r.get('decode_tokens_per_s'), d=0)} | "
+                     f"{f(r.get('decode_ratio_vs_eager'), d=2)} | {f(r.get('compile_s'), d=1)} "
+                     f"({r.get('recompiles_timed', 0)}) |")
     return "\n".join(lines) + "\n"
 
 

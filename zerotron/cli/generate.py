@@ -31,6 +31,9 @@ def generate_parser() -> argparse.ArgumentParser:
                    "adapter_model.safetensors) folded into the checkpoint's weights")
     p.add_argument("--parallel.ep", dest="ep", type=int, default=1,
                    help="expert-parallel degree (mixture-of-experts models: each of ep ranks holds E/ep experts)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step with static shapes (batch and KV length buckets; single "
+                        "process and data parallel; the first batch of each bucket compiles)")
     return p
 
 
@@ -65,6 +68,11 @@ def cmd_generate(argv: list[str]) -> int:
             reason = ep_inference_refusal(args.ep, args.nproc, args.tp, args.pp, model_cfg)
             if reason:
                 raise ValueError(reason)
+            if args.compile:
+                from ..inference.compiled import compile_refusal
+                reason = compile_refusal(args.tp, args.pp, args.ep)
+                if reason:
+                    raise ValueError(reason)
             return launch(args.nproc, ["generate", *strip_nproc(argv)])
         return generate_main(args)
     except user_errors() as e:

@@ -124,11 +124,7 @@ class DecodeBatch:
         keep = [i for i, b in enumerate(self.active) if not self.done[b]]
         if len(keep) == len(self.active) or not keep or self.cache is None:
             return
-        idx = torch.tensor(keep, device=self.device)
-        c = self.cache
-        c.keys = [None if k is None else k.index_select(0, idx) for k in c.keys]
-        c.values = [None if v is None else v.index_select(0, idx) for v in c.values]
-        c.pad = c.pad.index_select(0, idx) if c.pad is not None else None
+        self.cache.keep_rows(torch.tensor(keep, device=self.device))
         self.active = [self.active[i] for i in keep]
 
     def advance(self, next_tokens: torch.Tensor | list[int]) -> None:

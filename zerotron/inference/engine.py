@@ -45,10 +45,14 @@ class Engine:
     ``stop`` strings; identical on every rank, so every rank stops a row at the same token. Raises
     ValueError for microbatches < 1, max_batch < 1 or a bad split. ``ep``: expert-parallel degree
     (``zerotron.models.layout.ep_inference_refusal`` gives the ValueError's reason). ``replicas`` /
-    ``replica``: independent decoding groups (dp / ep) and this rank's; ``ep_rank``: 0 without ep."""
+    ``replica``: independent decoding groups (dp / ep) and this rank's; ``ep_rank``: 0 without ep.
+    ``compile``: decode steps compiled with static shapes (``zerotron.inference.compiled``: one
+    compiled call per token; single process and data parallel only, else ValueError with the
+    reason)."""
 
     def __init__(self, model, mesh, microbatches: int = 1, max_batch: int | None = None,
-                 eos_id: int | tuple | None = None, pp_split: str = "", decode=None, ep: int = 1):
+                 eos_id: int | tuple | None = None, pp_split: str = "", decode=None, ep: int = 1,
+                 compile: bool = False):
         if microbatches < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError(f"need microbatches >= 1 and max_batch >= 1, got {microbatches}, {max_batch}")
         self.mesh, self.microbatches, self.max_batch, self.eos_id = mesh, microbatches, max_batch, eos_id
@@ -78,6 +82,13 @@ class Engine:
             self.pipeline = PipelinedDecoder(model, mesh, pp_split)
         self.device = next(iter(model.parameters())).device
         self.stats = RunStats()
+        self.compiled = None
+        if compile:
+            from .compiled import CompiledDecoder, compile_refusal
+            reason = compile_refusal(self.tp, self.pp, ep)
+            if reason:
+                raise ValueError(reason)
+            self.compiled = CompiledDecoder(model, self.device)
 
     @property
     def holder(self) -> torch.nn.Module:
@@ -136,8 +147,11 @@ class Engine:
         while not batch.finished:
             tb = time.perf_counter()
             idx, pad = batch.next_input()
-            cache = batch.start(pad, idx.size(1))
-            logits = forward_layers(model, blocks, layers, idx, cache, True, True)
+            if pad is None and self.compiled is not None:  # a decode step: one compiled call
+                logits = self.compiled.step(batch, idx)
+            else:
+                cache = batch.start(pad, idx.size(1))
+                logits = forward_layers(model, blocks, layers, idx, cache, True, True)
             batch.advance(batch.sample(logits))
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, batch.kv_bytes())
             batch.compact()  # finished rows leave the batch and the cache

@@ -55,6 +55,12 @@ class StaticKVCache(KVCache):
         super().reset()
         self.lengths = [0] * len(self.lengths)
 
+    def keep_rows(self, idx: torch.Tensor) -> None:
+        """Keep only rows ``idx`` (int64, in that order) of every cached layer and of ``pad``."""
+        self.keys = [None if k is None else k.index_select(0, idx) for k in self.keys]
+        self.values = [None if v is None else v.index_select(0, idx) for v in self.values]
+        self.pad = self.pad.index_select(0, idx) if self.pad is not None else None
+
 
 
 class PooledKVCache(StaticKVCache):

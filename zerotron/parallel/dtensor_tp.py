@@ -84,11 +84,11 @@ class DTensorTPStrategy(Strategy):
                                ([g for g, s in zip(grads, sharded) if not s], [])], max_norm)
 
     def build_optimizer(self, tcfg, mask: dict):
-        """AdamW with ``foreach=False`` (its grouped kernels do not take DTensor and plain tensor
-        parameters in one list)."""
+        """AdamW with ``foreach=False`` and ``fused=False`` whatever ``train.optimizer_impl`` says
+        (their grouped kernels do not take DTensor and plain tensor parameters in one list)."""
         opt = super().build_optimizer(tcfg, mask)
         for g in opt.param_groups:
-            g["foreach"] = False
+            g["foreach"], g["fused"] = False, False
         return opt
 
     # ---- canonical state ---------------------------------------------------------------------

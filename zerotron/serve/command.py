@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default="", help="a peft LoRA adapter directory (adapter_config.json + "
                    "adapter_model.safetensors: peft save_pretrained or zerotron export --adapter) folded into the "
                    "checkpoint's weights before serving")
+    p.add_argument("--compile", action="store_true", help="compiled decode steps, static shapes (--batching "
+                   "window; single process and data parallel: zerotron.inference.compiled)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--model-name", default=None, help="the model id (default: the run directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
@@ -96,6 +98,14 @@ def check_args(args) -> None:
     if args.batching == "continuous" and args.microbatches > 1:
         raise ValueError(f"--microbatches {args.microbatches} needs --batching window (continuous batching walks "
                          "the pipeline one iteration at a time); drop --microbatches or add --batching window")
+    if getattr(args, "compile", False):
+        from zerotron.inference.compiled import compile_refusal
+        if args.batching != "window":
+            raise ValueError("--compile compiles the decode step of --batching window (the paged continuous batching "
+                             "runs eagerly); add --batching window or drop --compile")
+        reason = compile_refusal(args.tp, args.pp, args.ep)
+        if reason:
+            raise ValueError(reason)
     if args.nproc > 1 and args.nproc % (args.tp * args.pp):
         raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp ({args.tp} x {args.pp})")
 
@@ -161,7 +171,7 @@ def main(argv: list[str]) -> int:
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
     model, tok, _ = load_model(ckpt, device, adapter=args.adapter or None)
     engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=stop_ids(ckpt, tok), decode=tok.decode,
-                    ep=args.ep)
+                    ep=args.ep, compile=args.compile)
     paged = paged_options(args, engine)
     if args.speculative.startswith("draft:"):
         paged["draft_model"] = load_model(resolve_checkpoint(args.speculative[len("draft:"):]), device)[0].eval()

@@ -179,12 +179,15 @@ class ZeroSync:
 
     def build_optimizer(self, tcfg, mask: dict | None = None):
         """AdamW over the master shards; decay flags were fixed per flat buffer at construction
-        (``mask`` is ignored). Offloaded masters (host tensors) step with torch's multi-tensor
-        (foreach) AdamW, which torch would not pick by itself for CPU tensors."""
+        (``mask`` is ignored); the kernel is ``train.optimizer_impl``'s (whole flat shards, so
+        "fused" steps a handful of large tensors). Offloaded masters (host tensors) with
+        ``optimizer_impl = loop`` step with torch's multi-tensor (foreach) AdamW instead, as before
+        the field existed. Buffers used only in part step per parameter (:meth:`optimizer_step`)."""
         opt = build_optimizer(self.parameters(), {id(f.master): f.decay for f in self.all_flats}, tcfg)
         if any(f.offload for f in self.all_flats):
             for g in opt.param_groups:
-                g["foreach"] = True
+                if not g.get("fused"):
+                    g["foreach"] = True
         return opt
 
     @contextlib.contextmanager
