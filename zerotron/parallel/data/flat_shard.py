@@ -250,7 +250,10 @@ class FlatShard:
         the disk tier's moments are the mapped vectors."""
         if state:
             return
-        state["step"] = torch.tensor(0.0)
+        # torch's own rule (optim.adamw): the step count lives on the parameter's device for the fused
+        # and capturable kernels (the CUDA fused kernel takes its steps there), on the CPU otherwise
+        dev = self.master.device if self.master.device.type != "cpu" else None
+        state["step"] = torch.tensor(0.0) if dev is None else torch.zeros((), dtype=torch.float32, device=dev)
         for key in ("exp_avg", "exp_avg_sq"):
             state[key] = self.disk.tensors[key] if self.disk is not None else \
                 torch.zeros_like(self.master, memory_format=torch.preserve_format)
