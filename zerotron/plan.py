@@ -452,13 +452,16 @@ class ParallelPlan:
             E = self.shape["n_experts"]
             _need(E % ep == 0, f"parallel.ep ({ep}) must divide model.n_experts ({E}): each ep rank holds E/ep whole "
                                "experts; change parallel.ep or model.n_experts")
-        _need(self.runner == "plain" and self.dp_replicate == 1,
-              "parallel.ep > 1 runs on the plain runner over dp (x tp) only so far (no pipeline or HSDP replication); "
-              "set parallel.pp = 1 and parallel.dp_replicate = 1, or parallel.ep = 1")
-        _need(self.dp_impl == "native" and (self.zero_stage == 0 or self.zero_impl == "native"),
-              "parallel.ep > 1 composes with native DDP and native ZeRO-1/2/3 so far (the expert parameters are sharded "
-              "over dp/ep, the rest over dp; torch DDP and FSDP2 would treat experts as replicated over dp); set "
-              "parallel.dp_impl = native and parallel.zero_impl = native")
+        _need(self.runner == "plain",
+              "parallel.ep > 1 runs on the plain runner over dp (x tp) only so far (no pipeline); "
+              "set parallel.pp = 1, or parallel.ep = 1")
+        _need(self.dp_shard % ep == 0,
+              f"parallel.ep ({ep}) must divide the shard degree dp / dp_replicate ({self.dp_shard}) under HSDP: each ep group "
+              "lies inside one shard group; change parallel.ep or parallel.dp_replicate")
+        _need(self.dp_replicate == 1 or self.sync != "fsdp2",
+              "parallel.ep > 1 with FSDP2's HSDP (parallel.dp_replicate > 1, zero_impl = fsdp2) is not supported (the "
+              "experts would need a 2-D mesh of their own); set parallel.zero_impl = native (native HSDP runs "
+              "with ep) or parallel.dp_replicate = 1")
 
 
 def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:
