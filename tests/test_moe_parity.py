@@ -156,7 +156,8 @@ def _ckpt_run(run_dir, lay, extra, resume):
 
 def test_expert_parallel_checkpoint_reshards(moe_ref, report):
     """A ZeRO-2 dp 4 = ep 2 x 2 replicas checkpoint of step 2 resumes under DDP at ep 4 and under
-    ZeRO-3 at ep 1 (dp 2): step 3's loss and the final parameters equal the uninterrupted run's."""
+    ZeRO-3 at ep 1 (dp 2) -- in the full mode also under FSDP2 stage 2 at dp 4 ep 2 and torch DDP at
+    dp 2 ep 2: step 3's loss and the final parameters equal the uninterrupted run's."""
     import shutil
 
     tmp, extra, _, _ = moe_ref
@@ -164,7 +165,10 @@ def test_expert_parallel_checkpoint_reshards(moe_ref, report):
     full_losses, full_params = run_ranks(_ckpt_run, 4, str(src), L("zero2", 4, 1, False, 1, None, 2, ep=2),
                                          extra, False, timeout_s=120)[0]
     worst = 0.0
-    for lay in (L("ddp", 4, 1, False, 1, None, 2, ep=4), L("zero3", 2, 1, False, 1, None, 4)):
+    targets = [L("ddp", 4, 1, False, 1, None, 2, ep=4), L("zero3", 2, 1, False, 1, None, 4)]
+    if FULL:  # FSDP2 with experts over dp/ep (its full-state checkpoint), torch DDP at ep 2
+        targets += [L("fsdp2_2", 4, 1, False, 1, None, 2, ep=2), L("torch_ddp", 2, 1, False, 1, None, 4, ep=2)]
+    for lay in targets:
         dst = tmp / f"resume-{lay.name}"
         shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != "step_2"])
         losses, params = run_ranks(_ckpt_run, lay.world, str(dst), lay, extra, True, timeout_s=120)[0]
@@ -173,5 +177,5 @@ def test_expert_parallel_checkpoint_reshards(moe_ref, report):
         err = max(float((params[k] - v).norm() / v.norm().clamp_min(1e-300)) for k, v in full_params.items())
         assert err <= 1e-10, (lay.name, err)
         worst = max(worst, err, abs(losses[0] - full_losses[2]) / abs(full_losses[2]))
-    report(f"moe checkpoint: zero2 dp4 ep2 step 2 resumed as ddp dp4 ep4 and zero3 dp2 ep1: step-3 loss and "
+    report(f"moe checkpoint: zero2 dp4 ep2 step 2 resumed as {', '.join(l.name for l in targets)}: step-3 loss and "
            f"final params equal, worst relative error {worst:.3g}")
