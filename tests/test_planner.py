@@ -549,3 +549,33 @@ def test_context_parallel_priced():
     llama = any_preset("llama3-8b", block_size=65536)
     best = plan(llama, 8, 80 * GB, 8, 65536, CostModel(hardware("h100"), 8))["layouts"][0]
     assert best.get("cp", 1) > 1, best
+
+
+def test_moe_plan_searches_expert_parallelism():
+    """Mixture-of-experts: ``plan`` searches ep (dividing dp and n_experts, pp = cp = 1). Mixtral-8x7B
+    (46.7B parameters, 747 GB of bf16-mixed Adam states) fits no layout on 8 x 80 GB at all; on
+    16 x 80 GB without a pipeline, ZeRO-1/2 fit only with ep > 1 (E/ep experts' parameters and
+    gradients per rank) and the fastest such layout takes ep 8 (one node: the all-to-all on
+    NVLink). The memory of an ep layout is the dense states over dp plus the local experts'
+    states over dp/ep; the all-to-all is priced (``ep_comm``) only when ep > 1; MoE x cp is not
+    proposed (the plan refuses it)."""
+    from zerotron.models import registry
+
+    cfg, cm = registry.preset_config("mixtral-8x7b"), CostModel(hardware("h100"))
+    assert not plan(cfg, 8, 80 * GB, 64, 4096, cm)["layouts"]
+    res = plan(cfg, 16, 80 * GB, 64, 4096, cm)["layouts"]
+    flat = [r for r in res if r["pp"] == 1]
+    assert all(r.get("cp", 1) == 1 for r in res) and all(r.get("ep", 1) == 1 for r in res if r["pp"] > 1)
+    assert any(r["zero_stage"] < 3 for r in flat) and all(r.get("ep", 1) > 1 for r in flat if r["zero_stage"] < 3)
+    assert flat[0].get("ep") == 8, flat[0]
+    lay = dict(dp=16, tp=1, pp=1, zero_stage=1, schedule="none", micro_batch=1, recompute="full")
+    e1, e8 = evaluate(cfg, lay, 4096, 64, cm), evaluate(cfg, {**lay, "ep": 8}, 4096, 64, cm)
+    total, s = sum(stage_num_params(cfg, 1, 1)), cfg
+    experts = s.n_layer * s.n_experts * 3 * s.n_embd * s.intermediate_size
+    msb = lambda n, dp: model_state_bytes(n, dp, 1, "bf16-mixed", "adam")["total_bytes"]  # noqa: E731
+    assert e8["memory_bytes_per_gpu"] - e1["memory_bytes_per_gpu"] == \
+        msb(total - experts, 16) + msb(experts // 8, 2) - msb(total, 16)
+    assert e1["memory_bytes_per_gpu"] > 80 * GB >= e8["memory_bytes_per_gpu"]
+    assert e1["time_breakdown_s"]["ep_comm"] == 0 < e8["time_breakdown_s"]["ep_comm"]
+    with pytest.raises(ValueError, match="ep"):
+        evaluate(cfg, {**lay, "ep": 3}, 4096, 64, cm)

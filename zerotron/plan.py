@@ -452,17 +452,23 @@ class ParallelPlan:
             E = self.shape["n_experts"]
             _need(E % ep == 0, f"parallel.ep ({ep}) must divide model.n_experts ({E}): each ep rank holds E/ep whole "
                                "experts; change parallel.ep or model.n_experts")
-        _need(self.runner in ("plain", "pipeline") and self.dp_replicate == 1,
-              "parallel.ep > 1 runs on the plain runner and the native pipeline executor over dp (x tp), without HSDP "
-              "replication (parallel.pp_impl threads / torch do not shard experts); set parallel.pp_impl = native and "
-              "parallel.dp_replicate = 1, or parallel.ep = 1")
+        _need(self.runner in ("plain", "pipeline"),
+              "parallel.ep > 1 runs on the plain runner and the native pipeline executor (parallel.pp_impl threads / "
+              "torch do not shard experts); set parallel.pp_impl = native, or parallel.ep = 1")
         _need(self.cp == 1,
               "parallel.ep > 1 with parallel.cp > 1 is not supported yet (the ep group is carved out of dp, not dp x cp); "
               "set parallel.cp = 1 or parallel.ep = 1")
-        _need(self.dp_impl == "native" and (self.zero_stage == 0 or self.zero_impl == "native"),
-              "parallel.ep > 1 composes with native DDP and native ZeRO-1/2/3 so far (the expert parameters are sharded "
-              "over dp/ep, the rest over dp; torch DDP and FSDP2 would treat experts as replicated over dp); set "
-              "parallel.dp_impl = native and parallel.zero_impl = native")
+        _need(self.dp_shard % ep == 0,
+              f"parallel.ep ({ep}) must divide the shard degree dp / dp_replicate ({self.dp_shard}) under HSDP: each ep group "
+              "lies inside one shard group; change parallel.ep or parallel.dp_replicate")
+        _need(self.dp_replicate == 1 or self.sync != "fsdp2",
+              "parallel.ep > 1 with FSDP2's HSDP (parallel.dp_replicate > 1, zero_impl = fsdp2) is not supported (the "
+              "experts would need a 2-D mesh of their own); set parallel.zero_impl = native (native HSDP runs "
+              "with ep) or parallel.dp_replicate = 1")
+        _need(self.runner == "plain" or (self.dp_replicate == 1 and self.sync in ("ddp", "zero")),
+              "parallel.ep > 1 under a pipeline composes with native DDP and native ZeRO-1/2/3 without HSDP so far "
+              "(torch DDP, FSDP2 and dp_replicate > 1 take experts on the plain runner only); set parallel.pp = 1, or "
+              "parallel.dp_impl = native, parallel.zero_impl = native and parallel.dp_replicate = 1")
 
 
 def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:

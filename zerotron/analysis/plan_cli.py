@@ -139,13 +139,13 @@ def plan_main(argv: list) -> int:
         return 0 if top else 1
     print(f"zerotron plan: {args.gpus} x {hw.name} ({args.gpus_per_node}/node, {mem / GB:.4g} GB), "
           f"global batch {batch} x seq {seq}: {len(res['layouts'])} layouts fit")
-    cols = ("dp", "cp", "tp", "pp", "zero", "schedule", "micro-b", "recompute", "mem GB", "step s",
+    cols = ("dp", "cp", "tp", "pp", "ep", "zero", "schedule", "micro-b", "recompute", "mem GB", "step s",
             "tokens/s", "MFU")
     print(" ".join(f"{c:>11}" for c in cols))
     for r in top:
         print(" ".join(f"{v:>11}" for v in (
             f"{r['dp']}r{r['dp_replicate']}" if r.get("dp_replicate", 1) > 1 else r["dp"],  # HSDP: R replicas
-            r.get("cp", 1), r["tp"], r["pp"],
+            r.get("cp", 1), r["tp"], r["pp"], r.get("ep", 1),
             f"{r['zero_stage']}+{r['offload']}" if r.get("offload") else r["zero_stage"], r["schedule"], r["micro_batch"],
             r["recompute"], f"{r['memory_bytes_per_gpu'] / GB:.3f}",
             f"{r['predicted_step_time_s']:.4g}", f"{r['predicted_tokens_per_s']:.4g}",

@@ -52,6 +52,16 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   above over S ranks on the intra-node link plus one all-reduce of the 1/S gradient shard across
   the R replicas on the inter-node link per unit and step (ZeRO-0: reduce-scatter + all-gather
   over S, all-reduce of 1/S over R per bucket).
+* expert parallelism (``ep`` > 1, mixture-of-experts models, pp = cp = 1 as the plan requires):
+  each MoE layer's E experts split over ep ranks carved out of dp (``parallel.expert``). Model
+  states: the dense parameters under the ZeRO formula over dp, the rank's E/ep experts under it
+  over the dp/ep ranks that hold the same experts (native ZeRO's expert flat buffers; HSDP: over
+  (dp/ep)/R). dp time: the dense gradients' collectives over dp plus the local experts' over dp/ep
+  (the same link: an expert-replica group spans the shard group's block). The token all-to-all
+  (``analysis.memory.moe_estimate``'s bytes): per layer and micro-batch 4 exchanges (dispatch and
+  combine, forward and backward) of b*S*k*C elements plus the E int64 counts, priced as an
+  all-gather of those bytes on the ep group (an all-to-all moves (n-1)/n of its buffer per rank,
+  the all-gather's factor), on the critical path.
 * a per-layer, per-micro-batch launch overhead (``launch_s``, 20 us), so larger micro-batches win.
 * offload (``train.offload``; only with a host link, ``host_link`` bytes/s per direction, e.g.
   ``hardware.HOST_LINKS``; proposed only for layouts that do not fit without it): the device holds
@@ -221,7 +231,8 @@ def exposed_dp(t_dp: float, compute: float, overlap: float) -> float:
 
 def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> dict:
     """Predicted memory and step time of ``layout`` (keys dp, tp, pp, zero_stage, schedule
-    ("none" for pp = 1), micro_batch, recompute; optional dp_replicate (HSDP) and cp: context
+    ("none" for pp = 1), micro_batch, recompute; optional dp_replicate (HSDP), ep (expert parallel,
+    MoE models at pp = cp = 1; the ValueError names the rule otherwise) and cp: context
     parallel with ring attention, each rank S/cp tokens, model states sharded over dp x cp, the
     ring's exposed transfer in ``cp_comm``) for the model of ``cfg`` (a GPT-2/Llama config or a
     :class:`Shape`), ``global_batch`` sequences of
@@ -229,11 +240,12 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     ``microbatches``, ``virtual_stages``, ``sp``, ``memory_bytes_per_gpu`` (bytes),
     ``stage_time_s`` (seconds per micro-batch of each pipeline rank), ``predicted_step_time_s``,
     ``predicted_tokens_per_s``, ``predicted_mfu`` and ``time_breakdown_s`` (seconds per step: compute, vector, overhead, tp_comm, pp_comm of the
-    slowest stage x m; bubble; dp_comm exposed). Raises ValueError (from the estimators) for an
-    impossible layout."""
+    slowest stage x m, ep_comm the token all-to-all; bubble; dp_comm exposed). Raises ValueError
+    (from the estimators, or for an ep the rules refuse) for an impossible layout."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
     n_rep = layout.get("dp_replicate", 1)  # HSDP: replicas x (dp / n_rep) shards
     cp = layout.get("cp", 1)  # context parallel: each rank holds S / cp tokens of every sequence
+    ep = layout.get("ep", 1)  # expert parallel (MoE): E / ep experts per rank, carved out of dp
     kind, rec, hw, K, sp = layout["schedule"], layout["recompute"], cm.hw, cm.gpus_per_node, cm.sp
     sp = sp and tp > 1
     v = 2 if kind in ("interleaved", "zb-v") else 1
@@ -245,8 +257,18 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     counts = looped_counts(stage_layer_counts(L, pp * v), pp, kind)  # index chunk * pp + rank
     params = stage_num_params(shape, tp, pp, v, counts)
     off = layout.get("offload", "none")
-    mem = max(model_state_bytes(p, dp * cp, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"] + a_
-              for p, a_ in zip(params, act["per_rank_bytes"])) + cm.overhead
+    if ep > 1 and (not shape.n_experts or shape.n_experts % ep or dp % ep or (dp // n_rep) % ep or pp > 1 or cp > 1):
+        raise ValueError(f"ep ({ep}) needs a mixture-of-experts model, pp = cp = 1 and ep dividing n_experts "
+                         f"({shape.n_experts}) and the shard degree ({dp // n_rep})")
+    # expert parameters of each pipeline rank (all E per layer; tp-replicated), of which ep > 1 keeps E/ep
+    experts = [sum(counts[c * pp + r] for c in range(v)) * shape.n_experts * 3 * h * F for r in range(pp)]
+
+    def states(p, e):
+        if ep == 1:
+            return model_state_bytes(p, dp * cp, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"]
+        return (model_state_bytes(p - e, dp, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"]
+                + model_state_bytes(e // ep, dp // ep, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"])
+    mem = max(states(p, e) + a_ for p, e, a_ in zip(params, experts, act["per_rank_bytes"])) + cm.overhead
     # ranks are ordered (pp, dp, cp, tp), tp innermost: a group fits a node iff its block does
     tp_link = _link(hw, tp <= K and K % tp == 0)
     cp_link = _link(hw, cp * tp <= K and K % (cp * tp) == 0)
@@ -254,6 +276,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     dp_link = _link(hw, shard <= K and K % shard == 0)
     rep_link = _link(hw, dp * cp * tp <= K and K % (dp * cp * tp) == 0)  # the replicas' group spans the dp block
     pp_link = _link(hw, dp * cp * tp * pp <= K)
+    ep_link = _link(hw, ep * tp <= K and K % (ep * tp) == 0)  # ep consecutive dp ranks x tp
     ring = ring_messages(shape, b, S, cp, rec, cm.elem_bytes)
     extra = recompute_flops(shape, S, rec)
     rep = 1 / tp if sp else 1  # share of the layer norms / residuals each tp rank computes
@@ -285,7 +308,9 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
                                         *pp_link, calls=2 * v),
              "tp_comm": tp_coll(x, layers * n_coll + first)
              + (collective_time(3 * b * S // cp * 4, "all_reduce", tp, *tp_link, calls=3) if last else 0.0),
-             "cp_comm": layers * max(0.0, hops - attn_s)}
+             "cp_comm": layers * max(0.0, hops - attn_s),
+             "ep_comm": collective_time(layers * (4 * b * S * shape.top_k * h * cm.elem_bytes + 8 * shape.n_experts),
+                                        "all_gather", ep, *ep_link, calls=5 * layers)}
         stage_times.append(sum(t.values()))
         if stage_times[-1] > stage:
             stage, parts = stage_times[-1], t
@@ -295,7 +320,13 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     # (zero-bubble schedules: pipeline_idle)
     pipe = pipeline_time(stage_times, m, kind, v, (2 * W + 4 * h * S, 2 * W + 8 * h * S + extra, 2 * W))
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
-    t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp * cp, dp_link, cm.bucket_bytes, n_rep, rep_link)
+    if ep == 1:
+        t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp * cp, dp_link, cm.bucket_bytes, n_rep, rep_link)
+    else:  # the dense gradients over dp, the local experts' over the dp / ep ranks holding them
+        t_dp = (_dp_time(z, m, units, cm.elem_bytes * (params[0] - experts[0]), dp, dp_link, cm.bucket_bytes, n_rep,
+                         rep_link)
+                + _dp_time(z, m, units - 1, cm.elem_bytes * experts[0] / ep, dp // ep, dp_link, cm.bucket_bytes,
+                           n_rep, rep_link))
     t_dp = exposed_dp(t_dp, m * (parts["compute"] + parts["vector"]), hw.overlap)
     host = host_bytes(off, -(-max(params) // (dp * cp // n_rep)), m)
     if host and not cm.host_link:
@@ -330,6 +361,14 @@ def _replicas(dp: int, tp: int, pp: int, cm: CostModel) -> list[int]:
     return [1, r] if r > 1 else [1]
 
 
+def _expert_degrees(shape: Shape, dp: int, pp: int, cp: int) -> list[int]:
+    """Expert-parallel degrees to price: for a mixture-of-experts model without pipeline or context
+    parallelism (the plan refuses ep with either), every ep dividing both dp and n_experts; else 1."""
+    if not shape.n_experts or pp > 1 or cp > 1:
+        return [1]
+    return [e for e in range(1, dp + 1) if dp % e == 0 and shape.n_experts % e == 0]
+
+
 def _refused(pp: int, rep: int) -> bool:
     """True for a layout zerotron's config validation refuses among those the planner prices
     (native DDP / ZeRO-0..3): none. Pipeline x ZeRO-1/2/3 and pipeline x native HSDP run (one ZeRO
@@ -338,7 +377,7 @@ def _refused(pp: int, rep: int) -> bool:
 
 
 def _rank_key(r: dict) -> tuple:
-    return (r["predicted_step_time_s"], r["memory_bytes_per_gpu"], r["pp"], r["tp"], r.get("cp", 1),
+    return (r["predicted_step_time_s"], r["memory_bytes_per_gpu"], r["pp"], r["tp"], r.get("cp", 1), r.get("ep", 1),
             r["zero_stage"], SCHEDULE_ORDER.index(r["schedule"]), -r["micro_batch"],
             RECOMPUTE_ORDER.index(r["recompute"]))
 
@@ -355,7 +394,9 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     interleaved (v = 2, only when m % pp == 0 and 2pp <= n_layer) | zb-h1 | zb-v (v = 2, only when
     2pp <= n_layer, and only with ``cm.backend`` = "gloo": the runner refuses it on NCCL), "none"
     for pp = 1; ZeRO 0-3 (with ``cm.host_link``, a layout over ``gpu_mem`` is priced again with
-    ``offload`` "optimizer", then at ZeRO-3 "params", and kept if that fits);
+    ``offload`` "optimizer", then at ZeRO-3 "params", and kept if that fits); for a mixture-of-experts
+    model at pp = cp = 1 every ep dividing dp (the shard degree under HSDP) and n_experts
+    (:func:`_expert_degrees`);
     recompute none | selective | full. Each is priced by :func:`evaluate`; those over ``gpu_mem``
     are dropped, and with ``supported_only`` what zerotron's config validation refuses
     (:func:`_refused`; since pipeline x ZeRO-2/3 runs, nothing the planner proposes). Returns ``{"layouts": feasible ones, best (shortest step) first, ties broken by
@@ -388,6 +429,9 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
         if pp > cfg.n_layer:
             dropped["layers"] += 1
             continue
+        if cp > 1 and cfg.n_experts:  # the plan refuses context parallelism for MoE models (the router's loss)
+            dropped["unsupported"] += 1
+            continue
         per_dp = global_batch // dp
         for b in [1 << i for i in range(per_dp.bit_length()) if per_dp % (1 << i) == 0]:
             m = per_dp // b
@@ -398,7 +442,11 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                 if kind in NCCL_REFUSED and cm.backend == "nccl":
                     dropped["backend"] += 12
                     continue
-                for z, rec, rep in product(range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm) if cp == 1 else [1]):
+                for z, rec, rep, ep in product(range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm) if cp == 1 else [1],
+                                               _expert_degrees(cfg, dp, pp, cp)):
+                    if (dp // rep) % ep:  # under HSDP each ep group lies inside one shard group
+                        dropped["divisibility"] += 1
+                        continue
                     if supported_only and _refused(pp, rep):
                         dropped["unsupported"] += 1
                         continue
@@ -406,6 +454,8 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                            "micro_batch": b, "recompute": rec}
                     if rep > 1:
                         lay["dp_replicate"] = rep
+                    if ep > 1:
+                        lay["ep"] = ep
                     if cp > 1:
                         lay["cp"] = cp
                     res = evaluate(cfg, lay, seq, global_batch, cm)

@@ -10,7 +10,8 @@
     4. composed with the gradient synchroniser (``plan.sync``) over the batch group dp x cp: native
        bucketed DDP, torch DDP (all-reduce over it), native ZeRO-1/2/3 or FSDP2 (sharded over
        dp_shard x cp; with ``parallel.dp_replicate > 1``, HSDP: ``parallel.data.hsdp``; with ``parallel.ep > 1``,
-       expert parallelism: ``parallel.expert``, experts sharded over ep carved out of dp); the pipeline
+       expert parallelism: ``parallel.expert``, experts sharded over ep carved out of dp (of dp_shard
+       under HSDP) and data parallel over dp/ep, under each of the four synchronisers); the pipeline
        runners carry theirs per stage (over dp x cp on the native executor; the threads/torch runners refuse cp)
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
@@ -27,7 +28,7 @@ from zerotron.parallel.data.fsdp import FSDP2Strategy
 from zerotron.parallel.data.hsdp import ddp_hierarchy
 from zerotron.parallel.data.zero import ZeroStrategy
 from zerotron.parallel.dtensor_tp import DTensorTPStrategy
-from zerotron.parallel.expert import ExpertDataParallel, ExpertZero
+from zerotron.parallel.expert import ExpertDataParallel, ExpertFSDP2, ExpertTorchDDP, ExpertZero
 from zerotron.parallel.optim import decay_mask_by_name
 from zerotron.parallel.pipeline.runner import PipelineStrategy
 from zerotron.parallel.pipeline.threads import ThreadedPipeline
@@ -76,23 +77,30 @@ def _data_parallel(model, plan, mesh, mask):
     group = mesh.group("batch")  # = "dp" without context parallelism
     src = mesh.peer(dp=0, cp=0)  # the first batch-group rank of this rank's (pp, tp) position
     tp = mesh.group("tp") if mesh.size("tp") > 1 else None
-    if plan.sync == "zero" and plan.ep > 1:  # ZeRO-1/2/3 x experts sharded over ep (parallel.expert)
-        return ExpertZero(model, group, plan.ep, plan.zero_stage, plan.dtype, plan.reduce_dtype, mask, plan.offload,
-                          tp_group=tp, lines=mesh.dims.group_ranks("dp"), offload_dir=plan.offload_dir,
+    if plan.sync == "zero" and plan.ep > 1:  # ZeRO-1/2/3 x experts sharded over ep (parallel.expert); HSDP:
+        # ep carved out of each shard group, the experts' flats sharded over its dp_shard/ep ranks
+        return ExpertZero(model, mesh.group("shard"), plan.ep, plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
+                          plan.offload, tp_group=tp, lines=mesh.dims.group_ranks("shard"), offload_dir=plan.offload_dir,
+                          replicate_group=mesh.group("dp_rep"), full_dp_group=group,
                           sequence_parallel=plan.sequence_parallel)
     if plan.sync == "zero":  # HSDP: shard within the shard group, all-reduce shards over the replicas
         return ZeroStrategy(model, mesh.group("shard"), plan.zero_stage, plan.dtype, plan.reduce_dtype, mask,
                             tp_group=mesh.group("tp") if mesh.size("tp") > 1 else None,
                             sequence_parallel=plan.sequence_parallel, replicate_group=mesh.group("dp_rep"),
                             dp_group=group, offload=plan.offload, offload_dir=plan.offload_dir)
+    if plan.sync == "fsdp2" and plan.ep > 1:  # experts fully_shard-ed over dp/ep (parallel.expert.fsdp)
+        return ExpertFSDP2(model, mesh, plan.ep, plan.zero_stage, plan.dtype, plan.reduce_dtype)
     if plan.sync == "fsdp2":
         return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype, offload=plan.offload == "params")
     if plan.sync == "ddp" and plan.ep > 1:  # experts sharded over ep, summed over dp/ep (parallel.expert)
         return ExpertDataParallel(model, group, plan.ep, bucket_mb=plan.bucket_mb, src_rank=src,
-                                  lines=mesh.dims.group_ranks("dp"))
+                                  lines=mesh.dims.group_ranks("dp"), **ddp_hierarchy(mesh))
     if plan.sync == "ddp":
         return DataParallel(model, group, bucket_mb=plan.bucket_mb, src_rank=src,
                             **ddp_hierarchy(mesh))
+    if plan.ep > 1:  # torch DDP over the non-expert parameters, experts summed over dp/ep (parallel.expert)
+        return ExpertTorchDDP(model, group, plan.ep, bucket_mb=plan.bucket_mb,
+                              find_unused_parameters=plan.find_unused_parameters, lines=mesh.dims.group_ranks("dp"))
     return TorchDDP(model, group, bucket_mb=plan.bucket_mb, find_unused_parameters=plan.find_unused_parameters)
 
 

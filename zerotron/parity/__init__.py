@@ -67,6 +67,7 @@ from zerotron.parity.space import (
                                   MODELS,
                                   MOE_MODEL,
                                   MOE_MUST,
+                                  MOE_MUST_FULL,
                                   MUST,
                                   OFFLOAD,
                                   STEPS,
@@ -90,6 +91,6 @@ from zerotron.parity.space import (
 __all__ = ["ERRORS", "check", "compare", "markdown", "parity_worst", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
            "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
-           "MOE_MODEL", "MOE_MUST", "moe_layouts", "moe_refusal", "moe_expected_refusal",
+           "MOE_MODEL", "MOE_MUST", "MOE_MUST_FULL", "moe_layouts", "moe_refusal", "moe_expected_refusal",
            "LORA", "LORA_CI", "LORA_TRAIN", "lora_layouts",
            "OFFLOAD", "offload_layouts"]

@@ -25,7 +25,7 @@ def _copies(strategy, mesh) -> dict:
     from zerotron.parallel.tensor.layers import is_tp_sharded
 
     c = mesh.coords
-    dp_sharded = (getattr(strategy, "stage", 0) == 3 or type(strategy).__name__ == "FSDP2Strategy"
+    dp_sharded = (getattr(strategy, "stage", 0) == 3 or "FSDP2Strategy" in {t.__name__ for t in type(strategy).__mro__}
                   or getattr(strategy, "fsdp2", None) is not None)  # FSDP2 under a pipeline
     shard = c["shard"]  # dp_shard x cp coordinate; HSDP: replicas of one shard must hold the same bits
     out = {}
@@ -34,8 +34,10 @@ def _copies(strategy, mesh) -> dict:
         if not d:
             continue
         ep_shard = getattr(p, "ep_shard", None)  # expert parallelism: a range of experts per ep rank
-        key = (name, c["tp"] if is_tp_sharded(p) else None,
-               shard if dp_sharded else (("ep",) + ep_shard if ep_shard else None))
+        where = shard if dp_sharded else None
+        if ep_shard:  # (FSDP2: that range's dp shard too)
+            where = ("ep",) + tuple(ep_shard) + ((shard,) if dp_sharded else ())
+        key = (name, c["tp"] if is_tp_sharded(p) else None, where)
         out[key] = d
     return out
 

@@ -374,7 +374,9 @@ EP = (1, 2, 4)  # parallel.ep: experts split over ep ranks carved out of dp (ep 
 # pipeline, FSDP2 stage 3 (its gradient average over dp once missed the auxiliary losses' share),
 # expert parallelism under ZeRO-1 at ep = dp = 2, ZeRO-2 at dp 4 = 2 expert replicas x ep 2 (expert
 # flat buffers sharded over the replica group), and dp 2 x tp 2 with ep 2 (one ep group per tp
-# coordinate, experts tp-replicated) under DDP and ZeRO-3
+# coordinate, experts tp-replicated) under DDP and ZeRO-3; ep 2 under FSDP2 (experts fully_shard-ed
+# over dp/ep: their gradient average is over dp/ep ranks, not dp) and under torch DDP (experts in its
+# ignore list)
 MOE_MUST = ("zero3-dp2-acc4-acfull", "ddp-dp1-pp2-1f1b-even-acc8", "fsdp2_3-dp2-acc4", "zero1-dp2-acc4-ep2",
             "zero2-dp4-acc2-ep2", "ddp-dp2-tp2-acc4-ep2", "zero3-dp2-tp2-acc4-ep2",
             # expert parallelism under a pipeline (each stage's all-to-all in its F and B; ZB-H1's W of the
@@ -382,7 +384,12 @@ MOE_MUST = ("zero3-dp2-acc4-acfull", "ddp-dp1-pp2-1f1b-even-acc8", "fsdp2_3-dp2-
             # parallelism (router statistics summed over the tp shards of each micro-batch) with ep 2, and
             # context parallelism (the same sums over the cp chunks; ring attention)
             "ddp-dp2-pp2-1f1b-acc4-ep2", "zero3-dp2-pp2-zb-h1-acc4-ep2", "zero1-dp2-tp2sp-acc4-ep2",
-            "ddp-dp1-cp2-ring-acc8")
+            "ddp-dp1-cp2-ring-acc8", "fsdp2_3-dp2-acc4-ep2", "torch_ddp-dp2-acc4-ep2")
+# witnesses of the full MoE run (``make test-moe``) only, 4 processes each: FSDP2 stage 2 at dp 4 =
+# ep 2 x 2 expert replicas (the experts' own reduce-scatter group), native HSDP with ep inside the
+# shard group (ZeRO-2 and DDP, dp 4 = 2 replicas x 2 shards), FSDP2 x tp with ep
+MOE_MUST_FULL = MOE_MUST + ("fsdp2_2-dp4-acc2-ep2", "zero2-dp4r2-acc2-ep2", "ddp-dp4r2-acc2-ep2",
+                            "fsdp2_3-dp2-tp2-acc4-ep2")
 
 
 def moe_layouts(max_world: int = 4) -> list[Layout]:
@@ -419,8 +426,9 @@ def moe_expected_refusal(layout: Layout) -> str | None:
     """The documented reason an MoE layout cannot run (None: it must run): the dense family's
     (:func:`expected_refusal`), then the router's (each rank must see whole micro-batches or, under
     sequence / context parallelism, sum the router statistics over tp / cp), then expert
-    parallelism's (carved out of dp, composed with native DDP and native ZeRO-1/2/3 on the plain
-    runner and the native pipeline executor, tp-replicated experts under tp, so far)."""
+    parallelism's (carved out of dp; on the plain runner with native DDP, native ZeRO-1/2/3 (HSDP
+    with ep inside the shard group), torch DDP and FSDP2 without HSDP; on the native pipeline
+    executor with native DDP and native ZeRO without HSDP; tp-replicated experts under tp, so far)."""
     why = expected_refusal(layout)
     if why:
         return why
@@ -429,8 +437,12 @@ def moe_expected_refusal(layout: Layout) -> str | None:
         return "the MoE model's 4 layers cannot fill pp x 2 model stages"
     if layout.cp > 1 and layout.ep > 1:
         return "expert parallelism is carved out of dp, not dp x cp, so far"
-    if layout.ep > 1 and (layout.rep > 1 or layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
-        return "expert parallelism runs on the plain runner and the native pipeline executor, without HSDP"
-    if layout.ep > 1 and layout.sync in ("torch_ddp", "fsdp2_2", "fsdp2_3"):
-        return "expert parallelism composes with native DDP and native ZeRO (torch DDP and FSDP2 see experts as replicated)"
+    if layout.ep > 1 and (layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
+        return "expert parallelism runs on the plain runner and the native pipeline executor"
+    if layout.ep > 1 and layout.rep > 1 and (layout.dp // layout.rep) % layout.ep:
+        return "expert parallelism under HSDP: ep must divide the shard degree dp / dp_replicate"
+    if layout.ep > 1 and layout.rep > 1 and layout.sync in ("fsdp2_2", "fsdp2_3"):
+        return "expert parallelism under FSDP2's HSDP: the experts would need a 2-D mesh of their own"
+    if layout.ep > 1 and layout.pp > 1 and (layout.rep > 1 or layout.sync in ("torch_ddp", "fsdp2_2", "fsdp2_3")):
+        return "expert parallelism under a pipeline composes with native DDP and native ZeRO without HSDP so far"
     return None

@@ -78,12 +78,15 @@ class FSDP2Strategy(Strategy):
         self._tp_shards = {n: p.tp_shard for n, p in model.named_parameters(remove_duplicate=False)
                            if is_tp_sharded(p)}
         blocks = list(model.blocks()) if units is None else units
+        # modules sharded over a mesh of their own first (expert parallelism: the experts over dp/ep);
+        # the blocks' fully_shard then leaves their parameters to them
+        inner = self._shard_inner(blocks, reshard, mp)
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
         fully_shard(model if root is None else root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
                     offload_policy=policy)
         count_fsdp_collectives([*blocks, model if root is None else root], mesh.group("shard"))
-        for block in blocks:
+        for block in [*inner, *blocks]:
             # torch 2.13's no_sync post-backward reads every block's unsharded parameter, which only
             # exists once the block has been unsharded: a block whose forward never ran (skipped)
             # would raise AttributeError '_unsharded_param'. One gather at set-up creates them.
@@ -96,6 +99,12 @@ class FSDP2Strategy(Strategy):
         # enters inside the backward, are scaled by dp alike (else averaged, not summed, over dp)
         scale_aux_losses(model, self.group.size())
         self._mark_tp_shards()
+
+    def _shard_inner(self, blocks: list, reshard: bool, mp) -> list:
+        """``fully_shard`` submodules of ``blocks`` over a mesh other than dp before the blocks
+        themselves (whose units then exclude their parameters); returns them. None here
+        (``parallel.expert.fsdp`` shards the experts over dp/ep)."""
+        return []
 
     def _mark_tp_shards(self) -> None:
         """Re-attach ``tp_shard`` to the (DTensor) parameters that replaced the tp-sharded ones."""

@@ -1,6 +1,7 @@
 """Expert parallelism composed with a data-parallel synchroniser: :class:`ExpertDataParallel`
-(native DDP) and :class:`ExpertZero` (native ZeRO-1/2/3, one driver with a shard group per
-parameter set).
+(native DDP, flat or hierarchical under HSDP), :class:`ExpertTorchDDP` (torch DDP over the
+non-expert parameters) and :class:`ExpertZero` (native ZeRO-1/2/3, HSDP included, one driver with a
+shard group per parameter set); FSDP2 in :mod:`.fsdp`.
 
 Groups (carved out of the dp group, as torchtitan does): dp rank d has ep coordinate ``d % ep``;
 the ep group of d is ``{d - d % ep, ..., d - d % ep + ep - 1}`` (consecutive dp ranks: the all-to-all
@@ -15,8 +16,16 @@ every dp rank's tokens, with the loss normalised by the global target count as e
 every shard's over dp (disjoint there), each element once. The canonical state (checkpoints,
 parity) holds full expert tensors, gathered over ep.
 
-The groups live here while ep composes with data parallelism alone (the plan refuses pp, tp, cp,
-HSDP with ep); they belong in ``distributed.mesh`` once it does.
+HSDP (``parallel.dp_replicate`` R > 1, dp = R x S): ep must divide S, so every ep group (ep
+consecutive dp ranks) lies inside one shard group, normally one node. Native DDP keeps its
+hierarchical all-reduce for the non-expert buckets and all-reduces the expert buffer over the
+replica group (all dp ranks with this ep coordinate). ZeRO shards the non-expert flat buffers over
+the shard group and the expert ones over the S/ep ranks of this shard group with this ep
+coordinate (``expert_groups`` over the shard groups' lines); HSDP's once-per-step all-reduce
+across the R replicas then completes both sums.
+
+The groups live here while ep composes with data parallelism alone (the plan refuses pp and cp with
+ep); they belong in ``distributed.mesh`` once it does.
 """
 from __future__ import annotations
 
@@ -26,13 +35,13 @@ import torch
 import torch.distributed as dist
 
 from zerotron.distributed import comm
-from zerotron.parallel.data.ddp import DataParallel
+from zerotron.parallel.data.ddp import DataParallel, TorchDDP
 from zerotron.parallel.data.zero import ZeroStrategy
 from zerotron.parallel.expert.dispatch import local_dispatch, shard_experts
 from zerotron.parallel.grad_norm import clip_grad_norm
 from zerotron.parallel.tensor.layers import is_tp_sharded
 
-__all__ = ["ExpertDataParallel", "ExpertZero", "expert_groups"]
+__all__ = ["ExpertDataParallel", "ExpertTorchDDP", "ExpertZero", "expert_groups"]
 
 
 def expert_groups(dp_group, ep: int, lines: list | None = None):
@@ -106,6 +115,25 @@ class _ExpertShards:
         n = t.size(0) // self.ep
         return t[self.ep_rank * n:(self.ep_rank + 1) * n].clone()
 
+    def _full_expert_state(self, msd, osd):
+        """Expert entries of a canonical state (this ep rank's range) gathered over ep."""
+        for name in self.expert_params:
+            if name in msd:
+                msd[name] = self._gather(msd[name])
+            if osd is not None and name in osd["state"]:
+                osd["state"][name] = {k: self._gather(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                      for k, v in osd["state"][name].items()}
+        return msd, osd
+
+    def _local_expert_state(self, msd, osd):
+        """A canonical state (any layout) with this rank's expert range cut from the expert entries."""
+        msd = {k: self._slice(v) if k in self.expert_params else v for k, v in msd.items()}
+        if osd is not None:
+            osd = {**osd, "state": {k: ({n: self._slice(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
+                                         for n, x in st.items()} if k in self.expert_params else st)
+                                    for k, st in osd["state"].items()}}
+        return msd, osd
+
     def _with_full_experts(self, msd, osd, optimizer):
         """Add the gathered expert parameters (and Adam moments) to a canonical state."""
         for name, p in self.expert_params.items():
@@ -139,23 +167,19 @@ class _ExpertShards:
                 m.dispatch = hook
 
 
-class ExpertDataParallel(_ExpertShards, DataParallel):
-    """Native DDP over ``dp_group`` for the non-expert parameters, expert parameters sharded over
-    ``ep`` (module docstring). Args: ``model`` (dense, identically initialised on every rank: it is
-    sharded here), ``dp_group``, ``ep``, ``bucket_mb``, ``src_rank`` as DataParallel."""
-
-    def __init__(self, model, dp_group, ep: int, bucket_mb: float = 25.0, src_rank: int = 0, lines=None):
-        ids = self._shard(model, dp_group, ep, lines)
-        self._grad_buffer()
-        DataParallel.__init__(self, model, dp_group, bucket_mb=bucket_mb, src_rank=src_rank, exclude=ids)
+class _ReplicatedExperts(_ExpertShards):
+    """What a DDP synchroniser (native or torch's) adds under expert parallelism: the expert
+    gradients in a flat buffer of their own, summed over the replica group after the synchroniser's
+    reduction; the norm, the canonical state (experts gathered over ep) and ``full_params``. Mixed
+    in before the synchroniser's class (cooperative ``super()``)."""
 
     def zero_grad(self) -> None:
-        DataParallel.zero_grad(self)
+        super().zero_grad()
         self._zero_expert_grads()
 
     def finish_grads(self) -> None:
-        """DDP's reductions over dp, then the expert gradients summed over the replica group."""
-        DataParallel.finish_grads(self)
+        """The synchroniser's reductions over dp, then the expert gradients summed over the replica group."""
+        super().finish_grads()
         self._reduce_expert_grads()
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -167,21 +191,45 @@ class ExpertDataParallel(_ExpertShards, DataParallel):
 
     def state_dict(self, optimizer=None):
         """Canonical state: expert parameters and their Adam moments gathered over ep."""
-        msd, osd = DataParallel.state_dict(self, optimizer)
+        msd, osd = super().state_dict(optimizer)
         return self._with_full_experts(msd, osd, optimizer)
 
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """Load a canonical state, keeping this rank's expert range."""
-        msd = {k: self._slice(v) if k in self.expert_params else v for k, v in msd.items()}
-        if osd is not None:
-            state = {k: ({n: self._slice(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-                          for n, x in st.items()} if k in self.expert_params else st)
-                     for k, st in osd["state"].items()}
-            osd = {**osd, "state": state}
-        DataParallel.load_state_dict(self, msd, osd, optimizer)
+        super().load_state_dict(*self._local_expert_state(msd, osd), optimizer)
 
     def full_params(self):
         return self._full_experts(self.module)
+
+
+class ExpertDataParallel(_ReplicatedExperts, DataParallel):
+    """Native DDP over ``dp_group`` for the non-expert parameters, expert parameters sharded over
+    ``ep`` (module docstring). Args: ``model`` (dense, identically initialised on every rank: it is
+    sharded here), ``dp_group``, ``ep``, ``bucket_mb``, ``src_rank`` as DataParallel; ``lines`` as
+    :func:`expert_groups`; ``shard_group``/``replicate_group`` (HSDP, ``data.hsdp.ddp_hierarchy``):
+    the non-expert buckets' hierarchical all-reduce."""
+
+    def __init__(self, model, dp_group, ep: int, bucket_mb: float = 25.0, src_rank: int = 0, lines=None,
+                 shard_group=None, replicate_group=None):
+        ids = self._shard(model, dp_group, ep, lines)
+        self._grad_buffer()
+        DataParallel.__init__(self, model, dp_group, bucket_mb=bucket_mb, src_rank=src_rank, exclude=ids,
+                              shard_group=shard_group, replicate_group=replicate_group)
+
+
+class ExpertTorchDDP(_ReplicatedExperts, TorchDDP):
+    """torch's DDP over ``dp_group`` for the non-expert parameters (the expert ones are in its
+    ignore list: torch DDP takes one process group, and would also broadcast rank 0's experts at
+    construction), expert parameters sharded over ``ep`` and all-reduced over the replica group in
+    :meth:`finish_grads` (after torch DDP's backward has reduced the rest). Args as
+    :class:`~zerotron.parallel.data.ddp.TorchDDP` plus ``ep`` and ``lines`` (:func:`expert_groups`)."""
+
+    def __init__(self, model, dp_group, ep: int, bucket_mb: float = 25.0, find_unused_parameters: bool = False,
+                 lines=None):
+        self._shard(model, dp_group, ep, lines)
+        self._grad_buffer()
+        TorchDDP.__init__(self, model, dp_group, bucket_mb=bucket_mb, find_unused_parameters=find_unused_parameters,
+                          ignore=list(self.expert_params))
 
 
 class ExpertZero(_ExpertShards, ZeroStrategy):
@@ -197,13 +245,15 @@ class ExpertZero(_ExpertShards, ZeroStrategy):
 
     Args as :class:`ZeroStrategy` (``stage`` 1, 2 or 3, ``offload``, ``offload_dir``, ``tp_group``: tensor
     parallelism, the experts tp-replicated; ``sequence_parallel``: their shard gradients, and every
-    tp-replicated one, summed over tp) plus ``ep`` and ``lines`` (:func:`expert_groups`). The canonical state (and a
+    tp-replicated one, summed over tp; ``replicate_group`` and ``full_dp_group`` (the whole dp group) for
+    HSDP, ``dp_group`` then the shard group: ep carved out of it, ``lines`` its groups' ranks) plus ``ep``
+    and ``lines`` (:func:`expert_groups`). The canonical state (and a
     checkpoint: every rank hands over the full state, DCP writes each key once) holds the full
     expert tensors, gathered over the replica group and then over ep."""
 
     def __init__(self, model, dp_group, ep: int, stage: int = 1, dtype: str = "fp32", reduce_dtype: str = "auto",
                  mask=None, offload: str = "none", tp_group=None, lines=None, offload_dir: str = "",
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, replicate_group=None, full_dp_group=None):
         before = dict(model.named_parameters())
         self._shard(model, dp_group, ep, lines)
         if mask is not None:  # the expert shards are new Parameters: the dense ones' decay flags
@@ -211,7 +261,7 @@ class ExpertZero(_ExpertShards, ZeroStrategy):
         group_of = {id(p): self.rep_group for p in self.expert_params.values()}
         ZeroStrategy.__init__(self, model, dp_group, stage, dtype, reduce_dtype, mask, tp_group=tp_group,
                               sequence_parallel=sequence_parallel, offload=offload, group_of=group_of,
-                              offload_dir=offload_dir)
+                              offload_dir=offload_dir, replicate_group=replicate_group, dp_group=full_dp_group)
 
     def expert_state_bytes(self, optimizer) -> dict:
         """Bytes held now by the expert flat buffers (this rank's E/ep experts, sharded over the
@@ -221,16 +271,6 @@ class ExpertZero(_ExpertShards, ZeroStrategy):
 
         return flat_state_bytes([f for f in self.all_flats if any(id(p) in self._expert_ids for p in f.params)],
                                 optimizer)
-
-    def _full_expert_state(self, msd, osd):
-        """Expert entries of a canonical state (this ep rank's range) gathered over ep."""
-        for name in self.expert_params:
-            if name in msd:
-                msd[name] = self._gather(msd[name])
-            if osd is not None and name in osd["state"]:
-                osd["state"][name] = {k: self._gather(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                                      for k, v in osd["state"][name].items()}
-        return msd, osd
 
     def state_dict(self, optimizer=None):
         """ZeRO's canonical state, expert tensors gathered over ep. Collective over dp."""
@@ -245,12 +285,7 @@ class ExpertZero(_ExpertShards, ZeroStrategy):
 
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """A canonical state (any layout): this rank's expert range, then ZeRO keeps its shards."""
-        msd = {k: self._slice(v) if k in self.expert_params else v for k, v in msd.items()}
-        if osd is not None:
-            osd = {**osd, "state": {k: ({n: self._slice(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-                                         for n, x in st.items()} if k in self.expert_params else st)
-                                    for k, st in osd["state"].items()}}
-        ZeroStrategy.load_state_dict(self, msd, osd, optimizer)
+        ZeroStrategy.load_state_dict(self, *self._local_expert_state(msd, osd), optimizer)
 
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
         """Load what :meth:`checkpoint_state` described (the full state)."""
