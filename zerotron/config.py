@@ -191,6 +191,8 @@ class TrainConfig:
     """none | optimizer: native ZeRO-1/2/3 keep the fp32 master shards and Adam state in host memory and run the optimizer step there (ZeRO-Offload) | optimizer-disk: the same in memory-mapped files under offload_dir (ZeRO-Infinity)"""
     offload_dir: str = ""
     """folder for train.offload = optimizer-disk (must exist and be writable; one rank-N subfolder per rank)"""
+    meta_init: bool = True
+    """build the model on the meta device and give storage and the dense init's values only to this rank's tensor-parallel slices of its pipeline stages (exact: same weights as a dense build; LoRA and model.init_from build densely)"""
 
 
 @dataclass

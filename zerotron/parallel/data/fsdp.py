@@ -36,6 +36,7 @@ import contextlib
 import torch
 
 from zerotron.distributed import comm
+from zerotron.models.deferred import materialise_params
 from zerotron.models.layout import scale_aux_losses
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
@@ -74,8 +75,10 @@ class FSDP2Strategy(Strategy):
         self._tp_shards = {n: p.tp_shard for n, p in model.named_parameters(remove_duplicate=False)
                            if is_tp_sharded(p)}
         blocks = list(model.blocks()) if units is None else units
-        for block in blocks:
+        for block in blocks:  # a deferred-init (meta) block gets its dense values just before it is sharded
+            materialise_params(list(block.parameters()))
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        materialise_params(list((model if root is None else root).parameters()))
         fully_shard(model if root is None else root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
         count_fsdp_collectives([*blocks, model if root is None else root], mesh.group("shard"))
         for block in blocks:
