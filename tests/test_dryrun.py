@@ -153,8 +153,9 @@ def test_out_of_memory_report():
     assert rec["oom"]["category"] in ("activations", "temporary"), rec["oom"]
     rec = dry_run(cfg, WORLD, ranks=[0], gpu_mem=states // 2)[0]  # not even the model states fit
     assert rec["oom_step"]["phase"] == "model states" and rec["oom_step"]["category"] == "optimizer", rec
-    # the dense model each rank builds before sharding (setup) is reported first where it overflows
-    assert rec["oom"]["phase"] == ("setup" if rec["setup_peak_bytes"] > states // 2 else "model states"), rec
+    # the construction (train.meta_init: what the rank holds + one dense tensor) is reported first where it overflows
+    build = rec["construction_bytes"] if rec["meta_init"] else rec["setup_peak_bytes"]
+    assert rec["oom"]["phase"] == ("setup" if build > states // 2 else "model states"), rec
 
 
 def test_cli(tmp_path, capsys):

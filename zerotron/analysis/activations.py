@@ -53,6 +53,28 @@ Measured on this machine (torch 2.13 CPU, ``measure_*`` below, tests/test_activa
 * Not counted (small): LayerNorm mean/rstd (2 fp32 values per token per LN: 16*b*s bytes per
   layer), the flash logsumexp (4*b*a*s), token/position ids; together < 1 % for the tiny model.
 
+Autocast (``autocast=True``; zerotron's ``train.dtype = bf16``: fp32 parameters, ``torch.autocast``
+to bf16, measured with a dry run's MemTracker and ``saved_tensors_hooks``): only the matmuls (and
+SDPA) run in bf16. The residual stream stays fp32 (a bf16 projection output added to an fp32
+stream gives fp32), so the norms save fp32 tensors (4 bytes: n_s of them per norm) and a fully
+recomputed layer keeps a 4-byte input; and autocast casts the fp32 norm output to bf16 separately
+for every Linear that reads it, each saving its own copy: GPT-2's fused c_attn and c_fc 2, Llama's
+q, k, v, gate and up 5 (``qkv_linears`` + MLP inputs), where an fp32 model saves one shared norm
+output per sub-block. Per layer, bf16 autocast over fp32 parameters (DDP), without dropout:
+
+    replicated = (2 n_s * 4 + (n_qkv + m_s/2) * 2) sbh;  split = 8 sbh + 2 m_s sbF
+    GPT-2: 12 sbh replicated + 8 sbh + 4 sbF split (36 sbh at F = 4h; bf16 without autocast 32)
+    Llama: 26 sbh replicated + 8 sbh + 8 sbF split (62 sbh at Llama-3-8B's F = 3.5h; 48 without)
+
+Over bf16 compute parameters (``bf16_params``: ZeRO's compute copies, FSDP2's param dtype) the
+embedding output, and so the residual stream, is bf16, and a norm's bf16 output feeds its Linears
+without a cast (one shared copy per sub-block, as without autocast); but torch's RMSNorm computes
+in fp32 and saves two fp32 tensors whatever its input (Llama: 20 sbh replicated, 56 sbh per layer
+at Llama-3-8B's shape), where LayerNorm saves its bf16 input (GPT-2: 32 sbh, the bf16 formula).
+Autocast also casts every fp32 weight to bf16 once per forward (its weight cache) and the
+Linears save those copies until their backward: 2 bytes per matmul weight of the rank and
+micro-batch in flight, outside the layer count (``analysis.dryrun.estimate`` adds them).
+
 Outside the layers (Korthikanti section 4.3): the first stage holds the embedding-dropout mask
 dr*mu*sbh, the last stage the final LN input and output-layer input 2e*sbh plus the fp32
 log-softmax of the cross-entropy, 4*s*b*V/t bytes (vocab-parallel loss; our trainer runs the loss
@@ -98,7 +120,8 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
                            sp: bool = False, recompute: str = "none", dtype: str = "bf16",
                            dropout: bool = True, attention: str = "math",
                            mask_bytes: int = 1, *, ffn: int | None = None, norm_saves: int = 1,
-                           mlp_saves: int = 2) -> int:
+                           mlp_saves: int = 2, autocast: bool = False, qkv_linears: int = 1,
+                           bf16_params: bool = False, norm_fp32: bool = False) -> int:
     """Bytes of activations one transformer layer keeps for backward, per micro-batch, on one
     tensor-parallel rank (formulas in the module docstring; Korthikanti et al. 2022).
 
@@ -108,6 +131,14 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     (1 on CUDA, the activation size for CPU dropout). ``ffn``: MLP width F (None = 4h, GPT-2);
     ``norm_saves``: tensors of sbh one norm saves (LayerNorm 1, torch's RMSNorm 2); ``mlp_saves``:
     tensors of sbF the MLP saves (GELU 2, SwiGLU 4); the defaults are GPT-2's (module docstring).
+    ``autocast``: zerotron's bf16 mode (``torch.autocast`` to ``dtype``; module docstring,
+    "autocast"). With fp32 parameters (DDP, stage 0) the residual stream and the norms stay fp32 (4
+    bytes per saved norm tensor and for the checkpointed layer input) and each column-parallel
+    Linear saves its own ``dtype`` cast of its input (``qkv_linears`` for attention -- GPT-2's fused
+    c_attn 1, Llama's q/k/v 3 -- plus mlp_saves/2 for the MLP); with ``bf16_params`` (ZeRO's and
+    FSDP2's bf16 compute copies) the stream is bf16 and the norm output is shared as without
+    autocast. ``norm_fp32``: the norm computes and saves in fp32 whatever its input (torch's RMSNorm
+    under autocast; LayerNorm saves its input in the stream's dtype).
     Exact integer arithmetic. Raises ValueError for a non-positive size, an unknown option,
     hidden % heads != 0, or a tp that :func:`zerotron.models.layout.tp_refusal` refuses (heads % tp,
     or sp with seq_len % tp).
@@ -126,14 +157,58 @@ def layer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, heads: i
     e, s, b, h, a, t = DTYPE_BYTES[dtype], seq_len, micro_batch, hidden, heads, tp
     dr, mu = int(bool(dropout)), mask_bytes
     sbh, f = s * b * h, 4 * hidden if ffn is None else ffn
+    cast = autocast and not bf16_params  # fp32 parameters under autocast: an fp32 stream, casts per Linear
+    r = 4 if cast else e  # residual stream bytes
+    nb = 4 if autocast and norm_fp32 else r  # bytes of a tensor a norm saves
     if recompute == "full":  # only the layer input is checkpointed
-        return e * sbh // t if sp else e * sbh
-    replicated = ((2 * norm_saves + 2) * e + 2 * dr * mu) * sbh
+        return r * sbh // t if sp else r * sbh
+    inputs = (qkv_linears + mlp_saves // 2) * e if cast else 2 * e  # the column linears' saved inputs
+    replicated = (2 * norm_saves * nb + inputs + 2 * dr * mu) * sbh
     split = 4 * e * sbh + mlp_saves * e * s * b * f
     attn = (e + dr * (e + mu)) * a * s * s * b if attention == "math" and recompute == "none" else 0
     if sp:
         return (replicated + split + attn) // t
     return replicated + (split + attn) // t
+
+
+def layer_small_bytes(shape, seq_len: int, micro_batch: int, tp: int = 1, sp: bool = False,
+                      attention: str = "flash", dtype: str = "bf16") -> int:
+    """The small tensors one layer saves beside :func:`layer_activation_bytes`' (measured, bf16
+    autocast; counted so that the estimate is exact at any size): the flash kernel's logsumexp (4
+    bytes per query and local head), the norms' statistics (RMSNorm 1, LayerNorm 2 fp32 values per
+    token and norm; / tp with SP) and, with RoPE, the cos/sin tables cast to the activation dtype
+    for q and for k (4 tables of seq x head_dim)."""
+    s, b = seq_len, micro_batch
+    lse = 4 * b * (shape.n_head // tp) * s if attention == "flash" else 0
+    stats = 2 * (1 if shape.rms_norm else 2) * 4 * b * s // (tp if sp else 1)
+    rope = 0 if shape.learned_positions else 4 * s * shape.head_dim * DTYPE_BYTES[dtype]
+    return lse + stats + rope
+
+
+def loss_backward_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1, autocast: bool = False,
+                        param_bytes: int = 4) -> int:
+    """Bytes the cross-entropy's backward allocates at its worst moment beyond the (B, T, V/tp)
+    fp32 tensor it saved (``activation_bytes``' LOSS_BYTES term), per micro-batch on the last
+    stage (measured on zerotron's two loss paths, dry-run MemTracker):
+
+    * ``F.cross_entropy`` (tp = 1): nll_loss's gradient and log_softmax's input gradient, two
+      (B, T, V) tensors in the loss dtype (fp32; fp64 in fp64) at once: 2 * 4 sbV;
+    * the vocab-parallel loss (``parallel.tensor.loss``): the gradient (softmax - one-hot, in
+      place) 4 sbV/t, padded to the shard when V % tp (another 4 sbV/t), then cast to the logits'
+      dtype (bf16 under autocast: 2 sbV/t; none in fp32).
+    """
+    n = seq_len * micro_batch
+    if tp == 1:
+        return 2 * max(4, param_bytes) * n * vocab_size
+    v = -(-vocab_size // tp)
+    pad = 4 * n * v if vocab_size % tp else 0
+    return 4 * n * v + pad + (2 * n * v if autocast else 0)
+
+
+def qkv_linears(shape) -> int:
+    """Linears computing q, k and v in one block of ``shape``'s family: 1 for GPT-2 (the fused
+    ``c_attn``, LayerNorm), 3 for the Llama family (``q_proj``, ``k_proj``, ``v_proj``, RMSNorm)."""
+    return 3 if shape.rms_norm else 1
 
 
 def stage_layer_counts(n_layer: int, n_stages: int) -> list[int]:
@@ -224,7 +299,8 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
                      pp: int = 1, schedule: str = "1f1b", microbatches: int = 1,
                      virtual_stages: int = 1, recompute: str = "none", dtype: str = "bf16",
                      attention: str = "math", dropout: bool | None = None,
-                     mask_bytes: int = 1, layer_counts: list[int] | None = None) -> dict:
+                     mask_bytes: int = 1, layer_counts: list[int] | None = None,
+                     autocast: bool = False, bf16_params: bool = False) -> dict:
     """Activation bytes per pipeline rank of the model of ``cfg`` (a ``GPTConfig``,
     ``LlamaConfig`` or :class:`zerotron.analysis.flops.Shape`) for one training step; the layer
     count of its family (module docstring: Llama's RMSNorm, SwiGLU; no embedding dropout in Llama).
@@ -237,7 +313,9 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     :func:`wgrad_layer_bytes` (plus, on the last stage, the logits' gradient); the peak is the
     largest per-rank state of the schedule's action lists. ``dropout`` None = ``cfg.dropout > 0``.
     ``layer_counts``: layers per model stage (pp * v counts, e.g. the runner's balanced split of
-    ``parallel.pp_split = auto``); None = :func:`stage_layer_counts` (even).
+    ``parallel.pp_split = auto``); None = :func:`stage_layer_counts` (even). ``autocast`` and
+    ``bf16_params``: zerotron's bf16 mode over fp32 or bf16 compute parameters (see
+    :func:`layer_activation_bytes`; likewise for the final norm and the head's input).
     Other options as in :func:`layer_activation_bytes`.
 
     Returns ``{"per_layer_bytes", "layers_per_stage", "embedding_bytes" (stage 0, per micro-batch),
@@ -258,11 +336,14 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     dropout = shape.dropout > 0 if dropout is None else dropout
     ns = 2 if shape.rms_norm else 1
     args = dict(tp=tp, sp=sp, dtype=dtype, dropout=dropout, attention=attention,
-                mask_bytes=mask_bytes, ffn=shape.ffn, norm_saves=ns, mlp_saves=2 * shape.mlp_matrices - 2)
+                mask_bytes=mask_bytes, ffn=shape.ffn, norm_saves=ns, mlp_saves=2 * shape.mlp_matrices - 2,
+                autocast=autocast, qkv_linears=qkv_linears(shape), bf16_params=bf16_params,
+                norm_fp32=shape.rms_norm)
     h, t, e = shape.n_embd, tp, DTYPE_BYTES.get(dtype, 0)
+    small = 0 if not autocast else layer_small_bytes(shape, seq_len, micro_batch, tp, sp, attention, dtype)
     per_layer = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, recompute=recompute,
-                                       **args)
-    workspace = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, **args) - per_layer
+                                       **args) + (small if recompute != "full" else 0)
+    workspace = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, **args) + small - per_layer
     v = virtual_stages if schedule in CHUNKED_SCHEDULES else 1
     counts = list(layer_counts) if layer_counts is not None else stage_layer_counts(shape.n_layer, pp * v)
     if len(counts) != pp * v or sum(counts) != shape.n_layer:
@@ -270,7 +351,9 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     sbh = seq_len * micro_batch * h
     div = t if sp else 1
     emb = int(dropout and shape.learned_positions) * mask_bytes * sbh // div  # GPT-2's embedding dropout
-    out = (ns + 1) * e * sbh // div + LOSS_BYTES * seq_len * micro_batch * -(-shape.vocab_size // t)
+    nb = 4 if autocast and (shape.rms_norm or not bf16_params) else e  # a final-norm saved tensor
+    norm_out = ns * nb + e  # final norm's saves + the head's input (its cast, or the shared norm output)
+    out = norm_out * sbh // div + LOSS_BYTES * seq_len * micro_batch * -(-shape.vocab_size // t)
     last = len(counts) - 1
     unit = [c * per_layer + (emb if s == 0 else 0) + (out if s == last else 0) for s, c in enumerate(counts)]
     split = schedule in ("zb-h1", "zb-v")

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerotron.analysis.activations import activation_bytes, looped_counts, stage_layer_counts
+from zerotron.analysis.activations import LOSS_BYTES, activation_bytes, looped_counts, stage_layer_counts
 from zerotron.analysis.flops import shape_of
 from zerotron.analysis.memory import model_state_bytes, stage_num_params
 from zerotron.analysis.trace_time import StepCounter, group_scopes, rank_time, step_time
@@ -91,10 +91,15 @@ def synthetic_batches(n_micro: int, micro_batch: int, seq: int, vocab: int, seed
              torch.randint(0, vocab, (micro_batch, seq), generator=g)) for _ in range(n_micro)]
 
 
+def _faking() -> bool:
+    return type(torch.empty(0)).__name__ == "FakeTensor"
+
+
 def build_rank(cfg: Config, plan, mesh):
     """(model config, strategy, optimizer) of this rank, as ``train.trainer.Trainer`` builds them:
-    the full model from ``train.seed``, in the parameter dtype, then ``parallelize`` and the
-    strategy's optimizer. Under a FakeTensorMode the model is built with the parameter dtype as
+    the model from ``train.seed`` in the parameter dtype -- on the meta device with ``train.meta_init``
+    (``models.deferred``: ``parallelize`` materialises this rank's slices only), else dense -- then
+    ``parallelize`` and the strategy's optimizer. Under a FakeTensorMode the model is built with the parameter dtype as
     the default dtype (``Module.to`` cannot swap fake parameters); for fp32 and bf16 training this
     is the same model."""
     from zerotron.models import registry
@@ -105,8 +110,13 @@ def build_rank(cfg: Config, plan, mesh):
     torch.manual_seed(cfg.train.seed)
     before = torch.get_default_dtype()
     torch.set_default_dtype(param_dtype(cfg.train.dtype))
-    try:
-        model = registry.build_model(mcfg)  # on the CPU (fake or real); Module.to cannot swap fake parameters
+    try:  # on the CPU (fake or real); Module.to cannot swap fake parameters
+        if cfg.train.meta_init and not cfg.train.lora_rank and not _faking():  # as the trainer
+            from zerotron.models.deferred import build_deferred
+
+            model = build_deferred(lambda: registry.build_model(mcfg))
+        else:  # (under fake tensors: densely, see models.deferred)
+            model = registry.build_model(mcfg)
     finally:
         torch.set_default_dtype(before)
     strategy = parallelize(model, plan, mesh)
@@ -188,12 +198,15 @@ def _tracker_class():
 
 
 def _categories(snap: dict) -> dict:
-    """Bytes per category of a MemTracker snapshot ({device: {reftype: bytes}}), summed over devices."""
+    """Bytes per category of a MemTracker snapshot ({device: {reftype: bytes}}), summed over devices
+    (the meta device left out)."""
     out = dict.fromkeys(CATEGORIES, 0)
     names = {"Parameter": "parameters", "Gradient": "gradients", "Optstate": "optimizer", "Activation": "activations",
              "Temp": "temporary", "Buffer": "other", "Other": "other"}
     total = 0
-    for dev in snap.values():
+    for device, dev in snap.items():
+        if getattr(device, "type", device) == "meta":  # a deferred-init model's shapes: no memory
+            continue
         for k, v in dev.items():
             key = getattr(k, "value", k)
             if key == "Total":
@@ -234,6 +247,17 @@ def _categorize(tracker, strategy, optimizer) -> None:
     if flats:
         for f in flats:
             tracker.categorize(f.full, "PARAM")
+
+
+def _largest_dense(cfg: Config) -> int:
+    """Bytes of the largest tensor of the dense model (the (V, C) embedding or head), in the
+    parameter dtype: what a deferred (meta-device) build materialises at once at most."""
+    from zerotron.parallel.precision import param_dtype
+
+    mcfg = model_config(cfg)
+    s = shape_of(mcfg)
+    big = max(s.vocab_size * s.n_embd, s.n_embd * max(s.ffn, s.n_embd), s.n_embd * (s.n_embd + 2 * s.kv_dim))
+    return big * param_dtype(cfg.train.dtype).itemsize
 
 
 # ---- one traced rank -----------------------------------------------------------------------------
@@ -305,6 +329,9 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
             _, strategy, optimizer = build_rank(cfg, plan, mesh)
             setup = _categories(tracker.get_tracker_snapshot("peak"))
+            # with train.meta_init a real rank's construction holds what it keeps plus one full tensor
+            held_after_setup = _categories(tracker.get_tracker_snapshot("current"))["total"]
+            largest = _largest_dense(cfg)
             for i in range(steps):
                 if i == steps - 1:  # the measured step: every state exists and is labelled
                     _categorize(tracker, strategy, optimizer)
@@ -334,7 +361,8 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
             "peak_at": tracker.peak_at, "end_of_step": end, "setup_peak_bytes": setup["total"],
             "model_state_bytes": states, "comm_traced": traffic,
             "comm_bytes_traced": {g: v["bytes"] for g, v in traffic.items()},
-            "oom": tracker.oom, "layer_counts": split, "group_members": members,
+            "oom": tracker.oom, "layer_counts": split, "meta_init": bool(cfg.train.meta_init and not cfg.train.lora_rank),
+            "construction_bytes": held_after_setup + largest, "group_members": members,
             "counts_traced": {"flops": counter.flops, "element_passes": counter.element_passes, "ops": counter.ops,
                               "flops_by_op": dict(sorted(counter.flops_by_op.items()))},
             "flops_traced": counter.flops, "wall_s": time.perf_counter() - t0}
@@ -375,13 +403,37 @@ def _layout(cfg: Config, plan, mcfg) -> _Layout:
 
 
 def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = None) -> dict:
-    """What ``zerotron memory`` computes for pipeline rank ``pp_rank`` of ``cfg``'s layout:
-    ``{"model_states": {params_bytes, grads_bytes, optimizer_bytes, total_bytes}, "activations":
-    bytes, "total": bytes}``; activations in the training dtype (fp32 for fp64 training: the
-    estimator knows no 8-byte activations, so fp64 is under-counted by half), attention "flash"
-    (CPU SDPA with dropout 0 and CUDA flash attention keep no s^2 scores), AdamW state.
-    ``layer_counts``: layers per model stage as the pipeline runner split them (its ``split``;
-    ``parallel.pp_split = auto`` balances by FLOPs), None = the estimators' even split."""
+    """What the estimators compute for pipeline rank ``pp_rank`` of ``cfg``'s layout, at the
+    moment of its peak: ``{"model_states": {params_bytes, grads_bytes, optimizer_bytes,
+    total_bytes} (:func:`~zerotron.analysis.memory.model_state_bytes`), "activations" (saved, of
+    the schedule's micro-batches in flight: :func:`~zerotron.analysis.activations.activation_bytes`,
+    autocast's dtypes in bf16), "terms": {...}, "total"}``; ``terms`` are what the code allocates
+    beside them at the peak (the last stage's is the loss's backward, the others' a backward with
+    every in-flight micro-batch held), each derived from the code and measured:
+
+    * ``zero1_fp32_grad``: native ZeRO-1 in bf16 keeps an fp32 shard gradient (4 bytes per shard
+      element) beside the bf16 full gradient (the paper's 2 + 2 + 12 omits it);
+    * ``weight_casts``: autocast over fp32 parameters (bf16 with DDP or tp/pp without ZeRO) casts
+      every matmul weight to bf16 in each forward and the Linears keep the copies until their
+      backward: 2 bytes per local matmul parameter and micro-batch in flight (full recomputation:
+      only the head's, the blocks' are dropped with their saved tensors);
+    * ``stage_outputs``: a pipeline stage keeps each in-flight micro-batch's output (b, s, h) in the
+      stream's dtype until its backward, and receives one gradient of that size;
+    * ``loss_backward``: :func:`~zerotron.analysis.activations.loss_backward_bytes` (last stage);
+    * ``gathered``: ZeRO-3 / FSDP2 hold the last stage's root unit (embedding, final norm, head)
+      gathered in the compute dtype during the loss's backward;
+    * ``fsdp2_no_grads``: FSDP2 frees its gradients between steps (set to None), so none exist at
+      the loss's backward (negative);
+    * with recomputation, on the last stage: the loss's backward (the peak) comes before any layer
+      is recomputed, so the recompute workspace is not live then (``recompute_workspace_not_live``,
+      negative); ``recompute_moment`` adds the difference when the first recomputation (workspace
+      live, the loss's tensors freed) is the larger moment.
+
+    fp64 training: activations counted at fp32's 4 bytes (the estimator has no 8-byte activations).
+    ``layer_counts``: layers per model stage as the pipeline runner split them (its ``split``),
+    None = the estimators' even split. Attention "flash" (CPU SDPA without dropout)."""
+    from zerotron.analysis.activations import loss_backward_bytes
+
     mcfg = model_config(cfg)
     lay = _layout(cfg, plan, mcfg)
     shape = shape_of(mcfg)
@@ -390,13 +442,46 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
     params = stage_num_params(shape, lay.tp, lay.pp, lay.virtual_stages, counts)[pp_rank]
     cp = plan.dims.cp  # context parallel: states sharded over dp x cp, each rank seq / cp tokens
     states = model_state_bytes(params, lay.dp * cp, lay.zero_stage, _MEM_DTYPE[lay.dtype], "adam", lay.dp_replicate)
-    act = activation_bytes(shape, lay.micro_batch, lay.seq // cp, tp=lay.tp, sp=lay.sp, pp=lay.pp, schedule=lay.schedule,
+    bf16 = lay.dtype == "bf16"
+    bf16_params = bf16 and lay.zero_stage >= 1  # ZeRO's compute copies, FSDP2's param dtype
+    seq = lay.seq // cp
+    act = activation_bytes(shape, lay.micro_batch, seq, tp=lay.tp, sp=lay.sp, pp=lay.pp, schedule=lay.schedule,
                            microbatches=lay.microbatches, virtual_stages=lay.virtual_stages,
                            recompute=lay.recompute, dtype=_ACT_DTYPE[lay.dtype], attention="flash",
-                           dropout=cfg.model.dropout > 0, layer_counts=layer_counts)
+                           dropout=cfg.model.dropout > 0, layer_counts=layer_counts, autocast=bf16,
+                           bf16_params=bf16_params)
     a = act["per_rank_bytes"][pp_rank]
-    return {"params": params, "dp": lay.dp, "model_states": states, "activations": a,
-            "total": states["total_bytes"] + a}
+    last = pp_rank == plan.placement.last_rank if lay.pp > 1 else True
+    layers = sum(counts[c * lay.pp + pp_rank] for c in range(lay.virtual_stages))
+    flight = act["peak_in_flight"][pp_rank] if lay.pp > 1 else 1
+    fsdp2 = cfg.parallel.zero_impl == "fsdp2" and lay.zero_stage >= 2
+    V, h, t = shape.vocab_size, shape.n_embd, lay.tp
+    head = -(-V // t) * h if last else 0  # the output head's local matmul weight
+    e = {"fp32": 4, "bf16": 2, "fp64": 8}[lay.dtype]
+    r = 4 if bf16 and not bf16_params else e  # residual stream bytes
+    sbh = seq * lay.micro_batch * h // (t if lay.sp else 1)
+    terms = {"zero1_fp32_grad": 4 * -(-params // (lay.dp * cp // lay.dp_replicate))
+             if bf16 and lay.zero_stage == 1 and not fsdp2 else 0,
+             "weight_casts": 0, "stage_outputs": 0, "loss_backward": 0, "gathered": 0,
+             "fsdp2_no_grads": -states["grads_bytes"] if fsdp2 and last else 0}
+    if bf16 and not bf16_params:
+        blocks = layers * shape.block_matmul_params() // t
+        terms["weight_casts"] = 2 * (head + (blocks * flight if lay.recompute != "full" else 0))
+    if lay.pp > 1 and not last:
+        terms["stage_outputs"] = (flight + 1) * r * sbh
+    if last:
+        terms["loss_backward"] = loss_backward_bytes(seq, lay.micro_batch, V, t, bf16, e)
+        if lay.zero_stage == 3:
+            root = params - layers * shape.block_params(t)
+            terms["gathered"] = (2 if bf16 else e) * root
+    if last and lay.recompute != "none":  # the loss's backward comes before any layer is recomputed:
+        loss_moment = terms["loss_backward"] + terms["gathered"] - act["recompute_workspace_bytes"]
+        loss_saved = LOSS_BYTES * seq * lay.micro_batch * -(-V // t)  # freed once the loss's backward is done
+        terms["recompute_moment"] = max(0, -loss_saved - loss_moment)  # (the later moment, if larger)
+        terms["recompute_workspace_not_live"] = -act["recompute_workspace_bytes"]
+    total = states["total_bytes"] + a + sum(terms.values())
+    return {"params": params, "dp": lay.dp, "model_states": states, "activations": a, "terms": terms,
+            "total": total}
 
 
 def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
@@ -482,14 +567,17 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     for the out-of-memory report. Returns one record per rank: ``rank``, ``coords`` (axes and
     combined groups), ``peak_bytes_traced`` and ``peak_traced`` (bytes per :data:`CATEGORIES` at
     the peak of the measured step), ``peak_at`` (phase, module, pass), ``setup_peak_bytes`` (the
-    model build, dense before sharding), ``model_state_bytes`` (the strategy's own count after the
+    traced model build and ``parallelize``: dense, as fake tensors cannot be built deferred, see
+    ``models.deferred``), ``meta_init`` (``train.meta_init``) and ``construction_bytes`` (what a
+    real rank's meta-device construction peaks at: what it holds after ``parallelize`` + the
+    largest dense tensor), ``model_state_bytes`` (the strategy's own count after the
     step), ``peak_bytes_estimated`` and ``estimated`` (:func:`estimate`), ``comm_bytes_traced`` /
     ``comm_bytes_planned`` ({group: bytes} of the measured step; the planner's where it prices the
     group), ``comm_traced`` (per group: bytes, calls, bytes per op/tag), ratios traced/estimated,
     ``oom`` (None, or the first moment the total exceeded ``gpu_mem``: phase, module, pass, the
     category that grew, bytes; phase "model states" with the largest category when the states
-    held before the step already exceed it; phase "setup" when the model build -- every rank
-    builds the dense model from the seed before sharding it -- already does, and then
+    held before the step already exceed it; phase "setup" when the model build
+    (``construction_bytes`` with ``train.meta_init``, else the dense build's peak) already does, and then
     ``oom_step`` says what the step would do), ``wall_s`` and ``max_rss_bytes`` (of this process so far);
     ``counts_traced`` (FLOPs, element passes, ops of the measured step:
     :class:`~zerotron.analysis.trace_time.StepCounter`), ``flops_traced`` beside ``flops_formula``,
@@ -549,9 +637,10 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
                    max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                    world=world, gpu_mem=gpu_mem)
         rec["oom_step"] = rec["oom"]
-        if gpu_mem is not None and rec["setup_peak_bytes"] > gpu_mem:  # the first moment: the dense model's build
+        build = rec["construction_bytes"] if rec["meta_init"] else rec["setup_peak_bytes"]
+        if gpu_mem is not None and build > gpu_mem:  # the first moment: the model's build
             rec["oom"] = {"phase": "setup", "module": None, "pass": None, "category": "parameters",
-                          "total_bytes": rec["setup_peak_bytes"]}
+                          "total_bytes": build}
     if hw is None:
         from zerotron.analysis.hardware import hardware
         hw = hardware("h100")

@@ -46,6 +46,9 @@ def print_record(r: dict) -> None:
     print(f"  peak {_gb(r['peak_bytes_traced'])} GB traced vs {_gb(r['peak_bytes_estimated'])} GB estimated "
           f"(ratio {_ratio(r['ratios']['peak'])}) at {at.get('phase')} / {at.get('pass')} / "
           f"{at.get('module') or ('outside the modules (the loss)' if at.get('phase') == 'forward_backward' else '-')}")
+    print(f"  construction (model build + parallelize): {_gb(r['construction_bytes'])} GB with train.meta_init "
+          f"(held after parallelize + the largest dense tensor), {_gb(r['setup_peak_bytes'])} GB building densely"
+          + (" (in use)" if not r.get("meta_init") else ""))
     est = r["estimated"]
     rows = [("parameters", est["model_states"]["params_bytes"]), ("gradients", est["model_states"]["grads_bytes"]),
             ("optimizer", est["model_states"]["optimizer_bytes"]), ("activations", est["activations"]),

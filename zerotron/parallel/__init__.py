@@ -20,6 +20,7 @@ model_state_bytes.
 """
 from __future__ import annotations
 
+from zerotron.models.deferred import adopt, finish, is_deferred
 from zerotron.parallel.base import Strategy, autocast_ctx, token_loss_sum, unique_params
 from zerotron.parallel.compile import apply_compile
 from zerotron.parallel.context.transform import apply_context_parallel
@@ -33,6 +34,7 @@ from zerotron.parallel.optim import decay_mask_by_name
 from zerotron.parallel.pipeline.runner import PipelineStrategy
 from zerotron.parallel.pipeline.threads import ThreadedPipeline
 from zerotron.parallel.recompute import apply_activation_checkpointing
+from zerotron.parallel.tensor.layers import local_shard
 from zerotron.parallel.tensor.transform import apply_tensor_parallel
 
 
@@ -42,9 +44,19 @@ def parallelize(model, plan, mesh):
     on the dense model, then activation checkpointing of the (TP) blocks, then the plan's runner
     (pipeline, threads, torch pipelining) composed with its gradient synchroniser, or the
     synchroniser alone (``plan.sync``: native DDP, torch DDP, native ZeRO-1/2/3, FSDP2; DTensor TP
-    alone). Returns the ``Strategy`` the trainer drives."""
+    alone). Returns the ``Strategy`` the trainer drives.
+
+    A meta-device ``model`` (``zerotron.models.deferred.build_deferred``, ``train.meta_init``) is
+    cut on the meta device and given storage and its dense values only where this rank keeps them
+    (``models.deferred``: the tensor-parallel slices of the pipeline stages it runs, ZeRO and FSDP2
+    one unit at a time; the threads / torch pipelines, DTensor TP and experts take it whole)."""
     names_mask = decay_mask_by_name(model)  # from the dense model, before any transform
     tp_group = None
+    deferred = is_deferred(model)
+    if deferred and (plan.runner not in ("plain", "pipeline") or plan.sync == "dtensor_tp" or plan.ep > 1):
+        finish(model)  # these runners and expert sharding take a dense model
+        deferred = False
+    dense = dict(model.named_parameters(remove_duplicate=False)) if deferred else {}
     if plan.sync == "dtensor_tp":  # torch's TP, alone (the plan refuses the rest)
         strategy = DTensorTPStrategy(model, mesh.mesh["tp"], mesh.group("tp"))
         apply_activation_checkpointing(model, plan.activation_checkpointing)
@@ -54,16 +66,24 @@ def parallelize(model, plan, mesh):
         tp_group = mesh.group("tp")
         model = apply_tensor_parallel(model, tp_group, plan.sequence_parallel, seed=plan.seed,
                                       dp_rank=mesh.coords["batch"], pp_rank=mesh.coords["pp"])
+        if deferred:  # each tp layer's (meta) parameter is cut from the dense one of the same name
+            for n, q in model.named_parameters(remove_duplicate=False):
+                if q is not dense[n]:
+                    adopt(q, dense[n])
+            model.deferred_init.slice_fn = lambda q, full: local_shard(q, full, tp_group)
     if mesh.size("cp") > 1:  # outside tp: the local chunk's tokens go through the (TP) model unchanged
         apply_context_parallel(model, mesh.group("cp"), plan.cp_impl)
     apply_activation_checkpointing(model, plan.activation_checkpointing)  # block forwards only
     apply_compile(model, plan.compile)  # the (checkpointed) block forwards; hooks stay eager
     mask = {id(q): names_mask[n] for n, q in model.named_parameters(remove_duplicate=False)}
+    if deferred and plan.runner == "plain" and plan.sync not in ("zero", "fsdp2"):
+        finish(model)  # DDP takes the model whole; ZeRO and FSDP2 materialise unit by unit
     runners = {"threads": lambda: ThreadedPipeline(model, mesh, plan),  # one process, a thread per stage
                "torch": lambda: _torch_pipeline(model, mesh, plan, mask),  # torch.distributed.pipelining
                "pipeline": lambda: PipelineStrategy(model, mesh, plan, mask),  # (x tp x dp / ZeRO-1/2/3)
                "plain": lambda: _data_parallel(model, plan, mesh, mask)}
     strategy = runners[plan.runner]()
+    finish(model)  # a deferred model: what no synchroniser took, and the buffers (else nothing)
     strategy.tp_group = tp_group
     # by name again: FSDP2 replaces parameters with DTensor parameters (new objects)
     strategy.decay_mask = {**mask, **{id(q): names_mask[n] for n, q in strategy.module.named_parameters(remove_duplicate=False)}}

@@ -117,6 +117,7 @@ class Strategy:
                 with autocast_ctx(dtype, device):
                     logits = self(x)
                 loss = self.loss_sum(logits, y)
+                del logits  # autograd keeps what it needs; held, the logits would outlive the backward
                 (loss / n_global).backward()
             total += loss.detach().double().cpu()
         return total

@@ -100,7 +100,12 @@ class Trainer:
             self.model_cfg = self.model.config
         else:
             self.model_cfg = gpt_config(cfg, self.data.vocab_size)
-            self.model = registry.build_model(self.model_cfg).to(device)
+            if cfg.train.meta_init and not cfg.train.lora_rank:  # parallelize materialises this rank's part
+                from ..models.deferred import build_deferred
+
+                self.model = build_deferred(lambda: registry.build_model(self.model_cfg), device)
+            else:
+                self.model = registry.build_model(self.model_cfg).to(device)
         self.model.to(dtype=param_dtype(cfg.train.dtype))  # fp64 mode: every parameter in float64
         if cfg.train.lora_rank:  # base frozen, adapters trained (the plan checked the layout and targets)
             from ..models.lora import apply_lora, lora_kwargs

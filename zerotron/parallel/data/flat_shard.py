@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from zerotron.distributed import comm
+from zerotron.models.deferred import materialise_params, target_device
 from zerotron.parallel.data.disk_state import DiskState
 from zerotron.parallel.tensor.layers import is_tp_sharded
 
@@ -69,10 +70,11 @@ class FlatShard:
         self.numel = sum(self.numels)
         self.k = -(-self.numel // self.dp)
         self.padded = self.k * self.dp
-        dev = params[0].device
+        dev = target_device(params[0])
         self.full = torch.zeros(self.padded, dtype=compute_dtype, device=dev)
         with torch.no_grad():
             for p, off, n in zip(params, self.offsets, self.numels):
+                materialise_params([p])  # a deferred-init (meta) parameter: its dense values, one at a time
                 self.full[off:off + n].copy_(p.detach().reshape(-1))
                 p.data = self.full[off:off + n].view_as(p)
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k

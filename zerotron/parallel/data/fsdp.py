@@ -36,6 +36,7 @@ import contextlib
 import torch
 
 from zerotron.distributed import comm
+from zerotron.models.deferred import materialise_params
 from zerotron.models.layout import scale_aux_losses
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
@@ -79,10 +80,15 @@ class FSDP2Strategy(Strategy):
                            if is_tp_sharded(p)}
         blocks = list(model.blocks()) if units is None else units
         # modules sharded over a mesh of their own first (expert parallelism: the experts over dp/ep);
-        # the blocks' fully_shard then leaves their parameters to them
+        # the blocks' fully_shard then leaves their parameters to them. A deferred-init (meta) block gets
+        # its dense values just before it is sharded (all blocks first when inner modules shard across them)
+        if type(self)._shard_inner is not FSDP2Strategy._shard_inner:
+            materialise_params([q for block in blocks for q in block.parameters()])
         inner = self._shard_inner(blocks, reshard, mp)
         for block in blocks:
+            materialise_params(list(block.parameters()))
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
+        materialise_params(list((model if root is None else root).parameters()))
         fully_shard(model if root is None else root, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
                     offload_policy=policy)
         count_fsdp_collectives([*blocks, model if root is None else root], mesh.group("shard"))

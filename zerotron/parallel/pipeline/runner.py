@@ -88,6 +88,7 @@ import torch
 import torch.distributed as dist
 
 from zerotron.distributed import comm
+from zerotron.models.deferred import finish, is_deferred, release_params
 from zerotron.models.layout import get_module
 from zerotron.parallel.base import IGNORE_INDEX, Strategy, autocast_ctx, unique_params
 from zerotron.parallel.data.ddp import DataParallel
@@ -150,6 +151,11 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.dense = model
         self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
         self.module = StageModel(model, place.stages(self.rank), ranges)
+        if is_deferred(model):  # meta-device model: storage and dense values for this rank's stages only
+            own = {id(q) for q in self.module.parameters()}
+            release_params([q for q in model.parameters() if id(q) not in own])
+            if p.sync not in ("zero", "fsdp2"):  # ZeRO and FSDP2 materialise unit by unit (parallelize finishes)
+                finish(model)
         self.last_rank = place.last_rank  # pp index of the last model stage
         self.tp_group = self.module.tp_group
         self._peer = lambda q: mesh.peer(pp=q)  # pp index -> global rank (same dp, cp, tp)

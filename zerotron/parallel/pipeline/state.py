@@ -98,8 +98,8 @@ class PipelineStateMixin:
         local stage runs (shape and dtype kept; :func:`full_params` re-allocates them while it is
         open), so a pipeline rank holds only its stages' parameters. Returns the bytes freed."""
         freed = 0
-        for q in self._foreign:
-            freed += q.data.untyped_storage().nbytes()
+        for q in self._foreign:  # (a deferred-init model gave them no storage: their bytes count as freed)
+            freed += q.numel() * q.element_size()
             if not q.data.untyped_storage().resizable():  # e.g. pinned by a .numpy() view
                 q.data = torch.empty_like(q.data)
             q.data.untyped_storage().resize_(0)

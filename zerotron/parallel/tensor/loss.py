@@ -23,19 +23,20 @@ class _VocabParallelCE(torch.autograd.Function):
             m = torch.full(x.shape[:-1], float("-inf"), device=x.device)
         m = _all_reduce(m, group, tag, op=comm.ReduceOp.MAX)
         shifted = x - m.unsqueeze(-1)
-        e = shifted.exp()
+        del x  # (an fp32 copy of bf16 logits): one (B, T, V_local) fp32 buffer from here on
         t = targets - vocab_start
         in_range = (t >= 0) & (t < nv)
         t_safe = t.clamp(0, max(nv - 1, 0))
         tgt = torch.zeros_like(m) if nv == 0 else shifted.gather(-1, t_safe.unsqueeze(-1)).squeeze(-1)
-        rows = [e.sum(-1), torch.where(in_range, tgt, 0.0)] + ([shifted.sum(-1)] if eps > 0 else [])
-        stats = _all_reduce(torch.stack(rows), group, tag)
+        smooth = [shifted.sum(-1)] if eps > 0 else []
+        e = shifted.exp_()  # in place: the shifted logits are not needed any more
+        stats = _all_reduce(torch.stack([e.sum(-1), torch.where(in_range, tgt, 0.0)] + smooth), group, tag)
         lse = stats[0].log()
         tok = (1.0 - eps) * (lse - stats[1])
         if eps > 0:
             tok = tok + eps * (lse - stats[2] / vocab_size)
         valid = targets != ignore_index
-        ctx.save_for_backward(e / stats[0].unsqueeze(-1), t_safe, in_range, valid)
+        ctx.save_for_backward(e.div_(stats[0].unsqueeze(-1)), t_safe, in_range, valid)  # the softmax, in place
         ctx.meta = (n_local, nv, eps, vocab_size, logits.dtype)
         return torch.where(valid, tok, 0.0).sum()
 
@@ -46,8 +47,10 @@ class _VocabParallelCE(torch.autograd.Function):
         g = softmax - eps / vocab_size if eps > 0 else softmax.clone()
         if nv:
             g.scatter_add_(-1, t_safe.unsqueeze(-1), -(1.0 - eps) * in_range.unsqueeze(-1).to(g.dtype))
-        g = g * (grad * valid).unsqueeze(-1)
-        return F.pad(g, (0, n_local - nv)).to(dtype), None, None, None, None, None, None, None
+        g.mul_((grad * valid).unsqueeze(-1))
+        if n_local > nv:  # padding columns of the last vocabulary shard: zero gradient
+            g = F.pad(g, (0, n_local - nv))
+        return g.to(dtype), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits_local: torch.Tensor, targets: torch.Tensor, vocab_start: int,

@@ -235,7 +235,8 @@ def apply_tensor_parallel(model: CausalLM, tp_group, sequence_parallel: bool = F
     lay.check_tp(n)
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     emb = get_module(model, lay.token_embedding)
-    tracker = RNGStatesTracker(emb.weight.device)
+    deferred = getattr(model, "deferred_init", None)  # a meta-device model: its streams live where it will
+    tracker = RNGStatesTracker(deferred.device if deferred is not None else emb.weight.device)
     tracker.seed, tracker.coords = int(seed), {"tp": n, "tp_rank": rank, "dp_rank": dp_rank, "pp_rank": pp_rank}
     seed_tracker(tracker, seed)
     sp = sequence_parallel
