@@ -24,7 +24,7 @@ WRAP = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
 
 
-def run(mode: str, steps: int, tmp: Path, i: int) -> dict:
+def run(mode: str, steps: int, tmp: Path, i: int, exact: bool = False) -> dict:
     run_dir = tmp / f"{mode}-{i}"
     off = ["--train.offload", "optimizer-disk", "--train.offload_dir", str(tmp / "offload")] if mode == "disk" else []
     argv = [sys.executable, "-m", "zerotron", "train", *SHAPE, "--nproc", "2", "--run-dir", str(run_dir),
@@ -33,7 +33,12 @@ def run(mode: str, steps: int, tmp: Path, i: int) -> dict:
             "--checkpoint.save_final", "false", "--log.progress", "false", "--log.plot", "false",
             "--log.sample_tokens", "0", "--log.every", "1", *off]
     (tmp / "offload").mkdir(exist_ok=True)
-    out = subprocess.run([sys.executable, "-c", WRAP, *argv], capture_output=True, text=True, env=os.environ)
+    # --exact-memory: glibc's mmap threshold fixed at 128 KiB (its MALLOC_MMAP_THRESHOLD_ tunable, as
+    # zerotron.bench.train.exact_cpu_memory sets it in-process): every block of 128 KiB or more is its own
+    # mapping, returned to the kernel when freed, so the peak RSS follows the live tensors instead of the
+    # heap's high-water mark (the same setting for both modes)
+    env = {**os.environ, **({"MALLOC_MMAP_THRESHOLD_": "131072"} if exact else {})}
+    out = subprocess.run([sys.executable, "-c", WRAP, *argv], capture_output=True, text=True, env=env)
     if out.returncode:
         raise SystemExit(f"{mode} run failed:\n{out.stderr[-3000:]}")
     peak_kib = int(out.stdout.strip().splitlines()[-1])
@@ -49,6 +54,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/offload_disk_rss")
+    ap.add_argument("--exact-memory", action="store_true", help="glibc mmap threshold fixed at 128 KiB (both modes)")
     a = ap.parse_args()
     from zerotron.analysis.memory import model_state_bytes
 
@@ -58,10 +64,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="zt_offload_rss_") as d:
         for i in range(a.rounds):
             for mode in ("none", "disk"):
-                rows.append(run(mode, a.steps, Path(d), i))
+                rows.append(run(mode, a.steps, Path(d), i, a.exact_memory))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "model_state_breakdown"}), flush=True)
     pairs = [(rows[2 * i], rows[2 * i + 1]) for i in range(a.rounds)]
-    res = {"rounds": a.rounds, "steps": a.steps, "rows": rows, "estimate": est,
+    res = {"rounds": a.rounds, "steps": a.steps, "exact_memory": a.exact_memory, "rows": rows, "estimate": est,
            "rss_ratio": statistics.median(b["peak_rss_bytes"] / n["peak_rss_bytes"] for n, b in pairs),
            "rss_saved_bytes": statistics.median(n["peak_rss_bytes"] - b["peak_rss_bytes"] for n, b in pairs),
            "estimated_saved_bytes": est["none"]["total_bytes"] - est["disk"]["total_bytes"],
@@ -69,7 +75,8 @@ def main() -> None:
                                           if b["tokens_per_s"] and n["tokens_per_s"])}
     Path(a.out + ".json").write_text(json.dumps(res, indent=1))
     md = ["# Disk tier (`train.offload = optimizer-disk`) vs no offload: gpt2 shape, 2 ranks, ZeRO-1, fp32", "",
-          f"`python benchmarks/offload_disk_rss.py --rounds {a.rounds} --steps {a.steps}`; block 128, micro-batch 1, "
+          f"`python benchmarks/offload_disk_rss.py --rounds {a.rounds} --steps {a.steps}"
+          f"{' --exact-memory' if a.exact_memory else ''}`; block 128, micro-batch 1, "
           "global batch 2. Peak RSS per rank = largest resident set of any rank (ru_maxrss of the children). "
           "The 2-core machine was shared with other jobs: tokens/s are not speed results, only the paired ratio "
           "is indicative.", "",
