@@ -198,8 +198,8 @@ def test_expert_parallel_checkpoint_reshards_under_pp(moe_ref, report):
     def merged(per_rank):
         losses = per_rank[-1][0]  # the last pipeline stage's rank reports the loss (all do: reduced)
         params = {}
-        for _, p in per_rank:
-            params.update(p)
+        for _, p in per_rank:  # numpy from the ranks (see _ckpt_run)
+            params.update({k: torch.from_numpy(v) for k, v in p.items()})
         return losses, params
 
     src = tmp / "ckpt-pp2-ep2"

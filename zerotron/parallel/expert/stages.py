@@ -14,11 +14,8 @@ their flat buffers sharded over it, ``ZeroSync``'s ``group_of``). Canonical stat
 gathered over ep (:meth:`StageExperts.gather_entries`), sliced again on load."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from zerotron.parallel.expert.dispatch import local_dispatch
 from zerotron.parallel.expert.strategy import _ExpertShards
 
 __all__ = ["StageExperts"]
@@ -86,26 +83,8 @@ class StageExperts(_ExpertShards):
                                     for k, st in osd["state"].items()}}
         return msd, osd
 
-    @contextlib.contextmanager
     def full_model(self, dense):
         """``dense`` (every block's expert shards present, e.g. inside the pipeline's ``full_params``)
         with every expert of every layer gathered over ep and the local dispatch; restored on exit.
         Collective over ep."""
-        from zerotron.models.layout import get_module
-
-        layout = dense.layout()
-        moes = [get_module(b, layout.experts.moe) for b in get_module(dense, layout.blocks)]
-        hooks = [m.dispatch for m in moes]
-        local = {n: q.data for n, q in self.every.items()}
-        full = {n: self._gather(q.data) for n, q in self.every.items()}
-        try:
-            for n, q in self.every.items():
-                q.data = full[n]
-            for m in moes:
-                m.dispatch = local_dispatch
-            yield dense
-        finally:
-            for n, q in self.every.items():
-                q.data = local[n]
-            for m, hook in zip(moes, hooks):
-                m.dispatch = hook
+        return self._full_experts(dense, self.every)

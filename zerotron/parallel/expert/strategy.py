@@ -144,24 +144,26 @@ class _ExpertShards:
         return msd, osd
 
     @contextlib.contextmanager
-    def _full_experts(self, module):
-        """``module`` with every expert on this rank and the local dispatch; gathered over ep on
-        entry (collective), restored on exit."""
+    def _full_experts(self, module, params: dict | None = None):
+        """``module`` with every expert on this rank and the local dispatch; ``params`` ({name:
+        expert shard Parameter}, default ``expert_params``; a pipeline rank passes every stage's)
+        gathered over ep on entry (collective), restored on exit."""
         from zerotron.models.layout import get_module
 
+        params = self.expert_params if params is None else params
         layout = module.layout()
-        local = {n: p.data for n, p in self.expert_params.items()}
+        local = {n: p.data for n, p in params.items()}
         moes = [get_module(b, layout.experts.moe) for b in get_module(module, layout.blocks)]
         hooks = [m.dispatch for m in moes]
-        full = {n: self._gather(p.data) for n, p in self.expert_params.items()}
+        full = {n: self._gather(p.data) for n, p in params.items()}
         try:
-            for n, p in self.expert_params.items():
+            for n, p in params.items():
                 p.data = full[n]
             for m in moes:
                 m.dispatch = local_dispatch
             yield module
         finally:
-            for n, p in self.expert_params.items():
+            for n, p in params.items():
                 p.data = local[n]
             for m, hook in zip(moes, hooks):
                 m.dispatch = hook
