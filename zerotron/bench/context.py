@@ -22,8 +22,14 @@ receive from the previous, waited at once, no compute running: :func:`ring_hop_s
 ``wait_s`` = the seconds the ring waited for its transfers in the iteration (forward + backward,
 what ``ring_attention(timings=...)`` reports). Hidden fraction = ``1 - wait_s / transfer_s``: 1 when
 every transfer finished behind the compute, 0 when the ring waited as long as the transfers take
-alone. It can fall below 0: a wait also holds the time a slower peer needs to post its send
-(imbalance, a loaded machine), which this figure does not separate from transfer time.
+alone. That raw figure (``hidden_fraction_raw``) can fall below 0: a wait also holds the time a
+slower peer needs to post its send (imbalance, a loaded machine). So the ring also records when
+every hop was posted and when every wait began and ended (``ring_attention(timings=...)``'s
+``events``, one monotonic clock for the processes of a host), and :func:`exposed_transfer`
+counts of each wait only the part after both peers of the hop had posted it (the previous rank its
+send, the next rank its receive): ``hidden_fraction = 1 - exposed_s / transfer_s``, what the
+transfers themselves were not hidden, the peer's lateness set apart (``late_s``), as the pipeline
+executor's idle split does (wait for sender vs transfer).
 
 ``zerotron bench context [--nproc 2] [--config F] [--seq 256,512] [--layouts cp-ring,dp,cp-a2a]
 [--steps K] [--warmup W] [--rounds R] [--repeats N] [--balance] [--json OUT] [--section.field V ...]``:
@@ -49,7 +55,27 @@ import time
 
 import torch
 
-__all__ = ["attention_balance", "balance_summary", "rank_attention_times", "ring_hop_seconds", "main"]
+__all__ = ["attention_balance", "balance_summary", "exposed_transfer", "rank_attention_times", "ring_hop_seconds",
+           "main"]
+
+
+def exposed_transfer(events: list[dict], rank: int) -> tuple[float, float]:
+    """``(exposed_s, late_s)`` of cp rank ``rank``'s waits in one ring attention call, from every
+    rank's ``events`` (index = cp rank; each ``{"posts": [t], "waits": [(hop, start, end)]}`` as
+    ``ring_attention(timings=...)`` records them; hop i of every rank is the same step of the same
+    code path). A wait on hop i covers this rank's send to the next rank (complete once that rank
+    posted its receive, its own hop i) and its receive from the previous rank (posted as that rank's
+    hop i): of ``[start, end]``, the part before ``max(prev's post, next's post)`` is the peers'
+    lateness (``late_s``), the rest transfer not hidden behind compute (``exposed_s``). Seconds;
+    both 0 for one rank."""
+    n = len(events)
+    prev, nxt = events[(rank - 1) % n]["posts"], events[(rank + 1) % n]["posts"]
+    exposed = late = 0.0
+    for hop, start, end in events[rank]["waits"]:
+        ready = max(start, prev[hop], nxt[hop])
+        exposed += max(0.0, end - ready)
+        late += min(end, ready) - start
+    return exposed, late
 
 
 def ring_hop_seconds(group, shape, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
@@ -115,14 +141,18 @@ def rank_attention_times(group, seq_len: int, layout: str = "zigzag", *, batch: 
         wall = time.perf_counter() - t0
         if i >= warmup:
             rows.append(dict(timings, wall_s=wall))
+    everyone = comm.all_gather_object([r.pop("events") for r in rows], group)  # [rank][iteration]
+    split = [exposed_transfer([per[i] for per in everyone], rank) for i in range(len(rows))]
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     compute = [r["forward_compute_s"] + r["backward_compute_s"] for r in rows]
     wait = med["forward_wait_s"] + med["backward_wait_s"]
+    exposed, late = statistics.median(e for e, _ in split), statistics.median(lt for _, lt in split)
     return {"rank": rank, "layout": layout, "work_blocks": rank_work(layout, cp, rank), "dropout": dropout,
             "compute_s": statistics.median(compute), "compute_min_s": min(compute),
             "forward_compute_s": med["forward_compute_s"], "backward_compute_s": med["backward_compute_s"],
-            "wait_s": wait, "wall_s": med["wall_s"], "transfer_s": transfer,
-            "hidden_fraction": 1 - wait / transfer if transfer > 0 else None}
+            "wait_s": wait, "wall_s": med["wall_s"], "transfer_s": transfer, "exposed_s": exposed, "late_s": late,
+            "hidden_fraction": 1 - exposed / transfer if transfer > 0 else None,
+            "hidden_fraction_raw": 1 - wait / transfer if transfer > 0 else None}
 
 
 def _ranks(seq_len, layouts, kwargs):
@@ -265,7 +295,9 @@ def sweep(path, overrides, seqs, names, steps, warmup, rounds, repeats, balance,
                      **{k: v for k, v in shape.items() if k != "dtype"}, "dtype": str(shape["dtype"]),
                      "compute_s": max(r["compute_s"] for r in ring), "wait_s": max(r["wait_s"] for r in ring),
                      "transfer_s": max(r["transfer_s"] for r in ring),
-                     "hidden_fraction": min(r["hidden_fraction"] for r in ring), "ranks": ring})
+                     "exposed_s": max(r["exposed_s"] for r in ring), "late_s": max(r["late_s"] for r in ring),
+                     "hidden_fraction": min(r["hidden_fraction"] for r in ring),
+                     "hidden_fraction_raw": min(r["hidden_fraction_raw"] for r in ring), "ranks": ring})
         if balance:
             rows.append({"seq": seq, "kind": "balance", "layout": "ring-attention", "cp": len(ring),
                          **balance_summary(per_rank, layouts)})
@@ -287,9 +319,11 @@ def format_rows(rows: list[dict]) -> str:
                    else f"{above / mib:,.0f} | | " if above is not None else " | | ")
             out.append(f"| {r['seq']} | {r['layout']} | {r['impl']} | {r['tokens_per_s']:,.0f} | "
                        f"{r['peak_mem_bytes'] / mib:,.0f} | {mem} | {ratios} |")
-    out.append("\n| seq | ring attention fwd+bwd: compute s | wait s | transfer s (alone) | hidden fraction |"
-               "\n|---:|---:|---:|---:|---:|")
-    out += [f"| {r['seq']} | {r['compute_s']:.4f} | {r['wait_s']:.4f} | {r['transfer_s']:.4f} | {r['hidden_fraction']:.3f} |"
+    out.append("\n| seq | ring attention fwd+bwd: compute s | wait s | of which peers late s | exposed transfer s "
+               "| transfer s (alone) | hidden fraction (min over ranks) | raw: 1 - wait / transfer |"
+               "\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    out += [f"| {r['seq']} | {r['compute_s']:.4f} | {r['wait_s']:.4f} | {r['late_s']:.4f} | {r['exposed_s']:.4f} | "
+            f"{r['transfer_s']:.4f} | {r['hidden_fraction']:.3f} | {r['hidden_fraction_raw']:.3f} |"
             for r in rows if r["kind"] == "ring"]
     bal = [r for r in rows if r["kind"] == "balance"]
     if bal:

@@ -196,6 +196,7 @@ class _Ring:
         self.chunk, _ = chunk_layout(layout, self.size, self.rank, t_local)
         self.doc = doc  # (B, T) document indices of the whole sequence, or None
         self.drop, self.device = drop, device  # attention dropout (key, first row and head), or None
+        self.events = None  # with timings: {"posts": [t], "waits": [(post index, start, end)]} (see _wait)
 
     def allowed(self, qi: int, kj: int) -> torch.Tensor | None:
         """Document masking: the boolean mask (B, 1, C, C) of global query chunk ``qi`` against key
@@ -241,19 +242,36 @@ class _Ring:
         """Post send of ``t`` to the next rank and receive of a same-shape tensor from the previous:
         ``(received buffer, works)``; wait on the works before reading the buffer."""
         buf = torch.empty_like(t)
-        works = comm.batch_isend_irecv([("send", t, self.next), ("recv", buf, self.prev)], group=self.group, tag=tag)
+        works = _Posted(comm.batch_isend_irecv([("send", t, self.next), ("recv", buf, self.prev)], group=self.group,
+                                               tag=tag))
+        if self.events is not None:  # the i-th post of every rank is the same hop (same code path on each)
+            works.index = len(self.events["posts"])
+            works.events = self.events
+            self.events["posts"].append(time.perf_counter())
         return buf, works
 
     def slot(self, i: int) -> slice:
         return slice(i * self.chunk, (i + 1) * self.chunk)
 
 
+class _Posted(list):
+    """The works of one :meth:`_Ring.shift` (a list), with the hop's ``index`` among this rank's
+    posts and the ring's ``events`` when its timings are traced."""
+
+    index, events = None, None
+
+
 def _wait(works) -> float:
-    """Wait for the works; the seconds spent waiting (transfer time not hidden behind compute)."""
+    """Wait for the works; the seconds spent waiting (transfer time not hidden behind compute, or
+    time the peer was late to post). Traced rings record ``(hop index, start, end)`` of the wait, so
+    the peers' post times can later tell the two apart (``bench.context.exposed_transfer``)."""
     t0 = time.perf_counter()
     for w in works:
         w.wait()
-    return time.perf_counter() - t0
+    t1 = time.perf_counter()
+    if getattr(works, "events", None) is not None:
+        works.events["waits"].append((works.index, t0, t1))
+    return t1 - t0
 
 
 def _add(timings: dict | None, **seconds: float) -> None:
@@ -279,6 +297,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, group, layout, timings, doc, drop):
         ring = _Ring(group, layout, q.size(2), doc, drop, q.device)
+        if timings is not None:  # per-hop post and wait times, forward and backward (timings["events"])
+            ring.events = timings.setdefault("events", {"posts": [], "waits": []})
         B, H, Hkv = q.size(0), q.size(1), k.size(1)
         p = drop.p if drop is not None else 0.0
         D = q.size(-1)
@@ -375,7 +395,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, lay
     dict to which ``forward_compute_s`` and ``backward_compute_s`` (seconds of block compute on
     this rank, waits excluded) and ``forward_wait_s`` and ``backward_wait_s`` (seconds waiting for
     transfers: the part not hidden behind compute) are added; host wall clock, exact on CPU (on
-    CUDA the kernels are asynchronous and these are launch times).
+    CUDA the kernels are asynchronous and these are launch times). It also receives ``events``:
+    ``{"posts": [time each hop was posted], "waits": [(hop index, wait start, wait end)]}`` in this
+    rank's order (``time.perf_counter``, one clock for the processes of a host), from which
+    ``zerotron.bench.context.exposed_transfer`` separates a peer's late post from transfer time.
 
     ``doc``: None, or the document indices (B, T) of the whole sequence in natural order
     (``.docmask``): each (query chunk, key chunk) block is then masked to same-document pairs (its
