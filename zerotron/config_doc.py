@@ -66,5 +66,5 @@ def fields_help(width: int = 100) -> str:
             lines.append(f"\n  [{sec}]")
         lines.append(f"  --{r['key']} {r['type'].upper()} (default: {_fmt_default(r['default'])})")
         lines.extend(textwrap.wrap(r["doc"] or "(undocumented)", width, initial_indent=" " * 6,
-                                   subsequent_indent=" " * 6))
+                                   subsequent_indent=" " * 6, break_on_hyphens=False))  # ZeRO-Infinity stays whole
     return "\n".join(lines)
