@@ -4,8 +4,10 @@ fake process group (rank R of N: collectives return at once), with ``train.meta_
     python benchmarks/meta_init_rss.py --world 8 --rank 0 --meta true  --model.preset llama3-8b --parallel.tp 8
     python benchmarks/meta_init_rss.py ... --meta false      # every rank builds the dense model first
 
-Prints one JSON line: world, rank, meta, rss_before_bytes (after imports), rss_peak_bytes (the
-process's max RSS after parallelize), params_bytes (what the strategy holds), wall_s.
+Prints one JSON line: world, rank, meta, rss_before_bytes (RSS right before the construction),
+rss_peak_bytes (the peak RSS during it: VmHWM reset through /proc/self/clear_refs first, so what the
+process reached earlier -- imports, a cold data cache, the plan -- does not mask it), params_bytes
+(what the strategy holds), wall_s.
 """
 from __future__ import annotations
 
@@ -13,6 +15,30 @@ import json
 import resource
 import sys
 import time
+
+
+def _status(key: str) -> int:
+    """Bytes of ``key`` (VmRSS, VmHWM) in /proc/self/status."""
+    import re
+
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{key}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def _reset_hwm() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0, /proc/self/clear_refs
+    "5"), after returning freed heap to the kernel; False where that is not possible."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def main(argv: list[str]) -> int:
@@ -39,11 +65,12 @@ def main(argv: list[str]) -> int:
     plan = build_plan(cfg, args.world)
     dist.init_process_group("fake", rank=args.rank, world_size=args.world, store=FakeStore())
     mesh = Mesh(plan.dims, torch.device("cpu"))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = _status("VmRSS")
+    hwm_reset = _reset_hwm()  # the peak from here on (else the process-lifetime peak: imports, data, plan)
     t0 = time.perf_counter()
     _, strategy, _ = build_rank(cfg, plan, mesh)
     wall = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status("VmHWM") if hwm_reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     held = sum(q.numel() * q.element_size() for q in {id(x): x for x in strategy.module.parameters()}.values()
                if q.untyped_storage().nbytes())
     zero = getattr(strategy, "zero", None) or strategy
