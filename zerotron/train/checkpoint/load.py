@@ -55,6 +55,9 @@ def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, 
         from zerotron.parallel.base import Strategy
 
         strategy = Strategy(strategy)
+    # the kernel choice is this run's (train.optimizer_impl, or what the strategy forces), not the saved
+    # run's: torch's load_state_dict would copy the checkpoint's "fused"/"foreach" group options over it
+    kernels = [{k: g.get(k) for k in ("fused", "foreach")} for g in optimizer.param_groups] if optimizer else []
     try:
         if optimizer is not None:
             init_optimizer_state(optimizer)
@@ -62,6 +65,8 @@ def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, 
         state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(ckpt))
         strategy.load_checkpoint_state(state["model"], state.get("optim"), optimizer)
+        for g, kern in zip(optimizer.param_groups if optimizer else [], kernels):
+            g.update(kern)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load checkpoint {str(ckpt)!r}: {first[:300]}. A file may be missing or "
