@@ -14,8 +14,6 @@ their flat buffers sharded over it, ``ZeroSync``'s ``group_of``). Canonical stat
 gathered over ep (:meth:`StageExperts.gather_entries`), sliced again on load."""
 from __future__ import annotations
 
-import torch
-
 from zerotron.parallel.expert.strategy import _ExpertShards
 
 __all__ = ["StageExperts"]
@@ -66,22 +64,11 @@ class StageExperts(_ExpertShards):
     def gather_entries(self, msd: dict, osd: dict | None):
         """This stage's expert entries of a canonical state (this ep rank's range) gathered over ep
         to the full (E, ...) tensors. Collective over ep (the same names on every ep rank)."""
-        for name in self.expert_params:
-            if name in msd:
-                msd[name] = self._gather(msd[name])
-            if osd is not None and name in osd["state"]:
-                osd["state"][name] = {k: self._gather(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                                      for k, v in osd["state"][name].items()}
-        return msd, osd
+        return self._full_expert_state(msd, osd)
 
     def slice_entries(self, msd: dict, osd: dict | None):
         """A canonical state with this stage's expert tensors cut to this ep rank's range."""
-        msd = {k: self._slice(v) if k in self.expert_params else v for k, v in msd.items()}
-        if osd is not None:
-            osd = {**osd, "state": {k: ({n: self._slice(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x
-                                         for n, x in st.items()} if k in self.expert_params else st)
-                                    for k, st in osd["state"].items()}}
-        return msd, osd
+        return self._local_expert_state(msd, osd)
 
     def full_model(self, dense):
         """``dense`` (every block's expert shards present, e.g. inside the pipeline's ``full_params``)
