@@ -160,7 +160,6 @@ def test_expert_parallel_checkpoint_reshards(moe_ref, report):
     """A ZeRO-2 dp 4 = ep 2 x 2 replicas checkpoint of step 2 resumes under DDP at ep 4 and under
     ZeRO-3 at ep 1 (dp 2) -- in the full mode also under FSDP2 stage 2 at dp 4 ep 2 and torch DDP at
     dp 2 ep 2: step 3's loss and the final parameters equal the uninterrupted run's."""
-    import shutil
 
     tmp, extra, _, _ = moe_ref
     src = tmp / "ckpt-ep2"
@@ -172,15 +171,8 @@ def test_expert_parallel_checkpoint_reshards(moe_ref, report):
     if FULL:  # FSDP2 with experts over dp/ep (its full-state checkpoint), torch DDP at ep 2
         targets += [L("fsdp2_2", 4, 1, False, 1, None, 2, ep=2), L("torch_ddp", 2, 1, False, 1, None, 4, ep=2)]
     for lay in targets:
-        dst = tmp / f"resume-{lay.name}"
-        shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != "step_2"])
-        losses, params = run_ranks(_ckpt_run, lay.world, str(dst), lay, extra, True, timeout_s=120)[0]
-        params = {k: torch.from_numpy(v) for k, v in params.items()}
-        assert len(losses) == 1 and abs(losses[0] - full_losses[2]) <= 1e-10 * abs(full_losses[2]), (lay.name, losses)
-        assert set(params) == set(full_params)
-        err = max(float((params[k] - v).norm() / v.norm().clamp_min(1e-300)) for k, v in full_params.items())
-        assert err <= 1e-10, (lay.name, err)
-        worst = max(worst, err, abs(losses[0] - full_losses[2]) / abs(full_losses[2]))
+        worst = max(worst, _resume_matches(src, tmp / f"resume-{lay.name}", lay, extra, full_losses, full_params,
+                                           lambda per_rank: per_rank[0]))
     report(f"moe checkpoint: zero2 dp4 ep2 step 2 resumed as {', '.join(l.name for l in targets)}: step-3 loss and "
            f"final params equal, worst relative error {worst:.3g}")
 
@@ -189,7 +181,6 @@ def test_expert_parallel_checkpoint_reshards_under_pp(moe_ref, report):
     """(``make test-moe``) A ZeRO-1 pp 2 x dp 2 = ep 2 (1F1B) checkpoint of step 2 resumes as DDP
     dp 4 at ep 4 (no pipeline) and as DDP pp 2 x ep 2 under ZB-H1: step 3's loss and the final
     parameters equal the uninterrupted run's (the pipeline ranks' canonical parts merged)."""
-    import shutil
 
     if not FULL:
         pytest.skip("three 4-rank spawns: ZEROTRON_MOE_PARITY=full (make test-moe)")
@@ -198,8 +189,8 @@ def test_expert_parallel_checkpoint_reshards_under_pp(moe_ref, report):
     def merged(per_rank):
         losses = per_rank[-1][0]  # the last pipeline stage's rank reports the loss (all do: reduced)
         params = {}
-        for _, p in per_rank:  # numpy from the ranks (see _ckpt_run)
-            params.update({k: torch.from_numpy(v) for k, v in p.items()})
+        for _, p in per_rank:
+            params.update(p)
         return losses, params
 
     src = tmp / "ckpt-pp2-ep2"
@@ -207,13 +198,23 @@ def test_expert_parallel_checkpoint_reshards_under_pp(moe_ref, report):
                                                                          ep=2), extra, False, timeout_s=120))
     worst = 0.0
     for lay in (L("ddp", 4, 1, False, 1, None, 2, ep=4), L("ddp", 2, 1, False, 2, "zb-h1", 4, "auto", ep=2)):
-        dst = tmp / f"resume-pp-{lay.name}"
-        shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != "step_2"])
-        losses, params = merged(run_ranks(_ckpt_run, lay.world, str(dst), lay, extra, True, timeout_s=120))
-        assert len(losses) == 1 and abs(losses[0] - full_losses[2]) <= 1e-10 * abs(full_losses[2]), (lay.name, losses)
-        assert set(params) == set(full_params)
-        err = max(float((params[k] - v).norm() / v.norm().clamp_min(1e-300)) for k, v in full_params.items())
-        assert err <= 1e-10, (lay.name, err)
-        worst = max(worst, err, abs(losses[0] - full_losses[2]) / abs(full_losses[2]))
+        worst = max(worst, _resume_matches(src, tmp / f"resume-pp-{lay.name}", lay, extra, full_losses,
+                                           {k: torch.from_numpy(v) for k, v in full_params.items()}, merged))
     report(f"moe checkpoint under pp: zero1 pp2 dp2 ep2 step 2 resumed as ddp dp4 ep4 and ddp pp2 ep2 zb-h1: "
            f"step-3 loss and final params equal, worst relative error {worst:.3g}")
+
+
+def _resume_matches(src, dst, lay, extra, full_losses, full_params, per_rank) -> float:
+    """Resume the step-2 checkpoint of ``src`` as layout ``lay`` (in ``dst``): step 3's loss and the final
+    parameters equal the uninterrupted run's (rtol 1e-10). ``per_rank`` turns run_ranks' results into
+    (losses, {name: numpy}). Returns the worst relative error."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != "step_2"])
+    losses, params = per_rank(run_ranks(_ckpt_run, lay.world, str(dst), lay, extra, True, timeout_s=120))
+    params = {k: torch.from_numpy(v) for k, v in params.items()}
+    assert len(losses) == 1 and abs(losses[0] - full_losses[2]) <= 1e-10 * abs(full_losses[2]), (lay.name, losses)
+    assert set(params) == set(full_params)
+    err = max(float((params[k] - v).norm() / v.norm().clamp_min(1e-300)) for k, v in full_params.items())
+    assert err <= 1e-10, (lay.name, err)
+    return max(err, abs(losses[0] - full_losses[2]) / abs(full_losses[2]))
