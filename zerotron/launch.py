@@ -247,7 +247,9 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     survivors of a failed attempt find why they are stopped in :data:`RESTART_NOTE_ENV`'s file). A
     SIGTERM/SIGHUP/SIGINT to this process is forwarded to the workers by the elastic agent, which
     waits ``shutdown_timeout_s`` seconds for them before SIGKILL; then this prints one line and
-    returns 128 + the signal. Raises ValueError if ``nproc < 1`` or ``max_restarts < 0``."""
+    returns 128 + the signal. The workers start with glibc's heap thresholds of
+    :mod:`zerotron.host_heap` (unless ``ZEROTRON_HOST_HEAP=release`` or the user set their own).
+    Raises ValueError if ``nproc < 1`` or ``max_restarts < 0``, or as ``host_heap.wanted``."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if max_restarts < 0:
@@ -257,6 +259,10 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     from torch.distributed.run import get_args_parser, run
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    from .host_heap import worker_env
+
+    heap_env = worker_env()  # glibc's heap thresholds from the workers' first allocation (host_heap)
+    os.environ.update(heap_env)
     note_dir = None
     if max_restarts:
         # a fresh TCPStore per attempt (hosted by the new rank 0): with the agent's store shared,
@@ -283,6 +289,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
         print(f"zerotron: {describe_failures(failures)}", file=sys.stderr)
         return 1
     finally:
+        for key in heap_env:  # this process's own later children are not ours to tune
+            os.environ.pop(key, None)
         if note_dir is not None:
             os.environ.pop(RESTART_NOTE_ENV, None)
             shutil.rmtree(note_dir, ignore_errors=True)

@@ -58,6 +58,13 @@ def version() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``zerotron`` command; returns the exit code (0 ok, 2 user error, 130 after
     Ctrl-C: one line from the launcher or the single process, nothing from the workers)."""
+    if argv is None:  # the program itself (console script, python -m, a torchrun worker), not a library caller
+        from ..host_heap import retain
+
+        try:
+            retain()  # glibc's heap thresholds fixed: no page faults per step (zerotron.host_heap)
+        except ValueError as e:
+            return fail(str(e))
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(argv)
