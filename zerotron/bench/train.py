@@ -43,7 +43,12 @@ executor overhead without the compute jitter that measured / simulated also cont
 ``bubble_sim_latency`` is the simulation from the means with every message taking the step's
 measured ``p2p_latency_ms`` and ``latency_ratio`` measured / that (paired per step). A layout
 suffix ``-p2pbatched`` / ``-p2peager`` runs the executor's other p2p posting modes
-(:attr:`layouts.Layout.p2p`).
+(:attr:`layouts.Layout.p2p`). Offload layouts (``zeroS-offload``, ``zeroS-offdisk``):
+``offload_hidden`` = 1 - (seconds the ranks waited for their host copies) / (seconds the copy
+threads ran), both summed over ranks and timed steps (``ZeroSync.offload_timing``), with the per-step
+means per rank ``offload_copy_s_per_step`` / ``offload_wait_s_per_step``; ``offload_io_hidden`` the
+same for the disk tier's I/O threads; ``ratio_vs_no_offload`` (report) the paired tokens/s ratio
+against ``zeroS`` of the same run.
 """
 from __future__ import annotations
 
