@@ -312,6 +312,26 @@ def test_hsdp_vs_flat_ratio_and_link_bytes_columns():
     assert head.endswith("| tokens/s vs flat | link bytes/step | link bytes vs flat |"), head
 
 
+def test_offload_hidden_and_vs_no_offload_columns():
+    """Offload layouts: ``offload_hidden`` (and the disk tier's ``offload_io_hidden``) are medians over
+    rounds; ``ratio_vs_no_offload`` pairs each round with the same stage without offload."""
+    recs = []
+    for r, (plain, off, hid) in enumerate(((100.0, 90.0, 0.5), (120.0, 60.0, 0.7), (80.0, 72.0, 0.6))):
+        recs += [_rec("zero1", r, plain, impl="ZeroStrategy"),
+                 {**_rec("zero1-offload", r, off, impl="ZeroStrategy"), "offload_hidden": hid,
+                  "offload_copy_s_per_step": 0.01, "offload_wait_s_per_step": 0.01 * (1 - hid)},
+                 {**_rec("zero1-offdisk-mb2", r, off, impl="ZeroStrategy"), "offload_hidden": hid,
+                  "offload_io_hidden": hid / 2}]
+    by = {x["layout"]: x for x in bt.summarize(recs)}
+    assert by["zero1-offload"]["ratio_vs_no_offload"] == pytest.approx(0.9)  # per round 0.9, 0.5, 0.9
+    assert by["zero1-offdisk-mb2"]["ratio_vs_no_offload"] == pytest.approx(0.9)
+    assert by["zero1-offload"]["offload_hidden"] == pytest.approx(0.6)
+    assert by["zero1-offdisk-mb2"]["offload_io_hidden"] == pytest.approx(0.3)
+    assert "ratio_vs_no_offload" not in by["zero1"] and "offload_hidden" not in by["zero1"]
+    head = bt.format_table(list(by.values())).splitlines()[0]
+    assert head.endswith("| tokens/s vs no offload | host copies hidden | disk I/O hidden |"), head
+
+
 def test_link_bytes_read_from_the_interface_counter(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     assert bt._link_tx_bytes() is None  # loopback is not a link between nodes

@@ -43,18 +43,34 @@ def _runs(base_dir, cache, cases):
                 for f in ("checkpoints/step_4",):
                     shutil.rmtree(f"{run_dir}/{f}", ignore_errors=True)
             torch.distributed.barrier()
-        recs = []
+        recs, timing = [], []
         tr = Trainer(cfg, run_dir, resume="resume" in over)
-        tr.fit(callback=lambda t, r: recs.append((r["loss"], r["grad_norm"], r["model_state_breakdown"])))
+        tr.fit(callback=lambda t, r: (recs.append((r["loss"], r["grad_norm"], r["model_state_breakdown"])),
+                                      timing.append({k: v for k, v in r.items() if k.startswith("offload_")})))
         # canonical, dense; numpy arrays travel back by value (no shared-memory file descriptors to a
         # rank that may be gone by the time the parent unpickles them)
         params = {k: v.detach().cpu().clone().numpy() for k, v in tr.strategy.state_dict()[0].items()}
-        out[name] = ([r[:2] for r in recs], recs[-1][2], params)
+        out[name] = ([r[:2] for r in recs], recs[-1][2], params, timing)
     return out
 
 
+def _check_timing(res, name, disk: bool) -> None:
+    """metrics.jsonl's offload timing: every step copied (gradients out; parameters back, counted in
+    the next step, which waits for them) and says how long it waited (``offload_hidden`` <= 1; below
+    0 when the waits also covered copies queued behind others); the disk tier (no gradient copy on a
+    CPU-only machine: its first step copies nothing yet) also counts its I/O threads' seconds."""
+    for i, t in enumerate(res[name][3]):
+        if disk and i == 0:
+            assert t["offload_copy_s"] == 0 and t["offload_hidden"] is None, (name, t)
+        else:
+            assert t["offload_copy_s"] > 0 and t["offload_wait_s"] >= 0 and t["offload_hidden"] <= 1, (name, t)
+        assert ("offload_io_s" in t) == disk, (name, t)
+        if disk:
+            assert t["offload_io_s"] > 0 and t["offload_io_wait_s"] >= 0, (name, t)
+
+
 def _check(res, a, b):
-    (la, _, pa), (lb, _, pb) = res[a], res[b]
+    (la, _, pa, _), (lb, _, pb, _) = res[a], res[b]
     assert la == lb, (a, b, la, lb)
     assert pa.keys() == pb.keys()
     for k in pa:
@@ -83,6 +99,9 @@ def test_offload_equals_no_offload_dp2(tmp_path, data_cache):
     for z in (1, 2, 3):
         _check(res, f"z{z}", f"z{z}-off")
         _check(res, f"z{z}", f"z{z}-disk")
+        _check_timing(res, f"z{z}-off", disk=False)
+        _check_timing(res, f"z{z}-disk", disk=True)
+        assert res[f"z{z}"][3] == [{}] * 4  # no offload: no timing fields
         off, ref, disk = res[f"z{z}-off"][1], res[f"z{z}"][1], res[f"z{z}-disk"][1]
         assert off["optimizer_bytes"] == 0 and ref["optimizer_bytes"] > 0 and "host_bytes" not in ref
         shard_bytes = ref["optimizer_bytes"] // 2  # fp64: exp_avg + exp_avg_sq (master aliased/param at stage 3)
@@ -219,44 +238,110 @@ def test_offload_dir_refused(capsys, tmp_path, monkeypatch):
     ro.chmod(0o755)
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_overlap_order(tmp_path, data_cache, single_process, monkeypatch, stage):
+    """Where the copies happen (one process, 4 blocks, fp64, 2 steps): each gradient shard leaves for
+    the host as soon as its unit's reduce-scatter is finished, while later units are still being
+    reduced (so during backward: the reductions are launched from gradient hooks), not after the
+    last one; the updated shards go back after the step and are waited for unit by unit in the
+    next forward (ZeRO-1: each block's forward pre-hook all-gathers its own, the next one's
+    prefetched; ZeRO-3: right before each unit's all-gather), not all before it starts."""
+    from zerotron.parallel.data import flat_shard, host_copies
+    from zerotron.testing import tiny_config
+    from zerotron.train.trainer import Trainer
+
+    log = []
+    launch, copy, settle = (flat_shard.FlatShard.launch_reduce, host_copies.HostCopies.copy,
+                            flat_shard.FlatShard.settle_arrival)
+
+    def logged_launch(f):
+        log.append(("reduce", f.names[0]))
+        return launch(f)
+
+    def logged_copy(c, dst, src):
+        log.append(("grad_out", None))
+        return copy(c, dst, src)
+
+    def logged_settle(f):
+        if f.arrival is not None:
+            log.append(("param_in", f.names[0]))
+        return settle(f)
+    monkeypatch.setattr(flat_shard.FlatShard, "launch_reduce", logged_launch)
+    monkeypatch.setattr(host_copies.HostCopies, "copy", logged_copy)
+    monkeypatch.setattr(flat_shard.FlatShard, "settle_arrival", logged_settle)
+    cfg = tiny_config({"train.steps": 2, "train.micro_batch": 2, "data.cache_dir": data_cache, "train.dtype": "fp64",
+                       "train.eval_every": 0, "checkpoint.save_final": "false", "parallel.zero_stage": stage,
+                       "train.offload": "optimizer"})
+    tr = Trainer(cfg, str(tmp_path / "run"))
+
+    def blocks_run(module, args):
+        log.append(("block", None))
+    for b in tr.strategy.module.blocks():
+        b.register_forward_pre_hook(blocks_run)
+    tr.fit(callback=lambda t, r: log.append(("step", None)))
+    kinds = [k for k, _ in log]
+    first = kinds.index("step")
+    step1 = kinds[:first]
+    # gradients: the first copy comes before the step's last reduce-scatter is launched
+    reduces = [i for i, k in enumerate(step1) if k == "reduce"]
+    outs = [i for i, k in enumerate(step1) if k == "grad_out"]
+    assert len(outs) == len(tr.strategy.grad_flats) and outs[0] < reduces[-1], step1
+    # parameters: the second step's forward interleaves the blocks with the arrivals of their shards
+    step2 = kinds[first + 1:]
+    ins = [i for i, k in enumerate(step2) if k == "param_in"]
+    blocks = [i for i, k in enumerate(step2) if k == "block"]
+    assert len(ins) == len(tr.strategy.grad_flats) and ins[0] < blocks[0] < ins[-1], step2
+
+
 def test_disk_state_release():
     """``DiskState``: values written through the mapping survive ``release`` (MADV_DONTNEED on a
-    shared file mapping), which takes the pages out of the process's resident set; the chunked
-    step gives the same bits as one torch AdamW step over the whole vector."""
+    shared file mapping), which takes the pages out of the process's resident set. ``disk_step``
+    (reader and writer threads, ``depth`` staging buffers) gives the same bits as one torch AdamW
+    step over each whole vector, for two buffers in one call, ragged tails, one buffer in flight or
+    two, and leaves the mapped vectors as the state."""
     import tempfile
 
-    from zerotron.parallel.data.disk_state import DiskState, chunked_step
+    from zerotron.parallel.data.disk_state import DiskState, disk_step
 
     def rss_file_kb():
         with open("/proc/self/status") as f:
             return sum(int(ln.split()[1]) for ln in f if ln.startswith(("RssFile:", "RssShmem:")))
 
-    n = 3 * (1 << 20) + 17  # 3 chunks and a ragged tail
+    chunk = 1 << 16
+    sizes = (3 * chunk + 17, chunk - 5)
     with tempfile.TemporaryDirectory() as d:
-        disk = DiskState(f"{d}/x.bin", n, torch.float64)
+        disks = [DiskState(f"{d}/x{i}.bin", n, torch.float64) for i, n in enumerate(sizes)]
         assert os.listdir(d) == []  # unlinked once mapped
-        vals = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        vals = [torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                for i, n in enumerate(sizes)]
         before = rss_file_kb()
-        disk.tensors["master"].copy_(vals)
+        disks[0].tensors["master"].copy_(vals[0])
         grown = rss_file_kb() - before
-        disk.release()
-        assert grown > 0.9 * n * 8 / 1024 and rss_file_kb() - before < 0.1 * grown, (grown, rss_file_kb() - before)
-        assert torch.equal(disk.tensors["master"], vals)
+        disks[0].release()
+        assert grown > 0.9 * sizes[0] * 8 / 1024 and rss_file_kb() - before < 0.1 * grown, (grown, rss_file_kb() - before)
+        assert torch.equal(disks[0].tensors["master"], vals[0])
+        disks[1].tensors["master"].copy_(vals[1])
 
-        ref = torch.nn.Parameter(vals.clone())
-        ref_opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.1)
-        p = torch.nn.Parameter(disk.tensors["master"])
-        opt = torch.optim.AdamW([p], lr=0.1, weight_decay=0.1, foreach=True)
-        opt.state[p].update(step=torch.tensor(0.0), exp_avg=disk.tensors["exp_avg"], exp_avg_sq=disk.tensors["exp_avg_sq"])
-        for i in range(2):
-            g = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(i + 1))
-            ref.grad = g.clone()
+        refs = [torch.nn.Parameter(v.clone()) for v in vals]
+        ref_opt = torch.optim.AdamW(refs, lr=0.1, weight_decay=0.1)
+        ps = [torch.nn.Parameter(dk.tensors["master"]) for dk in disks]
+        opt = torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1, foreach=True)
+        for p, dk in zip(ps, disks):
+            opt.state[p].update(step=torch.tensor(0.0), exp_avg=dk.tensors["exp_avg"], exp_avg_sq=dk.tensors["exp_avg_sq"])
+        for i, depth in enumerate((2, 1, 3)):
+            gs = [torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * i + j + 1))
+                  for j, n in enumerate(sizes)]
+            for r, g in zip(refs, gs):
+                r.grad = g.clone()
             ref_opt.step()
-            chunked_step(opt, p, g, disk)
-        assert torch.equal(p.detach(), ref.detach()) and p.grad is None
-        for k in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(opt.state[p][k], ref_opt.state[ref][k]), k
-        assert opt.state[p]["exp_avg"].data_ptr() == disk.tensors["exp_avg"].data_ptr()
+            t = disk_step(opt, [(p, g, dk) for p, g, dk in zip(ps, gs, disks)], chunk=chunk, depth=depth)
+            assert t["io_s"] > 0 and t["io_wait_s"] >= 0
+        for p, r, dk in zip(ps, refs, disks):
+            assert torch.equal(p.detach(), r.detach()) and p.grad is None
+            assert p.data_ptr() == dk.tensors["master"].data_ptr()
+            for k in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(opt.state[p][k], ref_opt.state[r][k]), k
+            assert opt.state[p]["exp_avg"].data_ptr() == dk.tensors["exp_avg"].data_ptr()
 
 
 def test_plan_prices_host_link():

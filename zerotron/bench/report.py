@@ -9,6 +9,10 @@ from pathlib import Path
 BASELINES = ("dp-torch", "single")  # ratio columns: tokens/s relative to these layouts
 # "vs flat" column: each hierarchical layout (HSDP) against its flat counterpart of the same run
 FLAT_OF = {"hsdp-zero2": "zero2", "hsdp-zero3": "zero3", "fsdp2-hsdp": "fsdp2-zero3", "dp-hier": "dp"}
+# "vs no offload" column: each offload layout against the same ZeRO stage without offload
+OFFLOAD_OF = {f"zero{s}-{kind}": f"zero{s}" for s in (1, 2, 3) for kind in ("offload", "offdisk")}
+OFFLOAD_KEYS = ("offload_copy_s_per_step", "offload_wait_s_per_step", "offload_hidden", "offload_io_s_per_step",
+                "offload_io_wait_s_per_step", "offload_io_hidden")
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float | None:
@@ -55,6 +59,10 @@ def summarize(records: list[dict]) -> list[dict]:
         if "compile_time_s" in rs[0]:  # -compile layouts: the first round compiles, the later ones reuse
             row.update(compile_time_s=max(r["compile_time_s"] for r in rs), recompiles=sum(r["recompiles"] for r in rs),
                        warmup_s=max(r["warmup_s"] for r in rs))
+        for k in OFFLOAD_KEYS:  # host copies / disk I/O hidden behind compute: medians over rounds
+            row.pop(k, None)
+            if all(r.get(k) is not None for r in rs):
+                row[k] = statistics.median(r[k] for r in rs)
         if "epoch_tokens" in rs[0]:
             row["epoch_time_s"] = rs[0]["epoch_tokens"] / row["tokens_per_s"]
         if "bubble_measured" in rs[0]:
@@ -78,6 +86,9 @@ def summarize(records: list[dict]) -> list[dict]:
             row["ratio_vs_flat"] = paired_ratio(row["tokens_per_s_rounds"], flat.get("tokens_per_s_rounds"))
             if "link_tx_bytes_per_step" in row and flat.get("link_tx_bytes_per_step"):
                 row["link_bytes_vs_flat"] = row["link_tx_bytes_per_step"] / flat["link_tx_bytes_per_step"]
+        plain = by_name.get(OFFLOAD_OF.get(_base(row["layout"]), ""))
+        if plain is not None and not row["skipped"] and not plain["skipped"]:
+            row["ratio_vs_no_offload"] = paired_ratio(row["tokens_per_s_rounds"], plain.get("tokens_per_s_rounds"))
         eager = by_name.get(row["layout"].removesuffix("-compile")) if row["layout"].endswith("-compile") else None
         if eager is not None and not row["skipped"] and not eager["skipped"]:  # paired per round
             row["ratio_vs_eager"] = paired_ratio(row["tokens_per_s_rounds"], eager.get("tokens_per_s_rounds"))
@@ -120,7 +131,8 @@ def format_table(rows: list[dict]) -> str:
     extra = [k for k in ("mfu", "epoch_time_s", "pp_split", "bubble_measured", "idle_dependency", "idle_transfer",
                          "idle_post", "start_skew_ms", "p2p_latency_ms", "bubble_simulated", "bubble_overhead_ratio", "bubble_replayed",
                          "bubble_replay_ratio", "bubble_sim_latency", "latency_ratio", "bubble_theory", "ratio_vs_flat", "link_tx_bytes_per_step", "link_bytes_vs_flat",
-                         "compile_time_s", "recompiles", "ratio_vs_eager")
+                         "compile_time_s", "recompiles", "ratio_vs_eager", "ratio_vs_no_offload", "offload_hidden",
+                         "offload_io_hidden")
              if any(k in r for r in rows)]
     names = {"mfu": ("MFU (measured matmul peak)", ".3f"), "epoch_time_s": ("epoch s", ",.1f"), "bubble_measured": ("bubble measured", ".3f"),
              "bubble_simulated": ("bubble sim (measured F/B)", ".3f"), "bubble_overhead_ratio": ("measured / sim", ".2f"),
@@ -135,7 +147,8 @@ def format_table(rows: list[dict]) -> str:
              "ratio_vs_flat": ("tokens/s vs flat", ".3f"),
              "link_tx_bytes_per_step": ("link bytes/step", ",.0f"), "link_bytes_vs_flat": ("link bytes vs flat", ".3f"),
              "compile_time_s": ("compile s (first round)", ".1f"), "recompiles": ("recompiles (timed)", "d"),
-             "ratio_vs_eager": ("compiled / eager", ".3f")}
+             "ratio_vs_eager": ("compiled / eager", ".3f"), "ratio_vs_no_offload": ("tokens/s vs no offload", ".3f"),
+             "offload_hidden": ("host copies hidden", ".3f"), "offload_io_hidden": ("disk I/O hidden", ".3f")}
     head = ["layout", "impl", "world", "tokens/s median", "min-max", "step ms median", *[f"vs {b}" for b in bases],
             "CPU s/step", "comm bytes/step", "model-state bytes/rank", "peak mem MiB",
             *[names[k][0] for k in extra]]

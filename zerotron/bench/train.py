@@ -43,7 +43,12 @@ executor overhead without the compute jitter that measured / simulated also cont
 ``bubble_sim_latency`` is the simulation from the means with every message taking the step's
 measured ``p2p_latency_ms`` and ``latency_ratio`` measured / that (paired per step). A layout
 suffix ``-p2pbatched`` / ``-p2peager`` runs the executor's other p2p posting modes
-(:attr:`layouts.Layout.p2p`).
+(:attr:`layouts.Layout.p2p`). Offload layouts (``zeroS-offload``, ``zeroS-offdisk``):
+``offload_hidden`` = 1 - (seconds the ranks waited for their host copies) / (seconds the copy
+threads ran), both summed over ranks and timed steps (``ZeroSync.offload_timing``), with the per-step
+means per rank ``offload_copy_s_per_step`` / ``offload_wait_s_per_step``; ``offload_io_hidden`` the
+same for the disk tier's I/O threads; ``ratio_vs_no_offload`` (report) the paired tokens/s ratio
+against ``zeroS`` of the same run.
 """
 from __future__ import annotations
 
@@ -222,6 +227,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
         t, prev, times, bubbles, stage_times, pp_sched = cfg.train, torch.get_num_threads(), [], [], [], None
         p2p_steps = []
         timing = getattr(strat, "last_step_timing", None)
+        offload_timing = getattr(strat, "offload_timing", lambda: {})
         torch.set_num_threads(threads)
 
         def step(s):
@@ -235,6 +241,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
         cs1 = compile_stats() if compiled else None
     comm.barrier()  # the clock starts together on every rank
     if built:
+        offload_timing()  # from here: the timed steps' host copies and disk I/O
         before, t0, c0 = dict(comm.STATS.bytes), time.perf_counter(), time.process_time()
         link0 = _link_tx_bytes()
         for s in range(warmup, warmup + steps):
@@ -249,6 +256,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
                 if "p2p_events" in tm:  # the native executor: idle split, per-message timestamps
                     p2p_steps.append({k: tm[k] for k in P2P_KEYS})
         elapsed, cpu, by_tag = time.perf_counter() - t0, time.process_time() - c0, {}
+        offload = offload_timing()
         link1 = _link_tx_bytes()  # before the all_gather_object below, which crosses the link too
         link = None if link0 is None or link1 is None else (link1 - link0) / steps
         for (op, g, tag), v in comm.STATS.bytes.items():
@@ -260,7 +268,7 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
                  "impl": impl_name(strat, mesh.size("dp"), cfg.parallel.sequence_parallel, mesh.size("cp"),
                                    cfg.parallel.cp_impl), "params": n_params, "tokens": t.global_batch * seq_len,
                  "epoch_tokens": epoch_tokens, "bubbles": bubbles if timing is not None else None,
-                 "stage_times": stage_times, "schedule": pp_sched, "p2p": p2p_steps, "host": socket.gethostname(),
+                 "stage_times": stage_times, "schedule": pp_sched, "offload": offload, "p2p": p2p_steps, "host": socket.gethostname(),
                  "peak_flops": peak_flops(dev, TRAIN_DTYPES[cfg.train.dtype])[0],  # measured once per process
                  "flops_per_token": _flops_per_token(cfg, data.vocab_size, seq_len),
                  "pipe": [mesh.coords["pp"], mesh.coords["dp"], mesh.coords["tp"]], "split": getattr(strat, "split", None),
@@ -288,6 +296,14 @@ def run_layout(layout: Layout, cfg, plan, mesh, data, steps: int, warmup: int, d
         pipe.update(compile_time_s=max(c["compile_time_s"] for c in cs), recompiles=sum(c["recompiles"] for c in cs),
                     graph_breaks=max(c["graph_breaks"] for c in cs), compiled_graphs=max(c["graphs"] for c in cs),
                     warmup_s=max(c["warmup_s"] for c in cs))
+    if g0["offload"]:  # host copies (and disk I/O) of the timed steps, summed over ranks
+        copy_s, wait_s = (sum(g["offload"]["offload_" + k] for g in got) for k in ("copy_s", "wait_s"))
+        pipe.update(offload_copy_s_per_step=copy_s / steps / len(got), offload_wait_s_per_step=wait_s / steps / len(got),
+                    offload_hidden=1 - wait_s / copy_s if copy_s > 0 else None)
+        if "offload_io_s" in g0["offload"]:
+            io_s, io_wait = (sum(g["offload"][k] for g in got) for k in ("offload_io_s", "offload_io_wait_s"))
+            pipe.update(offload_io_s_per_step=io_s / steps / len(got), offload_io_wait_s_per_step=io_wait / steps / len(got),
+                        offload_io_hidden=1 - io_wait / io_s if io_s > 0 else None)
     links = [g["link"] for g in got if g["link"] is not None]  # one per node
     link = {"link_tx_bytes_per_step": sum(links), "link_nodes": len(links)} if links else {}
     return {**rec, **link, "skipped": False, "impl": g0["impl"], "steps": steps, "warmup": warmup, "threads": threads,

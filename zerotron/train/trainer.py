@@ -437,6 +437,8 @@ class Trainer:
                 rec.update(self._router_metrics())
                 if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
                     rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
+                if hasattr(self.strategy, "offload_timing"):  # ZeRO offload: host copies hidden or waited for
+                    rec.update(self.strategy.offload_timing())
                 states = self.strategy.model_state_bytes(self.optimizer)
                 rec["model_state_bytes"] = states["total_bytes"]
                 rec["model_state_breakdown"] = states

@@ -26,16 +26,20 @@ class FlatShard:
 
     ``offload = "optimizer"`` (``train.offload``; ZeRO-Offload, Ren et al. 2021): the master shard
     lives in its own host-memory buffer (pinned on CUDA), never a view of ``full``, so the
-    optimizer's Adam state is created on the host too; ``host_grad`` (host) receives the reduced,
-    clipped shard gradient before the step (:meth:`grad_to_host`) and the updated master is copied
-    back into the device's compute shard (:meth:`master_to_device`: ``full[lo:hi]`` at stages
-    1-2, ``dev_shard`` at stage 3, which gathers from it). On a CPU-only machine host and device are
-    the same memory: the mechanism runs as the same copies between distinct buffers.
+    optimizer's Adam state is created on the host too; ``host_grad`` (host) receives the shard
+    gradient as soon as its last reduction is done (:meth:`grad_to_host`, a background copy the
+    driver starts during backward; the norm and the clip then run on it) and the updated master is
+    copied back into the device's compute shard in the background after the step
+    (:meth:`send_to_device` runs :meth:`master_to_device`: ``full[lo:hi]`` at stages 1-2,
+    ``dev_shard`` at stage 3, which gathers from it; :meth:`launch_gather` waits for that copy
+    first, ``arrival``). On a CPU-only machine host and device are the same memory: the mechanism
+    runs as the same copies between distinct buffers (``host_copies``).
 
     ``offload = "optimizer-disk"`` (the disk tier, ZeRO-Infinity, Rajbhandari et al. 2021): the same,
     but the master shard and its Adam moments are vectors of a memory-mapped file at ``disk_path``
-    (``disk``, a :class:`~zerotron.parallel.data.disk_state.DiskState`), stepped chunk by chunk and
-    released from memory after use; on a CPU-only machine the gradient is read from ``shard_grad``
+    (``disk``, a :class:`~zerotron.parallel.data.disk_state.DiskState`), streamed chunk by chunk
+    through staging buffers by I/O threads for the step (``disk_state.disk_step``) and released
+    from memory after other uses; on a CPU-only machine the gradient is read from ``shard_grad``
     directly (no ``host_grad``).
 
     ``offload = "params"`` (stage 3 only; ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021):
@@ -116,6 +120,8 @@ class FlatShard:
             self.shard_grad = self.grad_full[lo:hi]
         self.pending = None  # (work, input, output) of an in-flight reduce-scatter
         self.gather_work = None
+        self.arrival = None  # offload: (HostCopies, Future) of the host -> device copy after a step
+        self.stale = False  # stages 1-2 offload: the all-gather of the updated shards is still to come
         self.used = [True] * len(params)  # per parameter: got a gradient on some dp rank this step
         self.steps = None  # per-parameter AdamW steps once they differ (None: all = state["step"])
         if stage == 3:
@@ -198,6 +204,7 @@ class FlatShard:
             return
         if self.stage == 3 and self.full.untyped_storage().size() > 0:
             return  # already gathered
+        self.settle_arrival()
         self._set_storage(self.full.numel() * self.full.element_size())
         if self.params_offload:  # host -> device, then gather on the device
             src = torch.empty(self.k, dtype=self.compute_dtype, device=self.full.device)
@@ -216,14 +223,27 @@ class FlatShard:
             self.gather_work[0].wait()
             self.gather_work = None
 
-    @torch.no_grad()
-    def grad_to_host(self) -> None:
-        """Offload: copy the (reduced, clipped) device shard gradient into ``host_grad``, the
-        master's gradient for the host step. No-op without offload."""
-        if self.host_grad is not None:
-            self.host_grad.copy_(self.shard_grad, non_blocking=self.host_grad.is_pinned())
-            if self.host_grad.is_pinned():
-                torch.cuda.current_stream().synchronize()
+    def grad_to_host(self, copies):
+        """Offload: start copying the (reduced, final) device shard gradient into ``host_grad``, the
+        master's gradient for the host step, on ``copies`` (a ``host_copies.HostCopies``); returns
+        its Future, or None without a host gradient (no offload; the disk tier on a CPU-only
+        machine steps from ``shard_grad``)."""
+        if self.host_grad is None:
+            return None
+        return copies.copy(self.host_grad, self.shard_grad)
+
+    def send_to_device(self, copies) -> None:
+        """Offload, after a step: :meth:`master_to_device` in the background on ``copies``; the next
+        :meth:`launch_gather` (or :meth:`settle_arrival`) waits for it."""
+        self.settle_arrival()
+        self.arrival = (copies, copies.run(self.master_to_device))
+
+    def settle_arrival(self) -> None:
+        """Wait for the background :meth:`send_to_device` copy, if one is pending."""
+        if self.arrival is not None:
+            copies, fut = self.arrival
+            self.arrival = None
+            copies.wait(fut)
 
     @torch.no_grad()
     def master_to_device(self) -> None:
@@ -324,6 +344,7 @@ class FlatShard:
         one per parameter) from padded full vectors (:meth:`canonical_to_flat`). Parameters
         (compute copies) are not re-gathered."""
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
+        self.settle_arrival()
         self.master.copy_(flat[lo:hi])
         self.master_to_device()
         if step is not None and not self.frozen:

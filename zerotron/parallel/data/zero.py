@@ -75,6 +75,18 @@ as complete when its trainable parameters have their gradients; at stage 3 its f
 still be needed by the rest of the unit's backward (the input gradient through a frozen weight), so
 they are freed at the next unit's pre-backward gather (``UnitGatherer.defer_free``), not then.
 
+Offload (``train.offload``, ``FlatShard``; ZeRO-Offload, Ren et al. 2021). Each shard gradient leaves
+for its host buffer on a background copy (``host_copies``) as soon as its step's last reduction is
+finished (:meth:`ZeroSync._wait_reduce`: during backward for all but the last units; HSDP's replica
+sum, the tied and the sequence-parallel sums first complete in ``finish_grads``, which starts the
+remaining copies and waits for all); the norm, the clip and the step run on the host copies. After
+the step the updated masters go back in the background, in unit order: stage 3's all-gathers wait for
+each unit's copy just before they start (the forward's prefetch included); at stages 1-2 the plain
+runner defers the all-gathers to the next forward (each block's pre-hook gathers its own unit and
+prefetches the next; :meth:`ZeroSync.begin_step` the roots; :meth:`ZeroSync.settle` anything left,
+called by every other reader of the parameters); a pipeline gathers them at the end of the step.
+Metrics: :meth:`ZeroSync.offload_timing`.
+
 Mixed precision (``train.dtype = "bf16"``): module parameters (compute copies) are bf16, master
 shards and Adam state fp32; gradients are reduced in ``parallel.reduce_dtype`` (fp32 by default).
 """
@@ -89,8 +101,9 @@ import torch.distributed as dist
 from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
-from zerotron.parallel.data.disk_state import chunked_step
+from zerotron.parallel.data.disk_state import disk_step
 from zerotron.parallel.data.flat_shard import FlatShard, build_flats, flat_state_bytes
+from zerotron.parallel.data.host_copies import HostCopies
 from zerotron.parallel.data.used import UsedMarks
 from zerotron.parallel.data.zero_gather import UnitGatherer
 from zerotron.parallel.data.zero_state import ZeroStateMixin
@@ -171,6 +184,13 @@ class ZeroSync:
         self.gatherer = UnitGatherer(self.flats, n_root)  # stage 3: gather before use, free after
         if stage == 3:
             self.gatherer.register(blocks)
+        self.offload = any(f.offload for f in self.grad_flats)
+        self.copies = HostCopies(self.all_flats[0].full.device) if self.offload else None
+        self._shipped: dict = {}  # id(flat) -> Future of its gradient's copy to the host (this step)
+        self._disk_timing = {"io_s": 0.0, "io_wait_s": 0.0}
+        if self.offload and stage < 3 and eager:  # each block waits for its own updated parameters
+            for u, b in enumerate(blocks, start=n_root):
+                b.register_forward_pre_hook(lambda module, args, u=u: self._arrive(u))
 
     # ---- the optimizer's view ----------------------------------------------------------------
     def parameters(self) -> list:
@@ -206,9 +226,13 @@ class ZeroSync:
 
     # ---- stage 3 parameters --------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Stage 3: gather the root units for the step (used at both ends of the model)."""
+        """Stage 3: gather the root units for the step (used at both ends of the model). Stages
+        1-2 with offload: the plain runner waits here for the root units' updated parameters (each
+        block waits for its own in its forward, :meth:`_arrive`), a pipeline for every unit's."""
         if self.stage == 3:
             self.gatherer.gather_roots()
+        elif self.offload:
+            self.settle(range(self.n_root) if self.eager else None)
 
     def end_step(self) -> None:
         """Stage 3: nothing gathered (or still gathering) survives the step."""
@@ -227,7 +251,9 @@ class ZeroSync:
     def full_params(self, blocks: bool = True):
         """Stage 3: the root units (and every block when ``blocks``; otherwise the blocks' forward
         hooks gather them one at a time) gathered for the context (evaluation, generation, export,
-        state dicts); freed on exit. Stages 1-2: nothing to do (parameters are full at rest)."""
+        state dicts); freed on exit. Stages 1-2: nothing to do (parameters are full at rest) but
+        to wait for the updated parameters of an offloaded step (:meth:`settle`)."""
+        self.settle()
         if self.stage == 3:
             for u in range(len(self.flats) if blocks else self.n_root):
                 self.gatherer.gather(u)
@@ -277,7 +303,9 @@ class ZeroSync:
         tied shard summed over ``tied_group``; with sequence parallelism the tp-replicated shards
         summed over tp (every sum in ``reduce_dtype``, on the shards: summing compute-dtype full
         gradients would ignore an fp32 reduce dtype). Exposes the shard gradients as
-        ``master.grad``."""
+        ``master.grad``; offloaded, the host copies (``host_grad``): those not yet on their way
+        (:meth:`_wait_reduce` ships most during backward) are copied now, and every copy is
+        waited for, so ``master.grad`` is complete on return."""
         self._used.launch(self.dp_group, self.all_flats[0].master.device)
         flats = self.grad_flats
         if not self.eager:  # a pipeline: no backward action knows it is a unit's last of the step
@@ -311,7 +339,13 @@ class ZeroSync:
             for f in flats:
                 if not f.tp_sharded:
                     comm.all_reduce_in(f.shard_grad, f.reduce_dtype, group=self.tp_group, tag="tp_grad")
-        for f in flats:  # offload: the host copy, filled after clipping (optimizer_step)
+        if self.offload:
+            for f in flats:
+                self._ship(f)
+            for f in flats:
+                self.copies.wait(self._shipped.get(id(f)))
+            self._shipped = {}
+        for f in flats:  # offload: the host copy, which the norm, the clip and the step read
             f.master.grad = f.host_grad if f.host_grad is not None else f.shard_grad
 
     def clip_grad_norm(self, max_norm: float, outer=()) -> float:
@@ -319,11 +353,12 @@ class ZeroSync:
         element counted once (padding is zero; tp shards summed over tp, tp-replicated once; the
         tied shard only where ``count_tied``, clipped everywhere), then summed over the shard group
         (with HSDP the replicas hold the same shards and are not summed) and ``outer`` (a pipeline:
-        the pp group); identical on every rank. Clips the shard gradients in place."""
+        the pp group); identical on every rank. Clips the shard gradients in place: ``master.grad``
+        (:meth:`finish_grads`), the device's shards or, offloaded, their host copies."""
         counted = [f for f in self.grad_flats if self.count_tied or not f.is_tied]
-        extra = [f.shard_grad for f in self.grad_flats if not (self.count_tied or not f.is_tied)]
-        parts = [([f.shard_grad for f in counted if f.tp_sharded], [self.tp_group]),
-                 ([f.shard_grad for f in counted if not f.tp_sharded], [])]
+        extra = [f.master.grad for f in self.grad_flats if not (self.count_tied or not f.is_tied)]
+        parts = [([f.master.grad for f in counted if f.tp_sharded], [self.tp_group]),
+                 ([f.master.grad for f in counted if not f.tp_sharded], [])]
         return clip_grad_norm(parts, max_norm, outer=[self.group, *outer], also_clip=extra)
 
     def optimizer_step(self, optimizer) -> None:
@@ -333,11 +368,13 @@ class ZeroSync:
         skips a grad-None parameter on one process: a buffer nobody used is left out
         (``master.grad = None``); a buffer used in part, or whose parameters' step counts
         differ, is updated per parameter (:meth:`FlatShard.adamw_step`). Otherwise torch's AdamW.
-        Offload: each shard gradient is first copied to its host buffer, the step runs on the host
-        masters, and the updated masters are copied back to the device before the all-gather."""
-        for f in self.grad_flats:
-            if f.master.grad is not None:
-                f.grad_to_host()
+        Offload: the step runs on the host masters (their gradients arrived in :meth:`finish_grads`;
+        the disk tier streams its state through :func:`disk_step`); the updated masters go back to
+        the device in the background, in unit order (:meth:`FlatShard.send_to_device`): stage 3's
+        all-gathers wait for each unit's copy right before they start, stages 1-2's all-gathers are
+        left to the next forward (each block's, :meth:`_arrive`; the roots' in :meth:`begin_step`;
+        anything else that reads the parameters first calls :meth:`settle`)."""
+        self.settle()  # a copy or all-gather the last forward did not need
         for f in self.grad_flats:
             if f.master.grad is None or (f.steps is None and all(f.used)):
                 continue
@@ -345,16 +382,24 @@ class ZeroSync:
                 f.adamw_step(optimizer)
                 f.release_disk()
             f.master.grad = None  # left out of optimizer.step()
-        # the disk tier steps one buffer at a time, chunk by chunk (disk_state.chunked_step)
+        # the disk tier streams its state chunk by chunk through I/O threads (disk_state.disk_step)
         on_disk = [(f, f.master.grad) for f in self.grad_flats if f.disk is not None and f.master.grad is not None]
         for f, _ in on_disk:
             f.master.grad = None
         optimizer.step()
-        for f, grad in on_disk:
-            f.init_state(optimizer.state[f.master])
-            chunked_step(optimizer, f.master, grad, f.disk)
-        for f in self.grad_flats:
-            f.master_to_device()
+        if on_disk:
+            for f, _ in on_disk:
+                f.init_state(optimizer.state[f.master])
+            t = disk_step(optimizer, [(f.master, grad, f.disk) for f, grad in on_disk])
+            for k in self._disk_timing:
+                self._disk_timing[k] += t[k]
+        if self.offload:
+            for f in self.grad_flats:  # in unit order: the order the next forward needs them
+                f.send_to_device(self.copies)
+                f.stale = self.stage < 3
+            if not self.eager and self.stage < 3:  # a pipeline gathers here (its stages have no unit hooks)
+                self.settle()
+            return
         if self.stage < 3:  # frozen buffers did not change
             with torch.no_grad():
                 for f in self.grad_flats:
@@ -390,7 +435,7 @@ class ZeroSync:
         not what or in which order: the sums are bitwise the same."""
         while len(self._inflight) >= self.reduce_window:
             for f in self.flats[self._inflight.pop(0)]:
-                f.wait_reduce()
+                self._wait_reduce(f)
         for f in self.flats[u]:
             f.launch_reduce()
             if self.stage == 3 and u >= self.n_root and not f.frozen:
@@ -405,8 +450,81 @@ class ZeroSync:
     def _wait_all(self) -> None:
         """Finish every reduce-scatter in flight (each accumulates into its shard gradient)."""
         for f in self.all_flats:
-            f.wait_reduce()
+            self._wait_reduce(f)
         self._inflight = []
+
+    # ---- offload: copies between device and host -----------------------------------------------
+    def _wait_reduce(self, f: FlatShard) -> None:
+        """Finish ``f``'s reduce-scatter; offloaded, when that was the step's last reduction of its
+        shard gradient, start its copy to the host at once (:meth:`_ship`): the copies of the
+        units reduced early in backward overlap the backward of the rest."""
+        had = f.pending is not None
+        f.wait_reduce()
+        if had and self.offload and self._final and self._complete_after_reduce(f):
+            self._ship(f)
+
+    def _complete_after_reduce(self, f: FlatShard) -> bool:
+        """True when nothing adds to ``f``'s shard gradient after its (final) reduce-scatter: no HSDP
+        replica sum, no tied-copy sum, no sequence-parallel tp sum (those ship in finish_grads)."""
+        return self.replicate_group is None and not (self.tied_group is not None and f.is_tied) and \
+            not (self.tp_group is not None and self.sequence_parallel and not f.tp_sharded)
+
+    def _ship(self, f: FlatShard) -> None:
+        """Start copying ``f``'s final shard gradient to its host buffer (once per step)."""
+        if id(f) not in self._shipped:
+            self._shipped[id(f)] = f.grad_to_host(self.copies)
+
+    def _arrive(self, u: int) -> None:
+        """Stages 1-2 offload, the plain runner's forward pre-hook of block unit ``u``: all-gather its
+        updated parameters (after their host -> device copy) if still due and wait; start the next
+        unit's (prefetch). Every rank runs the blocks in the same order, so the gathers match."""
+        self._gather_stale(u, wait=True)
+        if u + 1 < len(self.flats):
+            self._gather_stale(u + 1, wait=False)
+
+    @torch.no_grad()
+    def _gather_stale(self, u: int, wait: bool) -> None:
+        for f in self.flats[u]:
+            if f.stale:
+                f.launch_gather()  # waits for the shard's copy from the host first
+        if wait:
+            for f in self.flats[u]:
+                if f.stale:
+                    f.wait_gather()
+                    f.stale = False
+
+    def settle(self, units=None) -> None:
+        """Offload: finish what a step left in flight for ``units`` (default all, in unit order):
+        the host -> device copies, and at stages 1-2 the all-gathers of the updated shards.
+        Collective over the shard group when an all-gather is still due (every rank calls it at the
+        same points). No-op without offload."""
+        if not self.offload:
+            return
+        for u in range(len(self.flats)) if units is None else units:
+            if self.stage < 3:
+                self._gather_stale(u, wait=False)
+        for u in range(len(self.flats)) if units is None else units:
+            if self.stage < 3:
+                self._gather_stale(u, wait=True)
+            for f in self.flats[u]:
+                f.settle_arrival()
+
+    def offload_timing(self) -> dict:
+        """Offload: seconds since the last call spent copying between device and host on the
+        background thread (``offload_copy_s``: gradients out, updated parameters back), seconds the
+        training loop waited for those copies (``offload_wait_s``), their ratio hidden
+        (``offload_hidden = 1 - wait / copy``, None without a copy); the disk tier adds the I/O
+        threads' seconds (``offload_io_s``: reads and writes of the Adam state) and the step's waits
+        for them (``offload_io_wait_s``). ``{}`` without offload."""
+        if not self.offload:
+            return {}
+        t = self.copies.timing()
+        out = {"offload_copy_s": t["copy_s"], "offload_wait_s": t["wait_s"],
+               "offload_hidden": 1 - t["wait_s"] / t["copy_s"] if t["copy_s"] > 0 else None}
+        if any(f.disk is not None for f in self.grad_flats):
+            out.update(offload_io_s=self._disk_timing["io_s"], offload_io_wait_s=self._disk_timing["io_wait_s"])
+            self._disk_timing = {"io_s": 0.0, "io_wait_s": 0.0}
+        return out
 
     def _progress_replicate(self, block: bool) -> None:
         """HSDP, the step's last reductions: for each queued flat in launch order (the same on every
@@ -456,6 +574,8 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
         self._in_step = False
 
     def __call__(self, *args, **kwargs):
+        if not self._in_step:
+            self.settle()  # offload: the last step's parameters, before a forward outside a step
         if self.stage != 3 or self._in_step:
             return self.module(*args, **kwargs)
         self.gatherer.new_forward()
@@ -481,6 +601,7 @@ class ZeroStrategy(ZeroStateMixin, ZeroSync, Strategy):
                     if self._sync:
                         self.flush()
         finally:
+            self.settle()  # offload: units the forward did not run (their gathers, in unit order)
             self._in_step = False
             self.end_step()  # nothing gathered (or still gathering) survives the step
         return total

@@ -211,6 +211,8 @@ class ZeroStateMixin:
         return i % self.group.size()
 
     def _canonical(self, optimizer, owned, **snapshot) -> tuple[dict, dict]:
+        if not snapshot:
+            self.settle()  # offload: nothing of the last step still in flight
         msd, osd_state, groups = canonical_flat_state(self.all_flats, self.group, self.tp_group, optimizer, owned,
                                                       **snapshot)
         for alias, owner in self.module.layout().tied:  # tied entries, as in the dense state dict
@@ -241,6 +243,7 @@ class ZeroStateMixin:
         function ``finish(groups)`` ({id(group): stand-in} for :meth:`checkpoint_groups`) that
         gathers them later, collectively over the stand-ins, into what :meth:`checkpoint_state`
         would have returned at the snapshot."""
+        self.settle()
         snaps = snapshot_flats(self.all_flats, optimizer, buffers)
         param_groups = snapshot_param_groups(self.all_flats, optimizer)
         rank = self.group.rank()
@@ -252,10 +255,12 @@ class ZeroStateMixin:
 
     def load_state_dict(self, msd, osd, optimizer=None) -> None:
         """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
+        self.settle()
         load_flat_state(self.all_flats, self.group, self.tp_group, msd, osd, optimizer)
 
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
         """Load what :meth:`checkpoint_state` described (each rank holds its owned buffers' keys,
         read from disk): every buffer is broadcast from its owner over dp, one at a time, and each
         rank keeps its shard. ``optimizer`` None loads the parameters only. Collective."""
+        self.settle()
         load_flat_state(self.all_flats, self.group, self.tp_group, msd, osd, optimizer, self._owner)

@@ -454,6 +454,11 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             return self.zero.optimizer_step(optimizer)
         optimizer.step()
 
+    def offload_timing(self) -> dict:
+        """The ZeRO driver's host-copy and disk I/O seconds (``ZeroSync.offload_timing``); ``{}``
+        without ZeRO offload."""
+        return self.zero.offload_timing() if self.zero is not None else {}
+
     def model_state_bytes(self, optimizer) -> dict:
         """Bytes this rank holds (see ``Strategy.model_state_bytes``; ZeRO: the driver's count of its
         flat buffers, as the plain runner's)."""
