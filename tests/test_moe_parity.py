@@ -157,8 +157,8 @@ def _ckpt_run(run_dir, lay, extra, resume):
 
 
 def test_expert_parallel_checkpoint_reshards(moe_ref, report):
-    """A ZeRO-2 dp 4 = ep 2 x 2 replicas checkpoint of step 2 resumes under DDP at ep 4 and under
-    ZeRO-3 at ep 1 (dp 2) -- in the full mode also under FSDP2 stage 2 at dp 4 ep 2 and torch DDP at
+    """A ZeRO-2 dp 4 = ep 2 x 2 replicas checkpoint of step 2 resumes under DDP at ep 4, under
+    ZeRO-3 at ep 1 (dp 2) and under ZeRO-1 at dp 1 x cp 2 = ep 2 -- in the full mode also under FSDP2 stage 2 at dp 4 ep 2 and torch DDP at
     dp 2 ep 2: step 3's loss and the final parameters equal the uninterrupted run's."""
 
     tmp, extra, _, _ = moe_ref
@@ -167,7 +167,9 @@ def test_expert_parallel_checkpoint_reshards(moe_ref, report):
                                          extra, False, timeout_s=120)[0]
     full_params = {k: torch.from_numpy(v) for k, v in full_params.items()}
     worst = 0.0
-    targets = [L("ddp", 4, 1, False, 1, None, 2, ep=4), L("zero3", 2, 1, False, 1, None, 4)]
+    # ... and under context parallelism as ep 2 over the cp pair (dp 1 x cp 2, ring attention)
+    targets = [L("ddp", 4, 1, False, 1, None, 2, ep=4), L("zero3", 2, 1, False, 1, None, 4),
+               L("zero1", 1, 1, False, 1, None, 8, cp=2, cp_impl="ring", ep=2)]
     if FULL:  # FSDP2 with experts over dp/ep (its full-state checkpoint), torch DDP at ep 2
         targets += [L("fsdp2_2", 4, 1, False, 1, None, 2, ep=2), L("torch_ddp", 2, 1, False, 1, None, 4, ep=2)]
     for lay in targets:
