@@ -1,7 +1,8 @@
 """Generation and serving of the Mixtral-style MoE family (``zerotron.inference`` with
 ``zerotron.parallel.expert.inference``): greedy decoding equals transformers' MixtralForCausalLM;
 the window engine and the paged continuous decoder give the same tokens on one process, under tp 2
-and under ep 2 (experts split, outputs all-gathered), in fp64; ep refusals are one line."""
+and under ep 2 (experts split; the ep ranks on the same rows with outputs all-gathered, or each on
+its own rows with tokens sent to their experts by all-to-all), in fp64; ep refusals are one line."""
 import copy
 import os
 
@@ -160,9 +161,9 @@ def test_ep_inference_refusals(args, world, word):
 @full_only
 def test_cli_generate_memory_and_refusals(tmp_path, data_cache, capsys):
     """``zerotron generate`` on a trained MoE checkpoint; one line, exit 2, for ep not dividing the
-    processes or the experts (generate, serve), a Qwen3-MoE config.json, and --ep with a dense
-    model in ``zerotron memory``; ``zerotron memory --ep`` prints Mixtral-8x7B's total and active
-    parameters."""
+    processes or the experts (generate, serve), ``--ep-split tokens`` without ep, a Qwen3-MoE
+    config.json, and --ep with a dense model in ``zerotron memory``; ``zerotron memory --ep`` prints
+    Mixtral-8x7B's total and active parameters."""
     import json
 
     from zerotron.cli import main
@@ -185,6 +186,8 @@ def test_cli_generate_memory_and_refusals(tmp_path, data_cache, capsys):
              "must divide model.n_experts (8)")
     one_line(["serve", "--checkpoint", str(run), "--port", "0", "--nproc", "2", "--parallel.ep", "2",
               "--parallel.tp", "2"], "data parallelism only")
+    one_line(["generate", "--checkpoint", str(run), "--prompt", "a", "--ep-split", "tokens"], "needs --parallel.ep > 1")
+    one_line(["serve", "--checkpoint", str(run), "--port", "0", "--ep-split", "tokens"], "needs --parallel.ep > 1")
     hf = tmp_path / "qwen"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))

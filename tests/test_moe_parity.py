@@ -5,9 +5,10 @@ fixed by ``train.micro_batch`` 2, the load-balancing loss being per micro-batch,
 4}); the plan refuses what cannot run for a documented reason (``parity.moe_expected_refusal``,
 checked in both directions). The default suite trains the witnesses ``parity.MOE_MUST`` (ZeRO-3 with
 recomputation, a 1F1B pipeline, FSDP2, ep 2 under DDP, ZeRO-1, ZeRO-3 and ZeRO-2 over 2 expert
-replicas, FSDP2 stage 3 and torch DDP); ``ZEROTRON_MOE_PARITY=full`` or ``ZEROTRON_MATRIX=full``
+replicas, FSDP2 stage 3 and torch DDP, ep 2 over a cp pair under ZeRO-1 (ring) and FSDP2 (all-to-all));
+``ZEROTRON_MOE_PARITY=full`` or ``ZEROTRON_MATRIX=full``
 (``make test-moe``) adds ``parity.MOE_MUST_FULL`` (FSDP2 over 2 expert replicas, native HSDP with
-ep, FSDP2 x tp with ep) and a pairwise covering array of the valid MoE layouts with ep as a factor (slow). The auxiliary losses
+ep, FSDP2 x tp with ep, ep over dp x cp incl. under a pipeline) and a pairwise covering array of the valid MoE layouts with ep as a factor (slow). The auxiliary losses
 are on (weights 0.1 and 0.01) and enter the gradients, so a layout that took them over other token
 sets, weighed them differently or synchronised expert gradients over the wrong group fails.
 ``ZEROTRON_MATRIX_NAMES`` selects layouts by name as for the dense matrix.
