@@ -64,12 +64,14 @@ class Engine:
         self.tp, self.pp, self.dp = mesh.size("tp"), mesh.size("pp"), mesh.size("dp")
         self.config = model.config
         self.ep, self.ep_rank, self.ep_split, self.lockstep = ep, 0, ep_split, None
-        if ep != 1:
+        if ep != 1 or ep_split != "replica":
             from zerotron.models.layout import ep_inference_refusal
             reason = ep_inference_refusal(ep, self.dp * self.tp * self.pp, self.tp, self.pp,
-                                          {"n_experts": getattr(self.config, "n_experts", 0)}, ep_name="ep")
+                                          {"n_experts": getattr(self.config, "n_experts", 0)}, ep_name="ep",
+                                          split=ep_split)
             if reason:
                 raise ValueError(reason)
+        if ep != 1:
             from zerotron.parallel.expert.inference import shard_for_inference
             self.ep_rank, self.lockstep = shard_for_inference(model, mesh.group("dp"), ep, ep_split)
         per = 1 if self.lockstep is not None else ep  # ranks decoding the same rows
