@@ -1,7 +1,8 @@
 """Generation and serving of the Mixtral-style MoE family (``zerotron.inference`` with
 ``zerotron.parallel.expert.inference``): greedy decoding equals transformers' MixtralForCausalLM;
 the window engine and the paged continuous decoder give the same tokens on one process, under tp 2
-and under ep 2 (experts split, outputs all-gathered), in fp64; ep refusals are one line."""
+and under ep 2 (experts split; the ep ranks on the same rows with outputs all-gathered, or each on
+its own rows with tokens sent to their experts by all-to-all), in fp64; ep refusals are one line."""
 import copy
 import os
 
@@ -93,14 +94,20 @@ def test_greedy_equals_transformers_mixtral_generate(tmp_path, single_process):
 def _layouts_worker():
     import torch.distributed as dist
 
+    from zerotron.distributed import comm
     from zerotron.distributed.mesh import Mesh, ParallelDims
 
     dense = _model()
     out = {}
-    for name, tp, ep in (("tp2", 2, 1), ("ep2", 1, 2)):
+    for name, tp, ep, split in (("tp2", 2, 1, "replica"), ("ep2", 1, 2, "replica"), ("ep2tok", 1, 2, "tokens")):
         mesh = Mesh(ParallelDims(dist.get_world_size(), 0, tp, 1), torch.device("cpu"))
-        eng = _engine(copy.deepcopy(dense), mesh, ep=ep)
+        eng = _engine(copy.deepcopy(dense), mesh, ep=ep, ep_split=split)
+        comm.STATS.reset()
         out[name] = _outputs(eng) + (eng.replicas, eng.ep_rank)
+        if split == "tokens":  # one request: rank 1 has none and joins rank 0's forwards with empty ones
+            out[name] += (eng.generate(_requests(False)[:1]),
+                          {t: comm.STATS.total_bytes(op, "ep", t) for op, t in (("all_to_all", "moe_dispatch"),
+                                                                                 ("all_gather", "moe_combine"))})
     try:
         _engine(copy.deepcopy(dense), Mesh(ParallelDims(dist.get_world_size(), 0, 2, 1), torch.device("cpu")), ep=2)
     except ValueError as e:
@@ -109,9 +116,12 @@ def _layouts_worker():
 
 
 def test_tp_and_ep_layouts_equal_one_process(single_process):
-    """tp 2 (experts replicated, attention split) and ep 2 (4 of 8 experts per rank, one replica of
-    2 ranks): greedy and sampled tokens of the window engine and greedy of the paged decoder equal
-    one process; ep halves the expert weights per rank; ep with tp is refused in one line."""
+    """tp 2 (experts replicated, attention split), ep 2 split by replica (4 of 8 experts per rank, one
+    replica of 2 ranks) and ep 2 split by tokens (two replicas, each rank's tokens sent to their
+    experts by all-to-all, the ranks' forwards kept paired while their rows end at different steps
+    -- one request alone leaves rank 1 only empty forwards): greedy and sampled tokens of the window
+    engine and greedy of the paged decoder equal one process; ep halves the expert weights per rank;
+    ep with tp is refused in one line."""
     from zerotron.distributed.mesh import Mesh, ParallelDims
 
     model = _model()
@@ -120,14 +130,17 @@ def test_tp_and_ep_layouts_equal_one_process(single_process):
     expert_bytes = cfg.n_layer * cfg.n_experts * 3 * cfg.n_embd * cfg.intermediate_size * 8
     results = run_ranks(_layouts_worker, 2, timeout_s=120)
     for rank, res in enumerate(results):
-        for name in ("tp2", "ep2"):
-            greedy, sampled, paged, wbytes, replicas, ep_rank = res[name]
+        for name in ("tp2", "ep2", "ep2tok"):
+            greedy, sampled, paged, wbytes, replicas, ep_rank = res[name][:6]
             assert greedy == ref[0] and paged == ref[0], (rank, name)
             assert sampled == ref[1], (rank, name)
-            assert replicas == 1
-            if name == "ep2":
+            assert replicas == (2 if name == "ep2tok" else 1)
+            if name.startswith("ep2"):
                 assert ep_rank == rank
                 assert wbytes == ref[3] - expert_bytes // 2, (wbytes, ref[3], expert_bytes)
+        alone, by_op = res["ep2tok"][6:]
+        assert alone == ref[0][:1], (rank, alone)
+        assert by_op["moe_dispatch"] > 0 and by_op["moe_combine"] == 0, by_op  # tokens moved, nothing gathered
         assert "runs with data parallelism only" in res["refusal"] and "\n" not in res["refusal"]
 
 
@@ -136,10 +149,11 @@ def test_tp_and_ep_layouts_equal_one_process(single_process):
     ((2, {"n_experts": 0}), 2, "has none"),
     ((4, {"n_experts": 8}), 6, "must divide the number of processes (6)"),
     ((0, {"n_experts": 8}), 2, "int >= 1"),
+    ((1, {"n_experts": 8}, "tokens"), 2, "--ep-split tokens"),
 ])
 def test_ep_inference_refusals(args, world, word):
-    ep, sizes = args
-    reason = ep_inference_refusal(ep, world, 1, 1, sizes)
+    ep, sizes, *split = args
+    reason = ep_inference_refusal(ep, world, 1, 1, sizes, split=split[0] if split else "replica")
     assert reason and word in reason and "\n" not in reason
     assert ep_inference_refusal(2, 4, 1, 1, {"n_experts": 8}) is None
 
@@ -147,9 +161,9 @@ def test_ep_inference_refusals(args, world, word):
 @full_only
 def test_cli_generate_memory_and_refusals(tmp_path, data_cache, capsys):
     """``zerotron generate`` on a trained MoE checkpoint; one line, exit 2, for ep not dividing the
-    processes or the experts (generate, serve), a Qwen3-MoE config.json, and --ep with a dense
-    model in ``zerotron memory``; ``zerotron memory --ep`` prints Mixtral-8x7B's total and active
-    parameters."""
+    processes or the experts (generate, serve), ``--ep-split tokens`` without ep, a Qwen3-MoE
+    config.json, and --ep with a dense model in ``zerotron memory``; ``zerotron memory --ep`` prints
+    Mixtral-8x7B's total and active parameters."""
     import json
 
     from zerotron.cli import main
@@ -172,6 +186,8 @@ def test_cli_generate_memory_and_refusals(tmp_path, data_cache, capsys):
              "must divide model.n_experts (8)")
     one_line(["serve", "--checkpoint", str(run), "--port", "0", "--nproc", "2", "--parallel.ep", "2",
               "--parallel.tp", "2"], "data parallelism only")
+    one_line(["generate", "--checkpoint", str(run), "--prompt", "a", "--ep-split", "tokens"], "needs --parallel.ep > 1")
+    one_line(["serve", "--checkpoint", str(run), "--port", "0", "--ep-split", "tokens"], "needs --parallel.ep > 1")
     hf = tmp_path / "qwen"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))

@@ -5,9 +5,10 @@ fixed by ``train.micro_batch`` 2, the load-balancing loss being per micro-batch,
 4}); the plan refuses what cannot run for a documented reason (``parity.moe_expected_refusal``,
 checked in both directions). The default suite trains the witnesses ``parity.MOE_MUST`` (ZeRO-3 with
 recomputation, a 1F1B pipeline, FSDP2, ep 2 under DDP, ZeRO-1, ZeRO-3 and ZeRO-2 over 2 expert
-replicas, FSDP2 stage 3 and torch DDP); ``ZEROTRON_MOE_PARITY=full`` or ``ZEROTRON_MATRIX=full``
+replicas, FSDP2 stage 3 and torch DDP, ep 2 over a cp pair under ZeRO-1 (ring) and FSDP2 (all-to-all));
+``ZEROTRON_MOE_PARITY=full`` or ``ZEROTRON_MATRIX=full``
 (``make test-moe``) adds ``parity.MOE_MUST_FULL`` (FSDP2 over 2 expert replicas, native HSDP with
-ep, FSDP2 x tp with ep) and a pairwise covering array of the valid MoE layouts with ep as a factor (slow). The auxiliary losses
+ep, FSDP2 x tp with ep, ep over dp x cp incl. under a pipeline) and a pairwise covering array of the valid MoE layouts with ep as a factor (slow). The auxiliary losses
 are on (weights 0.1 and 0.01) and enter the gradients, so a layout that took them over other token
 sets, weighed them differently or synchronised expert gradients over the wrong group fails.
 ``ZEROTRON_MATRIX_NAMES`` selects layouts by name as for the dense matrix.
@@ -157,8 +158,8 @@ def _ckpt_run(run_dir, lay, extra, resume):
 
 
 def test_expert_parallel_checkpoint_reshards(moe_ref, report):
-    """A ZeRO-2 dp 4 = ep 2 x 2 replicas checkpoint of step 2 resumes under DDP at ep 4 and under
-    ZeRO-3 at ep 1 (dp 2) -- in the full mode also under FSDP2 stage 2 at dp 4 ep 2 and torch DDP at
+    """A ZeRO-2 dp 4 = ep 2 x 2 replicas checkpoint of step 2 resumes under DDP at ep 4, under
+    ZeRO-3 at ep 1 (dp 2) and under ZeRO-1 at dp 1 x cp 2 = ep 2 -- in the full mode also under FSDP2 stage 2 at dp 4 ep 2 and torch DDP at
     dp 2 ep 2: step 3's loss and the final parameters equal the uninterrupted run's."""
 
     tmp, extra, _, _ = moe_ref
@@ -167,7 +168,9 @@ def test_expert_parallel_checkpoint_reshards(moe_ref, report):
                                          extra, False, timeout_s=120)[0]
     full_params = {k: torch.from_numpy(v) for k, v in full_params.items()}
     worst = 0.0
-    targets = [L("ddp", 4, 1, False, 1, None, 2, ep=4), L("zero3", 2, 1, False, 1, None, 4)]
+    # ... and under context parallelism as ep 2 over the cp pair (dp 1 x cp 2, ring attention)
+    targets = [L("ddp", 4, 1, False, 1, None, 2, ep=4), L("zero3", 2, 1, False, 1, None, 4),
+               L("zero1", 1, 1, False, 1, None, 8, cp=2, cp_impl="ring", ep=2)]
     if FULL:  # FSDP2 with experts over dp/ep (its full-state checkpoint), torch DDP at ep 2
         targets += [L("fsdp2_2", 4, 1, False, 1, None, 2, ep=2), L("torch_ddp", 2, 1, False, 1, None, 4, ep=2)]
     for lay in targets:

@@ -31,8 +31,8 @@ Combined groups (the groups the engine talks in; :data:`COMBINED`):
                     (torchtitan's ``dp_shard_cp``);
   * ``replicate`` = dp_replicate: across which shards are all-reduced (HSDP).
 
-Expert parallelism (a later issue) will not be a factor of the world size but a split of
-``dp_shard x cp``, as in torchtitan.
+Expert parallelism (``parallel.ep``) is not a factor of the world size but a split of the batch group
+``dp x cp`` (``dp_shard x cp`` under HSDP), as in torchtitan: ``zerotron.parallel.expert``.
 """
 from __future__ import annotations
 

@@ -165,14 +165,14 @@ def generate_main(args) -> int:
     mesh = Mesh(ParallelDims(world, 0, tp, pp), device)
     model, tok, _ = load_model(args.checkpoint, device, adapter=getattr(args, "adapter", "") or None)
     prompts = read_prompts(args, tok)
-    ep = getattr(args, "ep", 1)
-    if ep != 1:  # one line before any collective (the CLI checks it in the parent for --nproc > 1)
+    ep, ep_split = getattr(args, "ep", 1), getattr(args, "ep_split", "replica")
+    if ep != 1 or ep_split != "replica":  # one line before any collective (the CLI checks it in the parent for --nproc > 1)
         from .models.layout import ep_inference_refusal
-        reason = ep_inference_refusal(ep, world, tp, pp, registry.config_meta(model.config))
+        reason = ep_inference_refusal(ep, world, tp, pp, registry.config_meta(model.config), split=ep_split)
         if reason:
             raise ValueError(reason)
     engine = Engine(model, mesh, microbatches=getattr(args, "microbatches", 0) or pp, eos_id=stop_ids(args.checkpoint, tok),
-                    ep=ep, compile=getattr(args, "compile", False))
+                    ep=ep, compile=getattr(args, "compile", False), ep_split=ep_split)
     reqs = requests_for(prompts, tok, args.max_new_tokens, args.temperature, args.top_k,
                         getattr(args, "top_p", 1.0), args.seed)
     outs = engine.generate(reqs)

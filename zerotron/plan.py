@@ -427,7 +427,7 @@ class ParallelPlan:
 
     def _check_experts(self) -> None:
         """Mixture-of-experts models (``shape["n_experts"]``) and expert parallelism (``parallel.ep``,
-        carved out of dp: ``zerotron.parallel.expert``). The router's auxiliary losses are taken over
+        carved out of the batch group dp x cp: ``zerotron.parallel.expert``). The router's auxiliary losses are taken over
         each micro-batch's tokens: under sequence (context) parallelism each tp (cp) rank routes its
         sequence shard and the statistics are summed over tp (cp) (``models.layout.add_token_sum``); capacity mode, which
         caps each forward's own assignments, is refused there rather than changing what is dropped."""
@@ -445,9 +445,10 @@ class ParallelPlan:
         _need(self.shape is None or moe,
               f"parallel.ep = {ep} splits the experts of a mixture-of-experts model, and this model has none; set "
               "model.arch = 'mixtral' or parallel.ep = 1")
-        _need(self.dp % ep == 0,
-              f"parallel.ep ({ep}) must divide the data-parallel degree ({self.dp}): the ep group is carved out of the "
-              "dp ranks; change parallel.ep or the world size")
+        batch = self.dp * self.cp
+        _need(batch % ep == 0,
+              f"parallel.ep ({ep}) must divide the batch degree dp x cp ({self.dp} x {self.cp}): the ep group is carved "
+              "out of the ranks holding different tokens of the batch; change parallel.ep or the world size")
         if moe:
             E = self.shape["n_experts"]
             _need(E % ep == 0, f"parallel.ep ({ep}) must divide model.n_experts ({E}): each ep rank holds E/ep whole "
@@ -455,12 +456,9 @@ class ParallelPlan:
         _need(self.runner in ("plain", "pipeline"),
               "parallel.ep > 1 runs on the plain runner and the native pipeline executor (parallel.pp_impl threads / "
               "torch do not shard experts); set parallel.pp_impl = native, or parallel.ep = 1")
-        _need(self.cp == 1,
-              "parallel.ep > 1 with parallel.cp > 1 is not supported yet (the ep group is carved out of dp, not dp x cp); "
-              "set parallel.cp = 1 or parallel.ep = 1")
-        _need(self.dp_shard % ep == 0,
-              f"parallel.ep ({ep}) must divide the shard degree dp / dp_replicate ({self.dp_shard}) under HSDP: each ep group "
-              "lies inside one shard group; change parallel.ep or parallel.dp_replicate")
+        _need(self.dp_shard * self.cp % ep == 0,
+              f"parallel.ep ({ep}) must divide the shard degree dp / dp_replicate x cp ({self.dp_shard} x {self.cp}) "
+              "under HSDP: each ep group lies inside one shard group; change parallel.ep or parallel.dp_replicate")
         _need(self.dp_replicate == 1 or self.sync != "fsdp2",
               "parallel.ep > 1 with FSDP2's HSDP (parallel.dp_replicate > 1, zero_impl = fsdp2) is not supported (the "
               "experts would need a 2-D mesh of their own); set parallel.zero_impl = native (native HSDP runs "

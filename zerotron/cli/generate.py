@@ -31,6 +31,8 @@ def generate_parser() -> argparse.ArgumentParser:
                    "adapter_model.safetensors) folded into the checkpoint's weights")
     p.add_argument("--parallel.ep", dest="ep", type=int, default=1,
                    help="expert-parallel degree (mixture-of-experts models: each of ep ranks holds E/ep experts)")
+    p.add_argument("--ep-split", choices=("replica", "tokens"), default="replica",
+                   help="how an ep group shares decoding: replica (its ranks decode the same rows, outputs all-gathered) or tokens (each rank its own rows, tokens sent to their experts by all-to-all)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step with static shapes (batch and KV length buckets; single "
                         "process and data parallel; the first batch of each bucket compiles)")
@@ -65,7 +67,7 @@ def cmd_generate(argv: list[str]) -> int:
             reason = tp_refusal(args.tp, model_cfg, tp_name="--parallel.tp")  # the rule the plan applies
             if reason:
                 raise ValueError(reason)
-            reason = ep_inference_refusal(args.ep, args.nproc, args.tp, args.pp, model_cfg)
+            reason = ep_inference_refusal(args.ep, args.nproc, args.tp, args.pp, model_cfg, split=args.ep_split)
             if reason:
                 raise ValueError(reason)
             if args.compile:

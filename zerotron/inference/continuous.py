@@ -129,7 +129,8 @@ class ContinuousDecoder:
         else:
             self.blocks, self.layers, self.first, self.last = pl.blocks, pl.layers, pl.first, pl.last
         self.pl = pl
-        self.sampler = self.last and self.mesh.local_rank("tp") == 0 and engine.ep_rank == 0  # reports this replica's tokens
+        # reports this replica's tokens (with ep split by replica, its first ep rank; split by tokens, every rank)
+        self.sampler = self.last and self.mesh.local_rank("tp") == 0 and (engine.ep_rank == 0 or engine.lockstep is not None)
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         per_row = math.ceil(self.cfg.block_size / page) if page >= 1 else 0
         num_blocks = DEFAULT_ROWS * per_row if num_blocks is None else num_blocks
@@ -224,6 +225,8 @@ class ContinuousDecoder:
             own = [(r, n) for r, n in fills if self.rows[r].replica == self.replica]
             if own:
                 mine.update(self._prefill(own, forks))
+            if self.engine.lockstep is not None:
+                self._idle_forwards(decode, fills)
         for rid, n in fills:
             self._advance(rid, n)
         for fork, lead in forks.items():
@@ -254,6 +257,20 @@ class ContinuousDecoder:
                 del row.table[keep:]
         self._leave(done)
         return StepResult(tokens, finished, preempted)
+
+    def _idle_forwards(self, decode: list[int], fills: list) -> None:
+        """Token-split ep (``Engine(ep_split="tokens")``): as many empty forwards as this rank's ep
+        peers run more forwards than it in this step (a decode and a prefill forward per replica
+        with such rows; the schedule is known on every rank, so no collective decides it)."""
+        eng = self.engine
+        base = self.replica - eng.ep_rank  # the ep group's replicas: base .. base + ep - 1
+        runs = [0] * eng.ep
+        for rows in (decode, [r for r, _ in fills]):
+            for rep in {self.rows[r].replica for r in rows}:
+                if base <= rep < base + eng.ep:
+                    runs[rep - base] += 1
+        for _ in range(max(runs) - runs[eng.ep_rank]):
+            eng.lockstep.idle_forward()
 
     def _ends(self, row: _Row, tok: int) -> bool:
         p = row.request.params

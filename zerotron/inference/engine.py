@@ -11,9 +11,11 @@ Layouts (the mesh's dims and ``microbatches``):
     the batch into ``microbatches`` micro-batches in flight (``zerotron.inference.pipelined``);
     ``microbatches=1`` is naive model parallelism (one stage busy at a time).
   * **expert parallel** (``ep`` > 1, mixture-of-experts models, tp = pp = 1): the dp ranks form
-    groups of ep consecutive ranks; a group is one replica whose ranks decode the same rows, each
-    holding E/ep experts of every MoE layer (``zerotron.parallel.expert.inference``); requests go
-    to the dp / ep replicas.
+    groups of ep consecutive ranks, each holding E/ep experts of every MoE layer
+    (``zerotron.parallel.expert.inference``). ``ep_split="replica"``: a group is one replica whose
+    ranks decode the same rows (requests go to the dp / ep replicas); ``"tokens"``: every rank is a
+    replica with its own rows, and each MoE layer sends its tokens to their experts' owners by
+    all-to-all, the group's ranks running their forwards in lockstep.
 
 A request's output depends only on its prompt, :class:`SamplingParams` and seed, never on the
 layout, the batch or the micro-batch split (greedy: bitwise in fp64; sampling: up to rounding of
@@ -45,30 +47,35 @@ class Engine:
     ``stop`` strings; identical on every rank, so every rank stops a row at the same token. Raises
     ValueError for microbatches < 1, max_batch < 1 or a bad split. ``ep``: expert-parallel degree
     (``zerotron.models.layout.ep_inference_refusal`` gives the ValueError's reason). ``replicas`` /
-    ``replica``: independent decoding groups (dp / ep) and this rank's; ``ep_rank``: 0 without ep.
+    ``replica``: independent decoding groups (dp / ep, or dp with ``ep_split="tokens"``) and this
+    rank's; ``ep_rank``: 0 without ep; ``ep_split``: "replica" or "tokens" (module docstring;
+    ``lockstep`` the token split's :class:`~zerotron.parallel.expert.inference.Lockstep`, else None).
     ``compile``: decode steps compiled with static shapes (``zerotron.inference.compiled``: one
     compiled call per token; single process and data parallel only, else ValueError with the
     reason)."""
 
     def __init__(self, model, mesh, microbatches: int = 1, max_batch: int | None = None,
                  eos_id: int | tuple | None = None, pp_split: str = "", decode=None, ep: int = 1,
-                 compile: bool = False):
+                 compile: bool = False, ep_split: str = "replica"):
         if microbatches < 1 or (max_batch is not None and max_batch < 1):
             raise ValueError(f"need microbatches >= 1 and max_batch >= 1, got {microbatches}, {max_batch}")
         self.mesh, self.microbatches, self.max_batch, self.eos_id = mesh, microbatches, max_batch, eos_id
         self.decode = decode
         self.tp, self.pp, self.dp = mesh.size("tp"), mesh.size("pp"), mesh.size("dp")
         self.config = model.config
-        self.ep, self.ep_rank = ep, 0
-        if ep != 1:
+        self.ep, self.ep_rank, self.ep_split, self.lockstep = ep, 0, ep_split, None
+        if ep != 1 or ep_split != "replica":
             from zerotron.models.layout import ep_inference_refusal
             reason = ep_inference_refusal(ep, self.dp * self.tp * self.pp, self.tp, self.pp,
-                                          {"n_experts": getattr(self.config, "n_experts", 0)}, ep_name="ep")
+                                          {"n_experts": getattr(self.config, "n_experts", 0)}, ep_name="ep",
+                                          split=ep_split)
             if reason:
                 raise ValueError(reason)
+        if ep != 1:
             from zerotron.parallel.expert.inference import shard_for_inference
-            self.ep_rank = shard_for_inference(model, mesh.group("dp"), ep)
-        self.replicas, self.replica = self.dp // ep, mesh.local_rank("dp") // ep
+            self.ep_rank, self.lockstep = shard_for_inference(model, mesh.group("dp"), ep, ep_split)
+        per = 1 if self.lockstep is not None else ep  # ranks decoding the same rows
+        self.replicas, self.replica = self.dp // per, mesh.local_rank("dp") // per
         model.eval()
         if self.tp > 1:
             from zerotron.parallel.tensor.transform import apply_tensor_parallel
@@ -129,6 +136,8 @@ class Engine:
                 else:
                     res = self._run_local(batch_reqs, idx, stats, t0, on_token)
                 out.update(zip(idx, res))
+            while self.lockstep is not None and self.lockstep.any_active(False):
+                self.lockstep.idle_forward()  # a peer still decodes: its all-to-alls need this rank
         if self.dp > 1:
             merged: dict[int, list[int]] = {}
             for part in comm.all_gather_object(out, group=self.mesh.group("dp")):
@@ -145,6 +154,8 @@ class Engine:
         blocks, layers = model.blocks(), list(range(cfg.n_layer))
         last_t = None
         while not batch.finished:
+            if self.lockstep is not None:  # token-split ep: each step's forward paired with the peers'
+                self.lockstep.any_active(True)
             tb = time.perf_counter()
             idx, pad = batch.next_input()
             if pad is None and self.compiled is not None:  # a decode step: one compiled call

@@ -78,17 +78,20 @@ def a2a_refusal(cp: int, tp: int, sizes: Mapping[str, int]) -> str | None:
 
 
 def ep_inference_refusal(ep: int, world: int, tp: int, pp: int, sizes: Mapping[str, int], *,
-                         ep_name: str = "--parallel.ep") -> str | None:
+                         ep_name: str = "--parallel.ep", split: str = "replica") -> str | None:
     """Why generation/serving cannot split this model's experts over ``ep`` ranks of a ``world``
     of processes with ``tp`` x ``pp`` model parallelism, or None when it can (the inference rule
     beside the training one in ``ParallelPlan._check_experts``). ``ep`` must be an int >= 1; for
     ep > 1 the model must have experts (``sizes["n_experts"]``), ep must divide them, tp and pp
     must be 1 (the ep groups are carved out of the data-parallel ranks, as in training) and ep must
-    divide the world size. One line naming the option and the fix. Pure Python."""
+    divide the world size; ``split`` (``--ep-split``: "replica" or "tokens",
+    ``zerotron.parallel.expert.inference``) other than "replica" needs ep > 1. One line naming the
+    option and the fix. Pure Python."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         return f"{ep_name} must be an int >= 1, got {ep!r}"
     if ep == 1:
-        return None
+        return None if split == "replica" else (f"--ep-split {split} chooses how the ranks of an ep group share the "
+                                                f"decoding and needs {ep_name} > 1; set {ep_name} or drop --ep-split")
     n = sizes.get("n_experts") or 0
     if not n:
         return f"{ep_name} {ep} splits the experts of a mixture-of-experts model, and this model has none; drop {ep_name}"

@@ -10,8 +10,8 @@
     4. composed with the gradient synchroniser (``plan.sync``) over the batch group dp x cp: native
        bucketed DDP, torch DDP (all-reduce over it), native ZeRO-1/2/3 or FSDP2 (sharded over
        dp_shard x cp; with ``parallel.dp_replicate > 1``, HSDP: ``parallel.data.hsdp``; with ``parallel.ep > 1``,
-       expert parallelism: ``parallel.expert``, experts sharded over ep carved out of dp (of dp_shard
-       under HSDP) and data parallel over dp/ep, under each of the four synchronisers); the pipeline
+       expert parallelism: ``parallel.expert``, experts sharded over ep carved out of dp x cp (dp_shard x cp
+       under HSDP) and data parallel over (dp x cp)/ep, under each of the four synchronisers); the pipeline
        runners carry theirs per stage (over dp x cp on the native executor; the threads/torch runners refuse cp)
 
 The returned *strategy* (``parallel.base.Strategy``) is what the trainer drives: forward_backward
@@ -114,13 +114,13 @@ def _data_parallel(model, plan, mesh, mask):
         return FSDP2Strategy(model, mesh, plan.zero_stage, plan.dtype, plan.reduce_dtype, offload=plan.offload == "params")
     if plan.sync == "ddp" and plan.ep > 1:  # experts sharded over ep, summed over dp/ep (parallel.expert)
         return ExpertDataParallel(model, group, plan.ep, bucket_mb=plan.bucket_mb, src_rank=src,
-                                  lines=mesh.dims.group_ranks("dp"), **ddp_hierarchy(mesh))
+                                  lines=mesh.dims.group_ranks("batch"), **ddp_hierarchy(mesh))
     if plan.sync == "ddp":
         return DataParallel(model, group, bucket_mb=plan.bucket_mb, src_rank=src,
                             **ddp_hierarchy(mesh))
     if plan.ep > 1:  # torch DDP over the non-expert parameters, experts summed over dp/ep (parallel.expert)
         return ExpertTorchDDP(model, group, plan.ep, bucket_mb=plan.bucket_mb,
-                              find_unused_parameters=plan.find_unused_parameters, lines=mesh.dims.group_ranks("dp"))
+                              find_unused_parameters=plan.find_unused_parameters, lines=mesh.dims.group_ranks("batch"))
     return TorchDDP(model, group, bucket_mb=plan.bucket_mb, find_unused_parameters=plan.find_unused_parameters)
 
 

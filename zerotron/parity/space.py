@@ -66,7 +66,7 @@ class Layout:
     cp: int = 1
     cp_impl: str | None = None
     doc_mask: bool = False  # data.doc_mask (not a factor: the DOC_MASK witnesses, on a corpus of short documents)
-    ep: int = 1  # parallel.ep (the MoE family's factor, :func:`moe_layouts`; carved out of dp: no extra ranks)
+    ep: int = 1  # parallel.ep (the MoE family's factor, :func:`moe_layouts`; carved out of dp x cp: no extra ranks)
     lora: bool = False  # LoRA adapters (not a factor: the LORA witnesses, against a LoRA reference, :data:`LORA_TRAIN`)
     offload: str = "none"  # train.offload (not a factor: the OFFLOAD witnesses)
 
@@ -369,7 +369,7 @@ MOE_MICRO_BATCH = 2
 MOE_MODEL = {"model.arch": "mixtral", "model.n_layer": 4, "model.n_kv_head": 2, "model.intermediate_size": 24, "model.n_experts": 4,
              "model.experts_top_k": 2, "model.moe_aux_loss_coef": 0.1, "model.moe_z_loss_coef": 0.01,
              "model.rope_theta": 10000.0, "train.micro_batch": MOE_MICRO_BATCH}
-EP = (1, 2, 4)  # parallel.ep: experts split over ep ranks carved out of dp (ep must divide dp)
+EP = (1, 2, 4)  # parallel.ep: experts split over ep ranks carved out of dp x cp (ep must divide dp x cp)
 # in the default suite: recomputation under ZeRO-3 (router statistics not counted twice), a 1F1B
 # pipeline, FSDP2 stage 3 (its gradient average over dp once missed the auxiliary losses' share),
 # expert parallelism under ZeRO-1 at ep = dp = 2, ZeRO-2 at dp 4 = 2 expert replicas x ep 2 (expert
@@ -384,17 +384,23 @@ MOE_MUST = ("zero3-dp2-acc4-acfull", "ddp-dp1-pp2-1f1b-even-acc8", "fsdp2_3-dp2-
             # parallelism (router statistics summed over the tp shards of each micro-batch) with ep 2, and
             # context parallelism (the same sums over the cp chunks; ring attention)
             "ddp-dp2-pp2-1f1b-acc4-ep2", "zero3-dp2-pp2-zb-h1-acc4-ep2", "zero1-dp2-tp2sp-acc4-ep2",
-            "ddp-dp1-cp2-ring-acc8", "fsdp2_3-dp2-acc4-ep2", "torch_ddp-dp2-acc4-ep2")
+            "ddp-dp1-cp2-ring-acc8", "fsdp2_3-dp2-acc4-ep2", "torch_ddp-dp2-acc4-ep2",
+            # expert parallelism under context parallelism: the ep group is the cp pair (each chunk's
+            # tokens routed to the other rank's experts), ring attention under ZeRO-1, a2a under FSDP2
+            "zero1-dp1-cp2-ring-acc8-ep2", "fsdp2_3-dp1-cp2-a2a-acc8-ep2")
 # witnesses of the full MoE run (``make test-moe``) only, 4 processes each: FSDP2 stage 2 at dp 4 =
 # ep 2 x 2 expert replicas (the experts' own reduce-scatter group), native HSDP with ep inside the
 # shard group (ZeRO-2 and DDP, dp 4 = 2 replicas x 2 shards), FSDP2 x tp with ep
 MOE_MUST_FULL = MOE_MUST + ("fsdp2_2-dp4-acc2-ep2", "zero2-dp4r2-acc2-ep2", "ddp-dp4r2-acc2-ep2",
-                            "fsdp2_3-dp2-tp2-acc4-ep2")
+                            "fsdp2_3-dp2-tp2-acc4-ep2",
+                            # ep over dp x cp (4 ranks, one ep group; 2 groups of cp pairs), under a pipeline
+                            "ddp-dp2-cp2-ring-acc4-ep4", "zero3-dp2-cp2-a2a-acc4-ep2",
+                            "torch_ddp-dp1-cp2-ring-acc8-ep2", "zero1-dp1-cp2-a2a-pp2-1f1b-acc8-ep2")
 
 
 def moe_layouts(max_world: int = 4) -> list[Layout]:
     """The MoE family's layout space: every layout of :func:`all_layouts` with ``acc`` fixed by
-    :data:`MOE_MICRO_BATCH` (duplicates merged) times every ep of :data:`EP` dividing its dp, sorted."""
+    :data:`MOE_MICRO_BATCH` (duplicates merged) times every ep of :data:`EP` dividing its dp x cp, sorted."""
     # the product without the factors that only matter when another is > 1 (as :func:`all_layouts`
     # canonicalises them), which are expanded where they do: 20x fewer combinations
     inner = {"schedule": "pp", "split": "pp", "cp_impl": "cp", "sp": "tp"}
@@ -409,7 +415,7 @@ def moe_layouts(max_world: int = 4) -> list[Layout]:
         for extra in itertools.product(*opts):
             lay = Layout(**base, **dict(extra), acc=max(GLOBAL_BATCH // (base["dp"] * MOE_MICRO_BATCH), 1))
             if lay.world <= max_world:
-                out.update(dataclasses.replace(lay, ep=ep) for ep in EP if lay.dp % ep == 0)
+                out.update(dataclasses.replace(lay, ep=ep) for ep in EP if lay.dp * lay.cp % ep == 0)
     return sorted(out, key=lambda l: (l.world, l.name))
 
 
@@ -426,7 +432,7 @@ def moe_expected_refusal(layout: Layout) -> str | None:
     """The documented reason an MoE layout cannot run (None: it must run): the dense family's
     (:func:`expected_refusal`), then the router's (each rank must see whole micro-batches or, under
     sequence / context parallelism, sum the router statistics over tp / cp), then expert
-    parallelism's (carved out of dp; on the plain runner with native DDP, native ZeRO-1/2/3 (HSDP
+    parallelism's (carved out of dp x cp; on the plain runner with native DDP, native ZeRO-1/2/3 (HSDP
     with ep inside the shard group), torch DDP and FSDP2 without HSDP; on the native pipeline
     executor with native DDP and native ZeRO without HSDP; tp-replicated experts under tp, so far)."""
     why = expected_refusal(layout)
@@ -435,12 +441,10 @@ def moe_expected_refusal(layout: Layout) -> str | None:
     chunked = layout.schedule in CHUNKED_SCHEDULES or layout.schedule == "torch-interleaved"
     if layout.pp * (2 if chunked else 1) > MOE_MODEL["model.n_layer"]:
         return "the MoE model's 4 layers cannot fill pp x 2 model stages"
-    if layout.cp > 1 and layout.ep > 1:
-        return "expert parallelism is carved out of dp, not dp x cp, so far"
     if layout.ep > 1 and (layout.schedule == "threads" or layout.schedule in TORCH_KINDS):
         return "expert parallelism runs on the plain runner and the native pipeline executor"
-    if layout.ep > 1 and layout.rep > 1 and (layout.dp // layout.rep) % layout.ep:
-        return "expert parallelism under HSDP: ep must divide the shard degree dp / dp_replicate"
+    if layout.ep > 1 and layout.rep > 1 and (layout.dp // layout.rep * layout.cp) % layout.ep:
+        return "expert parallelism under HSDP: ep must divide the shard degree dp / dp_replicate x cp"
     if layout.ep > 1 and layout.rep > 1 and layout.sync in ("fsdp2_2", "fsdp2_3"):
         return "expert parallelism under FSDP2's HSDP: the experts would need a 2-D mesh of their own"
     if layout.ep > 1 and layout.pp > 1 and (layout.rep > 1 or layout.sync in ("torch_ddp", "fsdp2_2", "fsdp2_3")):

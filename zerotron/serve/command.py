@@ -33,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel.pp", dest="pp", type=int, default=1, help="pipeline-parallel degree")
     p.add_argument("--parallel.ep", dest="ep", type=int, default=1,
                    help="expert-parallel degree (mixture-of-experts models: each of ep ranks holds E/ep experts)")
+    p.add_argument("--ep-split", choices=("replica", "tokens"), default="replica",
+                   help="how an ep group shares decoding: replica (its ranks decode the same rows, outputs all-gathered) or tokens (each rank its own rows, tokens sent to their experts by all-to-all)")
     p.add_argument("--batching", default="continuous", help="continuous: rows join and leave between decode "
                    "steps (Orca/vLLM); window: requests within --batch-window-ms form one batch run to its end")
     p.add_argument("--microbatches", type=int, default=0,
@@ -140,7 +142,8 @@ def main(argv: list[str]) -> int:
 
             model_cfg = read_meta(ckpt).get("model_config", {})
             reason = (tp_refusal(args.tp, model_cfg, tp_name="--parallel.tp")
-                      or ep_inference_refusal(args.ep, max(1, args.nproc), args.tp, args.pp, model_cfg))
+                      or ep_inference_refusal(args.ep, max(1, args.nproc), args.tp, args.pp, model_cfg,
+                                              split=args.ep_split))
             if reason:
                 raise ValueError(reason)
         if not in_worker() or os.environ.get("RANK") == "0":
@@ -171,7 +174,7 @@ def main(argv: list[str]) -> int:
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
     model, tok, _ = load_model(ckpt, device, adapter=args.adapter or None)
     engine = Engine(model, mesh, microbatches=args.microbatches or args.pp, eos_id=stop_ids(ckpt, tok), decode=tok.decode,
-                    ep=args.ep, compile=args.compile)
+                    ep=args.ep, compile=args.compile, ep_split=args.ep_split)
     paged = paged_options(args, engine)
     if args.speculative.startswith("draft:"):
         paged["draft_model"] = load_model(resolve_checkpoint(args.speculative[len("draft:"):]), device)[0].eval()
@@ -261,7 +264,7 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
     threading.Thread(target=lambda: (stop.wait(), front.draining.set()), daemon=True).start()
     host, port = sock.getsockname()[:2]
     print(f"zerotron serve: listening on http://{host}:{port} (model {model_id!r}, {world} rank(s): "
-          f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}" + (f" (ep {args.ep})" if args.ep > 1 else "") + f", {args.batching} batching"
+          f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}" + (f" (ep {args.ep}, {args.ep_split} split)" if args.ep > 1 else "") + f", {args.batching} batching"
           f"{', LoRA adapter ' + repr(args.adapter) + ' merged' if args.adapter else ''}"
           f"{', API key required' if api_key else ''}; chat template: "
           f"{'built-in default' if chat.builtin else 'the tokenizer' + chr(39) + 's'}){kv_line}", flush=True)

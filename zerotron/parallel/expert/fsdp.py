@@ -11,11 +11,11 @@ code is zerotron's.
 
 Gradient scale. FSDP2 averages each unit's gradients over its own group (gloo has no PREMUL_SUM
 for a custom divide factor, and ``set_gradient_divide_factor`` with a sum reduction divides twice
-on a one-rank group in torch 2.13), and zerotron divides the token loss by N_global / dp
-(``parallel.data.fsdp``), so a gradient computed on one rank is dp times its share of the
-normalised sum. The dense units average over dp: (1/dp) sum_dp dp g = sum g. An expert's gradient
-on a rank already holds the sum over its ep group's tokens (the dispatch backward) and is then
-averaged over dp/ep replicas: (ep/dp) sum_{dp/ep} dp g = ep sum g; :meth:`ExpertFSDP2.finish_grads`
+on a one-rank group in torch 2.13), and zerotron divides the token loss by N_global / B
+(``parallel.data.fsdp``; B = dp x cp, the batch group), so a gradient computed on one rank is B
+times its share of the normalised sum. The dense units average over B: (1/B) sum_B B g = sum g. An
+expert's gradient on a rank already holds the sum over its ep group's tokens (the dispatch
+backward) and is then averaged over B/ep replicas: (ep/B) sum_{B/ep} B g = ep sum g; :meth:`ExpertFSDP2.finish_grads`
 divides the expert gradient shards by ep (exact for a power-of-two ep), after FSDP2's reduce-scatter
 has completed (backward has returned). The MoE auxiliary losses reach only the router (dense), whose
 scale ``FSDP2Strategy`` already sets to dp.
@@ -49,8 +49,8 @@ class ExpertFSDP2(_ExpertShards, FSDP2Strategy):
     range and ``fully_shard``-ed over the expert-replica group (module docstring).
 
     Args: ``model`` (dense, identically initialised on every rank; tensor-parallel without SP when
-    ``parallel.tp > 1``, the experts tp-replicated), ``mesh`` (zerotron Mesh, no HSDP replication,
-    no cp), ``ep`` (divides dp and the model's n_experts), ``stage`` (2 or 3), ``dtype``,
+    ``parallel.tp > 1``, the experts tp-replicated), ``mesh`` (zerotron Mesh, no HSDP replication;
+    the ep groups carved out of its batch group dp x cp), ``ep`` (divides dp x cp and n_experts), ``stage`` (2 or 3), ``dtype``,
     ``reduce_dtype`` as :class:`~zerotron.parallel.data.fsdp.FSDP2Strategy`. Raises ValueError for
     a model without experts or ``mesh`` with HSDP replication."""
 
@@ -60,7 +60,7 @@ class ExpertFSDP2(_ExpertShards, FSDP2Strategy):
         if mesh.hsdp_mesh is not None:
             raise ValueError("expert parallelism under FSDP2 runs without HSDP replication (parallel.dp_replicate 1)")
         self._experts_path = model.layout().experts.experts if model.layout().experts is not None else None
-        self._shard(model, mesh.group("dp"), ep, mesh.dims.group_ranks("dp"))
+        self._shard(model, mesh.group("batch"), ep, mesh.dims.group_ranks("batch"))
         self._rep_mesh = DeviceMesh.from_group(self.rep_group.pg, mesh.device.type)
         names = list(self.expert_params)
         FSDP2Strategy.__init__(self, model, mesh, stage, dtype, reduce_dtype)

@@ -1,8 +1,8 @@
 """Expert parallelism under the native pipeline executor (``parallel.pipeline.runner``): each
-stage's experts divided over the ep ranks of its dp group, the all-to-all inside the stage's forward
+stage's experts divided over the ep ranks of its batch group (dp x cp), the all-to-all inside the stage's forward
 and backward (B of a split backward: the expert weight gradients of W are local matmuls).
 
-The ep groups are carved out of every dp group of the world (one per (pp, tp) coordinate,
+The ep groups are carved out of every batch group of the world (one per (pp, tp) coordinate,
 :func:`~zerotron.parallel.expert.strategy.expert_groups`), so the ranks of one ep group hold the
 same pipeline stage and walk the same action list: their all-to-alls (forward, B, W of model stage
 0, recomputation) meet in the same order. The dense model is sharded before the split
@@ -23,8 +23,8 @@ class StageExperts(_ExpertShards):
     """The expert shards of one pipeline rank. Args: ``model`` the dense (or tensor-parallel)
     model before the pipeline split, identical on every rank (sharded here, in place: each MoE
     layer keeps experts ``ep_rank*E/ep .. (ep_rank+1)*E/ep - 1`` and gets the all-to-all
-    dispatch); ``dp_group`` this rank's dp group; ``ep`` (divides dp and E); ``lines`` the global
-    ranks of every dp group (``Dims.group_ranks("dp")``). Collective over the world (group creation).
+    dispatch); ``dp_group`` this rank's batch group (dp x cp); ``ep`` (divides it and E); ``lines`` the global
+    ranks of every batch group (``Dims.group_ranks("batch")``). Collective over the world (group creation).
 
     Attributes: ``ep_group``, ``rep_group``, ``ep_rank``, ``ep``; ``every`` {FQN: local shard} of
     every block; after :meth:`keep`, ``expert_params`` those of this rank's stages."""

@@ -3,29 +3,32 @@
 non-expert parameters) and :class:`ExpertZero` (native ZeRO-1/2/3, HSDP included, one driver with a
 shard group per parameter set); FSDP2 in :mod:`.fsdp`.
 
-Groups (carved out of the dp group, as torchtitan does): dp rank d has ep coordinate ``d % ep``;
-the ep group of d is ``{d - d % ep, ..., d - d % ep + ep - 1}`` (consecutive dp ranks: the all-to-all
-stays among neighbours), its expert-replica group ``{d' : d' % ep == d % ep}`` (dp/ep ranks holding
-the same experts). Non-expert parameters are data parallel over all of dp (DDP buckets, or ZeRO's
-flat buffers sharded over dp); expert parameters are sharded over ep (their optimizer state with
+Groups (carved out of the batch group dp x cp, as torchtitan and Megatron-Core do: under context
+parallelism each cp rank holds a different chunk of the same sequences, so the tokens routed to the
+experts come from every dp x cp rank): batch rank d (``coords["batch"]``, cp innermost) has ep
+coordinate ``d % ep``; the ep group of d is ``{d - d % ep, ..., d - d % ep + ep - 1}`` (consecutive
+batch ranks: the cp peers first, the all-to-all stays among neighbours), its expert-replica group
+``{d' : d' % ep == d % ep}`` (the dp x cp / ep ranks holding the same experts). Without cp the batch
+group is the dp group. Non-expert parameters are data parallel over all of dp x cp (DDP buckets, or ZeRO's
+flat buffers sharded over dp_shard x cp); expert parameters are sharded over ep (their optimizer state with
 them: 1/ep per rank) and data parallel over the replica group (DDP: their gradients all-reduced
 over it; ZeRO: flat buffers of their own sharded over it, so 1/dp per rank) -- after the dispatch
 backward they already hold the sum over their ep group's tokens, so the result is the sum over
-every dp rank's tokens, with the loss normalised by the global target count as everywhere
+every batch rank's tokens, with the loss normalised by the global target count as everywhere
 (``parallel.base``). Gradient norm: expert shards' squares summed over ep (DDP) or, with ZeRO,
 every shard's over dp (disjoint there), each element once. The canonical state (checkpoints,
 parity) holds full expert tensors, gathered over ep.
 
-HSDP (``parallel.dp_replicate`` R > 1, dp = R x S): ep must divide S, so every ep group (ep
-consecutive dp ranks) lies inside one shard group, normally one node. Native DDP keeps its
+HSDP (``parallel.dp_replicate`` R > 1, dp = R x S): ep must divide S x cp, so every ep group (ep
+consecutive batch ranks) lies inside one shard group, normally one node. Native DDP keeps its
 hierarchical all-reduce for the non-expert buckets and all-reduces the expert buffer over the
 replica group (all dp ranks with this ep coordinate). ZeRO shards the non-expert flat buffers over
 the shard group and the expert ones over the S/ep ranks of this shard group with this ep
 coordinate (``expert_groups`` over the shard groups' lines); HSDP's once-per-step all-reduce
 across the R replicas then completes both sums.
 
-The groups live here while ep composes with data parallelism alone (the plan refuses pp and cp with
-ep); they belong in ``distributed.mesh`` once it does.
+The groups are built here from the mesh's batch (or shard) lines (``Dims.group_ranks``); they could
+become named groups of ``distributed.mesh``.
 """
 from __future__ import annotations
 
@@ -46,9 +49,9 @@ __all__ = ["ExpertDataParallel", "ExpertTorchDDP", "ExpertZero", "expert_groups"
 
 def expert_groups(dp_group, ep: int, lines: list | None = None):
     """``(ep_group, replica_group, ep_rank)`` of this rank, as ``comm.NamedGroup``s ("ep",
-    "ep_rep"), carved out of each dp group: ``lines`` lists the global ranks of every dp group of
-    the world (``Dims.group_ranks("dp")``: one per tensor-parallel coordinate), default the ranks
-    of ``dp_group`` alone (a world that is one dp group). Every rank creates every group, in the
+    "ep_rep"), carved out of each batch group: ``lines`` lists the global ranks of every batch group
+    of the world (``Dims.group_ranks("batch")``: one per (pp, tp) coordinate, dp x cp ranks each;
+    under HSDP the "shard" lines), default the ranks of ``dp_group`` alone (a world that is one dp group). Every rank creates every group, in the
     same order, as ``dist.new_group`` requires."""
     me = dist.get_rank()
     lines = lines or [dist.get_process_group_ranks(dp_group.pg)]

@@ -67,7 +67,7 @@ checkpoints reshard between pp=1 and any pp (tested pp 1 <-> 2 -> 4).
     shards, in ``parallel.reduce_dtype``).
 
 Expert parallelism (``parallel.ep > 1``): every block's experts are sharded over ep before the
-split (``parallel.expert.stages.StageExperts``: ep groups carved out of each stage's dp group, so the ranks
+split (``parallel.expert.stages.StageExperts``: ep groups carved out of each stage's batch group dp x cp, so the ranks
 of one ep group hold the same stage and walk the same action list; their all-to-alls meet in F, in B,
 and in W where W is the whole backward of model stage 0; the expert weight gradients of a W are local
 matmuls). DDP leaves the expert shards out of its buckets and sums their flat gradient buffer over
@@ -147,7 +147,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
             announce_split(model, self.split, p.pp_split, recompute, place)
         self.experts, before = None, dict(model.named_parameters())
         if p.ep > 1:  # every block's experts sharded over ep before the split (parallel.expert.stages)
-            self.experts = StageExperts(model, mesh.group("batch"), p.ep, mesh.dims.group_ranks("dp"))
+            self.experts = StageExperts(model, mesh.group("batch"), p.ep, mesh.dims.group_ranks("batch"))
         self.dense = model
         self._dense_copy = None  # dense model rebuilt by full_params() for tensor-parallel models
         self.module = StageModel(model, place.stages(self.rank), ranges)
