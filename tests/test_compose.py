@@ -15,9 +15,10 @@ import pytest
 
 from zerotron.testing import assert_params_close, run_ranks, tiny_config
 
-STEPS = 6
+STEPS = 4  # a checkpoint at SAVE_AT, resumed for the steps after it
+SAVE_AT = 2
 BASE = {"train.steps": STEPS, "train.global_batch": 8, "train.eval_every": 0, "checkpoint.save_final": "false",
-        "train.grad_clip": 0.1, "train.dtype": "fp64", "checkpoint.every": 3, "checkpoint.keep": 0}
+        "train.grad_clip": 0.1, "train.dtype": "fp64", "checkpoint.every": SAVE_AT, "checkpoint.keep": 0}
 RTOL = 1e-10  # fp64: reassociation noise only, on any CPU
 FSDP2_TP = {"parallel.tp": 2, "parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2",
             "parallel.sequence_parallel": "true", "train.micro_batch": 2}
@@ -53,7 +54,7 @@ def _train(overrides, run_dir, resume=False):
 
 
 def _fsdp2_tp_worker(tmp, cache):
-    """Train FSDP2-3 x tp 2 + SP (checkpoints at steps 3 and 6), then resume its step-3 checkpoint
+    """Train FSDP2-3 x tp 2 + SP (checkpoints at steps SAVE_AT and STEPS), then resume its SAVE_AT checkpoint
     in the same layout (FSDP2 x TP loads the canonical dense state) and in FSDP2-2 x tp 2 without SP."""
     full = _train({**FSDP2_TP, "data.cache_dir": cache}, f"{tmp}/fsdp2tp")
     import torch.distributed as dist
@@ -61,7 +62,7 @@ def _fsdp2_tp_worker(tmp, cache):
     if dist.get_rank() == 0:
         for dst in ("same", "other", "single"):
             shutil.copytree(f"{tmp}/fsdp2tp", f"{tmp}/{dst}",
-                            ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != "step_3"])
+                            ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != f"step_{SAVE_AT}"])
     dist.barrier()
     same = _train({**FSDP2_TP, "data.cache_dir": cache}, f"{tmp}/same", resume=True)
     other = _train({**FSDP2_TP, "parallel.zero_stage": 2, "parallel.sequence_parallel": "false",
@@ -77,7 +78,7 @@ def test_fsdp2_tp_checkpoints_and_bytes(data_cache, single_process, tmp_path):
     np.testing.assert_allclose(full["losses"], ref["losses"], rtol=RTOL)
     assert_params_close(full["params"], ref["params"], RTOL, "fsdp2-3 x tp2sp")
     for name, out in (("same layout", same), ("fsdp2-2 x tp2", other), ("one process", single)):
-        np.testing.assert_allclose(out["losses"], ref["losses"][3:], rtol=RTOL, err_msg=name)
+        np.testing.assert_allclose(out["losses"], ref["losses"][SAVE_AT:], rtol=RTOL, err_msg=name)
         assert_params_close(out["params"], ref["params"], RTOL, name)
     # each rank holds a dp shard of its tp-local tensors: the dp ranks of one tp coordinate add up to
     # them (fp64 parameters, gradients, two Adam moments), and no rank holds them all
