@@ -506,6 +506,12 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
       the loss's backward (negative); they are shards of its sharded parameters, in the parameter
       dtype (fp32 under bf16 autocast: 4 bytes per shard element where the bf16-mixed states
       count 2; FSDP2's fp32 parameter shard and Adam's two moments make up the same 16 bytes);
+    * ``finish_grads_moment`` (native ZeRO-1): after the backward, ``finish_grads`` reduce-scatters
+      unit by unit, at most ``ZeroSync.reduce_window`` (2) units in flight, each holding its
+      gradient cast to ``reduce_dtype`` (when it differs from the gradient's) and its output
+      shard; the largest neighbouring units are the root unit (embedding / head) and blocks.
+      When that moment (model states + those buffers) exceeds the backward's, the difference
+      (0 otherwise; a pipeline's first stage under full recomputation, where little is held);
     * with recomputation, on the last stage: the loss's backward (the peak) comes before any layer
       is recomputed, so the recompute workspace is not live then (``recompute_workspace_not_live``,
       negative); ``recompute_moment`` adds the difference when the first recomputation (workspace
@@ -564,6 +570,18 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
         terms["recompute_moment"] = max(0, -loss_saved - loss_moment)  # (the later moment, if larger)
         terms["recompute_workspace_not_live"] = -act["recompute_workspace_bytes"]
     total = states["total_bytes"] + a + sum(terms.values())
+    if lay.zero_stage == 1 and not fsdp2:  # the step's other moment: finish_grads' reduce-scatters
+        from zerotron.parallel.data.zero import ZeroSync
+        from zerotron.parallel.precision import reduce_dtype
+
+        red = reduce_dtype(lay.dtype, cfg.parallel.reduce_dtype).itemsize
+        n, block = ZeroSync.reduce_window, shape.block_params(t)
+        units = max(params - layers * block + (n - 1) * block, n * block) if layers else params  # largest neighbours
+        shards = lay.dp * cp // lay.dp_replicate
+        window = (red if red != (2 if bf16 else e) else 0) * units + red * -(-units // shards)
+        finish = states["total_bytes"] + terms["zero1_fp32_grad"] + window
+        terms["finish_grads_moment"] = max(0, finish - total)
+        total += terms["finish_grads_moment"]
     return {"params": params, "dp": lay.dp, "model_states": states, "activations": a, "terms": terms,
             "total": total}
 
