@@ -2,7 +2,8 @@
 print the README table (traced vs estimated peak and model states, traced vs planned bytes per
 group, wall time and max RSS per layout).
 
-    python benchmarks/dryrun_table.py DIR        # DIR holds NAME.json and time.log from the runs
+    python benchmarks/dryrun_table.py DIR        # DIR holds NAME.json and time.log from the runs; their
+                                                 # ranks' rows are replaced, the other rows kept
     python benchmarks/dryrun_table.py            # re-print from benchmarks/dryrun_cluster.json
     python benchmarks/dryrun_table.py --reestimate   # the same, estimates recomputed (estimator change)
 """
@@ -30,8 +31,13 @@ def collect(d: Path) -> dict:
                                            "setup_peak_bytes", "layer_counts", "wall_s")}
                          | {k: r[k] for k in ("meta_init", "end_of_step", "construction_bytes") if k in r}
                          | ({"oom_step": r["oom_step"]} if "oom_step" in r else {}))
-        runs[f.stem] = {"records": slim, "process_wall_s": float(m.group(1)) if m else None,
-                        "process_max_rss_bytes": int(m.group(2)) * 1024 if m else None}
+        # NAME-rR.json: one rank of NAME traced alone (--rank R); its records join NAME's
+        run = runs.setdefault(re.sub(r"-r\d+$", "", f.stem), {"records": [], "process_wall_s": None,
+                                                               "process_max_rss_bytes": None})
+        run["records"] += slim
+        if m:
+            run["process_wall_s"] = (run["process_wall_s"] or 0) + float(m.group(1))
+            run["process_max_rss_bytes"] = max(run["process_max_rss_bytes"] or 0, int(m.group(2)) * 1024)
     return runs
 
 
@@ -94,8 +100,13 @@ def table(runs: dict) -> str:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] != "--reestimate":
-        runs = collect(Path(argv[0]))
-        reestimate(runs)
+        new = collect(Path(argv[0]))
+        reestimate(new)
+        runs = json.loads(OUT.read_text()) if OUT.exists() else {}
+        for name, run in new.items():  # a re-run of some ranks (--rank) keeps the layout's other records
+            kept = [r for r in runs.get(name, {}).get("records", []) if r["rank"] not in {x["rank"] for x in run["records"]}]
+            run["records"] = sorted(kept + run["records"], key=lambda r: r["rank"])
+        runs = dict(sorted({**runs, **new}.items()))
         OUT.write_text(json.dumps(runs, indent=1) + "\n")
     else:
         runs = json.loads(OUT.read_text())

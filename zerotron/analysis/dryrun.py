@@ -34,6 +34,7 @@ non-finite guard, the same strategy calls in the same order.
 """
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
 import warnings
@@ -133,7 +134,31 @@ def _scalar(t: torch.Tensor):
     return 1.0 if t.dtype.is_floating_point or t.dtype.is_complex else 1
 
 
+def _released_once_fired(original):
+    """``torch.autograd.graph.register_multi_grad_hook`` whose hooks remove themselves at the end of
+    the backward that fired them. ModTracker (inside MemTracker) registers one on every module's
+    inputs; in mode "all" its closure keeps the inputs' gradient nodes, and for a leaf input (a
+    pipeline stage's received activation, made to require grad) that node is the leaf's
+    AccumulateGrad, which owns the leaf: leaf -> its hooks -> closure -> AccumulateGrad -> leaf, a
+    cycle through autograd's C++ node that Python's collector cannot break. The leaf and its .grad
+    then outlived the step in every dry run of a pipeline stage > 0 (the last stage of Llama-3-8B
+    at 8 micro-batches: 2 x 1 GiB, 8 inputs and 8 input gradients of (1, 8192, 4096) fp32), which a
+    real run, without the tracker, does not hold."""
+    def register(tensors, fn, *, mode="all"):
+        handle = None
+
+        def once(*args):
+            fn(*args)
+            torch.autograd.Variable._execution_engine.queue_callback(handle.remove)
+
+        handle = original(tensors, once, mode=mode)
+        return handle
+
+    return register
+
+
 def _tracker_class():
+    from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
     class Tracker(MemTracker):
@@ -145,6 +170,17 @@ def _tracker_class():
             super().__init__()
             self.phase, self.limit, self.peak_at, self.oom, self._last = "setup", limit, None, None, None
             self._seen = weakref.WeakSet()
+
+        def __enter__(self):
+            if self._depth == 0:  # see _released_once_fired
+                self._multi_grad_hook = mod_tracker.register_multi_grad_hook
+                mod_tracker.register_multi_grad_hook = _released_once_fired(self._multi_grad_hook)
+            return super().__enter__()
+
+        def __exit__(self, *args):
+            super().__exit__(*args)
+            if self._depth == 0:
+                mod_tracker.register_multi_grad_hook = self._multi_grad_hook
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten._local_scalar_dense.default:
@@ -299,6 +335,42 @@ def _comm_by_group(stats) -> dict:
     return dict(sorted(out.items()))
 
 
+class _Done:
+    """A fake-backend point-to-point ``Work`` that says it is complete once posted. The fake
+    backend moves nothing, so it is; but torch's ``FakeWork.is_completed()`` answers False forever,
+    and the pipeline's poster (``pipeline.p2p.CommRunPoster``), which drops a send's tensor once
+    its Work is complete, then kept every gradient the last stage sent until the end of the walk
+    (7 of Llama-3-8B's 8 micro-batches at the loss's backward: 7 x 128 MiB)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _p2p_completes_at_once():
+    """``torch.distributed.batch_isend_irecv`` returns :class:`_Done` works while the context is
+    active (the pipeline's path on a backend other than gloo, the fake one included; isend/irecv
+    stay: ``P2POp`` checks their identity)."""
+    import torch.distributed as dist
+
+    batch = dist.batch_isend_irecv
+
+    def done(*args, **kwargs):
+        return [_Done(w) for w in batch(*args, **kwargs)]
+
+    dist.batch_isend_irecv = done
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = batch
+
+
 def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 2) -> dict:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -324,7 +396,7 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
 
             cp, r = mesh.size("cp"), mesh.local_rank("cp")
             batches = [(split_sequence(x, cp, r), split_sequence(y, cp, r)) for x, y in batches]
-        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        with warnings.catch_warnings(), _p2p_completes_at_once(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
             # MemTracker's gradient hook meets parameters whose .grad the synchroniser cleared
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
             _, strategy, optimizer = build_rank(cfg, plan, mesh)
@@ -419,11 +491,27 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
       only the head's, the blocks' are dropped with their saved tensors);
     * ``stage_outputs``: a pipeline stage keeps each in-flight micro-batch's output (b, s, h) in the
       stream's dtype until its backward, and receives one gradient of that size;
+    * ``stage_inputs``: a stage after the first keeps each in-flight micro-batch's received input
+      (the executor's saved (input, output) pair) until its backward, and one input gradient
+      it sent until its next comm run (1F1B's last stage: the micro-batch in backward and the
+      previous one's gradient, 2 (b, s, h));
     * ``loss_backward``: :func:`~zerotron.analysis.activations.loss_backward_bytes` (last stage);
-    * ``gathered``: ZeRO-3 / FSDP2 hold the last stage's root unit (embedding, final norm, head)
-      gathered in the compute dtype during the loss's backward;
+    * ``gathered``: native ZeRO-3 holds the last stage's root unit (embedding, final norm, head)
+      gathered in the compute dtype during the loss's backward; FSDP2 does not: it reshards the
+      root after the forward too (zerotron passes ``reshard_after_forward`` explicitly, which
+      turns off torch's keep-the-root-gathered default) and gathers it again at the root's
+      backward, after the loss's (MemTracker sees the gathers: FSDP2 resizes their storages
+      through ``UntypedStorage.resize_``, which the tracker follows);
     * ``fsdp2_no_grads``: FSDP2 frees its gradients between steps (set to None), so none exist at
-      the loss's backward (negative);
+      the loss's backward (negative); they are shards of its sharded parameters, in the parameter
+      dtype (fp32 under bf16 autocast: 4 bytes per shard element where the bf16-mixed states
+      count 2; FSDP2's fp32 parameter shard and Adam's two moments make up the same 16 bytes);
+    * ``finish_grads_moment`` (native ZeRO-1): after the backward, ``finish_grads`` reduce-scatters
+      unit by unit, at most ``ZeroSync.reduce_window`` (2) units in flight, each holding its
+      gradient cast to ``reduce_dtype`` (when it differs from the gradient's) and its output
+      shard; the largest neighbouring units are the root unit (embedding / head) and blocks.
+      When that moment (model states + those buffers) exceeds the backward's, the difference
+      (0 otherwise; a pipeline's first stage under full recomputation, where little is held);
     * with recomputation, on the last stage: the loss's backward (the peak) comes before any layer
       is recomputed, so the recompute workspace is not live then (``recompute_workspace_not_live``,
       negative); ``recompute_moment`` adds the difference when the first recomputation (workspace
@@ -462,16 +550,18 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
     sbh = seq * lay.micro_batch * h // (t if lay.sp else 1)
     terms = {"zero1_fp32_grad": 4 * -(-params // (lay.dp * cp // lay.dp_replicate))
              if bf16 and lay.zero_stage == 1 and not fsdp2 else 0,
-             "weight_casts": 0, "stage_outputs": 0, "loss_backward": 0, "gathered": 0,
-             "fsdp2_no_grads": -states["grads_bytes"] if fsdp2 and last else 0}
+             "weight_casts": 0, "stage_outputs": 0, "stage_inputs": 0, "loss_backward": 0, "gathered": 0,
+             "fsdp2_no_grads": -(2 if bf16 else 1) * states["grads_bytes"] if fsdp2 and last else 0}
     if bf16 and not bf16_params:
         blocks = layers * shape.block_matmul_params() // t
         terms["weight_casts"] = 2 * (head + (blocks * flight if lay.recompute != "full" else 0))
     if lay.pp > 1 and not last:
         terms["stage_outputs"] = (flight + 1) * r * sbh
+    if lay.pp > 1 and (pp_rank > 0 or lay.virtual_stages > 1):
+        terms["stage_inputs"] = (flight + 1) * r * sbh
     if last:
         terms["loss_backward"] = loss_backward_bytes(seq, lay.micro_batch, V, t, bf16, e)
-        if lay.zero_stage == 3:
+        if lay.zero_stage == 3 and not fsdp2:
             root = params - layers * shape.block_params(t)
             terms["gathered"] = (2 if bf16 else e) * root
     if last and lay.recompute != "none":  # the loss's backward comes before any layer is recomputed:
@@ -480,6 +570,18 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
         terms["recompute_moment"] = max(0, -loss_saved - loss_moment)  # (the later moment, if larger)
         terms["recompute_workspace_not_live"] = -act["recompute_workspace_bytes"]
     total = states["total_bytes"] + a + sum(terms.values())
+    if lay.zero_stage == 1 and not fsdp2:  # the step's other moment: finish_grads' reduce-scatters
+        from zerotron.parallel.data.zero import ZeroSync
+        from zerotron.parallel.precision import reduce_dtype
+
+        red = reduce_dtype(lay.dtype, cfg.parallel.reduce_dtype).itemsize
+        n, block = ZeroSync.reduce_window, shape.block_params(t)
+        units = max(params - layers * block + (n - 1) * block, n * block) if layers else params  # largest neighbours
+        shards = lay.dp * cp // lay.dp_replicate
+        window = (red if red != (2 if bf16 else e) else 0) * units + red * -(-units // shards)
+        finish = states["total_bytes"] + terms["zero1_fp32_grad"] + window
+        terms["finish_grads_moment"] = max(0, finish - total)
+        total += terms["finish_grads_moment"]
     return {"params": params, "dp": lay.dp, "model_states": states, "activations": a, "terms": terms,
             "total": total}
 
