@@ -82,22 +82,35 @@ def serve(out: str, profile: bool, argv: list[str]) -> int:
     return code
 
 
+def _stat(path: str) -> list[str]:
+    stat = Path(path).read_text()
+    return stat[stat.rindex(")") + 2:].split()  # fields from "state" on: ppid [1], utime [11], stime [12]
+
+
 def threads_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds (user + system) per thread name of process ``pid`` (``/proc/PID/task``; threads
-    of one name summed; "process" = all)."""
+    """CPU seconds (user + system) of process ``pid``: per live thread by name (``/proc/PID/task``;
+    threads of one name summed; the main thread is "main"), "process" (every thread, ended ones
+    included) and "children" (its live child processes, whole)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            f = _stat(f"/proc/{pid}/task/{tid}/stat")
+            name = "main" if tid == str(pid) else Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
         except OSError:  # the thread ended
             continue
-        f = stat[stat.rindex(")") + 2:].split()
-        sec = (int(f[11]) + int(f[12])) / tick
-        name = "main" if tid == str(pid) else name
-        out[name] = out.get(name, 0.0) + sec
-        out["process"] = out.get("process", 0.0) + sec
+        out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+    f = _stat(f"/proc/{pid}/stat")
+    out["process"] = (int(f[11]) + int(f[12])) / tick
+    out["children"] = 0.0
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                f = _stat(f"/proc/{d}/stat")
+            except OSError:
+                continue
+            if f[1] == str(pid):
+                out["children"] += (int(f[11]) + int(f[12])) / tick
     return out
 
 
