@@ -290,6 +290,45 @@ def test_openai_client_matches_raw_client(server):
         client.completions.create(model="gpt-9", prompt="x")
 
 
+def test_max_tokens_fit_the_context(server):
+    """prompt + max_tokens must fit the model's context (OpenAI's and vLLM's rule): a given
+    max_tokens (or max_completion_tokens) that does not fit gets 400 naming it with the largest
+    value that fits; without one the default is clamped to the room left and the answer ends with
+    finish_reason "length"; a prompt longer than the context: 400 naming the prompt."""
+    addr, front, tok = server
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    front.context = 12  # the byte tokenizer: "hello" is 5 tokens, so 7 new tokens fit
+    try:
+        ok = {"prompt": "hello", "temperature": 0}
+        code, _, raw = _ask(conn, "POST", "/v1/completions", {**ok, "max_tokens": 8})
+        err = json.loads(raw)["error"]
+        assert code == 400 and err["param"] == "max_tokens" and err["code"] == "context_length_exceeded", raw
+        assert "at most 7 new tokens" in err["message"] and "12 tokens" in err["message"], err
+        code, _, raw = _ask(conn, "POST", "/v1/completions", {**ok, "max_tokens": 7})
+        r = json.loads(raw)
+        assert code == 200 and r["usage"]["completion_tokens"] == 7 and r["choices"][0]["finish_reason"] == "length"
+        code, _, raw = _ask(conn, "POST", "/v1/completions", ok)  # OpenAI's default of 16, clamped to 7
+        r = json.loads(raw)
+        assert code == 200 and r["usage"]["completion_tokens"] == 7 and r["choices"][0]["finish_reason"] == "length"
+        code, _, raw = _ask(conn, "POST", "/v1/completions", {**ok, "prompt": ["hi", "hello"], "max_tokens": 9})
+        assert code == 400 and "prompt 1 has 5 tokens" in json.loads(raw)["error"]["message"], raw  # each prompt
+        code, _, raw = _ask(conn, "POST", "/v1/completions", {**ok, "prompt": "x" * 12})  # fills it: 0 new
+        r = json.loads(raw)
+        assert code == 200 and r["choices"][0]["text"] == "" and r["choices"][0]["finish_reason"] == "length", raw
+        code, _, raw = _ask(conn, "POST", "/v1/completions", {**ok, "prompt": "x" * 13})
+        assert code == 400 and json.loads(raw)["error"]["param"] == "prompt", raw
+        chat = {"messages": [{"role": "user", "content": "hi"}]}  # the template makes it longer than 12 tokens
+        front.context = len(tok.encode(front.chat.render([{"role": "user", "content": "hi"}])).ids) + 3
+        code, _, raw = _ask(conn, "POST", "/v1/chat/completions", {**chat, "max_completion_tokens": 4})
+        err = json.loads(raw)["error"]
+        assert code == 400 and err["param"] == "max_completion_tokens" and "at most 3 new" in err["message"], raw
+        code, _, raw = _ask(conn, "POST", "/v1/chat/completions", chat)  # default 256 clamped to 3
+        r = json.loads(raw)
+        assert code == 200 and r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length"
+    finally:
+        front.context = None
+
+
 def test_metrics(server):
     addr, _, _ = server
     conn = http.client.HTTPConnection(*addr, timeout=10)
@@ -353,3 +392,34 @@ def test_union_field_errors_name_the_field_not_pydantic_internals():
             validate(CompletionRequest, body)
         msg = str(e.value)
         assert words in msg and "constrained" not in msg and e.value.param == next(iter(body.keys() - {"prompt"}), "prompt"), msg
+
+
+def test_streamed_event_bytes_equal_the_models():
+    """The streaming fast path (a chunk template per choice, pieces spliced in as JSON strings,
+    tokenizers' incremental decoder) gives byte for byte the events of the pydantic models over
+    the full decode, for completions and chat, with and without stop strings, multi-byte
+    characters split across tokens."""
+    from zerotron.serve.api import Job, Streamer, sse
+    from zerotron.serve.streaming import StreamText
+
+    tok = byte_tokenizer()
+    front = Front(tok, tok.token_to_id("<|endoftext|>"), "tiny", "continuous", chat=ChatTemplate(None))
+    ids = tok.encode(SCRIPT * 2).ids
+    for chat in (False, True):
+        for stops in ([], ["wör", "本語 o"]):
+            c = {"chat": chat, "stop": stops, "include_usage": False}
+            job = Job([None, None], stream=True)
+            fast, ref = Streamer(front, c, job), Streamer(front, c, job)
+            ref.head = fast.head
+            ref.texts = [StreamText(tok.decode, stops) for _ in range(2)]  # decodes every token so far
+            assert all(t.step is not None for t in fast.texts)
+            got = want = b""
+            for i, t in enumerate(ids):
+                for k in (0, 1):  # two choices, interleaved as a batcher reports them
+                    a, b = fast.token_sse(k, t), b"".join(sse(ev) for ev in ref.token(k, t))
+                    assert a == b, (chat, stops, i, a, b)
+                    got, want = got + a, want + b
+            evs = [e for e in _sse(got + b"data: [DONE]\n\n") if e["choices"][0]["index"] == 1]
+            text = "".join(e["choices"][0]["delta"].get("content", "") if chat else e["choices"][0]["text"]
+                           for e in evs)
+            assert len(evs) >= 5 and (stops or "日本語" in text), (evs, text)

@@ -412,7 +412,11 @@ def test_batching_options_are_checked():
     assert err("--speculative", "ngram", "--batching", "window").startswith("--speculative needs --batching continuous")
     # the paged cache's options do nothing under window batching: refused, not ignored
     assert err("--batching", "window", "--kv-cache-mb", "64").startswith("--kv-cache-mb configures the paged KV cache")
-    assert "--kv-page, --no-prefix-cache configure" in err("--batching", "window", "--kv-page", "8", "--no-prefix-cache")
+    assert "--kv-page, --no-prefix-cache configure" in err("--batching", "window", "--kv-page", "4", "--no-prefix-cache")
+    from zerotron.inference.continuous import DEFAULT_PAGE
+    from zerotron.serve.command import KV_PAGE
+
+    assert KV_PAGE == DEFAULT_PAGE  # the CLI's default page is the engine's
     assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
 
 

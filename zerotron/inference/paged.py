@@ -160,6 +160,18 @@ class BlockPool:
         self.num_blocks, self.page = num_blocks, page
         self.keys: list[torch.Tensor | None] = [None] * n_layer
         self.values: list[torch.Tensor | None] = [None] * n_layer
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def scratch(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two flat buffers of at least ``n`` elements of ``like``'s dtype and device, reused by
+        every layer's gather (:meth:`PagedView.update`): grown when a forward needs more, never
+        shrunk (at most the largest forward's keys and values of one layer, (B, H_kv, S, D) each).
+        A fresh tensor per gather cost about 3x the gather's CPU on this machine (its pages
+        faulted in anew each time: 10.6 vs 3.4 ms at 64 rows x 200 slots, 38 vs 11 ms at 660)."""
+        s = self._scratch
+        if s is None or s[0].numel() < n or s[0].dtype != like.dtype or s[0].device != like.device:
+            s = self._scratch = (like.new_empty(n), like.new_empty(n))
+        return s
 
     def nbytes(self) -> int:
         """Bytes allocated so far."""
@@ -212,7 +224,9 @@ class PagedView:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write the real new slots of k, v (B, H_kv, T, D) into their blocks; return every row's
-        keys and values gathered through its table, (B, H_kv, S, D)."""
+        keys and values gathered through its table, (B, H_kv, S, D): views of the pool's scratch
+        buffers (:meth:`BlockPool.scratch`), valid until the next ``update`` (the next layer), as
+        attention reads them at once."""
         pool = self.pool
         if pool.keys[layer] is None:
             n = pool.num_blocks * pool.page
@@ -223,4 +237,9 @@ class PagedView:
         V.index_copy_(1, self.dst, v.transpose(1, 2)[self.real].transpose(0, 1))
         shape = (K.size(0), *self.gather.shape, K.size(2))  # (H_kv, B, S, D)
         idx = self.gather.view(-1)  # index_select: one pass, several times faster than K[gather] on CPU
-        return K.index_select(1, idx).view(shape).transpose(0, 1), V.index_select(1, idx).view(shape).transpose(0, 1)
+        n = shape[0] * idx.numel() * shape[3]
+        kb, vb = pool.scratch(n, K)
+        flat = (shape[0], idx.numel(), shape[3])
+        k_all = torch.index_select(K, 1, idx, out=kb[:n].view(flat))
+        v_all = torch.index_select(V, 1, idx, out=vb[:n].view(flat))
+        return k_all.view(shape).transpose(0, 1), v_all.view(shape).transpose(0, 1)

@@ -7,6 +7,7 @@ job and cancels it (``job.cancelled``) when the client goes away: under continuo
 rows leave the batch at the next iteration."""
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -28,9 +29,33 @@ from .schemas import (
 from .streaming import StreamText, cut_at_stop
 from .validation import RequestError, check_model, sampling
 
-__all__ = ["Job", "Front", "ServeStats", "Streamer", "CHAT_MAX_TOKENS"]
+__all__ = ["Job", "Front", "ServeStats", "Streamer", "CHAT_MAX_TOKENS", "max_new_tokens", "wake_jobs", "sse"]
 
 CHAT_MAX_TOKENS = 256  # a chat request's max_tokens when it gives none (OpenAI: up to the context)
+
+
+def max_new_tokens(prompt: int, given: int | None, default: int, context: int | None, field: str = "max_tokens",
+                   index: int = 0, prompt_param: str = "prompt") -> int:
+    """The new-token limit of a row whose prompt has ``prompt`` tokens on a model of ``context``
+    tokens (block_size; None: no limit), as OpenAI's API and vLLM do it: prompt + completion must
+    fit the context. A ``given`` max_tokens (the request's ``field``) that does not fit is refused
+    (RequestError 400, ``param`` = field, ``code`` "context_length_exceeded", naming the largest
+    value that fits); without one, ``default`` is clamped to the room left (``context - prompt``,
+    possibly 0: the answer then ends at once with finish_reason "length"). A prompt longer than
+    the context is refused with 400 (``param`` = ``prompt_param``, ``index``: which prompt)."""
+    if context is None:
+        return default if given is None else given
+    if prompt > context:
+        raise RequestError(f"prompt {index} has {prompt} tokens, more than the model's context of {context} tokens "
+                           f"(block_size): shorten it", param=prompt_param, code="context_length_exceeded")
+    room = context - prompt
+    if given is None:
+        return min(default, room)
+    if given > room:
+        raise RequestError(f"'{field}' is {given}, but prompt {index} has {prompt} tokens and the model's context is "
+                           f"{context} tokens (block_size): prompt + {field} must fit it; ask for at most {room} "
+                           f"new tokens or shorten the prompt", param=field, code="context_length_exceeded")
+    return given
 
 
 class ServeStats:
@@ -70,15 +95,18 @@ class Job:
         self.last: list = [None] * len(requests)
         self.ntok = [0] * len(requests)
         self.wake = None
+        self.waker = None  # (event loop, asyncio.Event) of an HTTP waiter: see wake_jobs
 
-    def token(self, k: int, tok: int) -> None:
+    def token(self, k: int, tok: int, wake: bool = True) -> None:
+        """Row ``k`` decoded ``tok``; ``wake``: wake the waiter now (a batcher that reports many
+        tokens per step passes False and calls :func:`wake_jobs` once after the step)."""
         now = time.monotonic()
         if self.first[k] is None:
             self.first[k] = now
         self.last[k], self.ntok[k] = now, self.ntok[k] + 1
         if self.events is not None:
             self.events.put((k, tok))
-        if self.wake is not None:
+        if wake and self.wake is not None:
             self.wake()
 
     def finish(self, error: str | None = None) -> None:
@@ -93,6 +121,36 @@ class Job:
     def waiting_rows(self) -> int:
         """Rows with no token yet (0 once done)."""
         return 0 if self.done.is_set() else sum(f is None for f in self.first)
+
+
+def _set_all(events) -> None:
+    for e in events:
+        e.set()
+
+
+def wake_jobs(jobs) -> None:
+    """Wake the waiters of ``jobs`` (from the batcher's thread, once per step): the events of
+    jobs waited on from one asyncio loop (``job.waker``) are set by one ``call_soon_threadsafe``
+    (one wake-up of that loop per step, not one per row), other jobs get ``job.wake()``."""
+    loops: dict = {}
+    for j in jobs:
+        if j.waker is not None:
+            loops.setdefault(j.waker[0], []).append(j.waker[1])
+        elif j.wake is not None:
+            j.wake()
+    for loop, events in loops.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # the loop closed (server stopping): nobody waits
+            pass
+
+
+def sse(event: dict) -> bytes:
+    """One server-sent event: ``data: {json}`` and a blank line."""
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+_MARK = "\x00zerotron-piece\x00"  # stands for a piece of text in a chunk template (JSON: "\u0000...")
 
 
 class Front:
@@ -154,22 +212,21 @@ class Front:
                 prompts = [self.chat.render([{"role": m.role, "content": m.text()} for m in req.messages])]
             except ValueError as e:
                 raise RequestError(str(e), param="messages") from None
-            c["max_tokens"] = CHAT_MAX_TOKENS if c["max_tokens"] is None else c["max_tokens"]
         else:
             prompts = req.prompts()
-            c["max_tokens"] = 16 if c["max_tokens"] is None else c["max_tokens"]  # OpenAI's default
+        given = c["max_tokens"]
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        default = CHAT_MAX_TOKENS if chat else 16  # OpenAI's default for completions
+        c["max_tokens"] = default if given is None else given
         c["chat"], c["prompt_tokens"], reqs = chat, 0, []
         for i, text in enumerate(prompts):
             ids = self.tok.encode(text).ids
             if not ids:
                 raise RequestError(f"prompt {i} is empty after tokenization", param="prompt")
-            if self.context is not None and len(ids) > self.context:
-                raise RequestError(f"prompt {i} has {len(ids)} tokens, more than the model's context of "
-                                   f"{self.context} tokens (block_size): shorten it",
-                                   param="messages" if chat else "prompt")
+            limit = max_new_tokens(len(ids), given, default, self.context, field, i, "messages" if chat else "prompt")
             c["prompt_tokens"] += len(ids)
             for j in range(c["n"]):  # choice j of prompt i: seed + i * n + j (zerotron generate's for n = 1)
-                reqs.append(Request(ids, SamplingParams(max_tokens=c["max_tokens"], temperature=float(c["temperature"]),
+                reqs.append(Request(ids, SamplingParams(max_tokens=limit, temperature=float(c["temperature"]),
                                                         top_k=c["top_k"], top_p=float(c["top_p"]),
                                                         seed=c["seed"] + i * c["n"] + j, stop=tuple(c["stop"]))))
         job = Job(reqs, c["stream"])
@@ -213,6 +270,23 @@ class Front:
             CompletionChoice(text=t, index=k, finish_reason=r) for k, (t, r) in enumerate(texts)]).model_dump()
 
 
+def _stepper(tok):
+    """An incremental decoder of ``tok``: token id -> the text it completes or None (tokenizers'
+    ``DecodeStream``, skipping special tokens as ``Tokenizer.decode`` does by default); None when
+    ``tok`` is not a ``tokenizers.Tokenizer`` or tokenizers is older than 0.21 (then each push
+    decodes every token so far)."""
+    from tokenizers import Tokenizer
+
+    try:
+        from tokenizers.decoders import DecodeStream  # tokenizers >= 0.21
+    except ImportError:
+        return None
+    if not isinstance(tok, Tokenizer):
+        return None
+    stream = DecodeStream(skip_special_tokens=True)
+    return lambda t: stream.step(tok, t)
+
+
 class Streamer:
     """The server-sent events of a streamed job: :meth:`start` (a chat's first chunk: the
     assistant role of every choice), :meth:`token` (one decoded token: the chunk of new text, if
@@ -223,7 +297,8 @@ class Streamer:
     def __init__(self, front: Front, c: dict, job: Job):
         self.front, self.c, self.job, self.chat = front, c, job, c["chat"]
         self.head = front.head(self.chat)
-        self.texts = [StreamText(front.tok.decode, c["stop"]) for _ in job.requests]
+        self.texts = [StreamText(front.tok.decode, c["stop"], _stepper(front.tok)) for _ in job.requests]
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
 
     def _chunk(self, k: int, text: str | None, reason: str | None = None, role: bool = False) -> dict:
         if self.chat:
@@ -234,6 +309,20 @@ class Streamer:
             return d
         return Completion(**self.head, choices=[CompletionChoice(text=text or "", index=k, finish_reason=reason)]
                           ).model_dump(exclude={"usage"})
+
+    def token_sse(self, k: int, tok: int) -> bytes:
+        """:meth:`token` as server-sent event bytes (b"" if no text is ready), without building
+        the chunk's pydantic model per token: the chunk of choice k is encoded once with a marker
+        for its text (:meth:`_chunk`, so the models stay the one definition of the format) and
+        each piece is spliced in as a JSON string; the bytes equal ``sse(token(k, tok)[0])``."""
+        piece = self.texts[k].push(tok)
+        if not piece:
+            return b""
+        t = self._templates.get(k)
+        if t is None:
+            pre, post = sse(self._chunk(k, _MARK)).split(json.dumps(_MARK).encode())
+            t = self._templates[k] = (pre, post)
+        return t[0] + json.dumps(piece).encode() + t[1]
 
     def start(self) -> list[dict]:
         return [self._chunk(k, "", role=True) for k in range(len(self.texts))] if self.chat else []

@@ -21,6 +21,8 @@ import collections
 import queue
 import time
 
+from .api import wake_jobs
+
 __all__ = ["WindowBatcher", "ContinuousScheduler"]
 
 CANCELLED = "cancelled: the client disconnected"
@@ -167,10 +169,13 @@ class ContinuousScheduler:
                 self._fail_all(f"{type(e).__name__}: {e}")
                 self._account()
                 continue
+            touched = {}
             for rid, toks in res.tokens.items():
                 j, k = self.live[rid]
+                touched[j] = None
                 for tok in toks:
-                    j.token(k, tok)
+                    j.token(k, tok, wake=False)
+            wake_jobs(touched)  # one wake-up per waiting loop and step, not one per token
             for rid, new in res.finished.items():
                 j, k = self.live.pop(rid)
                 j.result[k] = new

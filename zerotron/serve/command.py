@@ -17,6 +17,7 @@ __all__ = ["parser", "check_args", "main", "api_key_of"]
 BATCHING = ("continuous", "window")
 API_KEY_ENV = "ZEROTRON_API_KEY"
 DRAINED_ENV = "ZEROTRON_SERVE_DRAINED"  # under --nproc: the file rank 0 writes once drained (exit 0)
+KV_PAGE = 8  # = zerotron.inference.continuous.DEFAULT_PAGE (not imported here: that module imports torch)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -45,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
                    help="sequences per batch (window) or running together (continuous) at most")
     p.add_argument("--kv-cache-mb", type=float, default=0.0,
                    help="paged KV cache per rank, MiB (--batching continuous; 0: room for 32 full-context rows)")
-    p.add_argument("--kv-page", type=int, default=16, help="tokens per KV cache block (page)")
+    p.add_argument("--kv-page", type=int, default=KV_PAGE, help="tokens per KV cache block (page)")
     p.add_argument("--max-step-tokens", type=int, default=2048,
                    help="token budget of one continuous-batching step: decoding rows first, then chunked prefill")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
@@ -88,7 +89,7 @@ def check_args(args) -> None:
         raise ValueError(f"--speculative must be 'ngram' or 'draft:DIR', got {args.speculative!r}")
     if args.speculative and args.batching != "continuous":
         raise ValueError("--speculative needs --batching continuous; drop --speculative or --batching window")
-    paged = [o for o, on in (("--kv-cache-mb", args.kv_cache_mb != 0.0), ("--kv-page", args.kv_page != 16),
+    paged = [o for o, on in (("--kv-cache-mb", args.kv_cache_mb != 0.0), ("--kv-page", args.kv_page != KV_PAGE),
                              ("--max-step-tokens", args.max_step_tokens != 2048),
                              ("--no-prefix-cache", not args.prefix_cache)) if on]
     if paged and args.batching != "continuous":
