@@ -200,6 +200,45 @@ def test_resume_checks(small_run, tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
+
+def test_export_full_disk_keeps_the_previous_export(small_run, tmp_path, capsys, monkeypatch):
+    """A write that fails mid-export (ENOSPC) is one line, exit 2, and leaves --out as it was: an
+    ``--overwrite`` of a good export used to truncate its model.safetensors in place (traceback, exit 1)."""
+    import errno
+
+    import zerotron.models.hf as hf
+
+    run, _ = small_run
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())  # a plain directory, not mkdtemp's 0700
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    real = hf.save_file
+
+    def full_disk(tensors, path, metadata=None):
+        real(tensors, path, metadata=metadata)
+        with open(path, "r+b") as f:  # what a full disk leaves: the start of the file
+            f.truncate(1000)
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(hf, "save_file", full_disk)
+    for argv in (["--out", str(out), "--overwrite"], ["--out", str(tmp_path / "new")]):
+        code, err = main(["export", "--checkpoint", str(run), *argv]), capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"cannot write --out {argv[1]!r}: No space left on device (" in err and "bytes free" in err, err
+        assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging directory, no partial "new"
+    monkeypatch.setattr(hf, "save_file", real)
+    assert main(["export", "--checkpoint", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # the same export, replaced whole
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
 def test_device_and_backend_need_cuda(capsys):
     import torch
 
