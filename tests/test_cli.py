@@ -28,6 +28,9 @@ CASES = [
     (["train", "--config", TINY, "--data.corpus", "files", "--data.path", "/no/such/file.txt"], "/no/such/file.txt"),
     (["train", "--config", TINY, "--train.dtype", "fp8"], "train.dtype must be one of ('fp32', 'bf16', 'fp64'), got 'fp8'"),
     (["train", "--config", TINY, "--train.lr", "-1"], "train.lr must be > 0"),
+    # refused before the run: a negative sample length failed after the last step (traceback, no summary.json)
+    (["train", "--config", TINY, "--log.sample_tokens", "-3"], "log.sample_tokens must be >= 0 (0 = no sample"),
+    (["train", "--config", TINY, "--log.every", "0"], "log.every must be >= 1"),
     (["train", "--config", TINY, "--model.dropout", "1.5"], "model.dropout must be in [0, 1)"),
     (["train", "--config", TINY, "--bogus.key", "1"], "unknown config section 'bogus'"),
     (["train", "--config", TINY, "--train.steps"], "override --train.steps needs a value"),
