@@ -205,8 +205,9 @@ def test_resume_checks(small_run, tmp_path, capsys):
 
 
 def test_export_full_disk_keeps_the_previous_export(small_run, tmp_path, capsys, monkeypatch):
-    """A write that fails mid-export (ENOSPC) is one line, exit 2, and leaves --out as it was: an
-    ``--overwrite`` of a good export used to truncate its model.safetensors in place (traceback, exit 1)."""
+    """A write that fails mid-export (ENOSPC) is one line, exit 2, and leaves --out as it was, with no
+    partial or staging directory. It was a traceback (exit 1: safetensors' SafetensorError is not an
+    OSError), a new --out was left behind empty, and an --overwrite wrote each file in place."""
     import errno
 
     import zerotron.models.hf as hf
@@ -219,17 +220,25 @@ def test_export_full_disk_keeps_the_previous_export(small_run, tmp_path, capsys,
     before = {f.name: f.read_bytes() for f in out.iterdir()}
     real = hf.save_file
 
-    def full_disk(tensors, path, metadata=None):
-        real(tensors, path, metadata=metadata)
-        with open(path, "r+b") as f:  # what a full disk leaves: the start of the file
-            f.truncate(1000)
-        raise OSError(errno.ENOSPC, "No space left on device", path)
+    from safetensors import SafetensorError
 
-    monkeypatch.setattr(hf, "save_file", full_disk)
-    for argv in (["--out", str(out), "--overwrite"], ["--out", str(tmp_path / "new")]):
+    def full_disk(error):
+        def save(tensors, path, metadata=None):
+            real(tensors, path, metadata=metadata)
+            with open(path, "r+b") as f:  # what a full disk leaves: the start of the file
+                f.truncate(1000)
+            raise error
+        return save
+
+    # safetensors' writer raises SafetensorError on a real full disk (a 4 MiB tmpfs), json writes an OSError
+    errors = [SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+              OSError(errno.ENOSPC, "No space left on device", str(out))]
+    for error, argv in zip(errors * 2, [["--out", str(out), "--overwrite"]] * 2 + [["--out", str(tmp_path / "new")]] * 2):
+        monkeypatch.setattr(hf, "save_file", full_disk(error))
         code, err = main(["export", "--checkpoint", str(run), *argv]), capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert f"cannot write --out {argv[1]!r}: No space left on device (" in err and "bytes free" in err, err
+        assert f"cannot write --out {argv[1]!r}: " in err and "No space left on device (" in err, err
+        assert "bytes free" in err and "an existing --out is unchanged" in err, err
         assert {f.name: f.read_bytes() for f in out.iterdir()} == before
         assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging directory, no partial "new"
     monkeypatch.setattr(hf, "save_file", real)

@@ -67,6 +67,7 @@ def cmd_export(argv: list[str]) -> int:
         if args.adapter:
             check_out_dir(args.adapter, args.overwrite, "--adapter")
         import torch
+        from safetensors import SafetensorError  # what its writer raises on a full disk (not an OSError)
 
         from ..data.tokenizer import read_special_tokens, write_special_files
         from ..distributed import mesh
@@ -94,7 +95,7 @@ def cmd_export(argv: list[str]) -> int:
                 target = (args.out, "--out")
         except FileExistsError:
             raise
-        except OSError as e:  # ENOSPC, EIO, a read-only file system: the staging directories are gone
+        except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a read-only file system: the staging directories are gone
             return fail(write_failure(target[0], e, target[1]))
         if owned:
             mesh.teardown()

@@ -53,14 +53,15 @@ def staged_dir(out: str | Path, overwrite: bool, flag: str = "--out"):
         raise
 
 
-def write_failure(out: str | Path, err: OSError, flag: str = "--out") -> str:
-    """One line for an OSError met while writing ``out``: the error, the free bytes of its file
-    system, and that nothing of ``out`` changed."""
+def write_failure(out: str | Path, err: Exception, flag: str = "--out") -> str:
+    """One line for an error met while writing ``out`` (an OSError, or safetensors' SafetensorError
+    wrapping one): the error, the free bytes of its file system, and that nothing of ``out`` changed."""
     out = Path(out)
     where = next((p for p in (out, *out.parents) if p.exists()), Path("."))
     try:
         free = f"{shutil.disk_usage(where).free:,} bytes free on {str(where)!r}"
     except OSError:
         free = "free space unknown"
-    return (f"cannot write {flag} {str(out)!r}: {err.strerror or err} ({free}); nothing was written there and an "
+    why = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+    return (f"cannot write {flag} {str(out)!r}: {why} ({free}); nothing was written there and an "
             f"existing {flag} is unchanged; free some space or choose another {flag}")
