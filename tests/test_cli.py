@@ -28,6 +28,9 @@ CASES = [
     (["train", "--config", TINY, "--data.corpus", "files", "--data.path", "/no/such/file.txt"], "/no/such/file.txt"),
     (["train", "--config", TINY, "--train.dtype", "fp8"], "train.dtype must be one of ('fp32', 'bf16', 'fp64'), got 'fp8'"),
     (["train", "--config", TINY, "--train.lr", "-1"], "train.lr must be > 0"),
+    # refused before the run: a negative sample length failed after the last step (traceback, no summary.json)
+    (["train", "--config", TINY, "--log.sample_tokens", "-3"], "log.sample_tokens must be >= 0 (0 = no sample"),
+    (["train", "--config", TINY, "--log.every", "0"], "log.every must be >= 1"),
     (["train", "--config", TINY, "--model.dropout", "1.5"], "model.dropout must be in [0, 1)"),
     (["train", "--config", TINY, "--bogus.key", "1"], "unknown config section 'bogus'"),
     (["train", "--config", TINY, "--train.steps"], "override --train.steps needs a value"),
@@ -199,6 +202,54 @@ def test_resume_checks(small_run, tmp_path, capsys):
     assert [p.name for p in sorted((bad / "checkpoints").glob("step_*"))] == ["step_2", "step_3"]  # step_1 rotated out (keep 2)
     assert not (tmp_path / "hf").exists()
 
+
+
+def test_export_full_disk_keeps_the_previous_export(small_run, tmp_path, capsys, monkeypatch):
+    """A write that fails mid-export (ENOSPC) is one line, exit 2, and leaves --out as it was, with no
+    partial or staging directory. It was a traceback (exit 1: safetensors' SafetensorError is not an
+    OSError), a new --out was left behind empty, and an --overwrite wrote each file in place."""
+    import errno
+
+    import zerotron.models.hf as hf
+
+    run, _ = small_run
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())  # a plain directory, not mkdtemp's 0700
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    real = hf.save_file
+
+    from safetensors import SafetensorError
+
+    def full_disk(error):
+        def save(tensors, path, metadata=None):
+            real(tensors, path, metadata=metadata)
+            with open(path, "r+b") as f:  # what a full disk leaves: the start of the file
+                f.truncate(1000)
+            raise error
+        return save
+
+    # safetensors' writer raises SafetensorError on a real full disk (a 4 MiB tmpfs), json writes an OSError
+    errors = [SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+              OSError(errno.ENOSPC, "No space left on device", str(out))]
+    for error, argv in zip(errors * 2, [["--out", str(out), "--overwrite"]] * 2 + [["--out", str(tmp_path / "new")]] * 2):
+        monkeypatch.setattr(hf, "save_file", full_disk(error))
+        code, err = main(["export", "--checkpoint", str(run), *argv]), capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"cannot write --out {argv[1]!r}: " in err and "No space left on device (" in err, err
+        assert "bytes free" in err and "an existing --out is unchanged" in err, err
+        assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging directory, no partial "new"
+    monkeypatch.setattr(hf, "save_file", real)
+    assert main(["export", "--checkpoint", str(run), "--out", str(out), "--overwrite"]) == 0
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # the same export, replaced whole
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 def test_device_and_backend_need_cuda(capsys):
     import torch

@@ -189,6 +189,27 @@ def test_fields_are_checked(server):
         assert time.time() - t0 < 5
 
 
+
+def test_json_the_parser_refuses_is_a_400(server):
+    """JSON that Python's parser refuses with other errors than JSONDecodeError -- arrays nested past
+    the recursion limit (RecursionError), an integer of more than 4300 digits (ValueError) -- is a
+    400 in OpenAI's shape on a connection that stays open, not a 500 (plain-text Internal Server Error)."""
+    addr, front, _ = server
+    srv = ServerThread(make_app(front, max_body_bytes=10_000, api_key=KEY), bind("127.0.0.1", 0))
+    srv.start()
+    try:
+        conn = http.client.HTTPConnection(*srv.sock.getsockname()[:2], timeout=10)
+        for body, why in ((b"[" * 3000 + b"]" * 3000, "RecursionError"), (b"[" * 4000, "RecursionError"),
+                          (b'{"prompt": "x", "n": ' + b"7" * 5000 + b"}", "4300 digits")):
+            code, headers, raw = _ask(conn, "POST", "/v1/completions", body)
+            assert code == 400 and headers["content-type"].startswith("application/json"), (code, raw[:200])
+            err = json.loads(raw)["error"]
+            assert why in err["message"] and err["type"] == "invalid_request_error", err
+        assert _ask(conn, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200  # same connection
+        conn.close()
+    finally:
+        srv.stop()
+
 def test_api_key(server):
     """Every endpoint but /health needs the key: none or a wrong one is 401 JSON."""
     addr, _, _ = server

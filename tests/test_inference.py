@@ -114,6 +114,21 @@ def test_top_k_top_p_filters():
     assert torch.isinf(filter_logits(logits, 1.0, None, 0.5)).tolist() == [False, True, True, True]
 
 
+def test_tiny_temperature_samples_the_argmax():
+    # 1e-320 is a finite temperature > 0 that serve and generate accept; logits / 1e-320 overflowed to
+    # inf, softmax gave NaN and torch.multinomial raised (serve answered 500 to every row of the batch)
+    from zerotron.inference.sampling import make_generator, sample_rows
+
+    logits = torch.tensor([[3.0, 1.0, 2.0, -1.0]], dtype=torch.float32)
+    for t in (1e-320, 5e-324, 1e-300):
+        for top_k, top_p in ((None, 1.0), (2, 1.0), (None, 0.5)):
+            assert filter_logits(logits[0].double(), t, top_k, top_p).softmax(-1).tolist() == [1.0, 0.0, 0.0, 0.0]
+        params = SamplingParams(temperature=t, top_k=3).validate()
+        assert sample_rows(logits, [params], [make_generator(0)]).tolist() == [0]
+    row = logits[0].double()  # an ordinary temperature is applied as before, bit for bit
+    assert torch.equal(filter_logits(row, 0.7, None, 1.0), row / 0.7)
+
+
 @pytest.mark.parametrize("bad, word", [(dict(max_tokens=-1), "max_tokens"), (dict(temperature=float("nan")),
                                        "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p"),
                                       (dict(stop=("",)), "stop"), (dict(stop="x"), "stop")])

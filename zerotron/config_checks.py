@@ -85,6 +85,9 @@ def check_values(cfg: Config) -> dict:
     if d.doc_mask:
         _check_doc_mask(d)
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
+    _need(cfg.log.every >= 1, f"log.every must be >= 1 (steps between progress lines), got {cfg.log.every}")
+    _need(cfg.log.sample_tokens >= 0, f"log.sample_tokens must be >= 0 (0 = no sample at the end), got "
+                                      f"{cfg.log.sample_tokens}")
     _need(cfg.checkpoint.on_error in ("continue", "stop"),
           f"checkpoint.on_error must be continue or stop, got {cfg.checkpoint.on_error!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):

@@ -47,25 +47,27 @@ def _split_adapter(model, meta: dict, args):
     return state, config
 
 
-def _write_adapter(out_dir: str, state: dict, config: dict, base: str, overwrite: bool) -> None:
-    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir``."""
+def _write_adapter(out_dir: Path, state: dict, config: dict, base: str) -> None:
+    """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir`` (a staging
+    directory, :func:`staging.staged_dir`)."""
     import json
 
     from safetensors.torch import save_file
 
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
-        raise FileExistsError(f"--adapter {out_dir!r} exists and is not an empty directory; choose a new one or pass "
-                              "--overwrite")
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}, indent=2) + "\n")
+    save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}, indent=2) + "\n")
 
 
 def cmd_export(argv: list[str]) -> int:
     args = export_parser().parse_args(argv)
+    from .staging import check_out_dir, staged_dir, write_failure
+
     try:
+        check_out_dir(args.out, args.overwrite)  # before any weight is read
+        if args.adapter:
+            check_out_dir(args.adapter, args.overwrite, "--adapter")
         import torch
+        from safetensors import SafetensorError  # what its writer raises on a full disk (not an OSError)
 
         from ..data.tokenizer import read_special_tokens, write_special_files
         from ..distributed import mesh
@@ -79,16 +81,27 @@ def cmd_export(argv: list[str]) -> int:
         model, tok, meta = load_model(args.checkpoint, torch.device("cpu"), merge=not args.adapter)
         specials = read_special_tokens(resolve_checkpoint(args.checkpoint), tok)  # the checkpoint's own
         adapter = _split_adapter(model, meta, args) if args.adapter else None
-        out = export_hf(model, args.out, overwrite=args.overwrite, eos_token_id=specials.eos_id)
-        tok.save(str(Path(out) / "tokenizer.json"))
-        write_special_files(out, specials)  # bos/eos/pad ids (every stop id) and the chat template
-        if adapter is not None:
-            _write_adapter(args.adapter, *adapter, base=str(Path(out).resolve()), overwrite=args.overwrite)
+        out = Path(args.out)
+        target = (args.out, "--out")
+        try:  # every file goes to staging directories first: a full disk leaves --out (and --adapter) as it was
+            with staged_dir(out, args.overwrite) as tmp:
+                export_hf(model, tmp, eos_token_id=specials.eos_id)
+                tok.save(str(tmp / "tokenizer.json"))
+                write_special_files(tmp, specials)  # bos/eos/pad ids (every stop id) and the chat template
+                if adapter is not None:
+                    target = (args.adapter, "--adapter")
+                    with staged_dir(args.adapter, args.overwrite, "--adapter") as atmp:
+                        _write_adapter(atmp, *adapter, base=str(out.resolve()))
+                target = (args.out, "--out")
+        except FileExistsError:
+            raise
+        except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a read-only file system: the staging directories are gone
+            return fail(write_failure(target[0], e, target[1]))
         if owned:
             mesh.teardown()
-        files = ", ".join(sorted(p.name for p in Path(out).iterdir() if p.is_file()))
+        files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
         print(f"wrote {out}: {files} (transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}), "
-              f"PreTrainedTokenizerFast(tokenizer_file={str(Path(out) / 'tokenizer.json')!r}))")
+              f"PreTrainedTokenizerFast(tokenizer_file={str(out / 'tokenizer.json')!r}))")
         if adapter is not None:
             print(f"wrote {args.adapter}: adapter_config.json, adapter_model.safetensors (peft: "
                   f"PeftModel.from_pretrained(base, {args.adapter!r}))")

@@ -60,8 +60,15 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
-    """One row of logits (V,) float -> scaled logits with the filtered-out tokens at -inf."""
-    logits = logits / temperature
+    """One row of logits (V,) float -> scaled logits with the filtered-out tokens at -inf.
+
+    A temperature so small that ``logits / temperature`` overflows (1e-320 is a finite number > 0)
+    is applied to ``logits - max(logits)`` instead: the same softmax (it is shift invariant), with
+    the largest logit at 0 instead of +inf, whose softmax would be NaN."""
+    scaled = logits / temperature
+    if not torch.isfinite(scaled).all():
+        scaled = (logits - logits.max()) / temperature
+    logits = scaled
     if top_k is not None and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -142,6 +142,11 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
             return json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise RequestError(f"the body is not valid JSON: {e}") from None
+        except RecursionError:  # arrays/objects nested about 1000 deep
+            raise RequestError("the body is not valid JSON for this server: it is nested too deeply "
+                               "(RecursionError)") from None
+        except ValueError as e:  # an integer of more than 4300 digits (Python's int conversion limit)
+            raise RequestError(f"the body is not valid JSON for this server: {str(e).split(';')[0]}"[:300]) from None
 
     async def wait(request: Request, job) -> bool:
         """Wait for ``job`` to end; False (the job cancelled) if the client disconnects first."""

@@ -1,0 +1,67 @@
+"""Output directories written whole or not at all (``zerotron export``): every file goes to a hidden
+staging directory beside the target, which becomes the target (or, with ``--overwrite``, whose
+files replace the target's, each by one ``os.replace``) only after the last file is written. A
+write that fails (a full disk, EIO) removes the staging directory and leaves the target as it was,
+so a failed ``--overwrite`` never truncates the previous export."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["check_out_dir", "staged_dir", "write_failure"]
+
+
+def check_out_dir(out: str | Path, overwrite: bool, flag: str = "--out") -> Path:
+    """Return ``out`` as a Path; raise FileExistsError (one line naming ``flag`` and the fix) if it
+    is a file, or a non-empty directory and not ``overwrite``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{flag} {str(out)!r} exists and is not a directory; choose another {flag} directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{flag} {str(out)!r} is not empty; choose a new directory or pass --overwrite to "
+                              "replace its files")
+    return out
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | Path, overwrite: bool, flag: str = "--out"):
+    """Context manager yielding an empty staging directory (``.<name>.tmp-*`` beside ``out``, the
+    mode a plain ``mkdir`` would give) to write ``out``'s files into. On a clean exit the staging
+    directory is renamed to ``out`` (absent or empty) or, with ``overwrite``, its files replace
+    ``out``'s of the same name (other files of ``out`` stay). On any exception it is removed and
+    ``out`` is untouched. Raises FileExistsError as :func:`check_out_dir`; OSError from creating
+    the parent or the staging directory."""
+    out = check_out_dir(out, overwrite, flag)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it 0700; the export is a directory like any other
+        yield tmp
+        if out.is_dir() and any(out.iterdir()):
+            for f in sorted(tmp.iterdir()):
+                os.replace(f, out / f.name)
+            tmp.rmdir()
+        else:
+            os.replace(tmp, out)  # rename(2) replaces an empty directory
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_failure(out: str | Path, err: Exception, flag: str = "--out") -> str:
+    """One line for an error met while writing ``out`` (an OSError, or safetensors' SafetensorError
+    wrapping one): the error, the free bytes of its file system, and that nothing of ``out`` changed."""
+    out = Path(out)
+    where = next((p for p in (out, *out.parents) if p.exists()), Path("."))
+    try:
+        free = f"{shutil.disk_usage(where).free:,} bytes free on {str(where)!r}"
+    except OSError:
+        free = "free space unknown"
+    why = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+    return (f"cannot write {flag} {str(out)!r}: {why} ({free}); nothing was written there and an "
+            f"existing {flag} is unchanged; free some space or choose another {flag}")
