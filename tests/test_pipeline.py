@@ -97,7 +97,7 @@ def _train(lay: dict) -> dict:
         module = strategy.module
         out["stage_modules"] = strategy.stage_modules()
         # pp > 1: only this rank's stages keep parameter storage (the last holds the tied weight too)
-        held = sum(q.untyped_storage().nbytes() for q in model.parameters())
+        held = sum(q.untyped_storage().nbytes() for q in model.parameters() if not q.is_meta)
         own = sum(q.numel() * q.element_size() for q in module.parameters()
                   if any(q is r for r in model.parameters()))
         out["param_bytes"] = (held, own, strategy.released_bytes, sum(q.numel() * 8 for q in model.parameters()))

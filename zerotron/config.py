@@ -194,7 +194,7 @@ class TrainConfig:
     offload_dir: str = ""
     """folder for train.offload = optimizer-disk (must exist and be writable; one rank-N subfolder per rank)"""
     meta_init: bool = False
-    """build the model on the meta device and give storage and the dense init's values only to this rank's tensor-parallel slices of its pipeline stages (exact: same weights as a dense build; LoRA and model.init_from build densely); off by default until it has run through the whole suite (a heap corruption in a pooled 8-rank test process was seen once with it on)"""
+    """build the model on the meta device and give storage and the dense init's values only to this rank's tensor-parallel slices of its pipeline stages (exact: same weights as a dense build; LoRA and model.init_from build densely); off by default until the 8-rank matrix chunks with it on have passed three times in a row (a heap corruption in a pooled 8-rank test process was seen once with it on; not reproduced, not explained)"""
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 Every wrapper here
   * refuses non-contiguous tensors (gloo silently reduces the wrong memory for strided views),
+    meta tensors and tensors addressing more bytes than their storage holds (freed memory, e.g. a
+    ZeRO-3 buffer at rest: gloo would read or write past the allocation or through a null pointer),
   * counts calls and bytes per (op, group) in a process-wide :class:`CommStats`
     (``distributed.accounting``: the nccl-tests size convention, bus-bandwidth factors),
   * supports synchronous use (returns ``None``) and asynchronous use (``async_op=True`` returns the
@@ -76,8 +78,17 @@ def _check(t: torch.Tensor, what: str) -> int:
             f"{what}: tensor of shape {tuple(t.shape)} is not contiguous; call .contiguous() first "
             "(gloo silently reduces the wrong elements of strided views)"
         )
+    if t.device.type == "meta":  # (a fake tensor of the dry run reports its fake device)
+        raise ValueError(f"{what}: tensor of shape {tuple(t.shape)} is on the meta device, it has no memory "
+                         "(e.g. a parameter of another pipeline stage outside full_params())")
+    nbytes = t.numel() * t.element_size()
+    if nbytes and getattr(t, "fake_mode", None) is None and \
+            t.storage_offset() * t.element_size() + nbytes > t.untyped_storage().nbytes():
+        raise ValueError(f"{what}: tensor of shape {tuple(t.shape)} addresses {nbytes} bytes at offset "
+                         f"{t.storage_offset() * t.element_size()} of a storage of {t.untyped_storage().nbytes()} "
+                         "bytes (freed memory: resize its storage before the collective)")
     assert_idle([t], what)
-    return t.numel() * t.element_size()
+    return nbytes
 
 
 def _world(group) -> int:

@@ -34,11 +34,11 @@ class RunStats:
 
 def weight_bytes(module: torch.nn.Module) -> int:
     """Storage bytes of the distinct parameters ``module`` holds on this rank (shared ones once;
-    pipeline ranks: only their stages', since the others' storage is freed)."""
+    pipeline ranks: only their stages', since the others' have no memory: freed or meta tensors)."""
     seen, n = set(), 0
     for p in module.parameters():
         s = p.untyped_storage()
-        if s.data_ptr() in seen or s.nbytes() == 0:
+        if p.is_meta or s.data_ptr() in seen or s.nbytes() == 0:
             continue
         seen.add(s.data_ptr())
         n += s.nbytes()

@@ -18,7 +18,9 @@ tensor drawn in the dense init's RNG order. The route chosen here is exact and s
 2. ``zerotron.parallel.parallelize`` runs the model-parallel transforms on the meta model (a
    tensor-parallel layer's new parameter is :func:`adopt`-ed by the dense one it is cut from), then
    gives storage and values only to what this rank keeps (:func:`materialise_params`), as late as
-   possible: a pipeline rank releases the other stages' parameters (:func:`release_params`); ZeRO
+   possible: a pipeline rank leaves the other stages' parameters on the meta device (:func:`release_params`;
+   a dense model's are swapped to meta tensors the same way, :func:`restore_params` gives them memory
+   back while the pipeline's ``full_params`` is open); ZeRO
    materialises each parameter just before copying it into its flat buffer, FSDP2 each block just
    before ``fully_shard`` frees it; DDP and the other runners take the (model-parallel part of the)
    model whole. A parameter's values: the full dense tensor re-created from the saved generator
@@ -48,7 +50,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DeferredInit", "build_deferred", "is_deferred", "adopt", "materialise_params", "release_params", "finish",
+__all__ = ["DeferredInit", "build_deferred", "is_deferred", "adopt", "materialise_params", "release_params",
+           "restore_params", "finish",
            "target_device"]
 
 _FULL_OVERWRITE = {"normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_", "exponential_",
@@ -219,17 +222,42 @@ def target_device(p: torch.Tensor) -> torch.device:
     return init.device if init is not None else p.device
 
 
-def release_params(params) -> None:
-    """Still-meta parameters of ``params`` (not held by this rank: other pipeline stages) get a
-    storage of size 0 on the init's device, shape and dtype kept (``full_params`` re-allocates
-    them); others are skipped."""
+def release_params(params) -> int:
+    """Leave every parameter of ``params`` without memory (a pipeline rank: the other stages'),
+    shape and dtype kept: a meta tensor is swapped in (:func:`_swap_in`: identity, ties and
+    attributes kept), so nothing can read or write memory the parameter does not have -- torch
+    refuses a meta tensor beside a CPU/CUDA one, gloo refuses the meta device, a copy out of it
+    raises. (A CPU tensor keeping its shape over a 0-byte storage, the earlier way, has a null data
+    pointer that any op would dereference at its offset; nothing stopped an op reaching it.) A
+    deferred (meta) parameter only forgets its recorded init. Under a FakeTensorMode (the dry run,
+    which holds no memory and cannot swap fake parameters) the fake storage is resized to 0.
+    :func:`restore_params` gives the memory back. Returns the bytes released (numel x element size)."""
+    freed = 0
     for p in params:
+        freed += p.numel() * p.element_size()
+        if getattr(p, "fake_mode", None) is not None:
+            if not p.data.untyped_storage().resizable():
+                p.data = torch.empty_like(p.data)
+            p.data.untyped_storage().resize_(0)
+            continue
         init = getattr(p, "_deferred", None)
-        if init is not None:
-            p._deferred = None
-            empty = torch.empty(p.shape, dtype=p.dtype, device=init.device)
-            empty.untyped_storage().resize_(0)
-            _swap_in(p, empty)
+        if init is not None:  # still meta: where it would have lived
+            p._deferred, p._released_to = None, init.device
+        elif not p.is_meta:
+            p._released_to = p.device
+            _swap_in(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+    return freed
+
+
+def restore_params(params) -> None:
+    """Give every parameter :func:`release_params` left without memory fresh, uninitialised memory
+    on its device (the caller fills it: e.g. the pipeline's ``full_params`` broadcasts each stage's
+    weights in), identity, shape and dtype kept; others are skipped."""
+    for p in params:
+        if getattr(p, "fake_mode", None) is not None:
+            p.data.untyped_storage().resize_(p.numel() * p.element_size())
+        elif p.is_meta and getattr(p, "_released_to", None) is not None:
+            _swap_in(p, torch.empty(p.shape, dtype=p.dtype, device=p._released_to))
 
 
 def finish(model: torch.nn.Module) -> int:

@@ -119,9 +119,10 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
     """Pipeline (x data) parallel strategy; see the module docstring.
 
     Args: ``model`` (a fully initialised ``CausalLM``, identical on all ranks, or the tensor-parallel
-    model made from it; afterwards use ``.module``; with pp > 1 the storage of the parameters of other
-    ranks' stages is freed (``released_bytes``; shapes kept; ``full_params`` re-creates them for
-    the duration of its context), so parameter memory falls with pp), ``mesh``, ``plan`` (a
+    model made from it; afterwards use ``.module``; with pp > 1 the parameters of other ranks' stages
+    are left without memory (``models.deferred.release_params``: meta tensors, identity, shape and
+    dtype kept; ``released_bytes``; ``full_params`` gives them memory for the duration of its
+    context), so parameter memory falls with pp), ``mesh``, ``plan`` (a
     ``zerotron.plan.ParallelPlan``, already validated: pp_schedule, microbatches, virtual_stages,
     pp_split, bucket_mb, zero_stage, reduce_dtype, dtype, activation_checkpointing),
     ``mask`` (weight-decay flag by ``id(param)`` of ``model``; default ``optim.decay_mask(model)``,
@@ -153,7 +154,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         self.module = StageModel(model, place.stages(self.rank), ranges)
         if is_deferred(model):  # meta-device model: storage and dense values for this rank's stages only
             own = {id(q) for q in self.module.parameters()}
-            release_params([q for q in model.parameters() if id(q) not in own])
+            release_params([q for q in model.parameters() if id(q) not in own])  # they stay on meta
             if p.sync not in ("zero", "fsdp2"):  # ZeRO and FSDP2 materialise unit by unit (parallelize finishes)
                 finish(model)
         self.last_rank = place.last_rank  # pp index of the last model stage
@@ -209,9 +210,9 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         if self.stage_sync is not None:
             self.executor.forward_chunk = self.stage_sync.forward
         self._timing = {"busy_s": 0.0, "idle_s": 0.0, "bubble_fraction": 0.0}
-        own = {id(q) for q in self.module.parameters()}  # other stages' parameters: storage freed
+        own = {id(q) for q in self.module.parameters()}  # other stages' parameters: no memory (meta)
         self._foreign = [q for q in model.parameters() if id(q) not in own] if self.pp > 1 else []
-        self.released_bytes = self._release_foreign()
+        self.released_bytes = release_params(self._foreign)
 
     def _zero_sync(self, mesh, mask: dict) -> ZeroSync:
         """The native ZeRO driver over this rank's stages, as the plain runner's over the whole

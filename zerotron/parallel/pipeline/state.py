@@ -9,6 +9,7 @@ import contextlib
 import torch
 
 from zerotron.distributed import comm
+from zerotron.models.deferred import release_params, restore_params
 from zerotron.models.layout import get_module, retie
 from zerotron.parallel.data.zero_state import canonical_flat_state, load_flat_state
 from zerotron.parallel.precision import upcast
@@ -93,25 +94,13 @@ class PipelineStateMixin:
             return super().load_state_dict(msd, osd, optimizer)
         load_flat_state(self.zero.all_flats, self.zero.group, self.tp_group, msd, osd, optimizer)
 
-    def _release_foreign(self) -> int:
-        """Free the storage of every parameter of the dense model given at construction that no
-        local stage runs (shape and dtype kept; :func:`full_params` re-allocates them while it is
-        open), so a pipeline rank holds only its stages' parameters. Returns the bytes freed."""
-        freed = 0
-        for q in self._foreign:  # (a deferred-init model gave them no storage: their bytes count as freed)
-            freed += q.numel() * q.element_size()
-            if not q.data.untyped_storage().resizable():  # e.g. pinned by a .numpy() view
-                q.data = torch.empty_like(q.data)
-            q.data.untyped_storage().resize_(0)
-        return freed
-
     @contextlib.contextmanager
     def full_params(self):
         """Collective over the pp group (every pp rank must enter): broadcast each model stage's
         parameters from the pp rank that owns it into the model given at construction and yield
         it (evaluation, generation, export). Its stage parameters are this rank's own
-        Parameters, so use it read-only; the other stages' parameters exist only while the context
-        is open (their storage is freed again on exit). Tensor parallel: also collective over tp --
+        Parameters, so use it read-only; the other stages' parameters have memory only while the
+        context is open (meta tensors again on exit, ``models.deferred.release_params``). Tensor parallel: also collective over tp --
         the gathered TP model's shards are assembled (``tp_state_dict_full``) into a dense model
         (built once, kept, refreshed on every call), which is yielded instead."""
         with contextlib.ExitStack() as stack:
@@ -122,8 +111,7 @@ class PipelineStateMixin:
             experts = contextlib.ExitStack()
             try:
                 if self.pp > 1:
-                    for q in self._foreign:  # re-allocate (contents arrive by broadcast)
-                        q.data.untyped_storage().resize_(q.numel() * q.element_size())
+                    restore_params(self._foreign)  # memory again (contents arrive by broadcast)
                     lay, seen = self.dense.layout(), set()
                     blocks = get_module(self.dense, lay.blocks)
                     with torch.no_grad():
@@ -159,7 +147,7 @@ class PipelineStateMixin:
                 self._dense_copy.train(self.dense.training)
                 yield self._dense_copy
             finally:
-                experts.close()  # the shards back before their storage is freed
-                self._release_foreign()
+                experts.close()  # the shards back before their memory is released
+                release_params(self._foreign)
 
     # ---- forward only ------------------------------------------------------------------------
