@@ -31,6 +31,9 @@ CASES = [
     # refused before the run: a negative sample length failed after the last step (traceback, no summary.json)
     (["train", "--config", TINY, "--log.sample_tokens", "-3"], "log.sample_tokens must be >= 0 (0 = no sample"),
     (["train", "--config", TINY, "--log.every", "0"], "log.every must be >= 1"),
+    # a folder that cannot be made: was a bare "[Errno 2] No such file or directory"
+    (["train", "--config", TINY, "--data.cache_dir", "/proc/nope/cache"],
+     "data.cache_dir '/proc/nope/cache' cannot be created (No such file or directory): give a writable folder"),
     (["train", "--config", TINY, "--model.dropout", "1.5"], "model.dropout must be in [0, 1)"),
     (["train", "--config", TINY, "--bogus.key", "1"], "unknown config section 'bogus'"),
     (["train", "--config", TINY, "--train.steps"], "override --train.steps needs a value"),
@@ -298,3 +301,15 @@ def test_worker_dies_with_launcher(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_prompts_file_not_utf8_names_the_file(tmp_path):
+    """A Latin-1 prompts file: one line naming the file and the fix (was only "'utf-8' codec can't decode")."""
+    from types import SimpleNamespace
+
+    from zerotron.generate import read_prompts
+
+    f = tmp_path / "prompts.txt"
+    f.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"--prompts-file '.*prompts.txt' is not UTF-8 text \(byte 3\): save it as UTF-8"):
+        read_prompts(SimpleNamespace(prompts_file=str(f), prompt=None), tokenizer=None)

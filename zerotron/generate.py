@@ -84,13 +84,17 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperatur
 
 def read_prompts(args, tokenizer) -> list[str]:
     """The prompts of ``--prompt`` or ``--prompts-file`` (its non-blank lines). Raises
-    FileNotFoundError for a missing file, ValueError for no prompt or one that is empty after
+    FileNotFoundError for a missing file, ValueError for a file that is not UTF-8, no prompt or one that is empty after
     tokenization (naming its line), so a multi-process run fails once, in the parent."""
     if args.prompts_file:
         f = Path(args.prompts_file)
         if not f.is_file():
             raise FileNotFoundError(f"--prompts-file {str(f)!r} not found")
-        prompts = [ln for ln in f.read_text().splitlines() if ln.strip()]
+        try:
+            prompts = [ln for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {str(f)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8, "
+                             "one prompt per line") from None
         if not prompts:
             raise ValueError(f"--prompts-file {str(f)!r} has no non-empty line")
     else:

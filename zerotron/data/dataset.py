@@ -170,7 +170,7 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
         :class:`TokenData` with memory-mapped splits.
     Raises:
         DataError: any bad input (see load_corpus, split_documents, train_bpe,
-            load_tokenizer) or a corrupt existing cache.
+            load_tokenizer), a corrupt existing cache or a cache_dir that cannot be created.
     """
     key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path, special_tokens,
                             format, seq_len, pack)
@@ -178,7 +178,11 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
     final = root / key
     if final.exists():
         return load_token_data(final)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"data.cache_dir {str(root)!r} cannot be created ({e.strerror}): give a writable "
+                         "folder with --data.cache_dir") from None
     for stale in root.glob(".tmp-*"):  # left by builds killed over a day ago
         try:
             if time.time() - stale.stat().st_mtime > STALE_TMP_SECONDS:
