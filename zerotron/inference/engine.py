@@ -87,7 +87,9 @@ class Engine:
                 lay = model.layout()
                 pp_split = decode_split(self.config.n_layer, self.pp, lay.width, lay.vocab_size)
             self.pipeline = PipelinedDecoder(model, mesh, pp_split)
-        self.device = next(iter(model.parameters())).device
+        from zerotron.models.deferred import target_device
+
+        self.device = target_device(next(iter(model.parameters())))  # not meta: another stage's, released
         self.stats = RunStats()
         self.compiled = None
         if compile:

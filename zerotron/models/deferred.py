@@ -217,9 +217,12 @@ def _swap_in(p: torch.Tensor, data: torch.Tensor) -> None:
 
 
 def target_device(p: torch.Tensor) -> torch.device:
-    """Where ``p`` lives, or will once materialised (a deferred meta parameter: the init's device)."""
+    """Where ``p`` lives, or will once materialised (a deferred meta parameter: the init's device;
+    one :func:`release_params` left without memory, another pipeline stage's: where it lived)."""
     init = getattr(p, "_deferred", None)
-    return init.device if init is not None else p.device
+    if init is not None:
+        return init.device
+    return getattr(p, "_released_to", None) or p.device if p.is_meta else p.device
 
 
 def release_params(params) -> int:
