@@ -26,15 +26,7 @@ from zerotron import parity
 def _records(out: str, family: str) -> dict:
     # tests/test_parity_matrix.py: family f != gpt2 writes <out>_f.json, its progress <out>_f_f.partial.jsonl
     base = os.path.splitext(out)[0] + ("" if family == "gpt2" else f"_{family}")
-    path = f"{base}_{family}.partial.jsonl"
-    recs = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    r = json.loads(line)
-                    recs[r["name"]] = r
-    return recs
+    return parity.read_progress(f"{base}_{family}.partial.jsonl")
 
 
 def assemble(out: str, names: list[str], worlds: set[int] = frozenset()) -> dict:

@@ -36,14 +36,7 @@ def _partial(out: str | None, family: str) -> tuple[str | None, dict]:
     if not out:
         return None, {}
     path = os.path.splitext(out)[0] + f"_{family}.partial.jsonl"
-    done = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    rec = json.loads(line)
-                    done[rec["name"]] = rec
-    return path, done
+    return path, parity.read_progress(path)
 
 
 @pytest.fixture(scope="module")

@@ -49,6 +49,7 @@ from zerotron.parity.runs import (
                                   compare,
                                   markdown,
                                   parity_worst,
+                                  read_progress,
                                   reference,
                                   run_jobs,
                                   run_many,
@@ -88,7 +89,7 @@ from zerotron.parity.space import (
                                   refusal,
 )
 
-__all__ = ["ERRORS", "check", "compare", "markdown", "parity_worst", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
+__all__ = ["ERRORS", "check", "compare", "markdown", "read_progress", "parity_worst", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
            "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
            "MOE_MODEL", "MOE_MUST", "MOE_MUST_FULL", "moe_layouts", "moe_refusal", "moe_expected_refusal",

@@ -233,6 +233,23 @@ def parity_worst(layouts: list[dict], ref: dict, tmp, extra: dict | None = None,
     return worst
 
 
+def read_progress(path: str) -> dict:
+    """The records of a matrix run's progress file (JSON lines, one per checked layout, written as
+    each chunk finishes) keyed by layout name; ``{}`` when the file does not exist. Raises
+    json.JSONDecodeError for a damaged line."""
+    import json
+    import os
+
+    done = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    rec = json.loads(line)
+                    done[rec["name"]] = rec
+    return done
+
+
 def markdown(result: dict) -> str:
     """A Markdown report of a matrix run (the JSON that ``ZEROTRON_MATRIX_OUT`` writes)."""
     w = result["worst"]
