@@ -150,20 +150,20 @@ def test_hf_unsupported_router_refused_in_one_line(tmp_path, data_cache, capsys)
 
 @pytest.mark.parametrize("overrides,world,message", [
     ({"parallel.ep": 3}, 6, "parallel.ep (3) must divide model.n_experts (8)"),
-    ({"parallel.ep": 4}, 2, "parallel.ep (4) must divide the data-parallel degree (2)"),
+    ({"parallel.ep": 4}, 2, "parallel.ep (4) must divide the batch degree dp x cp (2 x 1)"),
     ({"model.experts_top_k": 9}, 1, "model.experts_top_k (9) exceeds model.n_experts (8)"),
     ({"model.arch": "llama", "parallel.ep": 2}, 2, "this model has none"),
     ({"parallel.tp": 2, "parallel.sequence_parallel": True, "model.moe_capacity_factor": 1.25}, 2,
      "model.moe_capacity_factor with parallel.sequence_parallel"),
     ({"parallel.cp": 2, "model.moe_capacity_factor": 1.0}, 2, "model.moe_capacity_factor with parallel.sequence_parallel or parallel.cp"),
-    ({"parallel.cp": 2, "parallel.ep": 2}, 4, "parallel.ep > 1 with parallel.cp > 1 is not supported yet"),
+    ({"parallel.cp": 2, "parallel.ep": 4}, 2, "parallel.ep (4) must divide the batch degree dp x cp (1 x 2)"),  # ep x cp composes
     ({"parallel.ep": 2, "parallel.pp": 2, "parallel.zero_stage": 3, "parallel.zero_impl": "fsdp2"}, 4,
      "parallel.ep > 1 under a pipeline composes with native DDP and native ZeRO-1/2/3 without HSDP"),
     ({"parallel.ep": 2, "parallel.pp": 2, "parallel.dp_impl": "torch"}, 4, "parallel.ep > 1 under a pipeline composes"),
     ({"parallel.ep": 2, "parallel.dp_replicate": 2, "parallel.zero_stage": 2, "parallel.zero_impl": "fsdp2"}, 4,
      "parallel.ep > 1 with FSDP2's HSDP"),
     ({"parallel.ep": 4, "parallel.dp_replicate": 2, "parallel.zero_stage": 2}, 4,
-     "parallel.ep (4) must divide the shard degree dp / dp_replicate (2)"),
+     "parallel.ep (4) must divide the shard degree dp / dp_replicate x cp (2 x 1)"),
     ({"parallel.ep": 2, "parallel.pp": 2, "parallel.pp_impl": "torch", "parallel.pp_schedule": "gpipe"}, 4,
      "parallel.ep > 1 runs on the plain runner and the native pipeline executor"),
     ({"model.arch": "llama", "model.n_experts": 4}, 1, "applies to model.arch = 'mixtral' only"),
