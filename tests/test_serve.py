@@ -37,17 +37,18 @@ def _post(url, body, raw: bytes | None = None, timeout=120):
         return e.code, json.loads(e.read())
 
 
-def _stream(base, body, keep: int | None = None, timed: bool = False):
+def _stream(base, body, keep: int | None = None, timed: bool = False, events: list | None = None):
     """POST ``body`` with stream=true through http.client, reading the server-sent events as they come:
     (status, content type, list of event dicts -- ``(arrival time, event)`` with ``timed`` --, whether
     the stream ended with [DONE]). ``keep``: read that many events, then disconnect mid-stream (a
-    real shutdown of the socket, also while the response is unread)."""
+    real shutdown of the socket, also while the response is unread). ``events``: the list to append
+    to (another thread may watch it fill)."""
     host, port = re.search(r"http://([^:]+):(\d+)", base).groups()
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
                  {"Content-Type": "application/json"})
     r = conn.getresponse()
-    events, done = [], False
+    events, done = ([] if events is None else events), False
     while True:
         line = r.readline()
         if not line:
@@ -289,10 +290,10 @@ def test_stream_text_holds_back_what_may_change():
     assert st.push(3) == "" and st.finish() == ""  # it did: nothing after "Hel"
 
 
-def _stream_events(base, body, keep: int | None = None):
+def _stream_events(base, body, keep: int | None = None, events: list | None = None):
     """Stream ``body``; (events with their arrival times, [DONE] seen). ``keep``: read that many
-    text events, then close the connection mid-stream."""
-    _, _, events, done = _stream(base, body, keep, timed=True)
+    text events, then close the connection mid-stream; ``events``: the list that fills as they come."""
+    _, _, events, done = _stream(base, body, keep, timed=True, events=events)
     return events, done
 
 
@@ -319,11 +320,15 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
         assert code == 200
         with concurrent.futures.ThreadPoolExecutor(3) as ex:
             steps0 = _get(base + "/health")[1]["steps"]
-            long = ex.submit(_stream_events, base, body(prompts[3], 40))
-            # the long row is decoding: admitted, and two engine steps (its prefill, which streams the
-            # first token, and one decode step) done; "running" alone counts a row the paged scheduler
-            # is still prefilling
-            while (h := _get(base + "/health")[1])["running"] == 0 or h["steps"] < steps0 + 2:
+            seen: list = []
+            long = ex.submit(_stream_events, base, body(prompts[3], 40), None, seen)
+            # the long row is decoding: admitted, two engine steps (its prefill, which streams the first
+            # token, and one decode step) done, and this client has its first event ("running" alone
+            # counts a row the paged scheduler is still prefilling; an engine step can end before the
+            # client's thread reads the event it sent, on a loaded machine)
+            deadline = time.time() + 60
+            while (h := _get(base + "/health")[1])["running"] == 0 or h["steps"] < steps0 + 2 or not seen:
+                assert time.time() < deadline and not long.done(), (h, len(seen))
                 time.sleep(0.01)
             t_short = time.monotonic()
             short, shared = ex.submit(_post, url, body(prompts[0])), ex.submit(_post, url, sampled)
