@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from zerotron import parity
+from zerotron.models import registry
 from zerotron.testing import run_ranks
 
 FULL = "full" in (os.environ.get("ZEROTRON_MOE_PARITY"), os.environ.get("ZEROTRON_MATRIX"))
@@ -154,12 +155,14 @@ def test_moe_layouts_match_one_process(moe_space, moe_ref, report):
         r["error"] for r in failed[:5])
 
 
-def _one_step(tmp, extra, ep):
-    """One step of the dp 2 layout at ``ep``: this rank's all-to-all bytes and expert state bytes."""
+def _one_step(tmp, extra, ep, recompute="none"):
+    """One step of the dp 2 layout at ``ep`` (``recompute``: train.activation_checkpointing): this
+    rank's all-to-all bytes, expert state bytes and model state bytes."""
     from zerotron.train.trainer import Trainer
 
-    cfg = parity.config_for(L("ddp", 2, 1, False, 1, None, 4, ep=ep), {**extra, "train.steps": 1})
-    tr = Trainer(cfg, f"{tmp}/bytes-ep{ep}")
+    cfg = parity.config_for(L("ddp", 2, 1, False, 1, None, 4, ep=ep),
+                            {**extra, "train.steps": 1, "train.activation_checkpointing": recompute})
+    tr = Trainer(cfg, f"{tmp}/bytes-ep{ep}-{recompute}")
     recs = []
     tr.fit(callback=lambda t, r: recs.append(r))
     experts = [p for n, p in tr.strategy.module.named_parameters() if ".experts." in n]
@@ -169,22 +172,38 @@ def _one_step(tmp, extra, ep):
     return recs[0]["comm_bytes_by_op"].get("all_to_all/ep", 0), state, recs[0]["model_state_bytes"]
 
 
+def _steps(tmp, extra, runs):
+    """:func:`_one_step` for each ``(ep, recompute)`` of ``runs`` in one spawn."""
+    return [_one_step(tmp, extra, *r) for r in runs]
+
+
 def test_expert_parallel_bytes_and_memory(moe_ref, report):
     """The all-to-all bytes of one step (comm accounting, summed over the ep group) equal the
     formula n_layer * micro-batches * (4 * rows * k * C * 8 + E * 8): dispatch and combine in the
     forward and again in the backward, each moving every token's k rows once; the counts (E int64)
-    once per forward. Expert parameter + Adam bytes per rank halve from ep 1 to ep 2 (dp 2)."""
+    once per forward -- with full recomputation (the forward again in the backward) 6 exchanges and
+    the counts twice; both as ``analysis.memory.moe_all_to_all_bytes`` (what ``zerotron memory --ep``
+    and ``zerotron plan`` price) has them. Expert parameter + Adam bytes per rank halve from ep 1 to
+    ep 2 (dp 2)."""
+    from zerotron.analysis.memory import moe_all_to_all_bytes
+
     tmp, extra, _, _ = moe_ref
-    ep1 = run_ranks(_one_step, 2, str(tmp), extra, 1, timeout_s=120)
-    ep2 = run_ranks(_one_step, 2, str(tmp), extra, 2, timeout_s=120)
+    (ep1,), (ep2, ep2_full) = (list(zip(*run_ranks(_steps, 2, str(tmp), extra, runs, timeout_s=120)))
+                               for runs in ([(1, "none")], [(2, "none"), (2, "full")]))
     n_layer, E, k, C = parity.MOE_MODEL["model.n_layer"], 4, 2, parity.MODEL["model.n_embd"]
     rows, micro_batches = 2 * 16, 16 // 2  # micro_batch x block_size; global_batch / micro_batch
     want = n_layer * micro_batches * (4 * rows * k * C * 8 + E * 8)
-    got = sum(b for b, _, _ in ep2)
-    assert got == want and all(b == 0 for b, _, _ in ep1), (got, want)
+    want_full = n_layer * micro_batches * (6 * rows * k * C * 8 + 2 * E * 8)
+    got, got_full = sum(b for b, _, _ in ep2), sum(b for b, _, _ in ep2_full)
+    shape = registry.config_from_section(parity.config_for(L("ddp", 1, 1, False, 1, None, 8), extra).model, 256)
+    # per rank (its micro_batches / 2), summed over the 2 ranks of the ep group
+    est = [2 * moe_all_to_all_bytes(shape, n_layer, rows, micro_batches // 2, 8, rec) for rec in ("none", "full")]
+    assert got == want == est[0] and all(b == 0 for b, _, _ in ep1), (got, want, est)
+    assert got_full == want_full == est[1], (got_full, want_full, est)
     assert all(s2 * 2 == s1 for (_, s1, _), (_, s2, _) in zip(ep1, ep2)), (ep1, ep2)
-    report(f"moe ep 2 (dp 2): all-to-all {got} bytes per step = formula; expert params + Adam per rank "
-           f"{ep1[0][1]} -> {ep2[0][1]} bytes; model state per rank {ep1[0][2]} -> {ep2[0][2]} bytes")
+    report(f"moe ep 2 (dp 2): all-to-all {got} bytes per step = formula ({got_full} with full recomputation); "
+           f"expert params + Adam per rank {ep1[0][1]} -> {ep2[0][1]} bytes; model state per rank {ep1[0][2]} -> "
+           f"{ep2[0][2]} bytes")
 
 
 def _ckpt_run(run_dir, lay, extra, resume):
