@@ -572,7 +572,7 @@ def _memory_run(args) -> int:
               f"training FLOPs per token {moe['flops_per_token']:.4g} (6 x active matmul parameters"
               + (" + attention" if args.seq else "") + f"); ep {args.ep}: {moe['expert_params_per_rank']:,} expert "
               f"parameters per rank, expert params + grads + optimizer {moe['expert_state_bytes'] / GB:.4g} GB, "
-              f"dense states over dp {moe['dense_state_bytes'] / GB:.4g} GB (DDP), "
+              f"dense states over dp x cp {moe['dense_state_bytes'] / GB:.4g} GB (DDP), "
               f"{moe['dense_state_bytes_zero1'] / GB:.4g} GB (ZeRO-1)"
               + (f"; all-to-all {moe['all_to_all_bytes'] / GB:.4g} GB per rank and step" if moe["all_to_all_bytes"] else ""))
     if act is not None:
