@@ -638,3 +638,8 @@ def test_moe_plan_ep_with_cp_and_pp_is_what_training_accepts(capsys):
         assert [x["all_to_all_bytes"] for x in ranks] == r["moe"]["all_to_all_bytes"] and min(
             r["moe"]["all_to_all_bytes"]) > 0, r
     assert len(seen) >= 20, len(seen)
+    # by hand: dp 1 x cp 2 = ep 2 x pp 2 (2 layers per rank), tp 2 + SP, 4 micro-batches of 2 x 64 tokens,
+    # each rank routing 64 / 2 / 2 of each sequence; full recomputation: 6 exchanges and the counts twice
+    lay = dict(dp=1, cp=2, ep=2, tp=2, pp=2, zero_stage=1, schedule="1f1b", micro_batch=2, recompute="full")
+    one = evaluate(cfg, lay, 64, 8, CostModel(hardware("h100"), gpus_per_node=8, sp=True))["moe"]
+    assert one["all_to_all_bytes"] == [2 * 4 * (6 * 2 * 16 * 2 * 64 * 2 + 2 * 8 * 8)] * 2, one

@@ -233,7 +233,7 @@ def exposed_dp(t_dp: float, compute: float, overlap: float) -> float:
     return t_dp - min(overlap * t_dp, compute * 2 / 3)
 
 
-def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> dict:
+def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memory_limit: int | None = None) -> dict:
     """Predicted memory and step time of ``layout`` (keys dp, tp, pp, zero_stage, schedule
     ("none" for pp = 1), micro_batch, recompute; optional dp_replicate (HSDP), ep (expert parallel,
     MoE models, :func:`_expert_degrees`; the ValueError names the rule otherwise) and cp: context
@@ -247,6 +247,8 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     slowest stage x m, ep_comm the token all-to-all; bubble; dp_comm exposed); for a MoE model also
     ``moe``: per pipeline rank ``state_bytes`` and ``expert_state_bytes`` (model states,
     :func:`~zerotron.analysis.memory.moe_state_bytes`) and ``all_to_all_bytes`` per step (0 at ep 1).
+    With ``memory_limit`` (bytes), a layout whose memory exceeds it is not priced further: the
+    result is then only the layout and ``memory_bytes_per_gpu`` (what :func:`plan` needs to drop it).
     Raises ValueError
     (from the estimators, or for an ep the rules refuse) for an impossible layout."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
@@ -284,6 +286,8 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
             return moe["state_bytes"][r]["total_bytes"]
         return model_state_bytes(params[r], dp * cp, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"]
     mem = max(states(r) + a_ for r, a_ in enumerate(act["per_rank_bytes"])) + cm.overhead
+    if memory_limit is not None and mem > memory_limit:  # plan() drops it: no time to price
+        return {**layout, "memory_bytes_per_gpu": int(mem)}
     # ranks are ordered (pp, dp, cp, tp), tp innermost: a group fits a node iff its block does
     tp_link = _link(hw, tp <= K and K % tp == 0)
     cp_link = _link(hw, cp * tp <= K and K % (cp * tp) == 0)
@@ -476,12 +480,12 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                         lay["ep"] = ep
                     if cp > 1:
                         lay["cp"] = cp
-                    res = evaluate(cfg, lay, seq, global_batch, cm)
+                    res = evaluate(cfg, lay, seq, global_batch, cm, gpu_mem)
                     # with a host link: offload where the layout does not fit otherwise (optimizer, then params)
                     for off in (("optimizer", "params") if z == 3 else ("optimizer",)) if z and cm.host_link else ():
                         if res["memory_bytes_per_gpu"] <= gpu_mem:
                             break
-                        res = evaluate(cfg, {**lay, "offload": off}, seq, global_batch, cm)
+                        res = evaluate(cfg, {**lay, "offload": off}, seq, global_batch, cm, gpu_mem)
                     if res["memory_bytes_per_gpu"] > gpu_mem:
                         dropped["memory"] += 1
                     else:
