@@ -116,7 +116,8 @@ def _run(world, items, moe_ref, progress=None):
 def test_moe_layouts_match_one_process(moe_space, moe_ref, report):
     """Every chosen MoE layout (the witnesses; in the full mode a covering array) trains like one
     process. ``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors (and a Markdown
-    table beside it); an interrupted run resumes from ``path.partial.jsonl``, checking only the rest."""
+    table beside it); an interrupted run resumes from ``path.partial.jsonl``, checking only the rest
+    (and the layouts that failed there)."""
     valid, refused = moe_space
     chosen = (parity.covering_layouts(valid, must=parity.MOE_MUST_FULL, extra_keys=("ep",)) if FULL
               else [l for l in valid if l.name in parity.MOE_MUST])
@@ -124,7 +125,7 @@ def test_moe_layouts_match_one_process(moe_space, moe_ref, report):
         chosen = [l for l in chosen if any(n in l.name for n in NAMES)]
     out = os.environ.get("ZEROTRON_MATRIX_OUT")
     progress = os.path.splitext(out)[0] + ".partial.jsonl" if out else None
-    done = parity.read_progress(progress) if progress else {}
+    done = {k: r for k, r in (parity.read_progress(progress) if progress else {}).items() if "error" not in r}  # rerun failures
     by_world = defaultdict(list)
     for lay in chosen:
         if lay.name not in done:
