@@ -340,7 +340,8 @@ def moe_estimate(cfg, dp: int, ep: int = 1, stage: int = 0, dtype: str = "fp32",
         ``expert_params`` (all layers, all E experts), ``dense_params`` (total - expert);
       * ``flops_per_token``: training FLOPs from the active parameters, 6 N_active + 12 L C S
         (PaLM appendix B with N the matmul parameters a token meets; needs ``seq``, else 6 N_active);
-      * ``expert_params_per_rank`` = expert_params / ep (pp = 1) and, of the largest pipeline rank,
+      * of the largest pipeline rank (all of the model at pp = 1): ``expert_params_per_rank`` (its
+        layers' experts / ep),
         ``expert_state_bytes`` (its E/ep experts' params + grads + optimizer under ZeRO ``stage``
         over the (dp x cp) / ep ranks holding them) and ``dense_state_bytes`` (the rest under
         ``stage`` over dp x cp): :func:`moe_state_bytes`;
@@ -378,7 +379,7 @@ def moe_estimate(cfg, dp: int, ep: int = 1, stage: int = 0, dtype: str = "fp32",
                       "states": states})
     top = max(ranks, key=lambda x: x["states"][stage]["total_bytes"])
     return {"total_params": total, "active_params": active, "expert_params": expert, "dense_params": total - expert,
-            "flops_per_token": flops, "expert_params_per_rank": expert // ep,
+            "flops_per_token": flops, "expert_params_per_rank": top["expert_params"] // ep,
             "expert_state_bytes": top["states"][stage]["expert_state_bytes"],
             "dense_state_bytes": top["states"][stage]["dense_state_bytes"],
             "all_to_all_bytes": top["all_to_all_bytes"], "pipeline_ranks": ranks}
