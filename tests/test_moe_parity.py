@@ -15,12 +15,14 @@ sets, weighed them differently or synchronised expert gradients over the wrong g
 """
 import json
 import os
+import time
 from collections import defaultdict
 
 import pytest
 import torch
 
 from zerotron import parity
+from zerotron.models import registry
 from zerotron.testing import run_ranks
 
 FULL = "full" in (os.environ.get("ZEROTRON_MOE_PARITY"), os.environ.get("ZEROTRON_MATRIX"))
@@ -75,47 +77,93 @@ def moe_ref(data_cache, single_process, tmp_path_factory):
     return tmp, extra, path, (set(ref["params"]), set(ref["optim"]))
 
 
-def _run(world, items, moe_ref):
-    """Train the layouts ``items`` on ``world`` ranks (one spawn) and check each."""
+CHUNK = 24  # layouts per spawn: a hung or crashed spawn costs one chunk, progress is saved per chunk
+
+
+def _run(world, items, moe_ref, progress=None):
+    """Train the layouts ``items`` on ``world`` ranks (one spawn per CHUNK layouts) and check each: a
+    summary per layout, with ``"error"`` (the check's first line) for one that fails, so one failure
+    does not hide the others' results. ``progress``: a JSON-lines file each chunk's summaries are
+    appended to."""
     tmp, extra, path, keys = moe_ref
-    jobs = [([lay.as_dict() for lay in items], path, str(tmp / f"w{world}"), extra)]
-    per_rank = run_ranks(parity.run_jobs, world, jobs, timeout_s=120, join_timeout_s=120 * len(items) + 300)
     out = []
-    for i, lay in enumerate(items):
-        recs = [per_rank[r][0][i] for r in range(world)]
-        assert all(rec["name"] == lay.name for rec in recs)
-        if lay.sync != "zero3":  # expert tensors keyed by their ep range (ep_shard): really sharded
-            assert any(isinstance(k[2], tuple) and k[2][:3] == ("ep", 0, lay.ep)
-                       for k in recs[0]["copies"]) == (lay.ep > 1), lay.name
-        out.append({**parity.check(lay.name, recs, keys, parity.FP64_RTOL), "ep": lay.ep})
+    for c in range(0, len(items), CHUNK):
+        part = items[c:c + CHUNK]
+        jobs = [([lay.as_dict() for lay in part], path, str(tmp / f"w{world}-{c}"), extra)]
+        t0 = time.time()
+        per_rank = run_ranks(parity.run_jobs, world, jobs, timeout_s=120, join_timeout_s=120 * len(part) + 300)
+        seconds = round((time.time() - t0) / len(part), 2)  # chunk time per layout
+        new = []
+        for i, lay in enumerate(part):
+            recs = [per_rank[r][0][i] for r in range(world)]
+            assert all(rec["name"] == lay.name for rec in recs)
+            try:
+                if lay.sync != "zero3":  # expert tensors keyed by their ep range (ep_shard): really sharded
+                    assert any(isinstance(k[2], tuple) and k[2][:3] == ("ep", 0, lay.ep)
+                               for k in recs[0]["copies"]) == (lay.ep > 1), f"{lay.name}: expert tensors' ep sharding"
+                res = parity.check(lay.name, recs, keys, parity.FP64_RTOL)
+            except AssertionError as e:
+                res = {"name": lay.name, "world": world, "error": str(e).splitlines()[0],
+                       **{k: max(r[k] for r in recs) for k in parity.ERRORS}}
+            new.append({**res, "ep": lay.ep, "seconds": seconds})
+        if progress:
+            with open(progress, "a") as f:
+                f.writelines(json.dumps(x) + "\n" for x in new)
+        out += new
     return out
 
 
 def test_moe_layouts_match_one_process(moe_space, moe_ref, report):
-    """Every chosen MoE layout (the witnesses; in the full mode a covering array) trains like one process."""
-    valid, _ = moe_space
+    """Every chosen MoE layout (the witnesses; in the full mode a covering array) trains like one
+    process. ``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors (and a Markdown
+    table beside it); an interrupted run resumes from ``path.partial.jsonl``, checking only the rest
+    (and the layouts that failed there)."""
+    valid, refused = moe_space
     chosen = (parity.covering_layouts(valid, must=parity.MOE_MUST_FULL, extra_keys=("ep",)) if FULL
               else [l for l in valid if l.name in parity.MOE_MUST])
     if NAMES:
         chosen = [l for l in chosen if any(n in l.name for n in NAMES)]
+    out = os.environ.get("ZEROTRON_MATRIX_OUT")
+    progress = os.path.splitext(out)[0] + ".partial.jsonl" if out else None
+    done = {k: r for k, r in (parity.read_progress(progress) if progress else {}).items() if "error" not in r}  # rerun failures
     by_world = defaultdict(list)
     for lay in chosen:
-        by_world[lay.world].append(lay)
-    res = [r for w, lays in sorted(by_world.items()) for r in _run(w, lays, moe_ref)]
+        if lay.name not in done:
+            by_world[lay.world].append(lay)
+    res = [done[lay.name] for lay in chosen if lay.name in done]
+    res += [r for w, lays in sorted(by_world.items()) for r in _run(w, lays, moe_ref, progress)]
     assert len(res) == len(chosen)
     for ep in sorted({r["ep"] for r in res}):
         sub = [r for r in res if r["ep"] == ep]
         worst = max(max(r[k] for k in parity.ERRORS) for r in sub)
         report(f"moe parity (ep {ep}): {len(sub)} layouts ({', '.join(r['name'] for r in sub[:8])}"
                f"{', ...' if len(sub) > 8 else ''}): worst relative error {worst:.3g}")
+    failed = [r for r in res if "error" in r]
+    if out and not NAMES:
+        summary = {"model": "mixtral (parity.MOE_MODEL)", "mode": "covering array, ep as a factor" if FULL else "witnesses",
+                   "valid": len(valid), "refused": len(refused), "checked": len(res), "failed": len(failed),
+                   "worst": {k: max(r[k] for r in res) for k in parity.ERRORS},
+                   "seconds": round(sum(r.get("seconds", 0) for r in res), 1),
+                   "layouts": sorted(res, key=lambda r: (r["world"], r["name"])),
+                   "refusals": {lay.name: m for lay, m in sorted(refused.items())}}
+        with open(out, "w") as f:
+            json.dump(summary, f, indent=1)
+        with open(os.path.splitext(out)[0] + ".md", "w") as f:
+            f.write(parity.markdown(summary).replace("# Parity matrix", "# MoE parity matrix", 1))
+        if not failed and os.path.exists(progress):
+            os.remove(progress)
+    assert not failed, f"{len(failed)} of {len(res)} MoE layouts differ from one process: " + "; ".join(
+        r["error"] for r in failed[:5])
 
 
-def _one_step(tmp, extra, ep):
-    """One step of the dp 2 layout at ``ep``: this rank's all-to-all bytes and expert state bytes."""
+def _one_step(tmp, extra, ep, recompute="none"):
+    """One step of the dp 2 layout at ``ep`` (``recompute``: train.activation_checkpointing): this
+    rank's all-to-all bytes, expert state bytes and model state bytes."""
     from zerotron.train.trainer import Trainer
 
-    cfg = parity.config_for(L("ddp", 2, 1, False, 1, None, 4, ep=ep), {**extra, "train.steps": 1})
-    tr = Trainer(cfg, f"{tmp}/bytes-ep{ep}")
+    cfg = parity.config_for(L("ddp", 2, 1, False, 1, None, 4, ep=ep),
+                            {**extra, "train.steps": 1, "train.activation_checkpointing": recompute})
+    tr = Trainer(cfg, f"{tmp}/bytes-ep{ep}-{recompute}")
     recs = []
     tr.fit(callback=lambda t, r: recs.append(r))
     experts = [p for n, p in tr.strategy.module.named_parameters() if ".experts." in n]
@@ -125,22 +173,38 @@ def _one_step(tmp, extra, ep):
     return recs[0]["comm_bytes_by_op"].get("all_to_all/ep", 0), state, recs[0]["model_state_bytes"]
 
 
+def _steps(tmp, extra, runs):
+    """:func:`_one_step` for each ``(ep, recompute)`` of ``runs`` in one spawn."""
+    return [_one_step(tmp, extra, *r) for r in runs]
+
+
 def test_expert_parallel_bytes_and_memory(moe_ref, report):
     """The all-to-all bytes of one step (comm accounting, summed over the ep group) equal the
     formula n_layer * micro-batches * (4 * rows * k * C * 8 + E * 8): dispatch and combine in the
     forward and again in the backward, each moving every token's k rows once; the counts (E int64)
-    once per forward. Expert parameter + Adam bytes per rank halve from ep 1 to ep 2 (dp 2)."""
+    once per forward -- with full recomputation (the forward again in the backward) 6 exchanges and
+    the counts twice; both as ``analysis.memory.moe_all_to_all_bytes`` (what ``zerotron memory --ep``
+    and ``zerotron plan`` price) has them. Expert parameter + Adam bytes per rank halve from ep 1 to
+    ep 2 (dp 2)."""
+    from zerotron.analysis.memory import moe_all_to_all_bytes
+
     tmp, extra, _, _ = moe_ref
-    ep1 = run_ranks(_one_step, 2, str(tmp), extra, 1, timeout_s=120)
-    ep2 = run_ranks(_one_step, 2, str(tmp), extra, 2, timeout_s=120)
+    (ep1,), (ep2, ep2_full) = (list(zip(*run_ranks(_steps, 2, str(tmp), extra, runs, timeout_s=120)))
+                               for runs in ([(1, "none")], [(2, "none"), (2, "full")]))
     n_layer, E, k, C = parity.MOE_MODEL["model.n_layer"], 4, 2, parity.MODEL["model.n_embd"]
     rows, micro_batches = 2 * 16, 16 // 2  # micro_batch x block_size; global_batch / micro_batch
     want = n_layer * micro_batches * (4 * rows * k * C * 8 + E * 8)
-    got = sum(b for b, _, _ in ep2)
-    assert got == want and all(b == 0 for b, _, _ in ep1), (got, want)
+    want_full = n_layer * micro_batches * (6 * rows * k * C * 8 + 2 * E * 8)
+    got, got_full = sum(b for b, _, _ in ep2), sum(b for b, _, _ in ep2_full)
+    shape = registry.config_from_section(parity.config_for(L("ddp", 1, 1, False, 1, None, 8), extra).model, 256)
+    # per rank (its micro_batches / 2), summed over the 2 ranks of the ep group
+    est = [2 * moe_all_to_all_bytes(shape, n_layer, rows, micro_batches // 2, 8, rec) for rec in ("none", "full")]
+    assert got == want == est[0] and all(b == 0 for b, _, _ in ep1), (got, want, est)
+    assert got_full == want_full == est[1], (got_full, want_full, est)
     assert all(s2 * 2 == s1 for (_, s1, _), (_, s2, _) in zip(ep1, ep2)), (ep1, ep2)
-    report(f"moe ep 2 (dp 2): all-to-all {got} bytes per step = formula; expert params + Adam per rank "
-           f"{ep1[0][1]} -> {ep2[0][1]} bytes; model state per rank {ep1[0][2]} -> {ep2[0][2]} bytes")
+    report(f"moe ep 2 (dp 2): all-to-all {got} bytes per step = formula ({got_full} with full recomputation); "
+           f"expert params + Adam per rank {ep1[0][1]} -> {ep2[0][1]} bytes; model state per rank {ep1[0][2]} -> "
+           f"{ep2[0][2]} bytes")
 
 
 def _ckpt_run(run_dir, lay, extra, resume):

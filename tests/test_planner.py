@@ -552,20 +552,18 @@ def test_context_parallel_priced():
 
 
 def test_moe_plan_searches_expert_parallelism():
-    """Mixture-of-experts: ``plan`` searches ep (dividing dp and n_experts, pp = cp = 1). Mixtral-8x7B
+    """Mixture-of-experts: ``plan`` searches ep (dividing n_experts and dp x cp). Mixtral-8x7B
     (46.7B parameters, 747 GB of bf16-mixed Adam states) fits no layout on 8 x 80 GB at all; on
     16 x 80 GB without a pipeline, ZeRO-1/2 fit only with ep > 1 (E/ep experts' parameters and
     gradients per rank) and the fastest such layout takes ep 8 (one node: the all-to-all on
     NVLink). The memory of an ep layout is the dense states over dp plus the local experts'
-    states over dp/ep; the all-to-all is priced (``ep_comm``) only when ep > 1; MoE x cp is not
-    proposed (the plan refuses it)."""
+    states over dp/ep; the all-to-all is priced (``ep_comm``) only when ep > 1."""
     from zerotron.models import registry
 
     cfg, cm = registry.preset_config("mixtral-8x7b"), CostModel(hardware("h100"))
     assert not plan(cfg, 8, 80 * GB, 64, 4096, cm)["layouts"]
     res = plan(cfg, 16, 80 * GB, 64, 4096, cm)["layouts"]
-    flat = [r for r in res if r["pp"] == 1]
-    assert all(r.get("cp", 1) == 1 for r in res) and all(r.get("ep", 1) == 1 for r in res if r["pp"] > 1)
+    flat = [r for r in res if r["pp"] == 1 and r.get("cp", 1) == 1]
     assert any(r["zero_stage"] < 3 for r in flat) and all(r.get("ep", 1) > 1 for r in flat if r["zero_stage"] < 3)
     assert flat[0].get("ep") == 8, flat[0]
     lay = dict(dp=16, tp=1, pp=1, zero_stage=1, schedule="none", micro_batch=1, recompute="full")
@@ -573,9 +571,75 @@ def test_moe_plan_searches_expert_parallelism():
     total, s = sum(stage_num_params(cfg, 1, 1)), cfg
     experts = s.n_layer * s.n_experts * 3 * s.n_embd * s.intermediate_size
     msb = lambda n, dp: model_state_bytes(n, dp, 1, "bf16-mixed", "adam")["total_bytes"]  # noqa: E731
-    assert e8["memory_bytes_per_gpu"] - e1["memory_bytes_per_gpu"] == \
-        msb(total - experts, 16) + msb(experts // 8, 2) - msb(total, 16)
+    assert e8["memory_bytes_per_gpu"] - e1["memory_bytes_per_gpu"] == msb(experts // 8, 2) - msb(experts, 16)
     assert e1["memory_bytes_per_gpu"] > 80 * GB >= e8["memory_bytes_per_gpu"]
     assert e1["time_breakdown_s"]["ep_comm"] == 0 < e8["time_breakdown_s"]["ep_comm"]
+    assert e8["moe"]["state_bytes"] == [msb(total - experts, 16) + msb(experts // 8, 2)]
     with pytest.raises(ValueError, match="ep"):
         evaluate(cfg, {**lay, "ep": 3}, 4096, 64, cm)
+
+
+def test_moe_plan_ep_with_cp_and_pp_is_what_training_accepts(capsys):
+    """The planner's ep x cp (ep carved out of dp x cp) and ep x pp layouts of the mixtral-tiny preset
+    (8 experts, 4 layers, 4 / 2 heads: the shape of ``configs/moe_tiny.toml``) on 8 GPUs: every
+    layout it proposes (each distinct parallel shape) is one the plan (``build_plan``, the
+    training's validation, on ``configs/moe_tiny.toml``) accepts; it proposes ep over cp alone (dp 1 x cp 2 =
+    ep 2) and ep under a pipeline; no ep layout the plan would refuse is missing (every ep dividing
+    n_experts and dp x cp is priced for some layout of each mesh); and the model states and all-to-all
+    bytes it prices per pipeline rank equal ``zerotron memory --ep --json`` for the same layout."""
+    from zerotron.analysis.memory import memory_main
+    from zerotron.config import ConfigError
+    from zerotron.models import registry
+    from zerotron.plan import build_plan
+    from zerotron.testing import tiny_config
+
+    cfg = registry.preset_config("mixtral-tiny")
+    res = plan(cfg, 8, 10**15, 16, 64, CostModel(hardware("h100"), gpus_per_node=8, backend="gloo", sp=True))
+    lays = res["layouts"]
+    ep_cp = [r for r in lays if r.get("ep", 1) > 1 and r.get("cp", 1) > 1]
+    assert any(r["dp"] == 1 and r["ep"] == r["cp"] for r in ep_cp), "ep over the cp ranks alone"
+    assert any(r.get("ep", 1) > 1 and r["pp"] > 1 for r in lays) and any(r.get("ep", 1) > r["dp"] for r in ep_cp)
+    shapes = {}
+    for r in lays:
+        key = (r["dp"], r["tp"], r["pp"], r.get("cp", 1), r.get("ep", 1), r.get("dp_replicate", 1), r["zero_stage"],
+               r["schedule"], r["micro_batch"])
+        shapes.setdefault(key, r)
+    for (dp, tp, pp, cp, ep, rep, z, kind, b), r in shapes.items():
+        over = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp, "parallel.ep": ep,
+                "parallel.dp_replicate": rep, "parallel.zero_stage": z, "parallel.sequence_parallel": str(tp > 1).lower(),
+                "train.micro_batch": b, "train.global_batch": 16, "train.activation_checkpointing": r["recompute"]}
+        if pp > 1:
+            over.update({"parallel.pp_schedule": kind, "parallel.virtual_stages": r["virtual_stages"]})
+        try:
+            build_plan(tiny_config(over, "configs/moe_tiny.toml"), 8)
+        except ConfigError as e:
+            raise AssertionError(f"the planner proposes a layout the plan refuses: {over}: {e}") from None
+    priced = {(k[0], k[1], k[2], k[3], k[5]): set() for k in shapes}
+    for k in shapes:
+        priced[k[0], k[1], k[2], k[3], k[5]].add(k[4])
+    for (dp, tp, pp, cp, rep), eps in priced.items():
+        want = {e for e in (1, 2, 4, 8) if (dp // rep * cp) % e == 0 and not (pp > 1 and rep > 1 and e > 1)}
+        assert eps == want, ((dp, tp, pp, cp, rep), eps, want)
+    # the bytes: what zerotron memory --ep prints for the same layout (one per (pp, cp, ep, tp, zero))
+    seen = set()
+    for r in lays:
+        if r.get("ep", 1) == 1 or (r["pp"], r.get("cp", 1), r["ep"], r["tp"], r["zero_stage"]) in seen:
+            continue
+        seen.add((r["pp"], r.get("cp", 1), r["ep"], r["tp"], r["zero_stage"]))
+        argv = ["--model", "mixtral-tiny", "--dp", str(r["dp"]), "--ep", str(r["ep"]), "--cp", str(r.get("cp", 1)),
+                "--dp-replicate", str(r.get("dp_replicate", 1)),
+                "--tp", str(r["tp"]), "--pp", str(r["pp"]), "--seq", "64", "--micro-batch", str(r["micro_batch"]),
+                "--global-batch", "16", "--dtype", "bf16-mixed", "--recompute", r["recompute"]]
+        argv += ["--sp"] if r["tp"] > 1 else []
+        argv += ["--schedule", r["schedule"]] if r["pp"] > 1 else []
+        assert memory_main(argv + ["--json"]) == 0
+        ranks = json.loads(capsys.readouterr().out)["moe"]["pipeline_ranks"]
+        assert [x["states"][r["zero_stage"]]["total_bytes"] for x in ranks] == r["moe"]["state_bytes"], r
+        assert [x["all_to_all_bytes"] for x in ranks] == r["moe"]["all_to_all_bytes"] and min(
+            r["moe"]["all_to_all_bytes"]) > 0, r
+    assert len(seen) >= 20, len(seen)
+    # by hand: dp 1 x cp 2 = ep 2 x pp 2 (2 layers per rank), tp 2 + SP, 4 micro-batches of 2 x 64 tokens,
+    # each rank routing 64 / 2 / 2 of each sequence; full recomputation: 6 exchanges and the counts twice
+    lay = dict(dp=1, cp=2, ep=2, tp=2, pp=2, zero_stage=1, schedule="1f1b", micro_batch=2, recompute="full")
+    one = evaluate(cfg, lay, 64, 8, CostModel(hardware("h100"), gpus_per_node=8, sp=True))["moe"]
+    assert one["all_to_all_bytes"] == [2 * 4 * (6 * 2 * 16 * 2 * 64 * 2 + 2 * 8 * 8)] * 2, one

@@ -134,7 +134,10 @@ def shape_of(cfg) -> Shape:
     SwiGLU, RMSNorm, RoPE, its n_kv_head and tie_word_embeddings (a Mixtral config also its
     n_experts, experts_top_k and shared expert); a GPT-2 config the 4C GELU MLP,
     LayerNorm, learned positions, a tied head and n_kv_head = n_head. Raises ValueError for
-    non-positive sizes, n_head not dividing n_embd or n_kv_head not dividing n_head."""
+    non-positive sizes, n_head not dividing n_embd or n_kv_head not dividing n_head. A
+    :class:`Shape` is returned as it is."""
+    if isinstance(cfg, Shape):
+        return cfg
     llama = getattr(cfg, "intermediate_size", None) is not None
     shape = Shape(
         n_layer=cfg.n_layer, n_head=cfg.n_head, n_kv_head=getattr(cfg, "n_kv_head", cfg.n_head),

@@ -52,16 +52,20 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   above over S ranks on the intra-node link plus one all-reduce of the 1/S gradient shard across
   the R replicas on the inter-node link per unit and step (ZeRO-0: reduce-scatter + all-gather
   over S, all-reduce of 1/S over R per bucket).
-* expert parallelism (``ep`` > 1, mixture-of-experts models, pp = cp = 1 as the plan requires):
-  each MoE layer's E experts split over ep ranks carved out of dp (``parallel.expert``). Model
-  states: the dense parameters under the ZeRO formula over dp, the rank's E/ep experts under it
-  over the dp/ep ranks that hold the same experts (native ZeRO's expert flat buffers; HSDP: over
-  (dp/ep)/R). dp time: the dense gradients' collectives over dp plus the local experts' over dp/ep
+* expert parallelism (``ep`` > 1, mixture-of-experts models; the plan's rules: ep divides
+  n_experts and the batch degree dp x cp -- the shard degree dp/R x cp under HSDP -- and a
+  pipeline takes ep without HSDP only): each MoE layer's E experts split over ep ranks carved out
+  of the batch group dp x cp (``parallel.expert``; under a pipeline per stage). Model states
+  (``analysis.memory.moe_state_bytes``, what ``zerotron memory --ep`` reports): the dense
+  parameters under the ZeRO formula over dp x cp, the rank's E/ep experts under it over the
+  (dp x cp)/ep ranks that hold the same experts (native ZeRO's expert flat buffers; HSDP: / R).
+  dp time: the dense gradients' collectives over dp x cp plus the local experts' over (dp x cp)/ep
   (the same link: an expert-replica group spans the shard group's block). The token all-to-all
-  (``analysis.memory.moe_estimate``'s bytes): per layer and micro-batch 4 exchanges (dispatch and
-  combine, forward and backward) of b*S*k*C elements plus the E int64 counts, priced as an
-  all-gather of those bytes on the ep group (an all-to-all moves (n-1)/n of its buffer per rank,
-  the all-gather's factor), on the critical path.
+  (``analysis.memory.moe_all_to_all_bytes``): per layer and micro-batch 4 exchanges (dispatch and
+  combine, forward and backward; 6 with full recomputation) of b*S/cp*k*C elements (/ tp with
+  SP) plus the E int64 counts of each forward, priced as an all-gather of those bytes on the ep
+  group (ep consecutive batch ranks x tp; an all-to-all moves (n-1)/n of its buffer per rank, the
+  all-gather's factor), on the critical path.
 * a per-layer, per-micro-batch launch overhead (``launch_s``, 20 us), so larger micro-batches win.
 * offload (``train.offload``; only with a host link, ``host_link`` bytes/s per direction, e.g.
   ``hardware.HOST_LINKS``; proposed only for layouts that do not fit without it): the device holds
@@ -88,7 +92,7 @@ from zerotron.analysis.activations import activation_bytes, looped_counts, stage
 from zerotron.analysis.bubble import NCCL_REFUSED, PIPELINE_KINDS, pipeline_idle
 from zerotron.analysis.flops import Shape, shape_of
 from zerotron.analysis.hardware import GB, Hardware, collective_time
-from zerotron.analysis.memory import model_state_bytes, stage_num_params
+from zerotron.analysis.memory import model_state_bytes, moe_all_to_all_bytes, moe_state_bytes, stage_num_params
 from zerotron.models.layout import tp_refusal
 
 SCHEDULE_ORDER = ("none", "1f1b", "interleaved", "gpipe", "zb-h1", "zb-v")
@@ -229,10 +233,10 @@ def exposed_dp(t_dp: float, compute: float, overlap: float) -> float:
     return t_dp - min(overlap * t_dp, compute * 2 / 3)
 
 
-def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> dict:
+def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memory_limit: int | None = None) -> dict:
     """Predicted memory and step time of ``layout`` (keys dp, tp, pp, zero_stage, schedule
     ("none" for pp = 1), micro_batch, recompute; optional dp_replicate (HSDP), ep (expert parallel,
-    MoE models at pp = cp = 1; the ValueError names the rule otherwise) and cp: context
+    MoE models, :func:`_expert_degrees`; the ValueError names the rule otherwise) and cp: context
     parallel with ring attention, each rank S/cp tokens, model states sharded over dp x cp, the
     ring's exposed transfer in ``cp_comm``) for the model of ``cfg`` (a GPT-2/Llama config or a
     :class:`Shape`), ``global_batch`` sequences of
@@ -240,7 +244,12 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     ``microbatches``, ``virtual_stages``, ``sp``, ``memory_bytes_per_gpu`` (bytes),
     ``stage_time_s`` (seconds per micro-batch of each pipeline rank), ``predicted_step_time_s``,
     ``predicted_tokens_per_s``, ``predicted_mfu`` and ``time_breakdown_s`` (seconds per step: compute, vector, overhead, tp_comm, pp_comm of the
-    slowest stage x m, ep_comm the token all-to-all; bubble; dp_comm exposed). Raises ValueError
+    slowest stage x m, ep_comm the token all-to-all; bubble; dp_comm exposed); for a MoE model also
+    ``moe``: per pipeline rank ``state_bytes`` and ``expert_state_bytes`` (model states,
+    :func:`~zerotron.analysis.memory.moe_state_bytes`) and ``all_to_all_bytes`` per step (0 at ep 1).
+    With ``memory_limit`` (bytes), a layout whose memory exceeds it is not priced further: the
+    result is then only the layout and ``memory_bytes_per_gpu`` (what :func:`plan` needs to drop it).
+    Raises ValueError
     (from the estimators, or for an ep the rules refuse) for an impossible layout."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
     n_rep = layout.get("dp_replicate", 1)  # HSDP: replicas x (dp / n_rep) shards
@@ -257,18 +266,28 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     counts = looped_counts(stage_layer_counts(L, pp * v), pp, kind)  # index chunk * pp + rank
     params = stage_num_params(shape, tp, pp, v, counts)
     off = layout.get("offload", "none")
-    if ep > 1 and (not shape.n_experts or shape.n_experts % ep or dp % ep or (dp // n_rep) % ep or pp > 1 or cp > 1):
-        raise ValueError(f"ep ({ep}) needs a mixture-of-experts model, pp = cp = 1 and ep dividing n_experts "
-                         f"({shape.n_experts}) and the shard degree ({dp // n_rep})")
+    if ep > 1 and ep not in _expert_degrees(shape, dp, pp, cp, n_rep):
+        raise ValueError(f"ep ({ep}) needs a mixture-of-experts model and ep dividing n_experts ({shape.n_experts}) "
+                         f"and the shard degree dp / dp_replicate x cp ({dp // n_rep} x {cp}), without HSDP under a "
+                         "pipeline")
     # expert parameters of each pipeline rank (all E per layer; tp-replicated), of which ep > 1 keeps E/ep
-    experts = [sum(counts[c * pp + r] for c in range(v)) * shape.n_experts * 3 * h * F for r in range(pp)]
+    rank_layers = [sum(counts[c * pp + r] for c in range(v)) for r in range(pp)]
+    experts = [n * shape.n_experts * 3 * h * F for n in rank_layers]
+    toks = b * S // cp // (tp if sp else 1)  # tokens each rank routes per micro-batch (SP: its sequence shard)
+    moe = None
+    if shape.n_experts:  # dense over dp x cp, the local experts over the (dp x cp) / ep ranks holding them
+        moe = {"state_bytes": [moe_state_bytes(p, e, dp, ep, z, "bf16-mixed", "adam", cp, n_rep, off)
+                               for p, e in zip(params, experts)],
+               "all_to_all_bytes": [moe_all_to_all_bytes(shape, n, toks, m, cm.elem_bytes, rec) if ep > 1 else 0
+                                    for n in rank_layers]}
 
-    def states(p, e):
-        if ep == 1:
-            return model_state_bytes(p, dp * cp, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"]
-        return (model_state_bytes(p - e, dp, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"]
-                + model_state_bytes(e // ep, dp // ep, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"])
-    mem = max(states(p, e) + a_ for p, e, a_ in zip(params, experts, act["per_rank_bytes"])) + cm.overhead
+    def states(r):
+        if moe:
+            return moe["state_bytes"][r]["total_bytes"]
+        return model_state_bytes(params[r], dp * cp, z, "bf16-mixed", "adam", n_rep, offload=off)["total_bytes"]
+    mem = max(states(r) + a_ for r, a_ in enumerate(act["per_rank_bytes"])) + cm.overhead
+    if memory_limit is not None and mem > memory_limit:  # plan() drops it: no time to price
+        return {**layout, "memory_bytes_per_gpu": int(mem)}
     # ranks are ordered (pp, dp, cp, tp), tp innermost: a group fits a node iff its block does
     tp_link = _link(hw, tp <= K and K % tp == 0)
     cp_link = _link(hw, cp * tp <= K and K % (cp * tp) == 0)
@@ -309,8 +328,8 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
              "tp_comm": tp_coll(x, layers * n_coll + first)
              + (collective_time(3 * b * S // cp * 4, "all_reduce", tp, *tp_link, calls=3) if last else 0.0),
              "cp_comm": layers * max(0.0, hops - attn_s),
-             "ep_comm": collective_time(layers * (4 * b * S * shape.top_k * h * cm.elem_bytes + 8 * shape.n_experts),
-                                        "all_gather", ep, *ep_link, calls=5 * layers)}
+             "ep_comm": collective_time(moe["all_to_all_bytes"][r] / m if moe else 0, "all_gather", ep, *ep_link,
+                                        calls=(8 if rec == "full" else 5) * layers)}
         stage_times.append(sum(t.values()))
         if stage_times[-1] > stage:
             stage, parts = stage_times[-1], t
@@ -320,13 +339,14 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     # (zero-bubble schedules: pipeline_idle)
     pipe = pipeline_time(stage_times, m, kind, v, (2 * W + 4 * h * S, 2 * W + 8 * h * S + extra, 2 * W))
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
+    big = max(range(pp), key=lambda r: params[r])  # the rank with the most parameters
     if ep == 1:
         t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp * cp, dp_link, cm.bucket_bytes, n_rep, rep_link)
-    else:  # the dense gradients over dp, the local experts' over the dp / ep ranks holding them
-        t_dp = (_dp_time(z, m, units, cm.elem_bytes * (params[0] - experts[0]), dp, dp_link, cm.bucket_bytes, n_rep,
-                         rep_link)
-                + _dp_time(z, m, units - 1, cm.elem_bytes * experts[0] / ep, dp // ep, dp_link, cm.bucket_bytes,
-                           n_rep, rep_link))
+    else:  # the dense gradients over dp x cp, the local experts' over the (dp x cp) / ep ranks holding them
+        t_dp = (_dp_time(z, m, units, cm.elem_bytes * (params[big] - experts[big]), dp * cp, dp_link,
+                         cm.bucket_bytes, n_rep, rep_link)
+                + _dp_time(z, m, rank_layers[big], cm.elem_bytes * experts[big] / ep, dp * cp // ep, dp_link,
+                           cm.bucket_bytes, n_rep, rep_link))
     t_dp = exposed_dp(t_dp, m * (parts["compute"] + parts["vector"]), hw.overlap)
     host = host_bytes(off, -(-max(params) // (dp * cp // n_rep)), m)
     if host and not cm.host_link:
@@ -339,6 +359,10 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel) -> d
     breakdown.update(bubble=pipe - m * stage, dp_comm=t_dp)
     if off != "none":
         breakdown["host_comm"] = t_host
+    if moe:  # what ``zerotron memory --ep`` reports for this layout (``analysis.memory.moe_estimate``)
+        layout = {**layout, "moe": {"state_bytes": [x["total_bytes"] for x in moe["state_bytes"]],
+                                    "expert_state_bytes": [x["expert_state_bytes"] for x in moe["state_bytes"]],
+                                    "all_to_all_bytes": moe["all_to_all_bytes"]}}
     return {**layout, "microbatches": m, "virtual_stages": v, "sp": sp,
             "stage_time_s": stage_times,
             "memory_bytes_per_gpu": int(mem), "predicted_step_time_s": step,
@@ -361,12 +385,15 @@ def _replicas(dp: int, tp: int, pp: int, cm: CostModel) -> list[int]:
     return [1, r] if r > 1 else [1]
 
 
-def _expert_degrees(shape: Shape, dp: int, pp: int, cp: int) -> list[int]:
-    """Expert-parallel degrees to price: for a mixture-of-experts model without pipeline or context
-    parallelism (the plan refuses ep with either), every ep dividing both dp and n_experts; else 1."""
-    if not shape.n_experts or pp > 1 or cp > 1:
+def _expert_degrees(shape: Shape, dp: int, pp: int, cp: int, rep: int = 1) -> list[int]:
+    """Expert-parallel degrees to price (the plan's rules, ``ParallelPlan._check_experts``): for a
+    mixture-of-experts model every ep dividing n_experts and the batch degree dp x cp (the ep group is
+    carved out of the ranks holding different tokens; under HSDP with ``rep`` replicas the shard
+    degree dp / rep x cp), and under a pipeline only without HSDP; else 1."""
+    if not shape.n_experts or (pp > 1 and rep > 1):
         return [1]
-    return [e for e in range(1, dp + 1) if dp % e == 0 and shape.n_experts % e == 0]
+    batch = dp // rep * cp
+    return [e for e in range(1, batch + 1) if batch % e == 0 and shape.n_experts % e == 0]
 
 
 def _refused(pp: int, rep: int) -> bool:
@@ -395,8 +422,8 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     2pp <= n_layer, and only with ``cm.backend`` = "gloo": the runner refuses it on NCCL), "none"
     for pp = 1; ZeRO 0-3 (with ``cm.host_link``, a layout over ``gpu_mem`` is priced again with
     ``offload`` "optimizer", then at ZeRO-3 "params", and kept if that fits); for a mixture-of-experts
-    model at pp = cp = 1 every ep dividing dp (the shard degree under HSDP) and n_experts
-    (:func:`_expert_degrees`);
+    model every ep dividing n_experts and dp x cp (the shard degree dp/R x cp under HSDP; no HSDP
+    with ep under a pipeline: :func:`_expert_degrees`);
     recompute none | selective | full. Each is priced by :func:`evaluate`; those over ``gpu_mem``
     are dropped, and with ``supported_only`` what zerotron's config validation refuses
     (:func:`_refused`; since pipeline x ZeRO-2/3 runs, nothing the planner proposes). Returns ``{"layouts": feasible ones, best (shortest step) first, ties broken by
@@ -429,9 +456,6 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
         if pp > cfg.n_layer:
             dropped["layers"] += 1
             continue
-        if cp > 1 and cfg.n_experts:  # the plan refuses context parallelism for MoE models (the router's loss)
-            dropped["unsupported"] += 1
-            continue
         per_dp = global_batch // dp
         for b in [1 << i for i in range(per_dp.bit_length()) if per_dp % (1 << i) == 0]:
             m = per_dp // b
@@ -442,11 +466,9 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                 if kind in NCCL_REFUSED and cm.backend == "nccl":
                     dropped["backend"] += 12
                     continue
-                for z, rec, rep, ep in product(range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm) if cp == 1 else [1],
-                                               _expert_degrees(cfg, dp, pp, cp)):
-                    if (dp // rep) % ep:  # under HSDP each ep group lies inside one shard group
-                        dropped["divisibility"] += 1
-                        continue
+                for z, rec, rep, ep in [(z, rec, rep, ep) for z, rec, rep in product(
+                        range(4), RECOMPUTE_ORDER, _replicas(dp, tp, pp, cm) if cp == 1 else [1])
+                        for ep in _expert_degrees(cfg, dp, pp, cp, rep)]:
                     if supported_only and _refused(pp, rep):
                         dropped["unsupported"] += 1
                         continue
@@ -458,12 +480,12 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
                         lay["ep"] = ep
                     if cp > 1:
                         lay["cp"] = cp
-                    res = evaluate(cfg, lay, seq, global_batch, cm)
+                    res = evaluate(cfg, lay, seq, global_batch, cm, gpu_mem)
                     # with a host link: offload where the layout does not fit otherwise (optimizer, then params)
                     for off in (("optimizer", "params") if z == 3 else ("optimizer",)) if z and cm.host_link else ():
                         if res["memory_bytes_per_gpu"] <= gpu_mem:
                             break
-                        res = evaluate(cfg, {**lay, "offload": off}, seq, global_batch, cm)
+                        res = evaluate(cfg, {**lay, "offload": off}, seq, global_batch, cm, gpu_mem)
                     if res["memory_bytes_per_gpu"] > gpu_mem:
                         dropped["memory"] += 1
                     else:

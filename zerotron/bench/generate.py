@@ -12,11 +12,16 @@ requests split), ``naive-mp`` (N pipeline stages, the batch as one micro-batch),
 ``--microbatches`` micro-batches in flight, default one per stage), ``tp`` (N-way tensor parallel), ``pp-tp`` (2 stages x
 N/2-way tp; needs N >= 4, else skipped), and ``pp-nocache`` (today's ``pipeline_generate``: greedy,
 no KV cache, one prompt at a time over N stages, on the first ``--baseline-prompts`` prompts).
+``ep`` / ``ep-tokens`` (mixture-of-experts models, e.g. ``--preset mixtral-tiny``): the N ranks one
+expert-parallel group, E/N experts each (``Engine(ep=N)``); ``ep`` decodes every request on every
+rank (``--ep-split replica``: the combine an all-gather over ep), ``ep-tokens`` gives each rank its
+own requests and sends their tokens to the experts' owners by all-to-all (``--ep-split tokens``).
 ``single-compile`` / ``dp-compile``: the same with compiled decode steps (``Engine(compile=True)``,
 ``zerotron.inference.compiled``); their warm-up is one untimed generate of all the prompts (it
 compiles every bucket the timed run uses), and the row reports the seconds compiled in it
 (``compile_s``), the recompiles during the timed run (``recompiles_timed``, 0 expected) and the
-ratio to the eager layout of each round (``ratio_vs_eager``, per round then the median).
+ratio to the eager layout of each round (``ratio_vs_eager``, per round then the median);
+``ratio_vs_ep`` (of ``ep-tokens``): output tokens/s over the ``ep`` layout's, per round then the median.
 decode_tokens_per_s: tokens sampled by decode steps / the time of those steps (the prefill's
 first token left out).
 
@@ -55,7 +60,8 @@ from zerotron.launch import in_worker, launch, strip_nproc
 
 from .train import _mesh
 
-LAYOUTS = ("single", "dp", "naive-mp", "pp", "tp", "pp-tp", "pp-nocache", "single-compile", "dp-compile")
+LAYOUTS = ("single", "dp", "naive-mp", "pp", "tp", "pp-tp", "pp-nocache", "single-compile", "dp-compile", "ep",
+           "ep-tokens")
 DEFAULT_LAYOUTS = "single,dp,naive-mp,pp,tp,pp-tp,pp-nocache"
 ROW_KEYS = ("layout", "output_tokens_per_s", "ttft_s", "tpot_s_p50", "tpot_s_p95", "weight_bytes_per_rank",
             "kv_cache_bytes_per_rank", "busy_fraction")
@@ -72,7 +78,7 @@ def layout_dims(name: str, n: int, microbatches: int) -> tuple[ParallelDims, int
         return layout_dims(m.group(1), n, int(m.group(2)))
     if name == "single":
         return ParallelDims(1), 1
-    if name == "dp":
+    if name in ("dp", "ep", "ep-tokens"):  # ep: the dp ranks form one expert-parallel group (expert_split)
         return ParallelDims(n, n, 1, 1), 1
     if name in ("naive-mp", "pp", "pp-nocache"):
         if n < 2:
@@ -85,6 +91,12 @@ def layout_dims(name: str, n: int, microbatches: int) -> tuple[ParallelDims, int
             raise ValueError("layout 'pp-tp' (2 stages x N/2-way tp) needs an even N >= 4 ranks")
         return ParallelDims(n, 1, n // 2, 2), microbatches or 2
     raise ValueError(f"unknown layout {name!r}; valid: {', '.join(LAYOUTS)}")
+
+
+def expert_split(name: str, n: int) -> tuple[int, str]:
+    """(ep, ep_split) of layout ``name`` on ``n`` ranks: (n, "replica") for ``ep``, (n, "tokens") for
+    ``ep-tokens``, else (1, "replica")."""
+    return {"ep": (n, "replica"), "ep-tokens": (n, "tokens")}.get(name, (1, "replica"))
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -115,16 +127,20 @@ def _nocache(model, mesh, requests) -> tuple[list[list[int]], dict]:
                  "estimated": estimated_weight_bytes(model.config, strat.module, mesh, strat.module.layer_ranges), "sampler": mesh.local_rank("pp") == 0}
 
 
-def estimated_weight_bytes(model_config, holder: torch.nn.Module, mesh, layer_ranges=None) -> int:
+def estimated_weight_bytes(model_config, holder: torch.nn.Module, mesh, layer_ranges=None, ep: int = 1) -> int:
     """Weight bytes the memory estimator predicts for this rank: parameters of its (tp shard of
     its) pipeline stage (:func:`zerotron.analysis.memory.stage_num_params`, tied embedding copy on
-    the last stage included; ``layer_ranges``: the stages' layers, None = one stage) times the
-    bytes per element of ``holder``'s parameters."""
-    from zerotron.analysis.memory import stage_num_params
+    the last stage included; ``layer_ranges``: the stages' layers, None = one stage; ``ep``: a
+    mixture-of-experts model keeps E/ep experts per layer, :func:`~zerotron.analysis.memory.moe_estimate`)
+    times the bytes per element of ``holder``'s parameters."""
+    from zerotron.analysis.memory import moe_estimate, stage_num_params
 
     counts = [len(r) for r in layer_ranges] if layer_ranges is not None else None
     pp = len(counts) if counts else 1
     n = stage_num_params(model_config, mesh.size("tp"), pp, layer_counts=counts)[mesh.local_rank("pp") if pp > 1 else 0]
+    if ep > 1:
+        moe = moe_estimate(model_config, ep, ep)
+        n -= moe["expert_params"] - moe["expert_params_per_rank"]
     return n * next(iter(holder.parameters())).element_size()
 
 
@@ -143,8 +159,14 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
             out, local = _nocache(copy.deepcopy(model), mesh, requests)
         else:
             compiled = name.endswith("-compile")
-            eng = Engine(copy.deepcopy(model), mesh, microbatches=m, pp_split=pp_split if dims.pp > 1 else "",
-                         compile=compiled)
+            ep, ep_split = expert_split(name, n)
+            try:  # ep on a dense model, or not dividing its experts: the same reason on every rank
+                eng = Engine(copy.deepcopy(model), mesh, microbatches=m, pp_split=pp_split if dims.pp > 1 else "",
+                             compile=compiled, ep=ep, ep_split=ep_split)
+            except ValueError as e:
+                if ep == 1:
+                    raise
+                return {"layout": name, "skipped": True, "error": str(e)}
             from zerotron.parallel.compile import compile_stats
             c0 = compile_stats()
             if compiled:  # warm-up: every bucket of the timed run compiles here
@@ -160,7 +182,8 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
             local = {"wall": s.wall_s, "busy": s.busy_fraction, "cpu": s.cpu_s / s.wall_s if s.wall_s else None, "first": s.first_token_s, "steps": s.step_s,
                      "weights": eng.weight_bytes(), "kv": s.kv_cache_bytes,
                      "estimated": estimated_weight_bytes(eng.config, eng.holder, mesh,
-                                                         eng.pipeline.stage.layer_ranges if eng.pipeline else None), "sampler": s.first_token_s is not None,
+                                                         eng.pipeline.stage.layer_ranges if eng.pipeline else None,
+                                                         ep), "sampler": s.first_token_s is not None,
                      "compile_s": c1["compile_time_s"] - c0["compile_time_s"],
                      "recompiles_timed": c2["recompiles"] - c1["recompiles"] + c2["graphs"] - c1["graphs"]}
         local["tokens"] = sum(len(o) for o in out)
@@ -207,7 +230,7 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append(row)
     by = {r["layout"]: r for r in rows if not r["skipped"]}
     for row in rows:
-        for base in ("single", "naive-mp", "pp-nocache"):
+        for base in ("single", "naive-mp", "pp-nocache", "ep"):  # paired per round
             if base in by and not row["skipped"]:
                 a, b = row["output_tokens_per_s_rounds"], by[base]["output_tokens_per_s_rounds"]
                 row[f"ratio_vs_{base}"] = statistics.median(x / y for x, y in zip(a, b))

@@ -11,6 +11,7 @@ documented on :class:`zerotron.models.base.CausalLM`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
@@ -241,6 +242,20 @@ def scale_aux_losses(root, factor: float) -> int:
             m.aux_loss_scale = float(factor)
             n += 1
     return n
+
+
+@contextlib.contextmanager
+def untracked_statistics(root):
+    """Forwards run inside this context leave the statistics kept over the step's tokens by the
+    modules under ``root`` as they were (the MoE layers of :class:`ExpertLayout`, each with
+    ``aux_loss_scale``: their router ``stats`` and ``dropped`` count): for a probe forward that is
+    not part of the step, e.g. torch pipelining's shape inference on its first step."""
+    saved = [(m, m.stats, m.dropped) for m in root.modules() if hasattr(m, "aux_loss_scale")]
+    try:
+        yield
+    finally:
+        for m, stats, dropped in saved:
+            m.stats, m.dropped = stats, dropped
 
 
 def add_token_sum(root, total) -> int:

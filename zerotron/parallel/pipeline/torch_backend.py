@@ -49,7 +49,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
 )
 
-from zerotron.models.layout import get_module
+from zerotron.models.layout import get_module, untracked_statistics
 from zerotron.parallel.base import autocast_ctx
 from zerotron.parallel.pipeline.runner import PipelineStrategy
 
@@ -76,10 +76,17 @@ class _Chunk(nn.Module):
         self.parts = nn.ModuleList([get_module(stage_model, n) for n in names])
         object.__setattr__(self, "_stage_model", stage_model)
         self.chunk, self.dtype, self.device = chunk, dtype, device
+        self.probed = False  # torch's shape inference (the first call) has run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with autocast_ctx(self.dtype, self.device):
-            return self._stage_model.run_chunk(self.chunk, x)
+            if self.probed:
+                return self._stage_model.run_chunk(self.chunk, x)
+            # the first call is torch's shape inference on the first step, not a micro-batch: the
+            # token statistics of the step (MoE router stats) must not count it
+            self.probed = True
+            with untracked_statistics(self):
+                return self._stage_model.run_chunk(self.chunk, x)
 
 
 class TorchPipeline(PipelineStrategy):
