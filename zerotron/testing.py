@@ -166,8 +166,23 @@ _POOL: list = []  # [(process, connection)] of pooled ranks, index = rank (see r
 _EXIT: list = []  # _stop_pool once registered with atexit
 
 
-def _stop_pool() -> None:
+def _pool_log(event: str) -> None:
+    """One line per pool event (a rank spawned, the pool ended and why) appended to the file named by
+    ``ZEROTRON_TEST_POOL_LOG``, if set: how often a test session pays a rank's imports
+    (``benchmarks/suite_durations.md``)."""
+    path = os.environ.get("ZEROTRON_TEST_POOL_LOG")
+    if path:
+        import time
+
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        with open(path, "a") as f:
+            f.write(f"{time.time():.2f} {event} {test}\n")
+
+
+def _stop_pool(why: str = "exit") -> None:
     """End every pooled rank (they exit on the closed pipe; killed if they do not within 5 s)."""
+    if _POOL:
+        _pool_log(f"stop {len(_POOL)} {why}")
     procs = [p for p, _ in _POOL]
     for _, conn in _POOL:
         conn.close()
@@ -184,7 +199,7 @@ def _pool(world_size: int) -> list:
     import atexit
 
     if any(not p.is_alive() for p, _ in _POOL):
-        _stop_pool()
+        _stop_pool("dead")
     if not _POOL and _stop_pool not in _EXIT:
         atexit.register(_stop_pool)  # runs before multiprocessing's exit handler joins its children
         _EXIT.append(_stop_pool)
@@ -195,6 +210,7 @@ def _pool(world_size: int) -> list:
         p.start()
         child.close()
         _POOL.append((p, parent))
+        _pool_log(f"spawn {len(_POOL) - 1}")
     return _POOL[:world_size]
 
 
@@ -237,6 +253,7 @@ def _run_fresh(fn, world_size: int, args: tuple, timeout_s: float, join_timeout_
              for r in range(world_size)]
     for p in procs:
         p.start()
+    _pool_log(f"fresh {world_size}")
     results, errors = {}, {}
     try:
         for _ in range(world_size):
@@ -283,10 +300,10 @@ def _run_pooled(fn, world_size: int, args: tuple, timeout_s: float, join_timeout
                     status, payload = "error", f"rank process died (exit code {ranks[r][0].exitcode})"
                 (results if status == "ok" else errors)[r] = payload
     except BaseException:
-        _stop_pool()
+        _stop_pool("interrupted")
         raise
     if errors or retired:
-        _stop_pool()
+        _stop_pool("error" if errors else "retired")
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
