@@ -7,7 +7,8 @@ runs, for each file and then for each tree in turn (so the arms of a pair run ba
 of the tree (orphans too) is reaped here and counted: per file it records the wall seconds and the
 user + system CPU seconds of everything the run started (``RUSAGE_CHILDREN`` before/after), the
 exit code and pytest's last line, the 1-minute load average at start and end, and the per-test
-figures of :mod:`pytest_cputime` (``DIR/LABEL.jsonl``). Results: ``DIR/files.jsonl``. On a loaded
+figures of :mod:`pytest_cputime` (``DIR/LABEL.jsonl``) and the rank pool's spawns
+(``DIR/LABEL_pool.log``, trees whose ``zerotron.testing`` writes it). Results: ``DIR/files.jsonl``. On a loaded
 machine only the CPU seconds and the pairs mean much; say the load when quoting them."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import ctypes
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -39,9 +41,9 @@ def cpu_children() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_file(label: str, tree: Path, file: str, out: Path, extra: list[str]) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "ZEROTRON_CPUTIME_OUT": str(out / f"{label}.jsonl"),
-           "PYTHONDONTWRITEBYTECODE": "1"}
+def run_file(label: str, tree: Path, file: str, out: Path, extra: list[str], tree_env: dict) -> dict:
+    env = {**os.environ, **tree_env, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "ZEROTRON_CPUTIME_OUT": str(out / f"{label}.jsonl"),
+           "ZEROTRON_TEST_POOL_LOG": str(out / f"{label}_pool.log"), "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
            "-p", "pytest_cputime", file, *extra]
     load0, c0, t0 = os.getloadavg()[0], cpu_children(), time.perf_counter()
@@ -60,19 +62,70 @@ def run_file(label: str, tree: Path, file: str, out: Path, extra: list[str]) -> 
     return rec
 
 
+def report(out: Path) -> str:
+    """A markdown table of ``DIR/files.jsonl``: per file and tree, wall and CPU seconds (the last
+    run of each pair), the load at start, and the CPU ratio of the last tree to the first."""
+    recs = [json.loads(ln) for ln in (out / "files.jsonl").read_text().splitlines() if ln.strip()]
+    labels = list(dict.fromkeys(r["tree"] for r in recs))
+    files = list(dict.fromkeys(r["file"] for r in recs))
+    last = {(r["file"], r["tree"]): r for r in recs}
+    head = ["file"] + [f"{lb} {k}" for lb in labels for k in ("wall s", "CPU s")] + ["load"]
+    if len(labels) > 1:
+        head += [f"CPU {labels[-1]}/{labels[0]}", f"wall {labels[-1]}/{labels[0]}"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" + " ---: |" * (len(head) - 1)]
+    total = {lb: [0.0, 0.0] for lb in labels}
+    for f in files:
+        got = [last.get((f, lb)) for lb in labels]
+        cells = [f"`{Path(f).name}`"]
+        for lb, r in zip(labels, got):
+            cells += ["" if r is None else f"{r['wall_s']:.1f}", "" if r is None else f"{r['cpu_s']:.1f}"]
+            if r is not None and all(g is not None for g in got):
+                total[lb][0] += r["wall_s"]
+                total[lb][1] += r["cpu_s"]
+            if r is not None and r["rc"] not in (0, 5):
+                cells[-1] += f" (exit {r['rc']})"
+        cells.append("/".join(f"{r['load_start']:.0f}" for r in got if r is not None))
+        if len(labels) > 1:
+            a, b = got[0], got[-1]
+            cells += [f"{b['cpu_s'] / a['cpu_s']:.2f}" if a and b else "", f"{b['wall_s'] / a['wall_s']:.2f}" if a and b else ""]
+        rows.append("| " + " | ".join(cells) + " |")
+    cells = ["**sum (files with every tree)**"]
+    for lb in labels:
+        cells += [f"**{total[lb][0]:.1f}**", f"**{total[lb][1]:.1f}**"]
+    cells.append("")
+    if len(labels) > 1 and total[labels[0]][1]:
+        a, b = total[labels[0]], total[labels[-1]]
+        cells += [f"**{b[1] / a[1]:.2f}**", f"**{b[0] / a[0]:.2f}**"]
+    rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="+")
+    ap.add_argument("files", nargs="*")
+    ap.add_argument("--report", action="store_true", help="print the markdown table of DIR's results and exit")
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--tree", action="append", default=[], help="LABEL=PATH (default: new=this checkout)")
-    ap.add_argument("--pytest-args", default="", help="extra pytest arguments (one string, split on spaces)")
+    ap.add_argument("--tree", action="append", default=[],
+                    help="LABEL=PATH[,VAR=VALUE...]: a tree and environment variables for its runs "
+                         "(default: new=this checkout)")
+    ap.add_argument("--alternate", action="store_true", help="reverse the trees' order on every other file "
+                    "(a load that drifts then favours neither arm)")
+    ap.add_argument("--pytest-args", default="", help="extra pytest arguments (one string, split as a shell would)")
     a = ap.parse_args()
-    trees = [(t.split("=", 1)[0], Path(t.split("=", 1)[1]).resolve()) for t in a.tree] or [("new", HERE.parent)]
+    if a.report:
+        print(report(a.out))
+        return
+    trees = []
+    for t in a.tree:
+        label, rest = t.split("=", 1)
+        path, *pairs = rest.split(",")
+        trees.append((label, Path(path).resolve(), dict(kv.split("=", 1) for kv in pairs)))
+    trees = trees or [("new", HERE.parent, {})]
     a.out.mkdir(parents=True, exist_ok=True)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    for file in a.files:
-        for label, tree in trees:
-            run_file(label, tree, file, a.out, a.pytest_args.split())
+    for i, file in enumerate(a.files):
+        for label, tree, tree_env in (trees[::-1] if a.alternate and i % 2 else trees):
+            run_file(label, tree, file, a.out, shlex.split(a.pytest_args), tree_env)
 
 
 if __name__ == "__main__":
