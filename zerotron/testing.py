@@ -96,7 +96,7 @@ def _pool_main(conn) -> None:
     """Body of a pooled rank (see :func:`run_ranks`): run one job per message
     ``(rank, world_size, port, timeout_s, fn, args, env, cwd)`` followed by the caller's stdout and
     stderr descriptors, answer ``(status, payload, retire)``; exit on ``None``, a closed pipe, a
-    failed job or ``retire`` (too many threads left, see :data:`_POOL_MAX_THREADS`). Between jobs the process is put back as a fresh one would start the next: the caller's
+    failed job or ``retire`` (the number of threads left when more than :data:`_POOL_MAX_THREADS`, else 0). Between jobs the process is put back as a fresh one would start the next: the caller's
     environment and working directory, torch's default RNG seed, default dtype and grad mode, no
     process group (the job's teardown destroyed it, with DTensor's caches), comm counters at zero,
     warnings shown again."""
@@ -143,14 +143,15 @@ def _pool_main(conn) -> None:
         gc.collect()  # the job's objects in reference cycles may hold process groups (and their threads)
         gc.freeze()  # the survivors (imports, caches: ~300k objects) are left out of later collections, each of
         # which would otherwise walk them all (0.15-0.4 s per collection and rank)
-        retire = len(os.listdir("/proc/self/task")) > _POOL_MAX_THREADS if os.path.isdir("/proc/self/task") else False
+        threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+        retire = threads if threads > _POOL_MAX_THREADS else 0  # the count, for the pool log
         try:
             try:
                 conn.send((status, payload, retire))
             except (BrokenPipeError, ConnectionResetError):  # the caller ended the pool (another rank failed)
                 return
             except Exception:  # noqa: BLE001 - an unpicklable result: report it (the job is not reused either)
-                conn.send(("error", traceback.format_exc()))
+                conn.send(("error", traceback.format_exc(), 0))  # (status, payload, retire) as always
                 return
         except OSError:
             return
@@ -306,7 +307,7 @@ def _run_pooled(fn, world_size: int, args: tuple, timeout_s: float, join_timeout
                 try:
                     status, payload, retire = conn.recv()
                     if retire:
-                        retired.append(r)
+                        retired.append((r, retire))
                 except EOFError:  # the rank's process ended (os._exit, a signal)
                     ranks[r][0].join(timeout=5)
                     status, payload = "error", f"rank process died (exit code {ranks[r][0].exitcode})"
@@ -317,7 +318,7 @@ def _run_pooled(fn, world_size: int, args: tuple, timeout_s: float, join_timeout
     if errors:  # every rank of this call saw the failure (or may still hang in it): none is reused
         _end_ranks(range(world_size), "error")
     elif retired:  # these exit by themselves after answering (see _pool_main)
-        _end_ranks(retired, "retired")
+        _end_ranks([r for r, _ in retired], f"retired ({', '.join(f'rank {r}: {n} threads' for r, n in retired)})")
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
