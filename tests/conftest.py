@@ -1,6 +1,16 @@
+import os
+
 import pytest
+import torch
 
 from zerotron.testing import tiny_config
+
+# One intra-op thread in the pytest process (references, in-process runs), as in every rank
+# (zerotron.testing._run_job): the test models are too small to gain from a second thread, whose
+# OpenMP waits take a core from the ranks and the CLI children (benchmarks/suite_durations.md).
+# An OMP_NUM_THREADS in the environment wins.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from zerotron.launch import describe_failures
+from zerotron.testing import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--log.progress", "false", "--log.plot", "false", "--log.sample_tokens", "0"]
@@ -23,8 +24,7 @@ def train(run_dir, cache, *extra, env=None):
     argv = ["train", "--config", "configs/tiny.toml", "--nproc", "2", "--run-dir", str(run_dir),
             "--data.cache_dir", cache, "--train.steps", "4", "--train.eval_every", "0", *QUIET, *extra]
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "zerotron", *argv], cwd=ROOT, env=e, capture_output=True,
-                       text=True, timeout=300, check=False)
+    r = run_cli(argv, cwd=ROOT, env=e, timeout=300)  # `python -m zerotron ...` forked with torch imported
     return r, time.monotonic() - t0
 
 
@@ -114,7 +114,7 @@ def test_sigstop_of_a_rank_named_within_timeout(tmp_path, data_cache):
     timeout can tell): rank 0 fails within parallel.timeout_s of the stop with one line naming the
     collective (op, tag, group, ranks, step) and the peer; after SIGCONT the launcher exits 1 and no
     worker is left behind."""
-    timeout_s = 10
+    timeout_s = 6  # the wait this test pays; 4 s in test_hung_peer_named_within_timeout
     run = tmp_path / "run"
     e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     argv = ["train", "--config", "configs/tiny.toml", "--nproc", "2", "--run-dir", str(run), "--data.cache_dir",

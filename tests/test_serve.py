@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from zerotron.testing import ROOT, start_serve
+from zerotron.testing import ROOT, run_cli, start_serve
 
 PROMPTS = ["ROMEO:", "JULIET: O", "First Citizen:\nBefore we proceed", "KING"]
 NEW = 8
@@ -250,9 +250,8 @@ def test_serve_cannot_listen_is_one_line(checkpoint, capsys):
         busy.listen()
         port = busy.getsockname()[1]
         code, err = serve(str(checkpoint), "--host", "127.0.0.1", "--port", str(port))
-        r = subprocess.run([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint),
-                            "--host", "127.0.0.1", "--port", str(port), "--nproc", "2"], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+        r = run_cli(["serve", "--checkpoint", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
+                     "--nproc", "2"], cwd=ROOT, env=env, timeout=120)  # forked with torch imported
         for code, err in ((code, err), (r.returncode, r.stderr)):
             assert code == 2 and err.strip().count("\n") == 0, err
             assert err.startswith(f"zerotron serve: error: cannot listen on 127.0.0.1:{port} (") and \

@@ -96,7 +96,7 @@ def _pool_main(conn) -> None:
     """Body of a pooled rank (see :func:`run_ranks`): run one job per message
     ``(rank, world_size, port, timeout_s, fn, args, env, cwd)`` followed by the caller's stdout and
     stderr descriptors, answer ``(status, payload, retire)``; exit on ``None``, a closed pipe, a
-    failed job or ``retire`` (too many threads left, see :data:`_POOL_MAX_THREADS`). Between jobs the process is put back as a fresh one would start the next: the caller's
+    failed job or ``retire`` (the number of threads left when more than :data:`_POOL_MAX_THREADS`, else 0). Between jobs the process is put back as a fresh one would start the next: the caller's
     environment and working directory, torch's default RNG seed, default dtype and grad mode, no
     process group (the job's teardown destroyed it, with DTensor's caches), comm counters at zero,
     warnings shown again."""
@@ -143,14 +143,15 @@ def _pool_main(conn) -> None:
         gc.collect()  # the job's objects in reference cycles may hold process groups (and their threads)
         gc.freeze()  # the survivors (imports, caches: ~300k objects) are left out of later collections, each of
         # which would otherwise walk them all (0.15-0.4 s per collection and rank)
-        retire = len(os.listdir("/proc/self/task")) > _POOL_MAX_THREADS if os.path.isdir("/proc/self/task") else False
+        threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+        retire = threads if threads > _POOL_MAX_THREADS else 0  # the count, for the pool log
         try:
             try:
                 conn.send((status, payload, retire))
             except (BrokenPipeError, ConnectionResetError):  # the caller ended the pool (another rank failed)
                 return
             except Exception:  # noqa: BLE001 - an unpicklable result: report it (the job is not reused either)
-                conn.send(("error", traceback.format_exc()))
+                conn.send(("error", traceback.format_exc(), 0))  # (status, payload, retire) as always
                 return
         except OSError:
             return
@@ -162,39 +163,65 @@ def _pool_main(conn) -> None:
 # gloo groups alive (e.g. through a torch DDP module it cannot collect), three threads each, one of
 # them waking every 10 ms; a fresh process costs less than hundreds of such threads
 _POOL_MAX_THREADS = 48
-_POOL: list = []  # [(process, connection)] of pooled ranks, index = rank (see run_ranks)
+_POOL: list = []  # [(process, connection) or None (ended, spawned again when needed)] of pooled ranks, index = rank
 _EXIT: list = []  # _stop_pool once registered with atexit
 
 
-def _stop_pool() -> None:
-    """End every pooled rank (they exit on the closed pipe; killed if they do not within 5 s)."""
-    procs = [p for p, _ in _POOL]
-    for _, conn in _POOL:
+def _pool_log(event: str) -> None:
+    """One line per pool event (a rank spawned, ranks ended and why) appended to the file named by
+    ``ZEROTRON_TEST_POOL_LOG``, if set: how often a test session pays a rank's imports
+    (``benchmarks/suite_durations.md``)."""
+    path = os.environ.get("ZEROTRON_TEST_POOL_LOG")
+    if path:
+        import time
+
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        with open(path, "a") as f:
+            f.write(f"{time.time():.2f} {event} {test}\n")
+
+
+def _end_ranks(indices, why: str) -> None:
+    """End the pooled ranks at ``indices`` (they exit on the closed pipe; killed if they do not
+    within 5 s); their slots are spawned again by the next call that needs them."""
+    ended = [(i, _POOL[i]) for i in indices if i < len(_POOL) and _POOL[i] is not None]
+    if not ended:
+        return
+    _pool_log(f"end {len(ended)} {why}")
+    for i, (_, conn) in ended:
         conn.close()
-    _POOL.clear()
-    for p in procs:
+        _POOL[i] = None
+    for _, (p, _) in ended:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
             p.join()
 
 
+def _stop_pool(why: str = "exit") -> None:
+    """End every pooled rank (at exit)."""
+    _end_ranks(range(len(_POOL)), why)
+    _POOL.clear()
+
+
 def _pool(world_size: int) -> list:
-    """The first ``world_size`` pooled ranks, spawning the missing ones (a dead one ends the pool)."""
+    """The first ``world_size`` pooled ranks, spawning the missing ones (a rank that died between
+    calls is replaced)."""
     import atexit
 
-    if any(not p.is_alive() for p, _ in _POOL):
-        _stop_pool()
-    if not _POOL and _stop_pool not in _EXIT:
+    _end_ranks([i for i, e in enumerate(_POOL) if e is not None and not e[0].is_alive()], "dead")
+    if _stop_pool not in _EXIT:
         atexit.register(_stop_pool)  # runs before multiprocessing's exit handler joins its children
         _EXIT.append(_stop_pool)
     ctx = mp.get_context("spawn")
-    while len(_POOL) < world_size:
-        parent, child = ctx.Pipe(duplex=True)  # a socket pair: descriptors travel over it
-        p = ctx.Process(target=_pool_main, args=(child,), daemon=False)
-        p.start()
-        child.close()
-        _POOL.append((p, parent))
+    _POOL.extend([None] * (world_size - len(_POOL)))
+    for i in range(world_size):
+        if _POOL[i] is None:
+            parent, child = ctx.Pipe(duplex=True)  # a socket pair: descriptors travel over it
+            p = ctx.Process(target=_pool_main, args=(child,), daemon=False)
+            p.start()
+            child.close()
+            _POOL[i] = (p, parent)
+            _pool_log(f"spawn {i}")
     return _POOL[:world_size]
 
 
@@ -206,8 +233,9 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0, join_timeout_
     *pooled*: the processes of one call serve the next calls of this pytest process (each call pays
     the ~3-6 s of importing torch and the training stack only the first time), with a fresh process
     group, the caller's environment, working directory, stdout and stderr, and torch's default RNG
-    seed each time (:func:`_pool_main`); a call in which any rank fails or times out ends the whole
-    pool, so no rank that saw an error is reused. ``fresh=True`` spawns new processes for this call
+    seed each time (:func:`_pool_main`); a call in which any rank fails or times out ends all its
+    ranks, so no rank that saw an error is reused (pooled ranks beyond its world size stay; a rank
+    that retires is replaced alone, see :data:`_POOL_MAX_THREADS`). ``fresh=True`` spawns new processes for this call
     alone, for a test about process state (one that replaces module functions in its ranks, say);
     the environment variable ``ZEROTRON_TEST_POOL=0`` makes every call fresh.
 
@@ -237,6 +265,7 @@ def _run_fresh(fn, world_size: int, args: tuple, timeout_s: float, join_timeout_
              for r in range(world_size)]
     for p in procs:
         p.start()
+    _pool_log(f"fresh {world_size}")
     results, errors = {}, {}
     try:
         for _ in range(world_size):
@@ -262,7 +291,7 @@ def _run_pooled(fn, world_size: int, args: tuple, timeout_s: float, join_timeout
 
     ranks = _pool(world_size)
     port, env, cwd = free_port(), dict(os.environ), os.getcwd()
-    results, errors, retired = {}, {}, False
+    results, errors, retired = {}, {}, []
     try:
         for r, (p, conn) in enumerate(ranks):
             conn.send((r, world_size, port, timeout_s, fn, args, env, cwd))
@@ -277,16 +306,19 @@ def _run_pooled(fn, world_size: int, args: tuple, timeout_s: float, join_timeout
                 r = waiting.pop(conn)
                 try:
                     status, payload, retire = conn.recv()
-                    retired |= retire
+                    if retire:
+                        retired.append((r, retire))
                 except EOFError:  # the rank's process ended (os._exit, a signal)
                     ranks[r][0].join(timeout=5)
                     status, payload = "error", f"rank process died (exit code {ranks[r][0].exitcode})"
                 (results if status == "ok" else errors)[r] = payload
     except BaseException:
-        _stop_pool()
+        _end_ranks(range(world_size), "interrupted")
         raise
-    if errors or retired:
-        _stop_pool()
+    if errors:  # every rank of this call saw the failure (or may still hang in it): none is reused
+        _end_ranks(range(world_size), "error")
+    elif retired:  # these exit by themselves after answering (see _pool_main)
+        _end_ranks([r for r, _ in retired], f"retired ({', '.join(f'rank {r}: {n} threads' for r, n in retired)})")
     if errors:
         raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
