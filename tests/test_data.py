@@ -156,6 +156,34 @@ def test_load_txt_jsonl_dir(corpus_dir, tmp_path):
     assert load_corpus("files", j, text_field="body") == ["one", "two"]  # blank skipped
 
 
+def test_jsonl_and_prompt_lines_break_at_newline_only(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (RFC 8259): str.splitlines cut such a
+    valid row in two ("invalid JSON"); a prompts file's form feed or line separator made two prompts of
+    one line, and its UTF-8 BOM became part of the first prompt. A non-UTF-8 chat file: one DataError
+    line (was a UnicodeDecodeError traceback)."""
+    from types import SimpleNamespace
+
+    from zerotron.data.sft import read_rows
+    from zerotron.generate import read_prompts
+
+    seps = "\u2028 \u2029 \x85"
+    j = tmp_path / "x.jsonl"
+    j.write_text(json.dumps({"text": f"a{seps}b"}, ensure_ascii=False) + "\r\n" + '{"text": "c"}', encoding="utf-8")
+    assert load_corpus("files", j) == [f"a{seps}b", "c"]
+    chat = tmp_path / "chat.jsonl"
+    row = {"messages": [{"role": "user", "content": f"hi{seps}"}, {"role": "assistant", "content": "yo"}]}
+    chat.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert [r for _, r in read_rows(chat)] == [row]
+    chat.write_bytes(b'{"messages": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"chat\.jsonl: not valid UTF-8"):
+        read_rows(chat)
+    p = tmp_path / "prompts.txt"
+    p.write_bytes("\ufeffROMEO:\x0cJULIET\u2028O\r\n\nKING:\n".encode("utf-8"))
+    args = SimpleNamespace(prompts_file=str(p), prompt=None)
+    assert read_prompts(args, SimpleNamespace(encode=lambda t: SimpleNamespace(ids=[1]))) == \
+        ["ROMEO:\x0cJULIET\u2028O", "KING:"]
+
+
 def test_load_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
