@@ -380,6 +380,48 @@ def test_crash_leaves_no_cache(corpus_dir, tmp_path, monkeypatch):
     assert prepare_data("files", corpus_dir, vocab_size=300, cache_dir=tmp_path / "c").meta
 
 
+def test_unwritable_cache_dir_is_one_data_error(corpus_dir, tmp_path, monkeypatch):
+    """A cache_dir that exists but refuses writes (read-only mount) or fills during the build: one
+    DataError naming data.cache_dir and the fix, no partial build left (both were OSError tracebacks;
+    the BPE trainer's own save raised a bare Exception on a full disk). Checked on a real 4 MiB and a
+    read-only tmpfs by hand; here the errors are injected where the writes happen."""
+    import errno
+
+    class Full:  # the token file's writes fail as on a full disk (numpy's tofile said only "N requested and M written")
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(dataset_mod, "open", Full, raising=False)
+    with pytest.raises(DataError, match=r"cannot write the token cache under data.cache_dir '.*c' \(No space left on "
+                                        r"device; [\d,]+ bytes free\): free space there or give a writable folder"):
+        prepare_data("files", corpus_dir, vocab_size=300, cache_dir=tmp_path / "c")
+    assert list((tmp_path / "c").iterdir()) == []
+    monkeypatch.undo()
+
+    def read_only(prefix, dir):
+        raise OSError(errno.EROFS, "Read-only file system", os.path.join(dir, prefix + "x"))
+    monkeypatch.setattr(dataset_mod.tempfile, "mkdtemp", read_only)
+    with pytest.raises(DataError, match=r"data.cache_dir '.*c' \(Read-only file system; "):
+        prepare_data("files", corpus_dir, vocab_size=300, cache_dir=tmp_path / "c")
+    monkeypatch.undo()
+    data = tmp_path / "unreadable.txt"  # an error reading the corpus is not the cache's
+    data.write_text("x")
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(data))
+    monkeypatch.setattr(dataset_mod, "load_corpus", unreadable)
+    with pytest.raises(PermissionError):
+        prepare_data("files", data, vocab_size=300, cache_dir=tmp_path / "c")
+
+
 def test_race_loser_uses_winner(corpus_dir, tmp_path, monkeypatch):
     kw = dict(vocab_size=300, val_fraction=0.1, cache_dir=tmp_path / "c")
     real_train = dataset_mod.train_bpe
