@@ -266,6 +266,19 @@ def test_device_and_backend_need_cuda(capsys):
     assert "--nproc must be >= 1" in capsys.readouterr().err
 
 
+def test_user_error_in_the_workers_is_exit_2(tmp_path, capfd):
+    """A user error that only the workers find (here generate's missing checkpoint, which --nproc
+    checks in the workers alone; train's disk tier folder filled after the launcher's check is the
+    same path): each worker's one line, and the launcher exits 2 without a 'worker 0 failed first
+    (exit code 2) ... See its messages above' line of its own (it returned 1 with that line)."""
+    from zerotron.launch import launch
+
+    code = launch(2, ["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"])
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert "failed first" not in err and "checkpoint" in err, err
+
+
 def test_worker_dies_with_launcher(tmp_path):
     """kill -9 of the launcher takes its workers with it (die_with_parent: PR_SET_PDEATHSIG)."""
     import signal

@@ -156,6 +156,34 @@ def test_load_txt_jsonl_dir(corpus_dir, tmp_path):
     assert load_corpus("files", j, text_field="body") == ["one", "two"]  # blank skipped
 
 
+def test_jsonl_and_prompt_lines_break_at_newline_only(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (RFC 8259): str.splitlines cut such a
+    valid row in two ("invalid JSON"); a prompts file's form feed or line separator made two prompts of
+    one line, and its UTF-8 BOM became part of the first prompt. A non-UTF-8 chat file: one DataError
+    line (was a UnicodeDecodeError traceback)."""
+    from types import SimpleNamespace
+
+    from zerotron.data.sft import read_rows
+    from zerotron.generate import read_prompts
+
+    seps = "\u2028 \u2029 \x85"
+    j = tmp_path / "x.jsonl"
+    j.write_text(json.dumps({"text": f"a{seps}b"}, ensure_ascii=False) + "\r\n" + '{"text": "c"}', encoding="utf-8")
+    assert load_corpus("files", j) == [f"a{seps}b", "c"]
+    chat = tmp_path / "chat.jsonl"
+    row = {"messages": [{"role": "user", "content": f"hi{seps}"}, {"role": "assistant", "content": "yo"}]}
+    chat.write_text(json.dumps(row, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert [r for _, r in read_rows(chat)] == [row]
+    chat.write_bytes(b'{"messages": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"chat\.jsonl: not valid UTF-8"):
+        read_rows(chat)
+    p = tmp_path / "prompts.txt"
+    p.write_bytes("\ufeffROMEO:\x0cJULIET\u2028O\r\n\nKING:\n".encode("utf-8"))
+    args = SimpleNamespace(prompts_file=str(p), prompt=None)
+    assert read_prompts(args, SimpleNamespace(encode=lambda t: SimpleNamespace(ids=[1]))) == \
+        ["ROMEO:\x0cJULIET\u2028O", "KING:"]
+
+
 def test_load_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -350,6 +378,48 @@ def test_crash_leaves_no_cache(corpus_dir, tmp_path, monkeypatch):
     assert list((tmp_path / "c").iterdir()) == []  # neither a half cache nor a temp dir
     monkeypatch.undo()
     assert prepare_data("files", corpus_dir, vocab_size=300, cache_dir=tmp_path / "c").meta
+
+
+def test_unwritable_cache_dir_is_one_data_error(corpus_dir, tmp_path, monkeypatch):
+    """A cache_dir that exists but refuses writes (read-only mount) or fills during the build: one
+    DataError naming data.cache_dir and the fix, no partial build left (both were OSError tracebacks;
+    the BPE trainer's own save raised a bare Exception on a full disk). Checked on a real 4 MiB and a
+    read-only tmpfs by hand; here the errors are injected where the writes happen."""
+    import errno
+
+    class Full:  # the token file's writes fail as on a full disk (numpy's tofile said only "N requested and M written")
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(dataset_mod, "open", Full, raising=False)
+    with pytest.raises(DataError, match=r"cannot write the token cache under data.cache_dir '.*c' \(No space left on "
+                                        r"device; [\d,]+ bytes free\): free space there or give a writable folder"):
+        prepare_data("files", corpus_dir, vocab_size=300, cache_dir=tmp_path / "c")
+    assert list((tmp_path / "c").iterdir()) == []
+    monkeypatch.undo()
+
+    def read_only(prefix, dir):
+        raise OSError(errno.EROFS, "Read-only file system", os.path.join(dir, prefix + "x"))
+    monkeypatch.setattr(dataset_mod.tempfile, "mkdtemp", read_only)
+    with pytest.raises(DataError, match=r"data.cache_dir '.*c' \(Read-only file system; "):
+        prepare_data("files", corpus_dir, vocab_size=300, cache_dir=tmp_path / "c")
+    monkeypatch.undo()
+    data = tmp_path / "unreadable.txt"  # an error reading the corpus is not the cache's
+    data.write_text("x")
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(data))
+    monkeypatch.setattr(dataset_mod, "load_corpus", unreadable)
+    with pytest.raises(PermissionError):
+        prepare_data("files", data, vocab_size=300, cache_dir=tmp_path / "c")
 
 
 def test_race_loser_uses_winner(corpus_dir, tmp_path, monkeypatch):

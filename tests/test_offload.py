@@ -293,6 +293,57 @@ def test_offload_overlap_order(tmp_path, data_cache, single_process, monkeypatch
     assert len(ins) == len(tr.strategy.grad_flats) and ins[0] < blocks[0] < ins[-1], step2
 
 
+def test_offload_dir_filled_after_the_check(tmp_path, data_cache):
+    """The disk tier's folder fills after the launcher's check (another writer; here the check is
+    stubbed as passed on a real 256 KiB tmpfs in a user + mount namespace, the tiny model's state
+    needing ~2.8 MB): the state files' blocks are reserved when they are made (posix_fallocate), so
+    the run stops with one line naming train.offload_dir, the error and the bytes free, exit 2, and
+    leaves nothing in the folder. Before, the first store into a sparse file's hole through the
+    mapping killed the process with SIGBUS and not a word (a pwrite into one: ENOSPC mid-step)."""
+    import shlex
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare(1) to mount a tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    argv = ["train", "--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "run"), "--train.steps", "1",
+            "--parallel.zero_stage", "1", "--train.offload", "optimizer-disk", "--train.offload_dir", str(disk),
+            "--data.cache_dir", data_cache, "--log.sample_tokens", "0", "--log.plot", "false", "--log.progress", "false"]
+    code = ("import sys, zerotron.analysis.memory as m; m.offload_dir_refusal = lambda *a, **k: None; "
+            f"from zerotron.cli import main; sys.exit(main({argv!r}))")
+    script = (f"mount -t tmpfs -o size=256k tmpfs {shlex.quote(str(disk))} || exit 77; "
+              f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}; rc=$?; ls -A {shlex.quote(str(disk))}; exit $rc")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=root, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root})
+    if r.returncode == 77:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[-200:]}")
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr[-2000:])
+    assert f"train.offload_dir {str(disk)!r}: cannot create the optimizer state files in " in lines[0], lines
+    assert "(No space left on device; " in lines[0] and "bytes free): free space there or choose" in lines[0], lines
+    assert r.stdout.strip() == "", r.stdout  # nothing left in the folder (no rank-0 subfolder, no file)
+
+
+def test_disk_state_never_takes_an_existing_file(tmp_path):
+    """A state file is created, never opened: an existing file at the path (another run's, mapped
+    and not yet unlinked, or the user's own) is refused with FileExistsError and left as it was. With
+    O_TRUNC two runs sharing train.offload_dir could truncate and map one inode between open and
+    unlink; their file names also differ now (the process id)."""
+    from zerotron.parallel.data.disk_state import DiskState
+
+    f = tmp_path / "flat-0.bin"
+    f.write_bytes(b"someone else's state")
+    with pytest.raises(FileExistsError):
+        DiskState(str(f), 1000, torch.float32)
+    assert f.read_bytes() == b"someone else's state"
+    d = DiskState(str(tmp_path / "new.bin"), 1000, torch.float32)
+    assert os.listdir(tmp_path) == ["flat-0.bin"] and os.fstat(d.fd).st_blocks * 512 >= d.nbytes  # reserved
+
+
 def test_disk_state_release():
     """``DiskState``: values written through the mapping survive ``release`` (MADV_DONTNEED on a
     shared file mapping), which takes the pages out of the process's resident set. ``disk_step``
@@ -314,6 +365,7 @@ def test_disk_state_release():
         assert os.listdir(d) == []  # unlinked once mapped
         vals = [torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
                 for i, n in enumerate(sizes)]
+        torch.empty_like(vals[0]).copy_(vals[0])  # the copy kernel's code pages count as RssFile: fault them in first
         before = rss_file_kb()
         disks[0].tensors["master"].copy_(vals[0])
         grown = rss_file_kb() - before

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .data import load_tokenizer
+from .data.corpus import text_lines
 from .distributed import mesh as _mesh
 from .distributed.mesh import Mesh, ParallelDims, init_distributed
 from .models import registry
@@ -91,7 +92,7 @@ def read_prompts(args, tokenizer) -> list[str]:
         if not f.is_file():
             raise FileNotFoundError(f"--prompts-file {str(f)!r} not found")
         try:
-            prompts = [ln for ln in f.read_text(encoding="utf-8").splitlines() if ln.strip()]
+            prompts = [ln for ln in text_lines(f.read_text(encoding="utf-8-sig")) if ln.strip()]  # a BOM is not text
         except UnicodeDecodeError as e:
             raise ValueError(f"--prompts-file {str(f)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8, "
                              "one prompt per line") from None

@@ -247,7 +247,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     survivors of a failed attempt find why they are stopped in :data:`RESTART_NOTE_ENV`'s file). A
     SIGTERM/SIGHUP/SIGINT to this process is forwarded to the workers by the elastic agent, which
     waits ``shutdown_timeout_s`` seconds for them before SIGKILL; then this prints one line and
-    returns 128 + the signal. The workers start with glibc's heap thresholds of
+    returns 128 + the signal. A worker that failed first with exit code 2 (a user error: it printed
+    its one line) makes this return 2 without a line of its own. The workers start with glibc's heap thresholds of
     :mod:`zerotron.host_heap` (unless ``ZEROTRON_HOST_HEAP=release`` or the user set their own).
     Raises ValueError if ``nproc < 1`` or ``max_restarts < 0``, or as ``host_heap.wanted``."""
     if nproc < 1:
@@ -286,6 +287,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
         quiet = codes & set(QUIET_EXIT_CODES)
         if quiet and codes <= quiet | {-signal.SIGTERM, -signal.SIGKILL}:  # stopped on purpose (the rest
             return max(quiet)                                              # stopped by the agent after)
+        if failures and failures[first_failure(failures)].exitcode == 2:  # a user error the worker named in its
+            return 2                                                       # own line (a check only workers make)
         print(f"zerotron: {describe_failures(failures)}", file=sys.stderr)
         return 1
     finally:

@@ -94,13 +94,26 @@ def source_files(path: str | Path) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_text(file: Path) -> str:
+def read_text(file: Path) -> str:
     """Read a UTF-8 text file (universal newlines). Raises DataError if not UTF-8."""
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{file}: not valid UTF-8 ({e.reason} at byte {e.start}); "
                         "convert the file to UTF-8") from None
+
+
+def text_lines(text: str) -> list[str]:
+    """The lines of ``text``, split at ``"\\n"`` only (a ``"\\r"`` before it dropped, no empty last
+    line after a final newline): the line break of JSON Lines (https://jsonlines.org) and of a prompts
+    file. ``str.splitlines`` also splits at U+2028, U+2029 and U+0085, which a JSON string may hold
+    unescaped (RFC 8259 section 7 escapes only U+0000-U+001F, the quote and the backslash), and at
+    ``\\v``, ``\\f`` and ``\\x1c``-``\\x1e``, which a prompt may hold: a valid .jsonl row was read
+    as two invalid ones, a prompt as two prompts."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
 
 
 def _read_jsonl(file: Path, text_field: str) -> list[str]:
@@ -110,7 +123,7 @@ def _read_jsonl(file: Path, text_field: str) -> list[str]:
     a missing field or a non-string value.
     """
     docs = []
-    for lineno, line in enumerate(_read_text(file).splitlines(), start=1):
+    for lineno, line in enumerate(text_lines(read_text(file)), start=1):
         if not line.strip():
             continue
         where = f"{file}:{lineno}"
@@ -231,7 +244,7 @@ def load_corpus(corpus: str = "shakespeare", path: str | Path | None = None,
             text = file.read_bytes().decode("utf-8")
             docs.append(text.replace("\r\n", "\n").replace("\r", "\n"))
         elif suffix == ".txt":
-            docs.append(_read_text(file))
+            docs.append(read_text(file))
         elif suffix == ".jsonl":
             docs.extend(_read_jsonl(file, text_field))
         else:

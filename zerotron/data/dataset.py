@@ -15,6 +15,7 @@ row per window, so its cache also depends on S.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -170,7 +171,8 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
         :class:`TokenData` with memory-mapped splits.
     Raises:
         DataError: any bad input (see load_corpus, split_documents, train_bpe,
-            load_tokenizer), a corrupt existing cache or a cache_dir that cannot be created.
+            load_tokenizer), a corrupt existing cache, a cache_dir that cannot be created, or one that
+            refuses the build's writes (read-only, full: the partial build is removed).
     """
     key, inputs = cache_key(corpus, path, text_field, vocab_size, val_fraction, tokenizer_path, special_tokens,
                             format, seq_len, pack)
@@ -189,11 +191,22 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
                 shutil.rmtree(stale, ignore_errors=True)
         except OSError:  # another process removed it first
             pass
-    tmp: Path | None = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+    tmp: Path | None = None
     try:
-        _build(tmp, key, inputs, corpus, path, text_field, vocab_size, val_fraction,
-               tokenizer_path, special_tokens, format, seq_len, pack)
-        os.chmod(tmp, 0o755)
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+            _build(tmp, key, inputs, corpus, path, text_field, vocab_size, val_fraction,
+                   tokenizer_path, special_tokens, format, seq_len, pack)
+            os.chmod(tmp, 0o755)
+        except OSError as e:  # a read-only or full cache_dir: one line (the partial build is removed first)
+            if not _cache_write_failed(e, root):
+                raise
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp = None
+            raise DataError(f"cannot write the token cache under data.cache_dir {str(root)!r} ({e.strerror or e}; "
+                            f"{_free_bytes(root)} free): free space there or give a writable folder with room "
+                            "with --data.cache_dir") from None
         try:
             os.replace(tmp, final)
             tmp = None
@@ -205,6 +218,26 @@ def prepare_data(corpus: str = "shakespeare", path: str | Path | None = None,
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     return load_token_data(final)
+
+
+def _cache_write_failed(e: OSError, root: Path) -> bool:
+    """Whether ``e`` (raised while building a cache under ``root``) is the cache folder refusing a
+    write -- full, over quota, read-only, not permitted, or any error on a path under ``root`` --
+    rather than an error reading the corpus or the tokenizer."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+        return True
+    try:
+        return e.filename is not None and Path(e.filename).resolve().is_relative_to(root.resolve())
+    except (OSError, ValueError):
+        return False
+
+
+def _free_bytes(root: Path) -> str:
+    """``"N bytes"`` free on ``root``'s filesystem, or ``"unknown bytes"``."""
+    try:
+        return f"{shutil.disk_usage(root).free:,} bytes"
+    except OSError:
+        return "unknown bytes"
 
 
 def _build(out: Path, key: str, inputs: dict, corpus: str, path, text_field: str,
@@ -325,7 +358,7 @@ def _encode_to_file(tok: Tokenizer, docs: list[str], eot: int, dtype: np.dtype,
                     if end:
                         parts.append(np.array([eot], dtype=dtype))
                 ids = np.concatenate(parts)
-                ids.tofile(f)
+                f.write(ids.data)  # ids.tofile's short write on a full disk is an OSError without errno
                 total += ids.size
                 batch, ends, chars = [], [], 0
     return total

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .corpus import DataError, source_files
+from .corpus import DataError, read_text, source_files, text_lines
 from .tokenizer import SpecialTokens
 
 FORMATS = ("text", "chat", "prompt_completion")
@@ -59,7 +59,7 @@ def read_rows(path: str | Path) -> list[tuple[str, dict]]:
     for f in source_files(path):
         suffix = f.suffix.lower()
         if suffix == ".jsonl":
-            for lineno, line in enumerate(f.read_text(encoding="utf-8").splitlines(), start=1):
+            for lineno, line in enumerate(text_lines(read_text(f)), start=1):
                 if not line.strip():
                     continue
                 try:

@@ -68,7 +68,7 @@ def train_bpe(texts: list[str], vocab_size: int, out_path: str | Path) -> Tokeni
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_path))
+    out_path.write_text(tok.to_str(pretty=True))  # tok.save's bytes; a full disk is an OSError, not a bare Exception
     return tok
 
 

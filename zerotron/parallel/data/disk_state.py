@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import queue
+import shutil
 import threading
 import time
 import weakref
@@ -39,10 +40,11 @@ DEPTH = 3  # staged chunks in flight: one being read ahead, one stepping, one be
 class DiskState:
     """Three ``k``-element ``dtype`` vectors (``master``, ``exp_avg``, ``exp_avg_sq``) in one mapped file.
 
-    Args: ``path`` (the file to create; its folder must exist), ``k`` (elements per vector), ``dtype``
+    Args: ``path`` (the file to create: its folder must exist, the file must not -- FileExistsError), ``k`` (elements per vector), ``dtype``
     (torch.float32 or float64). Each vector starts on a page boundary. Attributes: ``tensors``
     ({name: 1-D CPU tensor viewing the mapping}), ``nbytes`` (file size in bytes). The vectors start
-    as zeros (a fresh sparse file). Raises OSError when the file cannot be created or sized."""
+    as zeros (a fresh file, its blocks reserved by ``posix_fallocate``). Raises OSError when the file
+    cannot be created or its blocks reserved (ENOSPC: the disk is full)."""
 
     NAMES = ("master", "exp_avg", "exp_avg_sq")
 
@@ -52,9 +54,12 @@ class DiskState:
         page = mmap.PAGESIZE
         self.region = max(page, -(-k * self.esize // page) * page)
         self.nbytes = self.region * len(self.NAMES)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # never another run's file (or a user's)
         try:
             os.ftruncate(fd, self.nbytes)
+            # reserve every block now: a store through the mapping into a hole of a full disk is a
+            # SIGBUS (the process dies without a word), a pwrite there an ENOSPC in the middle of a step
+            os.posix_fallocate(fd, 0, self.nbytes)
             self.mm = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -94,6 +99,20 @@ class DiskState:
         """Drop elements [lo, hi) (default: all) from this process's resident set (``MADV_DONTNEED``
         on a shared file mapping: the values stay in the file / page cache)."""
         self._advise(mmap.MADV_DONTNEED, lo, self.k if hi is None else hi)
+
+
+def state_files_refusal(offload_dir: str, rank_dir: str, error: OSError) -> str:
+    """The one line for ``error``, raised while this rank created its state files in ``rank_dir``
+    (under ``train.offload_dir`` = ``offload_dir``): what failed, the bytes free there, the fix. The
+    launcher checks the folder before any process starts (``analysis.memory.offload_dir_refusal``);
+    this is for a disk that another writer fills (or a folder that turns read-only) after that check."""
+    try:
+        free = f"{shutil.disk_usage(offload_dir).free:,} bytes free"
+    except OSError:
+        free = "free space unknown"
+    return (f"train.offload_dir {offload_dir!r}: cannot create the optimizer state files in {rank_dir!r} "
+            f"({error.strerror or error}; {free}): free space there or choose another folder with room "
+            "(--train.offload_dir)")
 
 
 def disk_step(optimizer, jobs: list, chunk: int = CHUNK, depth: int = DEPTH) -> dict:

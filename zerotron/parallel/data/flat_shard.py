@@ -6,6 +6,7 @@ rank's ZeRO)."""
 from __future__ import annotations
 
 import itertools
+import os
 
 import torch
 import torch.nn as nn
@@ -376,7 +377,7 @@ def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, c
     and parameters sharded over different groups never share a buffer. ``names``: ``{id(param):
     FQN}``; ``mask``: ``{id(param): decay?}``; ``tied``: the Parameter marked ``is_tied`` (its unit
     should hold it alone); ``offload``: ``train.offload`` (see :class:`FlatShard`; ``optimizer-disk``
-    maps ``disk_dir/flat-<i>.bin`` for the i-th buffer); ``group_of``: ``{id(param): group}`` for
+    maps ``disk_dir/flat-<pid>-<i>.bin`` for the i-th buffer: two runs sharing a folder never meet); ``group_of``: ``{id(param): group}`` for
     parameters sharded over another group than ``group`` (expert parameters over their
     expert-replica group, ``parallel.expert``). Each FlatShard gets ``tp_sharded`` and ``is_tied``.
     Collective-free."""
@@ -392,7 +393,7 @@ def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, c
                     ps = [p for p in params if p.requires_grad == train and mask.get(id(p), False) == decay
                           and is_tp_sharded(p) == sharded and group_of.get(id(p), group) is g]
                     if ps:
-                        path = f"{disk_dir}/flat-{sum(map(len, out)) + len(flats)}.bin" if disk_dir else None
+                        path = f"{disk_dir}/flat-{os.getpid()}-{sum(map(len, out)) + len(flats)}.bin" if disk_dir else None
                         f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, g, compute_dtype,
                                       reduce_dtype, offload, path)
                         f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied

@@ -98,10 +98,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from zerotron.config import ConfigError
 from zerotron.distributed import comm
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy
-from zerotron.parallel.data.disk_state import disk_step
+from zerotron.parallel.data.disk_state import disk_step, state_files_refusal
 from zerotron.parallel.data.flat_shard import FlatShard, build_flats, flat_state_bytes
 from zerotron.parallel.data.host_copies import HostCopies
 from zerotron.parallel.data.used import UsedMarks
@@ -154,18 +155,24 @@ class ZeroSync:
         self.replicate_group, self._reduce_dtype = replicate_group, reduce
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.tied_group, self.count_tied, self.eager, self.n_root = tied_group, count_tied, eager, n_root
-        disk_dir = None
-        if offload == "optimizer-disk":
-            disk_dir = os.path.join(offload_dir, f"rank-{dist.get_rank() if dist.is_initialized() else 0}")
-            made = not os.path.isdir(disk_dir)
-            os.makedirs(disk_dir, exist_ok=True)
-        self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied,
-                                                             offload, group_of, disk_dir)
-        if disk_dir is not None and made:  # every file is unlinked once mapped: drop the folder we made
-            try:
-                os.rmdir(disk_dir)
-            except OSError:
-                pass
+        disk_dir, made = None, False
+        try:
+            if offload == "optimizer-disk":
+                disk_dir = os.path.join(offload_dir, f"rank-{dist.get_rank() if dist.is_initialized() else 0}")
+                made = not os.path.isdir(disk_dir)
+                os.makedirs(disk_dir, exist_ok=True)
+            self.flats: list[list[FlatShard]] = build_flats(units, names, mask, stage, group, compute, reduce, tied,
+                                                                 offload, group_of, disk_dir)
+        except OSError as e:  # the disk tier's folder filled or turned read-only after the launcher's check
+            if disk_dir is None:
+                raise
+            raise ConfigError(state_files_refusal(offload_dir, disk_dir, e)) from None
+        finally:
+            if made:  # every file is unlinked once mapped (or on failure): drop the folder we made
+                try:
+                    os.rmdir(disk_dir)
+                except OSError:
+                    pass
         self.all_flats = [f for fl in self.flats for f in fl]
         self.grad_flats = [f for f in self.all_flats if not f.frozen]
         self._unit_of = {id(p): u for u, fl in enumerate(self.flats) for f in fl for p in f.params}
