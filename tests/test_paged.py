@@ -267,7 +267,7 @@ def shared_prefix_requests():
     return [Request(shared + [10 + i, 20 + i][:1 + i % 2], SamplingParams(max_tokens=4)) for i in range(5)]
 
 
-def test_shared_prefix_attention_equals_whole_context(single_process):
+def test_shared_prefix_attention_equals_whole_context(single_process, monkeypatch):
     """Shared-prefix (cascade) attention, fp64: the kernels -- all queries against the shared prefix
     once, each row's suffix with its causal and padding masks, merged by log-sum-exp -- equal
     causal attention over each row's whole context (grouped-query heads, T = 1 and T = 3 with left
@@ -275,13 +275,17 @@ def test_shared_prefix_attention_equals_whole_context(single_process):
     prefills them, the others wait one step and find them cached) and decode (GPT-2, Llama with
     grouped-query heads) to the tokens they get alone, with the prefix path taken (off: not taken,
     same tokens)."""
+    from zerotron.inference import prefix_attention as pa
     from zerotron.inference.prefix_attention import prefix_attention, suffix_attention
     from zerotron.models.base import causal_attention
     from zerotron.parallel.context.ring import merge
 
     g = torch.Generator().manual_seed(0)
     B, H, Hkv, D, P = 3, 4, 2, 8, 12
-    for T, pad in ((1, [0, 2, 5]), (3, [1, 0, 8])):  # row 2's first query (T = 3) is padding
+    kernel = pa._fused
+    cases = [(T, pad, fused) for T, pad in ((1, [0, 2, 5]), (3, [1, 0, 8])) for fused in (True, False)]
+    for T, pad, fused in cases:  # row 2's first query (T = 3) is padding; torch's fused kernel, and plain torch
+        monkeypatch.setattr(pa, "_fused", kernel if fused else lambda q: None)
         S = 7 + T  # each row's own slots after the prefix, left-padded by pad[b]
         q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
         kp, vp = (torch.randn(Hkv, P, D, generator=g, dtype=torch.float64) for _ in range(2))
@@ -294,6 +298,7 @@ def test_shared_prefix_attention_equals_whole_context(single_process):
             real = slice(max(0, pad[b] - (S - T)), T)  # queries that are not padding
             want = causal_attention(q[b:b + 1, :, real], kb, vb, 0.0)
             torch.testing.assert_close(got[b:b + 1, :, real], want, rtol=1e-12, atol=1e-12)
+    monkeypatch.undo()
     reqs = shared_prefix_requests()
     for preset in ("tiny", "llama-tiny"):
         eng = _local_engine(_model(preset))

@@ -231,6 +231,7 @@ class PagedView:
                 same = (table[:, :lim] == table[:1, :lim]).all(0)
                 m = int(same.long().cumprod(0).sum())  # leading blocks equal in every row
         self.prefix_blocks, self.prefix, P = m, None, m * p
+        self.memo: dict = {}  # per-forward values the attention hooks compute once (masks)
         self._prefix_idx = self._prefix_span = None
         if m:
             first = table[0, :m]

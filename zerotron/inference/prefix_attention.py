@@ -33,7 +33,8 @@ from zerotron.models.base import WrappingHooks
 from zerotron.models.layout import get_module
 from zerotron.parallel.context.ring import merge
 
-__all__ = ["SharedPrefixHooks", "attention_modules", "shared_prefix_hooks", "prefix_attention", "suffix_attention"]
+__all__ = ["SharedPrefixHooks", "attention_modules", "shared_prefix_hooks", "prefix_attention", "suffix_attention",
+           "suffix_bias"]
 
 
 def _fused(q: torch.Tensor):
@@ -62,19 +63,31 @@ def prefix_attention(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor) -> tup
     return out, lse.reshape(hkv, B, rep * T).transpose(0, 1).reshape(B, H, T)
 
 
-def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     pad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of the T newest queries over each row's own S keys, left padding masked as
-    :func:`zerotron.models.base.causal_attention` masks it (a padding query sees itself): q (B, H, T,
-    D), k/v (B, H_kv, S, D), pad (B,) -> (output (B, H, T, D), log-sum-exp (B, H, T))."""
+def suffix_bias(pad: torch.Tensor, T: int, S: int, dtype) -> torch.Tensor:
+    """The additive mask (B, 1, T, S) (0 where allowed, -inf elsewhere) of the T newest queries over
+    each row's own S keys, left padding masked as :func:`zerotron.models.base.causal_attention`
+    masks it: query i (slot S - T + i) sees keys pad[b] .. S - T + i, and a padding query itself."""
+    qpos = torch.arange(S - T, S, device=pad.device)[:, None]  # (T, 1) slots of the queries
+    kpos = torch.arange(S, device=pad.device)[None, :]  # (1, S)
+    allowed = ((kpos <= qpos)[None] & (kpos[None] >= pad[:, None, None])) | (kpos == qpos)[None]  # (B, T, S)
+    return torch.zeros(allowed.shape, dtype=dtype, device=pad.device).masked_fill_(~allowed, float("-inf"))[:, None]
+
+
+def suffix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of the T newest queries over each row's own S keys with left padding
+    (:func:`suffix_bias`, or ``bias`` when computed already): q (B, H, T, D), k/v (B, H_kv, S, D)
+    (any strides but the last), pad (B,) -> (output (B, H, T, D), log-sum-exp (B, H, T))."""
     B, H, T, D = q.shape
     hkv, S = k.size(1), k.size(2)
+    bias = suffix_bias(pad, T, S, q.dtype) if bias is None else bias
+    fused = _fused(q)
+    if fused is not None:  # grouped-query heads read in place, k/v strides as they come
+        out, lse = fused(q, k, v, 0.0, False, attn_mask=bias)
+        return out, lse
     rep = H // hkv
-    qpos = torch.arange(S - T, S, device=q.device)[:, None]  # (T, 1) slots of the queries
-    kpos = torch.arange(S, device=q.device)[None, :]  # (1, S)
-    allowed = ((kpos <= qpos)[None] & (kpos[None] >= pad[:, None, None])) | (kpos == qpos)[None]  # (B, T, S)
     s = torch.matmul(q.reshape(B, hkv, rep * T, D), k.transpose(-1, -2)) / math.sqrt(D)  # (B, H_kv, rep * T, S)
-    s = s.view(B, hkv, rep, T, S).masked_fill_(~allowed[:, None, None], float("-inf"))
+    s = s.view(B, hkv, rep, T, S) + bias[:, :, None]
     lse = torch.logsumexp(s, dim=-1)  # finite: every query sees at least itself
     out = torch.matmul(torch.exp_(s.sub_(lse[..., None])).view(B, hkv, rep * T, S), v)
     return out.view(B, H, T, D), lse.view(B, H, T)
@@ -98,7 +111,11 @@ class SharedPrefixHooks(WrappingHooks):
             return self.inner.attention(q, k, v, dropout_p, pad)
         if dropout_p > 0:
             raise ValueError("shared-prefix attention runs without attention dropout (decode in eval mode)")
-        out, lse = merge(*prefix_attention(q, *pre), *suffix_attention(q, k, v, pad))
+        key = ("suffix_bias", q.dtype, q.size(2), k.size(2))  # the same for every layer of the forward
+        bias = self.view.memo.get(key)
+        if bias is None:
+            bias = self.view.memo[key] = suffix_bias(pad, q.size(2), k.size(2), q.dtype)
+        out, _ = merge(*prefix_attention(q, *pre), *suffix_attention(q, k, v, pad, bias))
         return out.to(q.dtype)
 
 
