@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import queue
 import socket
 import threading
 
@@ -217,8 +216,8 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
                 out = []
                 while True:
                     try:
-                        item = job.events.get_nowait()
-                    except queue.Empty:
+                        item = job.events.popleft()
+                    except IndexError:
                         break
                     if item is None:
                         ended = True
@@ -229,7 +228,7 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
                     yield data
                 if not ended:
                     woken.clear()
-                    if job.events.empty():
+                    if not job.events:
                         await woken.wait()
             for ev in st.end():
                 yield sse(ev)
