@@ -38,6 +38,14 @@ def test_pool_exhaustion_over_http(checkpoint, tmp_path):
     # may catch none (null); the slot counting itself is checked below (test_slots_filled_...)
     assert (row["kv_waste"] is None or 0 <= row["kv_waste"] < 0.5) and row["ttft_p99_s"] >= row["ttft_p50_s"] > 0, row
     assert row["output_tokens"] >= 6 and row["output_tokens_per_s"] > 0, row
+    # the raw client (hand-made requests, events parsed with json.loads) reads the same greedy completions
+    raw = tmp_path / "raw.json"
+    assert main(["--checkpoint", str(checkpoint), "--peer", "none", "--concurrency", "6", "--workloads", "random",
+                 "--max-tokens", "40", "--prompt-tokens", "4,12", "--threads", "1", "--client", "raw",
+                 f"--serve-args=--kv-page 4 --kv-cache-mb {20 * 4096 / 2**20}", "--json", str(raw)]) == 0
+    (r2,) = json.loads(raw.read_text())
+    assert r2["client"] == "raw" and r2["completed"] == 6 and r2["output_tokens"] == row["output_tokens"], r2
+    assert r2["ttft_p99_s"] >= r2["ttft_p50_s"] > 0 and r2["tpot_p50_s"] > 0, r2
 
 
 def test_slots_filled_counts_shared_blocks_once(single_process):

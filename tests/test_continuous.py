@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 from test_inference import _local_engine, _model, _requests
-from test_paged import _mixed
+from test_paged import _mixed, shared_prefix_requests
 
 from zerotron.inference.batch import Request
 from zerotron.inference.continuous import ContinuousDecoder
@@ -144,25 +144,32 @@ def _layouts_worker():
                 out, _, _ = _drive(dec, _mixed(False), MIXED_ARRIVALS)
                 res[("mixed", name)] = ([out[i] for i in range(16)], dec.preemptions, sum(a.hits for a in dec.alloc),
                                         dec.accepted)
+                # rows behind one shared prefix, arriving together: shared blocks, attended to once per forward
+                dec = ContinuousDecoder(eng, num_blocks=32, page=4)
+                out, _, _ = _drive(dec, shared_prefix_requests(), {0: [0, 1, 2, 3, 4]})
+                res[("shared", name)] = ([out[i] for i in range(5)], dec.prefix_forwards)
     return res
 
 
 def test_every_layout_equals_alone(single_process):
     """Each layout (naive model parallel: pp4 and pp2 here, one stage busy at a time) gives each
     request its tokens alone; 16 concurrent mixed-length greedy requests on a pool too small for
-    them all (preemptions, prefix hits, forks), with speculative decoding, give the single-process
-    tokens."""
+    them all (preemptions, prefix hits, forks), with speculative decoding, and rows behind one
+    shared prefix (attended to once per forward), give the single-process tokens."""
     ref = {}
     for preset in ("tiny", "llama-tiny"):
         eng = _local_engine(_model(preset))
         for sampled in (False, True):
             ref[(preset, sampled)] = [eng.generate([r])[0] for r in _requests(sampled)]
     mixed = _local_engine(_model("tiny")).generate(_mixed(False))
+    shared = _local_engine(_model("tiny")).generate(shared_prefix_requests())
     results = run_ranks(_layouts_worker, 4, timeout_s=180)
     for rank, res in enumerate(results):
-        assert len(res) == 2 * len(LAYOUTS) + 2 * (len(LAYOUTS) - 1) + len(MIXED_LAYOUTS)
+        assert len(res) == 2 * len(LAYOUTS) + 2 * (len(LAYOUTS) - 1) + 2 * len(MIXED_LAYOUTS)
         hits = 0
         for name in MIXED_LAYOUTS:
+            out, forwards = res.pop(("shared", name))
+            assert out == shared and forwards > 0, (rank, name, forwards)
             out, preempted, h, accepted = res.pop(("mixed", name))
             assert out == mixed and preempted > 0 and accepted > 0, (rank, name, preempted, accepted)
             hits += h

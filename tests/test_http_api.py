@@ -190,6 +190,25 @@ def test_fields_are_checked(server):
 
 
 
+def test_unparsable_http_is_a_json_400(server):
+    """A request uvicorn's HTTP parser refuses before the app sees it (Content-Length -1, a header
+    line without a colon, a bad request line) gets a 400 in OpenAI's JSON shape, not uvicorn's plain
+    text, and the connection closes; the server goes on."""
+    addr, _, _ = server
+    for bad in (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}",
+                b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+                b"GET /health\x01 HTTP/1.1\r\nHost: x\r\n\r\n"):
+        out = _raw(addr, bad)  # returns once the server closed the connection
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), out
+        err = json.loads(body)["error"]
+        assert err["code"] == "invalid_http_request" and err["type"] == "invalid_request_error", err
+        assert "Content-Length" in err["message"] and "well-formed" in err["message"], err
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    assert _ask(conn, "GET", "/health")[0] == 200
+    conn.close()
+
+
 def test_json_the_parser_refuses_is_a_400(server):
     """JSON that Python's parser refuses with other errors than JSONDecodeError -- arrays nested past
     the recursion limit (RecursionError), an integer of more than 4300 digits (ValueError) -- is a

@@ -116,13 +116,24 @@ def _mixed(sampled: bool):
     return out
 
 
+def _filled_by_block(dec) -> int:
+    """slots_filled counted block by block: each referenced block once, with its fullest row's fill."""
+    fill = {}
+    for r in dec.rows.values():
+        for i, b in enumerate(r.table):
+            fill[r.replica, b] = max(fill.get((r.replica, b), 0), min(dec.page, r.cached - i * dec.page))
+    return sum(fill.values())
+
+
 def _run(dec, reqs, arrivals):
+    """Steps until every request ended; after each, the KV slot count equals the block-by-block one."""
     out, steps, preempted = {}, 0, 0
     while len(out) < len(reqs):
         res = dec.step([(i, 0, reqs[i]) for i in arrivals.get(steps, [])], [])
         out.update(res.finished)
         preempted += len(res.preempted)
         steps += 1
+        assert dec.slots_filled() == _filled_by_block(dec), steps
         assert steps < 400
     return out, steps, preempted
 
@@ -246,3 +257,57 @@ def test_accept_drafts_keeps_the_target_distribution():
     assert accept_drafts(logits, [0, 1], greedy, None) == [0, 1, 0]  # both accepted, then the argmax of row 2
     assert accept_drafts(logits, [3, 1], greedy, None) == [0]
     assert accept_drafts(logits[:2], [0], greedy, None) == [0, 1]
+
+
+def shared_prefix_requests():
+    """5 greedy requests behind one 8-token prefix (2 blocks of 4), 1-2 tokens of their own (no two
+    prompts equal), 4 new tokens each (within the context of 16)."""
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(1, VOCAB, (8,), generator=g).tolist()
+    return [Request(shared + [10 + i, 20 + i][:1 + i % 2], SamplingParams(max_tokens=4)) for i in range(5)]
+
+
+def test_shared_prefix_attention_equals_whole_context(single_process, monkeypatch):
+    """Shared-prefix (cascade) attention, fp64: the kernels -- all queries against the shared prefix
+    once, each row's suffix with its causal and padding masks, merged by log-sum-exp -- equal
+    causal attention over each row's whole context (grouped-query heads, T = 1 and T = 3 with left
+    padding); and rows behind one 2-block prefix, arriving together, share its blocks (the first
+    prefills them, the others wait one step and find them cached) and decode (GPT-2, Llama with
+    grouped-query heads) to the tokens they get alone, with the prefix path taken (off: not taken,
+    same tokens)."""
+    from zerotron.inference import prefix_attention as pa
+    from zerotron.inference.prefix_attention import prefix_attention, suffix_attention
+    from zerotron.models.base import causal_attention
+    from zerotron.parallel.context.ring import merge
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, D, P = 3, 4, 2, 8, 12
+    kernel = pa._fused
+    cases = [(T, pad, fused) for T, pad in ((1, [0, 2, 5]), (3, [1, 0, 8])) for fused in (True, False)]
+    for T, pad, fused in cases:  # row 2's first query (T = 3) is padding; torch's fused kernel, and plain torch
+        monkeypatch.setattr(pa, "_fused", kernel if fused else lambda q: None)
+        S = 7 + T  # each row's own slots after the prefix, left-padded by pad[b]
+        q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+        kp, vp = (torch.randn(Hkv, P, D, generator=g, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+        pad_t = torch.tensor(pad)
+        got, _ = merge(*prefix_attention(q, kp, vp), *suffix_attention(q, k, v, pad_t))
+        for b in range(B):  # row b alone: its prefix + its unpadded slots, plain causal attention
+            kb = torch.cat([kp, k[b, :, pad[b]:]], 1)[None]
+            vb = torch.cat([vp, v[b, :, pad[b]:]], 1)[None]
+            real = slice(max(0, pad[b] - (S - T)), T)  # queries that are not padding
+            want = causal_attention(q[b:b + 1, :, real], kb, vb, 0.0)
+            torch.testing.assert_close(got[b:b + 1, :, real], want, rtol=1e-12, atol=1e-12)
+    monkeypatch.undo()
+    reqs = shared_prefix_requests()
+    for preset in ("tiny", "llama-tiny"):
+        eng = _local_engine(_model(preset))
+        alone = eng.generate(reqs)
+        for on in (True, False):
+            # all five arrive at once: the first prefills the 8 shared tokens, the others wait one step
+            # for its blocks (in-batch prefix caching) and then reuse both (hits 4 x 2), not copies
+            dec = ContinuousDecoder(eng, num_blocks=32, page=4, shared_prefix=on)
+            out, steps, _ = _run(dec, reqs, {0: [0, 1, 2, 3, 4]})
+            assert [out[i] for i in range(5)] == alone, (preset, on)
+            assert dec.alloc[0].hits == 8 and dec.alloc[0].misses == 2, (dec.alloc[0].hits, dec.alloc[0].misses)
+            assert (dec.prefix_forwards > 0) == on, (preset, on, dec.prefix_forwards)

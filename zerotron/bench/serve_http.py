@@ -2,15 +2,17 @@
 
 Usage: ``zerotron bench serve --checkpoint RUN [--hf DIR] [--concurrency 16,64] [--peer transformers|none]
 [--workloads random,shared-prefix] [--max-tokens 256] [--prompt-tokens 16,128] [--shared-prefix 512]
-[--requests-per-client 1] [--serve-args "..."] [--threads N] [--json F] [--markdown F]``.
+[--requests-per-client 1] [--rounds 1] [--client openai|raw] [--serve-args "..."] [--threads N] [--json F]
+[--markdown F]``.
 
-For each server in turn (``zerotron serve --checkpoint RUN`` continuous batching over its paged KV
-cache, then ``transformers serve --continuous-batching`` (transformers' paged mode) on the
-``zerotron export`` of the same checkpoint, so both hold the same weights), started as a
-subprocess with ``--threads`` torch threads, and for each workload and concurrency C: C clients
+Two servers (``zerotron serve --checkpoint RUN`` continuous batching over its paged KV cache, and
+``transformers serve --continuous-batching`` (transformers' paged mode) on the ``zerotron export``
+of the same checkpoint, so both hold the same weights), each started as a subprocess with
+``--threads`` torch threads; for each workload and concurrency C, on each server: C clients
 (one asyncio task each, the official ``openai`` client's ``AsyncOpenAI``, one shared connection
-pool) each send ``--requests-per-client`` streamed ``/v1/completions`` one after the other,
-greedy, ``max_tokens`` = ``--max-tokens``; the prompts are the same for both servers (seeded):
+pool; ``--client raw``: hand-made requests on asyncio connections, see :func:`_one_raw`) each
+send ``--requests-per-client`` streamed ``/v1/completions`` one after the other, greedy,
+``max_tokens`` = ``--max-tokens``; the prompts are the same for both servers (seeded):
 
 * ``random``: random tokens of the export's tokenizer, ``--prompt-tokens MIN,MAX`` long, decoded
   to text;
@@ -29,11 +31,17 @@ raised). zerotron only (``/metrics``, polled every 0.25 s while the run lasts): 
 of a chunked prefill), the peak blocks in use, and the preemptions of the run (the pool ran out:
 rows freed and recomputed). transformers serve exposes no KV figures: its ``kv_waste`` is null.
 
-``--json`` writes one JSON array of rows (server, workload, concurrency and the figures above);
-``--markdown`` a table with the zerotron / transformers ratios. A peer that cannot start is
-reported (its error line) and the zerotron rows are still written. On a shared machine the
-servers run one after the other, not at the same time: the ratios mix the two runs' load (the
-load average is recorded)."""
+``--json`` writes one JSON array of rows (server, workload, concurrency, round and the figures
+above); ``--markdown`` a table with the zerotron / transformers ratios. A peer that cannot start is
+reported (its error line) and the zerotron rows are still written.
+
+Both servers are started first and stay up; each (workload, concurrency) run goes to one server,
+then at once to the other (never both at the same time), the order swapping every run, and
+``--rounds R`` repeats the whole sweep with fresh prompts: on a shared machine each ratio is then
+*paired* (its two runs saw nearly the same load) and the R paired ratios show the spread; the
+markdown gives their median and range. An idle server costs little (zerotron's batcher waits on its
+queue); the CPU seconds the waiting server took during the other's run are recorded
+(``idle_peer_cpu_s``)."""
 from __future__ import annotations
 
 import argparse
@@ -165,13 +173,75 @@ async def _one(client, model: str, prompt: str, max_tokens: int) -> dict:
             "error": None if usage is not None else "no usage in the stream"}
 
 
-async def _clients(base: str, model: str, prompts: list[list[str]], max_tokens: int, poll) -> list[dict]:
-    import openai
+_EVENT_END = re.compile(rb"\r?\n\r?\n")  # a server-sent event ends with a blank line (LF or CRLF)
 
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=os.environ.get("ZEROTRON_API_KEY", "none"),
-                                max_retries=0, timeout=3600)
+
+async def _one_raw(base: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """:func:`_one` over a raw asyncio connection: the request by hand, the chunked body decoded,
+    each event's JSON parsed with ``json.loads`` (a fraction of the openai client's CPU per event,
+    which on a small machine can bound what the clients read)."""
+    t0 = time.perf_counter()
+    first = last = ntok = None
+    host, port = base.split("//", 1)[1].rsplit(":", 1)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    key = os.environ.get("ZEROTRON_API_KEY", "none")
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {key}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                     .encode() + body)
+        status = (await reader.readline()).split()
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if len(status) < 2 or status[1] != b"200":
+            raise RuntimeError(f"HTTP {b' '.join(status[1:]).decode()}: {(await reader.read())[:200]!r}")
+        chunked, buf, done = headers.get("transfer-encoding") == "chunked", b"", False
+        while not done:
+            if chunked:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                data = await reader.readexactly(size + 2) if size else b""
+                data, done = data[:-2], size == 0
+            else:
+                data = await reader.read(65536)
+                done = not data
+            *events, buf = _EVENT_END.split(buf + data)
+            for ev in events:
+                payload = ev.partition(b"data:")[2].strip()
+                if not payload or payload == b"[DONE]":
+                    continue
+                j = json.loads(payload)
+                if j.get("choices") and j["choices"][0].get("text"):
+                    last = time.perf_counter()
+                    first = first or last
+                if j.get("usage"):
+                    ntok = j["usage"]["completion_tokens"]
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "t0": t0, "t1": time.perf_counter()}
+    finally:
+        if writer is not None:
+            writer.close()
+    return {"ok": ntok is not None and first is not None, "t0": t0, "t1": time.perf_counter(), "ntok": ntok or 0,
+            "ttft": None if first is None else first - t0,
+            "tpot": (last - first) / (ntok - 1) if first is not None and ntok and ntok > 1 else None,
+            "error": None if ntok is not None else "no usage in the stream"}
+
+
+async def _clients(base: str, model: str, prompts: list[list[str]], max_tokens: int, poll,
+                   client_kind: str = "openai") -> list[dict]:
+    client = None
+    if client_kind == "openai":
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=base + "/v1", api_key=os.environ.get("ZEROTRON_API_KEY", "none"),
+                                    max_retries=0, timeout=3600)
 
     async def worker(mine: list[str]) -> list[dict]:
+        if client is None:
+            return [await _one_raw(base, model, p, max_tokens) for p in mine]
         return [await _one(client, model, p, max_tokens) for p in mine]
 
     stop = asyncio.Event()
@@ -191,13 +261,15 @@ async def _clients(base: str, model: str, prompts: list[list[str]], max_tokens: 
         stop.set()
         if task is not None:
             await task
-        await client.close()
+        if client is not None:
+            await client.close()
     return [r for rs in res for r in rs]
 
 
-def run_clients(srv: Server, prompts: list[list[str]], max_tokens: int) -> dict:
+def run_clients(srv: Server, prompts: list[list[str]], max_tokens: int, client: str = "openai") -> dict:
     """Run one client per list of ``prompts`` (each sends its prompts one after the other) against
-    ``srv``; the run's figures (see the module docstring)."""
+    ``srv``; the run's figures (see the module docstring). ``client``: "openai" (``AsyncOpenAI``) or
+    "raw" (:func:`_one_raw`)."""
     samples: list[dict] = []
     poll = None
     if srv.name == "zerotron":
@@ -208,7 +280,7 @@ def run_clients(srv: Server, prompts: list[list[str]], max_tokens: int) -> dict:
                 samples.append(_metrics(srv.base))
             except Exception:  # noqa: BLE001 - a missed sample
                 pass
-    res = asyncio.run(_clients(srv.base, srv.model, prompts, max_tokens, poll))
+    res = asyncio.run(_clients(srv.base, srv.model, prompts, max_tokens, poll, client))
     ok = [r for r in res if r["ok"]]
     span = max(r["t1"] for r in res) - min(r["t0"] for r in res)
     toks = sum(r["ntok"] for r in ok)
@@ -265,6 +337,10 @@ def _parser() -> argparse.ArgumentParser:
                    "16-token blocks, and the same 2048-token step budget; without --cb-num-blocks it sizes its "
                    "cache from memory and, on this CPU machine, its process died at the first request, no error)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per server (0: the CPU count)")
+    p.add_argument("--rounds", type=int, default=1, help="sweeps of every (workload, concurrency) run, each on "
+                   "both servers back to back (order swapped every run), fresh prompts each round: paired ratios")
+    p.add_argument("--client", default="openai", help="openai (the official client's AsyncOpenAI) or raw (asyncio "
+                   "connections, events parsed with json.loads: a fraction of the client CPU per token)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--json", help="write the rows here (a JSON array)")
     p.add_argument("--markdown", help="write the table here")
@@ -286,17 +362,48 @@ def _table(rows: list[dict]) -> str:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """zerotron / transformers per (workload, concurrency): output tokens/s, TTFT p50, TPOT p50."""
-    by = {(r["server"], r["workload"], r["concurrency"]): r for r in rows}
+    """zerotron / transformers per (workload, concurrency, round): output tokens/s, TTFT p50, TPOT p50."""
+    by = {(r["server"], r["workload"], r["concurrency"], r.get("round", 0)): r for r in rows}
     out = []
-    for (srv, wl, c), z in by.items():
-        t = by.get(("transformers", wl, c))
+    for (srv, wl, c, rnd), z in by.items():
+        t = by.get(("transformers", wl, c, rnd))
         if srv != "zerotron" or t is None:
             continue
         q = lambda k: None if not z[k] or not t[k] else z[k] / t[k]  # noqa: E731
-        out.append({"workload": wl, "concurrency": c, "output_tokens_per_s": q("output_tokens_per_s"),
+        out.append({"workload": wl, "concurrency": c, "round": rnd, "output_tokens_per_s": q("output_tokens_per_s"),
                     "ttft_p50_s": q("ttft_p50_s"), "tpot_p50_s": q("tpot_p50_s")})
     return out
+
+
+def _ratio_table(rat: list[dict]) -> str:
+    """Median (and range over rounds) of each paired ratio per (workload, concurrency)."""
+    import statistics
+
+    keys = ("output_tokens_per_s", "ttft_p50_s", "tpot_p50_s")
+    groups: dict = {}
+    for r in rat:
+        groups.setdefault((r["workload"], r["concurrency"]), []).append(r)
+
+    def cell(rs, k):
+        xs = [r[k] for r in rs if r[k] is not None]
+        if not xs:
+            return "-"
+        med = f"{statistics.median(xs):.2f}"
+        return med if len(xs) == 1 else f"{med} ({min(xs):.2f}-{max(xs):.2f})"
+    out = ["| workload | clients | rounds | output tokens/s | TTFT p50 | TPOT p50 |", "|---|---|---|---|---|---|"]
+    for (wl, c), rs in groups.items():
+        out.append(f"| {wl} | {c} | {len(rs)} | " + " | ".join(cell(rs, k) for k in keys) + " |")
+    return "\n".join(out)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far (0 if unreadable)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        f = stat[stat.rindex(")") + 2:].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,10 +415,13 @@ def main(argv: list[str] | None = None) -> int:
         conc = [int(x) for x in args.concurrency.split(",")]
         lo, hi = (int(x) for x in args.prompt_tokens.split(","))
         workloads = args.workloads.split(",")
-        if min(conc) < 1 or not 1 <= lo <= hi or args.max_tokens < 1 or args.requests_per_client < 1:
-            raise ValueError("--concurrency, --prompt-tokens MIN<=MAX, --max-tokens, --requests-per-client must be >= 1")
+        if min(conc) < 1 or not 1 <= lo <= hi or min(args.max_tokens, args.requests_per_client, args.rounds) < 1:
+            raise ValueError("--concurrency, --prompt-tokens MIN<=MAX, --max-tokens, --requests-per-client, --rounds "
+                             "must be >= 1")
         if bad := [w for w in workloads if w not in WORKLOADS]:
             raise ValueError(f"--workloads: unknown {bad}, choose from {', '.join(WORKLOADS)}")
+        if args.client not in ("openai", "raw"):
+            raise ValueError(f"--client must be openai or raw, got {args.client!r}")
         if args.peer not in PEERS:
             raise ValueError(f"--peer must be one of {', '.join(PEERS)}, got {args.peer!r}")
     except SystemExit as e:
@@ -330,43 +440,52 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     tok = Tokenizer.from_file(str(Path(hf) / "tokenizer.json"))
     threads = args.threads or os.cpu_count() or 1
-    k = args.requests_per_client  # each (workload, concurrency) run has prompts of its own: no run warms another's cache
-    prompts = {(w, c): make_prompts(tok, w, c * k, lo, hi, args.shared_prefix, args.seed + 1000 * i + c)
-               for i, w in enumerate(workloads) for c in conc}
+    k = args.requests_per_client  # each (workload, concurrency, round) run has prompts of its own: no run warms
+    # another's cache; both servers get the same prompts
+    prompts = {(w, c, r): make_prompts(tok, w, c * k, lo, hi, args.shared_prefix,
+                                       args.seed + 1000 * i + c + 100_000 * r)
+               for i, w in enumerate(workloads) for c in conc for r in range(args.rounds)}
     warm = make_prompts(tok, "random", 1, lo, hi, args.shared_prefix, args.seed - 1)
     rows, notes = [], []
     load0 = os.getloadavg()[0]
-    servers = ["zerotron"] + (["transformers"] if args.peer == "transformers" else [])
-    for kind in servers:
-        extra = shlex.split(args.serve_args if kind == "zerotron" else args.peer_args)
-        try:
-            srv = start_server(kind, args.checkpoint, hf, threads, max(conc), extra)
-        except RuntimeError as e:
-            notes.append(str(e))
-            print(f"zerotron bench serve: {e}", file=sys.stderr)
-            continue
-        try:
-            run_clients(srv, [warm], 4)  # warm-up: one short request
-            for w in workloads:
-                for c in conc:
-                    row = run_clients(srv, [prompts[w, c][i * k:(i + 1) * k] for i in range(c)], args.max_tokens)
-                    rows.append({"server": kind, "workload": w, "concurrency": c, **row,
-                                 "load_avg": os.getloadavg()[0]})
-                    print(_table(rows[-1:]).splitlines()[-1], flush=True)
-        finally:
+    servers = {}
+    try:
+        for kind in ["zerotron"] + (["transformers"] if args.peer == "transformers" else []):
+            extra = shlex.split(args.serve_args if kind == "zerotron" else args.peer_args)
+            try:
+                servers[kind] = start_server(kind, args.checkpoint, hf, threads, max(conc), extra)
+            except RuntimeError as e:
+                notes.append(str(e))
+                print(f"zerotron bench serve: {e}", file=sys.stderr)
+                continue
+            run_clients(servers[kind], [warm], 4, args.client)  # warm-up: one short request
+        runs = [(r, w, c) for r in range(args.rounds) for w in workloads for c in conc]
+        for n, (r, w, c) in enumerate(runs):
+            order = list(servers) if n % 2 == 0 else list(servers)[::-1]
+            for kind in order:
+                srv, others = servers[kind], [s for s in servers.values() if s is not servers[kind]]
+                idle0 = sum(_cpu_s(o.proc.pid) for o in others)
+                row = run_clients(srv, [prompts[w, c, r][i * k:(i + 1) * k] for i in range(c)], args.max_tokens,
+                                  args.client)
+                rows.append({"server": kind, "workload": w, "concurrency": c, "round": r, "client": args.client, **row,
+                             "idle_peer_cpu_s": sum(_cpu_s(o.proc.pid) for o in others) - idle0 if others else None,
+                             "load_avg": os.getloadavg()[0]})
+                print(_table(rows[-1:]).splitlines()[-1], flush=True)
+    finally:
+        for srv in servers.values():
             srv.stop()
     tmp.cleanup()
     machine = (f"{platform.machine()}, {os.cpu_count()} CPU cores, {threads} torch thread(s) per server, "
                f"load average {load0:.1f} at start / {os.getloadavg()[0]:.1f} at end")
     rat = ratios(rows)
     text = (f"{machine}; max_tokens {args.max_tokens}, greedy; random prompts {lo}..{hi} tokens, shared prefix "
-            f"{args.shared_prefix} tokens + 16; {args.requests_per_client} request(s) per client; the servers ran one "
-            f"after the other\n\n{_table(rows)}\n")
+            f"{args.shared_prefix} tokens + 16; {args.requests_per_client} request(s) per client ({args.client} "
+            f"client); {args.rounds} "
+            f"round(s); both servers up, each run on one server then the other (order swapped every run)"
+            f"\n\n{_table(rows)}\n")
     if rat:
-        text += "\nzerotron / transformers:\n\n| workload | clients | output tokens/s | TTFT p50 | TPOT p50 |\n|---|---|---|---|---|\n"
-        text += "\n".join(f"| {r['workload']} | {r['concurrency']} | " + " | ".join(
-            "-" if r[k] is None else f"{r[k]:.2f}" for k in ("output_tokens_per_s", "ttft_p50_s", "tpot_p50_s")) + " |"
-            for r in rat) + "\n"
+        text += ("\nzerotron / transformers, paired per round (median, range over rounds in brackets):\n\n"
+                 f"{_ratio_table(rat)}\n")
     for note in notes:
         text += f"\nnot run: {note}\n"
     print(f"zerotron bench serve: {text}")

@@ -21,7 +21,12 @@ block bookkeeping of every replica is kept, identically, on every rank):
    first come, first served, while their blocks fit and the step's token budget
    (``max_step_tokens``: one per decoding row, the uncached prompt tokens of each newcomer; the
    first newcomer of a step is always admitted when its blocks fit) lasts; the queue's head is
-   never overtaken, so every row runs once the rows before it are done (no starvation);
+   never overtaken, so every row runs once the rows before it are done (no starvation); a
+   newcomer whose next uncached prompt block is being prefilled by a running row (the same
+   tokens after the same prefix: a shared system prompt arriving with many requests at once)
+   waits, and the rows behind it with it, until that block is written and cached, then reuses it
+   (SGLang's in-batch prefix caching): it prefills its own tokens only and shares the prefix's
+   blocks with the others, instead of computing and holding a private copy;
 3. the running rows decode one token (their last token through the cache); rows whose context
    reached ``block_size`` are recomputed from their last block_size tokens, as in
    :mod:`zerotron.inference.batch`;
@@ -53,6 +58,7 @@ from zerotron.distributed import comm
 from .batch import PAD_ID, Request, is_eos
 from .forward import forward_layers
 from .paged import BlockAllocator, BlockPool, PagedView
+from .prefix_attention import attention_modules, shared_prefix_hooks
 from .sampling import make_generator, sample_rows
 from .speculative import accept_drafts, ngram_propose
 
@@ -90,6 +96,7 @@ class _Row:
     cached: int = 0  # slots written
     keys: list[int] = field(default_factory=list)  # prefix keys of the full blocks of tokens[keys_base:]
     keys_base: int = 0
+    prompt_keys: list[int] = field(default_factory=list)  # prefix keys of the full blocks it prefills (admission)
 
 
 @dataclass
@@ -114,13 +121,15 @@ class ContinuousDecoder:
     decoding row by prompt lookup (:mod:`zerotron.inference.speculative`; 0: off) or, given a
     ``draft_model`` (a dense ``CausalLM`` with the same vocabulary, in eval mode, on every rank),
     by its greedy continuation (run by the row's replica only: the bookkeeping needs only the
-    count, which is fixed). Keeps every row's tokens and every
+    count, which is fixed). ``shared_prefix``: the rows of a forward that all start with the same
+    cached blocks attend to them once (:mod:`zerotron.inference.prefix_attention`; False: every
+    row reads its whole context through its own gather). Keeps every row's tokens and every
     replica's block bookkeeping (on every rank) and this rank's blocks. Raises ValueError when
     the pool cannot hold one full-context row (``ceil(block_size / page)`` blocks)."""
 
     def __init__(self, engine, num_blocks: int | None = None, page: int = DEFAULT_PAGE,
                  prefix_caching: bool = True, max_step_tokens: int = DEFAULT_STEP_TOKENS, speculative: int = 0,
-                 draft_model=None):
+                 draft_model=None, shared_prefix: bool = True):
         self.engine, self.mesh = engine, engine.mesh
         self.cfg, self.device = engine.config, engine.device
         self.replica = engine.replica
@@ -131,6 +140,9 @@ class ContinuousDecoder:
         else:
             self.blocks, self.layers, self.first, self.last = pl.blocks, pl.layers, pl.first, pl.last
         self.pl = pl
+        self.shared_prefix = shared_prefix
+        self.attn_modules = attention_modules(engine.model, self.blocks, self.layers) if shared_prefix else []
+        self.prefix_forwards = 0  # forwards that attended to a shared prefix once
         # reports this replica's tokens (with ep split by replica, its first ep rank; split by tokens, every rank)
         self.sampler = self.last and self.mesh.local_rank("tp") == 0 and (engine.ep_rank == 0 or engine.lockstep is not None)
         self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -177,14 +189,19 @@ class ContinuousDecoder:
         shared by several rows (prefix cache, forks) is counted once, with its fullest row's
         fill. ``1 - slots_filled() / (blocks_used() * page)`` is the pool's waste (vLLM's measure:
         reserved but unwritten slots, Kwon et al. 2023 section 2.3): partly filled last blocks,
-        blocks reserved for a prompt whose chunked prefill is not done, speculative slots."""
-        fill: dict[tuple[int, int], int] = {}
+        blocks reserved for a prompt whose chunked prefill is not done, speculative slots.
+
+        O(rows), not O(blocks): every block a row references is full but those from its slot
+        ``cached`` on (its last, partly filled block and blocks reserved ahead), so the figure is
+        ``blocks_used() * page`` less the empty slots of those; a block shared by several rows has
+        the same fill in each (only full blocks enter the prefix cache; a fork's shared last block
+        is copied before either row writes it), so it is counted once."""
+        p = self.page
+        short: dict[tuple[int, int], int] = {}  # (replica, block) -> its empty slots
         for r in self.rows.values():
-            for i, b in enumerate(r.table):
-                n = min(self.page, r.cached - i * self.page)
-                if n > fill.get((r.replica, b), 0):
-                    fill[(r.replica, b)] = n
-        return sum(fill.values())
+            for i in range(r.cached // p, len(r.table)):
+                short[(r.replica, r.table[i])] = p - max(0, r.cached - i * p)
+        return self.blocks_used() * p - sum(short.values())
 
     def blocks_free(self) -> int:
         """KV blocks not referenced (free, or holding evictable cached prefixes), all replicas."""
@@ -359,6 +376,11 @@ class ContinuousDecoder:
         forks: dict[int, int] = {}
         leaders: dict[tuple, int] = {}
         blocked: set[int] = set()  # replicas whose queue head does not fit: later rows wait behind it
+        pending = [set() for _ in self.alloc]  # per replica: keys of prompt blocks being prefilled, not yet cached
+        for rid in self.order:
+            row = self.rows[rid]
+            if row.prompt_keys and len(row.tokens) - row.base - row.cached > 1:
+                pending[row.replica].update(row.prompt_keys[row.cached // p:])
         for rid in list(self.waiting):
             row = self.rows[rid]
             if row.replica in blocked:
@@ -374,8 +396,10 @@ class ContinuousDecoder:
                 self.order.append(rid)
                 continue
             total = math.ceil(len(seq) / p)
-            hit = a.match(seq, len(seq) - 1)
-            if total - len(hit) > a.available or budget[row.replica] < 1:
+            keys = a.prefix_keys(seq, len(seq) - 1)
+            hit = a.match(seq, len(seq) - 1, keys)
+            shared_soon = len(hit) < len(keys) and keys[len(hit)] in pending[row.replica]
+            if total - len(hit) > a.available or budget[row.replica] < 1 or shared_soon:
                 a.release(hit)  # not admitted now: the lookup is counted when the row is
                 a.hits -= len(hit)
                 a.misses -= (len(seq) - 1) // p - len(hit) if a.prefix_caching else 0
@@ -383,6 +407,8 @@ class ContinuousDecoder:
                 continue
             row.table = hit + [a.allocate() for _ in range(total - len(hit))]
             row.cached = len(hit) * p
+            row.prompt_keys = keys
+            pending[row.replica].update(keys[len(hit):])
             n = min(len(seq) - row.cached, budget[row.replica])
             budget[row.replica] -= n
             if n == len(seq) - row.cached:
@@ -416,7 +442,8 @@ class ContinuousDecoder:
         T = max(news)
         x = torch.tensor([[PAD_ID] * (T - n) + [r.tokens[-1]] + d for r, d, n in zip(rows, drafts, news)],
                          device=self.device)
-        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device)
+        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device,
+                         self.shared_prefix)
         if T == 1:
             return {r: [t] for r, t in self._sample(rids, self._forward(x, view)).items()}
         logits = self._forward(x, view, all_logits=True)
@@ -436,7 +463,8 @@ class ContinuousDecoder:
         for r, n in zip(rows, news):
             lo = r.base + r.cached
             x.append([PAD_ID] * (T - n) + r.tokens[lo:lo + n])
-        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device)
+        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device,
+                         self.shared_prefix)
         logits = self._forward(torch.tensor(x, device=self.device), view)
         if logits is None:
             return {}
@@ -456,7 +484,9 @@ class ContinuousDecoder:
             buf = torch.empty(x.size(0), x.size(1), pl.width, dtype=pl.act_dtype, device=self.device)
             comm.recv(buf, pl.prev, group=pl.group, tag="decode")
             x = buf
-        y = forward_layers(self.engine.model, self.blocks, self.layers, x, cache, self.first, self.last, all_logits)
+        self.prefix_forwards += bool(cache.prefix_blocks)
+        with shared_prefix_hooks(self.attn_modules, cache):
+            y = forward_layers(self.engine.model, self.blocks, self.layers, x, cache, self.first, self.last, all_logits)
         if not self.last:
             comm.send(y.to(pl.act_dtype).contiguous(), pl.next, group=pl.group, tag="decode")
             return None

@@ -98,15 +98,26 @@ class BlockAllocator:
         """The prefix key of a full block of ``tokens`` after the block whose key is ``prev``."""
         return hash((prev, tuple(tokens)))
 
-    def match(self, tokens: list[int], limit: int) -> list[int]:
-        """The cached blocks of the longest run of full blocks of ``tokens`` (covering at most
-        ``limit`` tokens) with a prefix-cache entry; each gets a reference; hits/misses count the
-        full blocks of ``tokens[:limit]`` found / not found."""
+    def prefix_keys(self, tokens: list[int], limit: int) -> list[int]:
+        """The prefix keys of the full blocks of ``tokens[:limit]`` (empty without prefix caching)."""
         if not self.prefix_caching:
             return []
         out, prev, p = [], None, self.page
         for j in range(limit // p):
             prev = self.chain(prev, tokens[j * p:(j + 1) * p])
+            out.append(prev)
+        return out
+
+    def match(self, tokens: list[int], limit: int, keys: list[int] | None = None) -> list[int]:
+        """The cached blocks of the longest run of full blocks of ``tokens`` (covering at most
+        ``limit`` tokens) with a prefix-cache entry; each gets a reference; hits/misses count the
+        full blocks of ``tokens[:limit]`` found / not found. ``keys``: their :meth:`prefix_keys`,
+        if computed already."""
+        if not self.prefix_caching:
+            return []
+        out, prev, p = [], None, self.page
+        for j in range(limit // p):
+            prev = keys[j] if keys is not None else self.chain(prev, tokens[j * p:(j + 1) * p])
             b = self.cached.get(prev)
             if b is None:
                 self.misses += limit // p - j
@@ -164,13 +175,16 @@ class BlockPool:
 
     def scratch(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two flat buffers of at least ``n`` elements of ``like``'s dtype and device, reused by
-        every layer's gather (:meth:`PagedView.update`): grown when a forward needs more, never
-        shrunk (at most the largest forward's keys and values of one layer, (B, H_kv, S, D) each).
+        every layer's gather (:meth:`PagedView.update`): grown (by half at least) when a forward
+        needs more, never shrunk (at most the largest forward's keys and values of one layer, (B, H_kv, S, D) each).
         A fresh tensor per gather cost about 3x the gather's CPU on this machine (its pages
         faulted in anew each time: 10.6 vs 3.4 ms at 64 rows x 200 slots, 38 vs 11 ms at 660)."""
         s = self._scratch
-        if s is None or s[0].numel() < n or s[0].dtype != like.dtype or s[0].device != like.device:
+        if s is None or s[0].dtype != like.dtype or s[0].device != like.device:
             s = self._scratch = (like.new_empty(n), like.new_empty(n))
+        elif s[0].numel() < n:  # grown by half at least: contexts grow a slot per step, a new buffer each time
+            m = max(n, s[0].numel() * 3 // 2)  # faulted its pages in anew (measured: 8 % of the step at 64 rows)
+            s = self._scratch = (like.new_empty(m), like.new_empty(m))
         return s
 
     def nbytes(self) -> int:
@@ -194,47 +208,87 @@ class PagedView:
     The model sees the usual left-padded ``KVCache``: the keys of row b are its lens[b] + news[b]
     slots gathered through its block table (:meth:`update` returns (B, H_kv, S, D) with
     S = cached + T, cached = max(lens - (T - news))), right-aligned with ``pad[b]`` leading slots
-    masked by attention; positions ``slot - pad`` are each row's own (lens[b] onward)."""
+    masked by attention; positions ``slot - pad`` are each row's own (lens[b] onward).
 
-    def __init__(self, pool: BlockPool, tables: list[list[int]], lens: list[int], news: list[int], device):
+    ``share_prefix`` (and B > 1): the leading blocks that every row's table starts with, full and
+    cached before this forward (``prefix_blocks`` of them, P = prefix_blocks * page slots: a shared
+    system prompt, forks of one prompt), are split off: :meth:`update` then returns each row's keys
+    *after* the prefix (S = cached + T counted from slot P; ``pad`` and ``cached`` likewise) and
+    leaves the prefix's keys and values of the layer in ``prefix`` ((H_kv, P, D) each, read once,
+    a view of the pool when the blocks are consecutive), for
+    :class:`~zerotron.inference.prefix_attention.SharedPrefixHooks` to attend to once for all
+    rows; positions stay the rows' own. ``prefix`` is None without a shared prefix."""
+
+    def __init__(self, pool: BlockPool, tables: list[list[int]], lens: list[int], news: list[int], device,
+                 share_prefix: bool = False):
         self.pool, p = pool, pool.page
         T = max(news)
-        self.S0 = max(n - (T - m) for n, m in zip(lens, news))
-        S = self.S0 + T
         width = max(len(t) for t in tables)
         # one (B, width) block table (short rows padded with block 0, never read) and the slot
         # arithmetic as tensor ops: O(B * blocks) Python, not O(B * slots)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
-        L = torch.tensor(lens, dtype=torch.long, device=device)
+        m = 0
+        if share_prefix and len(tables) > 1:
+            lim = min(lens) // p  # blocks full and cached in every row
+            if lim:
+                same = (table[:, :lim] == table[:1, :lim]).all(0)
+                m = int(same.long().cumprod(0).sum())  # leading blocks equal in every row
+        self.prefix_blocks, self.prefix, P = m, None, m * p
+        self.memo: dict = {}  # per-forward values the attention hooks compute once (masks)
+        self._prefix_idx = self._prefix_span = None
+        if m:
+            first = table[0, :m]
+            if bool((first[1:] - first[:-1] == 1).all()):  # consecutive blocks: the pool's slots as a view
+                self._prefix_span = (int(first[0]) * p, int(first[0]) * p + P)
+            else:
+                self._prefix_idx = (first[:, None] * p + torch.arange(p, device=device)).view(-1)
+            table = table[:, m:]
+        self.S0 = max(n - P - (T - k) for n, k in zip(lens, news))
+        S = self.S0 + T
+        L = torch.tensor(lens, dtype=torch.long, device=device) - P
         M = torch.tensor(news, dtype=torch.long, device=device)
+        self.P = P
         self.pad = self.S0 - L + (T - M)  # (B,) leading padding slots per row
-        # column j of row b holds the row's slot j - pad[b]; padding reads the row's slot 0
+        # column j of row b holds the row's slot P + j - pad[b]; padding reads the row's slot P
         # (masked by attention, finite)
         s = (torch.arange(S, device=device)[None, :] - self.pad[:, None]).clamp_(min=0)  # (B, S)
         self.gather = table.gather(1, s // p) * p + s % p  # (B, S) pool slots
+        self.all_real = min(news) == T
         self.real = torch.arange(T, device=device)[None, :] >= (T - M)[:, None]  # (B, T) new, not padding
-        self.dst = self.gather[:, self.S0:][self.real]  # pool slots of the real new tokens, row-major
+        g = self.gather[:, self.S0:]
+        self.dst = g.reshape(-1) if self.all_real else g[self.real]  # pool slots of the real new tokens, row-major
 
     def cached(self, layer: int) -> int:
         return self.S0
 
     def positions(self, T: int, layer: int) -> torch.Tensor:
-        pos = torch.arange(self.S0, self.S0 + T, device=self.pad.device)[None, :] - self.pad[:, None]
+        pos = torch.arange(self.S0 + self.P, self.S0 + self.P + T, device=self.pad.device)[None, :] - self.pad[:, None]
         return pos.clamp_(min=0)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Write the real new slots of k, v (B, H_kv, T, D) into their blocks; return every row's
         keys and values gathered through its table, (B, H_kv, S, D): views of the pool's scratch
         buffers (:meth:`BlockPool.scratch`), valid until the next ``update`` (the next layer), as
-        attention reads them at once."""
+        attention reads them at once. With a shared prefix: the rows' keys after it, and the
+        prefix's (H_kv, P, D) keys and values in ``prefix``."""
         pool = self.pool
         if pool.keys[layer] is None:
             n = pool.num_blocks * pool.page
             pool.keys[layer] = k.new_zeros(k.size(1), n, k.size(3))
             pool.values[layer] = v.new_zeros(v.size(1), n, v.size(3))
         K, V = pool.keys[layer], pool.values[layer]
-        K.index_copy_(1, self.dst, k.transpose(1, 2)[self.real].transpose(0, 1))
-        V.index_copy_(1, self.dst, v.transpose(1, 2)[self.real].transpose(0, 1))
+        if self.all_real:  # every input is a new token (decoding, or prefill chunks of one length)
+            kn, vn = k.transpose(0, 1).flatten(1, 2), v.transpose(0, 1).flatten(1, 2)  # (H_kv, B * T, D)
+        else:
+            kn = k.transpose(1, 2)[self.real].transpose(0, 1)
+            vn = v.transpose(1, 2)[self.real].transpose(0, 1)
+        K.index_copy_(1, self.dst, kn)
+        V.index_copy_(1, self.dst, vn)
+        if self._prefix_span is not None:
+            a, b = self._prefix_span
+            self.prefix = (K[:, a:b], V[:, a:b])
+        elif self._prefix_idx is not None:
+            self.prefix = (K.index_select(1, self._prefix_idx), V.index_select(1, self._prefix_idx))
         shape = (K.size(0), *self.gather.shape, K.size(2))  # (H_kv, B, S, D)
         idx = self.gather.view(-1)  # index_select: one pass, several times faster than K[gather] on CPU
         n = shape[0] * idx.numel() * shape[3]

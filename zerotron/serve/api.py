@@ -7,6 +7,7 @@ job and cancels it (``job.cancelled``) when the client goes away: under continuo
 rows leave the batch at the next iteration."""
 from __future__ import annotations
 
+import collections
 import json
 import queue
 import threading
@@ -78,7 +79,7 @@ class ServeStats:
 
 class Job:
     """One HTTP request's rows: ``requests`` (``zerotron.inference.Request``, one per prompt x
-    choice); ``result[k]``: row k's new tokens once finished; ``events``: (row, token) as decoded,
+    choice); ``result[k]``: row k's new tokens once finished; ``events``: a deque of (row, token) as decoded,
     None at the end (streaming only); ``cancelled``: set when the client went away. Timings per
     row (``time.monotonic`` seconds): ``t0`` (submitted), ``first[k]``/``last[k]`` (its first and
     latest token, None before), ``ntok[k]``. ``wake``: called (from the batcher's thread) after
@@ -88,7 +89,9 @@ class Job:
         self.requests, self.done, self.error = requests, threading.Event(), None
         self.result: list = [None] * len(requests)
         self.pending = len(requests)
-        self.events: queue.Queue | None = queue.Queue() if stream else None
+        # a deque, not a queue.Queue: append/popleft need no lock (atomic under the GIL), so the batcher
+        # never blocks on a mutex the HTTP thread holds while it waits for the GIL (a convoy per token)
+        self.events: collections.deque | None = collections.deque() if stream else None
         self.cancelled = threading.Event()
         self.t0 = time.monotonic()
         self.first: list = [None] * len(requests)
@@ -105,7 +108,7 @@ class Job:
             self.first[k] = now
         self.last[k], self.ntok[k] = now, self.ntok[k] + 1
         if self.events is not None:
-            self.events.put((k, tok))
+            self.events.append((k, tok))
         if wake and self.wake is not None:
             self.wake()
 
@@ -114,7 +117,7 @@ class Job:
         self.error = error
         self.done.set()
         if self.events is not None:
-            self.events.put(None)
+            self.events.append(None)
         if self.wake is not None:
             self.wake()
 

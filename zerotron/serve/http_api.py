@@ -7,7 +7,9 @@ the GET routes. Every error is JSON in OpenAI's shape ``{"error": {"message", "t
 "code"}}``: 400 bad JSON or a bad field (named in ``param``), 401 a missing or wrong API key,
 404 an unknown path or model, 405 another method (with ``Allow``), 408 a body that stops
 arriving for ``read_timeout_s``, 413 a body over ``max_body_bytes`` (the connection is closed:
-its body is unread), 503 while draining; a keep-alive connection goes on after any of them.
+its body is unread), 503 while draining; a keep-alive connection goes on after any of them. A
+request uvicorn's parser refuses (a malformed request line or header) gets a JSON 400 too
+(:func:`http_protocol`), and that connection closes.
 
 With ``api_key``, every route but ``/health`` needs ``Authorization: Bearer <api_key>``.
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import queue
 import socket
 import threading
 
@@ -39,6 +40,31 @@ ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models
 def _error_json(status: int, message: str, param=None, code=None) -> dict:
     kind = {401: "authentication_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+BAD_HTTP = ("invalid HTTP request: the request line or a header could not be parsed (for example a Content-Length "
+            "that is not a non-negative integer); send a well-formed HTTP/1.1 request")
+
+
+def http_protocol():
+    """uvicorn's HTTP/1.1 protocol class as its ``http="auto"`` picks it (httptools if installed,
+    else h11), with the one response that never reaches the app -- the 400 to a request its parser
+    refuses (a malformed request line or header, e.g. ``Content-Length: -1``) -- in OpenAI's JSON
+    error shape (code ``invalid_http_request``) instead of uvicorn's plain text; the connection
+    closes after it, as uvicorn's own does (the parser cannot resynchronise)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class JsonErrorProtocol(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:  # uvicorn's hook for unparsable requests
+            body = json.dumps(_error_json(400, BAD_HTTP, code="invalid_http_request")).encode()
+            head = [b"HTTP/1.1 400 Bad Request\r\n"]
+            head += [n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers]
+            head += [b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+                     % len(body)]
+            self.transport.write(b"".join(head) + body)
+            self.transport.close()
+
+    return JsonErrorProtocol
 
 
 class _Guard:
@@ -190,8 +216,8 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
                 out = []
                 while True:
                     try:
-                        item = job.events.get_nowait()
-                    except queue.Empty:
+                        item = job.events.popleft()
+                    except IndexError:
                         break
                     if item is None:
                         ended = True
@@ -202,7 +228,7 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
                     yield data
                 if not ended:
                     woken.clear()
-                    if job.events.empty():
+                    if not job.events:
                         await woken.wait()
             for ev in st.end():
                 yield sse(ev)
@@ -245,7 +271,8 @@ class ServerThread:
 
         self.sock = sock
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=grace_s, timeout_keep_alive=60, backlog=256)
+                                timeout_graceful_shutdown=grace_s, timeout_keep_alive=60, backlog=256,
+                                http=http_protocol())
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="zerotron-http")
