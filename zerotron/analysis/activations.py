@@ -87,7 +87,11 @@ chunk) weighted by its stage's layers; 1F1B/interleaved are simulated with at mo
 micro-batches (the occupancy repeats after the warm-up), GPipe is exact in closed form (m).
 1F1B's first rank holds pp micro-batches of L/pp layers, i.e. L layers' worth; GPipe holds all m.
 With recomputation one layer is re-materialised during its backward: that working set
-(layer bytes without recomputation minus with) is added to each rank's peak.
+(layer bytes without recomputation minus with) is added to each rank's peak; with full
+recomputation the layer's checkpointed input is one storage with what its first norm saves
+(LayerNorm's input, an fp32 stream's RMSNorm input), except where RMSNorm saves an fp32 copy of a
+bf16 stream (autocast over bf16 compute parameters): then the input is held beside it (+ r sbh).
+What a block's backward allocates beyond its saved tensors: :func:`block_backward_bytes`.
 """
 from __future__ import annotations
 
@@ -203,6 +207,39 @@ def loss_backward_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int
     v = -(-vocab_size // tp)
     pad = 4 * n * v if vocab_size % tp else 0
     return 4 * n * v + pad + (2 * n * v if autocast else 0)
+
+
+def block_backward_bytes(shape, seq_len: int, micro_batch: int, tp: int = 1, sp: bool = False,
+                         dtype: str = "bf16", autocast: bool = False, bf16_params: bool = False) -> int:
+    """Bytes one block's backward holds at its worst moment beyond the block's saved activations
+    (:func:`layer_activation_bytes` without recomputation, the recomputed ones with it), per
+    micro-batch on one tensor-parallel rank. Measured with a dry run's MemTracker, labelling every
+    live storage at the peak by the op, module and pass that made it (issue 33), for the Llama
+    block (RMSNorm, SwiGLU) under bf16 autocast over bf16 compute parameters (``bf16_params``:
+    ZeRO's compute copies, FSDP2), torch 2.13's CPU kernels; the larger of two moments:
+
+    * the SwiGLU backward (Shazeer 2020): while the gradient of the down projection's input is
+      alive, the product's backward makes the gradients of the silu output and of the up
+      output (three (b, s, F/t) tensors in the activation dtype), and the product the down
+      projection saved is freed: m_s/2 * e * sbF/t net (m_s = 4 saved tensors of sbF);
+    * the second RMSNorm's backward: torch's RMSNorm is composite on the CPU (no fused kernel;
+      ``aten::_fused_rms_norm`` is CompositeImplicitAutograd in 2.13), and its fp32 backward holds
+      five fp32 (b, s, h) temporaries at once (the pow, mean-expand, scalar-mul, product and
+      incoming-gradient tensors: 20 sbh bytes, / t with SP), when the MLP's saved tensors (m_s e
+      sbF/t), the MLP input (e sbh, gathered under SP), the norm's normalised fp32 tensor (4 sbh)
+      and its statistics (4 bytes per token) are already freed.
+
+    Llama-3-8B at tp 8 (8,192 tokens): 43,008 bytes per token (the norm), 0.35 GB; at tp 1 the
+    SwiGLU moment, 57,344 bytes per token, 0.47 GB. Other modes (an fp32 stream, LayerNorm blocks,
+    GELU MLPs) are not modelled: 0."""
+    if not (autocast and bf16_params and shape.rms_norm):
+        return 0
+    e, s, b, h, t = DTYPE_BYTES[dtype], seq_len, micro_batch, shape.n_embd, tp
+    d = t if sp else 1
+    sbh, sbf, m_s = s * b * h, s * b * shape.ffn // t, 2 * shape.mlp_matrices - 2
+    mlp = m_s // 2 * e * sbf
+    norm = 5 * 4 * sbh // d - (m_s * e * sbf + e * sbh + 4 * sbh // d + 4 * s * b // d)
+    return max(0, mlp, norm)
 
 
 def qkv_linears(shape) -> int:
@@ -344,6 +381,8 @@ def activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int = 1, sp: bool 
     per_layer = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, recompute=recompute,
                                        **args) + (small if recompute != "full" else 0)
     workspace = layer_activation_bytes(seq_len, micro_batch, h, shape.n_head, **args) + small - per_layer
+    if recompute == "full" and autocast and bf16_params and shape.rms_norm:
+        workspace += per_layer  # the checkpointed bf16 input beside the norm's own fp32 copy of it
     v = virtual_stages if schedule in CHUNKED_SCHEDULES else 1
     counts = list(layer_counts) if layer_counts is not None else stage_layer_counts(shape.n_layer, pp * v)
     if len(counts) != pp * v or sum(counts) != shape.n_layer:

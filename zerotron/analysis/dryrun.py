@@ -512,15 +512,19 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
       shard; the largest neighbouring units are the root unit (embedding / head) and blocks.
       When that moment (model states + those buffers) exceeds the backward's, the difference
       (0 otherwise; a pipeline's first stage under full recomputation, where little is held);
+    * ``block_backward`` (a stage without the head, whose peak is a block's backward): what that
+      backward holds beyond the block's saved tensors at its worst moment
+      (:func:`~zerotron.analysis.activations.block_backward_bytes`: the SwiGLU backward, or
+      RMSNorm's composite fp32 backward);
     * with recomputation, on the last stage: the loss's backward (the peak) comes before any layer
       is recomputed, so the recompute workspace is not live then (``recompute_workspace_not_live``,
-      negative); ``recompute_moment`` adds the difference when the first recomputation (workspace
-      live, the loss's tensors freed) is the larger moment.
+      negative); ``recompute_moment`` adds the difference when the first recomputation's backward
+      (workspace and ``block_backward`` live, the loss's tensors freed) is the larger moment.
 
     fp64 training: activations counted at fp32's 4 bytes (the estimator has no 8-byte activations).
     ``layer_counts``: layers per model stage as the pipeline runner split them (its ``split``),
     None = the estimators' even split. Attention "flash" (CPU SDPA without dropout)."""
-    from zerotron.analysis.activations import loss_backward_bytes
+    from zerotron.analysis.activations import block_backward_bytes, loss_backward_bytes
 
     mcfg = model_config(cfg)
     lay = _layout(cfg, plan, mcfg)
@@ -564,10 +568,13 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
         if lay.zero_stage == 3 and not fsdp2:
             root = params - layers * shape.block_params(t)
             terms["gathered"] = (2 if bf16 else e) * root
+    bwd = block_backward_bytes(shape, seq, lay.micro_batch, t, lay.sp, _ACT_DTYPE[lay.dtype], bf16, bf16_params)
+    if not last:  # the peak is a block's backward
+        terms["block_backward"] = bwd
     if last and lay.recompute != "none":  # the loss's backward comes before any layer is recomputed:
         loss_moment = terms["loss_backward"] + terms["gathered"] - act["recompute_workspace_bytes"]
         loss_saved = LOSS_BYTES * seq * lay.micro_batch * -(-V // t)  # freed once the loss's backward is done
-        terms["recompute_moment"] = max(0, -loss_saved - loss_moment)  # (the later moment, if larger)
+        terms["recompute_moment"] = max(0, bwd - loss_saved - loss_moment)  # (the later moment, if larger)
         terms["recompute_workspace_not_live"] = -act["recompute_workspace_bytes"]
     total = states["total_bytes"] + a + sum(terms.values())
     if lay.zero_stage == 1 and not fsdp2:  # the step's other moment: finish_grads' reduce-scatters

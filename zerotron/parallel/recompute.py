@@ -21,6 +21,17 @@ and the backward find them gathered, and the gradient hooks free them once the b
 are reduced: a block's full parameters exist only around its forward and its recompute+backward
 (Rajbhandari et al. 2020, sec. 5.3). FSDP2 (torch ``fully_shard``) unshards a block before its
 backward in the same way (Zhao et al. 2023); a pipeline's ZeRO-3 is the same driver (``data.zero.ZeroSync``).
+
+Autocast's weight casts. ``torch.autocast`` caches the bf16 cast of every fp32 leaf parameter it
+casts (``aten/src/ATen/autocast_mode.cpp``: ``cached_casts``, keyed by the weight, held until the
+outermost autocast region exits), so one forward over fp32 parameters (DDP, tensor parallel
+without ZeRO) holds the casts of *every* block until the head is done. Without recomputation the
+Linears save those casts for their backward anyway; a recomputed region saves nothing, so the cache
+was their only holder: Llama-3-70B at tp 8 kept 17 GB of block casts per rank through the forward
+(issue 33's dry run, 1.096 x the estimate). A forward hook on each recomputed module therefore
+clears the cache after it (``torch.clear_autocast_cache``, thread-local: the stage threads of
+``pp_impl = threads`` clear their own); the recompute in backward casts again inside its own
+autocast region, which clears on exit. Outside autocast the cache is empty and the call a no-op.
 """
 from __future__ import annotations
 
@@ -40,9 +51,16 @@ def _recompute(forward):
     return wrapped
 
 
+def _drop_autocast_casts(module, inputs, output) -> None:
+    """Forward hook of a recomputed module: drop autocast's cached weight casts (module docstring)."""
+    torch.clear_autocast_cache()
+
+
 def apply_activation_checkpointing(model, mode: str):
     """Make every block of ``model`` (``model.layout().blocks``; with "selective" the block's
-    ``layout().attention`` submodule) recompute its activations in backward.
+    ``layout().attention`` submodule) recompute its activations in backward, and drop autocast's
+    weight casts after each such module's forward (module docstring; a hook on the module, so
+    ``train.compile``'s compiled forward never traces it).
 
     Returns ``model`` (modified in place). Raises ValueError for an unknown ``mode``."""
     if mode not in MODES:
@@ -53,4 +71,5 @@ def apply_activation_checkpointing(model, mode: str):
     for block in get_module(model, lay.blocks):
         target = block if mode == "full" else get_module(block, lay.attention)
         target.forward = _recompute(target.forward)
+        target.register_forward_hook(_drop_autocast_casts)
     return model
