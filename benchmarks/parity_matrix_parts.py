@@ -37,13 +37,15 @@ def _records(out: str, family: str) -> dict:
     return recs
 
 
-def assemble(out: str, names: list[str]) -> dict:
+def assemble(out: str, names: list[str], worlds: set[int] = frozenset()) -> dict:
     """The report of the progress files of ``out`` over the valid layouts whose name contains one
-    of ``names`` (all when empty)."""
-    chosen = [lay for lay in parity.all_layouts() if not names or any(n in lay.name for n in names)]
+    of ``names`` (all when empty), of the world sizes ``worlds`` (all when empty: the plan's
+    verdict on every layout takes minutes)."""
+    chosen = [lay for lay in parity.all_layouts() if (not names or any(n in lay.name for n in names))
+              and (not worlds or lay.world in worlds)]
     valid = [lay for lay in chosen if parity.refusal(lay) is None]
     worlds = sorted({lay.world for lay in valid})
-    result = {"names": names, "valid": len(valid), "bound": parity.FP64_RTOL, "families": {}}
+    result = {"names": names, "worlds": worlds, "valid": len(valid), "bound": parity.FP64_RTOL, "families": {}}
     for family in parity.MODELS:
         recs = _records(out, family)
         fam = {}
@@ -62,7 +64,7 @@ def assemble(out: str, names: list[str]) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"# Parity matrix in parts (layouts named {', '.join(result['names']) or 'any'})", "",
-             f"{result['valid']} valid layouts per model family, each trained in fp64 against one process "
+             f"{result['valid']} valid layouts per model family at world sizes {result['worlds']}, each trained in fp64 against one process "
              f"(bound {result['bound']:g}); witnesses: the document-masking, LoRA and offload runs of "
              "those layouts.", "",
              "| family | world | valid | checked | not run | witnesses | worst loss | worst grad norm | "
@@ -83,9 +85,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="the ZEROTRON_MATRIX_OUT path of the parts (e.g. benchmarks/parity_matrix_cp.json)")
     ap.add_argument("--names", default="", help="comma-separated ZEROTRON_MATRIX_NAMES of the parts")
+    ap.add_argument("--worlds", default="", help="comma-separated world sizes to report (default: all)")
     a = ap.parse_args(argv)
     names = [s.strip() for s in a.names.split(",") if s.strip()]
-    result = assemble(a.out, names)
+    result = assemble(a.out, names, {int(w) for w in a.worlds.split(",") if w.strip()})
     if not any(s["checked"] or s["witnesses_checked"] for fam in result["families"].values() for s in fam.values()):
         print(f"parity_matrix_parts: no progress file of {a.out} (run tests/test_parity_matrix.py with "
               "ZEROTRON_MATRIX_OUT set first)", file=sys.stderr)
