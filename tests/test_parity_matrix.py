@@ -220,3 +220,28 @@ def test_fp32_smoke_within_measured_noise_floor(data_cache, single_process, tmp_
         ratios[d["name"]] = max(max(r[k] for r in recs) / max(floor[fam[k]], 1e-300) for k in fam)
     report(f"fp32 smoke: noise floor {floor}; worst layout error / floor: "
           + ", ".join(f"{k} {v:.2g}" for k, v in ratios.items()))
+
+
+def test_kept_meshes_keep_dtensor_caches_only_while_no_mesh_names_a_destroyed_group(single_process):
+    """run_many keeps DTensor's sharding caches across layouts (MeshCache) unless a surviving
+    DeviceMesh names a group the layout destroyed (a stale cache hit would name it): the check
+    sees a mesh over a destroyed group, and not one over a live group."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from zerotron.parity.runs import _meshes_name
+
+    gc.collect()
+    pg = dist.new_group([0])
+    name = c10d._world.pg_names[pg]
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    gc.collect()  # the mesh is now a survivor of the oldest generation, as after a layout
+    assert _meshes_name({name}) and not _meshes_name({"no-such-group"}) and not _meshes_name(set())
+    dist.destroy_process_group(pg)
+    assert _meshes_name({name})  # still alive (e.g. through a cache): the caches must be cleared
+    del mesh
+    gc.collect()
+    assert not _meshes_name({name})
