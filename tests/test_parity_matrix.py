@@ -2,12 +2,14 @@
 like one process in float64 (rtol 1e-10, copies bitwise equal); every layout it refuses is refused
 for a documented reason.
 
-By default the pairwise covering array of the valid layouts runs (every pair of factor values at
-least once); ``ZEROTRON_MATRIX=full`` (``make test-matrix``) runs every valid layout, and
+By default one pairwise covering array of the valid layouts over both model families runs, the
+family one more factor (every pair of factor values, (family, value) pairs included, at least once;
+``parity.joint_covering``); ``ZEROTRON_MATRIX=full`` (``make test-matrix``) runs every valid layout, and
 ``ZEROTRON_MATRIX_OUT=path.json`` writes the per-layout worst errors. The layouts of one world size
 run in a few run_ranks calls (chunks of CHUNK layouts, on run_ranks' pooled ranks), shared by
 both model families."""
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -73,21 +75,30 @@ def test_refusals_are_the_documented_ones(split, report):
 
 
 def test_covering_array_covers_every_pair(split):
+    """The joint covering array (the model family as one more factor) holds every pair of
+    (factor, value) assignments of ``families x valid layouts`` -- (family, value) pairs included,
+    so each family sees every value of every factor -- and every MUST witness in its families;
+    so does the one-family array (``covering_layouts``, the MoE family's)."""
     valid, _ = split
-    cover = parity.covering_layouts(valid)
     keys = list(parity.FACTORS)
 
-    def pairs(l):
-        v = [(k, getattr(l, k)) for k in keys]
-        return {(v[i], v[j]) for i in range(len(v)) for j in range(i + 1, len(v))}
+    def pairs(family, lay):
+        v = ([("family", family)] if family else []) + [(k, getattr(lay, k)) for k in keys]
+        return set(itertools.combinations(v, 2))
 
-    want = set().union(*(pairs(l) for l in valid))
-    assert set().union(*(pairs(l) for l in cover)) == want
+    cover = parity.joint_covering(valid)
+    want1 = set().union(*(pairs(None, lay) for lay in valid))  # the valid layouts are the same in every family
+    want = want1 | {(("family", f), a) for f in parity.MODELS for a in {a for p in want1 for a in p}}
+    assert set().union(*(pairs(f, lay) for f, lay in cover)) == want
+    assert len(set(cover)) == len(cover) and all(f in parity.MODELS for f, _ in cover)
+    witnesses = {(f, lay) for lay in valid if lay.name in parity.MUST for f in parity.witness_families(lay)}
+    assert len({lay.name for _, lay in witnesses}) == len(parity.MUST) and witnesses <= set(cover)
     assert len(cover) < len(valid) / 4, (len(cover), len(valid))
-    # every value of every factor appears, including the 8-process 3-D layouts
-    for k, values in parity.FACTORS.items():
-        got = {getattr(l, k) for l in cover}
-        assert {getattr(l, k) for l in valid} <= got, k
+    for f in parity.MODELS:  # every value of every factor in each family, including the 8-process 3-D layouts
+        for k in keys:
+            assert {getattr(lay, k) for lay in valid} == {getattr(lay, k) for g, lay in cover if g == f}, (f, k)
+    one = parity.covering_layouts(valid)
+    assert set().union(*(pairs(None, lay) for lay in one)) == want1
 
 
 def _out(family: str) -> str | None:
@@ -103,21 +114,25 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
     (``parity.DOC_MASK``) train on the short-document corpus against a reference with the masks."""
     valid, _ = split
     lora_names = parity.LORA if FULL or os.environ.get("ZEROTRON_SFT_FULL") else parity.LORA_CI
-    chosen = (valid if FULL else parity.covering_layouts(valid)) + parity.doc_mask_layouts(valid) + \
-        parity.lora_layouts(valid, lora_names) + parity.offload_layouts(valid)
-    if WORLDS:
-        chosen = [lay for lay in chosen if lay.world in WORLDS]
-    if SCHEDULES:
-        chosen = [lay for lay in chosen if lay.schedule in SCHEDULES]
-    if NAMES:
-        chosen = [lay for lay in chosen if any(n in lay.name for n in NAMES)]
+    witnesses = parity.doc_mask_layouts(valid) + parity.lora_layouts(valid, lora_names) + parity.offload_layouts(valid)
+    chosen = {family: list(valid) if FULL else [] for family in parity.MODELS}
+    for family, lay in ([] if FULL else parity.joint_covering(valid)):  # one array, the family a factor
+        chosen[family].append(lay)
+    for family, lays in chosen.items():
+        lays += witnesses
+        if WORLDS:
+            lays[:] = [lay for lay in lays if lay.world in WORLDS]
+        if SCHEDULES:
+            lays[:] = [lay for lay in lays if lay.schedule in SCHEDULES]
+        if NAMES:
+            lays[:] = [lay for lay in lays if any(n in lay.name for n in NAMES)]
     tmp = tmp_path_factory.mktemp("matrix")
     docs = {"data.corpus": "files", "data.path": parity.doc_corpus(str(tmp / "docs.jsonl")), "data.doc_mask": "true"}
     fam, summaries, by_world = {}, {}, defaultdict(list)
     for family in parity.MODELS:
         partial, done = _partial(_out(family), family)
-        summaries[family] = [done[lay.name] for lay in chosen if lay.name in done]
-        for dm, lora in sorted({(lay.doc_mask, lay.lora) for lay in chosen}):
+        summaries[family] = [done[lay.name] for lay in chosen[family] if lay.name in done]
+        for dm, lora in sorted({(lay.doc_mask, lay.lora) for lay in chosen[family]}):
             key = (family, dm, lora)  # a job: the family's layouts with or without document masking, LoRA
             extra = {"data.cache_dir": data_cache, **parity.MODELS[family], **(docs if dm else {}),
                      **(parity.LORA_TRAIN if lora else {})}
@@ -129,7 +144,7 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
             ref_path = str(tmp / f"reference-{family}-{dm}-{lora}.pt")
             torch.save(ref, ref_path)
             fam[key] = (extra, ref_path, (set(ref["params"]), set(ref["optim"])), partial)
-        for lay in chosen:
+        for lay in chosen[family]:
             if lay.name not in done:
                 by_world[lay.world].append(((family, lay.doc_mask, lay.lora), lay.as_dict()))
     for world, items in sorted(by_world.items(), key=lambda kv: -kv[0]):  # the largest (slowest) first
@@ -156,7 +171,7 @@ def matrix_runs(split, data_cache, single_process, tmp_path_factory):
                 if fam[key][3]:
                     with open(fam[key][3], "a") as f:
                         f.writelines(json.dumps(x) + "\n" for x in new)
-    return {family: (sorted(summaries[family], key=lambda x: (x["world"], x["name"])), len(chosen),
+    return {family: (sorted(summaries[family], key=lambda x: (x["world"], x["name"])), len(chosen[family]),
                        next(v[3] for k, v in fam.items() if k[0] == family))
             for family in parity.MODELS}
 
@@ -169,7 +184,7 @@ def test_fp64_layout_matrix(family, split, matrix_runs, report):
     out = _out(family)
     seconds = sum(s.get("seconds", 0) for s in summaries)  # this run plus the resumed parts
     worst = {k: max(s[k] for s in summaries) for k in parity.ERRORS}
-    report(f"parity matrix, {family} ({'full' if FULL else 'pairwise covering array'}): {len(summaries)} of "
+    report(f"parity matrix, {family} ({'full' if FULL else 'joint pairwise covering array'}): {len(summaries)} of "
            f"{len(valid)} valid layouts checked in fp64 ({len(refused)} refused), "
            f"worst relative error {max(worst.values()):.3g} ({worst}), {seconds:.0f} s (spawns shared by the families)")
     assert len(summaries) == n_chosen
@@ -220,3 +235,28 @@ def test_fp32_smoke_within_measured_noise_floor(data_cache, single_process, tmp_
         ratios[d["name"]] = max(max(r[k] for r in recs) / max(floor[fam[k]], 1e-300) for k in fam)
     report(f"fp32 smoke: noise floor {floor}; worst layout error / floor: "
           + ", ".join(f"{k} {v:.2g}" for k, v in ratios.items()))
+
+
+def test_kept_meshes_keep_dtensor_caches_only_while_no_mesh_names_a_destroyed_group(single_process):
+    """run_many keeps DTensor's sharding caches across layouts (MeshCache) unless a surviving
+    DeviceMesh names a group the layout destroyed (a stale cache hit would name it): the check
+    sees a mesh over a destroyed group, and not one over a live group."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from zerotron.parity.runs import _meshes_name
+
+    gc.collect()
+    pg = dist.new_group([0])
+    name = c10d._world.pg_names[pg]
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    gc.collect()  # the mesh is now a survivor of the oldest generation, as after a layout
+    assert _meshes_name({name}) and not _meshes_name({"no-such-group"}) and not _meshes_name(set())
+    dist.destroy_process_group(pg)
+    assert _meshes_name({name})  # still alive (e.g. through a cache): the caches must be cleared
+    del mesh
+    gc.collect()
+    assert not _meshes_name({name})

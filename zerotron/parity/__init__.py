@@ -10,7 +10,9 @@ checkpointing (``train.activation_checkpointing`` none | full: every block recom
 matter are canonicalised away (sequence parallelism only with tp > 1, a schedule and a split only with
 pp > 1), and at most :data:`MAX_WORLD` processes are used. :func:`all_layouts` enumerates the
 full product; :func:`covering_layouts` picks a small set in which every pair of factor values
-that occurs in some valid layout occurs at least once (a greedy pairwise covering array).
+that occurs in some valid layout occurs at least once (a greedy pairwise covering array), and
+:func:`joint_covering` one such array over every model family at once, the family one more factor
+(the :data:`MUST` witnesses in the families :func:`witness_families` names).
 
 Each layout trains :data:`STEPS` optimizer steps of the same global batch (:data:`GLOBAL_BATCH`
 sequences) in float64 (``train.dtype = "fp64"``) through the real :class:`~zerotron.train.trainer.Trainer`,
@@ -81,17 +83,19 @@ from zerotron.parity.space import (
                                   doc_corpus,
                                   doc_mask_layouts,
                                   expected_refusal,
+                                  joint_covering,
                                   lora_layouts,
                                   moe_expected_refusal,
                                   moe_layouts,
                                   moe_refusal,
                                   offload_layouts,
                                   refusal,
+                                  witness_families,
 )
 
 __all__ = ["ERRORS", "check", "compare", "markdown", "read_progress", "parity_worst", "reference", "run_jobs", "run_many", "train_layout", "DOC_MASK", "FACTORS",
            "FP64_RTOL", "GLOBAL_BATCH", "MAX_WORLD", "MODEL", "MODELS", "MUST", "STEPS", "TORCH_KINDS", "TRAIN",
-           "Layout", "all_layouts", "config_for", "covering_layouts", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
+           "Layout", "all_layouts", "config_for", "covering_layouts", "joint_covering", "witness_families", "doc_corpus", "doc_mask_layouts", "expected_refusal", "refusal",
            "MOE_MODEL", "MOE_MUST", "MOE_MUST_FULL", "moe_layouts", "moe_refusal", "moe_expected_refusal",
            "LORA", "LORA_CI", "LORA_TRAIN", "lora_layouts",
            "OFFLOAD", "offload_layouts"]

@@ -2,6 +2,7 @@
 single-process reference, check the copies, and report (see the package docstring)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import multiprocessing
@@ -73,13 +74,49 @@ def _state_errors(msd, osd, ref) -> dict:
             "unknown_keys": sorted((set(msd) - set(ref["params"])) | (set(osd["state"]) - set(ref["optim"])))}
 
 
-def train_layout(layout: Layout, run_dir: str, extra: dict | None = None) -> dict:
+class MeshCache:
+    """The process groups of the layouts of one spawn, built once per mesh shape: ``get(dims,
+    device)`` returns the :class:`~zerotron.distributed.mesh.Mesh` of ``dims``
+    (a ``ParallelDims``), building it (collective) the first time; :attr:`groups` holds the process
+    groups the cached meshes own, which :func:`_destroy_subgroups` keeps between layouts. Building a
+    mesh is one gloo rendezvous per group and axis (a world-8 mesh: a dozen groups) and a layout's
+    numbers do not depend on which group objects carry its collectives, only on their members
+    and order, which the dims fix. Every rank must ask for the same dims in the same order."""
+
+    def __init__(self):
+        self.meshes: dict = {}
+        self.groups: set = set()
+
+    def get(self, dims, device):
+        from torch.distributed import distributed_c10d as c10d
+
+        from zerotron.distributed.mesh import Mesh
+
+        if dims not in self.meshes:
+            before = set(c10d._world.pg_map)  # private registry: the only list of live groups
+            self.meshes[dims] = Mesh(dims, device)
+            self.groups |= set(c10d._world.pg_map) - before
+        return self.meshes[dims]
+
+
+def train_layout(layout: Layout, run_dir: str, extra: dict | None = None, meshes: MeshCache | None = None) -> dict:
     """Train ``layout`` in this process group (every rank calls it). Returns per-step ``losses``,
     ``norms``, ``val`` ({step: val_loss}), the canonical ``msd``/``osd`` (this rank's part), the
-    rank's ``coords`` and ``copies`` (see :func:`_copies`). Collective."""
+    rank's ``coords`` and ``copies`` (see :func:`_copies`). ``meshes``: process groups shared with
+    earlier layouts of the same mesh shape (:class:`MeshCache`); None builds this layout's own.
+    Collective."""
+    from zerotron.distributed.mesh import init_distributed
+    from zerotron.plan import build_plan
+    from zerotron.train.setup import train_device
     from zerotron.train.trainer import Trainer
 
-    tr = Trainer(config_for(layout, extra), run_dir)
+    cfg = config_for(layout, extra)
+    if meshes is None:
+        tr = Trainer(cfg, run_dir)
+    else:
+        _, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, train_device(cfg))
+        plan = build_plan(cfg, world)
+        tr = Trainer(cfg, run_dir, plan=plan, mesh=meshes.get(plan.dims, device))
     out = {"losses": [], "norms": [], "val": {}, "aux": []}
 
     def cb(t, rec):
@@ -103,11 +140,32 @@ def train_layout(layout: Layout, run_dir: str, extra: dict | None = None) -> dic
     return out
 
 
+@contextlib.contextmanager
+def _as_a_rank():
+    """Train in this process as a run_ranks rank does: torch on one intra-op thread (on a loaded
+    machine two threads per process spin against the other processes: the single-process reference
+    took 24 s instead of ~2), and the objects alive before (a pytest process holds millions) left out
+    of the garbage collections between layouts (``gc.freeze``, undone at the end). Restores both."""
+    import torch
+
+    threads, frozen = torch.get_num_threads(), gc.get_freeze_count() == 0
+    torch.set_num_threads(1)
+    if frozen:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if frozen:
+            gc.unfreeze()
+
+
 def reference(run_dir: str, extra: dict | None = None) -> dict:
     """The single-process run of the matrix configuration (world size 1, one micro-batch per step):
     losses, norms, val, and the canonical state as ``{"params": {fqn: tensor}, "optim": {fqn:
     {exp_avg, exp_avg_sq, step}}}`` (CPU tensors). Needs a world-size-1 process group."""
-    out = train_layout(Layout("ddp", 1, 1, False, 1, None, 1), run_dir, extra)
+    with _as_a_rank():
+        out = train_layout(Layout("ddp", 1, 1, False, 1, None, 1), run_dir, extra)
     clone = lambda v: v.detach().cpu().clone() if hasattr(v, "detach") else v  # noqa: E731
     return {"losses": out["losses"], "norms": out["norms"], "val": out["val"], "aux": out["aux"],
             "params": {k: clone(v) for k, v in out["msd"].items()},
@@ -135,49 +193,81 @@ def compare(out: dict, ref: dict) -> dict:
     return e
 
 
-def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = None) -> list[dict]:
+def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = None,
+             meshes: MeshCache | None = None) -> list[dict]:
     """Worker body (every rank of one spawn): train each layout (given as ``Layout.as_dict()``),
     compare it with the reference saved at ``ref_path`` (``torch.save`` of :func:`reference`),
-    and return the per-rank error records (small: no tensors), one per layout. A layout that
-    raises is reported with its error message instead of stopping the others (all ranks raise
-    together on a config error; other exceptions end the spawn)."""
+    and return the per-rank error records (small: no tensors), one per layout. The layouts of one
+    mesh shape share its process groups (``meshes``, a :class:`MeshCache`; None: one for this call,
+    destroyed at its end); every other group a layout builds is destroyed after it. Collective:
+    an exception (all ranks raise together on a config error) ends the spawn."""
     import torch
 
     ref = torch.load(ref_path, weights_only=False)
+    own = meshes is None
+    meshes = MeshCache() if own else meshes
     res = []
-    for d in layouts:
-        lay = Layout(**{k: d[k] for k in FACTORS}, doc_mask=d.get("doc_mask", False), ep=d.get("ep", 1),
-                     lora=d.get("lora", False), offload=d.get("offload", "none"))
-        run_dir = f"{tmp}/{lay.name}"
-        out = train_layout(lay, run_dir, extra)
-        res.append({"name": lay.name, **compare(out, ref)})
-        del out
-        _destroy_subgroups()
+    with _as_a_rank():
+        for d in layouts:
+            lay = Layout(**{k: d[k] for k in FACTORS}, doc_mask=d.get("doc_mask", False), ep=d.get("ep", 1),
+                         lora=d.get("lora", False), offload=d.get("offload", "none"))
+            run_dir = f"{tmp}/{lay.name}"
+            out = train_layout(lay, run_dir, extra, meshes)
+            res.append({"name": lay.name, **compare(out, ref)})
+            del out
+            _destroy_subgroups(keep=meshes.groups)
+        if own:
+            _destroy_subgroups()
     return res
 
 
 def run_jobs(jobs: list[tuple[list[dict], str, str, dict | None]]) -> list[list[dict]]:
     """Worker body running several :func:`run_many` jobs ``(layouts, ref_path, tmp, extra)`` in one
-    spawn (e.g. both model families' layouts of one world size: the ranks import torch once).
+    spawn (e.g. both model families' layouts of one world size: the ranks import torch once, and
+    the layouts of one mesh shape share its process groups, :class:`MeshCache`).
     Returns one record list per job, in order."""
-    return [run_many(*job) for job in jobs]
+    meshes = MeshCache()
+    out = [run_many(*job, meshes=meshes) for job in jobs]
+    _destroy_subgroups()
+    return out
 
 
-def _destroy_subgroups() -> None:
-    """Destroy every process group but the default one (each layout builds its own mesh and
-    pipeline groups; hundreds of live gloo groups slow every later layout down). Collective."""
+def _destroy_subgroups(keep: set | frozenset = frozenset()) -> None:
+    """Destroy every process group but the default one and those in ``keep`` (each layout builds
+    its own pipeline groups, and its own mesh outside a :class:`MeshCache`; hundreds of live gloo
+    groups slow every later layout down). Collective."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     dist.barrier()
+    gone = set()
     for pg in list(c10d._world.pg_map):  # private registry: the only list of live groups
-        if pg is not c10d.GroupMember.WORLD and pg is not dist.group.WORLD:
+        if pg is not c10d.GroupMember.WORLD and pg is not dist.group.WORLD and pg not in keep:
+            gone.add(c10d._world.pg_names.get(pg))
             dist.destroy_process_group(pg)
     release_destroyed_groups()
-    clear_dtensor_caches()
     gc.collect()  # the layout's objects in reference cycles hold its groups (a gloo group: 3 threads, one polling)
+    if not keep or _meshes_name(gone):  # DTensor's caches name a destroyed group: forget them
+        clear_dtensor_caches()
+        gc.collect()
     if multiprocessing.parent_process() is not None:  # a rank process (run_ranks), not the test's own process:
         gc.freeze()  # what survived stays (imports, caches): the next layout's collection skips it (0.15-0.4 s each)
+
+
+def _meshes_name(groups: set) -> bool:
+    """Whether a DeviceMesh that survived this layout (the young objects after a collection: DTensor's
+    caches keep the meshes of the specs they hold) names one of ``groups`` (process group names).
+    DTensor's sharding caches compare meshes by shape and dimension names, not by their groups, so
+    while the kept meshes (:class:`MeshCache`) are the only ones alive they stay valid across
+    layouts (sharding propagation is most of an FSDP2 layout's Python time); a mesh over a
+    destroyed group (e.g. ``DeviceMesh.from_group`` of a layout's own group) would make a later
+    layout's cache hit name that group, so the caches are cleared then."""
+    if not groups:
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return any(isinstance(o, DeviceMesh) and set(getattr(o, "_dim_group_names", ())) & groups
+               for o in gc.get_objects(generation=2))
 
 
 ERRORS = ("loss_err", "norm_err", "aux_err", "val_err", "param_err", "optim_err", "full_err")

@@ -199,6 +199,13 @@ def data_kwargs(cfg: Config) -> dict:
                 seq_len=seq_len_of(cfg) if d.format != "text" else None, pack=d.doc_mask and d.format != "text")
 
 
+def train_device(cfg: Config) -> torch.device | None:
+    """The device ``train.device`` names: ``cpu``, ``cuda`` (``cuda:<LOCAL_RANK>``), or None for
+    ``auto`` (``distributed.mesh.init_distributed`` then picks CUDA when present, else the CPU)."""
+    return {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}.get(
+        cfg.train.device)
+
+
 def load_data(cfg: Config, local_rank: int):
     """Build/open the token cache: local rank 0 builds it first, the others then open it."""
     kwargs = data_kwargs(cfg)

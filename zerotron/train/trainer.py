@@ -41,6 +41,7 @@ from .setup import (
     load_data,
     pad_rows,
     padding_batch,
+    train_device,
     val_rank_windows,
 )
 from .step import IGNORE_INDEX, evaluate, train_step
@@ -71,16 +72,19 @@ class Trainer:
     A library caller may leave them out: the Trainer then builds and checks them itself. Raises
     ValueError for a plan of another world size.
 
+    ``mesh``: a :class:`~zerotron.distributed.mesh.Mesh` of the plan's dims built earlier in this
+    process group, whose process groups this run then uses instead of building its own (the parity
+    matrix trains hundreds of layouts of a few mesh shapes in one spawn); None builds one. Raises
+    ValueError for a mesh of other dims.
+
     Must run inside every worker process (torchrun/``--nproc``) or alone (world size 1)."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False, restart: int = 0,
-                 plan: ParallelPlan | None = None, resume_from: Path | None = None):
+                 plan: ParallelPlan | None = None, resume_from: Path | None = None, mesh: Mesh | None = None):
         self.cfg, self.run_dir, self.resume, self.restart = cfg, Path(run_dir), resume, restart
         if resume:  # ``zerotron train`` passes the verdict of its one check; a library caller gets it here
             self.resume_from = resume_from or check_resume(cfg, self.run_dir, quarantine=False)
-        device = {"cpu": torch.device("cpu"), "cuda": torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))}.get(
-            cfg.train.device)
-        rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, device)
+        rank, world, device = init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s, train_device(cfg))
         if not resume and not restart:  # a fresh run never writes over one (the CLI checks first too)
             self._refuse_existing_run(device)
         if plan is None:  # every layout rule, once per process: ``zerotron train`` built it before any write
@@ -89,7 +93,9 @@ class Trainer:
             raise ValueError(f"the plan is for world size {plan.dims.world_size}, this process group has {world}")
         self.plan = plan  # the strategies take the plan
         self.layout = self.plan.layout()
-        self.mesh = Mesh(self.plan.dims, device)
+        if mesh is not None and mesh.dims != self.plan.dims:
+            raise ValueError(f"the mesh is for {mesh.dims}, the plan needs {self.plan.dims}")
+        self.mesh = mesh if mesh is not None else Mesh(self.plan.dims, device)
         self.device, self.rank, self.world = device, rank, world
         self.dp_rank, self.dp = self.mesh.local_rank("dp"), self.mesh.size("dp")
         self.cp_rank, self.cp = self.mesh.local_rank("cp"), self.mesh.size("cp")
