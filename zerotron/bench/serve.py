@@ -75,11 +75,22 @@ def run_mode(mode: str, engine, requests, interval_s: float, window_ms: float, m
             j.done.wait()
         front.draining.set()
 
-    def watch(i, j):  # the first token's time (streamed events)
-        ev = j.events.get()
-        first[i] = time.perf_counter()
-        while ev is not None:
-            ev = j.events.get()
+    wakes = [threading.Event() for _ in jobs]
+    for j, w in zip(jobs, wakes):  # the batcher calls job.wake after its tokens (Job.token, wake_jobs)
+        j.wake = w.set
+
+    def watch(i, j):  # the first token's time (streamed events: a deque the batcher appends to)
+        w = wakes[i]
+        while True:
+            w.clear()
+            if not j.events:
+                w.wait(0.05)  # the timeout covers a wake between the check and the wait
+                continue
+            ev = j.events.popleft()
+            if first[i] is None:
+                first[i] = time.perf_counter()
+            if ev is None:
+                return
 
     threads = [threading.Thread(target=client)] + [threading.Thread(target=watch, args=(i, j)) for i, j in enumerate(jobs)]
     done_at = [0.0] * len(jobs)
