@@ -82,9 +82,9 @@ def run_mode(mode: str, engine, requests, interval_s: float, window_ms: float, m
     def watch(i, j):  # the first token's time (streamed events: a deque the batcher appends to)
         w = wakes[i]
         while True:
-            w.clear()
+            w.clear()  # clear, then look, then wait: a wake after the clear is not lost
             if not j.events:
-                w.wait(0.05)  # the timeout covers a wake between the check and the wait
+                w.wait()
                 continue
             ev = j.events.popleft()
             if first[i] is None:
