@@ -5,6 +5,8 @@ TORCH_SPEC ?= torch==2.13.0
 NPROC ?= 2
 CONFIG ?= configs/default.toml
 ARGS ?=
+# pytest-xdist workers of `make test` (each test file runs whole on one worker); JOBS=0: one process
+JOBS ?= 2
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
@@ -42,7 +44,7 @@ lint: install-dev
 
 TESTS ?= tests
 test: lint
-	$(PY) -m pytest $(TESTS) $(ARGS)
+	$(PY) -m pytest -n $(JOBS) --dist loadfile --no-loadscope-reorder $(TESTS) $(ARGS)
 
 # every valid layout of the parity matrix (fp64, ~5 min on 2 idle cores); results under benchmarks/
 test-matrix: install-dev

@@ -46,16 +46,36 @@ def chat_tokenizer(tmp_path_factory):
                                   1000, out)
 
 
-_SUMMARY: list[str] = []
+_REPORT = "zerotron-report"
+
+# `make test` runs the files on two pytest-xdist workers (--dist loadfile --no-loadscope-reorder), each
+# file whole on one worker, handed out in collection order as workers free up: the longest files go
+# first (longest-processing-time first keeps the two workers' ends close; seconds of the idle
+# 2-core run of 2026-12-04 16:27, whole file incl. setup), the rest keep their order.
+LONG_FILES = ("test_parity_matrix.py",  # ~590 s
+              "test_faults.py", "test_tp_train.py", "test_3d.py", "test_moe_parity.py",  # 200-80 s
+              "test_continuous.py", "test_readme.py", "test_serve.py", "test_compile.py", "test_two_nodes.py",
+              "test_dryrun.py", "test_pipeline.py", "test_compose.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: a file's own order kept
 
 
 @pytest.fixture
-def report():
+def report(request):
     """``report(line)``: a line printed in pytest's terminal summary even without ``-s`` (counts
-    and worst errors that CI logs should show)."""
-    return _SUMMARY.append
+    and worst errors that CI logs should show). The line travels in the test's report
+    (``user_properties``), so an xdist worker's lines reach the controller's summary."""
+    return lambda line: request.node.user_properties.append((_REPORT, str(line)))
 
 
 def pytest_terminal_summary(terminalreporter):
-    for line in _SUMMARY:
-        terminalreporter.write_line(line)
+    seen = set()
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            for key, line in getattr(rep, "user_properties", ()) or ():
+                if key == _REPORT and (rep.nodeid, line) not in seen:
+                    seen.add((rep.nodeid, line))
+                    terminalreporter.write_line(line)
