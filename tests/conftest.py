@@ -1,16 +1,20 @@
 import os
 
-import pytest
-import torch
+# One intra-op thread in the pytest process and in every process it starts (CLI runs, launched
+# workers, pooled ranks; zerotron.testing._run_job does the same): the test models are too small to
+# gain from a second thread, whose OpenMP spin-waits take a core from the other processes -- a
+# 2-step single-process `zerotron train` of configs/tiny.toml took 12.96 user CPU s with torch's
+# default 2 threads and 4.31 with one (7.61 vs 4.31 in a second pair, load 11) (benchmarks/suite_durations.md). Set before torch loads (the
+# OpenMP runtime reads it then); an OMP_NUM_THREADS in the environment wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from zerotron.testing import tiny_config
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
-# One intra-op thread in the pytest process (references, in-process runs), as in every rank
-# (zerotron.testing._run_job): the test models are too small to gain from a second thread, whose
-# OpenMP waits take a core from the ranks and the CLI children (benchmarks/suite_durations.md).
-# An OMP_NUM_THREADS in the environment wins.
-if "OMP_NUM_THREADS" not in os.environ:
-    torch.set_num_threads(1)
+from zerotron.testing import tiny_config  # noqa: E402
+
+if os.environ["OMP_NUM_THREADS"].isdigit():
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
