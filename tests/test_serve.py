@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from zerotron.testing import ROOT, run_cli, start_serve
+from zerotron.testing import ROOT, process_tree, run_cli, start_serve, stop_serve
 
 PROMPTS = ["ROMEO:", "JULIET: O", "First Citizen:\nBefore we proceed", "KING"]
 NEW = 8
@@ -223,9 +223,7 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
         assert any("drained and stopped" in ln for ln in lines), "".join(lines)
         assert "Traceback" not in "".join(lines), "".join(lines)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc, signal_first=False)  # a failed test: the launcher, its workers and the HTTP process
 
 
 def test_serve_cannot_listen_is_one_line(checkpoint, capsys):
@@ -395,9 +393,7 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
         time.sleep(0.3)
         assert any("drained and stopped" in ln for ln in lines) and "Traceback" not in "".join(lines), "".join(lines)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc, signal_first=False)  # a failed test: the launcher, its workers and the HTTP process
 
 
 def test_batching_options_are_checked():
@@ -431,6 +427,8 @@ def test_batching_options_are_checked():
 
     assert KV_PAGE == DEFAULT_PAGE  # the CLI's default page is the engine's
     assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
+    assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "process"
+    assert err("--frontend", "fork") == "--frontend must be one of process, thread, got 'fork'"
 
 
 def test_api_key_option_and_env():
@@ -442,3 +440,62 @@ def test_api_key_option_and_env():
     assert api_key_of(args(), {}) is None and api_key_of(args(), {"ZEROTRON_API_KEY": ""}) is None
     assert api_key_of(args(), {"ZEROTRON_API_KEY": "env-key"}) == "env-key"
     assert api_key_of(args("--api-key", "cli-key"), {"ZEROTRON_API_KEY": "env-key"}) == "cli-key"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_frontend_process_and_engine_stop_together(checkpoint):
+    """``--frontend process`` (the default): HTTP runs in a child process of the engine's. A
+    SIGKILL of either stops the other, so neither is left running: the front end killed, the
+    engine cancels its rows and exits 1 with one line; the engine killed, the front end sees its
+    connection close and exits."""
+    for victim in ("frontend", "engine"):
+        proc, lines, base = start_serve(checkpoint, "--kv-page", "4")
+        try:
+            assert "HTTP in its own process" in "".join(lines), "".join(lines)
+            fronts = [p for p in process_tree(proc.pid)[1:]
+                      if b"zerotron.serve.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+            assert len(fronts) == 1, process_tree(proc.pid)
+            code, r = _post(base + "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
+            assert code == 200 and r["usage"]["completion_tokens"] >= 1, r
+            if victim == "frontend":
+                os.kill(fronts[0], signal.SIGKILL)
+                assert proc.wait(timeout=60) == 1, "".join(lines)
+                time.sleep(0.3)
+                out = "".join(lines)
+                assert "zerotron serve: error: the HTTP front-end process exited" in out and "Traceback" not in out, out
+            else:
+                proc.kill()
+                proc.wait()
+                deadline = time.time() + 60
+                while _alive(fronts[0]):
+                    assert time.time() < deadline, "the front end outlived its engine"
+                    time.sleep(0.1)
+        finally:
+            stop_serve(proc, signal_first=False)
+
+
+def test_stop_serve_kills_the_whole_tree():
+    """The workers of ``--nproc`` run in sessions of their own (torch's elastic agent): a failed test
+    that killed only the launcher (``proc.kill()``) left them serving. ``stop_serve`` kills every
+    process under the server, whatever its session."""
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+            "start_new_session=True); print('up', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "up\n"
+        tree = process_tree(proc.pid)
+        assert len(tree) == 2 and tree[0] == proc.pid, tree
+        assert stop_serve(proc, signal_first=False) == -signal.SIGKILL
+        deadline = time.time() + 10
+        while any(_alive(p) for p in tree):
+            assert time.time() < deadline, [p for p in tree if _alive(p)]
+            time.sleep(0.05)
+    finally:
+        stop_serve(proc, signal_first=False)
