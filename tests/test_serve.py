@@ -451,34 +451,69 @@ def _alive(pid: int) -> bool:
 
 
 def test_frontend_process_and_engine_stop_together(checkpoint):
-    """``--frontend process`` (the default): HTTP runs in a child process of the engine's. A
-    SIGKILL of either stops the other, so neither is left running: the front end killed, the
-    engine cancels its rows and exits 1 with one line; the engine killed, the front end sees its
-    connection close and exits."""
-    for victim in ("frontend", "engine"):
-        proc, lines, base = start_serve(checkpoint, "--kv-page", "4")
-        try:
-            assert "HTTP in its own process" in "".join(lines), "".join(lines)
-            fronts = [p for p in process_tree(proc.pid)[1:]
-                      if b"zerotron.serve.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
-            assert len(fronts) == 1, process_tree(proc.pid)
-            code, r = _post(base + "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
-            assert code == 200 and r["usage"]["completion_tokens"] >= 1, r
-            if victim == "frontend":
-                os.kill(fronts[0], signal.SIGKILL)
-                assert proc.wait(timeout=60) == 1, "".join(lines)
-                time.sleep(0.3)
-                out = "".join(lines)
-                assert "zerotron serve: error: the HTTP front-end process exited" in out and "Traceback" not in out, out
-            else:
-                proc.kill()
-                proc.wait()
-                deadline = time.time() + 60
-                while _alive(fronts[0]):
-                    assert time.time() < deadline, "the front end outlived its engine"
-                    time.sleep(0.1)
-        finally:
-            stop_serve(proc, signal_first=False)
+    """``--frontend process`` (the default): HTTP runs in a child process of the engine's, and
+    neither outlives the other. A real server whose engine is SIGKILLed: its front end sees the
+    connection close and exits. The engine's end (``RemoteFront``, in this process, over a real
+    front-end process): an HTTP request arrives as a job with the prompt's tokens, the tokens
+    published back answer it; when the front end is SIGKILLed, the open job is cancelled and the
+    engine's side drains (no job is waited for)."""
+    import queue
+
+    from zerotron.data.tokenizer import load_tokenizer
+    from zerotron.serve.http_api import bind
+    from zerotron.serve.link import RemoteFront, spawn_frontend
+
+    proc, lines, base = start_serve(checkpoint, "--kv-page", "4")
+    try:
+        assert "HTTP in its own process" in "".join(lines), "".join(lines)
+        fronts = [p for p in process_tree(proc.pid)[1:]
+                  if b"zerotron.serve.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert len(fronts) == 1, process_tree(proc.pid)
+        code, r = _post(base + "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
+        assert code == 200 and r["usage"]["completion_tokens"] >= 1, r
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 60
+        while _alive(fronts[0]):
+            assert time.time() < deadline, "the front end outlived its engine"
+            time.sleep(0.1)
+    finally:
+        stop_serve(proc, signal_first=False)
+
+    tok = load_tokenizer(next(checkpoint.rglob("tokenizer.json")))
+    link, sock = spawn_frontend(), bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    try:
+        link.start({"tokenizer": tok.to_str(), "eos": None, "eos_token": "", "chat_template": None, "model_id": "m",
+                    "batching": "continuous", "context": 64, "max_body_bytes": 4096, "api_key": None,
+                    "stats": {"kv_blocks_free": 7}}, sock)
+        front = RemoteFront(link, threading.Event())
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
+            job = front.jobs.get(timeout=60)
+            assert [r.prompt for r in job.requests] == [tok.encode("ROMEO:").ids]
+            assert job.requests[0].params.max_tokens == 3
+            for t in (5, 6):
+                job.token(0, t, wake=False)
+            job.result[0] = [5, 6]
+            job.finish()
+            front.stats.requests = 1
+            front.publish([job])
+            code, r = answer.result(timeout=60)
+            assert code == 200 and r["choices"][0]["text"] == tok.decode([5, 6]), r
+            assert _get(url.replace("/v1/completions", "/health"))[1]["requests"] == 1
+            ex.submit(_post, url, {"prompt": "JULIET:", "max_tokens": 3, "temperature": 0}, None, 60)
+            waiting = front.jobs.get(timeout=60)
+            os.kill(link.proc.pid, signal.SIGKILL)
+            link.proc.wait()
+            front.pump(10)
+            assert front.lost and front.draining.is_set() and waiting.cancelled.is_set()
+            with pytest.raises(queue.Empty):
+                front.jobs.get(timeout=0.1)
+    finally:
+        if link.proc.poll() is None:
+            link.proc.kill()
+        sock.close()
 
 
 def test_stop_serve_kills_the_whole_tree():
