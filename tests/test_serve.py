@@ -310,6 +310,7 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
     url = base + "/v1/completions"
     body = lambda p, n=NEW: {"prompt": p, "max_tokens": n, "temperature": 0}  # noqa: E731
     try:
+        assert "HTTP in its own process" in "".join(lines), "".join(lines)  # the default --frontend process
         h = _get(base + "/health")[1]
         assert h["batching"] == "continuous" and h["steps"] == 0, h
         sampled = {"prompt": prompts[2], "max_tokens": 6, "temperature": 1.0, "seed": 5}
@@ -451,42 +452,25 @@ def _alive(pid: int) -> bool:
 
 
 def test_frontend_process_and_engine_stop_together(checkpoint):
-    """``--frontend process`` (the default): HTTP runs in a child process of the engine's, and
-    neither outlives the other. A real server whose engine is SIGKILLed: its front end sees the
-    connection close and exits. The engine's end (``RemoteFront``, in this process, over a real
-    front-end process): an HTTP request arrives as a job with the prompt's tokens, the tokens
-    published back answer it; when the front end is SIGKILLed, the open job is cancelled and the
-    engine's side drains (no job is waited for)."""
+    """``--frontend process`` (the default; served by the other tests here): HTTP runs in a child
+    process of the engine's, and neither outlives the other. The engine's end (``RemoteFront``, in
+    this process, over a real front-end process): an HTTP request arrives as a job with the
+    prompt's tokens, the tokens published back answer it; when the front end is SIGKILLed, the open
+    job is cancelled and the engine's side drains (no job is waited for). When the engine's end
+    closes (the engine died), a front end answers its open request with a 500 and exits."""
     import queue
 
     from zerotron.data.tokenizer import load_tokenizer
     from zerotron.serve.http_api import bind
     from zerotron.serve.link import RemoteFront, spawn_frontend
 
-    proc, lines, base = start_serve(checkpoint, "--kv-page", "4")
-    try:
-        assert "HTTP in its own process" in "".join(lines), "".join(lines)
-        fronts = [p for p in process_tree(proc.pid)[1:]
-                  if b"zerotron.serve.frontend" in open(f"/proc/{p}/cmdline", "rb").read()]
-        assert len(fronts) == 1, process_tree(proc.pid)
-        code, r = _post(base + "/v1/completions", {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0})
-        assert code == 200 and r["usage"]["completion_tokens"] >= 1, r
-        proc.kill()
-        proc.wait()
-        deadline = time.time() + 60
-        while _alive(fronts[0]):
-            assert time.time() < deadline, "the front end outlived its engine"
-            time.sleep(0.1)
-    finally:
-        stop_serve(proc, signal_first=False)
-
     tok = load_tokenizer(next(checkpoint.rglob("tokenizer.json")))
+    config = {"tokenizer": tok.to_str(), "eos": None, "eos_token": "", "chat_template": None, "model_id": "m",
+              "batching": "continuous", "context": 64, "max_body_bytes": 4096, "api_key": None, "stats": {}}
     link, sock = spawn_frontend(), bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
     try:
-        link.start({"tokenizer": tok.to_str(), "eos": None, "eos_token": "", "chat_template": None, "model_id": "m",
-                    "batching": "continuous", "context": 64, "max_body_bytes": 4096, "api_key": None,
-                    "stats": {"kv_blocks_free": 7}}, sock)
+        link.start(config, sock)
         front = RemoteFront(link, threading.Event())
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
@@ -510,6 +494,22 @@ def test_frontend_process_and_engine_stop_together(checkpoint):
             assert front.lost and front.draining.is_set() and waiting.cancelled.is_set()
             with pytest.raises(queue.Empty):
                 front.jobs.get(timeout=0.1)
+    finally:
+        if link.proc.poll() is None:
+            link.proc.kill()
+        sock.close()
+    link, sock = spawn_frontend(), bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    try:
+        link.start(config, sock)
+        front = RemoteFront(link, threading.Event())
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
+            front.jobs.get(timeout=60)
+            link.conn.close()  # the engine is gone
+            code, r = answer.result(timeout=60)
+        assert code == 500 and "the engine process stopped" in r["error"]["message"], r
+        assert link.proc.wait(timeout=60) == 1
     finally:
         if link.proc.poll() is None:
             link.proc.kill()
