@@ -36,7 +36,9 @@ from multiprocessing.reduction import send_handle
 
 from .api import ServeStats
 
-__all__ = ["spawn_frontend", "FrontendLink", "RemoteFront", "RemoteJob"]
+__all__ = ["spawn_frontend", "FrontendLink", "RemoteFront", "RemoteJob", "POLL_S"]
+
+POLL_S = 0.1  # a waiting batcher looks at the connection (and a SIGTERM) at least this often
 
 
 def spawn_frontend() -> FrontendLink:
@@ -126,9 +128,9 @@ class _Inbox:
         self.front.pump(0.0)
         while not self.arrived:
             left = None if deadline is None else deadline - time.monotonic()
-            if (left is not None and left <= 0) or self.front.lost:
-                raise queue.Empty
-            self.front.pump(left if left is None else min(left, 1.0))
+            if (left is not None and left <= 0) or self.front.lost or self.front.draining.is_set():
+                raise queue.Empty  # draining: the front end sends no more jobs, the batcher may stop now
+            self.front.pump(POLL_S if left is None else min(left, POLL_S))  # a SIGTERM is seen within POLL_S
         return self.arrived.popleft()
 
     def get_nowait(self):
