@@ -35,16 +35,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _schedstat(path: str) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for a CPU) of a task: ``/proc/.../schedstat``."""
+    f = Path(path).read_text().split()
+    return int(f[0]) / 1e9, int(f[1]) / 1e9
+
+
 def serve(out: str, profile: bool, argv: list[str]) -> int:
-    """The server process: ``zerotron serve argv`` with the measuring hooks; results in ``out``."""
+    """The server process: ``zerotron serve argv`` with the measuring hooks; results in ``out``
+    (``server.json`` at the end; ``snap.json`` on each SIGUSR1: the figures so far, for a window)."""
     import cProfile
+    import signal
+    import threading
 
     import uvicorn
 
     from zerotron.inference import continuous
     from zerotron.serve import batching, command
 
-    figures = {"step_wall_s": 0.0, "step_cpu_s": 0.0, "steps": 0}
+    figures = {"step_wall_s": 0.0, "step_cpu_s": 0.0, "steps": 0, "step_runq_s": 0.0, "idle_s": 0.0, "snap": 0}
+
+    def snapshot(*_):
+        figures["snap"] += 1
+        Path(out, "snap.tmp").write_text(json.dumps({**figures, "t": time.perf_counter()}))
+        os.replace(Path(out, "snap.tmp"), Path(out, "snap.json"))
+
+    signal.signal(signal.SIGUSR1, snapshot)
 
     def measured(name, fn):
         def run(*a, **k):
@@ -64,15 +80,29 @@ def serve(out: str, profile: bool, argv: list[str]) -> int:
     step = continuous.ContinuousDecoder.step
 
     def timed_step(self, *a, **k):
-        t, c = time.perf_counter(), time.thread_time()
+        me = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        (c, q), t = _schedstat(me), time.perf_counter()
         try:
             return step(self, *a, **k)
         finally:
+            c1, q1 = _schedstat(me)
             figures["step_wall_s"] += time.perf_counter() - t
-            figures["step_cpu_s"] += time.thread_time() - c
+            figures["step_cpu_s"] += c1 - c
+            figures["step_runq_s"] += q1 - q
             figures["steps"] += 1
 
+    take = batching.ContinuousScheduler._take
+
+    def timed_take(self, block):  # the batcher waiting for work (nothing running): idle, not GIL
+        t = time.perf_counter()
+        try:
+            return take(self, block)
+        finally:
+            if block:
+                figures["idle_s"] += time.perf_counter() - t
+
     continuous.ContinuousDecoder.step = timed_step
+    batching.ContinuousScheduler._take = timed_take
     batching.ContinuousScheduler.run = measured("batcher", batching.ContinuousScheduler.run)
     uvicorn.Server.run = measured("http", uvicorn.Server.run)
     code = command.main(argv)
@@ -112,6 +142,66 @@ def threads_cpu(pid: int) -> dict[str, float]:
             if f[1] == str(pid):
                 out["children"] += (int(f[11]) + int(f[12])) / tick
     return out
+
+
+def threads_sched(pid: int) -> dict[str, tuple[float, float]]:
+    """Per thread of ``pid`` and of its child processes ("child/NAME"), by name (summed): (seconds
+    on a CPU, seconds waiting for one), from ``schedstat``; the main thread is "main"."""
+    out: dict[str, tuple[float, float]] = {}
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                if _stat(f"/proc/{d}/stat")[1] == str(pid):
+                    kids.append(int(d))
+            except OSError:
+                continue
+    for proc, prefix in [(pid, "")] + [(k, "child/") for k in kids]:
+        for tid in os.listdir(f"/proc/{proc}/task"):
+            try:
+                name = "main" if tid == str(proc) else Path(f"/proc/{proc}/task/{tid}/comm").read_text().strip()
+                c, q = _schedstat(f"/proc/{proc}/task/{tid}/schedstat")
+            except OSError:
+                continue
+            a, b = out.get(prefix + name, (0.0, 0.0))
+            out[prefix + name] = (a + c, b + q)
+    return out
+
+
+def snap(srv, out: str, timeout_s: float = 30) -> dict:
+    """The measuring server's figures now (SIGUSR1: it writes ``snap.json``)."""
+    f = Path(out, "snap.json")
+    seq = json.loads(f.read_text())["snap"] if f.exists() else 0
+    os.kill(srv.proc.pid, __import__("signal").SIGUSR1)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            d = json.loads(f.read_text())
+            if d["snap"] > seq:
+                return d
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    raise RuntimeError("the server wrote no snapshot")
+
+
+def wall_split(s0: dict, s1: dict, q0: dict, q1: dict) -> dict:
+    """Where the batcher thread's wall time went between snapshots ``s0``/``s1`` (schedstat
+    ``q0``/``q1``): on a CPU, waiting for a CPU (run queue), idle (waiting for work), and the
+    rest -- blocked while it had work, i.e. waiting for the GIL (the engine does no other
+    blocking I/O in one process) -- as fractions of the wall; the same inside engine steps; and
+    each other thread's CPU and run-queue seconds as fractions of that wall."""
+    wall = s1["t"] - s0["t"]
+    cpu, runq = (q1["main"][i] - q0["main"][i] for i in (0, 1))
+    idle = s1["idle_s"] - s0["idle_s"]
+    sw, sc, sq = (s1[k] - s0[k] for k in ("step_wall_s", "step_cpu_s", "step_runq_s"))
+    r = lambda x: round(x / wall, 4)  # noqa: E731
+    return {"wall_s": round(wall, 3), "batcher": {"cpu": r(cpu), "runq": r(runq), "idle": r(idle),
+                                                  "blocked_gil": r(wall - cpu - runq - idle)},
+            "in_step": {"wall": r(sw), "cpu": r(sc), "runq": r(sq), "blocked_gil": r(sw - sc - sq),
+                        "steps": s1["steps"] - s0["steps"]},
+            "threads": {n: {"cpu": r(q1[n][0] - q0.get(n, (0, 0))[0]), "runq": r(q1[n][1] - q0.get(n, (0, 0))[1])}
+                        for n in q1 if q1[n][0] - q0.get(n, (0, 0))[0] > 0.001 * wall}}
 
 
 def start(kind: str, args, out: str):
@@ -155,9 +245,12 @@ def measure(kind: str, args, out: str, prompts: list[str], warm: list[str]) -> d
         sh.run_clients(srv, [warm], 4)
         k = args.requests_per_client
         load0 = os.getloadavg()[0]
+        z = kind == "zerotron"
+        s0, q0 = (snap(srv, out), threads_sched(srv.proc.pid)) if z else (None, None)
         ru0, th0 = resource.getrusage(resource.RUSAGE_SELF), threads_cpu(srv.proc.pid)
         row = sh.run_clients(srv, [prompts[i * k:(i + 1) * k] for i in range(args.concurrency)], args.max_tokens)
         ru1, th1 = resource.getrusage(resource.RUSAGE_SELF), threads_cpu(srv.proc.pid)
+        s1, q1 = (snap(srv, out), threads_sched(srv.proc.pid)) if z else (None, None)
     finally:
         srv.stop()
     n = row["output_tokens"]
@@ -169,6 +262,7 @@ def measure(kind: str, args, out: str, prompts: list[str], warm: list[str]) -> d
                                        if th1.get(t, 0) - th0.get(t, 0) > 0}}
     if kind == "zerotron":
         server = json.loads(Path(out, "server.json").read_text())
+        res["wall_split"] = wall_split(s0, s1, q0, q1)
         res["engine_step"] = {"steps": server["steps"], "wall_ms_per_token": 1e3 * server["step_wall_s"] / n,
                               "cpu_ms_per_token": 1e3 * server["step_cpu_s"] / n}
     return res

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import torch
 
-from zerotron.testing import ROOT, checkpoint_flat, run_cli, start_serve
+from zerotron.testing import ROOT, checkpoint_flat, run_cli, start_serve, stop_serve
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -147,7 +147,8 @@ def test_serve_peft_adapter(gpt, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(gpt["base"]), "--adapter", str(adapter), "--prompt", PROMPT,
                  "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out == want + "\n"
-    proc, lines, base = start_serve(gpt["base"], "--adapter", str(adapter))
+    # HTTP in a thread of the engine's process (--frontend thread; tests/test_serve.py serves with the default process)
+    proc, lines, base = start_serve(gpt["base"], "--adapter", str(adapter), "--frontend", "thread")
     try:
         assert "LoRA adapter" in "".join(lines)
         body = json.dumps({"prompt": PROMPT, "max_tokens": NEW, "temperature": 0}).encode()
@@ -156,8 +157,7 @@ def test_serve_peft_adapter(gpt, tmp_path, capsys):
             got = json.loads(r.read())
         assert PROMPT + got["choices"][0]["text"] == want, (got, want)
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_serve(proc)
     # bad adapters: one line, exit 2, before any model is loaded
     from safetensors.torch import load_file, save_file
 

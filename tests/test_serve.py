@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from zerotron.testing import ROOT, run_cli, start_serve
+from zerotron.testing import ROOT, process_tree, run_cli, start_serve, stop_serve
 
 PROMPTS = ["ROMEO:", "JULIET: O", "First Citizen:\nBefore we proceed", "KING"]
 NEW = 8
@@ -223,9 +223,7 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
         assert any("drained and stopped" in ln for ln in lines), "".join(lines)
         assert "Traceback" not in "".join(lines), "".join(lines)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc, signal_first=False)  # a failed test: the launcher, its workers and the HTTP process
 
 
 def test_serve_cannot_listen_is_one_line(checkpoint, capsys):
@@ -312,6 +310,7 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
     url = base + "/v1/completions"
     body = lambda p, n=NEW: {"prompt": p, "max_tokens": n, "temperature": 0}  # noqa: E731
     try:
+        assert "HTTP in its own process" in "".join(lines), "".join(lines)  # the default --frontend process
         h = _get(base + "/health")[1]
         assert h["batching"] == "continuous" and h["steps"] == 0, h
         sampled = {"prompt": prompts[2], "max_tokens": 6, "temperature": 1.0, "seed": 5}
@@ -395,9 +394,7 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
         time.sleep(0.3)
         assert any("drained and stopped" in ln for ln in lines) and "Traceback" not in "".join(lines), "".join(lines)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc, signal_first=False)  # a failed test: the launcher, its workers and the HTTP process
 
 
 def test_batching_options_are_checked():
@@ -431,6 +428,8 @@ def test_batching_options_are_checked():
 
     assert KV_PAGE == DEFAULT_PAGE  # the CLI's default page is the engine's
     assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
+    assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "process"
+    assert err("--frontend", "fork") == "--frontend must be one of process, thread, got 'fork'"
 
 
 def test_api_key_option_and_env():
@@ -442,3 +441,96 @@ def test_api_key_option_and_env():
     assert api_key_of(args(), {}) is None and api_key_of(args(), {"ZEROTRON_API_KEY": ""}) is None
     assert api_key_of(args(), {"ZEROTRON_API_KEY": "env-key"}) == "env-key"
     assert api_key_of(args("--api-key", "cli-key"), {"ZEROTRON_API_KEY": "env-key"}) == "cli-key"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_frontend_process_and_engine_stop_together(checkpoint):
+    """``--frontend process`` (the default; served by the other tests here): HTTP runs in a child
+    process of the engine's, and neither outlives the other. The engine's end (``RemoteFront``, in
+    this process, over a real front-end process): an HTTP request arrives as a job with the
+    prompt's tokens, the tokens published back answer it; when the front end is SIGKILLed, the open
+    job is cancelled and the engine's side drains (no job is waited for). When the engine's end
+    closes (the engine died), a front end answers its open request with a 500 and exits."""
+    import queue
+
+    from zerotron.data.tokenizer import load_tokenizer
+    from zerotron.serve.http_api import bind
+    from zerotron.serve.link import RemoteFront, spawn_frontend
+
+    tok = load_tokenizer(next(checkpoint.rglob("tokenizer.json")))
+    config = {"tokenizer": tok.to_str(), "eos": None, "eos_token": "", "chat_template": None, "model_id": "m",
+              "batching": "continuous", "context": 64, "max_body_bytes": 4096, "api_key": None, "stats": {}}
+    link, sock = spawn_frontend(), bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    try:
+        link.start(config, sock)
+        front = RemoteFront(link, threading.Event())
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
+            job = front.jobs.get(timeout=60)
+            assert [r.prompt for r in job.requests] == [tok.encode("ROMEO:").ids]
+            assert job.requests[0].params.max_tokens == 3
+            for t in (5, 6):
+                job.token(0, t, wake=False)
+            job.result[0] = [5, 6]
+            job.finish()
+            front.stats.requests = 1
+            front.publish([job])
+            code, r = answer.result(timeout=60)
+            assert code == 200 and r["choices"][0]["text"] == tok.decode([5, 6]), r
+            assert _get(url.replace("/v1/completions", "/health"))[1]["requests"] == 1
+            ex.submit(_post, url, {"prompt": "JULIET:", "max_tokens": 3, "temperature": 0}, None, 60)
+            waiting = front.jobs.get(timeout=60)
+            os.kill(link.proc.pid, signal.SIGKILL)
+            link.proc.wait()
+            front.pump(10)
+            assert front.lost and front.draining.is_set() and waiting.cancelled.is_set()
+            with pytest.raises(queue.Empty):
+                front.jobs.get(timeout=0.1)
+    finally:
+        if link.proc.poll() is None:
+            link.proc.kill()
+        sock.close()
+    link, sock = spawn_frontend(), bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    try:
+        link.start(config, sock)
+        front = RemoteFront(link, threading.Event())
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
+            front.jobs.get(timeout=60)
+            link.conn.close()  # the engine is gone
+            code, r = answer.result(timeout=60)
+        assert code == 500 and "the engine process stopped" in r["error"]["message"], r
+        assert link.proc.wait(timeout=60) == 1
+    finally:
+        if link.proc.poll() is None:
+            link.proc.kill()
+        sock.close()
+
+
+def test_stop_serve_kills_the_whole_tree():
+    """The workers of ``--nproc`` run in sessions of their own (torch's elastic agent): a failed test
+    that killed only the launcher (``proc.kill()``) left them serving. ``stop_serve`` kills every
+    process under the server, whatever its session."""
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], "
+            "start_new_session=True); print('up', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "up\n"
+        tree = process_tree(proc.pid)
+        assert len(tree) == 2 and tree[0] == proc.pid, tree
+        assert stop_serve(proc, signal_first=False) == -signal.SIGKILL
+        deadline = time.time() + 10
+        while any(_alive(p) for p in tree):
+            assert time.time() < deadline, [p for p in tree if _alive(p)]
+            time.sleep(0.05)
+    finally:
+        stop_serve(proc, signal_first=False)

@@ -455,12 +455,56 @@ def checkpoint_flat(ckpt_dir, out) -> dict:
     return flat
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, parents first (from the parent links in ``/proc``). The
+    workers of ``--nproc`` run in sessions of their own (torch's elastic agent), so a process
+    group does not hold them; a walk of the tree does."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:  # it ended
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop(0))
+        todo.extend(children.get(out[-1], []))
+    return out
+
+
+def stop_serve(proc, timeout_s: float = 60.0, signal_first: bool = True) -> int:
+    """Stop a server started by :func:`start_serve` (or any subprocess) and every process under it:
+    SIGTERM to it (unless not ``signal_first``), up to ``timeout_s`` seconds to exit, then SIGKILL to
+    whatever is left of the tree as it was before (launcher, workers, HTTP front end). Returns
+    its exit code (-9 when killed)."""
+    import signal
+    import subprocess
+
+    tree = process_tree(proc.pid) if proc.poll() is None else []
+    try:
+        if signal_first and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):  # ended already
+                pass
+    return proc.wait()
+
+
 def start_serve(checkpoint, *extra: str, timeout_s: float = 120.0):
     """Start ``zerotron serve --checkpoint CHECKPOINT --port 0 EXTRA...`` as a subprocess (one torch
     thread per process) and wait until it prints its "listening on" line. Returns ``(process, its
     output lines so far and to come (a list a reader thread keeps appending to), base URL)``.
     Raises AssertionError with the output if the server exits or does not listen within
-    ``timeout_s`` seconds (the process is killed)."""
+    ``timeout_s`` seconds (the process and all its descendants are killed: :func:`stop_serve`).
+    Stop it with :func:`stop_serve` in a ``finally``, so a failed test leaves no worker running."""
     import re
     import subprocess
     import sys
@@ -475,7 +519,7 @@ def start_serve(checkpoint, *extra: str, timeout_s: float = 120.0):
     deadline = time.time() + timeout_s
     while not any("listening on" in ln for ln in lines):
         if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
+            stop_serve(proc, signal_first=False)
             raise AssertionError("".join(lines))
         time.sleep(0.2)
     return proc, lines, re.search(r"listening on (http://\S+)", "".join(lines)).group(1)

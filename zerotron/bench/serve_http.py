@@ -396,14 +396,23 @@ def _ratio_table(rat: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` so far (0 if unreadable)."""
+def _cpu_s(pid: int, children: bool = True) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far, with ``children`` those of its live
+    child processes too (zerotron serve's HTTP front end; 0 for what is unreadable)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         f = stat[stat.rindex(")") + 2:].split()
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        own = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return 0.0
+    if not children:
+        return own
+    try:
+        kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                for c in (t / "children").read_text().split()]
+    except (OSError, ValueError):
+        kids = []
+    return own + sum(_cpu_s(k, False) for k in kids)
 
 
 def main(argv: list[str] | None = None) -> int:

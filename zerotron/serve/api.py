@@ -195,6 +195,11 @@ class Front:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
                                             "owned_by": "zerotron"}]}
 
+    def publish(self, jobs) -> None:
+        """Wake the HTTP waiters of ``jobs`` (the batcher calls it once per step, after the step's
+        tokens and ends: :func:`wake_jobs`)."""
+        wake_jobs(jobs)
+
     def render_metrics(self) -> str:
         depth = sum(j.waiting_rows() for j in list(self.live))
         return self.metrics.render(depth, self.stats.running, self.stats.cancelled_rows, self.stats)

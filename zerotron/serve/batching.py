@@ -13,7 +13,10 @@
   blocks, and the newest is preempted (recomputed later) when the pool runs out. See
   :mod:`zerotron.inference.continuous`.
 
-Both send every piece of collective work over the :class:`~zerotron.serve.follow.Channel` first.
+Both send every piece of collective work over the :class:`~zerotron.serve.follow.Channel` first,
+and hand what a step decoded to ``front.publish`` once after it (the in-process
+:class:`~zerotron.serve.api.Front` wakes the HTTP waiters; :class:`~zerotron.serve.link.RemoteFront`
+sends it to the front-end process).
 """
 from __future__ import annotations
 
@@ -21,16 +24,15 @@ import collections
 import queue
 import time
 
-from .api import wake_jobs
-
 __all__ = ["WindowBatcher", "ContinuousScheduler"]
 
 CANCELLED = "cancelled: the client disconnected"
 
 
-def _refuse_rest(jobs: queue.Queue) -> None:
-    while not jobs.empty():  # enqueued while the drain began: refused, never left waiting
-        jobs.get().finish("the server is shutting down")
+def _refuse_rest(front) -> None:
+    while not front.jobs.empty():  # enqueued while the drain began: refused, never left waiting
+        front.jobs.get().finish("the server is shutting down")
+    front.publish(())
 
 
 class WindowBatcher:
@@ -72,8 +74,9 @@ class WindowBatcher:
                     j.result, outs = outs[:len(j.requests)], outs[len(j.requests):]
                 stats.requests += 1
                 j.finish(err)
+            self.front.publish(batch)
         self.channel.send({"kind": "stop"})
-        _refuse_rest(jobs)
+        _refuse_rest(self.front)
 
 
 class ContinuousScheduler:
@@ -168,6 +171,7 @@ class ContinuousScheduler:
                 self.prop_base, self.acc_base = s.spec_proposed, s.spec_accepted
                 self._fail_all(f"{type(e).__name__}: {e}")
                 self._account()
+                self.front.publish(())
                 continue
             touched = {}
             for rid, toks in res.tokens.items():
@@ -175,7 +179,6 @@ class ContinuousScheduler:
                 touched[j] = None
                 for tok in toks:
                     j.token(k, tok, wake=False)
-            wake_jobs(touched)  # one wake-up per waiting loop and step, not one per token
             for rid, new in res.finished.items():
                 j, k = self.live.pop(rid)
                 j.result[k] = new
@@ -185,5 +188,6 @@ class ContinuousScheduler:
                     j.finish()
             stats.running = len(self.live)
             self._account()
+            self.front.publish(touched)  # one wake-up (or message) per step, not one per token
         self.channel.send({"kind": "stop"})
-        _refuse_rest(self.front.jobs)
+        _refuse_rest(self.front)

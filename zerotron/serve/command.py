@@ -15,6 +15,7 @@ from pathlib import Path
 __all__ = ["parser", "check_args", "main", "api_key_of"]
 
 BATCHING = ("continuous", "window")
+FRONTENDS = ("process", "thread")  # where the HTTP side runs: zerotron.serve.link, or a thread of rank 0
 API_KEY_ENV = "ZEROTRON_API_KEY"
 DRAINED_ENV = "ZEROTRON_SERVE_DRAINED"  # under --nproc: the file rank 0 writes once drained (exit 0)
 KV_PAGE = 8  # = zerotron.inference.continuous.DEFAULT_PAGE (not imported here: that module imports torch)
@@ -59,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
                    "checkpoint's weights before serving")
     p.add_argument("--compile", action="store_true", help="compiled decode steps, static shapes (--batching "
                    "window; single process and data parallel: zerotron.inference.compiled)")
+    p.add_argument("--frontend", default="process", help="process: HTTP, tokenisation and streamed events in a "
+                   "process of their own, so the engine loop never waits for them (vLLM V1's layout); thread: in a "
+                   "thread of rank 0's process")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--model-name", default=None, help="the model id (default: the run directory's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but "
@@ -72,6 +76,8 @@ def check_args(args) -> None:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.batching not in BATCHING:
         raise ValueError(f"--batching must be one of {', '.join(BATCHING)}, got {args.batching!r}")
+    if args.frontend not in FRONTENDS:
+        raise ValueError(f"--frontend must be one of {', '.join(FRONTENDS)}, got {args.frontend!r}")
     for name, val, ok, want in (
             ("--parallel.tp", args.tp, args.tp >= 1, ">= 1"), ("--parallel.pp", args.pp, args.pp >= 1, ">= 1"),
             ("--microbatches", args.microbatches, args.microbatches >= 0, ">= 0"),
@@ -122,7 +128,7 @@ def api_key_of(args, env=None) -> str | None:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``zerotron serve``; returns an exit code (2 for bad arguments)."""
-    from zerotron.generate import load_model, resolve_checkpoint, stop_ids
+    from zerotron.generate import resolve_checkpoint
     from zerotron.launch import in_worker, launch, strip_nproc
 
     from .http_api import check_listen
@@ -162,15 +168,30 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line
         print(f"zerotron serve: error: {e}", file=sys.stderr)
         return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    link = None
+    if args.frontend == "process" and (not in_worker() or os.environ.get("RANK") == "0"):
+        from .link import spawn_frontend
+
+        link = spawn_frontend()  # it imports its modules while this process loads the model
+    try:
+        return _run(args, ckpt, stop, link)
+    finally:
+        if link is not None and link.proc.poll() is None:
+            link.close()
+
+
+def _run(args, ckpt, stop: threading.Event, link) -> int:
+    """Every rank: load the model, then serve (rank 0) or follow; the exit code."""
     from zerotron.distributed import mesh as _mesh
     from zerotron.distributed.mesh import Mesh, ParallelDims, init_distributed
+    from zerotron.generate import load_model, resolve_checkpoint, stop_ids
     from zerotron.inference import Engine
 
     from .follow import Channel, follow
 
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
     model, tok, _ = load_model(ckpt, device, adapter=args.adapter or None)
@@ -183,7 +204,7 @@ def main(argv: list[str]) -> int:
     if rank != 0:
         follow(engine, paged)
     else:
-        code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt, paged)
+        code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt, paged, link)
     _mesh.teardown()
     if rank == 0 and code == 0 and os.environ.get(DRAINED_ENV):
         Path(os.environ[DRAINED_ENV]).write_text("drained\n")
@@ -222,9 +243,11 @@ def _launch(nproc: int, argv: list[str], launch) -> int:
         return code
 
 
-def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, ckpt, paged: dict) -> int:
+def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, ckpt, paged: dict,
+           link=None) -> int:
     """Rank 0: listen, run the batcher until drained; the exit code (2: cannot listen or a bad
-    chat template)."""
+    chat template; 1: the HTTP front-end process failed). ``link``: the front-end process
+    (:class:`~zerotron.serve.link.FrontendLink`) of ``--frontend process``, None for ``thread``."""
     from zerotron.generate import stop_ids
 
     from .api import Front
@@ -241,8 +264,13 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
         print(f"zerotron serve: error: {e}", file=sys.stderr, flush=True)
         channel.send({"kind": "stop"})
         return 2
-    front = Front(tok, eos or None, model_id, args.batching, chat=chat, context=engine.config.block_size)
     api_key = api_key_of(args)
+    if link is None:
+        front = Front(tok, eos or None, model_id, args.batching, chat=chat, context=engine.config.block_size)
+    else:
+        from .link import RemoteFront
+
+        front = RemoteFront(link, stop)
     kv_line = ""
     if args.batching == "window":
         batcher = WindowBatcher(engine, front, channel, args.batch_window_ms, args.max_batch)
@@ -260,16 +288,36 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
                    f"({d.num_blocks * kv_block_bytes(engine, d.page) / 2**20:.1f} MiB on the fullest rank; "
                    f"{d.num_blocks * d.page} tokens), prefix caching {'on' if args.prefix_cache else 'off'}"
                    + (f", speculative {args.speculative} x {args.num_speculative_tokens}" if args.speculative else ""))
-    server = ServerThread(make_app(front, args.max_body_bytes, api_key), sock)
-    server.start()
-    threading.Thread(target=lambda: (stop.wait(), front.draining.set()), daemon=True).start()
     host, port = sock.getsockname()[:2]
+    if link is None:
+        server = ServerThread(make_app(front, args.max_body_bytes, api_key), sock)
+        server.start()
+        threading.Thread(target=lambda: (stop.wait(), front.draining.set()), daemon=True).start()
+    else:
+        try:
+            link.start({"tokenizer": tok.to_str(), "eos": eos or None, "eos_token": chat.eos,
+                        "chat_template": None if chat.builtin else chat.source, "model_id": model_id,
+                        "batching": args.batching, "context": engine.config.block_size,
+                        "max_body_bytes": args.max_body_bytes, "api_key": api_key,
+                        "stats": dict(vars(front.stats))}, sock)
+        except RuntimeError as e:
+            print(f"zerotron serve: error: {e}", file=sys.stderr, flush=True)
+            channel.send({"kind": "stop"})
+            return 1
+        sock.close()  # the front end holds its own copy
     print(f"zerotron serve: listening on http://{host}:{port} (model {model_id!r}, {world} rank(s): "
           f"dp {mesh.size('dp')} x tp {args.tp} x pp {args.pp}" + (f" (ep {args.ep}, {args.ep_split} split)" if args.ep > 1 else "") + f", {args.batching} batching"
           f"{', LoRA adapter ' + repr(args.adapter) + ' merged' if args.adapter else ''}"
-          f"{', API key required' if api_key else ''}; chat template: "
+          f"{', API key required' if api_key else ''}{', HTTP in its own process' if link else ''}; chat template: "
           f"{'built-in default' if chat.builtin else 'the tokenizer' + chr(39) + 's'}){kv_line}", flush=True)
     batcher.run()
-    server.stop()  # idle keep-alive connections close now; answers being written finish first
+    if link is None:
+        server.stop()  # idle keep-alive connections close now; answers being written finish first
+    else:
+        code = link.close()  # the same, in the front end
+        if front.lost:
+            print(f"zerotron serve: error: the HTTP front-end process exited (code {code}); its requests were "
+                  "cancelled and the server stopped", file=sys.stderr, flush=True)
+            return 1
     print("zerotron serve: drained and stopped", flush=True)
     return 0
