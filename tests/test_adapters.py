@@ -147,7 +147,7 @@ def test_serve_peft_adapter(gpt, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(gpt["base"]), "--adapter", str(adapter), "--prompt", PROMPT,
                  "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out == want + "\n"
-    # HTTP in a thread of the engine's process (--frontend thread; tests/test_serve.py serves with the default process)
+    # HTTP in a thread of the engine's process (--frontend thread, the default)
     proc, lines, base = start_serve(gpt["base"], "--adapter", str(adapter), "--frontend", "thread")
     try:
         assert "LoRA adapter" in "".join(lines)

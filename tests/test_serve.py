@@ -306,11 +306,12 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompts[3], "--max-new-tokens", "40"]) == 0
     ref_long = capsys.readouterr().out[:-1]
-    proc, lines, base = start_serve(checkpoint, "--nproc", "2", "--parallel.pp", "2", "--kv-page", "4")
+    proc, lines, base = start_serve(checkpoint, "--nproc", "2", "--parallel.pp", "2", "--kv-page", "4", "--frontend",
+                                   "process")
     url = base + "/v1/completions"
     body = lambda p, n=NEW: {"prompt": p, "max_tokens": n, "temperature": 0}  # noqa: E731
     try:
-        assert "HTTP in its own process" in "".join(lines), "".join(lines)  # the default --frontend process
+        assert "HTTP in its own process" in "".join(lines), "".join(lines)  # --frontend process (the other tests: thread)
         h = _get(base + "/health")[1]
         assert h["batching"] == "continuous" and h["steps"] == 0, h
         sampled = {"prompt": prompts[2], "max_tokens": 6, "temperature": 1.0, "seed": 5}
@@ -428,7 +429,7 @@ def test_batching_options_are_checked():
 
     assert KV_PAGE == DEFAULT_PAGE  # the CLI's default page is the engine's
     assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
-    assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "process"
+    assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "thread"
     assert err("--frontend", "fork") == "--frontend must be one of process, thread, got 'fork'"
 
 
@@ -452,7 +453,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_frontend_process_and_engine_stop_together(checkpoint):
-    """``--frontend process`` (the default; served by the other tests here): HTTP runs in a child
+    """``--frontend process`` (served by test_serve_continuous_joins_and_cancels): HTTP runs in a child
     process of the engine's, and neither outlives the other. The engine's end (``RemoteFront``, in
     this process, over a real front-end process): an HTTP request arrives as a job with the
     prompt's tokens, the tokens published back answer it; when the front end is SIGKILLed, the open

@@ -1,4 +1,4 @@
-"""The HTTP front-end process of ``zerotron serve --frontend process`` (the default; the engine's
+"""The HTTP front-end process of ``zerotron serve --frontend process`` (opt-in; the engine's
 end and the messages: :mod:`~zerotron.serve.link`). It runs what the in-process server runs on
 rank 0's HTTP thread -- uvicorn and the FastAPI app (:mod:`~zerotron.serve.http_api`), request
 validation, tokenisation and chat templates, the streamed events (:class:`~zerotron.serve.api.Front`,
