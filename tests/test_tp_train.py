@@ -122,19 +122,33 @@ def _resume_each(runs, cache):
     return [_resume(dst, overrides, cache) for dst, overrides in runs]
 
 
-def _save_then_resume(tmp, cache, tp, runs):
-    """One spawn: train and save at tp (as :func:`_save`), then the resumes of :func:`_resume_each`."""
+def _save_then_resume(tmp, cache, tp, runs, generate_argv):
+    """One spawn: train and save at tp (as :func:`_save`), then the resumes of :func:`_resume_each`,
+    then ``zerotron generate generate_argv`` as a launched worker runs it (its stdout returned)."""
+    import contextlib
+    import io
+
+    from zerotron.cli.generate import cmd_generate
+
     _save(tmp, cache, tp)
-    return _resume_each(runs, cache)
+    outs = _resume_each(runs, cache)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cmd_generate(generate_argv)
+    return outs, code, out.getvalue()
 
 
 def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp_path):
     run_ranks(_save, 2, str(tmp_path), data_cache, 2)      # tp=2 saves steps 2 and 4
     for dst in ("to_tp4", "to_tp1", "to_dtensor"):          # to_dtensor: native TP checkpoint -> torch's DTensor TP
         _copy_until(tmp_path / "tp2", tmp_path / dst, SAVE_AT)
-    # one 4-process spawn: tp=4 saves steps 2 and 4, then resumes the tp=2 checkpoint at tp=4
-    (to_tp4,) = run_ranks(_save_then_resume, 4, str(tmp_path), data_cache, 4,
-                          [(str(tmp_path / "to_tp4"), {"parallel.tp": 4})])[0]
+    # one 4-process spawn: tp=4 saves steps 2 and 4, then resumes the tp=2 checkpoint at tp=4, then
+    # generates from the tp=2 checkpoint with pp 2 x tp 2 (as each `generate --nproc 4` worker does;
+    # the launch itself is test_cli's; each layout alone is compared with one process in test_inference)
+    gen_argv = ["--checkpoint", str(tmp_path / "tp2"), "--prompt", "ROMEO:", "--max-new-tokens", "16"]
+    (to_tp4,), gen_code, gen_out = run_ranks(_save_then_resume, 4, str(tmp_path), data_cache, 4,
+                                             [(str(tmp_path / "to_tp4"), {"parallel.tp": 4})],
+                                             [*gen_argv, "--parallel.pp", "2", "--parallel.tp", "2"])[0]
     _copy_until(tmp_path / "tp4", tmp_path / "to_tp2", SAVE_AT)
     to_tp2, to_dtensor = run_ranks(_resume_each, 2, [(str(tmp_path / "to_tp2"), {"parallel.tp": 2}),
                                                      (str(tmp_path / "to_dtensor"),
@@ -147,19 +161,12 @@ def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp
         np.testing.assert_allclose(out["losses"], reference["losses"][SAVE_AT:], rtol=RTOL, err_msg=name)
         assert_params_close(out["params"], reference["params"], RTOL, name)
 
-    # TP and pipelined generation through the CLI equal single-process greedy decoding
-
-    def gen(*extra):
-        r = run_cli(["generate", "--checkpoint", str(tmp_path / "tp2"),  # fork-server child
-                     "--prompt", "ROMEO:", "--max-new-tokens", "16", *extra], timeout=300)
-        assert r.returncode == 0, r.stderr
-        return r.stdout
-
-    single = gen()
-    assert single.startswith("ROMEO:")
-    # one launch through the CLI loads the tp-2 checkpoint into both a pipeline and tensor parallel
-    # (each layout alone is compared with one process in test_inference)
-    assert gen("--nproc", "4", "--parallel.pp", "2", "--parallel.tp", "2") == single
+    # pipelined TP generation (pp 2 x tp 2 from the tp-2 checkpoint) equals single-process greedy
+    # decoding through the CLI
+    r = run_cli(["generate", *gen_argv], timeout=300)  # fork-server child
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ROMEO:")
+    assert gen_code == 0 and gen_out == r.stdout
     assert torch.__version__  # keep torch imported for the spawned helpers
 
 
