@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zerotron.cli import main
-from zerotron.testing import checkpoint_flat, run_cli, run_ranks, tiny_config
+from zerotron.testing import checkpoint_flat, run_cli, run_ranks, run_ranks_captured, tiny_config
 from zerotron.train.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -319,10 +319,22 @@ def stop_with(argv, sig, after_step, group, env):
     return p.returncode, err
 
 
+def in_ranks(*args, env=None):
+    """``zerotron <args>`` (with ``--nproc N``) run as its N workers on the pooled ranks: for
+    reference runs, which do not test the launcher (no N fresh interpreters)."""
+    argv = list(args)
+    i = argv.index("--nproc")
+    world = int(argv[i + 1])
+    results = run_ranks_captured(main, world, argv[:i] + argv[i + 2:], env={"OMP_NUM_THREADS": "1", **(env or {})},
+                                 join_timeout_s=300)
+    assert [code for code, _, _ in results] == [0] * world, results
+    return results[0]
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, data_cache):
     tmp = tmp_path_factory.mktemp("faults")
-    cli(*base_args(tmp / "full", data_cache), check=0)
+    in_ranks(*base_args(tmp / "full", data_cache))  # the uninterrupted reference of sections 2 and 7
     return tmp
 
 
@@ -352,8 +364,8 @@ def test_graceful_stop_and_resume_equal(full_run, data_cache):
     assert not (run / "checkpoints" / ".tmp_step_99").exists()
     m = int(stops[0].split("at step ")[1].split(";")[0])
     assert m > n and [s for s, _ in list_checkpoints(run)] == [n, m]
-    r = cli(*argv, "--resume", check=0)
-    assert "stopped by" not in r.stderr
+    _, _, err = in_ranks(*argv, "--resume")  # the rest of the run: its workers, on the pooled ranks
+    assert "stopped by" not in err
     full = metrics(full_run / "full")
     assert [x["step"] for x in metrics(run)] == list(range(1, STEPS + 1))
     assert [x["loss"] for x in metrics(run)] == [x["loss"] for x in full]
@@ -922,15 +934,24 @@ def test_metrics_disk_full_stop_then_resume_on_real_tmpfs(tmp_path, data_cache):
     exit 3; metrics.jsonl holds whole lines only. Resumed on a disk with room, the run ends exactly
     like the uninterrupted two-rank run."""
     import shlex
+    import shutil
 
     args = ["--nproc", "2", "--checkpoint.every", "0", "--checkpoint.keep", "1", "--checkpoint.on_error", "stop",
             "--data.cache_dir", data_cache, "--train.eval_every", "0", "--log.progress", "false",
             "--log.sample_tokens", "0", "--log.plot", "false"]
-    first = [sys.executable, "-m", "zerotron", "train", "--config", "configs/tiny.toml", "--run-dir", "$DISK/run",
-             "--train.steps", "2", *args]
+    # the uninterrupted two-rank reference first; it also saves step_2, from which a copy of its run
+    # directory (metrics cut to 2 lines) stands in for a 2-step run (one 3-process launch fewer)
+    ref = tmp_path / "ref"
+    train = ["train", "--config", "configs/tiny.toml", "--train.steps", "12", *args]
+    in_ranks(*train, "--run-dir", str(ref), "--checkpoint.every", "2", "--checkpoint.keep", "0")
+    seed = tmp_path / "seed"
+    shutil.copytree(ref, seed, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != "step_2"])
+    lines = (seed / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (seed / "metrics.jsonl").write_text("".join(lines[:2]))
+    assert [s for s, _ in list_checkpoints(seed)] == [2] and [json.loads(ln)["step"] for ln in lines[:2]] == [1, 2]
     code, err, out_run = _in_tmpfs(
         tmp_path, "20M", ["--resume", "--train.steps", "12", *args],
-        before=shlex.join(first).replace("'$DISK/run'", "$DISK/run") + " 2>/dev/null",
+        before=f"cp -a {shlex.quote(str(seed))} $DISK/run",
         during=f"{_wait_lines(3)}; {FILL}", env={"ZEROTRON_FAULT_STEP_SLEEP_S": "0.2"})
     assert code == 3, err
     lines = [ln for ln in ours(err) if "metrics" in ln or "checkpoint" in ln]
@@ -942,10 +963,7 @@ def test_metrics_disk_full_stop_then_resume_on_real_tmpfs(tmp_path, data_cache):
     steps = [json.loads(ln)["step"] for ln in raw]
     assert steps == list(range(1, len(steps) + 1)) and 2 <= len(steps) < 12
     assert [s for s, _ in list_checkpoints(out_run)] == [2]
-    ref = tmp_path / "ref"
-    train = ["train", "--config", "configs/tiny.toml", "--train.steps", "12", *args]
-    cli(*train, "--run-dir", str(ref), check=0)
-    cli(*train, "--run-dir", str(out_run), "--resume", check=0)
+    in_ranks(*train, "--run-dir", str(out_run), "--resume")
     assert [x["loss"] for x in metrics(out_run)] == [x["loss"] for x in metrics(ref)]
 
 

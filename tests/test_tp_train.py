@@ -73,7 +73,7 @@ LAYOUTS_2 = [
     {"parallel.tp": 2, "parallel.tp_impl": "dtensor", "train.micro_batch": 4},   # torch's TP backend
 ]
 LAYOUTS_4 = [
-    {"parallel.tp": 4, "train.micro_batch": 8},
+    {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0, "parallel.tp": 4, "train.micro_batch": 8},  # saves too
     {"parallel.tp": 4, "parallel.sequence_parallel": "true", "train.micro_batch": 4},
     {"parallel.tp": 2, "train.micro_batch": 4},                                         # dp2 x tp2
     {"parallel.tp": 2, "parallel.sequence_parallel": "true", "train.micro_batch": 2},   # dp2 x tp2 + SP
@@ -83,34 +83,56 @@ LAYOUTS_4 = [
 ]
 
 
-def test_tp2_parity(reference, data_cache, tmp_path):
-    _check(reference, run_ranks(_many, 2, str(tmp_path), data_cache, LAYOUTS_2), LAYOUTS_2)
-
-
-def test_tp4_and_dp2_tp2_parity(reference, data_cache, tmp_path):
-    _check(reference, run_ranks(_many, 4, str(tmp_path), data_cache, LAYOUTS_4, join_timeout_s=900), LAYOUTS_4)
-
-
-def test_dropout_replicated_params_stay_equal(data_cache, tmp_path):
-    lay = [{"parallel.tp": 2, "model.dropout": 0.2, "train.micro_batch": 4},
+CK = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0, "train.micro_batch": 8}
+SAVE_2 = {**CK, "parallel.tp": 2}  # a parity layout too, whose checkpoints the reshard test resumes
+DROPOUT = [{"parallel.tp": 2, "model.dropout": 0.2, "train.micro_batch": 4},
            {"parallel.tp": 2, "model.dropout": 0.2, "parallel.sequence_parallel": "true", "train.micro_batch": 4}]
-    runs = run_ranks(_many, 2, str(tmp_path), data_cache, lay)
-    for i in range(len(lay)):
+
+
+@pytest.fixture(scope="module")
+def two(data_cache, tmp_path_factory):
+    """One 2-rank spawn: LAYOUTS_2, SAVE_2 (checkpoints at steps 2 and 4 in ``run{len(LAYOUTS_2)}``),
+    then DROPOUT."""
+    tmp = tmp_path_factory.mktemp("tp2")
+    runs = run_ranks(_many, 2, str(tmp), data_cache, [*LAYOUTS_2, SAVE_2, *DROPOUT])
+    return {"tmp": tmp, "runs": runs, "saved": tmp / f"run{len(LAYOUTS_2)}"}
+
+
+def test_tp2_parity(reference, two):
+    n = len(LAYOUTS_2) + 1
+    _check(reference, [r[:n] for r in two["runs"]], [*LAYOUTS_2, SAVE_2])
+
+
+@pytest.fixture(scope="module")
+def four(two, data_cache, tmp_path_factory):
+    """One 4-process spawn: LAYOUTS_4 (the first saves at steps 2 and 4: it is tp=4 with CK), then the
+    tp=2 checkpoint resumed at tp=4, then generation from the tp=2 checkpoint with pp 2 x tp 2 (as
+    each ``generate --nproc 4`` worker runs it; the launch itself is test_train_e2e's and test_cli's,
+    each layout alone is compared with one process in test_inference)."""
+    tmp = tmp_path_factory.mktemp("tp4")
+    _copy_until(two["saved"], tmp / "to_tp4", SAVE_AT)
+    gen_argv = ["--checkpoint", str(two["saved"]), "--prompt", "ROMEO:", "--max-new-tokens", "16"]
+    runs = run_ranks(_four_worker, 4, str(tmp), data_cache, LAYOUTS_4, [(str(tmp / "to_tp4"), {"parallel.tp": 4})],
+                     [*gen_argv, "--parallel.pp", "2", "--parallel.tp", "2"], join_timeout_s=900)
+    return {"tmp": tmp, "runs": runs, "gen_argv": gen_argv}
+
+
+def test_tp4_and_dp2_tp2_parity(reference, four):
+    _check(reference, [r[0] for r in four["runs"]], LAYOUTS_4)
+
+
+def test_dropout_replicated_params_stay_equal(two):
+    runs = [r[len(LAYOUTS_2) + 1:] for r in two["runs"]]
+    for i in range(len(DROPOUT)):
         assert runs[0][i]["digests"] == runs[1][i]["digests"]
         assert runs[0][i]["losses"][-1] < runs[0][i]["losses"][0]
 
 
 # ---- checkpoints across tp degrees -------------------------------------------------------------
 
-CK = {"checkpoint.every": SAVE_AT, "checkpoint.keep": 0, "train.micro_batch": 8}
-
 
 def _copy_until(src, dst, step):
     shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if n.startswith("step_") and n != f"step_{step}"])
-
-
-def _save(tmp, cache, tp):
-    return _train({**CK, "parallel.tp": tp, "data.cache_dir": cache}, f"{tmp}/tp{tp}")
 
 
 def _resume(dst, overrides, cache):
@@ -122,20 +144,27 @@ def _resume_each(runs, cache):
     return [_resume(dst, overrides, cache) for dst, overrides in runs]
 
 
-def _save_then_resume(tmp, cache, tp, runs):
-    """One spawn: train and save at tp (as :func:`_save`), then the resumes of :func:`_resume_each`."""
-    _save(tmp, cache, tp)
-    return _resume_each(runs, cache)
+def _four_worker(tmp, cache, layouts, runs, generate_argv):
+    """The ``four`` fixture's spawn: (:func:`_many` of layouts, :func:`_resume_each` of runs, exit code
+    and stdout of ``zerotron generate generate_argv`` run as a launched worker runs it)."""
+    import contextlib
+    import io
+
+    from zerotron.cli.generate import cmd_generate
+
+    outs = _many(tmp, cache, layouts)
+    resumed = _resume_each(runs, cache)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = cmd_generate(generate_argv)
+    return outs, resumed, code, text.getvalue()
 
 
-def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp_path):
-    run_ranks(_save, 2, str(tmp_path), data_cache, 2)      # tp=2 saves steps 2 and 4
-    for dst in ("to_tp4", "to_tp1", "to_dtensor"):          # to_dtensor: native TP checkpoint -> torch's DTensor TP
-        _copy_until(tmp_path / "tp2", tmp_path / dst, SAVE_AT)
-    # one 4-process spawn: tp=4 saves steps 2 and 4, then resumes the tp=2 checkpoint at tp=4
-    (to_tp4,) = run_ranks(_save_then_resume, 4, str(tmp_path), data_cache, 4,
-                          [(str(tmp_path / "to_tp4"), {"parallel.tp": 4})])[0]
-    _copy_until(tmp_path / "tp4", tmp_path / "to_tp2", SAVE_AT)
+def test_checkpoint_reshard_across_tp(reference, two, four, data_cache, single_process, tmp_path):
+    for dst in ("to_tp1", "to_dtensor"):  # to_dtensor: native TP checkpoint -> torch's DTensor TP
+        _copy_until(two["saved"], tmp_path / dst, SAVE_AT)
+    _copy_until(four["tmp"] / "run0", tmp_path / "to_tp2", SAVE_AT)  # tp=4 (LAYOUTS_4[0]) saved steps 2 and 4
+    (to_tp4,), gen_code, gen_out = four["runs"][0][1:]
     to_tp2, to_dtensor = run_ranks(_resume_each, 2, [(str(tmp_path / "to_tp2"), {"parallel.tp": 2}),
                                                      (str(tmp_path / "to_dtensor"),
                                                       {"parallel.tp": 2, "parallel.tp_impl": "dtensor"})],
@@ -147,19 +176,12 @@ def test_checkpoint_reshard_across_tp(reference, data_cache, single_process, tmp
         np.testing.assert_allclose(out["losses"], reference["losses"][SAVE_AT:], rtol=RTOL, err_msg=name)
         assert_params_close(out["params"], reference["params"], RTOL, name)
 
-    # TP and pipelined generation through the CLI equal single-process greedy decoding
-
-    def gen(*extra):
-        r = run_cli(["generate", "--checkpoint", str(tmp_path / "tp2"),  # fork-server child
-                     "--prompt", "ROMEO:", "--max-new-tokens", "16", *extra], timeout=300)
-        assert r.returncode == 0, r.stderr
-        return r.stdout
-
-    single = gen()
-    assert single.startswith("ROMEO:")
-    # one launch through the CLI loads the tp-2 checkpoint into both a pipeline and tensor parallel
-    # (each layout alone is compared with one process in test_inference)
-    assert gen("--nproc", "4", "--parallel.pp", "2", "--parallel.tp", "2") == single
+    # pipelined TP generation (pp 2 x tp 2 from the tp-2 checkpoint) equals single-process greedy
+    # decoding through the CLI
+    r = run_cli(["generate", *four["gen_argv"]], timeout=300)  # fork-server child
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("ROMEO:")
+    assert gen_code == 0 and gen_out == r.stdout
     assert torch.__version__  # keep torch imported for the spawned helpers
 
 

@@ -1,5 +1,5 @@
 """Two "nodes" (network namespaces joined by a veth pair, :mod:`zerotron.testing_netns`), 2 processes
-each, under torchrun with a c10d rendezvous: the per-step losses equal a 1 x 4 (``--nproc 4``) run
+each, under torchrun with a c10d rendezvous: the per-step losses equal a 1 x 4 run (its 4 workers on pooled ranks)
 exactly (fp64), and a checkpoint the two nodes wrote, resumed on one node (one process: resharded
 from dp 4 to 1), continues like the uninterrupted run (within 1e-12). Skips, saying why, where namespaces cannot be
 created (not root, no iproute2)."""
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotron.testing import run_cli
+from zerotron.cli.main import main
+from zerotron.testing import run_cli, run_ranks_captured
 from zerotron.testing_netns import TwoNodes, netns_unavailable, remove_stale
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +43,10 @@ def losses(run_dir) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
     tmp = tmp_path_factory.mktemp("two_nodes")
-    zerotron(*train_args(tmp / "one", data_cache), "--nproc", "4")
+    # the 1 x 4 reference as its 4 workers run it, on the pooled ranks (4 fresh interpreters fewer)
+    one = run_ranks_captured(main, 4, train_args(tmp / "one", data_cache), env={"OMP_NUM_THREADS": "1"},
+                             join_timeout_s=300)
+    assert [code for code, _, _ in one] == [0] * 4, one
     with TwoNodes() as nodes:
         before = nodes.link_bytes()
         results = nodes.torchrun(["-m", "zerotron", *train_args(tmp / "two", data_cache)], nproc_per_node=2,

@@ -399,6 +399,31 @@ def run_cli(argv: list[str], cwd: str | Path | None = None, env: dict | None = N
                                        p.exitcode, texts[0], texts[1])
 
 
+def _captured(fn, args: tuple, env: dict) -> tuple[object, str, str]:
+    import contextlib
+    import io
+
+    os.environ.update(env)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = fn(*args)
+    return result, out.getvalue(), err.getvalue()
+
+
+def run_ranks_captured(fn, world_size: int, *args, env: dict | None = None, timeout_s: float = 60.0,
+                       join_timeout_s: float = 600.0) -> list[tuple[object, str, str]]:
+    """:func:`run_ranks` of ``fn(*args)`` with ``env`` added to each rank's environment and its
+    Python-level stdout and stderr captured: ``[(result, stdout, stderr), ...]`` per rank. With
+    ``fn = zerotron.cli.main.main`` and ``args = (argv,)`` (no ``--nproc``) this is ``zerotron
+    <argv>`` as each worker of a ``--nproc`` launch runs it (RANK and WORLD_SIZE set, the process
+    group up), on the pooled ranks instead of that many fresh interpreters (~4 CPU s each): for
+    reference runs and any check that is not about the launcher itself (the launcher's lock,
+    messages, signals and ``--max-restarts`` need :func:`run_cli` with ``--nproc``). Raises
+    RuntimeError as :func:`run_ranks` does."""
+    return run_ranks(_captured, world_size, fn, args, dict(env or {}), timeout_s=timeout_s,
+                     join_timeout_s=join_timeout_s)
+
+
 def tiny_config(overrides: dict | None = None, path: str | Path = ROOT / "configs" / "tiny.toml"):
     """``configs/tiny.toml`` with ``{"section.field": value}`` overrides applied (no progress bar, no
     plot, no sample)."""
