@@ -66,9 +66,9 @@ def test_traced_peak_equals_the_estimate(name, world, rank, ov):
 # GPT-2 (LayerNorm, GELU) last pipeline stage at tp 2, a vocabulary tp does not divide (8,191): only the
 # tp rank whose shard holds the padding column pads the loss's gradient (4 sbV/t more); the estimate
 # had counted the padded copy on every tp rank (GPT-2-medium tp 8 x pp 4 last stage: 0.83-0.85)
-GPT2 = {"model.arch": "gpt2", "model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4, "model.vocab_size": 8191,
+GPT2 = {"model.arch": "gpt2", "model.n_layer": 2, "model.n_embd": 128, "model.n_head": 4, "model.vocab_size": 8191,
         "model.block_size": 256, "model.dropout": 0.0, "train.dtype": "bf16", "train.micro_batch": 1,
-        "train.global_batch": 8, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero_stage": 1}
+        "train.global_batch": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero_stage": 1}
 
 
 def test_gpt2_last_stage_loss_padding_only_on_its_tp_rank():
