@@ -67,7 +67,8 @@ def reestimate(runs: dict) -> None:
         args = [*LAYOUTS[lay].split(), "--model.preset", model, "--train.activation_checkpointing", rec]
         cfg = load_config(str(root / "configs" / "dryrun_llama3_8b.toml"), parse_overrides(args))
         for r in run["records"]:
-            est = estimate(cfg, build_plan(cfg, r["world"]), r["coords"]["pp"], r["layer_counts"])
+            est = estimate(cfg, build_plan(cfg, r["world"]), r["coords"]["pp"], r["layer_counts"],
+                           r["coords"].get("tp", 0))
             r["estimated"], r["peak_bytes_estimated"] = est, est["total"]
             r["ratios"]["peak"] = r["peak_bytes_traced"] / est["total"]
 

@@ -190,27 +190,37 @@ def layer_small_bytes(shape, seq_len: int, micro_batch: int, tp: int = 1, sp: bo
 
 
 def loss_backward_bytes(seq_len: int, micro_batch: int, vocab_size: int, tp: int = 1, autocast: bool = False,
-                        param_bytes: int = 4) -> int:
+                        param_bytes: int = 4, tp_rank: int = 0) -> int:
     """Bytes the cross-entropy's backward allocates at its worst moment beyond the (B, T, V/tp)
     fp32 tensor it saved (``activation_bytes``' LOSS_BYTES term), per micro-batch on the last
-    stage (measured on zerotron's two loss paths, dry-run MemTracker):
+    stage, on tensor-parallel rank ``tp_rank`` (measured on zerotron's two loss paths, dry-run
+    MemTracker):
 
     * ``F.cross_entropy`` (tp = 1): nll_loss's gradient and log_softmax's input gradient, two
       (B, T, V) tensors in the loss dtype (fp32; fp64 in fp64) at once: 2 * 4 sbV;
-    * the vocab-parallel loss (``parallel.tensor.loss``): the gradient (softmax - one-hot, in
-      place) 4 sbV/t, padded to the shard when V % tp (another 4 sbV/t), then cast to the logits'
-      dtype (bf16 under autocast: 2 sbV/t; none in fp32).
-    """
+    * the vocab-parallel loss (``parallel.tensor.loss``), shards of v = ceil(V/tp) columns: the
+      gradient (softmax - one-hot, in place) 4 sbv, then cast to the logits' dtype (bf16 under
+      autocast: 2 sbv more; none in fp32): 6 sbv. Only the rank whose shard holds the padding
+      columns (V % tp != 0: the last, with nv = V - (tp-1) v real columns) pads the gradient
+      first, the unpadded (4 sb nv) and padded (4 sbv) copies alive together: 4 sb (nv + v), or
+      the cast's 6 sbv if larger. The other ranks hold no padded copy (GPT-2-medium's V = 50,257
+      at tp 8: the estimate had counted it on every rank, 0.83-0.85 of it traced on the last
+      stage's tp rank 0).
+    Raises ValueError for a tp_rank outside [0, tp)."""
+    if not 0 <= tp_rank < tp:
+        raise ValueError(f"tp_rank must be in [0, {tp}), got {tp_rank}")
     n = seq_len * micro_batch
     if tp == 1:
         return 2 * max(4, param_bytes) * n * vocab_size
     v = -(-vocab_size // tp)
-    pad = 4 * n * v if vocab_size % tp else 0
-    return 4 * n * v + pad + (2 * n * v if autocast else 0)
+    nv = max(0, min(v, vocab_size - tp_rank * v))  # real columns of this rank's shard
+    cast = 4 * n * v + (2 * n * v if autocast else 0)
+    return max(cast, 4 * n * (nv + v)) if nv < v else cast
 
 
 def block_backward_bytes(shape, seq_len: int, micro_batch: int, tp: int = 1, sp: bool = False,
-                         dtype: str = "bf16", autocast: bool = False, bf16_params: bool = False) -> int:
+                         dtype: str = "bf16", autocast: bool = False, bf16_params: bool = False,
+                         grad_bytes: int = 0) -> int:
     """Bytes one block's backward holds at its worst moment beyond the block's saved activations
     (:func:`layer_activation_bytes` without recomputation, the recomputed ones with it), per
     micro-batch on one tensor-parallel rank. Measured with a dry run's MemTracker, labelling every
@@ -229,6 +239,12 @@ def block_backward_bytes(shape, seq_len: int, micro_batch: int, tp: int = 1, sp:
       sbF/t), the MLP input (e sbh, gathered under SP), the norm's normalised fp32 tensor (4 sbh)
       and its statistics (4 bytes per token) are already freed.
 
+    ``grad_bytes``: bytes per element of the block's weight gradients when they are held beside
+    the model states until the block's backward ends (FSDP2's unsharded gradients in the compute
+    dtype, reduce-scattered in the block's post-backward; 0 where the gradient goes into a buffer
+    the model states count): the SwiGLU moment then also holds the down projection's (h F/t), the
+    norm's all m MLP matrices' (m h F/t) -- which makes the norm moment FSDP2's larger one.
+
     Llama-3-8B at tp 8 (8,192 tokens): 43,008 bytes per token (the norm), 0.35 GB; at tp 1 the
     SwiGLU moment, 57,344 bytes per token, 0.47 GB. Other modes (an fp32 stream, LayerNorm blocks,
     GELU MLPs) are not modelled: 0."""
@@ -237,8 +253,9 @@ def block_backward_bytes(shape, seq_len: int, micro_batch: int, tp: int = 1, sp:
     e, s, b, h, t = DTYPE_BYTES[dtype], seq_len, micro_batch, shape.n_embd, tp
     d = t if sp else 1
     sbh, sbf, m_s = s * b * h, s * b * shape.ffn // t, 2 * shape.mlp_matrices - 2
-    mlp = m_s // 2 * e * sbf
-    norm = 5 * 4 * sbh // d - (m_s * e * sbf + e * sbh + 4 * sbh // d + 4 * s * b // d)
+    w = h * shape.ffn // t  # one MLP matrix's weights on this tp rank
+    mlp = m_s // 2 * e * sbf + grad_bytes * w
+    norm = 5 * 4 * sbh // d - (m_s * e * sbf + e * sbh + 4 * sbh // d + 4 * s * b // d) + grad_bytes * shape.mlp_matrices * w
     return max(0, mlp, norm)
 
 

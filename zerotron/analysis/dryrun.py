@@ -80,7 +80,9 @@ def default_ranks(dims) -> list[int]:
     """One rank per distinct role of ``dims`` (``zerotron.dims.ParallelDims``): the first and the
     last pipeline stage at data-, context- and tensor-parallel coordinate 0. Tensor-parallel
     positions hold equal shards (the vocabulary-parallel rows are ceil(V/tp) on every tp rank) and dp
-    positions equal flat shards, so they do not differ in memory or traffic."""
+    positions equal flat shards, so they do not differ in traffic nor, but for one tensor, in memory:
+    when V % tp != 0 the last tp rank's loss backward pads its gradient (4 sbV/tp bytes more at
+    most, :func:`~zerotron.analysis.activations.loss_backward_bytes`; trace it with ``--rank``)."""
     return sorted({0, dims.peer(0, pp=dims.pp - 1)})
 
 
@@ -474,9 +476,9 @@ def _layout(cfg: Config, plan, mcfg) -> _Layout:
                    cfg.train.activation_checkpointing, bool(p.sequence_parallel) and dims.tp > 1, cfg.train.dtype)
 
 
-def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = None) -> dict:
-    """What the estimators compute for pipeline rank ``pp_rank`` of ``cfg``'s layout, at the
-    moment of its peak: ``{"model_states": {params_bytes, grads_bytes, optimizer_bytes,
+def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = None, tp_rank: int = 0) -> dict:
+    """What the estimators compute for pipeline rank ``pp_rank`` (tensor-parallel rank ``tp_rank``)
+    of ``cfg``'s layout, at the moment of its peak: ``{"model_states": {params_bytes, grads_bytes, optimizer_bytes,
     total_bytes} (:func:`~zerotron.analysis.memory.model_state_bytes`), "activations" (saved, of
     the schedule's micro-batches in flight: :func:`~zerotron.analysis.activations.activation_bytes`,
     autocast's dtypes in bf16), "terms": {...}, "total"}``; ``terms`` are what the code allocates
@@ -516,6 +518,11 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
       backward holds beyond the block's saved tensors at its worst moment
       (:func:`~zerotron.analysis.activations.block_backward_bytes`: the SwiGLU backward, or
       RMSNorm's composite fp32 backward);
+    * ``fsdp2_last_block_moment`` (FSDP2, one micro-batch, no pipeline): when the backward of the
+      last block it reaches (:func:`_fsdp2_last_block_bytes`: the gradient shards of the blocks
+      done, the reduce-scatter and all-gather buffers, the gathered root and the head's unsharded
+      gradient) exceeds the loss's moment, the difference (0 otherwise; full recomputation at
+      Llama-3-70B's size, where the activations are small beside 4 bytes per shard element);
     * with recomputation, on the last stage: the loss's backward (the peak) comes before any layer
       is recomputed, so the recompute workspace is not live then (``recompute_workspace_not_live``,
       negative); ``recompute_moment`` adds the difference when the first recomputation's backward
@@ -564,7 +571,7 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
     if lay.pp > 1 and (pp_rank > 0 or lay.virtual_stages > 1):
         terms["stage_inputs"] = (flight + 1) * r * sbh
     if last:
-        terms["loss_backward"] = loss_backward_bytes(seq, lay.micro_batch, V, t, bf16, e)
+        terms["loss_backward"] = loss_backward_bytes(seq, lay.micro_batch, V, t, bf16, e, tp_rank)
         if lay.zero_stage == 3 and not fsdp2:
             root = params - layers * shape.block_params(t)
             terms["gathered"] = (2 if bf16 else e) * root
@@ -576,6 +583,9 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
         loss_saved = LOSS_BYTES * seq * lay.micro_batch * -(-V // t)  # freed once the loss's backward is done
         terms["recompute_moment"] = max(0, bwd - loss_saved - loss_moment)  # (the later moment, if larger)
         terms["recompute_workspace_not_live"] = -act["recompute_workspace_bytes"]
+    if fsdp2 and lay.pp == 1 and lay.microbatches == 1:  # the step's other moment: the last block's backward
+        later = _fsdp2_last_block_bytes(cfg, lay, shape, states, act, params, layers, cp)
+        terms["fsdp2_last_block_moment"] = max(0, later - states["total_bytes"] - a - sum(terms.values()))
     total = states["total_bytes"] + a + sum(terms.values())
     if lay.zero_stage == 1 and not fsdp2:  # the step's other moment: finish_grads' reduce-scatters
         from zerotron.parallel.data.zero import ZeroSync
@@ -591,6 +601,47 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
         total += terms["finish_grads_moment"]
     return {"params": params, "dp": lay.dp, "model_states": states, "activations": a, "terms": terms,
             "total": total}
+
+
+def _fsdp2_last_block_bytes(cfg: Config, lay: _Layout, shape, states: dict, act: dict, params: int, layers: int,
+                            cp: int) -> int:
+    """Bytes FSDP2 (one micro-batch per step, no pipeline) holds in the backward of the last block it
+    reaches (block 0), on one rank: the step's peak when the activations are small (full
+    recomputation at Llama-3-70B's size: 1.216 x the loss's moment before this was counted).
+    Derived from torch 2.13's ``fully_shard`` (``_fsdp_collectives``: the all-gather output and the
+    reduce-scatter input are kept until the next all-gather / post-backward waits on them) and
+    measured with a dry run's MemTracker (``tests/test_dryrun_peak.py``, ``fsdp2-dp4-full-grads``):
+
+    * the model states without gradients (the bf16-mixed 16 bytes per shard element less FSDP2's
+      4-byte gradient shard: its fp32 parameter shard and Adam's two moments);
+    * the fp32 gradient shards of the blocks already reduced, L - 2 of them (4 B/N bytes each, B a
+      block's parameters on this tp rank, N the shard group);
+    * block 1's reduce-scatter input in ``reduce_dtype`` (red B), held until the next post-backward;
+    * block 0's all-gather output and its unsharded parameters, both in the compute dtype (2 ce B);
+    * the root (embedding, final norm, head), gathered at the backward's start and resharded in its
+      post-backward at the end (ce R), and the head's unsharded weight gradient (ce V/t h);
+    * one layer's saved activations (its checkpointed input under full recomputation), the
+      recompute workspace and the block's backward with its unsharded weight gradients
+      (:func:`~zerotron.analysis.activations.block_backward_bytes` with ``grad_bytes`` = ce).
+
+    Several micro-batches per step (FSDP2's ``no_sync`` keeps every block's unsharded gradient
+    until the last) are not modelled."""
+    from zerotron.analysis.activations import block_backward_bytes
+    from zerotron.parallel.precision import reduce_dtype
+
+    bf16 = lay.dtype == "bf16"
+    e = {"fp32": 4, "bf16": 2, "fp64": 8}[lay.dtype]
+    ce, pb = (2, 4) if bf16 else (e, e)  # compute dtype; sharded parameters and gradients
+    red = reduce_dtype(lay.dtype, cfg.parallel.reduce_dtype).itemsize
+    block = shape.block_params(lay.tp)
+    root, head = params - layers * block, -(-shape.vocab_size // lay.tp) * shape.n_embd
+    seq, shards = lay.seq // cp, lay.dp * cp // lay.dp_replicate  # a rank's tokens; the shard group (dp x cp)
+    no_grads = states["total_bytes"] - (2 if bf16 else 1) * states["grads_bytes"]
+    bwd = block_backward_bytes(shape, seq, lay.micro_batch, lay.tp, lay.sp, _ACT_DTYPE[lay.dtype], bf16, bf16,
+                               grad_bytes=ce)
+    acts = act["per_layer_bytes"] + act["recompute_workspace_bytes"] + bwd
+    return (no_grads + pb * max(0, layers - 2) * -(-block // shards) + (red + 2 * ce) * block + ce * (root + head)
+            + acts)
 
 
 def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
@@ -736,7 +787,7 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
             init_distributed(held)
     for rec in out:
         pp_rank = rec["coords"]["pp"]
-        est = estimate(cfg, plan, pp_rank, rec["layer_counts"])
+        est = estimate(cfg, plan, pp_rank, rec["layer_counts"], rec["coords"].get("tp", 0))
         planned = planned_comm(cfg, plan, pp_rank)
         rec.update(peak_bytes_estimated=est["total"], estimated=est, comm_bytes_planned=planned,
                    ratios={"peak": _ratio(rec["peak_bytes_traced"], est["total"]),
