@@ -252,6 +252,35 @@ def _sse(raw: bytes) -> list:
     return [json.loads(e) for e in events[:-1]]
 
 
+def test_token_id_prompts(server):
+    """``prompt`` as token ids, as OpenAI's API takes it (a list of ints: one prompt; a list of such
+    lists: several), answers exactly as the same prompts given as text; an id outside the model's
+    vocabulary, a negative one, a bool, an empty id list or a mix of ids and text gets one 400
+    naming ``prompt``."""
+    addr, front, tok = server
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    ids = {p: tok.encode(p).ids for p in ("hi", "ab")}
+    ask = {"max_tokens": 6, "temperature": 0}
+    as_text = json.loads(_ask(conn, "POST", "/v1/completions", {**ask, "prompt": ["hi", "ab"]})[2])
+    code, _, raw = _ask(conn, "POST", "/v1/completions", {**ask, "prompt": [ids["hi"], ids["ab"]]})
+    assert code == 200, raw
+    r = json.loads(raw)
+    assert [c["text"] for c in r["choices"]] == [c["text"] for c in as_text["choices"]]
+    assert r["usage"] == as_text["usage"]
+    code, _, raw = _ask(conn, "POST", "/v1/completions", {**ask, "prompt": ids["hi"]})
+    assert code == 200 and json.loads(raw)["choices"][0]["text"] == as_text["choices"][0]["text"], raw
+    vocab = tok.get_vocab_size()
+    for prompt, words in (([1, vocab], f"token id {vocab}, outside the model's vocabulary of {vocab}"),
+                          ([[1], [vocab + 5]], "prompt 1 has token id"), ([-1], "greater than or equal to 0"),
+                          ([True], "'prompt.0'"), ([[]], "'prompt.0': List should have at least 1 item"),
+                          ([[1], [2, "a"]], "'prompt.1.1': Input should be a valid integer"),
+                          ([1, "a"], "'prompt.1': Input should be a valid integer, got 'a'")):
+        code, _, raw = _ask(conn, "POST", "/v1/completions", {**ask, "prompt": prompt})
+        err = json.loads(raw)["error"]
+        assert code == 400 and err["param"] == "prompt" and words in err["message"], (prompt, raw)
+    conn.close()
+
+
 def test_openai_client_matches_raw_client(server):
     """The official openai client and a raw client get the same completions, chat completions and
     streamed text (multi-byte characters split across tokens arrive whole); usage, n, stop and seed

@@ -241,7 +241,8 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
         print(f"zerotron serve: error: {e}", file=sys.stderr, flush=True)
         channel.send({"kind": "stop"})
         return 2
-    front = Front(tok, eos or None, model_id, args.batching, chat=chat, context=engine.config.block_size)
+    front = Front(tok, eos or None, model_id, args.batching, chat=chat, context=engine.config.block_size,
+                  vocab=engine.config.vocab_size)
     api_key = api_key_of(args)
     kv_line = ""
     if args.batching == "window":
