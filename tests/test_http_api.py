@@ -209,6 +209,35 @@ def test_unparsable_http_is_a_json_400(server):
     conn.close()
 
 
+def test_client_leaving_mid_body_logs_no_traceback(server):
+    """A client that closes its connection before its body has arrived gets nothing (499, counted in
+    /metrics) and leaves no "Exception in ASGI application" traceback in the server's log (before:
+    starlette's ClientDisconnect escaped the app); the server goes on."""
+    import logging
+
+    addr, _, _ = server
+    seen: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    try:
+        with socket.create_connection(addr, timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prom")
+        conn = http.client.HTTPConnection(*addr, timeout=10)
+        for _ in range(100):  # the disconnect reaches the app asynchronously
+            code, _, raw = _ask(conn, "GET", "/metrics")
+            if b'code="499"' in raw:
+                break
+            time.sleep(0.05)
+        assert code == 200 and b'zerotron_requests_total{endpoint="/v1/completions",code="499"}' in raw, raw
+    finally:
+        log.removeHandler(handler)
+    assert not seen, [r.getMessage() for r in seen]
+    conn.close()
+
+
 def test_json_the_parser_refuses_is_a_400(server):
     """JSON that Python's parser refuses with other errors than JSONDecodeError -- arrays nested past
     the recursion limit (RecursionError), an integer of more than 4300 digits (ValueError) -- is a
