@@ -269,14 +269,18 @@ def test_device_and_backend_need_cuda(capsys):
 def test_user_error_in_the_workers_is_exit_2(tmp_path, capfd):
     """A user error that only the workers find (here generate's missing checkpoint, which --nproc
     checks in the workers alone; train's disk tier folder filled after the launcher's check is the
-    same path): each worker's one line, and the launcher exits 2 without a 'worker 0 failed first
-    (exit code 2) ... See its messages above' line of its own (it returned 1 with that line)."""
-    from zerotron.launch import launch
+    same path): the line once, not once per worker (launch.say_once), and the launcher exits 2
+    without a 'worker 0 failed first (exit code 2) ... See its messages above' line of its own (it
+    returned 1 with that line) nor torch elastic's 'failed (exitcode: 2) local_rank: ...' log line."""
+    from zerotron.launch import ERROR_DIR_ENV, launch
 
     code = launch(2, ["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"])
     err = capfd.readouterr().err
     assert code == 2, err
     assert "failed first" not in err and "checkpoint" in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("zerotron: error: "), err  # was one per worker + torch's
+    assert ERROR_DIR_ENV not in os.environ
 
 
 def test_worker_dies_with_launcher(tmp_path):

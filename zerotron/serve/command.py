@@ -123,7 +123,7 @@ def api_key_of(args, env=None) -> str | None:
 def main(argv: list[str]) -> int:
     """Entry point of ``zerotron serve``; returns an exit code (2 for bad arguments)."""
     from zerotron.generate import load_model, resolve_checkpoint, stop_ids
-    from zerotron.launch import in_worker, launch, strip_nproc
+    from zerotron.launch import in_worker, launch, say_once, strip_nproc
 
     from .http_api import check_listen
 
@@ -159,8 +159,8 @@ def main(argv: list[str]) -> int:
                 check_adapter(ckpt, args.adapter)
         if args.nproc > 1 and not in_worker():
             return _launch(args.nproc, ["serve", *strip_nproc(argv)], launch)
-    except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line
-        print(f"zerotron serve: error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line (once for all workers)
+        say_once(f"zerotron serve: error: {e}")
         return 2
     from zerotron.distributed import mesh as _mesh
     from zerotron.distributed.mesh import Mesh, ParallelDims, init_distributed
