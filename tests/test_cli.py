@@ -117,6 +117,9 @@ def test_bad_toml(tmp_path, capsys):
     bad.write_text("[train]\nsteps = 'ten'\n")
     code, err = run(["train", "--config", str(bad)], capsys)
     assert code == 2 and "train.steps must be int, got str 'ten'" in err
+    bad.write_bytes(b"\xff\xfe[train]\n")  # not UTF-8 (a UTF-16 BOM): one line, not a UnicodeDecodeError traceback
+    code, err = run(["train", "--config", str(bad)], capsys)
+    assert code == 2 and "is not UTF-8 text (byte 0)" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_existing_run_dir_untouched(tmp_path, capsys):
