@@ -61,6 +61,12 @@ CASES = [
     (["bench", "serve", "--max-tokens", "0"], "--max-tokens must be a comma list"),
     (["bench", "serve", "--rounds", "0"], "--rounds"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-p", "0"], "--top-p"),
+    # a run directory that cannot be made (a file in the way; /proc: read-only even for root): one line
+    # naming it, not a bare '[Errno 17] File exists' or a PermissionError traceback (/sys)
+    (["train", "--config", TINY, "--run-dir", "pyproject.toml/run"], "run directory 'pyproject.toml/run' cannot be "
+     "written (Not a directory); give a --run-dir in a folder you can write"),
+    (["train", "--config", TINY, "--run-dir", "pyproject.toml"], "run directory 'pyproject.toml' is a file"),
+    (["train", "--config", TINY, "--run-dir", "/proc/zerotron-run"], "run directory '/proc/zerotron-run' cannot be written"),
 ]
 
 
