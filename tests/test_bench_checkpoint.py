@@ -39,8 +39,14 @@ def test_bench_checkpoint_bad_arguments():
     r = bench("--dir", "/nonexistent/x")
     assert r.returncode == 2 and "--dir /nonexistent/x is not a directory" in r.stderr, r.stderr
     for flag in ("--json", "--markdown"):
-        for bad in ("/nonexistent/d/o.json", "/tmp"):
+        for bad, why in (("/nonexistent/d/o.json", "the directory /nonexistent/d does not exist"),
+                         ("/tmp", "is a directory")):
             r = bench(flag, bad)
-            assert r.returncode == 2 and f"{flag} {bad}: not a file path in an existing directory" in r.stderr, r.stderr
+            assert r.returncode == 2 and f"{flag} {bad}: {why}" in r.stderr, r.stderr
+    # a folder that cannot be written (even by root: /proc): refused before the rounds, not a
+    # FileNotFoundError traceback after them
+    r = bench("--json", "/proc/o.json")
+    assert r.returncode == 2 and "--json /proc/o.json: cannot write there" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = bench("--train.lr", "inf")
     assert r.returncode == 2 and "train.lr must be a finite number" in r.stderr, r.stderr

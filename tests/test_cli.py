@@ -61,6 +61,12 @@ CASES = [
     (["bench", "serve", "--max-tokens", "0"], "--max-tokens must be a comma list"),
     (["bench", "serve", "--rounds", "0"], "--rounds"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-p", "0"], "--top-p"),
+    # a run directory that cannot be made (a file in the way; /proc: read-only even for root): one line
+    # naming it, not a bare '[Errno 17] File exists' or a PermissionError traceback (/sys)
+    (["train", "--config", TINY, "--run-dir", "pyproject.toml/run"], "run directory 'pyproject.toml/run' cannot be "
+     "written (Not a directory); give a --run-dir in a folder you can write"),
+    (["train", "--config", TINY, "--run-dir", "pyproject.toml"], "run directory 'pyproject.toml' is a file"),
+    (["train", "--config", TINY, "--run-dir", "/proc/zerotron-run"], "run directory '/proc/zerotron-run' cannot be written"),
 ]
 
 
@@ -117,6 +123,9 @@ def test_bad_toml(tmp_path, capsys):
     bad.write_text("[train]\nsteps = 'ten'\n")
     code, err = run(["train", "--config", str(bad)], capsys)
     assert code == 2 and "train.steps must be int, got str 'ten'" in err
+    bad.write_bytes(b"\xff\xfe[train]\n")  # not UTF-8 (a UTF-16 BOM): one line, not a UnicodeDecodeError traceback
+    code, err = run(["train", "--config", str(bad)], capsys)
+    assert code == 2 and "is not UTF-8 text (byte 0)" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_existing_run_dir_untouched(tmp_path, capsys):
@@ -269,14 +278,18 @@ def test_device_and_backend_need_cuda(capsys):
 def test_user_error_in_the_workers_is_exit_2(tmp_path, capfd):
     """A user error that only the workers find (here generate's missing checkpoint, which --nproc
     checks in the workers alone; train's disk tier folder filled after the launcher's check is the
-    same path): each worker's one line, and the launcher exits 2 without a 'worker 0 failed first
-    (exit code 2) ... See its messages above' line of its own (it returned 1 with that line)."""
-    from zerotron.launch import launch
+    same path): the line once, not once per worker (launch.say_once), and the launcher exits 2
+    without a 'worker 0 failed first (exit code 2) ... See its messages above' line of its own (it
+    returned 1 with that line) nor torch elastic's 'failed (exitcode: 2) local_rank: ...' log line."""
+    from zerotron.launch import ERROR_DIR_ENV, launch
 
     code = launch(2, ["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"])
     err = capfd.readouterr().err
     assert code == 2, err
     assert "failed first" not in err and "checkpoint" in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("zerotron: error: "), err  # was one per worker + torch's
+    assert ERROR_DIR_ENV not in os.environ
 
 
 def test_worker_dies_with_launcher(tmp_path):

@@ -181,7 +181,7 @@ def test_cli(tmp_path, capsys):
 
 
 def test_cli_json_path_checked_before_the_trace(tmp_path, capsys, monkeypatch):
-    """--json into a missing directory or onto a directory: one line, exit 2, before any tracing
+    """--json into a missing directory, onto a directory or where nothing can be written: one line, exit 2, before any tracing
     (before: a traceback from open() after the whole trace, exit 1)."""
     import zerotron.analysis.dryrun as dryrun
     from zerotron.analysis.dryrun_cli import dryrun_main
@@ -190,11 +190,12 @@ def test_cli_json_path_checked_before_the_trace(tmp_path, capsys, monkeypatch):
         raise AssertionError("traced before the --json path was checked")
 
     monkeypatch.setattr(dryrun, "dry_run", no_trace)
-    for out in (tmp_path / "missing" / "d.json", tmp_path):
+    for out, why in ((tmp_path / "missing" / "d.json", f"the directory {tmp_path / 'missing'} does not exist"), (tmp_path, "is a directory"),
+                     ("/proc/d.json", "cannot write there")):  # /proc: not writable, even by root
         argv = ["--config", "configs/tiny.toml", "--world", "2", "--json", str(out)]
         assert dryrun_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "--json" in err[0] and "existing directory" in err[0], err
+        assert len(err) == 1 and f"--json {out}: {why}" in err[0], err
 
 
 def test_cli_world_error_names_this_commands_flag(capsys):

@@ -410,7 +410,7 @@ def test_checksum_mismatch(full_run, tmp_path, capsys):
 
 def test_edited_meta_json_is_damage(tmp_path, data_cache, capsys):
     """meta.json is covered by the integrity check (issue 35): an edited step or tokens_seen, a
-    step that disagrees with its step_<N> directory, and a torn meta.json each mark the checkpoint damaged
+    step that disagrees with its step_<N> directory, and a torn or missing meta.json each mark the checkpoint damaged
     -- generate refuses in one line (exit 2), --resume moves it aside and falls back to the
     previous checkpoint, which then trains steps 3 and 4 to exactly the losses of the first run."""
     import shutil
@@ -439,17 +439,21 @@ def test_edited_meta_json_is_damage(tmp_path, data_cache, capsys):
              "tokens": ({**meta, "tokens_seen": meta["tokens_seen"] + 1}, "meta.json does not match its own meta_checksum"),
              "torn": (None, "meta.json is unreadable"),
              "float-step": (sealed(step=4.0), "meta.json says step 4.0 in directory step_4"),
-             "checksums-list": (sealed(checksums=[]), "meta.json's checksums is not a JSON object")}
+             "checksums-list": (sealed(checksums=[]), "meta.json's checksums is not a JSON object"),
+             "missing": (False, "meta.json is missing")}  # was: --resume refused, "not a zerotron checkpoint"
     for name, (edited, why) in cases.items():
         bad = tmp_path / name
         shutil.copytree(run, bad)
         text = json.dumps(edited, indent=1) if edited else (ck / "meta.json").read_text()[:200]
         (bad / "checkpoints" / "step_4" / "meta.json").write_text(text)
+        if edited is False:
+            (bad / "checkpoints" / "step_4" / "meta.json").unlink()
         with pytest.raises(Exception, match=why):
             verify_checkpoint(bad / "checkpoints" / "step_4")
         code, err = main(["generate", "--checkpoint", str(bad / "checkpoints" / "step_4"), "--prompt", "x"]), \
             capsys.readouterr().err
-        assert code == 2 and len(err.strip().splitlines()) == 1 and why in err, err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and (why if edited is not False else
+                                                                     "no checkpoint found") in err, err
         code = main([*argv[:4], str(bad), *argv[5:], "--resume", "--train.steps", "4"])
         err = capsys.readouterr().err
         assert code == 0, err

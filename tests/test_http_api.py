@@ -209,6 +209,35 @@ def test_unparsable_http_is_a_json_400(server):
     conn.close()
 
 
+def test_client_leaving_mid_body_logs_no_traceback(server):
+    """A client that closes its connection before its body has arrived gets nothing (499, counted in
+    /metrics) and leaves no "Exception in ASGI application" traceback in the server's log (before:
+    starlette's ClientDisconnect escaped the app); the server goes on."""
+    import logging
+
+    addr, _, _ = server
+    seen: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    log = logging.getLogger("uvicorn.error")
+    log.addHandler(handler)
+    try:
+        with socket.create_connection(addr, timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"prom")
+        conn = http.client.HTTPConnection(*addr, timeout=10)
+        for _ in range(100):  # the disconnect reaches the app asynchronously
+            code, _, raw = _ask(conn, "GET", "/metrics")
+            if b'code="499"' in raw:
+                break
+            time.sleep(0.05)
+        assert code == 200 and b'zerotron_requests_total{endpoint="/v1/completions",code="499"}' in raw, raw
+    finally:
+        log.removeHandler(handler)
+    assert not seen, [r.getMessage() for r in seen]
+    conn.close()
+
+
 def test_json_the_parser_refuses_is_a_400(server):
     """JSON that Python's parser refuses with other errors than JSONDecodeError -- arrays nested past
     the recursion limit (RecursionError), an integer of more than 4300 digits (ValueError) -- is a
@@ -250,6 +279,35 @@ def _sse(raw: bytes) -> list:
             events.append(block[6:])
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
+
+
+def test_token_id_prompts(server):
+    """``prompt`` as token ids, as OpenAI's API takes it (a list of ints: one prompt; a list of such
+    lists: several), answers exactly as the same prompts given as text; an id outside the model's
+    vocabulary, a negative one, a bool, an empty id list or a mix of ids and text gets one 400
+    naming ``prompt``."""
+    addr, front, tok = server
+    conn = http.client.HTTPConnection(*addr, timeout=10)
+    ids = {p: tok.encode(p).ids for p in ("hi", "ab")}
+    ask = {"max_tokens": 6, "temperature": 0}
+    as_text = json.loads(_ask(conn, "POST", "/v1/completions", {**ask, "prompt": ["hi", "ab"]})[2])
+    code, _, raw = _ask(conn, "POST", "/v1/completions", {**ask, "prompt": [ids["hi"], ids["ab"]]})
+    assert code == 200, raw
+    r = json.loads(raw)
+    assert [c["text"] for c in r["choices"]] == [c["text"] for c in as_text["choices"]]
+    assert r["usage"] == as_text["usage"]
+    code, _, raw = _ask(conn, "POST", "/v1/completions", {**ask, "prompt": ids["hi"]})
+    assert code == 200 and json.loads(raw)["choices"][0]["text"] == as_text["choices"][0]["text"], raw
+    vocab = tok.get_vocab_size()
+    for prompt, words in (([1, vocab], f"token id {vocab}, outside the model's vocabulary of {vocab}"),
+                          ([[1], [vocab + 5]], "prompt 1 has token id"), ([-1], "greater than or equal to 0"),
+                          ([True], "'prompt.0'"), ([[]], "'prompt.0': List should have at least 1 item"),
+                          ([[1], [2, "a"]], "'prompt.1.1': Input should be a valid integer"),
+                          ([1, "a"], "'prompt.1': Input should be a valid integer, got 'a'")):
+        code, _, raw = _ask(conn, "POST", "/v1/completions", {**ask, "prompt": prompt})
+        err = json.loads(raw)["error"]
+        assert code == 400 and err["param"] == "prompt" and words in err["message"], (prompt, raw)
+    conn.close()
 
 
 def test_openai_client_matches_raw_client(server):

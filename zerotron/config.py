@@ -406,9 +406,12 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
             raise ConfigError(f"config file {str(p)!r} not found; pass an existing TOML file to --config "
                               "(see configs/ for examples)")
         try:
-            data = _parse_toml(p.read_text())
+            data = _parse_toml(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:  # TOML is UTF-8 (before: a traceback)
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}); pass a TOML file "
+                              "saved as UTF-8 to --config") from None
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"config file {str(p)!r}: top-level key {section!r} must be a [section] table; "

@@ -36,6 +36,31 @@ RESTART_NOTE_ENV = "ZEROTRON_RESTART_NOTE"
 the survivors are stopped for a restart, the one-line description of the worker that failed"""
 
 
+ERROR_DIR_ENV = "ZEROTRON_ERROR_DIR"
+"""environment variable of :func:`launch`'s workers: a folder of the launch in which :func:`say_once`
+marks the lines already printed, so a user error that every worker finds is printed once"""
+
+
+def say_once(line: str) -> None:
+    """Print ``line`` on stderr once per :func:`launch`: the workers of one launch share the folder
+    :data:`ERROR_DIR_ENV` names, and the first to print a given line creates a file named for its
+    SHA-256 there (``O_EXCL``: atomic on a local filesystem); the others leave that line out. Other
+    lines (a rank's own path, another error) still print. Outside a launch (one process, torchrun),
+    it prints."""
+    import hashlib
+
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder and in_worker():
+        try:
+            os.close(os.open(Path(folder) / hashlib.sha256(line.encode()).hexdigest()[:32],
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        except OSError:  # the folder went away or is unwritable: better twice than never
+            pass
+    print(line, file=sys.stderr, flush=True)
+
+
 def in_worker() -> bool:
     """True when this process was started by torchrun / the elastic launcher (RANK is set)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -68,11 +93,20 @@ def quiet_elastic_logs(level: int = logging.ERROR):
     saved = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(max(lg.level, level))
+        lg.addFilter(_user_error_exit)
     try:
         yield
     finally:
         for lg, lv in zip(loggers, saved):
             lg.setLevel(lv)
+            lg.removeFilter(_user_error_exit)
+
+
+def _user_error_exit(record: logging.LogRecord) -> bool:
+    """Drop torch elastic's ``failed (exitcode: 2) local_rank: ...`` error: the worker named the
+    user error in its own line (:func:`say_once`), and exit code 2 says the rest."""
+    return not (str(record.msg).startswith("failed (exitcode: ") and record.args
+                and record.args[0] == 2)
 
 
 # worker exit codes that mean "stopped on purpose; rank 0 printed the reason": a guard (3, see
@@ -265,6 +299,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     heap_env = worker_env()  # glibc's heap thresholds from the workers' first allocation (host_heap)
     os.environ.update(heap_env)
     note_dir = None
+    error_dir = tempfile.mkdtemp(prefix="zerotron-errors-")
+    os.environ[ERROR_DIR_ENV] = error_dir  # the workers inherit it: say_once
     if max_restarts:
         # a fresh TCPStore per attempt (hosted by the new rank 0): with the agent's store shared,
         # restarted gloo ranks read the dead attempt's addresses and fail to connect (pytorch#135712)
@@ -294,6 +330,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     finally:
         for key in heap_env:  # this process's own later children are not ours to tune
             os.environ.pop(key, None)
+        os.environ.pop(ERROR_DIR_ENV, None)
+        shutil.rmtree(error_dir, ignore_errors=True)
         if note_dir is not None:
             os.environ.pop(RESTART_NOTE_ENV, None)
             shutil.rmtree(note_dir, ignore_errors=True)

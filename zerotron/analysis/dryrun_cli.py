@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from zerotron.analysis.memory import GB, parse_memory
+from zerotron.out_files import out_file_refusal
 
 
 def _parser():
@@ -108,11 +108,9 @@ def dryrun_main(argv: list) -> int:
         if args.world < 1:
             raise DryRunError(f"--world must be >= 1, got {args.world}")
         out = args.json_out
-        if out and out != "-" and (Path(out).is_dir() or not Path(out).resolve().parent.is_dir()):
-            # checked before the trace (minutes at scale), as bench checkpoint does; an existing file is
-            # replaced, as every result file of zerotron (bench --json, --markdown) is
-            raise DryRunError(f"--json {out}: not a file path in an existing directory; create the directory "
-                              "or pass e.g. --json dry.json")
+        refusal = out_file_refusal(out if out != "-" else None, "--json", "dry.json")  # before the trace (minutes)
+        if refusal:
+            raise DryRunError(refusal)
         cfg = load_config(args.config, parse_overrides(rest))
         gpu_mem = parse_memory(args.gpu_mem) if args.gpu_mem else None
         if args.gpus_per_node < 1:

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..out_files import out_file_refusal
+
 USAGE = ("zerotron bench checkpoint [--config FILE] [--rounds N] [--dir DIR] [--blocking] [--nproc N] [--json F] "
          "[--markdown F] [--section.field V ...]")
 
@@ -166,9 +168,9 @@ def main(argv: list[str]) -> int:
         if args.dir is not None and not Path(args.dir).is_dir():
             raise ConfigError(f"--dir {args.dir} is not a directory; create it or pass another")
         for flag, out in (("--json", args.json), ("--markdown", args.markdown)):
-            if out and (Path(out).is_dir() or not Path(out).resolve().parent.is_dir()):
-                raise ConfigError(f"{flag} {out}: not a file path in an existing directory; pass e.g. "
-                                  f"{flag} results/ckpt.{'json' if flag == '--json' else 'md'}")
+            refusal = out_file_refusal(out, flag, f"results/ckpt.{'json' if flag == '--json' else 'md'}")
+            if refusal:
+                raise ConfigError(refusal)
         cfg = load_config(args.config, parse_overrides(rest))
         res = (measure_blocking(cfg, args.rounds, args.dir, args.nproc) if args.blocking
                else measure(cfg, args.rounds, args.dir))

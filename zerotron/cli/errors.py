@@ -2,12 +2,13 @@
 exit code 2 (:func:`fail`), and the exception types that count as user errors."""
 from __future__ import annotations
 
-import sys
-
 
 def fail(msg: str) -> int:
-    """Print ``zerotron: error: <msg>`` on stderr; returns the exit code 2."""
-    print(f"zerotron: error: {msg}", file=sys.stderr)
+    """Print ``zerotron: error: <msg>`` on stderr (once for all the workers of a ``--nproc``
+    launch that find the same error: ``launch.say_once``); returns the exit code 2."""
+    from ..launch import say_once
+
+    say_once(f"zerotron: error: {msg}")
     return 2
 
 

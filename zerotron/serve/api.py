@@ -160,9 +160,11 @@ class Front:
     """Rank 0's request side: validation, the job queue ``jobs`` the batcher reads, answers.
     ``tokenizer``: a ``tokenizers.Tokenizer`` (None in ``bench serve``, which builds jobs itself);
     ``chat``: a :class:`~zerotron.serve.chat.ChatTemplate` (None: the default template);
-    ``context``: the model's block_size (longer prompts get 400; None: no limit)."""
+    ``context``: the model's block_size (longer prompts get 400; None: no limit); ``vocab``: the
+    model's vocabulary size, the bound of token-id prompts (None: the tokenizer's)."""
 
-    def __init__(self, tokenizer, eos_id, model_id: str, batching: str, chat=None, context: int | None = None):
+    def __init__(self, tokenizer, eos_id, model_id: str, batching: str, chat=None, context: int | None = None,
+                 vocab: int | None = None):
         from .metrics import Metrics
 
         self.tok, self.eos_id, self.model_id, self.batching = tokenizer, eos_id, model_id, batching
@@ -174,6 +176,7 @@ class Front:
         self.counter = 0
         self._chat = chat
         self.context = context
+        self.vocab = vocab
 
     @property
     def chat(self):
@@ -228,7 +231,7 @@ class Front:
         c["max_tokens"] = default if given is None else given
         c["chat"], c["prompt_tokens"], reqs = chat, 0, []
         for i, text in enumerate(prompts):
-            ids = self.tok.encode(text).ids
+            ids = self.tok.encode(text).ids if isinstance(text, str) else self.token_ids(text, i)
             if not ids:
                 raise RequestError(f"prompt {i} is empty after tokenization", param="prompt")
             limit = max_new_tokens(len(ids), given, default, self.context, field, i, "messages" if chat else "prompt")
@@ -241,6 +244,17 @@ class Front:
         self.live.add(job)
         self.jobs.put(job)
         return c, job
+
+    def token_ids(self, ids: list[int], index: int) -> list[int]:
+        """A prompt given as token ids (ints >= 0, checked by the schema): ``ids``, or RequestError
+        400 naming prompt ``index`` and the first id outside the model's vocabulary (``vocab``,
+        else the tokenizer's)."""
+        vocab = self.vocab if self.vocab is not None else self.tok.get_vocab_size()
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt {index} has token id {bad}, outside the model's vocabulary of {vocab} ids "
+                               f"(0..{vocab - 1}): give ids below {vocab} or the prompt as text", param="prompt")
+        return list(ids)
 
     def account(self, job) -> None:
         """Count a job that ended (answered, failed or cancelled) in the metrics, once."""

@@ -129,7 +129,7 @@ def api_key_of(args, env=None) -> str | None:
 def main(argv: list[str]) -> int:
     """Entry point of ``zerotron serve``; returns an exit code (2 for bad arguments)."""
     from zerotron.generate import resolve_checkpoint
-    from zerotron.launch import in_worker, launch, strip_nproc
+    from zerotron.launch import in_worker, launch, say_once, strip_nproc
 
     from .http_api import check_listen
 
@@ -165,8 +165,8 @@ def main(argv: list[str]) -> int:
                 check_adapter(ckpt, args.adapter)
         if args.nproc > 1 and not in_worker():
             return _launch(args.nproc, ["serve", *strip_nproc(argv)], launch)
-    except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line
-        print(f"zerotron serve: error: {e}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line (once for all workers)
+        say_once(f"zerotron serve: error: {e}")
         return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -266,7 +266,8 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
         return 2
     api_key = api_key_of(args)
     if link is None:
-        front = Front(tok, eos or None, model_id, args.batching, chat=chat, context=engine.config.block_size)
+        front = Front(tok, eos or None, model_id, args.batching, chat=chat, context=engine.config.block_size,
+                      vocab=engine.config.vocab_size)
     else:
         from .link import RemoteFront
 
@@ -298,6 +299,7 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
             link.start({"tokenizer": tok.to_str(), "eos": eos or None, "eos_token": chat.eos,
                         "chat_template": None if chat.builtin else chat.source, "model_id": model_id,
                         "batching": args.batching, "context": engine.config.block_size,
+                        "vocab": engine.config.vocab_size,
                         "max_body_bytes": args.max_body_bytes, "api_key": api_key,
                         "stats": dict(vars(front.stats))}, sock)
         except RuntimeError as e:

@@ -132,7 +132,8 @@ def serve_front(conn: Connection) -> int:
     except (EOFError, OSError):
         return 0
     front = Front(Tokenizer.from_str(cfg["tokenizer"]), cfg["eos"], cfg["model_id"], cfg["batching"],
-                  chat=ChatTemplate(cfg["chat_template"], cfg["eos_token"]), context=cfg["context"])
+                  chat=ChatTemplate(cfg["chat_template"], cfg["eos_token"]), context=cfg["context"],
+                  vocab=cfg["vocab"])
     vars(front.stats).update(cfg["stats"])  # the pool's size before the first step (/metrics)
     server = ServerThread(make_app(front, cfg["max_body_bytes"], cfg["api_key"]), sock)
     server.start()

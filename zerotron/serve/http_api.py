@@ -114,6 +114,7 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
 
     app = FastAPI(title="zerotron serve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -140,7 +141,8 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
             pass
 
     async def body_of(request: Request):
-        """The JSON body; RequestError 413 (too large), 408 (stalled), 400 (not JSON)."""
+        """The JSON body; RequestError 413 (too large), 408 (stalled), 400 (not JSON), 499 (the
+        client went away before its body arrived: nobody reads the answer, nothing is logged)."""
         too_big = RequestError(f"the body must be at most {max_body_bytes} bytes", status=413)
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
@@ -164,6 +166,9 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
             raw = await asyncio.wait_for(read(), read_timeout_s)
         except asyncio.TimeoutError:
             raise RequestError(f"the request body did not arrive within {read_timeout_s:g} s", status=408) from None
+        except ClientDisconnect:  # before: an "Exception in ASGI application" traceback in the server's log
+            raise RequestError("the client disconnected before its request body arrived", status=499,
+                               code="client_disconnected") from None
         try:
             return json.loads(raw or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

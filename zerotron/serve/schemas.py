@@ -24,6 +24,7 @@ __all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "StreamOptions", "
            "ErrorResponse", "validate"]
 
 Int = Annotated[int, Field(strict=True)]
+TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
 Num = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Text = Annotated[str, Field(min_length=1)]
 
@@ -94,9 +95,13 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: ``prompt`` a non-empty string or a list of 1..64 of them."""
+    """``POST /v1/completions``: ``prompt`` a non-empty string, a list of 1..64 of them, or, as
+    OpenAI's API takes it, token ids: one prompt as a non-empty list of ids (ints >= 0) or a list
+    of 1..64 such lists. Ids are checked against the model's vocabulary by
+    :meth:`zerotron.serve.api.Front.submit`."""
 
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
     echo: Any = None
     logprobs: Any = None
     best_of: Any = None
@@ -106,7 +111,8 @@ class CompletionRequest(_Sampling):
     @classmethod
     def _prompt_text(cls, v):
         for s in [v] if isinstance(v, str) else v:
-            _unicode(s, "prompt")
+            if isinstance(s, str):
+                _unicode(s, "prompt")
         return v
 
     @field_validator("echo", "logprobs", "best_of", "suffix")
@@ -115,8 +121,10 @@ class CompletionRequest(_Sampling):
         return _neutral(info.field_name, v, {"echo": (False, None), "logprobs": (None,), "best_of": (None, 1),
                                              "suffix": (None, "")}[info.field_name])
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: each a string or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
 class _TextPart(BaseModel):
@@ -175,6 +183,11 @@ def _member_type_mismatch(err: dict) -> bool:
         not any(isinstance(x, int) for x in err["loc"])
 
 
+def _item_index(err: dict) -> int:
+    """The first list index in a pydantic error location (how far into a list the member read)."""
+    return next((x for x in err["loc"] if isinstance(x, int)), -1)
+
+
 def validate(model: type[BaseModel], body) -> BaseModel:
     """``model.model_validate(body)``; raises RequestError 400 naming the first bad field
     (``param``: its top-level name; ``code``: "unknown_parameter" / "unsupported_parameter" / None)."""
@@ -185,10 +198,20 @@ def validate(model: type[BaseModel], body) -> BaseModel:
     except ValidationError as e:
         errs = e.errors(include_url=False)
         err = errs[0]
-        # a union field (prompt, stop: a string or a list of them) fails once per member; report the
-        # member the input was meant for (the one not failing on the input's type), not the first
+        # a union field (prompt: text, texts, token ids or lists of them; stop: a string or a list of
+        # them) fails once per member; report the member the input was meant for: one whose type
+        # matched but whose value did not (a negative id), else the list member that read furthest
+        # into the input before a wrong item (["a", 3]: texts; [1, "a"]: ids), not the first member
         same = [x for x in errs if x["loc"][:1] == err["loc"][:1]]
-        err = next((x for x in same if not _member_type_mismatch(x)), err)
+        value = [x for x in same if not x["type"].endswith("_type") and any(_member_tag(y) for y in x["loc"])]
+        reach: dict = {}  # union member -> the index of its first wrong item
+        for x in same:
+            if not _member_type_mismatch(x):
+                m = x["loc"][1] if len(x["loc"]) > 1 else None
+                reach[m] = min(reach.get(m, _item_index(x)), _item_index(x))
+        best = max(reach, key=reach.get, default=None)  # the first such member on a tie
+        err = value[0] if value else next((x for x in same if not _member_type_mismatch(x)
+                                           and (x["loc"][1] if len(x["loc"]) > 1 else None) == best), err)
         field = str(err["loc"][0]) if err["loc"] else None
         kind = err["type"]
         if kind == "extra_forbidden":

@@ -72,9 +72,15 @@ class RunLock:
         lock was taken over (or flock is not available), else None. Creates the run directory if
         needed, and starts the heartbeat thread."""
         self.created_dir = not self.run_dir.exists()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.created_file = not self.path.exists()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # a read-only or missing parent, a file in the way: one line naming the run directory
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.created_file = not self.path.exists()
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            what = "is a file, not a directory" if self.run_dir.is_file() else \
+                f"cannot be written ({e.strerror or type(e).__name__})"
+            raise ConfigError(f"run directory {str(self.run_dir)!r} {what}; give a --run-dir in a folder you "
+                              "can write") from None
         notes = []
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

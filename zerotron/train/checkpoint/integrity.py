@@ -86,6 +86,8 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
         err.reason = what
         raise err
     if not (ckpt / "meta.json").is_file():
+        if STEP_RE.match(ckpt.name) and ckpt.parent.name == "checkpoints" and (ckpt / ".metadata").is_file():
+            fail("meta.json is missing")  # a step_<N> of a run with its shards: damaged, --resume falls back
         read_meta(ckpt)  # not a checkpoint at all: read_meta's message
     try:
         meta = json.loads((ckpt / "meta.json").read_text())
