@@ -6,6 +6,7 @@ texts, stop strings end generation early, streamed server-sent events add up to 
 disconnects wedges nothing, and SIGTERM drains (the request in flight is answered) and stops.
 One spawn of 2 ranks; the checkpoint and the reference texts are made in the pytest process."""
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -467,12 +468,22 @@ def test_frontend_process_and_engine_stop_together(checkpoint):
 
     tok = load_tokenizer(next(checkpoint.rglob("tokenizer.json")))
     config = {"tokenizer": tok.to_str(), "eos": None, "eos_token": "", "chat_template": None, "model_id": "m",
-              "batching": "continuous", "context": 64, "max_body_bytes": 4096, "api_key": None, "stats": {}}
-    link, sock = spawn_frontend(), bind("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
-    try:
-        link.start(config, sock)
-        front = RemoteFront(link, threading.Event())
+              "batching": "continuous", "context": 64, "vocab": tok.get_vocab_size(), "max_body_bytes": 4096,
+              "api_key": None, "stats": {}}
+
+    @contextlib.contextmanager
+    def front_end():
+        """(link, RemoteFront, completions url) of a real front-end process; killed at the end."""
+        link, sock = spawn_frontend(), bind("127.0.0.1", 0)
+        try:
+            link.start(config, sock)
+            yield link, RemoteFront(link, threading.Event()), f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+        finally:
+            if link.proc.poll() is None:
+                link.proc.kill()
+            sock.close()
+
+    with front_end() as (link, front, url):
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
             job = front.jobs.get(timeout=60)
@@ -495,15 +506,7 @@ def test_frontend_process_and_engine_stop_together(checkpoint):
             assert front.lost and front.draining.is_set() and waiting.cancelled.is_set()
             with pytest.raises(queue.Empty):
                 front.jobs.get(timeout=0.1)
-    finally:
-        if link.proc.poll() is None:
-            link.proc.kill()
-        sock.close()
-    link, sock = spawn_frontend(), bind("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
-    try:
-        link.start(config, sock)
-        front = RemoteFront(link, threading.Event())
+    with front_end() as (link, front, url):
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
             front.jobs.get(timeout=60)
@@ -511,10 +514,6 @@ def test_frontend_process_and_engine_stop_together(checkpoint):
             code, r = answer.result(timeout=60)
         assert code == 500 and "the engine process stopped" in r["error"]["message"], r
         assert link.proc.wait(timeout=60) == 1
-    finally:
-        if link.proc.poll() is None:
-            link.proc.kill()
-        sock.close()
 
 
 def test_stop_serve_kills_the_whole_tree():
