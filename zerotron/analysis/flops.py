@@ -70,8 +70,17 @@ class Shape:
     def column_linears(self) -> int:
         """Column-parallel Linears of one block under tensor parallelism (``models.*.layout``'s
         ``block_tp``): the q/k/v projection(s) and the MLP's input matrices (GELU's fc; SwiGLU's
-        gate and up). Each takes the block's (replicated or, with SP, gathered) input on its own."""
+        gate and up; a MoE block only its shared expert's, the experts stay replicated). Each takes
+        the block's (replicated or, with SP, gathered) input on its own."""
+        if self.n_experts:
+            return self.qkv_linears + (2 if self.shared_ffn else 0)
         return self.qkv_linears + self.mlp_matrices - 1
+
+    @property
+    def row_linears(self) -> int:
+        """Row-parallel Linears of one block: attention's output projection and the MLP's output
+        (a MoE block's only with a shared expert)."""
+        return 1 + (bool(self.shared_ffn) if self.n_experts else 1)
 
     @property
     def norm_params(self) -> int:

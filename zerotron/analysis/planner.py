@@ -28,11 +28,15 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   alpha seconds per call + bytes x nccl-tests factor / busbw), on the link the group crosses;
   every call also pays ``hw.sync_penalty`` (the measured cost of a collective that follows
   compute; 0 on GPUs).
-  tp: per layer 4 blocking all-reduces of b*S*h elements (2 forward, 2 backward; 6 with full
-  recompute; with SP each an all-gather + a reduce-scatter), one more for the vocab-parallel
-  embedding on the first stage and 3 of b*S fp32 values for the vocab-parallel loss on the last.
-  pp: per chunk one activation (forward) and one gradient (backward) of b*S*h (/tp with SP).
-  Neither is overlapped.
+  tp: the blocking collectives of :func:`tp_messages` (per layer 2 row-parallel outputs forward
+  and one input gradient per column-parallel Linear backward -- 2 for GPT-2, 5 for Llama --; with
+  SP all-gather / reduce-scatter pairs; full recompute re-runs one row-parallel output; the
+  vocab-parallel embedding, the head's input gradient and the loss), checked equal to what the
+  code sends by dry runs (tests/test_dryrun_planbytes.py). Activations cross in the residual
+  stream's dtype (:func:`stream_bytes`: fp32 under bf16 over ZeRO-0's fp32 parameters), matmul
+  outputs in ``elem_bytes``.
+  pp: per chunk one activation (forward) and one gradient (backward) of b*S*h (/tp with SP), in
+  the stream's dtype. Neither is overlapped.
 * pipeline: step = m x max_r(t_r) + (sum_r t_r - max_r t_r) / v for per-micro-batch stage times
   t_r: the slowest stage runs all m micro-batches, and the fill and drain pass once through each
   other stage (in chunks of 1/v with interleaving, v = 2). With equal stages this is the bubble
@@ -245,14 +249,14 @@ def tp_messages(shape: Shape, tokens: int, sp: bool, recompute: str, elem_bytes:
     activation, ``tokens`` = b*S/cp). Element sizes: a row-parallel matmul's output and its
     gradient ``elem_bytes``; a column-parallel Linear's input and input gradient and the
     embedding / head's the residual stream's ``stream`` (:func:`stream_bytes`). Per layer, with
-    C = :attr:`Shape.column_linears` (each column-parallel Linear runs its own collective) and the
-    2 row-parallel Linears (attention out, MLP out):
+    C = :attr:`Shape.column_linears` (each column-parallel Linear runs its own collective) and
+    R = :attr:`Shape.row_linears` (attention out, MLP out: 2 for a dense block):
 
-    * without SP: forward 2 all-reduces (row outputs), backward C (column input gradients);
-    * with SP: forward C all-gathers + 2 reduce-scatters, backward C reduce-scatters + 2 all-gathers;
+    * without SP: forward R all-reduces (row outputs), backward C (column input gradients);
+    * with SP: forward C all-gathers + R reduce-scatters, backward C reduce-scatters + R all-gathers;
     * full recomputation re-runs the forward's collectives but the MLP's row-parallel one (torch's
       non-reentrant checkpoint stops recomputing once the saved tensors are back: the MLP output
-      is not one of them): +1 row all-reduce; with SP +C all-gathers + 1 reduce-scatter.
+      is not one of them): +1 row all-reduce (attention's); with SP +C all-gathers + 1 reduce-scatter.
 
     First stage: the vocab-parallel embedding's forward all-reduce (SP: reduce-scatter forward,
     all-gather backward). Last stage: the head's input-gradient all-reduce (SP: all-gather
@@ -260,15 +264,15 @@ def tp_messages(shape: Shape, tokens: int, sp: bool, recompute: str, elem_bytes:
     ``tokens`` (max) and 2 x ``tokens`` (sum-exp, target logit) values. Not listed: SP's per-step
     all-reduce of the tp-replicated parameters' gradients (norms, row biases: O(L h) elements) and
     label smoothing's extra loss row."""
-    h, C = shape.n_embd, shape.column_linears
+    h, C, R = shape.n_embd, shape.column_linears, shape.row_linears
     row, col, full = tokens * h * elem_bytes, tokens * h * stream, recompute == "full"
     if sp:
-        out = [("all_gather", col, layers * C * (1 + full)), ("reduce_scatter", row, layers * (2 + full)),
-               ("reduce_scatter", col, layers * C), ("all_gather", row, layers * 2)]
+        out = [("all_gather", col, layers * C * (1 + full)), ("reduce_scatter", row, layers * (R + full)),
+               ("reduce_scatter", col, layers * C), ("all_gather", row, layers * R)]
         out += [("reduce_scatter", col, 1), ("all_gather", col, 1)] if first else []
         out += [("all_gather", col, 1), ("reduce_scatter", col, 1)] if last else []
     else:
-        out = [("all_reduce", row, layers * (2 + full)), ("all_reduce", col, layers * C)]
+        out = [("all_reduce", row, layers * (R + full)), ("all_reduce", col, layers * C)]
         out += [("all_reduce", col, 1)] if first else []
         out += [("all_reduce", col, 1)] if last else []
     if last:
@@ -353,14 +357,13 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memo
     vec_layer = (4 * h + 2 * h) * rep + act_vec / tp + (2 * a * S / tp if cm.attention == "math" else 0)
     if rec == "full":
         vec_layer += (2 * h + 2 * h) * rep + act_vec / 2 / tp
-    x = b * S // cp * h * cm.elem_bytes  # bytes of one (b, S/cp, h) activation (bf16 by default)
-    n_coll = 6 if rec == "full" else 4
+    stream = stream_bytes(cm.elem_bytes, z)  # the residual stream's bytes per element (fp32 over ZeRO-0's params)
+    x = b * S // cp * h * stream  # bytes of one (b, S/cp, h) activation of the stream: a pipeline message
 
-    def tp_coll(nbytes, calls):
-        if sp:
-            return sum(collective_time(calls * nbytes, op, tp, *tp_link, calls=calls)
-                       for op in ("all_gather", "reduce_scatter"))
-        return collective_time(calls * nbytes, "all_reduce", tp, *tp_link, calls=calls)
+    def tp_time(layers, first, last):  # one micro-batch's tensor-parallel collectives (tp_messages)
+        return sum(collective_time(calls * nbytes, op, tp, *tp_link, calls=calls)
+                   for op, nbytes, calls in tp_messages(shape, b * S // cp, sp, rec, cm.elem_bytes, stream, layers,
+                                                        first, last))
     stage, parts, stage_times = -1.0, {}, []
     for r in range(pp):
         layers = sum(counts[c * pp + r] for c in range(v))
@@ -375,8 +378,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memo
              "overhead": layers * cm.launch_s,
              "pp_comm": collective_time(2 * v * (x / tp if sp else x), "p2p", 2 if pp > 1 else 1,
                                         *pp_link, calls=2 * v),
-             "tp_comm": tp_coll(x, layers * n_coll + first)
-             + (collective_time(3 * b * S // cp * 4, "all_reduce", tp, *tp_link, calls=3) if last else 0.0),
+             "tp_comm": tp_time(layers, first, last),
              "cp_comm": layers * max(0.0, hops - attn_s),
              "ep_comm": collective_time(moe["all_to_all_bytes"][r] / m if moe else 0, "all_gather", ep, *ep_link,
                                         calls=(8 if rec == "full" else 5) * layers)}
