@@ -18,7 +18,8 @@ LAYOUTS = [  # (name, config, overrides): GPT-2 and Llama, tp, tp x pp, SP, reco
     ("gpt-ddp-tp2-full", GPT, {"parallel.tp": 2, "parallel.dp": 2, "train.activation_checkpointing": "full"}),
     ("llama-tp2-pp2-sp-full", LLAMA, {"parallel.tp": 2, "parallel.pp": 2, "parallel.sequence_parallel": "true",
                                       "train.activation_checkpointing": "full"}),
-    ("llama-zero1-tp2-pp2", LLAMA, {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero_stage": 1}),
+    ("llama-zero1-tp2-pp2-split31", LLAMA, {"parallel.tp": 2, "parallel.pp": 2, "parallel.zero_stage": 1,
+                                            "parallel.pp_split": "3,1"}),  # an uneven split: layer_counts
     ("llama-zero2-tp2-dp2", LLAMA, {"parallel.tp": 2, "parallel.dp": 2, "parallel.zero_stage": 2}),
     ("gpt-zero3-tp2-dp2", GPT, {"parallel.tp": 2, "parallel.dp": 2, "parallel.zero_stage": 3}),
     ("llama-zero3-dp4", LLAMA, {"parallel.dp": 4, "parallel.zero_stage": 3}),
