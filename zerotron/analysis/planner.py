@@ -550,9 +550,11 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
 def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank: int = 0, elem_bytes: int = 2,
                sp: bool = False, bucket_bytes: int = 25 << 20, reduce_bytes: int | None = None,
                layer_counts: list[int] | None = None) -> dict:
-    """Bytes per process group of one step that :func:`evaluate` prices for pipeline rank
-    ``pp_rank`` of ``layout`` (keys dp, tp, pp, zero_stage, micro_batch, schedule, recompute,
-    dp_replicate), in the nccl-tests size convention of ``comm.STATS`` (all-gather: output bytes,
+    """Bytes per process group of one step of pipeline rank ``pp_rank`` of ``layout`` (keys dp, tp,
+    pp, zero_stage, micro_batch, schedule, recompute, dp_replicate; optional cp, zero_impl) as the
+    code sends them (tests/test_dryrun_planbytes.py; :func:`evaluate` times the same tp and pp
+    messages, but its dp time still takes the reductions in the training dtype and native ZeRO-3's
+    root as gathered 2m times), in the nccl-tests size convention of ``comm.STATS`` (all-gather: output bytes,
     reduce-scatter: input bytes), ``elem_bytes`` per element (2: bf16; 4: fp32 training) and
     ``reduce_bytes`` per element of the gradient reductions (``parallel.reduce_dtype``: 4 for fp32,
     zerotron's default under bf16; None: ``elem_bytes``):
