@@ -5,7 +5,7 @@ group, wall time and max RSS per layout).
     python benchmarks/dryrun_table.py DIR        # DIR holds NAME.json and time.log from the runs; their
                                                  # ranks' rows are replaced, the other rows kept
     python benchmarks/dryrun_table.py            # re-print from benchmarks/dryrun_cluster.json
-    python benchmarks/dryrun_table.py --reestimate   # the same, estimates recomputed (estimator change)
+    python benchmarks/dryrun_table.py --reestimate   # the same, estimates and planned bytes recomputed (estimator/planner change)
 """
 from __future__ import annotations
 
@@ -53,8 +53,9 @@ LAYOUTS = {
 
 
 def reestimate(runs: dict) -> None:
-    """Recompute each record's estimate (``analysis.dryrun.estimate``) and peak ratio in place."""
-    from zerotron.analysis.dryrun import estimate
+    """Recompute each record's estimate (``analysis.dryrun.estimate``), peak ratio and planned bytes
+    per group (``analysis.dryrun.planned_comm`` with the record's layer split) in place."""
+    from zerotron.analysis.dryrun import _ratio, estimate, planned_comm
     from zerotron.config import load_config, parse_overrides
     from zerotron.plan import build_plan
 
@@ -71,6 +72,9 @@ def reestimate(runs: dict) -> None:
                            r["coords"].get("tp", 0))
             r["estimated"], r["peak_bytes_estimated"] = est, est["total"]
             r["ratios"]["peak"] = r["peak_bytes_traced"] / est["total"]
+            planned = planned_comm(cfg, build_plan(cfg, r["world"]), r["coords"]["pp"], r["layer_counts"])
+            r["comm_bytes_planned"] = planned
+            r["ratios"]["comm"] = {g: _ratio(r["comm_bytes_traced"].get(g, 0), b) for g, b in planned.items()}
 
 
 def table(runs: dict) -> str:

@@ -128,9 +128,8 @@ def test_estimates_bound_the_trace(name, dry):
 
 def test_planned_comm_bytes(dry):
     """The planner's per-group bytes (analysis.planner.comm_bytes) against the trace, fp32: dp of
-    ZeRO-0 equal (one all-reduce of the gradient buffers); tp: the planner's 4 all-reduces per layer
-    + 1 for the embedding, the trace adds the head's input-gradient all-reduce; pp: first and last
-    stage move 2 m activations' worth."""
+    ZeRO-0 equal (one all-reduce of the gradient buffers); pp: first and last stage move 2 m
+    activations' worth (every group and layout, bf16: tests/test_dryrun_planbytes.py)."""
     rec = dry["ddp-dp4"][0]
     assert rec["comm_traced"]["dp"]["ops"]["all_reduce/grad"]["bytes"] == rec["comm_bytes_planned"]["dp"]
     for rec in dry["zero1-dp2-pp2-1f1b"]:

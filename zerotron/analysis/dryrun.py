@@ -644,10 +644,11 @@ def _fsdp2_last_block_bytes(cfg: Config, lay: _Layout, shape, states: dict, act:
             + acts)
 
 
-def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
+def planned_comm(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = None) -> dict:
     """Bytes per group of one step the planner prices for pipeline rank ``pp_rank``
     (:func:`zerotron.analysis.planner.comm_bytes`): the training dtype's element size, gradient
-    reductions in ``parallel.reduce_dtype``'s (``parallel.precision.reduce_dtype``)."""
+    reductions in ``parallel.reduce_dtype``'s (``parallel.precision.reduce_dtype``), ``layer_counts``
+    the runner's layers per model stage (a record's ``layer_counts``; None: the even split)."""
     from zerotron.analysis.planner import comm_bytes
     from zerotron.parallel.precision import reduce_dtype
 
@@ -656,10 +657,11 @@ def planned_comm(cfg: Config, plan, pp_rank: int) -> dict:
     elem = {"fp32": 4, "bf16": 2, "fp64": 8}[lay.dtype]
     layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage, "micro_batch": lay.micro_batch,
               "schedule": lay.schedule if lay.pp > 1 else "none", "recompute": lay.recompute,
-              "dp_replicate": lay.dp_replicate, "cp": plan.dims.cp}
+              "dp_replicate": lay.dp_replicate, "cp": plan.dims.cp, "zero_impl": cfg.parallel.zero_impl}
     red = reduce_dtype(cfg.train.dtype, cfg.parallel.reduce_dtype).itemsize
     out = comm_bytes(shape_of(mcfg), layout, lay.seq, cfg.train.global_batch, pp_rank, elem_bytes=elem,
-                      sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), reduce_bytes=red)
+                      sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), reduce_bytes=red,
+                      layer_counts=layer_counts)
     if plan.dims.cp > 1 and cfg.parallel.cp_impl != "ring":  # the planner prices ring attention's messages only
         out.pop("cp", None)
     return out
@@ -788,7 +790,7 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     for rec in out:
         pp_rank = rec["coords"]["pp"]
         est = estimate(cfg, plan, pp_rank, rec["layer_counts"], rec["coords"].get("tp", 0))
-        planned = planned_comm(cfg, plan, pp_rank)
+        planned = planned_comm(cfg, plan, pp_rank, rec["layer_counts"])
         rec.update(peak_bytes_estimated=est["total"], estimated=est, comm_bytes_planned=planned,
                    ratios={"peak": _ratio(rec["peak_bytes_traced"], est["total"]),
                            "model_states": _ratio(rec["model_state_bytes"]["total_bytes"],

@@ -45,6 +45,7 @@ class Shape:
     n_experts: int = 0  # mixture of experts (0 = dense): E SwiGLU experts of width ffn per block
     top_k: int = 0  # experts per token
     shared_ffn: int = 0  # width of a shared SwiGLU expert (0 = none)
+    qkv_linears: int = 1  # Linears projecting q/k/v: 1 fused (GPT-2's c_attn), 3 separate (Llama's q/k/v_proj)
 
     def tp_sizes(self) -> dict:
         """The sizes the tensor-parallel rule (:func:`zerotron.models.layout.tp_refusal`) checks,
@@ -64,6 +65,22 @@ class Shape:
     def kv_dim(self) -> int:
         """H_kv * D, the width of the k and v projections (C for multi-head attention)."""
         return self.n_kv_head * self.head_dim
+
+    @property
+    def column_linears(self) -> int:
+        """Column-parallel Linears of one block under tensor parallelism (``models.*.layout``'s
+        ``block_tp``): the q/k/v projection(s) and the MLP's input matrices (GELU's fc; SwiGLU's
+        gate and up; a MoE block only its shared expert's, the experts stay replicated). Each takes
+        the block's (replicated or, with SP, gathered) input on its own."""
+        if self.n_experts:
+            return self.qkv_linears + (2 if self.shared_ffn else 0)
+        return self.qkv_linears + self.mlp_matrices - 1
+
+    @property
+    def row_linears(self) -> int:
+        """Row-parallel Linears of one block: attention's output projection and the MLP's output
+        (a MoE block's only with a shared expert)."""
+        return 1 + (bool(self.shared_ffn) if self.n_experts else 1)
 
     @property
     def norm_params(self) -> int:
@@ -147,7 +164,7 @@ def shape_of(cfg) -> Shape:
         learned_positions=not llama, tied=bool(getattr(cfg, "tie_word_embeddings", True)) if llama else True,
         dropout=float(getattr(cfg, "dropout", 0.0)), n_experts=int(getattr(cfg, "n_experts", 0) or 0),
         top_k=int(getattr(cfg, "experts_top_k", 0) or 0),
-        shared_ffn=int(getattr(cfg, "moe_shared_intermediate_size", 0) or 0))
+        shared_ffn=int(getattr(cfg, "moe_shared_intermediate_size", 0) or 0), qkv_linears=3 if llama else 1)
     _check_positive(n_layer=shape.n_layer, n_head=shape.n_head, n_kv_head=shape.n_kv_head,
                     n_embd=shape.n_embd, vocab_size=shape.vocab_size, block_size=shape.block_size,
                     ffn=shape.ffn)

@@ -28,11 +28,15 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   alpha seconds per call + bytes x nccl-tests factor / busbw), on the link the group crosses;
   every call also pays ``hw.sync_penalty`` (the measured cost of a collective that follows
   compute; 0 on GPUs).
-  tp: per layer 4 blocking all-reduces of b*S*h elements (2 forward, 2 backward; 6 with full
-  recompute; with SP each an all-gather + a reduce-scatter), one more for the vocab-parallel
-  embedding on the first stage and 3 of b*S fp32 values for the vocab-parallel loss on the last.
-  pp: per chunk one activation (forward) and one gradient (backward) of b*S*h (/tp with SP).
-  Neither is overlapped.
+  tp: the blocking collectives of :func:`tp_messages` (per layer 2 row-parallel outputs forward
+  and one input gradient per column-parallel Linear backward -- 2 for GPT-2, 5 for Llama --; with
+  SP all-gather / reduce-scatter pairs; full recompute re-runs one row-parallel output; the
+  vocab-parallel embedding, the head's input gradient and the loss), checked equal to what the
+  code sends by dry runs (tests/test_dryrun_planbytes.py). Activations cross in the residual
+  stream's dtype (:func:`stream_bytes`: fp32 under bf16 over ZeRO-0's fp32 parameters), matmul
+  outputs in ``elem_bytes``.
+  pp: per chunk one activation (forward) and one gradient (backward) of b*S*h (/tp with SP), in
+  the stream's dtype. Neither is overlapped.
 * pipeline: step = m x max_r(t_r) + (sum_r t_r - max_r t_r) / v for per-micro-batch stage times
   t_r: the slowest stage runs all m micro-batches, and the fill and drain pass once through each
   other stage (in chunks of 1/v with interleaving, v = 2). With equal stages this is the bubble
@@ -226,6 +230,56 @@ def ring_messages(shape: Shape, b: int, S: int, cp: int, recompute: str, elem_by
             "dkv_bytes": n * (4 if elem_bytes == 2 else elem_bytes)}
 
 
+def stream_bytes(elem_bytes: int, zero_stage: int) -> int:
+    """Bytes per element of the residual stream (embedding output, norms, each block's input and
+    input gradient) under training dtype ``elem_bytes`` (2: bf16): bf16 training over fp32
+    parameters (ZeRO-0: DDP, tp/pp without ZeRO) runs under autocast, which casts only the
+    matmuls, so the stream stays fp32 (4) and only matmul outputs are bf16; ZeRO >= 1 and FSDP2
+    compute on bf16 parameter copies, so the stream is bf16 too. Otherwise ``elem_bytes``.
+    The rule :func:`zerotron.analysis.activations.activation_bytes` applies (``bf16_params``)."""
+    return 4 if elem_bytes == 2 and zero_stage == 0 else elem_bytes
+
+
+def tp_messages(shape: Shape, tokens: int, sp: bool, recompute: str, elem_bytes: int, stream: int,
+                layers: int, first: bool, last: bool) -> list[tuple[str, int, int]]:
+    """The tensor-parallel collectives of one micro-batch through one pipeline rank of ``layers``
+    blocks (``parallel.tensor``: Megatron's f/g operators, Shoeybi et al. 2019; with SP all-gather
+    / reduce-scatter pairs, Korthikanti et al. 2022), as ``(op, bytes per call, calls)`` in the
+    nccl-tests size convention (all-gather output, reduce-scatter input: the full (``tokens``, h)
+    activation, ``tokens`` = b*S/cp). Element sizes: a row-parallel matmul's output and its
+    gradient ``elem_bytes``; a column-parallel Linear's input and input gradient and the
+    embedding / head's the residual stream's ``stream`` (:func:`stream_bytes`). Per layer, with
+    C = :attr:`Shape.column_linears` (each column-parallel Linear runs its own collective) and
+    R = :attr:`Shape.row_linears` (attention out, MLP out: 2 for a dense block):
+
+    * without SP: forward R all-reduces (row outputs), backward C (column input gradients);
+    * with SP: forward C all-gathers + R reduce-scatters, backward C reduce-scatters + R all-gathers;
+    * full recomputation re-runs the forward's collectives but the MLP's row-parallel one (torch's
+      non-reentrant checkpoint stops recomputing once the saved tensors are back: the MLP output
+      is not one of them): +1 row all-reduce (attention's); with SP +C all-gathers + 1 reduce-scatter.
+
+    First stage: the vocab-parallel embedding's forward all-reduce (SP: reduce-scatter forward,
+    all-gather backward). Last stage: the head's input-gradient all-reduce (SP: all-gather
+    forward, reduce-scatter backward) and the vocab-parallel loss's 2 fp32 all-reduces of
+    ``tokens`` (max) and 2 x ``tokens`` (sum-exp, target logit) values. Not listed: SP's per-step
+    all-reduce of the tp-replicated parameters' gradients (norms, row biases: O(L h) elements) and
+    label smoothing's extra loss row."""
+    h, C, R = shape.n_embd, shape.column_linears, shape.row_linears
+    row, col, full = tokens * h * elem_bytes, tokens * h * stream, recompute == "full"
+    if sp:
+        out = [("all_gather", col, layers * C * (1 + full)), ("reduce_scatter", row, layers * (R + full)),
+               ("reduce_scatter", col, layers * C), ("all_gather", row, layers * R)]
+        out += [("reduce_scatter", col, 1), ("all_gather", col, 1)] if first else []
+        out += [("all_gather", col, 1), ("reduce_scatter", col, 1)] if last else []
+    else:
+        out = [("all_reduce", row, layers * (R + full)), ("all_reduce", col, layers * C)]
+        out += [("all_reduce", col, 1)] if first else []
+        out += [("all_reduce", col, 1)] if last else []
+    if last:
+        out += [("all_reduce", tokens * 4, 1), ("all_reduce", 2 * tokens * 4, 1)]
+    return [x for x in out if x[2]]
+
+
 def exposed_dp(t_dp: float, compute: float, overlap: float) -> float:
     """The data-parallel seconds left on the critical path: ``t_dp`` less the fraction ``overlap``
     of it that hides behind the backward (at most the backward's 2/3 of the step's ``compute``
@@ -303,14 +357,13 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memo
     vec_layer = (4 * h + 2 * h) * rep + act_vec / tp + (2 * a * S / tp if cm.attention == "math" else 0)
     if rec == "full":
         vec_layer += (2 * h + 2 * h) * rep + act_vec / 2 / tp
-    x = b * S // cp * h * cm.elem_bytes  # bytes of one (b, S/cp, h) activation (bf16 by default)
-    n_coll = 6 if rec == "full" else 4
+    stream = stream_bytes(cm.elem_bytes, z)  # the residual stream's bytes per element (fp32 over ZeRO-0's params)
+    x = b * S // cp * h * stream  # bytes of one (b, S/cp, h) activation of the stream: a pipeline message
 
-    def tp_coll(nbytes, calls):
-        if sp:
-            return sum(collective_time(calls * nbytes, op, tp, *tp_link, calls=calls)
-                       for op in ("all_gather", "reduce_scatter"))
-        return collective_time(calls * nbytes, "all_reduce", tp, *tp_link, calls=calls)
+    def tp_time(layers, first, last):  # one micro-batch's tensor-parallel collectives (tp_messages)
+        return sum(collective_time(calls * nbytes, op, tp, *tp_link, calls=calls)
+                   for op, nbytes, calls in tp_messages(shape, b * S // cp, sp, rec, cm.elem_bytes, stream, layers,
+                                                        first, last))
     stage, parts, stage_times = -1.0, {}, []
     for r in range(pp):
         layers = sum(counts[c * pp + r] for c in range(v))
@@ -325,8 +378,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memo
              "overhead": layers * cm.launch_s,
              "pp_comm": collective_time(2 * v * (x / tp if sp else x), "p2p", 2 if pp > 1 else 1,
                                         *pp_link, calls=2 * v),
-             "tp_comm": tp_coll(x, layers * n_coll + first)
-             + (collective_time(3 * b * S // cp * 4, "all_reduce", tp, *tp_link, calls=3) if last else 0.0),
+             "tp_comm": tp_time(layers, first, last),
              "cp_comm": layers * max(0.0, hops - attn_s),
              "ep_comm": collective_time(moe["all_to_all_bytes"][r] / m if moe else 0, "all_gather", ep, *ep_link,
                                         calls=(8 if rec == "full" else 5) * layers)}
@@ -496,30 +548,40 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
 
 
 def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank: int = 0, elem_bytes: int = 2,
-               sp: bool = False, bucket_bytes: int = 25 << 20, reduce_bytes: int | None = None) -> dict:
-    """Bytes per process group of one step that :func:`evaluate` prices for pipeline rank
-    ``pp_rank`` of ``layout`` (keys dp, tp, pp, zero_stage, micro_batch, schedule, recompute,
-    dp_replicate), in the nccl-tests size convention of ``comm.STATS`` (all-gather: output bytes,
+               sp: bool = False, bucket_bytes: int = 25 << 20, reduce_bytes: int | None = None,
+               layer_counts: list[int] | None = None) -> dict:
+    """Bytes per process group of one step of pipeline rank ``pp_rank`` of ``layout`` (keys dp, tp,
+    pp, zero_stage, micro_batch, schedule, recompute, dp_replicate; optional cp, zero_impl) as the
+    code sends them (tests/test_dryrun_planbytes.py; :func:`evaluate` times the same tp and pp
+    messages, but its dp time still takes the reductions in the training dtype and native ZeRO-3's
+    root as gathered 2m times), in the nccl-tests size convention of ``comm.STATS`` (all-gather: output bytes,
     reduce-scatter: input bytes), ``elem_bytes`` per element (2: bf16; 4: fp32 training) and
     ``reduce_bytes`` per element of the gradient reductions (``parallel.reduce_dtype``: 4 for fp32,
     zerotron's default under bf16; None: ``elem_bytes``):
 
-    * "tp": per layer and micro-batch 4 all-reduces of b*S*h elements (6 with full recompute; with
-      sequence parallel each an all-gather + a reduce-scatter of that size), one more on the first
-      stage (vocabulary-parallel embedding), and on the last stage 3 of b*S fp32 values (the
-      vocabulary-parallel loss);
-    * "pp": per micro-batch and chunk one activation and one gradient of b*S*h (/tp with SP), i.e.
+    * "tp": per micro-batch the messages of :func:`tp_messages` (per layer the row-parallel
+      outputs in ``elem_bytes``, each column-parallel Linear's input gradient in the residual
+      stream's dtype -- fp32 over ZeRO-0's fp32 parameters under bf16, :func:`stream_bytes` --, the
+      embedding on the first stage, the head's input gradient and the loss on the last);
+    * "pp": per micro-batch and chunk one activation and one gradient of b*S*h (/tp with SP) in
+      the residual stream's dtype (:func:`stream_bytes`), i.e.
       2*v*m*x -- what a first or last stage moves; a middle stage receives and sends both ways,
       twice that;
     * "dp" (the rank's P parameters; gradient reductions move G = reduce_bytes x P, parameter
       all-gathers elem_bytes x P): ZeRO-0 one all-reduce of G; ZeRO-1 a reduce-scatter of G + an
-      all-gather of the parameters; ZeRO-2 m reduce-scatters + one all-gather; ZeRO-3 2m
-      all-gathers + m reduce-scatters. HSDP (dp_replicate R > 1): these over the shard group
+      all-gather of the parameters; ZeRO-2 m reduce-scatters + one all-gather; ZeRO-3 m
+      reduce-scatters and 2m all-gathers of the blocks, the root unit (embeddings, final norm,
+      head) gathered once per step (``parallel.data.zero`` keeps it for the step; FSDP2,
+      ``layout["zero_impl"]`` "fsdp2", re-gathers it like a block: 2m). ZeRO pads each flat
+      buffer (one per unit and weight-decay group) to a multiple of dp, FSDP2 each parameter's
+      dim 0: the traced bytes exceed these by less than dp elements per buffer and collective. HSDP (dp_replicate R > 1): these over the shard group
       "dp_shard" (ZeRO-0: reduce-scatter + all-gather of G), plus an all-reduce of G/S over the
       replicas "dp_rep". Under context parallelism (``layout["cp"]`` > 1) each rank's activations
       are b*S/cp*h, the dp figures are over the dp x cp group "batch", and "cp" holds the ring
       attention's messages (:func:`ring_messages`) sent and received.
 
+    ``layer_counts``: layers per model stage as the pipeline runner split them (``pp_split``;
+    None: :func:`~zerotron.analysis.activations.stage_layer_counts`' even split).
     Groups of size 1 are left out; bookkeeping all-reduces (token counts, grad norm, metrics) and
     the tied-embedding all-reduce of a pipeline are not priced. Returns ``{group: bytes}``."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
@@ -528,21 +590,24 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
     sp = sp and tp > 1
     v = 2 if kind in ("interleaved", "zb-v") else 1
     m = global_batch // (dp * b)
-    counts = looped_counts(stage_layer_counts(shape.n_layer, pp * v), pp, kind)
+    counts = looped_counts(list(layer_counts) if layer_counts else stage_layer_counts(shape.n_layer, pp * v), pp, kind)
     params = stage_num_params(shape, tp, pp, v, counts)[pp_rank]
     layers = sum(counts[c * pp + pp_rank] for c in range(v))
     x = b * seq // cp * shape.n_embd * elem_bytes
     out = {}
     if tp > 1:
-        calls = m * (layers * (6 if rec == "full" else 4) + (pp_rank == 0))
-        out["tp"] = calls * x * (2 if sp else 1) + (m * 3 * b * seq // cp * 4 if pp_rank == pp - 1 else 0)
-    if pp > 1:
-        out["pp"] = 2 * v * m * (x // tp if sp else x)
+        msgs = tp_messages(shape, b * seq // cp, sp, rec, elem_bytes, stream_bytes(elem_bytes, z), layers,
+                           pp_rank == 0, pp_rank == pp - 1)
+        out["tp"] = m * sum(nbytes * calls for _, nbytes, calls in msgs)
+    if pp > 1:  # a stage's output and its gradient: the residual stream (fp32 over ZeRO-0's fp32 parameters)
+        out["pp"] = 2 * v * m * (x // tp if sp else x) * stream_bytes(elem_bytes, z) // elem_bytes
     if cp > 1:  # ring attention: every message counted at its sender and its receiver (send + recv)
         r = ring_messages(shape, b, seq, cp, rec, elem_bytes)
         out["cp"] = 2 * m * layers * (r["kv"] * r["kv_bytes"] + r["dkv"] * r["dkv_bytes"])
     grad, gather = (reduce_bytes or elem_bytes) * params, elem_bytes * params
-    per_dp = {0: grad, 1: grad + gather, 2: m * grad + gather, 3: m * (2 * gather + grad)}[z]
+    root = 0 if layout.get("zero_impl", "native") == "fsdp2" else params - layers * shape.block_params(tp)
+    per_dp = {0: grad, 1: grad + gather, 2: m * grad + gather,
+              3: m * grad + 2 * m * gather - (2 * m - 1) * elem_bytes * root}[z]
     if rep > 1:
         s = dp // rep
         out["dp_shard"] = 2 * grad if z == 0 else per_dp
