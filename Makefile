@@ -10,7 +10,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix test-finetune test-moe test-compile bench-two-nodes clean FORCE
+.PHONY: install install-dev train lint test test-matrix test-finetune test-moe test-moe-ep test-compile bench-two-nodes clean FORCE
 
 FORCE:
 
@@ -64,6 +64,12 @@ test-cp: install-dev
 # the MoE family under every layout it runs (ep 1, 2, 4 over dp 2 and 4; fp64 against one process)
 test-moe: install-dev
 	ZEROTRON_MOE_PARITY=full $(PY) -m pytest -s tests/test_moe_parity.py tests/test_moe_inference.py tests/test_moe_capacity.py $(ARGS)
+
+# every valid MoE layout with ep > 1 (724 on <= 4 processes; ~80 min on 2 idle cores), resumable:
+# an interrupted run continues from benchmarks/moe_matrix_ep.partial.jsonl
+test-moe-ep: install-dev
+	ZEROTRON_MOE_PARITY=ep ZEROTRON_MATRIX_OUT=benchmarks/moe_matrix_ep.json \
+		$(PY) -m pytest -s tests/test_moe_parity.py -k layouts_match $(ARGS)
 
 # train.compile: compiled vs eager (fp64, 1e-10) for dp2, ZeRO-3, tp2+SP, pp2 1F1B / ZB-H1, recomputation
 # on GPT-2 and Llama; compiled decoding (generate --compile) on GPT-2 and Llama, fp32 and fp64
