@@ -15,7 +15,6 @@ from ..data import prepare_data
 from ..distributed import comm
 from ..models import registry
 from . import checkpoint as ckpt
-from .step import IGNORE_INDEX
 
 __all__ = ["gpt_config", "check_init_vocab", "check_run_dir", "check_resume", "load_data", "val_rank_windows", "padding_batch",
            "SHAPE_KEYS"]
@@ -84,6 +83,8 @@ def val_rank_windows(val_idx: np.ndarray, dp_rank: int, dp: int, micro_batch: in
 def padding_batch(seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """An evaluation batch that adds nothing: x (1, seq_len) of token 0, y (1, seq_len) all
     ``IGNORE_INDEX`` (loss sum 0 and token count 0 under every strategy's summed loss)."""
+    from .step import IGNORE_INDEX  # here, not at the top: the launcher imports this module without the engine
+
     return (torch.zeros(1, seq_len, dtype=torch.int64),
             torch.full((1, seq_len), IGNORE_INDEX, dtype=torch.int64))
 
@@ -92,6 +93,8 @@ def pad_rows(batch: tuple[torch.Tensor, torch.Tensor], rows: int) -> tuple[torch
     """``batch`` (x, y), each (b, T) int64, with ``rows - b`` rows of :func:`padding_batch` appended
     (token 0, every target ``IGNORE_INDEX``: no loss, no token counted), so every evaluation batch
     has the same shape (``train.compile``: one static evaluation graph). Unchanged if b >= rows."""
+    from .step import IGNORE_INDEX
+
     x, y = batch
     extra = rows - x.size(0)
     if extra <= 0:
