@@ -11,8 +11,9 @@ import pytest
 
 from zerotron.analysis.flops import gpt_num_params
 from zerotron.bench import train as bt
+from zerotron.cli.main import main as zerotron_main
 from zerotron.config import load_config
-from zerotron.testing import run_cli, tiny_config
+from zerotron.testing import run_cli, run_ranks_captured, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.toml"
@@ -351,11 +352,13 @@ def test_context_parallel_layouts_count_the_whole_global_batch(tmp_path, data_ca
     transfers are counted), each step trains the whole global batch (tokens per step equal dp's,
     gradients all-reduced over dp x cp), and dp x cp on 2 processes is skipped naming the 4 ranks."""
     js = tmp_path / "cp.json"
-    cmd = ["bench", "train", "--nproc", "2", "--config", str(TINY), "--steps", "1", "--warmup", "0",
+    cmd = ["bench", "train", "--config", str(TINY), "--steps", "1", "--warmup", "0",
            "--rounds", "1", "--layouts", "dp,cp-ring,cp-a2a,dp-cp-ring", "--json", str(js),
            "--log.progress", "false", "--data.cache_dir", data_cache]
-    p = run_cli(cmd, timeout=300, cwd=ROOT, env={**os.environ})
-    assert p.returncode == 0, p.stdout + p.stderr
+    # as each worker of `bench train --nproc 2` runs it, on the pooled ranks (2 fresh interpreters
+    # fewer): the launch itself is test_two_process_end_to_end's
+    ranks = run_ranks_captured(zerotron_main, 2, cmd, join_timeout_s=300)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
     rows = {r["layout"]: r for r in json.loads(js.read_text())}
     dp, ring, a2a = rows["dp"], rows["cp-ring"], rows["cp-a2a"]
     assert ring["impl"] == "DataParallel x CP2 (ring)" and a2a["impl"] == "DataParallel x CP2 (a2a)", (ring, a2a)
