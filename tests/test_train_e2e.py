@@ -1,5 +1,7 @@
 """End to end through the CLI on the real corpus with 2 processes: training, metrics, kill -9 +
-resume equals an uninterrupted run (bitwise), LR schedule, generation (single and data-parallel)."""
+resume equals an uninterrupted run (bitwise), LR schedule, generation (single and data-parallel).
+The uninterrupted reference runs ``zerotron train`` as each of its two workers runs it, on the pooled
+ranks; the killed run and its resume go through the ``--nproc 2`` launcher."""
 import json
 import math
 import os
@@ -8,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerotron.cli.main import main
 from zerotron.config import load_config
-from zerotron.testing import checkpoint_flat, run_cli
+from zerotron.testing import checkpoint_flat, run_cli, run_ranks_captured
 from zerotron.train.checkpoint import list_checkpoints
 from zerotron.train.optim import lr_at
 
@@ -39,7 +42,12 @@ def load_flat(ckpt_dir, tmp):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, data_cache):
     tmp = tmp_path_factory.mktemp("e2e")
-    full = zerotron(*train_args(tmp / "full", data_cache))
+    # the reference as the launch's two workers run it (2 fresh interpreters fewer); rank 0's output
+    argv = train_args(tmp / "full", data_cache)
+    i = argv.index("--nproc")
+    ranks = run_ranks_captured(main, 2, argv[:i] + argv[i + 2:], env={"OMP_NUM_THREADS": "1"}, join_timeout_s=300)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
+    full = {"stdout": ranks[0][1]}
     killed = zerotron(*train_args(tmp / "killed", data_cache), env={"ZEROTRON_FAULT_KILL_AT_STEP": "4"}, check=False)
     resumed = zerotron(*train_args(tmp / "killed", data_cache), "--resume")
     return {"tmp": tmp, "full": full, "killed": killed, "resumed": resumed}
@@ -55,7 +63,7 @@ def test_training_outputs(runs):
     assert "val_loss" in recs[2] and "val_loss" in recs[5]
     assert recs[-1]["loss"] < recs[0]["loss"]            # it learns
     assert (run / "loss.png").stat().st_size > 1000
-    assert "sample:" in runs["full"].stdout
+    assert "sample:" in runs["full"]["stdout"]
     cfg = load_config(ROOT / "configs" / "tiny.toml", [("train.steps", str(STEPS))])
     for r in recs:  # LR after k optimizer steps equals the formula (accumulation 2 here)
         assert math.isclose(r["lr"], lr_at(r["step"] - 1, cfg.train), rel_tol=1e-12)
