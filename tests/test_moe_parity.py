@@ -147,7 +147,7 @@ def test_moe_layouts_match_one_process(moe_space, moe_ref, report):
                f"{', ...' if len(sub) > 8 else ''}): worst relative error {worst:.3g}")
     failed = [r for r in res if "error" in r]
     if out and not NAMES:
-        summary = {"model": "mixtral (parity.MOE_MODEL)", "mode": "covering array, ep as a factor" if FULL else "witnesses",
+        summary = {"model": "mixtral (parity.MOE_MODEL)", "mode": ("every layout with ep > 1" if EVERY_EP else "covering array, ep as a factor") if FULL else "witnesses",
                    "valid": len(valid), "refused": len(refused), "checked": len(res), "failed": len(failed),
                    "worst": {k: max(r[k] for r in res) for k in parity.ERRORS},
                    "seconds": round(sum(r.get("seconds", 0) for r in res), 1),
