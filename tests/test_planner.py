@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from zerotron.analysis.flops import gpt_num_params
+from zerotron.analysis.flops import gpt_num_params, shape_of
 from zerotron.analysis.hardware import OPS, calibrate, custom_hardware, fit_alpha_beta, hardware
 from zerotron.analysis.memory import GB, model_state_bytes, parse_memory, stage_num_params
 from zerotron.analysis.plan_cli import plan_main
-from zerotron.analysis.planner import CostModel, evaluate, plan
+from zerotron.analysis.planner import CostModel, comm_bytes, evaluate, plan
 from zerotron.models.gpt import preset_config
 from zerotron.parallel.pipeline.schedules import bubble_theory
 
@@ -77,13 +77,14 @@ def test_cost_model_hand_computed():
     vr = 3.35e12 / 4  # element passes/s: HBM bytes/s over one bf16 read + write
     assert hw.vector_rate == vr
     cm = CostModel(hw, compute_eff=0.5, launch_s=0.0)
-    # pure dp = 2, ZeRO 0: compute of m = 4 micro-batches of 2 sequences, then one all-reduce
+    # pure dp = 2, ZeRO 0: compute of m = 4 micro-batches of 2 sequences, then one all-reduce of the
+    # gradients in reduce_dtype "auto" = the parameter dtype: fp32 under bf16 (4 bytes per element)
     r = evaluate(cfg, dict(dp=2, tp=1, pp=1, zero_stage=0, schedule="none", micro_batch=2,
                            recompute="none"), S, 16, cm)
     flops = 8 * S * (L * (72 * h * h + 12 * h * S) + 6 * h * V)
     vec = 8 * S * (L * 14 * h + 2 * V)  # LN 4h + GELU 8h + residual 2h per layer; softmax 2V
     psi = gpt_num_params(L, 12, h, V, 1024)
-    t_dp = 2 * psi * (2 * (2 - 1) / 2) / 360e9
+    t_dp = 4 * psi * (2 * (2 - 1) / 2) / 360e9
     assert r["time_breakdown_s"]["vector"] == pytest.approx(vec / vr, rel=1e-12)
     assert r["predicted_step_time_s"] == pytest.approx(flops / (989e12 * 0.5) + vec / vr + t_dp,
                                                        rel=1e-12)
@@ -133,13 +134,21 @@ def test_cost_model_hand_computed():
     assert rf["time_breakdown_s"]["compute"] == pytest.approx(r["time_breakdown_s"]["compute"]
                                                               + extra)
     assert rf["time_breakdown_s"]["vector"] == pytest.approx(vec / vr + 8 * S * L * 8 * h / vr)
-    # ZeRO-3 moves 1.5x the bytes of an all-reduce per micro-batch (here m = 4)
+    # ZeRO-3 per micro-batch (here m = 4) a reduce-scatter of the fp32 gradients and two all-gathers
+    # of the bf16 blocks; native ZeRO-3 gathers the root unit (embeddings, final norm) once per step,
+    # FSDP2 2m times (factor (n-1)/n = 1/2 each; the same bytes as planner.comm_bytes)
     r3 = evaluate(cfg, dict(dp=2, tp=1, pp=1, zero_stage=3, schedule="none", micro_batch=2,
                             recompute="none"), S, 16, cm)
-    assert r3["time_breakdown_s"]["dp_comm"] == pytest.approx(4 * 1.5 * t_dp)
+    root = psi - L * (12 * h * h + 13 * h)
+    gathers = 2 * (8 * psi - 7 * root)
+    assert r3["time_breakdown_s"]["dp_comm"] == pytest.approx((4 * 4 * psi + gathers) / 2 / 360e9)
+    f3 = evaluate(cfg, dict(r3, zero_impl="fsdp2"), S, 16, cm)
+    assert f3["time_breakdown_s"]["dp_comm"] == pytest.approx((4 * 4 * psi + 2 * 8 * psi) / 2 / 360e9)
+    assert r3["time_breakdown_s"]["dp_comm"] * 2 * 360e9 == pytest.approx(
+        comm_bytes(shape_of(cfg), dict(r3), S, 16, elem_bytes=2, reduce_bytes=4)["dp"])
     # overlap: half of the dp communication hides (the backward is far longer here)
     ro = evaluate(cfg, dict(r3), S, 16, CostModel(replace(hw, overlap=0.5), compute_eff=0.5, launch_s=0.0))
-    assert ro["time_breakdown_s"]["dp_comm"] == pytest.approx(0.5 * 4 * 1.5 * t_dp)
+    assert ro["time_breakdown_s"]["dp_comm"] == pytest.approx(0.5 * r3["time_breakdown_s"]["dp_comm"])
 
 
 def test_collective_latency_counts():
@@ -159,10 +168,12 @@ def test_collective_latency_counts():
     slow = CostModel(replace(hw, sync_penalty=alpha), launch_s=0.0)  # each call pays it on top
     bd = evaluate(cfg, dict(base, pp=2, schedule="1f1b"), 1024, 16, slow)["time_breakdown_s"]
     assert bd["pp_comm"] == pytest.approx(8 * 2 * 2 * alpha)
-    # dp: units = L blocks + the root; ZeRO-0: ceil(bytes / bucket) all-reduces
+    # dp: units = L blocks + the root; ZeRO-0: ceil(bytes / bucket) all-reduces of the fp32 gradients;
+    # ZeRO-3 (m = 4): per micro-batch a reduce-scatter of every unit and two all-gathers of every block,
+    # the root gathered once per step
     psi = gpt_num_params(L, 12, 768, 50257, 1024)
-    for z, calls in ((0, -(-2 * psi // (25 << 20))), (1, 2 * (L + 1)), (2, 4 * (L + 1) + (L + 1)),
-                     (3, 4 * 3 * (L + 1))):
+    for z, calls in ((0, -(-4 * psi // (25 << 20))), (1, 2 * (L + 1)), (2, 4 * (L + 1) + (L + 1)),
+                     (3, 4 * (L + 1) + 2 * 4 * L + 1)):
         bd = evaluate(cfg, dict(base, dp=2, zero_stage=z), 1024, 16, cm)["time_breakdown_s"]
         assert bd["dp_comm"] == pytest.approx(calls * alpha), z
 
@@ -294,7 +305,7 @@ def test_custom_hardware_and_fp32_communication():
     for lay in (dict(dp=2, tp=1, pp=1, zero_stage=3), dict(dp=1, tp=2, pp=1, zero_stage=1),
                 dict(dp=1, tp=1, pp=2, zero_stage=1)):
         lay.update(schedule="1f1b" if lay["pp"] > 1 else "none", micro_batch=2, recompute="none")
-        b2, b4 = (evaluate(cfg, lay, 256, 8, CostModel(cal, gpus_per_node=2, elem_bytes=e))
+        b2, b4 = (evaluate(cfg, lay, 256, 8, CostModel(cal, gpus_per_node=2, elem_bytes=e, reduce_bytes=e))
                   ["time_breakdown_s"] for e in (2, 4))
         assert b4["compute"] == b2["compute"]
         loss = 4 * 3 * 2 * 256 * 4 / 1e9 if lay["tp"] > 1 else 0.0  # fp32 loss statistics, m = 4
@@ -492,12 +503,14 @@ def test_hsdp_priced_on_two_links():
         model_state_bytes(n, 8, 3, "bf16-mixed")["total_bytes"] - model_state_bytes(n, 16, 3, "bf16-mixed")["total_bytes"])
     assert b["time_breakdown_s"]["dp_comm"] < a["time_breakdown_s"]["dp_comm"] / 3  # NIC 9x slower than NVLink
     intra, inter = _link(hw, True), _link(hw, False)
-    g, units, m = 2.0 * n, cfg.n_layer + 1, 64 // (16 * 4)
-    want = _dp_time(3, m, units, g, 8, intra, cm.bucket_bytes) + collective_time(g / 8, "all_reduce", 2, *inter,
-                                                                                   calls=units)
-    assert _dp_time(3, m, units, g, 16, intra, cm.bucket_bytes, 2, inter) == pytest.approx(want)
+    units, m = cfg.n_layer + 1, 64 // (16 * 4)
+    root = n - cfg.n_layer * (12 * cfg.n_embd ** 2 + 13 * cfg.n_embd)  # embeddings + final norm
+    g = 4.0 * n  # the gradients in fp32 (reduce_dtype "auto" under bf16)
+    want = _dp_time(3, m, units, n, 8, intra, cm, root=root) + collective_time(g / 8, "all_reduce", 2, *inter,
+                                                                               calls=units)
+    assert _dp_time(3, m, units, n, 16, intra, cm, 2, inter, root) == pytest.approx(want)
     assert b["time_breakdown_s"]["dp_comm"] == pytest.approx(want)  # what evaluate charges (overlap 0)
-    assert a["time_breakdown_s"]["dp_comm"] == pytest.approx(_dp_time(3, m, units, g, 16, inter, cm.bucket_bytes))
+    assert a["time_breakdown_s"]["dp_comm"] == pytest.approx(_dp_time(3, m, units, n, 16, inter, cm, root=root))
     res = plan(cfg, 16, 80 * GB, 512, 1024, cm)["layouts"]
     assert res[0].get("dp_replicate") == 2 and res[0]["dp"] * res[0]["tp"] == 16
     assert not [r for r in plan(cfg, 8, 80 * GB, 64, 1024, cm)["layouts"] if r.get("dp_replicate")]  # one node

@@ -432,7 +432,8 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
     finally:
         dist.destroy_process_group()
     return {"rank": rank, "coords": coords, "peak_bytes_traced": peak["total"], "peak_traced": peak,
-            "peak_at": tracker.peak_at, "end_of_step": end, "setup_peak_bytes": setup["total"],
+            "peak_at": tracker.peak_at, "end_of_step": end, "held_at_step_start": held["total"],
+            "setup_peak_bytes": setup["total"],
             "model_state_bytes": states, "comm_traced": traffic,
             "comm_bytes_traced": {g: v["bytes"] for g, v in traffic.items()},
             "oom": tracker.oom, "layer_counts": split, "meta_init": bool(cfg.train.meta_init and not cfg.train.lora_rank),
@@ -709,7 +710,8 @@ def predict_step_time(cfg: Config, plan, records: list[dict], hw, gpus_per_node:
                        launch_s=launch_s, elem_bytes=elem, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20))
         layout = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "zero_stage": lay.zero_stage,
                   "schedule": lay.schedule if lay.pp > 1 else "none", "micro_batch": lay.micro_batch,
-                  "recompute": lay.recompute, "dp_replicate": lay.dp_replicate, "cp": cp}
+                  "recompute": lay.recompute, "dp_replicate": lay.dp_replicate, "cp": cp,
+                  "zero_impl": cfg.parallel.zero_impl}
         ev = evaluate(shape, layout, S, cfg.train.global_batch, cm)
         formula = {"step_s": ev["predicted_step_time_s"], "breakdown_s": ev["time_breakdown_s"]}
     return {"hardware": hw.name, "gpus_per_node": gpus_per_node, "compute_eff": compute_eff, "trace": trace,

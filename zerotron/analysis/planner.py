@@ -43,12 +43,15 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   fraction (p-1)/(v*m + p-1) of Narayanan et al. 2021
   (:func:`zerotron.parallel.pipeline.runner.schedules.bubble_theory`); with unequal ones (e.g. the output layer on
   the last stage) the fill and drain are shorter.
-* dp on the gradients/parameters of the largest rank (Psi_r elements, ``elem_bytes`` each),
-  in units of one transformer block (plus the embedding/output "root" on the first/last stage):
-  ZeRO-0 one bucketed all-reduce (ceil(bytes / ``bucket_bytes``) calls); ZeRO-1 a reduce-scatter
-  + an all-gather per unit per step; ZeRO-2 a reduce-scatter per unit and micro-batch + one
-  all-gather per unit; ZeRO-3 per unit and micro-batch two all-gathers + one reduce-scatter (the
-  ZeRO paper's 1.5x of plain DP, per micro-batch). A fraction ``hw.overlap`` of it hides behind
+* dp on the gradients/parameters of the largest rank (Psi_r elements), in units of one
+  transformer block (plus the embedding/output "root" on the first/last stage), the messages the
+  code sends (:func:`dp_messages`, the same rule as :func:`comm_bytes`): gradient reductions in
+  ``reduce_bytes`` per element (``parallel.reduce_dtype``: fp32 under bf16 by default), parameter
+  all-gathers in ``elem_bytes``; ZeRO-0 one bucketed all-reduce (ceil(bytes / ``bucket_bytes``)
+  calls); ZeRO-1 a reduce-scatter + an all-gather per unit per step; ZeRO-2 a reduce-scatter per
+  unit and micro-batch + one all-gather per unit; ZeRO-3 per unit and micro-batch two all-gathers
+  + one reduce-scatter (the ZeRO paper's 1.5x of plain DP, per micro-batch), native ZeRO-3's root
+  unit gathered once per step (FSDP2, ``layout["zero_impl"]``: 2m). A fraction ``hw.overlap`` of it hides behind
   the backward compute (at most the backward's 2/3 of the compute): exposed = t_dp -
   min(overlap x t_dp, backward). ``overlap`` = 0 (the default) is an upper bound.
 * HSDP (``dp_replicate`` R, priced where dp x tp spans nodes, with R = dp x tp / gpus_per_node so
@@ -110,7 +113,9 @@ class CostModel:
     SDPA on GPUs, no s^2 activations; "math": Korthikanti's count), sequence parallelism ``sp``
     whenever tp > 1, ``launch_s`` seconds per layer and micro-batch, ``elem_bytes`` per
     communicated activation/gradient element (2: bf16; 4: fp32 training, e.g. on CPU) and the
-    data-parallel ``bucket_bytes`` (25 MiB, torch DDP's default); the process-group ``backend``
+    data-parallel ``bucket_bytes`` (25 MiB, torch DDP's default), ``reduce_bytes`` per element of
+    the gradient reductions (``parallel.reduce_dtype``; None: :func:`default_reduce_bytes`, fp32 under
+    bf16 as the code's "auto"); the process-group ``backend``
     ("nccl" on GPUs: zb-v is not proposed there, the runner refuses it; "gloo"). Memory is always
     priced in bf16-mixed (module docstring)."""
     hw: Hardware
@@ -124,6 +129,7 @@ class CostModel:
     bucket_bytes: int = 25 << 20
     backend: str = "nccl"
     host_link: float = 0.0  # bytes/s per direction of the device-host link; 0: offload not priced
+    reduce_bytes: int | None = None  # per gradient-reduction element; None: default_reduce_bytes(elem_bytes)
 
 
 def host_bytes(offload: str, shard: int, m: int) -> int:
@@ -148,31 +154,62 @@ def _activations(shape: Shape, *args) -> dict:
                             attention=attention)
 
 
-def _dp_time(z: int, m: int, units: int, grad: float, dp: int, link, bucket: int, rep: int = 1,
-             rep_link=None) -> float:
-    """Seconds of one step's data-parallel collectives (module docstring), not yet overlapped.
+def dp_messages(z: int, m: int, units: int, params: int, root: int, elem_bytes: int, reduce_bytes: int,
+                fsdp2: bool = False) -> list[tuple[str, int, int, str]]:
+    """One step's data-parallel collectives of a rank holding ``params`` parameters in ``units``
+    units (blocks, plus the root unit -- embeddings, final norm, head: ``root`` parameters -- where
+    the rank holds one), as the code sends them: ``[(op, total bytes, calls, kind), ...]``, bytes in
+    the nccl-tests size convention of ``comm.STATS`` (all-gather: output, reduce-scatter: input),
+    kind "reduce" (gradients, ``reduce_bytes`` per element: ``parallel.reduce_dtype``) or "gather"
+    (parameters, ``elem_bytes``: the compute copy). ZeRO-0 one all-reduce of the gradients; ZeRO-1 a
+    reduce-scatter per unit + an all-gather per unit; ZeRO-2 a reduce-scatter per unit and
+    micro-batch + an all-gather per unit; ZeRO-3 per micro-batch a reduce-scatter and two
+    all-gathers (forward, backward) of every block, native ZeRO-3's root unit gathered once per step
+    (``parallel.data.zero`` keeps it for the step), FSDP2's (``fsdp2``) like a block (2m). The
+    bucketing of ZeRO-0 is the caller's (calls = 1 here). The one rule for :func:`comm_bytes`
+    (bytes) and :func:`evaluate` (seconds)."""
+    grad, gather = reduce_bytes * params, elem_bytes * params
+    if z == 0:
+        return [("all_reduce", grad, 1, "reduce")]
+    if z == 1:
+        return [("reduce_scatter", grad, units, "reduce"), ("all_gather", gather, units, "gather")]
+    if z == 2:
+        return [("reduce_scatter", m * grad, m * units, "reduce"), ("all_gather", gather, units, "gather")]
+    once = 0 if fsdp2 or not root else 1  # native ZeRO-3 gathers the root unit once per step
+    return [("reduce_scatter", m * grad, m * units, "reduce"),
+            ("all_gather", 2 * m * gather - (2 * m - 1) * elem_bytes * root * once, 2 * m * (units - once) + once,
+             "gather")]
+
+
+def default_reduce_bytes(elem_bytes: int) -> int:
+    """Bytes per element of the gradient reductions with ``parallel.reduce_dtype = "auto"``
+    (``parallel.precision.reduce_dtype``: the parameter dtype): fp32 (4) under bf16 training
+    (``elem_bytes`` 2: autocast over fp32 parameters), else ``elem_bytes``."""
+    return max(4, elem_bytes)
+
+
+def _dp_time(z: int, m: int, units: int, params: float, dp: int, link, cm: "CostModel", rep: int = 1,
+             rep_link=None, root: float = 0, fsdp2: bool = False) -> float:
+    """Seconds of one step's data-parallel collectives (module docstring), not yet overlapped: the
+    messages of :func:`dp_messages` for ``params`` parameters (``root`` of them in the root unit)
+    at ``cm.elem_bytes`` (gathers) and ``cm.reduce_bytes`` (reductions; ZeRO-0's all-reduce in
+    ceil(bytes / ``cm.bucket_bytes``) calls) over ``dp`` ranks on ``link``.
     HSDP (``rep`` = R > 1 replicas): the ZeRO collectives run over the S = dp / R shard group on
-    ``link``, plus one all-reduce of the grad / S shard across the R replicas on ``rep_link`` per
-    step; ZeRO-0 (hierarchical DDP): reduce-scatter + all-gather over S, all-reduce of grad / S
-    over R."""
+    ``link``, plus one all-reduce of the gradient's 1/S shard across the R replicas on ``rep_link``
+    per unit (ZeRO-0: per bucket) and step; ZeRO-0 (hierarchical DDP): reduce-scatter + all-gather
+    of the gradient over S, all-reduce of its 1/S over R."""
+    red = cm.reduce_bytes or default_reduce_bytes(cm.elem_bytes)
+    grad = red * params
+    buckets = math.ceil(grad / cm.bucket_bytes)
     if rep > 1:
         s = dp // rep
-        across = collective_time(grad / s, "all_reduce", rep, *rep_link, calls=units if z else math.ceil(grad / bucket))
+        across = collective_time(grad / s, "all_reduce", rep, *rep_link, calls=units if z else buckets)
         if z == 0:
-            calls = math.ceil(grad / bucket)
-            return (collective_time(grad, "reduce_scatter", s, *link, calls=calls)
-                    + collective_time(grad, "all_gather", s, *link, calls=calls) + across)
-        return _dp_time(z, m, units, grad, s, link, bucket) + across
-
-    def ct(op, calls, nbytes=grad):
-        return collective_time(nbytes, op, dp, *link, calls=calls)
-    if z == 0:
-        return ct("all_reduce", math.ceil(grad / bucket))
-    if z == 1:
-        return ct("reduce_scatter", units) + ct("all_gather", units)
-    if z == 2:
-        return ct("reduce_scatter", m * units, m * grad) + ct("all_gather", units)
-    return ct("all_gather", 2 * m * units, 2 * m * grad) + ct("reduce_scatter", m * units, m * grad)
+            return (collective_time(grad, "reduce_scatter", s, *link, calls=buckets)
+                    + collective_time(grad, "all_gather", s, *link, calls=buckets) + across)
+        return _dp_time(z, m, units, params, s, link, cm, root=root, fsdp2=fsdp2) + across
+    return sum(collective_time(nbytes, op, dp, *link, calls=buckets if z == 0 else calls)
+               for op, nbytes, calls, _ in dp_messages(z, m, units, params, root, cm.elem_bytes, red, fsdp2))
 
 
 def recompute_flops(shape: Shape, S: int, recompute: str) -> float:
@@ -392,13 +429,13 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memo
     pipe = pipeline_time(stage_times, m, kind, v, (2 * W + 4 * h * S, 2 * W + 8 * h * S + extra, 2 * W))
     units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
     big = max(range(pp), key=lambda r: params[r])  # the rank with the most parameters
+    root = params[big] - rank_layers[big] * shape.block_params(tp)  # embeddings, final norm, head of that rank
+    fsdp2 = layout.get("zero_impl", "native") == "fsdp2"
     if ep == 1:
-        t_dp = _dp_time(z, m, units, cm.elem_bytes * max(params), dp * cp, dp_link, cm.bucket_bytes, n_rep, rep_link)
+        t_dp = _dp_time(z, m, units, params[big], dp * cp, dp_link, cm, n_rep, rep_link, root, fsdp2)
     else:  # the dense gradients over dp x cp, the local experts' over the (dp x cp) / ep ranks holding them
-        t_dp = (_dp_time(z, m, units, cm.elem_bytes * (params[big] - experts[big]), dp * cp, dp_link,
-                         cm.bucket_bytes, n_rep, rep_link)
-                + _dp_time(z, m, rank_layers[big], cm.elem_bytes * experts[big] / ep, dp * cp // ep, dp_link,
-                           cm.bucket_bytes, n_rep, rep_link))
+        t_dp = (_dp_time(z, m, units, params[big] - experts[big], dp * cp, dp_link, cm, n_rep, rep_link, root, fsdp2)
+                + _dp_time(z, m, rank_layers[big], experts[big] / ep, dp * cp // ep, dp_link, cm, n_rep, rep_link))
     t_dp = exposed_dp(t_dp, m * (parts["compute"] + parts["vector"]), hw.overlap)
     host = host_bytes(off, -(-max(params) // (dp * cp // n_rep)), m)
     if host and not cm.host_link:
@@ -552,9 +589,8 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
                layer_counts: list[int] | None = None) -> dict:
     """Bytes per process group of one step of pipeline rank ``pp_rank`` of ``layout`` (keys dp, tp,
     pp, zero_stage, micro_batch, schedule, recompute, dp_replicate; optional cp, zero_impl) as the
-    code sends them (tests/test_dryrun_planbytes.py; :func:`evaluate` times the same tp and pp
-    messages, but its dp time still takes the reductions in the training dtype and native ZeRO-3's
-    root as gathered 2m times), in the nccl-tests size convention of ``comm.STATS`` (all-gather: output bytes,
+    code sends them (tests/test_dryrun_planbytes.py; :func:`evaluate` times the same tp, pp and dp
+    messages: :func:`tp_messages`, :func:`dp_messages`), in the nccl-tests size convention of ``comm.STATS`` (all-gather: output bytes,
     reduce-scatter: input bytes), ``elem_bytes`` per element (2: bf16; 4: fp32 training) and
     ``reduce_bytes`` per element of the gradient reductions (``parallel.reduce_dtype``: 4 for fp32,
     zerotron's default under bf16; None: ``elem_bytes``):
@@ -567,7 +603,7 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
       the residual stream's dtype (:func:`stream_bytes`), i.e.
       2*v*m*x -- what a first or last stage moves; a middle stage receives and sends both ways,
       twice that;
-    * "dp" (the rank's P parameters; gradient reductions move G = reduce_bytes x P, parameter
+    * "dp" (the rank's P parameters, :func:`dp_messages`; gradient reductions move G = reduce_bytes x P, parameter
       all-gathers elem_bytes x P): ZeRO-0 one all-reduce of G; ZeRO-1 a reduce-scatter of G + an
       all-gather of the parameters; ZeRO-2 m reduce-scatters + one all-gather; ZeRO-3 m
       reduce-scatters and 2m all-gathers of the blocks, the root unit (embeddings, final norm,
@@ -604,10 +640,11 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
     if cp > 1:  # ring attention: every message counted at its sender and its receiver (send + recv)
         r = ring_messages(shape, b, seq, cp, rec, elem_bytes)
         out["cp"] = 2 * m * layers * (r["kv"] * r["kv_bytes"] + r["dkv"] * r["dkv_bytes"])
-    grad, gather = (reduce_bytes or elem_bytes) * params, elem_bytes * params
-    root = 0 if layout.get("zero_impl", "native") == "fsdp2" else params - layers * shape.block_params(tp)
-    per_dp = {0: grad, 1: grad + gather, 2: m * grad + gather,
-              3: m * grad + 2 * m * gather - (2 * m - 1) * elem_bytes * root}[z]
+    red = reduce_bytes or elem_bytes
+    grad, root = red * params, params - layers * shape.block_params(tp)
+    units = layers + (root > 0)
+    per_dp = sum(nbytes for _, nbytes, _, _ in dp_messages(z, m, units, params, root, elem_bytes, red,
+                                                           layout.get("zero_impl", "native") == "fsdp2"))
     if rep > 1:
         s = dp // rep
         out["dp_shard"] = 2 * grad if z == 0 else per_dp
