@@ -67,6 +67,21 @@ CASES = [
      "written (Not a directory); give a --run-dir in a folder you can write"),
     (["train", "--config", TINY, "--run-dir", "pyproject.toml"], "run directory 'pyproject.toml' is a file"),
     (["train", "--config", TINY, "--run-dir", "/proc/zerotron-run"], "run directory '/proc/zerotron-run' cannot be written"),
+    # every bench command checks its result files before it runs (was: a traceback after the whole
+    # run); each line also has a second bad argument that, checked first, would give another message
+    (["bench", "train", "--json", "/proc/t.json", "--config", "/no/such.toml"], "--json /proc/t.json: cannot write there"),
+    (["bench", "train", "--plot", "pyproject.toml/p.png", "--config", "/no/such.toml"],
+     "pyproject.toml is a file, not a directory; pass a file path in a writable directory"),
+    (["bench", "context", "--json", "/proc/c.json", "--seq", "x"], "--json /proc/c.json: cannot write there"),
+    (["bench", "comm", "--plot", "/proc/c.png", "--ops", "bogus"], "--plot /proc/c.png: cannot write there"),
+    (["bench", "generate", "--markdown", "/proc/g.md", "--layouts", "foo"], "--markdown /proc/g.md: cannot write there"),
+    (["bench", "generate", "--json", "configs", "--layouts", "foo"], "--json configs: is a directory"),
+    (["bench", "serve", "--json", "/proc/s.json", "--max-tokens", "0"], "--json /proc/s.json: cannot write there"),
+    (["bench", "serve", "--checkpoint", "x", "--markdown", "/proc/s.md", "--concurrency", "0"],
+     "--markdown /proc/s.md: cannot write there"),
+    (["bench", "paged", "--json", "/proc/p.json", "--rounds", "0"], "--json /proc/p.json: cannot write there"),
+    (["bench", "plan", "--bench-train", "/no/a.json", "--bench-comm", "/no/b.json", "--out", "/proc/r.md"],
+     "--out /proc/r.md: cannot write there"),
 ]
 
 
@@ -339,3 +354,16 @@ def test_prompts_file_not_utf8_names_the_file(tmp_path):
     f.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"--prompts-file '.*prompts.txt' is not UTF-8 text \(byte 3\): save it as UTF-8"):
         read_prompts(SimpleNamespace(prompts_file=str(f), prompt=None), tokenizer=None)
+
+
+def test_bench_out_files_may_name_new_folders(tmp_path):
+    """The bench commands create missing folders of --json/--plot/--markdown when they write: a new
+    folder is accepted before the run, one under a file or under /proc is refused."""
+    from zerotron.out_files import check_out_files
+
+    check_out_files({"--json": str(tmp_path / "new" / "sub" / "r.json"), "--plot": None})
+    assert not (tmp_path / "new").exists()  # checked, nothing made
+    (tmp_path / "f").write_text("x")
+    for bad, why in ((tmp_path / "f" / "sub" / "r.json", "is a file, not a directory"), ("/proc/new/r.json", "cannot write")):
+        with pytest.raises(ValueError, match=why):
+            check_out_files({"--markdown": str(bad)})
