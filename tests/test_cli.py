@@ -67,6 +67,13 @@ CASES = [
      "written (Not a directory); give a --run-dir in a folder you can write"),
     (["train", "--config", TINY, "--run-dir", "pyproject.toml"], "run directory 'pyproject.toml' is a file"),
     (["train", "--config", TINY, "--run-dir", "/proc/zerotron-run"], "run directory '/proc/zerotron-run' cannot be written"),
+    # export's --out is checked before the checkpoint is read: a folder that cannot be written (/proc,
+    # even for root) or a path through a file (were "No such file or directory (0 bytes free on
+    # '/proc')... free some space" after loading, and a bare "[Errno 17] File exists")
+    (["export", "--checkpoint", "/no/such/run", "--out", "/proc/x"],
+     "--out '/proc/x': cannot write in '/proc' (No such file or directory); choose an --out directory in a folder"),
+    (["export", "--checkpoint", "/no/such/run", "--out", "pyproject.toml/sub"],
+     "pyproject.toml' is a file, not a directory; choose another --out directory"),
     # every bench command checks its result files before it runs (was: a traceback after the whole
     # run); each line also has a second bad argument that, checked first, would give another message
     (["bench", "train", "--json", "/proc/t.json", "--config", "/no/such.toml"], "--json /proc/t.json: cannot write there"),
