@@ -374,3 +374,19 @@ def test_bench_out_files_may_name_new_folders(tmp_path):
     for bad, why in ((tmp_path / "f" / "sub" / "r.json", "is a file, not a directory"), ("/proc/new/r.json", "cannot write")):
         with pytest.raises(ValueError, match=why):
             check_out_files({"--markdown": str(bad)})
+
+
+def test_prompts_file_not_a_text_file(tmp_path):
+    """--prompts-file naming a directory, a device or a file that fails to read: one line saying which
+    (a directory and /dev/null were "not found", /proc/self/mem an OSError traceback from the worker)."""
+    from types import SimpleNamespace
+
+    from zerotron.generate import read_prompts
+
+    for path, why in ((tmp_path, "is a directory; pass a UTF-8 text file"),
+                      ("/dev/null", r"is not a regular file \(a device or a pipe\)"),
+                      ("/proc/self/mem", r"cannot be read \(Input/output error\)")):
+        with pytest.raises(ValueError, match=f"--prompts-file '{path}' {why}"):
+            read_prompts(SimpleNamespace(prompts_file=str(path), prompt=None), tokenizer=None)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        read_prompts(SimpleNamespace(prompts_file=str(tmp_path / "none.txt"), prompt=None), tokenizer=None)
