@@ -155,9 +155,16 @@ def test_existing_run_dir_untouched(tmp_path, capsys):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")}
+    # a run killed before its first checkpoint: neither a fresh start nor --resume can take it, and both
+    # say so (they sent the user in a circle: "pass --resume" / "start without --resume")
+    for extra in ([], ["--resume"]):
+        code, err = run(["train", "--config", TINY, "--run-dir", str(run_dir), *extra], capsys)
+        assert code == 2 and "already holds a run without a checkpoint (only metrics.jsonl), so there is " \
+            "nothing to resume; choose a new --run-dir" in err, err
+        assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")} == before
+    (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
     code, err = run(["train", "--config", TINY, "--run-dir", str(run_dir)], capsys)
     assert code == 2 and "already holds a run; pass --resume" in err
-    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")} == before
 
 
 def test_resume_without_checkpoint(tmp_path, capsys):
