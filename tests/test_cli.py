@@ -397,3 +397,15 @@ def test_prompts_file_not_a_text_file(tmp_path):
             read_prompts(SimpleNamespace(prompts_file=str(path), prompt=None), tokenizer=None)
     with pytest.raises(FileNotFoundError, match="not found"):
         read_prompts(SimpleNamespace(prompts_file=str(tmp_path / "none.txt"), prompt=None), tokenizer=None)
+
+
+def test_model_too_large_for_memory_is_one_line(tmp_path, data_cache, capsys):
+    """A model whose weights cannot be allocated (a 256 TB position table): one line naming the
+    sizes to shrink, exit 2, and the run directory it made is gone (was torch's allocator traceback,
+    exit 1, an empty run directory left)."""
+    run_dir = tmp_path / "run"
+    code, err = run(["train", "--config", TINY, "--model.block_size", "1000000000000", "--train.steps", "1",
+                     "--run-dir", str(run_dir), "--data.cache_dir", data_cache], capsys)
+    assert code == 2 and err.startswith("zerotron: error: out of host memory: an allocation of ") and \
+        "shrink model.n_embd, model.n_layer, model.block_size or train.micro_batch" in err, err
+    assert len(err.strip().splitlines()) == 1 and not run_dir.exists(), err

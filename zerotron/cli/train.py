@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..cli_help import HelpFormatter, OneLineErrorParser
 from ..launch import strip_nproc
-from .errors import collective_error, fail, user_errors
+from .errors import collective_error, fail, out_of_memory, user_errors
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -158,6 +158,13 @@ def cmd_train(argv: list[str]) -> int:
         if lock:
             lock.release(failed_validation=True)
         return fail(str(e))
+    except RuntimeError as e:  # a model or batch too large for memory: one line, not torch's traceback
+        msg = out_of_memory(e)
+        if msg is None:
+            raise
+        if lock:
+            lock.release(failed_validation=True)  # a run directory it made that holds nothing is removed
+        return fail(msg)
     finally:
         restore_handlers(handlers)  # a library caller's (or pytest's) own handlers
 
