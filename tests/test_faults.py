@@ -1028,3 +1028,23 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     assert main(["train", "--config", "configs/tiny.toml", "--train.stepz", "1"]) == 2
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_final_save_failing_with_no_checkpoint_says_how_to_start_again(tmp_path, data_cache, single_process,
+                                                                       monkeypatch):
+    """The only save of a run (the final one) finds the disk full: the stop line's fix must be one
+    the next command accepts. Its metrics.jsonl stays, so the same --run-dir is refused; the line
+    says to use a new one or delete this one (it said "start again", which then was refused)."""
+    from zerotron.train.checkpoint import space
+    from zerotron.train.lifecycle import RunStopped
+    from zerotron.train.setup import check_run_dir
+    from zerotron.train.trainer import Trainer
+
+    monkeypatch.setattr(space, "free_bytes", lambda root: 1000)
+    cfg = tiny_config({**QUIET, "train.steps": 1, "train.eval_every": 0, "data.cache_dir": data_cache})
+    with pytest.raises(RunStopped) as e:
+        Trainer(cfg, tmp_path / "run").fit()
+    assert str(e.value).endswith(f"free disk space, then start again with a new --run-dir (or delete "
+                                 f"{str(tmp_path / 'run')!r} first)"), str(e.value)
+    with pytest.raises(Exception, match="choose a new --run-dir, or delete"):  # what the same --run-dir meets
+        check_run_dir(tmp_path / "run", resume=False)
