@@ -67,6 +67,12 @@ CASES = [
      "written (Not a directory); give a --run-dir in a folder you can write"),
     (["train", "--config", TINY, "--run-dir", "pyproject.toml"], "run directory 'pyproject.toml' is a file"),
     (["train", "--config", TINY, "--run-dir", "/proc/zerotron-run"], "run directory '/proc/zerotron-run' cannot be written"),
+    # a negative --nproc was taken as "this process alone" by generate and serve (train refuses it)
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--nproc", "-3"], "--nproc must be >= 0"),
+    (["serve", "--checkpoint", "/no/such/run", "--nproc", "-2"], "--nproc must be >= 0"),
+    # schedule's PNG: one line naming the path (was "[Errno 2] No such file or directory: '/proc/x.png'")
+    (["schedule", "--pp", "2", "--microbatches", "2", "--kind", "1f1b", "--out", "/proc/x.png"],
+     "--out /proc/x.png: cannot write there"),
     # export's --out is checked before the checkpoint is read: a folder that cannot be written (/proc,
     # even for root) or a path through a file (were "No such file or directory (0 bytes free on
     # '/proc')... free some space" after loading, and a bare "[Errno 17] File exists")
