@@ -19,6 +19,7 @@ CASES = [
     (["train", "--config", TINY, "--train.stepz", "3"], "unknown config key train.stepz (did you mean 'steps'?)"),
     (["train", "--config", TINY, "--train.steps", "abc"], "train.steps must be int, got 'abc'"),
     (["train", "--config", "nope.toml"], "config file 'nope.toml' not found"),
+    (["train", "--config", "configs"], "config file 'configs' is a directory; pass an existing TOML file"),  # was "not found"
     (["train", "--config", TINY, "--train.global_batch", "10", "--train.micro_batch", "4"],
      "train.global_batch (10) must be divisible by train.micro_batch * dp"),
     (["train", "--config", TINY, "--model.n_embd", "66"], "model.n_embd (66) must be divisible by model.n_head (4)"),
