@@ -19,6 +19,7 @@ CASES = [
     (["train", "--config", TINY, "--train.stepz", "3"], "unknown config key train.stepz (did you mean 'steps'?)"),
     (["train", "--config", TINY, "--train.steps", "abc"], "train.steps must be int, got 'abc'"),
     (["train", "--config", "nope.toml"], "config file 'nope.toml' not found"),
+    (["train", "--config", "configs"], "config file 'configs' is a directory; pass an existing TOML file"),  # was "not found"
     (["train", "--config", TINY, "--train.global_batch", "10", "--train.micro_batch", "4"],
      "train.global_batch (10) must be divisible by train.micro_batch * dp"),
     (["train", "--config", TINY, "--model.n_embd", "66"], "model.n_embd (66) must be divisible by model.n_head (4)"),
@@ -67,6 +68,34 @@ CASES = [
      "written (Not a directory); give a --run-dir in a folder you can write"),
     (["train", "--config", TINY, "--run-dir", "pyproject.toml"], "run directory 'pyproject.toml' is a file"),
     (["train", "--config", TINY, "--run-dir", "/proc/zerotron-run"], "run directory '/proc/zerotron-run' cannot be written"),
+    # a negative --nproc was taken as "this process alone" by generate and serve (train refuses it)
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--nproc", "-3"], "--nproc must be >= 0"),
+    (["serve", "--checkpoint", "/no/such/run", "--nproc", "-2"], "--nproc must be >= 0"),
+    # schedule's PNG: one line naming the path (was "[Errno 2] No such file or directory: '/proc/x.png'")
+    (["schedule", "--pp", "2", "--microbatches", "2", "--kind", "1f1b", "--out", "/proc/x.png"],
+     "--out /proc/x.png: cannot write there"),
+    # export's --out is checked before the checkpoint is read: a folder that cannot be written (/proc,
+    # even for root) or a path through a file (were "No such file or directory (0 bytes free on
+    # '/proc')... free some space" after loading, and a bare "[Errno 17] File exists")
+    (["export", "--checkpoint", "/no/such/run", "--out", "/proc/x"],
+     "--out '/proc/x': cannot write in '/proc' (No such file or directory); choose an --out directory in a folder"),
+    (["export", "--checkpoint", "/no/such/run", "--out", "pyproject.toml/sub"],
+     "pyproject.toml' is a file, not a directory; choose another --out directory"),
+    # every bench command checks its result files before it runs (was: a traceback after the whole
+    # run); each line also has a second bad argument that, checked first, would give another message
+    (["bench", "train", "--json", "/proc/t.json", "--config", "/no/such.toml"], "--json /proc/t.json: cannot write there"),
+    (["bench", "train", "--plot", "pyproject.toml/p.png", "--config", "/no/such.toml"],
+     "pyproject.toml is a file, not a directory; pass a file path in a writable directory"),
+    (["bench", "context", "--json", "/proc/c.json", "--seq", "x"], "--json /proc/c.json: cannot write there"),
+    (["bench", "comm", "--plot", "/proc/c.png", "--ops", "bogus"], "--plot /proc/c.png: cannot write there"),
+    (["bench", "generate", "--markdown", "/proc/g.md", "--layouts", "foo"], "--markdown /proc/g.md: cannot write there"),
+    (["bench", "generate", "--json", "configs", "--layouts", "foo"], "--json configs: is a directory"),
+    (["bench", "serve", "--json", "/proc/s.json", "--max-tokens", "0"], "--json /proc/s.json: cannot write there"),
+    (["bench", "serve", "--checkpoint", "x", "--markdown", "/proc/s.md", "--concurrency", "0"],
+     "--markdown /proc/s.md: cannot write there"),
+    (["bench", "paged", "--json", "/proc/p.json", "--rounds", "0"], "--json /proc/p.json: cannot write there"),
+    (["bench", "plan", "--bench-train", "/no/a.json", "--bench-comm", "/no/b.json", "--out", "/proc/r.md"],
+     "--out /proc/r.md: cannot write there"),
 ]
 
 
@@ -133,9 +162,16 @@ def test_existing_run_dir_untouched(tmp_path, capsys):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")}
+    # a run killed before its first checkpoint: neither a fresh start nor --resume can take it, and both
+    # say so (they sent the user in a circle: "pass --resume" / "start without --resume")
+    for extra in ([], ["--resume"]):
+        code, err = run(["train", "--config", TINY, "--run-dir", str(run_dir), *extra], capsys)
+        assert code == 2 and "already holds a run without a checkpoint (only metrics.jsonl), so there is " \
+            "nothing to resume; choose a new --run-dir" in err, err
+        assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")} == before
+    (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
     code, err = run(["train", "--config", TINY, "--run-dir", str(run_dir)], capsys)
     assert code == 2 and "already holds a run; pass --resume" in err
-    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run_dir.rglob("*")} == before
 
 
 def test_resume_without_checkpoint(tmp_path, capsys):
@@ -339,3 +375,44 @@ def test_prompts_file_not_utf8_names_the_file(tmp_path):
     f.write_bytes("caf\xe9 au lait\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"--prompts-file '.*prompts.txt' is not UTF-8 text \(byte 3\): save it as UTF-8"):
         read_prompts(SimpleNamespace(prompts_file=str(f), prompt=None), tokenizer=None)
+
+
+def test_bench_out_files_may_name_new_folders(tmp_path):
+    """The bench commands create missing folders of --json/--plot/--markdown when they write: a new
+    folder is accepted before the run, one under a file or under /proc is refused."""
+    from zerotron.out_files import check_out_files
+
+    check_out_files({"--json": str(tmp_path / "new" / "sub" / "r.json"), "--plot": None})
+    assert not (tmp_path / "new").exists()  # checked, nothing made
+    (tmp_path / "f").write_text("x")
+    for bad, why in ((tmp_path / "f" / "sub" / "r.json", "is a file, not a directory"), ("/proc/new/r.json", "cannot write")):
+        with pytest.raises(ValueError, match=why):
+            check_out_files({"--markdown": str(bad)})
+
+
+def test_prompts_file_not_a_text_file(tmp_path):
+    """--prompts-file naming a directory, a device or a file that fails to read: one line saying which
+    (a directory and /dev/null were "not found", /proc/self/mem an OSError traceback from the worker)."""
+    from types import SimpleNamespace
+
+    from zerotron.generate import read_prompts
+
+    for path, why in ((tmp_path, "is a directory; pass a UTF-8 text file"),
+                      ("/dev/null", r"is not a regular file \(a device or a pipe\)"),
+                      ("/proc/self/mem", r"cannot be read \(Input/output error\)")):
+        with pytest.raises(ValueError, match=f"--prompts-file '{path}' {why}"):
+            read_prompts(SimpleNamespace(prompts_file=str(path), prompt=None), tokenizer=None)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        read_prompts(SimpleNamespace(prompts_file=str(tmp_path / "none.txt"), prompt=None), tokenizer=None)
+
+
+def test_model_too_large_for_memory_is_one_line(tmp_path, data_cache, capsys):
+    """A model whose weights cannot be allocated (a 256 TB position table): one line naming the
+    sizes to shrink, exit 2, and the run directory it made is gone (was torch's allocator traceback,
+    exit 1, an empty run directory left)."""
+    run_dir = tmp_path / "run"
+    code, err = run(["train", "--config", TINY, "--model.block_size", "1000000000000", "--train.steps", "1",
+                     "--run-dir", str(run_dir), "--data.cache_dir", data_cache], capsys)
+    assert code == 2 and err.startswith("zerotron: error: out of host memory: an allocation of ") and \
+        "shrink model.n_embd, model.n_layer, model.block_size or train.micro_batch" in err, err
+    assert len(err.strip().splitlines()) == 1 and not run_dir.exists(), err

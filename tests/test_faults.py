@@ -989,3 +989,62 @@ def test_full_disk_at_resume_start_on_real_tmpfs(tmp_path, data_cache):
 
     verify_checkpoint(out_run / "checkpoints" / "step_2")
 
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (the SigCgt mask of /proc/PID/status)."""
+    try:
+        line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+
+
+def test_sigterm_before_the_first_step_says_nothing_was_saved(tmp_path):
+    """SIGTERM while `zerotron train` is still starting (importing torch, building the model): exit
+    143 with one line saying it stopped before the first step and saved nothing (it used to die by
+    the signal without a word), and the run directory stays startable (no metrics, no checkpoint).
+    The signal goes as soon as the process has a SIGTERM handler: seconds before step 1."""
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "zerotron", "train", "--config", "configs/tiny.toml", "--run-dir",
+                          str(run)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if _catches(p.pid, signal.SIGTERM) or p.poll() is not None:
+                break
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err)
+    assert ours(err) == ["zerotron: SIGTERM before the first training step: stopped; nothing was saved (checkpoints "
+                         "already in the run directory are untouched)"], err
+    assert "Traceback" not in err and out == "", (out, err)
+    assert not (run / "metrics.jsonl").exists() and not list_checkpoints(run)
+    # in a library caller (here pytest) the command leaves the process's own handlers as they were
+    before = signal.getsignal(signal.SIGINT)
+    assert main(["train", "--config", "configs/tiny.toml", "--train.stepz", "1"]) == 2
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_final_save_failing_with_no_checkpoint_says_how_to_start_again(tmp_path, data_cache, single_process,
+                                                                       monkeypatch):
+    """The only save of a run (the final one) finds the disk full: the stop line's fix must be one
+    the next command accepts. Its metrics.jsonl stays, so the same --run-dir is refused; the line
+    says to use a new one or delete this one (it said "start again", which then was refused)."""
+    from zerotron.train.checkpoint import space
+    from zerotron.train.lifecycle import RunStopped
+    from zerotron.train.setup import check_run_dir
+    from zerotron.train.trainer import Trainer
+
+    monkeypatch.setattr(space, "free_bytes", lambda root: 1000)
+    cfg = tiny_config({**QUIET, "train.steps": 1, "train.eval_every": 0, "data.cache_dir": data_cache})
+    with pytest.raises(RunStopped) as e:
+        Trainer(cfg, tmp_path / "run").fit()
+    assert str(e.value).endswith(f"free disk space, then start again with a new --run-dir (or delete "
+                                 f"{str(tmp_path / 'run')!r} first)"), str(e.value)
+    with pytest.raises(Exception, match="choose a new --run-dir, or delete"):  # what the same --run-dir meets
+        check_run_dir(tmp_path / "run", resume=False)

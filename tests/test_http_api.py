@@ -490,6 +490,14 @@ def test_union_field_errors_name_the_field_not_pydantic_internals():
             validate(CompletionRequest, body)
         msg = str(e.value)
         assert words in msg and "constrained" not in msg and e.value.param == next(iter(body.keys() - {"prompt"}), "prompt"), msg
+    # a missing field inside a list names its path (was "'messages' is required" for a message without content)
+    from zerotron.serve.schemas import ChatRequest
+
+    for model, body, words in ((ChatRequest, {"messages": [{"role": "user"}]}, "'messages.0.content' is required"),
+                               (CompletionRequest, {"max_tokens": 2}, "'prompt' is required")):
+        with pytest.raises(RequestError) as e:
+            validate(model, body)
+        assert str(e.value) == words and e.value.param == words.split("'")[1].split(".")[0], str(e.value)
 
 
 def test_streamed_event_bytes_equal_the_models():

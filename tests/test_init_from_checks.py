@@ -32,7 +32,7 @@ def _variant(src, dst, changes):
         c.update(changes)
     else:
         c = changes
-    (dst / "config.json").write_text(json.dumps(c))
+    (dst / "config.json").write_text(c.decode() if isinstance(c, bytes) else json.dumps(c))  # bytes: as they are
     return dst
 
 
@@ -63,6 +63,8 @@ LINEAR = {"rope_type": "linear", "factor": 2.0}
     ("wider", {"intermediate_size": 256}, [], "mlp.gate_proj.weight: got (128, 64), expected (256, 64)"),
     ("defaults-only", None, ["--nproc", "2"], "does not match the model config"),
     ("json-list", [1, 2], ["--nproc", "2"], "must hold a JSON object, got list"),
+    # a config.json that is not JSON names the file (was only "Expecting property name ... (char 2)")
+    ("json-broken", b"{\n", [], "config.json is not valid JSON (Expecting property name"),
 ])
 def test_unloadable_init_from_refused_in_one_line(hf_dir, tmp_path, data_cache, capsys, name, changes, extra,
                                                   message):

@@ -403,7 +403,8 @@ def load_config(path: str | Path | None = None, overrides: list[tuple[str, str]]
     if path:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found; pass an existing TOML file to --config "
+            what = "is a directory" if p.is_dir() else "is not a regular file" if p.exists() else "not found"
+            raise ConfigError(f"config file {str(p)!r} {what}; pass an existing TOML file to --config "
                               "(see configs/ for examples)")
         try:
             data = _parse_toml(p.read_text(encoding="utf-8"))

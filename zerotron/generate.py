@@ -85,17 +85,25 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperatur
 
 def read_prompts(args, tokenizer) -> list[str]:
     """The prompts of ``--prompt`` or ``--prompts-file`` (its non-blank lines). Raises
-    FileNotFoundError for a missing file, ValueError for a file that is not UTF-8, no prompt or one that is empty after
-    tokenization (naming its line), so a multi-process run fails once, in the parent."""
+    FileNotFoundError for a missing file, ValueError for a directory, a device or pipe (the workers
+    of a multi-process run read the file again), a file that cannot be read or is not UTF-8, no
+    prompt or one that is empty after tokenization (naming its line), so a multi-process run fails
+    once, in the parent."""
     if args.prompts_file:
         f = Path(args.prompts_file)
-        if not f.is_file():
+        if not f.exists():
             raise FileNotFoundError(f"--prompts-file {str(f)!r} not found")
+        if not f.is_file():
+            what = "a directory" if f.is_dir() else "not a regular file (a device or a pipe)"
+            raise ValueError(f"--prompts-file {str(f)!r} is {what}; pass a UTF-8 text file, one prompt per line")
         try:
             prompts = [ln for ln in text_lines(f.read_text(encoding="utf-8-sig")) if ln.strip()]  # a BOM is not text
         except UnicodeDecodeError as e:
             raise ValueError(f"--prompts-file {str(f)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8, "
                              "one prompt per line") from None
+        except OSError as e:
+            raise ValueError(f"--prompts-file {str(f)!r} cannot be read ({e.strerror or e}); pass a UTF-8 text "
+                             "file you can read, one prompt per line") from None
         if not prompts:
             raise ValueError(f"--prompts-file {str(f)!r} has no non-empty line")
     else:

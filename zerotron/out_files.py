@@ -7,15 +7,18 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["out_file_refusal"]
+__all__ = ["check_out_files", "out_file_refusal"]
 
 
-def out_file_refusal(path: str | os.PathLike | None, flag: str, example: str) -> str | None:
+def out_file_refusal(path: str | os.PathLike | None, flag: str, example: str,
+                     make_dirs: bool = False) -> str | None:
     """Why ``path`` (the value of option ``flag``) cannot take a result file, or None when it can
-    (or is None / empty). Refused: a directory, a folder that does not exist, and a folder or an
-    existing file this process cannot write (probed by creating and removing a temporary file next
-    to it: ``os.access`` says yes to root on read-only mounts and in /proc). An existing file is
-    replaced later, as every result file of zerotron is. ``example``: a path to suggest."""
+    (or is None / empty). Refused: a directory, a folder that does not exist (with ``make_dirs``,
+    for commands that create the missing folders when they write: a path through a file, or whose
+    nearest existing folder cannot be written), and a folder or an existing file this process
+    cannot write (probed by creating and removing a temporary file next to it: ``os.access`` says
+    yes to root on read-only mounts and in /proc). An existing file is replaced later, as every
+    result file of zerotron is. ``example``: a path to suggest."""
     if not path:
         return None
     p = Path(path)
@@ -24,7 +27,12 @@ def out_file_refusal(path: str | os.PathLike | None, flag: str, example: str) ->
         return f"{flag} {path}: is a directory; {fix}"
     folder = p.resolve().parent
     if not folder.is_dir():
-        return f"{flag} {path}: the directory {folder} does not exist; create it or {fix}"
+        if not make_dirs:
+            return f"{flag} {path}: the directory {folder} does not exist; create it or {fix}"
+        while not folder.exists():  # the folder that will hold the created ones
+            folder = folder.parent
+        if not folder.is_dir():
+            return f"{flag} {path}: {folder} is a file, not a directory; {fix}"
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".zerotron-probe-"):
             pass
@@ -33,3 +41,15 @@ def out_file_refusal(path: str | os.PathLike | None, flag: str, example: str) ->
     except OSError as e:
         return f"{flag} {path}: cannot write there ({e.strerror or e}); {fix}"
     return None
+
+
+def check_out_files(flags: dict[str, str | os.PathLike | None], example_dir: str = "results") -> None:
+    """Check the result files of a command before its run: ``flags`` maps each option (``"--json"``)
+    to its value (None: not given); missing folders are allowed, the command creates them when it
+    writes (:func:`out_file_refusal` with ``make_dirs``). Raises ValueError with the first refusal
+    (one line naming the option, the problem and the fix)."""
+    for flag, path in flags.items():
+        ext = {"--plot": "png", "--markdown": "md", "--out": "md"}.get(flag, "json")
+        refusal = out_file_refusal(path, flag, f"{example_dir}/out.{ext}", make_dirs=True)
+        if refusal:
+            raise ValueError(refusal)

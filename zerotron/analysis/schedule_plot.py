@@ -13,6 +13,7 @@ import math
 import sys
 from dataclasses import asdict
 
+from zerotron.out_files import out_file_refusal
 from zerotron.parallel.pipeline.schedules import (
     KINDS,
     SimResult,
@@ -168,6 +169,9 @@ def _schedule_run(args) -> int:
                              f"this tool draws ({MAX_ACTIONS}); use fewer micro-batches or stages")
         if args.out and not args.out.lower().endswith(".png"):
             raise ValueError(f"--out must name a .png file, got {args.out!r}")
+        refusal = out_file_refusal(args.out, "--out", "schedule.png")  # before drawing: one line, not an OSError
+        if refusal:
+            raise ValueError(refusal)
         schedule = build_schedule(args.pp, args.microbatches, args.kind, v)
         check_schedule(schedule, args.pp, args.microbatches, v)
         costs = (args.f_cost, args.b_cost, args.w_cost)

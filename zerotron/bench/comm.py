@@ -56,6 +56,7 @@ from zerotron.bench.topology import topology_report
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import default_device, destroy, init_distributed
 from zerotron.launch import in_worker, launch, strip_nproc
+from zerotron.out_files import check_out_files
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     try:
+        check_out_files({"--json": args.json, "--plot": args.plot})
         sizes = parse_sizes(args.sizes)
         bad = [o for o in ops if o not in OPS]
         if bad or not ops:

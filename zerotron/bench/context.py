@@ -341,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
     from pathlib import Path
 
+    from ..out_files import check_out_files
     from .entry import prologue, run_body
     from .layouts import parse_layouts
 
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def parse(argv):
         args, rest = _parser().parse_known_args(argv)
+        check_out_files({"--json": args.json})
         args.names = parse_layouts(args.layouts)
         try:
             args.seqs = [int(x) for x in args.seq.split(",") if x.strip()]

@@ -57,6 +57,7 @@ from zerotron.distributed import comm
 from zerotron.distributed.mesh import ParallelDims, init_distributed, teardown
 from zerotron.inference import Engine, Request, SamplingParams
 from zerotron.launch import in_worker, launch, strip_nproc
+from zerotron.out_files import check_out_files
 
 from .train import _mesh
 
@@ -337,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
+        check_out_files({"--json": args.json, "--plot": args.plot, "--markdown": args.markdown})
         names = [x.strip() for x in args.layouts.split(",") if x.strip()]
         bad = [x for x in names if x not in LAYOUTS and not re.fullmatch(r"(pp|pp-tp)-m[1-9][0-9]*", x)]
         if bad or not names:

@@ -31,6 +31,8 @@ import time
 
 import torch
 
+from zerotron.out_files import check_out_files
+
 __all__ = ["main"]
 
 
@@ -76,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", type=int, default=512, help="tokens of the shared system prompt (prefix workload)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_out_files({"--json": args.json})
+    except ValueError as e:
+        print(f"zerotron bench paged: error: {e}", file=sys.stderr)
+        return 2
     if args.rounds < 1 or args.shared < 1 or args.context < args.shared + 16 or args.context < 160:
         print("zerotron bench paged: error: need --rounds >= 1 and --context >= max(160, --shared + 16)",
               file=sys.stderr)

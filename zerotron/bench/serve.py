@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from zerotron.out_files import check_out_files
+
 __all__ = ["main", "run_mode"]
 
 MODES = ("continuous", "window")
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return http_main(argv)
     try:
         args = _parser().parse_args(argv)
+        check_out_files({"--json": args.json, "--markdown": args.markdown})
         lens = [int(x) if x.strip().isdigit() else -1 for x in args.max_tokens.split(",")]
         if not lens or min(lens) < 1 or max(lens) > 96:
             raise ValueError(f"--max-tokens must be a comma list of integers in 1..96 (prompt + tokens fit the "

@@ -60,6 +60,8 @@ import threading
 import time
 from pathlib import Path
 
+from zerotron.out_files import check_out_files
+
 __all__ = ["main", "run_clients", "start_server"]
 
 WORKLOADS = ("random", "shared-prefix")
@@ -421,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(argv)
+        check_out_files({"--json": args.json, "--markdown": args.markdown})
         conc = [int(x) for x in args.concurrency.split(",")]
         lo, hi = (int(x) for x in args.prompt_tokens.split(","))
         workloads = args.workloads.split(",")

@@ -79,6 +79,7 @@ from zerotron.launch import strip_nproc
 from zerotron.models.lora import apply_lora, lora_kwargs
 from zerotron.models.mixtral import set_step_rows
 from zerotron.models.registry import arch_of, build_model
+from zerotron.out_files import check_out_files
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
 from zerotron.parallel.compile import compile_stats
 from zerotron.parallel.context.split import split_sequence
@@ -373,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def parse(argv):
         args, rest = _parser().parse_known_args(argv)
+        check_out_files({"--json": args.json, "--plot": args.plot, "--markdown": args.markdown})
         args.names = parse_layouts(args.layouts)
         if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.nproc < 1:
             raise ValueError("--steps, --rounds and --nproc must be >= 1 and --warmup >= 0")

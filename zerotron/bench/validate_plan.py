@@ -34,6 +34,7 @@ from zerotron.analysis.plan_cli import _model_from_args
 from zerotron.analysis.planner import CostModel, evaluate
 from zerotron.bench.layouts import get_layout
 from zerotron.config import load_config
+from zerotron.out_files import check_out_files
 
 from .profile import measure_profile
 
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
+        check_out_files({"--json": args.json, "--out": args.out})
         rows = json.loads(Path(args.bench_train).read_text())
         comm_bench = json.loads(Path(args.bench_comm).read_text())
         if not (isinstance(rows, list) and all(isinstance(r, dict) for r in rows)):

@@ -27,3 +27,20 @@ def user_errors():
     from ..train.checkpoint import CheckpointError
 
     return (ConfigError, DataError, CheckpointError, FileNotFoundError, FileExistsError)
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """The one line for an allocation that failed (torch's CPU allocator: "DefaultCPUAllocator: can't
+    allocate memory: you tried to allocate N bytes"; torch.OutOfMemoryError on a GPU), or None for
+    any other error: the sizes to shrink and the commands that estimate them."""
+    import re
+
+    text = str(e)
+    if not (type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text):
+        return None
+    m = re.search(r"allocate (\d+) bytes", text) or re.search(r"allocate ([\d.]+ [KMGT]iB)", text)
+    size = f"{int(m.group(1)):,} bytes" if m and m.group(1).isdigit() else (m.group(1) if m else "more than is free")
+    where = "GPU" if type(e).__name__ == "OutOfMemoryError" else "host"
+    return (f"out of {where} memory: an allocation of {size} failed; the model or batch is too large for this "
+            "machine: shrink model.n_embd, model.n_layer, model.block_size or train.micro_batch, or shard it "
+            "over more ranks (estimate first: 'zerotron memory', 'zerotron plan')")

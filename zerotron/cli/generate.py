@@ -45,6 +45,8 @@ def cmd_generate(argv: list[str]) -> int:
     from ..launch import in_worker, launch
 
     try:
+        if args.nproc < 0:
+            raise ValueError(f"--nproc must be >= 0 (0 or 1: this process alone), got {args.nproc}")
         if args.adapter and not in_worker():  # one line before any worker or weight is loaded
             from ..generate import check_adapter
 

@@ -16,13 +16,27 @@ __all__ = ["check_out_dir", "staged_dir", "write_failure"]
 
 def check_out_dir(out: str | Path, overwrite: bool, flag: str = "--out") -> Path:
     """Return ``out`` as a Path; raise FileExistsError (one line naming ``flag`` and the fix) if it
-    is a file, or a non-empty directory and not ``overwrite``."""
+    is a file, or a non-empty directory and not ``overwrite``; ValueError (one line) if the folder
+    that will hold its staging directory (``out``'s parent, or the nearest existing folder above,
+    where the missing ones are made) is a file or cannot be written (probed by making and removing
+    a directory there: ``os.access`` says yes to root on read-only mounts and in /proc)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{flag} {str(out)!r} exists and is not a directory; choose another {flag} directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{flag} {str(out)!r} is not empty; choose a new directory or pass --overwrite to "
                               "replace its files")
+    holder = out.resolve().parent
+    while not holder.exists():
+        holder = holder.parent
+    if not holder.is_dir():
+        raise ValueError(f"{flag} {str(out)!r}: {str(holder)!r} is a file, not a directory; choose another {flag} "
+                         "directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".zerotron-probe-", dir=holder))
+    except OSError as e:
+        raise ValueError(f"{flag} {str(out)!r}: cannot write in {str(holder)!r} ({e.strerror or e}); choose an "
+                         f"{flag} directory in a folder you can write") from None
     return out
 
 

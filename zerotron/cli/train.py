@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..cli_help import HelpFormatter, OneLineErrorParser
 from ..launch import strip_nproc
-from .errors import collective_error, fail, user_errors
+from .errors import collective_error, fail, out_of_memory, user_errors
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -34,11 +34,14 @@ def cmd_train(argv: list[str]) -> int:
     from ..plan import build_plan
 
     args, rest = train_parser().parse_known_args(argv)
-    from ..train.lifecycle import RunStopped
+    from ..train.stop import RunStopped, StartupStopped, install_startup_stop, restore_handlers
 
     lock = None
     owned = True  # whether this call creates the process group (then it also destroys it)
+    handlers: dict = {}
     try:
+        # a signal before the step loop (whose GracefulStop then takes over): RunStopped below, one line
+        handlers = install_startup_stop()
         cfg = load_config(args.config, parse_overrides(rest))
         if args.nproc < 0:
             raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
@@ -128,19 +131,21 @@ def cmd_train(argv: list[str]) -> int:
         if lock:
             lock.release()
         return 0
-    except RunStopped as e:  # every rank stopped at the same step (guard or signal)
+    except RunStopped as e:  # every rank stopped at the same step (guard or signal), or before the first step
         import signal
 
+        handlers = {}  # not restored: ignored while this process exits
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)  # the launcher may forward the signal while we exit
         if os.environ.get("RANK", "0") == "0":
             print(f"zerotron: {e}", file=sys.stderr, flush=True)
-        import torch.distributed as dist
-
-        if owned and dist.is_initialized():  # not a caller's group (a library or test process keeps its own)
+        dist = sys.modules.get("torch.distributed")  # not imported again: a signal may have cut its import short
+        # not a caller's group (a library or test process keeps its own)
+        if owned and dist is not None and dist.is_initialized():
             from ..distributed import mesh
 
-            mesh.teardown()
+            # before the first step the ranks stop where each one is: no barrier (a peer may be elsewhere)
+            mesh.destroy() if isinstance(e, StartupStopped) else mesh.teardown()
         if lock:
             lock.release()
         return e.exit_code
@@ -153,6 +158,15 @@ def cmd_train(argv: list[str]) -> int:
         if lock:
             lock.release(failed_validation=True)
         return fail(str(e))
+    except RuntimeError as e:  # a model or batch too large for memory: one line, not torch's traceback
+        msg = out_of_memory(e)
+        if msg is None:
+            raise
+        if lock:
+            lock.release(failed_validation=True)  # a run directory it made that holds nothing is removed
+        return fail(msg)
+    finally:
+        restore_handlers(handlers)  # a library caller's (or pytest's) own handlers
 
 
 def refuse_finished_resume(cfg, latest: Path) -> None:

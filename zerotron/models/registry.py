@@ -113,13 +113,16 @@ def config_from_meta(meta_cfg: dict):
 def hf_arch(path: str | Path) -> str:
     """Family of a HF checkpoint (directory or .safetensors file with config.json beside it),
     from config.json's ``model_type``. Raises FileNotFoundError without config.json, ValueError for
-    a model_type no family reads."""
+    a config.json that is not JSON or a model_type no family reads."""
     p = Path(path)
     config = (p if p.is_dir() else p.parent) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"{config} not found: a Hugging Face checkpoint needs its config.json "
                                 "next to the weights")
-    meta = json.loads(config.read_text())
+    try:
+        meta = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # name the file, not only the position
+        raise ValueError(f"{config} is not valid JSON ({e})") from None
     if not isinstance(meta, dict):
         raise ValueError(f"{config} must hold a JSON object, got {type(meta).__name__}")
     model_type = meta.get("model_type", "gpt2")

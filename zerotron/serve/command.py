@@ -115,6 +115,8 @@ def check_args(args) -> None:
         reason = compile_refusal(args.tp, args.pp, args.ep)
         if reason:
             raise ValueError(reason)
+    if args.nproc < 0:
+        raise ValueError(f"--nproc must be >= 0 (0 or 1: this process alone), got {args.nproc}")
     if args.nproc > 1 and args.nproc % (args.tp * args.pp):
         raise ValueError(f"--nproc {args.nproc} must be a multiple of --parallel.tp x --parallel.pp ({args.tp} x {args.pp})")
 

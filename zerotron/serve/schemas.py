@@ -218,11 +218,11 @@ def validate(model: type[BaseModel], body) -> BaseModel:
             names = ", ".join(n for n in model.model_fields)
             raise RequestError(f"unknown field {field!r}"[:200] + f"; valid fields: {names}", param=field[:100],
                                code="unknown_parameter") from None
-        if kind == "missing":
-            raise RequestError(f"'{field}' is required", param=field) from None
+        where = ".".join(str(x) for x in err["loc"] if not _member_tag(x))
+        if kind == "missing":  # the whole path: a message without 'content' is 'messages.0.content'
+            raise RequestError(f"'{where}' is required", param=field) from None
         if kind in ("unsupported_parameter", "unicode"):
             raise RequestError(err["msg"], param=field, code=kind if kind != "unicode" else None) from None
-        where = ".".join(str(x) for x in err["loc"] if not _member_tag(x))
         raise RequestError(f"'{where}': {err['msg']}, got {err.get('input')!r}"[:300], param=field) from None
 
 

@@ -38,19 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import comm
-from .restarts import restart_count, restart_note
-
-EXIT_GUARD = 3
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-
-
-class RunStopped(Exception):
-    """The run stopped on purpose, on every rank at the same step. ``exit_code`` is the process
-    exit status; ``str(e)`` is the one line rank 0 prints."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_GUARD):
-        super().__init__(message)
-        self.exit_code = exit_code
+from .restarts import restart_count
+from .stop import EXIT_GUARD, STOP_SIGNALS, RunStopped, restart_note  # noqa: F401 (API: lifecycle.RunStopped)
 
 
 def _world() -> int:

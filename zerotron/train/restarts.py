@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..launch import RESTART_NOTE_ENV
 from .checkpoint import CheckpointError, list_checkpoints, newest_good_checkpoint, read_meta
 from .checkpoint.files import remove_stale_tmp
+from .stop import restart_note  # noqa: F401 (API: restarts.restart_note)
 
 
 def restart_count() -> int:
@@ -25,20 +25,6 @@ def restart_count() -> int:
         return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     except ValueError:
         return 0
-
-
-def restart_note() -> str | None:
-    """Why the ``--nproc`` launcher is stopping this worker for a restart, e.g. ``"worker 1 died
-    (killed by SIGKILL: ...)"`` (written by ``launch.restart_hooks`` before the agent's SIGTERM to
-    the survivors), or None: no restart is under way, or this worker is not one of ``--nproc
-    --max-restarts`` (plain torchrun)."""
-    path = os.environ.get(RESTART_NOTE_ENV)
-    if not path:
-        return None
-    try:
-        return Path(path).read_text().strip() or None
-    except OSError:
-        return None
 
 
 def prepare_restart(run_dir: str | Path) -> str:

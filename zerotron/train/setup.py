@@ -45,11 +45,17 @@ def check_init_vocab(model_vocab: int, tokenizer_vocab: int) -> None:
 def check_run_dir(run_dir: Path, resume: bool) -> None:
     """Refuse to start a fresh run over an existing one (nothing on disk is overwritten), and
     refuse ``--resume`` without a checkpoint. Raises ConfigError naming the fix."""
-    has_run = (run_dir / "metrics.jsonl").exists() or ckpt.list_checkpoints(run_dir)
-    if not resume and has_run:
+    saved = ckpt.list_checkpoints(run_dir)
+    if not saved and (run_dir / "metrics.jsonl").exists():  # stopped (kill -9, out of memory) before its first
+        # checkpoint: neither a fresh start (it would write over the metrics) nor --resume can take it
+        raise ConfigError(f"{'--resume: ' if resume else ''}run directory {str(run_dir)!r} already holds a run without "
+                          "a checkpoint (only metrics.jsonl), so there is nothing to resume; choose a new "
+                          f"--run-dir{' without --resume' if resume else ''}, or delete {str(run_dir)!r} to start "
+                          "over there")
+    if not resume and saved:
         raise ConfigError(f"run directory {str(run_dir)!r} already holds a run; pass --resume to continue "
                           "it, or choose a new --run-dir")
-    if resume and not ckpt.list_checkpoints(run_dir):
+    if resume and not saved:
         raise ConfigError(f"--resume: no checkpoint under {str(run_dir / 'checkpoints')!r}; "
                           "start without --resume")
 

@@ -317,7 +317,7 @@ class Trainer:
             newest, lost = bool(cks), step - (cks[-1][0] if cks else 0)
             raise lifecycle.RunStopped(f"{e}; stopped: {why}; the last {lost} steps are not saved; free disk "
                                        f"space, then " + (f"resume with: {lifecycle.resume_command()}" if newest
-                                                          else "start again")) from None
+                                                          else self._start_again())) from None
         self.unsaved = step
         if self.rank == 0:
             nxt = self.next_save(step)
@@ -337,6 +337,11 @@ class Trainer:
         """What failed on rank 0's metrics.jsonl (the line only rank 0 prints)."""
         log = getattr(self, "metrics_log", None)
         return str(log.error) if log is not None and log.error is not None else "metrics.jsonl could not be written"
+
+    def _start_again(self) -> str:
+        """The fix for a run that stopped without any checkpoint: its metrics.jsonl stays, so the same
+        --run-dir is refused (``setup.check_run_dir``); a new one, or this one deleted, starts over."""
+        return f"start again with a new --run-dir (or delete {str(self.run_dir)!r} first)"
 
     def _metrics_stop(self, step: int, saved: Path) -> lifecycle.RunStopped:
         """The exit-3 stop after a failed metrics.jsonl append (checkpoint.on_error = stop), once
@@ -525,7 +530,7 @@ class Trainer:
             stop = lifecycle.RunStopped(f"training finished at step {t.steps}, but checkpoint step_{self.unsaved} could "
                                         "not be written and no later save was scheduled (checkpoint.save_final = "
                                         f"false); the newest checkpoint is {newest}; free disk space, then "
-                                        + (f"resume with: {lifecycle.resume_command()}" if newest else "start again"))
+                                        + (f"resume with: {lifecycle.resume_command()}" if newest else self._start_again()))
         if lead:
             held = writer.held()
             if (err := writer.close()) is not None and stop is None:
