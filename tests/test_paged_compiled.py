@@ -8,7 +8,7 @@ Inductor compiles C++ on this CPU (several minutes for this graph on 2 loaded co
 at load 14): the default suite traces the same graph with the ``aot_eager`` backend (Dynamo's capture,
 dynamic shapes, the decoder's padding and writes; no C++), ``ZEROTRON_COMPILE=full``
 (``make test-compile``) compiles it with Inductor, for GPT-2 tiny and Llama tiny (grouped-query
-heads, RoPE), fp64."""
+heads, RoPE), fp64. Greedy and seeded sampled rows (fp64: equal logits up to rounding draw equal tokens)."""
 import os
 
 import pytest
@@ -41,7 +41,9 @@ def test_paged_decode_attention_equals_causal_attention():
 
 
 def _decode(model, compile_: bool, schedule):
-    """Greedy tokens per row id of a ContinuousDecoder over ``schedule``: {step: [(row, prompt, max_tokens)]}."""
+    """Tokens per row id of a ContinuousDecoder over ``schedule``: {step: [(row, prompt, max_tokens)]}; even
+    rows greedy, odd rows sampled (temperature 1, seeded by the row: a tiny random model's argmax hardly
+    depends on the context, a sample depends on every logit)."""
     from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.inference.continuous import ContinuousDecoder
     from zerotron.inference.engine import Engine
@@ -50,7 +52,8 @@ def _decode(model, compile_: bool, schedule):
     dec = ContinuousDecoder(eng, num_blocks=64, page=4, compile=compile_)
     out, step, rows = {}, 0, set()
     while step in schedule or dec.running:
-        joins = [(rid, 0, Request(p, SamplingParams(max_tokens=m, stop_at_eos=False)))
+        joins = [(rid, 0, Request(p, SamplingParams(max_tokens=m, stop_at_eos=False, temperature=float(rid % 2),
+                                                    seed=rid)))
                  for rid, p, m in schedule.get(step, [])]
         rows |= {j[0] for j in joins}
         res = dec.step(joins, [])
@@ -95,7 +98,7 @@ def _check(preset, backend, tmp_path, monkeypatch):
 
 
 def test_compiled_paged_decode_greedy_equals_eager(single_process, tmp_path, monkeypatch):
-    """GPT-2 tiny, fp64, the graph traced (``aot_eager``): greedy tokens equal the eager decoder's."""
+    """GPT-2 tiny, fp64, the graph traced (``aot_eager``): greedy and sampled tokens equal the eager decoder's."""
     _check("tiny", "aot_eager", tmp_path, monkeypatch)
 
 
