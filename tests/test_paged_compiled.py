@@ -91,10 +91,12 @@ def _check(preset, backend, tmp_path, monkeypatch):
     got, dec = _decode(model, True, schedule)
     assert got == want
     assert dec.compiled.calls > 20  # the decode steps ran compiled
-    assert grown(before) == {"graphs": 1, "recompiles": 0, "graph_breaks": 0}
+    first = grown(before)  # one graph (a model compiled before in this process: this one is a 2nd cache entry)
+    assert first["graphs"] == 1 and first["graph_breaks"] == 0 and first["recompiles"] <= 1, first
+    after = compile_stats()
     schedule2 = {0: [(0, prompt(3), 6)], 2: [(1, prompt(17), 11), (2, prompt(1), 5)]}
     assert _decode(model, True, schedule2)[0] == _decode(model, False, schedule2)[0]
-    assert grown(before) == {"graphs": 1, "recompiles": 0, "graph_breaks": 0}  # other shapes: no recompile
+    assert grown(after) == {"graphs": 0, "recompiles": 0, "graph_breaks": 0}  # other shapes: no recompile
 
 
 def test_compiled_paged_decode_greedy_equals_eager(single_process, tmp_path, monkeypatch):
