@@ -75,7 +75,7 @@ test-moe-ep: install-dev
 # on GPT-2 and Llama; compiled decoding (generate --compile) on GPT-2 and Llama, fp32 and fp64
 # (Inductor compiles C++ kernels: several minutes on 2 cores)
 test-compile: install-dev
-	ZEROTRON_COMPILE=full $(PY) -m pytest -s tests/test_compile.py tests/test_compile_decode.py $(ARGS)
+	ZEROTRON_COMPILE=full $(PY) -m pytest -s tests/test_compile.py tests/test_compile_decode.py tests/test_paged_compiled.py $(ARGS)
 
 # bench comm --topology across the two-node network-namespace harness (root), 200 Mbit/s link:
 # benchmarks/comm_two_nodes.{json,md,png} (~2 min)

@@ -12,7 +12,9 @@ timed: the steps after the first (all prompts prefilled), wall and thread CPU pe
 the torch ops (self CPU time), to tell Python bookkeeping from model compute. ``--shared-prefix
 on,off``: each round runs the decoder with shared-prefix attention on and off back to back (order
 alternating; :mod:`zerotron.inference.prefix_attention`), checks that the tokens are equal, and
-reports the paired ratio of CPU per step. On a shared machine only the shares (and paired ratios)
+reports the paired ratio of CPU per step. ``--compile on,off``: the same pairing of the compiled decode
+forward (``ContinuousDecoder(compile=True)``, :mod:`zerotron.inference.paged_compiled`; compiled once,
+before the timed rounds) against the eager one. On a shared machine only the shares (and paired ratios)
 mean anything, not the times.
 """
 from __future__ import annotations
@@ -41,9 +43,9 @@ def prompts(workload: str, n: int, vocab: int, seed: int) -> list[list[int]]:
     return [system + [rng.randrange(1, vocab) for _ in range(16)] for _ in range(n)]
 
 
-def run(eng, reqs, profile: str = "", shared_prefix: bool = True) -> dict:
+def run(eng, reqs, profile: str = "", shared_prefix: bool = True, compile: bool = False) -> dict:
     """Decode ``reqs`` together; the timings of the steps after the first (and a profile text)."""
-    dec = ContinuousDecoder(eng, shared_prefix=shared_prefix)
+    dec = ContinuousDecoder(eng, shared_prefix=shared_prefix, compile=compile)
     res = dec.step([(i, 0, r) for i, r in enumerate(reqs)], [])
     done = dict(res.finished)
     prof = cProfile.Profile() if profile == "cprofile" else None
@@ -81,6 +83,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--shared-prefix", default="on", help="on, off, or on,off (paired)")
+    ap.add_argument("--compile", default="off", help="on, off, or on,off (paired; --shared-prefix one mode)")
     ap.add_argument("--json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -90,24 +93,32 @@ def main() -> None:
     V = model.config.vocab_size
     params = SamplingParams(max_tokens=args.new, stop_at_eos=False)
     run(eng, [Request(p, params) for p in prompts("random", 4, V, 99)])  # warm-up
+    cmodes = args.compile.split(",")
+    if "on" in cmodes:
+        t0 = time.perf_counter()
+        run(eng, [Request(p, params) for p in prompts("random", 4, V, 99)], compile=True)
+        print(f"compiled warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
     out = []
     for w in args.workloads.split(","):
         for B in (int(x) for x in args.rows.split(",")):
             reqs = [Request(p, params) for p in prompts(w, B, V, B)]
-            modes = args.shared_prefix.split(",")
+            key = "compile" if len(cmodes) > 1 else "shared_prefix"
+            modes = cmodes if len(cmodes) > 1 else args.shared_prefix.split(",")
             for r in range(args.rounds):
                 got = {}
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
-                    rec = run(eng, reqs, shared_prefix=mode == "on")
+                    opts = {"compile": mode == "on"} if key == "compile" else \
+                        {"shared_prefix": mode == "on", "compile": cmodes[0] == "on"}
+                    rec = run(eng, reqs, **opts)
                     rec.pop("profile")
                     got[mode] = rec.pop("out")
-                    print(f"{w} B={B} round {r} shared-prefix {mode}: {rec['wall_ms_per_step']:.2f} ms/step wall, "
+                    print(f"{w} B={B} round {r} {key} {mode}: {rec['wall_ms_per_step']:.2f} ms/step wall, "
                           f"{rec['cpu_ms_per_step']:.2f} CPU, {rec['tokens_per_s']:.0f} tok/s, "
                           f"{rec['prefix_forwards']} prefix forwards", flush=True)
-                    out.append({"workload": w, "rows": B, "round": r, "shared_prefix": mode, **rec})
+                    out.append({"workload": w, "rows": B, "round": r, key: mode, **rec})
                 if len(got) == 2:
-                    assert got["on"] == got["off"], "shared-prefix attention changed the tokens"
-                    on, off = (next(o for o in out[::-1] if o.get("shared_prefix") == m and o.get("round") == r
+                    assert got["on"] == got["off"], f"{key} changed the tokens"
+                    on, off = (next(o for o in out[::-1] if o.get(key) == m and o.get("round") == r
                                     and o["workload"] == w and o["rows"] == B) for m in ("on", "off"))
                     print(f"  paired CPU per step on / off: {on['cpu_ms_per_step'] / off['cpu_ms_per_step']:.3f}")
             if args.profile:

@@ -432,6 +432,11 @@ def test_batching_options_are_checked():
     assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
     assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "thread"
     assert err("--frontend", "fork") == "--frontend must be one of process, thread, got 'fork'"
+    # --compile: both batching modes on the single process and dp; tp / pp refused with the reason
+    assert err("--compile") is None and err("--compile", "--batching", "window") is None
+    assert "--compile (compiled decoding) runs the single process and data parallel only, got tp=2" in \
+        err("--compile", "--parallel.tp", "2")
+    assert "pp=2" in err("--compile", "--parallel.pp", "2", "--batching", "window")
 
 
 def test_api_key_option_and_env():

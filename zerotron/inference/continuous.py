@@ -123,13 +123,16 @@ class ContinuousDecoder:
     by its greedy continuation (run by the row's replica only: the bookkeeping needs only the
     count, which is fixed). ``shared_prefix``: the rows of a forward that all start with the same
     cached blocks attend to them once (:mod:`zerotron.inference.prefix_attention`; False: every
-    row reads its whole context through its own gather). Keeps every row's tokens and every
+    row reads its whole context through its own gather). ``compile``: decode forwards without a
+    shared prefix or speculation run as one compiled graph
+    (:class:`~zerotron.inference.paged_compiled.CompiledPagedDecode`, compiled here, before the
+    first step; single process and data parallel only, else ValueError with the reason). Keeps every row's tokens and every
     replica's block bookkeeping (on every rank) and this rank's blocks. Raises ValueError when
     the pool cannot hold one full-context row (``ceil(block_size / page)`` blocks)."""
 
     def __init__(self, engine, num_blocks: int | None = None, page: int = DEFAULT_PAGE,
                  prefix_caching: bool = True, max_step_tokens: int = DEFAULT_STEP_TOKENS, speculative: int = 0,
-                 draft_model=None, shared_prefix: bool = True):
+                 draft_model=None, shared_prefix: bool = True, compile: bool = False):
         self.engine, self.mesh = engine, engine.mesh
         self.cfg, self.device = engine.config, engine.device
         self.replica = engine.replica
@@ -166,6 +169,19 @@ class ContinuousDecoder:
             raise ValueError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) differs from the "
                              f"target's ({self.cfg.vocab_size}): use a draft trained with the same tokenizer")
         self.drafts: dict[int, list[int]] = {}  # this step's proposals per decoding row
+        self.compiled = None  # the compiled decode forward (compile=True)
+        if compile:
+            from .compiled import compile_refusal
+            from .paged_compiled import CompiledPagedDecode
+
+            reason = compile_refusal(engine.tp, engine.pp, engine.ep)
+            if reason:
+                raise ValueError(reason)
+            self.compiled = CompiledPagedDecode(engine.model, attention_modules(engine.model, self.blocks, self.layers),
+                                                self.pool)
+            dtype = next(iter(engine.model.parameters())).dtype
+            self.compiled.warm_up(getattr(self.cfg, "n_kv_head", self.cfg.n_head), self.cfg.n_embd // self.cfg.n_head,
+                                  dtype, self.device)
         self.proposed = self.accepted = 0  # draft tokens proposed / accepted
 
     @property
@@ -445,6 +461,8 @@ class ContinuousDecoder:
         view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device,
                          self.shared_prefix)
         if T == 1:
+            if self.compiled is not None and not view.prefix_blocks:  # one compiled call
+                return {r: [t] for r, t in self._sample(rids, self.compiled(x, view)).items()}
             return {r: [t] for r, t in self._sample(rids, self._forward(x, view)).items()}
         logits = self._forward(x, view, all_logits=True)
         if logits is None:

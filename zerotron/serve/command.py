@@ -58,8 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--adapter", default="", help="a peft LoRA adapter directory (adapter_config.json + "
                    "adapter_model.safetensors: peft save_pretrained or zerotron export --adapter) folded into the "
                    "checkpoint's weights before serving")
-    p.add_argument("--compile", action="store_true", help="compiled decode steps, static shapes (--batching "
-                   "window; single process and data parallel: zerotron.inference.compiled)")
+    p.add_argument("--compile", action="store_true", help="compiled decode steps (single process and data "
+                   "parallel; continuous: one graph, dynamic shapes, compiled at start-up: "
+                   "zerotron.inference.paged_compiled; window: static shapes, zerotron.inference.compiled)")
     p.add_argument("--frontend", default="thread", help="thread: HTTP in a thread of rank 0's process; process: "
                    "HTTP, tokenisation and streamed events in a process of their own, so the engine loop never waits "
                    "for them (vLLM V1's layout; no gain measured on 2 cores, +3 s start-up)")
@@ -109,9 +110,6 @@ def check_args(args) -> None:
                          "the pipeline one iteration at a time); drop --microbatches or add --batching window")
     if getattr(args, "compile", False):
         from zerotron.inference.compiled import compile_refusal
-        if args.batching != "window":
-            raise ValueError("--compile compiles the decode step of --batching window (the paged continuous batching "
-                             "runs eagerly); add --batching window or drop --compile")
         reason = compile_refusal(args.tp, args.pp, args.ep)
         if reason:
             raise ValueError(reason)
@@ -223,7 +221,8 @@ def paged_options(args, engine) -> dict:
         blocks = int(args.kv_cache_mb * 2**20) // kv_block_bytes(engine, args.kv_page)
     return {"num_blocks": blocks, "page": args.kv_page, "prefix_caching": args.prefix_cache,
             "max_step_tokens": args.max_step_tokens,
-            "speculative": args.num_speculative_tokens if args.speculative else 0}
+            "speculative": args.num_speculative_tokens if args.speculative else 0,
+            "compile": bool(getattr(args, "compile", False)) and args.batching == "continuous"}
 
 
 def _launch(nproc: int, argv: list[str], launch) -> int:
