@@ -10,7 +10,7 @@ JOBS ?= 2
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-dev train lint test test-matrix test-finetune test-moe test-moe-ep test-compile bench-two-nodes clean FORCE
+.PHONY: install install-dev train lint test test-matrix test-matrix-cp test-finetune test-moe test-moe-ep test-compile bench-two-nodes clean FORCE
 
 FORCE:
 
@@ -49,6 +49,13 @@ test: lint
 # every valid layout of the parity matrix (fp64, ~5 min on 2 idle cores); results under benchmarks/
 test-matrix: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
+		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
+
+# every valid context-parallel layout of the matrix (cp 2 and 4, both families: 12,272 layouts, many hours
+# on 2 cores), resumable: the progress so far is in benchmarks/parity_matrix_cp_full_<family>.partial.jsonl
+# (ZEROTRON_MATRIX_WORLDS=4 etc. runs one world size at a time)
+test-matrix-cp: install-dev
+	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_NAMES=cp ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix_cp_full.json \
 		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
 
 # fine-tuning parity over every layout the default suite samples (SFT: dp2, ZeRO-3 dp2, tp2+SP, pp2;
