@@ -49,7 +49,7 @@ from zerotron.analysis.memory import model_state_bytes, stage_num_params
 from zerotron.analysis.trace_time import StepCounter, group_scopes, rank_time, step_time
 from zerotron.config import Config, ConfigError, model_shape
 
-__all__ = ["DryRunError", "default_ranks", "dry_run", "predict_step_time", "estimate", "build_rank", "synthetic_batches",
+__all__ = ["DryRunError", "default_ranks", "dry_run", "predict_step_time", "estimate", "build_rank", "rank_batches", "synthetic_batches",
            "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporary", "other")
@@ -92,6 +92,20 @@ def synthetic_batches(n_micro: int, micro_batch: int, seq: int, vocab: int, seed
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (micro_batch, seq), generator=g),
              torch.randint(0, vocab, (micro_batch, seq), generator=g)) for _ in range(n_micro)]
+
+
+def rank_batches(cfg: Config, mesh, mcfg) -> list:
+    """This rank's :func:`synthetic_batches` of one step as the trainer feeds them: global_batch /
+    (dp x micro_batch) micro-batches of (micro_batch, block_size) token ids, cut to this cp rank's
+    zigzag chunks (each (micro_batch, block_size / cp)) under context parallelism."""
+    n_micro = cfg.train.global_batch // (mesh.size("dp") * cfg.train.micro_batch)
+    batches = synthetic_batches(n_micro, cfg.train.micro_batch, mcfg.block_size, mcfg.vocab_size, cfg.train.seed)
+    if mesh.size("cp") > 1:
+        from zerotron.parallel.context.split import split_sequence
+
+        cp, r = mesh.size("cp"), mesh.local_rank("cp")
+        batches = [(split_sequence(x, cp, r), split_sequence(y, cp, r)) for x, y in batches]
+    return batches
 
 
 def _faking() -> bool:
@@ -391,13 +405,7 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
         device = torch.device("cpu")
         mesh = Mesh(dims, device)
         mcfg = model_config(cfg)
-        n_micro = cfg.train.global_batch // (mesh.size("dp") * cfg.train.micro_batch)
-        batches = synthetic_batches(n_micro, cfg.train.micro_batch, mcfg.block_size, mcfg.vocab_size, cfg.train.seed)
-        if dims.cp > 1:  # as the trainer: this cp rank's zigzag chunks of every sequence
-            from zerotron.parallel.context.split import split_sequence
-
-            cp, r = mesh.size("cp"), mesh.local_rank("cp")
-            batches = [(split_sequence(x, cp, r), split_sequence(y, cp, r)) for x, y in batches]
+        batches = rank_batches(cfg, mesh, mcfg)
         with warnings.catch_warnings(), _p2p_completes_at_once(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
             # MemTracker's gradient hook meets parameters whose .grad the synchroniser cleared
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")

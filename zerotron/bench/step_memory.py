@@ -60,7 +60,7 @@ def measure_step_memory(cfg, steps: int = 2) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from zerotron.analysis.dryrun import build_rank, synthetic_batches
+    from zerotron.analysis.dryrun import build_rank, rank_batches
     from zerotron.distributed.mesh import Mesh
     from zerotron.plan import build_plan
     from zerotron.train.optim import build_scheduler
@@ -72,13 +72,7 @@ def measure_step_memory(cfg, steps: int = 2) -> dict:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         mcfg, strategy, optimizer = build_rank(cfg, plan, mesh)
         sched = build_scheduler(optimizer, cfg.train)
-        n_micro = cfg.train.global_batch // (mesh.size("dp") * cfg.train.micro_batch)
-        batches = synthetic_batches(n_micro, cfg.train.micro_batch, mcfg.block_size, mcfg.vocab_size, cfg.train.seed)
-        if plan.dims.cp > 1:  # as the trainer: this cp rank's zigzag chunks
-            from zerotron.parallel.context.split import split_sequence
-
-            cp, r = mesh.size("cp"), mesh.local_rank("cp")
-            batches = [(split_sequence(x, cp, r), split_sequence(y, cp, r)) for x, y in batches]
+        batches = rank_batches(cfg, mesh, mcfg)
         for i in range(steps):
             with record_function(_STEP if i == steps - 1 else f"{_STEP}.warm"):
                 out = train_step(strategy, optimizer, sched, batches, mesh.group("batch"), cfg.train.grad_clip,
