@@ -83,7 +83,8 @@ def _cfg(**kw):
 
 
 def test_pipeline_in_flight_multiplication():
-    from zerotron.parallel.pipeline.schedules import build_schedule, simulate
+    from zerotron.parallel.pipeline.schedules import build_schedule
+    from zerotron.parallel.pipeline.simulation import simulate
 
     cfg, s, b = _cfg(), 128, 2
     layer = layer_activation_bytes(s, b, 64, 4, dropout=False)

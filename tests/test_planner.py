@@ -12,7 +12,7 @@ from zerotron.analysis.memory import GB, model_state_bytes, parse_memory, stage_
 from zerotron.analysis.plan_cli import plan_main
 from zerotron.analysis.planner import CostModel, comm_bytes, evaluate, plan
 from zerotron.models.gpt import preset_config
-from zerotron.parallel.pipeline.schedules import bubble_theory
+from zerotron.parallel.pipeline.simulation import bubble_theory
 
 LAYOUT_KEYS = {"dp", "tp", "pp", "zero_stage", "schedule", "micro_batch", "recompute",
                "memory_bytes_per_gpu", "predicted_step_time_s", "predicted_tokens_per_s",

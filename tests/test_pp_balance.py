@@ -7,7 +7,8 @@ import random
 import pytest
 
 from zerotron.parallel.pipeline.accounting import merge_stage_times, predicted_bubble
-from zerotron.parallel.pipeline.schedules import bubble_theory, build_schedule, rank_idle_fractions, simulate
+from zerotron.parallel.pipeline.schedules import build_schedule
+from zerotron.parallel.pipeline.simulation import bubble_theory, rank_idle_fractions, simulate
 from zerotron.plan import ParallelPlan
 from zerotron.stages import (
     Placement,

@@ -8,7 +8,8 @@ import pytest
 from zerotron.bench.bubble import idle_split
 from zerotron.parallel.pipeline.accounting import predicted_bubble, recv_wait_split, replayed_bubble
 from zerotron.parallel.pipeline.p2p import comm_runs
-from zerotron.parallel.pipeline.schedules import COMM, build_schedule, message_key, rank_idle_fractions, simulate
+from zerotron.parallel.pipeline.schedules import COMM, build_schedule, message_key
+from zerotron.parallel.pipeline.simulation import rank_idle_fractions, simulate
 
 
 def test_comm_runs_cover_every_comm_action_once():

@@ -6,14 +6,8 @@ from collections import Counter
 import pytest
 
 from zerotron.analysis.schedule_plot import draw_schedule, schedule_main
-from zerotron.parallel.pipeline.schedules import (
-    Action,
-    bubble_theory,
-    bubble_time_theory,
-    build_schedule,
-    check_schedule,
-    simulate,
-)
+from zerotron.parallel.pipeline.schedules import Action, build_schedule, check_schedule
+from zerotron.parallel.pipeline.simulation import bubble_theory, bubble_time_theory, simulate
 from zerotron.stages import Placement
 
 

@@ -9,7 +9,8 @@ from zerotron.analysis.bubble import _simulated_idle, bubble_fraction, pipeline_
 from zerotron.analysis.hardware import hardware
 from zerotron.analysis.memory import memory_main, preset_config
 from zerotron.analysis.planner import CostModel, evaluate, plan
-from zerotron.parallel.pipeline.schedules import build_schedule, simulate
+from zerotron.parallel.pipeline.schedules import build_schedule
+from zerotron.parallel.pipeline.simulation import simulate
 
 KINDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 

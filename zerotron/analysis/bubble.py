@@ -1,9 +1,9 @@
 """Pipeline idle time (the bubble) per rank for every schedule zerotron runs, priced for the
 planner (``zerotron plan``) and ``zerotron memory``: closed forms where they hold (GPipe/1F1B,
 interleaved, ZB-H1 from m = p on), the schedule simulator where they do not (ZB-V; ZB-H1 with
-fewer micro-batches than stages). Sources and formulas: ``zerotron.parallel.pipeline.schedules``
+fewer micro-batches than stages). Sources and formulas: ``zerotron.parallel.pipeline.simulation``
 (module docstring, ``bubble_theory``, ``bubble_time_theory``); every formula here is checked
-against ``schedules.simulate`` in tests/test_zero_bubble_pricing.py.
+against ``simulation.simulate`` in tests/test_zero_bubble_pricing.py.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ NCCL_REFUSED = ("zb-v",)  # the runner refuses these on NCCL (parallel.pipeline.
 
 @lru_cache(maxsize=1024)
 def _simulated_idle(pp: int, m: int, kind: str, t_f: float, t_b: float, t_w: float) -> float:
-    from zerotron.parallel.pipeline.schedules import build_schedule, simulate
+    from zerotron.parallel.pipeline.schedules import build_schedule
+    from zerotron.parallel.pipeline.simulation import simulate
 
     v = 2 if kind == "zb-v" else 1
     res = simulate(build_schedule(pp, m, kind, v), pp, v, t_f, t_b, t_w, eager_sends=True)
@@ -45,8 +46,8 @@ def pipeline_idle(pp: int, m: int, kind: str, v: int = 1, t_f: float = 1.0, t_b:
     1f1b / gpipe / naive: (p-1)(T_F+T_B+T_W) (Huang et al. 2019; Narayanan et al. 2021);
     interleaved with v chunks: that over v (Narayanan et al. 2021); zb-h1: (p-1)max(T_F+T_B-T_W,
     T_F, T_B) for m >= p (Qi et al. 2024, sec. 3.1, for T_W <= min(T_F, T_B);
-    ``schedules.bubble_time_theory``), simulated for m < p;
-    zb-v: simulated (``schedules.simulate`` of its list-scheduled order, no closed form: 1 to 1.71
+    ``simulation.bubble_time_theory``), simulated for m < p;
+    zb-v: simulated (``simulation.simulate`` of its list-scheduled order, no closed form: 1 to 1.71
     times the synchronous-step bound (p-1)T_F/2 at unit costs; with T_B > T_W it grows with m, the
     order being fixed for unit costs), cached. Tested against ``simulate``.
     Raises ValueError for an unknown kind."""
@@ -59,7 +60,7 @@ def pipeline_idle(pp: int, m: int, kind: str, v: int = 1, t_f: float = 1.0, t_b:
     if kind == "zb-h1":  # the closed form holds from m = pp on; below, simulated
         if m < pp:
             return _simulated_idle(pp, m, kind, float(t_f), float(t_b), float(t_w))
-        from zerotron.parallel.pipeline.schedules import bubble_time_theory  # (imports torch: lazily)
+        from zerotron.parallel.pipeline.simulation import bubble_time_theory  # (imports torch: lazily)
 
         return bubble_time_theory(pp, kind, t_f, t_b, t_w)
     return (pp - 1) * (t_f + t_b + t_w) / (v if kind == "interleaved" else 1)
@@ -69,6 +70,6 @@ def bubble_fraction(pp: int, m: int, kind: str, v: int = 1, t_f: float = 1.0, t_
                     t_w: float = 1.0) -> float:
     """Idle / (busy + idle) of a rank over one flush: :func:`pipeline_idle` over itself plus m
     micro-batches of T_F+T_B+T_W (at unit costs for 1f1b, interleaved and zb-h1 the
-    ``schedules.bubble_theory`` fractions)."""
+    ``simulation.bubble_theory`` fractions)."""
     idle = pipeline_idle(pp, m, kind, v, t_f, t_b, t_w)
     return idle / (idle + m * (t_f + t_b + t_w))

@@ -41,7 +41,7 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   t_r: the slowest stage runs all m micro-batches, and the fill and drain pass once through each
   other stage (in chunks of 1/v with interleaving, v = 2). With equal stages this is the bubble
   fraction (p-1)/(v*m + p-1) of Narayanan et al. 2021
-  (:func:`zerotron.parallel.pipeline.runner.schedules.bubble_theory`); with unequal ones (e.g. the output layer on
+  (:func:`zerotron.parallel.pipeline.simulation.bubble_theory`); with unequal ones (e.g. the output layer on
   the last stage) the fill and drain are shorter.
 * dp on the gradients/parameters of the largest rank (Psi_r elements), in units of one
   transformer block (plus the embedding/output "root" on the first/last stage), the messages the

@@ -1,8 +1,8 @@
 """Pictures and the ``zerotron schedule`` command for pipeline schedules.
 
-Draws a :class:`zerotron.parallel.pipeline.runner.schedules.SimResult` as a timeline (one row per pipeline rank,
+Draws a :class:`zerotron.parallel.pipeline.simulation.SimResult` as a timeline (one row per pipeline rank,
 the usual figure of GPipe, Huang et al. 2019, and Megatron-LM, Narayanan et al. 2021) and prints the
-simulated vs theoretical bubble (formulas documented in ``zerotron.parallel.pipeline.runner.schedules``).
+simulated vs theoretical bubble (formulas documented in ``zerotron.parallel.pipeline.simulation``).
 """
 
 from __future__ import annotations
@@ -14,15 +14,8 @@ import sys
 from dataclasses import asdict
 
 from zerotron.out_files import out_file_refusal
-from zerotron.parallel.pipeline.schedules import (
-    KINDS,
-    SimResult,
-    bubble_theory,
-    bubble_time_theory,
-    build_schedule,
-    check_schedule,
-    simulate,
-)
+from zerotron.parallel.pipeline.schedules import KINDS, build_schedule, check_schedule
+from zerotron.parallel.pipeline.simulation import SimResult, bubble_theory, bubble_time_theory, simulate
 from zerotron.plan import CHUNKED_SCHEDULES
 
 

@@ -29,8 +29,8 @@ epoch_time_s: seconds for one epoch of the train split (``num_windows x seq_len`
 global-batch sampler visits once) at the measured tokens/s. Pipeline layouts: ``bubble_measured`` =
 median over timed steps of the max over pp ranks of ``PipelineStrategy.last_step_timing()
 ["bubble_fraction"]`` (idle / (busy + idle): bubble plus p2p transfer time); ``bubble_theory`` =
-``schedules.bubble_theory(pp, m, v, kind)``, m = micro-batches per flush (1 for "naive");
-``bubble_simulated`` = median over timed steps of what ``schedules.simulate`` predicts for the same
+``simulation.bubble_theory(pp, m, v, kind)``, m = micro-batches per flush (1 for "naive");
+``bubble_simulated`` = median over timed steps of what ``simulation.simulate`` predicts for the same
 statistic when each model stage's F and B cost the step's measured mean times
 (``pipeline.accounting.predicted_bubble``, communication free): measured / simulated is executor
 overhead, simulated / theory the stage imbalance. ``stage_compute_s``: those per-stage times
@@ -83,7 +83,7 @@ from zerotron.out_files import check_out_files
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
 from zerotron.parallel.compile import compile_stats
 from zerotron.parallel.context.split import split_sequence
-from zerotron.parallel.pipeline.schedules import bubble_theory
+from zerotron.parallel.pipeline.simulation import bubble_theory
 from zerotron.plan import build_plan
 from zerotron.train.metrics import TRAIN_DTYPES, mfu, peak_flops
 from zerotron.train.optim import build_scheduler

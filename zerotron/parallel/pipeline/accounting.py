@@ -4,7 +4,7 @@ A pipeline rank's measured idle fraction (``PipelineStrategy.last_step_timing()`
 things: the schedule's bubble for equal stages (the textbook (p-1)/(m+p-1), GPipe, Huang et al.
 2019), the extra bubble of *unequal* stages (a slow stage makes its neighbours wait), and executor
 overhead (p2p transfer, waits beyond the dependencies, start skew between ranks). Feeding the
-event simulator (:func:`~zerotron.parallel.pipeline.schedules.simulate`) the measured mean time of
+event simulator (:func:`~zerotron.parallel.pipeline.simulation.simulate`) the measured mean time of
 each model stage's F and B actions gives the first two together, with zero-cost communication;
 ``measured / predicted`` then isolates the executor overhead, and ``predicted / textbook`` the
 imbalance. Two finer tools, from the executor's per-step timestamps: :func:`replayed_bubble`
@@ -15,7 +15,8 @@ neighbours wait beyond what the means predict, is not mistaken for executor over
 """
 from __future__ import annotations
 
-from zerotron.parallel.pipeline.schedules import build_schedule, rank_idle_fractions, simulate
+from zerotron.parallel.pipeline.schedules import build_schedule
+from zerotron.parallel.pipeline.simulation import rank_idle_fractions, simulate
 
 __all__ = ["merge_stage_times", "predicted_bubble", "recv_wait_split", "replayed_bubble"]
 
@@ -41,7 +42,7 @@ def predicted_bubble(pp: int, microbatches: int, kind: str, virtual_stages: int,
     ``stage_compute_s[kind][s]`` seconds per micro-batch.
 
     Returns ``{"per_rank": idle fraction of each rank's walk (the statistic the executor measures,
-    :func:`~zerotron.parallel.pipeline.schedules.rank_idle_fractions`), "max": the largest of them,
+    :func:`~zerotron.parallel.pipeline.simulation.rank_idle_fractions`), "max": the largest of them,
     "mean": idle / (pp x makespan), "makespan_s": seconds of one flush}``. Sends complete in the
     background (``simulate(..., eager_sends=True)``, the executor's timing; zb-h1 depends on it).
     Communication is free unless ``latency_s`` > 0: then each cross-rank message takes that long

@@ -386,7 +386,7 @@ class PipelineStrategy(PipelineStateMixin, Strategy):
         ``{kind: {model stage: mean seconds of one action}}`` for kind "F", "B" of this rank's
         stages (what :func:`zerotron.parallel.pipeline.accounting.predicted_bubble` simulates);
         ``schedule`` = (pp, micro-batches per flush, kind, v). Compare with
-        ``schedules.bubble_theory``. Seconds throughout."""
+        ``simulation.bubble_theory``. Seconds throughout."""
         return dict(self._timing)
 
     def finish_grads(self) -> None:
