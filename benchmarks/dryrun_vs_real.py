@@ -20,7 +20,7 @@ from pathlib import Path
 
 from zerotron.testing import run_ranks, tiny_config
 
-BASE = {"train.micro_batch": 2, "train.global_batch": 8}
+BASE = {"train.micro_batch": 2, "train.global_batch": 8, "parallel.backend": "gloo"}  # the dry run traces gloo's paths
 BF16 = {"train.dtype": "bf16"}
 # (name, world, overrides)
 LAYOUTS = [
@@ -40,6 +40,16 @@ def _measure(overrides: dict) -> dict:
     from zerotron.bench.step_memory import measure_step_memory
 
     return measure_step_memory(tiny_config(overrides))
+
+
+def dry_comm(rec: dict) -> dict:
+    """A dry-run record's collectives in ``measure_step_memory``'s form: {"op/group/tag": {"calls", "bytes"}}."""
+    out = {}
+    for group, g in rec["comm_traced"].items():
+        for key, v in g["ops"].items():
+            op, tag = key.split("/", 1)
+            out[f"{op}/{group}/{tag}"] = {"calls": v["calls"], "bytes": v["bytes"]}
+    return dict(sorted(out.items()))
 
 
 def compare(name: str, world: int, overrides: dict) -> dict:
@@ -63,24 +73,30 @@ def compare(name: str, world: int, overrides: dict) -> dict:
                      "dry": {"start": d["held_at_step_start"], "peak": d["peak_bytes_traced"],
                              "end": d["end_of_step"]["total"]},
                      "estimated": d["peak_bytes_estimated"], "token_id_bytes": ids,
+                     "backend_peak": r["backend_peak_bytes"], "unseen_frees": r["unseen_frees"],
                      "peak_at": d["peak_at"], "states_equal": r["model_state_bytes"] == d["model_state_bytes"],
+                     "comm_equal": r["comm"] == dry_comm(d), "comm_calls": sum(v["calls"] for v in r["comm"].values()),
                      "peak_left": r["peak_bytes_measured"] - d["peak_bytes_traced"] - ids,
-                     "start_left": r["held_at_step_start"] - d["held_at_step_start"] - ids})
+                     "start_left": r["held_at_step_start"] - d["held_at_step_start"] - ids,
+                     "end_left": r["end_of_step"] - d["end_of_step"]["total"] - ids})
     return {"layout": name, "world": world, "overrides": ov, "ranks": rows,
             "wall_s": {"real": round(t1 - t0, 1), "dry": round(t2 - t1, 1)}}
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| layout | world | rank (pp, dp, tp) | real peak B | dry peak B | real / dry | real - dry - ids B | "
-             "start: real - dry - ids B | dry / estimated | peak at (dry) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| layout | world | rank (pp, dp, tp) | real peak B | dry peak B | real / dry | real - dry - ids B: "
+             "start / peak / end | gloo's own peak B | unseen frees (n, B) | collectives equal (calls) | "
+             "dry / estimated | peak at (dry) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for row in res["ranks"]:
-            c, at = row["coords"], row["peak_at"] or {}
+            c, at, u = row["coords"], row["peak_at"] or {}, row["unseen_frees"]
             lines.append(f"| {res['layout']} | {res['world']} | {row['rank']} ({c['pp']}, {c['dp']}, {c['tp']}) | "
                          f"{row['real']['peak']:,} | {row['dry']['peak']:,} | "
-                         f"{row['real']['peak'] / row['dry']['peak']:.4f} | {row['peak_left']:,} | "
-                         f"{row['start_left']:,} | {row['dry']['peak'] / row['estimated']:.3f} | "
-                         f"{at.get('phase')} / {at.get('pass')} |")
+                         f"{row['real']['peak'] / row['dry']['peak']:.4f} | "
+                         f"{row['start_left']:,} / {row['peak_left']:,} / {row['end_left']:,} | "
+                         f"{row['backend_peak']:,} | {u['count']}, {u['bytes']:,} | "
+                         f"{'yes' if row['comm_equal'] else 'NO'} ({row['comm_calls']}) | "
+                         f"{row['dry']['peak'] / row['estimated']:.3f} | {at.get('phase')} / {at.get('pass')} |")
     return "\n".join(lines) + "\n"
 
 

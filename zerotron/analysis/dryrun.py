@@ -387,6 +387,30 @@ def _p2p_completes_at_once():
         dist.batch_isend_irecv = batch
 
 
+@contextlib.contextmanager
+def _code_paths_of(backend: str):
+    """While active, the fake process groups answer ``torch.distributed.get_backend`` with
+    ``backend``, so code that picks its path by the backend takes the path of the backend the plan
+    names (``parallel.backend``; "auto" traces NCCL's: a dry run predicts a GPU job). The one such
+    path of a training step is the pipeline's (``pipeline.p2p.CommRunPoster``): on gloo it posts sends
+    and receives one by one and the next comm run's receives early (one more message buffer in
+    flight per direction); elsewhere one ``batch_isend_irecv`` per run. Sends and receives posted one by one
+    complete at once, as batched ones do under :func:`_p2p_completes_at_once`."""
+    import torch.distributed as dist
+
+    from zerotron.distributed import comm
+
+    saved = dist.get_backend, comm.isend, comm.irecv
+    if backend == "gloo":
+        dist.get_backend = lambda group=None: backend
+        comm.isend = lambda *a, **k: _Done(saved[1](*a, **k))
+        comm.irecv = lambda *a, **k: _Done(saved[2](*a, **k))
+    try:
+        yield
+    finally:
+        dist.get_backend, comm.isend, comm.irecv = saved
+
+
 def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 2) -> dict:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -406,7 +430,9 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
         mesh = Mesh(dims, device)
         mcfg = model_config(cfg)
         batches = rank_batches(cfg, mesh, mcfg)
-        with warnings.catch_warnings(), _p2p_completes_at_once(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        backend = plan.backend if plan.backend != "auto" else "nccl"
+        with warnings.catch_warnings(), _p2p_completes_at_once(), _code_paths_of(backend), \
+                FakeTensorMode(allow_non_fake_inputs=True), tracker:
             # MemTracker's gradient hook meets parameters whose .grad the synchroniser cleared
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
             _, strategy, optimizer = build_rank(cfg, plan, mesh)
