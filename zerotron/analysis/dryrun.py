@@ -387,6 +387,18 @@ def _p2p_completes_at_once():
         dist.batch_isend_irecv = batch
 
 
+def _not_dispatched(module) -> int:
+    """Bytes a rank holds in tensors that no operator made, which a tracker of dispatched operators
+    cannot see: the tensor-parallel RNG tracker's generator states (``torch.Generator.get_state``,
+    5,056 bytes each on CPU; ``parallel.tensor.transform.RNGStatesTracker``). They live through the
+    whole step (a ``fork`` replaces one by its successor and, while it runs, holds the outer
+    generator's state too: at most two states more, inside a dropout)."""
+    from zerotron.parallel.tensor.transform import find_rng_tracker
+
+    rng = find_rng_tracker(module)
+    return sum(t.untyped_storage().nbytes() for t in rng.states.values()) if rng is not None else 0
+
+
 @contextlib.contextmanager
 def _code_paths_of(backend: str):
     """While active, the fake process groups answer ``torch.distributed.get_backend`` with
@@ -460,6 +472,10 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
             end = _categories(tracker.get_tracker_snapshot("current"))
             states = strategy.model_state_bytes(optimizer)
             split = list(getattr(strategy, "split", None) or []) or None  # the pipeline runner's layers per stage
+            for snap, key in ((peak, "total"), (end, "total")):  # what no operator made (see _not_dispatched)
+                snap["other"] += (extra := _not_dispatched(strategy.module))
+                snap[key] += extra
+            held["total"] += extra
         traffic = _comm_by_group(comm.STATS)
         coords = {k: v for k, v in mesh.coords.items()}
         members = {g: list(comm.STATS.members[g]) for g in traffic}
