@@ -404,23 +404,21 @@ def _code_paths_of(backend: str):
     """While active, the fake process groups answer ``torch.distributed.get_backend`` with
     ``backend``, so code that picks its path by the backend takes the path of the backend the plan
     names (``parallel.backend``; "auto" traces NCCL's: a dry run predicts a GPU job). The one such
-    path of a training step is the pipeline's (``pipeline.p2p.CommRunPoster``): on gloo it posts sends
-    and receives one by one and the next comm run's receives early (one more message buffer in
-    flight per direction); elsewhere one ``batch_isend_irecv`` per run. Sends and receives posted one by one
-    complete at once, as batched ones do under :func:`_p2p_completes_at_once`."""
+    path of a training step is the pipeline's (``pipeline.p2p.CommRunPoster``): on gloo it posts
+    sends and receives one by one and the next comm run's receives early (one more message buffer
+    in flight per direction); elsewhere one ``batch_isend_irecv`` per run. A gloo send reports
+    completion only once waited (``Work.is_completed()`` stays False after the peer has received
+    it; torch 2.13, checked), so on gloo the poster holds every send of a walk until
+    ``finish_walk``: the fake backend's sends, which never say complete, are held the same way."""
     import torch.distributed as dist
 
-    from zerotron.distributed import comm
-
-    saved = dist.get_backend, comm.isend, comm.irecv
+    saved = dist.get_backend
     if backend == "gloo":
         dist.get_backend = lambda group=None: backend
-        comm.isend = lambda *a, **k: _Done(saved[1](*a, **k))
-        comm.irecv = lambda *a, **k: _Done(saved[2](*a, **k))
     try:
         yield
     finally:
-        dist.get_backend, comm.isend, comm.irecv = saved
+        dist.get_backend = saved
 
 
 def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 2) -> dict:
