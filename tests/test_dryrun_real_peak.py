@@ -15,10 +15,10 @@ Tolerance, derived: the real rank also holds the int64 token ids of its micro-ba
 bytes per token; the dry run makes them as real tensors outside its fake mode, so its tracker does
 not count them) -- added to the dry figure -- and 0-dim tensors alive or not by timing (the real
 ``.item()`` reads, bookkeeping all-reduces: 4-8 bytes each; -8 to +208 bytes measured), so 512
-bytes either way. Seen red: without the token-id term (4,096+ bytes); with the unseen frees left
-in (ZeRO-1, tp: +98,304 to +885,768 in the runs of ``benchmarks/dryrun_vs_real.py``); with gloo's
-staging counted (ZeRO-3: +108,024 at the peak, every run); without the tp RNG states in the dry
-run (tp: +10,112 at start, peak and end).
+bytes either way. Seen red (code broken on purpose, this file run): with the unseen frees left in,
+ZeRO-1 rank 0 +201,600 at a step's end; with gloo's staging counted, ZeRO-3 +108,024 at the peak.
+Before the fixes of this file's commits, in ``benchmarks/dryrun_vs_real.py``: without the token-id
+term -4,096 and more; without the tp RNG states in the dry run, tp +10,112 at start, peak and end.
 """
 import pytest
 
@@ -59,7 +59,7 @@ def test_dry_peak_equals_the_real_allocator(name, real, report):
     from zerotron.analysis.dryrun import dry_run
 
     cfg = tiny_config({**BASE, **LAYOUTS[name]})
-    dp = cfg.parallel.dp
+    dp = WORLD // cfg.parallel.tp
     ids = 16 * (cfg.train.global_batch // dp) * cfg.model.block_size  # this rank's x and y, int64
     # dp ranks hold equal shards (traced once); tp ranks differ (the vocab-parallel loss's padding)
     dry = dry_run(cfg, WORLD, ranks=[0] if dp == WORLD else list(range(WORLD)))
