@@ -5,7 +5,12 @@ layouts that run for real on this machine (2-8 processes, configs/tiny.toml).
 
     python benchmarks/dryrun_vs_real.py --json benchmarks/dryrun_vs_real.json --md benchmarks/dryrun_vs_real.md
 
-Per rank: live bytes at the step's start, its peak and its end, real and dry, and the difference.
+    python benchmarks/dryrun_vs_real.py --summary benchmarks/dryrun_vs_real.json   # the README table
+
+Per rank: live bytes at the step's start, its peak and its end, real and dry, and the difference;
+gloo's own staging buffers and the blocks freed on gloo worker threads (both in
+``bench.step_memory``'s docstring); whether the step's collectives (calls and bytes per op, group
+and tag) equal ``comm.STATS`` of the real run.
 The real run holds one thing the dry run does not count: the int64 token ids of the rank's
 micro-batches (x and y, 16 bytes per token; the dry run makes them as real tensors outside its fake
 mode), so "real - dry - ids" is what is left to explain. Minutes of CPU; wall times mean nothing on
@@ -32,6 +37,10 @@ LAYOUTS = [
     ("pp2-1f1b", 2, {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}),
     ("zero3-dp2-bf16-full", 2, {"parallel.dp": 2, "parallel.zero_stage": 3, **BF16,
                                 "train.activation_checkpointing": "full"}),
+    # the three factors of the row above, one pair at a time
+    ("zero3-dp2-bf16", 2, {"parallel.dp": 2, "parallel.zero_stage": 3, **BF16}),
+    ("zero3-dp2-full", 2, {"parallel.dp": 2, "parallel.zero_stage": 3, "train.activation_checkpointing": "full"}),
+    ("ddp-dp2-bf16-full", 2, {"parallel.dp": 2, **BF16, "train.activation_checkpointing": "full"}),
     ("zero1-tp2-pp2-dp2", 8, {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.zero_stage": 1}),
 ]
 
@@ -100,12 +109,36 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _span(vals: list, fmt=lambda v: f"{v:,}") -> str:
+    lo, hi = min(vals), max(vals)
+    return fmt(lo) if lo == hi else f"{fmt(lo)} to {fmt(hi)}"
+
+
+def summary(results: list[dict]) -> str:
+    """One line per layout (ranges over its ranks): the README's table."""
+    lines = ["| layout | world | real peak B (rank 0) | real / dry peak | real - dry - ids B: start / peak / end | "
+             "gloo's own buffers, peak B | frees on gloo workers (blocks) | collectives = comm.STATS |",
+             "|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        rows = res["ranks"]
+        left = " / ".join(_span([r[k] for r in rows]) for k in ("start_left", "peak_left", "end_left"))
+        lines.append(f"| {res['layout']} | {res['world']} | {rows[0]['real']['peak']:,} | "
+                     f"{_span([r['real']['peak'] / r['dry']['peak'] for r in rows], lambda v: f'{v:.4f}')} | {left} | "
+                     f"{_span([r['backend_peak'] for r in rows])} | {_span([r['unseen_frees']['count'] for r in rows])} | "
+                     f"{'yes' if all(r['comm_equal'] for r in rows) else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     ap.add_argument("--only", default="", help="comma-separated layout names (default: all)")
+    ap.add_argument("--summary", type=Path, help="print the README table of this --json output and exit")
     a = ap.parse_args(argv)
+    if a.summary:
+        print(summary(json.loads(a.summary.read_text())), end="")
+        return 0
     only = set(filter(None, a.only.split(",")))
     results = []
     for name, world, ov in LAYOUTS:

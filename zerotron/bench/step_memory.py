@@ -108,14 +108,17 @@ def _live_storage_ptrs() -> set:
     """Data addresses of every tensor object alive now (parameters, gradients, optimizer state,
     flat buffers, batches, and the local tensors of DTensors)."""
     import gc
+    import warnings
 
     out = set()
-    for o in gc.get_objects():
-        if isinstance(o, torch.Tensor):
-            try:
-                out.add(o.untyped_storage().data_ptr())
-            except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
-                pass
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op object warns
+        warnings.simplefilter("ignore", FutureWarning)
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor):
+                try:
+                    out.add(o.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+                    pass
     return out
 
 
