@@ -387,6 +387,40 @@ def _p2p_completes_at_once():
         dist.batch_isend_irecv = batch
 
 
+def _not_dispatched(module) -> int:
+    """Bytes a rank holds in tensors that no operator made, which a tracker of dispatched operators
+    cannot see: the tensor-parallel RNG tracker's generator states (``torch.Generator.get_state``,
+    5,056 bytes each on CPU; ``parallel.tensor.transform.RNGStatesTracker``). They live through the
+    whole step (a ``fork`` replaces one by its successor and, while it runs, holds the outer
+    generator's state too: at most two states more, inside a dropout)."""
+    from zerotron.parallel.tensor.transform import find_rng_tracker
+
+    rng = find_rng_tracker(module)
+    return sum(t.untyped_storage().nbytes() for t in rng.states.values()) if rng is not None else 0
+
+
+@contextlib.contextmanager
+def _code_paths_of(backend: str):
+    """While active, the fake process groups answer ``torch.distributed.get_backend`` with
+    ``backend``, so code that picks its path by the backend takes the path of the backend the plan
+    names (``parallel.backend``; "auto" traces NCCL's: a dry run predicts a GPU job). The one such
+    path of a training step is the pipeline's (``pipeline.p2p.CommRunPoster``): on gloo it posts
+    sends and receives one by one and the next comm run's receives early (one more message buffer
+    in flight per direction); elsewhere one ``batch_isend_irecv`` per run. A gloo send reports
+    completion only once waited (``Work.is_completed()`` stays False after the peer has received
+    it; torch 2.13, checked), so on gloo the poster holds every send of a walk until
+    ``finish_walk``: the fake backend's sends, which never say complete, are held the same way."""
+    import torch.distributed as dist
+
+    saved = dist.get_backend
+    if backend == "gloo":
+        dist.get_backend = lambda group=None: backend
+    try:
+        yield
+    finally:
+        dist.get_backend = saved
+
+
 def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 2) -> dict:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -406,7 +440,9 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
         mesh = Mesh(dims, device)
         mcfg = model_config(cfg)
         batches = rank_batches(cfg, mesh, mcfg)
-        with warnings.catch_warnings(), _p2p_completes_at_once(), FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        backend = plan.backend if plan.backend != "auto" else "nccl"
+        with warnings.catch_warnings(), _p2p_completes_at_once(), _code_paths_of(backend), \
+                FakeTensorMode(allow_non_fake_inputs=True), tracker:
             # MemTracker's gradient hook meets parameters whose .grad the synchroniser cleared
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper")
             _, strategy, optimizer = build_rank(cfg, plan, mesh)
@@ -434,6 +470,10 @@ def _trace_rank(cfg: Config, plan, rank: int, gpu_mem: int | None, steps: int = 
             end = _categories(tracker.get_tracker_snapshot("current"))
             states = strategy.model_state_bytes(optimizer)
             split = list(getattr(strategy, "split", None) or []) or None  # the pipeline runner's layers per stage
+            for snap, key in ((peak, "total"), (end, "total")):  # what no operator made (see _not_dispatched)
+                snap["other"] += (extra := _not_dispatched(strategy.module))
+                snap[key] += extra
+            held["total"] += extra
         traffic = _comm_by_group(comm.STATS)
         coords = {k: v for k, v in mesh.coords.items()}
         members = {g: list(comm.STATS.members[g]) for g in traffic}

@@ -2,65 +2,144 @@
 
 :func:`measure_step_memory` runs in every rank of a real job (gloo, real tensors) what a dry run
 traces with fake ones (``analysis.dryrun``): the rank built as the trainer builds it
-(``dryrun.build_rank``), the synthetic micro-batches of ``dryrun.synthetic_batches``, and two
+(``dryrun.build_rank``), the synthetic micro-batches of ``dryrun.rank_batches``, and two
 ``train.step.train_step`` calls (the first creates AdamW's state; the second is measured). The
 count is the CPU allocator's, not a tracker's: under ``torch.profiler.profile(profile_memory=True)``
-the allocator reports every allocation and free with its size (``_ExtraFields_Allocation.alloc_size``),
-so the bytes live at any moment are the running sum from the start of the window (opened before the
-model is built, so everything the rank allocates is inside it). No ``MemTracker``, no dispatch mode,
-no module hooks: nothing the dry run adds is present here.
+the allocator reports allocations and frees with their size and address
+(``_ExtraFields_Allocation.alloc_size`` / ``.ptr``), so the bytes live at any moment are the running
+sum from the start of the window (opened before the model is built, so everything the rank
+allocates is inside it). No ``MemTracker``, no dispatch mode, no module hooks.
 
-What this counts that a dry run's ``MemTracker`` does not: allocations the allocator makes for
-tensors that are not the output of an operator (gloo's receive buffers are its own, not counted
-either way); what it does not count: allocations on threads the profiler does not follow (none in
-the step's own code; the pipeline's gloo sends and receives post from this thread).
+Two things of a real gloo run the plain running sum gets wrong, both seen in the event records
+(``benchmarks/dryrun_vs_real.md``):
+
+* **Frees the profiler does not see.** The allocator reports to the profiler only on a thread whose
+  thread-local profiler state is set: the calling thread, and a gloo worker thread only while it
+  runs a collective (gloo hands the caller's state to the work). A gloo ``Work`` holds the tensors
+  of its collective; the worker drops its reference just *after* the run, when that state is gone.
+  If the caller has already dropped its own (a tp all-reduce's result consumed at once, gloo's
+  reduce-scatter staging copy, a finished async gather), the last reference -- and the free -- is
+  on the worker, unreported, and the running sum keeps the block for ever. Which blocks this hits
+  depends on thread timing (0 to 0.9 MB per step here). Such a block is recognised exactly: its
+  address is allocated again while it is still "live" in the sum, or no tensor alive after the step
+  uses it (a scan of every tensor object). It is counted as freed when the worker's run of the
+  next collective posted after it ends (the ``gloo:*`` record that follows its allocation) -- the
+  earliest moment the worker can drop it; the real free follows within the worker's next few
+  instructions, unless the OS preempts it there (``unseen_frees`` reports their number and bytes).
+  ``torch.profiler``'s ``profile_all_threads`` is no way out: with it the allocator reports nothing
+  at all (torch 2.13, checked).
+* **The backend's own buffers.** gloo stages some collectives through memory of its own: an
+  all-gather into a flat copy of the output (allocated on the worker), a reduce-scatter by an
+  all-reduce of a clone of the whole input (allocated in the ``c10d::`` call, held by the Work).
+  The fake backend of a dry run allocates nothing, nor does NCCL for these calls. Allocations made
+  inside a ``c10d::``/``gloo:`` record (any thread) are counted apart (``backend_peak_bytes``),
+  not in the figures compared with a dry run.
 """
 from __future__ import annotations
+
+import bisect
 
 import torch
 
 __all__ = ["measure_step_memory"]
 
 _STEP = "zerotron.measured_step"
+_BACKEND = ("c10d::", "gloo:", "nccl:")
 
 
-def _allocations(prof) -> list[tuple[int, int]]:
-    """``[(time_ns, bytes), ...]`` of every allocation (+) and free (-) the profiler saw, in time order."""
+def _walk(prof) -> tuple[list, list, tuple]:
+    """One pass over every thread's event tree: ``(allocs, gloo_ends, window)`` with ``allocs`` =
+    ``[(time_ns, bytes, ptr, backend), ...]`` in time order (frees negative; ``backend``: inside a
+    ``c10d::``/``gloo:`` record or on a thread other than the step's), ``gloo_ends`` = sorted
+    ``(start_ns, end_ns)`` of the ``gloo:*`` records (a worker's run of one collective) and
+    ``window`` = (start, end, thread id) of the measured step's ``record_function``.
+    Raises RuntimeError if that record is missing."""
     from torch._C._profiler import _EventType
 
-    out, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    raw, spans, window = [], [], None
+    todo = [(n, False) for n in prof.profiler.kineto_results.experimental_event_tree()]
     while todo:
-        n = todo.pop()
-        todo.extend(n.children)
-        if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu":
-            out.append((n.start_time_ns, n.extra_fields.alloc_size))
-    return sorted(out)
+        n, inside = todo.pop()
+        if n.tag == _EventType.Allocation:
+            if n.extra_fields.device.type == "cpu":
+                f = n.extra_fields
+                raw.append((n.start_time_ns, f.alloc_size, f.ptr, inside, n.start_tid))
+            continue
+        if n.name == _STEP:
+            window = (n.start_time_ns, n.end_time_ns, n.start_tid)
+        if n.name.startswith("gloo:"):
+            spans.append((n.start_time_ns, n.end_time_ns))
+        sub = inside or n.name.startswith(_BACKEND)
+        todo.extend((c, sub) for c in n.children)
+    if window is None:
+        raise RuntimeError(f"the profiler recorded no {_STEP!r} region")
+    allocs = sorted((t, b, p, inside or tid != window[2]) for t, b, p, inside, tid in raw)
+    return allocs, sorted(spans), window
 
 
-def _window(prof, name: str) -> tuple[int, int]:
-    """(start, end) ns of the profiled ``record_function(name)``."""
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        n = todo.pop()
-        if n.name == name:
-            return n.start_time_ns, n.end_time_ns
-        todo.extend(n.children)
-    raise RuntimeError(f"the profiler recorded no {name!r} region")
+def _with_unseen_frees(allocs: list, live_ptrs: set, spans: list) -> tuple[list, list]:
+    """``allocs`` (each free of a block labelled as its allocation: code or backend) plus a free
+    for each block whose free the profiler missed (module docstring): at
+    the end of the first ``gloo:*`` run that starts after its allocation, or earlier where its
+    address is handed out again before that. Returns (events in time order, ``[(allocated at,
+    bytes), ...]`` of those blocks)."""
+    live: dict = {}   # ptr -> (time, bytes, backend) of the block the running sum holds there
+    lost: list = []   # (allocated at, bytes, ptr, backend, reallocated at or None)
+    events = []
+    for t, b, p, backend in allocs:
+        if b > 0:
+            if p in live:  # the address was handed out again: the block held there was freed
+                lost.append((*live[p][:2], p, live[p][2], t))
+            live[p] = (t, b, backend)
+        elif p in live:  # a free is the allocation's (code or backend), wherever it runs
+            backend = live.pop(p)[2]
+        events.append((t, b, p, backend))
+    lost += [(t, b, p, backend, None) for p, (t, b, backend) in live.items() if p not in live_ptrs]
+    starts = [s for s, _ in spans]
+    added = []
+    for t, b, p, backend, again in lost:
+        i = bisect.bisect_right(starts, t)
+        when = spans[i][1] if i < len(spans) else t
+        added.append((when if again is None else min(when, again), -b, p, backend))
+    return sorted(events + added), [(t, b) for t, b, *_ in lost]
+
+
+def _live_storage_ptrs() -> set:
+    """Data addresses of every tensor object alive now (parameters, gradients, optimizer state,
+    flat buffers, batches, and the local tensors of DTensors)."""
+    import gc
+    import warnings
+
+    out = set()
+    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated reduce_op object warns
+        warnings.simplefilter("ignore", FutureWarning)
+        for o in gc.get_objects():
+            if isinstance(o, torch.Tensor):
+                try:
+                    out.add(o.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+                    pass
+    return out
 
 
 def measure_step_memory(cfg, steps: int = 2) -> dict:
     """On this rank of a real job (the default process group initialised, of the world size the
     layout needs): build the rank, run ``steps`` training steps on the dry run's synthetic batches
-    and return the allocator's figures of the last one, in bytes: ``{"rank", "coords" (mesh
-    coordinates), "held_at_step_start" (live before the step), "peak_bytes_measured" (the most live
-    at once during the step), "end_of_step" (live after it), "model_state_bytes" (the strategy's own
-    count), "loss"}``. Raises what building or training the layout raises."""
+    and return the allocator's figures of the last one, in bytes, the backend's own buffers left out
+    (module docstring): ``{"rank", "coords" (mesh coordinates), "held_at_step_start" (live before
+    the step), "peak_bytes_measured" (the most live at once during the step), "end_of_step" (live
+    after it), "backend_peak_bytes" (the most the backend held at once during the step),
+    "unseen_frees" ({"count", "bytes"} of the blocks allocated in the step and freed on a gloo
+    worker, see above),
+    "model_state_bytes" (the strategy's own count), "comm" ({"op/group/tag": {"calls", "bytes"}} of
+    the step from ``comm.STATS``), "loss"}``. Raises what building or training the layout raises."""
     import gc
 
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from zerotron.analysis.dryrun import build_rank, rank_batches
+    from zerotron.distributed import comm
     from zerotron.distributed.mesh import Mesh
     from zerotron.plan import build_plan
     from zerotron.train.optim import build_scheduler
@@ -74,17 +153,27 @@ def measure_step_memory(cfg, steps: int = 2) -> dict:
         sched = build_scheduler(optimizer, cfg.train)
         batches = rank_batches(cfg, mesh, mcfg)
         for i in range(steps):
+            if i == steps - 1:
+                comm.STATS.reset()
             with record_function(_STEP if i == steps - 1 else f"{_STEP}.warm"):
                 out = train_step(strategy, optimizer, sched, batches, mesh.group("batch"), cfg.train.grad_clip,
                                  cfg.train.dtype)
-    start, end = _window(prof, _STEP)
-    live = before = peak = after = 0
-    for t, b in _allocations(prof):
-        live += b
+    traffic = {f"{op}/{group}/{tag}": {"calls": n, "bytes": comm.STATS.bytes[(op, group, tag)]}
+               for (op, group, tag), n in sorted(comm.STATS.calls.items())}
+    allocs, spans, (start, end, _) = _walk(prof)
+    events, lost = _with_unseen_frees(allocs, _live_storage_ptrs(), spans)
+    lost = [b for t, b in lost if start <= t <= end]
+    live = {False: 0, True: 0}
+    before = peak = after = backend_peak = 0
+    for t, b, _, backend in events:
+        live[backend] += b
         if t < start:
-            before = peak = after = live
+            before = peak = after = live[False]
         elif t <= end:
-            peak, after = max(peak, live), live
+            peak, after = max(peak, live[False]), live[False]
+            backend_peak = max(backend_peak, live[True])
     states = strategy.model_state_bytes(optimizer)
     return {"rank": dist.get_rank(), "coords": dict(mesh.coords), "held_at_step_start": before,
-            "peak_bytes_measured": peak, "end_of_step": after, "model_state_bytes": states, "loss": out["loss"]}
+            "peak_bytes_measured": peak, "end_of_step": after, "backend_peak_bytes": backend_peak,
+            "unseen_frees": {"count": len(lost), "bytes": sum(lost)}, "model_state_bytes": states,
+            "comm": traffic, "loss": out["loss"]}

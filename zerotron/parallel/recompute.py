@@ -10,7 +10,8 @@
 
 Implemented with ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` by overriding the
 ``forward`` of the block (or attention) *instance*, so parameter names, state dicts and
-checkpoints are unchanged. Dropout masks are reproduced by checkpoint's RNG-state preservation.
+checkpoints are unchanged. Dropout masks are reproduced by checkpoint's RNG-state preservation
+(kept only for a module with dropout: :func:`_draws_random`).
 Generation (a KV cache) and evaluation (no grad) run the plain forward.
 
 Parameter sharding. The recompute calls the block's inner forward, not the module, so no forward
@@ -43,11 +44,27 @@ from zerotron.models.layout import get_module
 MODES = ("none", "selective", "full")
 
 
-def _recompute(forward):
+def _draws_random(module) -> bool:
+    """Whether ``module``'s training forward can draw random numbers: a submodule with a dropout
+    probability > 0 (``p`` of ``nn.Dropout`` and of tensor parallelism's ``TrackedDropout``, or a
+    float ``dropout`` attribute: the attention-probability dropout of ``models/``)."""
+    for m in module.modules():
+        for p in (getattr(m, "p", None), getattr(m, "dropout", None)):
+            if isinstance(p, float) and p > 0:
+                return True
+    return False
+
+
+def _recompute(module, forward):
+    """``forward`` of ``module`` recomputed in backward. checkpoint saves the generator states
+    (the CPU one: 5,056 bytes, not made by any operator, so a dry run's tracker cannot see it; and
+    each device's) for every call only when the recomputation needs them, i.e. the module has
+    dropout (``preserve_rng_state``; issue 33: the real run held up to m x n_layer such states more
+    than the dry run traced)."""
     def wrapped(x, kv_cache=None):
         if kv_cache is not None or not torch.is_grad_enabled():
             return forward(x, kv_cache)
-        return checkpoint(forward, x, use_reentrant=False)
+        return checkpoint(forward, x, use_reentrant=False, preserve_rng_state=_draws_random(module))
     return wrapped
 
 
@@ -70,6 +87,6 @@ def apply_activation_checkpointing(model, mode: str):
     lay = model.layout()
     for block in get_module(model, lay.blocks):
         target = block if mode == "full" else get_module(block, lay.attention)
-        target.forward = _recompute(target.forward)
+        target.forward = _recompute(target, target.forward)
         target.register_forward_hook(_drop_autocast_casts)
     return model
