@@ -121,9 +121,9 @@ def test_serve_compile_cache_dir(tmp_path):
     step = tmp_path / "run" / "checkpoints" / "step_4"
     step.mkdir(parents=True)
     assert compile_cache_dir(step) == tmp_path / "run" / "inductor_cache" and (tmp_path / "run" / "inductor_cache").is_dir()
-    other = tmp_path / "exported_step"  # a step directory outside a run: its own
+    other = tmp_path / "exported_step"  # a step directory outside a run: nothing written into it
     other.mkdir()
-    assert compile_cache_dir(other) == other / "inductor_cache"
+    assert compile_cache_dir(other) is None and not (other / "inductor_cache").exists()
     blocked = tmp_path / "file_run"
     blocked.write_text("not a directory")
     assert compile_cache_dir(blocked / "checkpoints" / "step_1") is None

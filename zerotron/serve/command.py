@@ -220,12 +220,14 @@ def _run(args, ckpt, stop: threading.Event, link) -> int:
 def compile_cache_dir(ckpt: Path) -> Path | None:
     """Where ``serve --compile`` keeps Inductor's on-disk caches: ``<run dir>/inductor_cache``, the
     training run's own (``train.compile``), the run directory being the one of checkpoint directory
-    ``ckpt`` (``RUN/checkpoints/step_N`` -> ``RUN``; a step directory elsewhere: itself), created if
-    needed; None where it cannot be written (a read-only run), which leaves Inductor's default (a
-    directory under the system's temporary one). ``TORCHINDUCTOR_CACHE_DIR``, when set, wins
+    ``ckpt`` (``RUN/checkpoints/step_N`` -> ``RUN``), created if needed; None for a step directory
+    outside a run (nothing is written beside or into a checkpoint) or where the cache cannot be
+    created (a read-only run), which leaves Inductor's default (a directory under the system's
+    temporary one). ``TORCHINDUCTOR_CACHE_DIR``, when set, wins
     (:func:`zerotron.parallel.compile.use_cache_dir`)."""
-    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
-    cache = run / "inductor_cache"
+    if ckpt.parent.name != "checkpoints":
+        return None
+    cache = ckpt.parent.parent / "inductor_cache"
     try:
         cache.mkdir(exist_ok=True)
     except OSError:
