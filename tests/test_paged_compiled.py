@@ -110,3 +110,20 @@ def test_compiled_paged_decode_inductor(preset, single_process, tmp_path, monkey
     """GPT-2 tiny and Llama tiny (grouped-query heads, RoPE), fp64, compiled by Inductor: the same."""
     _check(preset, "inductor", tmp_path, monkeypatch)
 
+
+
+def test_serve_compile_cache_dir(tmp_path):
+    """``serve --compile`` keeps Inductor's caches in the run directory (the trainer's
+    ``<run>/inductor_cache``), so a restart reuses the compiled graph; a run where it cannot be
+    created leaves Inductor's default (None)."""
+    from zerotron.serve.command import compile_cache_dir
+
+    step = tmp_path / "run" / "checkpoints" / "step_4"
+    step.mkdir(parents=True)
+    assert compile_cache_dir(step) == tmp_path / "run" / "inductor_cache" and (tmp_path / "run" / "inductor_cache").is_dir()
+    other = tmp_path / "exported_step"  # a step directory outside a run: nothing written into it
+    other.mkdir()
+    assert compile_cache_dir(other) is None and not (other / "inductor_cache").exists()
+    blocked = tmp_path / "file_run"
+    blocked.write_text("not a directory")
+    assert compile_cache_dir(blocked / "checkpoints" / "step_1") is None

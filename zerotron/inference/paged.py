@@ -230,7 +230,8 @@ class PagedView:
         m = 0
         if share_prefix and len(tables) > 1:
             lim = min(lens) // p  # blocks full and cached in every row
-            if lim:
+            first = tables[0][0] if lim else None
+            if lim and all(t[0] == first for t in tables):  # else no common prefix: no tensor ops (a sync) per step
                 same = (table[:, :lim] == table[:1, :lim]).all(0)
                 m = int(same.long().cumprod(0).sum())  # leading blocks equal in every row
         self.prefix_blocks, self.prefix, P = m, None, m * p

@@ -192,6 +192,12 @@ def _run(args, ckpt, stop: threading.Event, link) -> int:
 
     from .follow import Channel, follow
 
+    if args.compile:  # before the first compile: every rank and every restart reuse what the first one built
+        from zerotron.parallel.compile import use_cache_dir
+
+        cache = compile_cache_dir(ckpt)
+        if cache is not None:
+            use_cache_dir(str(cache))
     rank, world, device = init_distributed(timeout_s=600)
     mesh = Mesh(ParallelDims(world, 0, args.tp, args.pp), device)
     model, tok, _ = load_model(ckpt, device, adapter=args.adapter or None)
@@ -209,6 +215,24 @@ def _run(args, ckpt, stop: threading.Event, link) -> int:
     if rank == 0 and code == 0 and os.environ.get(DRAINED_ENV):
         Path(os.environ[DRAINED_ENV]).write_text("drained\n")
     return code
+
+
+def compile_cache_dir(ckpt: Path) -> Path | None:
+    """Where ``serve --compile`` keeps Inductor's on-disk caches: ``<run dir>/inductor_cache``, the
+    training run's own (``train.compile``), the run directory being the one of checkpoint directory
+    ``ckpt`` (``RUN/checkpoints/step_N`` -> ``RUN``), created if needed; None for a step directory
+    outside a run (nothing is written beside or into a checkpoint) or where the cache cannot be
+    created (a read-only run), which leaves Inductor's default (a directory under the system's
+    temporary one). ``TORCHINDUCTOR_CACHE_DIR``, when set, wins
+    (:func:`zerotron.parallel.compile.use_cache_dir`)."""
+    if ckpt.parent.name != "checkpoints":
+        return None
+    cache = ckpt.parent.parent / "inductor_cache"
+    try:
+        cache.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    return cache if os.access(cache, os.W_OK) else None
 
 
 def paged_options(args, engine) -> dict:
