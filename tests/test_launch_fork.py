@@ -84,3 +84,12 @@ def test_apply_env_reads_only_the_malloc_variables():
     assert host_heap.apply_env({}) is False  # nothing to set (no mallopt call in this process)
     with pytest.raises(ValueError):
         host_heap.apply_env({"MALLOC_MMAP_THRESHOLD_": "lots"})
+
+
+def test_no_fork_from_a_process_with_a_process_group(single_process):
+    """A launcher that holds a default process group (a test's process after a single-process run)
+    exec's its workers: a fork would copy the group into each worker."""
+    from zerotron import launch_fork
+
+    assert not launch_fork.wanted({launch_fork.ENV: "1"})
+    assert not launch_fork.wanted({launch_fork.ENV: "0"})

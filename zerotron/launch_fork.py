@@ -54,8 +54,14 @@ by the launcher (:func:`preload`) instead of once per worker"""
 
 
 def wanted(env=None) -> bool:
-    """Whether :data:`ENV` asks for forked workers in ``env`` (default ``os.environ``)."""
-    return (os.environ if env is None else env).get(ENV, "") == "1"
+    """Whether to fork: :data:`ENV` asks for it in ``env`` (default ``os.environ``) and this process
+    has no default process group (a fork would copy it into the worker, whose own
+    ``init_process_group`` would then fail: a test's process that launches in-process after a
+    single-process run, say); otherwise workers are exec'd."""
+    if (os.environ if env is None else env).get(ENV, "") != "1":
+        return False
+    dist = sys.modules.get("torch.distributed")
+    return not (dist is not None and dist.is_available() and dist.is_initialized())
 
 
 class _ForkedPopen(subprocess.Popen):
