@@ -44,6 +44,9 @@ def cpu_children() -> float:
 def run_file(label: str, tree: Path, file: str, out: Path, extra: list[str], tree_env: dict) -> dict:
     env = {**os.environ, **tree_env, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "ZEROTRON_CPUTIME_OUT": str(out / f"{label}.jsonl"),
            "ZEROTRON_TEST_POOL_LOG": str(out / f"{label}_pool.log"), "PYTHONDONTWRITEBYTECODE": "1"}
+    if "--proc-log" in sys.argv:  # every fresh interpreter of the run logged (proc_log/sitecustomize.py)
+        env["ZEROTRON_PROC_LOG"] = str(out / f"{label}_{Path(file).stem}_proc.log")
+        env["PYTHONPATH"] = f"{HERE / 'proc_log'}{os.pathsep}{env['PYTHONPATH']}"
     cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider",
            "-p", "pytest_cputime", file, *extra]
     load0, c0, t0 = os.getloadavg()[0], cpu_children(), time.perf_counter()
@@ -110,6 +113,8 @@ def main() -> None:
                          "(default: new=this checkout)")
     ap.add_argument("--alternate", action="store_true", help="reverse the trees' order on every other file "
                     "(a load that drifts then favours neither arm)")
+    ap.add_argument("--proc-log", action="store_true", help="log every fresh interpreter of each run "
+                    "(DIR/LABEL_FILE_proc.log, see proc_log/sitecustomize.py): count them with grep -c ^START")
     ap.add_argument("--pytest-args", default="", help="extra pytest arguments (one string, split as a shell would)")
     a = ap.parse_args()
     if a.report:

@@ -7,6 +7,11 @@ import os
 # default 2 threads and 4.31 with one (7.61 vs 4.31 in a second pair, load 11) (benchmarks/suite_durations.md). Set before torch loads (the
 # OpenMP runtime reads it then); an OMP_NUM_THREADS in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The workers of every `--nproc N` launch the tests start are forks of their launcher, which imported
+# torch and the training stack once, instead of N fresh interpreters (~3 CPU s of imports each):
+# zerotron.launch_fork (failure reports and process parentage as with exec'd workers). A test about
+# the fresh worker interpreter itself sets ZEROTRON_FORK_WORKERS=0 in the environment it passes.
+os.environ.setdefault("ZEROTRON_FORK_WORKERS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

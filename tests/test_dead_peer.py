@@ -116,7 +116,9 @@ def test_sigstop_of_a_rank_named_within_timeout(tmp_path, data_cache):
     worker is left behind."""
     timeout_s = 6  # the wait this test pays; 4 s in test_hung_peer_named_within_timeout
     run = tmp_path / "run"
-    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    # exec'd workers: the victim is found by RANK in /proc/PID/environ, which shows a forked worker's
+    # launcher's environment at exec (zerotron.launch_fork)
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ZEROTRON_FORK_WORKERS": "0"}
     argv = ["train", "--config", "configs/tiny.toml", "--nproc", "2", "--run-dir", str(run), "--data.cache_dir",
             data_cache, "--train.steps", "100000", "--train.eval_every", "0", "--parallel.timeout_s", str(timeout_s),
             *QUIET]

@@ -85,7 +85,10 @@ def test_readme_blocks_run(tmp_path, data_cache, report):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     (tmp_path / ".cache").mkdir()
     (tmp_path / ".cache" / "zerotron").symlink_to(data_cache)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           # as a user runs them: --nproc workers are fresh interpreters (the path that every other test's
+           # launches skip, see conftest.py), kept tested here
+           "ZEROTRON_FORK_WORKERS": "0"}
     ran, skipped_cmds, skipped_blocks, t0 = 0, 0, 0, time.perf_counter()
     for b in blocks:
         if b["mode"] == "skip":
@@ -104,7 +107,7 @@ def test_readme_blocks_run(tmp_path, data_cache, report):
                 runs.append((dict(argv=full), shlex.join(argv)))
         for cmd, what in runs:
             # a child of the fork server: `python -m zerotron ...` / `python block.py` without the
-            # 2-3 s of imports each (--nproc workers are still started fresh by torch elastic)
+            # 2-3 s of imports each (--nproc workers are started fresh by torch elastic: env above)
             r = run_cli(**cmd, cwd=tmp_path, env=env, timeout=300)
             assert r.returncode == 0, (f"README command failed (exit {r.returncode}): {what}\n"
                                        f"--- stdout ---\n{r.stdout[-3000:]}\n--- stderr ---\n{r.stderr[-3000:]}")

@@ -64,3 +64,20 @@ def retain() -> bool:
         return False
     ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     return libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and ok
+
+
+def apply_env(env: dict) -> bool:
+    """Set in this process now (``mallopt``) the thresholds that ``env``'s ``MALLOC_MMAP_THRESHOLD_``
+    / ``MALLOC_TRIM_THRESHOLD_`` name, as glibc does for a process started with that environment
+    (for a worker forked rather than exec'd: :mod:`zerotron.launch_fork`). Returns whether any was
+    set; False off glibc Linux or without those variables. Raises ValueError for a value that is
+    not an integer."""
+    wanted_opts = [(opt, int(env[k])) for k, opt in (("MALLOC_MMAP_THRESHOLD_", _M_MMAP_THRESHOLD),
+                                                     ("MALLOC_TRIM_THRESHOLD_", _M_TRIM_THRESHOLD)) if k in env]
+    if not wanted_opts or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return all([libc.mallopt(opt, value) == 1 for opt, value in wanted_opts])

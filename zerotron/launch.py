@@ -284,6 +284,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     returns 128 + the signal. A worker that failed first with exit code 2 (a user error: it printed
     its one line) makes this return 2 without a line of its own. The workers start with glibc's heap thresholds of
     :mod:`zerotron.host_heap` (unless ``ZEROTRON_HOST_HEAP=release`` or the user set their own).
+    With ``ZEROTRON_FORK_WORKERS=1`` the workers are forks of this process instead of fresh
+    interpreters (tests: :mod:`zerotron.launch_fork`).
     Raises ValueError if ``nproc < 1`` or ``max_restarts < 0``, or as ``host_heap.wanted``."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
@@ -295,7 +297,13 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     from .host_heap import worker_env
+    from .launch_fork import fork_workers
+    from .launch_fork import wanted as fork_wanted
 
+    if fork_wanted():
+        from .launch_fork import preload
+
+        preload()  # once here, not once per forked worker
     heap_env = worker_env()  # glibc's heap thresholds from the workers' first allocation (host_heap)
     os.environ.update(heap_env)
     note_dir = None
@@ -311,7 +319,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
         ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
          f"--shutdown-timeout={max(1, int(shutdown_timeout_s + 0.999))}", "-m", module, *argv])
     try:
-        with quiet_elastic_logs(), restart_hooks(on_restart, note_dir / "note" if note_dir else None):
+        with quiet_elastic_logs(), restart_hooks(on_restart, note_dir / "note" if note_dir else None), \
+                fork_workers(fork_wanted()):
             run(args)
     except SignalException as e:  # the workers got the signal too and have stopped (or been killed)
         sig = signal.Signals(e.sigval)
