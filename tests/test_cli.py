@@ -25,6 +25,12 @@ CASES = [
     (["train", "--config", TINY, "--model.n_embd", "66"], "model.n_embd (66) must be divisible by model.n_head (4)"),
     (["train", "--config", TINY, "--parallel.dp", "3"], "does not equal the world size 1"),
     (["train", "--config", TINY, "--model.preset", "gpt5"], "model.preset 'gpt5' is unknown"),
+    # an explicit 0 silently meant the preset's or the default size (4 layers)
+    (["train", "--config", TINY, "--model.n_layer", "0"], "model.n_layer = 0 is not a size: set it >= 1, or leave it "
+     "out of the config and flags to take the default"),
+    (["train", "--config", "configs/llama_tiny.toml", "--model.n_kv_head", "0"],
+     "model.n_kv_head = 0 is not a size: set it >= 1, or leave it out of the config and flags to take the value of "
+     "preset 'llama-tiny'"),
     (["train", "--config", TINY, "--data.corpus", "files"], "data.corpus = 'files' needs data.path"),
     (["train", "--config", TINY, "--data.corpus", "files", "--data.path", "/no/such/file.txt"], "/no/such/file.txt"),
     (["train", "--config", TINY, "--train.dtype", "fp8"], "train.dtype must be one of ('fp32', 'bf16', 'fp64'), got 'fp8'"),
