@@ -291,8 +291,11 @@ def test_export_full_disk_keeps_the_previous_export(small_run, tmp_path, capsys,
         monkeypatch.setattr(hf, "save_file", full_disk(error))
         code, err = main(["export", "--checkpoint", str(run), *argv]), capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert f"cannot write --out {argv[1]!r}: " in err and "No space left on device (" in err, err
+        # the path to free space at and what the export needs (was "...; free some space or choose another --out")
+        where = str(tmp_path) if argv[1].endswith("new") else argv[1]
+        assert f"cannot write --out {argv[1]!r}: no space left on device (it needs about " in err, err
         assert "bytes free" in err and "an existing --out is unchanged" in err, err
+        assert err.rstrip().endswith(f"free some space at {where!r} or choose another --out"), err
         assert {f.name: f.read_bytes() for f in out.iterdir()} == before
         assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging directory, no partial "new"
     monkeypatch.setattr(hf, "save_file", real)

@@ -47,6 +47,12 @@ def _split_adapter(model, meta: dict, args):
     return state, config
 
 
+def _nbytes(state: dict) -> int:
+    """Bytes of the tensors of ``state`` (tied ones counted once, as safetensors writes them): what an
+    export needs on disk, about (the JSON and tokenizer files are small beside it)."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+
+
 def _write_adapter(out_dir: Path, state: dict, config: dict, base: str) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir`` (a staging
     directory, :func:`staging.staged_dir`)."""
@@ -82,6 +88,7 @@ def cmd_export(argv: list[str]) -> int:
         specials = read_special_tokens(resolve_checkpoint(args.checkpoint), tok)  # the checkpoint's own
         adapter = _split_adapter(model, meta, args) if args.adapter else None
         out = Path(args.out)
+        needed = {"--out": _nbytes(model.state_dict()), "--adapter": _nbytes(adapter[0]) if adapter else 0}
         target = (args.out, "--out")
         try:  # every file goes to staging directories first: a full disk leaves --out (and --adapter) as it was
             with staged_dir(out, args.overwrite) as tmp:
@@ -96,7 +103,7 @@ def cmd_export(argv: list[str]) -> int:
         except FileExistsError:
             raise
         except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a read-only file system: the staging directories are gone
-            return fail(write_failure(target[0], e, target[1]))
+            return fail(write_failure(target[0], e, target[1], needed=needed[target[1]]))
         if owned:
             mesh.teardown()
         files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
