@@ -258,6 +258,21 @@ def test_resume_checks(small_run, tmp_path, capsys):
 
 
 
+def test_export_into_its_own_run_is_refused(small_run, capsys):
+    """`export --out RUN --overwrite` replaced the run's own config.json (its training config) and
+    tokenizer files with the export's; --out inside the checkpoint did the same to the step. Refused
+    now in one line, exit 2, nothing changed."""
+    run, _ = small_run
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    for out, what in ((run, "the run directory"), (step, "inside the checkpoint"), (step / "hf", "inside the checkpoint")):
+        assert main(["export", "--checkpoint", str(run), "--out", str(out), "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"--out {str(out)!r} is {what} of {str(run)!r}: its " \
+            "config.json and tokenizer files would be replaced" in err, err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"} == before
+
+
 def test_export_full_disk_keeps_the_previous_export(small_run, tmp_path, capsys, monkeypatch):
     """A write that fails mid-export (ENOSPC) is one line, exit 2, and leaves --out as it was, with no
     partial or staging directory. It was a traceback (exit 1: safetensors' SafetensorError is not an

@@ -47,6 +47,27 @@ def _split_adapter(model, meta: dict, args):
     return state, config
 
 
+def _check_not_the_run(args) -> None:
+    """Refuse (ValueError, one line) an ``--out``/``--adapter`` that is the run directory of the
+    checkpoint being exported, its step directory or a folder inside its ``checkpoints/``: with
+    ``--overwrite`` the export's config.json, tokenizer.json ... replaced the run's own (the run's
+    training config.json was lost)."""
+    from ..generate import resolve_checkpoint
+
+    step = resolve_checkpoint(args.checkpoint).resolve()
+    run = step.parent.parent if step.parent.name == "checkpoints" else None
+    for flag, out in (("--out", args.out), ("--adapter", args.adapter)):
+        if not out:
+            continue
+        o = Path(out).resolve()
+        if o == step or o == run or (run is not None and o.is_relative_to(run / "checkpoints")) \
+                or o.is_relative_to(step):
+            what = "the run directory" if o == run else "inside the checkpoint"
+            raise ValueError(f"{flag} {out!r} is {what} of {args.checkpoint!r}: its config.json and tokenizer "
+                             f"files would be replaced by the export's; choose another {flag} directory "
+                             f"(e.g. {str(Path(out) / 'hf') if o == run else 'a new folder'})")
+
+
 def _nbytes(state: dict) -> int:
     """Bytes of the tensors of ``state`` (tied ones counted once, as safetensors writes them): what an
     export needs on disk, about (the JSON and tokenizer files are small beside it)."""
@@ -70,6 +91,7 @@ def cmd_export(argv: list[str]) -> int:
 
     try:
         check_out_dir(args.out, args.overwrite)  # before any weight is read
+        _check_not_the_run(args)
         if args.adapter:
             check_out_dir(args.adapter, args.overwrite, "--adapter")
         import torch
