@@ -25,6 +25,12 @@ CASES = [
     (["train", "--config", TINY, "--model.n_embd", "66"], "model.n_embd (66) must be divisible by model.n_head (4)"),
     (["train", "--config", TINY, "--parallel.dp", "3"], "does not equal the world size 1"),
     (["train", "--config", TINY, "--model.preset", "gpt5"], "model.preset 'gpt5' is unknown"),
+    # an explicit 0 silently meant the preset's or the default size (4 layers)
+    (["train", "--config", TINY, "--model.n_layer", "0"], "model.n_layer = 0 is not a size: set it >= 1, or leave it "
+     "out of the config and flags to take the default"),
+    (["train", "--config", "configs/llama_tiny.toml", "--model.n_kv_head", "0"],
+     "model.n_kv_head = 0 is not a size: set it >= 1, or leave it out of the config and flags to take the value of "
+     "preset 'llama-tiny'"),
     (["train", "--config", TINY, "--data.corpus", "files"], "data.corpus = 'files' needs data.path"),
     (["train", "--config", TINY, "--data.corpus", "files", "--data.path", "/no/such/file.txt"], "/no/such/file.txt"),
     (["train", "--config", TINY, "--train.dtype", "fp8"], "train.dtype must be one of ('fp32', 'bf16', 'fp64'), got 'fp8'"),
@@ -252,6 +258,21 @@ def test_resume_checks(small_run, tmp_path, capsys):
 
 
 
+def test_export_into_its_own_run_is_refused(small_run, capsys):
+    """`export --out RUN --overwrite` replaced the run's own config.json (its training config) and
+    tokenizer files with the export's; --out inside the checkpoint did the same to the step. Refused
+    now in one line, exit 2, nothing changed."""
+    run, _ = small_run
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"}
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    for out, what in ((run, "the run directory"), (step, "inside the checkpoint"), (step / "hf", "inside the checkpoint")):
+        assert main(["export", "--checkpoint", str(run), "--out", str(out), "--overwrite"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"--out {str(out)!r} is {what} of {str(run)!r}: its " \
+            "config.json and tokenizer files would be replaced" in err, err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".lock"} == before
+
+
 def test_export_full_disk_keeps_the_previous_export(small_run, tmp_path, capsys, monkeypatch):
     """A write that fails mid-export (ENOSPC) is one line, exit 2, and leaves --out as it was, with no
     partial or staging directory. It was a traceback (exit 1: safetensors' SafetensorError is not an
@@ -285,8 +306,11 @@ def test_export_full_disk_keeps_the_previous_export(small_run, tmp_path, capsys,
         monkeypatch.setattr(hf, "save_file", full_disk(error))
         code, err = main(["export", "--checkpoint", str(run), *argv]), capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1, err
-        assert f"cannot write --out {argv[1]!r}: " in err and "No space left on device (" in err, err
+        # the path to free space at and what the export needs (was "...; free some space or choose another --out")
+        where = str(tmp_path) if argv[1].endswith("new") else argv[1]
+        assert f"cannot write --out {argv[1]!r}: no space left on device (it needs about " in err, err
         assert "bytes free" in err and "an existing --out is unchanged" in err, err
+        assert err.rstrip().endswith(f"free some space at {where!r} or choose another --out"), err
         assert {f.name: f.read_bytes() for f in out.iterdir()} == before
         assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging directory, no partial "new"
     monkeypatch.setattr(hf, "save_file", real)

@@ -46,6 +46,31 @@ def test_describe_failures_names_first_culprit():
         "worker 2 failed first (killed by SIGTERM)")
 
 
+def test_elastic_failed_line_is_dropped():
+    """torch elastic's ``E... failed (exitcode: 1) local_rank: 0 (pid: N) of binary: ...`` line stood
+    beside zerotron's own (``worker 0 failed first ...``) when a hung peer made a worker exit 1; only
+    the exit-2 one was dropped. Every exit code is dropped now, other errors still show."""
+    import io
+    import logging
+
+    import torch.distributed.elastic.multiprocessing.api as api
+
+    from zerotron.launch import quiet_elastic_logs
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    api.logger.addHandler(handler)
+    try:
+        with quiet_elastic_logs():
+            for code in (1, 2, -9):
+                api.logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", code, 0, 123, "py")
+            api.logger.error("some other error")
+            api.logger.warning("Sending process 123 closing signal SIGTERM")
+    finally:
+        api.logger.removeHandler(handler)
+    assert buf.getvalue() == "some other error\n"
+
+
 def test_kill9_of_rank1_named(tmp_path, data_cache):
     r, _ = train(tmp_path / "run", data_cache, env={"ZEROTRON_FAULT_KILL_AT_STEP": "2",
                                                     "ZEROTRON_FAULT_KILL_RANK": "1"})
@@ -166,6 +191,7 @@ def test_sigstop_of_a_rank_named_within_timeout(tmp_path, data_cache):
         hung[0].startswith("zerotron: all_reduce (tag '"), hung[0]
     assert timeout_s - 1 <= waited <= timeout_s + 5, waited
     assert p.returncode == 1 and ours("\n".join(lines))[-1].startswith("zerotron: worker 0 failed first"), lines
+    assert not [ln for ln in lines if re.match(r"[EWI]\d{4} ", ln)], lines  # no glog-style line of torch elastic's
     deadline = time.monotonic() + 10
     while not all(_gone(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -190,7 +190,10 @@ def test_cli_json_path_checked_before_the_trace(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(dryrun, "dry_run", no_trace)
     for out, why in ((tmp_path / "missing" / "d.json", f"the directory {tmp_path / 'missing'} does not exist"), (tmp_path, "is a directory"),
-                     ("/proc/d.json", "cannot write there")):  # /proc: not writable, even by root
+                     ("/proc/d.json", "cannot write there"),  # /proc: not writable, even by root
+                     # a path through a file (was "the directory .../f.toml does not exist; create it")
+                     (tmp_path / "f.toml" / "d.json", f"{tmp_path / 'f.toml'} is a file, not a directory")):
+        (tmp_path / "f.toml").touch()
         argv = ["--config", "configs/tiny.toml", "--world", "2", "--json", str(out)]
         assert dryrun_main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -54,6 +54,22 @@ def split():
     return valid, refused
 
 
+def test_progress_file_survives_a_torn_append(tmp_path):
+    """`make test-matrix-cp` resumes from its progress file: a last line torn by a kill during the
+    append was a JSONDecodeError traceback at collection (no resume without hand-editing); it is cut
+    off now (the next append starts a line of its own) and a damaged line elsewhere is one line
+    naming the file, the line and the fix."""
+    path = tmp_path / "p.partial.jsonl"
+    path.write_text('{"name": "a", "x": 1}\n{"name": "b", "x": 2}\n{"name": "c", "x"')
+    assert list(parity.read_progress(str(path))) == ["a", "b"]
+    assert path.read_text() == '{"name": "a", "x": 1}\n{"name": "b", "x": 2}\n'
+    for bad in ('{"name": "a"}\n{"nam\n{"name": "c"}\n', '{"name": "a"}\n[1, 2]\n', '{"x": 1}\n'):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=r"p.partial.jsonl, line \d: not a layout record .*delete that line"):
+            parity.read_progress(str(path))
+        assert path.read_text() == bad  # nothing changed on disk
+
+
 def test_refusals_are_the_documented_ones(split, report):
     valid, refused = split
     for lay in valid:

@@ -354,12 +354,15 @@ def test_json_schema_and_config_file(capsys):
 @pytest.mark.parametrize("argv, word", [
     (["--model", "nope", "--gpus", "8", "--global-batch", "8"], "nope"),
     (["--model", "gpt2", "--gpus", "12", "--gpus-per-node", "8", "--global-batch", "8"], "multiple"),
+    # 3 GPUs against the default 8 per node: the fix names the flag (was "gpus (3) must be a multiple of gpus_per_node (8)")
+    (["--model", "gpt2", "--gpus", "3", "--global-batch", "8"], "on one node of 3 GPUs pass --gpus-per-node 3"),
+    (["--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--top", "0"], "--top must be >= 1 (layouts to print), got 0"),
     (["--model", "gpt2", "--gpus", "8", "--gpu-mem", "80XB", "--global-batch", "8"], "memory"),
     (["--model", "gpt2", "--gpus", "8", "--gpu-mem", "lots", "--global-batch", "8"], "memory"),
     (["--model", "gpt2", "--gpus", "8"], "global-batch"),
     (["--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--seq", "4096"], "block_size"),
     (["--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--calibrate", "/no/such.json"],
-     "calibration"),
+     "cannot read calibration file '/no/such.json' (No such file or directory); pass the --json file of 'zerotron bench comm'"),
     (["--model", "gpt2", "--gpus", "0", "--global-batch", "8"], "gpus"),
     (["--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--gpu", "tpu"], "gpu"),
     (["--gpus", "8"], "model"),

@@ -539,3 +539,30 @@ def test_stop_serve_kills_the_whole_tree():
             time.sleep(0.05)
     finally:
         stop_serve(proc, signal_first=False)
+
+
+def test_sigterm_while_compiling_stops_at_once(checkpoint, tmp_path):
+    """``serve --compile`` compiles its decode step before it listens (minutes of Inductor's C++ build
+    on 2 cores, with a cold cache as here): it says so in a line, and a SIGTERM meanwhile stops it at
+    once with one line and exit code 0. Before: silence, then the whole compile ran on, then
+    "listening on", then the drain (4.5 min after the SIGTERM, measured under load)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # cold: the compile outlasts the wait below
+    p = subprocess.Popen([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+                          "--compile"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stderr.readline()
+        assert first == "zerotron serve: compiling the decode step (minutes the first time, then cached) ...\n", first
+        time.sleep(2)  # inside the compile
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+        waited = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    print(f"SIGTERM while compiling -> exit {p.returncode} after {waited:.1f} s")
+    assert p.returncode == 0 and out == "", (out, err)
+    assert err == "zerotron serve: stopped by SIGTERM while starting (loading the model or compiling); nothing was " \
+                  "served\n", err
+    assert waited < 60, waited

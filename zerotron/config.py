@@ -26,9 +26,9 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     """Model family and shape. ``arch``: gpt2 | llama | mixtral (default gpt2, or the preset's family);
-    ``preset`` (e.g. "tiny", "gpt2", "llama-tiny", "llama3-8b") fills the sizes; non-zero fields
-    override it (0 = take the preset's value, or the built-in default n_layer 4, n_head 4, n_embd
-    128, block_size 128 without a preset). ``vocab_size = 0`` takes the tokenizer's vocabulary size.
+    ``preset`` (e.g. "tiny", "gpt2", "llama-tiny", "llama3-8b") fills the sizes; fields that are set
+    override it (left unset, their default 0 takes the preset's value, or the built-in default n_layer 4,
+    n_head 4, n_embd 128, block_size 128 without a preset; a size set to 0 explicitly is refused). ``vocab_size = 0`` takes the tokenizer's vocabulary size.
     ``block_size`` is also the training sequence length. The llama fields (n_kv_head ...
     rms_norm_eps, tie_word_embeddings) apply to llama only; llama never has biases. ``init_from``:
     a Hugging Face GPT-2 or Llama directory (config.json + model.safetensors) whose family, shape

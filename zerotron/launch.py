@@ -87,26 +87,29 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
 def quiet_elastic_logs(level: int = logging.ERROR):
     """Raise the level of torch elastic's loggers (each sets its own, from $LOGLEVEL) to ``level``
     while the block runs: no "Received 2 death signal" / "Sending process N closing signal" warnings
-    on Ctrl-C. Errors (a failed worker's summary) still show."""
+    on Ctrl-C), and drop their ``failed (exitcode: N)`` error (zerotron's own line says it:
+    :func:`_worker_failed_summary`). Other errors still show."""
     loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
                if n.startswith("torch.distributed.elastic") or n == "torch.distributed.run"]
     saved = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(max(lg.level, level))
-        lg.addFilter(_user_error_exit)
+        lg.addFilter(_worker_failed_summary)
     try:
         yield
     finally:
         for lg, lv in zip(loggers, saved):
             lg.setLevel(lv)
-            lg.removeFilter(_user_error_exit)
+            lg.removeFilter(_worker_failed_summary)
 
 
-def _user_error_exit(record: logging.LogRecord) -> bool:
-    """Drop torch elastic's ``failed (exitcode: 2) local_rank: ...`` error: the worker named the
-    user error in its own line (:func:`say_once`), and exit code 2 says the rest."""
-    return not (str(record.msg).startswith("failed (exitcode: ") and record.args
-                and record.args[0] == 2)
+def _worker_failed_summary(record: logging.LogRecord) -> bool:
+    """Drop torch elastic's ``E... failed (exitcode: N) local_rank: ... of binary: ...`` error,
+    whatever N: zerotron says it in its own line (a user error or a guard: the worker's line,
+    :func:`say_once`; a signal stop: rank 0's; any other failure: :func:`describe_failures`, which
+    names the worker that failed first; a restart: the ``on_restart`` line), so torch's was a second,
+    glog-formatted line beside it (a hung peer showed it, issue "runs that never lose work")."""
+    return not str(record.msg).startswith("failed (exitcode: ")
 
 
 # worker exit codes that mean "stopped on purpose; rank 0 printed the reason": a guard (3, see

@@ -27,12 +27,14 @@ def out_file_refusal(path: str | os.PathLike | None, flag: str, example: str,
         return f"{flag} {path}: is a directory; {fix}"
     folder = p.resolve().parent
     if not folder.is_dir():
+        held = folder
+        while not held.exists():  # the folder that will hold the created ones
+            held = held.parent
+        if not held.is_dir():  # a path through a file: no folder can be made there (was "does not exist; create it")
+            return f"{flag} {path}: {held} is a file, not a directory; {fix}"
         if not make_dirs:
             return f"{flag} {path}: the directory {folder} does not exist; create it or {fix}"
-        while not folder.exists():  # the folder that will hold the created ones
-            folder = folder.parent
-        if not folder.is_dir():
-            return f"{flag} {path}: {folder} is a file, not a directory; {fix}"
+        folder = held
     try:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".zerotron-probe-"):
             pass

@@ -97,16 +97,23 @@ def plan_main(argv: list) -> int:
         batch = args.global_batch or default_batch
         if not batch:
             raise ValueError("--global-batch is required with --model")
-        if args.top < 1 or not 0 < args.compute_eff <= 1:
-            raise ValueError("--top must be >= 1 and --compute-eff in (0, 1]")
+        if args.top < 1:
+            raise ValueError(f"--top must be >= 1 (layouts to print), got {args.top}")
+        if not 0 < args.compute_eff <= 1:
+            raise ValueError(f"--compute-eff must be in (0, 1], got {args.compute_eff}")
+        if args.gpus >= 1 and args.gpus_per_node >= 1 and args.gpus % args.gpus_per_node:
+            raise ValueError(f"--gpus ({args.gpus}) must be a multiple of --gpus-per-node ({args.gpus_per_node}); "
+                             f"on one node of {args.gpus} GPUs pass --gpus-per-node {args.gpus}")
         hw = hardware(args.gpu, args.comm_eff)
         if args.calibrate:
             try:
                 with open(args.calibrate) as f:
                     bench = json.load(f)
                 hw = calibrate(hw, bench)
-            except (OSError, json.JSONDecodeError) as e:
-                raise ValueError(f"cannot read calibration file {args.calibrate!r}: {e}") from None
+            except (OSError, json.JSONDecodeError) as e:  # was the bare "[Errno 2] ..." / "Expecting value: ..."
+                why = e.strerror if isinstance(e, OSError) and e.strerror else f"not JSON: {e}"
+                raise ValueError(f"cannot read calibration file {args.calibrate!r} ({why}); pass the --json file "
+                                 "of 'zerotron bench comm'") from None
             warning = calibration_mismatch(bench, hw.name)
             if warning:
                 print(f"zerotron plan: warning: {warning}", file=sys.stderr)

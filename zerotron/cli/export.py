@@ -47,6 +47,33 @@ def _split_adapter(model, meta: dict, args):
     return state, config
 
 
+def _check_not_the_run(args) -> None:
+    """Refuse (ValueError, one line) an ``--out``/``--adapter`` that is the run directory of the
+    checkpoint being exported, its step directory or a folder inside its ``checkpoints/``: with
+    ``--overwrite`` the export's config.json, tokenizer.json ... replaced the run's own (the run's
+    training config.json was lost)."""
+    from ..generate import resolve_checkpoint
+
+    step = resolve_checkpoint(args.checkpoint).resolve()
+    run = step.parent.parent if step.parent.name == "checkpoints" else None
+    for flag, out in (("--out", args.out), ("--adapter", args.adapter)):
+        if not out:
+            continue
+        o = Path(out).resolve()
+        if o == step or o == run or (run is not None and o.is_relative_to(run / "checkpoints")) \
+                or o.is_relative_to(step):
+            what = "the run directory" if o == run else "inside the checkpoint"
+            raise ValueError(f"{flag} {out!r} is {what} of {args.checkpoint!r}: its config.json and tokenizer "
+                             f"files would be replaced by the export's; choose another {flag} directory "
+                             f"(e.g. {str(Path(out) / 'hf') if o == run else 'a new folder'})")
+
+
+def _nbytes(state: dict) -> int:
+    """Bytes of the tensors of ``state`` (tied ones counted once, as safetensors writes them): what an
+    export needs on disk, about (the JSON and tokenizer files are small beside it)."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in state.values()}.values())
+
+
 def _write_adapter(out_dir: Path, state: dict, config: dict, base: str) -> None:
     """Write ``adapter_config.json`` and ``adapter_model.safetensors`` into ``out_dir`` (a staging
     directory, :func:`staging.staged_dir`)."""
@@ -64,6 +91,7 @@ def cmd_export(argv: list[str]) -> int:
 
     try:
         check_out_dir(args.out, args.overwrite)  # before any weight is read
+        _check_not_the_run(args)
         if args.adapter:
             check_out_dir(args.adapter, args.overwrite, "--adapter")
         import torch
@@ -82,6 +110,7 @@ def cmd_export(argv: list[str]) -> int:
         specials = read_special_tokens(resolve_checkpoint(args.checkpoint), tok)  # the checkpoint's own
         adapter = _split_adapter(model, meta, args) if args.adapter else None
         out = Path(args.out)
+        needed = {"--out": _nbytes(model.state_dict()), "--adapter": _nbytes(adapter[0]) if adapter else 0}
         target = (args.out, "--out")
         try:  # every file goes to staging directories first: a full disk leaves --out (and --adapter) as it was
             with staged_dir(out, args.overwrite) as tmp:
@@ -96,7 +125,7 @@ def cmd_export(argv: list[str]) -> int:
         except FileExistsError:
             raise
         except (OSError, SafetensorError) as e:  # ENOSPC, EIO, a read-only file system: the staging directories are gone
-            return fail(write_failure(target[0], e, target[1]))
+            return fail(write_failure(target[0], e, target[1], needed=needed[target[1]]))
         if owned:
             mesh.teardown()
         files = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))

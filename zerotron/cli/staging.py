@@ -6,6 +6,7 @@ so a failed ``--overwrite`` never truncates the previous export."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -67,15 +68,24 @@ def staged_dir(out: str | Path, overwrite: bool, flag: str = "--out"):
         raise
 
 
-def write_failure(out: str | Path, err: Exception, flag: str = "--out") -> str:
+def write_failure(out: str | Path, err: Exception, flag: str = "--out", needed: int | None = None) -> str:
     """One line for an error met while writing ``out`` (an OSError, or safetensors' SafetensorError
-    wrapping one): the error, the free bytes of its file system, and that nothing of ``out`` changed."""
+    wrapping one): the error, the free bytes of its file system (and ``needed``, the bytes the export
+    takes, when known), that nothing of ``out`` changed, and the fix. A full disk (ENOSPC, however
+    wrapped) names the folder where space must be freed."""
     out = Path(out)
     where = next((p for p in (out, *out.parents) if p.exists()), Path("."))
     try:
         free = f"{shutil.disk_usage(where).free:,} bytes free on {str(where)!r}"
     except OSError:
         free = "free space unknown"
-    why = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+    text = str(err)
+    full = getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in text or "os error 28" in text
+    if full:  # safetensors' writer wraps it: "Error while serializing: I/O error: No space left ... (os error 28)"
+        need = f"it needs about {needed:,} bytes, " if needed else ""
+        return (f"cannot write {flag} {str(out)!r}: no space left on device ({need}{free}); nothing was written "
+                f"there and an existing {flag} is unchanged; free some space at {str(where)!r} or choose another "
+                f"{flag}")
+    why = getattr(err, "strerror", None) or text.strip().splitlines()[0]
     return (f"cannot write {flag} {str(out)!r}: {why} ({free}); nothing was written there and an "
-            f"existing {flag} is unchanged; free some space or choose another {flag}")
+            f"existing {flag} is unchanged; fix that or choose another {flag}")

@@ -160,6 +160,9 @@ def export_hf(model: CausalLM, out_dir: str | Path, *, overwrite: bool = False,
 
 DEFAULT_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
 SIZE_FIELDS = tuple(DEFAULT_SHAPE)
+# fields whose default 0 means "unset" (take the preset's / the default value): an explicit 0 is refused
+UNSET_IS_ZERO = SIZE_FIELDS + ("n_kv_head", "intermediate_size", "rope_theta", "rms_norm_eps", "n_experts",
+                               "experts_top_k")
 LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "rope_scaling", "rms_norm_eps")
 MOE_FIELDS = ("n_experts", "experts_top_k", "moe_router", "moe_shared_intermediate_size", "moe_aux_loss_coef",
               "moe_z_loss_coef", "moe_capacity_factor", "moe_bias_update_rate")
@@ -200,8 +203,14 @@ def resolve_shape(m) -> dict:
     Precedence: non-zero / set fields, then the preset, then the defaults (sizes 4/4/128/128;
     llama: n_kv_head = n_head, Meta's intermediate_size rule, rope_theta 1e4, no rope scaling,
     rms_norm_eps 1e-5, untied). Raises ValueError (one line, naming the field) for an unknown
-    arch/preset, a llama field with gpt2, bias true with llama, or an untied gpt2."""
+    arch/preset, a size field set to 0 explicitly (TOML or CLI; 0 is only the "unset" default), a
+    llama field with gpt2, bias true with llama, or an untied gpt2."""
     arch = section_arch(m)
+    zero = [f"model.{k}" for k in UNSET_IS_ZERO if _given(m, k) and not getattr(m, k)]
+    if zero:  # 0 stands for "unset": written out, it silently meant the preset's or default value
+        source = f"the value of preset {m.preset!r}" if m.preset else "the default"
+        raise ValueError(f"{', '.join(zero)} = 0 is not a size: set it >= 1, or leave it out of the config and "
+                         f"flags to take {source}")
     shape = {"arch": arch, **DEFAULT_SHAPE}
     if m.preset:
         shape.update({k: v for k, v in copy.deepcopy(dict(get_arch(arch).presets[m.preset])).items()

@@ -324,19 +324,34 @@ def parity_worst(layouts: list[dict], ref: dict, tmp, extra: dict | None = None,
 
 
 def read_progress(path: str) -> dict:
-    """The records of a matrix run's progress file (JSON lines, one per checked layout, written as
-    each chunk finishes) keyed by layout name; ``{}`` when the file does not exist. Raises
-    json.JSONDecodeError for a damaged line."""
+    """The records of a matrix run's progress file (JSON lines, one per checked layout, appended as
+    each chunk finishes) keyed by layout name; ``{}`` when the file does not exist. A torn last line
+    (the run was killed while appending it: no newline at its end) is cut off the file (one note),
+    so its layout is checked again and the next append starts a line of its own. Raises ValueError (one line naming the file, the line and the fix) for any other
+    damaged line (not JSON, or not a record with a ``name``)."""
     import json
     import os
 
     done = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                if line.strip():
-                    rec = json.loads(line)
-                    done[rec["name"]] = rec
+    if not os.path.exists(path):
+        return done
+    with open(path, "rb") as f:
+        data = f.read()
+    whole = data.rfind(b"\n") + 1  # bytes up to the last newline
+    if data[whole:].strip():  # cut the torn line off, so the next append starts a line of its own
+        os.truncate(path, whole)
+        print(f"note: progress file {path}: dropped a torn last line (an interrupted append); its layout is "
+              "checked again")
+    lines = data[:whole].decode("utf-8", errors="replace").split("\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            done[rec["name"]] = rec
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"progress file {path}, line {i}: not a layout record ({type(e).__name__}: {e}); "
+                             "delete that line (its layout is checked again) or the file (all are)") from None
     return done
 
 

@@ -168,23 +168,41 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001 - CheckpointError, ValueError: one line (once for all workers)
         say_once(f"zerotron serve: error: {e}")
         return 2
-    stop = threading.Event()
+    stop, started = threading.Event(), threading.Event()
+
+    def on_signal(sig, _frame):
+        stop.set()  # serving: drain
+        if not started.is_set() and not in_worker():  # one process starting (model load, minutes of compiling):
+            # give up at once (workers of --nproc still finish starting, then drain together)
+            started.set()  # a second signal while unwinding only sets stop
+            raise StartupStopped(sig)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     link = None
     if args.frontend == "process" and (not in_worker() or os.environ.get("RANK") == "0"):
         from .link import spawn_frontend
 
         link = spawn_frontend()  # it imports its modules while this process loads the model
     try:
-        return _run(args, ckpt, stop, link)
+        return _run(args, ckpt, stop, link, started)
+    except StartupStopped as e:  # was: the whole compile (minutes) ran on, then "listening on", then the drain
+        print(f"zerotron serve: stopped by {signal.Signals(e.args[0]).name} while starting (loading the model or "
+              "compiling); nothing was served", file=sys.stderr, flush=True)
+        return 0
     finally:
         if link is not None and link.proc.poll() is None:
             link.close()
 
 
-def _run(args, ckpt, stop: threading.Event, link) -> int:
-    """Every rank: load the model, then serve (rank 0) or follow; the exit code."""
+class StartupStopped(BaseException):
+    """A SIGTERM or SIGINT before this rank serves (raised by the signal handler: a BaseException,
+    so that no ``except Exception`` on the way, torch's included, takes it); ``args[0]``: the signal."""
+
+
+def _run(args, ckpt, stop: threading.Event, link, started: threading.Event) -> int:
+    """Every rank: load the model, then serve (rank 0) or follow; the exit code. ``started`` is set
+    when this rank begins to serve: a signal before it abandons the start-up (:class:`StartupStopped`)."""
     from zerotron.distributed import mesh as _mesh
     from zerotron.distributed.mesh import Mesh, ParallelDims, init_distributed
     from zerotron.generate import load_model, resolve_checkpoint, stop_ids
@@ -208,9 +226,10 @@ def _run(args, ckpt, stop: threading.Event, link) -> int:
         paged["draft_model"] = load_model(resolve_checkpoint(args.speculative[len("draft:"):]), device)[0].eval()
     code = 0
     if rank != 0:
+        started.set()
         follow(engine, paged)
     else:
-        code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt, paged, link)
+        code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt, paged, link, started)
     _mesh.teardown()
     if rank == 0 and code == 0 and os.environ.get(DRAINED_ENV):
         Path(os.environ[DRAINED_ENV]).write_text("drained\n")
@@ -269,7 +288,7 @@ def _launch(nproc: int, argv: list[str], launch) -> int:
 
 
 def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, ckpt, paged: dict,
-           link=None) -> int:
+           link=None, started: threading.Event | None = None) -> int:
     """Rank 0: listen, run the batcher until drained; the exit code (2: cannot listen or a bad
     chat template; 1: the HTTP front-end process failed). ``link``: the front-end process
     (:class:`~zerotron.serve.link.FrontendLink`) of ``--frontend process``, None for ``thread``."""
@@ -303,6 +322,9 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
     else:
         from zerotron.inference.continuous import kv_block_bytes
 
+        if paged.get("compile"):  # minutes of silence otherwise (SIGTERM stops it: StartupStopped)
+            print("zerotron serve: compiling the decode step (minutes the first time, then cached) ...",
+                  file=sys.stderr, flush=True)
         try:
             batcher = ContinuousScheduler(engine, front, channel, args.max_batch, paged)
         except ValueError as e:  # the pool cannot hold one row: one line, the others stop
@@ -315,6 +337,8 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
                    f"{d.num_blocks * d.page} tokens), prefix caching {'on' if args.prefix_cache else 'off'}"
                    + (f", speculative {args.speculative} x {args.num_speculative_tokens}" if args.speculative else ""))
     host, port = sock.getsockname()[:2]
+    if started is not None:
+        started.set()  # from here a signal drains
     if link is None:
         server = ServerThread(make_app(front, args.max_body_bytes, api_key), sock)
         server.start()
