@@ -123,6 +123,24 @@ def broadcast(t: torch.Tensor, src: int, group=None, async_op: bool = False, tag
     return track(work, "broadcast", tag, t, group=group)
 
 
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group=None, tag: str = "") -> None:
+    """Synchronous in-place broadcast of every tensor of ``tensors`` from global rank ``src`` in one
+    collective per dtype: the tensors of one dtype are copied into one flat buffer, broadcast, and
+    copied back on the other ranks (a pure copy: the same bits as one :func:`broadcast` each, with
+    one gloo round trip instead of one per tensor). Every rank passes tensors of the same shapes
+    and dtypes in the same order; counted as one "broadcast" of the flat buffer's bytes per dtype."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    me = dist.get_rank()
+    for ts in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        broadcast(flat, src=src, group=group, tag=tag)
+        if me != src:
+            for t, v in zip(ts, flat.split([t.numel() for t in ts])):
+                t.detach().copy_(v.view_as(t))
+
+
 def all_gather(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False, tag: str = ""):
     """Gather equal-size flat shards: ``output`` is 1-D with ``world_size * inp.numel()`` elements.
 

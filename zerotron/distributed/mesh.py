@@ -191,6 +191,9 @@ def clear_dtensor_caches() -> None:
     topo = getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)
     if hasattr(topo, "cache_clear"):
         topo.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_native is not None:
+        clear_native()
 
 
 def release_destroyed_groups() -> None:
@@ -205,9 +208,6 @@ def release_destroyed_groups() -> None:
         pgs[:] = [pg for pg in pgs if pg in live]
         if not pgs:
             del c10d._world.tags_to_pg[tag]
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
-    if clear_native is not None:
-        clear_native()
 
 
 def destroy() -> None:

@@ -88,9 +88,8 @@ class DataParallel(Strategy):
         params = [p for p in unique_params(module) if id(p) not in exclude]
         if not params:
             raise ValueError("DataParallel: the module has no trainable parameters")
-        with torch.no_grad():
-            for p in params:  # identical start on all replicas (init is already seeded; this enforces it)
-                comm.broadcast(p.data, src=src_rank, group=group, tag="init")
+        with torch.no_grad():  # identical start on all replicas (init is already seeded; this enforces it)
+            comm.broadcast_coalesced([p.data for p in params], src=src_rank, group=group, tag="init")
         cap = int(bucket_mb * 2**20)
         self.buckets: list[_Bucket] = []
         current, size = [], 0

@@ -172,10 +172,11 @@ class FSDP2Strategy(Strategy):
         set_state_dict(self.module, optimizer or [], model_state_dict=msd, optim_state_dict=osd or {},
                        options=StateDictOptions(full_state_dict=full))
 
-    def _tp_map(self, tensors: dict, fn) -> dict:
+    def _tp_map(self, tensors: dict, fn, params: dict | None = None) -> dict:
         """``{fqn: fn(param, tensor)}`` for the tp-sharded parameters' entries of ``tensors``, the
-        rest unchanged. Entries that are one tensor (tied names) are converted once."""
-        params = dict(self.module.named_parameters(remove_duplicate=False))
+        rest unchanged. Entries that are one tensor (tied names) are converted once. ``params``:
+        the module's ``{fqn: parameter}`` (remove_duplicate=False), when the caller has it."""
+        params = dict(self.module.named_parameters(remove_duplicate=False)) if params is None else params
         done: dict = {}
         out = {}
         for k, v in tensors.items():
@@ -196,9 +197,10 @@ class FSDP2Strategy(Strategy):
         if self.tp_group is None:
             return msd, osd
         gather = lambda p, v: full_tensor(p, self.tp_group, local=v)  # noqa: E731
-        msd = self._tp_map(msd, gather)
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        msd = self._tp_map(msd, gather, params)
         if osd is not None:
-            osd = {**osd, "state": {fqn: {k: self._tp_map({fqn: v}, gather)[fqn] for k, v in st.items()}
+            osd = {**osd, "state": {fqn: {k: self._tp_map({fqn: v}, gather, params)[fqn] for k, v in st.items()}
                                     for fqn, st in osd["state"].items()}}
         return msd, osd
 
@@ -207,9 +209,10 @@ class FSDP2Strategy(Strategy):
         shards: its tp slice (no communication), then FSDP2 keeps its dp shard of that."""
         if self.tp_group is not None:
             cut = lambda p, v: local_shard(p, v, self.tp_group)  # noqa: E731
-            msd = self._tp_map(msd, cut)
+            params = dict(self.module.named_parameters(remove_duplicate=False))
+            msd = self._tp_map(msd, cut, params)
             if osd is not None:
-                osd = {**osd, "state": {fqn: {k: self._tp_map({fqn: v}, cut)[fqn] for k, v in st.items()}
+                osd = {**osd, "state": {fqn: {k: self._tp_map({fqn: v}, cut, params)[fqn] for k, v in st.items()}
                                         for fqn, st in osd["state"].items()}}
         self._set(msd, osd, optimizer, full=True)
         self._mark_tp_shards()

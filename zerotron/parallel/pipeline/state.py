@@ -119,6 +119,7 @@ class PipelineStateMixin:
                             mods = [blocks[i] for i in layers]
                             mods += [get_module(self.dense, m) for m in lay.embedding] if s == 0 else []
                             mods += [get_module(self.dense, m) for m in lay.head] if s == self.module.last_stage else []
+                            qs = []
                             for mod in mods:
                                 for q in mod.parameters():
                                     if id(q) in seen:  # a tied parameter: sent once, by stage 0's owner
@@ -126,8 +127,10 @@ class PipelineStateMixin:
                                     seen.add(id(q))
                                     if q.dtype != self.executor.act_dtype:  # ZeRO bf16: stages hold bf16 copies
                                         q.data = q.data.to(self.executor.act_dtype)
-                                    comm.broadcast(q.data, src=self._peer(self.placement.rank_of(s)), group=self.pp_group,
-                                                   tag="full_params")
+                                    qs.append(q.data)
+                            # the stage's parameters in one broadcast from the pp rank that owns it
+                            comm.broadcast_coalesced(qs, src=self._peer(self.placement.rank_of(s)), group=self.pp_group,
+                                                     tag="full_params")
                 if self.experts is not None:  # every expert gathered over ep, the local dispatch
                     experts.enter_context(self.experts.full_model(self.dense))
                 if self.tp_group is None:
