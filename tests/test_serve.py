@@ -448,6 +448,11 @@ def test_api_key_option_and_env():
     assert api_key_of(args(), {}) is None and api_key_of(args(), {"ZEROTRON_API_KEY": ""}) is None
     assert api_key_of(args(), {"ZEROTRON_API_KEY": "env-key"}) == "env-key"
     assert api_key_of(args("--api-key", "cli-key"), {"ZEROTRON_API_KEY": "env-key"}) == "cli-key"
+    from zerotron.serve import check_args
+    for flag in ("--api-key", "--model-name"):  # explicitly empty: refused, not an open server / nameless model
+        for value in ("", "  "):
+            with pytest.raises(ValueError, match=f"{flag} is empty"):
+                check_args(args(flag, value))
 
 
 def _alive(pid: int) -> bool:

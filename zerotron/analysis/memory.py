@@ -208,13 +208,13 @@ def offload_dir_refusal(cfg, plan, local_ranks: int | None = None) -> str | None
 
 
 def _count(text: str) -> int:
-    """argparse type: a non-negative integer count, also written like 7e9 or 7_000_000_000."""
+    """argparse type: a positive integer count, also written like 7e9 or 7_000_000_000."""
     try:
         value = float(text.replace("_", "")) if any(c in text for c in ".eE") else int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 0 or value != int(value):
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a positive integer (a parameter count like 7e9), got {text!r}")
     return int(value)
 
 

@@ -75,6 +75,12 @@ def check_args(args) -> None:
     """Raise ValueError (one line naming the option and the fix) for a bad option value or combination."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty (an unset shell variable?): pass the key clients must send, or leave "
+                         "--api-key out to serve without one")
+    if args.model_name is not None and not args.model_name.strip():
+        raise ValueError("--model-name is empty: pass the model id clients send, or leave it out for the run "
+                         "directory's name")
     if args.batching not in BATCHING:
         raise ValueError(f"--batching must be one of {', '.join(BATCHING)}, got {args.batching!r}")
     if args.frontend not in FRONTENDS:
