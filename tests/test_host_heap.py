@@ -13,24 +13,12 @@ GLIBC = host_heap.wanted({})
 # a 48 MiB block, above glibc's largest dynamic mmap threshold (32 MiB on 64-bit): under the defaults
 # every malloc of it is a fresh mmap whose pages fault in again; with "retain" it comes from the heap
 _FAULTS = textwrap.dedent("""
-    import ctypes, resource, sys
+    import sys
     sys.path.insert(0, {root!r})
+    from zerotron.host_heap import block_faults, retain
     if {retain}:
-        from zerotron.host_heap import retain
         assert retain()
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    n = 48 << 20
-    def once():
-        p = libc.malloc(n)
-        ctypes.memset(p, 1, n)
-        libc.free(p)
-    once()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(4):
-        once()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(block_faults(48 << 20, 4))
 """)
 
 

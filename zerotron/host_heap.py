@@ -81,3 +81,26 @@ def apply_env(env: dict) -> bool:
     except OSError:
         return False
     return all([libc.mallopt(opt, value) == 1 for opt, value in wanted_opts])
+
+
+def block_faults(nbytes: int = 48 << 20, rounds: int = 4) -> int:
+    """Minor page faults of ``rounds`` rounds of malloc, touch and free of one ``nbytes`` block (after one
+    warm-up round): near 0 when glibc keeps the freed block in the heap (the thresholds of :func:`retain`
+    in effect), about ``rounds * nbytes / page size`` when each free unmaps it (glibc's defaults for
+    blocks over 32 MiB). A probe for tests; glibc only (raises OSError elsewhere)."""
+    import resource
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+
+    def once():
+        p = libc.malloc(nbytes)
+        ctypes.memset(p, 1, nbytes)
+        libc.free(p)
+
+    once()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(rounds):
+        once()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before

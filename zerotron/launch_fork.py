@@ -44,6 +44,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 
 ENV = "ZEROTRON_FORK_WORKERS"
 """``1``: :func:`zerotron.launch.launch` forks its workers (see the module); anything else: exec."""
@@ -131,7 +132,6 @@ def _become_worker(argv: list[str], env: dict, stdio: tuple, new_session: bool) 
     import atexit
     import io
     import runpy
-    import traceback
 
     if new_session:
         os.setsid()
@@ -163,18 +163,8 @@ def _become_worker(argv: list[str], env: dict, stdio: tuple, new_session: bool) 
         import numpy
 
         numpy.random.seed()
-    code = 1
-    try:
-        sys.argv = ["-m", *argv[1:]]  # runpy sets sys.argv[0] to the module's path, as -m does
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
-        traceback.print_exc()
-        code = 1
+    sys.argv = ["-m", *argv[1:]]  # runpy sets sys.argv[0] to the module's path, as -m does
+    code = exit_code_of(lambda: runpy.run_module(argv[0], run_name="__main__", alter_sys=True))
     try:
         atexit._run_exitfuncs()  # the worker's own, as at an interpreter's exit
     finally:
@@ -182,6 +172,23 @@ def _become_worker(argv: list[str], env: dict, stdio: tuple, new_session: bool) 
             sys.stdout.flush()
             sys.stderr.flush()
     return code
+
+
+def exit_code_of(main) -> int:
+    """Run ``main()`` (a main module's body) and return the exit code an interpreter would give for it: 0 when
+    it returns; a ``SystemExit``'s code (None -> 0; a non-int code is printed to stderr and gives 1); 1 with
+    the traceback printed for any other exception, as for an uncaught one."""
+    try:
+        main()
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+        traceback.print_exc()
+        return 1
 
 
 def preload() -> None:

@@ -337,31 +337,19 @@ def _cli_child(argv, cwd, env, stdio, script=None):
 
     if env.get("OMP_NUM_THREADS", "").isdigit():  # read by a fresh interpreter when torch loads
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    code = 1
-    try:
-        if script is not None:  # ``python script.py``
-            import runpy
+    import runpy
 
-            sys.argv = [script]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        else:  # exactly what `python -m zerotron` runs: zerotron/__main__.py, sys.exit(main())
-            import runpy
+    from .launch_fork import exit_code_of
 
-            sys.argv = ["-m", *argv]  # runpy sets sys.argv[0] to __main__.py's path, as -m does
-            runpy.run_module("zerotron", run_name="__main__", alter_sys=True)
-            code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+    if script is not None:  # ``python script.py``
+        sys.argv = [script]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        code = exit_code_of(lambda: runpy.run_path(script, run_name="__main__"))
+    else:  # exactly what `python -m zerotron` runs: zerotron/__main__.py, sys.exit(main())
+        sys.argv = ["-m", *argv]  # runpy sets sys.argv[0] to __main__.py's path, as -m does
+        code = exit_code_of(lambda: runpy.run_module("zerotron", run_name="__main__", alter_sys=True))
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)  # no multiprocessing epilogue: the exit code is the command's
 
 

@@ -28,26 +28,11 @@ def _handler(h) -> str:
 
 def _reused_heap_block() -> bool:
     """Whether a freed 48 MiB block is reused rather than mapped again (glibc's thresholds of
-    :mod:`zerotron.host_heap` in effect): 4 rounds of malloc, touch, free fault in under a tenth of
-    one block's pages (under glibc's defaults, each round faults all of them again)."""
-    import ctypes
-    import resource
+    :mod:`zerotron.host_heap` in effect): 4 rounds fault in under a tenth of one block's pages (under
+    glibc's defaults, each round faults all of them again; :func:`zerotron.host_heap.block_faults`)."""
+    from zerotron.host_heap import block_faults
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    n = 48 << 20
-
-    def once():
-        p = libc.malloc(n)
-        ctypes.memset(p, 1, n)
-        libc.free(p)
-
-    once()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(4):
-        once()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < n // os.sysconf("SC_PAGE_SIZE") // 10
+    return block_faults(48 << 20, 4) < (48 << 20) // os.sysconf("SC_PAGE_SIZE") // 10
 
 
 def state() -> dict:
