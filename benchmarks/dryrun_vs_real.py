@@ -51,19 +51,10 @@ def _measure(overrides: dict) -> dict:
     return measure_step_memory(tiny_config(overrides))
 
 
-def dry_comm(rec: dict) -> dict:
-    """A dry-run record's collectives in ``measure_step_memory``'s form: {"op/group/tag": {"calls", "bytes"}}."""
-    out = {}
-    for group, g in rec["comm_traced"].items():
-        for key, v in g["ops"].items():
-            op, tag = key.split("/", 1)
-            out[f"{op}/{group}/{tag}"] = {"calls": v["calls"], "bytes": v["bytes"]}
-    return dict(sorted(out.items()))
-
-
 def compare(name: str, world: int, overrides: dict) -> dict:
     """Real (every rank) and dry (every rank) figures of one layout, side by side."""
     from zerotron.analysis.dryrun import dry_run
+    from zerotron.bench.step_memory import traced_comm
 
     ov = {**BASE, **overrides}
     cfg = tiny_config(ov)
@@ -84,7 +75,7 @@ def compare(name: str, world: int, overrides: dict) -> dict:
                      "estimated": d["peak_bytes_estimated"], "token_id_bytes": ids,
                      "backend_peak": r["backend_peak_bytes"], "unseen_frees": r["unseen_frees"],
                      "peak_at": d["peak_at"], "states_equal": r["model_state_bytes"] == d["model_state_bytes"],
-                     "comm_equal": r["comm"] == dry_comm(d), "comm_calls": sum(v["calls"] for v in r["comm"].values()),
+                     "comm_equal": r["comm"] == traced_comm(d), "comm_calls": sum(v["calls"] for v in r["comm"].values()),
                      "peak_left": r["peak_bytes_measured"] - d["peak_bytes_traced"] - ids,
                      "start_left": r["held_at_step_start"] - d["held_at_step_start"] - ids,
                      "end_left": r["end_of_step"] - d["end_of_step"]["total"] - ids})

@@ -22,6 +22,7 @@ term -4,096 and more; without the tp RNG states in the dry run, tp +10,112 at st
 """
 import pytest
 
+from zerotron.bench.step_memory import traced_comm
 from zerotron.testing import run_ranks, tiny_config
 
 WORLD = 2
@@ -45,15 +46,6 @@ def real():
     return run_ranks(_measure, WORLD, LAYOUTS, join_timeout_s=600)
 
 
-def _dry_comm(rec: dict) -> dict:
-    out = {}
-    for group, g in rec["comm_traced"].items():
-        for key, v in g["ops"].items():
-            op, tag = key.split("/", 1)
-            out[f"{op}/{group}/{tag}"] = {"calls": v["calls"], "bytes": v["bytes"]}
-    return dict(sorted(out.items()))
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_dry_peak_equals_the_real_allocator(name, real, report):
     from zerotron.analysis.dryrun import dry_run
@@ -67,7 +59,7 @@ def test_dry_peak_equals_the_real_allocator(name, real, report):
     for rank in range(WORLD):
         got = real[rank][name]
         assert got["model_state_bytes"] == rec["model_state_bytes"], (name, rank)
-        assert got["comm"] == _dry_comm(rec), (name, rank)
+        assert got["comm"] == traced_comm(rec), (name, rank)
         for what, d, meas in (("peak", rec["peak_bytes_traced"], got["peak_bytes_measured"]),
                               ("start", rec["held_at_step_start"], got["held_at_step_start"]),
                               ("end", rec["end_of_step"]["total"], got["end_of_step"])):

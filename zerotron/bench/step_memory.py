@@ -177,3 +177,14 @@ def measure_step_memory(cfg, steps: int = 2) -> dict:
             "peak_bytes_measured": peak, "end_of_step": after, "backend_peak_bytes": backend_peak,
             "unseen_frees": {"count": len(lost), "bytes": sum(lost)}, "model_state_bytes": states,
             "comm": traffic, "loss": out["loss"]}
+
+
+def traced_comm(record: dict) -> dict:
+    """A dry-run record's collectives (``zerotron dryrun --json``: ``comm_traced`` per group) in the form
+    :func:`measure_step_memory` reports the real run's: ``{"op/group/tag": {"calls", "bytes"}}``, sorted."""
+    out = {}
+    for group, g in record["comm_traced"].items():
+        for key, v in g["ops"].items():
+            op, tag = key.split("/", 1)
+            out[f"{op}/{group}/{tag}"] = {"calls": v["calls"], "bytes": v["bytes"]}
+    return dict(sorted(out.items()))
