@@ -61,10 +61,12 @@ def _recompute(module, forward):
     each device's) for every call only when the recomputation needs them, i.e. the module has
     dropout (``preserve_rng_state``; issue 33: the real run held up to m x n_layer such states more
     than the dry run traced)."""
+    keep_rng = _draws_random(module)  # once, at wrap time: not a module walk per forward
+
     def wrapped(x, kv_cache=None):
         if kv_cache is not None or not torch.is_grad_enabled():
             return forward(x, kv_cache)
-        return checkpoint(forward, x, use_reentrant=False, preserve_rng_state=_draws_random(module))
+        return checkpoint(forward, x, use_reentrant=False, preserve_rng_state=keep_rng)
     return wrapped
 
 
