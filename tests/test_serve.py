@@ -26,6 +26,7 @@ from zerotron.testing import ROOT, process_tree, run_cli, start_serve, stop_serv
 
 PROMPTS = ["ROMEO:", "JULIET: O", "First Citizen:\nBefore we proceed", "KING"]
 NEW = 8
+CANCEL_MARGIN = 8  # engine steps a cancel may take to reach the engine (frontend poll + one step)
 
 
 def _post(url, body, raw: bytes | None = None, timeout=120):
@@ -344,20 +345,34 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
             time.sleep(0.01)
         assert h["cancelled_rows"] == 0 and h["running"] == 0 and h["steps"] < 40 + NEW + 6, h  # shared steps
 
-        # a streaming client that leaves after 2 events: its row leaves the batch, the other goes on
+        # a streaming client that leaves after 2 events: its row leaves the batch, the other goes on.
+        # The server cannot cancel a row that ended before its client left: on a loaded machine the client
+        # may read its two events late, when the whole stream already sits in its socket buffer (CI, stop 47).
+        # The engine's step count read just after the client left tells: the row needs ``room`` steps
+        # (its prefill's token, then one per decode step); with at least CANCEL_MARGIN of them still to
+        # run, its cancel must arrive in time. A try the client lost is repeated (at most 3).
         room = _room(url, prompts[3])  # the longest the context allows (prompt + max_tokens must fit)
-        with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            other = ex.submit(_stream_events, base, body(prompts[1], 40))
-            gone = ex.submit(_stream_events, base, body(prompts[3], room), 2)
-            g_events, g_done = gone.result()
-            o_events, o_done = other.result()
-        assert len(g_events) == 2 and not g_done
-        assert o_done and "".join(e["choices"][0]["text"] for _, e in o_events)
-        deadline = time.time() + 30
-        while (h := _get(base + "/health")[1])["cancelled_rows"] < 1 or h["running"]:
-            assert time.time() < deadline, h
-            time.sleep(0.05)
-        assert h["cancelled_rows"] == 1, h  # retired before its max_tokens (a finished row is not counted)
+        for attempt in range(3):
+            h0 = _get(base + "/health")[1]
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                other = ex.submit(_stream_events, base, body(prompts[1], 40))
+                gone = ex.submit(_stream_events, base, body(prompts[3], room), 2)
+                g_events, g_done = gone.result()
+                steps_left = _get(base + "/health")[1]["steps"]  # an upper bound of the steps when it left
+                o_events, o_done = other.result()
+            assert len(g_events) == 2 and not g_done
+            assert o_done and "".join(e["choices"][0]["text"] for _, e in o_events)
+            deadline = time.time() + 30
+            while (h := _get(base + "/health")[1])["running"]:
+                assert time.time() < deadline, h
+                time.sleep(0.05)
+            if h["cancelled_rows"] == h0["cancelled_rows"] + 1:  # retired before its max_tokens
+                break
+            to_go = h0["steps"] + room - steps_left
+            assert h["cancelled_rows"] == h0["cancelled_rows"] and to_go < CANCEL_MARGIN, (to_go, h0, h)
+            print(f"\nthe client left with at most {to_go} of its row's steps to go: the row ended first; again")
+        else:
+            raise AssertionError("in 3 tries the client never left before its row ended")
         code, r = _post(url, body(prompts[1]))
         assert code == 200 and prompts[1] + r["choices"][0]["text"] == ref[1]
 
