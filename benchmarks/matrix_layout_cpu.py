@@ -43,8 +43,8 @@ def _threads() -> dict:
 
 PHASES = (("zerotron.parity.runs", None, "train_layout", "train_layout"),
           ("zerotron.train.trainer", "Trainer", "__init__", "trainer_init"),
-          ("zerotron.train.trainer", None, "train_step", "train_step"),
-          ("zerotron.train.trainer", None, "evaluate", "evaluate"),
+          ("zerotron.train.run_loop", None, "train_step", "train_step"),
+          ("zerotron.train.run_loop", None, "evaluate", "evaluate"),
           ("zerotron.train.trainer", "Trainer", "fit", "fit"),
           ("zerotron.parity.runs", None, "_copies", "copies"),
           ("zerotron.parity.runs", None, "compare", "compare"),

@@ -1,14 +1,10 @@
-"""The training run: set-up (process group, mesh, data, model, strategy, optimizer), the step loop,
-evaluation, checkpoints, metrics, and the end-of-run summary, plot and sample."""
+"""The training run: its set-up (process group, mesh, data, model, strategy, optimizer, a resumed
+checkpoint), this rank's micro-batches and the end-of-run sample. The step loop is
+``train.run_loop`` and the run's checkpoint saves ``train.run_saves``; :class:`Trainer` joins them."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import signal
-import statistics
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,20 +15,19 @@ from ..data import GlobalBatchSampler, batch_from_indices, num_windows
 from ..distributed import comm
 from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
-from ..models.mixtral import set_step_rows, take_router_stats, update_expert_bias
+from ..models.mixtral import set_step_rows
 from ..parallel import parallelize
-from ..parallel.compile import compile_stats, use_cache_dir
+from ..parallel.compile import use_cache_dir
 from ..parallel.context.docmask import apply_doc_mask
 from ..parallel.context.split import split_sequence
 from ..parallel.precision import param_dtype
 from ..plan import ParallelPlan, build_plan
 from . import checkpoint as ckpt
-from . import lifecycle
 from .checkpoint import background as ckpt_background
-from .metrics import TRAIN_DTYPES, MetricsWriter, MFUMeter, peak_flops, plot_losses, read_metrics
+from .metrics import TRAIN_DTYPES, MFUMeter, peak_flops
 from .optim import build_scheduler
-from .progress import Progress
-from .run_log import MetricsLog, write_summary
+from .run_loop import RunLoop
+from .run_saves import RunSaves
 from .setup import (
     check_init_vocab,
     check_resume,
@@ -44,22 +39,10 @@ from .setup import (
     train_device,
     val_rank_windows,
 )
-from .step import IGNORE_INDEX, evaluate, train_step
-from .tensorboard import open_tensorboard
-from .wandb_log import open_wandb
+from .step import IGNORE_INDEX
 
 
-def _bytes_by_op(before: dict) -> dict:
-    """Bytes per "op/group" moved since the snapshot ``before`` of ``comm.STATS.bytes``."""
-    out = {}
-    for (op, group, _tag), b in comm.STATS.bytes.items():
-        d = b - before.get((op, group, _tag), 0)
-        if d:
-            out[f"{op}/{group}"] = out.get(f"{op}/{group}", 0) + d
-    return out
-
-
-class Trainer:
+class Trainer(RunLoop, RunSaves):
     """Owns one run. ``Trainer(cfg, run_dir, resume).fit()`` trains ``train.steps`` optimizer steps.
 
     ``restart`` (``restarts.restart_count()``): this is a restarted attempt of a run whose worker
@@ -177,31 +160,6 @@ class Trainer:
         self.mfu_meter = MFUMeter(self.flops_per_token, world, self.peak_flops_total / world, device,
                                   TRAIN_DTYPES[cfg.train.dtype], warn=rank == 0, source=source)
 
-    def _router_metrics(self) -> dict:
-        """MoE models: the step's router statistics summed over dp and pp (tp and cp ranks hold copies); moves
-        the auxiliary-loss-free balancing bias by the step's global load (``update_expert_bias``) -> ``moe_aux_loss``, ``moe_z_loss`` (means over layers and micro-batches, before
-        their weights), ``moe_load_max_mean`` (max / mean assignments per expert, per layer) and its
-        mean over layers ``moe_load_max_mean_avg``; with a capacity, ``moe_dropped`` (assignments
-        dropped over capacity this step, all layers) and ``moe_dropped_frac``; {} for a dense model."""
-        cfg = self.model_cfg
-        dropped = torch.zeros(cfg.n_layer, 1, dtype=torch.float64)
-        stats = take_router_stats(self.model, cfg.n_layer, getattr(cfg, "n_experts", 0), dropped[:, 0])
-        if stats is None:
-            return {}
-        stats = torch.cat([stats, dropped], dim=1)  # one reduction for both
-        for axis in ("dp", "pp"):  # cp and SP ranks already summed their shards (MoE.token_sum): copies
-            if self.mesh.size(axis) > 1:
-                comm.all_reduce(stats, group=self.mesh.group(axis), tag="metrics")
-        counts = stats[:, :-3]
-        update_expert_bias(self.model, counts)  # the global load: every layout moves the bias alike
-        load = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
-        out = {"moe_aux_loss": float(stats[:, -3].mean()), "moe_z_loss": float(stats[:, -2].mean()),
-               "moe_load_max_mean": load, "moe_load_max_mean_avg": sum(load) / len(load)}
-        if getattr(cfg, "moe_capacity_factor", 0):
-            out["moe_dropped"] = int(stats[:, -1].sum())  # assignments over capacity, all layers, this step
-            out["moe_dropped_frac"] = float(stats[:, -1].sum() / counts.sum().clamp_min(1))
-        return out
-
     def _from_hf(self, path):
         """Dense model with the family, shape and weights of a HF GPT-2 or Llama checkpoint
         (dropout from the config). Raises ConfigError if its vocabulary is smaller than the
@@ -234,131 +192,6 @@ class Trainer:
                 "tokens_seen": step * self.cfg.train.global_batch * self.seq_len,
                 "model_config": registry.config_meta(self.model_cfg)}
 
-    def expected_checkpoint_bytes(self) -> int:
-        """Estimated bytes of a checkpoint, for the free-space check of the first save (later ones
-        use the previous checkpoint's size): the dense state dict three times (weights and AdamW's
-        two moments), 2 KiB of file and index overhead per saved tensor, the tokenizer, 16 KiB of
-        RNG state per rank and 64 KiB for the rest (tiny model: 6% above the real size)."""
-        tok = self.data.tokenizer_path
-        tok_bytes = os.path.getsize(tok) if tok and os.path.isfile(tok) else 0
-        return 3 * self.state_bytes + 3 * 2048 * self.state_tensors + tok_bytes + 16384 * self.world + 65536
-
-    def next_save(self, step: int) -> int | None:
-        """The step of the first save after ``step`` (checkpoint.every / save_final), or None."""
-        every, steps = self.cfg.checkpoint.every, self.cfg.train.steps
-        if every and (step // every + 1) * every <= steps:
-            return (step // every + 1) * every
-        return steps if self.cfg.checkpoint.save_final and step < steps else None
-
-    def save(self, step: int, must: str = "") -> Path | None:
-        """Collectively write checkpoint ``step``; returns its directory. Sets :attr:`ckpt_blocked_s`
-        (the seconds this call kept training from going on).
-
-        With ``checkpoint.async_save`` and no ``must``, the state is staged into host memory and
-        written by a background thread (``checkpoint.background``); the call first waits for a
-        pending save (at most one in flight), whose failure is handled here as below, and returns
-        the directory the new checkpoint will have once written. A ``must`` save (and every save
-        without ``async_save``) is written before the call returns, after any pending one.
-
-        A save refused by the free-space check or failed while writing (the partial directory is
-        removed, the previous checkpoints are kept): with ``checkpoint.on_error = continue`` and no
-        ``must``, rank 0 prints one warning line, the step is recorded in :attr:`failed_saves`
-        (:attr:`unsaved` until a later save succeeds) and None is returned on every rank (the
-        failure is agreed collectively, so all ranks go on together). Otherwise, or when ``must``
-        says why this save cannot be skipped ("final": the end of training; "signal": a stop on a
-        signal), raises lifecycle.RunStopped (exit 3) on every rank. A non-finite parameter
-        always raises RunStopped."""
-        t0 = time.perf_counter()
-        self.ckpt_blocked_s = 0.0
-        try:
-            self.finish_pending()
-            if not lifecycle.params_finite(self.strategy, self.device):
-                raise lifecycle.RunStopped(f"refusing to write checkpoint step_{step}: a parameter is not finite; "
-                                           f"the newest good checkpoint is {ckpt.latest_checkpoint(self.run_dir)}")
-            args = (self.run_dir, step, self.strategy, self.optimizer, self.scheduler, self.meta(step),
-                    self.data.tokenizer_path)
-            opts = {"keep": self.cfg.checkpoint.keep, "expected_bytes": self.expected_checkpoint_bytes()}
-            if self.saver is not None and not must:
-                self.saver.start(*args, **opts)
-                return self.run_dir / "checkpoints" / f"step_{step}"
-            try:
-                path = ckpt.save_checkpoint(*args, **opts)
-                self.unsaved = None
-                return path
-            except ckpt.CheckpointWriteError as e:
-                return self._save_failed(step, must, e)
-        finally:
-            self.ckpt_blocked_s = time.perf_counter() - t0
-
-    def finish_pending(self) -> Path | None:
-        """Wait for the pending background save (``checkpoint.async_save``), if any; returns its
-        directory, or None when there was none or it failed (handled as :meth:`save` handles a
-        failed save without ``must``: a warning, or RunStopped with ``on_error = stop``)."""
-        if self.saver is None or not self.saver.pending:
-            return None
-        step = self.saver.pending_step
-        path, err, _ = self.saver.wait()
-        if err is None:
-            self.unsaved = None
-            return path
-        if isinstance(err, ckpt.CheckpointWriteError):
-            return self._save_failed(step, "", err)
-        raise err
-
-    def _save_failed(self, step: int, must: str, e: Exception) -> None:
-        """The outcome of a failed save of ``step`` (see :meth:`save`): None, or RunStopped."""
-        self.failed_saves.append(step)  # (summary.json lists it also when the run stops here)
-        if must or self.cfg.checkpoint.on_error == "stop":
-            why = {"final": f"the final checkpoint (step {step} of {self.cfg.train.steps}) could not be written",
-                   "signal": "the run was stopping on a signal",
-                   "metrics": f"{self._metrics_error()} (checkpoint.on_error = stop)"
-                   }.get(must, "checkpoint.on_error = stop")
-            cks = ckpt.list_checkpoints(self.run_dir)
-            newest, lost = bool(cks), step - (cks[-1][0] if cks else 0)
-            raise lifecycle.RunStopped(f"{e}; stopped: {why}; the last {lost} steps are not saved; free disk "
-                                       f"space, then " + (f"resume with: {lifecycle.resume_command()}" if newest
-                                                          else self._start_again())) from None
-        self.unsaved = step
-        if self.rank == 0:
-            nxt = self.next_save(step)
-            print(f"zerotron: warning: {e}; training continues (checkpoint.on_error = continue), "
-                  + (f"the next save at step {nxt} retries" if nxt else "no later save is scheduled"),
-                  file=sys.stderr, flush=True)
-        return None
-
-    def _log_blocked(self, writer) -> None:
-        """Add ``ckpt_blocked_s`` (and ``ckpt_async``) of the save just made to the step's record
-        in metrics.jsonl (rank 0)."""
-        if writer is not None:
-            writer.amend({"ckpt_blocked_s": self.ckpt_blocked_s,
-                          "ckpt_async": self.saver is not None and self.saver.pending})
-
-    def _metrics_error(self) -> str:
-        """What failed on rank 0's metrics.jsonl (the line only rank 0 prints)."""
-        log = getattr(self, "metrics_log", None)
-        return str(log.error) if log is not None and log.error is not None else "metrics.jsonl could not be written"
-
-    def _start_again(self) -> str:
-        """The fix for a run that stopped without any checkpoint: its metrics.jsonl stays, so the same
-        --run-dir is refused (``setup.check_run_dir``); a new one, or this one deleted, starts over."""
-        return f"start again with a new --run-dir (or delete {str(self.run_dir)!r} first)"
-
-    def _metrics_stop(self, step: int, saved: Path) -> lifecycle.RunStopped:
-        """The exit-3 stop after a failed metrics.jsonl append (checkpoint.on_error = stop), once
-        checkpoint ``saved`` of ``step`` is written."""
-        log, what = getattr(self, "metrics_log", None), self._metrics_error()
-        if log is not None:
-            log.close()  # the held records, if the checkpoint attempt left room for them
-        held = log.held() if log is not None else ""
-        lost = f"; the records of {held} are not in metrics.jsonl" if held else ""
-        if step == self.cfg.train.steps:  # nothing left to resume
-            return lifecycle.RunStopped(f"{what}; training finished at step {step} and its checkpoint is written "
-                                        f"({saved}), but metrics.jsonl could not be written (checkpoint.on_error = "
-                                        f"stop){lost}")
-        return lifecycle.RunStopped(f"{what}; stopped at step {step} (checkpoint.on_error = stop), "
-                                    f"checkpoint written ({saved}){lost}; free disk space, then resume with: "
-                                    f"{lifecycle.resume_command()}")
-
     def _refuse_existing_run(self, device) -> None:
         """ConfigError on every rank if ``run_dir`` already holds a run (metrics or checkpoints).
         The verdict is all-reduced before any rank writes, so no rank can see a file another rank
@@ -376,179 +209,6 @@ class Trainer:
                                     "pass resume=True to continue it, or choose a new run directory")
         if found is not None:
             raise found
-
-    def fit(self, callback=None) -> dict:
-        """Train from ``start_step`` to ``train.steps``; returns a summary dict (rank 0 meaningful).
-
-        ``callback(trainer, record)`` is called on every rank after each optimizer step (tests use it
-        to check that replicas stay identical). Rank 0 writes metrics.jsonl (a failed append is
-        held, see ``run_log.MetricsLog``) and, however the run ends, summary.json (with
-        ``stopped`` and ``exit_code`` when lifecycle.RunStopped ends it). RunStopped is raised on
-        every rank together, except for metrics records still unwritten at the end (rank 0 only).
-        A Trainer fits once: RuntimeError on a second call (it would write the run's metrics
-        again); build a new one with ``resume=True`` to go on."""
-        if getattr(self, "_fitted", False):
-            raise RuntimeError("Trainer.fit() was already called on this trainer; build a new "
-                               "Trainer(cfg, run_dir, resume=True) to continue the run")
-        self._fitted = True
-        cfg, t = self.cfg, self.cfg.train
-        lead = self.rank == 0
-        if self.start_step >= t.steps:
-            if lead:
-                print(f"zerotron: the run is already at step {self.start_step} (train.steps = {t.steps}); "
-                      "raise --train.steps to continue it")
-            return {"steps": self.start_step, "final_loss": None, "first_val_loss": None, "final_val_loss": None,
-                    "median_tokens_per_s": None, "nothing_to_do": True}
-        keep_to = self.start_step if self.resume or self.restart else None  # metrics of steps <= this are kept
-        wb = open_wandb(cfg.log.wandb, cfg.log.wandb_project, self.run_dir, cfg.to_dict(), lead)  # first: a missing package stops here
-        writer = MetricsLog(MetricsWriter(self.run_dir / "metrics.jsonl", keep_to), cfg.checkpoint.on_error) \
-            if lead else None
-        self.metrics_log = writer
-        if lead:
-            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        bar = Progress(t.steps, self.start_step, cfg.log.every) if lead and cfg.log.progress else None
-        tb = open_tensorboard(cfg.log.tensorboard, self.run_dir, keep_to, lead)
-        die_at = lifecycle.fault_kill_step()  # fault injection for tests (per restart attempt)
-        die_rank = int(os.environ.get("ZEROTRON_FAULT_KILL_RANK", "0"))  # which rank kill -9s itself
-        tok_per_step = t.global_batch * self.seq_len
-        first_val = last_val = None
-        signals = lifecycle.GracefulStop(t.stop_grace_s, announce=lead)  # installed for the loop only
-        guard = lifecycle.StepGuard(t.nonfinite, t.nonfinite_limit, signals, self.rank, self.device)
-        if lead and self.resume and (self.run_dir / "metrics.jsonl").exists():
-            old = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if r.get("step", 0) <= self.start_step]
-            first_val = next((r["val_loss"] for r in old if r.get("val_loss") is not None), None)
-            guard.skipped = old[-1].get("skipped_steps", 0) if old else 0
-        rates, losses = [], []
-        reached = self.start_step
-        io_stop = cfg.checkpoint.on_error == "stop"  # a failed metrics.jsonl append stops every rank
-
-        def summary_now(**extra) -> dict:
-            return {"steps": reached, "final_loss": losses[-1] if losses else None, "first_val_loss": first_val,
-                    "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None,
-                    "skipped_steps": guard.skipped, "failed_checkpoints": self.failed_saves, **extra}
-        self.model.train()
-        signals.install()
-        try:  # the loggers are closed (flushed) also when a guard or a signal stops the run
-            for step in range(self.start_step, t.steps):
-                batches = self.micro_batches(step)
-                before = dict(comm.STATS.bytes)
-                t0 = time.perf_counter()
-                guard.step = step + 1
-                comm.set_step(step + 1)  # named by the watchdog if a collective of this step fails
-                out = train_step(self.strategy, self.optimizer, self.scheduler, batches, self.mesh.group("batch"),
-                                 t.grad_clip, t.dtype, self.device, guard=guard)
-                dt = time.perf_counter() - t0
-                rec = {"step": step + 1, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                       "tokens_per_s": tok_per_step / dt, "step_time_s": dt,
-                       **self.mfu_meter(tok_per_step / dt),
-                       "comm_bytes": comm.STATS.total_bytes() - sum(before.values()),
-                       "comm_bytes_by_op": _bytes_by_op(before),
-                       "tokens": (step + 1) * tok_per_step, "epoch": self.sampler.epoch(step + 1),
-                       "skipped_steps": guard.skipped}
-                rec.update(self._router_metrics())
-                if hasattr(self.strategy, "last_step_timing"):  # pipeline: measured bubble of this rank
-                    rec.update({f"pp_{k}": v for k, v in self.strategy.last_step_timing().items()})
-                if hasattr(self.strategy, "offload_timing"):  # ZeRO offload: host copies hidden or waited for
-                    rec.update(self.strategy.offload_timing())
-                states = self.strategy.model_state_bytes(self.optimizer)
-                rec["model_state_bytes"] = states["total_bytes"]
-                rec["model_state_breakdown"] = states
-                rates.append(rec["tokens_per_s"])
-                losses.append(out["loss"])
-                if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps or step == 0):
-                    rec["val_loss"] = evaluate(self.strategy, self.val_batches, t.dtype, self.device)
-                    first_val = rec["val_loss"] if first_val is None else first_val
-                    last_val = rec["val_loss"]
-                if t.compile:  # Dynamo's counters: flat after the first step (training + evaluation entries)
-                    rec.update(compile_stats())
-                    if lead and step == self.start_step:
-                        print(f"zerotron: compiled the blocks in {rec['compile_time_s']:.1f} s during the first step "
-                              f"({rec['graphs']} graphs, {rec['graph_breaks']} graph breaks; Inductor cache "
-                              f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", flush=True)
-                reached = step + 1
-                if writer:  # never raises: a failed append is held (see run_log.MetricsLog)
-                    writer.write(rec)
-                    guard.io_failed = io_stop and writer.error is not None
-                if tb:
-                    tb.log(rec)
-                if wb:
-                    wb.log(rec)
-                if callback:
-                    callback(self, rec)
-                if bar:
-                    bar.update(rec)
-                guard.check(out["loss"], out["grad_norm"], ckpt.latest_checkpoint(self.run_dir))  # may stop (exit 3)
-                if io_stop and step + 1 == t.steps:
-                    lifecycle.agree_io(guard)  # the last append: no later step's decide() agrees on it
-                ck_every, saved = cfg.checkpoint.every, None
-                final = step + 1 == t.steps and cfg.checkpoint.save_final
-                if (ck_every and (step + 1) % ck_every == 0) or final:
-                    saved = self.save(step + 1, must="final" if final else "")
-                    self._log_blocked(writer)
-                if guard.stop_io or guard.stop_signal:  # a pending background save completes first
-                    this_step = self.saver is not None and self.saver.pending_step == step + 1
-                    done = self.finish_pending()
-                    saved = done if this_step else saved
-                if guard.stop_io:  # metrics.jsonl failed on rank 0, checkpoint.on_error = stop: save, then stop
-                    saved = saved or self.save(step + 1, must="metrics")
-                    raise self._metrics_stop(step + 1, saved)
-                if guard.stop_signal:  # SIGTERM/SIGHUP/SIGINT on some rank, agreed by all: checkpoint, then stop
-                    if not saved:
-                        saved = self.save(step + 1, must="signal")
-                        self._log_blocked(writer)
-                    signals.done()
-                    raise guard.signal_stop(step + 1, saved)
-                if step + 1 == die_at and self.rank == die_rank:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            self.finish_pending()  # the end of training waits for a background save (may raise RunStopped)
-        except lifecycle.RunStopped as e:  # every rank stops here together; rank 0 still writes the summary
-            if self.saver is not None and self.saver.pending:  # a background save completes (or fails) first
-                self.saver.wait()
-            if lead:
-                held = writer.held()
-                if writer.close() is not None:  # the held records, if the disk has room now; else say so
-                    lost, msg = f"; the records of {held} are not in metrics.jsonl (held in memory while it could " \
-                        "not be written)", str(e)
-                    at = msg.find("; free disk space")
-                    e = lifecycle.RunStopped(msg[:at] + lost + msg[at:] if at >= 0 else msg + lost, e.exit_code)
-                write_summary(self.run_dir, summary_now(stopped=str(e), exit_code=e.exit_code))
-                raise e from None
-            raise
-        finally:
-            for logger in (tb, wb):
-                if logger:
-                    logger.close()
-        signals.uninstall()
-        if bar:
-            bar.close()
-        summary = summary_now()
-        if cfg.log.sample_tokens:  # every rank decodes: sharded strategies gather collectively
-            summary["sample"] = self.sample(cfg.log.sample_prompt, cfg.log.sample_tokens)
-        stop = None
-        if self.unsaved is not None:  # the last save failed and none after it (checkpoint.save_final = false)
-            newest = ckpt.latest_checkpoint(self.run_dir)
-            stop = lifecycle.RunStopped(f"training finished at step {t.steps}, but checkpoint step_{self.unsaved} could "
-                                        "not be written and no later save was scheduled (checkpoint.save_final = "
-                                        f"false); the newest checkpoint is {newest}; free disk space, then "
-                                        + (f"resume with: {lifecycle.resume_command()}" if newest else self._start_again()))
-        if lead:
-            held = writer.held()
-            if (err := writer.close()) is not None and stop is None:
-                stop = lifecycle.RunStopped(f"{err}; training finished at step {t.steps} (newest checkpoint "
-                                            f"{ckpt.latest_checkpoint(self.run_dir)}), but the records of {held} are "
-                                            "not in metrics.jsonl: they were held in memory while the disk was full")
-            if cfg.log.plot and err is None:
-                try:
-                    plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
-                except OSError as e:
-                    print(f"zerotron: warning: cannot write {self.run_dir / 'loss.png'}: {e.strerror or e}",
-                          file=sys.stderr, flush=True)
-            if stop is not None:
-                summary.update(stopped=str(stop), exit_code=stop.exit_code)
-            write_summary(self.run_dir, summary)
-        if stop is not None:  # (rank 0 alone may hold unwritten metrics: its exit code says so)
-            raise stop
-        return summary
 
     def sample(self, prompt: str, n: int) -> str:
         """Decode ``n`` tokens after ``prompt`` (temperature 0.8, top-k 50, fixed seed)."""
