@@ -3,7 +3,7 @@ torchtitan's default 2-D layout) and full activation recomputation under paramet
 (native ZeRO-3, FSDP2 stage 3, pipeline x ZeRO-3).
 
 Their fp64 parity with one process is in the parity matrix (the MUST witnesses of
-``zerotron/parity/space.py``). Here is what the matrix does not see: the plan accepts them; an
+``zerotron/parity/space/``). Here is what the matrix does not see: the plan accepts them; an
 FSDP2 x TP checkpoint resumes in the same layout (DCP load path) and in one process equal to an
 uninterrupted run; model-state bytes count the local (dp x tp) shard; and under ZeRO-3 with full
 recomputation a block's parameters are gathered for its forward and again for its recompute (in
