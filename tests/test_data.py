@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zerotron.data.dataset as dataset_mod
+import zerotron.data.encode as encode_mod
 from zerotron.data import (
     EOT,
     DataError,
@@ -24,7 +25,7 @@ from zerotron.data import (
     split_documents,
     train_bpe,
 )
-from zerotron.data.dataset import _encode_to_file, _pieces
+from zerotron.data.encode import _encode_to_file, _pieces
 
 WORDS = ("the of and to in a is that for it as was with be by on not he this are or his "
          "from at which but have an they you were her she there one all we their").split()
@@ -361,7 +362,7 @@ def test_foreign_tokenizer_encodes_whole_documents(corpus_dir, tmp_path, monkeyp
         vocab_size=280, special_tokens=[EOT], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(tmp_path / "prefix.json"))
-    monkeypatch.setattr(dataset_mod, "PIECE_CHARS", 64)
+    monkeypatch.setattr(encode_mod, "PIECE_CHARS", 64)
     data = prepare_data("files", corpus_dir, cache_dir=tmp_path / "c",
                         tokenizer_path=tmp_path / "prefix.json")
     train_docs, _ = split_documents(load_corpus("files", corpus_dir), 0.05)
@@ -399,7 +400,7 @@ def test_unwritable_cache_dir_is_one_data_error(corpus_dir, tmp_path, monkeypatc
 
         def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(dataset_mod, "open", Full, raising=False)
+    monkeypatch.setattr(encode_mod, "open", Full, raising=False)
     with pytest.raises(DataError, match=r"cannot write the token cache under data.cache_dir '.*c' \(No space left on "
                                         r"device; [\d,]+ bytes free\): free space there or give a writable folder"):
         prepare_data("files", corpus_dir, vocab_size=300, cache_dir=tmp_path / "c")

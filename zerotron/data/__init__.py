@@ -7,9 +7,11 @@ Typical use::
     x, y = batch_from_indices(data.train, sampler.local_indices(step, dp_rank, dp_size), S)
 """
 from .corpus import DataError, corpus_fingerprint, load_corpus, split_documents
-from .dataset import TokenData, batch_from_indices, cache_key, load_token_data, num_windows, prepare_data, token_dtype
+from .dataset import cache_key, prepare_data
 from .sampler import GlobalBatchSampler
+from .token_cache import TokenData, load_token_data, token_dtype
 from .tokenizer import EOT, SpecialTokens, load_tokenizer, read_special_tokens, train_bpe
+from .windows import batch_from_indices, num_windows
 
 __all__ = [
     "DataError", "load_corpus", "split_documents", "corpus_fingerprint",

@@ -1,4 +1,4 @@
-"""Token caches and training windows.
+"""Token caches: built once per input, reused, opened.
 
 :func:`prepare_data` turns a corpus into two flat token files (``train.bin``,
 ``val.bin``: documents each followed by the EOT id) plus ``tokenizer.json`` and
@@ -7,11 +7,13 @@ depend on, so a changed input builds a new cache and an unchanged one is reused.
 A cache directory appears atomically (built in a temporary sibling, then renamed),
 so readers never see a half-written one and racing builders are harmless.
 
-A split of N tokens holds ``num_windows(N, S) = (N - 1) // S`` windows; window i is
-tokens ``[i*S, i*S + S + 1)``, whose first S tokens are the inputs and last S the
-targets. Instruction data (``data.format`` chat / prompt_completion, :mod:`zerotron.data.sft`)
-adds a loss mask per split (``train.mask``, ``val.mask``: one uint8 per token) and lays out one
-row per window, so its cache also depends on S.
+Instruction data (``data.format`` chat / prompt_completion, :mod:`zerotron.data.sft`) adds a loss
+mask per split (``train.mask``, ``val.mask``: one uint8 per token) and lays out one row per window
+of S tokens, so its cache also depends on S.
+
+Beside this module: :mod:`zerotron.data.token_cache` (the format, :class:`TokenData`, opening a
+cache), :mod:`zerotron.data.encode` (documents to a token file), :mod:`zerotron.data.windows`
+(the training windows of a split); the names users import from here are re-exported.
 """
 from __future__ import annotations
 
@@ -19,21 +21,18 @@ import errno
 import hashlib
 import json
 import os
-import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
-from tokenizers import Tokenizer
 
 from . import sft
 from .corpus import DataError, check_val_fraction, corpus_fingerprint, load_corpus, split_documents
+from .encode import _encode_to_file
+from .token_cache import FORMAT_VERSION, TokenData, load_token_data, token_dtype
 from .tokenizer import (
-    SpecialTokens,
     check_vocab_size,
     load_tokenizer,
     read_special_tokens,
@@ -41,49 +40,12 @@ from .tokenizer import (
     train_bpe,
     write_special_files,
 )
+from .windows import batch_from_indices, num_windows
 
-FORMAT_VERSION = 1
-ENCODE_CHUNK_CHARS = 8_000_000  # documents are encoded in batches of about this many characters
 STALE_TMP_SECONDS = 24 * 3600  # unfinished build directories older than this are removed
-PIECE_CHARS = 4096  # long documents are encoded in pieces of about this many characters
-_BOUNDARY = re.compile(r"\S(?=\s)")  # a non-space followed by whitespace
 
-
-@dataclass
-class TokenData:
-    """An opened token cache.
-
-    Attributes:
-        train: 1-D read-only ``np.memmap`` of token ids (uint16 if vocab_size < 65536,
-            else uint32); documents each followed by ``eot_id``.
-        val: the same for the validation split.
-        tokenizer: the ``tokenizers.Tokenizer`` that produced the ids.
-        tokenizer_path: its ``tokenizer.json`` inside the cache.
-        vocab_size: number of token ids (may be below the requested size on tiny corpora).
-        eot_id: id of the end token that separates documents (``specials.eos_id``).
-        cache_dir: the cache's own directory, ``<cache_dir>/<key>``.
-        meta: the parsed ``meta.json`` (token/document counts, key inputs, ...).
-    """
-
-    train: np.ndarray
-    val: np.ndarray
-    tokenizer: Tokenizer
-    tokenizer_path: Path
-    vocab_size: int
-    eot_id: int
-    cache_dir: Path
-    meta: dict = field(default_factory=dict, repr=False)
-    specials: SpecialTokens | None = None
-    """the tokenizer's special tokens and chat template (read from the cache's own files)"""
-    train_mask: np.ndarray | None = None
-    """instruction data: 1 where a token of ``train`` is a training target (uint8), else None"""
-    val_mask: np.ndarray | None = None
-    """the same for ``val``"""
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """``np.uint16`` if vocab_size < 65536 else ``np.uint32``."""
-    return np.dtype(np.uint16 if vocab_size < 2**16 else np.uint32)
+__all__ = ["TokenData", "batch_from_indices", "cache_key", "load_token_data", "num_windows", "prepare_data",
+           "token_dtype"]
 
 
 def _file_sha256(path: Path) -> str:
@@ -310,152 +272,3 @@ def _build_rows(out: Path, key: str, inputs: dict, path, vocab_size: int, val_fr
         meta.update({f"{name}_{k}": v for k, v in counts.items()})
     meta["build_seconds"] = round(time.perf_counter() - start, 3)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-
-def _pieces(doc: str, size: int) -> list[str]:
-    """Cut ``doc`` into pieces of about ``size`` chars, each cut between a non-space and
-    a whitespace character. The GPT-2 pre-tokenizer never joins such a pair into one
-    pre-token, so encoding the pieces gives exactly the ids of the whole document, and
-    HF tokenizers encodes many short strings much faster than one long one."""
-    out, start = [], 0
-    while len(doc) - start > size:
-        m = _BOUNDARY.search(doc, start + size - 1)
-        if m is None:
-            break
-        out.append(doc[start:m.start() + 1])
-        start = m.start() + 1
-    out.append(doc[start:])
-    return out
-
-
-def _splittable(tok: Tokenizer) -> bool:
-    """True if ``tok`` is plain GPT-2-style byte-level (safe for :func:`_pieces`)."""
-    spec = json.loads(tok.to_str())
-    pre, post = spec.get("pre_tokenizer") or {}, spec.get("post_processor") or {}
-    return (spec.get("normalizer") is None and pre.get("type") == "ByteLevel"
-            and pre.get("use_regex", True) and not pre.get("add_prefix_space", False)
-            and post.get("type", "ByteLevel") == "ByteLevel")
-
-
-def _encode_to_file(tok: Tokenizer, docs: list[str], eot: int, dtype: np.dtype,
-                    out: Path) -> int:
-    """Encode docs (``encode_batch``), each followed by ``eot``; write raw ids; return count."""
-    split = _splittable(tok)
-    total = 0
-    with open(out, "wb") as f:
-        batch: list[str] = []
-        ends: list[bool] = []  # True where a piece is the last of its document
-        chars = 0
-        for k, doc in enumerate(docs):
-            pieces = _pieces(doc, PIECE_CHARS) if split else [doc]
-            batch += pieces
-            ends += [False] * (len(pieces) - 1) + [True]
-            chars += len(doc)
-            if k == len(docs) - 1 or chars >= ENCODE_CHUNK_CHARS:
-                parts = []
-                for enc, end in zip(tok.encode_batch(batch, add_special_tokens=False), ends):
-                    parts.append(np.asarray(enc.ids, dtype=dtype))
-                    if end:
-                        parts.append(np.array([eot], dtype=dtype))
-                ids = np.concatenate(parts)
-                f.write(ids.data)  # ids.tofile's short write on a full disk is an OSError without errno
-                total += ids.size
-                batch, ends, chars = [], [], 0
-    return total
-
-
-def _open_tokens(file: Path, dtype: np.dtype, count: int) -> np.ndarray:
-    """Memory-map ``count`` ids of ``dtype`` read-only; DataError if the size is off."""
-    if not file.is_file() or file.stat().st_size != count * dtype.itemsize:
-        raise DataError(f"{file} is missing or not {count} tokens of {dtype.name} as meta.json "
-                        "says; delete the cache directory and run prepare_data again")
-    if count == 0:  # numpy cannot map an empty file
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(file, dtype=dtype, mode="r", shape=(count,))
-
-
-def load_token_data(path: str | Path) -> TokenData:
-    """Open an existing cache directory ``<cache_dir>/<key>``.
-
-    Returns:
-        :class:`TokenData` (splits are read-only memmaps).
-    Raises:
-        DataError: not a complete cache (no meta.json, wrong format version,
-            missing/truncated files, bad tokenizer).
-    """
-    path = Path(path).expanduser()
-    meta_file = path / "meta.json"
-    if not meta_file.is_file():
-        raise DataError(f"{path} is not a complete zerotron token cache (no meta.json); "
-                        "delete it and run prepare_data again")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError:
-        raise DataError(f"{meta_file} is not valid JSON; delete {path} and run prepare_data "
-                        "again") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path} has cache format {meta.get('format_version')!r}, this version "
-                        f"reads {FORMAT_VERSION}; delete it and run prepare_data again")
-    tok = load_tokenizer(path / "tokenizer.json")
-    specials = read_special_tokens(path / "tokenizer.json", tok)
-    dtype = np.dtype(meta["dtype"])
-    masks = {s: _open_tokens(path / f"{s}.mask", np.dtype(np.uint8), meta[f"{s}_tokens"])
-             for s in ("train", "val")} if meta.get("format", "text") != "text" else {}
-    return TokenData(
-        train=_open_tokens(path / "train.bin", dtype, meta["train_tokens"]),
-        val=_open_tokens(path / "val.bin", dtype, meta["val_tokens"]),
-        tokenizer=tok, tokenizer_path=path / "tokenizer.json",
-        vocab_size=meta["vocab_size"], eot_id=meta["eot_id"], cache_dir=path, meta=meta,
-        specials=specials, train_mask=masks.get("train"), val_mask=masks.get("val"),
-    )
-
-
-def num_windows(num_tokens: int, seq_len: int) -> int:
-    """Number of training windows, ``max((num_tokens - 1) // seq_len, 0)``.
-
-    Raises:
-        DataError: seq_len is not a positive int.
-    """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
-        raise DataError(f"seq_len must be a positive integer, got {seq_len!r}")
-    return max((int(num_tokens) - 1) // int(seq_len), 0)
-
-
-def batch_from_indices(tokens: np.ndarray, indices, seq_len: int, split: str = "train",
-                       mask: np.ndarray | None = None, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather windows of a token split into an input/target batch.
-
-    Args:
-        tokens: 1-D token ids (e.g. ``TokenData.train``, any integer dtype).
-        indices: 1-D window indices (B,), each in ``[0, num_windows(len(tokens), seq_len))``.
-        seq_len: S, tokens per window input.
-        split: split name used in error messages.
-        mask: optional loss mask aligned with ``tokens`` (instruction data): a target whose
-            mask is 0 becomes ``ignore_index``.
-        ignore_index: the target id the loss skips (the strategies' ``IGNORE_INDEX``).
-    Returns:
-        ``(x, y)``: contiguous ``torch.int64`` tensors of shape (B, S) with
-        ``x[b] = tokens[i*S : i*S+S]`` and ``y[b] = tokens[i*S+1 : i*S+S+1]``, i = indices[b]
-        (``y`` = ignore_index where ``mask[i*S+1 : i*S+S+1]`` is 0).
-    Raises:
-        DataError: the split is too small for one window, indices are not 1-D, or
-            an index is out of range.
-    """
-    n = num_windows(len(tokens), seq_len)
-    if n == 0:
-        raise DataError(f"the {split} split has {len(tokens)} tokens but one window of seq_len "
-                        f"{seq_len} needs {seq_len + 1}; lower model.block_size (the sequence length) or use more data "
-                        "(for val: a larger val_fraction)")
-    idx = np.asarray(indices, dtype=np.int64)
-    if idx.ndim != 1:
-        raise DataError(f"indices must be 1-D, got shape {idx.shape}")
-    if idx.size and (idx.min() < 0 or idx.max() >= n):
-        raise DataError(f"window index out of range [0, {n}) for the {split} split "
-                        f"(min {idx.min()}, max {idx.max()}); use the sampler's indices")
-    pos = idx[:, None] * seq_len + np.arange(seq_len + 1)
-    windows = torch.from_numpy(np.array(tokens[pos], dtype=np.int64))
-    x, y = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-    if mask is not None:
-        keep = torch.from_numpy(np.array(mask[pos[:, 1:]], dtype=np.bool_))
-        y = torch.where(keep, y, torch.full_like(y, ignore_index)).contiguous()
-    return x, y

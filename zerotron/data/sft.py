@@ -18,7 +18,7 @@ are ``[bos] + prompt`` (masked) then ``completion + eos`` (trained).
 
 Windows: every row occupies exactly S = ``seq_len`` positions of the token stream (row k at
 ``[k*S, (k+1)*S)``), right-padded with the pad id (``pad_token``, else the end token), and one pad
-token ends the stream; so training window k of :func:`zerotron.data.dataset.batch_from_indices`
+token ends the stream; so training window k of :func:`zerotron.data.windows.batch_from_indices`
 is row k, and its targets are the row's next tokens where the mask is 1 and ``ignore_index``
 elsewhere (padding, prompts, and the first token of the next row). Truncation rule: a row longer
 than S tokens keeps its first S tokens (counted as ``truncated_rows``); a row with no target left
