@@ -297,18 +297,21 @@ def test_pp2_parity_all_schedules(refs, pp2):
 
 def test_pp2_measured_bubble(pp2):
     """Busy/idle timing per rank: naive (one stage busy at a time, theory (p-1)/p = 0.5) idles
-    more than 1f1b with 8 micro-batches (theory (p-1)/(m+p-1) = 0.11). The measured fractions
-    depend on the machine's load (beside another pytest worker: naive 0.27, 1f1b 0.13), so only
-    their order is asserted; the schedule's own bubble (replayed from the p2p events) is checked
-    against theory below."""
+    more than 1f1b with 8 micro-batches (theory (p-1)/(m+p-1) = 0.11). The measured wall-clock
+    fractions depend on the machine's load (beside another pytest worker: naive 0.27, 1f1b 0.13;
+    at load ~40 once naive 0.25, 1f1b 0.29), so they are printed, not compared (``zerotron bench``
+    measures them); the order is asserted on the schedule's own bubble, replayed from each step's
+    measured compute times with communication free, which a slow neighbour does not reorder."""
+    from zerotron.parallel.pipeline.accounting import recv_wait_split, replayed_bubble
+
     n = len(TIMING)
     bubble = [np.mean([t["bubble_fraction"] for r in pp2["runs"] for t in r[i]["timing"][1:]])
               for i in range(-n, 0)]
-    print("measured bubble naive, 1f1b:", bubble)
-    assert bubble[1] < bubble[0], bubble
+    replayed = [np.mean([replayed_bubble(2, m, kind, 1, [r[i]["timing"][s]["p2p_events"] for r in pp2["runs"]])["max"]
+                         for s in range(3)]) for i, kind, m in zip(range(-n, 0), ("naive", "1f1b"), (1, 8))]
+    print("measured bubble naive, 1f1b:", bubble, "replayed:", replayed)
+    assert replayed[1] < replayed[0], replayed
     # the idle breakdown: per-message events, receive waits split into dependency + transfer
-    from zerotron.parallel.pipeline.accounting import recv_wait_split, replayed_bubble
-
     for i, kind in zip(range(-n, 0), ("naive", "1f1b")):
         for step in range(3):
             tms = [r[i]["timing"][step] for r in pp2["runs"]]
