@@ -64,11 +64,12 @@ __all__ = ["DryRunError", "default_ranks", "dry_run", "predict_step_time", "esti
            "synthetic_batches", "model_config", "planned_comm", "CATEGORIES"]
 
 
-def planned_comm(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = None) -> dict:
+def planned_comm(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = None, with_calls: bool = False):
     """Bytes per group of one step the planner prices for pipeline rank ``pp_rank``
     (:func:`zerotron.analysis.planner.comm_bytes`): the training dtype's element size, gradient
     reductions in ``parallel.reduce_dtype``'s (``parallel.precision.reduce_dtype``), ``layer_counts``
-    the runner's layers per model stage (a record's ``layer_counts``; None: the even split)."""
+    the runner's layers per model stage (a record's ``layer_counts``; None: the even split). With
+    ``with_calls``: ``(bytes, calls)``, calls per group of the ZeRO / FSDP2 collectives."""
     from zerotron.analysis.planner import comm_bytes
     from zerotron.parallel.precision import reduce_dtype
 
@@ -79,12 +80,12 @@ def planned_comm(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None
               "schedule": lay.schedule if lay.pp > 1 else "none", "recompute": lay.recompute,
               "dp_replicate": lay.dp_replicate, "cp": plan.dims.cp, "zero_impl": cfg.parallel.zero_impl}
     red = reduce_dtype(cfg.train.dtype, cfg.parallel.reduce_dtype).itemsize
-    out = comm_bytes(shape_of(mcfg), layout, lay.seq, cfg.train.global_batch, pp_rank, elem_bytes=elem,
-                      sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), reduce_bytes=red,
-                      layer_counts=layer_counts)
+    out, calls = comm_bytes(shape_of(mcfg), layout, lay.seq, cfg.train.global_batch, pp_rank, elem_bytes=elem,
+                            sp=lay.sp, bucket_bytes=int(cfg.parallel.bucket_mb * 2**20), reduce_bytes=red,
+                            layer_counts=layer_counts, with_calls=True)
     if plan.dims.cp > 1 and cfg.parallel.cp_impl != "ring":  # the planner prices ring attention's messages only
         out.pop("cp", None)
-    return out
+    return (out, calls) if with_calls else out
 
 
 def predict_step_time(cfg: Config, plan, records: list[dict], hw, gpus_per_node: int = 8,
@@ -156,7 +157,8 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     largest dense tensor), ``model_state_bytes`` (the strategy's own count after the
     step), ``peak_bytes_estimated`` and ``estimated`` (:func:`estimate`), ``comm_bytes_traced`` /
     ``comm_bytes_planned`` ({group: bytes} of the measured step; the planner's where it prices the
-    group), ``comm_traced`` (per group: bytes, calls, bytes per op/tag), ratios traced/estimated,
+    group), ``comm_calls_planned`` ({group: calls} of the planner's ZeRO / FSDP2 collectives),
+    ``comm_traced`` (per group: bytes, calls, bytes per op/tag), ratios traced/estimated,
     ``oom`` (None, or the first moment the total exceeded ``gpu_mem``: phase, module, pass, the
     category that grew, bytes; phase "model states" with the largest category when the states
     held before the step already exceed it; phase "setup" when the model build
@@ -211,8 +213,9 @@ def dry_run(cfg: Config, world: int, ranks: list[int] | None = None, gpu_mem: in
     for rec in out:
         pp_rank = rec["coords"]["pp"]
         est = estimate(cfg, plan, pp_rank, rec["layer_counts"], rec["coords"].get("tp", 0))
-        planned = planned_comm(cfg, plan, pp_rank, rec["layer_counts"])
+        planned, planned_calls = planned_comm(cfg, plan, pp_rank, rec["layer_counts"], with_calls=True)
         rec.update(peak_bytes_estimated=est["total"], estimated=est, comm_bytes_planned=planned,
+                   comm_calls_planned=planned_calls,
                    ratios={"peak": _ratio(rec["peak_bytes_traced"], est["total"]),
                            "model_states": _ratio(rec["model_state_bytes"]["total_bytes"],
                                                   est["model_states"]["total_bytes"]),
