@@ -153,6 +153,9 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
     if fsdp2 and lay.pp == 1 and lay.microbatches == 1:  # the step's other moment: the last block's backward
         later = fsdp2_last_block_bytes(cfg, lay, shape, states, act, params, layers, cp)
         terms["fsdp2_last_block_moment"] = max(0, later - states["total_bytes"] - a - sum(terms.values()))
+    if lay.zero_stage == 3 and not fsdp2 and lay.pp == 1 and lay.recompute == "full" and layers >= 3:
+        later = zero3_block_bytes(cfg, lay, shape, states, act, params, layers, cp)  # a mid-backward block's moment
+        terms["zero3_block_moment"] = max(0, later - states["total_bytes"] - a - sum(terms.values()))
     total = states["total_bytes"] + a + sum(terms.values())
     if lay.zero_stage == 1 and not fsdp2:  # the step's other moment: finish_grads' reduce-scatters
         from zerotron.parallel.data.zero import ZeroSync
@@ -168,6 +171,53 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
         total += terms["finish_grads_moment"]
     return {"params": params, "dp": lay.dp, "model_states": states, "activations": a, "terms": terms,
             "total": total}
+
+
+def zero3_block_bytes(cfg: Config, lay: Layout, shape, states: dict, act: dict, params: int, layers: int,
+                      cp: int) -> int:
+    """Bytes native ZeRO-3 (plain runner, full recomputation) holds in the backward of block L - 3,
+    the first whose backward runs with ``ZeroSync.reduce_window`` (2) units' reduce-scatters in
+    flight, on one rank: the step's peak when the activations are small beside a block's
+    parameters (Llama-3-70B dp 8: 1.031 x the loss's moment before this was counted). Derived from
+    ``parallel.data.zero`` / ``flat_shard`` and measured with a dry run's MemTracker (live storages
+    at the peak by size and category; ``tests/test_dryrun_peak.py``, ``zero3-dp4-full-grads``):
+
+    * the model states (their 16 bytes per shard element: the fp32 shard gradients included);
+    * the root unit gathered for the step in the compute dtype (ce R) and the gradients of the
+      head and final norm, made by the loss's backward and held in the compute dtype until the
+      root unit's reduction at the backward's end (ce (V/t h + norm));
+    * two blocks gathered in the compute dtype: the one in backward and the one its pre-backward
+      hook prefetches (2 ce B, B a block's parameters on this tp rank), and the prefetch's
+      all-gather input, the master shard cast to the compute dtype, held by the in-flight work
+      (ce ceil(B/N));
+    * the reduce window: the fp32 (``reduce_dtype``) inputs of the two blocks whose
+      reduce-scatters are in flight, each a copy of the block's full gradient, and their output
+      shards (2 red (B + ceil(B/N)));
+    * the checkpointed inputs of blocks 0 .. L - 3, the recompute workspace and the block's
+      backward with its weight gradients in the compute dtype
+      (:func:`~zerotron.analysis.activations.block_backward_bytes` with ``grad_bytes`` = ce).
+
+    Further down the backward only the checkpointed inputs shrink, so this is the largest such
+    moment. Several micro-batches per step repeat it per micro-batch (nothing more is held)."""
+    from zerotron.analysis.activations import block_backward_bytes
+    from zerotron.parallel.data.zero import ZeroSync
+    from zerotron.parallel.precision import reduce_dtype
+
+    bf16 = lay.dtype == "bf16"
+    e = {"fp32": 4, "bf16": 2, "fp64": 8}[lay.dtype]
+    ce = 2 if bf16 else e
+    red = reduce_dtype(lay.dtype, cfg.parallel.reduce_dtype).itemsize
+    block = shape.block_params(lay.tp)
+    root, head = params - layers * block, -(-shape.vocab_size // lay.tp) * shape.n_embd
+    head_grads = (0 if shape.tied else head) + shape.norm_params  # the tied head's gradient is the embedding's
+    seq, shards = lay.seq // cp, lay.dp * cp // lay.dp_replicate
+    n = ZeroSync.reduce_window
+    bwd = block_backward_bytes(shape, seq, lay.micro_batch, lay.tp, lay.sp, ACT_DTYPE[lay.dtype], bf16, bf16,
+                               grad_bytes=ce)
+    acts = (layers - n) * act["per_layer_bytes"] + act["recompute_workspace_bytes"] + bwd
+    shard = -(-block // shards)
+    return (states["total_bytes"] + ce * root + ce * head_grads + 2 * ce * block + ce * shard + n * red * (block + shard)
+            + acts)
 
 
 def fsdp2_last_block_bytes(cfg: Config, lay: Layout, shape, states: dict, act: dict, params: int, layers: int,
