@@ -93,7 +93,11 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
     * with recomputation, on the last stage: the loss's backward (the peak) comes before any layer
       is recomputed, so the recompute workspace is not live then (``recompute_workspace_not_live``,
       negative); ``recompute_moment`` adds the difference when the first recomputation's backward
-      (workspace and ``block_backward`` live, the loss's tensors freed) is the larger moment.
+      (workspace and ``block_backward`` live, the loss's tensors freed, and the head's and the final
+      norm's where ``block_backward`` is modelled) is the larger moment;
+    * ``zero3_block_moment`` (native ZeRO-3, plain runner, full recomputation): when the backward of
+      a block with the reduce window full (:func:`zero3_block_bytes`) exceeds the loss's moment,
+      the difference.
 
     fp64 training: activations counted at fp32's 4 bytes (the estimator has no 8-byte activations).
     ``layer_counts``: layers per model stage as the pipeline runner split them (its ``split``),
@@ -147,8 +151,14 @@ def estimate(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = N
         terms["block_backward"] = bwd
     if last and lay.recompute != "none":  # the loss's backward comes before any layer is recomputed:
         loss_moment = terms["loss_backward"] + terms["gathered"] - act["recompute_workspace_bytes"]
-        loss_saved = LOSS_BYTES * seq * lay.micro_batch * -(-V // t)  # freed once the loss's backward is done
-        terms["recompute_moment"] = max(0, bwd - loss_saved - loss_moment)  # (the later moment, if larger)
+        # freed by then: the loss's saved tensors and, once the head's backward is done, the head's and the
+        # final norm's (all of the last stage's output_bytes). Counted where the block's backward is
+        # modelled (bwd > 0: bf16 compute parameters); over fp32 parameters the moment also holds the
+        # recomputed block's weight casts and fp32 backward temporaries, which are not (test tp2-full-casts
+        # 1.009 with the loss's alone, 1.036 with all of output_bytes), so there only the loss's are taken.
+        loss_saved = LOSS_BYTES * seq * lay.micro_batch * -(-V // t)
+        freed = act["output_bytes"] if bwd else loss_saved
+        terms["recompute_moment"] = max(0, bwd - freed - loss_moment)  # (the later moment, if larger)
         terms["recompute_workspace_not_live"] = -act["recompute_workspace_bytes"]
     if fsdp2 and lay.pp == 1 and lay.microbatches == 1:  # the step's other moment: the last block's backward
         later = fsdp2_last_block_bytes(cfg, lay, shape, states, act, params, layers, cp)
