@@ -8,8 +8,8 @@ layouts that run for real on this machine (2-8 processes, configs/tiny.toml).
     python benchmarks/dryrun_vs_real.py --summary benchmarks/dryrun_vs_real.json   # the README table
 
 Per rank: live bytes at the step's start, its peak and its end, real and dry, and the difference;
-gloo's own staging buffers and the blocks freed on gloo worker threads (both in
-``bench.step_memory``'s docstring); whether the step's collectives (calls and bytes per op, group
+gloo's own staging buffers, kernels' workspaces (bf16 matmuls' oneDNN scratch) and the blocks freed
+on gloo worker threads (all in ``bench.step_memory``'s docstring); whether the step's collectives (calls and bytes per op, group
 and tag) equal ``comm.STATS`` of the real run.
 The real run holds one thing the dry run does not count: the int64 token ids of the rank's
 micro-batches (x and y, 16 bytes per token; the dry run makes them as real tensors outside its fake
@@ -74,6 +74,7 @@ def compare(name: str, world: int, overrides: dict) -> dict:
                              "end": d["end_of_step"]["total"]},
                      "estimated": d["peak_bytes_estimated"], "token_id_bytes": ids,
                      "backend_peak": r["backend_peak_bytes"], "unseen_frees": r["unseen_frees"],
+                     "workspace_peak": r["workspace_peak_bytes"],
                      "peak_at": d["peak_at"], "states_equal": r["model_state_bytes"] == d["model_state_bytes"],
                      "comm_equal": r["comm"] == traced_comm(d), "comm_calls": sum(v["calls"] for v in r["comm"].values()),
                      "peak_left": r["peak_bytes_measured"] - d["peak_bytes_traced"] - ids,
@@ -85,8 +86,9 @@ def compare(name: str, world: int, overrides: dict) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = ["| layout | world | rank (pp, dp, tp) | real peak B | dry peak B | real / dry | real - dry - ids B: "
-             "start / peak / end | gloo's own peak B | unseen frees (n, B) | collectives equal (calls) | "
-             "dry / estimated | peak at (dry) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "start / peak / end | gloo's own peak B | kernels' workspaces, peak B | unseen frees (n, B) | "
+             "collectives equal (calls) | dry / estimated | peak at (dry) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for row in res["ranks"]:
             c, at, u = row["coords"], row["peak_at"] or {}, row["unseen_frees"]
@@ -94,7 +96,7 @@ def markdown(results: list[dict]) -> str:
                          f"{row['real']['peak']:,} | {row['dry']['peak']:,} | "
                          f"{row['real']['peak'] / row['dry']['peak']:.4f} | "
                          f"{row['start_left']:,} / {row['peak_left']:,} / {row['end_left']:,} | "
-                         f"{row['backend_peak']:,} | {u['count']}, {u['bytes']:,} | "
+                         f"{row['backend_peak']:,} | {row.get('workspace_peak', 0):,} | {u['count']}, {u['bytes']:,} | "
                          f"{'yes' if row['comm_equal'] else 'NO'} ({row['comm_calls']}) | "
                          f"{row['dry']['peak'] / row['estimated']:.3f} | {at.get('phase')} / {at.get('pass')} |")
     return "\n".join(lines) + "\n"
@@ -108,14 +110,15 @@ def _span(vals: list, fmt=lambda v: f"{v:,}") -> str:
 def summary(results: list[dict]) -> str:
     """One line per layout (ranges over its ranks): the README's table."""
     lines = ["| layout | world | real peak B (rank 0) | real / dry peak | real - dry - ids B: start / peak / end | "
-             "gloo's own buffers, peak B | frees on gloo workers (blocks) | collectives = comm.STATS |",
-             "|---|---|---|---|---|---|---|---|"]
+             "gloo's own buffers, peak B | kernels' workspaces, peak B | frees on gloo workers (blocks) | "
+             "collectives = comm.STATS |", "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         rows = res["ranks"]
         left = " / ".join(_span([r[k] for r in rows]) for k in ("start_left", "peak_left", "end_left"))
         lines.append(f"| {res['layout']} | {res['world']} | {rows[0]['real']['peak']:,} | "
                      f"{_span([r['real']['peak'] / r['dry']['peak'] for r in rows], lambda v: f'{v:.4f}')} | {left} | "
-                     f"{_span([r['backend_peak'] for r in rows])} | {_span([r['unseen_frees']['count'] for r in rows])} | "
+                     f"{_span([r['backend_peak'] for r in rows])} | {_span([r.get('workspace_peak', 0) for r in rows])} | "
+                     f"{_span([r['unseen_frees']['count'] for r in rows])} | "
                      f"{'yes' if all(r['comm_equal'] for r in rows) else 'NO'} |")
     return "\n".join(lines) + "\n"
 

@@ -34,6 +34,13 @@ LAYOUTS = [("tp2", 2, 0, {"parallel.tp": 2, "train.global_batch": 1}),
                                            "train.global_batch": 4, "train.activation_checkpointing": "full",
                                            "model.n_layer": 8, "model.n_embd": 512, "model.intermediate_size": 1024,
                                            "model.vocab_size": 1024, "model.block_size": 256}),
+           # native ZeRO-3 with full recomputation at that shape: the peak is a mid-backward block's, with two
+           # blocks gathered, the prefetch's gather input, the reduce window's fp32 inputs, the gathered root
+           # and the head's gradient (1.42 unmodelled; Llama-3-70B dp 8: 1.031)
+           ("zero3-dp4-full-grads", 4, 0, {"parallel.dp": 4, "parallel.zero_stage": 3, "train.global_batch": 4,
+                                           "train.activation_checkpointing": "full", "model.n_layer": 8,
+                                           "model.n_embd": 512, "model.intermediate_size": 1024,
+                                           "model.vocab_size": 1024, "model.block_size": 128}),
            # the last pipeline stage of 8 micro-batches: its received inputs and sent input gradients
            # (were all kept: 1.13 before the dry run's tracker and fake sends stopped holding them)
            ("zero1-pp2-last", 2, 1, {"parallel.pp": 2, "parallel.zero_stage": 1, "train.global_batch": 8}),

@@ -4,7 +4,9 @@ Each layout is dry-run in this process (4 fake ranks, bf16 -- where ZeRO-0's fp3
 an fp32 residual stream and ZeRO >= 1 computes on bf16 copies --, the first and last pipeline
 stage); tests/test_dryrun.py proves the dry run's bytes per (op, group, tag) equal a real gloo
 run's. Per group the planner prices the traced bytes less the bookkeeping all-reduces it documents
-as not priced: tp and pp exactly, dp up to ZeRO's / FSDP2's padding (below).
+as not priced: tp and pp exactly, dp up to ZeRO's / FSDP2's padding (below); and the ZeRO / FSDP2
+collectives' calls exactly (native ZeRO sends one per flat buffer: a unit's weight-decay and no-decay
+parameters, tp-sharded and replicated ones, in buffers of their own, ``planner.dp_flat_calls``).
 """
 import pytest
 
@@ -37,7 +39,8 @@ PIECES = 12
 def test_planned_bytes_equal_the_traced(name, config, overrides):
     """Per traced rank and group: traced (priced tags) = planned for tp and pp; for dp/batch
     0 <= traced - planned <= calls x PIECES x (dp - 1) x 4 bytes (each padded piece adds fewer
-    than dp elements of at most 4 bytes to a call's size)."""
+    than dp elements of at most 4 bytes to a call's size), and traced calls = planned calls under
+    ZeRO / FSDP2."""
     from zerotron.analysis.dryrun import default_ranks, dry_run
     from zerotron.distributed import comm
     from zerotron.plan import build_plan
@@ -56,6 +59,10 @@ def test_planned_bytes_equal_the_traced(name, config, overrides):
             else:
                 pad = sum(c["calls"] for c in ops.values()) * PIECES * (rec["estimated"]["dp"] - 1) * 4
                 assert 0 <= got - want <= pad, (name, rec["rank"], group, got, want, pad, ops)
+                if cfg.parallel.zero_stage:
+                    calls = sum(c["calls"] for c in ops.values())
+                    assert calls == rec["comm_calls_planned"][group], (name, rec["rank"], group, calls,
+                                                                       rec["comm_calls_planned"], ops)
 
 
 def test_stream_dtype_rule():

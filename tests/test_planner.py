@@ -168,12 +168,13 @@ def test_collective_latency_counts():
     slow = CostModel(replace(hw, sync_penalty=alpha), launch_s=0.0)  # each call pays it on top
     bd = evaluate(cfg, dict(base, pp=2, schedule="1f1b"), 1024, 16, slow)["time_breakdown_s"]
     assert bd["pp_comm"] == pytest.approx(8 * 2 * 2 * alpha)
-    # dp: units = L blocks + the root; ZeRO-0: ceil(bytes / bucket) all-reduces of the fp32 gradients;
-    # ZeRO-3 (m = 4): per micro-batch a reduce-scatter of every unit and two all-gathers of every block,
-    # the root gathered once per step
+    # dp: one collective per flat buffer, U = 2L + 1 per sweep (each GPT-2 block: its decayed matrices
+    # and its biases/norms; the root: embeddings and final norm, none decayed); ZeRO-0: ceil(bytes /
+    # bucket) all-reduces of the fp32 gradients; ZeRO-3 (m = 4): per micro-batch a reduce-scatter
+    # sweep and two all-gathers of every block's flats, the root gathered once per step
     psi = gpt_num_params(L, 12, 768, 50257, 1024)
-    for z, calls in ((0, -(-4 * psi // (25 << 20))), (1, 2 * (L + 1)), (2, 4 * (L + 1) + (L + 1)),
-                     (3, 4 * (L + 1) + 2 * 4 * L + 1)):
+    U = 2 * L + 1
+    for z, calls in ((0, -(-4 * psi // (25 << 20))), (1, 2 * U), (2, 4 * U + U), (3, 4 * U + 2 * 4 * 2 * L + 1)):
         bd = evaluate(cfg, dict(base, dp=2, zero_stage=z), 1024, 16, cm)["time_breakdown_s"]
         assert bd["dp_comm"] == pytest.approx(calls * alpha), z
 
@@ -506,7 +507,7 @@ def test_hsdp_priced_on_two_links():
         model_state_bytes(n, 8, 3, "bf16-mixed")["total_bytes"] - model_state_bytes(n, 16, 3, "bf16-mixed")["total_bytes"])
     assert b["time_breakdown_s"]["dp_comm"] < a["time_breakdown_s"]["dp_comm"] / 3  # NIC 9x slower than NVLink
     intra, inter = _link(hw, True), _link(hw, False)
-    units, m = cfg.n_layer + 1, 64 // (16 * 4)
+    units, m = 2 * cfg.n_layer + 1, 64 // (16 * 4)  # flat buffers: 2 per block, 1 root
     root = n - cfg.n_layer * (12 * cfg.n_embd ** 2 + 13 * cfg.n_embd)  # embeddings + final norm
     g = 4.0 * n  # the gradients in fp32 (reduce_dtype "auto" under bf16)
     want = _dp_time(3, m, units, n, 8, intra, cm, root=root) + collective_time(g / 8, "all_reduce", 2, *inter,

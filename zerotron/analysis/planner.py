@@ -51,7 +51,9 @@ of b sequences of S tokens on pipeline rank r (h = n_embd, V = vocab, a = n_head
   calls); ZeRO-1 a reduce-scatter + an all-gather per unit per step; ZeRO-2 a reduce-scatter per
   unit and micro-batch + one all-gather per unit; ZeRO-3 per unit and micro-batch two all-gathers
   + one reduce-scatter (the ZeRO paper's 1.5x of plain DP, per micro-batch), native ZeRO-3's root
-  unit gathered once per step (FSDP2, ``layout["zero_impl"]``: 2m). A fraction ``hw.overlap`` of it hides behind
+  unit gathered once per step (FSDP2, ``layout["zero_impl"]``: 2m). Native ZeRO sends each of
+  these per flat buffer of the unit (its weight-decay and no-decay, tp-sharded and replicated
+  parameters apart: :func:`dp_flat_calls`, e.g. 2 per Llama block), FSDP2 one per unit. A fraction ``hw.overlap`` of it hides behind
   the backward compute (at most the backward's 2/3 of the compute): exposed = t_dp -
   min(overlap x t_dp, backward). ``overlap`` = 0 (the default) is an upper bound.
 * HSDP (``dp_replicate`` R, priced where dp x tp spans nodes, with R = dp x tp / gpus_per_node so
@@ -154,31 +156,58 @@ def _activations(shape: Shape, *args) -> dict:
                             attention=attention)
 
 
-def dp_messages(z: int, m: int, units: int, params: int, root: int, elem_bytes: int, reduce_bytes: int,
-                fsdp2: bool = False) -> list[tuple[str, int, int, str]]:
-    """One step's data-parallel collectives of a rank holding ``params`` parameters in ``units``
-    units (blocks, plus the root unit -- embeddings, final norm, head: ``root`` parameters -- where
-    the rank holds one), as the code sends them: ``[(op, total bytes, calls, kind), ...]``, bytes in
-    the nccl-tests size convention of ``comm.STATS`` (all-gather: output, reduce-scatter: input),
-    kind "reduce" (gradients, ``reduce_bytes`` per element: ``parallel.reduce_dtype``) or "gather"
-    (parameters, ``elem_bytes``: the compute copy). ZeRO-0 one all-reduce of the gradients; ZeRO-1 a
-    reduce-scatter per unit + an all-gather per unit; ZeRO-2 a reduce-scatter per unit and
-    micro-batch + an all-gather per unit; ZeRO-3 per micro-batch a reduce-scatter and two
-    all-gathers (forward, backward) of every block, native ZeRO-3's root unit gathered once per step
-    (``parallel.data.zero`` keeps it for the step), FSDP2's (``fsdp2``) like a block (2m). The
-    bucketing of ZeRO-0 is the caller's (calls = 1 here). The one rule for :func:`comm_bytes`
-    (bytes) and :func:`evaluate` (seconds)."""
+def dp_flat_calls(shape: Shape, tp: int, blocks: int, first: bool, last: bool, pipeline: bool) -> tuple[int, int]:
+    """Collectives of one sweep over a rank's native ZeRO units (``(all units', root units')``): the
+    code sends one per flat buffer, and ``parallel.data.flat_shard.build_flats`` makes one flat per
+    (weight-decay flag, tp-sharded) class present in a unit (``parallel.optim.decay_mask``: Linear
+    weights decay; biases, norms and embeddings do not; under tp > 1 the matrices, column-parallel
+    biases and the vocab-parallel embedding / head are sharded, norms and row-parallel biases
+    replicated). Units: each of the rank's ``blocks`` blocks; the root -- the embeddings where the
+    rank holds the first stage, the final norm and an untied head where it holds the last -- as
+    one unit on the plain runner, and under a ``pipeline`` a tied embedding/head as a unit of its
+    own (``pipeline.runner``; never decayed) beside the other root parameters. A MoE block's
+    router (and its experts, at ep 1) are replicated matrices: one more class under tp > 1.
+    Checked equal to the traced calls by tests/test_dryrun_planbytes.py."""
+    sh = tp > 1
+    block = {(True, sh), (False, False)} | ({(False, sh)} if shape.bias else set()) | (
+        {(True, False)} if shape.n_experts else set())
+    wte, wpe, norm, head = (False, sh), (False, False), (False, False), (True, sh)
+    embed = [wte] + ([wpe] if shape.learned_positions else []) if first else []
+    tail = [norm] + ([] if shape.tied else [head]) if last else []
+    if pipeline and shape.tied and (first or last):  # the tied weight alone, then the rest
+        units = [{wte}, set(([wpe] if first and shape.learned_positions else []) + ([norm] if last else []))]
+    else:  # one root unit (the plain runner's tied head is the embedding: counted once)
+        units = [set(embed + tail)]
+    root = sum(len(u) for u in units)
+    return blocks * len(block) + root, root
+
+
+def dp_messages(z: int, m: int, calls: int, params: int, root: int, elem_bytes: int, reduce_bytes: int,
+                fsdp2: bool = False, root_calls: int = 1) -> list[tuple[str, int, int, str]]:
+    """One step's data-parallel collectives of a rank holding ``params`` parameters (``root`` of them
+    in the root units -- embeddings, final norm, head -- where the rank holds any), whose units take
+    ``calls`` collectives per sweep, ``root_calls`` of them the root units' (native ZeRO: one per
+    flat buffer, :func:`dp_flat_calls`; FSDP2: one per unit), as the code sends them: ``[(op, total
+    bytes, calls, kind), ...]``, bytes in the nccl-tests size convention of ``comm.STATS``
+    (all-gather: output, reduce-scatter: input), kind "reduce" (gradients, ``reduce_bytes`` per
+    element: ``parallel.reduce_dtype``) or "gather" (parameters, ``elem_bytes``: the compute copy).
+    ZeRO-0 one all-reduce of the gradients; ZeRO-1 a reduce-scatter sweep + an all-gather sweep;
+    ZeRO-2 a reduce-scatter sweep per micro-batch + an all-gather sweep; ZeRO-3 per micro-batch a
+    reduce-scatter sweep and two all-gathers (forward, backward) of every block, native ZeRO-3's
+    root units gathered once per step (``parallel.data.zero`` keeps them for the step), FSDP2's
+    (``fsdp2``) like a block (2m). The bucketing of ZeRO-0 is the caller's (calls = 1 here). The
+    one rule for :func:`comm_bytes` (bytes) and :func:`evaluate` (seconds)."""
     grad, gather = reduce_bytes * params, elem_bytes * params
     if z == 0:
         return [("all_reduce", grad, 1, "reduce")]
     if z == 1:
-        return [("reduce_scatter", grad, units, "reduce"), ("all_gather", gather, units, "gather")]
+        return [("reduce_scatter", grad, calls, "reduce"), ("all_gather", gather, calls, "gather")]
     if z == 2:
-        return [("reduce_scatter", m * grad, m * units, "reduce"), ("all_gather", gather, units, "gather")]
-    once = 0 if fsdp2 or not root else 1  # native ZeRO-3 gathers the root unit once per step
-    return [("reduce_scatter", m * grad, m * units, "reduce"),
-            ("all_gather", 2 * m * gather - (2 * m - 1) * elem_bytes * root * once, 2 * m * (units - once) + once,
-             "gather")]
+        return [("reduce_scatter", m * grad, m * calls, "reduce"), ("all_gather", gather, calls, "gather")]
+    once = 0 if fsdp2 or not root else 1  # native ZeRO-3 gathers the root units once per step
+    return [("reduce_scatter", m * grad, m * calls, "reduce"),
+            ("all_gather", 2 * m * gather - (2 * m - 1) * elem_bytes * root * once,
+             2 * m * (calls - once * root_calls) + once * root_calls, "gather")]
 
 
 def default_reduce_bytes(elem_bytes: int) -> int:
@@ -188,28 +217,29 @@ def default_reduce_bytes(elem_bytes: int) -> int:
     return max(4, elem_bytes)
 
 
-def _dp_time(z: int, m: int, units: int, params: float, dp: int, link, cm: "CostModel", rep: int = 1,
-             rep_link=None, root: float = 0, fsdp2: bool = False) -> float:
+def _dp_time(z: int, m: int, calls: int, params: float, dp: int, link, cm: "CostModel", rep: int = 1,
+             rep_link=None, root: float = 0, fsdp2: bool = False, root_calls: int = 1) -> float:
     """Seconds of one step's data-parallel collectives (module docstring), not yet overlapped: the
-    messages of :func:`dp_messages` for ``params`` parameters (``root`` of them in the root unit)
+    messages of :func:`dp_messages` for ``params`` parameters (``root`` of them in the root units;
+    ``calls`` collectives per sweep over the units, ``root_calls`` of them the root units')
     at ``cm.elem_bytes`` (gathers) and ``cm.reduce_bytes`` (reductions; ZeRO-0's all-reduce in
     ceil(bytes / ``cm.bucket_bytes``) calls) over ``dp`` ranks on ``link``.
     HSDP (``rep`` = R > 1 replicas): the ZeRO collectives run over the S = dp / R shard group on
     ``link``, plus one all-reduce of the gradient's 1/S shard across the R replicas on ``rep_link``
-    per unit (ZeRO-0: per bucket) and step; ZeRO-0 (hierarchical DDP): reduce-scatter + all-gather
+    per flat (ZeRO-0: per bucket) and step; ZeRO-0 (hierarchical DDP): reduce-scatter + all-gather
     of the gradient over S, all-reduce of its 1/S over R."""
     red = cm.reduce_bytes or default_reduce_bytes(cm.elem_bytes)
     grad = red * params
     buckets = math.ceil(grad / cm.bucket_bytes)
     if rep > 1:
         s = dp // rep
-        across = collective_time(grad / s, "all_reduce", rep, *rep_link, calls=units if z else buckets)
+        across = collective_time(grad / s, "all_reduce", rep, *rep_link, calls=calls if z else buckets)
         if z == 0:
             return (collective_time(grad, "reduce_scatter", s, *link, calls=buckets)
                     + collective_time(grad, "all_gather", s, *link, calls=buckets) + across)
-        return _dp_time(z, m, units, params, s, link, cm, root=root, fsdp2=fsdp2) + across
-    return sum(collective_time(nbytes, op, dp, *link, calls=buckets if z == 0 else calls)
-               for op, nbytes, calls, _ in dp_messages(z, m, units, params, root, cm.elem_bytes, red, fsdp2))
+        return _dp_time(z, m, calls, params, s, link, cm, root=root, fsdp2=fsdp2, root_calls=root_calls) + across
+    return sum(collective_time(nbytes, op, dp, *link, calls=buckets if z == 0 else n)
+               for op, nbytes, n, _ in dp_messages(z, m, calls, params, root, cm.elem_bytes, red, fsdp2, root_calls))
 
 
 def recompute_flops(shape: Shape, S: int, recompute: str) -> float:
@@ -315,6 +345,15 @@ def tp_messages(shape: Shape, tokens: int, sp: bool, recompute: str, elem_bytes:
     if last:
         out += [("all_reduce", tokens * 4, 1), ("all_reduce", 2 * tokens * 4, 1)]
     return [x for x in out if x[2]]
+
+
+def _sweep_calls(shape: Shape, tp: int, layers: int, pp_rank: int, pp: int, fsdp2: bool) -> tuple[int, int]:
+    """(collectives per sweep over pipeline rank ``pp_rank``'s units, the root units' share):
+    native ZeRO's flats (:func:`dp_flat_calls`), FSDP2 one per unit (each block, the root)."""
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    if fsdp2:
+        return layers + (first or last), int(first or last)
+    return dp_flat_calls(shape, tp, layers, first, last, pp > 1)
 
 
 def exposed_dp(t_dp: float, compute: float, overlap: float) -> float:
@@ -427,14 +466,15 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memo
     # schedule's idle per rank relative to 1F1B's, at the F : B : W split of a layer's matmul FLOPs
     # (zero-bubble schedules: pipeline_idle)
     pipe = pipeline_time(stage_times, m, kind, v, (2 * W + 4 * h * S, 2 * W + 8 * h * S + extra, 2 * W))
-    units = max(sum(counts[c * pp + r] for c in range(v)) + (r in (0, pp - 1)) for r in range(pp))
     big = max(range(pp), key=lambda r: params[r])  # the rank with the most parameters
     root = params[big] - rank_layers[big] * shape.block_params(tp)  # embeddings, final norm, head of that rank
     fsdp2 = layout.get("zero_impl", "native") == "fsdp2"
+    calls, root_calls = _sweep_calls(shape, tp, rank_layers[big], big, pp, fsdp2)
     if ep == 1:
-        t_dp = _dp_time(z, m, units, params[big], dp * cp, dp_link, cm, n_rep, rep_link, root, fsdp2)
+        t_dp = _dp_time(z, m, calls, params[big], dp * cp, dp_link, cm, n_rep, rep_link, root, fsdp2, root_calls)
     else:  # the dense gradients over dp x cp, the local experts' over the (dp x cp) / ep ranks holding them
-        t_dp = (_dp_time(z, m, units, params[big] - experts[big], dp * cp, dp_link, cm, n_rep, rep_link, root, fsdp2)
+        t_dp = (_dp_time(z, m, calls, params[big] - experts[big], dp * cp, dp_link, cm, n_rep, rep_link, root, fsdp2,
+                         root_calls)
                 + _dp_time(z, m, rank_layers[big], experts[big] / ep, dp * cp // ep, dp_link, cm, n_rep, rep_link))
     t_dp = exposed_dp(t_dp, m * (parts["compute"] + parts["vector"]), hw.overlap)
     host = host_bytes(off, -(-max(params) // (dp * cp // n_rep)), m)
@@ -586,7 +626,7 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
 
 def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank: int = 0, elem_bytes: int = 2,
                sp: bool = False, bucket_bytes: int = 25 << 20, reduce_bytes: int | None = None,
-               layer_counts: list[int] | None = None) -> dict:
+               layer_counts: list[int] | None = None, with_calls: bool = False):
     """Bytes per process group of one step of pipeline rank ``pp_rank`` of ``layout`` (keys dp, tp,
     pp, zero_stage, micro_batch, schedule, recompute, dp_replicate; optional cp, zero_impl) as the
     code sends them (tests/test_dryrun_planbytes.py; :func:`evaluate` times the same tp, pp and dp
@@ -619,7 +659,9 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
     ``layer_counts``: layers per model stage as the pipeline runner split them (``pp_split``;
     None: :func:`~zerotron.analysis.activations.stage_layer_counts`' even split).
     Groups of size 1 are left out; bookkeeping all-reduces (token counts, grad norm, metrics) and
-    the tied-embedding all-reduce of a pipeline are not priced. Returns ``{group: bytes}``."""
+    the tied-embedding all-reduce of a pipeline are not priced. Returns ``{group: bytes}``; with
+    ``with_calls`` also ``{group: calls}`` of the ZeRO / FSDP2 collectives (:func:`dp_messages`;
+    ZeRO-0's buckets, which break at parameter boundaries, are not counted)."""
     dp, tp, pp, b, z = (layout[k] for k in ("dp", "tp", "pp", "micro_batch", "zero_stage"))
     rep, kind, rec = layout.get("dp_replicate", 1), layout["schedule"], layout["recompute"]
     cp = layout.get("cp", 1)
@@ -642,13 +684,19 @@ def comm_bytes(shape: Shape, layout: dict, seq: int, global_batch: int, pp_rank:
         out["cp"] = 2 * m * layers * (r["kv"] * r["kv_bytes"] + r["dkv"] * r["dkv_bytes"])
     red = reduce_bytes or elem_bytes
     grad, root = red * params, params - layers * shape.block_params(tp)
-    units = layers + (root > 0)
-    per_dp = sum(nbytes for _, nbytes, _, _ in dp_messages(z, m, units, params, root, elem_bytes, red,
-                                                           layout.get("zero_impl", "native") == "fsdp2"))
+    fsdp2 = layout.get("zero_impl", "native") == "fsdp2"
+    calls, root_calls = _sweep_calls(shape, tp, layers, pp_rank, pp, fsdp2)
+    msgs = dp_messages(z, m, calls, params, root, elem_bytes, red, fsdp2, root_calls)
+    per_dp, n_dp = sum(nbytes for _, nbytes, _, _ in msgs), sum(n for _, _, n, _ in msgs)
+    n_calls = {}
     if rep > 1:
         s = dp // rep
         out["dp_shard"] = 2 * grad if z == 0 else per_dp
         out["dp_rep"] = -(-grad // s)
+        if z:
+            n_calls = {"dp_shard": n_dp}
     elif dp * cp > 1:  # gradients are reduced over dp x cp (the "batch" group) under cp
         out["batch" if cp > 1 else "dp"] = per_dp
-    return out
+        if z:
+            n_calls = {"batch" if cp > 1 else "dp": n_dp}
+    return (out, n_calls) if with_calls else out
