@@ -102,6 +102,10 @@ CASES = [
     (["bench", "paged", "--json", "/proc/p.json", "--rounds", "0"], "--json /proc/p.json: cannot write there"),
     (["bench", "plan", "--bench-train", "/no/a.json", "--bench-comm", "/no/b.json", "--out", "/proc/r.md"],
      "--out /proc/r.md: cannot write there"),
+    # a value that starts like a negative number is the option's value, checked by the option (argparse
+    # took "-5GB" for an option: "argument --gpu-mem: expected one argument")
+    (["dryrun", "--world", "2", "--gpu-mem", "-5GB"], "bad memory size '-5GB': use e.g. 80GB"),
+    (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--gpu-mem", "-80GB"], "bad memory size '-80GB'"),
 ]
 
 
