@@ -54,6 +54,11 @@ CASES = [
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--temperature", "-1"],
      "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-k", "0"], "--top-k must be >= 1"),
+    # no cap: a mistyped 10**12 decoded for ever (past the context each token recomputes the window)
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--max-new-tokens", str(10**12)],
+     "--max-new-tokens 1000000000000 is more than 100,000, the most one prompt may ask for"),
+    (["generate", "--checkpoint", "/no/such/run", "--prompts-file", "/no/p.txt", "--nproc", "2",
+      "--max-new-tokens", "100001"], "--max-new-tokens 100001 is more than 100,000"),
     (["bench", "nothing"], "usage: zerotron bench comm|train|plan"),
     (["bench", "plan", "--bench-train", "/no/such.json", "--bench-comm", "/no/such.json"], "/no/such.json"),
     (["memory", "--params", "1e6", "--dp", "0"], "dp"),
