@@ -62,6 +62,8 @@ CASES = [
     (["bench", "nothing"], "usage: zerotron bench comm|train|plan"),
     (["bench", "plan", "--bench-train", "/no/such.json", "--bench-comm", "/no/such.json"], "/no/such.json"),
     (["memory", "--params", "1e6", "--dp", "0"], "dp"),
+    # without --seq the sequence is the preset's block_size (1024): cp 3 was estimated though training refuses it
+    (["memory", "--model", "gpt2", "--dp", "2", "--cp", "3"], "--cp 3 needs the sequence, gpt2's block_size 1024"),
     (["serve", "--checkpoint", "/no/such/run"], "no checkpoint found at '/no/such/run'"),
     (["serve", "--checkpoint", "/no/such/run", "--port", "99999"], "--port must be in 0..65535"),
     (["serve", "--checkpoint", "/no/such/run", "--nproc", "3", "--parallel.pp", "2"], "multiple of"),
