@@ -440,6 +440,8 @@ def test_edited_meta_json_is_damage(tmp_path, data_cache, capsys):
              "torn": (None, "meta.json is unreadable"),
              "float-step": (sealed(step=4.0), "meta.json says step 4.0 in directory step_4"),
              "checksums-list": (sealed(checksums=[]), "meta.json's checksums is not a JSON object"),
+             # without the model's shape (keys lost, meta_checksum re-sealed): was generate's KeyError traceback
+             "no-model-config": (sealed(model_config=None), "meta.json has no model_config"),
              "missing": (False, "meta.json is missing")}  # was: --resume refused, "not a zerotron checkpoint"
     for name, (edited, why) in cases.items():
         bad = tmp_path / name
