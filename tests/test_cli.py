@@ -54,9 +54,16 @@ CASES = [
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--temperature", "-1"],
      "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-k", "0"], "--top-k must be >= 1"),
+    # no cap: a mistyped 10**12 decoded for ever (past the context each token recomputes the window)
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--max-new-tokens", str(10**12)],
+     "--max-new-tokens 1000000000000 is more than 100,000, the most one prompt may ask for"),
+    (["generate", "--checkpoint", "/no/such/run", "--prompts-file", "/no/p.txt", "--nproc", "2",
+      "--max-new-tokens", "100001"], "--max-new-tokens 100001 is more than 100,000"),
     (["bench", "nothing"], "usage: zerotron bench comm|train|plan"),
     (["bench", "plan", "--bench-train", "/no/such.json", "--bench-comm", "/no/such.json"], "/no/such.json"),
     (["memory", "--params", "1e6", "--dp", "0"], "dp"),
+    # without --seq the sequence is the preset's block_size (1024): cp 3 was estimated though training refuses it
+    (["memory", "--model", "gpt2", "--dp", "2", "--cp", "3"], "--cp 3 needs the sequence, gpt2's block_size 1024"),
     (["serve", "--checkpoint", "/no/such/run"], "no checkpoint found at '/no/such/run'"),
     (["serve", "--checkpoint", "/no/such/run", "--port", "99999"], "--port must be in 0..65535"),
     (["serve", "--checkpoint", "/no/such/run", "--nproc", "3", "--parallel.pp", "2"], "multiple of"),
@@ -102,6 +109,10 @@ CASES = [
     (["bench", "paged", "--json", "/proc/p.json", "--rounds", "0"], "--json /proc/p.json: cannot write there"),
     (["bench", "plan", "--bench-train", "/no/a.json", "--bench-comm", "/no/b.json", "--out", "/proc/r.md"],
      "--out /proc/r.md: cannot write there"),
+    # a value that starts like a negative number is the option's value, checked by the option (argparse
+    # took "-5GB" for an option: "argument --gpu-mem: expected one argument")
+    (["dryrun", "--world", "2", "--gpu-mem", "-5GB"], "bad memory size '-5GB': use e.g. 80GB"),
+    (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--gpu-mem", "-80GB"], "bad memory size '-80GB'"),
 ]
 
 

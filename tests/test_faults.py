@@ -387,6 +387,24 @@ def test_torn_metrics_line_dropped(tmp_path, capsys):
         read_metrics(f)
 
 
+def test_hung_peer_in_checkpoint_agreement_is_one_line(single_process, monkeypatch):
+    """A peer stopped (SIGSTOP) or dead while the ranks agree on a save's outcome: the waiting rank
+    raises the watchdog's one-line CollectiveError naming the collective (was gloo's RuntimeError
+    "Application timeout caused pair closure", a traceback of rank 0 after the collective timeout)."""
+    import torch.distributed as dist
+
+    from zerotron.distributed.watchdog import CollectiveError
+    from zerotron.train.checkpoint import save
+
+    def timed_out(*args, **kwargs):
+        raise RuntimeError("Application timeout caused pair closure")
+
+    monkeypatch.setattr(dist, "all_reduce", timed_out)
+    with pytest.raises(CollectiveError, match=r"all_reduce \(tag 'checkpoint_agree'\) on group world .*dead or hung "
+                                              r"peer\? RuntimeError: Application timeout"):
+        save._agree_error(None)
+
+
 def test_checksum_mismatch(full_run, tmp_path, capsys):
     """A flipped byte (same size: only the checksum sees it): generate and export stop with exit 2
     naming the file; resume falls back to the previous checkpoint (test_cli covers the fallback)."""
@@ -440,6 +458,8 @@ def test_edited_meta_json_is_damage(tmp_path, data_cache, capsys):
              "torn": (None, "meta.json is unreadable"),
              "float-step": (sealed(step=4.0), "meta.json says step 4.0 in directory step_4"),
              "checksums-list": (sealed(checksums=[]), "meta.json's checksums is not a JSON object"),
+             # without the model's shape (keys lost, meta_checksum re-sealed): was generate's KeyError traceback
+             "no-model-config": (sealed(model_config=None), "meta.json has no model_config"),
              "missing": (False, "meta.json is missing")}  # was: --resume refused, "not a zerotron checkpoint"
     for name, (edited, why) in cases.items():
         bad = tmp_path / name

@@ -60,10 +60,17 @@ def test_progress_file_survives_a_torn_append(tmp_path):
     off now (the next append starts a line of its own) and a damaged line elsewhere is one line
     naming the file, the line and the fix."""
     path = tmp_path / "p.partial.jsonl"
-    path.write_text('{"name": "a", "x": 1}\n{"name": "b", "x": 2}\n{"name": "c", "x"')
+    ok = ", ".join(f'"{k}": 0.0' for k in parity.ERRORS)  # a passing record's worst errors
+    a, b = f'{{"name": "a", {ok}}}\n', f'{{"name": "b", {ok}}}\n'
+    path.write_text(a + b + '{"name": "c", "x"')
     assert list(parity.read_progress(str(path))) == ["a", "b"]
-    assert path.read_text() == '{"name": "a", "x": 1}\n{"name": "b", "x": 2}\n'
-    for bad in ('{"name": "a"}\n{"nam\n{"name": "c"}\n', '{"name": "a"}\n[1, 2]\n', '{"x": 1}\n'):
+    assert path.read_text() == a + b
+    path.write_text(a + '{"name": "f", "error": "diverged"}\n')  # a failed layout's record: rerun by its caller
+    assert list(parity.read_progress(str(path))) == ["a", "f"]
+    for bad in (a + '{"nam\n' + b, a + '[1, 2]\n', '{"x": 1}\n',
+                # a passing record without its errors, or with a NaN one, counted as checked and failed (or
+                # took the NaN) only in the report after the whole run
+                a + '{"name": "b"}\n', a + f'{{"name": "b", {ok.replace("0.0", "NaN", 1)}}}\n'):
         path.write_text(bad)
         with pytest.raises(ValueError, match=r"p.partial.jsonl, line \d: not a layout record .*delete that line"):
             parity.read_progress(str(path))

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
+
+# a token that starts like a negative number ("-5", "-5GB", "-.5") is a value, never an option: argparse
+# takes only plain numbers ("-5", "-.5") as values, so "--gpu-mem -5GB" was "expected one argument" instead of
+# the option's own check naming the bad value
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -22,7 +28,12 @@ class OneLineErrorParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors (an unknown option, a missing required one, a value of
     the wrong type) are one line on stderr, ``<prog>: error: <what>; run '<prog> --help' for the
     options``, and exit code 2, like the commands' own value checks (argparse's default prints the
-    whole usage block first). ``--help`` is unchanged. Raises SystemExit(2) on an error."""
+    whole usage block first). ``--help`` is unchanged. A token that starts like a negative number
+    (``-5GB``) is an option's value, so the option's own check names it. Raises SystemExit(2) on an error."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_VALUE  # argparse's (private) test of "a value, not an option"
 
     def parse_args(self, args=None, namespace=None):
         """argparse's, except that an unknown option is reported before a missing required one
@@ -35,7 +46,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
             if tok == "--":
                 break
             name = tok.split("=", 1)[0]
-            if len(name) < 2 or not name.startswith("-") or _is_number(name):
+            if len(name) < 2 or not name.startswith("-") or _NEGATIVE_VALUE.match(name):
                 continue
             if not (name in known or (self.allow_abbrev and name.startswith("--")
                                       and any(k.startswith(name) for k in known))):
@@ -45,11 +56,3 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; run '{self.prog} --help' for the options\n")
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s)
-        return True
-    except ValueError:
-        return False

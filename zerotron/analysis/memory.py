@@ -531,6 +531,11 @@ def _memory_run(args) -> int:
         if args.seq is not None and args.seq % (2 * args.cp):
             raise ValueError(f"--seq {args.seq} is not divisible by 2*cp = {2 * args.cp} (each cp rank holds two "
                              "zigzag chunks of the sequence); change --seq or --cp")
+        if args.seq is None and args.model and preset_config(args.model).block_size % (2 * args.cp):
+            # without --seq the sequence is the preset's block_size (training refuses the same cp)
+            raise ValueError(f"--cp {args.cp} needs the sequence, {args.model}'s block_size "
+                             f"{preset_config(args.model).block_size} without --seq, divisible by 2*cp = "
+                             f"{2 * args.cp} (each cp rank holds two zigzag chunks); pass --seq or change --cp")
         if (args.seq is not None or args.tp != 1 or args.pp != 1) and not args.model:
             raise ValueError("--seq, --tp and --pp need a model shape: use --model PRESET")
         if args.model:  # the tensor-parallel rule, with this command's option names

@@ -8,6 +8,10 @@ from ..launch import strip_nproc
 from ..models.layout import ep_inference_refusal, tp_refusal
 from .errors import fail, user_errors
 
+# the most new tokens one prompt may ask for: past the context (block_size) every new token recomputes the
+# last block_size tokens, so a mistyped 10**12 ran for ever holding a growing row (it was accepted)
+MAX_NEW_TOKENS = 100_000
+
 
 def generate_parser() -> argparse.ArgumentParser:
     """The argument parser of ``zerotron generate``."""
@@ -17,7 +21,7 @@ def generate_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--prompt", help="prompt text")
     g.add_argument("--prompts-file", help="one prompt per line; spread over data-parallel ranks with --nproc")
-    p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate after each prompt")
+    p.add_argument("--max-new-tokens", type=int, default=100, help=f"tokens to generate after each prompt (at most {MAX_NEW_TOKENS:,})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (deterministic)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (default: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the most likely tokens of mass p")
@@ -47,6 +51,10 @@ def cmd_generate(argv: list[str]) -> int:
     try:
         if args.nproc < 0:
             raise ValueError(f"--nproc must be >= 0 (0 or 1: this process alone), got {args.nproc}")
+        if args.max_new_tokens > MAX_NEW_TOKENS:  # before any checkpoint is read
+            raise ValueError(f"--max-new-tokens {args.max_new_tokens} is more than {MAX_NEW_TOKENS:,}, the most one "
+                             f"prompt may ask for (past the model's context, block_size, each new token recomputes "
+                             f"the whole window): ask for fewer")
         if args.adapter and not in_worker():  # one line before any worker or weight is loaded
             from ..generate import check_adapter
 

@@ -328,8 +328,11 @@ def read_progress(path: str) -> dict:
     each chunk finishes) keyed by layout name; ``{}`` when the file does not exist. A torn last line
     (the run was killed while appending it: no newline at its end) is cut off the file (one note),
     so its layout is checked again and the next append starts a line of its own. Raises ValueError (one line naming the file, the line and the fix) for any other
-    damaged line (not JSON, or not a record with a ``name``)."""
+    damaged line (not JSON, not a record with a ``name``, or a passing record -- one without ``error`` --
+    whose :data:`ERRORS` are not all finite numbers: such a layout would count as checked, and the
+    report's worst errors would fail with a KeyError or take a NaN, only at the end of the run)."""
     import json
+    import math
     import os
 
     done = {}
@@ -349,6 +352,11 @@ def read_progress(path: str) -> dict:
         try:
             rec = json.loads(line)
             done[rec["name"]] = rec
+            if "error" not in rec:
+                for k in ERRORS:
+                    v = rec[k]
+                    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                        raise ValueError(f"{k} is {v!r}, not a finite number")
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"progress file {path}, line {i}: not a layout record ({type(e).__name__}: {e}); "
                              "delete that line (its layout is checked again) or the file (all are)") from None

@@ -72,7 +72,8 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
     existed have none and pass). meta.json itself is always checked (it is small): it must parse,
     match its own ``meta_checksum`` (checkpoints saved before that key existed have none and
     pass: the check catches accidental change -- an edit, a torn or stale file -- not a
-    deliberate one that also deletes the key), and, for a ``step_<N>`` directory, say ``"step": N``. Raises CheckpointError naming the
+    deliberate one that also deletes the key), hold a non-empty ``model_config`` object, and, for a
+    ``step_<N>`` directory, say ``"step": N``. Raises CheckpointError naming the
     first missing, truncated or mismatching file and, for a ``step_<N>`` of a run, the previous
     complete checkpoint to fall back to (``.reason``: what is wrong, for the fallback)."""
     ckpt = Path(ckpt)
@@ -102,6 +103,8 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
         fail(f"meta.json says step {meta.get('step')!r} in directory {ckpt.name}")
     if not isinstance(meta.get("checksums", {}), dict):
         fail("meta.json's checksums is not a JSON object")
+    if not isinstance(meta.get("model_config"), dict) or not meta["model_config"]:  # every save writes it
+        fail("meta.json has no model_config (the model's shape)")  # was a KeyError traceback in generate
     if not (ckpt / ".metadata").is_file():
         fail("no .metadata from torch.distributed.checkpoint")
     import torch.distributed.checkpoint as dcp  # here: 1 s of imports the launcher and --help skip

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zerotron.data.tokenizer import copy_tokenizer
+from zerotron.distributed.watchdog import watch
 from zerotron.parallel.tensor.transform import find_rng_tracker, tracker_checkpoint_state
 
 from .files import CheckpointSpaceError, CheckpointWriteError, latest_checkpoint, list_checkpoints
@@ -33,14 +34,17 @@ from .space import space_report, space_shortfall
 
 def _agree_error(err: BaseException | None, group=None) -> str | None:
     """Collective over ``group`` (None: the default group, all ranks): None if no rank failed,
-    else the first failing rank's one-line description."""
+    else the first failing rank's one-line description. A dead or hung peer raises the watchdog's
+    one-line CollectiveError (was gloo's RuntimeError, a traceback on the waiting rank)."""
     flag = torch.tensor([0.0 if err is None else 1.0], dtype=torch.float64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # checkpoint I/O: like DCP, not through comm.py
+    with watch("all_reduce", group, "checkpoint_agree"):  # checkpoint I/O: like DCP, not through comm.py
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item() == 0:
         return None
     descs = [None] * dist.get_world_size(group)
     mine = None if err is None else (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
-    dist.all_gather_object(descs, mine, group=group)
+    with watch("all_gather_object", group, "checkpoint_agree"):
+        dist.all_gather_object(descs, mine, group=group)
     return next(f"rank {r}: {d}" for r, d in enumerate(descs) if d is not None)
 
 
@@ -204,7 +208,8 @@ def write_checkpoint(run_dir: str | Path, staged: StagedCheckpoint, tokenizer_pa
     except OSError as e:
         err = e
     check(err)
-    known = gather_checksums(mine, group)
+    with watch("all_gather_object", group, "checkpoint_checksums"):
+        known = gather_checksums(mine, group)
     if rank == 0:
         try:  # meta.json last: it lists the checksums of every file written above
             sums = complete_checksums(tmp, known)
@@ -220,5 +225,6 @@ def write_checkpoint(run_dir: str | Path, staged: StagedCheckpoint, tokenizer_pa
     if rank == 0 and keep > 0:
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier(group=group)
+    with watch("barrier", group, "checkpoint_saved"):
+        dist.barrier(group=group)
     return final
