@@ -357,11 +357,15 @@ def test_graceful_stop_and_resume_equal(full_run, data_cache):
     with open(run / "metrics.jsonl", "a") as f:
         f.write(f'{{"step": {n + 1}, "loss": 3.1')
     (run / "checkpoints" / ".tmp_step_99").mkdir()
+    # a re-save of step n killed between its renames: the old step_n set aside, the new one unrenamed
+    os.replace(run / "checkpoints" / f"step_{n}", run / "checkpoints" / f".old_step_{n}")
+    (run / "checkpoints" / f".tmp_step_{n}").mkdir()
     code, err = stop_with([*argv, "--resume"], signal.SIGINT, n + 2, group=True, env=slow)
     stops = [ln for ln in ours(err) if "stopped by SIGINT" in ln]
     assert code == 130 and len(stops) == 1, err
     assert "dropped the torn last line" in err and "removed" in err and ".tmp_step_99" in err
     assert not (run / "checkpoints" / ".tmp_step_99").exists()
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # step n put back
     m = int(stops[0].split("at step ")[1].split(";")[0])
     assert m > n and [s for s, _ in list_checkpoints(run)] == [n, m]
     _, _, err = in_ranks(*argv, "--resume")  # the rest of the run: its workers, on the pooled ranks

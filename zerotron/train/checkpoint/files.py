@@ -3,6 +3,7 @@ removing the ``.tmp_step_*`` of saves that never finished, and the bytes a direc
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -24,11 +25,25 @@ class CheckpointSpaceError(CheckpointWriteError):
     """The free-space check before a save refused it (raised on every rank): nothing was written."""
 
 
+SET_ASIDE = ".old_"  # a re-saved step's previous checkpoint while the new one is renamed in
+
+
 def remove_stale_tmp(run_dir: str | Path) -> list[Path]:
     """Delete the ``checkpoints/.tmp_step_*`` directories of saves that never finished (a process
-    killed mid-save); call it only while holding the run lock. Returns the removed paths."""
+    killed mid-save) and settle a re-save of one step that a kill cut between its renames: a
+    ``.old_step_<N>`` (the step's previous checkpoint, set aside by ``save.write_checkpoint``)
+    goes back to ``step_<N>`` when no new ``step_<N>`` was renamed in, and is deleted when one was.
+    Call it only while holding the run lock. Returns the removed ``.tmp_step_*`` paths."""
     root = Path(run_dir) / "checkpoints"
-    stale = sorted(p for p in root.glob(".tmp_step_*") if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        return []
+    for old in sorted(p for p in root.glob(SET_ASIDE + "step_*") if p.is_dir()):
+        final = root / old.name[len(SET_ASIDE):]
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
+    stale = sorted(p for p in root.glob(".tmp_step_*") if p.is_dir())
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale

@@ -26,7 +26,7 @@ from zerotron.data.tokenizer import copy_tokenizer
 from zerotron.distributed.watchdog import watch
 from zerotron.parallel.tensor.transform import find_rng_tracker, tracker_checkpoint_state
 
-from .files import CheckpointSpaceError, CheckpointWriteError, latest_checkpoint, list_checkpoints
+from .files import SET_ASIDE, CheckpointSpaceError, CheckpointWriteError, latest_checkpoint, list_checkpoints
 from .integrity import META_CHECKSUM, complete_checksums, file_checksum, gather_checksums, meta_checksum, own_files
 from .rng import rng_state
 from .space import space_report, space_shortfall
@@ -216,9 +216,16 @@ def write_checkpoint(run_dir: str | Path, staged: StagedCheckpoint, tokenizer_pa
             full = {"step": step, **staged.meta, "checksums": sums}
             full[META_CHECKSUM] = meta_checksum(full)  # meta.json covers itself
             (tmp / "meta.json").write_text(json.dumps(full, indent=1))
-            if final.exists():  # re-saving the same step (e.g. after resume): replace it
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            if final.exists():  # re-saving the same step (e.g. after resume): the old one is set
+                # aside, not deleted, until the new one is in place; a kill between the renames
+                # leaves it for files.remove_stale_tmp to put back
+                aside = final.with_name(SET_ASIDE + final.name)
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                os.replace(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
         except OSError as e:
             err = e
     check(err)
