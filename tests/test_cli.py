@@ -376,9 +376,11 @@ def test_worker_dies_with_launcher(tmp_path):
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"
     p = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
     try:
-        for _ in range(200):
-            if pid_file.exists() and pid_file.read_text():
-                break
+        # two interpreters start before the file appears (seconds on a loaded machine): wait for the
+        # file itself while the "launcher" lives, not a fixed 10 s
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert p.poll() is None and time.monotonic() < deadline, "the worker never started"
             time.sleep(0.05)
         pid = int(pid_file.read_text())
         os.kill(p.pid, signal.SIGKILL)  # the "launcher" dies hard

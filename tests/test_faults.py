@@ -222,7 +222,21 @@ def _foreign_lock(run_dir, age_s, **extra):
     run_dir.mkdir(parents=True, exist_ok=True)
     rec = {"host": "node-b", "pid": 4242, "start": "2026-12-01T10:00:00+0000", "heartbeat": time.time() - age_s,
            "heartbeat_s": 15.0, **extra}
-    (run_dir / ".lock").write_text(json.dumps(rec).ljust(512))
+    # in place, as a holder's heartbeat writes it (one pwrite, no truncation): a heartbeat thread of this
+    # process reading the file between a truncation and the write would take it for empty and overwrite it
+    fd = os.open(run_dir / ".lock", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, json.dumps(rec).ljust(512).encode(), 0)
+    finally:
+        os.close(fd)
+
+
+def _until(cond, what, timeout_s=60.0):
+    """Wait until ``cond()`` is true (an event of another thread), at most ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.01)
 
 
 def test_lock_heartbeat_of_another_host(tmp_path, capsys):
@@ -257,11 +271,10 @@ def test_lock_heartbeat_of_another_host(tmp_path, capsys):
     rec = json.loads((run / ".lock").read_text())
     assert (rec["host"], rec["pid"]) == (os.uname().nodename, os.getpid())
     first = rec["heartbeat"]
-    time.sleep(0.3)
-    assert json.loads((run / ".lock").read_text())["heartbeat"] > first  # the thread refreshed it
+    _until(lambda: json.loads((run / ".lock").read_text())["heartbeat"] > first, "a heartbeat")  # the thread's
     # another run's record replaces ours (two starts racing past a flock that does not cross hosts)
     _foreign_lock(run, 0, pid=777)
-    time.sleep(0.3)
+    _until(lambda: not lock._thread.is_alive(), "the heartbeat thread noticing pid 777")  # it warns, then ends
     warn = capsys.readouterr().err
     assert "the run lock" in warn and "now names pid 777 on host node-b" in warn, warn
     assert json.loads((run / ".lock").read_text())["pid"] == 777  # not overwritten, not emptied
@@ -1034,9 +1047,11 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "zerotron", "train", "--config", "configs/tiny.toml", "--run-dir",
                           str(run)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
-            if _catches(p.pid, signal.SIGTERM) or p.poll() is not None:
-                break
+        # the handler comes after `import torch` (seconds, many more on a loaded machine): wait for it
+        # itself, not a fixed 600 polls (a signal sent before it kills the process without a word)
+        deadline = time.monotonic() + 240
+        while not _catches(p.pid, signal.SIGTERM):
+            assert p.poll() is None and time.monotonic() < deadline, ("no SIGTERM handler", p.poll())
             time.sleep(0.01)
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=120)

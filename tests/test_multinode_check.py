@@ -11,10 +11,13 @@ TWO_NODES = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"
              "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again: nothing listens there
+def closed_port() -> socket.socket:
+    """A socket bound to a loopback port and never listening: while it is open, connecting to that
+    port is refused and no other process can listen there (a port merely closed again can be
+    bound at once by a neighbour, e.g. the other pytest worker's TCPStore)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def test_one_node_or_no_torchrun_is_silent():
@@ -25,13 +28,14 @@ def test_one_node_or_no_torchrun_is_silent():
 
 def test_loopback_master_addr_is_an_error_when_nothing_listens(monkeypatch):
     monkeypatch.setattr(socket, "gethostname", lambda: "10.255.255.1")  # not loopback: no gloo line
-    env = {**TWO_NODES, "MASTER_ADDR": "localhost", "MASTER_PORT": str(closed_port())}
-    lines, certain = check_multinode_addresses("gloo", env)
-    assert len(lines) == 1 and "MASTER_ADDR=localhost" in lines[0] and "--local-addr" in lines[0]
-    assert certain
-    # on node 0, or before the store is up (workers host it), it is a warning only
-    assert check_multinode_addresses("gloo", {**env, "GROUP_RANK": "0"})[1] is False
-    assert check_multinode_addresses("gloo", {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})[1] is False
+    with closed_port() as s:
+        env = {**TWO_NODES, "MASTER_ADDR": "localhost", "MASTER_PORT": str(s.getsockname()[1])}
+        lines, certain = check_multinode_addresses("gloo", env)
+        assert len(lines) == 1 and "MASTER_ADDR=localhost" in lines[0] and "--local-addr" in lines[0]
+        assert certain
+        # on node 0, or before the store is up (workers host it), it is a warning only
+        assert check_multinode_addresses("gloo", {**env, "GROUP_RANK": "0"})[1] is False
+        assert check_multinode_addresses("gloo", {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})[1] is False
 
 
 def test_loopback_master_addr_with_a_listener_is_a_warning(monkeypatch):

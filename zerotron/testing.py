@@ -81,13 +81,23 @@ def _run_job(rank, world_size, port, timeout_s, fn, args) -> tuple[str, object]:
         return "error", traceback.format_exc()
 
 
-def _worker(rank, world_size, port, timeout_s, fn, args, queue, env=None, stdio=()):
+def _worker(rank, world_size, port, timeout_s, fn, args, queue, env=None, stdio=(), started=None):
     if env is not None:  # the caller's environment, not the fork server's (as a spawned rank would see it)
         os.environ.clear()
         os.environ.update(env)
     for fd, target in zip(stdio, (1, 2)):  # the caller's stdout/stderr (pytest's capture of this test)
         os.dup2(fd, target)
         os.close(fd)
+    try:
+        if started is not None:  # every rank done with its imports before any enters the rendezvous (see _pool)
+            import torch  # noqa: F401
+
+            from .distributed import mesh  # noqa: F401
+
+            started.wait()
+    except BaseException:  # noqa: BLE001 - a peer that never came (threading.BrokenBarrierError)
+        queue.put((rank, "error", traceback.format_exc()))
+        return
     status, payload = _run_job(rank, world_size, port, timeout_s, fn, args)
     queue.put((rank, status, payload))
 
@@ -106,10 +116,11 @@ def _pool_main(conn) -> None:
 
     import torch
 
-    from .distributed import comm, inflight
+    from .distributed import comm, inflight, mesh  # noqa: F401 - mesh: imported here, not in the first job
 
     seed, dtype = torch.initial_seed(), torch.get_default_dtype()
     home, own = os.getcwd(), (os.dup(1), os.dup(2))
+    conn.send("ready")  # imports done: the caller sends no job before every rank of it says so (_pool)
     while True:
         try:
             msg = conn.recv()
@@ -203,10 +214,17 @@ def _stop_pool(why: str = "exit") -> None:
     _POOL.clear()
 
 
-def _pool(world_size: int) -> list:
+def _pool(world_size: int, ready_timeout_s: float) -> list:
     """The first ``world_size`` pooled ranks, spawning the missing ones (a rank that died between
-    calls is replaced)."""
+    calls is replaced), each done with its imports.
+
+    A job's rendezvous (``init_process_group``) is bounded by the job's collective timeout, which
+    tests set to a few seconds; a rank spawned for this call (its slot was empty: a world larger
+    than before, a failed call, a retired rank) spends seconds importing torch (8.8 s wall measured
+    at load 34) while the pooled ones would already wait in the rendezvous. So the new ranks' "ready" is
+    awaited here (at most ``ready_timeout_s``) and the job goes to all of them at once."""
     import atexit
+    from multiprocessing.connection import wait
 
     _end_ranks([i for i, e in enumerate(_POOL) if e is not None and not e[0].is_alive()], "dead")
     if _stop_pool not in _EXIT:
@@ -214,6 +232,7 @@ def _pool(world_size: int) -> list:
         _EXIT.append(_stop_pool)
     ctx = mp.get_context("spawn")
     _POOL.extend([None] * (world_size - len(_POOL)))
+    new = {}
     for i in range(world_size):
         if _POOL[i] is None:
             parent, child = ctx.Pipe(duplex=True)  # a socket pair: descriptors travel over it
@@ -221,7 +240,26 @@ def _pool(world_size: int) -> list:
             p.start()
             child.close()
             _POOL[i] = (p, parent)
+            new[parent] = i
             _pool_log(f"spawn {i}")
+    starting = dict(new)
+    while starting:
+        ready = wait(list(starting), timeout=ready_timeout_s)
+        for conn in ready:
+            try:
+                ok = conn.recv() == "ready"
+            except EOFError:  # it died while importing
+                ok = False
+            if not ok:
+                ready = []
+                break
+            starting.pop(conn)
+        if not ready:
+            i = min(starting.values())
+            code = _POOL[i][0].exitcode
+            _end_ranks(new.values(), "not ready")
+            raise RuntimeError(f"pooled rank {i} did not start within {ready_timeout_s:g} s"
+                               + (f" (exit code {code})" if code is not None else ""))
     return _POOL[:world_size]
 
 
@@ -260,8 +298,9 @@ def _run_fresh(fn, world_size: int, args: tuple, timeout_s: float, join_timeout_
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
+    started = ctx.Barrier(world_size, timeout=join_timeout_s)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, fn, args, queue, env,
-                                               ()), daemon=False)  # spawned ranks inherit stdout/stderr
+                                               (), started), daemon=False)  # spawned ranks inherit stdout/stderr
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -289,7 +328,7 @@ def _run_pooled(fn, world_size: int, args: tuple, timeout_s: float, join_timeout
     """run_ranks on the pooled ranks (see there)."""
     from multiprocessing.connection import wait
 
-    ranks = _pool(world_size)
+    ranks = _pool(world_size, join_timeout_s)
     port, env, cwd = free_port(), dict(os.environ), os.getcwd()
     results, errors, retired = {}, {}, []
     try:
