@@ -308,12 +308,11 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompts[3], "--max-new-tokens", "40"]) == 0
     ref_long = capsys.readouterr().out[:-1]
-    proc, lines, base = start_serve(checkpoint, "--nproc", "2", "--parallel.pp", "2", "--kv-page", "4", "--frontend",
-                                   "process")
+    proc, lines, base = start_serve(checkpoint, "--nproc", "2", "--parallel.pp", "2", "--kv-page", "4")
     url = base + "/v1/completions"
     body = lambda p, n=NEW: {"prompt": p, "max_tokens": n, "temperature": 0}  # noqa: E731
     try:
-        assert "HTTP in its own process" in "".join(lines), "".join(lines)  # --frontend process (the other tests: thread)
+        assert "HTTP in its own process" in "".join(lines), "".join(lines)  # --frontend process, the default
         h = _get(base + "/health")[1]
         assert h["batching"] == "continuous" and h["steps"] == 0, h
         sampled = {"prompt": prompts[2], "max_tokens": 6, "temperature": 1.0, "seed": 5}
@@ -445,7 +444,7 @@ def test_batching_options_are_checked():
 
     assert KV_PAGE == DEFAULT_PAGE  # the CLI's default page is the engine's
     assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
-    assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "thread"
+    assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "process"
     assert err("--frontend", "fork") == "--frontend must be one of process, thread, got 'fork'"
     # --compile: both batching modes on the single process and dp; tp / pp refused with the reason
     assert err("--compile") is None and err("--compile", "--batching", "window") is None
@@ -484,7 +483,8 @@ def test_frontend_process_and_engine_stop_together(checkpoint):
     this process, over a real front-end process): an HTTP request arrives as a job with the
     prompt's tokens, the tokens published back answer it; when the front end is SIGKILLed, the open
     job is cancelled and the engine's side drains (no job is waited for). When the engine's end
-    closes (the engine died), a front end answers its open request with a 500 and exits."""
+    closes (the engine died), a front end answers its open request with a 500 and exits. The front
+    end never loads torch (its start-up is the HTTP stack's alone): no libtorch in its memory maps."""
     import queue
 
     from zerotron.data.tokenizer import load_tokenizer
@@ -511,7 +511,9 @@ def test_frontend_process_and_engine_stop_together(checkpoint):
     with front_end() as (link, front, url):
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
-            job = front.jobs.get(timeout=60)
+            job = front.jobs.get(timeout=60)  # a request has been validated, tokenised and sent
+            with open(f"/proc/{link.proc.pid}/maps") as f:
+                assert "libtorch" not in f.read()
             assert [r.prompt for r in job.requests] == [tok.encode("ROMEO:").ids]
             assert job.requests[0].params.max_tokens == 3
             for t in (5, 6):

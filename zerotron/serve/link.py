@@ -1,4 +1,4 @@
-"""The engine's end of ``zerotron serve --frontend process`` (opt-in): the HTTP front end runs
+"""The engine's end of ``zerotron serve --frontend process`` (the default): the HTTP front end runs
 in a process of its own (:mod:`~zerotron.serve.frontend`), so the engine's loop never waits for
 the GIL while HTTP requests are parsed, prompts tokenised and streamed events encoded -- the
 layout of vLLM V1 (an API server process and an EngineCore process joined by a socket).
