@@ -589,33 +589,3 @@ def test_sigterm_while_compiling_stops_at_once(checkpoint, tmp_path):
                   "served\n", err
     assert waited < 60, waited
 
-
-def _importing(pids) -> bool:
-    """One of ``pids`` has loaded pydantic's compiled core (the front end's imports are under way)."""
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
-            if "_pydantic_core" in f.read():
-                return True
-    return False
-
-
-def test_ctrl_c_while_starting_is_clean(checkpoint):
-    """A terminal's Ctrl-C (SIGINT to the foreground process group) as soon as the HTTP front-end
-    process exists, while it still imports its modules and the engine loads the model: the engine
-    leads the stop (exit code 0, its one line, or the drain if it was serving already) and no
-    KeyboardInterrupt traceback comes from the front end, which runs in a session of its own."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "zerotron", "serve", "--checkpoint", str(checkpoint), "--port", "0"],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)  # its own process group, as a shell job is
-    try:
-        deadline = time.time() + 120
-        while not _importing(process_tree(p.pid)[1:]):  # the front end is importing its modules
-            assert p.poll() is None and time.time() < deadline, p.communicate()
-            time.sleep(0.01)
-        os.killpg(p.pid, signal.SIGINT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        stop_serve(p, signal_first=False)
-    assert p.returncode == 0 and "Traceback" not in err + out and "KeyboardInterrupt" not in err + out, (out, err)
-    assert "stopped by SIGINT while starting" in err or "drained and stopped" in out, (out, err)
