@@ -318,31 +318,39 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
         sampled = {"prompt": prompts[2], "max_tokens": 6, "temperature": 1.0, "seed": 5}
         code, alone = _post(url, sampled)
         assert code == 200
-        with concurrent.futures.ThreadPoolExecutor(3) as ex:
-            steps0 = _get(base + "/health")[1]["steps"]
-            seen: list = []
-            long = ex.submit(_stream_events, base, body(prompts[3], 40), None, seen)
-            # the long row is decoding: admitted, two engine steps (its prefill, which streams the first
-            # token, and one decode step) done, and this client has its first event ("running" alone
-            # counts a row the paged scheduler is still prefilling; an engine step can end before the
-            # client's thread reads the event it sent, on a loaded machine)
-            deadline = time.time() + 60
-            while (h := _get(base + "/health")[1])["running"] == 0 or h["steps"] < steps0 + 2 or not seen:
-                assert time.time() < deadline and not long.done(), (h, len(seen))
+        # The engine step counts prove the rows shared steps; the client-side order (the short answer read
+        # before the long stream's last event) can be lost on a loaded machine when the client threads read
+        # late (the long one ended 13 ms before the answer was read, 3 busy loops at load ~20): a try whose
+        # order was lost is repeated (at most 3), its texts and shared steps asserted each time.
+        for attempt in range(3):
+            with concurrent.futures.ThreadPoolExecutor(3) as ex:
+                steps0 = _get(base + "/health")[1]["steps"]
+                seen: list = []
+                long = ex.submit(_stream_events, base, body(prompts[3], 40), None, seen)
+                # the long row is decoding: admitted, two engine steps (its prefill, which streams the first
+                # token, and one decode step) done, and this client has its first event ("running" alone
+                # counts a row the paged scheduler is still prefilling; an engine step can end before the
+                # client's thread reads the event it sent, on a loaded machine)
+                deadline = time.time() + 60
+                while (h := _get(base + "/health")[1])["running"] == 0 or h["steps"] < steps0 + 2 or not seen:
+                    assert time.time() < deadline and not long.done(), (h, len(seen))
+                    time.sleep(0.01)
+                t_short = time.monotonic()
+                short, shared = ex.submit(_post, url, body(prompts[0])), ex.submit(_post, url, sampled)
+                (code, r), t_answer = short.result(), time.monotonic()
+                events, done = long.result()
+            assert code == 200 and prompts[0] + r["choices"][0]["text"] == ref[0], r
+            assert shared.result()[1]["choices"][0]["text"] == alone["choices"][0]["text"]
+            assert done and prompts[3] + "".join(e["choices"][0]["text"] for _, e in events) == ref_long
+            deadline = time.time() + 30  # the last stream event goes out before the engine retires the row
+            while (h := _get(base + "/health")[1])["running"] and time.time() < deadline:
                 time.sleep(0.01)
-            t_short = time.monotonic()
-            short, shared = ex.submit(_post, url, body(prompts[0])), ex.submit(_post, url, sampled)
-            (code, r), t_answer = short.result(), time.monotonic()
-            events, done = long.result()
-        assert code == 200 and prompts[0] + r["choices"][0]["text"] == ref[0], r
-        assert shared.result()[1]["choices"][0]["text"] == alone["choices"][0]["text"]
-        assert done and prompts[3] + "".join(e["choices"][0]["text"] for _, e in events) == ref_long
-        assert events[-1][0] > t_answer > t_short  # answered while the long one was still decoding
-        assert any(t < t_short for t, _ in events) and any(t > t_answer for t, _ in events)
-        deadline = time.time() + 30  # the last stream event goes out before the engine retires the row
-        while (h := _get(base + "/health")[1])["running"] and time.time() < deadline:
-            time.sleep(0.01)
-        assert h["cancelled_rows"] == 0 and h["running"] == 0 and h["steps"] < 40 + NEW + 6, h  # shared steps
+            assert h["cancelled_rows"] == 0 and h["running"] == 0 and h["steps"] - steps0 < 40 + NEW, (h, steps0)  # shared
+            if events[-1][0] > t_answer > t_short and any(t < t_short for t, _ in events):
+                break  # answered while the long one was still decoding
+            print(f"\nthe short answer was read {t_answer - events[-1][0]:.3f} s after the long stream's end; again")
+        else:
+            raise AssertionError("in 3 tries the short request's answer never came before the long stream's end")
 
         # a streaming client that leaves after 2 events: its row leaves the batch, the other goes on.
         # The server cannot cancel a row that ended before its client left: on a loaded machine the client
