@@ -147,7 +147,7 @@ def test_serve_peft_adapter(gpt, tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(gpt["base"]), "--adapter", str(adapter), "--prompt", PROMPT,
                  "--max-new-tokens", str(NEW)]) == 0
     assert capsys.readouterr().out == want + "\n"
-    # HTTP in a thread of the engine's process (--frontend thread, the default)
+    # HTTP in a thread of the engine's process (--frontend thread; the other serve tests run the default, process)
     proc, lines, base = start_serve(gpt["base"], "--adapter", str(adapter), "--frontend", "thread")
     try:
         assert "LoRA adapter" in "".join(lines)
@@ -156,6 +156,7 @@ def test_serve_peft_adapter(gpt, tmp_path, capsys):
         with urllib.request.urlopen(req, timeout=120) as r:
             got = json.loads(r.read())
         assert PROMPT + got["choices"][0]["text"] == want, (got, want)
+        assert stop_serve(proc) == 0 and any("drained and stopped" in ln for ln in lines), "".join(lines)  # SIGTERM
     finally:
         stop_serve(proc)
     # bad adapters: one line, exit 2, before any model is loaded

@@ -118,7 +118,7 @@ def test_serve_two_processes(checkpoint, tmp_path, capsys):
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(ln) for ln in proc.stdout], daemon=True).start()
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + 300  # start-up on a loaded machine (120 s ran out at load ~25, 3 busy loops)
         while not any("listening on" in ln for ln in lines):
             assert proc.poll() is None and time.time() < deadline, "".join(lines)
             time.sleep(0.2)
@@ -308,42 +308,49 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", prompts[3], "--max-new-tokens", "40"]) == 0
     ref_long = capsys.readouterr().out[:-1]
-    proc, lines, base = start_serve(checkpoint, "--nproc", "2", "--parallel.pp", "2", "--kv-page", "4", "--frontend",
-                                   "process")
+    proc, lines, base = start_serve(checkpoint, "--nproc", "2", "--parallel.pp", "2", "--kv-page", "4")
     url = base + "/v1/completions"
     body = lambda p, n=NEW: {"prompt": p, "max_tokens": n, "temperature": 0}  # noqa: E731
     try:
-        assert "HTTP in its own process" in "".join(lines), "".join(lines)  # --frontend process (the other tests: thread)
+        assert "HTTP in its own process" in "".join(lines), "".join(lines)  # --frontend process, the default
         h = _get(base + "/health")[1]
         assert h["batching"] == "continuous" and h["steps"] == 0, h
         sampled = {"prompt": prompts[2], "max_tokens": 6, "temperature": 1.0, "seed": 5}
         code, alone = _post(url, sampled)
         assert code == 200
-        with concurrent.futures.ThreadPoolExecutor(3) as ex:
-            steps0 = _get(base + "/health")[1]["steps"]
-            seen: list = []
-            long = ex.submit(_stream_events, base, body(prompts[3], 40), None, seen)
-            # the long row is decoding: admitted, two engine steps (its prefill, which streams the first
-            # token, and one decode step) done, and this client has its first event ("running" alone
-            # counts a row the paged scheduler is still prefilling; an engine step can end before the
-            # client's thread reads the event it sent, on a loaded machine)
-            deadline = time.time() + 60
-            while (h := _get(base + "/health")[1])["running"] == 0 or h["steps"] < steps0 + 2 or not seen:
-                assert time.time() < deadline and not long.done(), (h, len(seen))
+        # The engine step counts prove the rows shared steps; the client-side order (the short answer read
+        # before the long stream's last event) can be lost on a loaded machine when the client threads read
+        # late (the long one ended 13 ms before the answer was read, 3 busy loops at load ~20): a try whose
+        # order was lost is repeated (at most 3), its texts and shared steps asserted each time.
+        for attempt in range(3):
+            with concurrent.futures.ThreadPoolExecutor(3) as ex:
+                steps0 = _get(base + "/health")[1]["steps"]
+                seen: list = []
+                long = ex.submit(_stream_events, base, body(prompts[3], 40), None, seen)
+                # the long row is decoding: admitted, two engine steps (its prefill, which streams the first
+                # token, and one decode step) done, and this client has its first event ("running" alone
+                # counts a row the paged scheduler is still prefilling; an engine step can end before the
+                # client's thread reads the event it sent, on a loaded machine)
+                deadline = time.time() + 60
+                while (h := _get(base + "/health")[1])["running"] == 0 or h["steps"] < steps0 + 2 or not seen:
+                    assert time.time() < deadline and not long.done(), (h, len(seen))
+                    time.sleep(0.01)
+                t_short = time.monotonic()
+                short, shared = ex.submit(_post, url, body(prompts[0])), ex.submit(_post, url, sampled)
+                (code, r), t_answer = short.result(), time.monotonic()
+                events, done = long.result()
+            assert code == 200 and prompts[0] + r["choices"][0]["text"] == ref[0], r
+            assert shared.result()[1]["choices"][0]["text"] == alone["choices"][0]["text"]
+            assert done and prompts[3] + "".join(e["choices"][0]["text"] for _, e in events) == ref_long
+            deadline = time.time() + 30  # the last stream event goes out before the engine retires the row
+            while (h := _get(base + "/health")[1])["running"] and time.time() < deadline:
                 time.sleep(0.01)
-            t_short = time.monotonic()
-            short, shared = ex.submit(_post, url, body(prompts[0])), ex.submit(_post, url, sampled)
-            (code, r), t_answer = short.result(), time.monotonic()
-            events, done = long.result()
-        assert code == 200 and prompts[0] + r["choices"][0]["text"] == ref[0], r
-        assert shared.result()[1]["choices"][0]["text"] == alone["choices"][0]["text"]
-        assert done and prompts[3] + "".join(e["choices"][0]["text"] for _, e in events) == ref_long
-        assert events[-1][0] > t_answer > t_short  # answered while the long one was still decoding
-        assert any(t < t_short for t, _ in events) and any(t > t_answer for t, _ in events)
-        deadline = time.time() + 30  # the last stream event goes out before the engine retires the row
-        while (h := _get(base + "/health")[1])["running"] and time.time() < deadline:
-            time.sleep(0.01)
-        assert h["cancelled_rows"] == 0 and h["running"] == 0 and h["steps"] < 40 + NEW + 6, h  # shared steps
+            assert h["cancelled_rows"] == 0 and h["running"] == 0 and h["steps"] - steps0 < 40 + NEW, (h, steps0)  # shared
+            if events[-1][0] > t_answer > t_short and any(t < t_short for t, _ in events):
+                break  # answered while the long one was still decoding
+            print(f"\nthe short answer was read {t_answer - events[-1][0]:.3f} s after the long stream's end; again")
+        else:
+            raise AssertionError("in 3 tries the short request's answer never came before the long stream's end")
 
         # a streaming client that leaves after 2 events: its row leaves the batch, the other goes on.
         # The server cannot cancel a row that ended before its client left: on a loaded machine the client
@@ -445,7 +452,7 @@ def test_batching_options_are_checked():
 
     assert KV_PAGE == DEFAULT_PAGE  # the CLI's default page is the engine's
     assert err("--num-speculative-tokens", "0") == "--num-speculative-tokens must be >= 1, got 0"
-    assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "thread"
+    assert err("--frontend", "thread") is None and parser().parse_args(["--checkpoint", "x"]).frontend == "process"
     assert err("--frontend", "fork") == "--frontend must be one of process, thread, got 'fork'"
     # --compile: both batching modes on the single process and dp; tp / pp refused with the reason
     assert err("--compile") is None and err("--compile", "--batching", "window") is None
@@ -484,7 +491,8 @@ def test_frontend_process_and_engine_stop_together(checkpoint):
     this process, over a real front-end process): an HTTP request arrives as a job with the
     prompt's tokens, the tokens published back answer it; when the front end is SIGKILLed, the open
     job is cancelled and the engine's side drains (no job is waited for). When the engine's end
-    closes (the engine died), a front end answers its open request with a 500 and exits."""
+    closes (the engine died), a front end answers its open request with a 500 and exits. The front
+    end never loads torch (its start-up is the HTTP stack's alone): no libtorch in its memory maps."""
     import queue
 
     from zerotron.data.tokenizer import load_tokenizer
@@ -511,7 +519,9 @@ def test_frontend_process_and_engine_stop_together(checkpoint):
     with front_end() as (link, front, url):
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             answer = ex.submit(_post, url, {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0})
-            job = front.jobs.get(timeout=60)
+            job = front.jobs.get(timeout=60)  # a request has been validated, tokenised and sent
+            with open(f"/proc/{link.proc.pid}/maps") as f:
+                assert "libtorch" not in f.read()
             assert [r.prompt for r in job.requests] == [tok.encode("ROMEO:").ids]
             assert job.requests[0].params.max_tokens == 3
             for t in (5, 6):
@@ -586,3 +596,4 @@ def test_sigterm_while_compiling_stops_at_once(checkpoint, tmp_path):
     assert err == "zerotron serve: stopped by SIGTERM while starting (loading the model or compiling); nothing was " \
                   "served\n", err
     assert waited < 60, waited
+

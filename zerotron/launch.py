@@ -273,6 +273,9 @@ def restart_hooks(on_restart, note_path: str | Path | None = None):
                 setattr(LocalElasticAgent, name, fn)
 
 
+launched = False  # this process ran launch(): python -m zerotron skips its last collections (__main__)
+
+
 def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeout_s: float = 30,
            max_restarts: int = 0, on_restart=None) -> int:
     """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
@@ -321,6 +324,8 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     args = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
          f"--shutdown-timeout={max(1, int(shutdown_timeout_s + 0.999))}", "-m", module, *argv])
+    global launched
+    launched = True
     try:
         with quiet_elastic_logs(), restart_hooks(on_restart, note_dir / "note" if note_dir else None), \
                 fork_workers(fork_wanted()):

@@ -550,12 +550,14 @@ def stop_serve(proc, timeout_s: float = 60.0, signal_first: bool = True) -> int:
     return proc.wait()
 
 
-def start_serve(checkpoint, *extra: str, timeout_s: float = 120.0):
+def start_serve(checkpoint, *extra: str, timeout_s: float = 300.0):
     """Start ``zerotron serve --checkpoint CHECKPOINT --port 0 EXTRA...`` as a subprocess (one torch
     thread per process) and wait until it prints its "listening on" line. Returns ``(process, its
     output lines so far and to come (a list a reader thread keeps appending to), base URL)``.
     Raises AssertionError with the output if the server exits or does not listen within
-    ``timeout_s`` seconds (the process and all its descendants are killed: :func:`stop_serve`).
+    ``timeout_s`` seconds (the process and all its descendants are killed: :func:`stop_serve`); the
+    default leaves room for a loaded 2-core machine (120 s was too short for ``--nproc 2`` with the
+    front-end process beside 3 busy loops and other jobs, load average ~25).
     Stop it with :func:`stop_serve` in a ``finally``, so a failed test leaves no worker running."""
     import re
     import subprocess

@@ -23,34 +23,15 @@ its cache up to rounding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .kvcache import StaticKVCache
-from .sampling import SamplingParams, make_generator, sample_rows
+from .request import Request, is_eos
+from .sampling import make_generator, sample_rows
 
 __all__ = ["Request", "DecodeBatch", "PAD_ID"]
 
 PAD_ID = 0  # token id in padding slots (masked out: any valid id would do)
-
-
-@dataclass
-class Request:
-    """One generation request: ``prompt`` token ids (non-empty), its :class:`SamplingParams`."""
-
-    prompt: list[int]
-    params: SamplingParams
-
-
-def is_eos(token: int, eos) -> bool:
-    """True if ``token`` ends a row: ``eos`` is one end id, a collection of them (a checkpoint
-    may have several, e.g. Llama 3's ``<|end_of_text|>`` and ``<|eot_id|>``), or None (never)."""
-    if eos is None:
-        return False
-    if isinstance(eos, int):
-        return token == eos
-    return token in eos
 
 
 class DecodeBatch:

@@ -10,48 +10,12 @@ reaches p; the most likely token is always kept).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from .request import SamplingParams  # torch-free (the HTTP front end imports it)
+
 __all__ = ["SamplingParams", "make_generator", "sample_rows"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request is decoded. ``max_tokens``: new tokens at most (>= 0); ``temperature``: 0 =
-    greedy argmax, else logits / temperature; ``top_k``: keep the k largest (None = all);
-    ``top_p``: nucleus mass in (0, 1] (1 = all); ``seed``: the request generator's seed;
-    ``stop_at_eos``: end the request when it emits the end-of-text token; ``stop``: strings that
-    end the request as soon as its decoded new text contains one (checked after every token, so
-    decoding stops there; the engine needs a ``decode`` function for them)."""
-
-    max_tokens: int = 100
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    seed: int = 0
-    stop_at_eos: bool = True
-    stop: tuple[str, ...] = ()
-
-    def validate(self) -> "SamplingParams":
-        """Return self; raise ValueError (one line naming the field) for max_tokens < 0, a
-        temperature that is not a finite number >= 0, top_k < 1, top_p outside (0, 1] or a stop
-        that is not a tuple of non-empty strings."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not (math.isfinite(self.temperature)
-                                                                  and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
-            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
-        return self
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

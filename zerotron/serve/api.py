@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 
-from ..inference.batch import is_eos
+from ..inference.request import is_eos
 from .schemas import (
     ChatChoice,
     ChatChunk,
@@ -211,7 +211,7 @@ class Front:
         """Validate ``body`` (a completions or, with ``chat``, a chat completions body) and enqueue
         its job; returns (settings dict, job). Raises RequestError (400 naming the field, 404
         another model, 503 while draining)."""
-        from zerotron.inference import Request, SamplingParams
+        from zerotron.inference.request import Request, SamplingParams
 
         if self.draining.is_set():
             raise RequestError("the server is shutting down", status=503, code="shutting_down")

@@ -1,4 +1,4 @@
-"""The HTTP front-end process of ``zerotron serve --frontend process`` (opt-in; the engine's
+"""The HTTP front-end process of ``zerotron serve --frontend process`` (the default; the engine's
 end and the messages: :mod:`~zerotron.serve.link`). It runs what the in-process server runs on
 rank 0's HTTP thread -- uvicorn and the FastAPI app (:mod:`~zerotron.serve.http_api`), request
 validation, tokenisation and chat templates, the streamed events (:class:`~zerotron.serve.api.Front`,
@@ -9,7 +9,9 @@ jobs and wakes their handlers, as the in-process batcher does.
 Started by :func:`zerotron.serve.link.spawn_frontend` as ``python -m zerotron.serve.frontend FD``;
 SIGINT and SIGTERM are ignored here (the engine process leads the drain and then says stop).
 Exit code 0 after a stop, 1 if the engine's connection closed first (its open requests were
-answered with a 500 error)."""
+answered with a 500 error). It imports no torch (the request types are :mod:`zerotron.inference.request`;
+:mod:`zerotron.inference` and :mod:`zerotron.data` import their torch parts on first use): its
+start-up is uvicorn, FastAPI, pydantic and tokenizers, overlapped with the engine's model load."""
 from __future__ import annotations
 
 import queue

@@ -1,4 +1,4 @@
-"""The engine's end of ``zerotron serve --frontend process`` (opt-in): the HTTP front end runs
+"""The engine's end of ``zerotron serve --frontend process`` (the default): the HTTP front end runs
 in a process of its own (:mod:`~zerotron.serve.frontend`), so the engine's loop never waits for
 the GIL while HTTP requests are parsed, prompts tokenised and streamed events encoded -- the
 layout of vLLM V1 (an API server process and an EngineCore process joined by a socket).
@@ -43,11 +43,14 @@ POLL_S = 0.1  # a waiting batcher looks at the connection (and a SIGTERM) at lea
 
 def spawn_frontend() -> FrontendLink:
     """Start the front-end process (``python -m zerotron.serve.frontend FD``, one end of a socket
-    pair passed as FD); it waits for :meth:`FrontendLink.start`."""
+    pair passed as FD); it waits for :meth:`FrontendLink.start`. It runs in a session of its own,
+    so a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the engine, which leads
+    the stop, and not the front end while it is still importing its modules (a KeyboardInterrupt
+    traceback there); it exits when the engine's connection closes, however the engine ended."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         proc = subprocess.Popen([sys.executable, "-m", "zerotron.serve.frontend", str(theirs.fileno())],
-                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
         theirs.close()
     return FrontendLink(proc, Connection(mine.detach()))
@@ -58,11 +61,13 @@ class FrontendLink:
 
     def __init__(self, proc: subprocess.Popen, conn: Connection):
         self.proc, self.conn = proc, conn
+        self.configured = False  # start() sent the settings: from then on close() asks it to stop
 
     def start(self, config: dict, sock: socket.socket, timeout_s: float = 300.0) -> None:
         """Send the front end its settings (:func:`zerotron.serve.frontend.serve_front`'s
         ``config``) and the listening socket ``sock``, and wait until it accepts connections.
         Raises RuntimeError if it exits or does not answer within ``timeout_s``."""
+        self.configured = True
         try:
             self.conn.send(("config", config))
             send_handle(self.conn, sock.fileno(), self.proc.pid)
@@ -77,7 +82,11 @@ class FrontendLink:
 
     def close(self, timeout_s: float = 60.0) -> int | None:
         """Tell the front end to stop (it closes idle connections, finishes the answers being
-        written) and wait for it (SIGKILL after ``timeout_s``); its exit code."""
+        written) and wait for it (SIGKILL after ``timeout_s``); its exit code. A front end that
+        was never configured (the engine stopped while starting) serves nothing and may still be
+        importing its modules (seconds on a loaded machine): it is killed at once."""
+        if not self.configured:
+            self.proc.kill()
         try:
             self.conn.send(("stop",))
         except OSError:  # it is gone already
