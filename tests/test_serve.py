@@ -597,3 +597,33 @@ def test_sigterm_while_compiling_stops_at_once(checkpoint, tmp_path):
                   "served\n", err
     assert waited < 60, waited
 
+
+
+def test_serve_rank_killed_is_one_line(checkpoint):
+    """SIGKILL of engine rank 1 under ``--nproc 2 --parallel.tp 2`` (fresh helper, session 9: rank 0
+    printed a 51-line traceback from the batcher's next collective): rank 0 says in one line that a
+    rank it needs is gone and how to go on, its front-end process stops with it, the launcher names
+    the killed worker, the exit code is not 0 and nothing of the server is left running."""
+    from pathlib import Path
+
+    def ppid(p: int) -> int:
+        stat = Path(f"/proc/{p}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[1])
+
+    proc, lines, _ = start_serve(checkpoint, "--nproc", "2", "--parallel.tp", "2")
+    try:
+        tree = process_tree(proc.pid)
+        workers = [p for p in tree[1:] if ppid(p) == proc.pid]
+        leaves = [w for w in workers if not any(ppid(q) == w for q in tree if q != w)]
+        assert len(workers) == 2 and len(leaves) == 1, tree  # rank 0 has the front end as its child
+        os.kill(leaves[0], signal.SIGKILL)
+        code = proc.wait(timeout=120)
+        time.sleep(0.3)  # the reader thread takes the last lines
+    finally:
+        stop_serve(proc, signal_first=False)
+    out = "".join(lines)
+    errors = [ln for ln in lines if ln.startswith("zerotron serve: error")]
+    assert code != 0 and "Traceback" not in out, out
+    assert len(errors) == 1 and "a rank it needs is gone" in errors[0] and "start `zerotron serve` again" in errors[0], out
+    assert "worker 1" in out and "SIGKILL" in out, out
+    assert not [p for p in tree if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split(") ")[1][0] != "Z"]

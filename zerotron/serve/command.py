@@ -21,6 +21,8 @@ DRAINED_ENV = "ZEROTRON_SERVE_DRAINED"  # under --nproc: the file rank 0 writes 
 KV_PAGE = 8  # = zerotron.inference.continuous.DEFAULT_PAGE (not imported here: that module imports torch)
 
 
+PEER_LOST = "the server stopped (a rank it needs is gone): start `zerotron serve` again"
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``zerotron serve``."""
     from zerotron.cli_help import HelpFormatter, OneLineErrorParser
@@ -212,6 +214,7 @@ def _run(args, ckpt, stop: threading.Event, link, started: threading.Event) -> i
     when this rank begins to serve: a signal before it abandons the start-up (:class:`StartupStopped`)."""
     from zerotron.distributed import mesh as _mesh
     from zerotron.distributed.mesh import Mesh, ParallelDims, init_distributed
+    from zerotron.distributed.watchdog import CollectiveError
     from zerotron.generate import load_model, resolve_checkpoint, stop_ids
     from zerotron.inference import Engine
 
@@ -232,11 +235,17 @@ def _run(args, ckpt, stop: threading.Event, link, started: threading.Event) -> i
     if args.speculative.startswith("draft:"):
         paged["draft_model"] = load_model(resolve_checkpoint(args.speculative[len("draft:"):]), device)[0].eval()
     code = 0
-    if rank != 0:
-        started.set()
-        follow(engine, paged)
-    else:
-        code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt, paged, link, started)
+    try:
+        if rank != 0:
+            started.set()
+            follow(engine, paged)
+        else:
+            code = _serve(args, engine, tok, mesh, world, Channel(world), stop, ckpt, paged, link, started)
+    except CollectiveError as e:  # a rank died or hung: the others cannot serve without it (no teardown:
+        # its barrier would wait for the lost rank too)
+        print(f"zerotron serve: error{f' on rank {rank}' if rank else ''}: {e}; {PEER_LOST}", file=sys.stderr,
+              flush=True)
+        return 1
     _mesh.teardown()
     if rank == 0 and code == 0 and os.environ.get(DRAINED_ENV):
         Path(os.environ[DRAINED_ENV]).write_text("drained\n")
@@ -297,8 +306,9 @@ def _launch(nproc: int, argv: list[str], launch) -> int:
 def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, ckpt, paged: dict,
            link=None, started: threading.Event | None = None) -> int:
     """Rank 0: listen, run the batcher until drained; the exit code (2: cannot listen or a bad
-    chat template; 1: the HTTP front-end process failed). ``link``: the front-end process
+    chat template; 1: the HTTP front-end process failed; a rank that died or hung raises CollectiveError). ``link``: the front-end process
     (:class:`~zerotron.serve.link.FrontendLink`) of ``--frontend process``, None for ``thread``."""
+    from zerotron.distributed.watchdog import CollectiveError
     from zerotron.generate import stop_ids
 
     from .api import Front
@@ -368,7 +378,14 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
           f"{', LoRA adapter ' + repr(args.adapter) + ' merged' if args.adapter else ''}"
           f"{', API key required' if api_key else ''}{', HTTP in its own process' if link else ''}; chat template: "
           f"{'built-in default' if chat.builtin else 'the tokenizer' + chr(39) + 's'}){kv_line}", flush=True)
-    batcher.run()
+    try:
+        batcher.run()
+    except CollectiveError:  # a rank died or hung mid-step: the HTTP side stops, _run says why
+        if link is None:
+            server.stop()
+        else:
+            link.close(timeout_s=10)  # its open requests are answered (the server is stopping)
+        raise
     if link is None:
         server.stop()  # idle keep-alive connections close now; answers being written finish first
     else:
