@@ -345,7 +345,9 @@ def test_serve_continuous_joins_and_cancels(checkpoint, tmp_path, capsys):
             deadline = time.time() + 30  # the last stream event goes out before the engine retires the row
             while (h := _get(base + "/health")[1])["running"] and time.time() < deadline:
                 time.sleep(0.01)
-            assert h["cancelled_rows"] == 0 and h["running"] == 0 and h["steps"] - steps0 < 40 + NEW, (h, steps0)  # shared
+            # shared steps: the three rows alone take 40 + NEW + 6 engine steps (one token each); fewer show the
+            # rows in one batch (the bound was 40 + NEW: 48 steps, one at load ~50, when the two joined late)
+            assert h["cancelled_rows"] == 0 and h["running"] == 0 and h["steps"] - steps0 < 40 + NEW + 6, (h, steps0)
             if events[-1][0] > t_answer > t_short and any(t < t_short for t, _ in events):
                 break  # answered while the long one was still decoding
             print(f"\nthe short answer was read {t_answer - events[-1][0]:.3f} s after the long stream's end; again")

@@ -273,7 +273,7 @@ def restart_hooks(on_restart, note_path: str | Path | None = None):
                 setattr(LocalElasticAgent, name, fn)
 
 
-launched = False  # this process ran launch(): python -m zerotron skips its last collections (__main__)
+launched = False  # this process ran launch(): the zerotron command skips its last collections (cli.main)
 
 
 def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeout_s: float = 30,

@@ -65,9 +65,18 @@ def main(argv: list[str] | None = None) -> int:
             retain()  # glibc's heap thresholds fixed: no page faults per step (zerotron.host_heap)
         except ValueError as e:
             return fail(str(e))
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return _dispatch(argv)
+        code = _dispatch(argv)
+        if program and getattr(sys.modules.get("zerotron.launch"), "launched", False):
+            # a launcher whose workers have ended: its interpreter's last collections would scan every
+            # object of torch and of the stack it preloaded for forked workers (~0.8 CPU s; 10-14 s of
+            # wall at a load average of ~20, which held up `serve --nproc`'s exit after a SIGTERM)
+            import gc
+
+            gc.freeze()
+        return code
     except KeyboardInterrupt:
         import signal
 
