@@ -42,9 +42,10 @@ def check_values(cfg: Config) -> dict:
     Raises ConfigError naming the field and the fix."""
     t, p, m, d = cfg.train, cfg.parallel, cfg.model, cfg.data
     for sec in SECTIONS:  # inf/nan parse as floats; no float field means anything with them
+        section = getattr(cfg, sec)
         for name, typ in _field_types(_section_cls(sec)).items():
-            v = getattr(getattr(cfg, sec), name)
-            _need(typ is not float or math.isfinite(v), f"{sec}.{name} must be a finite number, got {v}")
+            if typ is float and not math.isfinite(v := getattr(section, name)):  # (the message built only then)
+                _need(False, f"{sec}.{name} must be a finite number, got {v}")
     _need(t.nonfinite in ("skip", "stop"), f"train.nonfinite must be skip or stop, got {t.nonfinite!r}")
     _need(t.nonfinite_limit >= 1, f"train.nonfinite_limit must be >= 1 (consecutive skipped steps), got {t.nonfinite_limit}")
     _need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")

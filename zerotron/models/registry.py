@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,8 +177,13 @@ def _given(m, name: str) -> bool:
     TOML/CLI), else the value differs from the dataclass default."""
     if hasattr(m, "given"):
         return m.given(name)
-    default = {f.name: f.default for f in dataclasses.fields(m)}[name]
-    return getattr(m, name) != default
+    return getattr(m, name) != _field_defaults(type(m))[name]
+
+
+@functools.cache
+def _field_defaults(cls) -> dict:
+    """{field name: default} of a dataclass, cached (asked per field for every config resolved)."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
 def section_arch(m) -> str:

@@ -23,6 +23,19 @@ _DEGREES = ("dp", "tp", "pp", "dp_replicate", "cp")  # the plan's are its dims' 
 _DIRECT_TRAIN = {"micro_batch": 1, "global_batch": 0, "seed": 0}
 
 
+def _section_copy(section):
+    """A private copy of a config section (a dataclass of scalars plus the ``_given`` set of
+    ``config.apply``): what ``copy.deepcopy`` gives -- any value that is not an immutable scalar is
+    deep-copied -- without its per-field memo walk (the parity matrix builds ~42,000 plans)."""
+    new = copy.copy(section)
+    for name, value in vars(section).items():
+        if isinstance(value, (set, frozenset)) and all(isinstance(v, str) for v in value):
+            new.__dict__[name] = type(value)(value)  # the names of ``_given``
+        elif not isinstance(value, (bool, int, float, str, type(None))):
+            new.__dict__[name] = copy.deepcopy(value)
+    return new
+
+
 @dataclass(frozen=True, init=False)
 class ParallelPlan(PlanRules, PipelineRules, ModelRules):
     """A validated layout: what runs where, and the derived sizes. Built by :func:`build_plan`
@@ -59,8 +72,8 @@ class ParallelPlan(PlanRules, PipelineRules, ModelRules):
     def __init__(self, dims: ParallelDims | None = None, *, parallel: ParallelConfig | None = None,
                  train: TrainConfig | None = None, dropout: float = 0.0, shape: dict | None = None,
                  doc_mask: bool = False, **fields):
-        par = copy.deepcopy(parallel) if parallel is not None else ParallelConfig()
-        tr = copy.deepcopy(train) if train is not None else TrainConfig(**_DIRECT_TRAIN)
+        par = _section_copy(parallel) if parallel is not None else ParallelConfig()
+        tr = _section_copy(train) if train is not None else TrainConfig(**_DIRECT_TRAIN)
         for name, value in fields.items():
             if name in _DEGREES:
                 raise TypeError(f"ParallelPlan: the degrees come from dims, not {name}=: pass ParallelDims(...)")
