@@ -12,6 +12,7 @@ from .config import SECTIONS, Config, ConfigError, _field_types, _section_cls, m
 __all__ = ["check_values", "CORPORA"]
 
 CORPORA = ("shakespeare", "files", "hf")
+INT64 = 2**63  # int settings are limited to [-INT64, INT64): torch's and numpy's int64
 
 
 def _need(cond, msg: str) -> None:
@@ -45,6 +46,10 @@ def check_values(cfg: Config) -> dict:
         for name, typ in _field_types(_section_cls(sec)).items():
             v = getattr(getattr(cfg, sec), name)
             _need(typ is not float or math.isfinite(v), f"{sec}.{name} must be a finite number, got {v}")
+            # every int ends up in torch / numpy / the checkpoint's int64 (an absurd 10**20 steps was accepted)
+            _need(typ is not int or -INT64 <= v < INT64, f"{sec}.{name} must fit in 64 bits (|value| < 2**63), "
+                                                          f"got {v}")
+    _need(0 <= t.seed < INT64, f"train.seed must be in [0, 2**63), got {t.seed}")
     _need(t.nonfinite in ("skip", "stop"), f"train.nonfinite must be skip or stop, got {t.nonfinite!r}")
     _need(t.nonfinite_limit >= 1, f"train.nonfinite_limit must be >= 1 (consecutive skipped steps), got {t.nonfinite_limit}")
     _need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")
