@@ -463,10 +463,7 @@ class ContinuousDecoder:
                          device=self.device)
         view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device,
                          self.shared_prefix)
-        if T == 1:
-            if self.compiled is not None and not view.prefix_blocks:  # one compiled call
-                logits = self.compiled([r.tokens[-1] for r in rows], [r.table for r in rows], [r.cached for r in rows])
-                return {r: [t] for r, t in self._sample(rids, logits).items()}
+        if T == 1:  # (compiled: only rows that share a prefix come here; their attention reads it once, eagerly)
             return {r: [t] for r, t in self._sample(rids, self._forward(x, view)).items()}
         logits = self._forward(x, view, all_logits=True)
         if logits is None:

@@ -8,23 +8,27 @@ copy (:class:`~zerotron.inference.paged.PagedView`) and attends to that copy. At
 4-layer, 128-wide GPT-2 of ``bench serve`` that is ~5 ms of CPU per step, a quarter of it the gather.
 
 Here the whole decode forward (embedding, every block, the head) is one ``torch.compile`` graph
-(Inductor emits C++ loops on CPU), and attention is written as plain reductions over the pool read
-through the slot indices (``pool[:, idx]`` scores, softmax, weighted sum of values), which Inductor
-fuses with the masking and every elementwise op of the step. What it does *not* do (measured, the
-generated code read): read the blocks in place inside the reductions, as vLLM's PagedAttention
-kernel does (Kwon et al. 2023). The new key is appended to the context (a concatenation), so
-Inductor materialises each layer's context once per step, all layers' copies in the graph's first
-kernel; compiled ÷ eager CPU per step was 0.72-0.91 at 16 rows and 0.76-0.82 at 64 (paired, loaded;
-README, "The compiled paged decode").
+(Inductor emits C++ loops on CPU), and attention (:func:`paged_decode_attention`) reads the pool
+*in place*, block by block, as vLLM's PagedAttention kernel does (Kwon et al. 2023): the pool is
+viewed as (H_kv, blocks, page, D), indexed by the rows' block tables, and the scores, the softmax
+and the weighted sum of values are reductions over (blocks, page) with the head dim innermost, which
+Inductor fuses with the masking and vectorises along the head dim, each block's keys and values
+read once and contiguously. The row's own new key and value stay out of the pool (the softmax over
+the cached slots and the new key is merged by their common maximum). Before (session 10), the graph
+gathered each row's context slot by slot and appended the new key (a concatenation), so Inductor
+copied every layer's context out of the pool once per step; the batcher's CPU per 16-row
+iteration is now 0.38-0.65x of that (paired, loaded; ``benchmarks/serve_step_breakdown.md``).
 
 The graph is functional: it reads the pool and returns the logits and every layer's new keys and
 values, which the caller writes into their blocks (one ``index_copy_`` per layer and pool) after
-the call. Each row's new token attends to its cached slots (read through the table) and to its
-own new key, appended as the context's last column. Shapes are dynamic (rows B and context S vary
-every step): one graph serves every step; B and S are padded to at least 2 (Dynamo specialises
-sizes 0 and 1), the extra row decoding ``PAD_ID`` against fully masked slots and dropped.
+the call. Its inputs are the rows' last tokens, their block tables (B, W) and cached lengths (B,)
+(the positions), built from the decoder's lists in three ``torch.tensor`` calls: no
+:class:`~zerotron.inference.paged.PagedView` and its index arithmetic. Shapes are dynamic (rows B
+and table width W vary every step; the page size is a constant of the graph): one graph serves
+every step; B and W are padded to at least 2 (Dynamo specialises sizes 0 and 1), the extra row
+decoding ``PAD_ID`` with no cached slot and dropped.
 
-Scores are scaled by 1/sqrt(D) (Vaswani et al. 2017); left padding and grouped-query heads as
+Scores are scaled by 1/sqrt(D) (Vaswani et al. 2017); grouped-query heads as
 :func:`zerotron.models.base.causal_attention`; greedy tokens equal the eager engine's (tested in
 fp64): only the order of the sums differs.
 
