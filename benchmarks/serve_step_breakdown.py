@@ -40,7 +40,6 @@ PARTS = [
     ("step/_schedule", "zerotron.inference.continuous", "ContinuousDecoder", "_schedule"),
     ("step/_decode", "zerotron.inference.continuous", "ContinuousDecoder", "_decode"),
     ("step/_decode/PagedView", "zerotron.inference.paged", "PagedView", "__init__"),
-    ("step/_decode/DecodeInputs", "zerotron.inference.paged_compiled", "DecodeInputs", "update"),
     ("step/_decode/compiled call", "zerotron.inference.paged_compiled", "CompiledPagedDecode", "__call__"),
     ("step/_decode/compiled call/graph (guards + kernels)", None, None, "fn"),
     ("step/_decode/eager forward", "zerotron.inference.continuous", "ContinuousDecoder", "_forward"),
