@@ -1,5 +1,9 @@
 """Does reading the KV pool in place pay inside the compiled paged decode on CPU? (issue 31, eighth session)
 
+Historical: it patches ``paged_compiled._PoolReadView``, the slot-level gather that session 10
+replaced by a per-block in-place read (``paged_compiled.paged_decode_attention``, which pays:
+``benchmarks/serve_step_breakdown.md``); run it on a tree at 753652c or earlier.
+
 Usage: ``PYTHONPATH=. python benchmarks/serve_inplace_attention.py --checkpoint RUN --variant V [--rows 16]
 [--rounds 4] [--json F]``, one variant per process (each is its own Inductor graph: set
 ``TORCHINDUCTOR_CACHE_DIR`` to a directory of its own to time a cold compile).

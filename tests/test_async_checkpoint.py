@@ -190,3 +190,51 @@ def test_zero_snapshot_gathers_in_background(data_cache):
     cases = [{"parallel.zero_stage": 1}, {"parallel.zero_stage": 3}, {"parallel.zero_stage": 3, "parallel.tp": 2}]
     for rank_out in run_ranks(_snapshot_equals_state, 2, data_cache, cases):
         assert all(ok and n > 0 for ok, n in rank_out), rank_out
+
+
+def _background_save_with_a_stopped_peer(run_dir):
+    """Rank 0 stops rank 1 (SIGSTOP: a hung rank, its sockets open) and starts a background save of
+    a one-tensor state, then waits for it; rank 1 was idle, outside any collective. Returns rank 0's
+    (error type, message); rank 1 is continued (SIGCONT) either way."""
+    import time
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from zerotron.train.checkpoint.background import AsyncSaver
+
+    lin = torch.nn.Linear(4, 4)
+    strategy = SimpleNamespace(module=lin, checkpoint_state=lambda opt: ({"w": lin.weight.detach()}, {}))
+    saver = AsyncSaver(strategy)  # collective: its own gloo group, as every rank of a run makes it
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    done = Path(run_dir) / "continued"
+    if dist.get_rank() == 1:
+        while not done.exists():  # idle: no collective of its own while it is stopped
+            time.sleep(0.02)
+        return None
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        saver.start(run_dir, 1, strategy, None, SimpleNamespace(state_dict=dict), {})
+        _, err, _ = saver.wait()
+        return type(err).__name__, str(err)
+    finally:
+        done.touch()
+        os.kill(pids[1], signal.SIGCONT)
+
+
+def test_background_save_with_a_hung_peer_fails_within_the_timeout(tmp_path):
+    """A background save's collectives (its own gloo group, made with dist.new_group) had torch's
+    30-minute timeout, not parallel.timeout_s, and their failures were gloo's bare RuntimeError (the
+    writer thread was left out of the watchdog): a rank stopped during a background save held the
+    others 30 minutes, then a traceback. Now rank 0's wait for the save ends within the collective
+    timeout (4 s here; a hang would end in run_ranks' join timeout) with the watchdog's one-line
+    CollectiveError naming the save's agreement, its group and the stopped peer; nothing is written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    out = run_ranks(_background_save_with_a_stopped_peer, 2, str(run), timeout_s=4, join_timeout_s=240)
+    kind, msg = out[0]
+    assert kind == "CollectiveError", (kind, msg)
+    assert msg.startswith("all_reduce (tag 'checkpoint_agree') on group checkpoint (ranks [0, 1])") and \
+        "rank 0 got no answer from peer(s) [1] (dead or hung peer?" in msg and "\n" not in msg, msg
+    assert not list_checkpoints(run) and not list((run / "checkpoints").glob(".tmp_step_*"))

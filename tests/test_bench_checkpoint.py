@@ -16,8 +16,9 @@ def bench(*args):
 def test_bench_checkpoint_measures_and_cleans_up(tmp_path, data_cache):
     """Two rounds on the tiny model: every time is positive (no ordering is asserted: timings under
     load), the bytes are the checkpoint's (3 copies of the fp32 state at least), the percentages
-    follow from the medians, and nothing is left in --dir."""
-    out = tmp_path / "r.json"
+    follow from the medians, and nothing is left in --dir. --json names a folder that does not exist
+    yet: created, as by every command that writes a result file (zerotron.out_files)."""
+    out = tmp_path / "new" / "r.json"
     disk = tmp_path / "disk"
     disk.mkdir()
     r = bench("--config", "configs/tiny.toml", "--rounds", "2", "--dir", str(disk), "--json", str(out),
@@ -39,7 +40,7 @@ def test_bench_checkpoint_bad_arguments():
     r = bench("--dir", "/nonexistent/x")
     assert r.returncode == 2 and "--dir /nonexistent/x is not a directory" in r.stderr, r.stderr
     for flag in ("--json", "--markdown"):
-        for bad, why in (("/nonexistent/d/o.json", "the directory /nonexistent/d does not exist"),
+        for bad, why in ((str(ROOT / "pyproject.toml" / "d" / "o.json"), f"{ROOT / 'pyproject.toml'} is a file, not a directory"),
                          ("/tmp", "is a directory")):
             r = bench(flag, bad)
             assert r.returncode == 2 and f"{flag} {bad}: {why}" in r.stderr, r.stderr

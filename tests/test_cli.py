@@ -18,6 +18,19 @@ def run(argv, capsys):
 CASES = [
     (["train", "--config", TINY, "--train.stepz", "3"], "unknown config key train.stepz (did you mean 'steps'?)"),
     (["train", "--config", TINY, "--train.steps", "abc"], "train.steps must be int, got 'abc'"),
+    # a float for an int setting (was int(1e20): a 10**20-step run accepted), and 64-bit / seed bounds
+    (["train", "--config", TINY, "--train.steps", "1e20"],
+     "train.steps must be int, got '1e20' (an integer in digits, e.g. --train.steps 100)"),
+    (["train", "--config", TINY, "--train.micro_batch", "2.0"], "train.micro_batch must be int, got '2.0'"),
+    (["train", "--config", TINY, "--train.steps", str(10**20)],
+     "train.steps must fit in 64 bits (|value| < 2**63), got 100000000000000000000"),
+    (["train", "--config", TINY, "--train.seed", "-1"], "train.seed must be in [0, 2**63), got -1"),
+    # more GPUs than any split of the model and batch can use: was "no layout fits: add GPUs or memory"
+    (["plan", "--model", "gpt2", "--gpus", "100000", "--global-batch", "256", "--seq", "1024"],
+     "no split of 100,000 GPUs as dp x tp x pp x cp fits this model and batch: dp must divide the global batch (256)"),
+    # extra words after --version / --help were ignored (the version printed, exit 0)
+    (["--version", "extra"], "--version prints the version and takes no arguments, got 'extra'"),
+    (["help", "train", "now"], "help prints the usage and takes no arguments, got 'train now'"),
     (["train", "--config", "nope.toml"], "config file 'nope.toml' not found"),
     (["train", "--config", "configs"], "config file 'configs' is a directory; pass an existing TOML file"),  # was "not found"
     (["train", "--config", TINY, "--train.global_batch", "10", "--train.micro_batch", "4"],
@@ -169,6 +182,9 @@ def test_bad_toml(tmp_path, capsys):
     bad.write_text("[train]\nsteps = 'ten'\n")
     code, err = run(["train", "--config", str(bad)], capsys)
     assert code == 2 and "train.steps must be int, got str 'ten'" in err
+    bad.write_text("[train]\nsteps = 1e20\n")  # a float for an int setting: refused, as on the command line
+    code, err = run(["train", "--config", str(bad)], capsys)
+    assert code == 2 and "train.steps must be int, got float 1e+20 (an integer in digits, e.g. steps = 100)" in err, err
     bad.write_bytes(b"\xff\xfe[train]\n")  # not UTF-8 (a UTF-16 BOM): one line, not a UnicodeDecodeError traceback
     code, err = run(["train", "--config", str(bad)], capsys)
     assert code == 2 and "is not UTF-8 text (byte 0)" in err and len(err.strip().splitlines()) == 1, err

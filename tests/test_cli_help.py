@@ -35,6 +35,13 @@ def _wide(monkeypatch):
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"zerotron {importlib.metadata.version('zerotron')}"
+    # anything after it is a usage error, one line, exit 2 (was ignored: the version and exit 0)
+    assert main(["--version", "extra"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--version prints the version and takes no arguments" in err, err
+    # `zerotron help train`: the train command's own help
+    code, out = _help(["help", "train"], capsys)
+    assert code == 0 and out.startswith("usage: zerotron train"), out[:200]
 
 
 def test_train_help_lists_every_config_field(capsys):

@@ -85,8 +85,13 @@ def _dies():
 
 
 def test_dead_rank_raises_not_hangs():
-    with pytest.raises(RuntimeError):
-        run_ranks(_dies, 2, timeout_s=10, join_timeout_s=60)
+    """Rank 1's process ends; rank 0's all_reduce must raise the watchdog's CollectiveError naming
+    the peer, not hang. Fresh ranks: the pool reports a rank whose process ended at once and ends
+    the others, so any RuntimeError passed even if rank 0 hung; here rank 0's own error is awaited
+    (a hang would end in the join timeout's message instead)."""
+    with pytest.raises(RuntimeError, match=r"--- rank 0 ---\n(.|\n)*CollectiveError: all_reduce on group world "
+                                           r"\(ranks \[0, 1\]\): rank 0 got no answer from peer\(s\) \[1\] \(dead or hung peer\?"):
+        run_ranks(_dies, 2, timeout_s=10, join_timeout_s=120, fresh=True)
 
 
 def test_in_flight_memory_is_guarded(single_process):
@@ -114,3 +119,27 @@ def test_in_flight_memory_is_guarded(single_process):
     fut = comm.all_reduce(buf, async_op=True).get_future()  # torch owns completion (DDP comm hooks)
     assert in_flight() == []
     fut.wait()
+
+
+def test_groups_made_outside_the_mesh_take_the_world_timeout(single_process):
+    """torch gives a group made by dist.new_group its own 30-minute timeout, not the world's
+    (parallel.timeout_s); comm.new_group passes the world's, and is the only way zerotron makes one
+    (a background save's groups, a pipeline's tied pair, the expert groups waited 30 minutes on a
+    hung peer)."""
+    import re
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from zerotron.distributed import comm
+    from zerotron.distributed.groups import world_timeout
+
+    cpu = torch.device("cpu")
+    assert world_timeout() is not None and world_timeout() != timedelta(minutes=30)  # the fixture's (60 s)
+    assert comm.new_group([0], backend="gloo")._get_backend(cpu).options._timeout == world_timeout()
+    assert dist.new_group([0], backend="gloo")._get_backend(cpu).options._timeout == timedelta(minutes=30)  # torch's
+    root = Path(__file__).resolve().parent.parent / "zerotron"
+    direct = [f"{p.relative_to(root)}:{i + 1}" for p in root.rglob("*.py") if p.name != "groups.py"
+              for i, line in enumerate(p.read_text().splitlines()) if re.search(r"\bdist\.new_group\(", line)]
+    assert direct == [], direct

@@ -917,8 +917,8 @@ def test_disk_full_then_freed_on_real_tmpfs(tmp_path, data_cache):
                          "--data.cache_dir", data_cache],
         before="head -c 3145728 /dev/zero > $DISK/filler",
         during='while [ ! -e "$RC" ] && ! grep -q "not writing checkpoint step_4" "$ERR"; do sleep 0.05; done; '
-               'rm -f $DISK/filler',
-        env={"ZEROTRON_FAULT_STEP_SLEEP_S": "0.5"})  # time for the watcher between steps 4 and 6
+               f'rm -f $DISK/filler; touch {tmp_path / "freed"}',
+        env={"ZEROTRON_FAULT_GATE": f"4:{tmp_path / 'freed'}"})  # step 5 waits for the watcher: no margin of sleeps
     run = tmp_path / "disk" / "run"
     assert code == 0, err
     lines = [ln for ln in ours(err) if "checkpoint" in ln and ("warning" in ln or "error" in ln)]
@@ -956,8 +956,11 @@ def test_metrics_disk_full_then_freed_on_real_tmpfs(tmp_path, data_cache):
         tmp_path, "20M", ["--train.steps", "16", "--checkpoint.every", "4", "--checkpoint.keep", "1",
                           "--data.cache_dir", data_cache],
         during=f"while [ ! -e $DISK/run/checkpoints/step_4 ] && [ ! -e \"$RC\" ]; do sleep 0.05; done; {FILL}; "
-               'while [ ! -e "$RC" ] && ! grep -q "cannot append" "$ERR"; do sleep 0.05; done; rm -f $DISK/filler',
-        env={"ZEROTRON_FAULT_STEP_SLEEP_S": "0.3"})
+               f"touch {tmp_path / 'full'}; "
+               'while [ ! -e "$RC" ] && ! grep -q "cannot append" "$ERR"; do sleep 0.05; done; rm -f $DISK/filler; '
+               f"touch {tmp_path / 'freed'}",
+        # the run waits after step 4 for the disk to be full and after step 15 for it to be freed
+        env={"ZEROTRON_FAULT_GATE": f"4:{tmp_path / 'full'},15:{tmp_path / 'freed'}"})
     assert code == 0, err
     warn = [ln for ln in ours(err) if "cannot append" in ln]
     note = [ln for ln in ours(err) if "is written again" in ln]
@@ -993,7 +996,8 @@ def test_metrics_disk_full_stop_then_resume_on_real_tmpfs(tmp_path, data_cache):
     code, err, out_run = _in_tmpfs(
         tmp_path, "20M", ["--resume", "--train.steps", "12", *args],
         before=f"cp -a {shlex.quote(str(seed))} $DISK/run",
-        during=f"{_wait_lines(3)}; {FILL}", env={"ZEROTRON_FAULT_STEP_SLEEP_S": "0.2"})
+        during=f"{_wait_lines(3)}; {FILL}; touch {tmp_path / 'full'}",
+        env={"ZEROTRON_FAULT_GATE": f"3:{tmp_path / 'full'}"})  # step 4 waits for the full disk
     assert code == 3, err
     lines = [ln for ln in ours(err) if "metrics" in ln or "checkpoint" in ln]
     stop = [ln for ln in lines if "stopped" in ln]
@@ -1067,6 +1071,83 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     assert main(["train", "--config", "configs/tiny.toml", "--train.stepz", "1"]) == 2
     assert signal.getsignal(signal.SIGINT) is before
+
+
+# a launcher (`python -c`) that records its workers' pids and signals itself (SIGTERM) at the moment
+# WHEN says: "spawn", just after the first worker is started (the second is not yet); "gate", once
+# both workers wait at ZEROTRON_FAULT_GATE's gate before their first step (still in start-up)
+SIGNALLED_LAUNCHER = r"""
+import json, os, signal, sys, threading, time
+import torch.distributed.elastic.multiprocessing.api as api
+real, handlers = api.get_subprocess_handler, []
+def spawn(**kwargs):
+    handler = real(**kwargs)
+    handlers.append(handler)
+    with open(os.environ["PIDS"], "a") as f:
+        f.write(f"{handler.proc.pid}\n")
+    if os.environ["WHEN"] == "spawn" and len(handlers) == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return handler
+api.get_subprocess_handler = spawn
+def at_gate():
+    while not all(os.path.exists(f"{os.environ['GATE']}.rank{r}") for r in (0, 1)):
+        time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGTERM)
+if os.environ["WHEN"] == "gate":
+    threading.Thread(target=at_gate, daemon=True).start()
+from zerotron.cli.main import main
+code = main()
+print(json.dumps([h.proc.returncode for h in handlers]))
+sys.exit(code)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (no such process, or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("when", ["spawn", "gate"])
+def test_sigterm_while_the_launcher_starts_is_one_line_and_leaves_no_worker(when, tmp_path, data_cache):
+    """SIGTERM to `zerotron train --nproc 2` during start-up, at two moments: while the launcher
+    starts its workers ("spawn": one started, not the other), and while both are still starting
+    ("gate": waiting before their first step). Exit 143 with one line (the launcher's: the workers
+    were stopped before the first step, nothing saved), every worker killed by that SIGTERM (not by
+    the agent's SIGKILL 30 s later), none left running once the launcher is gone, the run directory
+    without records or checkpoints and startable again (rank 0 may have opened metrics.jsonl: an empty
+    one was refused as "a run without a checkpoint"). Before: the "spawn" signal lost the started worker (the agent's
+    shutdown stopped no one and the launcher exited, the worker ran on: rank 1 was seen ~30 s after);
+    at "gate", rank 0 printed its own stop line beside the launcher's (two lines) and a worker waiting
+    in a C++ call could not run its Python handler until the agent's SIGKILL."""
+    run, gate, pids = tmp_path / "run", tmp_path / "gate", tmp_path / "pids"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ZEROTRON_FORK_WORKERS": "1",
+           "PIDS": str(pids), "WHEN": when, "GATE": str(gate), "ZEROTRON_FAULT_GATE": f"0:{gate}"}
+    argv = ["train", "--config", "configs/tiny.toml", "--nproc", "2", "--run-dir", str(run), "--data.cache_dir",
+            data_cache, "--train.steps", "2", "--train.eval_every", "0", "--log.progress", "false",
+            "--log.sample_tokens", "0", "--log.plot", "false"]
+    try:
+        r = subprocess.run([sys.executable, "-c", SIGNALLED_LAUNCHER, *argv], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=240)
+        workers = [int(x) for x in pids.read_text().split()] if pids.exists() else []
+        left = [w for w in workers if not _gone(w)]
+    finally:
+        for w in [int(x) for x in pids.read_text().split()] if pids.exists() else []:
+            if not _gone(w):
+                os.kill(w, signal.SIGKILL)
+    assert not left and len(workers) == 2, (left, workers, r.stderr)
+    assert r.returncode == 128 + signal.SIGTERM, r.stderr
+    assert ours(r.stderr) == [f"zerotron: launching 2 workers, run directory {run}",
+                              "zerotron: SIGTERM before the first training step: the 2 workers were stopped; nothing "
+                              "was saved (checkpoints already in the run directory are untouched)"], r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == [-signal.SIGTERM] * 2, r.stdout
+    assert "Traceback" not in r.stderr and not list_checkpoints(run)
+    from zerotron.train.setup import check_run_dir
+
+    check_run_dir(run, resume=False)  # startable again: no records (an empty metrics.jsonl was refused)
+    assert not (run / "metrics.jsonl").exists() or (run / "metrics.jsonl").read_text() == ""
 
 
 def test_final_save_failing_with_no_checkpoint_says_how_to_start_again(tmp_path, data_cache, single_process,

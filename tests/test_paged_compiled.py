@@ -24,20 +24,33 @@ VOCAB = 97
 
 
 def test_paged_decode_attention_equals_causal_attention():
-    """One query per row over left-padded keys, grouped-query heads (4 query heads on 2 kv heads):
-    the reduction form equals ``causal_attention`` (fp64, 1e-12), and a wrong mask is caught."""
+    """One query per row over its cached slots read in place through its block table, plus its own
+    new key, grouped-query heads (4 query heads on 2 kv heads): equals ``causal_attention`` over the
+    left-padded gathered keys (fp64, 1e-12), and a wrong length (a slot past the row's) is caught."""
     from zerotron.inference.paged_compiled import paged_decode_attention
 
     g = torch.Generator().manual_seed(0)
-    B, H, Hkv, S, D = 5, 4, 2, 9, 8
+    B, H, Hkv, D, page, nblocks = 5, 4, 2, 8, 4, 12
+    keys = torch.randn(Hkv, nblocks * page, D, generator=g, dtype=torch.float64)
+    values = torch.randn(Hkv, nblocks * page, D, generator=g, dtype=torch.float64)
+    lens = [0, 3, 9, 4, 6]  # row 0: only its own new key; blocks shared and out of order
+    tables = [[5], [2], [7, 1, 3], [4, 0], [2, 9]]
+    W = max(len(t) for t in tables)
+    table = torch.tensor([t + [11] * (W - len(t)) for t in tables])
     q = torch.randn(B, H, 1, D, generator=g, dtype=torch.float64)
-    k = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
-    v = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64)
-    pad = torch.tensor([0, 3, 8, 1, 5])  # row 2: only its own new key
+    kn = torch.randn(B, Hkv, 1, D, generator=g, dtype=torch.float64)
+    vn = torch.randn(B, Hkv, 1, D, generator=g, dtype=torch.float64)
+    S = max(lens) + 1
+    pad = torch.tensor([S - 1 - n for n in lens])
+    slots = [[t[j // page] * page + j % page for j in range(n)] for t, n in zip(tables, lens)]
+    idx = torch.tensor([[0] * (S - 1 - n) + s for s, n in zip(slots, lens)])  # left padding reads slot 0, masked
+    k = torch.cat([keys[:, idx].transpose(0, 1), kn], dim=2)  # (B, Hkv, S, D)
+    v = torch.cat([values[:, idx].transpose(0, 1), vn], dim=2)
     want = causal_attention(q, k, v, 0.0, pad)
-    got = paged_decode_attention(q, k, v, pad)
+    got = paged_decode_attention(q, kn, vn, keys, values, table, torch.tensor(lens), page)
     assert got.shape == want.shape and (got - want).abs().max() < 1e-12
-    assert (paged_decode_attention(q, k, v, torch.zeros_like(pad)) - want).abs().max() > 1e-3  # padding unmasked
+    longer = torch.tensor(lens) + torch.tensor([0, 1, 0, 0, 0])  # row 1 reads one slot too many
+    assert (paged_decode_attention(q, kn, vn, keys, values, table, longer, page) - want).abs().max() > 1e-3
 
 
 def _decode(model, compile_: bool, schedule):

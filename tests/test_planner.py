@@ -52,6 +52,29 @@ def test_never_violates_divisibility_or_memory(preset, gpus, per_node, mem, batc
         assert {r["tp"] for r in res["layouts"]} <= {1, 2, 4}
 
 
+def test_gpu_count_no_mesh_can_split_is_refused_with_counts_that_can():
+    """100,000 GPUs for GPT-2 and a global batch of 256: no dp x tp x pp x cp split passes the
+    divisibility and layer rules (100,000 = 2^5 5^5; dp | 256, tp | 12, pp <= 12, cp | 512), so no
+    layout exists at any memory size; the planner said "no layout fits: add GPUs or memory". Now a
+    ValueError (the CLI's one line, exit 2) names the nearest counts that split (each checked here
+    to have a mesh that passes); far beyond the largest usable count, that count."""
+    import re
+
+    from zerotron.analysis.planner import split_refusal
+
+    cfg, cm = preset_config("gpt2"), CostModel(hardware("h100"), 8)
+    with pytest.raises(ValueError, match="no split of 100,000 GPUs") as e:
+        plan(cfg, 100000, 80 * GB, 256, 1024, cm)
+    counts = [int(g) for g in re.findall(r"--gpus (\d+)", str(e.value))]
+    assert len(counts) == 2 and counts[0] < 100000 < counts[1] and all(g % 8 == 0 for g in counts), str(e.value)
+    for g in counts:
+        assert split_refusal(shape_of(cfg), g, 256, 1024, cm) is None
+    most = 256 * 12 * 12 * 512  # dp x largest tp x n_layer x largest cp
+    msg = split_refusal(shape_of(cfg), 8 * most, 256, 1024, cm)
+    assert f"at most {most:,} GPUs can be used; pass --gpus {most}," in msg, msg
+    assert split_refusal(shape_of(cfg), 64, 256, 1024, cm) is None  # an ordinary count
+
+
 def test_memory_is_states_plus_activations_plus_overhead():
     from zerotron.analysis.activations import activation_bytes
 

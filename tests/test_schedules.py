@@ -421,7 +421,7 @@ def test_schedule_main_errors(capsys):
 
 
 def test_png_written(tmp_path, capsys):
-    out = tmp_path / "sched.png"
+    out = tmp_path / "figs" / "sched.png"  # a folder not made yet: created (zerotron.out_files)
     assert schedule_main(["--pp", "4", "--microbatches", "8", "--kind", "1f1b",
                           "--out", str(out)]) == 0
     data = out.read_bytes()

@@ -333,9 +333,16 @@ def _suggest(word: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _default(section: str, name: str):
+    """The default value of config field ``section.name``."""
+    return next(f.default for f in dataclasses.fields(_section_cls(section)) if f.name == name)
+
+
 def _coerce(section: str, name: str, typ, value, from_cli: bool = False):
-    """Convert ``value`` to ``typ`` or raise ConfigError. CLI strings are parsed; TOML values must
-    already have the right type (an int is accepted for a float)."""
+    """Convert ``value`` to ``typ`` or raise ConfigError. CLI strings are parsed (an int field takes
+    an integer literal: "1e3" and "1.0" are refused, as the floats they are in a TOML file); TOML
+    values must already have the right type (an int is accepted for a float). Ranges are checked
+    later (``config_checks.check_values``: every int within 64 bits, then each field's own bounds)."""
     key = f"{section}.{name}"
     typ = {"int": int, "float": float, "bool": bool, "str": str}.get(typ, typ) if isinstance(typ, str) else typ
     if from_cli and isinstance(value, str) and typ is not str:
@@ -347,15 +354,18 @@ def _coerce(section: str, name: str, typ, value, from_cli: bool = False):
                 return False
             raise ConfigError(f"{key} must be true or false, got {value!r}")
         try:
-            if typ is int and not s.lstrip("+-").isdigit() and float(s).is_integer():
-                return int(float(s))  # "1e3" -> 1000
+            # an int field takes an integer literal only, as in a TOML file (where 1e3 is a float and
+            # refused): "1e20" was read as int(1e20) and "1e3" as 1000
             return typ(s)
         except ValueError:
-            raise ConfigError(f"{key} must be {typ.__name__}, got {value!r}") from None
+            hint = f" (an integer in digits, e.g. --{key} {_default(section, name)})" if typ is int else ""
+            raise ConfigError(f"{key} must be {typ.__name__}, got {value!r}{hint}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"{key} must be {typ.__name__}, got {type(value).__name__} {value!r}")
+        hint = f" (an integer in digits, e.g. {name} = {_default(section, name)})" if typ is int and \
+            isinstance(value, float) else ""
+        raise ConfigError(f"{key} must be {typ.__name__}, got {type(value).__name__} {value!r}{hint}")
     return value
 
 

@@ -12,6 +12,7 @@ from .config import SECTIONS, Config, ConfigError, _field_types, _section_cls, m
 __all__ = ["check_values", "CORPORA"]
 
 CORPORA = ("shakespeare", "files", "hf")
+INT64 = 2**63  # int settings are limited to [-INT64, INT64): torch's and numpy's int64
 
 
 def _need(cond, msg: str) -> None:
@@ -44,8 +45,13 @@ def check_values(cfg: Config) -> dict:
     for sec in SECTIONS:  # inf/nan parse as floats; no float field means anything with them
         section = getattr(cfg, sec)
         for name, typ in _field_types(_section_cls(sec)).items():
-            if typ is float and not math.isfinite(v := getattr(section, name)):  # (the message built only then)
+            v = getattr(section, name)  # (the messages are built only when a check fails)
+            if typ is float and not math.isfinite(v):
                 _need(False, f"{sec}.{name} must be a finite number, got {v}")
+            # every int ends up in torch / numpy / the checkpoint's int64 (an absurd 10**20 steps was accepted)
+            if typ is int and not -INT64 <= v < INT64:
+                _need(False, f"{sec}.{name} must fit in 64 bits (|value| < 2**63), got {v}")
+    _need(0 <= t.seed < INT64, f"train.seed must be in [0, 2**63), got {t.seed}")
     _need(t.nonfinite in ("skip", "stop"), f"train.nonfinite must be skip or stop, got {t.nonfinite!r}")
     _need(t.nonfinite_limit >= 1, f"train.nonfinite_limit must be >= 1 (consecutive skipped steps), got {t.nonfinite_limit}")
     _need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")

@@ -29,6 +29,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 RESTART_NOTE_ENV = "ZEROTRON_RESTART_NOTE"
@@ -38,7 +39,25 @@ the survivors are stopped for a restart, the one-line description of the worker 
 
 ERROR_DIR_ENV = "ZEROTRON_ERROR_DIR"
 """environment variable of :func:`launch`'s workers: a folder of the launch in which :func:`say_once`
-marks the lines already printed, so a user error that every worker finds is printed once"""
+marks the lines already printed, so a user error that every worker finds is printed once, and
+:func:`mark_started` marks that the workers are past their start-up"""
+
+_STARTED = "started"  # the mark of mark_started in the ERROR_DIR_ENV folder
+
+
+def launched_worker() -> bool:
+    """True in a worker started by :func:`launch` (zerotron's ``--nproc`` launcher, which reports a
+    stop signal for all its workers), False elsewhere (one process, a plain torchrun worker)."""
+    return in_worker() and bool(os.environ.get(ERROR_DIR_ENV))
+
+
+def mark_started() -> None:
+    """In a worker of :func:`launch`: say that this worker has finished its start-up (a training
+    run entering its step loop), so that the launcher, stopped by a signal, no longer says that
+    the workers were stopped before they started. Nothing elsewhere."""
+    if launched_worker():
+        with contextlib.suppress(OSError):
+            Path(os.environ[ERROR_DIR_ENV], _STARTED).touch()
 
 
 def say_once(line: str) -> None:
@@ -276,8 +295,51 @@ def restart_hooks(on_restart, note_path: str | Path | None = None):
 launched = False  # this process ran launch(): the zerotron command skips its last collections (cli.main)
 
 
+@contextlib.contextmanager
+def whole_spawns():
+    """While the block runs, torch elastic's ``SubprocessContext._start`` (torch 2.x private API: it
+    starts the workers in one dict comprehension, after ``PContext.start`` set the agent's stop
+    signal handlers) holds back a stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) that arrives while
+    the workers are being started, and raises it (the agent's handler: ``SignalException``) once
+    all of them are recorded. Raised mid-way, the comprehension lost the workers started so far:
+    the agent's shutdown then stopped none of them, and the launcher exited while they ran on
+    (rank 1 was seen alive ~30 s after it)."""
+    from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+
+    start = SubprocessContext._start
+
+    def _start(self):
+        if threading.current_thread() is not threading.main_thread():
+            return start(self)
+        pending: list[int] = []
+        launcher = os.getpid()
+
+        def hold(signum, frame):
+            if os.getpid() != launcher:  # a forked worker before it reset its handlers (launch_fork):
+                signal.signal(signum, signal.SIG_DFL)  # the signal is its own, and ends it
+                os.kill(os.getpid(), signum)
+            pending.append(signum)
+
+        held = [s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+                if callable(signal.getsignal(s))]
+        prev = {s: signal.signal(s, hold) for s in held}
+        try:
+            return start(self)
+        finally:
+            for s, h in prev.items():
+                signal.signal(s, h)
+            if pending:  # every started worker is in subprocess_handlers now: the agent stops them all
+                prev[pending[0]](pending[0], None)
+
+    SubprocessContext._start = _start
+    try:
+        yield
+    finally:
+        SubprocessContext._start = start
+
+
 def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeout_s: float = 30,
-           max_restarts: int = 0, on_restart=None) -> int:
+           max_restarts: int = 0, on_restart=None, startup_stop: str | None = None) -> int:
     """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
 
     ``argv`` must not contain ``--nproc`` (the workers would launch again). Uses
@@ -287,7 +349,11 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     survivors of a failed attempt find why they are stopped in :data:`RESTART_NOTE_ENV`'s file). A
     SIGTERM/SIGHUP/SIGINT to this process is forwarded to the workers by the elastic agent, which
     waits ``shutdown_timeout_s`` seconds for them before SIGKILL; then this prints one line and
-    returns 128 + the signal. A worker that failed first with exit code 2 (a user error: it printed
+    returns 128 + the signal; with ``startup_stop`` and no worker past its start-up (:func:`mark_started`),
+    the line is ``zerotron: <SIGNAL> <startup_stop>``, the only line of such a stop (a training run's
+    workers die by a stop signal during their start-up, without a word: ``train.stop``). A signal
+    that comes while the workers are being started waits until all are (:func:`whole_spawns`), so
+    none is left running. A worker that failed first with exit code 2 (a user error: it printed
     its one line) makes this return 2 without a line of its own. The workers start with glibc's heap thresholds of
     :mod:`zerotron.host_heap` (unless ``ZEROTRON_HOST_HEAP=release`` or the user set their own).
     With ``ZEROTRON_FORK_WORKERS=1`` the workers are forks of this process instead of fresh
@@ -328,11 +394,14 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     launched = True
     try:
         with quiet_elastic_logs(), restart_hooks(on_restart, note_dir / "note" if note_dir else None), \
-                fork_workers(fork_wanted()):
+                fork_workers(fork_wanted()), whole_spawns():
             run(args)
     except SignalException as e:  # the workers got the signal too and have stopped (or been killed)
         sig = signal.Signals(e.sigval)
-        print(f"zerotron: interrupted ({sig.name}); the {nproc} workers were stopped", file=sys.stderr)
+        if startup_stop and not (Path(error_dir) / _STARTED).exists():
+            print(f"zerotron: {sig.name} {startup_stop}", file=sys.stderr)
+        else:
+            print(f"zerotron: interrupted ({sig.name}); the {nproc} workers were stopped", file=sys.stderr)
         return 128 + int(sig)
     except ChildFailedError as e:
         failures = getattr(e, "failures", {}) or {}

@@ -80,14 +80,23 @@ class _ForkedPopen(subprocess.Popen):
         sys.stdout.flush()  # no buffered launcher output copied into the child
         sys.stderr.flush()
         stdio = (c2pwrite if c2pwrite != -1 else None, errwrite if errwrite != -1 else None)
+        ready_r, ready_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the worker: never returns into the launcher's stack
             code = 1
             try:
-                code = _become_worker(self._worker_argv, dict(os.environ if env is None else env), stdio,
-                                      start_new_session)
+                os.close(ready_r)
+                if start_new_session:
+                    os.setsid()
+                os.close(ready_w)  # its session exists: the launcher may now signal it (killpg)
+                code = _become_worker(self._worker_argv, dict(os.environ if env is None else env), stdio, False)
             finally:
                 os._exit(code)
+        os.close(ready_w)
+        try:  # as Popen returns once its child is set up: the agent's killpg(pid) found no group while
+            os.read(ready_r, 1)  # the fork had not yet made its session (ProcessLookupError, a stop at spawn)
+        finally:
+            os.close(ready_r)
         self.pid = pid
         self._child_created = True
 

@@ -5,7 +5,7 @@ import json
 import sys
 
 from zerotron.analysis.memory import GB, parse_memory
-from zerotron.out_files import out_file_refusal
+from zerotron.out_files import out_file_refusal, write_out_file
 
 
 def _parser():
@@ -130,6 +130,5 @@ def dryrun_main(argv: list) -> int:
             print_record(r)
         print_step_time(records[0]["step_time"])
         if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(records, f, indent=1)
+            write_out_file(args.json_out, json.dumps(records, indent=1))
     return 1 if any(r["oom"] for r in records) else 0

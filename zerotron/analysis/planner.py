@@ -538,6 +538,47 @@ def _rank_key(r: dict) -> tuple:
             RECOMPUTE_ORDER.index(r["recompute"]))
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` >= 1, ascending (O(sqrt n): a count of 10**9 GPUs is still quick)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _mesh_refusal(shape: Shape, dp: int, tp: int, pp: int, cp: int, global_batch: int, seq: int,
+                  sp: bool) -> str | None:
+    """Why the plan prices no layout of the mesh ``dp x tp x pp x cp`` -- "divisibility" (cp: the
+    zigzag split needs seq divisible by 2 cp; tp: :func:`tp_refusal`, with sequence parallelism on
+    seq / cp; dp must divide the global batch) or "layers" (pp > n_layer) -- or None."""
+    if (seq % (2 * cp) if cp > 1 else 0) or tp_refusal(tp, shape.tp_sizes(), seq // cp if sp else None) \
+            or global_batch % dp:
+        return "divisibility"
+    return "layers" if pp > shape.n_layer else None
+
+
+def split_refusal(shape: Shape, gpus: int, global_batch: int, seq: int, cm: CostModel) -> str | None:
+    """Why no mesh dp x tp x pp x cp = ``gpus`` passes :func:`_mesh_refusal` (then no layout can be
+    priced at any memory size, so "add GPUs or memory" is the wrong advice: 100,000 GPUs for a
+    global batch of 256 said so), or None when some mesh does. The one line names the rules and the
+    GPU counts, multiples of ``cm.gpus_per_node``, nearest to ``gpus`` below and above it that some
+    mesh can split (none above when ``gpus`` exceeds the largest: global batch x largest tp x
+    n_layer x largest cp)."""
+    if any(_mesh_refusal(shape, gpus // (t * p * c), t, p, c, global_batch, seq, cm.sp) is None
+           for t in _divisors(gpus) for p in _divisors(gpus // t) for c in _divisors(gpus // (t * p))):
+        return None
+    tps = [t for t in range(1, shape.n_head + 1) if not tp_refusal(t, shape.tp_sizes())]
+    cps = [1] + [c for c in _divisors(seq // 2) if c > 1] if seq >= 2 else [1]
+    fits = {d * t * p * c for d in _divisors(global_batch) for t in tps for p in range(1, shape.n_layer + 1)
+            for c in cps if _mesh_refusal(shape, d, t, p, c, global_batch, seq, cm.sp) is None}
+    k = cm.gpus_per_node
+    below = max((g for g in fits if g < gpus and g % k == 0), default=None)
+    above = min((g for g in fits if g > gpus and g % k == 0), default=None)
+    near = " or ".join(f"--gpus {g}" for g in (below, above) if g is not None)
+    most = f"; at most {max(fits):,} GPUs can be used" if above is None else ""
+    return (f"no split of {gpus:,} GPUs as dp x tp x pp x cp fits this model and batch: dp must divide the global "
+            f"batch ({global_batch}), tp must be one of {tps}, pp at most n_layer ({shape.n_layer}), cp must divide "
+            f"seq / 2 ({seq // 2}){most}; pass {near or 'fewer GPUs'}, or change --global-batch")
+
+
 def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostModel,
          supported_only: bool = False) -> dict:
     """Enumerate and rank layouts of the model of ``cfg`` (GPT-2/Llama config or :class:`Shape`) on
@@ -559,7 +600,9 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
     memory then (pp, tp, zero, schedule, -micro_batch, recompute), "dropped": {reason: count}}``:
     "divisibility" and "layers" count (dp, tp, pp) meshes, the others layouts ("backend": zb-v
     on NCCL). Raises ValueError
-    for non-positive sizes, gpus % gpus_per_node != 0 or seq > block_size."""
+    for non-positive sizes, gpus % gpus_per_node != 0, seq > block_size, or when no mesh of ``gpus``
+    passes the divisibility and layer rules (:func:`split_refusal`: the line names the GPU counts
+    that can be split)."""
     for name, val in (("gpus", gpus), ("gpus_per_node", cm.gpus_per_node),
                       ("global_batch", global_batch), ("seq", seq)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
@@ -572,18 +615,16 @@ def plan(cfg, gpus: int, gpu_mem: int, global_batch: int, seq: int, cm: CostMode
         raise ValueError(f"backend must be nccl or gloo, got {cm.backend!r}")
     dropped = dict.fromkeys(("divisibility", "layers", "schedule", "backend", "unsupported", "memory"), 0)
     out = []
-    meshes = [(gpus // (t * p * c), t, p, c) for t in range(1, gpus + 1) if gpus % t == 0
-              for p in range(1, gpus // t + 1) if gpus // t % p == 0
-              for c in range(1, gpus // (t * p) + 1) if gpus // (t * p) % c == 0]
+    meshes = [(gpus // (t * p * c), t, p, c) for t in _divisors(gpus) for p in _divisors(gpus // t)
+              for c in _divisors(gpus // (t * p))]
     cfg = cfg if isinstance(cfg, Shape) else shape_of(cfg)
+    refusal = split_refusal(cfg, gpus, global_batch, seq, cm)
+    if refusal:
+        raise ValueError(refusal)
     for dp, tp, pp, cp in meshes:
-        # cp: the zigzag split needs seq divisible by 2 cp; sequence parallel splits seq / cp over tp
-        if (seq % (2 * cp) if cp > 1 else 0) or tp_refusal(tp, cfg.tp_sizes(), seq // cp if cm.sp else None) \
-                or global_batch % dp:
-            dropped["divisibility"] += 1
-            continue
-        if pp > cfg.n_layer:
-            dropped["layers"] += 1
+        why = _mesh_refusal(cfg, dp, tp, pp, cp, global_batch, seq, cm.sp)
+        if why:
+            dropped[why] += 1
             continue
         per_dp = global_batch // dp
         for b in [1 << i for i in range(per_dp.bit_length()) if per_dp % (1 << i) == 0]:

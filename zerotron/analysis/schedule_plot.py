@@ -13,7 +13,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from zerotron.out_files import out_file_refusal
+from zerotron.out_files import out_file_refusal, out_path
 from zerotron.parallel.pipeline.schedules import KINDS, build_schedule, check_schedule
 from zerotron.parallel.pipeline.simulation import SimResult, bubble_theory, bubble_time_theory, simulate
 from zerotron.plan import CHUNKED_SCHEDULES
@@ -71,7 +71,7 @@ def draw_schedule(sim: SimResult, pp: int, out_png: str, title: str) -> str:
     handles.append(Patch(facecolor="white", edgecolor="black", label="idle (bubble)"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(handles), fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120, bbox_inches="tight")
+    fig.savefig(out_path(out_png), dpi=120, bbox_inches="tight")
     return out_png
 
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..out_files import out_file_refusal
+from ..out_files import out_file_refusal, write_out_file
 
 USAGE = ("zerotron bench checkpoint [--config FILE] [--rounds N] [--dir DIR] [--blocking] [--nproc N] [--json F] "
          "[--markdown F] [--section.field V ...]")
@@ -181,9 +181,9 @@ def main(argv: list[str]) -> int:
     table = markdown_blocking(res, label) if args.blocking else markdown(res, label)
     print(table, end="")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": label, **res}, indent=1) + "\n")
+        write_out_file(args.json, json.dumps({"model": label, **res}, indent=1) + "\n")
     if args.markdown:
         title = (f"Training time blocked per checkpoint, sync vs async ({label} model, {args.nproc} ranks"
                  if args.blocking else f"Checkpoint integrity overhead ({label} model, one process")
-        Path(args.markdown).write_text(f"# {title}, median of {res['rounds']} rounds)\n\n" + table)
+        write_out_file(args.markdown, f"# {title}, median of {res['rounds']} rounds)\n\n" + table)
     return 0

@@ -38,7 +38,6 @@ import json
 import re
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -56,7 +55,7 @@ from zerotron.bench.topology import topology_report
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import default_device, destroy, init_distributed
 from zerotron.launch import in_worker, launch, strip_nproc
-from zerotron.out_files import check_out_files
+from zerotron.out_files import check_out_files, out_path, write_out_file
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")
 UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -289,8 +288,7 @@ def plot(results: list[dict], path: str, title: str = "") -> None:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(out_path(path), dpi=110, bbox_inches="tight")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -369,10 +367,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{overlap['t_both_s'] * 1e3:.2f} ms -> hidden fraction {overlap['hidden_fraction']:.2f} "
               f"({overlap['note']})")
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"topology": topo, "results": results, "overlap": overlap,
-                                                   "config": {"ops": ops, "sizes": sizes, "iters": args.iters,
-                                                              "warmup": args.warmup}}, indent=2))
+            write_out_file(args.json, json.dumps({"topology": topo, "results": results, "overlap": overlap,
+                                                  "config": {"ops": ops, "sizes": sizes, "iters": args.iters,
+                                                             "warmup": args.warmup}}, indent=2))
         if args.plot:
             plot(results, args.plot, f"busbw vs size: {topo['backend']}, {n} ranks, {dev.type}")
     return 0

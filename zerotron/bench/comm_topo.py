@@ -23,13 +23,13 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from zerotron.bench.timing import _loop_times, _sync, actual_bytes, bandwidths, format_size, timing_noise
 from zerotron.distributed import comm
+from zerotron.out_files import out_path, write_out_file
 
 SCOPES = ("intra", "inter", "world")
 TOPO_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -58,7 +58,7 @@ def make_groups(groups: dict[str, list[list[int]]]) -> dict[str, tuple[comm.Name
     mine, me = {}, dist.get_rank()
     for scope, lists in groups.items():
         for ranks in lists:
-            pg = dist.group.WORLD if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
+            pg = dist.group.WORLD if len(ranks) == dist.get_world_size() else comm.new_group(ranks)
             if me in ranks:
                 mine[scope] = (comm.NamedGroup(pg, scope), ranks)
     return mine
@@ -207,8 +207,7 @@ def plot_topology(res: dict, path: str, title: str = "") -> None:
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(out_path(path), dpi=110, bbox_inches="tight")
 
 def report_topology(args, ops, sizes, topo: dict, res: dict, noise_warnings) -> None:
     """Rank 0's output of a ``--topology`` run (``args``: bench comm's): nodes, the per-scope table and
@@ -222,8 +221,7 @@ def report_topology(args, ops, sizes, topo: dict, res: dict, noise_warnings) -> 
     for line in noise_warnings(res["results"]):
         print(f"zerotron bench comm: {line}", file=sys.stderr)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"topology": topo, **res, "config": {
+        write_out_file(args.json, json.dumps({"topology": topo, **res, "config": {
             "ops": ops, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
             "time_budget_s": args.time_budget}}, indent=2))
     if args.plot:

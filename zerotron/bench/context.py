@@ -339,9 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     (2 for bad arguments or a refused config)."""
     import json
     import sys
-    from pathlib import Path
 
-    from ..out_files import check_out_files
+    from ..out_files import check_out_files, write_out_file
     from .entry import prologue, run_body
     from .layouts import parse_layouts
 
@@ -372,8 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"zerotron bench context: {n} rank(s), {dev.type}, torch {torch.__version__}\n{format_rows(rows)}")
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+            write_out_file(args.json, json.dumps(rows, indent=1, default=str))
     return 0
 
 

@@ -48,7 +48,6 @@ import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,7 +56,7 @@ from zerotron.distributed import comm
 from zerotron.distributed.mesh import ParallelDims, init_distributed, teardown
 from zerotron.inference import Engine, Request, SamplingParams
 from zerotron.launch import in_worker, launch, strip_nproc
-from zerotron.out_files import check_out_files
+from zerotron.out_files import check_out_files, out_path, write_out_file
 
 from .train import _mesh
 
@@ -284,7 +283,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("output tokens/s")
     ax.set_title(title, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(out_path(path), dpi=120)
     plt.close(fig)
 
 
@@ -391,14 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"zerotron bench generate: {machine}; {len(requests)} prompts x {args.new_tokens} new tokens; "
           f"outputs equal across layouts: {same}\n{markdown_table(rows)}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_out_file(args.json, json.dumps(rows, indent=1))
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(["zerotron bench generate", *[f"--nproc {n}"] * (n > 1), *strip_nproc(argv)])
-        Path(args.markdown).write_text(f"# zerotron bench generate\n\n`{cmd}`\n\n{machine}; {len(requests)} prompts "
-                                       f"x {args.new_tokens} new tokens, greedy; outputs equal across layouts: "
-                                       f"{same}\n\n{markdown_table(rows)}")
+        write_out_file(args.markdown, f"# zerotron bench generate\n\n`{cmd}`\n\n{machine}; {len(requests)} prompts "
+                                      f"x {args.new_tokens} new tokens, greedy; outputs equal across layouts: "
+                                      f"{same}\n\n{markdown_table(rows)}")
     if args.plot:
         plot(rows, args.plot, f"zerotron bench generate: {machine}")
     return 0

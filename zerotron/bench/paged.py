@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from zerotron.out_files import check_out_files
+from zerotron.out_files import check_out_files, write_out_file
 
 __all__ = ["main"]
 
@@ -145,8 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in summary.items():
         print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": summary, "rounds": res}, f, indent=1)
+        write_out_file(args.json, json.dumps({"summary": summary, "rounds": res}, indent=1))
     if owned:
         teardown()
     return 0

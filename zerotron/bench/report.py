@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 import statistics
-from pathlib import Path
+
+from zerotron.out_files import out_path
 
 BASELINES = ("dp-torch", "single")  # ratio columns: tokens/s relative to these layouts
 # "vs flat" column: each hierarchical layout (HSDP) against its flat counterpart of the same run
@@ -194,8 +195,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     for ax in axes:
         ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig.savefig(out_path(path), dpi=110, bbox_inches="tight")
 
 
 def markdown_report(rows: list[dict], command: str, machine: str) -> str:

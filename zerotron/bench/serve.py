@@ -32,11 +32,10 @@ import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-from zerotron.out_files import check_out_files
+from zerotron.out_files import check_out_files, write_out_file
 
 __all__ = ["main", "run_mode"]
 
@@ -223,12 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             f"\n\ncontinuous / window (median of per-round ratios): {ratios}\n")
     print(f"zerotron bench serve: {text}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([{**x, "machine": machine} for x in rows], indent=1))
+        write_out_file(args.json, json.dumps([{**x, "machine": machine} for x in rows], indent=1))
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         cmd = " ".join(["zerotron bench serve", *[f"--nproc {world}"] * (world > 1), *strip_nproc(argv)])
-        Path(args.markdown).write_text(f"# zerotron bench serve\n\n`{cmd}`\n\n{text}")
+        write_out_file(args.markdown, f"# zerotron bench serve\n\n`{cmd}`\n\n{text}")
     return 0 if same else 1
 
 

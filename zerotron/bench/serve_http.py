@@ -60,7 +60,7 @@ import threading
 import time
 from pathlib import Path
 
-from zerotron.out_files import check_out_files
+from zerotron.out_files import check_out_files, write_out_file
 
 __all__ = ["main", "run_clients", "start_server"]
 
@@ -502,11 +502,9 @@ def main(argv: list[str] | None = None) -> int:
         text += f"\nnot run: {note}\n"
     print(f"zerotron bench serve: {text}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([{**r, "machine": machine} for r in rows], indent=1))
+        write_out_file(args.json, json.dumps([{**r, "machine": machine} for r in rows], indent=1))
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(f"# zerotron bench serve\n\n`zerotron bench serve {shlex.join(argv)}`\n\n{text}")
+        write_out_file(args.markdown, f"# zerotron bench serve\n\n`zerotron bench serve {shlex.join(argv)}`\n\n{text}")
     return 0 if all(r["failed"] == 0 for r in rows if r["server"] == "zerotron") else 1
 
 

@@ -79,7 +79,7 @@ from zerotron.launch import strip_nproc
 from zerotron.models.lora import apply_lora, lora_kwargs
 from zerotron.models.mixtral import set_step_rows
 from zerotron.models.registry import arch_of, build_model
-from zerotron.out_files import check_out_files
+from zerotron.out_files import check_out_files, write_out_file
 from zerotron.parallel import DataParallel, TorchDDP, parallelize
 from zerotron.parallel.compile import compile_stats
 from zerotron.parallel.context.split import split_sequence
@@ -399,14 +399,12 @@ def main(argv: list[str] | None = None) -> int:
             if r["layout"] not in BASELINES and r.get(f"ratio_vs_{b}") is not None:
                 print(f"{r['layout']} / {b} tokens/s: {r[f'ratio_vs_{b}']:.3f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_out_file(args.json, json.dumps(rows, indent=1))
     if args.plot:
         plot(rows, args.plot, f"zerotron bench train: {machine}")
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         command = " ".join(["zerotron bench train", *[f"--nproc {n}"] * (n > 1), *strip_nproc(argv)])
-        Path(args.markdown).write_text(markdown_report(rows, command, machine))
+        write_out_file(args.markdown, markdown_report(rows, command, machine))
     return 0
 
 

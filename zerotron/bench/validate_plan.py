@@ -34,7 +34,7 @@ from zerotron.analysis.plan_cli import _model_from_args
 from zerotron.analysis.planner import CostModel, evaluate
 from zerotron.bench.layouts import get_layout
 from zerotron.config import load_config
-from zerotron.out_files import check_out_files
+from zerotron.out_files import check_out_files, write_out_file
 
 from .profile import measure_profile
 
@@ -343,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{table}\n{summary}\n{summary2}")
     busbw = ", ".join(f"{op} {hw.intra[op] / 1e9:.3f} GB/s + {hw.latency_intra[op] * 1e6:.0f} us" for op in OPS)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        write_out_file(args.json, json.dumps({
             "spearman": rho, "spearman_variants": rhos, "goal": GOAL, "layouts": preds,
             "hardware": {"name": hw.name, "peak_flops": peak, "peak_flops_how": how, "memory": hw.memory,
                          "busbw_GBps": {op: hw.intra[op] / 1e9 for op in OPS},
@@ -356,8 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench_comm": args.bench_comm}, indent=1))
     if args.out:
         cmd = "zerotron bench plan " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join([
+        write_out_file(args.out, "\n".join([
             "# Planner validation: predicted vs measured training throughput", "", f"Command: `{cmd}`", "",
             f"Hardware profile \"cpu\", measured on this machine: peak {peak / 1e9:.2f} GFLOP/s per rank ({how}); "
             f"compute_eff {prof['compute_eff']:.3f} (the model's MLP matmul / peak); vector rate "

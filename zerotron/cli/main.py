@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import os
+import shlex
 import sys
 
 from .errors import fail
@@ -96,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] in ("-h", "--help", "help") and argv[1] in COMMANDS:
+        argv = [argv[1], "--help"]  # `zerotron help train`: that command's own help
+    if argv and argv[0] in ("-h", "--help", "help", "-V", "--version") and len(argv) > 1:
+        # `zerotron --version extra` printed the version and ignored the rest (a typo went unseen)
+        what = "prints the version" if argv[0] in ("-V", "--version") else "prints the usage"
+        return fail(f"{argv[0]} {what} and takes no arguments, got {shlex.join(argv[1:])!r}; run "
+                    f"'zerotron {argv[0]}' alone, or 'zerotron <command> --help' for the options of a command")
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2

@@ -112,8 +112,11 @@ def cmd_train(argv: list[str]) -> int:
                 worker_argv += ["--run-dir", str(run_dir)]
             print(f"zerotron: launching {args.nproc} workers, run directory {run_dir}", file=sys.stderr)
             os.environ["ZEROTRON_LOCK_HELD"] = str(os.getpid())  # the workers do not lock again
+            from ..train.stop import STARTUP_STOP
+
             code = launch(args.nproc, worker_argv, shutdown_timeout_s=cfg.train.stop_grace_s + 5,
-                          max_restarts=args.max_restarts, on_restart=announce_restart(run_dir))
+                          max_restarts=args.max_restarts, on_restart=announce_restart(run_dir),
+                          startup_stop=STARTUP_STOP.replace("stopped;", f"the {args.nproc} workers were stopped;"))
             lock.release()
             return code
         import torch.distributed as dist

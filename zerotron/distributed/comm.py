@@ -23,9 +23,11 @@ Timeouts: every collective is bounded by ``parallel.timeout_s`` (default 120 s: 
 reported within about two minutes, not the 30 minutes of torch's default). Waits that are long by
 design use :func:`wait_barrier` with their own, longer timeout (:data:`IO_TIMEOUT_S`): the ranks
 waiting for local rank 0 to build the token cache. Checkpoint saves are bounded by the collective
-timeout too: raise ``parallel.timeout_s`` for multi-GB checkpoints on a slow file system.
+timeout too, background (``checkpoint.async_save``) ones included: raise ``parallel.timeout_s`` for
+multi-GB checkpoints on a slow file system. Groups made outside the mesh take that timeout through
+:func:`new_group` (torch's ``dist.new_group`` alone gives them 30 minutes).
 
-Besides the collectives, ``comm.NamedGroup``, ``comm.STATS``, ``comm.assert_idle`` and
+Besides the collectives, ``comm.NamedGroup``, ``comm.new_group``, ``comm.STATS``, ``comm.assert_idle`` and
 ``comm.set_step`` (defined in ``groups``, ``accounting``, ``inflight`` and ``watchdog`` beside it)
 are where the parallel code and the trainer take them from; import anything else of those modules
 from its module.
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import STATS
-from .groups import NamedGroup
+from .groups import NamedGroup, new_group
 from .groups import process_group as _pg
 from .inflight import assert_idle, track
 from .watchdog import set_step, watch
@@ -47,7 +49,8 @@ from .watchdog import set_step, watch
 # with the collectives, the names the parallel code and the trainer use as comm.X (defined beside)
 __all__ = ["IO_TIMEOUT_S", "STATS", "NamedGroup", "ReduceOp", "all_gather", "all_gather_object", "all_reduce",
            "all_reduce_in", "all_to_all", "all_to_all_v", "assert_idle", "barrier", "batch_isend_irecv", "broadcast",
-           "broadcast_object", "irecv", "isend", "recv", "reduce_scatter", "send", "set_step", "summer", "wait_barrier"]
+           "broadcast_object", "irecv", "isend", "new_group", "recv", "reduce_scatter", "send", "set_step", "summer",
+           "wait_barrier"]
 
 ReduceOp = dist.ReduceOp
 

@@ -1,5 +1,6 @@
 """Process groups as comm takes them: a :class:`NamedGroup` carries the mesh dimension's name
-(the accounting key), and :func:`process_group` unwraps it for torch.distributed."""
+(the accounting key), and :func:`process_group` unwraps it for torch.distributed; :func:`new_group`
+is how zerotron makes a group outside the mesh (with the run's collective timeout)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,3 +43,26 @@ def group_ranks(group) -> list[int]:
         return list(dist.get_process_group_ranks(process_group(group) or dist.GroupMember.WORLD))
     except (RuntimeError, ValueError, AttributeError):
         return []
+
+
+def world_timeout():
+    """The collective timeout of the default process group (``parallel.timeout_s``, given to
+    ``init_process_group`` by ``mesh.init_distributed``) as a timedelta, or None when there is none
+    to read (torch 2.x private API: the backend's options)."""
+    import torch
+
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
+
+
+def new_group(ranks=None, backend=None):
+    """``dist.new_group(ranks, backend)`` (collective over the world, as torch's) with the default
+    group's collective timeout (:func:`world_timeout`). torch gives a group made by ``new_group``
+    its own 30-minute default, not the world's (DeviceMesh's groups do inherit it): a dead or hung
+    peer in such a group -- a background checkpoint save's, a pipeline's tied pair, an expert group
+    -- held the other ranks for 30 minutes instead of ``parallel.timeout_s``."""
+    return dist.new_group(ranks, backend=backend, timeout=world_timeout())

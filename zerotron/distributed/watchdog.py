@@ -60,7 +60,8 @@ def describe_op(op: dict) -> str:
 @contextlib.contextmanager
 def unwatched():
     """In this thread, for the block: collectives do not take the slot (:func:`current_op` keeps
-    describing the training thread's collective)."""
+    describing the training thread's collective); their failures are still re-raised as
+    CollectiveError by :func:`watch` (a background checkpoint save's, handed to the training thread)."""
     prev, _LOCAL.off = getattr(_LOCAL, "off", False), True
     try:
         yield
@@ -72,22 +73,23 @@ def unwatched():
 def watch(op: str, group, tag: str = ""):
     """Record ``op`` as this rank's collective in progress while the block runs; re-raise its
     failure as a one-line CollectiveError. Inside :func:`unwatched` (a background checkpoint
-    writer's thread, on groups of its own) the slot is left alone."""
+    writer's thread, on groups of its own) the slot is left alone, and a failure is re-raised as
+    CollectiveError all the same (it was gloo's bare RuntimeError there)."""
     global _CURRENT
-    if getattr(_LOCAL, "off", False):
-        yield
-        return
-    saved = _CURRENT
-    _CURRENT = (op, tag, group, _STEP)  # a tuple: no lookups per call
+    slot = (op, tag, group, _STEP)  # a tuple: no lookups per call
+    mine = not getattr(_LOCAL, "off", False)
+    if mine:
+        saved, _CURRENT = _CURRENT, slot
     try:
         yield
     except CollectiveError:
         raise
     except RuntimeError as e:
-        info = _describe_slot(_CURRENT)
+        info = _describe_slot(slot)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise CollectiveError(f"{describe_op(info)} (dead or hung peer? {type(e).__name__}: {first})",
                               info) from e
     finally:
-        _CURRENT = saved
+        if mine:
+            _CURRENT = saved
 

@@ -456,19 +456,29 @@ class ContinuousDecoder:
                     d[:] = self.draft_model.generate(ctx, len(d), temperature=0)[0, -len(d):].tolist()
         news = [1 + len(d) for d in drafts]
         T = max(news)
+        if T == 1 and self.compiled is not None and not self._may_share(rows):  # one compiled call
+            logits = self.compiled([r.tokens[-1] for r in rows], [r.table for r in rows], [r.cached for r in rows])
+            return {r: [t] for r, t in self._sample(rids, logits).items()}
         x = torch.tensor([[PAD_ID] * (T - n) + [r.tokens[-1]] + d for r, d, n in zip(rows, drafts, news)],
                          device=self.device)
         view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device,
                          self.shared_prefix)
-        if T == 1:
-            if self.compiled is not None and not view.prefix_blocks:  # one compiled call
-                return {r: [t] for r, t in self._sample(rids, self.compiled(x, view)).items()}
+        if T == 1:  # (compiled: only rows that share a prefix come here; their attention reads it once, eagerly)
             return {r: [t] for r, t in self._sample(rids, self._forward(x, view)).items()}
         logits = self._forward(x, view, all_logits=True)
         if logits is None:
             return {}
         return {rid: accept_drafts(logits[b, T - n:], d, r.request.params, r.generator)
                 for b, (rid, r, d, n) in enumerate(zip(rids, rows, drafts, news))}
+
+    def _may_share(self, rows: list[_Row]) -> bool:
+        """Whether the rows of a forward may start with shared cached blocks (shared-prefix
+        attention on, several rows, each with a full cached block, all with the same first
+        block): only then does :class:`~zerotron.inference.paged.PagedView` look for a prefix."""
+        if not self.shared_prefix or len(rows) < 2 or min(r.cached for r in rows) < self.page:
+            return False
+        first = rows[0].table[0]
+        return all(r.table[0] == first for r in rows)
 
     def _prefill(self, fills: list[tuple[int, int]], forks: dict[int, int]) -> dict[int, int]:
         """Prefill chunks ``fills`` = [(row, tokens)] together; the rows whose prompt is then

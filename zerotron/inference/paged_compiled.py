@@ -8,23 +8,27 @@ copy (:class:`~zerotron.inference.paged.PagedView`) and attends to that copy. At
 4-layer, 128-wide GPT-2 of ``bench serve`` that is ~5 ms of CPU per step, a quarter of it the gather.
 
 Here the whole decode forward (embedding, every block, the head) is one ``torch.compile`` graph
-(Inductor emits C++ loops on CPU), and attention is written as plain reductions over the pool read
-through the slot indices (``pool[:, idx]`` scores, softmax, weighted sum of values), which Inductor
-fuses with the masking and every elementwise op of the step. What it does *not* do (measured, the
-generated code read): read the blocks in place inside the reductions, as vLLM's PagedAttention
-kernel does (Kwon et al. 2023). The new key is appended to the context (a concatenation), so
-Inductor materialises each layer's context once per step, all layers' copies in the graph's first
-kernel; compiled ÷ eager CPU per step was 0.72-0.91 at 16 rows and 0.76-0.82 at 64 (paired, loaded;
-README, "The compiled paged decode").
+(Inductor emits C++ loops on CPU), and attention (:func:`paged_decode_attention`) reads the pool
+*in place*, block by block, as vLLM's PagedAttention kernel does (Kwon et al. 2023): the pool is
+viewed as (H_kv, blocks, page, D), indexed by the rows' block tables, and the scores, the softmax
+and the weighted sum of values are reductions over (blocks, page) with the head dim innermost, which
+Inductor fuses with the masking and vectorises along the head dim, each block's keys and values
+read once and contiguously. The row's own new key and value stay out of the pool (the softmax over
+the cached slots and the new key is merged by their common maximum). Before (session 10), the graph
+gathered each row's context slot by slot and appended the new key (a concatenation), so Inductor
+copied every layer's context out of the pool once per step; the batcher's CPU per 16-row
+iteration is now 0.38-0.65x of that (paired, loaded; ``benchmarks/serve_step_breakdown.md``).
 
 The graph is functional: it reads the pool and returns the logits and every layer's new keys and
 values, which the caller writes into their blocks (one ``index_copy_`` per layer and pool) after
-the call. Each row's new token attends to its cached slots (read through the table) and to its
-own new key, appended as the context's last column. Shapes are dynamic (rows B and context S vary
-every step): one graph serves every step; B and S are padded to at least 2 (Dynamo specialises
-sizes 0 and 1), the extra row decoding ``PAD_ID`` against fully masked slots and dropped.
+the call. Its inputs are the rows' last tokens, their block tables (B, W) and cached lengths (B,)
+(the positions), built from the decoder's lists in three ``torch.tensor`` calls: no
+:class:`~zerotron.inference.paged.PagedView` and its index arithmetic. Shapes are dynamic (rows B
+and table width W vary every step; the page size is a constant of the graph): one graph serves
+every step; B and W are padded to at least 2 (Dynamo specialises sizes 0 and 1), the extra row
+decoding ``PAD_ID`` with no cached slot and dropped.
 
-Scores are scaled by 1/sqrt(D) (Vaswani et al. 2017); left padding and grouped-query heads as
+Scores are scaled by 1/sqrt(D) (Vaswani et al. 2017); grouped-query heads as
 :func:`zerotron.models.base.causal_attention`; greedy tokens equal the eager engine's (tested in
 fp64): only the order of the sums differs.
 
@@ -47,37 +51,60 @@ from .forward import forward_layers
 __all__ = ["CompiledPagedDecode", "paged_decode_attention"]
 
 
-def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    """One new query per row over its S keys, as reductions (no fused kernel: inside a compiled
-    graph Inductor fuses the keys' gather into the loads): q (B, H, 1, D), k/v (B, H_kv, S, D) with
-    H a multiple of H_kv, pad (B,) int64 (row b's keys 0 .. pad[b]-1 masked; key S-1, the query's
-    own, is never masked) -> (B, H, 1, D). Scores scaled by 1/sqrt(D)."""
+def paged_decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, keys: torch.Tensor,
+                           values: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, page: int) -> torch.Tensor:
+    """One new query per row over its cached slots, read *in place* from the block pool, and over
+    its own new key: q (B, H, 1, D), k_new/v_new (B, H_kv, 1, D) (H a multiple of H_kv), keys/values
+    the layer's pool (H_kv, num_blocks * page, D), table (B, W) int64 block ids (row b's slot j is
+    slot ``j % page`` of block ``table[b, j // page]``; entries past the row's blocks are any valid
+    id), lens (B,) int64 cached slots per row (slots >= lens[b] masked) -> (B, H, 1, D). Scores
+    scaled by 1/sqrt(D); the softmax over the cached slots and the new key is merged by their
+    common maximum (log-sum-exp, as blockwise attention does), so the new key needs no slot.
+
+    Written per block ((H_kv, B, W, page, D) views of whole blocks, the head dim innermost), so that
+    inside a compiled graph Inductor reads each block's keys and values once, contiguously, within
+    the reductions: no per-step copy of every row's context (the slot-level gather that this
+    replaced materialised it first; 0.30 against 0.56 ms CPU per layer at 16 rows of ~200 slots,
+    ``benchmarks/serve_step_breakdown.md``)."""
     B, H, _, D = q.shape
-    hkv, S = k.size(1), k.size(2)
-    qg = q.reshape(B, hkv, H // hkv, 1, D) * (1.0 / math.sqrt(D))
-    s = (qg * k[:, :, None]).sum(-1)  # (B, H_kv, rep, S)
-    masked = torch.arange(S, device=q.device)[None, :] < pad[:, None]  # (B, S)
-    s = s.masked_fill(masked[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    out = (p[..., None] * v[:, :, None]).sum(-2)  # (B, H_kv, rep, D)
-    return out.reshape(B, H, 1, D)
+    hkv, W = keys.size(0), table.size(1)
+    kb = keys.view(hkv, -1, page, D)[:, table]  # (H_kv, B, W, page, D)
+    vb = values.view(hkv, -1, page, D)[:, table]
+    qg = q.reshape(B, hkv, H // hkv, D).transpose(0, 1) * (1.0 / math.sqrt(D))  # (H_kv, B, rep, D)
+    s = (qg[:, :, :, None, None, :] * kb[:, :, None]).sum(-1)  # (H_kv, B, rep, W, page)
+    slot = torch.arange(W * page, device=q.device).view(W, page)
+    s = s.masked_fill((slot[None] >= lens[:, None, None])[None, :, None], float("-inf"))
+    sn = (qg * k_new[:, :, 0].transpose(0, 1)[:, :, None]).sum(-1)  # (H_kv, B, rep): the new key
+    m = torch.maximum(s.amax((3, 4)), sn)  # finite: the new key's score is
+    e = torch.exp(s - m[..., None, None])
+    en = torch.exp(sn - m)
+    out = (e[..., None] * vb[:, :, None]).sum((3, 4)) + en[..., None] * v_new[:, :, 0].transpose(0, 1)[:, :, None]
+    out = out / (e.sum((3, 4)) + en)[..., None]  # (H_kv, B, rep, D)
+    return out.transpose(0, 1).reshape(B, H, 1, D)
 
 
 class _DecodeHooks(WrappingHooks):
     """The attention of a compiled paged decode: :func:`paged_decode_attention` (decode runs in
-    eval mode: no dropout)."""
+    eval mode: no dropout); its ``pad`` argument is the :class:`_PoolBlockView` (the models pass
+    ``kv_cache.pad`` through), whose ``layer`` is the one :meth:`_PoolBlockView.update` saw last."""
 
     def attention(self, q, k, v, dropout_p: float, pad=None):
-        return paged_decode_attention(q, k, v, pad).to(q.dtype)
+        view = pad
+        i = view.layer
+        return paged_decode_attention(q, k, v, view.keys[i], view.values[i], view.table, view.lens,
+                                      view.page).to(q.dtype)
 
 
-class _PoolReadView(KVCache):
-    """The cache the compiled graph sees: per layer the pool's keys/values (H_kv, slots, D), read
-    through ``old`` (B, S - 1) pool slots (row b's cached context left-padded by ``pad[b]``
-    slots); the new keys/values are appended as column S - 1 and kept in ``new_k``/``new_v``."""
+class _PoolBlockView(KVCache):
+    """The cache the compiled graph sees: per layer the pool's keys/values (H_kv, slots, D), row b's
+    ``lens[b]`` cached slots read through its blocks ``table[b]``; :meth:`update` keeps the new
+    keys/values (``new_k``/``new_v``) and returns them: the attention hook reads the pool itself.
+    ``pad`` is the view (the models hand it to the hook); positions are ``lens`` (each row's own)."""
 
-    def __init__(self, keys, values, old: torch.Tensor, pad: torch.Tensor, pos: torch.Tensor):
-        self.keys, self.values, self.old, self.pad, self.pos = keys, values, old, pad, pos
+    def __init__(self, keys, values, table: torch.Tensor, lens: torch.Tensor, page: int):
+        self.keys, self.values, self.table, self.lens, self.page = keys, values, table, lens, page
+        self.pad = self
+        self.layer = 0
         self.new_k: list[torch.Tensor] = []
         self.new_v: list[torch.Tensor] = []
 
@@ -85,37 +112,38 @@ class _PoolReadView(KVCache):
         return 0  # positions() gives every row's own
 
     def positions(self, T: int, layer: int) -> torch.Tensor:
-        return self.pos[:, None]
+        return self.lens[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        B, S1 = self.old.shape
         self.new_k.append(k)
         self.new_v.append(v)
-        out = []
-        for pool, new in ((self.keys[layer], k), (self.values[layer], v)):
-            ctx = pool[:, self.old.reshape(-1)].reshape(pool.size(0), B, S1, pool.size(2)).transpose(0, 1)
-            out.append(torch.cat([ctx, new], dim=2))  # (B, H_kv, S, D)
-        return out[0], out[1]
+        self.layer = layer
+        return k, v
 
 
-def _step(model, blocks, layers, tokens, pos, old, pad, keys, values):
-    """tokens (B, 1), pos (B,), old (B, S - 1), pad (B,) -> (logits (B, V), new keys and values
-    (L, B, H_kv, D) each)."""
-    view = _PoolReadView(keys, values, old, pad, pos)
-    logits = forward_layers(model, blocks, layers, tokens, view, True, True)
-    return logits, torch.stack([k[:, :, 0] for k in view.new_k]), torch.stack([v[:, :, 0] for v in view.new_v])
+def _make_step(page: int):
+    """The decode step for blocks of ``page`` slots (a constant of the graph, not a symbol):
+    tokens (B, 1), table (B, W), lens (B,) -> (logits (B, V), new keys and values (L, B, H_kv, D) each)."""
+
+    def step(model, blocks, layers, tokens, table, lens, keys, values):
+        view = _PoolBlockView(keys, values, table, lens, page)
+        logits = forward_layers(model, blocks, layers, tokens, view, True, True)
+        return logits, torch.stack([k[:, :, 0] for k in view.new_k]), torch.stack([v[:, :, 0] for v in view.new_v])
+
+    return step
 
 
 BACKEND = "inductor"  # torch.compile's backend (the tests also run "aot_eager": the same graph, no C++ build)
 _compiled: dict = {}
 
 
-def _entry():
-    if BACKEND not in _compiled:
+def _entry(page: int):
+    key = (BACKEND, page)
+    if key not in _compiled:
         import torch._dynamo.config
         torch._dynamo.config.fail_on_recompile_limit_hit = True  # never silently eager
-        _compiled[BACKEND] = torch.compile(_step, backend=BACKEND, dynamic=True, fullgraph=True)
-    return _compiled[BACKEND]
+        _compiled[key] = torch.compile(_make_step(page), backend=BACKEND, dynamic=True, fullgraph=True)
+    return _compiled[key]
 
 
 class CompiledPagedDecode:
@@ -129,7 +157,8 @@ class CompiledPagedDecode:
         self.blocks, self.layers = model.blocks(), list(range(model.config.n_layer))
         self.attn_modules = attn_modules
         self.hooks = [_DecodeHooks(m.parallel_hooks) for m in attn_modules]
-        self.fn = _entry()
+        self.fn = _entry(pool.page)
+        self.device = next(iter(model.parameters())).device
         self.calls = 0
 
     @contextlib.contextmanager
@@ -145,8 +174,8 @@ class CompiledPagedDecode:
 
     def warm_up(self, kv_heads: int, head_dim: int, dtype, device) -> None:
         """Allocate the pool's layers ((``kv_heads``, slots, ``head_dim``) of ``dtype``, zeroed, as
-        the first write would) and compile the step on dummy inputs (2 rows, 3 cached slots; distinct
-        sizes, so Dynamo gives rows and slots symbols of their own), so that no request waits for
+        the first write would) and compile the step on dummy inputs (2 rows of 3 blocks; distinct
+        sizes, so Dynamo gives rows and blocks symbols of their own), so that no request waits for
         the compiler. Writes nothing into the pool."""
         pool, n = self.pool, self.pool.num_blocks * self.pool.page
         for i in self.layers:
@@ -155,27 +184,23 @@ class CompiledPagedDecode:
                 pool.values[i] = torch.zeros(kv_heads, n, head_dim, dtype=dtype, device=device)
         with self._installed(), torch.inference_mode():  # as the decoder's steps (grad mode, inference tensors: guarded)
             z = torch.zeros(2, dtype=torch.long, device=device)
-            self.fn(self.model, self.blocks, self.layers, torch.full((2, 1), PAD_ID, device=device), z,
+            self.fn(self.model, self.blocks, self.layers, torch.full((2, 1), PAD_ID, device=device),
                     torch.zeros(2, 3, dtype=torch.long, device=device), z + 3, pool.keys, pool.values)
 
-    def __call__(self, tokens: torch.Tensor, view) -> torch.Tensor:
-        """One decode forward: tokens (B, 1), ``view`` a decode :class:`~zerotron.inference.paged.PagedView`
-        (one new token per row, no shared prefix) -> logits (B, V); the new keys/values are
-        written to their blocks."""
-        B = tokens.size(0)
-        old, pad, dst = view.gather[:, :-1], view.pad, view.dst
-        pos = view.positions(1, 0)[:, 0]
-        if old.size(1) < 2:  # at least two cached columns (left padding: slot 0 of the row, masked)
-            k = 2 - old.size(1)
-            old = torch.cat([old[:, :1].expand(B, k), old], dim=1)
-            pad = pad + k
-        if B < 2:  # at least two rows: a padding row decodes PAD_ID with its cached slots masked
-            tokens = torch.cat([tokens, torch.full_like(tokens[:1], PAD_ID)])
-            pos = torch.cat([pos, pos.new_zeros(1)])
-            old = torch.cat([old, old[:1]])
-            pad = torch.cat([pad, pad.new_full((1,), old.size(1))])
+    def __call__(self, tokens: list[int], tables: list[list[int]], lens: list[int]) -> torch.Tensor:
+        """One decode forward of B rows: row b's last token ``tokens[b]`` at position ``lens[b]``
+        (its cached slots), its block table ``tables[b]`` (covering slot lens[b], which the new
+        key and value are written to) -> logits (B, V)."""
+        B, p = len(tokens), self.pool.page
+        dst = torch.tensor([t[c // p] * p + c % p for t, c in zip(tables, lens)], device=self.device)
+        W = max(2, max(len(t) for t in tables))  # at least two blocks (Dynamo specialises sizes 0 and 1)
+        rows = [t + [0] * (W - len(t)) for t in tables]
+        if B < 2:  # at least two rows: a padding row decodes PAD_ID with no cached slot
+            tokens, rows, lens = tokens + [PAD_ID], rows + [[0] * W], lens + [0]
         with self._installed():
-            logits, nk, nv = self.fn(self.model, self.blocks, self.layers, tokens, pos, old.contiguous(), pad,
+            logits, nk, nv = self.fn(self.model, self.blocks, self.layers,
+                                     torch.tensor(tokens, device=self.device)[:, None],
+                                     torch.tensor(rows, device=self.device), torch.tensor(lens, device=self.device),
                                      self.pool.keys, self.pool.values)
         for i in self.layers:
             self.pool.keys[i].index_copy_(1, dst, nk[i, :B].transpose(0, 1))

@@ -18,6 +18,10 @@ Fault hooks (environment variables, read at the start of ``fit``; for tests):
     ZEROTRON_FAULT_NAN_AT_STEPS    "5" or "3,4,5": make the gradient non-finite at these 1-based steps
     ZEROTRON_FAULT_NAN_RANK        only on this global rank (default: every rank)
     ZEROTRON_FAULT_STEP_SLEEP_S    sleep this long after each step (gives a test time to send a signal)
+    ZEROTRON_FAULT_GATE            "N:PATH" or "N:PATH,M:PATH2": after step N (its record and save; N =
+                                   the start step: before the first step, still in start-up), every rank
+                                   creates PATH.rank<R> and waits until PATH exists (a test's action
+                                   between two steps, awaited: no margin of sleeps; :func:`fault_gate`)
     ZEROTRON_FAULT_KILL_AT_STEP    kill -9 this process after this 1-based step (trainer.fit) ...
     ZEROTRON_FAULT_KILL_RANK       ... on this global rank (default 0). Only in the first attempt
                                    (TORCHELASTIC_RESTART_COUNT unset or 0), so a restart runs through;
@@ -38,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import comm
+from ..launch import mark_started
 from .restarts import restart_count
 from .stop import EXIT_GUARD, STOP_SIGNALS, RunStopped, restart_note  # noqa: F401 (API: lifecycle.RunStopped)
 
@@ -90,6 +95,7 @@ class GracefulStop:
     def install(self) -> None:
         for s in STOP_SIGNALS:
             self._prev[s] = signal.signal(s, self._handle)
+        mark_started()  # the --nproc launcher: a stop is this loop's now (rank 0 says it), not a start-up's
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
@@ -237,6 +243,22 @@ def params_finite(strategy, device: torch.device | None = None) -> bool:
                 bad = 1.0
                 break
     return agree_max([bad], device)[0] == 0
+
+
+def fault_gate(step: int, rank: int, timeout_s: float = 300.0) -> None:
+    """Fault hook (module docstring, ZEROTRON_FAULT_GATE): if a gate names ``step``, create
+    ``PATH.rank<rank>`` (this rank has arrived) and wait until ``PATH`` exists. Raises RuntimeError
+    when it does not appear within ``timeout_s``."""
+    for entry in filter(None, os.environ.get("ZEROTRON_FAULT_GATE", "").split(",")):
+        at, _, path = entry.partition(":")
+        if int(at) != step:
+            continue
+        Path(f"{path}.rank{rank}").touch()
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ZEROTRON_FAULT_GATE: {path} did not appear within {timeout_s:g} s after step {step}")
+            time.sleep(0.02)
 
 
 def fault_kill_step() -> int:

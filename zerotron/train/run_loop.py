@@ -114,6 +114,7 @@ class RunLoop:
                     "final_val_loss": last_val, "median_tokens_per_s": statistics.median(rates) if rates else None,
                     "skipped_steps": guard.skipped, "failed_checkpoints": self.failed_saves, **extra}
         self.model.train()
+        lifecycle.fault_gate(self.start_step, self.rank)  # tests: a gate before the first step (start-up)
         signals.install()
         try:  # the loggers are closed (flushed) also when a guard or a signal stops the run
             for step in range(self.start_step, t.steps):
@@ -187,6 +188,7 @@ class RunLoop:
                     raise guard.signal_stop(step + 1, saved)
                 if step + 1 == die_at and self.rank == die_rank:
                     os.kill(os.getpid(), signal.SIGKILL)
+                lifecycle.fault_gate(step + 1, self.rank)  # tests: a gate after this step (ZEROTRON_FAULT_GATE)
             self.finish_pending()  # the end of training waits for a background save (may raise RunStopped)
         except lifecycle.RunStopped as e:  # every rank stops here together; rank 0 still writes the summary
             if self.saver is not None and self.saver.pending:  # a background save completes (or fails) first

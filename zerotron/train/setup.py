@@ -46,8 +46,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
     """Refuse to start a fresh run over an existing one (nothing on disk is overwritten), and
     refuse ``--resume`` without a checkpoint. Raises ConfigError naming the fix."""
     saved = ckpt.list_checkpoints(run_dir)
-    if not saved and (run_dir / "metrics.jsonl").exists():  # stopped (kill -9, out of memory) before its first
-        # checkpoint: neither a fresh start (it would write over the metrics) nor --resume can take it
+    metrics = run_dir / "metrics.jsonl"
+    # an empty metrics.jsonl is a run stopped before its first step (a signal during start-up, after
+    # rank 0 opened the file): nothing to keep, so a fresh start may take the directory
+    if not saved and metrics.exists() and metrics.stat().st_size > 0:  # stopped (kill -9, out of memory) before
+        # its first checkpoint: neither a fresh start (it would write over the metrics) nor --resume can take it
         raise ConfigError(f"{'--resume: ' if resume else ''}run directory {str(run_dir)!r} already holds a run without "
                           "a checkpoint (only metrics.jsonl), so there is nothing to resume; choose a new "
                           f"--run-dir{' without --resume' if resume else ''}, or delete {str(run_dir)!r} to start "

@@ -1,7 +1,8 @@
 """What stops a run on purpose, importable before torch: :class:`RunStopped` (exit code and the one
 line rank 0 prints), the stop signals, the launcher's restart note, and the handlers that cover a
 run's start-up (:func:`install_startup_stop`: from the ``train`` command's first line until
-``lifecycle.GracefulStop`` takes over for the step loop; ``import torch`` alone takes seconds)."""
+``lifecycle.GracefulStop`` takes over for the step loop; ``import torch`` alone takes seconds), with
+:data:`STARTUP_STOP`, the line that says such a stop."""
 from __future__ import annotations
 
 import os
@@ -9,13 +10,17 @@ import signal
 import threading
 from pathlib import Path
 
-from ..launch import RESTART_NOTE_ENV
+from ..launch import RESTART_NOTE_ENV, die_with_parent, in_worker, launched_worker
 
-__all__ = ["EXIT_GUARD", "STOP_SIGNALS", "RunStopped", "StartupStopped", "install_startup_stop", "restart_note",
+__all__ = ["EXIT_GUARD", "STARTUP_STOP", "STOP_SIGNALS", "RunStopped", "StartupStopped", "install_startup_stop", "restart_note",
            "restore_handlers"]
 
 EXIT_GUARD = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+STARTUP_STOP = ("before the first training step: stopped; nothing was saved (checkpoints already in the run "
+                "directory are untouched)")
+"""after the signal's name: the one line of a stop during start-up (one process, or the launcher's
+for its workers)"""
 
 
 class RunStopped(Exception):
@@ -52,10 +57,20 @@ def install_startup_stop() -> dict:
     :class:`StartupStopped` (exit 128 + S) whose line says that the run stopped before its first
     training step and that nothing was saved, instead of a silent death by the signal (exit 143
     and no word). A SIGTERM by which the ``--max-restarts`` launcher stops a failed attempt still
-    kills at once, as in GracefulStop. Returns the previous handlers, for :func:`restore_handlers`;
-    {} outside the main thread (where Python installs no handler: nothing changes)."""
+    kills at once, as in GracefulStop. In a worker of the ``--nproc`` launcher (``launch.launch``)
+    the stop signals instead keep (or get back) their default action, death by the signal: the
+    launcher says the one line for all workers (``launch(startup_stop=...)``), and a Python handler
+    would run only once the worker's C++ call returns -- a rank waiting in ``init_process_group`` or
+    a collective for a peer that already stopped would hold out until the agent's SIGKILL, 30 s
+    later. A worker is also tied to the launcher here (``die_with_parent``), not only from
+    ``init_distributed`` on. Returns the previous handlers, for :func:`restore_handlers`; {} outside
+    the main thread (where Python installs no handler: nothing changes)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
+    if in_worker():
+        die_with_parent()  # a launcher that dies before init_distributed takes this worker with it
+    if launched_worker():
+        return {s: signal.signal(s, signal.SIG_DFL) for s in STOP_SIGNALS}
 
     def handle(signum, frame):
         if signum == signal.SIGTERM and restart_note():  # stopped for a restart: die by the signal
@@ -63,8 +78,7 @@ def install_startup_stop() -> dict:
             os.kill(os.getpid(), signum)
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)  # the launcher may forward the same signal again
-        raise StartupStopped(f"{signal.Signals(signum).name} before the first training step: stopped; nothing was "
-                         "saved (checkpoints already in the run directory are untouched)", 128 + signum)
+        raise StartupStopped(f"{signal.Signals(signum).name} {STARTUP_STOP}", 128 + signum)
 
     return {s: signal.signal(s, handle) for s in STOP_SIGNALS}
 

@@ -60,12 +60,12 @@ def expert_groups(dp_group, ep: int, lines: list | None = None):
         dp = len(ranks)
         for start in range(0, dp, ep):
             members = [ranks[i] for i in range(start, start + ep)]
-            g = dist.new_group(members)
+            g = comm.new_group(members)
             if me in members:
                 mine["ep"], mine["rank"] = comm.NamedGroup(g, "ep"), members.index(me)
         for c in range(ep):
             members = [ranks[i] for i in range(c, dp, ep)]
-            g = dist.new_group(members)
+            g = comm.new_group(members)
             if me in members:
                 mine["ep_rep"] = comm.NamedGroup(g, "ep_rep")
     return mine["ep"], mine["ep_rep"], mine["rank"]

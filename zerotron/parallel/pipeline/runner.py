@@ -63,8 +63,6 @@ dense model rebuilt from the gathered shards), ``pipeline.generate.pipeline_gene
 """
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from zerotron.distributed import comm
 from zerotron.models.deferred import finish, is_deferred, release_params
 from zerotron.models.layout import get_module
@@ -158,7 +156,7 @@ class PipelineStrategy(PipelineFlushMixin, PipelineGradsMixin, PipelineStateMixi
                     self.tied_group = comm.NamedGroup(self.pp_group.pg, "pp_tied")
             else:
                 for line in lines:
-                    pg = dist.new_group([line[0], line[self.last_rank]])
+                    pg = comm.new_group([line[0], line[self.last_rank]])
                     if mesh.rank in line and (self.first or self.last):
                         self.tied_group = comm.NamedGroup(pg, "pp_tied")
         self.ddp = self.zero = self.stage_sync = self.fsdp2 = None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from zerotron.distributed.groups import NamedGroup, group_ranks
+from zerotron.distributed.groups import NamedGroup, group_ranks, new_group
 from zerotron.distributed.watchdog import unwatched
 
 from .save import stage_checkpoint, write_checkpoint
@@ -37,7 +37,7 @@ def stand_in_groups(groups: list) -> dict:
     mine = [tuple(group_ranks(g)) for g in groups]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    made = {t: dist.new_group(list(t), backend="gloo") for t in sorted({t for lst in every for t in lst})}
+    made = {t: new_group(list(t), backend="gloo") for t in sorted({t for lst in every for t in lst})}
     return {id(g): NamedGroup(made[t], f"ckpt_{g.name}") for g, t in zip(groups, mine)}
 
 
@@ -52,7 +52,7 @@ class AsyncSaver:
     failed; ``error`` the CheckpointWriteError (or other exception) it raised on this rank)."""
 
     def __init__(self, strategy=None):
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.group = new_group(backend="gloo") if dist.is_initialized() else None
         self.stand_ins = None  # {id(group): stand-in}: the snapshot's gathers run in the background
         if getattr(strategy, "checkpoint_snapshot", None) is not None and dist.is_initialized():
             self.stand_ins = stand_in_groups(strategy.checkpoint_groups())

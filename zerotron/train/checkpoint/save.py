@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from zerotron.data.tokenizer import copy_tokenizer
+from zerotron.distributed.groups import NamedGroup
 from zerotron.distributed.watchdog import watch
 from zerotron.parallel.tensor.transform import find_rng_tracker, tracker_checkpoint_state
 
@@ -32,18 +33,24 @@ from .rng import rng_state
 from .space import space_report, space_shortfall
 
 
+def _named(group):
+    """``group`` as the watchdog names it: a background save's own group (``background.AsyncSaver``)
+    is "checkpoint" (None stays the world)."""
+    return group if group is None else NamedGroup(group, "checkpoint")
+
+
 def _agree_error(err: BaseException | None, group=None) -> str | None:
     """Collective over ``group`` (None: the default group, all ranks): None if no rank failed,
     else the first failing rank's one-line description. A dead or hung peer raises the watchdog's
     one-line CollectiveError (was gloo's RuntimeError, a traceback on the waiting rank)."""
     flag = torch.tensor([0.0 if err is None else 1.0], dtype=torch.float64)
-    with watch("all_reduce", group, "checkpoint_agree"):  # checkpoint I/O: like DCP, not through comm.py
+    with watch("all_reduce", _named(group), "checkpoint_agree"):  # checkpoint I/O: like DCP, not through comm.py
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if flag.item() == 0:
         return None
     descs = [None] * dist.get_world_size(group)
     mine = None if err is None else (str(err).strip().splitlines() or [type(err).__name__])[-1][:300]
-    with watch("all_gather_object", group, "checkpoint_agree"):
+    with watch("all_gather_object", _named(group), "checkpoint_agree"):
         dist.all_gather_object(descs, mine, group=group)
     return next(f"rank {r}: {d}" for r, d in enumerate(descs) if d is not None)
 
@@ -166,7 +173,8 @@ def write_checkpoint(run_dir: str | Path, staged: StagedCheckpoint, tokenizer_pa
             return
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier(group=group)
+        with watch("barrier", _named(group), "checkpoint_failed"):
+            dist.barrier(group=group)
         prev = latest_checkpoint(run_dir)
         space = space_report(root, run_dir, what, expected_bytes) if rank == 0 else ""
         raise CheckpointWriteError(f"cannot write checkpoint {tmp} ({what}){space}; removed the partial directory; "
@@ -208,7 +216,7 @@ def write_checkpoint(run_dir: str | Path, staged: StagedCheckpoint, tokenizer_pa
     except OSError as e:
         err = e
     check(err)
-    with watch("all_gather_object", group, "checkpoint_checksums"):
+    with watch("all_gather_object", _named(group), "checkpoint_checksums"):
         known = gather_checksums(mine, group)
     if rank == 0:
         try:  # meta.json last: it lists the checksums of every file written above
@@ -232,6 +240,6 @@ def write_checkpoint(run_dir: str | Path, staged: StagedCheckpoint, tokenizer_pa
     if rank == 0 and keep > 0:
         for _, old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    with watch("barrier", group, "checkpoint_saved"):
+    with watch("barrier", _named(group), "checkpoint_saved"):
         dist.barrier(group=group)
     return final
