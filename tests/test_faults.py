@@ -477,14 +477,22 @@ def test_edited_meta_json_is_damage(tmp_path, data_cache, capsys):
              "checksums-list": (sealed(checksums=[]), "meta.json's checksums is not a JSON object"),
              # without the model's shape (keys lost, meta_checksum re-sealed): was generate's KeyError traceback
              "no-model-config": (sealed(model_config=None), "meta.json has no model_config"),
-             "missing": (False, "meta.json is missing")}  # was: --resume refused, "not a zerotron checkpoint"
+             "missing": (False, "meta.json is missing"),  # was: --resume refused, "not a zerotron checkpoint"
+             # an empty step_4 (a copy that never arrived): was the same refusal, for --resume and for
+             # generate / export of the run directory
+             "emptied": (False, "meta.json is missing and so is DCP's .metadata")}
     for name, (edited, why) in cases.items():
         bad = tmp_path / name
         shutil.copytree(run, bad)
         text = json.dumps(edited, indent=1) if edited else (ck / "meta.json").read_text()[:200]
         (bad / "checkpoints" / "step_4" / "meta.json").write_text(text)
         if edited is False:
-            (bad / "checkpoints" / "step_4" / "meta.json").unlink()
+            for f in (bad / "checkpoints" / "step_4").rglob("*") if name == "emptied" else ():
+                if f.is_file():
+                    f.unlink()
+            (bad / "checkpoints" / "step_4" / "meta.json").unlink(missing_ok=True)
+            code, err = main(["generate", "--checkpoint", str(bad), "--prompt", "x"]), capsys.readouterr().err
+            assert code == 2 and len(err.strip().splitlines()) == 1 and why in err and "to resume from step_2" in err, err
         with pytest.raises(Exception, match=why):
             verify_checkpoint(bad / "checkpoints" / "step_4")
         code, err = main(["generate", "--checkpoint", str(bad / "checkpoints" / "step_4"), "--prompt", "x"]), \
