@@ -222,7 +222,9 @@ BAD_INPUTS = [
     (lambda tmp: load_corpus("files", tmp / "latin1.txt"), "not valid UTF-8"),
     (lambda tmp: split_documents(["abc"], 0.0), r"val_fraction must be a number in \(0, 0.5\]"),
     (lambda tmp: split_documents(["abc"], 0.6), r"val_fraction must be a number in \(0, 0.5\]"),
-    (lambda tmp: train_bpe(["abc"], 100, tmp / "t.json"), "vocab_size must be an integer >= 257"),
+    (lambda tmp: train_bpe(["abc"], 100, tmp / "t.json"), r"vocab_size must be an integer in \[257, 1,048,576\]"),
+    # was: the BPE trainer's 70 GB table and an abort inside Rust (exit 134)
+    (lambda tmp: train_bpe(["abc"], 10**9, tmp / "t.json"), r"vocab_size must be an integer in \[257, 1,048,576\]"),
     (lambda tmp: load_tokenizer(tmp / "missing.json"), "does not exist"),
     (lambda tmp: load_tokenizer(tmp / "bad.jsonl"), "not a valid tokenizers JSON"),
     (lambda tmp: load_token_data(tmp / "emptydir"), "not a complete zerotron token cache"),
@@ -464,3 +466,11 @@ def test_stale_temp_dirs_removed(corpus_dir, tmp_path):
     os.utime(old, (time.time() - 2 * 86400,) * 2)
     data = prepare_data("files", corpus_dir, vocab_size=300, cache_dir=cache)
     assert sorted(p.name for p in cache.iterdir()) == sorted([".tmp-live-2", data.cache_dir.name])
+
+
+def test_vocab_bound_is_one_rule():
+    """config validation (torch- and tokenizers-free) refuses what the BPE trainer refuses."""
+    from zerotron import config_checks
+    from zerotron.data import tokenizer
+
+    assert config_checks.MAX_VOCAB == tokenizer.MAX_VOCAB and config_checks.EOT == tokenizer.EOT

@@ -49,6 +49,10 @@ def ours(stderr: str) -> list[str]:
     (["--train.eps", "-1"], "train.eps must be > 0"),
     (["--train.weight_decay", "-1"], "train.weight_decay must be >= 0"),
     (["--parallel.timeout_s", "inf"], "parallel.timeout_s must be a finite number"),
+    # too large for torch's timers: was an OverflowError traceback (1e15) or every rendezvous failing (1e10)
+    (["--parallel.timeout_s", "1e10"], "parallel.timeout_s must be > 0 and at most 31,536,000 seconds"),
+    # the BPE trainer's tables: was a 70 GB allocation and an abort inside Rust (exit 134)
+    (["--data.vocab_size", "1e9"], "data.vocab_size must be at most 1,048,576"),
     (["--train.grad_clip", "nan"], "train.grad_clip must be a finite number"),
     (["--train.nonfinite", "ignore"], "train.nonfinite must be skip or stop"),
     (["--train.nonfinite_limit", "0"], "train.nonfinite_limit must be >= 1"),
@@ -477,14 +481,22 @@ def test_edited_meta_json_is_damage(tmp_path, data_cache, capsys):
              "checksums-list": (sealed(checksums=[]), "meta.json's checksums is not a JSON object"),
              # without the model's shape (keys lost, meta_checksum re-sealed): was generate's KeyError traceback
              "no-model-config": (sealed(model_config=None), "meta.json has no model_config"),
-             "missing": (False, "meta.json is missing")}  # was: --resume refused, "not a zerotron checkpoint"
+             "missing": (False, "meta.json is missing"),  # was: --resume refused, "not a zerotron checkpoint"
+             # an empty step_4 (a copy that never arrived): was the same refusal, for --resume and for
+             # generate / export of the run directory
+             "emptied": (False, "meta.json is missing and so is DCP's .metadata")}
     for name, (edited, why) in cases.items():
         bad = tmp_path / name
         shutil.copytree(run, bad)
         text = json.dumps(edited, indent=1) if edited else (ck / "meta.json").read_text()[:200]
         (bad / "checkpoints" / "step_4" / "meta.json").write_text(text)
         if edited is False:
-            (bad / "checkpoints" / "step_4" / "meta.json").unlink()
+            for f in (bad / "checkpoints" / "step_4").rglob("*") if name == "emptied" else ():
+                if f.is_file():
+                    f.unlink()
+            (bad / "checkpoints" / "step_4" / "meta.json").unlink(missing_ok=True)
+            code, err = main(["generate", "--checkpoint", str(bad), "--prompt", "x"]), capsys.readouterr().err
+            assert code == 2 and len(err.strip().splitlines()) == 1 and why in err and "to resume from step_2" in err, err
         with pytest.raises(Exception, match=why):
             verify_checkpoint(bad / "checkpoints" / "step_4")
         code, err = main(["generate", "--checkpoint", str(bad / "checkpoints" / "step_4"), "--prompt", "x"]), \

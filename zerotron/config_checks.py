@@ -13,6 +13,10 @@ __all__ = ["check_values", "CORPORA"]
 
 CORPORA = ("shakespeare", "files", "hf")
 INT64 = 2**63  # int settings are limited to [-INT64, INT64): torch's and numpy's int64
+MAX_VOCAB = 2**20  # = data.tokenizer.MAX_VOCAB (no tokenizers import here)
+MAX_TIMEOUT_S = 365 * 24 * 3600
+"""the longest parallel.timeout_s: 1e10 s failed every rendezvous at once ("timed out after 10000000000000ms", an
+overflow inside torch's store), 1e15 s raised OverflowError from timedelta"""
 
 
 def _need(cond, msg: str) -> None:
@@ -74,7 +78,8 @@ def check_values(cfg: Config) -> dict:
         _need(torch.cuda.is_available(), "train.device = cuda / parallel.backend = nccl need a CUDA device and a "
                                          "CUDA build of torch, and none is available; use train.device = auto "
                                          "(or cpu) and parallel.backend = auto (or gloo)")
-    _need(p.timeout_s > 0, f"parallel.timeout_s must be > 0, got {p.timeout_s}")
+    _need(0 < p.timeout_s <= MAX_TIMEOUT_S, f"parallel.timeout_s must be > 0 and at most {MAX_TIMEOUT_S:,} seconds (a "
+                                            f"year; larger ones overflow torch's timers), got {p.timeout_s:g}")
     _need(t.eval_every >= 0 and t.eval_batches >= 1, "train.eval_every must be >= 0 and train.eval_batches >= 1")
     _need(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}")
     _need(not m.init_from or Path(m.init_from).exists(),
@@ -89,6 +94,8 @@ def check_values(cfg: Config) -> dict:
                                                      "file: set data.corpus = files and data.path to it")
     _need(0 < d.val_fraction <= 0.5, f"data.val_fraction must be in (0, 0.5], got {d.val_fraction}")
     _need(d.vocab_size >= 260 or d.tokenizer, f"data.vocab_size must be >= 260 (256 bytes + specials), got {d.vocab_size}")
+    _need(d.vocab_size <= MAX_VOCAB or d.tokenizer, f"data.vocab_size must be at most {MAX_VOCAB:,} (the BPE trainer's "
+                                                    f"tables grow with it), got {d.vocab_size:,}; use e.g. 8192")
     if d.doc_mask:
         _check_doc_mask(d)
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")

@@ -25,13 +25,16 @@ from .corpus import DataError
 
 EOT = "<|endoftext|>"
 MIN_VOCAB = 257  # 256 byte tokens + EOT
+MAX_VOCAB = 2**20
+"""the largest vocabulary a BPE is trained to (4x the largest released models'): the trainer's tables grow with
+the requested size before any merge (1e9 asked for 70 GB and aborted the process inside Rust)"""
 
 
 def check_vocab_size(vocab_size: int) -> int:
-    """Return ``vocab_size``; DataError unless it is an int in [257, 2**32)."""
+    """Return ``vocab_size``; DataError unless it is an int in [257, :data:`MAX_VOCAB`]."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) \
-            or not MIN_VOCAB <= vocab_size < 2**32:
-        raise DataError(f"vocab_size must be an integer >= {MIN_VOCAB} (256 bytes + {EOT}), "
+            or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
+        raise DataError(f"vocab_size must be an integer in [{MIN_VOCAB}, {MAX_VOCAB:,}] (256 bytes + {EOT} at least), "
                         f"got {vocab_size!r}; use e.g. 8192")
     return vocab_size
 

@@ -87,8 +87,12 @@ def verify_checkpoint(ckpt: str | Path, verify_checksums: bool = True) -> None:
         err.reason = what
         raise err
     if not (ckpt / "meta.json").is_file():
-        if STEP_RE.match(ckpt.name) and ckpt.parent.name == "checkpoints" and (ckpt / ".metadata").is_file():
-            fail("meta.json is missing")  # a step_<N> of a run with its shards: damaged, --resume falls back
+        if STEP_RE.match(ckpt.name) and ckpt.parent.name == "checkpoints":
+            # a step_<N> of a run: damaged, --resume falls back (zerotron's own saves appear whole, by a
+            # rename; an empty or half-copied one is a copy that never arrived: was "not a zerotron
+            # checkpoint", which stopped --resume, generate and export of the run directory)
+            fail("meta.json is missing" + ("" if (ckpt / ".metadata").is_file() else
+                                           " and so is DCP's .metadata (an empty or partly copied directory)"))
         read_meta(ckpt)  # not a checkpoint at all: read_meta's message
     try:
         meta = json.loads((ckpt / "meta.json").read_text())
