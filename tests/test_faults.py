@@ -52,7 +52,7 @@ def ours(stderr: str) -> list[str]:
     # too large for torch's timers: was an OverflowError traceback (1e15) or every rendezvous failing (1e10)
     (["--parallel.timeout_s", "1e10"], "parallel.timeout_s must be > 0 and at most 31,536,000 seconds"),
     # the BPE trainer's tables: was a 70 GB allocation and an abort inside Rust (exit 134)
-    (["--data.vocab_size", "1e9"], "data.vocab_size must be at most 1,048,576"),
+    (["--data.vocab_size", "1000000000"], "data.vocab_size must be at most 1,048,576"),
     (["--train.grad_clip", "nan"], "train.grad_clip must be a finite number"),
     (["--train.nonfinite", "ignore"], "train.nonfinite must be skip or stop"),
     (["--train.nonfinite_limit", "0"], "train.nonfinite_limit must be >= 1"),
