@@ -121,24 +121,32 @@ def test_in_flight_memory_is_guarded(single_process):
     fut.wait()
 
 
-def test_groups_made_outside_the_mesh_take_the_world_timeout(single_process):
-    """torch gives a group made by dist.new_group its own 30-minute timeout, not the world's
-    (parallel.timeout_s); comm.new_group passes the world's, and is the only way zerotron makes one
-    (a background save's groups, a pipeline's tied pair, the expert groups waited 30 minutes on a
-    hung peer)."""
-    import re
-    from datetime import timedelta
-    from pathlib import Path
-
+def _group_timeouts():
+    """(world, comm.new_group's, dist.new_group's) collective timeouts inside a run_ranks rank."""
     import torch.distributed as dist
 
     from zerotron.distributed import comm
     from zerotron.distributed.groups import world_timeout
 
     cpu = torch.device("cpu")
-    assert world_timeout() is not None and world_timeout() != timedelta(minutes=30)  # the fixture's (60 s)
-    assert comm.new_group([0], backend="gloo")._get_backend(cpu).options._timeout == world_timeout()
-    assert dist.new_group([0], backend="gloo")._get_backend(cpu).options._timeout == timedelta(minutes=30)  # torch's
+    return (world_timeout(), comm.new_group([0], backend="gloo")._get_backend(cpu).options._timeout,
+            dist.new_group([0], backend="gloo")._get_backend(cpu).options._timeout)
+
+
+def test_groups_made_outside_the_mesh_take_the_world_timeout():
+    """torch gives a group made by dist.new_group its own 30-minute timeout, not the world's
+    (parallel.timeout_s); comm.new_group passes the world's, and is the only way zerotron makes one
+    (a background save's groups, a pipeline's tied pair, the expert groups waited 30 minutes on a
+    hung peer). Checked in a rank whose world has a 7 s timeout (the pytest process's own world may
+    have been made earlier in the session by another file with torch's default)."""
+    import re
+    from datetime import timedelta
+    from pathlib import Path
+
+    [(world, ours, torchs)] = run_ranks(_group_timeouts, 1, timeout_s=7)
+    assert world == timedelta(seconds=7)
+    assert ours == world
+    assert torchs == timedelta(minutes=30)  # torch's
     root = Path(__file__).resolve().parent.parent / "zerotron"
     direct = [f"{p.relative_to(root)}:{i + 1}" for p in root.rglob("*.py") if p.name != "groups.py"
               for i, line in enumerate(p.read_text().splitlines()) if re.search(r"\bdist\.new_group\(", line)]
