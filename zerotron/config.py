@@ -13,6 +13,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .fields import field_defaults
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -367,14 +369,6 @@ def _coerce(section: str, name: str, typ, value, from_cli: bool = False):
             isinstance(value, float) else ""
         raise ConfigError(f"{key} must be {typ.__name__}, got {type(value).__name__} {value!r}{hint}")
     return value
-
-
-@functools.cache
-def field_defaults(cls) -> dict:
-    """{field name: default} of a dataclass (``dataclasses.MISSING`` for a field without one),
-    cached: ``ModelConfig.given`` asks it millions of times when the parity matrix validates its
-    44,240 layouts."""
-    return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
 @functools.cache

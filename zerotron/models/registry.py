@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from ..fields import field_defaults
 from . import gpt, hf, hf_llama, hf_mixtral, llama, mixtral
 from .base import CausalLM
 
@@ -177,13 +177,7 @@ def _given(m, name: str) -> bool:
     TOML/CLI), else the value differs from the dataclass default."""
     if hasattr(m, "given"):
         return m.given(name)
-    return getattr(m, name) != _field_defaults(type(m))[name]
-
-
-@functools.cache
-def _field_defaults(cls) -> dict:
-    """{field name: default} of a dataclass, cached (asked per field for every config resolved)."""
-    return {f.name: f.default for f in dataclasses.fields(cls)}
+    return getattr(m, name) != field_defaults(type(m))[name]
 
 
 def section_arch(m) -> str:
