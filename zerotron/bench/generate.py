@@ -131,9 +131,10 @@ def estimated_weight_bytes(model_config, holder: torch.nn.Module, mesh, layer_ra
     """Weight bytes the memory estimator predicts for this rank: parameters of its (tp shard of
     its) pipeline stage (:func:`zerotron.analysis.memory.stage_num_params`, tied embedding copy on
     the last stage included; ``layer_ranges``: the stages' layers, None = one stage; ``ep``: a
-    mixture-of-experts model keeps E/ep experts per layer, :func:`~zerotron.analysis.memory.moe_estimate`)
+    mixture-of-experts model keeps E/ep experts per layer, :func:`~zerotron.analysis.moe_memory.moe_estimate`)
     times the bytes per element of ``holder``'s parameters."""
-    from zerotron.analysis.memory import moe_estimate, stage_num_params
+    from zerotron.analysis.memory import stage_num_params
+    from zerotron.analysis.moe_memory import moe_estimate
 
     counts = [len(r) for r in layer_ranges] if layer_ranges is not None else None
     pp = len(counts) if counts else 1
