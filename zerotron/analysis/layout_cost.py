@@ -45,7 +45,7 @@ def evaluate(cfg, layout: dict, seq: int, global_batch: int, cm: CostModel, memo
     parallel with ring attention, each rank S/cp tokens, model states sharded over dp x cp, the
     ring's exposed transfer in ``cp_comm``) for the model of ``cfg`` (a GPT-2/Llama config or a
     :class:`Shape`), ``global_batch`` sequences of
-    ``seq`` tokens per step (cost model of the module docstring). Returns the layout plus
+    ``seq`` tokens per step (the cost model of :mod:`zerotron.analysis.cost_model`). Returns the layout plus
     ``microbatches``, ``virtual_stages``, ``sp``, ``memory_bytes_per_gpu`` (bytes),
     ``stage_time_s`` (seconds per micro-batch of each pipeline rank), ``predicted_step_time_s``,
     ``predicted_tokens_per_s``, ``predicted_mfu`` and ``time_breakdown_s`` (seconds per step: compute, vector, overhead, tp_comm, pp_comm of the

@@ -52,6 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from zerotron.bench.report import percentile
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import ParallelDims, init_distributed, teardown
 from zerotron.inference import Engine, Request, SamplingParams
@@ -97,13 +98,6 @@ def expert_split(name: str, n: int) -> tuple[int, str]:
     """(ep, ep_split) of layout ``name`` on ``n`` ranks: (n, "replica") for ``ep``, (n, "tokens") for
     ``ep-tokens``, else (1, "replica")."""
     return {"ep": (n, "replica"), "ep-tokens": (n, "tokens")}.get(name, (1, "replica"))
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 def _nocache(model, mesh, requests) -> tuple[list[list[int]], dict]:
@@ -197,7 +191,7 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
             "pp": dims.pp, "microbatches": m, "pp_split": pp_split if dims.pp > 1 and name != "pp-nocache" else "",
             "requests": len(requests), "new_tokens": got[0]["tokens"],
             "output_tokens_per_s": got[0]["tokens"] / wall, "wall_s": wall,
-            "ttft_s": max(firsts) if firsts else None, "tpot_s_p50": _pct(steps, 0.5), "tpot_s_p95": _pct(steps, 0.95),
+            "ttft_s": max(firsts) if firsts else None, "tpot_s_p50": percentile(steps, 0.5), "tpot_s_p95": percentile(steps, 0.95),
             "weight_bytes_per_rank": [g["weights"] for g in got],
             "estimated_weight_bytes_per_rank": [g["estimated"] for g in got], "kv_cache_bytes_per_rank": [g["kv"] for g in got],
             "busy_fraction": [g["busy"] for g in got], "cpu_fraction": [g["cpu"] for g in got], "outputs": got[0]["out"],
