@@ -25,7 +25,7 @@ import time
 import torch
 
 from zerotron.distributed.mesh import Mesh, ParallelDims, init_distributed
-from zerotron.inference import Engine, Request, SamplingParams, continuous
+from zerotron.inference import Engine, Request, SamplingParams, continuous, continuous_compute
 from zerotron.inference.paged import BlockAllocator, PagedView
 from zerotron.models.registry import build_model, preset_config
 
@@ -71,7 +71,7 @@ class BeforeAllocator(BlockAllocator):
 
 def run(eng, B: int, prompt: int, new: int, before: bool, profile: bool = False):
     """(tokens per row, decode output tokens/s, decode steps, profile text)."""
-    continuous.PagedView = BeforePagedView if before else PagedView
+    continuous_compute.PagedView = BeforePagedView if before else PagedView
     continuous.BlockAllocator = BeforeAllocator if before else BlockAllocator
     try:
         g = torch.Generator().manual_seed(B)
@@ -98,7 +98,7 @@ def run(eng, B: int, prompt: int, new: int, before: bool, profile: bool = False)
             steps += 1
         return out, toks / (time.perf_counter() - t0), steps, text
     finally:
-        continuous.PagedView, continuous.BlockAllocator = PagedView, BlockAllocator
+        continuous_compute.PagedView, continuous.BlockAllocator = PagedView, BlockAllocator
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ For each server in turn (``zerotron serve`` of ``--tree``, default this one, in 
 ``transformers serve --continuous-batching`` on the checkpoint's export, started as ``zerotron bench
 serve`` starts it), one torch thread each: C clients as ``zerotron bench serve`` runs them (the
 official ``openai`` client, streamed completions, greedy, the same prompts for every server;
-``zerotron.bench.serve_http.run_clients``). Measured over the run (not the start-up): the CPU
+``zerotron.bench.http_clients.run_clients``). Measured over the run (not the start-up): the CPU
 seconds of every server thread by name (``/proc/PID/task``; zerotron's "main" is the batcher, which
 runs the engine, "zerotron-http" uvicorn/FastAPI and the streamed events) and of the client
 process, each per output token; for zerotron also the wall and CPU time inside
@@ -208,6 +208,7 @@ def start(kind: str, args, out: str):
     """Start the server ``kind`` (zerotron: this script's measuring server on ``args.tree``;
     transformers: ``transformers serve --continuous-batching`` on the checkpoint's export, as
     ``zerotron bench serve`` starts it) and wait until it answers."""
+    from zerotron.bench import http_servers as hs
     from zerotron.bench import serve_http as sh
 
     if kind == "transformers":
@@ -217,16 +218,16 @@ def start(kind: str, args, out: str):
 
             subprocess.run([sys.executable, "-m", "zerotron", "export", "--checkpoint", args.checkpoint, "--out", hf],
                            check=True, stdout=subprocess.DEVNULL)
-        return sh.start_server("transformers", args.checkpoint, hf, 1, args.concurrency, shlex.split(sh.PEER_ARGS))
+        return hs.start_server("transformers", args.checkpoint, hf, 1, args.concurrency, shlex.split(sh.PEER_ARGS))
     argv = ["--checkpoint", args.checkpoint, "--port", "0", "--max-batch", str(args.concurrency), "--model-name",
             "bench", *shlex.split(args.serve_args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": str(Path(args.tree).resolve()), "SERVE_PROFILE_ARGV": json.dumps(argv)}
     cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--server", out,
            *(["--profile"] if args.profile else [])]
-    srv = sh.Server("zerotron", cmd, env, "bench")
+    srv = hs.Server("zerotron", cmd, env, "bench")
     deadline = time.time() + 300
-    while not (srv.base and sh._ready(srv.base)):
+    while not (srv.base and hs.ready(srv.base)):
         if m := re.search(r"listening on (http://\S+)", srv.output()):
             srv.base = m.group(1)
         if srv.proc.poll() is not None or time.time() > deadline:
@@ -238,17 +239,17 @@ def start(kind: str, args, out: str):
 
 def measure(kind: str, args, out: str, prompts: list[str], warm: list[str]) -> dict:
     """One run of ``kind`` under the clients; the figures (see the module docstring)."""
-    from zerotron.bench import serve_http as sh
+    from zerotron.bench import http_clients as hc
 
     srv = start(kind, args, out)
     try:
-        sh.run_clients(srv, [warm], 4)
+        hc.run_clients(srv, [warm], 4)
         k = args.requests_per_client
         load0 = os.getloadavg()[0]
         z = kind == "zerotron"
         s0, q0 = (snap(srv, out), threads_sched(srv.proc.pid)) if z else (None, None)
         ru0, th0 = resource.getrusage(resource.RUSAGE_SELF), threads_cpu(srv.proc.pid)
-        row = sh.run_clients(srv, [prompts[i * k:(i + 1) * k] for i in range(args.concurrency)], args.max_tokens)
+        row = hc.run_clients(srv, [prompts[i * k:(i + 1) * k] for i in range(args.concurrency)], args.max_tokens)
         ru1, th1 = resource.getrusage(resource.RUSAGE_SELF), threads_cpu(srv.proc.pid)
         s1, q1 = (snap(srv, out), threads_sched(srv.proc.pid)) if z else (None, None)
     finally:
@@ -290,13 +291,13 @@ def main() -> int:
         return serve(args.server, args.profile, json.loads(os.environ["SERVE_PROFILE_ARGV"]))
     from tokenizers import Tokenizer
 
-    from zerotron.bench import serve_http as sh
+    from zerotron.bench import http_clients as hc
 
     out = args.out or tempfile.mkdtemp(prefix="serve_profile.")
     Path(out).mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_file(str(next(Path(args.checkpoint).rglob("tokenizer.json"))))
-    prompts = sh.make_prompts(tok, args.workload, args.concurrency * args.requests_per_client, 16, 128, 512, args.seed)
-    warm = sh.make_prompts(tok, "random", 1, 16, 128, 512, args.seed - 1)
+    prompts = hc.make_prompts(tok, args.workload, args.concurrency * args.requests_per_client, 16, 128, 512, args.seed)
+    warm = hc.make_prompts(tok, "random", 1, 16, 128, 512, args.seed - 1)
     rows = [measure(kind, args, out, prompts, warm) for kind in args.servers.split(",")]
     res = {"tree": args.tree, "checkpoint": args.checkpoint, "concurrency": args.concurrency,
            "workload": args.workload, "max_tokens": args.max_tokens, "serve_args": args.serve_args,

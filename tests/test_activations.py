@@ -12,7 +12,8 @@ from zerotron.analysis.activations import (
     layer_activation_bytes,
     stage_layer_counts,
 )
-from zerotron.analysis.memory import GB, memory_main, model_state_bytes
+from zerotron.analysis.memory import GB, model_state_bytes
+from zerotron.analysis.memory_cli import memory_main
 from zerotron.models.gpt import GPTConfig, preset_config
 
 # GPT-3-like shape of the paper's examples: s=2048, h=12288, a=96, t=8, b=1 -> as/h = 16

@@ -67,7 +67,7 @@ def test_train_help_lists_every_config_field(capsys):
 
 def _parsers():
     from zerotron.analysis.dryrun_cli import _parser as dryrun_parser
-    from zerotron.analysis.memory import memory_parser
+    from zerotron.analysis.memory_cli import memory_parser
     from zerotron.analysis.plan_cli import _parser as plan_parser
     from zerotron.analysis.schedule_plot import schedule_parser
     from zerotron.bench.comm import _parser as comm_parser

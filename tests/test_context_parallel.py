@@ -182,7 +182,7 @@ def test_checkpoints_reshard_across_cp_under_pp(tmp_path, data_cache):
 def _memory(capsys, *argv):
     import json
 
-    from zerotron.analysis.memory import memory_main
+    from zerotron.analysis.memory_cli import memory_main
 
     assert memory_main(["--model", "gpt2", "--dp", "2", "--json", *argv]) == 0
     return json.loads(capsys.readouterr().out)
@@ -195,7 +195,7 @@ def test_memory_cp(capsys):
                       _memory(capsys, "--seq", "512"))
     assert two["activations"]["max_bytes"] == half["activations"]["max_bytes"] < 0.6 * one["activations"]["max_bytes"]
     assert two["stages"][3]["total_bytes"] == _memory(capsys, "--dp", "4")["stages"][3]["total_bytes"]
-    from zerotron.analysis.memory import memory_main
+    from zerotron.analysis.memory_cli import memory_main
 
     assert memory_main(["--model", "gpt2", "--dp", "2", "--seq", "1020", "--cp", "4"]) == 2
     assert "--seq 1020 is not divisible by 2*cp = 8" in capsys.readouterr().err

@@ -127,7 +127,7 @@ def test_estimates_bound_the_trace(name, dry):
 
 
 def test_planned_comm_bytes(dry):
-    """The planner's per-group bytes (analysis.planner.comm_bytes) against the trace, fp32: dp of
+    """The planner's per-group bytes (analysis.comm_messages.comm_bytes) against the trace, fp32: dp of
     ZeRO-0 equal (one all-reduce of the gradient buffers); pp: first and last stage move 2 m
     activations' worth (every group and layout, bf16: tests/test_dryrun_planbytes.py)."""
     rec = dry["ddp-dp4"][0]
@@ -213,12 +213,12 @@ def test_cli_world_error_names_this_commands_flag(capsys):
 def test_traced_flops_equal_the_formula(dry, recompute_dry):
     """The FLOPs counted on the traced step by torch's formulas (``analysis.trace_time.StepCounter``)
     equal the planner's 6W + 12hS per token and layer (+ 6hV on the last stage) per tp rank
-    (``planner.m_flops``), plus one documented difference: CPU flash attention's backward is counted
+    (``flops.m_flops``), plus one documented difference: CPU flash attention's backward is counted
     by torch at 2.5x its forward (it recomputes the scores: 5 matmuls against the forward's 2),
     where 12hS counts 2x (8hS backward for 4hS forward), so the trace holds half the attention
     forward more. A math-attention kernel (bmm) would match the formula exactly. With
     recomputation (full and selective, GPT-2 and Llama, with tp) the same: the formula counts what
-    torch's checkpoint re-runs (``planner.recompute_flops``: not a sub-layer's last matmul)."""
+    torch's checkpoint re-runs (``flops.recompute_flops``: not a sub-layer's last matmul)."""
     import math
 
     for name, recs in {**dry, **recompute_dry}.items():

@@ -1,4 +1,4 @@
-"""The planner's collective volume (``analysis.planner.comm_bytes``) against what the code sends.
+"""The planner's collective volume (``analysis.comm_messages.comm_bytes``) against what the code sends.
 
 Each layout is dry-run in this process (4 fake ranks, bf16 -- where ZeRO-0's fp32 parameters keep
 an fp32 residual stream and ZeRO >= 1 computes on bf16 copies --, the first and last pipeline
@@ -6,7 +6,7 @@ stage); tests/test_dryrun.py proves the dry run's bytes per (op, group, tag) equ
 run's. Per group the planner prices the traced bytes less the bookkeeping all-reduces it documents
 as not priced: tp and pp exactly, dp up to ZeRO's / FSDP2's padding (below); and the ZeRO / FSDP2
 collectives' calls exactly (native ZeRO sends one per flat buffer: a unit's weight-decay and no-decay
-parameters, tp-sharded and replicated ones, in buffers of their own, ``planner.dp_flat_calls``).
+parameters, tp-sharded and replicated ones, in buffers of their own, ``comm_messages.dp_flat_calls``).
 """
 import pytest
 
@@ -67,7 +67,7 @@ def test_planned_bytes_equal_the_traced(name, config, overrides):
 
 def test_stream_dtype_rule():
     """bf16 over fp32 parameters (ZeRO-0) keeps an fp32 residual stream; ZeRO >= 1 a bf16 one."""
-    from zerotron.analysis.planner import stream_bytes
+    from zerotron.analysis.comm_messages import stream_bytes
 
     assert [stream_bytes(2, z) for z in range(4)] == [4, 2, 2, 2]
     assert [stream_bytes(4, z) for z in range(4)] == [4, 4, 4, 4]

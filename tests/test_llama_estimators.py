@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from zerotron.analysis.activations import activation_bytes, layer_activation_bytes, measure_activation_bytes
+from zerotron.analysis.cost_model import CostModel
 from zerotron.analysis.flops import llama_num_params, num_params, shape_of, training_flops_per_token
-from zerotron.analysis.memory import memory_main, model_state_bytes, stage_num_params
+from zerotron.analysis.layout_cost import evaluate
+from zerotron.analysis.memory import model_state_bytes, stage_num_params
+from zerotron.analysis.memory_cli import memory_main
 from zerotron.analysis.plan_cli import plan_main
-from zerotron.analysis.planner import CostModel, evaluate, plan
+from zerotron.analysis.planner import plan
 from zerotron.models.layout import get_module
 from zerotron.models.llama import Llama, LlamaConfig, preset_config
 from zerotron.models.registry import preset_config as any_preset

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from zerotron.analysis.flops import gpt_num_params, training_flops_per_token
-from zerotron.analysis.memory import GB, format_table, memory_main, model_state_bytes, zero_table
+from zerotron.analysis.memory import GB, format_table, model_state_bytes, zero_table
+from zerotron.analysis.memory_cli import memory_main
 
 
 def _gb_totals(rows):

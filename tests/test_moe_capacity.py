@@ -116,11 +116,11 @@ def _ep_step(tmp, extra):
 
 
 def test_moe_estimator_equals_measured_ep_state_and_bytes(data_cache, tmp_path, report):
-    """``analysis.memory.moe_estimate`` (what ``zerotron memory --ep`` prints) against one measured
+    """``analysis.moe_memory.moe_estimate`` (what ``zerotron memory --ep`` prints) against one measured
     step of ZeRO-1 dp 2 ep 2 in fp64: expert params + grads + Adam per rank equal, all-to-all bytes
     summed over the ep group equal ep x the estimate, the dense ZeRO-1 states within the flat
     buffers' padding."""
-    from zerotron.analysis.memory import moe_estimate
+    from zerotron.analysis.moe_memory import moe_estimate
 
     extra = {"data.cache_dir": data_cache, **MOE, "model.moe_capacity_factor": 0.0}
     res = run_ranks(_ep_step, 2, str(tmp_path), extra, timeout_s=120)

@@ -190,10 +190,10 @@ def test_expert_parallel_bytes_and_memory(moe_ref, report):
     formula n_layer * micro-batches * (4 * rows * k * C * 8 + E * 8): dispatch and combine in the
     forward and again in the backward, each moving every token's k rows once; the counts (E int64)
     once per forward -- with full recomputation (the forward again in the backward) 6 exchanges and
-    the counts twice; both as ``analysis.memory.moe_all_to_all_bytes`` (what ``zerotron memory --ep``
+    the counts twice; both as ``analysis.moe_memory.moe_all_to_all_bytes`` (what ``zerotron memory --ep``
     and ``zerotron plan`` price) has them. Expert parameter + Adam bytes per rank halve from ep 1 to
     ep 2 (dp 2)."""
-    from zerotron.analysis.memory import moe_all_to_all_bytes
+    from zerotron.analysis.moe_memory import moe_all_to_all_bytes
 
     tmp, extra, _, _ = moe_ref
     (ep1,), (ep2, ep2_full) = (list(zip(*run_ranks(_steps, 2, str(tmp), extra, runs, timeout_s=120)))

@@ -400,8 +400,10 @@ def test_plan_prices_host_link():
     """``zerotron plan --host-link``: a layout that does not fit is priced again with offload; its
     device memory is the estimator's with offload, and the host link's seconds are its bytes
     (6 per shard element for optimizer offload, 4 + 4m for params) over the link's bandwidth."""
+    from zerotron.analysis.cost_model import CostModel, host_bytes
     from zerotron.analysis.hardware import HOST_LINKS, hardware
-    from zerotron.analysis.planner import CostModel, evaluate, host_bytes, plan
+    from zerotron.analysis.layout_cost import evaluate
+    from zerotron.analysis.planner import plan
     from zerotron.models.registry import preset_config
 
     cfg = preset_config("llama3-8b")

@@ -6,11 +6,14 @@ from dataclasses import replace
 
 import pytest
 
+from zerotron.analysis.comm_messages import comm_bytes
+from zerotron.analysis.cost_model import CostModel
 from zerotron.analysis.flops import gpt_num_params, shape_of
 from zerotron.analysis.hardware import OPS, calibrate, custom_hardware, fit_alpha_beta, hardware
+from zerotron.analysis.layout_cost import evaluate
 from zerotron.analysis.memory import GB, model_state_bytes, parse_memory, stage_num_params
 from zerotron.analysis.plan_cli import plan_main
-from zerotron.analysis.planner import CostModel, comm_bytes, evaluate, plan
+from zerotron.analysis.planner import plan
 from zerotron.models.gpt import preset_config
 from zerotron.parallel.pipeline.simulation import bubble_theory
 
@@ -159,7 +162,7 @@ def test_cost_model_hand_computed():
     assert rf["time_breakdown_s"]["vector"] == pytest.approx(vec / vr + 8 * S * L * 8 * h / vr)
     # ZeRO-3 per micro-batch (here m = 4) a reduce-scatter of the fp32 gradients and two all-gathers
     # of the bf16 blocks; native ZeRO-3 gathers the root unit (embeddings, final norm) once per step,
-    # FSDP2 2m times (factor (n-1)/n = 1/2 each; the same bytes as planner.comm_bytes)
+    # FSDP2 2m times (factor (n-1)/n = 1/2 each; the same bytes as comm_messages.comm_bytes)
     r3 = evaluate(cfg, dict(dp=2, tp=1, pp=1, zero_stage=3, schedule="none", micro_batch=2,
                             recompute="none"), S, 16, cm)
     root = psi - L * (12 * h * h + 13 * h)
@@ -316,7 +319,7 @@ def test_calibration_changes_intra_node_bandwidth(tmp_path, capsys):
 def test_custom_hardware_and_fp32_communication():
     """A measured CPU profile: custom peak, one busbw for every op (then calibrated); elem_bytes = 4
     (fp32 training) doubles every communication term and leaves compute alone (over ZeRO >= 1's
-    bf16 parameters: ZeRO-0's bf16 training keeps an fp32 residual stream, planner.stream_bytes)."""
+    bf16 parameters: ZeRO-0's bf16 training keeps an fp32 residual stream, comm_messages.stream_bytes)."""
     hw = custom_hardware("cpu", 5e10, 24 * 2**30, 1e9)
     assert (hw.name, hw.peak_flops, hw.memory) == ("cpu", 5e10, 24 * 2**30)
     assert hw.intra == hw.inter == {op: 1e9 for op in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
@@ -516,8 +519,8 @@ def test_hsdp_priced_on_two_links():
     """HSDP (dp_replicate R): states sharded by S = dp / R; ZeRO collectives over S on the intra-node
     link, one all-reduce of the 1/S shard across R on the inter-node link per unit and step; the
     planner offers it where the dp block spans nodes and prefers it there on slow NICs."""
+    from zerotron.analysis.cost_model import dp_time, link_model
     from zerotron.analysis.hardware import collective_time
-    from zerotron.analysis.planner import _dp_time, _link
 
     cfg = preset_config("gpt2")
     hw = _no_latency(hardware("h100"))
@@ -529,15 +532,15 @@ def test_hsdp_priced_on_two_links():
     assert b["memory_bytes_per_gpu"] - a["memory_bytes_per_gpu"] == (
         model_state_bytes(n, 8, 3, "bf16-mixed")["total_bytes"] - model_state_bytes(n, 16, 3, "bf16-mixed")["total_bytes"])
     assert b["time_breakdown_s"]["dp_comm"] < a["time_breakdown_s"]["dp_comm"] / 3  # NIC 9x slower than NVLink
-    intra, inter = _link(hw, True), _link(hw, False)
+    intra, inter = link_model(hw, True), link_model(hw, False)
     units, m = 2 * cfg.n_layer + 1, 64 // (16 * 4)  # flat buffers: 2 per block, 1 root
     root = n - cfg.n_layer * (12 * cfg.n_embd ** 2 + 13 * cfg.n_embd)  # embeddings + final norm
     g = 4.0 * n  # the gradients in fp32 (reduce_dtype "auto" under bf16)
-    want = _dp_time(3, m, units, n, 8, intra, cm, root=root) + collective_time(g / 8, "all_reduce", 2, *inter,
+    want = dp_time(3, m, units, n, 8, intra, cm, root=root) + collective_time(g / 8, "all_reduce", 2, *inter,
                                                                                calls=units)
-    assert _dp_time(3, m, units, n, 16, intra, cm, 2, inter, root) == pytest.approx(want)
+    assert dp_time(3, m, units, n, 16, intra, cm, 2, inter, root) == pytest.approx(want)
     assert b["time_breakdown_s"]["dp_comm"] == pytest.approx(want)  # what evaluate charges (overlap 0)
-    assert a["time_breakdown_s"]["dp_comm"] == pytest.approx(_dp_time(3, m, units, n, 16, inter, cm, root=root))
+    assert a["time_breakdown_s"]["dp_comm"] == pytest.approx(dp_time(3, m, units, n, 16, inter, cm, root=root))
     res = plan(cfg, 16, 80 * GB, 512, 1024, cm)["layouts"]
     assert res[0].get("dp_replicate") == 2 and res[0]["dp"] * res[0]["tp"] == 16
     assert not [r for r in plan(cfg, 8, 80 * GB, 64, 1024, cm)["layouts"] if r.get("dp_replicate")]  # one node
@@ -565,8 +568,8 @@ def test_context_parallel_priced():
     is L x (alpha per message + bytes / busbw) of ``ring_messages``; the data-parallel reduction
     runs over dp x cp; and for long sequences the planner proposes cp."""
     from zerotron.analysis.activations import activation_bytes
+    from zerotron.analysis.comm_messages import ring_messages
     from zerotron.analysis.flops import shape_of
-    from zerotron.analysis.planner import ring_messages
 
     cfg = preset_config("gpt2")
     S, L, h = 1024, cfg.n_layer, cfg.n_embd
@@ -633,7 +636,7 @@ def test_moe_plan_ep_with_cp_and_pp_is_what_training_accepts(capsys):
     ep 2) and ep under a pipeline; no ep layout the plan would refuse is missing (every ep dividing
     n_experts and dp x cp is priced for some layout of each mesh); and the model states and all-to-all
     bytes it prices per pipeline rank equal ``zerotron memory --ep --json`` for the same layout."""
-    from zerotron.analysis.memory import memory_main
+    from zerotron.analysis.memory_cli import memory_main
     from zerotron.config import ConfigError
     from zerotron.models import registry
     from zerotron.plan import build_plan

@@ -6,10 +6,12 @@ from types import SimpleNamespace
 import pytest
 
 from zerotron.analysis.activations import activation_bytes
+from zerotron.analysis.cost_model import CostModel
 from zerotron.analysis.flops import shape_of
 from zerotron.analysis.hardware import hardware
-from zerotron.analysis.memory import memory_main, stage_num_params
-from zerotron.analysis.planner import CostModel, plan
+from zerotron.analysis.memory import stage_num_params
+from zerotron.analysis.memory_cli import memory_main
+from zerotron.analysis.planner import plan
 from zerotron.config import ConfigError
 from zerotron.models.layout import TP_SIZES, ModelLayout, TPLinear, tp_refusal
 from zerotron.plan import ParallelDims, ParallelPlan

@@ -6,9 +6,12 @@ import pytest
 
 from zerotron.analysis.activations import _cap, _in_flight_states, activation_bytes
 from zerotron.analysis.bubble import _simulated_idle, bubble_fraction, pipeline_idle
+from zerotron.analysis.cost_model import CostModel
 from zerotron.analysis.hardware import hardware
-from zerotron.analysis.memory import memory_main, preset_config
-from zerotron.analysis.planner import CostModel, evaluate, plan
+from zerotron.analysis.layout_cost import evaluate
+from zerotron.analysis.memory import preset_config
+from zerotron.analysis.memory_cli import memory_main
+from zerotron.analysis.planner import plan
 from zerotron.parallel.pipeline.schedules import build_schedule
 from zerotron.parallel.pipeline.simulation import simulate
 

@@ -73,3 +73,18 @@ def bubble_fraction(pp: int, m: int, kind: str, v: int = 1, t_f: float = 1.0, t_
     ``simulation.bubble_theory`` fractions)."""
     idle = pipeline_idle(pp, m, kind, v, t_f, t_b, t_w)
     return idle / (idle + m * (t_f + t_b + t_w))
+
+
+def pipeline_time(stage_times: list[float], m: int, kind: str, v: int, split: tuple) -> float:
+    """Seconds of the pipelined part of a step: ``m`` micro-batches through stages that take
+    ``stage_times`` seconds per micro-batch each (all chunks of a rank), schedule ``kind``
+    ("none" or one of ``PIPELINE_KINDS``) with ``v`` chunks per rank: m x max_r t_r + (sum_r t_r -
+    max_r t_r) x rel, where rel is the schedule's idle (:func:`pipeline_idle`
+    at the F : B : W cost ``split`` of a layer) relative to 1F1B's (p-1)(T_F+T_B+T_W): the
+    slowest stage runs all m micro-batches, the fill and drain pass once through the others
+    (:mod:`zerotron.analysis.cost_model`, Narayanan et al. 2021). One stage: m x t_0."""
+    pp, stage = len(stage_times), max(stage_times)
+    if pp == 1:
+        return m * stage
+    rel = pipeline_idle(pp, m, kind, v, *split) / ((pp - 1) * sum(split))
+    return m * stage + (sum(stage_times) - stage) * rel

@@ -26,7 +26,7 @@ Beside each traced figure the record holds the estimators' figure for the same r
 model states (:func:`zerotron.analysis.memory.model_state_bytes` on
 :func:`~zerotron.analysis.memory.stage_num_params`) + activations
 (:func:`zerotron.analysis.activations.activation_bytes`), and the collective bytes the planner
-prices (:func:`zerotron.analysis.planner.comm_bytes`), per group.
+prices (:func:`zerotron.analysis.comm_messages.comm_bytes`), per group.
 
 The dry run imports ``parallel`` (the code it traces) but not ``train`` (``train`` imports
 ``analysis``); its step (``dryrun_trace.traced_step``) is ``train.step.train_step`` without the LR
@@ -66,11 +66,11 @@ __all__ = ["DryRunError", "default_ranks", "dry_run", "predict_step_time", "esti
 
 def planned_comm(cfg: Config, plan, pp_rank: int, layer_counts: list[int] | None = None, with_calls: bool = False):
     """Bytes per group of one step the planner prices for pipeline rank ``pp_rank``
-    (:func:`zerotron.analysis.planner.comm_bytes`): the training dtype's element size, gradient
+    (:func:`zerotron.analysis.comm_messages.comm_bytes`): the training dtype's element size, gradient
     reductions in ``parallel.reduce_dtype``'s (``parallel.precision.reduce_dtype``), ``layer_counts``
     the runner's layers per model stage (a record's ``layer_counts``; None: the even split). With
     ``with_calls``: ``(bytes, calls)``, calls per group of the ZeRO / FSDP2 collectives."""
-    from zerotron.analysis.planner import comm_bytes
+    from zerotron.analysis.comm_messages import comm_bytes
     from zerotron.parallel.precision import reduce_dtype
 
     mcfg = model_config(cfg)
@@ -92,14 +92,16 @@ def predict_step_time(cfg: Config, plan, records: list[dict], hw, gpus_per_node:
                       compute_eff: float = 0.5, launch_s: float = 20e-6) -> dict:
     """The step time of ``cfg``'s layout on ``hw`` (a :class:`~zerotron.analysis.hardware.Hardware`)
     predicted from the traced ``records`` (:mod:`zerotron.analysis.trace_time`) and by the
-    planner's formula (:func:`zerotron.analysis.planner.evaluate`, same hardware, ``compute_eff``,
+    planner's formula (:func:`zerotron.analysis.layout_cost.evaluate`, same hardware, ``compute_eff``,
     ``gpus_per_node``, ``launch_s``; None under context parallelism with cp_impl a2a or
     allgather: the planner prices ring attention only). Adds to each record ``time_traced_s`` (its :func:`~zerotron.analysis.trace_time.rank_time`)
     ``group_scopes`` (:func:`~zerotron.analysis.trace_time.group_scopes` of its ``group_members`` on
     nodes of ``gpus_per_node`` ranks) and ``flops_formula`` (the planner's matmul + attention FLOPs of that rank's m micro-batches,
-    :func:`zerotron.analysis.planner.m_flops`, / cp under context parallelism). Returns ``{"hardware", "trace":
+    :func:`zerotron.analysis.flops.m_flops`, / cp under context parallelism). Returns ``{"hardware", "trace":
     step_time's dict, "formula": {"step_s", "breakdown_s"} or None, "ratio": trace / formula}``."""
-    from zerotron.analysis.planner import CostModel, evaluate, m_flops, recompute_flops
+    from zerotron.analysis.cost_model import CostModel
+    from zerotron.analysis.flops import m_flops, recompute_flops
+    from zerotron.analysis.layout_cost import evaluate
 
     mcfg = model_config(cfg)
     lay = layout_of(cfg, plan, mcfg)

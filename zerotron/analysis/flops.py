@@ -240,3 +240,28 @@ def training_flops_per_token(num_params: int, n_layer: int, n_embd: int, seq_len
     """
     _check_positive(num_params=num_params, n_layer=n_layer, n_embd=n_embd, seq_len=seq_len)
     return 6 * num_params + 12 * n_layer * n_embd * seq_len
+
+
+def recompute_flops(shape: Shape, S: int, recompute: str) -> float:
+    """FLOPs per token and layer that recomputation adds (``parallel.recompute``): none 0;
+    selective 2(h^2 + 2h H_kv D) + 4hS, the attention sub-layer's q/k/v projections and the
+    attention (scores and values) again; full 2(W - hF) + 4hS, the whole block again but its last
+    matmul (the MLP's down projection, h x F). Neither re-runs its sub-layer's last matmul (the
+    output projection, the down projection): torch's non-reentrant checkpoint stops recomputing as
+    soon as the tensors the backward saved are rebuilt (its early stop), and no backward needs that
+    matmul's output (found by the dry run's FLOP count, ``tests/test_dryrun.py``)."""
+    h = shape.n_embd
+    attn = 2 * (h * h + 2 * h * shape.kv_dim) + 4 * h * S
+    full = 2 * (shape.block_matmul_params() - h * shape.ffn) + 4 * h * S
+    return {"none": 0, "selective": attn, "full": full}[recompute]
+
+
+def m_flops(shape: Shape, b: int, S: int, layers: int, last: bool, tp: int, recompute: str) -> float:
+    """Matmul + attention FLOPs of one micro-batch (``b`` sequences of ``S`` tokens) on a pipeline
+    rank holding ``layers`` transformer blocks (and the output layer if ``last``), forward +
+    backward, per tp rank (the planner's cost model, :mod:`zerotron.analysis.cost_model`: 6W + 12hS per token and layer, PaLM appendix B;
+    recomputation adds 2W + 4hS (full) or 4hS (selective); the output layer 6hV). The figure a
+    dry run's FLOP counter reads off the traced step (``zerotron.analysis.trace_time``)."""
+    h, W = shape.n_embd, shape.block_matmul_params()
+    extra = recompute_flops(shape, S, recompute)
+    return b * S * (layers * (6 * W + 12 * h * S + extra) + (6 * h * shape.vocab_size if last else 0)) / tp

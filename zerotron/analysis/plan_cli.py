@@ -7,9 +7,10 @@ import json
 import sys
 from dataclasses import asdict
 
+from zerotron.analysis.cost_model import CostModel
 from zerotron.analysis.hardware import GB, GPUS, HOST_LINKS, calibrate, hardware
 from zerotron.analysis.memory import parse_memory
-from zerotron.analysis.planner import CostModel, plan
+from zerotron.analysis.planner import plan
 from zerotron.config import ConfigError, load_config, model_shape
 
 

@@ -22,16 +22,16 @@ ranks, else the inter-node link (the planner's rule, decided here from the group
 Collectives of the tp, cp and pp groups are on the stage's critical path (blocking, per
 micro-batch); those of the data-parallel groups (dp, batch, shard, replicate, ...) are the step's
 data-parallel part, of which the fraction ``hw.overlap`` hides behind the backward
-(:func:`zerotron.analysis.planner.exposed_dp`). Point-to-point transfers are priced at the sender
+(:func:`zerotron.analysis.cost_model.exposed_dp`). Point-to-point transfers are priced at the sender
 (a receive is the other end of the same transfer).
 
-:func:`step_time` composes the ranks as the planner does (:func:`zerotron.analysis.planner.pipeline_time`:
+:func:`step_time` composes the ranks as the planner does (:func:`zerotron.analysis.bubble.pipeline_time`:
 the slowest stage runs all m micro-batches, fill and drain pass once through the others at the
 schedule's relative idle) plus the exposed data-parallel time and the planner's per-layer launch
 overhead (``launch_s`` per layer and micro-batch: the trace has no clock). Pipeline stages that were
 not traced take the per-layer time of the traced non-last stage (the first stage: the same blocks
 and an embedding lookup, no FLOPs) times their layer count. Only the trace's counts enter; the
-formula's own prediction (:func:`zerotron.analysis.planner.evaluate`) is reported beside it.
+formula's own prediction (:func:`zerotron.analysis.layout_cost.evaluate`) is reported beside it.
 """
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from zerotron.analysis.bubble import pipeline_time
+from zerotron.analysis.cost_model import exposed_dp
 from zerotron.analysis.hardware import Hardware, collective_time
-from zerotron.analysis.planner import exposed_dp, pipeline_time
 
 __all__ = ["StepCounter", "STAGE_GROUPS", "group_scopes", "rank_time", "step_time"]
 
@@ -142,7 +143,7 @@ def step_time(parts: dict, layers: list[int], m: int, kind: str, v: int, split: 
     """Predicted seconds of one step from traced ranks. ``parts``: {pipeline rank: :func:`rank_time`
     of a traced rank of that stage}; ``layers``: transformer blocks per pipeline rank (all chunks);
     ``m`` micro-batches; ``kind``/``v``/``split``: the schedule, its chunks per rank and the F : B : W
-    cost split of a layer (:func:`zerotron.analysis.planner.pipeline_time`). Returns
+    cost split of a layer (:func:`zerotron.analysis.bubble.pipeline_time`). Returns
     ``{"step_s", "stage_s" (per micro-batch, every pipeline rank), "breakdown_s": {compute, vector,
     overhead, stage_comm of the slowest stage x m; bubble; dp_comm exposed}, "estimated_stages":
     the pipeline ranks not traced}``. Raises ValueError when no stage was traced."""

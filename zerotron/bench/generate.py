@@ -52,6 +52,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from zerotron.bench.report import percentile
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import ParallelDims, init_distributed, teardown
 from zerotron.inference import Engine, Request, SamplingParams
@@ -99,13 +100,6 @@ def expert_split(name: str, n: int) -> tuple[int, str]:
     return {"ep": (n, "replica"), "ep-tokens": (n, "tokens")}.get(name, (1, "replica"))
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def _nocache(model, mesh, requests) -> tuple[list[list[int]], dict]:
     """Today's pipelined decoding (no KV cache, greedy, one prompt at a time)."""
     from zerotron.parallel.pipeline.generate import pipeline_generate
@@ -131,9 +125,10 @@ def estimated_weight_bytes(model_config, holder: torch.nn.Module, mesh, layer_ra
     """Weight bytes the memory estimator predicts for this rank: parameters of its (tp shard of
     its) pipeline stage (:func:`zerotron.analysis.memory.stage_num_params`, tied embedding copy on
     the last stage included; ``layer_ranges``: the stages' layers, None = one stage; ``ep``: a
-    mixture-of-experts model keeps E/ep experts per layer, :func:`~zerotron.analysis.memory.moe_estimate`)
+    mixture-of-experts model keeps E/ep experts per layer, :func:`~zerotron.analysis.moe_memory.moe_estimate`)
     times the bytes per element of ``holder``'s parameters."""
-    from zerotron.analysis.memory import moe_estimate, stage_num_params
+    from zerotron.analysis.memory import stage_num_params
+    from zerotron.analysis.moe_memory import moe_estimate
 
     counts = [len(r) for r in layer_ranges] if layer_ranges is not None else None
     pp = len(counts) if counts else 1
@@ -196,7 +191,7 @@ def run_layout(name: str, model, requests, n: int, microbatches: int, cache: dic
             "pp": dims.pp, "microbatches": m, "pp_split": pp_split if dims.pp > 1 and name != "pp-nocache" else "",
             "requests": len(requests), "new_tokens": got[0]["tokens"],
             "output_tokens_per_s": got[0]["tokens"] / wall, "wall_s": wall,
-            "ttft_s": max(firsts) if firsts else None, "tpot_s_p50": _pct(steps, 0.5), "tpot_s_p95": _pct(steps, 0.95),
+            "ttft_s": max(firsts) if firsts else None, "tpot_s_p50": percentile(steps, 0.5), "tpot_s_p95": percentile(steps, 0.95),
             "weight_bytes_per_rank": [g["weights"] for g in got],
             "estimated_weight_bytes_per_rank": [g["estimated"] for g in got], "kv_cache_bytes_per_rank": [g["kv"] for g in got],
             "busy_fraction": [g["busy"] for g in got], "cpu_fraction": [g["cpu"] for g in got], "outputs": got[0]["out"],

@@ -1,5 +1,6 @@
 """Reporting for ``zerotron bench train``: per-layout summaries over rounds, paired ratios, the
-markdown table, the bar-chart PNG (tokens/s and time per epoch)."""
+markdown table, the bar-chart PNG (tokens/s and time per epoch); the percentile every bench
+reports (:func:`percentile`)."""
 from __future__ import annotations
 
 import re
@@ -14,6 +15,15 @@ FLAT_OF = {"hsdp-zero2": "zero2", "hsdp-zero3": "zero3", "fsdp2-hsdp": "fsdp2-ze
 OFFLOAD_OF = {f"zero{s}-{kind}": f"zero{s}" for s in (1, 2, 3) for kind in ("offload", "offdisk")}
 OFFLOAD_KEYS = ("offload_copy_s_per_step", "offload_wait_s_per_step", "offload_hidden", "offload_io_s_per_step",
                 "offload_io_wait_s_per_step", "offload_io_hidden")
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile (0 <= q <= 1) of ``xs``: the sorted value at index
+    round(q x (n - 1)); None for no values."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float | None:

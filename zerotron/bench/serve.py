@@ -35,16 +35,12 @@ import time
 
 import torch
 
+from zerotron.bench.report import percentile
 from zerotron.out_files import check_out_files, write_out_file
 
 __all__ = ["main", "run_mode"]
 
 MODES = ("continuous", "window")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def run_mode(mode: str, engine, requests, interval_s: float, window_ms: float, max_batch: int,
@@ -106,7 +102,7 @@ def run_mode(mode: str, engine, requests, interval_s: float, window_ms: float, m
     ttft = [f - a for f, a in zip(first, arrive)]
     toks = sum(len(j.result[0]) for j in jobs)
     return {"mode": mode, "output_tokens_per_s": toks / (max(done_at) - min(arrive)), "latency_mean_s":
-            statistics.mean(lat), "latency_p95_s": _pct(lat, 0.95), "ttft_mean_s": statistics.mean(ttft),
+            statistics.mean(lat), "latency_p95_s": percentile(lat, 0.95), "ttft_mean_s": statistics.mean(ttft),
             "steps": front.stats.steps, "batches": front.stats.batches, "new_tokens": toks,
             "outputs": [j.result[0] for j in jobs]}
 

@@ -4,16 +4,16 @@ Usage: ``zerotron bench plan`` (or ``python -m zerotron.bench.validate_plan``) `
 --bench-comm comm.json [--config configs/default.toml] [--peak-flops F] [--threads T]
 [--compute-eff 0.5] [--out F.md] [--json F.json]``.
 
-Method. A "cpu" :class:`~zerotron.analysis.planner.Hardware` profile is built on this machine:
+Method. A "cpu" :class:`~zerotron.analysis.hardware.Hardware` profile is built on this machine:
 peak FLOP/s = :func:`zerotron.train.metrics.measure_peak_flops` of this process with ``T``
 intra-op threads (default: the bench run's threads per rank), i.e. the peak of one rank, not
 assumed; every link's busbw = the measured busbw of the ``zerotron bench comm --json`` file
-(:func:`~zerotron.analysis.planner.calibrate`: largest size per op, blocking mode; ops it lacks
+(:func:`~zerotron.analysis.hardware.calibrate`: largest size per op, blocking mode; ops it lacks
 get the all-reduce busbw); one node holds all ranks; communicated elements are fp32 (4 bytes, the
 CPU training dtype). Each measured bench layout is mapped to a planner layout on its world size
 (:func:`planner_layout`; micro-batch and global batch from ``--config``, which must match the
 bench run's parameters and tokens per step) and priced by
-:func:`~zerotron.analysis.planner.evaluate`. Reported: predicted vs measured tokens/s per layout
+:func:`~zerotron.analysis.layout_cost.evaluate`. Reported: predicted vs measured tokens/s per layout
 and the Spearman rank correlation between them (average ranks for ties, numpy only).
 """
 from __future__ import annotations
@@ -28,10 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
+from zerotron.analysis.cost_model import CostModel
 from zerotron.analysis.flops import gpt_num_params
 from zerotron.analysis.hardware import OPS, calibrate, custom_hardware
+from zerotron.analysis.layout_cost import evaluate
 from zerotron.analysis.plan_cli import _model_from_args
-from zerotron.analysis.planner import CostModel, evaluate
 from zerotron.bench.layouts import get_layout
 from zerotron.config import load_config
 from zerotron.out_files import check_out_files, write_out_file

@@ -15,7 +15,7 @@ COMMANDS = {
     "generate": ("zerotron.cli.generate", "cmd_generate"),
     "serve": ("zerotron.serve", "main"),
     "export": ("zerotron.cli.export", "cmd_export"),
-    "memory": ("zerotron.analysis.memory", "memory_main"),
+    "memory": ("zerotron.analysis.memory_cli", "memory_main"),
     "plan": ("zerotron.analysis.plan_cli", "plan_main"),
     "dryrun": ("zerotron.analysis.dryrun_cli", "dryrun_main"),
     "schedule": ("zerotron.analysis.schedule_plot", "schedule_main"),

@@ -55,12 +55,12 @@ import torch
 
 from zerotron.distributed import comm
 
-from .batch import PAD_ID, Request, is_eos
-from .forward import forward_layers
-from .paged import BlockAllocator, BlockPool, PagedView
-from .prefix_attention import attention_modules, shared_prefix_hooks
-from .sampling import make_generator, sample_rows
-from .speculative import accept_drafts, ngram_propose
+from .batch import Request, is_eos
+from .continuous_compute import ContinuousCompute
+from .continuous_schedule import ContinuousSchedule, Row
+from .paged import BlockAllocator, BlockPool
+from .prefix_attention import attention_modules
+from .sampling import make_generator
 
 __all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS", "kv_block_bytes"]
 
@@ -85,21 +85,6 @@ def kv_block_bytes(engine, page: int) -> int:
 
 
 @dataclass
-class _Row:
-    request: Request
-    replica: int
-    tokens: list[int]
-    new: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    table: list[int] = field(default_factory=list)  # block ids of the slots tokens[base:]
-    base: int = 0  # the cache holds tokens[base:] (> 0 once the context passed block_size)
-    cached: int = 0  # slots written
-    keys: list[int] = field(default_factory=list)  # prefix keys of the full blocks of tokens[keys_base:]
-    keys_base: int = 0
-    prompt_keys: list[int] = field(default_factory=list)  # prefix keys of the full blocks it prefills (admission)
-
-
-@dataclass
 class StepResult:
     """One iteration's outcome, identical on every rank: ``tokens`` {row id: its new tokens (one,
     or with speculative decoding up to k + 1)};
@@ -112,7 +97,7 @@ class StepResult:
     preempted: list[int] = field(default_factory=list)
 
 
-class ContinuousDecoder:
+class ContinuousDecoder(ContinuousSchedule, ContinuousCompute):
     """Iteration-level batching over ``engine``'s model and mesh (an :class:`~zerotron.inference.Engine`;
     its tensor-parallel model or pipeline stage, ``eos_id`` and ``decode`` are reused), on a paged
     KV cache of ``num_blocks`` blocks of ``page`` slots per layer and dp replica (None:
@@ -128,7 +113,10 @@ class ContinuousDecoder:
     (:class:`~zerotron.inference.paged_compiled.CompiledPagedDecode`, compiled here, before the
     first step; single process and data parallel only, else ValueError with the reason). Keeps every row's tokens and every
     replica's block bookkeeping (on every rank) and this rank's blocks. Raises ValueError when
-    the pool cannot hold one full-context row (``ceil(block_size / page)`` blocks)."""
+    the pool cannot hold one full-context row (``ceil(block_size / page)`` blocks).
+
+    The rows' bookkeeping and each step's schedule are its :class:`~zerotron.inference.continuous_schedule.ContinuousSchedule`
+    part, the forwards and sampling its :class:`~zerotron.inference.continuous_compute.ContinuousCompute` part."""
 
     def __init__(self, engine, num_blocks: int | None = None, page: int = DEFAULT_PAGE,
                  prefix_caching: bool = True, max_step_tokens: int = DEFAULT_STEP_TOKENS, speculative: int = 0,
@@ -158,7 +146,7 @@ class ContinuousDecoder:
         self.page, self.num_blocks, self.max_step_tokens = page, num_blocks, max_step_tokens
         self.alloc = [BlockAllocator(num_blocks, page, prefix_caching) for _ in range(self.engine.replicas)]
         self.pool = BlockPool(self.cfg.n_layer, num_blocks, page)
-        self.rows: dict[int, _Row] = {}
+        self.rows: dict[int, Row] = {}
         self.order: list[int] = []  # running rows (every replica), oldest first
         self.waiting: list[int] = []  # admitted by the scheduler, not running (preempted ones first)
         self.steps = self.preemptions = self.recomputed_tokens = 0
@@ -184,45 +172,6 @@ class ContinuousDecoder:
                                   dtype, self.device)
         self.proposed = self.accepted = 0  # draft tokens proposed / accepted
 
-    @property
-    def running(self) -> int:
-        """Rows on every replica together (running or waiting for blocks)."""
-        return len(self.rows)
-
-    def replica_load(self) -> list[int]:
-        """Rows (running or waiting) per dp replica."""
-        load = [0] * self.engine.replicas
-        for r in self.rows.values():
-            load[r.replica] += 1
-        return load
-
-    def blocks_used(self) -> int:
-        """KV blocks referenced by rows, all replicas together."""
-        return sum(a.used for a in self.alloc)
-
-    def slots_filled(self) -> int:
-        """Slots holding a cached token in the KV blocks rows reference, all replicas; a block
-        shared by several rows (prefix cache, forks) is counted once, with its fullest row's
-        fill. ``1 - slots_filled() / (blocks_used() * page)`` is the pool's waste (vLLM's measure:
-        reserved but unwritten slots, Kwon et al. 2023 section 2.3): partly filled last blocks,
-        blocks reserved for a prompt whose chunked prefill is not done, speculative slots.
-
-        O(rows), not O(blocks): every block a row references is full but those from its slot
-        ``cached`` on (its last, partly filled block and blocks reserved ahead), so the figure is
-        ``blocks_used() * page`` less the empty slots of those; a block shared by several rows has
-        the same fill in each (only full blocks enter the prefix cache; a fork's shared last block
-        is copied before either row writes it), so it is counted once."""
-        p = self.page
-        short: dict[tuple[int, int], int] = {}  # (replica, block) -> its empty slots
-        for r in self.rows.values():
-            for i in range(r.cached // p, len(r.table)):
-                short[(r.replica, r.table[i])] = p - max(0, r.cached - i * p)
-        return self.blocks_used() * p - sum(short.values())
-
-    def blocks_free(self) -> int:
-        """KV blocks not referenced (free, or holding evictable cached prefixes), all replicas."""
-        return sum(a.available for a in self.alloc)
-
     # ---- one iteration --------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, joins: list[tuple[int, int, Request]], cancel: list[int]) -> StepResult:
@@ -246,7 +195,7 @@ class ContinuousDecoder:
             if req.params.max_tokens == 0:
                 finished[rid] = []
                 continue
-            self.rows[rid] = _Row(req, rep, list(req.prompt), generator=make_generator(req.params.seed, self.device))
+            self.rows[rid] = Row(req, rep, list(req.prompt), generator=make_generator(req.params.seed, self.device))
             self.waiting.append(rid)
         decode, fills, forks, copies, preempted = self._schedule()  # copies: (replica, src, dst)
         mine: dict[int, list[int]] = {}
@@ -307,222 +256,8 @@ class ContinuousDecoder:
         for _ in range(max(runs) - runs[eng.ep_rank]):
             eng.lockstep.idle_forward()
 
-    def _ends(self, row: _Row, tok: int) -> bool:
+    def _ends(self, row: Row, tok: int) -> bool:
         p = row.request.params
         if len(row.new) >= p.max_tokens or (p.stop_at_eos and is_eos(tok, self.engine.eos_id)):
             return True
         return bool(p.stop) and any(s in self.engine.decode(row.new) for s in p.stop)
-
-    def _leave(self, rids: list[int]) -> None:
-        gone = set(rids)
-        for r in gone:
-            row = self.rows.pop(r, None)
-            if row is not None:
-                self.alloc[row.replica].release(row.table)
-        self.order = [r for r in self.order if r not in gone]
-        self.waiting = [r for r in self.waiting if r not in gone]
-
-    # ---- scheduling (deterministic: the same on every rank) --------------------------------------------
-    def _preempt(self, rid: int) -> None:
-        row = self.rows[rid]
-        self.alloc[row.replica].release(row.table)
-        self.recomputed_tokens += row.cached
-        row.table, row.cached = [], 0
-        self.order.remove(rid)
-        self.waiting.insert(0, rid)
-        self.preemptions += 1
-
-    def _schedule(self):
-        """Decide this iteration: (decoding rows, [(row, tokens to prefill)], {fork: its leader},
-        block copies (replica, src, dst) to make first, preempted rows). Budget per dp replica:
-        decoding rows first, then the next chunks of rows part-way through their prefill, then
-        newcomers (first come, first served)."""
-        bs, p = self.cfg.block_size, self.page
-        decode, fills, preempted, copies = [], [], [], []
-        budget = [self.max_step_tokens] * len(self.alloc)
-        for rid in list(self.order):  # oldest first: the newest is preempted when blocks run out
-            if rid not in self.order:
-                continue  # preempted for an older row
-            row = self.rows[rid]
-            a = self.alloc[row.replica]
-            if len(row.tokens) - row.base > bs:  # the context is full: recompute the last block_size tokens
-                a.release(row.table)
-                row.table, row.cached, row.base = [], 0, len(row.tokens) - bs
-                self.order.remove(rid)
-                self.waiting.insert(0, rid)
-                continue
-            s = row.cached
-            if len(row.tokens) - row.base - s > 1:
-                continue  # part-way through its prefill: its blocks are held, its chunk comes below
-            cow = s % p != 0 and a.refs[row.table[s // p]] > 1
-            if self.speculative:  # proposals that fit the context, the row's max_tokens and free blocks
-                room = min(self.speculative, bs - s - 1, row.request.params.max_tokens - len(row.new) - 1)
-                d = ngram_propose(row.tokens, room) if self.draft_model is None else [PAD_ID] * max(room, 0)
-                extra = math.ceil((s + 1 + len(d)) / p) - len(row.table) - (s % p == 0)
-                if d and extra + (s % p == 0) + cow <= a.available:
-                    self.drafts[rid] = d
-                    row.table += [a.allocate() for _ in range(extra)]
-            need = s % p == 0 or cow
-            while need and a.available < 1:
-                victim = [r for r in self.order if self.rows[r].replica == row.replica][-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim == rid:
-                    break
-            if rid not in self.order:
-                continue
-            if need:
-                b = a.allocate()
-                if s % p:  # copy-on-write of the shared, partly filled block of slot s
-                    i = s // p
-                    copies.append((row.replica, row.table[i], b))
-                    a.release([row.table[i]])
-                    row.table[i] = b
-                else:
-                    row.table.insert(s // p, b)
-            decode.append(rid)
-            budget[row.replica] -= 1 + len(self.drafts.get(rid, ()))
-        for rid in self.order:  # chunked prefill (split-fuse): the next chunk of each started prompt
-            row = self.rows[rid]
-            pending = len(row.tokens) - row.base - row.cached
-            if pending > 1 and rid not in decode and budget[row.replica] > 0:
-                n = min(pending, budget[row.replica])
-                fills.append((rid, n))
-                budget[row.replica] -= n
-        forks: dict[int, int] = {}
-        leaders: dict[tuple, int] = {}
-        blocked: set[int] = set()  # replicas whose queue head does not fit: later rows wait behind it
-        pending = [set() for _ in self.alloc]  # per replica: keys of prompt blocks being prefilled, not yet cached
-        for rid in self.order:
-            row = self.rows[rid]
-            if row.prompt_keys and len(row.tokens) - row.base - row.cached > 1:
-                pending[row.replica].update(row.prompt_keys[row.cached // p:])
-        for rid in list(self.waiting):
-            row = self.rows[rid]
-            if row.replica in blocked:
-                continue
-            a = self.alloc[row.replica]
-            if len(row.tokens) - row.base > bs:
-                row.base = len(row.tokens) - bs
-            seq = row.tokens[row.base:]
-            key = (row.replica, tuple(seq))
-            if key in leaders:
-                forks[rid] = leaders[key]
-                self.waiting.remove(rid)
-                self.order.append(rid)
-                continue
-            total = math.ceil(len(seq) / p)
-            keys = a.prefix_keys(seq, len(seq) - 1)
-            hit = a.match(seq, len(seq) - 1, keys)
-            shared_soon = len(hit) < len(keys) and keys[len(hit)] in pending[row.replica]
-            if total - len(hit) > a.available or budget[row.replica] < 1 or shared_soon:
-                a.release(hit)  # not admitted now: the lookup is counted when the row is
-                a.hits -= len(hit)
-                a.misses -= (len(seq) - 1) // p - len(hit) if a.prefix_caching else 0
-                blocked.add(row.replica)
-                continue
-            row.table = hit + [a.allocate() for _ in range(total - len(hit))]
-            row.cached = len(hit) * p
-            row.prompt_keys = keys
-            pending[row.replica].update(keys[len(hit):])
-            n = min(len(seq) - row.cached, budget[row.replica])
-            budget[row.replica] -= n
-            if n == len(seq) - row.cached:
-                leaders[key] = rid  # rows with this prompt behind it share its blocks
-            self.waiting.remove(rid)
-            self.order.append(rid)
-            fills.append((rid, n))
-        return decode, fills, forks, copies, preempted
-
-    def _advance(self, rid: int, n: int) -> None:
-        """After the forward: ``n`` more slots of the row are written; full blocks get their
-        prefix keys."""
-        row = self.rows[rid]
-        if row.keys_base != row.base:  # the context moved: the cached prefix keys are another sequence's
-            row.keys, row.keys_base = [], row.base
-        start = row.cached
-        row.cached += n
-        self.alloc[row.replica].register(row.table, row.tokens, start, row.cached, row.keys, row.base)
-
-    # ---- compute (this rank's replica only) -------------------------------------------------------------
-    def _decode(self, rids: list[int]) -> dict[int, list[int]]:
-        """One decoding step of ``rids``: each row's last token (and its draft tokens, verified)."""
-        rows = [self.rows[r] for r in rids]
-        drafts = [self.drafts.get(r, []) for r in rids]
-        if self.draft_model is not None:  # the counts were fixed by the schedule; the draft fills them in
-            for rid, r, d in zip(rids, rows, drafts):
-                if d:
-                    ctx = torch.tensor([r.tokens], device=self.device)
-                    d[:] = self.draft_model.generate(ctx, len(d), temperature=0)[0, -len(d):].tolist()
-        news = [1 + len(d) for d in drafts]
-        T = max(news)
-        if T == 1 and self.compiled is not None and not self._may_share(rows):  # one compiled call
-            logits = self.compiled([r.tokens[-1] for r in rows], [r.table for r in rows], [r.cached for r in rows])
-            return {r: [t] for r, t in self._sample(rids, logits).items()}
-        x = torch.tensor([[PAD_ID] * (T - n) + [r.tokens[-1]] + d for r, d, n in zip(rows, drafts, news)],
-                         device=self.device)
-        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device,
-                         self.shared_prefix)
-        if T == 1:  # (compiled: only rows that share a prefix come here; their attention reads it once, eagerly)
-            return {r: [t] for r, t in self._sample(rids, self._forward(x, view)).items()}
-        logits = self._forward(x, view, all_logits=True)
-        if logits is None:
-            return {}
-        return {rid: accept_drafts(logits[b, T - n:], d, r.request.params, r.generator)
-                for b, (rid, r, d, n) in enumerate(zip(rids, rows, drafts, news))}
-
-    def _may_share(self, rows: list[_Row]) -> bool:
-        """Whether the rows of a forward may start with shared cached blocks (shared-prefix
-        attention on, several rows, each with a full cached block, all with the same first
-        block): only then does :class:`~zerotron.inference.paged.PagedView` look for a prefix."""
-        if not self.shared_prefix or len(rows) < 2 or min(r.cached for r in rows) < self.page:
-            return False
-        first = rows[0].table[0]
-        return all(r.table[0] == first for r in rows)
-
-    def _prefill(self, fills: list[tuple[int, int]], forks: dict[int, int]) -> dict[int, int]:
-        """Prefill chunks ``fills`` = [(row, tokens)] together; the rows whose prompt is then
-        complete (and their forks) sample their first token."""
-        rids = [r for r, _ in fills]
-        rows = [self.rows[r] for r in rids]
-        news = [n for _, n in fills]
-        T = max(news)
-        x = []
-        for r, n in zip(rows, news):
-            lo = r.base + r.cached
-            x.append([PAD_ID] * (T - n) + r.tokens[lo:lo + n])
-        view = PagedView(self.pool, [r.table for r in rows], [r.cached for r in rows], news, self.device,
-                         self.shared_prefix)
-        logits = self._forward(torch.tensor(x, device=self.device), view)
-        if logits is None:
-            return {}
-        at = {r: i for i, (r, row, n) in enumerate(zip(rids, rows, news))
-              if row.cached + n == len(row.tokens) - row.base}
-        fk = [f for f, lead in forks.items() if lead in at]
-        keep = list(at) + fk
-        out = self._sample(keep, logits[[at[r] for r in at] + [at[forks[f]] for f in fk]])
-        return {r: [t] for r, t in out.items()}
-
-    def _forward(self, x: torch.Tensor, cache, all_logits: bool = False) -> torch.Tensor | None:
-        """This rank's span of the model on x: token ids (b, T) on the first stage, else the
-        previous stage's activations (b, T, C), received here; returns logits (b, V) on the last
-        stage, else sends the activations on and returns None."""
-        pl = self.pl
-        if not self.first:
-            buf = torch.empty(x.size(0), x.size(1), pl.width, dtype=pl.act_dtype, device=self.device)
-            comm.recv(buf, pl.prev, group=pl.group, tag="decode")
-            x = buf
-        self.prefix_forwards += bool(cache.prefix_blocks)
-        with shared_prefix_hooks(self.attn_modules, cache):
-            y = forward_layers(self.engine.model, self.blocks, self.layers, x, cache, self.first, self.last, all_logits)
-        if not self.last:
-            comm.send(y.to(pl.act_dtype).contiguous(), pl.next, group=pl.group, tag="decode")
-            return None
-        return y
-
-    def _sample(self, rids, logits) -> dict[int, int]:
-        if not self.last or logits is None:
-            return {}
-        rows = [self.rows[r] for r in rids]
-        toks = sample_rows(logits, [r.request.params for r in rows], [r.generator for r in rows]).tolist()
-        return dict(zip(rids, toks))
