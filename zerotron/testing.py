@@ -32,7 +32,7 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "zerotron.train.trainer", "zer
            "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint", "zerotron.parity",
            "zerotron.inference.engine", "zerotron.inference.continuous", "zerotron.generate", "zerotron.testing",
            "torch.distributed.run", "zerotron.cli.train", "zerotron.cli.generate", "zerotron.cli.export",
-           "zerotron.analysis.memory", "zerotron.analysis.plan_cli", "zerotron.analysis.schedule_plot"]
+           "zerotron.analysis.memory_cli", "zerotron.analysis.plan_cli", "zerotron.analysis.schedule_plot"]
 
 
 def _context():
