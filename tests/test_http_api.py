@@ -154,7 +154,8 @@ def test_fields_are_checked(server):
            ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
            ({"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
            ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
-           ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter")]
+           ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
+           ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None)]  # OpenAI's rule
     for body, want, param, code_want in bad:
         code, _, raw = _ask(conn, "POST", "/v1/completions", body)
         r = json.loads(raw)["error"]
@@ -162,6 +163,11 @@ def test_fields_are_checked(server):
         assert param in r["message"] or want == 404, r
     code, _, raw = _ask(conn, "POST", "/v1/completions", {"prompt": "hi", "max_token": 3})
     assert "valid fields: model, max_tokens" in json.loads(raw)["error"]["message"], raw
+    # no seed: a fresh one per request (sampled requests differ, as in OpenAI's API); a given seed is kept
+    _, front, _ = server
+    seeds = [front.submit({"prompt": "hi", "max_tokens": 1, **extra})[1].requests[0].params.seed
+             for extra in ({}, {}, {"seed": 7}, {"seed": 7})]
+    assert seeds[0] != seeds[1] and seeds[2] == seeds[3] == 7, seeds
     chat_bad = [({"messages": []}, "messages"), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
                 ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
                 ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
@@ -188,6 +194,33 @@ def test_fields_are_checked(server):
         assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply, reply
         assert time.time() - t0 < 5
 
+
+
+def test_request_head_that_stalls_gets_408(server):
+    """slowloris: a request head (request line and headers) that stops arriving -- on a new
+    connection, or after an answer on a keep-alive one (also pipelined behind it) -- gets a JSON
+    408 after read_timeout_s and the connection closes; a new connection that sends nothing is
+    closed. Before, uvicorn held such connections (and their file descriptors) for ever."""
+    addr, _, _ = server
+    auth = b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+    for first in (b"", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + auth):
+        with socket.create_connection(addr, timeout=10) as s:
+            s.sendall(first + b"\r\n" * bool(first.endswith(auth)) + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            t0, reply = time.time(), b""
+            while piece := s.recv(4096):
+                reply += piece
+        assert time.time() - t0 < 5, reply
+        last = reply[reply.rindex(b"HTTP/1.1 "):]
+        assert reply.count(b"HTTP/1.1 ") == 1 + bool(first) and last.startswith(b"HTTP/1.1 408"), reply
+        err = json.loads(last.partition(b"\r\n\r\n")[2])["error"]
+        assert err["code"] == "request_timeout" and "within 0.5 s" in err["message"], err
+    with socket.create_connection(addr, timeout=10) as s:  # sends nothing: closed without an answer
+        assert s.recv(100) == b""
+    conn = http.client.HTTPConnection(*addr, timeout=10)  # a keep-alive connection idle past it stays open
+    assert _ask(conn, "GET", "/health")[0] == 200
+    time.sleep(1.0)
+    assert _ask(conn, "GET", "/health")[0] == 200
+    conn.close()
 
 
 def test_unparsable_http_is_a_json_400(server):

@@ -2,7 +2,7 @@
 
 Endpoints (FastAPI on uvicorn, :mod:`~zerotron.serve.http_api`): ``POST /v1/completions`` (prompt: a
 string or a list of up to 64 strings; max_tokens (16, at most 4096), temperature (1.0), top_p
-(1.0), top_k (zerotron's extension), n (1..16), stop (a string or up to 4), seed (0), model
+(1.0), top_k (zerotron's extension), n (1..16), stop (a string or up to 4), seed (none: a random one per request), model
 (optional: must be the served id), stream (false), stream_options.include_usage),
 ``POST /v1/chat/completions`` (messages rendered by the tokenizer's chat template or the default
 of :mod:`~zerotron.serve.chat`; the same sampling fields, max_tokens default 256),
@@ -47,8 +47,8 @@ stop string, or an incomplete UTF-8 character, is held back until the next token
 window batching and dp > 1, the choices decoded on other replicas than rank 0's arrive as one piece
 when their batch ends. A client that disconnects (streaming or not) cancels its rows under
 continuous batching: they leave the batch at the next iteration, the others go on (window
-batching runs the batch to its end). Prompts longer than the context are cropped to the last
-block_size tokens as in ``zerotron generate``.
+batching runs the batch to its end). A prompt longer than the context, or a ``max_tokens`` that does
+not fit beside it, gets 400 (``context_length_exceeded``).
 
 SIGTERM (or SIGINT): new requests get 503, queued and running requests finish and are answered,
 idle keep-alive connections are closed at once, the ranks stop, exit code 0 (also under ``--nproc``).

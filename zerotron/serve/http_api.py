@@ -6,7 +6,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 the GET routes. Every error is JSON in OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}``: 400 bad JSON or a bad field (named in ``param``), 401 a missing or wrong API key,
 404 an unknown path or model, 405 another method (with ``Allow``), 408 a body that stops
-arriving for ``read_timeout_s``, 413 a body over ``max_body_bytes`` (the connection is closed:
+arriving for ``read_timeout_s`` or a request head not complete within it, 413 a body over ``max_body_bytes`` (the connection is closed:
 its body is unread), 503 while draining; a keep-alive connection goes on after any of them. A
 request uvicorn's parser refuses (a malformed request line or header) gets a JSON 400 too
 (:func:`http_protocol`), and that connection closes.
@@ -46,23 +46,91 @@ BAD_HTTP = ("invalid HTTP request: the request line or a header could not be par
             "that is not a non-negative integer); send a well-formed HTTP/1.1 request")
 
 
-def http_protocol():
+def _unparsed(protocol) -> bool:
+    """Whether uvicorn's h11 protocol holds received bytes its parser has not made a request of yet
+    (the start of a pipelined request head; h11's ``trailing_data``). False for httptools, which
+    parses every byte as it arrives."""
+    conn = getattr(protocol, "conn", None)
+    return bool(getattr(conn, "trailing_data", (b"",))[0])
+
+
+def http_protocol(head_timeout_s: float = 60.0):
     """uvicorn's HTTP/1.1 protocol class as its ``http="auto"`` picks it (httptools if installed,
-    else h11), with the one response that never reaches the app -- the 400 to a request its parser
-    refuses (a malformed request line or header, e.g. ``Content-Length: -1``) -- in OpenAI's JSON
-    error shape (code ``invalid_http_request``) instead of uvicorn's plain text; the connection
-    closes after it, as uvicorn's own does (the parser cannot resynchronise)."""
+    else h11), with the responses that never reach the app in OpenAI's JSON error shape:
+
+    - the 400 to a request its parser refuses (a malformed request line or header, e.g.
+      ``Content-Length: -1``; code ``invalid_http_request``) instead of uvicorn's plain text; the
+      connection closes after it, as uvicorn's own does (the parser cannot resynchronise);
+    - a request head (request line and headers) not complete ``head_timeout_s`` after the
+      connection opened, or after the first byte that followed the previous answer, gets 408
+      (code ``request_timeout``) and the connection closes; a new connection that sent nothing by
+      then is closed without an answer (an idle keep-alive connection is left to uvicorn's
+      ``timeout_keep_alive``). uvicorn itself times out neither (its keep-alive timer stops at the
+      first byte of the next request, and a new connection has none), so a client that opens
+      connections and sends a few header bytes now and then (slowloris) held each of them, and
+      its file descriptor, for as long as it liked."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     class JsonErrorProtocol(AutoHTTPProtocol):
+        _head_timer = None
+
         def send_400_response(self, msg: str) -> None:  # uvicorn's hook for unparsable requests
-            body = json.dumps(_error_json(400, BAD_HTTP, code="invalid_http_request")).encode()
-            head = [b"HTTP/1.1 400 Bad Request\r\n"]
+            self._close_with(400, BAD_HTTP, "invalid_http_request")
+
+        def _close_with(self, status: int, message: str, code: str) -> None:
+            body = json.dumps(_error_json(status, message, code=code)).encode()
+            reason = {400: b"Bad Request", 408: b"Request Timeout"}[status]
+            head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
             head += [n + b": " + v + b"\r\n" for n, v in self.server_state.default_headers]
             head += [b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
                      % len(body)]
             self.transport.write(b"".join(head) + body)
             self.transport.close()
+
+        def _arm_head_timer(self, got_bytes: bool) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_cycle, self._head_bytes = self.cycle, got_bytes
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_timeout)
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing() or self.cycle is not self._head_cycle or \
+                    (self.cycle is not None and not self.cycle.response_complete):
+                return  # a request head arrived (its cycle is the app's now), or an answer is still being sent
+            if self._head_bytes:
+                self._close_with(408, f"the request head (request line and headers) did not arrive within "
+                                      f"{head_timeout_s:g} s", "request_timeout")
+            else:
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._head_due = False
+            self._arm_head_timer(False)  # a new connection: its first request head is due
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_due:  # the first byte after an answer: the next head's clock starts (an idle
+                self._head_due = False  # keep-alive connection is uvicorn's timeout_keep_alive's to close)
+                self._arm_head_timer(True)
+            elif self._head_timer is not None:
+                self._head_bytes = True
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.transport.is_closing():
+                return
+            if self.cycle is not None and self.cycle.response_complete and _unparsed(self):
+                self._arm_head_timer(True)  # the start of a pipelined head came with the last request
+            else:
+                self._head_due = True
+
+        def connection_lost(self, exc) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
 
     return JsonErrorProtocol
 
@@ -70,8 +138,9 @@ def http_protocol():
 class _Guard:
     """ASGI middleware: the API key check (401) and the ``zerotron_requests_total`` count."""
 
-    def __init__(self, app, front: Front, api_key: str | None):
+    def __init__(self, app, front: Front, api_key: str | None, read_timeout_s: float = 60.0):
         self.app, self.front, self.key = app, front, api_key.encode() if api_key else None
+        self.read_timeout_s = read_timeout_s  # also the request head's limit (ServerThread: http_protocol)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -110,7 +179,9 @@ async def _drain(receive) -> None:
 
 def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read_timeout_s: float = 60.0):
     """The ASGI app serving ``front``: bodies of at most ``max_body_bytes`` (413 beyond), a body
-    that stops arriving for ``read_timeout_s`` gets 408, ``api_key``: see the module docstring."""
+    that stops arriving for ``read_timeout_s`` gets 408 (and a request head that has not arrived
+    within it, when :class:`ServerThread` serves the app: :func:`http_protocol`), ``api_key``: see
+    the module docstring."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -263,7 +334,7 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
     async def metrics():
         return PlainTextResponse(front.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return _Guard(app, front, api_key)
+    return _Guard(app, front, api_key, read_timeout_s)
 
 
 class ServerThread:
@@ -277,7 +348,7 @@ class ServerThread:
         self.sock = sock
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=grace_s, timeout_keep_alive=60, backlog=256,
-                                http=http_protocol())
+                                http=http_protocol(getattr(app, "read_timeout_s", 60.0)))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="zerotron-http")

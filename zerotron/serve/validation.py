@@ -3,6 +3,8 @@
 :mod:`zerotron.serve.schemas`)."""
 from __future__ import annotations
 
+import secrets
+
 __all__ = ["RequestError", "parse_completion", "MAX_N", "MAX_STOP", "MAX_PROMPTS", "MAX_TOKENS"]
 
 from .errors import MAX_N, MAX_PROMPTS, MAX_STOP, MAX_TOKENS, RequestError
@@ -20,7 +22,13 @@ def sampling(req) -> dict:
     """The sampling settings of a validated request (``schemas.CompletionRequest`` or
     ``ChatRequest``) with OpenAI's defaults filled in: ``{"max_tokens" (16 for completions, the
     context for chat: see :func:`zerotron.serve.api.Front.submit`), "temperature" (1.0), "top_p"
-    (1.0), "top_k" (None), "n" (1), "stop" (list), "seed" (0), "stream" (False), "include_usage"}``."""
+    (1.0), "top_k" (None), "n" (1), "stop" (list), "seed", "stream" (False), "include_usage"}``.
+    ``seed``: the request's, else a fresh random one (62 bits), so that sampled requests without a
+    seed differ from each other as in OpenAI's API and vLLM (a fixed default would answer every
+    unseeded request alike). RequestError 400 (param "stream_options") for ``stream_options``
+    without ``stream`` true, as OpenAI's API and vLLM refuse it."""
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     max_tokens = req.max_tokens
     if getattr(req, "max_completion_tokens", None) is not None:
         if max_tokens is not None and max_tokens != req.max_completion_tokens:
@@ -28,7 +36,7 @@ def sampling(req) -> dict:
         max_tokens = req.max_completion_tokens
     return {"max_tokens": max_tokens, "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p, "top_k": req.top_k,
-            "n": req.n or 1, "stop": req.stops(), "seed": req.seed or 0, "stream": bool(req.stream),
+            "n": req.n or 1, "stop": req.stops(), "seed": secrets.randbits(62) if req.seed is None else req.seed, "stream": bool(req.stream),
             "include_usage": bool(req.stream_options and req.stream_options.include_usage)}
 
 
