@@ -354,6 +354,9 @@ def test_openai_client_matches_raw_client(server):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"http://{addr[0]}:{addr[1]}/v1", api_key="nope", max_retries=0).models.list()
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("gpt-9")
 
     body = {"model": "tiny", "prompt": ["ab", "c"], "max_tokens": 12, "temperature": 0, "n": 2}
     r = client.completions.create(**body)

@@ -6,7 +6,7 @@ string or a list of up to 64 strings; max_tokens (16, at most 4096), temperature
 (optional: must be the served id), stream (false), stream_options.include_usage),
 ``POST /v1/chat/completions`` (messages rendered by the tokenizer's chat template or the default
 of :mod:`~zerotron.serve.chat`; the same sampling fields, max_tokens default 256),
-``GET /v1/models``, ``GET /health`` (status, batching, counters: :class:`~zerotron.serve.api.ServeStats`),
+``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health`` (status, batching, counters: :class:`~zerotron.serve.api.ServeStats`),
 ``GET /metrics`` (Prometheus text, :mod:`~zerotron.serve.metrics`). Requests and answers are the
 pydantic models of :mod:`~zerotron.serve.schemas`. Errors are JSON ``{"error": {"message", "type",
 "param", "code"}}`` with 400 (bad field, bad JSON), 401 (``--api-key`` set and no or a wrong

@@ -195,8 +195,13 @@ class Front:
                 "cancelled_rows": s.cancelled_rows}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0,
-                                            "owned_by": "zerotron"}]}
+        return {"object": "list", "data": [self.model()]}
+
+    def model(self, model_id: str | None = None) -> dict:
+        """The served model's object (``GET /v1/models/{model}``: OpenAI's "retrieve model");
+        RequestError 404 (code "model_not_found") for another ``model_id``."""
+        check_model(model_id, self.model_id)
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "zerotron"}
 
     def publish(self, jobs) -> None:
         """Wake the HTTP waiters of ``jobs`` (the batcher calls it once per step, after the step's

@@ -1,7 +1,7 @@
 """The HTTP layer of ``zerotron serve`` (rank 0): a FastAPI app (:func:`make_app`) served by
 uvicorn in a thread (:class:`ServerThread`) while the main thread runs the batcher.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /v1/models/{model}``,
 ``GET /health``, ``GET /metrics`` (Prometheus text; :mod:`~zerotron.serve.metrics`); HEAD on
 the GET routes. Every error is JSON in OpenAI's shape ``{"error": {"message", "type", "param",
 "code"}}``: 400 bad JSON or a bad field (named in ``param``), 401 a missing or wrong API key,
@@ -325,6 +325,10 @@ def make_app(front: Front, max_body_bytes: int, api_key: str | None = None, read
     @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return front.models()
+
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    async def model(model_id: str):
+        return front.model(model_id)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
