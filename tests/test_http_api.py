@@ -459,6 +459,15 @@ def test_max_tokens_fit_the_context(server):
         code, _, raw = _ask(conn, "POST", "/v1/chat/completions", chat)  # default 256 clamped to 3
         r = json.loads(raw)
         assert code == 200 and r["usage"]["completion_tokens"] == 3 and r["choices"][0]["finish_reason"] == "length"
+        # a long context: max_tokens is bounded by it alone (was also by a fixed 4096 in the schema)
+        from zerotron.serve.api import max_new_tokens
+        from zerotron.serve.schemas import CompletionRequest, validate
+
+        assert validate(CompletionRequest, {"prompt": "x", "max_tokens": 5000}).max_tokens == 5000
+        assert max_new_tokens(5, 5000, 16, 8192) == 5000
+        front.context = 8192
+        code, _, raw = _ask(conn, "POST", "/v1/completions", {**ok, "max_tokens": 8188})
+        assert code == 400 and "at most 8187 new tokens" in json.loads(raw)["error"]["message"], raw
     finally:
         front.context = None
 

@@ -1,7 +1,7 @@
 """``zerotron serve``: an OpenAI-compatible completions server on any inference layout.
 
 Endpoints (FastAPI on uvicorn, :mod:`~zerotron.serve.http_api`): ``POST /v1/completions`` (prompt: a
-string or a list of up to 64 strings; max_tokens (16, at most 4096), temperature (1.0), top_p
+string or a list of up to 64 strings; max_tokens (16; prompt + max_tokens must fit the context), temperature (1.0), top_p
 (1.0), top_k (zerotron's extension), n (1..16), stop (a string or up to 4), seed (none: a random one per request), model
 (optional: must be the served id), stream (false), stream_options.include_usage),
 ``POST /v1/chat/completions`` (messages rendered by the tokenizer's chat template or the default

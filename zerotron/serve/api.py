@@ -28,7 +28,7 @@ from .schemas import (
     validate,
 )
 from .streaming import StreamText, cut_at_stop
-from .validation import RequestError, check_model, sampling
+from .validation import MAX_TOKENS, RequestError, check_model, sampling
 
 __all__ = ["Job", "Front", "ServeStats", "Streamer", "CHAT_MAX_TOKENS", "max_new_tokens", "wake_jobs", "sse"]
 
@@ -43,8 +43,13 @@ def max_new_tokens(prompt: int, given: int | None, default: int, context: int | 
     (RequestError 400, ``param`` = field, ``code`` "context_length_exceeded", naming the largest
     value that fits); without one, ``default`` is clamped to the room left (``context - prompt``,
     possibly 0: the answer then ends at once with finish_reason "length"). A prompt longer than
-    the context is refused with 400 (``param`` = ``prompt_param``, ``index``: which prompt)."""
+    the context is refused with 400 (``param`` = ``prompt_param``, ``index``: which prompt).
+    With no context (``None``), a ``given`` over ``MAX_TOKENS`` is refused (400, ``param`` =
+    field). This is the one bound of max_tokens: the schema's was ``MAX_TOKENS`` (4096) whatever
+    the context, so a model of a longer context refused 5000 new tokens that fit it."""
     if context is None:
+        if given is not None and given > MAX_TOKENS:
+            raise RequestError(f"'{field}' is {given}; ask for at most {MAX_TOKENS} new tokens", param=field)
         return default if given is None else given
     if prompt > context:
         raise RequestError(f"prompt {index} has {prompt} tokens, more than the model's context of {context} tokens "

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from .errors import MAX_N, MAX_PROMPTS, MAX_STOP, MAX_TOKENS, RequestError
+from .errors import MAX_N, MAX_PROMPTS, MAX_STOP, RequestError
 
 __all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "StreamOptions", "Usage", "CompletionChoice",
            "Completion", "ChatChoice", "ChatCompletion", "ChatDelta", "ChatChunkChoice", "ChatChunk", "ErrorBody",
@@ -59,7 +59,7 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)] | None = None
+    max_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None  # the bound: api.max_new_tokens
     temperature: Annotated[float, Field(strict=True, ge=0, le=100, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(strict=True, ge=1)] | None = None
@@ -156,7 +156,7 @@ class ChatRequest(_Sampling):
     OpenAI's newer name of ``max_tokens`` (give at most one)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)] | None = None
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None
     logprobs: Any = None
     top_logprobs: Any = None
     tools: Any = None
