@@ -101,6 +101,7 @@ def test_memory_main_text_and_errors(capsys):
     assert memory_main(["--dp", "4"]) == 2  # neither --model nor --params
     assert memory_main(["--params", "1.5", "--dp", "4"]) == 2
     assert memory_main(["--params", "0", "--dp", "4"]) == 2 and memory_main(["--params", "-5", "--dp", "4"]) == 2
+    assert memory_main(["--params", "1e400", "--dp", "4"]) == 2  # inf: one line, not an OverflowError
     assert memory_main(["--model", "no-such-model", "--dp", "4"]) == 2
     assert "no-such-model" in capsys.readouterr().err
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -213,7 +214,7 @@ def _count(text: str) -> int:
         value = float(text.replace("_", "")) if any(c in text for c in ".eE") else int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 1 or value != int(value):
+    if not math.isfinite(value) or value < 1 or value != int(value):  # 1e400 is inf: int() would raise
         raise argparse.ArgumentTypeError(f"must be a positive integer (a parameter count like 7e9), got {text!r}")
     return int(value)
 
