@@ -172,3 +172,5 @@ def test_cp_errors_name_the_one_problem(capsys):
         assert memory_main(["--model", "gpt2", "--dp", "2"] + argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0] and absent not in err[0], err
+    # without cp any --seq within block_size is a training length (1023 was refused as "not divisible by 2*cp = 2")
+    assert memory_main(["--model", "gpt2", "--dp", "2", "--seq", "1023", "--micro-batch", "1"]) == 0
