@@ -362,6 +362,17 @@ def test_device_and_backend_need_cuda(capsys):
     assert "--nproc must be >= 1" in capsys.readouterr().err
 
 
+def test_launch_refuses_more_processes_than_the_machine_holds(monkeypatch):
+    """generate --nproc 100000 began to start 100,000 interpreters (the machine hung): refused first."""
+    import torch.distributed.run
+
+    from zerotron.launch import launch, max_local_nproc
+
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: pytest.fail("launch started the workers"))
+    with pytest.raises(ValueError, match=r"--nproc 100000 would start 100,000 local processes, more than \d+"):
+        launch(max(100_000, max_local_nproc() + 1), ["generate"])
+
+
 def test_user_error_in_the_workers_is_exit_2(tmp_path, capfd):
     """A user error that only the workers find (here generate's missing checkpoint, which --nproc
     checks in the workers alone; train's disk tier folder filled after the launcher's check is the

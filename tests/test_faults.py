@@ -51,6 +51,8 @@ def ours(stderr: str) -> list[str]:
     (["--parallel.timeout_s", "inf"], "parallel.timeout_s must be a finite number"),
     # too large for torch's timers: was an OverflowError traceback (1e15) or every rendezvous failing (1e10)
     (["--parallel.timeout_s", "1e10"], "parallel.timeout_s must be > 0 and at most 31,536,000 seconds"),
+    # the grace timer: was an OverflowError traceback in the timer thread at the first SIGTERM
+    (["--train.stop_grace_s", "1e300"], "train.stop_grace_s must be > 0 and at most 31,536,000 seconds"),
     # the BPE trainer's tables: was a 70 GB allocation and an abort inside Rust (exit 134)
     (["--data.vocab_size", "1000000000"], "data.vocab_size must be at most 1,048,576"),
     (["--train.grad_clip", "nan"], "train.grad_clip must be a finite number"),

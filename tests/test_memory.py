@@ -102,6 +102,7 @@ def test_memory_main_text_and_errors(capsys):
     assert memory_main(["--dp", "4"]) == 2  # neither --model nor --params
     assert memory_main(["--params", "1.5", "--dp", "4"]) == 2
     assert memory_main(["--params", "0", "--dp", "4"]) == 2 and memory_main(["--params", "-5", "--dp", "4"]) == 2
+    assert memory_main(["--params", "1e400", "--dp", "4"]) == 2  # inf: one line, not an OverflowError
     assert memory_main(["--model", "no-such-model", "--dp", "4"]) == 2
     assert "no-such-model" in capsys.readouterr().err
 
@@ -172,3 +173,5 @@ def test_cp_errors_name_the_one_problem(capsys):
         assert memory_main(["--model", "gpt2", "--dp", "2"] + argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0] and absent not in err[0], err
+    # without cp any --seq within block_size is a training length (1023 was refused as "not divisible by 2*cp = 2")
+    assert memory_main(["--model", "gpt2", "--dp", "2", "--seq", "1023", "--micro-batch", "1"]) == 0

@@ -194,6 +194,9 @@ def test_pool_must_hold_one_row(single_process):
     eng = _local_engine(_model("tiny"))
     with pytest.raises(ValueError, match="cannot hold one full-context row"):
         ContinuousDecoder(eng, num_blocks=3, page=4)
+    # serve --kv-cache-mb 1e23: refused at once (it grew Python block lists to 7.5 GB before)
+    with pytest.raises(ValueError, match="more than this rank's .* GiB of memory"):
+        ContinuousDecoder(eng, num_blocks=10**20, page=4)
 
 
 def test_draft_model_speculation_equals_plain_greedy(single_process):

@@ -58,7 +58,9 @@ def check_values(cfg: Config) -> dict:
     _need(0 <= t.seed < INT64, f"train.seed must be in [0, 2**63), got {t.seed}")
     _need(t.nonfinite in ("skip", "stop"), f"train.nonfinite must be skip or stop, got {t.nonfinite!r}")
     _need(t.nonfinite_limit >= 1, f"train.nonfinite_limit must be >= 1 (consecutive skipped steps), got {t.nonfinite_limit}")
-    _need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")
+    # the grace timer is a threading.Timer: 1e300 s overflowed it (a traceback at the signal, no grace limit)
+    _need(0 < t.stop_grace_s <= MAX_TIMEOUT_S, f"train.stop_grace_s must be > 0 and at most {MAX_TIMEOUT_S:,} seconds "
+                                               f"(a year), got {t.stop_grace_s:g}")
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
     _need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
     _need(t.optimizer_impl in ("fused", "foreach", "loop"),

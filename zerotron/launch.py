@@ -338,6 +338,11 @@ def whole_spawns():
         SubprocessContext._start = start
 
 
+def max_local_nproc() -> int:
+    """The most worker processes :func:`launch` starts on one machine: 8 per CPU core, at least 64."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
 def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeout_s: float = 30,
            max_restarts: int = 0, on_restart=None, startup_stop: str | None = None) -> int:
     """Run ``python -m <module> <argv>`` in ``nproc`` local worker processes; return an exit code.
@@ -361,6 +366,9 @@ def launch(nproc: int, argv: list[str], module: str = "zerotron", shutdown_timeo
     Raises ValueError if ``nproc < 1`` or ``max_restarts < 0``, or as ``host_heap.wanted``."""
     if nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if nproc > max_local_nproc():  # 100000 began to start that many interpreters (and hung the machine)
+        raise ValueError(f"--nproc {nproc} would start {nproc:,} local processes, more than {max_local_nproc()} "
+                         f"(8 per core, at least 64) on this machine: use fewer, or torchrun across nodes")
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     from torch.distributed.elastic.multiprocessing import SignalException

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from zerotron.analysis.activations import (
@@ -42,7 +43,7 @@ def _count(text: str) -> int:
         value = float(text.replace("_", "")) if any(c in text for c in ".eE") else int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 1 or value != int(value):
+    if not math.isfinite(value) or value < 1 or value != int(value):  # 1e400 is inf: int() would raise
         raise argparse.ArgumentTypeError(f"must be a positive integer (a parameter count like 7e9), got {text!r}")
     return int(value)
 
@@ -190,10 +191,10 @@ def _memory_run(args) -> int:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if args.cp < 1:
             raise ValueError(f"--cp must be >= 1, got {args.cp}")
-        if args.seq is not None and args.seq % (2 * args.cp):
+        if args.cp > 1 and args.seq is not None and args.seq % (2 * args.cp):  # cp 1: no zigzag split
             raise ValueError(f"--seq {args.seq} is not divisible by 2*cp = {2 * args.cp} (each cp rank holds two "
                              "zigzag chunks of the sequence); change --seq or --cp")
-        if args.seq is None and args.model and preset_config(args.model).block_size % (2 * args.cp):
+        if args.cp > 1 and args.seq is None and args.model and preset_config(args.model).block_size % (2 * args.cp):
             # without --seq the sequence is the preset's block_size (training refuses the same cp)
             raise ValueError(f"--cp {args.cp} needs the sequence, {args.model}'s block_size "
                              f"{preset_config(args.model).block_size} without --seq, divisible by 2*cp = "

@@ -49,6 +49,7 @@ sampled token), whoever shares its batch, whenever it joined, however often it w
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +83,19 @@ def kv_block_bytes(engine, page: int) -> int:
     heads = math.ceil(getattr(cfg, "n_kv_head", cfg.n_head) / engine.tp)
     elem = next(iter(engine.model.parameters())).element_size()
     return 2 * page * layers * heads * (cfg.n_embd // cfg.n_head) * elem
+
+
+def rank_memory_bytes(device) -> int:
+    """The memory a KV pool on ``device`` can at most take: a CUDA device's total memory, else the
+    host's physical memory shared by its local ranks (``LOCAL_WORLD_SIZE``, 1 when unset); 0 when
+    unknown (no check)."""
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return phys // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 @dataclass
@@ -143,6 +157,10 @@ class ContinuousDecoder(ContinuousSchedule, ContinuousCompute):
             raise ValueError(f"the KV pool of {num_blocks} blocks of {page} slots cannot hold one full-context row "
                              f"(block_size {self.cfg.block_size} needs {per_row} blocks; max_step_tokens "
                              f"{max_step_tokens}): give more KV cache memory or a smaller page")
+        need, room = num_blocks * kv_block_bytes(engine, page), rank_memory_bytes(self.device)
+        if room and need > room:  # before the bookkeeping: its lists alone grow with num_blocks
+            raise ValueError(f"the KV pool of {num_blocks:,} blocks of {page} slots needs {need / 2**30:,.3g} GiB per "
+                             f"rank, more than this rank's {room / 2**30:,.3g} GiB of memory: give less KV cache memory")
         self.page, self.num_blocks, self.max_step_tokens = page, num_blocks, max_step_tokens
         self.alloc = [BlockAllocator(num_blocks, page, prefix_caching) for _ in range(self.engine.replicas)]
         self.pool = BlockPool(self.cfg.n_layer, num_blocks, page)
