@@ -194,6 +194,16 @@ def test_pool_must_hold_one_row(single_process):
     eng = _local_engine(_model("tiny"))
     with pytest.raises(ValueError, match="cannot hold one full-context row"):
         ContinuousDecoder(eng, num_blocks=3, page=4)
+    # more than the device's memory, refused before any table is made: serve --kv-cache-mb 1e8 was killed
+    # by the OOM killer at start (the allocator's free list), --kv-page 1e9 served and failed every request
+    from zerotron.inference.continuous import kv_block_bytes, memory_bytes
+
+    over = memory_bytes(eng.device) // kv_block_bytes(eng, 8) + 1
+    with pytest.raises(ValueError, match=f"the KV pool of {over:,} blocks of 8 slots needs .* GiB on the fullest rank, "
+                                         r"more than the .* GiB of memory of its device \(cpu\): give less KV cache"):
+        ContinuousDecoder(eng, num_blocks=over, page=8)
+    with pytest.raises(ValueError, match="blocks of 1,000,000,000 slots needs"):
+        ContinuousDecoder(eng, page=10**9)  # the default pool: 32 full-context rows
 
 
 def test_draft_model_speculation_equals_plain_greedy(single_process):

@@ -49,6 +49,7 @@ sampled token), whoever shares its batch, whenever it joined, however often it w
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,8 @@ from .prefix_attention import attention_modules, shared_prefix_hooks
 from .sampling import make_generator, sample_rows
 from .speculative import accept_drafts, ngram_propose
 
-__all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS", "kv_block_bytes"]
+__all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS", "kv_block_bytes",
+           "memory_bytes"]
 
 DEFAULT_PAGE = 8  # slots per KV block: the waste is ~(page - 1) / 2 slots per row (vLLM's default is 16:
 # 5.5 % waste at 64 rows of 16..128 + 128 tokens, 2.7 % with 8; the gather reads slot by slot, so pages cost
@@ -82,6 +84,14 @@ def kv_block_bytes(engine, page: int) -> int:
     heads = math.ceil(getattr(cfg, "n_kv_head", cfg.n_head) / engine.tp)
     elem = next(iter(engine.model.parameters())).element_size()
     return 2 * page * layers * heads * (cfg.n_embd // cfg.n_head) * elem
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Total memory of ``device`` in bytes: a CUDA device's (``total_memory``), else this host's
+    physical memory (``sysconf``: SC_PHYS_PAGES x SC_PAGE_SIZE; a cgroup limit is not read)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass
@@ -155,6 +165,12 @@ class ContinuousDecoder:
             raise ValueError(f"the KV pool of {num_blocks} blocks of {page} slots cannot hold one full-context row "
                              f"(block_size {self.cfg.block_size} needs {per_row} blocks; max_step_tokens "
                              f"{max_step_tokens}): give more KV cache memory or a smaller page")
+        pool, have = num_blocks * kv_block_bytes(engine, page), memory_bytes(self.device)
+        if pool > have:  # checked before the allocator's tables: --kv-cache-mb 1e8 was killed by the OOM killer
+            # at start, without a word; --kv-page 1e9 served, and every request failed allocating 62 TB
+            raise ValueError(f"the KV pool of {num_blocks:,} blocks of {page:,} slots needs {pool / 2**30:,.1f} GiB on "
+                             f"the fullest rank, more than the {have / 2**30:,.1f} GiB of memory of its device "
+                             f"({self.device.type}): give less KV cache memory or a smaller page")
         self.page, self.num_blocks, self.max_step_tokens = page, num_blocks, max_step_tokens
         self.alloc = [BlockAllocator(num_blocks, page, prefix_caching) for _ in range(self.engine.replicas)]
         self.pool = BlockPool(self.cfg.n_layer, num_blocks, page)
