@@ -71,6 +71,9 @@ CASES = [
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--temperature", "-1"],
      "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-k", "0"], "--top-k must be >= 1"),
+    # torch's generator took it as "Overflow when unpacking long long" (one line, naming nothing)
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--seed", str(10**30)],
+     "--seed must be in [0, 2**63), got 1000000000000000000000000000000"),
     # no cap: a mistyped 10**12 decoded for ever (past the context each token recomputes the window)
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--max-new-tokens", str(10**12)],
      "--max-new-tokens 1000000000000 is more than 100,000, the most one prompt may ask for"),

@@ -56,6 +56,8 @@ def ours(stderr: str) -> list[str]:
     (["--train.grad_clip", "nan"], "train.grad_clip must be a finite number"),
     (["--train.nonfinite", "ignore"], "train.nonfinite must be skip or stop"),
     (["--train.nonfinite_limit", "0"], "train.nonfinite_limit must be >= 1"),
+    # the grace timer's wait overflowed (threading.Timer: "timestamp out of range"): a traceback at the first signal
+    (["--train.stop_grace_s", "1e10"], "train.stop_grace_s must be > 0 and at most 31,536,000 seconds"),
 ])
 def test_nonfinite_config_refused(argv, message, capsys, tmp_path):
     code = main(["train", "--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), *argv])

@@ -19,7 +19,7 @@ MAX_NEW_TOKENS = 100_000
 past the context (block_size) every new token recomputes the last block_size tokens, so a mistyped 10**12 ran for
 ever holding a growing row (it was accepted)"""
 MAX_TIMEOUT_S = 365 * 24 * 3600
-"""the longest parallel.timeout_s: 1e10 s failed every rendezvous at once ("timed out after 10000000000000ms", an
+"""the longest parallel.timeout_s (and train.stop_grace_s): 1e10 s failed every rendezvous at once ("timed out after 10000000000000ms", an
 overflow inside torch's store), 1e15 s raised OverflowError from timedelta"""
 
 
@@ -62,7 +62,9 @@ def check_values(cfg: Config) -> dict:
     _need(0 <= t.seed < INT64, f"train.seed must be in [0, 2**63), got {t.seed}")
     _need(t.nonfinite in ("skip", "stop"), f"train.nonfinite must be skip or stop, got {t.nonfinite!r}")
     _need(t.nonfinite_limit >= 1, f"train.nonfinite_limit must be >= 1 (consecutive skipped steps), got {t.nonfinite_limit}")
-    _need(t.stop_grace_s > 0, f"train.stop_grace_s must be > 0, got {t.stop_grace_s}")
+    _need(0 < t.stop_grace_s <= MAX_TIMEOUT_S, f"train.stop_grace_s must be > 0 and at most {MAX_TIMEOUT_S:,} seconds "
+                                               f"(a year; 1e10 overflowed the grace timer: a traceback at the first "
+                                               f"signal and no time limit), got {t.stop_grace_s:g}")
     _need(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, f"train.beta1 and train.beta2 must be in [0, 1), got {t.beta1}, {t.beta2}")
     _need(t.eps > 0, f"train.eps must be > 0, got {t.eps}")
     _need(t.optimizer_impl in ("fused", "foreach", "loop"),

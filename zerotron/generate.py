@@ -145,7 +145,9 @@ def check_adapter(checkpoint: str | Path, adapter: str | Path) -> None:
 
 def check_sampling_args(args) -> None:
     """Raise ValueError (one line) unless --max-new-tokens >= 0, --temperature is a finite number
-    >= 0 (nan and inf are refused), --top-k >= 1, 0 < --top-p <= 1 and --microbatches >= 0."""
+    >= 0 (nan and inf are refused), --top-k >= 1, 0 < --top-p <= 1, --microbatches >= 0 and
+    0 <= --seed < 2**63 (as train.seed and the server's seed; 10**30 failed as "Overflow when unpacking
+    long long"; prompt i's seed + i stays below torch's 2**64)."""
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -158,6 +160,9 @@ def check_sampling_args(args) -> None:
         raise ValueError(f"need 0 < --top-p <= 1, got {top_p}")
     if getattr(args, "microbatches", 0) < 0:
         raise ValueError(f"need --microbatches >= 0, got {args.microbatches}")
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {seed}")
 
 
 def stop_ids(checkpoint: str | Path, tokenizer=None) -> tuple:
