@@ -531,3 +531,11 @@ def test_model_too_large_for_memory_is_one_line(tmp_path, data_cache, capsys):
     assert code == 2 and err.startswith("zerotron: error: out of host memory: an allocation of ") and \
         "shrink model.n_embd, model.n_layer, model.block_size or train.micro_batch" in err, err
     assert len(err.strip().splitlines()) == 1 and not run_dir.exists(), err
+    # the windows of an absurd global batch (10**12): the sampler kept every epoch's permutation alive in a
+    # list of views (growing until the OOM killer); now one array, numpy's MemoryError at once, one line
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "1":  # (1: 7 TiB would be granted)
+        code, err = run(["train", "--config", TINY, "--train.global_batch", str(10**12), "--train.micro_batch",
+                         str(10**12), "--train.steps", "1", "--run-dir", str(tmp_path / "big"), "--data.cache_dir",
+                         data_cache, "--log.progress", "false", "--log.plot", "false", "--train.eval_every", "0"], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("zerotron: error: out of host memory: an allocation of 7.28 TiB failed"), err

@@ -161,7 +161,7 @@ def cmd_train(argv: list[str]) -> int:
         if lock:
             lock.release(failed_validation=True)
         return fail(str(e))
-    except RuntimeError as e:  # a model or batch too large for memory: one line, not torch's traceback
+    except (RuntimeError, MemoryError) as e:  # a model or batch too large for memory: one line, not a traceback
         msg = out_of_memory(e)
         if msg is None:
             raise

@@ -77,7 +77,7 @@ def eval_clip_note(n_val: int, eval_batches: int, global_batch: int, seq_len: in
         return None
     return (f"zerotron: note: train.eval_batches {eval_batches:,} x train.global_batch {global_batch:,} asks for "
             f"{asked:,} validation windows, more than the split holds ({n_val:,} windows of {seq_len} tokens): each "
-            f"evaluation reads all of them once, {-(-n_val // global_batch):,} global batches; lower "
+            f"evaluation reads all of them once, {(k := -(-n_val // global_batch)):,} global batch{'es' * (k > 1)}; lower "
             "train.eval_batches to evaluate less")
 
 
