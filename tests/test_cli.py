@@ -1,6 +1,7 @@
 """Bad inputs through the CLI: one clear message each, exit code 2, nothing on disk touched."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -49,7 +50,10 @@ CASES = [
     (["train", "--config", TINY, "--train.dtype", "fp8"], "train.dtype must be one of ('fp32', 'bf16', 'fp64'), got 'fp8'"),
     (["train", "--config", TINY, "--train.lr", "-1"], "train.lr must be > 0"),
     # refused before the run: a negative sample length failed after the last step (traceback, no summary.json)
-    (["train", "--config", TINY, "--log.sample_tokens", "-3"], "log.sample_tokens must be >= 0 (0 = no sample"),
+    (["train", "--config", TINY, "--log.sample_tokens", "-3"], "log.sample_tokens must be in [0, 100,000] (0 = no sample"),
+    # no cap (as generate's --max-new-tokens): the sample after the last step decoded for ever
+    (["train", "--config", TINY, "--log.sample_tokens", str(10**9)],
+     "log.sample_tokens must be in [0, 100,000] (0 = no sample at the end; past the model's context"),
     (["train", "--config", TINY, "--log.every", "0"], "log.every must be >= 1"),
     # a folder that cannot be made: was a bare "[Errno 2] No such file or directory"
     (["train", "--config", TINY, "--data.cache_dir", "/proc/nope/cache"],
@@ -67,6 +71,9 @@ CASES = [
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--temperature", "-1"],
      "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--top-k", "0"], "--top-k must be >= 1"),
+    # torch's generator took it as "Overflow when unpacking long long" (one line, naming nothing)
+    (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--seed", str(10**30)],
+     "--seed must be in [0, 2**63), got 1000000000000000000000000000000"),
     # no cap: a mistyped 10**12 decoded for ever (past the context each token recomputes the window)
     (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi", "--max-new-tokens", str(10**12)],
      "--max-new-tokens 1000000000000 is more than 100,000, the most one prompt may ask for"),
@@ -207,6 +214,29 @@ def test_existing_run_dir_untouched(tmp_path, capsys):
     assert code == 2 and "already holds a run; pass --resume" in err
 
 
+def test_checkpoints_file_is_named_and_untouched(tmp_path, capsys):
+    """``<run>/checkpoints`` a file: train said "a run without a checkpoint (only metrics.jsonl) ...
+    delete the run directory" (a finished run's data), a fresh run trained to its first save and
+    failed with "free disk space", generate and serve "no checkpoint found"."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "checkpoints").write_text("not a folder")
+    fresh = tmp_path / "fresh"  # a directory with nothing but the file in the way
+    fresh.mkdir()
+    (fresh / "checkpoints").write_text("")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    for argv in (["train", "--config", TINY, "--run-dir", str(run_dir)],
+                 ["train", "--config", TINY, "--run-dir", str(run_dir), "--resume"],
+                 ["train", "--config", TINY, "--run-dir", str(fresh)],
+                 ["generate", "--checkpoint", str(run_dir), "--prompt", "hi"], ["serve", "--checkpoint", str(run_dir)]):
+        code, err = run(argv, capsys)
+        where = str(fresh if str(fresh) in argv else run_dir)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+        assert f"'{where}/checkpoints' is a file, not a folder" in err and "move or rename it" in err, (argv, err)
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before, argv
+
+
 def test_resume_without_checkpoint(tmp_path, capsys):
     code, err = run(["train", "--config", TINY, "--run-dir", str(tmp_path / "empty"), "--resume"], capsys)
     assert code == 2 and "--resume: no checkpoint under" in err
@@ -262,6 +292,19 @@ def test_resume_checks(small_run, tmp_path, capsys):
                               f"({run / 'checkpoints' / 'step_2'}) and train.steps = {steps}; raise train.steps "
                               "above 2 to continue it"), err
         assert snapshot() == before
+    # a metrics.jsonl line before the last one that is not JSON (bit rot, an edit): refused in one line
+    # before anything runs (was a ValueError traceback from the step loop, exit 1); a torn last line
+    # alone is dropped on resume (test_faults)
+    rot = tmp_path / "rot"
+    shutil.copytree(run, rot)
+    lines = (rot / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (rot / "metrics.jsonl").write_text(lines[0][:20] + "\n" + "".join(lines[1:]))
+    rotten = {p: p.read_bytes() for p in rot.rglob("*") if p.is_file()}
+    code, err = main([*argv[:4], str(rot), *argv[5:], "--resume", "--train.steps", "3"]), capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--resume: {str(rot / 'metrics.jsonl')!r} line 1 is not JSON (only a torn last line is dropped); repair " \
+        "or remove that line, then resume (nothing was changed)" in err, err
+    assert {p: p.read_bytes() for p in rot.rglob("*") if p.is_file()} == rotten
     # damaged checkpoints: one message each, nothing modified
     bad = tmp_path / "bad"
     shutil.copytree(run, bad)
@@ -470,6 +513,25 @@ def test_prompts_file_not_a_text_file(tmp_path):
         read_prompts(SimpleNamespace(prompts_file=str(tmp_path / "none.txt"), prompt=None), tokenizer=None)
 
 
+def test_prompts_file_too_large_is_refused_unread(tmp_path, monkeypatch):
+    """A prompts file past the bound: one line, nothing read (a file of gigabytes was read whole and ran
+    out of memory with a traceback); a file whose size says 0 (/proc) is not read past the bound."""
+    from types import SimpleNamespace
+
+    from zerotron import generate
+
+    big = tmp_path / "big.txt"
+    with big.open("wb") as f:  # sparse: no disk used
+        f.truncate(generate.MAX_PROMPTS_FILE_BYTES + 1)
+    with pytest.raises(ValueError, match=r"--prompts-file '.*big.txt' is larger than 16 MiB, the most one generate "
+                                         r"run reads .*; split it into smaller files"):
+        generate.read_prompts(SimpleNamespace(prompts_file=str(big), prompt=None), tokenizer=None)
+    monkeypatch.setattr(generate, "MAX_PROMPTS_FILE_BYTES", 64)
+    assert Path("/proc/self/maps").stat().st_size == 0  # the size a reader cannot trust
+    with pytest.raises(ValueError, match="'/proc/self/maps' is larger than"):
+        generate.read_prompts(SimpleNamespace(prompts_file="/proc/self/maps", prompt=None), tokenizer=None)
+
+
 def test_model_too_large_for_memory_is_one_line(tmp_path, data_cache, capsys):
     """A model whose weights cannot be allocated (a 256 TB position table): one line naming the
     sizes to shrink, exit 2, and the run directory it made is gone (was torch's allocator traceback,
@@ -480,3 +542,11 @@ def test_model_too_large_for_memory_is_one_line(tmp_path, data_cache, capsys):
     assert code == 2 and err.startswith("zerotron: error: out of host memory: an allocation of ") and \
         "shrink model.n_embd, model.n_layer, model.block_size or train.micro_batch" in err, err
     assert len(err.strip().splitlines()) == 1 and not run_dir.exists(), err
+    # the windows of an absurd global batch (10**12): the sampler kept every epoch's permutation alive in a
+    # list of views (growing until the OOM killer); now one array, numpy's MemoryError at once, one line
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "1":  # (1: 7 TiB would be granted)
+        code, err = run(["train", "--config", TINY, "--train.global_batch", str(10**12), "--train.micro_batch",
+                         str(10**12), "--train.steps", "1", "--run-dir", str(tmp_path / "big"), "--data.cache_dir",
+                         data_cache, "--log.progress", "false", "--log.plot", "false", "--train.eval_every", "0"], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("zerotron: error: out of host memory: an allocation of 7.28 TiB failed"), err

@@ -51,7 +51,20 @@ def _evaluate(overrides, layouts, run_dir):
     return out
 
 
-def test_uneven_val_split_matches_one_process(tmp_path, single_process):
+def test_eval_clip_note():
+    """More validation than the split holds is clipped to the whole split (never wrapped), and said."""
+    from zerotron.data import GlobalBatchSampler
+    from zerotron.train.setup import eval_clip_note
+
+    assert eval_clip_note(2062, 2, 8, 64) is None and eval_clip_note(16, 2, 8, 64) is None
+    assert GlobalBatchSampler.val_indices(2062, 10**9 * 8).tolist() == list(range(2062))  # each window once
+    assert eval_clip_note(2062, 10**9, 8, 64) == (
+        "zerotron: note: train.eval_batches 1,000,000,000 x train.global_batch 8 asks for 8,000,000,000 validation "
+        "windows, more than the split holds (2,062 windows of 64 tokens): each evaluation reads all of them once, "
+        "258 global batches; lower train.eval_batches to evaluate less")
+
+
+def test_uneven_val_split_matches_one_process(tmp_path, single_process, capsys):
     from zerotron.data import load_corpus, num_windows, prepare_data
 
     text = load_corpus("shakespeare")[0][:40_000]
@@ -64,6 +77,9 @@ def test_uneven_val_split_matches_one_process(tmp_path, single_process):
                              if num_windows(len(val), b) % 2 and num_windows(len(val), b) >= 5)
     ov = _overrides(tmp_path, corpus, block_size, n_val)
     ref = _evaluate(ov, {"one": {}}, tmp_path / "ref")["one"]
+    # eval_batches n_val x global_batch 2: twice the split, clipped to it, and said in one line (was silent)
+    assert f"asks for {2 * n_val:,} validation windows, more than the split holds ({n_val:,} windows of " \
+        f"{block_size} tokens)" in capsys.readouterr().err
     assert ref["windows"] == list(range(n_val)) and ref["n_batches"] == n_val
     ranks = run_ranks(_evaluate, 2, ov, LAYOUTS, tmp_path / "dp2", timeout_s=30, join_timeout_s=300)
     for name in LAYOUTS:

@@ -58,6 +58,7 @@ def ours(stderr: str) -> list[str]:
     (["--train.grad_clip", "nan"], "train.grad_clip must be a finite number"),
     (["--train.nonfinite", "ignore"], "train.nonfinite must be skip or stop"),
     (["--train.nonfinite_limit", "0"], "train.nonfinite_limit must be >= 1"),
+    # the grace timer's wait overflowed (threading.Timer: "timestamp out of range"): a traceback at the first signal
 ])
 def test_nonfinite_config_refused(argv, message, capsys, tmp_path):
     code = main(["train", "--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "r"), *argv])
@@ -1085,6 +1086,33 @@ def test_sigterm_before_the_first_step_says_nothing_was_saved(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     assert main(["train", "--config", "configs/tiny.toml", "--train.stepz", "1"]) == 2
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_sigterm_during_the_end_sample_says_training_finished(tmp_path, data_cache, single_process, monkeypatch,
+                                                              capsys):
+    """SIGTERM while `zerotron train` writes its end-of-run sample (a long log.sample_tokens): it said
+    "before the first training step: stopped; nothing was saved" (the start-up handler was back), with
+    the final checkpoint on disk. One line saying training finished and its checkpoints are kept."""
+    from zerotron.train.trainer import Trainer
+
+    def sample(self, prompt, n):
+        signal.raise_signal(signal.SIGTERM)  # the handler runs before this returns
+        raise AssertionError("SIGTERM did not stop the sample")
+
+    monkeypatch.setattr(Trainer, "sample", sample)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        code = main(["train", "--config", "configs/tiny.toml", "--run-dir", str(tmp_path / "run"), "--train.steps", "1",
+                     "--train.eval_every", "0", "--data.cache_dir", data_cache, "--log.progress", "false",
+                     "--log.plot", "false", "--log.sample_tokens", "8"])
+    finally:
+        for s, h in saved.items():  # the command ignores the signals while "exiting"; this process goes on
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM and ours(err) == [
+        "zerotron: SIGTERM after the last training step (1): stopped before the end-of-run sample and summary.json "
+        "were written; training finished and its checkpoints are kept"], err
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [1]
 
 
 # a launcher (`python -c`) that records its workers' pids and signals itself (SIGTERM) at the moment

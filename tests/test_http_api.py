@@ -136,7 +136,8 @@ def test_fields_are_checked(server):
     addr, _, _ = server
     conn = http.client.HTTPConnection(*addr, timeout=10)
     ok = {"prompt": "hi", "max_tokens": 2, "user": "u-1", "echo": False, "logprobs": None, "best_of": 1,
-          "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "suffix": None}
+          "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "suffix": None,
+          "stream_options": None}  # null: the spec's default, allowed without stream
     assert _ask(conn, "POST", "/v1/completions", ok)[0] == 200
     bad = [({"max_tokens": 3}, 400, "prompt", None), ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", None),
            ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", None),
@@ -146,6 +147,9 @@ def test_fields_are_checked(server):
            ({"prompt": "x", "top_p": 0}, 400, "top_p", None), ({"prompt": "x", "n": 17}, 400, "n", None),
            ({"prompt": "x", "model": "gpt-9"}, 404, "model", "model_not_found"),
            ({"prompt": "x", "stream": "yes"}, 400, "stream", None),
+           # OpenAI's API: "The 'stream_options' parameter is only allowed when 'stream' is enabled." (400)
+           ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+           ({"prompt": "x", "stream": False, "stream_options": {}}, 400, "stream_options", None),
            ({"prompt": "\ud800", "max_tokens": 2}, 400, "prompt", None),
            ({"prompt": "x", "stop": "\udfff"}, 400, "stop", None), ({"prompt": "x", "stop": ["a"] * 5}, 400, "stop", None),
            ({"prompt": "x", "seed": 10**23}, 400, "seed", None), ({"prompt": "x", "seed": -1}, 400, "seed", None),
@@ -154,8 +158,7 @@ def test_fields_are_checked(server):
            ({"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
            ({"prompt": "x", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
            ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
-           ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter"),
-           ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None)]  # OpenAI's rule
+           ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_parameter")]
     for body, want, param, code_want in bad:
         code, _, raw = _ask(conn, "POST", "/v1/completions", body)
         r = json.loads(raw)["error"]
@@ -172,7 +175,9 @@ def test_fields_are_checked(server):
                 ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
                 ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
                 ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4},
-                 "max_tokens"), ({"prompt": "x"}, "messages")]
+                 "max_tokens"), ({"prompt": "x"}, "messages"),
+                ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": False}},
+                 "stream_options")]
     for body, param in chat_bad:
         code, _, raw = _ask(conn, "POST", "/v1/chat/completions", body)
         assert code == 400 and json.loads(raw)["error"]["param"] == param, (body, raw)

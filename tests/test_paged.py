@@ -197,6 +197,16 @@ def test_pool_must_hold_one_row(single_process):
     # serve --kv-cache-mb 1e23: refused at once (it grew Python block lists to 7.5 GB before)
     with pytest.raises(ValueError, match="more than this rank's .* GiB of memory"):
         ContinuousDecoder(eng, num_blocks=10**20, page=4)
+    # serve --kv-cache-mb 1e8 was killed by the OOM killer at start (the allocator's free list), --kv-page 1e9
+    # served and failed every request: one block past the rank's memory is refused before any table is made
+    from zerotron.inference.continuous import kv_block_bytes, rank_memory_bytes
+
+    over = rank_memory_bytes(eng.device) // kv_block_bytes(eng, 8) + 1
+    with pytest.raises(ValueError, match=f"the KV pool of {over:,} blocks of 8 slots needs .* GiB per rank, "
+                                         r"more than this rank's .* GiB of memory: give less KV cache memory"):
+        ContinuousDecoder(eng, num_blocks=over, page=8)
+    with pytest.raises(ValueError, match="blocks of 1,000,000,000 slots needs"):
+        ContinuousDecoder(eng, page=10**9)  # the default pool: 32 full-context rows
 
 
 def test_draft_model_speculation_equals_plain_greedy(single_process):

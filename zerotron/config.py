@@ -169,7 +169,7 @@ class TrainConfig:
     eval_every: int = 50
     """validation every N steps, also at the first and last step (0 = never)"""
     eval_batches: int = 4
-    """validation size in global batches"""
+    """validation size in global batches (more than the split holds: each window once, said in one line)"""
     activation_checkpointing: str = "none"
     """none | selective | full (recompute block activations in the backward)"""
     compile: bool = False
@@ -296,7 +296,7 @@ class LogConfig:
     progress: bool = True
     """progress on rank 0: a tqdm bar on a terminal, plain lines otherwise"""
     sample_tokens: int = 64
-    """length of the sample generated at the end (0 = none)"""
+    """length of the sample generated at the end (0 = none; at most 100,000, as generate --max-new-tokens)"""
     sample_prompt: str = "ROMEO:"
     """prompt of that sample"""
     plot: bool = True

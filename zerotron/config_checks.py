@@ -9,13 +9,17 @@ from pathlib import Path
 
 from .config import SECTIONS, Config, ConfigError, _field_types, _section_cls, model_shape
 
-__all__ = ["check_values", "CORPORA"]
+__all__ = ["check_values", "CORPORA", "MAX_NEW_TOKENS"]
 
 CORPORA = ("shakespeare", "files", "hf")
 INT64 = 2**63  # int settings are limited to [-INT64, INT64): torch's and numpy's int64
 MAX_VOCAB = 2**20  # = data.tokenizer.MAX_VOCAB (no tokenizers import here)
+MAX_NEW_TOKENS = 100_000
+"""the most new tokens one generation may ask for (``zerotron generate --max-new-tokens``, ``log.sample_tokens``):
+past the context (block_size) every new token recomputes the last block_size tokens, so a mistyped 10**12 ran for
+ever holding a growing row (it was accepted)"""
 MAX_TIMEOUT_S = 365 * 24 * 3600
-"""the longest parallel.timeout_s: 1e10 s failed every rendezvous at once ("timed out after 10000000000000ms", an
+"""the longest parallel.timeout_s (and train.stop_grace_s): 1e10 s failed every rendezvous at once ("timed out after 10000000000000ms", an
 overflow inside torch's store), 1e15 s raised OverflowError from timedelta"""
 
 
@@ -102,8 +106,9 @@ def check_values(cfg: Config) -> dict:
         _check_doc_mask(d)
     _need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep >= 0, "checkpoint.every and checkpoint.keep must be >= 0")
     _need(cfg.log.every >= 1, f"log.every must be >= 1 (steps between progress lines), got {cfg.log.every}")
-    _need(cfg.log.sample_tokens >= 0, f"log.sample_tokens must be >= 0 (0 = no sample at the end), got "
-                                      f"{cfg.log.sample_tokens}")
+    _need(0 <= cfg.log.sample_tokens <= MAX_NEW_TOKENS,
+          f"log.sample_tokens must be in [0, {MAX_NEW_TOKENS:,}] (0 = no sample at the end; past the model's context "
+          f"each new token recomputes the whole window), got {cfg.log.sample_tokens:,}")
     _need(cfg.checkpoint.on_error in ("continue", "stop"),
           f"checkpoint.on_error must be continue or stop, got {cfg.checkpoint.on_error!r}")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):

@@ -83,12 +83,18 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, temperatur
     return tokenizer.decode(out[0].tolist())
 
 
+MAX_PROMPTS_FILE_BYTES = 16 * 2**20
+"""the largest ``--prompts-file``: every prompt is generated in one run and its outputs held until the end; a file
+of gigabytes was read whole and ran out of memory with a traceback"""
+
+
 def read_prompts(args, tokenizer) -> list[str]:
-    """The prompts of ``--prompt`` or ``--prompts-file`` (its non-blank lines). Raises
-    FileNotFoundError for a missing file, ValueError for a directory, a device or pipe (the workers
-    of a multi-process run read the file again), a file that cannot be read or is not UTF-8, no
-    prompt or one that is empty after tokenization (naming its line), so a multi-process run fails
-    once, in the parent."""
+    """The prompts of ``--prompt`` or ``--prompts-file`` (its non-blank lines; ``\\r\\n`` and a lone
+    ``\\r`` end a line as ``\\n`` does). Raises FileNotFoundError for a missing file, ValueError for a
+    directory, a device or pipe (the workers of a multi-process run read the file again), a file
+    larger than :data:`MAX_PROMPTS_FILE_BYTES` (not read past that), one that cannot be read or is
+    not UTF-8, no prompt or one that is empty after tokenization (naming its line), so a
+    multi-process run fails once, in the parent."""
     if args.prompts_file:
         f = Path(args.prompts_file)
         if not f.exists():
@@ -96,8 +102,18 @@ def read_prompts(args, tokenizer) -> list[str]:
         if not f.is_file():
             what = "a directory" if f.is_dir() else "not a regular file (a device or a pipe)"
             raise ValueError(f"--prompts-file {str(f)!r} is {what}; pass a UTF-8 text file, one prompt per line")
+        too_big = ValueError(f"--prompts-file {str(f)!r} is larger than {MAX_PROMPTS_FILE_BYTES // 2**20} MiB, the "
+                             "most one generate run reads (all its prompts are generated together); split it into "
+                             "smaller files and run generate on each")
         try:
-            prompts = [ln for ln in text_lines(f.read_text(encoding="utf-8-sig")) if ln.strip()]  # a BOM is not text
+            if f.stat().st_size > MAX_PROMPTS_FILE_BYTES:
+                raise too_big
+            with f.open("rb") as fh:  # never more than the bound, whatever the size said (/proc, a growing file)
+                data = fh.read(MAX_PROMPTS_FILE_BYTES + 1)
+            if len(data) > MAX_PROMPTS_FILE_BYTES:
+                raise too_big
+            text = data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")  # a BOM is not text
+            prompts = [ln for ln in text_lines(text) if ln.strip()]
         except UnicodeDecodeError as e:
             raise ValueError(f"--prompts-file {str(f)!r} is not UTF-8 text (byte {e.start}): save it as UTF-8, "
                              "one prompt per line") from None
@@ -129,7 +145,9 @@ def check_adapter(checkpoint: str | Path, adapter: str | Path) -> None:
 
 def check_sampling_args(args) -> None:
     """Raise ValueError (one line) unless --max-new-tokens >= 0, --temperature is a finite number
-    >= 0 (nan and inf are refused), --top-k >= 1, 0 < --top-p <= 1 and --microbatches >= 0."""
+    >= 0 (nan and inf are refused), --top-k >= 1, 0 < --top-p <= 1, --microbatches >= 0 and
+    0 <= --seed < 2**63 (as train.seed and the server's seed; 10**30 failed as "Overflow when unpacking
+    long long"; prompt i's seed + i stays below torch's 2**64)."""
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -142,6 +160,9 @@ def check_sampling_args(args) -> None:
         raise ValueError(f"need 0 < --top-p <= 1, got {top_p}")
     if getattr(args, "microbatches", 0) < 0:
         raise ValueError(f"need --microbatches >= 0, got {args.microbatches}")
+    seed = getattr(args, "seed", 0)
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {seed}")
 
 
 def stop_ids(checkpoint: str | Path, tokenizer=None) -> tuple:

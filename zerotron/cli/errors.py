@@ -31,12 +31,14 @@ def user_errors():
 
 def out_of_memory(e: BaseException) -> str | None:
     """The one line for an allocation that failed (torch's CPU allocator: "DefaultCPUAllocator: can't
-    allocate memory: you tried to allocate N bytes"; torch.OutOfMemoryError on a GPU), or None for
+    allocate memory: you tried to allocate N bytes"; torch.OutOfMemoryError on a GPU; a MemoryError,
+    e.g. numpy's for the windows of an absurd train.global_batch), or None for
     any other error: the sizes to shrink and the commands that estimate them."""
     import re
 
     text = str(e)
-    if not (type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text):
+    # numpy's MemoryError: "Unable to allocate 7.28 TiB for an array with shape ..."
+    if not (type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text or isinstance(e, MemoryError)):
         return None
     m = re.search(r"allocate (\d+) bytes", text) or re.search(r"allocate ([\d.]+ [KMGT]iB)", text)
     size = f"{int(m.group(1)):,} bytes" if m and m.group(1).isdigit() else (m.group(1) if m else "more than is free")

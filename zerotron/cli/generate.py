@@ -4,13 +4,10 @@ from __future__ import annotations
 import argparse
 
 from ..cli_help import HelpFormatter, OneLineErrorParser
+from ..config_checks import MAX_NEW_TOKENS
 from ..launch import strip_nproc
 from ..models.layout import ep_inference_refusal, tp_refusal
 from .errors import fail, user_errors
-
-# the most new tokens one prompt may ask for: past the context (block_size) every new token recomputes the
-# last block_size tokens, so a mistyped 10**12 ran for ever holding a growing row (it was accepted)
-MAX_NEW_TOKENS = 100_000
 
 
 def generate_parser() -> argparse.ArgumentParser:

@@ -161,7 +161,7 @@ def cmd_train(argv: list[str]) -> int:
         if lock:
             lock.release(failed_validation=True)
         return fail(str(e))
-    except RuntimeError as e:  # a model or batch too large for memory: one line, not torch's traceback
+    except (RuntimeError, MemoryError) as e:  # a model or batch too large for memory: one line, not a traceback
         msg = out_of_memory(e)
         if msg is None:
             raise
@@ -198,7 +198,12 @@ def lock_run_dir(run_dir: Path, quiet: bool = False):
     msg = lock.acquire()
     if msg and not quiet:
         print(msg, file=sys.stderr)
-    for p in remove_stale_tmp(run_dir):
+    try:
+        stale = remove_stale_tmp(run_dir)  # CheckpointError: <run_dir>/checkpoints is not a folder
+    except BaseException:
+        lock.release(failed_validation=True)  # (a run directory it made is removed)
+        raise
+    for p in stale:
         if not quiet:
             print(f"zerotron: removed {p} (an incomplete checkpoint of a save that did not finish)", file=sys.stderr)
     return lock

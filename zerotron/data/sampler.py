@@ -76,14 +76,16 @@ class GlobalBatchSampler:
         step = _check_int("step", step, 0)
         n, g = self.num_windows, self.global_batch
         start, stop = step * g, (step + 1) * g
-        pieces = []
+        # one array of G, filled epoch by epoch: a list of per-epoch views kept every permutation alive,
+        # so a global batch of 10**12 windows grew until the OOM killer came; now numpy's MemoryError at once
+        out = np.empty(g, dtype=np.int64)  # always a fresh, writable array
         pos = start
         while pos < stop:
             epoch, offset = divmod(pos, n)
             take = min(n - offset, stop - pos)
-            pieces.append(self.permutation(epoch)[offset:offset + take])
+            out[pos - start:pos - start + take] = self.permutation(epoch)[offset:offset + take]
             pos += take
-        return np.concatenate(pieces)  # always a fresh, writable array
+        return out
 
     def local_indices(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """This data-parallel rank's share of ``global_indices(step)``.

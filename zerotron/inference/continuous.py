@@ -63,7 +63,8 @@ from .paged import BlockAllocator, BlockPool
 from .prefix_attention import attention_modules
 from .sampling import make_generator
 
-__all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS", "kv_block_bytes"]
+__all__ = ["ContinuousDecoder", "StepResult", "DEFAULT_PAGE", "DEFAULT_ROWS", "DEFAULT_STEP_TOKENS", "kv_block_bytes",
+           "rank_memory_bytes"]
 
 DEFAULT_PAGE = 8  # slots per KV block: the waste is ~(page - 1) / 2 slots per row (vLLM's default is 16:
 # 5.5 % waste at 64 rows of 16..128 + 128 tokens, 2.7 % with 8; the gather reads slot by slot, so pages cost
@@ -159,8 +160,9 @@ class ContinuousDecoder(ContinuousSchedule, ContinuousCompute):
                              f"{max_step_tokens}): give more KV cache memory or a smaller page")
         need, room = num_blocks * kv_block_bytes(engine, page), rank_memory_bytes(self.device)
         if room and need > room:  # before the bookkeeping: its lists alone grow with num_blocks
-            raise ValueError(f"the KV pool of {num_blocks:,} blocks of {page} slots needs {need / 2**30:,.3g} GiB per "
-                             f"rank, more than this rank's {room / 2**30:,.3g} GiB of memory: give less KV cache memory")
+            raise ValueError(f"the KV pool of {num_blocks:,} blocks of {page:,} slots needs {need / 2**30:,.3g} GiB per "
+                             f"rank, more than this rank's {room / 2**30:,.3g} GiB of memory: give less KV cache memory "
+                             "or a smaller page")
         self.page, self.num_blocks, self.max_step_tokens = page, num_blocks, max_step_tokens
         self.alloc = [BlockAllocator(num_blocks, page, prefix_caching) for _ in range(self.engine.replicas)]
         self.pool = BlockPool(self.cfg.n_layer, num_blocks, page)

@@ -344,8 +344,9 @@ def _serve(args, engine, tok, mesh, world: int, channel, stop: threading.Event, 
                   file=sys.stderr, flush=True)
         try:
             batcher = ContinuousScheduler(engine, front, channel, args.max_batch, paged)
-        except ValueError as e:  # the pool cannot hold one row: one line, the others stop
-            print(f"zerotron serve: error: --kv-cache-mb {args.kv_cache_mb:g}: {e}", file=sys.stderr, flush=True)
+        except ValueError as e:  # the pool cannot hold one row, or exceeds the memory: one line, the others stop
+            print(f"zerotron serve: error: --kv-cache-mb {args.kv_cache_mb:g}, --kv-page {args.kv_page}: {e}",
+                  file=sys.stderr, flush=True)
             channel.send({"kind": "stop"})
             return 2
         d = batcher.decoder

@@ -80,6 +80,15 @@ class _Sampling(BaseModel):
             _unicode(s, "stop")
         return v
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v, info):
+        # OpenAI's API answers 400 (param 'stream_options', code null) with this message; null is allowed
+        if v is not None and info.data.get("stream") is not True:
+            raise PydanticCustomError("only_when_streaming", "The 'stream_options' parameter is only allowed when "
+                                      "'stream' is enabled; set 'stream': true or remove 'stream_options'")
+        return v
+
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
     def _penalty(cls, v, info):
@@ -221,8 +230,8 @@ def validate(model: type[BaseModel], body) -> BaseModel:
         where = ".".join(str(x) for x in err["loc"] if not _member_tag(x))
         if kind == "missing":  # the whole path: a message without 'content' is 'messages.0.content'
             raise RequestError(f"'{where}' is required", param=field) from None
-        if kind in ("unsupported_parameter", "unicode"):
-            raise RequestError(err["msg"], param=field, code=kind if kind != "unicode" else None) from None
+        if kind in ("unsupported_parameter", "unicode", "only_when_streaming"):  # our own messages
+            raise RequestError(err["msg"], param=field, code=kind if kind == "unsupported_parameter" else None) from None
         raise RequestError(f"'{where}': {err['msg']}, got {err.get('input')!r}"[:300], param=field) from None
 
 

@@ -25,10 +25,8 @@ def sampling(req) -> dict:
     (1.0), "top_k" (None), "n" (1), "stop" (list), "seed", "stream" (False), "include_usage"}``.
     ``seed``: the request's, else a fresh random one (62 bits), so that sampled requests without a
     seed differ from each other as in OpenAI's API and vLLM (a fixed default would answer every
-    unseeded request alike). RequestError 400 (param "stream_options") for ``stream_options``
-    without ``stream`` true, as OpenAI's API and vLLM refuse it."""
-    if req.stream_options is not None and not req.stream:
-        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    unseeded request alike). ``stream_options`` without ``stream`` true never reaches here: the
+    schema refuses it (400, as OpenAI's API and vLLM)."""
     max_tokens = req.max_tokens
     if getattr(req, "max_completion_tokens", None) is not None:
         if max_tokens is not None and max_tokens != req.max_completion_tokens:

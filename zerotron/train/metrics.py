@@ -235,8 +235,12 @@ def strict_json(obj):
 def read_metrics(path: str | Path, warn: bool = False) -> list[dict]:
     """All records of a metrics.jsonl file. A torn *last* line (the process died, or the disk
     filled, while writing it) is dropped, with a warning on stderr if ``warn``. Raises ValueError
-    naming the file and line for an unreadable line elsewhere."""
-    lines = Path(path).read_text().splitlines()
+    naming the file and line for an unreadable line elsewhere, or the byte where it is not UTF-8."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:  # the records are ASCII (json.dumps): damaged bytes
+        raise ValueError(f"{str(path)!r} is not UTF-8 text (byte {e.start}); restore it from a backup or "
+                         "remove it") from None
     out = []
     for i, ln in enumerate(lines):
         if not ln.strip():
@@ -245,7 +249,8 @@ def read_metrics(path: str | Path, warn: bool = False) -> list[dict]:
             out.append(json.loads(ln))
         except ValueError:
             if any(x.strip() for x in lines[i + 1:]):
-                raise ValueError(f"{str(path)!r} line {i + 1} is not JSON; repair or remove that line") from None
+                raise ValueError(f"{str(path)!r} line {i + 1} is not JSON (only a torn last line is dropped); "
+                                 "repair or remove that line") from None
             if warn:
                 print(f"zerotron: warning: dropped the torn last line {i + 1} of {path} ({len(ln)} characters, "
                       "not valid JSON)", file=sys.stderr, flush=True)

@@ -21,6 +21,7 @@ from .metrics import MetricsWriter, plot_losses, read_metrics
 from .progress import Progress
 from .run_log import MetricsLog, write_summary
 from .step import evaluate, train_step
+from .stop import loop_ended
 from .tensorboard import open_tensorboard
 from .wandb_log import open_wandb
 
@@ -208,6 +209,7 @@ class RunLoop:
                 if logger:
                     logger.close()
         signals.uninstall()
+        loop_ended(t.steps)  # a signal during the sample: "after the last training step", not "before the first"
         if bar:
             bar.close()
         summary = summary_now()

@@ -66,6 +66,21 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
 SHAPE_KEYS = ("arch", "n_layer", "n_head", "n_embd", "block_size")
 
 
+def eval_clip_note(n_val: int, eval_batches: int, global_batch: int, seq_len: int) -> str | None:
+    """The one line saying that ``train.eval_batches`` x ``train.global_batch`` asks for more
+    validation windows than the split holds (``n_val`` windows of ``seq_len`` tokens), so each
+    evaluation reads the whole split once (``GlobalBatchSampler.val_indices`` clips, it never
+    wraps); None when the split holds them. A silent clip made e.g. 1000000000 look like a hang
+    (every evaluation ran over the whole split with no word)."""
+    asked = eval_batches * global_batch
+    if asked <= n_val:
+        return None
+    return (f"zerotron: note: train.eval_batches {eval_batches:,} x train.global_batch {global_batch:,} asks for "
+            f"{asked:,} validation windows, more than the split holds ({n_val:,} windows of {seq_len} tokens): each "
+            f"evaluation reads all of them once, {(k := -(-n_val // global_batch)):,} global batch{'es' * (k > 1)}; lower "
+            "train.eval_batches to evaluate less")
+
+
 def val_rank_windows(val_idx: np.ndarray, dp_rank: int, dp: int, micro_batch: int) -> list[np.ndarray]:
     """This dp rank's validation windows, grouped into evaluation micro-batches.
 
@@ -123,7 +138,8 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
     after checking the model shape of ``cfg`` and its :data:`DATA_STREAM_KEYS` equal the saved ones; sets ``data.tokenizer`` to the
     checkpoint's tokenizer.json unless one is given (the token ids must not change under the
     embeddings). Checksums are not re-hashed for the checkpoint named by ZEROTRON_CKPT_VERIFIED
-    (set once verified). Raises ConfigError / CheckpointError."""
+    (set once verified). A metrics.jsonl that cannot be read past a torn last line is refused.
+    Raises ConfigError / CheckpointError."""
     newest = ckpt.latest_checkpoint(run_dir)
     rehash = os.environ.get("ZEROTRON_CKPT_VERIFIED") != str(newest)
     latest = ckpt.newest_good_checkpoint(run_dir, quarantine, verify_checksums=rehash)
@@ -153,6 +169,13 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
                           f"{'; '.join(diff)}; resume with the checkpoint's data settings, or train on the new data "
                           "in a new run: zerotron export the checkpoint and pass the exported directory as "
                           "--model.init_from")
+    if (run_dir / "metrics.jsonl").is_file():  # read again (kept records) once the run starts: fail here, in one line
+        from .metrics import read_metrics
+
+        try:
+            read_metrics(run_dir / "metrics.jsonl")
+        except ValueError as e:  # was a traceback from every rank after the model was built
+            raise ConfigError(f"--resume: {e}, then resume (nothing was changed)") from None
     if not cfg.data.tokenizer and (latest / "tokenizer.json").is_file():
         cfg.data.tokenizer = str(latest)  # the directory: its tokenizer_config.json comes along
     return latest

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..launch import RESTART_NOTE_ENV, die_with_parent, in_worker, launched_worker
 
-__all__ = ["EXIT_GUARD", "STARTUP_STOP", "STOP_SIGNALS", "RunStopped", "StartupStopped", "install_startup_stop", "restart_note",
-           "restore_handlers"]
+__all__ = ["EXIT_GUARD", "STARTUP_STOP", "STOP_SIGNALS", "RunStopped", "StartupStopped", "install_startup_stop",
+           "loop_ended", "restart_note", "restore_handlers"]
 
 EXIT_GUARD = 3
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -21,6 +21,7 @@ STARTUP_STOP = ("before the first training step: stopped; nothing was saved (che
                 "directory are untouched)")
 """after the signal's name: the one line of a stop during start-up (one process, or the launcher's
 for its workers)"""
+_AFTER_LOOP: list[str] = []  # the line after the signal's name once the step loop is over (loop_ended)
 
 
 class RunStopped(Exception):
@@ -51,6 +52,16 @@ def restart_note() -> str | None:
         return None
 
 
+def loop_ended(step: int) -> None:
+    """The step loop is over (its ``GracefulStop`` uninstalled, this process's start-up handlers of
+    :func:`install_startup_stop` back for the end-of-run sample and summary): a stop signal from
+    now on says that training finished at ``step`` and its checkpoints are kept, not that the run
+    stopped before its first step with nothing saved (what a SIGTERM during a long
+    ``log.sample_tokens`` sample said)."""
+    _AFTER_LOOP[:] = [f"after the last training step ({step}): stopped before the end-of-run sample and "
+                      "summary.json were written; training finished and its checkpoints are kept"]
+
+
 def install_startup_stop() -> dict:
     """Until ``lifecycle.GracefulStop`` takes over for the step loop (imports, config, data, model
     build, checkpoint load, process group), make SIGTERM / SIGHUP / SIGINT raise
@@ -78,8 +89,9 @@ def install_startup_stop() -> dict:
             os.kill(os.getpid(), signum)
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)  # the launcher may forward the same signal again
-        raise StartupStopped(f"{signal.Signals(signum).name} {STARTUP_STOP}", 128 + signum)
+        raise StartupStopped(f"{signal.Signals(signum).name} {(_AFTER_LOOP or [STARTUP_STOP])[0]}", 128 + signum)
 
+    _AFTER_LOOP.clear()  # a new run (one process may run several: the Python API, tests)
     return {s: signal.signal(s, handle) for s in STOP_SIGNALS}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ from .setup import (
     check_init_vocab,
     check_resume,
     check_run_dir,
+    eval_clip_note,
     gpt_config,
     load_data,
     pad_rows,
@@ -116,6 +118,9 @@ class Trainer(RunLoop, RunSaves):
                                           cfg.train.global_batch, cfg.train.seed)
         n_val = num_windows(len(self.data.val), self.seq_len)
         val_idx = GlobalBatchSampler.val_indices(n_val, cfg.train.eval_batches * cfg.train.global_batch)
+        note = eval_clip_note(n_val, cfg.train.eval_batches, cfg.train.global_batch, self.seq_len)
+        if note and rank == 0 and cfg.train.eval_every:  # clipped to the whole split: say so, once
+            print(note, file=sys.stderr, flush=True)
         # the same number of eval forwards on every dp rank (padding batches count no token)
         val_groups = val_rank_windows(val_idx, self.dp_rank, self.dp, cfg.train.micro_batch)
         self.val_windows = np.concatenate(val_groups)  # this rank's windows, each once

@@ -28,13 +28,27 @@ class CheckpointSpaceError(CheckpointWriteError):
 SET_ASIDE = ".old_"  # a re-saved step's previous checkpoint while the new one is renamed in
 
 
+def checkpoints_root(run_dir: str | Path) -> Path:
+    """``<run_dir>/checkpoints``, the folder of a run's ``step_<N>`` checkpoints (it may not exist
+    yet). Raises CheckpointError if something else is in its place (a file, a link to nothing):
+    listing it found no checkpoint (a finished run looked like one stopped before its first save,
+    and the advice was to delete the run directory), and a fresh run trained to its first save and
+    then failed with 'free disk space'."""
+    root = Path(run_dir) / "checkpoints"
+    if root.is_dir() or not (root.exists() or root.is_symlink()):
+        return root
+    what = "a link to nothing" if not root.exists() else "a file" if root.is_file() else "not a folder"
+    raise CheckpointError(f"{str(root)!r} is {what}, not a folder: a run keeps its checkpoints/step_<N> "
+                          "directories there; move or rename it, then run the command again (nothing was written)")
+
+
 def remove_stale_tmp(run_dir: str | Path) -> list[Path]:
     """Delete the ``checkpoints/.tmp_step_*`` directories of saves that never finished (a process
     killed mid-save) and settle a re-save of one step that a kill cut between its renames: a
     ``.old_step_<N>`` (the step's previous checkpoint, set aside by ``save.write_checkpoint``)
     goes back to ``step_<N>`` when no new ``step_<N>`` was renamed in, and is deleted when one was.
     Call it only while holding the run lock. Returns the removed ``.tmp_step_*`` paths."""
-    root = Path(run_dir) / "checkpoints"
+    root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
     for old in sorted(p for p in root.glob(SET_ASIDE + "step_*") if p.is_dir()):
@@ -50,8 +64,9 @@ def remove_stale_tmp(run_dir: str | Path) -> list[Path]:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run, sorted by step: ``[(step, path), ...]``."""
-    root = Path(run_dir) / "checkpoints"
+    """Complete checkpoints of a run, sorted by step: ``[(step, path), ...]``. Raises
+    CheckpointError if ``<run_dir>/checkpoints`` is not a folder (:func:`checkpoints_root`)."""
+    root = checkpoints_root(run_dir)
     if not root.is_dir():
         return []
     out = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir()]
