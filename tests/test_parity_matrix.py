@@ -28,8 +28,8 @@ WORLDS = {int(w) for w in os.environ.get("ZEROTRON_MATRIX_WORLDS", "").split(","
 SCHEDULES = {s.strip() for s in os.environ.get("ZEROTRON_MATRIX_SCHEDULES", "").split(",") if s.strip()}
 # ZEROTRON_MATRIX_NAMES=r2-pp,zb-v: only the layouts whose name contains one of these (a new combination's part)
 NAMES = [s.strip() for s in os.environ.get("ZEROTRON_MATRIX_NAMES", "").split(",") if s.strip()]
-CHUNK = 24  # layouts per run_ranks call: a hung call costs at most one chunk, progress is saved per chunk, and
-# a pooled rank retires between chunks once torch's leaked gloo groups (threads) pile up
+CHUNK = 24  # layouts per run_ranks call: a hung call costs at most one chunk, progress is saved per chunk; the
+# pooled ranks serve the next chunk (benchmarks/suite_speed_s11.md: they no longer retire with leaked gloo threads)
 
 
 def _partial(out: str | None, family: str) -> tuple[str | None, dict]:

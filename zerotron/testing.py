@@ -105,8 +105,10 @@ def _worker(rank, world_size, port, timeout_s, fn, args, queue, env=None, stdio=
 def _pool_main(conn) -> None:
     """Body of a pooled rank (see :func:`run_ranks`): run one job per message
     ``(rank, world_size, port, timeout_s, fn, args, env, cwd)`` followed by the caller's stdout and
-    stderr descriptors, answer ``(status, payload, retire)``; exit on ``None``, a closed pipe, a
-    failed job or ``retire`` (the number of threads left when more than :data:`_POOL_MAX_THREADS`, else 0). Between jobs the process is put back as a fresh one would start the next: the caller's
+    stderr descriptors, answer ``(status, payload, retire, collected)``; exit on ``None``, a closed pipe, a
+    failed job or ``retire`` (the number of threads left when more than :data:`_POOL_MAX_THREADS`, else 0);
+    ``collected`` is ``(threads before, after)`` when the threads left exceeded the idle count and one
+    collection of everything, frozen objects included, ran (for the pool log), else None. Between jobs the process is put back as a fresh one would start the next: the caller's
     environment and working directory, torch's default RNG seed, default dtype and grad mode, no
     process group (the job's teardown destroyed it, with DTensor's caches), comm counters at zero,
     warnings shown again."""
@@ -118,8 +120,14 @@ def _pool_main(conn) -> None:
 
     from .distributed import comm, inflight, mesh  # noqa: F401 - mesh: imported here, not in the first job
 
+    try:  # its functions take the default group of the moment they are imported as a default argument:
+        import torch.distributed.nn.functional  # noqa: F401 - imported in a job, that job's world would live on
+    except ImportError:
+        pass
+
     seed, dtype = torch.initial_seed(), torch.get_default_dtype()
     home, own = os.getcwd(), (os.dup(1), os.dup(2))
+    idle = _thread_count()  # threads of a rank between jobs (no process group)
     conn.send("ready")  # imports done: the caller sends no job before every rank of it says so (_pool)
     while True:
         try:
@@ -152,17 +160,26 @@ def _pool_main(conn) -> None:
         if status == "ok" and inflight.in_flight():
             status, payload = "error", f"async collectives left in flight: {inflight.in_flight()}"
         gc.collect()  # the job's objects in reference cycles may hold process groups (and their threads)
+        threads, collected = _thread_count(), None
+        if threads > idle:
+            # objects frozen earlier (by the gc.freeze below, or by a job between its parts: parity's
+            # run_many after each layout) are never collected while frozen, even once they are garbage:
+            # a job's kept DeviceMeshes (reference cycles) keep their destroyed gloo groups and threads
+            # alive. One collection of everything (0.15-0.4 s) frees them; a respawn costs ~3-6 s
+            gc.unfreeze()
+            gc.collect()
+            collected = (threads, _thread_count())
+            threads = collected[1]
         gc.freeze()  # the survivors (imports, caches: ~300k objects) are left out of later collections, each of
         # which would otherwise walk them all (0.15-0.4 s per collection and rank)
-        threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
         retire = threads if threads > _POOL_MAX_THREADS else 0  # the count, for the pool log
         try:
             try:
-                conn.send((status, payload, retire))
+                conn.send((status, payload, retire, collected))
             except (BrokenPipeError, ConnectionResetError):  # the caller ended the pool (another rank failed)
                 return
             except Exception:  # noqa: BLE001 - an unpicklable result: report it (the job is not reused either)
-                conn.send(("error", traceback.format_exc(), 0))  # (status, payload, retire) as always
+                conn.send(("error", traceback.format_exc(), 0, None))  # (status, payload, retire, collected) as always
                 return
         except OSError:
             return
@@ -170,9 +187,14 @@ def _pool_main(conn) -> None:
             return
 
 
-# a pooled rank retires after a job that leaves it more threads than this: torch keeps some destroyed
-# gloo groups alive (e.g. through a torch DDP module it cannot collect), three threads each, one of
-# them waking every 10 ms; a fresh process costs less than hundreds of such threads
+def _thread_count() -> int:
+    """Threads of this process (0 where /proc is not there)."""
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+
+# a pooled rank retires after a job that leaves it more threads than this, even after a full
+# collection (see _pool_main): something still holds destroyed gloo groups (three threads each, one
+# of them waking every 10 ms); a fresh process costs less than hundreds of such threads
 _POOL_MAX_THREADS = 48
 _POOL: list = []  # [(process, connection) or None (ended, spawned again when needed)] of pooled ranks, index = rank
 _EXIT: list = []  # _stop_pool once registered with atexit
@@ -344,9 +366,11 @@ def _run_pooled(fn, world_size: int, args: tuple, timeout_s: float, join_timeout
             for conn in ready:
                 r = waiting.pop(conn)
                 try:
-                    status, payload, retire = conn.recv()
+                    status, payload, retire, collected = conn.recv()
                     if retire:
                         retired.append((r, retire))
+                    if collected:
+                        _pool_log(f"collected rank {r}: {collected[0]} -> {collected[1]} threads")
                 except EOFError:  # the rank's process ended (os._exit, a signal)
                     ranks[r][0].join(timeout=5)
                     status, payload = "error", f"rank process died (exit code {ranks[r][0].exitcode})"

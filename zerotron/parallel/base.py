@@ -11,6 +11,7 @@ data-parallel ranks. The result equals the single-process mean over all valid to
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,26 @@ def unique_params(module: torch.nn.Module) -> list:
             seen.add(id(p))
             out.append(p)
     return out
+
+
+def post_accumulate_hooks(params, method) -> list:
+    """``p.register_post_accumulate_grad_hook(method)`` for each of ``params``, with ``method`` (a
+    bound method of a gradient sync) held weakly; returns the hook handles.
+
+    torch keeps a tensor's post-accumulate hooks in a dict that its C++ side also references, where
+    Python's garbage collector cannot see it: a hook bound to an object that holds the parameters
+    (module, buckets, process groups) makes a cycle no collection frees, so every gradient sync built
+    in a process would live (with its model, gradient buffers and gloo groups' threads) until the
+    process ends. Through a weak reference the sync is freed as soon as nothing else holds it; its
+    hooks then do nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p, ref=ref):
+        fn = ref()
+        if fn is not None:
+            fn(p)
+
+    return [p.register_post_accumulate_grad_hook(hook) for p in params]
 
 
 class Strategy:

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zerotron.config import ConfigError
 from zerotron.distributed import comm
-from zerotron.parallel.base import Strategy, unique_params
+from zerotron.parallel.base import Strategy, post_accumulate_hooks, unique_params
 from zerotron.parallel.data.hsdp import HierarchicalAllReduce, hierarchical_finish, progress
 from zerotron.parallel.data.used import UsedMarks
 
@@ -109,7 +109,7 @@ class DataParallel(Strategy):
         self._used = UsedMarks(self._params)
         self._next = 0
         self._sync = True
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._hooks = post_accumulate_hooks(params, self._on_grad)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -243,8 +243,7 @@ class TorchDDP(Strategy):
         self._sync = True  # False inside no_sync(): DDP does not reduce that backward
         self._synced: set[int] = set()  # ids of parameters that got a gradient in a synchronised backward
         self._mine = [p for p in unique_params(module) if id(p) not in skip]  # what this DDP reduces
-        self._hooks = [] if find_unused_parameters else \
-            [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._mine]
+        self._hooks = [] if find_unused_parameters else post_accumulate_hooks(self._mine, self._on_grad)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if self._sync:

@@ -101,7 +101,7 @@ import torch.distributed as dist
 from zerotron.config import ConfigError
 from zerotron.distributed import comm
 from zerotron.parallel import precision
-from zerotron.parallel.base import Strategy
+from zerotron.parallel.base import Strategy, post_accumulate_hooks
 from zerotron.parallel.data.disk_state import disk_step, state_files_refusal
 from zerotron.parallel.data.flat_shard import FlatShard, build_flats, flat_state_bytes
 from zerotron.parallel.data.host_copies import HostCopies
@@ -186,8 +186,7 @@ class ZeroSync:
         self._final = eager  # reductions now are the step's last (HSDP: then they go across replicas)
         self._rep_queue: list = []  # HSDP: flats whose last shard-group reduce-scatter is out
         self._rep_work: list = []  # HSDP: (work, buffer, shard_grad) of the replica all-reduces in flight
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for f in self.grad_flats
-                       for p in f.params]
+        self._hooks = post_accumulate_hooks([p for f in self.grad_flats for p in f.params], self._on_grad)
         self.gatherer = UnitGatherer(self.flats, n_root)  # stage 3: gather before use, free after
         if stage == 3:
             self.gatherer.register(blocks)

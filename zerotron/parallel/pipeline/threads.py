@@ -53,9 +53,15 @@ class _Worker:
             if fn is None:
                 return
             try:
-                self.done.put((fn(), None))
+                out = (fn(), None)
             except BaseException as e:  # noqa: BLE001 - handed to the scheduler, which re-raises
-                self.done.put((None, e))
+                out = (None, e)
+            # the idle thread keeps no reference to the task: its closure holds the pipeline (stages,
+            # gradient hooks, process groups), which would then never become garbage, so __del__ would
+            # never stop this thread (one leaked pipeline, with its groups' threads, per Trainer)
+            del fn
+            self.done.put(out)
+            del out
 
     def stop(self) -> None:
         self.tasks.put(None)
