@@ -387,6 +387,7 @@ def test_json_schema_and_config_file(capsys):
     (["--model", "gpt2", "--gpus", "8", "--gpu-mem", "80XB", "--global-batch", "8"], "memory"),
     (["--model", "gpt2", "--gpus", "8", "--gpu-mem", "lots", "--global-batch", "8"], "memory"),
     (["--model", "gpt2", "--gpus", "8"], "global-batch"),
+    (["--model", "gpt2", "--gpus", "8", "--global-batch", str(10**23)], "--global-batch must be in [1, 2**63)"),
     (["--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--seq", "4096"], "block_size"),
     (["--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--calibrate", "/no/such.json"],
      "cannot read calibration file '/no/such.json' (No such file or directory); pass the --json file of 'zerotron bench comm'"),

@@ -12,6 +12,7 @@ from zerotron.analysis.hardware import GB, GPUS, HOST_LINKS, calibrate, hardware
 from zerotron.analysis.memory import parse_memory
 from zerotron.analysis.planner import plan
 from zerotron.config import ConfigError, load_config, model_shape
+from zerotron.config_checks import INT64
 
 
 def _model_from_args(args):
@@ -93,8 +94,8 @@ def plan_main(argv: list) -> int:
     try:
         cfg, default_batch = _model_from_args(args)
         for name in ("seq", "global_batch"):
-            if getattr(args, name) is not None and getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            if getattr(args, name) is not None and not 1 <= getattr(args, name) < INT64:  # as the config's ints
+                raise ValueError(f"--{name.replace('_', '-')} must be in [1, 2**63), got {getattr(args, name)}")
         batch = args.global_batch or default_batch
         if not batch:
             raise ValueError("--global-batch is required with --model")
