@@ -292,6 +292,12 @@ def test_resume_checks(small_run, tmp_path, capsys):
                               f"({run / 'checkpoints' / 'step_2'}) and train.steps = {steps}; raise train.steps "
                               "above 2 to continue it"), err
         assert snapshot() == before
+    # another data.vocab_size: the checkpoint's tokenizer is kept and the new value ignored, said in one note
+    # line (it was silently ignored); here the finished run's refusal follows, nothing on disk changes
+    code, err = main([*argv, "--resume", "--train.steps", "2", "--data.vocab_size", "2048"]), capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 2 and snapshot() == before, err
+    assert err.startswith("zerotron: note: --resume keeps the checkpoint's tokenizer (data.vocab_size 512 when the run "
+                          "started); data.vocab_size 2048 is ignored"), err
     # a metrics.jsonl line before the last one that is not JSON (bit rot, an edit): refused in one line
     # before anything runs (was a ValueError traceback from the step loop, exit 1); a torn last line
     # alone is dropped on resume (test_faults)

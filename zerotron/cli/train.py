@@ -94,7 +94,7 @@ def cmd_train(argv: list[str]) -> int:
             # started after it skip re-hashing what it verified (ZEROTRON_CKPT_VERIFIED)
             from ..train.setup import check_resume
 
-            latest = check_resume(cfg, run_dir, quarantine=not in_worker())  # shape mismatch: one message
+            latest = check_resume(cfg, run_dir, quarantine=not in_worker(), tokenizer_note=not in_worker())  # one line each
             if args.resume and not restart:
                 refuse_finished_resume(cfg, latest)  # before any worker starts
         if (args.nproc > 1 or args.max_restarts) and not in_worker():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -132,14 +133,16 @@ def pad_rows(batch: tuple[torch.Tensor, torch.Tensor], rows: int) -> tuple[torch
 DATA_STREAM_KEYS = ("corpus", "path", "text_field", "val_fraction", "format")
 
 
-def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
+def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True, tokenizer_note: bool = False) -> Path:
     """For ``--resume``: the newest checkpoint that is intact (files present, checksums equal;
     damaged ones are skipped with a warning and, with ``quarantine``, renamed damaged_step_<N>),
     after checking the model shape of ``cfg`` and its :data:`DATA_STREAM_KEYS` equal the saved ones; sets ``data.tokenizer`` to the
     checkpoint's tokenizer.json unless one is given (the token ids must not change under the
     embeddings). Checksums are not re-hashed for the checkpoint named by ZEROTRON_CKPT_VERIFIED
     (set once verified). A metrics.jsonl that cannot be read past a torn last line is refused.
-    Raises ConfigError / CheckpointError."""
+    ``tokenizer_note``: print one note line (stderr) when ``data.vocab_size`` differs from the one
+    the run started with, which the checkpoint's tokenizer overrides (the process that speaks for
+    the run: the launcher or a single process). Raises ConfigError / CheckpointError."""
     newest = ckpt.latest_checkpoint(run_dir)
     rehash = os.environ.get("ZEROTRON_CKPT_VERIFIED") != str(newest)
     latest = ckpt.newest_good_checkpoint(run_dir, quarantine, verify_checksums=rehash)
@@ -177,6 +180,10 @@ def check_resume(cfg: Config, run_dir: Path, quarantine: bool = True) -> Path:
         except ValueError as e:  # was a traceback from every rank after the model was built
             raise ConfigError(f"--resume: {e}, then resume (nothing was changed)") from None
     if not cfg.data.tokenizer and (latest / "tokenizer.json").is_file():
+        if tokenizer_note and was.get("vocab_size", cfg.data.vocab_size) != cfg.data.vocab_size:  # was silently ignored
+            print(f"zerotron: note: --resume keeps the checkpoint's tokenizer (data.vocab_size {was['vocab_size']} when "
+                  f"the run started); data.vocab_size {cfg.data.vocab_size} is ignored: the token ids must not change "
+                  "under the trained embeddings (a new vocabulary needs a new run)", file=sys.stderr)
         cfg.data.tokenizer = str(latest)  # the directory: its tokenizer_config.json comes along
     return latest
 
