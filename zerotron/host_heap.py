@@ -104,3 +104,12 @@ def block_faults(nbytes: int = 48 << 20, rounds: int = 4) -> int:
     for _ in range(rounds):
         once()
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def physical_bytes() -> int:
+    """This host's physical memory in bytes (``sysconf``: SC_PHYS_PAGES x SC_PAGE_SIZE; a cgroup
+    limit is not read); 0 where the platform does not tell."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +34,7 @@ from zerotron.analysis.layout_cost import evaluate
 from zerotron.analysis.plan_cli import _model_from_args
 from zerotron.bench.layouts import get_layout
 from zerotron.config import load_config
+from zerotron.host_heap import physical_bytes
 from zerotron.out_files import check_out_files, write_out_file
 
 from .profile import measure_profile
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         peak = prof["peak_flops"]
         how = ("given (--peak-flops)" if args.peak_flops else f"from {args.profile}" if args.profile else
                f"measured now: best of 10 fp32 1024^3 matmuls, {threads} thread(s)")
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        memory = physical_bytes()
         hw, comm_world, nodes = cpu_hardware(comm_bench, peak, memory, prof["vector_rate"])
         preds = predict(rows, cfg, global_batch, micro_batch, hw, prof["compute_eff"], launch_s=prof["launch_s"],
                         nodes=nodes)

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerotron.distributed import comm
+from zerotron.host_heap import physical_bytes
 
 from .batch import Request, is_eos
 from .continuous_compute import ContinuousCompute
@@ -92,11 +93,7 @@ def rank_memory_bytes(device) -> int:
     unknown (no check)."""
     if getattr(device, "type", str(device)) == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-    return phys // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return physical_bytes() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
 
 
 @dataclass
