@@ -48,7 +48,7 @@ PHASES = (("zerotron.parity.runs", None, "train_layout", "train_layout"),
           ("zerotron.train.trainer", "Trainer", "fit", "fit"),
           ("zerotron.parity.runs", None, "_copies", "copies"),
           ("zerotron.parity.runs", None, "compare", "compare"),
-          ("zerotron.parity.runs", None, "_destroy_subgroups", "destroy_subgroups"))
+          ("zerotron.parity.runs", None, "destroy_subgroups", "destroy_subgroups"))
 
 
 def _time_phases() -> dict:

@@ -45,7 +45,7 @@ def _real_layouts(layouts):
     from zerotron.analysis.dryrun import build_rank, synthetic_batches
     from zerotron.distributed import comm
     from zerotron.distributed.mesh import Mesh
-    from zerotron.parity.runs import _destroy_subgroups
+    from zerotron.parity.runs import destroy_subgroups
     from zerotron.plan import build_plan
     from zerotron.train.optim import build_scheduler
     from zerotron.train.step import train_step
@@ -64,7 +64,7 @@ def _real_layouts(layouts):
             train_step(strategy, optimizer, sched, batches, mesh.group("batch"), cfg.train.grad_clip, cfg.train.dtype)
         out[name] = {"comm": _by_key(comm.STATS), "states": strategy.model_state_bytes(optimizer)}
         del strategy, optimizer
-        _destroy_subgroups()
+        destroy_subgroups()
     return out
 
 

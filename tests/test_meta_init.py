@@ -84,7 +84,7 @@ def _states(layouts):
 
     from zerotron.analysis.dryrun import build_rank
     from zerotron.distributed.mesh import Mesh
-    from zerotron.parity.runs import _destroy_subgroups
+    from zerotron.parity.runs import destroy_subgroups
     from zerotron.plan import build_plan
 
     out = {}
@@ -99,7 +99,7 @@ def _states(layouts):
             got.append({k: _local(v) for k, v in msd.items()})
             released[meta] = _released(strategy)
             del strategy, optimizer
-            _destroy_subgroups()
+            destroy_subgroups()
         dense, deferred = got
         out[name] = {"keys": sorted(dense) == sorted(deferred),
                      "unequal": sorted(k for k in dense if k in deferred and not torch.equal(dense[k], deferred[k])),

@@ -144,7 +144,14 @@ def _train(lay: dict) -> dict:
 
 
 def _run(layouts):
-    return [_train(lay) for lay in layouts]
+    """Worker body: train each layout; the job's meshes and pipeline groups are destroyed at its end
+    (a pooled rank that ends a job holding destroyed gloo groups' threads retires, testing._pool_main)."""
+    from zerotron.parity.runs import destroy_subgroups
+
+    out = [_train(lay) for lay in layouts]
+    _MESHES.clear()
+    destroy_subgroups()  # collective: only after a job every rank finished
+    return out
 
 
 def _close_normwise(a, b, rtol, what):

@@ -78,7 +78,7 @@ class MeshCache:
     """The process groups of the layouts of one spawn, built once per mesh shape: ``get(dims,
     device)`` returns the :class:`~zerotron.distributed.mesh.Mesh` of ``dims``
     (a ``ParallelDims``), building it (collective) the first time; :attr:`groups` holds the process
-    groups the cached meshes own, which :func:`_destroy_subgroups` keeps between layouts. Building a
+    groups the cached meshes own, which :func:`destroy_subgroups` keeps between layouts. Building a
     mesh is one gloo rendezvous per group and axis (a world-8 mesh: a dozen groups) and a layout's
     numbers do not depend on which group objects carry its collectives, only on their members
     and order, which the dims fix. Every rank must ask for the same dims in the same order."""
@@ -215,9 +215,9 @@ def run_many(layouts: list[dict], ref_path: str, tmp: str, extra: dict | None = 
             out = train_layout(lay, run_dir, extra, meshes)
             res.append({"name": lay.name, **compare(out, ref)})
             del out
-            _destroy_subgroups(keep=meshes.groups)
+            destroy_subgroups(keep=meshes.groups)
         if own:
-            _destroy_subgroups()
+            destroy_subgroups()
     return res
 
 
@@ -228,11 +228,11 @@ def run_jobs(jobs: list[tuple[list[dict], str, str, dict | None]]) -> list[list[
     Returns one record list per job, in order."""
     meshes = MeshCache()
     out = [run_many(*job, meshes=meshes) for job in jobs]
-    _destroy_subgroups()
+    destroy_subgroups()
     return out
 
 
-def _destroy_subgroups(keep: set | frozenset = frozenset()) -> None:
+def destroy_subgroups(keep: set | frozenset = frozenset()) -> None:
     """Destroy every process group but the default one and those in ``keep`` (each layout builds
     its own pipeline groups, and its own mesh outside a :class:`MeshCache`; hundreds of live gloo
     groups slow every later layout down). Collective."""
