@@ -29,6 +29,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from .train.run_lock import pid_alive
+
 PREFIX = "ztn"  # namespace names: ztn<pid>n<k>
 SUBNET = "10.99.0"
 PORT = 29400
@@ -64,16 +66,6 @@ def netns_unavailable() -> str | None:
     return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> list[str]:
     """Delete namespaces named ``ztn<pid>...`` whose creating process is gone; returns their names."""
     out = _ip("netns", "list", check=False).stdout.split("\n")
@@ -81,7 +73,7 @@ def remove_stale() -> list[str]:
     for line in out:
         name = line.split(" ")[0]
         digits = name[len(PREFIX):].split("n")[0].removesuffix("probe")
-        if name.startswith(PREFIX) and digits.isdigit() and not _pid_alive(int(digits)):
+        if name.startswith(PREFIX) and digits.isdigit() and not pid_alive(int(digits)):
             _kill_netns_pids(name)
             _ip("netns", "del", name, check=False)
             gone.append(name)

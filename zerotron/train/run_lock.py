@@ -14,7 +14,8 @@ from pathlib import Path
 from ..config import ConfigError
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (signal 0; one owned by another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -110,7 +111,7 @@ class RunLock:
                              f"{prev.get('host')} (started {prev.get('start')}; last heartbeat {_age(now - beat)} "
                              f"ago, more than {self.stale_s:g} s)")
             elif prev["pid"] != os.getpid():
-                state = "no longer running" if not _pid_alive(int(prev["pid"])) else "not holding it"
+                state = "no longer running" if not pid_alive(int(prev["pid"])) else "not holding it"
                 notes.append(f"zerotron: taking over the stale lock {self.path} of pid {prev['pid']} (started "
                              f"{prev.get('start')}; {state})")
         self.record = {"host": host, "pid": os.getpid(), "start": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
