@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from zerotron.config import TrainConfig
+from zerotron.config_sections import TrainConfig
 from zerotron.models import registry
 from zerotron.parallel.optim import IMPLS, build_optimizer, decay_mask
 

@@ -35,7 +35,7 @@ def _name(v) -> str:
 def work(rounds: int) -> dict:
     import torch.distributed as dist
 
-    from zerotron.config import Config
+    from zerotron.config_sections import Config
     from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.models.gpt import GPT, GPTConfig
     from zerotron.parallel.pipeline.runner import PipelineStrategy

@@ -1,7 +1,7 @@
 import os
 
 # One intra-op thread in the pytest process and in every process it starts (CLI runs, launched
-# workers, pooled ranks; zerotron.testing._run_job does the same): the test models are too small to
+# workers, pooled ranks; zerotron.testing_pool.run_job does the same): the test models are too small to
 # gain from a second thread, whose OpenMP spin-waits take a core from the other processes -- a
 # 2-step single-process `zerotron train` of configs/tiny.toml took 12.96 user CPU s with torch's
 # default 2 threads and 4.31 with one (7.61 vs 4.31 in a second pair, load 11) (benchmarks/suite_durations.md). Set before torch loads (the

@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 import torch
 
-from zerotron.testing import ROOT, checkpoint_flat, run_cli, start_serve, stop_serve
+from zerotron.testing import ROOT, checkpoint_flat
+from zerotron.testing_cli import run_cli, start_serve, stop_serve
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

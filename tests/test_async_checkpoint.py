@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from zerotron.testing import checkpoint_flat, run_cli, run_ranks
+from zerotron.testing import checkpoint_flat, run_ranks
+from zerotron.testing_cli import run_cli
 from zerotron.train.checkpoint import list_checkpoints, verify_checkpoint
 from zerotron.train.metrics import MetricsWriter, read_metrics
 

@@ -3,7 +3,7 @@ import json
 import os
 from pathlib import Path
 
-from zerotron.testing import run_cli
+from zerotron.testing_cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

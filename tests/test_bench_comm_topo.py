@@ -8,7 +8,7 @@ import pytest
 
 from zerotron.bench.comm_topo import _plan_calls, cliff, format_topology_table, scope_groups
 from zerotron.bench.topology import format_nodes, node_layout
-from zerotron.testing import run_cli
+from zerotron.testing_cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

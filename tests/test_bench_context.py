@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from zerotron.bench import context as bc
-from zerotron.testing import run_cli
+from zerotron.testing_cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.toml"

@@ -4,7 +4,8 @@ cache per rank is as the layout implies (no timings are checked)."""
 import json
 import os
 
-from zerotron.testing import ROOT, run_cli
+from zerotron.testing import ROOT
+from zerotron.testing_cli import run_cli
 
 ROW = ("layout", "output_tokens_per_s", "ttft_s", "tpot_s_p50", "tpot_s_p95", "weight_bytes_per_rank",
        "kv_cache_bytes_per_rank", "busy_fraction")

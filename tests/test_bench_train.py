@@ -13,7 +13,8 @@ from zerotron.analysis.flops import gpt_num_params
 from zerotron.bench import train as bt
 from zerotron.cli.main import main as zerotron_main
 from zerotron.config import load_config
-from zerotron.testing import run_cli, run_ranks_captured, tiny_config
+from zerotron.testing import run_ranks_captured, tiny_config
+from zerotron.testing_cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny.toml"

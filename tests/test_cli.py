@@ -425,10 +425,11 @@ def test_launch_refuses_more_processes_than_the_machine_holds(monkeypatch):
 def test_user_error_in_the_workers_is_exit_2(tmp_path, capfd):
     """A user error that only the workers find (here generate's missing checkpoint, which --nproc
     checks in the workers alone; train's disk tier folder filled after the launcher's check is the
-    same path): the line once, not once per worker (launch.say_once), and the launcher exits 2
+    same path): the line once, not once per worker (launch_worker.say_once), and the launcher exits 2
     without a 'worker 0 failed first (exit code 2) ... See its messages above' line of its own (it
     returned 1 with that line) nor torch elastic's 'failed (exitcode: 2) local_rank: ...' log line."""
-    from zerotron.launch import ERROR_DIR_ENV, launch
+    from zerotron.launch import launch
+    from zerotron.launch_worker import ERROR_DIR_ENV
 
     code = launch(2, ["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt", "hi"])
     err = capfd.readouterr().err
@@ -447,7 +448,7 @@ def test_worker_dies_with_launcher(tmp_path):
     import time
 
     pid_file = tmp_path / "child.pid"
-    child = ("import os, time; from zerotron.launch import die_with_parent; assert die_with_parent(); "
+    child = ("import os, time; from zerotron.launch_worker import die_with_parent; assert die_with_parent(); "
              f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(120)"
     p = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)

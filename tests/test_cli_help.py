@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotron import config
+from zerotron import config_sections
 from zerotron.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,15 +50,15 @@ def test_train_help_lists_every_config_field(capsys):
     code, out = _help(["train", "--help"], capsys)
     assert code == 0
     n = 0
-    for sec in dataclasses.fields(config.Config):
-        cls = type(getattr(config.Config(), sec.name))
+    for sec in dataclasses.fields(config_sections.Config):
+        cls = type(getattr(config_sections.Config(), sec.name))
         hints, docs = typing.get_type_hints(cls), attribute_docs(cls)
         for f in dataclasses.fields(cls):
             default = str(f.default).lower() if isinstance(f.default, bool) else repr(f.default) \
                 if isinstance(f.default, str) else str(f.default)
             entry = f"--{sec.name}.{f.name} {hints[f.name].__name__.upper()} (default: {default})"
             assert entry in out, entry
-            assert docs.get(f.name), f"{sec.name}.{f.name} has no attribute docstring in zerotron/config.py"
+            assert docs.get(f.name), f"{sec.name}.{f.name} has no attribute docstring in zerotron/config_sections.py"
             assert f"{entry} {docs[f.name]}" in out
             n += 1
     assert n >= 50 and "(undocumented)" not in out

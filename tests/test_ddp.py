@@ -118,7 +118,7 @@ def test_reference_learns(reference):
 def _uneven_worker():
     import torch.distributed as dist
 
-    from zerotron.config import Config
+    from zerotron.config_sections import Config
     from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.models.gpt import GPT, GPTConfig
     from zerotron.parallel import parallelize

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerotron.launch import describe_failures
-from zerotron.testing import run_cli
+from zerotron.launch_failures import describe_failures
+from zerotron.testing_cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["--log.progress", "false", "--log.plot", "false", "--log.sample_tokens", "0"]
@@ -57,7 +57,7 @@ def test_elastic_failed_line_is_dropped():
 
     import torch.distributed.elastic.multiprocessing.api as api
 
-    from zerotron.launch import quiet_elastic_logs
+    from zerotron.launch_agent import quiet_elastic_logs
 
     buf = io.StringIO()
     handler = logging.StreamHandler(buf)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from zerotron.cli import main
-from zerotron.testing import checkpoint_flat, run_cli, run_ranks, run_ranks_captured, tiny_config
+from zerotron.testing import checkpoint_flat, run_ranks, run_ranks_captured, tiny_config
+from zerotron.testing_cli import run_cli
 from zerotron.train.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -741,7 +742,7 @@ def test_restart_after_kill9_equals_uninterrupted(full_run, data_cache):
 
 
 def test_restart_note_written_before_survivors_are_stopped(tmp_path, monkeypatch):
-    """launch.restart_hooks with fake agent methods (no process): when a worker failed and a
+    """launch_agent.restart_hooks with fake agent methods (no process): when a worker failed and a
     restart follows, the one-line failure is in the note file before the agent stops the survivors
     (``_monitor_workers`` returns), and gone before the new workers start; no note when the failure
     is not restarted (restarts used up, or a worker stopped on purpose: exit 3)."""
@@ -749,7 +750,7 @@ def test_restart_note_written_before_survivors_are_stopped(tmp_path, monkeypatch
 
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from zerotron.launch import restart_hooks
+    from zerotron.launch_agent import restart_hooks
 
     note, started, said = tmp_path / "note", [], []
     failures = {"now": {0: NS(exitcode=1, timestamp=10), 1: NS(exitcode=-signal.SIGKILL, timestamp=10)}}
@@ -785,7 +786,7 @@ def test_restart_note_written_before_torchs_own_stop(tmp_path, monkeypatch):
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import PContext
 
-    from zerotron.launch import restart_hooks
+    from zerotron.launch_agent import restart_hooks
 
     note, at_close = tmp_path / "note", []
     monkeypatch.setattr(PContext, "close", lambda pc, *a, **k: at_close.append(note.read_text() if note.exists() else None))

@@ -265,7 +265,7 @@ def test_lora_export_merged_and_peft_adapter(tmp_path, llama3_dir, llama3_run, r
     peft = pytest.importorskip("peft")
     from zerotron.cli import main
     from zerotron.generate import load_model
-    from zerotron.testing import run_cli
+    from zerotron.testing_cli import run_cli
 
     common = _llama3_args(llama3_dir, llama3_dir / "cache")
     run, half = tmp_path / "run", tmp_path / "half"

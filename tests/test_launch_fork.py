@@ -15,7 +15,8 @@ import os
 import pytest
 
 from zerotron import host_heap
-from zerotron.testing import ROOT, run_cli
+from zerotron.testing import ROOT
+from zerotron.testing_cli import run_cli
 
 _LAUNCHER = """
 import atexit, fcntl, json, os, signal, sys

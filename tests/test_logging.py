@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 
-from zerotron import config
+from zerotron import config, config_sections
 from zerotron.cli import main
-from zerotron.testing import run_cli
+from zerotron.testing_cli import run_cli
 from zerotron.train import metrics
 from zerotron.train.progress import Progress, format_eta
 
@@ -200,7 +200,7 @@ def test_wandb_refusal_is_one_line_exit_2(monkeypatch, capsys):
     worker starts; off by default, and on without the package the Trainer path refuses too."""
     from zerotron.train import wandb_log
 
-    assert config.Config().log.wandb is False
+    assert config_sections.Config().log.wandb is False
     monkeypatch.setattr(wandb_log, "wandb_available", lambda: False)
     for extra in ([], ["--nproc", "2"]):
         code = main(["train", "--config", TINY, "--log.wandb", "true", *extra])

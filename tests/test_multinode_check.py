@@ -1,11 +1,11 @@
-"""The multi-node address check run before init_process_group (zerotron.launch.check_multinode_addresses):
+"""The multi-node address check run before init_process_group (zerotron.multinode_check.check_multinode_addresses):
 a loopback MASTER_ADDR or a gloo run whose hostname resolves to loopback is named in one line, and is
 an error (exit 2) where the run certainly cannot connect."""
 import socket
 
 import pytest
 
-from zerotron.launch import check_multinode_addresses
+from zerotron.multinode_check import check_multinode_addresses
 
 TWO_NODES = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "GROUP_RANK": "1",
              "MASTER_PORT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}

@@ -5,7 +5,8 @@ line. Speed: ``python benchmarks/optimizer_step.py`` (not a test)."""
 import pytest
 import torch
 
-from zerotron.config import ConfigError, TrainConfig
+from zerotron.config import ConfigError
+from zerotron.config_sections import TrainConfig
 from zerotron.models import registry
 from zerotron.parallel.optim import IMPLS, build_optimizer, decay_mask
 from zerotron.plan import build_plan

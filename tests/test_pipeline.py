@@ -20,7 +20,7 @@ RTOL = 1e-10  # fp64 models: reassociation noise only, on any CPU
 
 
 def _cfg(kind="1f1b", m=0, v=1, split="", clip=CLIP):
-    from zerotron.config import Config
+    from zerotron.config_sections import Config
 
     cfg = Config()
     t = cfg.train

@@ -109,7 +109,7 @@ def test_layer_costs_from_flops_every_family(single_process, capsys):
     import torch
 
     from zerotron.analysis.flops import shape_of
-    from zerotron.config import Config
+    from zerotron.config_sections import Config
     from zerotron.distributed.mesh import Mesh, ParallelDims
     from zerotron.models.gpt import GPT, GPTConfig
     from zerotron.models.llama import Llama, LlamaConfig

@@ -9,7 +9,7 @@ import shlex
 import time
 from pathlib import Path
 
-from zerotron.testing import run_cli
+from zerotron.testing_cli import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -1,12 +1,12 @@
-"""zerotron.testing.run_ranks' rank pool: processes are reused across calls; a failed call ends its
-own ranks only (the pooled ranks beyond its world size stay); a rank that retires (too many threads
-left behind) is replaced alone. Each respawn costs a rank's imports (~3-6 s), so the pool's economy
-is worth a test."""
+"""zerotron.testing.run_ranks' rank pool (zerotron.testing_pool): processes are reused across calls;
+a failed call ends its own ranks only (the pooled ranks beyond its world size stay); a rank that
+retires (too many threads left behind) is replaced alone. Each respawn costs a rank's imports
+(~3-6 s), so the pool's economy is worth a test."""
 import os
 
 import pytest
 
-from zerotron import testing
+from zerotron import testing_pool
 from zerotron.testing import run_ranks
 
 
@@ -26,7 +26,7 @@ def _retire_rank_1():
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
-        testing._POOL_MAX_THREADS = 0  # in this rank process only: it retires after answering
+        testing_pool._POOL_MAX_THREADS = 0  # in this rank process only: it retires after answering
     return os.getpid()
 
 
@@ -61,7 +61,7 @@ def test_a_rank_spawned_beside_a_ready_one_joins_after_its_imports(tmp_path, mon
         pytest.skip("ZEROTRON_TEST_POOL=0: every call is fresh")
     (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(5)\n")
     ready = run_ranks(_pid, 1)
-    testing._end_ranks([1], "test: rank 1 spawned again, slowly")
+    testing_pool._end_ranks([1], "test: rank 1 spawned again, slowly")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     got = run_ranks(_pid, 2, timeout_s=2)
     assert got[0] == ready[0] and got[1] not in ready  # the ready rank 0 and a new rank 1

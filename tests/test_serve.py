@@ -22,7 +22,8 @@ import urllib.request
 
 import pytest
 
-from zerotron.testing import ROOT, process_tree, run_cli, start_serve, stop_serve
+from zerotron.testing import ROOT
+from zerotron.testing_cli import process_tree, run_cli, start_serve, stop_serve
 
 PROMPTS = ["ROMEO:", "JULIET: O", "First Citizen:\nBefore we proceed", "KING"]
 NEW = 8

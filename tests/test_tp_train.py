@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from zerotron.testing import assert_params_close, run_cli, run_ranks, tiny_config
+from zerotron.testing import assert_params_close, run_ranks, tiny_config
+from zerotron.testing_cli import run_cli
 
 STEPS = 4  # warmup (2 steps), then decay with Adam state (the parity matrix trains 2)
 SAVE_AT = 2

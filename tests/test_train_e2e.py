@@ -12,7 +12,8 @@ import torch
 
 from zerotron.cli.main import main
 from zerotron.config import load_config
-from zerotron.testing import checkpoint_flat, run_cli, run_ranks_captured
+from zerotron.testing import checkpoint_flat, run_ranks_captured
+from zerotron.testing_cli import run_cli
 from zerotron.train.checkpoint import list_checkpoints
 from zerotron.train.optim import lr_at
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from zerotron.cli.main import main
-from zerotron.testing import run_cli, run_ranks_captured
+from zerotron.testing import run_ranks_captured
+from zerotron.testing_cli import run_cli
 from zerotron.testing_netns import TwoNodes, netns_unavailable, remove_stale
 
 ROOT = Path(__file__).resolve().parent.parent

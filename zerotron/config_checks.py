@@ -7,7 +7,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .config import SECTIONS, Config, ConfigError, _field_types, _section_cls, model_shape
+from .config import ConfigError, model_shape
+from .config_sections import SECTIONS, Config
+from .fields import field_types
 
 __all__ = ["check_values", "CORPORA", "MAX_NEW_TOKENS"]
 
@@ -50,9 +52,9 @@ def check_values(cfg: Config) -> dict:
     (``config.model_shape``; with ``model.init_from``, that of the checkpoint's config.json).
     Raises ConfigError naming the field and the fix."""
     t, p, m, d = cfg.train, cfg.parallel, cfg.model, cfg.data
-    for sec in SECTIONS:  # inf/nan parse as floats; no float field means anything with them
+    for sec, cls in SECTIONS.items():  # inf/nan parse as floats; no float field means anything with them
         section = getattr(cfg, sec)
-        for name, typ in _field_types(_section_cls(sec)).items():
+        for name, typ in field_types(cls).items():
             v = getattr(section, name)  # (the messages are built only when a check fails)
             if typ is float and not math.isfinite(v):
                 _need(False, f"{sec}.{name} must be a finite number, got {v}")

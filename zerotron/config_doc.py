@@ -1,4 +1,4 @@
-"""Documentation of every config field, read from :mod:`zerotron.config` itself.
+"""Documentation of every config field, read from :mod:`zerotron.config_sections` itself.
 
 Each field of a config dataclass is followed by its *attribute docstring* (a string literal on the
 next line, the convention Sphinx autodoc reads). :func:`config_fields` collects name, type and
@@ -36,14 +36,13 @@ def config_fields() -> list[dict]:
     """One dict per config field, in declaration order: ``key`` ("section.field"), ``type``
     ("int", "str", ...), ``default`` (the dataclass default) and ``doc`` (its attribute docstring,
     "" when missing)."""
-    from .config import Config, _section_cls
+    from .config_sections import SECTIONS
 
     rows = []
-    for sec in dataclasses.fields(Config):
-        cls = _section_cls(sec.name)
+    for sec, cls in SECTIONS.items():
         hints, docs = typing.get_type_hints(cls), attribute_docs(cls)
         for f in dataclasses.fields(cls):
-            rows.append({"key": f"{sec.name}.{f.name}", "type": _type_name(hints[f.name]), "default": f.default,
+            rows.append({"key": f"{sec}.{f.name}", "type": _type_name(hints[f.name]), "default": f.default,
                          "doc": docs.get(f.name, "")})
     return rows
 

@@ -2,7 +2,7 @@
 
 A fresh worker interpreter spends ~3 CPU s importing torch, ``torch._dynamo`` and the training stack
 before its first line (``benchmarks/suite_imports_s7.md``). A launcher that already imported them
-(the test fork server's ``run_cli`` children, :data:`zerotron.testing.PRELOAD`) can hand each worker
+(the test fork server's ``run_cli`` children, :data:`zerotron.testing_cli.PRELOAD`) can hand each worker
 those imports by forking. With :data:`ENV` = ``1`` in the launcher's environment,
 :func:`fork_workers` makes torch elastic's ``SubprocessHandler`` fork the worker in place of
 ``Popen([python, "-u", "-m", <module>, ...])``; everything else in torch elastic is unchanged, so

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from zerotron.testing import process_tree
+from zerotron.testing_cli import process_tree
 
 run, front = sys.argv[1], sys.argv[2]
 env = {**os.environ, "OMP_NUM_THREADS": "1", "ZEROTRON_FORK_WORKERS": "1"}

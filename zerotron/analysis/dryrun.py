@@ -58,7 +58,8 @@ from zerotron.analysis.dryrun_rank import (
 from zerotron.analysis.dryrun_trace import trace_rank
 from zerotron.analysis.flops import shape_of
 from zerotron.analysis.trace_time import group_scopes, rank_time, step_time
-from zerotron.config import Config, ConfigError
+from zerotron.config import ConfigError
+from zerotron.config_sections import Config
 
 __all__ = ["DryRunError", "default_ranks", "dry_run", "predict_step_time", "estimate", "build_rank", "rank_batches",
            "synthetic_batches", "model_config", "planned_comm", "CATEGORIES"]

@@ -9,7 +9,7 @@ from zerotron.analysis.activations import LOSS_BYTES, activation_bytes, looped_c
 from zerotron.analysis.dryrun_rank import model_config
 from zerotron.analysis.flops import shape_of
 from zerotron.analysis.memory import model_state_bytes, stage_num_params
-from zerotron.config import Config
+from zerotron.config_sections import Config
 
 MEM_DTYPE = {"fp32": "fp32", "bf16": "bf16-mixed", "fp64": "fp64"}
 ACT_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp64": "fp32"}

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from zerotron.analysis.flops import shape_of
-from zerotron.config import Config, ConfigError, model_shape
+from zerotron.config import ConfigError, model_shape
+from zerotron.config_sections import Config
 
 
 class DryRunError(ValueError):

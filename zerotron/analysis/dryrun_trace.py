@@ -13,7 +13,7 @@ from zerotron.analysis.dryrun_comm import code_paths_of, comm_by_group, p2p_comp
 from zerotron.analysis.dryrun_memory import CATEGORIES, categories, categorize, not_dispatched, tracker_class
 from zerotron.analysis.dryrun_rank import build_rank, largest_dense, model_config, rank_batches
 from zerotron.analysis.trace_time import StepCounter
-from zerotron.config import Config
+from zerotron.config_sections import Config
 
 
 def traced_step(strategy, optimizer, batches, batch_group, tcfg, device, tracker) -> None:

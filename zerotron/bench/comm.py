@@ -54,7 +54,8 @@ from zerotron.bench.timing import (  # noqa: F401  (re-exported: zerotron.bench.
 from zerotron.bench.topology import topology_report
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import default_device, destroy, init_distributed
-from zerotron.launch import in_worker, launch, strip_nproc
+from zerotron.launch import launch, strip_nproc
+from zerotron.launch_worker import in_worker
 from zerotron.out_files import check_out_files, out_path, write_out_file
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p")

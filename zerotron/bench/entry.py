@@ -13,7 +13,8 @@ import torch.distributed as dist
 from zerotron.config import load_config, parse_overrides
 from zerotron.data import prepare_data
 from zerotron.distributed.mesh import destroy, init_distributed, teardown
-from zerotron.launch import in_worker, launch, strip_nproc
+from zerotron.launch import launch, strip_nproc
+from zerotron.launch_worker import in_worker
 from zerotron.plan import build_plan
 from zerotron.train.setup import data_kwargs, load_data
 

@@ -56,7 +56,8 @@ from zerotron.bench.report import percentile
 from zerotron.distributed import comm
 from zerotron.distributed.mesh import ParallelDims, init_distributed, teardown
 from zerotron.inference import Engine, Request, SamplingParams
-from zerotron.launch import in_worker, launch, strip_nproc
+from zerotron.launch import launch, strip_nproc
+from zerotron.launch_worker import in_worker
 from zerotron.out_files import check_out_files, out_path, write_out_file
 
 from .train import _mesh

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"context of 128), got {args.max_tokens!r}")
         if min(args.requests, args.rounds, args.max_batch) < 1 or not args.interval_ms >= 0 or not args.window_ms >= 0:
             raise ValueError("--requests, --rounds, --max-batch must be >= 1, --interval-ms and --window-ms >= 0")
-        from zerotron.launch import in_worker, launch, strip_nproc
+        from zerotron.launch import launch, strip_nproc
+        from zerotron.launch_worker import in_worker
 
         n = int(os.environ["WORLD_SIZE"]) if in_worker() else args.nproc
         if min(n, args.tp, args.pp) < 1 or n % (args.tp * args.pp):

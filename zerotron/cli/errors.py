@@ -5,8 +5,8 @@ from __future__ import annotations
 
 def fail(msg: str) -> int:
     """Print ``zerotron: error: <msg>`` on stderr (once for all the workers of a ``--nproc``
-    launch that find the same error: ``launch.say_once``); returns the exit code 2."""
-    from ..launch import say_once
+    launch that find the same error: ``launch_worker.say_once``); returns the exit code 2."""
+    from ..launch_worker import say_once
 
     say_once(f"zerotron: error: {msg}")
     return 2

@@ -43,7 +43,8 @@ def generate_parser() -> argparse.ArgumentParser:
 def cmd_generate(argv: list[str]) -> int:
     args = generate_parser().parse_args(argv)
     from ..generate import generate_main
-    from ..launch import in_worker, launch
+    from ..launch import launch
+    from ..launch_worker import in_worker
 
     try:
         if args.nproc < 0:

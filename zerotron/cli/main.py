@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C / the agent's SIGINT: no new traceback
-        from ..launch import in_worker
+        from ..launch_worker import in_worker
 
         if in_worker():  # the launcher reports once for all workers; skip teardown (peers are going too)
             sys.stdout.flush()

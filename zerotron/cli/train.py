@@ -30,7 +30,8 @@ def train_parser() -> argparse.ArgumentParser:
 
 def cmd_train(argv: list[str]) -> int:
     from ..config import ConfigError, load_config, parse_overrides
-    from ..launch import in_worker, launch
+    from ..launch import launch
+    from ..launch_worker import in_worker
     from ..plan import build_plan
 
     args, rest = train_parser().parse_known_args(argv)

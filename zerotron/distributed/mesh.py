@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..dims import ALIASES, AXES, COMBINED, ParallelDims
-from ..launch import check_multinode_addresses, die_with_parent
+from ..launch_worker import die_with_parent, in_worker
+from ..multinode_check import check_multinode_addresses
 from . import comm, inflight
 
 __all__ = ["Mesh", "ParallelDims", "init_distributed", "default_device", "teardown", "destroy"]
@@ -46,7 +47,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0, device: t
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if in_worker():  # torchrun / the elastic launcher set RANK and WORLD_SIZE
             die_with_parent()  # a killed launcher takes its workers with it
             _check_addresses(backend)
             dist.init_process_group(backend, timeout=timeout)
@@ -58,7 +59,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = 1800.0, device: t
 def _check_addresses(backend: str) -> None:
     """Before a multi-node init: one warning line per address problem (local rank 0 says it), or,
     where the run certainly cannot connect, that line as an error and exit code 2
-    (:func:`zerotron.launch.check_multinode_addresses`)."""
+    (:func:`zerotron.multinode_check.check_multinode_addresses`)."""
 
     lines, certain = check_multinode_addresses(backend)
     if lines and os.environ.get("LOCAL_RANK", "0") == "0":

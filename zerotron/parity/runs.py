@@ -253,7 +253,7 @@ def destroy_subgroups(keep: set | frozenset = frozenset()) -> None:
     if multiprocessing.parent_process() is not None:  # a rank process (run_ranks), not the test's own process:
         gc.freeze()  # what survived stays (imports, caches): the next layout's collection skips it (0.15-0.4 s each);
         # what dies later while frozen (the MeshCache's meshes, in cycles) waits for the pooled rank's
-        # collection of everything after the job (testing._pool_main: it holds destroyed groups' threads)
+        # collection of everything after the job (testing_pool._pool_main: it holds destroyed groups' threads)
 
 
 def _meshes_name(groups: set) -> bool:

@@ -1,6 +1,6 @@
 """The parallel plan: every cross-feature rule and derived size of a run, in one place.
 
-:func:`build_plan` turns a :class:`~zerotron.config.Config` and a world size into a frozen
+:func:`build_plan` turns a :class:`~zerotron.config_sections.Config` and a world size into a frozen
 :class:`ParallelPlan`, once, before any process group or model exists. It is the only validation
 layer: the per-field checks of the non-parallel sections (``config_checks.check_values``) and the layout
 rules (``ParallelPlan.__post_init__``: a plan that exists is one the engine can run). The

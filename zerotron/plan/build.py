@@ -2,8 +2,9 @@
 size, the LoRA rules and the micro-batch rule that need the whole config)."""
 from __future__ import annotations
 
-from ..config import Config, ConfigError, TrainConfig
+from ..config import ConfigError
 from ..config_checks import check_values
+from ..config_sections import Config, TrainConfig
 from ..dims import ParallelDims
 from ..models.layout import lora_targets
 from .choices import _need

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, fields
 
-from ..config import Config, ParallelConfig, TrainConfig
+from ..config_sections import Config, ParallelConfig, TrainConfig
 from ..dims import ParallelDims
 from ..stages import Placement
 from .choices import CHUNKED_SCHEDULES
@@ -43,12 +43,12 @@ class ParallelPlan(PlanRules, PipelineRules, ModelRules):
     defaults, e.g. ``ParallelPlan(dims, pp_schedule="zb-v", virtual_stages=2)``).
 
     The plan keeps private copies of the config sections it reads -- ``parallel``
-    (:class:`~zerotron.config.ParallelConfig`) and ``train`` (:class:`~zerotron.config.TrainConfig`)
+    (:class:`~zerotron.config_sections.ParallelConfig`) and ``train`` (:class:`~zerotron.config_sections.TrainConfig`)
     -- instead of re-declaring their fields: every setting of either section reads as an attribute
     of the plan (``plan.zero_stage``, ``plan.micro_batch``, same names and units as the config:
     ``bucket_mb`` in MiB, ``global_batch``/``micro_batch`` in sequences, ``global_batch = 0``
     meaning one micro-batch per dp rank per step), so a new setting is declared once, in
-    ``config.py``. The degrees are the resolved ``dims`` (``plan.dp`` is never the "0 = derive" of
+    ``config_sections.py``. The degrees are the resolved ``dims`` (``plan.dp`` is never the "0 = derive" of
     ``parallel.dp``). ``dropout`` is ``model.dropout``, ``doc_mask`` ``data.doc_mask``; ``shape`` is the resolved model shape
     (``config.model_shape``: n_layer, n_head, n_embd, block_size, + n_kv_head / intermediate_size
     for families that have them) or None when unknown (then the model-size rules are not checked;

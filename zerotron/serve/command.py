@@ -138,7 +138,8 @@ def api_key_of(args, env=None) -> str | None:
 def main(argv: list[str]) -> int:
     """Entry point of ``zerotron serve``; returns an exit code (2 for bad arguments)."""
     from zerotron.generate import resolve_checkpoint
-    from zerotron.launch import in_worker, launch, say_once, strip_nproc
+    from zerotron.launch import launch, strip_nproc
+    from zerotron.launch_worker import in_worker, say_once
 
     from .http_api import check_listen
 

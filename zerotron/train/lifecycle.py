@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import comm
-from ..launch import mark_started
+from ..launch_worker import mark_started
 from .restarts import restart_count
 from .stop import EXIT_GUARD, STOP_SIGNALS, RunStopped, restart_note  # noqa: F401 (API: lifecycle.RunStopped)
 
@@ -105,7 +105,7 @@ class GracefulStop:
                 print(f"zerotron: stopped for a restart after {note}: exiting at once, without a checkpoint "
                       "(the launcher starts the workers again)", file=sys.stderr, flush=True)
             # die BY the signal (exit -15, what the agent's stop leaves), not with 143: 128 + S means
-            # "stopped on purpose", which the launcher does not restart (launch.NO_RESTART_EXIT_CODES)
+            # "stopped on purpose", which the launcher does not restart (launch_failures.NO_RESTART_EXIT_CODES)
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             time.sleep(5)  # the default action ends the process; not reached

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import Config, ConfigError, model_shape
+from ..config import ConfigError, model_shape
+from ..config_sections import Config
 from ..data import prepare_data
 from ..distributed import comm
 from ..models import registry

@@ -10,7 +10,7 @@ import signal
 import threading
 from pathlib import Path
 
-from ..launch import RESTART_NOTE_ENV, die_with_parent, in_worker, launched_worker
+from ..launch_worker import RESTART_NOTE_ENV, die_with_parent, in_worker, launched_worker
 
 __all__ = ["EXIT_GUARD", "STARTUP_STOP", "STOP_SIGNALS", "RunStopped", "StartupStopped", "install_startup_stop",
            "loop_ended", "restart_note", "restore_handlers"]
@@ -40,7 +40,7 @@ class StartupStopped(RunStopped):
 
 def restart_note() -> str | None:
     """Why the ``--nproc`` launcher is stopping this worker for a restart, e.g. ``"worker 1 died
-    (killed by SIGKILL: ...)"`` (written by ``launch.restart_hooks`` before the agent's SIGTERM to
+    (killed by SIGKILL: ...)"`` (written by ``launch_agent.restart_hooks`` before the agent's SIGTERM to
     the survivors), or None: no restart is under way, or this worker is not one of ``--nproc
     --max-restarts`` (plain torchrun)."""
     path = os.environ.get(RESTART_NOTE_ENV)

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import Config, ConfigError
+from ..config import ConfigError
+from ..config_sections import Config
 from ..data import GlobalBatchSampler, batch_from_indices, num_windows
 from ..distributed import comm
 from ..distributed.mesh import Mesh, init_distributed
