@@ -157,7 +157,7 @@ def export_hf(model: CausalLM, out_dir: str | Path, *, overwrite: bool = False,
                                               eos_token_id=eos_token_id)
 
 
-# ---- the [model] config section -> a family's config (duck-typed: zerotron.config.ModelConfig) ----
+# ---- the [model] config section -> a family's config (duck-typed: zerotron.config_sections.ModelConfig) ----
 
 DEFAULT_SHAPE = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128}
 SIZE_FIELDS = tuple(DEFAULT_SHAPE)
