@@ -77,7 +77,8 @@ import torch
 from zerotron.parallel import precision
 from zerotron.parallel.base import Strategy, post_accumulate_hooks
 from zerotron.parallel.data.disk_state import disk_step, rank_state_dir
-from zerotron.parallel.data.flat_shard import FlatShard, build_flats, flat_state_bytes
+from zerotron.parallel.data.flat_shard import FlatShard
+from zerotron.parallel.data.flat_units import build_flats, flat_state_bytes
 from zerotron.parallel.data.host_copies import HostCopies
 from zerotron.parallel.data.used import UsedMarks
 from zerotron.parallel.data.zero_gather import UnitGatherer, ZeroGatherMixin
@@ -225,7 +226,7 @@ class ZeroSync(ZeroReduceMixin, ZeroOffloadMixin, ZeroGatherMixin):
                     f.wait_gather()
 
     def model_state_bytes(self, optimizer) -> dict:
-        """Bytes held now (:func:`~zerotron.parallel.data.flat_shard.flat_state_bytes`)."""
+        """Bytes held now (:func:`~zerotron.parallel.data.flat_units.flat_state_bytes`)."""
         return flat_state_bytes(self.all_flats, optimizer)
 
 
