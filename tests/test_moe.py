@@ -1,5 +1,5 @@
-"""The Mixtral-style MoE family (``zerotron.models.mixtral``): routing, auxiliary losses and their
-gradient, HF ``MixtralForCausalLM`` interop, config and plan refusals. Layouts: test_moe_parity.py."""
+"""The Mixtral-style MoE family (``zerotron.models.mixtral``, its layer ``zerotron.models.moe``): routing,
+auxiliary losses and their gradient, HF ``MixtralForCausalLM`` interop, config and plan refusals. Layouts: test_moe_parity.py."""
 import json
 
 import pytest
@@ -10,7 +10,8 @@ from zerotron.cli import main
 from zerotron.config import ConfigError
 from zerotron.models import registry
 from zerotron.models.hf_mixtral import export_hf_mixtral, hf_config_to_mixtral
-from zerotron.models.mixtral import Mixtral, MixtralConfig, MoE, set_step_rows, take_router_stats
+from zerotron.models.mixtral import Mixtral, MixtralConfig
+from zerotron.models.moe import MoE, set_step_rows, take_router_stats
 from zerotron.plan import build_plan
 from zerotron.testing import tiny_config
 

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from zerotron import parity
-from zerotron.models.mixtral import MixtralConfig, MoE, take_router_stats, update_expert_bias
+from zerotron.models.mixtral import MixtralConfig
+from zerotron.models.moe import MoE, take_router_stats, update_expert_bias
 from zerotron.testing import run_ranks
 
 FULL = os.environ.get("ZEROTRON_MOE_PARITY") == "full"  # make test-moe: the slow checks too

@@ -15,7 +15,7 @@ from zerotron.plan import CHUNKED_SCHEDULES
 
 def dp_flat_calls(shape: Shape, tp: int, blocks: int, first: bool, last: bool, pipeline: bool) -> tuple[int, int]:
     """Collectives of one sweep over a rank's native ZeRO units (``(all units', root units')``): the
-    code sends one per flat buffer, and ``parallel.data.flat_shard.build_flats`` makes one flat per
+    code sends one per flat buffer, and ``parallel.data.flat_units.build_flats`` makes one flat per
     (weight-decay flag, tp-sharded) class present in a unit (``parallel.optim.decay_mask``: Linear
     weights decay; biases, norms and embeddings do not; under tp > 1 the matrices, column-parallel
     biases and the vocab-parallel embedding / head are sharded, norms and row-parallel biases

@@ -77,7 +77,7 @@ from zerotron.distributed import comm
 from zerotron.distributed.mesh import Mesh
 from zerotron.launch import strip_nproc
 from zerotron.models.lora import apply_lora, lora_kwargs
-from zerotron.models.mixtral import set_step_rows
+from zerotron.models.moe import set_step_rows
 from zerotron.models.registry import arch_of, build_model
 from zerotron.out_files import check_out_files, write_out_file
 from zerotron.parallel import DataParallel, TorchDDP, parallelize

@@ -311,14 +311,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    """Pre-RMSNorm residual block: x + attn(norm(x)), then x + mlp(norm(x)). (B,T,C) -> (B,T,C)."""
+    """Pre-RMSNorm residual block: x + attn(norm(x)), then x + mlp(norm(x)). (B,T,C) -> (B,T,C).
+    A descendant family swaps the feed-forward layer by overriding :meth:`build_mlp` (Mixtral: MoE)."""
 
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, rotary, layer_idx)
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = self.build_mlp(cfg, layer_idx)
+
+    def build_mlp(self, cfg: LlamaConfig, layer_idx: int) -> nn.Module:
+        """The block's feed-forward layer, (B,T,C) -> (B,T,C): a SwiGLU :class:`LlamaMLP`."""
+        return LlamaMLP(cfg)
 
     def forward(self, x: torch.Tensor, kv_cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_cache)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from ..distributed import comm
-from ..models.mixtral import take_router_stats, update_expert_bias
+from ..models.moe import take_router_stats, update_expert_bias
 from ..parallel.compile import compile_stats
 from . import checkpoint as ckpt
 from . import lifecycle

@@ -17,7 +17,7 @@ from ..data import GlobalBatchSampler, batch_from_indices, num_windows
 from ..distributed import comm
 from ..distributed.mesh import Mesh, init_distributed
 from ..models import registry
-from ..models.mixtral import set_step_rows
+from ..models.moe import set_step_rows
 from ..parallel import parallelize
 from ..parallel.compile import use_cache_dir
 from ..parallel.context.docmask import apply_doc_mask

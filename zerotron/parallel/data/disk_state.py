@@ -21,6 +21,7 @@ resident memory is bounded by ``depth x 3 x chunk`` elements whatever the model 
 ``pwrite`` go through the same page cache as the mapping, so both views stay coherent."""
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import queue
@@ -30,7 +31,9 @@ import time
 import weakref
 
 import torch
+import torch.distributed as dist
 
+from zerotron.config import ConfigError
 from zerotron.parallel.data.host_copies import worker
 
 CHUNK = 1 << 19  # elements per staged chunk of disk_step (a multiple of every SIMD width: same bits as one pass)
@@ -113,6 +116,27 @@ def state_files_refusal(offload_dir: str, rank_dir: str, error: OSError) -> str:
     return (f"train.offload_dir {offload_dir!r}: cannot create the optimizer state files in {rank_dir!r} "
             f"({error.strerror or error}; {free}): free space there or choose another folder with room "
             "(--train.offload_dir)")
+
+
+@contextlib.contextmanager
+def rank_state_dir(offload_dir: str):
+    """This rank's folder of state files, ``offload_dir/rank-<global rank>`` (rank 0 without a
+    process group), made if missing and yielded for the files to be created in; a folder made here
+    is removed on exit when empty (every file is unlinked once mapped, or on failure). Raises
+    ConfigError (:func:`state_files_refusal`'s line) for an OSError inside the context."""
+    disk_dir, made = os.path.join(offload_dir, f"rank-{dist.get_rank() if dist.is_initialized() else 0}"), False
+    try:
+        made = not os.path.isdir(disk_dir)
+        os.makedirs(disk_dir, exist_ok=True)
+        yield disk_dir
+    except OSError as e:  # the folder filled or turned read-only after the launcher's check
+        raise ConfigError(state_files_refusal(offload_dir, disk_dir, e)) from None
+    finally:
+        if made:
+            try:
+                os.rmdir(disk_dir)
+            except OSError:
+                pass
 
 
 def disk_step(optimizer, jobs: list, chunk: int = CHUNK, depth: int = DEPTH) -> dict:

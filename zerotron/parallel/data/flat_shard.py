@@ -1,12 +1,16 @@
 """One ZeRO flat buffer (Rajbhandari et al. 2020): the parameters of one unit that share a
 weight-decay flag, padded to a multiple of dp, with this rank's master shard, its shard gradient,
-the reduce-scatter of the gradients and the all-gather of the parameters. Used by
+the reduce-scatter of the gradients and the all-gather of the parameters, and offload's copies
+between device and host. Its optimizer state (the per-parameter AdamW step, the checkpoint
+conversion) is :mod:`zerotron.parallel.data.flat_state`'s; how a unit's parameters are grouped into
+buffers, :mod:`zerotron.parallel.data.flat_units`'. Used by
 :class:`~zerotron.parallel.data.zero.ZeroSync` (stages 1-3; the plain runner's and a pipeline
-rank's ZeRO)."""
-from __future__ import annotations
+rank's ZeRO).
 
-import itertools
-import os
+Layout: a buffer of ``numel`` elements is padded to ``padded = k * dp``, ``k = ceil(numel / dp)``;
+parameter j lies at ``[offsets[j], offsets[j] + numels[j])``; dp rank r owns ``[r*k, (r+1)*k)``
+(:attr:`FlatShard.shard_bounds`)."""
+from __future__ import annotations
 
 import torch
 import torch.nn as nn
@@ -14,10 +18,12 @@ import torch.nn as nn
 from zerotron.distributed import comm
 from zerotron.models.deferred import materialise_params, target_device
 from zerotron.parallel.data.disk_state import DiskState
-from zerotron.parallel.tensor.layers import is_tp_sharded
+from zerotron.parallel.data.flat_state import FlatStateMixin
+
+__all__ = ["FlatShard"]
 
 
-class FlatShard:
+class FlatShard(FlatStateMixin):
     """Parameters of one unit sharing a weight-decay flag, stored as one padded flat buffer.
 
     Attributes: ``names`` (FQNs), ``params``, ``offsets``, ``numel`` (unpadded), ``padded``, ``k``
@@ -82,7 +88,7 @@ class FlatShard:
                 materialise_params([p])  # a deferred-init (meta) parameter: its dense values, one at a time
                 self.full[off:off + n].copy_(p.detach().reshape(-1))
                 p.data = self.full[off:off + n].view_as(p)
-        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
+        lo, hi = self.shard_bounds
         self.offload = offload in ("optimizer", "optimizer-disk", "params")
         # master is a view of `full` (no offload, same dtype, parameters full at rest)
         self.aliased = compute_dtype == self.master_dtype and stage < 3 and not self.offload
@@ -127,6 +133,11 @@ class FlatShard:
         self.steps = None  # per-parameter AdamW steps once they differ (None: all = state["step"])
         if stage == 3:
             self._set_storage(0)
+
+    @property
+    def shard_bounds(self) -> tuple[int, int]:
+        """``(lo, hi)``: this rank's shard of the padded buffer, elements ``[rank*k, (rank+1)*k)``."""
+        return self.rank * self.k, (self.rank + 1) * self.k
 
     def _set_storage(self, nbytes: int) -> None:
         """Resize ``full``'s storage to ``nbytes`` (0 frees it: stage 3 parameters at rest).
@@ -211,7 +222,7 @@ class FlatShard:
             src = torch.empty(self.k, dtype=self.compute_dtype, device=self.full.device)
             src.copy_(self.host_shard, non_blocking=self.host_shard.is_pinned())
         elif self.offload:  # the device's compute shard (:meth:`master_to_device`), not the host master
-            src = self.dev_shard if self.stage == 3 else self.full[self.rank * self.k:(self.rank + 1) * self.k].clone()
+            src = self.dev_shard if self.stage == 3 else self.full[slice(*self.shard_bounds)].clone()
         else:
             src = self.master.detach() if self.master.dtype == self.compute_dtype else \
                 self.master.detach().to(self.compute_dtype)
@@ -259,7 +270,7 @@ class FlatShard:
         elif self.stage == 3:
             self.dev_shard.copy_(self.master)
         elif self.full.untyped_storage().size() > 0:
-            self.full[self.rank * self.k:(self.rank + 1) * self.k].copy_(self.master)
+            self.full[slice(*self.shard_bounds)].copy_(self.master)
         self.release_disk()
 
     def release_disk(self) -> None:
@@ -268,188 +279,8 @@ class FlatShard:
         if self.disk is not None:
             self.disk.release()
 
-    def init_state(self, state: dict) -> None:
-        """Create the AdamW state torch creates lazily (step 0, zero moments) in ``state`` if empty:
-        the disk tier's moments are the mapped vectors."""
-        if state:
-            return
-        # torch's own rule (optim.adamw): the step count lives on the parameter's device for the fused
-        # and capturable kernels (the CUDA fused kernel takes its steps there), on the CPU otherwise
-        dev = self.master.device if self.master.device.type != "cpu" else None
-        state["step"] = torch.tensor(0.0) if dev is None else torch.zeros((), dtype=torch.float32, device=dev)
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key] = self.disk.tensors[key] if self.disk is not None else \
-                torch.zeros_like(self.master, memory_format=torch.preserve_format)
-
     def free(self) -> None:
         """Release ``full``'s storage (stage 3). An all-gather still writing into it (a prefetch
         whose unit did not run) is waited for first, so no collective ever targets freed memory."""
         self.wait_gather()
         self._set_storage(0)
-
-    @torch.no_grad()
-    def adamw_step(self, optimizer) -> None:
-        """torch AdamW's update (decoupled decay, bias correction) on this rank's master shard,
-        parameter by parameter: only parameters with ``used[j]`` step, each with its own step
-        count, so a parameter without gradient keeps its value, moments and step exactly as torch's
-        optimizer leaves a parameter whose grad is None. Needs ``master.grad`` (the shard gradient).
-        Raises ValueError for amsgrad / maximize groups (not used by zerotron)."""
-        group = next(g for g in optimizer.param_groups if any(q is self.master for q in g["params"]))
-        if group.get("amsgrad") or group.get("maximize"):
-            raise ValueError("ZeRO per-parameter AdamW step: amsgrad/maximize are not supported")
-        state = optimizer.state[self.master]
-        self.init_state(state)  # the state torch's AdamW creates lazily
-        steps = list(self.steps) if self.steps is not None else [int(state["step"])] * len(self.params)
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        lo, grad = self.rank * self.k, self.master.grad
-        for j, (off, n) in enumerate(zip(self.offsets, self.numels)):
-            if not self.used[j]:
-                continue
-            steps[j] += 1  # counted on every rank, whether or not the parameter lies in this shard
-            a, b = max(off - lo, 0), min(off + n - lo, self.k)
-            if a >= b:
-                continue
-            p, g, m, v = self.master[a:b], grad[a:b], state["exp_avg"][a:b], state["exp_avg_sq"][a:b]
-            p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v.sqrt() / (1 - b2 ** steps[j]) ** 0.5).add_(eps)
-            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** steps[j]))
-        self.steps = steps if len(set(steps)) > 1 else None
-        state["step"] = torch.tensor(float(max(steps)))
-
-    def param_step(self, j: int, state: dict) -> torch.Tensor:
-        """AdamW step count of parameter ``j`` (float scalar tensor), given this buffer's state."""
-        return torch.tensor(float(self.steps[j])) if self.steps is not None else state["step"].clone()
-
-    @torch.no_grad()
-    def canonical_to_flat(self, params: dict, opt_state: dict) -> tuple:
-        """``(flat, {"exp_avg", "exp_avg_sq"}, steps or None)``: padded master-dtype full vectors of this
-        buffer built from canonical per-parameter tensors (``params[name]`` dense values,
-        ``opt_state[name]`` = {"step", "exp_avg", "exp_avg_sq"}); ``steps``: float tensor of the
-        per-parameter step counts (0 for a parameter without state), None if none has state."""
-        flat = torch.zeros(self.padded, dtype=self.master_dtype)
-        st = {k: torch.zeros(self.padded, dtype=self.master_dtype) for k in ("exp_avg", "exp_avg_sq")}
-        steps = torch.zeros(len(self.params))
-        for j, (name, off, n) in enumerate(zip(self.names, self.offsets, self.numels)):
-            flat[off:off + n] = params[name].reshape(-1).to(self.master_dtype).cpu()
-            if name in opt_state:
-                for k in st:
-                    st[k][off:off + n] = opt_state[name][k].reshape(-1).to(self.master_dtype).cpu()
-                steps[j] = float(opt_state[name]["step"])
-        return flat, st, steps if any(name in opt_state for name in self.names) else None
-
-    @torch.no_grad()
-    def load_flat(self, flat: torch.Tensor, st: dict, step, optimizer) -> None:
-        """Set this rank's master shard (and its AdamW state when ``step`` is not None: one count, or
-        one per parameter) from padded full vectors (:meth:`canonical_to_flat`). Parameters
-        (compute copies) are not re-gathered."""
-        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        self.settle_arrival()
-        self.master.copy_(flat[lo:hi])
-        self.master_to_device()
-        if step is not None and not self.frozen:
-            state = optimizer.state[self.master]
-            steps = [int(x) for x in torch.as_tensor(step, dtype=torch.float64).reshape(-1).tolist()]
-            steps = steps * len(self.params) if len(steps) == 1 else steps
-            self.steps = steps if len(set(steps)) > 1 else None
-            state["step"] = torch.tensor(float(max(steps)))
-            for k in st:
-                if self.disk is not None:  # into the mapped vectors
-                    state[k] = self.disk.tensors[k]
-                    state[k].copy_(st[k][lo:hi])
-                else:
-                    state[k] = st[k][lo:hi].clone().to(self.master.device)
-        self.release_disk()
-
-    def load_canonical(self, params: dict, opt_state: dict, optimizer) -> None:
-        """:meth:`load_flat` of :meth:`canonical_to_flat` (every rank holds the full state)."""
-        self.load_flat(*self.canonical_to_flat(params, opt_state), optimizer)
-
-
-def build_flats(units: list[list], names: dict, mask: dict, stage: int, group, compute_dtype, reduce_dtype,
-                tied=None, offload: str = "none", group_of: dict | None = None,
-                disk_dir: str | None = None) -> list[list[FlatShard]]:
-    """The flat buffers of each unit (a list of Parameters): one per (trainable, weight-decay flag,
-    tp-sharded, shard group) present, in that fixed order (trainable first, decay first, tp-sharded
-    first, ``group`` first, then the other groups in the order their parameters appear), so
-    tensor-parallel shards and tp-replicated parameters, frozen (LoRA base) and trainable parameters,
-    and parameters sharded over different groups never share a buffer. ``names``: ``{id(param):
-    FQN}``; ``mask``: ``{id(param): decay?}``; ``tied``: the Parameter marked ``is_tied`` (its unit
-    should hold it alone); ``offload``: ``train.offload`` (see :class:`FlatShard`; ``optimizer-disk``
-    maps ``disk_dir/flat-<pid>-<i>.bin`` for the i-th buffer: two runs sharing a folder never meet); ``group_of``: ``{id(param): group}`` for
-    parameters sharded over another group than ``group`` (expert parameters over their
-    expert-replica group, ``parallel.expert``). Each FlatShard gets ``tp_sharded`` and ``is_tied``.
-    Collective-free."""
-    group_of = group_of or {}
-    out = []
-    with torch.no_grad():
-        for params in units:
-            flats = []
-            groups = [group] + list({id(g): g for g in (group_of[id(p)] for p in params if id(p) in group_of)
-                                     if g is not group}.values())
-            for train, decay, sharded in itertools.product((True, False), repeat=3):
-                for g in groups:
-                    ps = [p for p in params if p.requires_grad == train and mask.get(id(p), False) == decay
-                          and is_tp_sharded(p) == sharded and group_of.get(id(p), group) is g]
-                    if ps:
-                        path = f"{disk_dir}/flat-{os.getpid()}-{sum(map(len, out)) + len(flats)}.bin" if disk_dir else None
-                        f = FlatShard([names[id(p)] for p in ps], ps, decay, stage, g, compute_dtype,
-                                      reduce_dtype, offload, path)
-                        f.tp_sharded, f.is_tied = sharded, tied is not None and ps[0] is tied
-                        flats.append(f)
-            out.append(flats)
-    return out
-
-
-def flat_state_bytes(flats: list, optimizer) -> dict:
-    """Bytes held now by ZeRO flat buffers ``flats``: parameters (compute copies; the fp32 master
-    too when it is the parameter itself), gradients (full buffers of stage 1 or fp32 shards),
-    optimizer (Adam state + fp32 master shards of mixed precision). Returns ``{"params_bytes",
-    "grads_bytes", "optimizer_bytes", "total_bytes"}`` (ints, bytes, on the device); with
-    ``train.offload = optimizer`` also ``host_bytes`` (master shards, their Adam state and the host
-    gradient shards) and ``disk_bytes`` (0), and ``optimizer_bytes`` is 0; with ``optimizer-disk``
-    the master shards and Adam state count as ``disk_bytes`` (the file's vectors, unpadded) and
-    ``host_bytes`` holds only host gradient shards (none on a CPU-only machine). Offloaded, the host
-    bytes are also split by part: ``host_params_bytes`` (``train.offload = params``: the host compute
-    shards, the master when it is the compute shard), ``host_grads_bytes``, ``host_optimizer_bytes``
-    (masters and Adam state); they sum to ``host_bytes``."""
-    p = g = o = hp = hg = ho = d = 0
-    for f in flats:
-        p += f.full.untyped_storage().size()
-        master = f.master.numel() * f.master.element_size()
-        if f.params_offload and f.frozen:  # the compute-dtype master is the host shard
-            hp += master
-            continue
-        if f.offload:
-            p += f.dev_shard.numel() * f.dev_shard.element_size() if f.dev_shard is not None else 0
-            g += 0 if f.grad_aliased else f.shard_grad.numel() * f.shard_grad.element_size()
-            g += f.grad_full.numel() * f.grad_full.element_size() if f.grad_full is not None else 0
-            hg += f.host_grad.numel() * f.host_grad.element_size() if f.host_grad is not None else 0
-            if f.disk is not None:
-                d += 3 * master
-                continue
-            if f.host_shard is not None:  # params offload: the master serves as the compute shard, or a copy
-                hp += master if f.host_shard is f.master or f.host_shard.data_ptr() == f.master.data_ptr() \
-                    else f.host_shard.numel() * f.host_shard.element_size()
-            shares = f.host_shard is not None and f.host_shard.data_ptr() == f.master.data_ptr()
-            ho += (0 if shares else master) + sum(t.numel() * t.element_size()
-                                                  for t in optimizer.state.get(f.master, {}).values()
-                                                  if isinstance(t, torch.Tensor) and t.dim() > 0)
-            continue
-        if f.stage == 3 and f.compute_dtype == f.master_dtype:
-            p += master
-        elif not f.aliased:
-            o += master
-        if f.grad_full is not None:
-            g += f.grad_full.numel() * f.grad_full.element_size()
-        if not (f.stage == 1 and f.aliased):
-            g += f.shard_grad.numel() * f.shard_grad.element_size()
-        for t in optimizer.state.get(f.master, {}).values():
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                o += t.numel() * t.element_size()
-    out = {"params_bytes": p, "grads_bytes": g, "optimizer_bytes": o, "total_bytes": p + g + o}
-    if any(f.offload or f.params_offload for f in flats):
-        out.update(host_bytes=hp + hg + ho, disk_bytes=d, host_params_bytes=hp, host_grads_bytes=hg,
-                   host_optimizer_bytes=ho)
-    return out

@@ -10,12 +10,15 @@ waited for before its storage is released, and nothing gathered outlives the ste
 ends. Used by :class:`~zerotron.parallel.data.zero.ZeroSync` (the plain runner's and a pipeline
 rank's ZeRO). Full activation recomputation (``parallel.recompute``) needs nothing more: the
 pre-backward gather sits on the block's output, outside the checkpointed region, so it runs before
-the recompute of the block's forward."""
+the recompute of the block's forward. :class:`ZeroGatherMixin` is ``ZeroSync``'s side of it: the
+roots for a step, the blocks for a W pass, every unit for a full-parameters context."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
-__all__ = ["UnitGatherer"]
+__all__ = ["UnitGatherer", "ZeroGatherMixin"]
 
 
 class _PreBackward(torch.autograd.Function):
@@ -126,3 +129,50 @@ class UnitGatherer:
                 return _PreBackward.apply(pre_backward, output)
             return output
         return hook
+
+
+class ZeroGatherMixin:
+    """Stage 3's parameters for a step or a context, for :class:`~zerotron.parallel.data.zero.ZeroSync`
+    (attributes used: ``stage``, ``flats``, ``n_root``, ``eager``, ``offload``, ``gatherer``, a
+    :class:`UnitGatherer`; the offload mixin's ``settle``). Stages 1-2 keep parameters full at rest:
+    these methods then only wait for an offloaded step's updated parameters."""
+
+    def begin_step(self) -> None:
+        """Stage 3: gather the root units for the step (used at both ends of the model). Stages
+        1-2 with offload: the plain runner waits here for the root units' updated parameters (each
+        block waits for its own in its forward, ``ZeroSync._arrive``), a pipeline for every unit's."""
+        if self.stage == 3:
+            self.gatherer.gather_roots()
+        elif self.offload:
+            self.settle(range(self.n_root) if self.eager else None)
+
+    def end_step(self) -> None:
+        """Stage 3: nothing gathered (or still gathering) survives the step."""
+        if self.stage == 3:
+            self.gatherer.release_all()
+
+    def gather_blocks(self, units) -> None:
+        """Stage 3: all-gather the block units among ``units`` (a W of a split backward reads the
+        weights: saved tensors, recomputation); ``ZeroSync.after_backward`` frees them. Else nothing."""
+        if self.stage == 3:
+            for u in units:
+                if u >= self.n_root:
+                    self.gatherer.gather(u)
+
+    @contextlib.contextmanager
+    def full_params(self, blocks: bool = True):
+        """Stage 3: the root units (and every block when ``blocks``; otherwise the blocks' forward
+        hooks gather them one at a time) gathered for the context (evaluation, generation, export,
+        state dicts); freed on exit. Stages 1-2: nothing to do (parameters are full at rest) but
+        to wait for the updated parameters of an offloaded step (``ZeroSync.settle``)."""
+        self.settle()
+        if self.stage == 3:
+            for u in range(len(self.flats) if blocks else self.n_root):
+                self.gatherer.gather(u)
+            self.gatherer.hold += blocks  # everything gathered: forwards (e.g. generate) keep it
+        try:
+            yield
+        finally:
+            if self.stage == 3:  # also blocks a gradient-free forward prefetched but did not run
+                self.gatherer.hold -= blocks
+                self.gatherer.release_all()

@@ -270,9 +270,9 @@ class ExpertZero(_ExpertShards, ZeroStrategy):
 
     def expert_state_bytes(self, optimizer) -> dict:
         """Bytes held now by the expert flat buffers (this rank's E/ep experts, sharded over the
-        replica group): :func:`~zerotron.parallel.data.flat_shard.flat_state_bytes` of those
+        replica group): :func:`~zerotron.parallel.data.flat_units.flat_state_bytes` of those
         buffers (``params_bytes``, ``grads_bytes``, ``optimizer_bytes``, ``total_bytes``)."""
-        from zerotron.parallel.data.flat_shard import flat_state_bytes
+        from zerotron.parallel.data.flat_units import flat_state_bytes
 
         return flat_state_bytes([f for f in self.all_flats if any(id(p) in self._expert_ids for p in f.params)],
                                 optimizer)

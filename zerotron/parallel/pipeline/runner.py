@@ -55,7 +55,7 @@ matmuls). DDP leaves the expert shards out of its buckets and sums their flat gr
 the replica group dp/ep in ``finish_grads``; ZeRO shards their flat buffers over that group
 (``ZeroSync``'s ``group_of``); the norm sums the expert shards' squares over ep; the canonical state
 gathers them over ep. The auxiliary losses need no path across stages: each MoE layer injects its
-own into its output's backward, weighted per micro-batch (``models.mixtral``).
+own into its output's backward, weighted per micro-batch (``models.moe``).
 
 Also: ``last_step_timing()`` (measured busy/idle per rank), ``full_params()`` (the dense model with
 every stage's weights broadcast in; collective over pp -- and over tp, which yields a separate
