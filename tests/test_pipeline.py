@@ -145,7 +145,7 @@ def _train(lay: dict) -> dict:
 
 def _run(layouts):
     """Worker body: train each layout; the job's meshes and pipeline groups are destroyed at its end
-    (a pooled rank that ends a job holding destroyed gloo groups' threads retires, testing._pool_main)."""
+    (a pooled rank that ends a job holding destroyed gloo groups' threads retires, testing_pool._pool_main)."""
     from zerotron.parity.runs import destroy_subgroups
 
     out = [_train(lay) for lay in layouts]

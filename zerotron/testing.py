@@ -121,7 +121,7 @@ def run_ranks_captured(fn, world_size: int, *args, env: dict | None = None, time
     <argv>`` as each worker of a ``--nproc`` launch runs it (RANK and WORLD_SIZE set, the process
     group up), on the pooled ranks instead of that many fresh interpreters (~4 CPU s each): for
     reference runs and any check that is not about the launcher itself (the launcher's lock,
-    messages, signals and ``--max-restarts`` need :func:`run_cli` with ``--nproc``). Raises
+    messages, signals and ``--max-restarts`` need :func:`~zerotron.testing_cli.run_cli` with ``--nproc``). Raises
     RuntimeError as :func:`run_ranks` does."""
     return run_ranks(_captured, world_size, fn, args, dict(env or {}), timeout_s=timeout_s,
                      join_timeout_s=join_timeout_s)

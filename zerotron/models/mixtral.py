@@ -34,7 +34,7 @@ class MixtralConfig(LlamaConfig):
     ``moe_capacity_factor`` >= 0 (0 = dropless; else training forwards keep at most
     ceil(factor * N * k / E) assignments per expert, :meth:`MoE.capacity_keep`);
     ``moe_bias_update_rate`` >= 0 (0 = off; else the auxiliary-loss-free balancing bias,
-    :func:`update_expert_bias`)."""
+    :func:`~zerotron.models.moe.update_expert_bias`)."""
 
     n_experts: int = 8
     experts_top_k: int = 2

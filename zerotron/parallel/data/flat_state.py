@@ -5,7 +5,7 @@ the conversion between the canonical per-parameter form of checkpoints and this 
 
 Attributes used (set by ``FlatShard.__init__``): ``names``, ``params``, ``offsets``, ``numels``,
 ``padded``, ``k``, ``master``, ``master_dtype``, ``frozen``, ``disk``, ``used``, ``steps``,
-:attr:`FlatShard.shard_bounds`; the offload copies ``settle_arrival``, ``master_to_device`` and
+:attr:`~zerotron.parallel.data.flat_shard.FlatShard.shard_bounds`; the offload copies ``settle_arrival``, ``master_to_device`` and
 ``release_disk``."""
 from __future__ import annotations
 
