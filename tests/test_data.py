@@ -230,6 +230,9 @@ BAD_INPUTS = [
     (lambda tmp: load_token_data(tmp / "emptydir"), "not a complete zerotron token cache"),
     (lambda tmp: prepare_data("files", tmp / "a.txt", vocab_size=300, val_fraction=1.0,
                               cache_dir=tmp / "c"), "val_fraction must be"),
+    # one conversation: was "the validation split has no window ...; lower model.block_size", which cannot help
+    (lambda tmp: prepare_data("files", tmp / "one.jsonl", vocab_size=300, cache_dir=tmp / "c", format="chat",
+                              seq_len=64), r"one\.jsonl: data\.format = chat needs at least 2 rows, got 1"),
 ]
 
 
@@ -243,6 +246,8 @@ def test_bad_inputs(tmp_path, call, message):
     (tmp_path / "emptydir").mkdir()
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "a.txt").write_text("hello world\n" * 20)
+    (tmp_path / "one.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                        '{"role": "assistant", "content": "hello"}]}\n')
     with pytest.raises(DataError, match=message):
         call(tmp_path)
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
