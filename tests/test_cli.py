@@ -59,6 +59,11 @@ CASES = [
     (["train", "--config", TINY, "--data.cache_dir", "/proc/nope/cache"],
      "data.cache_dir '/proc/nope/cache' cannot be created (No such file or directory): give a writable folder"),
     (["train", "--config", TINY, "--model.dropout", "1.5"], "model.dropout must be in [0, 1)"),
+    # a LoRA rank above a targeted layer's min(in, out) (was accepted: adapters larger than the model)
+    (["train", "--config", TINY, "--train.lora_rank", "100000"], "train.lora_rank (100000) exceeds the rank a LoRA "
+     "update of attn.c_attn can have, min(in, out) = min(64, 192) = 64: choose train.lora_rank <= 64"),
+    (["train", "--config", "configs/llama_tiny.toml", "--train.lora_rank", "33", "--train.lora_targets", "q_proj,v_proj"],
+     "of self_attn.v_proj can have, min(in, out) = min(64, 32) = 32"),
     (["train", "--config", TINY, "--bogus.key", "1"], "unknown config section 'bogus'"),
     (["train", "--config", TINY, "--train.steps"], "override --train.steps needs a value"),
     (["train", "--config", TINY, "stray"], "unexpected argument 'stray'"),
