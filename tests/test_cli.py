@@ -137,6 +137,10 @@ CASES = [
     # a value that starts like a negative number is the option's value, checked by the option (argparse
     # took "-5GB" for an option: "argument --gpu-mem: expected one argument")
     (["dryrun", "--world", "2", "--gpu-mem", "-5GB"], "bad memory size '-5GB': use e.g. 80GB"),
+    # nodes of 3 ranks under a world of 16 (was traced, with groups placed on a partial last node; plan refuses it)
+    (["dryrun", "--config", TINY, "--world", "16", "--gpus-per-node", "3", "--parallel.tp", "2",
+      "--train.micro_batch", "1"],
+     "--world (16) must be a multiple of --gpus-per-node (3)"),
     (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--gpu-mem", "-80GB"], "bad memory size '-80GB'"),
 ]
 
