@@ -157,7 +157,10 @@ def test_masked_targets_equal_a_hand_count():
            ("template raises", rows, "{{ raise_exception('only user turns') }}", "failed to render"),
            ("template syntax", rows, "{% for %}", "does not compile"),
            ("not a prefix", rows, "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
-            "prefixes")]
+            "prefixes"),
+           # was "raise model.block_size or shorten the rows", for rows of a few tokens
+           ("no assistant text", rows, "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}"
+            "{% endif %}{% endfor %}", "the chat template renders none of the assistant turns' text")]
     for what, rs, t, msg in bad:
         with pytest.raises(DataError, match=msg) as e:
             build_windows(tok, rs, "chat", sp, 40, t)
