@@ -197,9 +197,8 @@ def test_lora_targets_are_the_layouts_projections():
     """PROJECTIONS (plain data the plan checks) names exactly each family's block Linear layers;
     target names resolve by full path or last part; unknown ones and unsupported layouts are
     refused by the plan in one line."""
-    from zerotron.config import ConfigError
+    from zerotron.config import ConfigError, model_shape
     from zerotron.models import registry
-    from zerotron.config import model_shape
     from zerotron.models.layout import PROJECTIONS, get_module, lora_targets, projection_widths
     from zerotron.plan import build_plan
     from zerotron.testing import tiny_config
