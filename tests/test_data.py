@@ -226,6 +226,9 @@ BAD_INPUTS = [
     # was: the BPE trainer's 70 GB table and an abort inside Rust (exit 134)
     (lambda tmp: train_bpe(["abc"], 10**9, tmp / "t.json"), r"vocab_size must be an integer in \[257, 1,048,576\]"),
     (lambda tmp: load_tokenizer(tmp / "missing.json"), "does not exist"),
+    # a run directory (as generate --checkpoint takes): the line names its newest checkpoint's tokenizer (step 10, not 9)
+    (lambda tmp: load_tokenizer(tmp / "run"), r"run' is a directory without tokenizer\.json; .* \(a run directory: its "
+     r"newest checkpoint's is '.*run/checkpoints/step_10/tokenizer\.json'\)"),
     (lambda tmp: load_tokenizer(tmp / "bad.jsonl"), "not a valid tokenizers JSON"),
     (lambda tmp: load_token_data(tmp / "emptydir"), "not a complete zerotron token cache"),
     (lambda tmp: prepare_data("files", tmp / "a.txt", vocab_size=300, val_fraction=1.0,
@@ -246,6 +249,9 @@ def test_bad_inputs(tmp_path, call, message):
     (tmp_path / "emptydir").mkdir()
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "a.txt").write_text("hello world\n" * 20)
+    for step in (9, 10):
+        (tmp_path / "run" / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "run" / "checkpoints" / f"step_{step}" / "tokenizer.json").write_text("{}")
     (tmp_path / "one.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
                                         '{"role": "assistant", "content": "hello"}]}\n')
     with pytest.raises(DataError, match=message):
