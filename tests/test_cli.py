@@ -86,6 +86,10 @@ CASES = [
       "--max-new-tokens", "100001"], "--max-new-tokens 100001 is more than 100,000"),
     (["bench", "nothing"], "usage: zerotron bench comm|train|plan"),
     (["bench", "plan", "--bench-train", "/no/such.json", "--bench-comm", "/no/such.json"], "/no/such.json"),
+    # a torn result file (was only "Expecting value: line 1 column 1 (char 0)", naming neither file nor flag)
+    (["bench", "plan", "--bench-train", "README.md", "--bench-comm", "README.md"],
+     "--bench-train 'README.md' is not valid JSON (Expecting value: line 1 column 1 (char 0)); pass a file "
+     "'zerotron bench train --json' wrote"),
     (["memory", "--params", "1e6", "--dp", "0"], "dp"),
     # without --seq the sequence is the preset's block_size (1024): cp 3 was estimated though training refuses it
     (["memory", "--model", "gpt2", "--dp", "2", "--cp", "3"], "--cp 3 needs the sequence, gpt2's block_size 1024"),
