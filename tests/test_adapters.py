@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import urllib.request
 
@@ -185,3 +186,25 @@ def test_serve_peft_adapter(gpt, tmp_path, capsys):
                  "--prompt", PROMPT]) == 2
     err = capsys.readouterr().err.strip()
     assert "adapter_config.json" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"lora_alpha": "x"}, "lora_alpha must be a finite number, got 'x'"),  # was "could not convert string to float"
+    ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number, got nan"),  # was: NaN deltas, no word
+    ({"target_modules": "["}, "target_modules '[' is not a valid regular expression"),  # was re.error, a traceback
+    ({"target_modules": 5}, "target_modules must be a list of module names or a regular expression, got 5"),
+], ids=["alpha-str", "alpha-nan", "regex", "int-targets"])
+def test_adapter_config_values_refused_in_one_line(tmp_path, change, message):
+    """adapter_config.json values peft would refuse: one line naming the adapter and the field,
+    before any weight is read (``read_adapter``, which serve and generate --adapter call first)."""
+    from safetensors.torch import save_file
+
+    from zerotron.models.peft_adapter import read_adapter
+
+    conf = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["c_attn"], "bias": "none", **change}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(conf))
+    save_file({"base_model.model.transformer.h.0.attn.c_attn.lora_A.weight": torch.zeros(2, 8)},
+              str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        read_adapter(tmp_path)
+    assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)

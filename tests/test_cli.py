@@ -59,6 +59,11 @@ CASES = [
     (["train", "--config", TINY, "--data.cache_dir", "/proc/nope/cache"],
      "data.cache_dir '/proc/nope/cache' cannot be created (No such file or directory): give a writable folder"),
     (["train", "--config", TINY, "--model.dropout", "1.5"], "model.dropout must be in [0, 1)"),
+    # a LoRA rank above a targeted layer's min(in, out) (was accepted: adapters larger than the model)
+    (["train", "--config", TINY, "--train.lora_rank", "100000"], "train.lora_rank (100000) exceeds the rank a LoRA "
+     "update of attn.c_attn can have, min(in, out) = min(64, 192) = 64: choose train.lora_rank <= 64"),
+    (["train", "--config", "configs/llama_tiny.toml", "--train.lora_rank", "33", "--train.lora_targets", "q_proj,v_proj"],
+     "of self_attn.v_proj can have, min(in, out) = min(64, 32) = 32"),
     (["train", "--config", TINY, "--bogus.key", "1"], "unknown config section 'bogus'"),
     (["train", "--config", TINY, "--train.steps"], "override --train.steps needs a value"),
     (["train", "--config", TINY, "stray"], "unexpected argument 'stray'"),
@@ -81,6 +86,10 @@ CASES = [
       "--max-new-tokens", "100001"], "--max-new-tokens 100001 is more than 100,000"),
     (["bench", "nothing"], "usage: zerotron bench comm|train|plan"),
     (["bench", "plan", "--bench-train", "/no/such.json", "--bench-comm", "/no/such.json"], "/no/such.json"),
+    # a torn result file (was only "Expecting value: line 1 column 1 (char 0)", naming neither file nor flag)
+    (["bench", "plan", "--bench-train", "README.md", "--bench-comm", "README.md"],
+     "--bench-train 'README.md' is not valid JSON (Expecting value: line 1 column 1 (char 0)); pass a file "
+     "'zerotron bench train --json' wrote"),
     (["memory", "--params", "1e6", "--dp", "0"], "dp"),
     # without --seq the sequence is the preset's block_size (1024): cp 3 was estimated though training refuses it
     (["memory", "--model", "gpt2", "--dp", "2", "--cp", "3"], "--cp 3 needs the sequence, gpt2's block_size 1024"),
@@ -132,6 +141,10 @@ CASES = [
     # a value that starts like a negative number is the option's value, checked by the option (argparse
     # took "-5GB" for an option: "argument --gpu-mem: expected one argument")
     (["dryrun", "--world", "2", "--gpu-mem", "-5GB"], "bad memory size '-5GB': use e.g. 80GB"),
+    # nodes of 3 ranks under a world of 16 (was traced, with groups placed on a partial last node; plan refuses it)
+    (["dryrun", "--config", TINY, "--world", "16", "--gpus-per-node", "3", "--parallel.tp", "2",
+      "--train.micro_batch", "1"],
+     "--world (16) must be a multiple of --gpus-per-node (3)"),
     (["plan", "--model", "gpt2", "--gpus", "8", "--global-batch", "8", "--gpu-mem", "-80GB"], "bad memory size '-80GB'"),
 ]
 

@@ -226,10 +226,16 @@ BAD_INPUTS = [
     # was: the BPE trainer's 70 GB table and an abort inside Rust (exit 134)
     (lambda tmp: train_bpe(["abc"], 10**9, tmp / "t.json"), r"vocab_size must be an integer in \[257, 1,048,576\]"),
     (lambda tmp: load_tokenizer(tmp / "missing.json"), "does not exist"),
+    # a run directory (as generate --checkpoint takes): the line names its newest checkpoint's tokenizer (step 10, not 9)
+    (lambda tmp: load_tokenizer(tmp / "run"), r"run' is a directory without tokenizer\.json; .* \(a run directory: its "
+     r"newest checkpoint's is '.*run/checkpoints/step_10/tokenizer\.json'\)"),
     (lambda tmp: load_tokenizer(tmp / "bad.jsonl"), "not a valid tokenizers JSON"),
     (lambda tmp: load_token_data(tmp / "emptydir"), "not a complete zerotron token cache"),
     (lambda tmp: prepare_data("files", tmp / "a.txt", vocab_size=300, val_fraction=1.0,
                               cache_dir=tmp / "c"), "val_fraction must be"),
+    # one conversation: was "the validation split has no window ...; lower model.block_size", which cannot help
+    (lambda tmp: prepare_data("files", tmp / "one.jsonl", vocab_size=300, cache_dir=tmp / "c", format="chat",
+                              seq_len=64), r"one\.jsonl: data\.format = chat needs at least 2 rows, got 1"),
 ]
 
 
@@ -243,6 +249,11 @@ def test_bad_inputs(tmp_path, call, message):
     (tmp_path / "emptydir").mkdir()
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "a.txt").write_text("hello world\n" * 20)
+    for step in (9, 10):
+        (tmp_path / "run" / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "run" / "checkpoints" / f"step_{step}" / "tokenizer.json").write_text("{}")
+    (tmp_path / "one.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                                        '{"role": "assistant", "content": "hello"}]}\n')
     with pytest.raises(DataError, match=message):
         call(tmp_path)
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())

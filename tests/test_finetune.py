@@ -157,7 +157,10 @@ def test_masked_targets_equal_a_hand_count():
            ("template raises", rows, "{{ raise_exception('only user turns') }}", "failed to render"),
            ("template syntax", rows, "{% for %}", "does not compile"),
            ("not a prefix", rows, "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
-            "prefixes")]
+            "prefixes"),
+           # was "raise model.block_size or shorten the rows", for rows of a few tokens
+           ("no assistant text", rows, "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }}"
+            "{% endif %}{% endfor %}", "the chat template renders none of the assistant turns' text")]
     for what, rs, t, msg in bad:
         with pytest.raises(DataError, match=msg) as e:
             build_windows(tok, rs, "chat", sp, 40, t)
@@ -194,15 +197,19 @@ def test_lora_targets_are_the_layouts_projections():
     """PROJECTIONS (plain data the plan checks) names exactly each family's block Linear layers;
     target names resolve by full path or last part; unknown ones and unsupported layouts are
     refused by the plan in one line."""
-    from zerotron.config import ConfigError
+    from zerotron.config import ConfigError, model_shape
     from zerotron.models import registry
-    from zerotron.models.layout import PROJECTIONS, lora_targets
+    from zerotron.models.layout import PROJECTIONS, get_module, lora_targets, projection_widths
     from zerotron.plan import build_plan
     from zerotron.testing import tiny_config
 
     for arch, preset in (("gpt2", "tiny"), ("llama", "llama-tiny")):
-        model = registry.build_model(registry.config_from_section(tiny_config({"model.arch": arch, "model.preset": preset}).model, 300))
+        section = tiny_config({"model.arch": arch, "model.preset": preset}).model
+        model = registry.build_model(registry.config_from_section(section, 300))
         assert set(model.layout().block_tp) == set(PROJECTIONS[arch]), arch
+        block = get_module(model, model.layout().blocks)[0]  # the widths the plan's rank check uses are real
+        assert projection_widths(arch, model_shape(section)) == {
+            p: (get_module(block, p).in_features, get_module(block, p).out_features) for p in PROJECTIONS[arch]}
     assert lora_targets("llama", "") == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     assert lora_targets("gpt2", "c_proj") == ("attn.c_proj", "mlp.c_proj")
     lora = {"train.lora_rank": 4}
@@ -213,7 +220,8 @@ def test_lora_targets_are_the_layouts_projections():
     for extra, world, msg in (({"train.lora_targets": "q_proj"}, 1, "does not have"),
                               ({"parallel.tp": 2, "parallel.tp_impl": "dtensor"}, 2, "tp_impl = native"),
                               ({"parallel.cp": 2}, 2, "parallel.cp = 1"),
-                              ({"train.lora_dropout": 1.0}, 1, "lora_dropout")):
+                              ({"train.lora_dropout": 1.0}, 1, "lora_dropout"),
+                              ({"train.lora_rank": 65}, 1, r"min\(in, out\) = min\(64, 192\) = 64")):
         with pytest.raises(ConfigError, match=msg) as e:
             build_plan(tiny_config({**lora, **extra}), world)
         assert "\n" not in str(e.value)

@@ -142,6 +142,30 @@ def test_load_errors(tmp_path):
         registry.load_hf(d)
 
 
+@pytest.mark.parametrize("index,message", [
+    (b"{", r"model\.safetensors\.index\.json is not valid JSON"),  # was: "model.safetensors: Expecting ..."
+    (b'{"metadata": {}}', "has no weight_map of tensor names"),  # was: the bare KeyError "'weight_map'"
+    (b"[1]", "has no weight_map of tensor names"),
+    (b'{"weight_map": {"a": "../elsewhere.safetensors"}}', "has no weight_map of tensor names"),
+    # was: "No such file or directory: .../model-2.safetensors", naming neither the index nor the fix
+    (b'{"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}',
+     r"shard model-2\.safetensors listed in .*index\.json is missing"),
+], ids=["torn", "no-map", "list", "outside", "missing-shard"])
+@pytest.mark.parametrize("meta", [True, False], ids=["headers", "weights"])
+def test_sharded_index_errors_name_the_index(tmp_path, index, message, meta):
+    """A sharded checkpoint whose model.safetensors.index.json is torn, has no weight_map, or lists a
+    shard that is not there: one line naming the index (and the shard), from the launcher's header
+    check (meta) and from the load itself."""
+    cfg = LlamaConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
+                      intermediate_size=24)
+    (tmp_path / "config.json").write_text(json.dumps(llama_to_hf_config(cfg)))
+    save_file(state_dict_to_hf_llama(Llama(cfg).state_dict(), cfg), str(tmp_path / "model-1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises((ValueError, FileNotFoundError), match=message) as e:
+        load_hf_llama(tmp_path, meta=meta)
+    assert len(str(e.value).splitlines()) == 1
+
+
 def test_cli_train_generate_export_init_from(tmp_path, data_cache):
     """The real CLI on configs/llama_tiny.toml: train a few steps (dense, one process), generate from
     the checkpoint, export it; transformers' logits equal the checkpoint's model, and a run started

@@ -426,7 +426,8 @@ def test_bad_calibration_content(tmp_path, capsys):
 def test_parse_memory_and_stage_params():
     assert parse_memory("80GB") == 80 * GB and parse_memory("80 GiB") == 80 * 2**30
     assert parse_memory("1.5TB") == 1_500_000_000_000
-    for bad in ("80", "80XB", "-1GB", "0GB", ""):
+    assert parse_memory("512KB") == 512_000 and parse_memory("1KiB") == 1024
+    for bad in ("80", "80XB", "-1GB", "0GB", "", "0.5B"):
         with pytest.raises(ValueError):
             parse_memory(bad)
     cfg = preset_config("gpt2")

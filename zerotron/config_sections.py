@@ -171,7 +171,7 @@ class TrainConfig:
     stop_grace_s: float = 25.0
     """seconds a signalled run has to finish its step and write a checkpoint"""
     lora_rank: int = 0
-    """LoRA adapters of this rank on lora_targets, base weights frozen (0 = off: train every weight)"""
+    """LoRA adapters of this rank on lora_targets, base weights frozen (0 = off: train every weight; at most each target's min(in, out))"""
     lora_alpha: float = 0.0
     """LoRA scale numerator: the update is (alpha / rank) B A (0 = 2 x rank)"""
     lora_dropout: float = 0.0

@@ -115,6 +115,9 @@ def dryrun_main(argv: list) -> int:
         gpu_mem = parse_memory(args.gpu_mem) if args.gpu_mem else None
         if args.gpus_per_node < 1:
             raise DryRunError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+        if args.world > args.gpus_per_node and args.world % args.gpus_per_node:  # as `zerotron plan` refuses it
+            raise DryRunError(f"--world ({args.world}) must be a multiple of --gpus-per-node ({args.gpus_per_node}): "
+                              "the nodes are whole; pass the ranks each node really has")
         if not 0 < args.compute_eff <= 1:
             raise DryRunError(f"--compute-eff must be in (0, 1], got {args.compute_eff}")
         hw = hardware(args.hardware)

@@ -197,14 +197,15 @@ def offload_dir_refusal(cfg, plan, local_ranks: int | None = None) -> str | None
 
 
 def parse_memory(text: str) -> int:
-    """Bytes in "80GB", "80 GiB", "512MB", "1.5TB" (decimal GB/MB/TB, binary GiB/MiB/TiB).
-    Raises ValueError for anything else or a non-positive size."""
-    units = {"b": 1, "mb": 10**6, "gb": 10**9, "tb": 10**12, "mib": 2**20, "gib": 2**30,
-             "tib": 2**40}
+    """Bytes in "80GB", "80 GiB", "512MB", "1.5TB" (decimal B/KB/MB/GB/TB, binary KiB/MiB/GiB/TiB).
+    Raises ValueError for anything else or a size under one byte."""
+    units = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+             "gib": 2**30, "tib": 2**40}
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", str(text))
-    if not m or m.group(2).lower() not in units or float(m.group(1)) <= 0:
+    n = int(float(m.group(1)) * units[m.group(2).lower()]) if m and m.group(2).lower() in units else 0
+    if n < 1:  # (was: "0.5B" gave 0 bytes, and "1KB" was called no memory size)
         raise ValueError(f"bad memory size {text!r}: use e.g. 80GB or 80GiB")
-    return int(float(m.group(1)) * units[m.group(2).lower()])
+    return n
 
 
 def preset_config(name: str):

@@ -261,6 +261,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _read_json(path: str, flag: str, writer: str):
+    """The JSON document in ``path`` (the value of ``flag``). Raises OSError when it cannot be read
+    and ValueError (one line naming the flag, the file and ``writer``, the command that writes
+    such files) when it is not JSON -- e.g. a file cut short by a full disk or a killed run."""
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for a binary file
+        raise ValueError(f"{flag} {path!r} is not valid JSON ({str(e).splitlines()[0]}); pass a file '{writer}' "
+                         "wrote") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns 0, or 2 on a usage or input error (message on stderr)."""
     try:
@@ -269,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     try:
         check_out_files({"--json": args.json, "--out": args.out})
-        rows = json.loads(Path(args.bench_train).read_text())
-        comm_bench = json.loads(Path(args.bench_comm).read_text())
+        rows = _read_json(args.bench_train, "--bench-train", "zerotron bench train --json")
+        comm_bench = _read_json(args.bench_comm, "--bench-comm", "zerotron bench comm --json")
         if not (isinstance(rows, list) and all(isinstance(r, dict) for r in rows)):
             raise ValueError(f"--bench-train {args.bench_train!r} is not a 'zerotron bench train --json' file "
                              "(a list of layout records)")
@@ -295,7 +306,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"{ran[0]['tokens_per_step']}")
         threads = args.threads or int(ran[0].get("threads", 1))
         if args.profile:
-            prof = dict(json.loads(Path(args.profile).read_text())["profile"])
+            prof = _read_json(args.profile, "--profile", "zerotron bench plan --json")
+            if not isinstance(prof, dict) or not isinstance(prof.get("profile"), dict):
+                raise ValueError(f"--profile {args.profile!r} has no 'profile' object; pass a file "
+                                 "'zerotron bench plan --json' wrote")
+            prof = dict(prof["profile"])
             if args.peak_flops:
                 prof["peak_flops"] = args.peak_flops
         else:

@@ -247,6 +247,10 @@ def _build_rows(out: Path, key: str, inputs: dict, path, vocab_size: int, val_fr
     """The instruction-data cache: rows split (the last ``round(n * val_fraction)`` to
     validation, at least one of two or more), laid out one per window with masks (:mod:`.sft`)."""
     rows = sft.read_rows(path)
+    if len(rows) < 2:  # was: "the validation split has no window ...; lower model.block_size", which cannot help
+        raise DataError(f"{path}: data.format = {format} needs at least 2 rows, got {len(rows)}: the last "
+                        "round(rows x data.val_fraction) rows (at least one) are the validation split and the "
+                        "rest train; add rows")
     n_val = min(max(round(len(rows) * val_fraction), 1), len(rows) - 1) if len(rows) > 1 else 0
     splits = {"train": rows[:len(rows) - n_val], "val": rows[len(rows) - n_val:]}
     if tokenizer_path is None:

@@ -176,6 +176,7 @@ def build_windows(tok, rows: list[tuple[str, dict]], fmt: str, sp: SpecialTokens
     template = compile_template(chat_template) if fmt == "chat" else None
     S, pad, sep = seq_len, sp.pad_or_eos, sp.eos_id
     windows_ids, windows_mask, truncated, dropped, placed = [], [], 0, 0, 0
+    untrained = 0  # dropped rows that have no target even untruncated (the template renders no assistant text)
     cur_ids: list[int] = []
     cur_mask: list[int] = []
 
@@ -194,12 +195,14 @@ def build_windows(tok, rows: list[tuple[str, dict]], fmt: str, sp: SpecialTokens
                                 "that does not render it inside a conversation, or set data.doc_mask = false")
             if ids[-1] != sep:
                 ids, mask = ids + [sep], mask + [0]
+        trainable = any(mask[1:])
         if len(ids) > S:
             truncated += 1
             ids, mask = ids[:S], mask[:S]
         mask[0] = 0  # a row's first token is never a target (it follows the previous row or window)
         if not any(mask):
             dropped += 1
+            untrained += not trainable
             continue
         if not pack or len(cur_ids) + len(ids) > S:
             cur_ids, cur_mask = close()
@@ -207,6 +210,10 @@ def build_windows(tok, rows: list[tuple[str, dict]], fmt: str, sp: SpecialTokens
         placed += 1
     close()
     if not windows_ids:
+        if untrained == dropped:  # was "raise model.block_size", which cannot help: nothing of the assistant is rendered
+            raise DataError(f"no row has a target token: the chat template renders none of the assistant turns' text "
+                            f"(an empty assistant span in all {dropped} rows); use a template that renders the "
+                            "assistant messages (data.chat_template or the tokenizer's)")
         raise DataError(f"no row has a target token within seq_len {S}; raise model.block_size or shorten the rows")
     ids = np.asarray([t for r in windows_ids for t in r] + [pad], dtype=np.int64)
     mask = np.asarray([t for r in windows_mask for t in r] + [0], dtype=np.uint8)

@@ -81,8 +81,12 @@ def tokenizer_file(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
+            steps = sorted((int(d.name[5:]), d) for d in path.glob("checkpoints/step_*")
+                           if d.name[5:].isdigit() and (d / "tokenizer.json").is_file())
+            hint = (f" (a run directory: its newest checkpoint's is {str(steps[-1][1] / 'tokenizer.json')!r})"
+                    if steps else "")
             raise DataError(f"{str(path)!r} is a directory without tokenizer.json; point data.tokenizer at a "
-                            "tokenizer.json or a directory holding one")
+                            f"tokenizer.json or a directory holding one{hint}")
         return path / "tokenizer.json"
     if not path.is_file():
         raise DataError(f"tokenizer file {str(path)!r} does not exist; check the path or "

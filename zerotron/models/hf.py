@@ -202,14 +202,33 @@ def _read_safetensors(path: Path, meta: bool = False) -> dict[str, torch.Tensor]
         return load(str(path))
     index = path.with_name(path.name + ".index.json")
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         sd = {}
-        for shard in shards:
+        for shard in _index_shards(index):
+            if not path.with_name(shard).is_file():
+                raise FileNotFoundError(f"shard {shard} listed in {index} is missing; copy every shard the "
+                                        "index lists into the folder")
             sd.update(load(str(path.with_name(shard))))
         return sd
     hint = (" Only safetensors is read: convert pytorch_model.bin with "
             "transformers' save_pretrained(..., safe_serialization=True).")
     raise FileNotFoundError(f"weights file {path} not found.{hint}")
+
+
+def _index_shards(index: Path) -> list[str]:
+    """The shard file names a ``model.safetensors.index.json`` lists (sorted, distinct). Raises
+    ValueError (one line naming the index) for a file that is not JSON or has no ``weight_map`` of
+    file names (e.g. torn by a copy), or for a shard name that leaves the folder."""
+    try:
+        doc = json.loads(index.read_text())
+    except ValueError as e:  # not JSON (a UnicodeDecodeError is a ValueError too)
+        raise ValueError(f"{index} is not valid JSON ({str(e).splitlines()[0]}); copy it again from the model's "
+                         "source") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or \
+            not all(isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()):
+        raise ValueError(f"{index} has no weight_map of tensor names to shard files in its folder; copy it again "
+                         "from the model's source")
+    return sorted(set(weight_map.values()))
 
 
 def read_hf_checkpoint(path: str | Path, what: str = "HF") -> tuple[Path, dict]:

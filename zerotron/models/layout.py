@@ -135,6 +135,19 @@ PROJECTIONS = {
 ATTENTION_PREFIX = {"gpt2": "attn.", "llama": "self_attn."}
 
 
+def projection_widths(arch: str, shape: dict) -> dict[str, tuple[int, int]]:
+    """``{path: (in_features, out_features)}`` of each projection in :data:`PROJECTIONS` for a resolved
+    model shape (``config.model_shape``: ``n_embd``, ``n_head``; llama also ``n_kv_head`` and
+    ``intermediate_size``). Plain arithmetic (no torch), for the plan's LoRA rank check."""
+    d = int(shape["n_embd"])
+    if arch == "gpt2":
+        return {"attn.c_attn": (d, 3 * d), "attn.c_proj": (d, d), "mlp.c_fc": (d, 4 * d), "mlp.c_proj": (4 * d, d)}
+    kv = int(shape["n_kv_head"]) * (d // int(shape["n_head"]))
+    f = int(shape["intermediate_size"])
+    return {"self_attn.q_proj": (d, d), "self_attn.k_proj": (d, kv), "self_attn.v_proj": (d, kv),
+            "self_attn.o_proj": (d, d), "mlp.gate_proj": (d, f), "mlp.up_proj": (d, f), "mlp.down_proj": (f, d)}
+
+
 def lora_targets(arch: str, spec: str) -> tuple[str, ...]:
     """The block projections ``spec`` names (comma-separated; a name matches a projection's
     full path, e.g. ``mlp.c_proj``, or its last part, e.g. ``q_proj`` or ``c_proj`` = both);

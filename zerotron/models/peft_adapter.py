@@ -57,6 +57,21 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise ValueError(f"--adapter {str(d)!r} trains biases (bias = {conf['bias']!r}); only bias = 'none' is applied")
     if not isinstance(conf.get("r"), int) or conf["r"] < 1:
         raise ValueError(f"--adapter {str(d)!r}: adapter_config.json r must be an int >= 1, got {conf.get('r')!r}")
+    alpha = conf.get("lora_alpha", conf["r"])
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        # was: "could not convert string to float: 'x'" (naming neither the adapter nor the field), and NaN
+        # scaled every delta to NaN without a word
+        raise ValueError(f"--adapter {str(d)!r}: adapter_config.json lora_alpha must be a finite number, got {alpha!r}")
+    t = conf.get("target_modules")
+    if isinstance(t, str):
+        try:
+            re.compile(t)
+        except re.error as e:  # peft reads a string as a regular expression
+            raise ValueError(f"--adapter {str(d)!r}: adapter_config.json target_modules {t!r} is not a valid regular "
+                             f"expression ({e})") from None
+    elif t is not None and not (isinstance(t, list) and all(isinstance(k, str) for k in t)):
+        raise ValueError(f"--adapter {str(d)!r}: adapter_config.json target_modules must be a list of module names "
+                         f"or a regular expression, got {t!r}"[:300])
     from safetensors.torch import load_file
 
     try:

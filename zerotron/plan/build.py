@@ -6,12 +6,12 @@ from ..config import ConfigError
 from ..config_checks import check_values
 from ..config_sections import Config, TrainConfig
 from ..dims import ParallelDims
-from ..models.layout import lora_targets
+from ..models.layout import lora_targets, projection_widths
 from .choices import _need
 from .parallel_plan import ParallelPlan
 
 
-def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:
+def _check_lora(t: TrainConfig, plan: ParallelPlan, shape: dict) -> None:
     """LoRA settings and the layouts LoRA runs on: DDP, torch DDP, native ZeRO-1/2/3 and FSDP2
     (frozen base weights: no gradient, no sync, no optimizer state; ZeRO keeps them in their own
     flat buffers, sharded at stage 3), native tensor parallelism +- SP (adapters split like their
@@ -25,10 +25,19 @@ def _check_lora(t: TrainConfig, plan: ParallelPlan, arch: str) -> None:
                          "the compiler); set train.compile = false or train.lora_rank = 0")
     _need(t.lora_alpha >= 0, f"train.lora_alpha must be >= 0 (0 = 2 x rank), got {t.lora_alpha}")
     _need(0 <= t.lora_dropout < 1, f"train.lora_dropout must be in [0, 1), got {t.lora_dropout}")
+    arch = shape.get("arch", "gpt2")
     try:
-        lora_targets(arch, t.lora_targets)
+        paths = lora_targets(arch, t.lora_targets)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    widths = projection_widths(arch, shape)
+    narrow = min(paths, key=lambda p: min(widths[p]))
+    cap = min(widths[narrow])
+    # a rank above min(in, out) adds parameters (more than the layer's own) and no expressive power:
+    # a typo (e.g. 100000 on a 64-wide model) built adapters larger than the model without a word
+    _need(t.lora_rank <= cap, f"train.lora_rank ({t.lora_rank}) exceeds the rank a LoRA update of {narrow} can have, "
+                              f"min(in, out) = min{widths[narrow]} = {cap}: choose train.lora_rank <= {cap} "
+                              "(typically 4-64), or train.lora_rank = 0 to train every weight")
     why = "LoRA (train.lora_rank > 0) runs with DDP, ZeRO/FSDP2, native tensor and pipeline parallelism; "
     _need(plan.tp == 1 or plan.tp_impl == "native", why + "parallel.tp_impl = dtensor does not split the adapters: "
                                                           "set parallel.tp_impl = native")
@@ -51,7 +60,7 @@ def build_plan(cfg: Config, world_size: int) -> ParallelPlan:
             raise
         raise ConfigError(f"{e} (the model of model.init_from {cfg.model.init_from!r}, from its config.json)"
                           ) from None
-    _check_lora(cfg.train, plan, shape.get("arch", "gpt2"))
+    _check_lora(cfg.train, plan, shape)
     if plan.runner == "plain" and p.microbatches:  # (a plan built directly may run PipelineStrategy at pp 1)
         raise ConfigError(f"parallel.microbatches ({p.microbatches}) sets the micro-batches per pipeline flush, "
                           "and this layout has no pipeline (parallel.pp 1): remove it, or set parallel.pp > 1, "
