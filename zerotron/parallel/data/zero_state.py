@@ -21,10 +21,11 @@ back (``models.layout.load_buffers``; an older checkpoint without them: ``train.
 
 An asynchronous checkpoint (``checkpoint.async_save``) splits :meth:`ZeroStateMixin.checkpoint_state`
 in two: :meth:`ZeroStateMixin.checkpoint_snapshot` copies this rank's shards (masters, Adam moments,
-step counts, the optimizer's groups, the persistent buffers) into host buffers -- no collective, the only part that blocks
-training -- and returns a function that the background writer calls later with process groups of
-its own (the same ranks as the shard and tp groups, made for checkpoints) to gather the copies into
-the same canonical state, so the gathers never interleave with training's collectives.
+step counts, the optimizer's groups; the persistent buffers whole) into host buffers -- no
+collective, the only part that blocks training -- and returns a function that the background
+writer calls later with process groups of its own (the same ranks as the shard and tp groups, made
+for checkpoints) to gather the copies into the same canonical state, so the gathers never
+interleave with training's collectives.
 """
 from __future__ import annotations
 
