@@ -159,9 +159,14 @@ def _bias_resume(tmp, extra, cases):
             tr = Trainer(cfg, run_dir, resume=resume)
             losses = []
             tr.fit(callback=lambda t, r: losses.append(r["loss"]))
-            msd, _ = tr.strategy.state_dict(tr.optimizer)
+            msd, osd = tr.strategy.state_dict(tr.optimizer)
             got.append((losses, {k: v.detach().double().cpu().numpy().copy() for k, v in msd.items()}))
             dist.barrier()
+        # and a full canonical state (load_state_dict, not DCP's in-place load) sets the bias too
+        moved = {k: v + 1 if k.endswith("expert_bias") else v for k, v in msd.items()}
+        tr.strategy.load_state_dict(moved, osd, tr.optimizer)
+        back, _ = tr.strategy.state_dict(tr.optimizer)
+        got.append(all(torch.equal(back[k], moved[k]) for k in moved if k.endswith("expert_bias")))
         out[name] = got
     return out
 
@@ -171,17 +176,19 @@ def test_bias_resumes_exactly_under_sharded_states(data_cache, tmp_path, report)
     checkpoints of the strategies that build their own canonical state: a run resumed from step 2
     trains step 3 bitwise like the uninterrupted run, and both end with the same model state
     (the bias included, and moved), under native ZeRO-3 (and its asynchronous snapshot) and ZeRO-1
-    with ep 2 (each lost the bias before: the resumed step-3 loss differed in the 5th digit)."""
+    with ep 2 (each lost the bias before: the resumed step-3 loss differed in the 5th digit); a full
+    canonical state loaded with ``load_state_dict`` sets it too."""
     extra = {"data.cache_dir": data_cache, **MOE}
     cases = [("zero3", parity.Layout("zero3", 2, 1, False, 1, None, 4), {}),
              ("zero3-async", parity.Layout("zero3", 2, 1, False, 1, None, 4), {"checkpoint.async_save": "true"}),
              ("zero1-ep2", parity.Layout("zero1", 2, 1, False, 1, None, 4, ep=2), {})]
     per_rank = run_ranks(_bias_resume, 2, str(tmp_path), extra, cases, timeout_s=300)
     for name, *_ in cases:
-        (full_losses, _), (losses, _) = per_rank[0][name]
+        (full_losses, _), (losses, _), _ = per_rank[0][name]
+        assert all(per_rank[r][name][2] for r in range(2)), name
         assert len(full_losses) == 3 and losses == full_losses[2:], (name, full_losses, losses)
         for r in range(2):
-            (_, full), (_, resumed) = per_rank[r][name]
+            (_, full), (_, resumed), _ = per_rank[r][name]
             bias = [k for k in full if k.endswith("expert_bias")]
             assert bias and full.keys() == resumed.keys(), (name, sorted(full))
             assert all(abs(full[k]).max() > 0 for k in bias), name
