@@ -135,3 +135,93 @@ def test_moe_estimator_equals_measured_ep_state_and_bytes(data_cache, tmp_path, 
     report(f"moe estimator (ZeRO-1 dp2 ep2, fp64): expert states {est['expert_state_bytes']} B/rank = measured; "
            f"all-to-all {est['all_to_all_bytes']} B/rank/step = measured mean; dense {res[0][2]['total_bytes'] - res[0][1]} "
            f"measured vs {est['dense_state_bytes']} estimated")
+
+
+def _bias_resume(tmp, extra, cases):
+    """Per ``(name, layout, overrides)``: 3 fp64 steps with a checkpoint after each, then step 3
+    again from the step-2 checkpoint (``step_3`` removed, ``resume``). Returns per case the step
+    losses of both runs and both final canonical model states (numpy, pickled by value)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from zerotron.train.trainer import Trainer
+
+    out = {}
+    for name, lay, over in cases:
+        run_dir = f"{tmp}/{name}"
+        cfg = parity.config_for(lay, {**extra, **over, "train.steps": 3, "checkpoint.every": 1, "checkpoint.keep": 0})
+        got = []
+        for resume in (False, True):
+            if resume and dist.get_rank() == 0:
+                shutil.rmtree(f"{run_dir}/checkpoints/step_3")
+            dist.barrier()
+            tr = Trainer(cfg, run_dir, resume=resume)
+            losses = []
+            tr.fit(callback=lambda t, r: losses.append(r["loss"]))
+            msd, osd = tr.strategy.state_dict(tr.optimizer)
+            got.append((losses, {k: v.detach().double().cpu().numpy().copy() for k, v in msd.items()}))
+            dist.barrier()
+        # and a full canonical state (load_state_dict, not DCP's in-place load) sets the bias too
+        moved = {k: v + 1 if k.endswith("expert_bias") else v for k, v in msd.items()}
+        tr.strategy.load_state_dict(moved, osd, tr.optimizer)
+        back, _ = tr.strategy.state_dict(tr.optimizer)
+        got.append(all(torch.equal(back[k], moved[k]) for k in moved if k.endswith("expert_bias")))
+        out[name] = got
+    return out
+
+
+def test_bias_resumes_exactly_under_sharded_states(data_cache, tmp_path, report):
+    """The balancing bias (``expert_bias``, a persistent buffer outside the parameters) is in the
+    checkpoints of the strategies that build their own canonical state: a run resumed from step 2
+    trains step 3 bitwise like the uninterrupted run, and both end with the same model state
+    (the bias included, and moved), under native ZeRO-3 (and its asynchronous snapshot) and ZeRO-1
+    with ep 2 (each lost the bias before: the resumed step-3 loss differed in the 5th digit); a full
+    canonical state loaded with ``load_state_dict`` sets it too."""
+    extra = {"data.cache_dir": data_cache, **MOE}
+    cases = [("zero3", parity.Layout("zero3", 2, 1, False, 1, None, 4), {}),
+             ("zero3-async", parity.Layout("zero3", 2, 1, False, 1, None, 4), {"checkpoint.async_save": "true"}),
+             ("zero1-ep2", parity.Layout("zero1", 2, 1, False, 1, None, 4, ep=2), {})]
+    per_rank = run_ranks(_bias_resume, 2, str(tmp_path), extra, cases, timeout_s=300)
+    for name, *_ in cases:
+        (full_losses, _), (losses, _), _ = per_rank[0][name]
+        assert all(per_rank[r][name][2] for r in range(2)), name
+        assert len(full_losses) == 3 and losses == full_losses[2:], (name, full_losses, losses)
+        for r in range(2):
+            (_, full), (_, resumed), _ = per_rank[r][name]
+            bias = [k for k in full if k.endswith("expert_bias")]
+            assert bias and full.keys() == resumed.keys(), (name, sorted(full))
+            assert all(abs(full[k]).max() > 0 for k in bias), name
+            for k in full:
+                assert (full[k] == resumed[k]).all(), (name, k)
+    report(f"moe bias resume: {', '.join(n for n, *_ in cases)} from step 2 equal the uninterrupted run bitwise "
+           "(step-3 loss and final state, expert_bias included)")
+
+
+def test_checkpoint_without_the_bias_still_loads(single_process, tmp_path, capsys):
+    """A checkpoint that holds no ``expert_bias`` (written before sharded strategies saved
+    persistent buffers, or by a model trained with the rate 0) loads into a model with the bias:
+    the parameters are the saved ones, the bias keeps its value, one note line names it."""
+    from types import SimpleNamespace
+
+    from zerotron.models.mixtral import Mixtral
+    from zerotron.parallel.base import Strategy
+    from zerotron.train.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = dict(**SMALL, n_experts=4, experts_top_k=2)
+    torch.manual_seed(0)
+    old = Mixtral(MixtralConfig(**cfg))
+    assert not any(n.endswith("expert_bias") for n in old.state_dict())
+    ckpt = save_checkpoint(tmp_path, 1, Strategy(old), None, SimpleNamespace(state_dict=dict), {})
+    torch.manual_seed(1)
+    new = Mixtral(MixtralConfig(**cfg, moe_bias_update_rate=0.05))
+    bias = {n: b for n, b in new.named_buffers() if n.endswith("expert_bias")}
+    assert len(bias) == SMALL["n_layer"]
+    for b in bias.values():
+        b.fill_(0.25)
+    load_checkpoint(ckpt, new, restore_rng=False)
+    for n, p in old.state_dict().items():
+        assert torch.equal(new.state_dict()[n], p), n
+    assert all((b == 0.25).all() for b in bias.values())
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if "expert_bias" in ln]
+    assert len(notes) == 1 and notes[0].startswith("note:"), notes

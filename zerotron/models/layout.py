@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 __all__ = ["TPLinear", "ExpertLayout", "ModelLayout", "TP_SIZES", "tp_refusal", "a2a_refusal", "ep_inference_refusal",
-           "get_module", "set_module", "retie", "scale_aux_losses", "add_token_sum"]
+           "get_module", "set_module", "retie", "scale_aux_losses", "add_token_sum", "persistent_buffers",
+           "load_buffers"]
 
 # The model sizes a tensor-parallel degree must divide, in the order they are checked, and why
 # (Shoeybi et al. 2019: attention heads and the MLP's column-parallel width are split evenly).
@@ -285,6 +286,48 @@ def add_token_sum(root, total) -> int:
             m.token_sum = total if prev is None else (lambda t, f=total, g=prev: f(g(t)))
             n += 1
     return n
+
+
+# the wrapper segments torch's ``get_state_dict`` leaves out of an FQN (DDP, torch.compile, checkpoint wrappers)
+_WRAPPERS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def persistent_buffers(root) -> dict:
+    """``{fqn: tensor}`` of the persistent buffers under ``root`` (e.g. the MoE layers'
+    ``expert_bias``), keyed as in a dense ``root.state_dict()`` with wrapper segments (DDP's
+    ``module.``, torch.compile's ``_orig_mod.``) dropped: the model state a checkpoint holds besides
+    the parameters. Non-persistent buffers (RoPE tables) and ``None`` entries are left out; a buffer
+    reachable under two names is listed under the first. The tensors are the live buffers."""
+    out, seen = {}, set()
+    for prefix, m in root.named_modules():
+        for name, b in m._buffers.items():
+            if b is None or name in m._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            fqn = ".".join(p for p in f"{prefix}.{name}".split(".") if p and p not in _WRAPPERS)
+            out[fqn] = b
+    return out
+
+
+def load_buffers(root, state: dict) -> list[str]:
+    """Copy the entries of ``state`` ({fqn: tensor}, a canonical model state) that name persistent
+    buffers of ``root`` (:func:`persistent_buffers`) into them (device and dtype of the buffer).
+    Returns the names of the buffers ``state`` lacks (they keep their values). Raises ValueError
+    for a shape that does not fit."""
+    import torch  # not at module level: the plan's checks import this module without torch
+
+    missing = []
+    with torch.no_grad():
+        for fqn, b in persistent_buffers(root).items():
+            if fqn not in state:
+                missing.append(fqn)
+                continue
+            src = state[fqn]
+            if src.shape != b.shape:
+                raise ValueError(f"{fqn}: saved shape {tuple(src.shape)} != the model's {tuple(b.shape)}")
+            if src is not b:
+                b.copy_(src.to(device=b.device, dtype=b.dtype))
+    return missing
 
 
 def get_module(root, path: str):

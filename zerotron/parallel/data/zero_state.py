@@ -14,12 +14,18 @@ Two ways to get it:
   then every buffer is broadcast from its owner over dp, one buffer at a time, and each rank keeps
   its own shard.
 
+Both also hold the module's persistent buffers (the MoE layers' ``expert_bias``: model state that
+is no parameter, :func:`module_buffers`) under their dense names on every rank, as a dense
+``model.state_dict()`` does; they are replicated, so DCP writes each once, and loading copies them
+back (``models.layout.load_buffers``; an older checkpoint without them: ``train.checkpoint.load``).
+
 An asynchronous checkpoint (``checkpoint.async_save``) splits :meth:`ZeroStateMixin.checkpoint_state`
 in two: :meth:`ZeroStateMixin.checkpoint_snapshot` copies this rank's shards (masters, Adam moments,
-step counts, the optimizer's groups) into host buffers -- no collective, the only part that blocks
-training -- and returns a function that the background writer calls later with process groups of
-its own (the same ranks as the shard and tp groups, made for checkpoints) to gather the copies into
-the same canonical state, so the gathers never interleave with training's collectives.
+step counts, the optimizer's groups; the persistent buffers whole) into host buffers -- no
+collective, the only part that blocks training -- and returns a function that the background
+writer calls later with process groups of its own (the same ranks as the shard and tp groups, made
+for checkpoints) to gather the copies into the same canonical state, so the gathers never
+interleave with training's collectives.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from zerotron.distributed import comm
+from zerotron.models.layout import load_buffers, persistent_buffers
 from zerotron.parallel.tensor.layers import full_tensor, local_shard
 
 _ADAM = ("exp_avg", "exp_avg_sq")
@@ -126,6 +133,13 @@ def load_flats_from_owners(flats: list, group, owner, params: dict, ostate: dict
         f.load_flat(flat, st, step_t.cpu() if with_state else None, optimizer)
 
 
+def module_buffers(module) -> dict:
+    """``{fqn: detached tensor}`` of ``module``'s persistent buffers (``models.layout.persistent_buffers``):
+    the canonical state's entries that are not in a flat buffer. Replicated on every rank (no
+    strategy shards a buffer), so each rank hands all of them over and DCP writes each once."""
+    return {k: v.detach() for k, v in persistent_buffers(module).items()}
+
+
 def _flat_params(flats: list) -> dict:
     return {n: q for f in flats for n, q in zip(f.names, f.params)}
 
@@ -210,7 +224,7 @@ class ZeroStateMixin:
         """dp rank that writes and reads flat buffer ``i`` in a checkpoint."""
         return i % self.group.size()
 
-    def _canonical(self, optimizer, owned, **snapshot) -> tuple[dict, dict]:
+    def _canonical(self, optimizer, owned, buffers: dict | None = None, **snapshot) -> tuple[dict, dict]:
         if not snapshot:
             self.settle()  # offload: nothing of the last step still in flight
         msd, osd_state, groups = canonical_flat_state(self.all_flats, self.group, self.tp_group, optimizer, owned,
@@ -218,6 +232,8 @@ class ZeroStateMixin:
         for alias, owner in self.module.layout().tied:  # tied entries, as in the dense state dict
             if owner in msd:
                 msd[alias] = msd[owner]
+        # the persistent buffers (MoE expert_bias), replicated: every rank hands them over, DCP writes each once
+        msd.update(module_buffers(self.module) if buffers is None else buffers)
         return msd, {"state": osd_state, "param_groups": groups}
 
     def state_dict(self, optimizer=None):
@@ -246,10 +262,11 @@ class ZeroStateMixin:
         self.settle()
         snaps = snapshot_flats(self.all_flats, optimizer, buffers)
         param_groups = snapshot_param_groups(self.all_flats, optimizer)
+        bufs = {k: v.to("cpu", copy=True) for k, v in module_buffers(self.module).items()}  # training moves them
         rank = self.group.rank()
 
         def finish(groups: dict) -> tuple[dict, dict]:
-            return self._canonical(optimizer, lambda i: self._owner(i) == rank, snaps=snaps, groups=groups,
+            return self._canonical(optimizer, lambda i: self._owner(i) == rank, bufs, snaps=snaps, groups=groups,
                                    param_groups=param_groups)
         return finish
 
@@ -257,6 +274,7 @@ class ZeroStateMixin:
         """Take this rank's shards out of a full canonical state (any dp degree / stage saved it)."""
         self.settle()
         load_flat_state(self.all_flats, self.group, self.tp_group, msd, osd, optimizer)
+        load_buffers(self.module, msd)
 
     def load_checkpoint_state(self, msd, osd, optimizer=None) -> None:
         """Load what :meth:`checkpoint_state` described (each rank holds its owned buffers' keys,
@@ -264,3 +282,4 @@ class ZeroStateMixin:
         rank keeps its shard. ``optimizer`` None loads the parameters only. Collective."""
         self.settle()
         load_flat_state(self.all_flats, self.group, self.tp_group, msd, osd, optimizer, self._owner)
+        load_buffers(self.module, msd)  # replicated: every rank read them

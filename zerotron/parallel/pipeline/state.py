@@ -10,7 +10,7 @@ import torch
 
 from zerotron.distributed import comm
 from zerotron.models.deferred import release_params, restore_params
-from zerotron.models.layout import get_module, retie
+from zerotron.models.layout import get_module, load_buffers, retie
 from zerotron.parallel.data.zero_state import canonical_flat_state, load_flat_state
 from zerotron.parallel.precision import upcast
 from zerotron.parallel.tensor.transform import tp_state_dict_full
@@ -46,6 +46,7 @@ class PipelineStateMixin:
             return self.load_state_dict(msd, osd, optimizer)
         n = self.zero.group.size()
         load_flat_state(self.zero.all_flats, self.zero.group, self.tp_group, msd, osd, optimizer, lambda i: i % n)
+        load_buffers(self.module, msd)  # the persistent buffers (saved by _zero_state_dict, every rank read them)
 
     def _canonical(self, optimizer, owned):
         if self.zero is not None:
@@ -93,6 +94,7 @@ class PipelineStateMixin:
         if self.zero is None:
             return super().load_state_dict(msd, osd, optimizer)
         load_flat_state(self.zero.all_flats, self.zero.group, self.tp_group, msd, osd, optimizer)
+        load_buffers(self.module, msd)
 
     @contextlib.contextmanager
     def full_params(self):

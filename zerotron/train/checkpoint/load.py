@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from zerotron.models.layout import persistent_buffers
 from zerotron.parallel.tensor.transform import find_rng_tracker, restore_tracker
 
 from .files import CheckpointError, read_meta
@@ -34,6 +35,24 @@ def init_optimizer_state(optimizer) -> None:
     optimizer.step()
     for g, lr in zip(optimizer.param_groups, lrs):
         g["lr"] = lr
+
+
+def _absent_buffers(ckpt: Path, msd: dict, module) -> dict:
+    """The entries of the model state ``msd`` that are persistent buffers of ``module``
+    (``models.layout.persistent_buffers``, e.g. the MoE ``expert_bias``) and that the checkpoint's
+    DCP metadata does not list: a checkpoint written before ZeRO saved buffers, or by a model
+    without them (``moe_bias_update_rate`` 0). They are left out of the load and keep their current
+    values; rank 0 prints one line naming them. Any other missing key still fails the load."""
+    names = set(persistent_buffers(module))
+    if not names & msd.keys():
+        return {}
+    saved = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    absent = {k: v for k, v in msd.items() if k in names and f"model.{k}" not in saved}
+    if absent and (not dist.is_initialized() or dist.get_rank() == 0):
+        shown = ", ".join(sorted(absent)[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
+        print(f"note: checkpoint {str(ckpt)!r} holds no {shown} (saved without the model's persistent buffers); "
+              "they keep their initial values", flush=True)
+    return absent
 
 
 def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, restore_rng: bool = True) -> dict:
@@ -62,8 +81,12 @@ def load_checkpoint(ckpt: str | Path, strategy, optimizer=None, scheduler=None, 
         if optimizer is not None:
             init_optimizer_state(optimizer)
         msd, osd = strategy.checkpoint_state(optimizer)
-        state = {"model": msd} if optimizer is None else {"model": msd, "optim": osd}
+        absent = _absent_buffers(ckpt, msd, strategy.module)
+        state = {"model": {k: v for k, v in msd.items() if k not in absent}}
+        if optimizer is not None:
+            state["optim"] = osd
         dcp.load(state, checkpoint_id=str(ckpt))
+        state["model"].update(absent)  # an older checkpoint without them: the buffers keep their values
         strategy.load_checkpoint_state(state["model"], state.get("optim"), optimizer)
         for g, kern in zip(optimizer.param_groups if optimizer else [], kernels):
             g.update(kern)
