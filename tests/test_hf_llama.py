@@ -105,10 +105,11 @@ def test_config_mapping_legacy_form_and_unsupported():
     for bad, msg in (({"hidden_act": "gelu"}, "hidden_act"), ({"attention_bias": True}, "attention_bias"),
                      ({"mlp_bias": True}, "mlp_bias"), ({"head_dim": 16}, "head_dim"),
                      ({"model_type": "mistral"}, "model_type"),
+                     ({"hidden_size": ...}, "hidden_size absent from config.json"),
                      ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "'yarn'"),
                      ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'")):
         with pytest.raises(ValueError, match=msg):
-            hf_config_to_llama({**hf_cfg, **bad})
+            hf_config_to_llama({k: v for k, v in {**hf_cfg, **bad}.items() if v is not ...})  # ...: key removed
 
 
 def test_load_errors(tmp_path):

@@ -77,7 +77,10 @@ def hf_config_to_llama(config: dict) -> LlamaConfig:
             problems.append(f"{flag}=true (Llama here has no biases)")
     hidden, heads = c.get("hidden_size", 4096), c.get("num_attention_heads", 32)
     if c.get("head_dim") not in (None, hidden // heads):
-        problems.append(f"head_dim={c['head_dim']} (only hidden_size/num_attention_heads={hidden // heads})")
+        absent = [k for k in ("hidden_size", "num_attention_heads") if k not in c]
+        problems.append(f"head_dim={c['head_dim']} (only hidden_size/num_attention_heads={hidden // heads}"
+                        + (f"; {' and '.join(absent)} absent from config.json: HF's default taken" if absent else "")
+                        + ")")
     try:
         theta, scaling = _rope_from_hf(c)
     except ValueError as e:
