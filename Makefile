@@ -51,9 +51,9 @@ test-matrix: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix.json \
 		$(PY) -m pytest -s tests/test_parity_matrix.py -k fp64 $(ARGS)
 
-# every valid context-parallel layout of the matrix (cp 2 and 4, both families: 12,272 layouts, many hours
-# on 2 cores), resumable: the progress so far is in benchmarks/parity_matrix_cp_full_gpt2.partial.jsonl and
-# benchmarks/parity_matrix_cp_full_llama_llama.partial.jsonl
+# every valid context-parallel layout of the matrix (cp 2 and 4, both families: 12,280 layouts, ~10 h on
+# 2 cores; result in benchmarks/parity_matrix_cp_full{,_llama}.{json,md}), resumable: an interrupted run keeps
+# its progress in benchmarks/parity_matrix_cp_full_gpt2.partial.jsonl and ..._llama_llama.partial.jsonl
 # (ZEROTRON_MATRIX_WORLDS=4 etc. runs one world size at a time)
 test-matrix-cp: install-dev
 	ZEROTRON_MATRIX=full ZEROTRON_MATRIX_NAMES=cp ZEROTRON_MATRIX_OUT=benchmarks/parity_matrix_cp_full.json \

@@ -65,6 +65,15 @@ def compute_figures(bench: Path = HERE) -> dict[str, str]:
     f["parity.worst_loss"] = f"{max(w['loss_err'], w['val_err']):.1e}"
     f["parity.seconds"] = _int(pm["seconds"])
 
+    # make test-matrix-cp: every valid context-parallel layout of both families (written when complete)
+    cps = [_load(bench, n) for n in ("parity_matrix_cp_full.json", "parity_matrix_cp_full_llama.json")
+           if (bench / n).is_file()]
+    if len(cps) == 2:
+        f["cpfull.checked"] = _int(sum(d["checked"] for d in cps))
+        for d in cps:
+            f[f"cpfull.{d['model']}"] = _int(d["checked"])
+            f[f"cpfull.{d['model']}.worst"] = f"{max(d['worst'].values()):.1e}"
+
     cm = _load(bench, "comm_cpu.json")
     ar16 = [r for r in cm["results"] if r["op"] == "all_reduce" and r["mode"] == "blocking"
             and r["requested_bytes"] == 16 << 20]
